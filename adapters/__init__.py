@@ -1,0 +1,1 @@
+"""Harness integrations, one module per harness; installed as `agent_monitor.adapters`."""

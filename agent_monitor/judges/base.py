@@ -1,0 +1,217 @@
+"""The judge interface: one async call from a prompt to letter log-probabilities, with retries and limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ..prompts import Prompt
+
+if TYPE_CHECKING:
+    from anyio.from_thread import BlockingPortal
+
+
+class JudgeError(Exception):
+    """A judge call that failed; `reason` is a short machine-readable cause.
+
+    `retryable` says whether trying again may help (429, 5xx, timeouts,
+    connection errors); `retry_after` is the server's hint in seconds, if any.
+    """
+
+    def __init__(self, reason: str, message: str, *, retryable: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens spent on a judge call."""
+
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.input_tokens + other.input_tokens,
+            self.cached_input_tokens + other.cached_input_tokens,
+            self.output_tokens + other.output_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeRequest:
+    """What to grade: the prompt, how many repeats, and a key that groups one run's calls."""
+
+    prompt: Prompt
+    repeats: int = 1
+    cache_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeResponse:
+    """The judge's answer: per repeat, candidate tokens at the letter position and their logprobs.
+
+    An entry of `samples` is None when that repeat produced no answer position
+    at all (e.g. an empty completion); the scorer turns it into a failure.
+    """
+
+    samples: tuple[Mapping[str, float] | None, ...]
+    model: str
+    usage: Usage = field(default_factory=Usage)
+    latency_s: float = 0.0
+    attempts: int = 1
+
+
+@runtime_checkable
+class Judge(Protocol):
+    """Anything that grades a prompt: the narrow seam between scoring and model backends."""
+
+    name: str
+
+    async def grade(self, request: JudgeRequest) -> JudgeResponse:
+        """Grade one prompt, `request.repeats` times; raise JudgeError on failure."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and models."""
+        ...
+
+
+class BaseJudge:
+    """Shared machinery for judges: concurrency limit, per-call timeout, retries with jittered backoff.
+
+    Subclasses implement `_call`. One judge object belongs to one event loop
+    (its SDK client does too); synchronous trackers sharing it run on the
+    judge's own background loop (`_portal`).
+    """
+
+    name = "judge"
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 20.0,
+        concurrency: int = 8,
+    ) -> None:
+        if timeout_s <= 0 or max_retries < 0 or concurrency < 1:
+            raise ValueError("judge needs timeout_s > 0, max_retries >= 0 and concurrency >= 1")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.concurrency = concurrency
+        self.model = ""
+        self._sem: asyncio.Semaphore | None = None
+        self._sem_loop: asyncio.AbstractEventLoop | None = None
+        self._portal_cm: contextlib.AbstractContextManager[BlockingPortal] | None = None
+        self._portal_obj: BlockingPortal | None = None
+        self._portal_lock = threading.Lock()
+        self.usage = Usage()
+        self.calls = 0
+        self.failures = 0
+
+    async def _call(self, request: JudgeRequest) -> JudgeResponse:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def _limit(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem_loop is not loop:
+            if self._sem is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__} is already used from another event loop; "
+                    "use one judge per event loop (sync trackers share the judge's own loop)"
+                )
+            self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
+        return self._sem
+
+    async def grade(self, request: JudgeRequest) -> JudgeResponse:
+        """Grade with the concurrency limit, a timeout per attempt, and bounded retries."""
+        start = time.perf_counter()
+        attempt = 0
+        async with self._limit():
+            while True:
+                attempt += 1
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        resp = await self._call(request)
+                except TimeoutError:
+                    err = JudgeError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True)
+                except JudgeError as e:
+                    err = e
+                else:
+                    self.calls += 1
+                    self.usage += resp.usage
+                    return JudgeResponse(
+                        samples=resp.samples,
+                        model=resp.model,
+                        usage=resp.usage,
+                        latency_s=time.perf_counter() - start,
+                        attempts=attempt,
+                    )
+                if not err.retryable or attempt > self.max_retries:
+                    self.calls += 1
+                    self.failures += 1
+                    raise err
+                await asyncio.sleep(self._delay(attempt, err.retry_after))
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        # Full jitter (AWS architecture blog) spreads retries of many runs apart;
+        # a server's Retry-After is a floor, capped so one bad hint cannot stall a run.
+        delay = random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.max_backoff_s))
+        return delay
+
+    def _portal(self) -> BlockingPortal:
+        """The judge's background event loop, started on first use by a synchronous tracker."""
+        with self._portal_lock:
+            if self._portal_obj is None:
+                from anyio.from_thread import start_blocking_portal
+
+                self._portal_cm = start_blocking_portal()
+                self._portal_obj = self._portal_cm.__enter__()
+            return self._portal_obj
+
+    async def aclose(self) -> None:
+        """Release the judge's resources."""
+
+    def close(self) -> None:
+        """Release resources and stop the background loop used by synchronous trackers."""
+        with self._portal_lock:
+            portal, cm = self._portal_obj, self._portal_cm
+            self._portal_obj = self._portal_cm = None
+        if portal is not None and cm is not None:
+            with contextlib.suppress(Exception):
+                portal.call(self.aclose)
+            cm.__exit__(None, None, None)
+
+    def __enter__(self) -> BaseJudge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> BaseJudge:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def iter_letter_positions(tokens: list[str]) -> Iterator[int]:
+    """Positions of generated tokens that are exactly a scale letter, in order."""
+    from ..scale import read_letter
+
+    return (i for i, t in enumerate(tokens) if read_letter(t) is not None)

@@ -1,0 +1,251 @@
+"""Judge over any OpenAI-compatible API (OpenAI, vLLM, SGLang, llama.cpp) through the `openai` SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, cast
+
+import openai
+from openai import AsyncOpenAI
+
+from ..images import Frame
+from ..prompts import ImagePart, Prompt, TextPart
+from ..scale import LETTERS, read_letter
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage
+
+
+class OpenAIJudge(BaseJudge):
+    """Grade with an OpenAI-compatible server, reading `top_logprobs` at the letter position.
+
+    - `api="chat"` (default): chat completions with `logprobs`/`top_logprobs`;
+      hosted OpenAI, vLLM, SGLang, llama.cpp servers with a chat template.
+    - `api="completions"`: `/v1/completions` with integer `logprobs` on the
+      plain-text prompt, for models without a chat template (llama.cpp).
+    - `prefill`: text put in an open assistant turn (vLLM/SGLang
+      `continue_final_message`), so the next token is the letter.
+    - `constrain=True` asks vLLM to restrict the answer to the 20 letters.
+    - `max_tokens` defaults to 1: the letter is the first token generated. Raise
+      it for hosted models that may emit something before the letter; the
+      reader takes the first generated token that is exactly a letter.
+
+    The model is read from `/v1/models` when not given. K repeats go as one
+    request with `n=K`; a server that returns fewer choices gets the rest as
+    separate requests (and is remembered as not supporting `n`).
+    """
+
+    name = "openai"
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        model: str | None = None,
+        api_key: str | None = None,
+        *,
+        api: Literal["chat", "completions"] = "chat",
+        max_tokens: int = 1,
+        top_logprobs: int = 20,
+        temperature: float = 0.0,
+        prefill: str | None = None,
+        constrain: bool = False,
+        vision: bool = True,
+        supports_n: bool | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        client: AsyncOpenAI | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        concurrency: int = 8,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        if api not in ("chat", "completions"):
+            raise ValueError(f"api={api!r}; use 'chat' or 'completions'")
+        if max_tokens < 1 or not 0 <= top_logprobs <= 20:
+            raise ValueError("OpenAIJudge needs max_tokens >= 1 and 0 <= top_logprobs <= 20")
+        if client is None:
+            if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
+                api_key = "not-needed"  # local servers (vLLM, llama.cpp) accept any key
+            # Our own retry loop handles 429/5xx with backoff and Retry-After; SDK retries would multiply it.
+            client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+        self.client = client
+        self.model = model or ""
+        self.api = api
+        self.max_tokens = max_tokens
+        self.top_logprobs = top_logprobs
+        self.temperature = temperature
+        self.prefill = prefill
+        self.constrain = constrain
+        self.vision = vision
+        self.supports_n = supports_n
+        self.extra_body = dict(extra_body or {})
+        self._model_lock = asyncio.Lock()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self.client.close()
+
+    async def resolve_model(self) -> str:
+        """The model id, read from `/v1/models` when it was not given."""
+        if self.model:
+            return self.model
+        async with self._model_lock:
+            if not self.model:
+                try:
+                    page = await self.client.models.list()
+                except openai.OpenAIError as e:
+                    raise _judge_error(e) from None
+                ids = [m.id for m in page.data]
+                if not ids:
+                    raise JudgeError("no_model", f"{self.client.base_url}models lists no model; pass model=")
+                self.model = ids[0]
+        return self.model
+
+    async def _call(self, request: JudgeRequest) -> JudgeResponse:
+        model = await self.resolve_model()
+        k = request.repeats
+        ask_n = k if self.supports_n is not False else 1
+        samples, usage = await self._request(request.prompt, model, ask_n)
+        if len(samples) < ask_n:
+            self.supports_n = False
+        elif ask_n > 1:
+            self.supports_n = True
+        missing = k - len(samples)
+        if missing > 0:
+            more = await asyncio.gather(*(self._request(request.prompt, model, 1) for _ in range(missing)))
+            for s, u in more:
+                samples.extend(s[:1])
+                usage += u
+        return JudgeResponse(samples=tuple(samples[:k]), model=model, usage=usage)
+
+    async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Mapping[str, float] | None], Usage]:
+        extra = dict(self.extra_body)
+        common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        if n > 1:
+            common["n"] = n
+        try:
+            if self.api == "completions":
+                resp: Any = await self.client.completions.create(
+                    prompt=prompt.text(), logprobs=self.top_logprobs, extra_body=extra or None, **common
+                )
+                samples = [_from_completion(c) for c in resp.choices]
+            else:
+                messages = self._messages(prompt)
+                if self.prefill is not None:
+                    extra.update(continue_final_message=True, add_generation_prompt=False)
+                if self.constrain:
+                    extra["guided_choice"] = list(LETTERS)
+                resp = await self.client.chat.completions.create(
+                    messages=cast(Any, messages),
+                    logprobs=True,
+                    top_logprobs=self.top_logprobs,
+                    extra_body=extra or None,
+                    **common,
+                )
+                samples = [_from_chat(c) for c in resp.choices]
+        except openai.OpenAIError as e:
+            raise _judge_error(e) from None
+        return samples, _usage(resp)
+
+    def _messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+        content: str | list[dict[str, Any]]
+        if self.vision and any(isinstance(p, ImagePart) for p in prompt.parts):
+            content = [_part(p) for p in prompt.parts]
+        else:
+            # Plain string content: every OpenAI-compatible server and chat template accepts it.
+            content = "".join(
+                p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts
+            )
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": prompt.instructions},
+            {"role": "user", "content": content},
+        ]
+        if self.prefill is not None:
+            messages.append({"role": "assistant", "content": self.prefill})
+        return messages
+
+
+def _part(p: TextPart | ImagePart) -> dict[str, Any]:
+    if isinstance(p, TextPart):
+        return {"type": "text", "text": p.text}
+    return {"type": "image_url", "image_url": {"url": p.frame.data_url()}}
+
+
+def _pick(tokens: Sequence[str]) -> int | None:
+    """The first generated position that is exactly a scale letter, else the first position."""
+    if not tokens:
+        return None
+    return next((i for i, t in enumerate(tokens) if read_letter(t) is not None), 0)
+
+
+def _from_chat(choice: Any) -> Mapping[str, float] | None:
+    content = getattr(choice.logprobs, "content", None) if choice.logprobs is not None else None
+    if not content:
+        return None
+    pos = _pick([c.token for c in content])
+    assert pos is not None
+    at = content[pos]
+    cands = {t.token: t.logprob for t in (at.top_logprobs or [])}
+    cands.setdefault(at.token, at.logprob)
+    return cands
+
+
+def _from_completion(choice: Any) -> Mapping[str, float] | None:
+    lp = choice.logprobs
+    if lp is None or not lp.tokens:
+        return None
+    pos = _pick(list(lp.tokens))
+    assert pos is not None
+    cands: dict[str, float] = dict((lp.top_logprobs or [None])[pos] or {}) if lp.top_logprobs else {}
+    if lp.token_logprobs and lp.token_logprobs[pos] is not None:
+        cands.setdefault(lp.tokens[pos], lp.token_logprobs[pos])
+    return cands
+
+
+def _usage(resp: Any) -> Usage:
+    u = getattr(resp, "usage", None)
+    if u is None:
+        return Usage()
+    details = getattr(u, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
+    return Usage(input_tokens=u.prompt_tokens or 0, cached_input_tokens=cached, output_tokens=u.completion_tokens or 0)
+
+
+def _retry_after(headers: Mapping[str, str]) -> float | None:
+    if ms := headers.get("retry-after-ms"):
+        try:
+            return float(ms) / 1000.0
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        when = email.utils.parsedate_to_datetime(value) if value else None
+        return max(0.0, when.timestamp() - time.time()) if when else None
+
+
+def _judge_error(e: openai.OpenAIError) -> JudgeError:
+    if isinstance(e, openai.APITimeoutError):
+        return JudgeError("timeout", "the judge server did not answer in time", retryable=True)
+    if isinstance(e, openai.APIConnectionError):
+        return JudgeError("connection", f"cannot reach the judge server: {e}", retryable=True)
+    if isinstance(e, openai.APIStatusError):
+        status = e.status_code
+        hint = _retry_after(e.response.headers)
+        if status == 429:
+            return JudgeError("rate_limited", f"HTTP 429: {e.message}", retryable=True, retry_after=hint)
+        if status >= 500 or status == 408:
+            return JudgeError("server_error", f"HTTP {status}: {e.message}", retryable=True, retry_after=hint)
+        if status in (401, 403):
+            return JudgeError(
+                "auth", f"HTTP {status}: the judge server refused the API key; check api_key / OPENAI_API_KEY"
+            )
+        if status == 404:
+            return JudgeError("not_found", f"HTTP 404: {e.message}; check base_url (it usually ends in /v1) and model")
+        return JudgeError("bad_request", f"HTTP {status}: {e.message}")
+    return JudgeError("client_error", str(e))

@@ -1,0 +1,181 @@
+"""The 20-letter progress scale: exact token reading, expectation, mass, dispersion, aggregation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+LETTERS = "ABCDEFGHIJKLMNOPQRST"
+"""The progress scale, worst to best: A = nothing useful done .. T = verifiably complete."""
+
+_INDEX = {letter: i for i, letter in enumerate(LETTERS)}
+_STEP = 1.0 / (len(LETTERS) - 1)
+
+DEFAULT_MIN_MASS = 0.5
+"""Below this probability mass on scale letters, a judge answer is not a score."""
+
+
+class ScoreError(ValueError):
+    """A judge answer that does not yield a usable letter distribution; `reason` says why."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def phi(letter: str) -> float:
+    """Value of a scale letter on [0, 1]: phi(A) = 0 .. phi(T) = 1."""
+    return _INDEX[letter] * _STEP
+
+
+def read_letter(token: str) -> str | None:
+    """The scale letter a token is, or None.
+
+    A token counts only if, after stripping whitespace and one optional leading
+    `>`, it is exactly one scale letter (either case). So "The" is not "T".
+    """
+    t = token.strip()
+    if t.startswith(">"):
+        t = t[1:].strip()
+    if len(t) != 1:
+        return None
+    up = t.upper()
+    return up if up in _INDEX else None
+
+
+@dataclass(frozen=True, slots=True)
+class LetterDistribution:
+    """A renormalised distribution over the 20 scale letters, with the raw mass it came from."""
+
+    probs: tuple[float, ...]
+    mass: float
+
+    @property
+    def expectation(self) -> float:
+        """Expected scale value on [0, 1]."""
+        return sum(p * i * _STEP for i, p in enumerate(self.probs))
+
+    @property
+    def dispersion(self) -> float:
+        """Standard deviation of the scale value on [0, 1]."""
+        mean = self.expectation
+        var = sum(p * (i * _STEP - mean) ** 2 for i, p in enumerate(self.probs))
+        return math.sqrt(max(var, 0.0))
+
+    @property
+    def top(self) -> str:
+        """The most probable letter."""
+        return LETTERS[max(range(len(self.probs)), key=self.probs.__getitem__)]
+
+    def as_dict(self) -> dict[str, float]:
+        """Letter -> probability, letters with zero probability left out."""
+        return {LETTERS[i]: p for i, p in enumerate(self.probs) if p > 0.0}
+
+
+def distribution(
+    logprobs: Mapping[str, float] | Iterable[tuple[str, float]],
+    *,
+    min_mass: float = DEFAULT_MIN_MASS,
+) -> LetterDistribution:
+    """Build the letter distribution from candidate tokens and their log-probabilities.
+
+    Tokens that read as the same letter (" B", "b", ">B") add up. The letters'
+    probabilities are renormalised over the letters present; their raw sum is the
+    `mass`. Raises ScoreError when no token is a letter or the mass is below
+    `min_mass` (the renormalised expectation of a sliver of mass is noise).
+    """
+    items = logprobs.items() if isinstance(logprobs, Mapping) else logprobs
+    raw = [0.0] * len(LETTERS)
+    seen = 0
+    for token, lp in items:
+        seen += 1
+        letter = read_letter(token)
+        if letter is None or math.isnan(lp):
+            continue
+        raw[_INDEX[letter]] += math.exp(min(lp, 0.0))
+    mass = sum(raw)
+    if mass <= 0.0:
+        raise ScoreError("no_letter", f"none of the judge's {seen} candidate tokens is a scale letter A-T")
+    # Several spellings of one letter can add up past 1 through rounding in the server's logprobs.
+    mass = min(mass, 1.0)
+    if mass < min_mass:
+        raise ScoreError("low_mass", f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass}")
+    total = sum(raw)
+    return LetterDistribution(probs=tuple(p / total for p in raw), mass=mass)
+
+
+@dataclass(frozen=True, slots=True)
+class CriterionScore:
+    """One criterion's score: the mean over K repeats, with dispersion and spread."""
+
+    name: str
+    weight: float
+    score: float
+    dispersion: float
+    spread: float
+    uncertainty: float
+    mass: float
+    repeats: int
+    letters: dict[str, float]
+
+
+def score_criterion(name: str, weight: float, repeats: Sequence[LetterDistribution]) -> CriterionScore:
+    """Combine K repeats of one criterion.
+
+    `score` is the mean expectation, `dispersion` the mean within-repeat standard
+    deviation, `spread` the standard deviation of the K expectations, and
+    `uncertainty` the standard deviation of the pooled mixture (law of total
+    variance: mean within-variance plus variance of the means).
+    """
+    if not repeats:
+        raise ScoreError("no_repeats", f"criterion {name!r} has no judge answers to combine")
+    k = len(repeats)
+    means = [d.expectation for d in repeats]
+    mean = sum(means) / k
+    within = sum(d.dispersion**2 for d in repeats) / k
+    between = sum((m - mean) ** 2 for m in means) / k
+    pooled = [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
+    return CriterionScore(
+        name=name,
+        weight=weight,
+        score=mean,
+        dispersion=sum(d.dispersion for d in repeats) / k,
+        spread=math.sqrt(between),
+        uncertainty=math.sqrt(within + between),
+        mass=sum(d.mass for d in repeats) / k,
+        repeats=k,
+        letters={LETTERS[i]: p for i, p in enumerate(pooled) if p > 0.0},
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregate:
+    """The weighted combination of criterion scores."""
+
+    score: float
+    uncertainty: float
+    mass: float
+    dispersion: float
+    spread: float
+
+
+def aggregate(criteria: Sequence[CriterionScore]) -> Aggregate:
+    """Weighted mean over criteria (weights renormalised to sum to 1)."""
+    if not criteria:
+        raise ScoreError("no_criteria", "there are no criterion scores to aggregate")
+    total = sum(c.weight for c in criteria)
+    if total <= 0.0:
+        raise ScoreError("bad_weights", "criterion weights sum to zero; give at least one a positive weight")
+
+    def mean(attr: str) -> float:
+        return sum(c.weight * float(getattr(c, attr)) for c in criteria) / total
+
+    return Aggregate(
+        score=mean("score"),
+        uncertainty=mean("uncertainty"),
+        mass=mean("mass"),
+        dispersion=mean("dispersion"),
+        spread=mean("spread"),
+    )

@@ -1,0 +1,460 @@
+"""Trackers: score a trajectory's growing prefix step by step (async core, sync facade, offline)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Self
+
+import structlog
+
+from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
+from .images import Frame, FrameBudget, ImageInput, load_image
+from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from .prompts import Step, build_prompt
+from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, score_criterion
+
+if TYPE_CHECKING:
+    from anyio.from_thread import BlockingPortal
+
+log = structlog.get_logger("agent_monitor.tracker")
+
+StepInput = str | Mapping[str, Any]
+"""A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
+
+ProgressCallback = Callable[["Progress"], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The score of a trajectory prefix, or why there is none.
+
+    `score` is None exactly when `ok` is False; `error` then says why and
+    `reason` gives a short code (timeout, rate_limited, no_letter, low_mass, ..).
+    `criteria` holds the criteria that were scored, even on a partial failure.
+    """
+
+    step: int
+    score: float | None
+    uncertainty: float | None
+    criteria: Mapping[str, CriterionScore]
+    ok: bool
+    error: str | None = None
+    reason: str | None = None
+    mass: float | None = None
+    dispersion: float | None = None
+    spread: float | None = None
+    judge: str = ""
+    model: str = ""
+    rubric: str = ""
+    coalesced: int = 1
+    latency_s: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    calls: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (the shape of the MQTT progress message)."""
+        return {
+            "step": self.step,
+            "score": self.score,
+            "uncertainty": self.uncertainty,
+            "criteria": {
+                n: {"score": c.score, "weight": c.weight, "uncertainty": c.uncertainty, "mass": c.mass}
+                for n, c in self.criteria.items()
+            },
+            "ok": self.ok,
+            "error": self.error,
+            "reason": self.reason,
+            "mass": self.mass,
+            "judge": self.judge,
+            "model": self.model,
+            "rubric": self.rubric,
+            "coalesced": self.coalesced,
+            "latency_s": self.latency_s,
+            "tokens": {
+                "input": self.usage.input_tokens,
+                "cached_input": self.usage.cached_input_tokens,
+                "output": self.usage.output_tokens,
+            },
+        }
+
+
+def _step_text(step: StepInput) -> str:
+    if isinstance(step, str):
+        return step
+    if isinstance(step, Mapping):
+        return "\n".join(f"{k}: {v}" for k, v in step.items())
+    raise TypeError(f"a step is text or a mapping, not {type(step).__name__}")
+
+
+@dataclass(slots=True)
+class _Pending:
+    text: str
+    images: tuple[ImageInput, ...]
+
+
+class AsyncProgressTracker:
+    """Score one run's growing trajectory with a judge, on the event loop.
+
+    `await update(step)` appends a step and scores the new prefix. For fast
+    producers, `submit(step)` returns at once and a background worker scores
+    the newest prefix, folding steps that arrived meanwhile into one call
+    (results via `on_progress` and `latest`); it needs `async with tracker:`,
+    which owns that worker. `curve` holds every result, in step order.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        *,
+        judge: Judge,
+        criteria: CriteriaSpec = None,
+        repeats: int = 1,
+        min_mass: float = DEFAULT_MIN_MASS,
+        images: Sequence[ImageInput] = (),
+        max_side: int | None = 1024,
+        frame_budget: FrameBudget | None = None,
+        allow_files: bool = True,
+        run_id: str | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        if not task or not task.strip():
+            raise ValueError("task is empty; pass the task the agent is working on")
+        if repeats < 1:
+            raise ValueError(f"repeats={repeats}; use 1 or more")
+        self.task = task
+        self.judge = judge
+        self.rubric: Rubric = load_criteria(criteria)
+        self.repeats = repeats
+        self.min_mass = min_mass
+        self.max_side = max_side
+        self.frame_budget = frame_budget or FrameBudget()
+        self.allow_files = allow_files
+        self.run_id = run_id
+        self.on_progress = on_progress
+        self.steps: list[Step] = []
+        self.curve: list[Progress] = []
+        self.latest: Progress | None = None
+        self._task_images = tuple(images)
+        self._task_frames: tuple[Frame, ...] | None = None
+        self._pending: deque[_Pending] = deque()
+        self._append_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._scored = 0
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._log = log.bind(run_id=run_id) if run_id else log
+
+    # -- lifecycle: the context owns the background worker used by submit() --
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise RuntimeError("tracker is already entered")
+        self._stack = contextlib.AsyncExitStack()
+        tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._worker = tg.create_task(self._work(), name=f"tracker-worker:{self.run_id or id(self)}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        stack, worker = self._stack, self._worker
+        self._stack = self._worker = None
+        if worker is not None:
+            worker.cancel()
+        if stack is not None:
+            await stack.aclose()
+
+    # -- steps --
+
+    async def add(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
+        """Append a step (loading its images once, off the event loop); return its 1-based index."""
+        self._pending.append(_Pending(_step_text(step), tuple(images)))
+        await self._materialise()
+        return len(self.steps)
+
+    def submit(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
+        """Queue a step and return its index at once; the background worker scores the newest prefix."""
+        if self._worker is None:
+            raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
+        self._pending.append(_Pending(_step_text(step), tuple(images)))
+        self._idle.clear()
+        self._wake.set()
+        return len(self.steps) + len(self._pending)
+
+    async def _materialise(self) -> None:
+        async with self._append_lock:
+            if self._task_frames is None:
+                self._task_frames = tuple(await self._load(self._task_images))
+            while self._pending:
+                # Popped before loading: a step whose images fail is rejected, not retried forever.
+                p = self._pending.popleft()
+                frames = await self._load(p.images)
+                self.steps.append(Step(index=len(self.steps) + 1, text=p.text, frames=tuple(frames)))
+
+    async def _load(self, images: Sequence[ImageInput]) -> list[Frame]:
+        if not images:
+            return []
+        return await asyncio.to_thread(
+            lambda: [load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in images]
+        )
+
+    # -- scoring --
+
+    async def update(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> Progress:
+        """Append a step and score the trajectory up to it."""
+        n = await self.add(step, images=images)
+        return await self.score(n)
+
+    async def score(self, n: int | None = None, *, coalesced: int = 1) -> Progress:
+        """Score the prefix of `n` steps (default: all steps so far) and record the result."""
+        await self._materialise()
+        n = len(self.steps) if n is None else n
+        if not 1 <= n <= len(self.steps):
+            raise ValueError(f"cannot score {n} steps: the tracker has {len(self.steps)}")
+        p = await score_prefix(
+            self.task,
+            self.steps[:n],
+            judge=self.judge,
+            rubric=self.rubric,
+            repeats=self.repeats,
+            min_mass=self.min_mass,
+            frame_budget=self.frame_budget,
+            task_frames=self._task_frames or (),
+            cache_key=self.run_id,
+            coalesced=coalesced,
+        )
+        self._record(p)
+        return p
+
+    def _record(self, p: Progress) -> None:
+        self.curve.append(p)
+        self.curve.sort(key=lambda q: q.step)
+        if self.latest is None or p.step >= self.latest.step:
+            self.latest = p
+        self._scored = max(self._scored, p.step)
+        if p.ok:
+            self._log.debug("scored", step=p.step, score=round(p.score or 0.0, 4), latency_s=round(p.latency_s, 3))
+        else:
+            self._log.warning("judge_failed", step=p.step, reason=p.reason, error=p.error)
+        if self.on_progress is not None:
+            try:
+                self.on_progress(p)
+            except Exception:
+                # A broken callback must not stop scoring of later steps.
+                self._log.exception("on_progress_failed", step=p.step)
+
+    async def _work(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._materialise()
+            except Exception as e:
+                # An undecodable image fails that step's submission, not the run.
+                self._log.error("step_rejected", error=str(e))
+                self._wake.set()
+                continue
+            n = len(self.steps)
+            if n > self._scored:
+                await self.score(n, coalesced=n - self._scored)
+            if not self._pending and not self._wake.is_set():
+                self._idle.set()
+
+    async def drain(self) -> Progress | None:
+        """Wait until every submitted step is folded into a score; return the latest result."""
+        if self._worker is not None:
+            await self._idle.wait()
+        return self.latest
+
+
+async def score_prefix(
+    task: str,
+    steps: Sequence[Step],
+    *,
+    judge: Judge,
+    rubric: Rubric,
+    repeats: int = 1,
+    min_mass: float = DEFAULT_MIN_MASS,
+    frame_budget: FrameBudget | None = None,
+    task_frames: Sequence[Frame] = (),
+    cache_key: str | None = None,
+    coalesced: int = 1,
+) -> Progress:
+    """Score one trajectory prefix: one judge call per criterion (sharing the prompt prefix), then aggregate."""
+    start = time.perf_counter()
+    n = steps[-1].index if steps else 0
+
+    async def one(c: Criterion) -> JudgeResponse | Exception:
+        prompt = build_prompt(task, rubric, steps, c, budget=frame_budget, task_frames=task_frames)
+        try:
+            return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, cache_key=cache_key))
+        except JudgeError as e:
+            return e
+        except Exception as e:
+            # A third-party judge's bug is a failed call, never a crash of the run or a made-up score.
+            log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
+            return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
+
+    answers = await asyncio.gather(*(one(c) for c in rubric.criteria))
+    scored: dict[str, CriterionScore] = {}
+    usage = Usage()
+    model = getattr(judge, "model", "") or ""
+    failure: tuple[str, str] | None = None
+    for c, a in zip(rubric.criteria, answers, strict=True):
+        if isinstance(a, JudgeError):
+            failure = failure or (a.reason, f"criterion {c.name!r}: judge call failed: {a}")
+            continue
+        assert isinstance(a, JudgeResponse)
+        usage += a.usage
+        model = a.model or model
+        try:
+            dists = []
+            for i, sample in enumerate(a.samples):
+                if sample is None:
+                    raise ScoreError("no_answer", f"repeat {i + 1} returned no tokens with logprobs")
+                dists.append(distribution(sample, min_mass=min_mass))
+            if len(dists) < repeats:
+                raise ScoreError("missing_repeats", f"asked for {repeats} repeats, got {len(dists)}")
+            scored[c.name] = score_criterion(c.name, c.weight, dists)
+        except ScoreError as e:
+            failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
+    common: dict[str, Any] = {
+        "step": n,
+        "criteria": scored,
+        "judge": getattr(judge, "name", type(judge).__name__),
+        "model": model,
+        "rubric": rubric.hash,
+        "coalesced": coalesced,
+        "latency_s": time.perf_counter() - start,
+        "usage": usage,
+        "calls": len(answers),
+    }
+    if failure is not None:
+        return Progress(score=None, uncertainty=None, ok=False, reason=failure[0], error=failure[1], **common)
+    agg = aggregate(list(scored.values()))
+    return Progress(
+        score=agg.score,
+        uncertainty=agg.uncertainty,
+        ok=True,
+        mass=agg.mass,
+        dispersion=agg.dispersion,
+        spread=agg.spread,
+        **common,
+    )
+
+
+class ProgressTracker:
+    """The synchronous hook: a thin facade over AsyncProgressTracker, run on the judge's background loop.
+
+    `update()` blocks until the new prefix is scored; `submit()` returns at
+    once (for 10 Hz robot loops) and `latest` / `on_progress` carry results,
+    the callback being called on the background loop's thread. Call `close()`
+    (or use `with`) when the run ends.
+    """
+
+    def __init__(self, task: str, *, judge: Judge, **options: Any) -> None:
+        self._own_portal: contextlib.AbstractContextManager[BlockingPortal] | None = None
+        if isinstance(judge, BaseJudge):
+            self._portal = judge._portal()
+        else:
+            from anyio.from_thread import start_blocking_portal
+
+            self._own_portal = start_blocking_portal()
+            self._portal = self._own_portal.__enter__()
+        self._core = AsyncProgressTracker(task, judge=judge, **options)
+        self._cm = self._portal.wrap_async_context_manager(self._core)
+        self._cm.__enter__()
+        self._closed = False
+
+    def update(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> Progress:
+        """Append a step and block until the trajectory up to it is scored."""
+        self._check()
+        return self._portal.call(partial(self._core.update, step, images=tuple(images)))
+
+    def submit(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
+        """Queue a step and return at once; the newest prefix is scored in the background."""
+        self._check()
+        return self._portal.call(partial(self._core.submit, step, images=tuple(images)))
+
+    def drain(self) -> Progress | None:
+        """Block until every submitted step is folded into a score; return the latest result."""
+        self._check()
+        return self._portal.call(self._core.drain)
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("the tracker is closed; create a new one for a new run")
+
+    @property
+    def latest(self) -> Progress | None:
+        """The result for the newest scored prefix."""
+        return self._core.latest
+
+    @property
+    def curve(self) -> list[Progress]:
+        """Every result so far, in step order."""
+        return list(self._core.curve)
+
+    @property
+    def steps(self) -> list[Step]:
+        """The steps received so far."""
+        return list(self._core.steps)
+
+    @property
+    def rubric(self) -> Rubric:
+        """The criteria in use."""
+        return self._core.rubric
+
+    def close(self) -> None:
+        """Stop the background worker; the judge stays open for other trackers."""
+        if self._closed:
+            return
+        self._closed = True
+        self._cm.__exit__(None, None, None)
+        if self._own_portal is not None:
+            self._own_portal.__exit__(None, None, None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def atrack(
+    task: str,
+    steps: Iterable[StepInput],
+    *,
+    judge: Judge,
+    images: Iterable[Iterable[ImageInput]] | None = None,
+    **options: Any,
+) -> list[Progress]:
+    """Score every prefix of a finished trajectory, in order, as a live run would have been."""
+    tracker = AsyncProgressTracker(task, judge=judge, **options)
+    frames = list(images) if images is not None else None
+    for i, s in enumerate(steps):
+        await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
+    # One prefix at a time: a prefix cache (llama.cpp, vLLM) then reads each step once.
+    return [await tracker.score(n) for n in range(1, len(tracker.steps) + 1)]
+
+
+def track(
+    task: str,
+    steps: Iterable[StepInput],
+    *,
+    judge: Judge,
+    images: Iterable[Iterable[ImageInput]] | None = None,
+    **options: Any,
+) -> list[Progress]:
+    """Synchronous `atrack`: score every prefix of a finished trajectory."""
+    if isinstance(judge, BaseJudge):
+        return judge._portal().call(partial(atrack, task, steps, judge=judge, images=images, **options))
+    import anyio
+
+    return anyio.run(partial(atrack, task, steps, judge=judge, images=images, **options))

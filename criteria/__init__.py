@@ -1,0 +1,1 @@
+"""Rubric markdown files bundled with agent-monitor (the repository's criteria/ folder)."""
