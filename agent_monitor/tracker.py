@@ -238,9 +238,7 @@ class AsyncProgressTracker:
         if self.latest is None or p.step >= self.latest.step:
             self.latest = p
         self._scored = max(self._scored, p.step)
-        if p.ok:
-            self._log.debug("scored", step=p.step, score=round(p.score or 0.0, 4), latency_s=round(p.latency_s, 3))
-        else:
+        if not p.ok:
             self._log.warning("judge_failed", step=p.step, reason=p.reason, error=p.error)
         if self.on_progress is not None:
             try:

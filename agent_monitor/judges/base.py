@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import random
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -210,8 +211,22 @@ class BaseJudge:
         await self.aclose()
 
 
-def iter_letter_positions(tokens: list[str]) -> Iterator[int]:
-    """Positions of generated tokens that are exactly a scale letter, in order."""
-    from ..scale import read_letter
-
-    return (i for i, t in enumerate(tokens) if read_letter(t) is not None)
+def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
+    """A server's wait hint from `retry-after-ms` or `Retry-After` (seconds or an HTTP date), if any."""
+    if ms := headers.get("retry-after-ms"):
+        try:
+            return max(0.0, float(ms) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import os
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -15,7 +13,7 @@ from openai import AsyncOpenAI
 from ..images import Frame
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import LETTERS, read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage, retry_after_seconds
 
 
 class OpenAIJudge(BaseJudge):
@@ -65,6 +63,7 @@ class OpenAIJudge(BaseJudge):
             raise ValueError(f"api={api!r}; use 'chat' or 'completions'")
         if max_tokens < 1 or not 0 <= top_logprobs <= 20:
             raise ValueError("OpenAIJudge needs max_tokens >= 1 and 0 <= top_logprobs <= 20")
+        self._owns_client = client is None
         if client is None:
             if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
                 api_key = "not-needed"  # local servers (vLLM, llama.cpp) accept any key
@@ -84,8 +83,9 @@ class OpenAIJudge(BaseJudge):
         self._model_lock = asyncio.Lock()
 
     async def aclose(self) -> None:
-        """Close the HTTP client."""
-        await self.client.close()
+        """Close the HTTP client if this judge created it (a client passed in stays with its owner)."""
+        if self._owns_client:
+            await self.client.close()
 
     async def resolve_model(self) -> str:
         """The model id, read from `/v1/models` when it was not given."""
@@ -213,22 +213,6 @@ def _usage(resp: Any) -> Usage:
     return Usage(input_tokens=u.prompt_tokens or 0, cached_input_tokens=cached, output_tokens=u.completion_tokens or 0)
 
 
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    if ms := headers.get("retry-after-ms"):
-        try:
-            return float(ms) / 1000.0
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        when = email.utils.parsedate_to_datetime(value) if value else None
-        return max(0.0, when.timestamp() - time.time()) if when else None
-
-
 def _judge_error(e: openai.OpenAIError) -> JudgeError:
     if isinstance(e, openai.APITimeoutError):
         return JudgeError("timeout", "the judge server did not answer in time", retryable=True)
@@ -236,7 +220,7 @@ def _judge_error(e: openai.OpenAIError) -> JudgeError:
         return JudgeError("connection", f"cannot reach the judge server: {e}", retryable=True)
     if isinstance(e, openai.APIStatusError):
         status = e.status_code
-        hint = _retry_after(e.response.headers)
+        hint = retry_after_seconds(e.response.headers)
         if status == 429:
             return JudgeError("rate_limited", f"HTTP 429: {e.message}", retryable=True, retry_after=hint)
         if status >= 500 or status == 408:

@@ -1,0 +1,72 @@
+"""Recorded runs (ATIF and plain JSON) and `agent-monitor score` against a real HTTP judge server."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent_monitor.cli import main
+from agent_monitor.recorded import RecordedRunError, iter_recorded, load_recorded, parse_recorded
+from tests.openai_server import chat_choice, chat_reply, scripted_server
+
+FIXTURE = Path(__file__).parent / "fixtures" / "atif_reverse_string.json"
+
+
+def test_atif_run_reads_task_agent_steps_outcome() -> None:
+    run = load_recorded(FIXTURE)
+    assert run.task.startswith("Write rev.py") and run.outcome == 1.0
+    assert len(run.steps) == 4
+    assert "$ ls" in run.steps[0].text and "Observation:\nREADME.md" in run.steps[0].text
+    assert run.steps[0].timestamp is not None and run.steps[3].text == "The function works; the task is complete."
+
+
+def test_plain_form_and_clipping() -> None:
+    run = parse_recorded({"task": "t", "steps": ["a", {"text": "x" * 100}], "outcome": "failure"}, max_step_chars=20)
+    assert run.outcome == 0.0 and run.steps[0].text == "a"
+    assert "characters cut" in run.steps[1].text and run.steps[1].text.startswith("x" * 10)
+
+
+def test_unreadable_runs_get_clear_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(RecordedRunError, match="expected a JSON object"):
+        load_recorded(bad)
+    with pytest.raises(RecordedRunError, match="no task text"):
+        parse_recorded({"steps": ["a"]})
+    with pytest.raises(RecordedRunError, match="neither ATIF"):
+        parse_recorded({"foo": 1})
+    assert "atif_reverse_string" in [r.name for r in iter_recorded(FIXTURE.parent)]
+
+
+def test_score_command_prints_a_curve(capsys: pytest.CaptureFixture[str]) -> None:
+    with scripted_server() as server:
+        server.default = chat_reply(chat_choice([("K", {"K": 0.5, "M": 0.5})]))
+        code = main(["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url], environ={})
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert len(server.requests) == 4 and server.requests[0]["model"] == "scripted-model"
+        assert out.count("0.579") == 4  # (10 + 12) / 2 / 19
+        assert "4 calls, 0 failed" in out
+        code = main(
+            ["score", str(FIXTURE), "--json", "--max-steps", "2"],
+            environ={"AGENT_MONITOR_JUDGE": "openai", "AGENT_MONITOR_JUDGE_URL": server.url},
+        )
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert code == 0 and [r["step"] for r in rows] == [1, 2] and rows[0]["score"] == pytest.approx(11 / 19)
+
+
+def test_score_command_reports_judge_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    with scripted_server() as server:
+        server.default = chat_reply(chat_choice([("The", {"The": 1.0})]))
+        code = main(
+            ["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url, "--max-steps", "1"], environ={}
+        )
+    out = capsys.readouterr().out
+    assert code == 1 and "FAILED  no_letter" in out
+
+
+def test_score_command_needs_a_judge(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["score", str(FIXTURE)], environ={}) == 2
+    assert "no judge chosen" in capsys.readouterr().err
+    assert main(["score", str(tmp_path / "none.json"), "--judge", "openai"], environ={}) == 2
+    assert "cannot read" in capsys.readouterr().err
