@@ -250,3 +250,18 @@ async def test_concurrency_limit_is_shared_by_trackers(server: ScriptedServer) -
     results = await asyncio.gather(*(t.update("step") for t in trackers))
     assert all(p.ok for p in results) and len(server.requests) == 6
     assert peak == 2
+
+
+async def test_server_refusing_n_gets_single_requests(server: ScriptedServer) -> None:
+    def answer(body):  # type: ignore[no-untyped-def]
+        if body.get("n", 1) > 1:
+            return Reply(400, {"error": {"message": "n > 1 is not supported"}})
+        return chat_reply(chat_choice([("K", {"K": 1.0})]))
+
+    server.default = answer
+    judge = OpenAIJudge(base_url=server.url, model="m")
+    resp = await judge.grade(JudgeRequest(prompt(), repeats=2))
+    assert len(resp.samples) == 2 and judge.supports_n is False
+    assert [r.get("n", 1) for r in server.requests] == [2, 1, 1]
+    await judge.grade(JudgeRequest(prompt(), repeats=2))
+    assert [r.get("n", 1) for r in server.requests][3:] == [1, 1]  # remembered: no batch asked again

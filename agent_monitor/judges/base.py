@@ -8,7 +8,7 @@ import email.utils
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -70,6 +70,10 @@ class JudgeResponse:
     usage: Usage = field(default_factory=Usage)
     latency_s: float = 0.0
     attempts: int = 1
+
+
+Sample = Mapping[str, float] | None
+"""Candidate tokens at the answer position and their logprobs, or None when a repeat gave no answer."""
 
 
 @runtime_checkable
@@ -166,6 +170,31 @@ class BaseJudge:
                     self.failures += 1
                     raise err
                 await asyncio.sleep(self._delay(attempt, err.retry_after))
+
+    async def _repeats(
+        self, k: int, ask: int, request: Callable[[int], Awaitable[tuple[list[Sample], Usage]]]
+    ) -> tuple[list[Sample], Usage, bool | None]:
+        """Collect k samples: one request for `ask` of them, then single requests for whatever is missing.
+
+        Returns the samples, the usage, and whether the server honoured a batch
+        (None when none was asked). A server that answers a batch with fewer
+        samples, or refuses it with a 400, gets single requests.
+        """
+        batch: bool | None = None
+        try:
+            samples, usage = await request(ask)
+            if ask > 1:
+                batch = len(samples) >= ask
+        except JudgeError as e:
+            if ask == 1 or e.reason != "bad_request":
+                raise
+            samples, usage, batch = [], Usage(), False
+        missing = k - len(samples)
+        if missing > 0:
+            for more, u in await asyncio.gather(*(request(1) for _ in range(missing))):
+                samples.extend(more[:1])
+                usage += u
+        return samples[:k], usage, batch
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         # Full jitter (AWS architecture blog) spreads retries of many runs apart;

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import math
 from collections.abc import Mapping, Sequence
@@ -102,24 +101,11 @@ class GeminiJudge(BaseJudge):
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         k = request.repeats
         ask = min(k, MAX_CANDIDATES) if self.supports_candidates is not False else 1
-        rejected = False
-        try:
-            samples, usage = await self._request(request.prompt, ask)
-        except JudgeError as e:
-            # Some models refuse candidateCount > 1 with a 400; single requests still work.
-            if ask == 1 or e.reason != "bad_request":
-                raise
-            rejected, samples, usage = True, [], Usage()
-        got = len(samples)
-        missing = k - got
-        if missing > 0:
-            more = await asyncio.gather(*(self._request(request.prompt, 1) for _ in range(missing)))
-            for s, u in more:
-                samples.extend(s[:1])
-                usage += u
-        if ask > 1:
-            self.supports_candidates = not rejected and got >= ask
-        return JudgeResponse(samples=tuple(samples[:k]), model=self.model, usage=usage)
+        # Some models refuse candidateCount > 1 with a 400; single requests still work.
+        samples, usage, batch = await self._repeats(k, ask, lambda n: self._request(request.prompt, n))
+        if batch is not None:
+            self.supports_candidates = batch
+        return JudgeResponse(samples=tuple(samples), model=self.model, usage=usage)
 
     def _config(self, prompt: Prompt, n: int) -> types.GenerateContentConfig:
         return types.GenerateContentConfig(

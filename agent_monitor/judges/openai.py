@@ -106,19 +106,12 @@ class OpenAIJudge(BaseJudge):
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         model = await self.resolve_model()
         k = request.repeats
-        ask_n = k if self.supports_n is not False else 1
-        samples, usage = await self._request(request.prompt, model, ask_n)
-        if len(samples) < ask_n:
-            self.supports_n = False
-        elif ask_n > 1:
-            self.supports_n = True
-        missing = k - len(samples)
-        if missing > 0:
-            more = await asyncio.gather(*(self._request(request.prompt, model, 1) for _ in range(missing)))
-            for s, u in more:
-                samples.extend(s[:1])
-                usage += u
-        return JudgeResponse(samples=tuple(samples[:k]), model=model, usage=usage)
+        samples, usage, batch = await self._repeats(
+            k, k if self.supports_n is not False else 1, lambda n: self._request(request.prompt, model, n)
+        )
+        if batch is not None:
+            self.supports_n = batch
+        return JudgeResponse(samples=tuple(samples), model=model, usage=usage)
 
     async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Mapping[str, float] | None], Usage]:
         extra = dict(self.extra_body)
