@@ -265,3 +265,25 @@ async def test_server_refusing_n_gets_single_requests(server: ScriptedServer) ->
     assert [r.get("n", 1) for r in server.requests] == [2, 1, 1]
     await judge.grade(JudgeRequest(prompt(), repeats=2))
     assert [r.get("n", 1) for r in server.requests][3:] == [1, 1]  # remembered: no batch asked again
+
+
+async def test_text_only_server_refusing_images_gets_placeholders_from_then_on(server: ScriptedServer) -> None:
+    from PIL import Image
+
+    def answer(body):  # type: ignore[no-untyped-def]
+        if isinstance(body["messages"][1]["content"], list):  # what llama_cpp.server does without a vision model
+            return Reply(500, {"error": {"message": 'can only concatenate str (not "list") to str'}})
+        return chat_reply(chat_choice([("C", LETTER_DIST)]))
+
+    server.default = answer
+    judge = OpenAIJudge(base_url=server.url, model="m", backoff_s=0.001)
+    t = AsyncProgressTracker("task", judge=judge)
+    p = await t.update("look", images=[Image.new("RGB", (8, 8))])
+    assert p.ok and judge.vision is False
+    assert [type(r["messages"][1]["content"]).__name__ for r in server.requests] == ["list", "str"]
+    await t.update("again", images=[Image.new("RGB", (8, 8))])
+    assert type(server.requests[-1]["messages"][1]["content"]) is str and len(server.requests) == 3
+    # Asked for explicitly, images are never dropped: the refusal is the caller's failure to see.
+    strict = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", vision=True, max_retries=0))
+    q = await strict.update("look", images=[Image.new("RGB", (8, 8))])
+    assert not q.ok and q.reason == "server_error"

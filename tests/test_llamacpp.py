@@ -268,3 +268,17 @@ async def test_server_chat_logprobs_with_a_chat_template(smollm_server: Server) 
     print(
         f"\nsmollm2 via server chat: top-20 letter mass {mass}; top tokens {sorted(sample, key=sample.__getitem__)[-3:]}"
     )
+
+
+async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_server: Server) -> None:
+    from PIL import Image
+
+    from agent_monitor.images import load_image
+
+    rubric = load_criteria("robot")
+    frame = load_image(Image.new("RGB", (32, 24), (0, 128, 0)))
+    steps = [Step(1, "moved the gripper above the cup", (frame,))]
+    async with OpenAIJudge(base_url=smollm_server.url + "/v1", timeout_s=120) as judge:
+        resp = await judge.grade(JudgeRequest(build_prompt("Pick up the cup.", rubric, steps, rubric.criteria[0])))
+    assert judge.vision is False  # the real server refused image parts; the judge resent text placeholders
+    assert isinstance(resp.samples[0], dict) and resp.samples[0]

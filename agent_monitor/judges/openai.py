@@ -8,12 +8,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
 import openai
+import structlog
 from openai import AsyncOpenAI
 
 from ..images import Frame
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import LETTERS, read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage, retry_after_seconds
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, retry_after_seconds
+
+log = structlog.get_logger("agent_monitor.judges.openai")
 
 
 class OpenAIJudge(BaseJudge):
@@ -26,6 +29,10 @@ class OpenAIJudge(BaseJudge):
     - `prefill`: text put in an open assistant turn (vLLM/SGLang
       `continue_final_message`), so the next token is the letter.
     - `constrain=True` asks vLLM to restrict the answer to the 20 letters.
+    - `vision`: True sends images as `image_url` parts, False sends text
+      placeholders; None (default) sends images and, if the server refuses a
+      request with images (many text-only servers answer 400 or 500), resends it
+      with placeholders and keeps doing so, with a warning.
     - `max_tokens` defaults to 1: the letter is the first token generated. Raise
       it for hosted models that may emit something before the letter; the
       reader takes the first generated token that is exactly a letter.
@@ -49,7 +56,7 @@ class OpenAIJudge(BaseJudge):
         temperature: float = 0.0,
         prefill: str | None = None,
         constrain: bool = False,
-        vision: bool = True,
+        vision: bool | None = None,
         supports_n: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         client: AsyncOpenAI | None = None,
@@ -113,7 +120,26 @@ class OpenAIJudge(BaseJudge):
             self.supports_n = batch
         return JudgeResponse(samples=tuple(samples), model=model, usage=usage)
 
-    async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Mapping[str, float] | None], Usage]:
+    async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Sample], Usage]:
+        with_images = self.vision is not False and any(isinstance(p, ImagePart) for p in prompt.parts)
+        try:
+            return await self._send(prompt, model, n, images=with_images)
+        except JudgeError as e:
+            if not (with_images and self.vision is None and e.reason in ("bad_request", "server_error")):
+                raise
+            answer = await self._send(prompt, model, n, images=False)
+            # The same request without images worked: the server has no vision. Stop sending them.
+            self.vision = False
+            log.warning(
+                "judge_has_no_vision",
+                judge=self.name,
+                model=model,
+                error=str(e),
+                hint="pass vision=False to silence, or use a vision model",
+            )
+            return answer
+
+    async def _send(self, prompt: Prompt, model: str, n: int, *, images: bool) -> tuple[list[Sample], Usage]:
         extra = dict(self.extra_body)
         common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature}
         if n > 1:
@@ -125,7 +151,7 @@ class OpenAIJudge(BaseJudge):
                 )
                 samples = [_from_completion(c) for c in resp.choices]
             else:
-                messages = self._messages(prompt)
+                messages = self._messages(prompt, images=images)
                 if self.prefill is not None:
                     extra.update(continue_final_message=True, add_generation_prompt=False)
                 if self.constrain:
@@ -142,9 +168,9 @@ class OpenAIJudge(BaseJudge):
             raise _judge_error(e) from None
         return samples, _usage(resp)
 
-    def _messages(self, prompt: Prompt) -> list[dict[str, Any]]:
+    def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
-        if self.vision and any(isinstance(p, ImagePart) for p in prompt.parts):
+        if images:
             content = [_part(p) for p in prompt.parts]
         else:
             # Plain string content: every OpenAI-compatible server and chat template accepts it.
