@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import email.utils
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..prompts import Prompt
+from ..scale import read_letter
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
@@ -91,7 +93,7 @@ class Judge(Protocol):
         ...
 
 
-class BaseJudge:
+class BaseJudge(abc.ABC):
     """Shared machinery for judges: concurrency limit, per-call timeout, retries with jittered backoff.
 
     Subclasses implement `_call`. One judge object belongs to one event loop
@@ -127,8 +129,9 @@ class BaseJudge:
         self.calls = 0
         self.failures = 0
 
+    @abc.abstractmethod
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """One attempt at grading, without limits or retries; raise JudgeError on failure."""
 
     def _limit(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
@@ -214,7 +217,7 @@ class BaseJudge:
                 self._portal_obj = self._portal_cm.__enter__()
             return self._portal_obj
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - a judge with nothing to release need not override it
         """Release the judge's resources."""
 
     def close(self) -> None:
@@ -238,6 +241,32 @@ class BaseJudge:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def answer_sample(
+    generated: Sequence[tuple[str, float | None]],
+    alternatives: Sequence[Iterable[tuple[str, float | None]]],
+) -> Sample:
+    """Candidates and logprobs at the answer position of one generated answer.
+
+    The answer position is the first generated token that is exactly a scale
+    letter (so "The" or "Grade" before the letter is skipped), else the first
+    token. `alternatives[i]` are the top candidates at position i; the token
+    actually generated there is added when the top list lacks it. None when
+    nothing was generated.
+    """
+    if not generated:
+        return None
+    pos = next((i for i, (t, _) in enumerate(generated) if read_letter(t) is not None), 0)
+    cands: dict[str, float] = {}
+    if pos < len(alternatives):
+        for token, lp in alternatives[pos]:
+            if lp is not None:
+                cands.setdefault(token, lp)
+    token, lp = generated[pos]
+    if lp is not None:
+        cands.setdefault(token, lp)
+    return cands
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:

@@ -13,8 +13,7 @@ from google.genai import errors, types
 
 from ..images import Frame
 from ..prompts import Prompt, TextPart
-from ..scale import read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage, retry_after_seconds
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, answer_sample, retry_after_seconds
 
 MAX_CANDIDATES = 8
 """The most candidates one generateContent request may ask for (the API's `candidateCount` limit)."""
@@ -164,25 +163,20 @@ class GeminiJudge(BaseJudge):
         return [_sample(c) for c in candidates], _usage(resp)
 
 
-def _sample(candidate: types.Candidate) -> Mapping[str, float] | None:
-    """Candidate tokens and logprobs at the first generated position that is exactly a scale letter, else the first."""
+def _sample(candidate: types.Candidate) -> Sample:
+    """Candidate tokens and logprobs at the answer position (see `answer_sample`)."""
     result = candidate.logprobs_result
     if result is None:
         return None
-    chosen = list(result.chosen_candidates or [])
-    top = list(result.top_candidates or [])
-    if not chosen and not top:
-        return None
-    pos = next((i for i, c in enumerate(chosen) if read_letter(c.token or "") is not None), 0)
-    cands: dict[str, float] = {}
-    if pos < len(top):
-        for c in top[pos].candidates or []:
-            if c.token is not None and c.log_probability is not None:
-                cands.setdefault(c.token, c.log_probability)
-    # The API notes the chosen token may be missing from the top candidates.
-    if pos < len(chosen) and chosen[pos].token is not None and chosen[pos].log_probability is not None:
-        cands.setdefault(chosen[pos].token or "", chosen[pos].log_probability or 0.0)
-    return cands
+    chosen = [(c.token or "", c.log_probability) for c in result.chosen_candidates or []]
+    top = [
+        [(c.token, c.log_probability) for c in t.candidates or [] if c.token is not None]
+        for t in result.top_candidates or []
+    ]
+    if not chosen and top:
+        chosen = [("", None)]  # top candidates without the chosen token: read position 0
+    # The chosen token may be missing from the top candidates (the API says so); answer_sample adds it.
+    return answer_sample(chosen, top)
 
 
 def _usage(resp: types.GenerateContentResponse) -> Usage:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, cast
 
 import openai
@@ -13,8 +13,8 @@ from openai import AsyncOpenAI
 
 from ..images import Frame
 from ..prompts import ImagePart, Prompt, TextPart
-from ..scale import LETTERS, read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, retry_after_seconds
+from ..scale import LETTERS
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, answer_sample, retry_after_seconds
 
 log = structlog.get_logger("agent_monitor.judges.openai")
 
@@ -192,35 +192,22 @@ def _part(p: TextPart | ImagePart) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": p.frame.data_url()}}
 
 
-def _pick(tokens: Sequence[str]) -> int | None:
-    """The first generated position that is exactly a scale letter, else the first position."""
-    if not tokens:
-        return None
-    return next((i for i, t in enumerate(tokens) if read_letter(t) is not None), 0)
-
-
-def _from_chat(choice: Any) -> Mapping[str, float] | None:
+def _from_chat(choice: Any) -> Sample:
     content = getattr(choice.logprobs, "content", None) if choice.logprobs is not None else None
-    if not content:
-        return None
-    pos = _pick([c.token for c in content])
-    assert pos is not None
-    at = content[pos]
-    cands = {t.token: t.logprob for t in (at.top_logprobs or [])}
-    cands.setdefault(at.token, at.logprob)
-    return cands
+    return answer_sample(
+        [(c.token, c.logprob) for c in content or []],
+        [[(t.token, t.logprob) for t in c.top_logprobs or []] for c in content or []],
+    )
 
 
-def _from_completion(choice: Any) -> Mapping[str, float] | None:
+def _from_completion(choice: Any) -> Sample:
     lp = choice.logprobs
     if lp is None or not lp.tokens:
         return None
-    pos = _pick(list(lp.tokens))
-    assert pos is not None
-    cands: dict[str, float] = dict((lp.top_logprobs or [None])[pos] or {}) if lp.top_logprobs else {}
-    if lp.token_logprobs and lp.token_logprobs[pos] is not None:
-        cands.setdefault(lp.tokens[pos], lp.token_logprobs[pos])
-    return cands
+    chosen = lp.token_logprobs or [None] * len(lp.tokens)
+    return answer_sample(
+        list(zip(lp.tokens, chosen, strict=False)), [list((d or {}).items()) for d in lp.top_logprobs or []]
+    )
 
 
 def _usage(resp: Any) -> Usage:
