@@ -105,9 +105,13 @@ async def _score(args: argparse.Namespace) -> int:
         )
         return 2
     runs = list(iter_recorded(args.path))
-    judge = build_judge(
-        args.judge, url=args.judge_url, model=args.judge_model, api=args.judge_api, timeout_s=args.judge_timeout
-    )
+    try:
+        judge = build_judge(
+            args.judge, url=args.judge_url, model=args.judge_model, api=args.judge_api, timeout_s=args.judge_timeout
+        )
+    except Exception as e:  # SDKs raise their own types for missing keys or extras; one line for the user
+        print(f"agent-monitor: cannot set up the {args.judge} judge: {e}", file=sys.stderr)
+        return 2
     failures = 0
     try:
         for run in runs:

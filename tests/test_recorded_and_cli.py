@@ -65,8 +65,13 @@ def test_score_command_reports_judge_failures(capsys: pytest.CaptureFixture[str]
     assert code == 1 and "FAILED  no_letter" in out
 
 
-def test_score_command_needs_a_judge(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_score_command_needs_a_judge(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert main(["score", str(FIXTURE)], environ={}) == 2
     assert "no judge chosen" in capsys.readouterr().err
     assert main(["score", str(tmp_path / "none.json"), "--judge", "openai"], environ={}) == 2
     assert "cannot read" in capsys.readouterr().err
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert main(["score", str(FIXTURE), "--judge", "openai"], environ={}) == 2
+    assert "cannot set up the openai judge" in capsys.readouterr().err
