@@ -119,15 +119,23 @@ class CriterionScore:
     mass: float
     repeats: int
     letters: dict[str, float]
+    source: str = "llm"
+    sampling_error: float = 0.0
 
 
-def score_criterion(name: str, weight: float, repeats: Sequence[LetterDistribution]) -> CriterionScore:
+def score_criterion(
+    name: str, weight: float, repeats: Sequence[LetterDistribution], *, draws: int = 0
+) -> CriterionScore:
     """Combine K repeats of one criterion.
 
     `score` is the mean expectation, `dispersion` the mean within-repeat standard
     deviation, `spread` the standard deviation of the K expectations, and
     `uncertainty` the standard deviation of the pooled mixture (law of total
     variance: mean within-variance plus variance of the means).
+
+    `draws` > 0 says each distribution was estimated from that many sampled
+    answers (a judge without logprobs): the standard error of the mean from
+    sampling, `sampling_error`, is then added in quadrature to `uncertainty`.
     """
     if not repeats:
         raise ScoreError("no_repeats", f"criterion {name!r} has no judge answers to combine")
@@ -137,16 +145,20 @@ def score_criterion(name: str, weight: float, repeats: Sequence[LetterDistributi
     within = sum(d.dispersion**2 for d in repeats) / k
     between = sum((m - mean) ** 2 for m in means) / k
     pooled = [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
+    # Each expectation from n valid draws has variance var/n; the mean of K of them, sum(var/n) / K^2.
+    se2 = sum(d.dispersion**2 / max(1.0, d.mass * draws) for d in repeats) / k**2 if draws > 0 else 0.0
     return CriterionScore(
         name=name,
         weight=weight,
         score=mean,
         dispersion=sum(d.dispersion for d in repeats) / k,
         spread=math.sqrt(between),
-        uncertainty=math.sqrt(within + between),
+        uncertainty=math.sqrt(within + between + se2),
         mass=sum(d.mass for d in repeats) / k,
         repeats=k,
         letters={LETTERS[i]: p for i, p in enumerate(pooled) if p > 0.0},
+        source="sampled" if draws > 0 else "llm",
+        sampling_error=math.sqrt(se2),
     )
 
 

@@ -64,7 +64,13 @@ class Progress:
             "score": self.score,
             "uncertainty": self.uncertainty,
             "criteria": {
-                n: {"score": c.score, "weight": c.weight, "uncertainty": c.uncertainty, "mass": c.mass}
+                n: {
+                    "score": c.score,
+                    "weight": c.weight,
+                    "uncertainty": c.uncertainty,
+                    "mass": c.mass,
+                    "source": c.source,
+                }
                 for n, c in self.criteria.items()
             },
             "ok": self.ok,
@@ -319,7 +325,7 @@ async def score_prefix(
                 dists.append(distribution(sample, min_mass=min_mass))
             if len(dists) < repeats:
                 raise ScoreError("missing_repeats", f"asked for {repeats} repeats, got {len(dists)}")
-            scored[c.name] = score_criterion(c.name, c.weight, dists)
+            scored[c.name] = score_criterion(c.name, c.weight, dists, draws=a.draws)
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
     common: dict[str, Any] = {

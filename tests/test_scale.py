@@ -121,3 +121,14 @@ def test_expectation_is_within_scale_and_probs_sum_to_one(weights: dict[str, flo
     assert 0.0 <= d.expectation <= 1.0
     assert 0.0 <= d.dispersion <= 0.5 + 1e-9
     assert d.mass == pytest.approx(1.0)
+
+
+def test_sampled_distributions_add_their_sampling_error() -> None:
+    d = distribution({"A": ln(0.4), "T": ln(0.4)})  # 100 draws, 80 of them letters (mass 0.8)
+    c = score_criterion("c", 1.0, [d], draws=100)
+    assert c.source == "sampled"
+    assert c.sampling_error == pytest.approx(0.5 / math.sqrt(80))
+    assert c.uncertainty == pytest.approx(math.sqrt(0.25 + 0.25 / 80))
+    two = score_criterion("c", 1.0, [d, d], draws=100)
+    assert two.sampling_error == pytest.approx(math.sqrt(2 * 0.25 / 80) / 2)
+    assert score_criterion("c", 1.0, [d]).source == "llm"

@@ -65,6 +65,8 @@ class JudgeResponse:
 
     An entry of `samples` is None when that repeat produced no answer position
     at all (e.g. an empty completion); the scorer turns it into a failure.
+    `draws` > 0 marks a judge without logprobs: each sample is then the
+    empirical letter frequencies (as logprobs) of that many sampled answers.
     """
 
     samples: tuple[Mapping[str, float] | None, ...]
@@ -72,6 +74,7 @@ class JudgeResponse:
     usage: Usage = field(default_factory=Usage)
     latency_s: float = 0.0
     attempts: int = 1
+    draws: int = 0
 
 
 Sample = Mapping[str, float] | None
@@ -167,6 +170,7 @@ class BaseJudge(abc.ABC):
                         usage=resp.usage,
                         latency_s=time.perf_counter() - start,
                         attempts=attempt,
+                        draws=resp.draws,
                     )
                 if not err.retryable or attempt > self.max_retries:
                     self.calls += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Literal, cast
@@ -13,7 +14,7 @@ from openai import AsyncOpenAI
 
 from ..images import Frame
 from ..prompts import ImagePart, Prompt, TextPart
-from ..scale import LETTERS
+from ..scale import LETTERS, read_letter
 from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, answer_sample, retry_after_seconds
 
 log = structlog.get_logger("agent_monitor.judges.openai")
@@ -33,6 +34,12 @@ class OpenAIJudge(BaseJudge):
       placeholders; None (default) sends images and, if the server refuses a
       request with images (many text-only servers answer 400 or 500), resends it
       with placeholders and keeps doing so, with a warning.
+    - `logprobs=False` is for servers that return no logprobs (e.g. Anthropic's
+      OpenAI-compatible endpoint): each repeat's letter distribution is then
+      estimated from `samples` answers drawn at `sample_temperature` (batched
+      with `n` up to `max_batch` where the server allows), answers that are not
+      exactly a letter count against the mass, and the sampling error is added
+      to the result's uncertainty (`source="sampled"`).
     - `max_tokens` defaults to 1: the letter is the first token generated. Raise
       it for hosted models that may emit something before the letter; the
       reader takes the first generated token that is exactly a letter.
@@ -57,6 +64,10 @@ class OpenAIJudge(BaseJudge):
         prefill: str | None = None,
         constrain: bool = False,
         vision: bool | None = None,
+        logprobs: bool = True,
+        samples: int = 20,
+        sample_temperature: float = 1.0,
+        max_batch: int = 128,
         supports_n: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         client: AsyncOpenAI | None = None,
@@ -70,6 +81,8 @@ class OpenAIJudge(BaseJudge):
             raise ValueError(f"api={api!r}; use 'chat' or 'completions'")
         if max_tokens < 1 or not 0 <= top_logprobs <= 20:
             raise ValueError("OpenAIJudge needs max_tokens >= 1 and 0 <= top_logprobs <= 20")
+        if samples < 1 or max_batch < 1:
+            raise ValueError("OpenAIJudge needs samples >= 1 and max_batch >= 1")
         self._owns_client = client is None
         if client is None:
             if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
@@ -85,6 +98,10 @@ class OpenAIJudge(BaseJudge):
         self.prefill = prefill
         self.constrain = constrain
         self.vision = vision
+        self.logprobs = logprobs
+        self.samples = samples
+        self.sample_temperature = sample_temperature
+        self.max_batch = max_batch
         self.supports_n = supports_n
         self.extra_body = dict(extra_body or {})
         self._model_lock = asyncio.Lock()
@@ -112,6 +129,8 @@ class OpenAIJudge(BaseJudge):
 
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         model = await self.resolve_model()
+        if not self.logprobs:
+            return await self._sampled(request, model)
         k = request.repeats
         samples, usage, batch = await self._repeats(
             k, k if self.supports_n is not False else 1, lambda n: self._request(request.prompt, model, n)
@@ -119,6 +138,35 @@ class OpenAIJudge(BaseJudge):
         if batch is not None:
             self.supports_n = batch
         return JudgeResponse(samples=tuple(samples), model=model, usage=usage)
+
+    async def _sampled(self, request: JudgeRequest, model: str) -> JudgeResponse:
+        """Estimate each repeat's letter distribution from `samples` sampled answers."""
+        total = request.repeats * self.samples
+        sizes = [self.max_batch] * (total // self.max_batch) + (
+            [total % self.max_batch] if total % self.max_batch else []
+        )
+
+        async def chunk(n: int) -> tuple[list[Sample], Usage, bool | None]:
+            ask = n if self.supports_n is not False else 1
+            return await self._repeats(n, ask, lambda m: self._request(request.prompt, model, m))
+
+        draws: list[Sample] = []
+        usage = Usage()
+        for got, u, batch in await asyncio.gather(*(chunk(n) for n in sizes)):
+            draws.extend(got)
+            usage += u
+            if batch is not None:
+                self.supports_n = batch
+        samples: list[Sample] = []
+        for r in range(request.repeats):
+            group = draws[r * self.samples : (r + 1) * self.samples]
+            counts: dict[str, int] = {}
+            for d in group:
+                for letter in d or {}:
+                    counts[letter] = counts.get(letter, 0) + 1
+            # Frequencies over all draws: answers that are not a letter lower the mass.
+            samples.append({letter: math.log(c / len(group)) for letter, c in counts.items()})
+        return JudgeResponse(samples=tuple(samples), model=model, usage=usage, draws=self.samples)
 
     async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Sample], Usage]:
         with_images = self.vision is not False and any(isinstance(p, ImagePart) for p in prompt.parts)
@@ -141,10 +189,13 @@ class OpenAIJudge(BaseJudge):
 
     async def _send(self, prompt: Prompt, model: str, n: int, *, images: bool) -> tuple[list[Sample], Usage]:
         extra = dict(self.extra_body)
-        common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        temperature = self.temperature if self.logprobs else self.sample_temperature
+        common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature}
         if n > 1:
             common["n"] = n
         try:
+            if not self.logprobs:
+                return await self._send_sampled(prompt, common, extra, images=images)
             if self.api == "completions":
                 resp: Any = await self.client.completions.create(
                     prompt=prompt.text(), logprobs=self.top_logprobs, extra_body=extra or None, **common
@@ -168,6 +219,21 @@ class OpenAIJudge(BaseJudge):
             raise _judge_error(e) from None
         return samples, _usage(resp)
 
+    async def _send_sampled(
+        self, prompt: Prompt, common: dict[str, Any], extra: dict[str, Any], *, images: bool
+    ) -> tuple[list[Sample], Usage]:
+        """Draw answers without logprobs; each draw is {letter: 0.0}, or {} when it is not a letter."""
+        resp: Any
+        if self.api == "completions":
+            resp = await self.client.completions.create(prompt=prompt.text(), extra_body=extra or None, **common)
+            texts = [c.text or "" for c in resp.choices]
+        else:
+            resp = await self.client.chat.completions.create(
+                messages=cast(Any, self._messages(prompt, images=images)), extra_body=extra or None, **common
+            )
+            texts = [c.message.content or "" for c in resp.choices]
+        return [_draw(t) for t in texts], _usage(resp)
+
     def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
         if images:
@@ -190,6 +256,12 @@ def _part(p: TextPart | ImagePart) -> dict[str, Any]:
     if isinstance(p, TextPart):
         return {"type": "text", "text": p.text}
     return {"type": "image_url", "image_url": {"url": p.frame.data_url()}}
+
+
+def _draw(text: str) -> dict[str, float]:
+    """One sampled answer as a sample: the letter it is exactly (trailing punctuation allowed), else nothing."""
+    letter = read_letter(text.strip().rstrip(".,;:!)"))
+    return {letter: 0.0} if letter else {}
 
 
 def _from_chat(choice: Any) -> Sample:
