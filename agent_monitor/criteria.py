@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
+
+from .extractors import Pipeline, build_extractors
+from .rules import RULES, Rule, build_rule
 
 DEFAULT_RUBRIC = "progress"
 
@@ -20,28 +24,54 @@ class CriteriaError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Criterion:
-    """One thing the judge grades: a name, what it means, and its weight."""
+    """One thing graded: a name, what it means to the judge, its weight, and rules tried first.
+
+    `rules` run in order before the judge; the first whose confidence reaches
+    `min_confidence` answers and the judge is not asked. An empty
+    `description` means no judge fallback: a rule-only criterion that is
+    silent on a step is left out of that step's weighted mean.
+    """
 
     name: str
     description: str
     weight: float = 1.0
+    rules: tuple[Rule, ...] = ()
+    min_confidence: float = 0.5
+
+    @property
+    def uses_judge(self) -> bool:
+        """Whether the LLM judge grades this criterion when no rule is confident."""
+        return bool(self.description)
 
 
 @dataclass(frozen=True, slots=True)
 class Rubric:
-    """An ordered set of criteria whose weights sum to 1, with a content hash."""
+    """An ordered set of criteria whose weights sum to 1, the step extractors, and a content hash."""
 
     title: str
     criteria: tuple[Criterion, ...]
+    extractors: Pipeline = field(default_factory=Pipeline)
 
     @property
     def hash(self) -> str:
-        """A short hash of the rubric's content; it travels with every result."""
+        """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
         body = json.dumps(
-            [self.title, [[c.name, c.description, c.weight] for c in self.criteria]],
+            [
+                self.title,
+                [
+                    [c.name, c.description, c.weight, [repr(r) for r in c.rules], c.min_confidence]
+                    for c in self.criteria
+                ],
+                [repr(e) for e in self.extractors.extractors],
+            ],
             separators=(",", ":"),
         )
         return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    @property
+    def judged(self) -> tuple[Criterion, ...]:
+        """The criteria the LLM judge may be asked about (shown to it in every prompt)."""
+        return tuple(c for c in self.criteria if c.uses_judge)
 
 
 CriteriaSpec: TypeAlias = (
@@ -55,7 +85,11 @@ _WEIGHT = re.compile(r"^weight:\s*(?P<w>\S+)\s*$", re.IGNORECASE)
 
 def bundled_criteria() -> list[str]:
     """Names of the rubrics shipped with the package."""
-    return sorted(p.name[:-3] for p in _bundled_dir().iterdir() if p.name.endswith(".md") and p.name != "README.md")
+    return sorted(
+        p.name.rsplit(".", 1)[0]
+        for p in _bundled_dir().iterdir()
+        if p.name.endswith((".md", ".json")) and p.name != "README.md"
+    )
 
 
 def _bundled_dir() -> resources.abc.Traversable:
@@ -96,7 +130,7 @@ def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
     return _normalised(title or source, criteria, source)
 
 
-def _normalised(title: str, criteria: Sequence[Criterion], source: str) -> Rubric:
+def _normalised(title: str, criteria: Sequence[Criterion], source: str, extractors: Pipeline | None = None) -> Rubric:
     names = [c.name for c in criteria]
     if len(set(names)) != len(names):
         raise CriteriaError(f"{source}: criterion names repeat ({names}); give each a unique name")
@@ -108,9 +142,13 @@ def _normalised(title: str, criteria: Sequence[Criterion], source: str) -> Rubri
     total = sum(c.weight for c in criteria)
     if total <= 0.0:
         raise CriteriaError(f"{source}: all criterion weights are zero; give at least one a positive weight")
+    for c in criteria:
+        if not c.description and not c.rules:
+            raise CriteriaError(f"{source}: criterion {c.name!r} has neither a description for the judge nor rules")
     return Rubric(
         title=title,
-        criteria=tuple(Criterion(c.name, c.description, c.weight / total) for c in criteria),
+        criteria=tuple(dataclasses.replace(c, weight=c.weight / total) for c in criteria),
+        extractors=extractors or Pipeline(),
     )
 
 
@@ -125,23 +163,47 @@ def load_criteria(spec: CriteriaSpec = None) -> Rubric:
         spec = DEFAULT_RUBRIC
     if isinstance(spec, Rubric):
         return spec
-    if isinstance(spec, Path) or (isinstance(spec, str) and (spec.endswith(".md") or "/" in spec)):
+    if isinstance(spec, Path) or (isinstance(spec, str) and (spec.endswith((".md", ".json")) or "/" in spec)):
         path = Path(spec)
         try:
-            return parse_criteria(path.read_text(encoding="utf-8"), source=str(path))
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise CriteriaError(f"cannot read criteria file {path}: {e.strerror}") from None
+        if path.suffix == ".json":
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise CriteriaError(f"{path} is not valid JSON: {e}") from None
+            if not isinstance(data, Mapping):
+                raise CriteriaError(f"{path}: a rubric JSON is an object with a 'criteria' list")
+            return _from_config(data, str(path))
+        return parse_criteria(text, source=str(path))
     if isinstance(spec, str):
-        item = _bundled_dir() / f"{spec}.md"
-        if not item.is_file():
-            raise CriteriaError(
-                f"no bundled criteria named {spec!r}; choose one of {bundled_criteria()} or pass a path"
-            )
-        return parse_criteria(item.read_text(encoding="utf-8"), source=spec)
+        md, js = _bundled_dir() / f"{spec}.md", _bundled_dir() / f"{spec}.json"
+        if md.is_file():
+            return parse_criteria(md.read_text(encoding="utf-8"), source=spec)
+        if js.is_file():
+            return _from_config(json.loads(js.read_text(encoding="utf-8")), spec)
+        raise CriteriaError(f"no bundled criteria named {spec!r}; choose one of {bundled_criteria()} or pass a path")
     if isinstance(spec, Mapping):
+        if isinstance(spec.get("criteria"), list):
+            return _from_config(spec, "rubric config")
         items = [Criterion(str(k), str(v)) for k, v in spec.items()]
         return _normalised("custom", items, "criteria dict")
     return _normalised("custom", [_item(x, i) for i, x in enumerate(spec, 1)], "criteria list")
+
+
+def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
+    """A rubric from config: `{"title", "extractors": [...], "criteria": [...]}` (other keys, e.g. thresholds, ignored)."""
+    try:
+        extractors = build_extractors(data.get("extractors"))
+    except ValueError as e:
+        raise CriteriaError(f"{source}: extractors: {e}") from None
+    items = data.get("criteria")
+    if not isinstance(items, list):
+        raise CriteriaError(f"{source}: 'criteria' must be a list")
+    criteria = [_item(x, i) for i, x in enumerate(items, 1)]
+    return _normalised(str(data.get("title") or "custom"), criteria, source, extractors)
 
 
 def _item(x: str | Criterion | Mapping[str, object], i: int) -> Criterion:
@@ -149,12 +211,46 @@ def _item(x: str | Criterion | Mapping[str, object], i: int) -> Criterion:
         return x
     if isinstance(x, str):
         return Criterion(f"c{i}", x)
-    if isinstance(x, Mapping):
-        try:
-            weight = x.get("weight", 1.0)
-            return Criterion(str(x["name"]), str(x["description"]), float(weight))  # type: ignore[arg-type]
-        except KeyError as e:
-            raise CriteriaError(f"criteria list item {i} lacks {e.args[0]!r}; give 'name' and 'description'") from None
-        except (TypeError, ValueError):
-            raise CriteriaError(f"criteria list item {i} has a non-numeric weight") from None
-    raise CriteriaError(f"criteria list item {i} is a {type(x).__name__}; use a string, a dict or a Criterion")
+    if not isinstance(x, Mapping):
+        raise CriteriaError(f"criteria list item {i} is a {type(x).__name__}; use a string, a dict or a Criterion")
+    kind = str(x.get("type", "llm"))
+    try:
+        weight = float(x.get("weight", 1.0))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise CriteriaError(f"criteria list item {i} has a non-numeric weight") from None
+    try:
+        if kind == "llm":
+            if "description" not in x:
+                raise CriteriaError(f"criteria list item {i} lacks 'description'; give 'name' and 'description'")
+            return Criterion(str(x.get("name", f"c{i}")), str(x["description"]), weight)
+        if kind == "composite":
+            return _composite(x, i, weight)
+        if kind.removeprefix("rule.") in RULES:
+            return Criterion(str(x.get("name") or kind), "", weight, rules=(build_rule(x),))
+    except ValueError as e:
+        if isinstance(e, CriteriaError):
+            raise
+        raise CriteriaError(f"criteria list item {i}: {e}") from None
+    raise CriteriaError(
+        f"criteria list item {i} has type {kind!r}; use 'llm', 'composite' or a rule ({', '.join(sorted(RULES))})"
+    )
+
+
+def _composite(x: Mapping[str, object], i: int, weight: float) -> Criterion:
+    """An ordered chain: rule members first; an optional last `{"type": "llm", "description": ...}` member."""
+    members = x.get("members")
+    if not isinstance(members, list) or not members:
+        raise CriteriaError(f"criteria list item {i} (composite) needs a non-empty 'members' list")
+    description = ""
+    rules: list[Rule] = []
+    for j, m in enumerate(members):
+        if isinstance(m, Mapping) and m.get("type", "llm") == "llm":
+            if j != len(members) - 1:
+                raise CriteriaError(f"criteria list item {i} (composite): the llm member must come last")
+            description = str(m.get("description", ""))
+        elif isinstance(m, Mapping):
+            rules.append(build_rule(m))
+        else:
+            raise CriteriaError(f"criteria list item {i} (composite): member {j} is not a dict")
+    min_conf = float(x.get("min_confidence", 0.5))  # type: ignore[arg-type]
+    return Criterion(str(x.get("name", f"c{i}")), description, weight, tuple(rules), min_conf)

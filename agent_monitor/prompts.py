@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .criteria import Criterion, Rubric
 from .images import Frame, FrameBudget
@@ -44,11 +45,15 @@ Part = TextPart | ImagePart
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One step of a trajectory as the judge sees it: 1-based index, text, and its frames."""
+    """One step of a trajectory: 1-based index, text, frames, and metadata for rule criteria.
+
+    `meta` (e.g. a robot's distance to goal) is never shown to the judge.
+    """
 
     index: int
     text: str
     frames: tuple[Frame, ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,7 @@ def render_text(instructions: str, parts: Sequence[Part], image: Callable[[Frame
 
 def _criteria_text(rubric: Rubric) -> str:
     lines = [f"## Grading criteria ({rubric.title})\n"]
-    for c in rubric.criteria:
+    for c in rubric.judged:
         lines.append(f"- {c.name} (weight {c.weight:.2f}): {c.description}\n")
     return "".join(lines)
 

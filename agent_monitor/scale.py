@@ -121,6 +121,30 @@ class CriterionScore:
     letters: dict[str, float]
     source: str = "llm"
     sampling_error: float = 0.0
+    confidence: float = 1.0
+    detail: str = ""
+
+
+def rule_score(name: str, weight: float, score: float, confidence: float, detail: str = "") -> CriterionScore:
+    """A criterion answered by a confident rule; its uncertainty is 0.5 * (1 - confidence).
+
+    0.5 is the largest standard deviation a score on [0, 1] can have, so a rule
+    with no confidence would be as uncertain as a coin between A and T.
+    """
+    return CriterionScore(
+        name=name,
+        weight=weight,
+        score=score,
+        dispersion=0.0,
+        spread=0.0,
+        uncertainty=0.5 * (1.0 - confidence),
+        mass=1.0,
+        repeats=0,
+        letters={},
+        source="rule",
+        confidence=confidence,
+        detail=detail,
+    )
 
 
 def score_criterion(

@@ -17,7 +17,8 @@ from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
 from .prompts import Step, build_prompt
-from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, score_criterion
+from .rules import Composite, RuleInput
+from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, rule_score, score_criterion
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
@@ -56,6 +57,8 @@ class Progress:
     latency_s: float = 0.0
     usage: Usage = field(default_factory=Usage)
     calls: int = 0
+    calls_saved: int = 0
+    silent: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (the shape of the MQTT progress message)."""
@@ -70,6 +73,8 @@ class Progress:
                     "uncertainty": c.uncertainty,
                     "mass": c.mass,
                     "source": c.source,
+                    "confidence": c.confidence,
+                    "detail": c.detail,
                 }
                 for n, c in self.criteria.items()
             },
@@ -81,6 +86,8 @@ class Progress:
             "model": self.model,
             "rubric": self.rubric,
             "coalesced": self.coalesced,
+            "calls_saved": self.calls_saved,
+            "silent": list(self.silent),
             "latency_s": self.latency_s,
             "tokens": {
                 "input": self.usage.input_tokens,
@@ -102,6 +109,7 @@ def _step_text(step: StepInput) -> str:
 class _Pending:
     text: str
     images: tuple[ImageInput, ...]
+    meta: Mapping[str, Any]
 
 
 class AsyncProgressTracker:
@@ -126,6 +134,7 @@ class AsyncProgressTracker:
         max_side: int | None = 1024,
         frame_budget: FrameBudget | None = None,
         allow_files: bool = True,
+        expected: str | None = None,
         run_id: str | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -141,6 +150,8 @@ class AsyncProgressTracker:
         self.max_side = max_side
         self.frame_budget = frame_budget or FrameBudget()
         self.allow_files = allow_files
+        self.expected = expected
+        self.calls_saved = 0
         self.run_id = run_id
         self.on_progress = on_progress
         self.steps: list[Step] = []
@@ -178,17 +189,24 @@ class AsyncProgressTracker:
 
     # -- steps --
 
-    async def add(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
-        """Append a step (loading its images once, off the event loop); return its 1-based index."""
-        self._pending.append(_Pending(_step_text(step), tuple(images)))
+    async def add(
+        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+    ) -> int:
+        """Append a step (loading its images once, off the event loop); return its 1-based index.
+
+        `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge never sees it.
+        """
+        self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
         await self._materialise()
         return len(self.steps)
 
-    def submit(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
+    def submit(
+        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+    ) -> int:
         """Queue a step and return its index at once; the background worker scores the newest prefix."""
         if self._worker is None:
             raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
-        self._pending.append(_Pending(_step_text(step), tuple(images)))
+        self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
         self._idle.clear()
         self._wake.set()
         return len(self.steps) + len(self._pending)
@@ -201,7 +219,9 @@ class AsyncProgressTracker:
                 # Popped before loading: a step whose images fail is rejected, not retried forever.
                 p = self._pending.popleft()
                 frames = await self._load(p.images)
-                self.steps.append(Step(index=len(self.steps) + 1, text=p.text, frames=tuple(frames)))
+                # Extractors run once per step, before any criterion or prompt sees it.
+                text = self.rubric.extractors(p.text)
+                self.steps.append(Step(index=len(self.steps) + 1, text=text, frames=tuple(frames), meta=p.meta))
 
     async def _load(self, images: Sequence[ImageInput]) -> list[Frame]:
         if not images:
@@ -212,9 +232,11 @@ class AsyncProgressTracker:
 
     # -- scoring --
 
-    async def update(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> Progress:
+    async def update(
+        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+    ) -> Progress:
         """Append a step and score the trajectory up to it."""
-        n = await self.add(step, images=images)
+        n = await self.add(step, images=images, meta=meta)
         return await self.score(n)
 
     async def score(self, n: int | None = None, *, coalesced: int = 1) -> Progress:
@@ -232,9 +254,11 @@ class AsyncProgressTracker:
             min_mass=self.min_mass,
             frame_budget=self.frame_budget,
             task_frames=self._task_frames or (),
+            expected=self.expected,
             cache_key=self.run_id,
             coalesced=coalesced,
         )
+        self.calls_saved += p.calls_saved
         self._record(p)
         return p
 
@@ -287,12 +311,41 @@ async def score_prefix(
     min_mass: float = DEFAULT_MIN_MASS,
     frame_budget: FrameBudget | None = None,
     task_frames: Sequence[Frame] = (),
+    expected: str | None = None,
     cache_key: str | None = None,
     coalesced: int = 1,
 ) -> Progress:
-    """Score one trajectory prefix: one judge call per criterion (sharing the prompt prefix), then aggregate."""
+    """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then aggregate.
+
+    The judge calls share the prompt prefix. A criterion whose rules are
+    confident costs no call (counted in `calls_saved`); a rule-only criterion
+    with no confident rule is `silent` and left out of the weighted mean.
+    """
     start = time.perf_counter()
     n = steps[-1].index if steps else 0
+    scored: dict[str, CriterionScore] = {}
+    silent: list[str] = []
+    saved = 0
+    ask: list[Criterion] = []
+    rule_input: RuleInput | None = None
+    for c in rubric.criteria:
+        verdict = None
+        if c.rules:
+            rule_input = rule_input or RuleInput(
+                task=task, steps=[s.text for s in steps], metadata=[s.meta for s in steps], expected=expected
+            )
+            try:
+                verdict = Composite(c.rules, c.min_confidence)(rule_input)
+            except Exception:
+                # A broken (user-registered) rule has no opinion; the judge, if any, still answers.
+                log.exception("rule_failed", criterion=c.name, step=n)
+        if verdict is not None:
+            scored[c.name] = rule_score(c.name, c.weight, verdict.score, verdict.confidence, verdict.detail)
+            saved += c.uses_judge
+        elif c.uses_judge:
+            ask.append(c)
+        else:
+            silent.append(c.name)
 
     async def one(c: Criterion) -> JudgeResponse | Exception:
         prompt = build_prompt(task, rubric, steps, c, budget=frame_budget, task_frames=task_frames)
@@ -305,12 +358,11 @@ async def score_prefix(
             log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
             return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    answers = await asyncio.gather(*(one(c) for c in rubric.criteria))
-    scored: dict[str, CriterionScore] = {}
+    answers = await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
     model = getattr(judge, "model", "") or ""
     failure: tuple[str, str] | None = None
-    for c, a in zip(rubric.criteria, answers, strict=True):
+    for c, a in zip(ask, answers, strict=True):
         if isinstance(a, JudgeError):
             failure = failure or (a.reason, f"criterion {c.name!r}: judge call failed: {a}")
             continue
@@ -338,7 +390,11 @@ async def score_prefix(
         "latency_s": time.perf_counter() - start,
         "usage": usage,
         "calls": len(answers),
+        "calls_saved": saved,
+        "silent": tuple(silent),
     }
+    if failure is None and not scored:
+        failure = ("no_opinion", f"no criterion could be scored: rules {silent} had no confident answer and no judge")
     if failure is not None:
         return Progress(score=None, uncertainty=None, ok=False, reason=failure[0], error=failure[1], **common)
     agg = aggregate(list(scored.values()))
@@ -376,15 +432,19 @@ class ProgressTracker:
         self._cm.__enter__()
         self._closed = False
 
-    def update(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> Progress:
+    def update(
+        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+    ) -> Progress:
         """Append a step and block until the trajectory up to it is scored."""
         self._check()
-        return self._portal.call(partial(self._core.update, step, images=tuple(images)))
+        return self._portal.call(partial(self._core.update, step, images=tuple(images), meta=meta))
 
-    def submit(self, step: StepInput, *, images: Iterable[ImageInput] = ()) -> int:
+    def submit(
+        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+    ) -> int:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
-        return self._portal.call(partial(self._core.submit, step, images=tuple(images)))
+        return self._portal.call(partial(self._core.submit, step, images=tuple(images), meta=meta))
 
     def drain(self) -> Progress | None:
         """Block until every submitted step is folded into a score; return the latest result."""

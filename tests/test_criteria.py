@@ -8,7 +8,7 @@ from agent_monitor.criteria import CriteriaError, Criterion, bundled_criteria, l
 
 
 def test_bundled_rubrics_load_with_weights_summing_to_one() -> None:
-    assert {"progress", "coding", "robot"} <= set(bundled_criteria())
+    assert {"progress", "coding", "robot", "coding_tests"} <= set(bundled_criteria())
     for name in bundled_criteria():
         r = load_criteria(name)
         assert sum(c.weight for c in r.criteria) == pytest.approx(1.0)
@@ -17,6 +17,11 @@ def test_bundled_rubrics_load_with_weights_summing_to_one() -> None:
     coding = load_criteria("coding")
     assert [c.name for c in coding.criteria] == ["goal_progress", "verification", "trajectory_health"]
     assert coding.criteria[0].weight == pytest.approx(0.6)
+    tests_first = load_criteria("coding_tests")
+    assert tests_first.criteria[0].rules and tests_first.criteria[0].uses_judge
+    assert [" ".join(c.description.split()) for c in tests_first.criteria] == [
+        " ".join(c.description.split()) for c in coding.criteria
+    ]
 
 
 def test_markdown_format_and_normalisation(tmp_path: Path) -> None:
