@@ -3,9 +3,12 @@
 from typing import TYPE_CHECKING, Any
 
 from .criteria import CriteriaError, Criterion, Rubric, bundled_criteria, load_criteria
+from .extractors import register_extractor
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from .metrics import Metrics
 from .prompts import Prompt, Step, build_prompt
+from .rules import RuleInput, RuleScore, register_rule
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
 from .tracker import AsyncProgressTracker, Progress, ProgressTracker, atrack, score_prefix, track
 
@@ -51,11 +54,14 @@ __all__ = [
     "JudgeResponse",
     "LetterDistribution",
     "LlamaCppJudge",
+    "Metrics",
     "OpenAIJudge",
     "Progress",
     "ProgressTracker",
     "Prompt",
     "Rubric",
+    "RuleInput",
+    "RuleScore",
     "ScoreError",
     "Step",
     "Usage",
@@ -67,6 +73,8 @@ __all__ = [
     "load_criteria",
     "load_image",
     "read_letter",
+    "register_extractor",
+    "register_rule",
     "score_prefix",
     "track",
 ]

@@ -16,6 +16,7 @@ import structlog
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from .metrics import Metrics
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput
 from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, rule_score, score_criterion
@@ -137,6 +138,7 @@ class AsyncProgressTracker:
         expected: str | None = None,
         run_id: str | None = None,
         on_progress: ProgressCallback | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -152,6 +154,7 @@ class AsyncProgressTracker:
         self.allow_files = allow_files
         self.expected = expected
         self.calls_saved = 0
+        self.metrics = metrics
         self.run_id = run_id
         self.on_progress = on_progress
         self.steps: list[Step] = []
@@ -259,6 +262,8 @@ class AsyncProgressTracker:
             coalesced=coalesced,
         )
         self.calls_saved += p.calls_saved
+        if self.metrics is not None:
+            self.metrics.judge_calls_saved.inc(p.calls_saved)
         self._record(p)
         return p
 

@@ -129,3 +129,19 @@ def test_rubric_json_and_hash(tmp_path: Path) -> None:
 def test_bad_pipeline_config_gets_clear_errors(crit: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(CriteriaError, match=message):
         load_criteria(crit)
+
+
+async def test_calls_saved_are_exported_on_the_registry_passed_in() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent_monitor.metrics import Metrics
+
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    t = AsyncProgressTracker("Fix the tests.", judge=ScriptedJudge(), criteria="coding_tests", metrics=metrics)
+    await t.update("$ ls")
+    assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 0.0
+    await t.update("$ pytest\n=== 2 failed, 8 passed in 1.2s ===")
+    await t.update("$ pytest\n=== 10 passed in 1.1s ===")
+    assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 2.0 == t.calls_saved
+    assert b"agent_monitor_judge_calls_saved_total 2.0" in generate_latest(registry)
