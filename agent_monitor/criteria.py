@@ -163,19 +163,18 @@ def load_criteria(spec: CriteriaSpec = None) -> Rubric:
         spec = DEFAULT_RUBRIC
     if isinstance(spec, Rubric):
         return spec
-    if isinstance(spec, Path) or (isinstance(spec, str) and (spec.endswith((".md", ".json")) or "/" in spec)):
+    if isinstance(spec, Path) or (
+        isinstance(spec, str) and (spec.endswith((".md", ".json", ".yaml", ".yml")) or "/" in spec)
+    ):
         path = Path(spec)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise CriteriaError(f"cannot read criteria file {path}: {e.strerror}") from None
-        if path.suffix == ".json":
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise CriteriaError(f"{path} is not valid JSON: {e}") from None
+        if path.suffix in (".json", ".yaml", ".yml"):
+            data = _load_structured(text, path)
             if not isinstance(data, Mapping):
-                raise CriteriaError(f"{path}: a rubric JSON is an object with a 'criteria' list")
+                raise CriteriaError(f"{path}: a rubric file is a mapping with a 'criteria' list")
             return _from_config(data, str(path))
         return parse_criteria(text, source=str(path))
     if isinstance(spec, str):
@@ -191,6 +190,21 @@ def load_criteria(spec: CriteriaSpec = None) -> Rubric:
         items = [Criterion(str(k), str(v)) for k, v in spec.items()]
         return _normalised("custom", items, "criteria dict")
     return _normalised("custom", [_item(x, i) for i, x in enumerate(spec, 1)], "criteria list")
+
+
+def _load_structured(text: str, path: Path) -> Any:
+    """A JSON or YAML rubric file's content."""
+    if path.suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CriteriaError(f"{path} is not valid JSON: {e}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CriteriaError(f"{path} is not valid YAML: {e}") from None
 
 
 def _from_config(data: Mapping[str, Any], source: str) -> Rubric:

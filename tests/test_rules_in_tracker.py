@@ -145,3 +145,20 @@ async def test_calls_saved_are_exported_on_the_registry_passed_in() -> None:
     await t.update("$ pytest\n=== 10 passed in 1.1s ===")
     assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 2.0 == t.calls_saved
     assert b"agent_monitor_judge_calls_saved_total 2.0" in generate_latest(registry)
+
+
+def test_rubric_yaml(tmp_path: Path) -> None:
+    f = tmp_path / "rubric.yaml"
+    f.write_text(
+        "title: tests first\n"
+        "extractors: [strip_reasoning]\n"
+        "criteria:\n"
+        "  - {type: rule.test_ratio, weight: 1}\n"
+        "  - {type: llm, name: health, description: is the run healthy, weight: 1}\n"
+    )
+    r = load_criteria(f)
+    assert [c.name for c in r.criteria] == ["rule.test_ratio", "health"] and r.criteria[0].rules
+    bad = tmp_path / "bad.yml"
+    bad.write_text("criteria: [unclosed")
+    with pytest.raises(CriteriaError, match="not valid YAML"):
+        load_criteria(bad)
