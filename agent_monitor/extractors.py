@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
+
+from ._config import check_number, compile_pattern, instantiate, known
 
 
 class Extractor(Protocol):
@@ -34,23 +35,6 @@ def register_extractor(name: str) -> Callable[[type[_T]], type[_T]]:
         return cls
 
     return add
-
-
-def _check_number(owner: str, name: str, value: object, lo: float, hi: float, *, integer: bool = False) -> None:
-    # Config arrives as JSON/YAML: a "2000" string or a bool must fail here, not deep inside a transform.
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
-        kind = "an integer" if integer else "a number"
-        raise ValueError(f"{owner}: {name} must be {kind} in [{lo}, {hi}], got {value!r}")
-
-
-def _compile(owner: str, pattern: object, flags: int = 0) -> re.Pattern[str]:
-    if not isinstance(pattern, str):
-        raise ValueError(f"{owner}: pattern must be a string, got {pattern!r}")
-    try:
-        return re.compile(pattern, flags)
-    except re.error as e:
-        raise ValueError(f"{owner}: invalid regular expression {pattern!r}: {e}") from None
 
 
 @register_extractor("strip_reasoning")
@@ -129,8 +113,8 @@ class Truncate:
     head_share: float = 0.5
 
     def __post_init__(self) -> None:
-        _check_number("truncate", "max_chars", self.max_chars, 1, float("inf"), integer=True)
-        _check_number("truncate", "head_share", self.head_share, 0.0, 1.0)
+        check_number("truncate", "max_chars", self.max_chars, 1, float("inf"), integer=True)
+        check_number("truncate", "head_share", self.head_share, 0.0, 1.0)
 
     def __call__(self, text: str) -> str:
         """The text, cut in the middle if it is over budget."""
@@ -160,7 +144,7 @@ class RegexCapture:
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        regex = _compile("regex_capture", self.pattern)
+        regex = compile_pattern("regex_capture", self.pattern)
         g = self.group
         if isinstance(g, bool) or not isinstance(g, (int, str)):
             raise ValueError(f"regex_capture: group must be a number or a group name, got {g!r}")
@@ -259,49 +243,25 @@ ExtractorSpec = str | Mapping[str, Any] | Extractor
 """A config item: a registered name, a dict `{"type": name, **params}`, or an extractor object."""
 
 
-def _known(registry: Mapping[str, object]) -> str:
-    return ", ".join(sorted(registry))
-
-
-def _instantiate(kind: str, name: str, factory: Callable[..., Any], params: Mapping[str, Any]) -> Any:
-    """Call `factory(**params)`, turning unknown, missing or invalid parameters into a ValueError that says which."""
-    try:
-        accepted = [p for p in inspect.signature(factory).parameters.values() if not p.name.startswith("_")]
-    except (TypeError, ValueError):  # builtins without a signature: let the call speak for itself
-        accepted = []
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted)
-    names = [p.name for p in accepted if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    unknown = sorted(k for k in params if k not in names)
-    if unknown and accepted and not takes_any:
-        raise ValueError(
-            f"{kind} {name!r} does not take {', '.join(map(repr, unknown))}; "
-            f"its parameters are: {', '.join(names) or '(none)'}"
-        )
-    try:
-        return factory(**params)
-    except TypeError as e:
-        raise ValueError(f"{kind} {name!r}: bad parameters {dict(params)!r}: {e}") from None
-
-
 def build_extractor(spec: ExtractorSpec) -> Extractor:
     """Build one extractor from a name, a `{"type": name, **params}` dict, or pass an extractor object through."""
     if isinstance(spec, str):
         name, params = spec, {}
     elif isinstance(spec, Mapping):
         if not isinstance(spec.get("type"), str):
-            raise ValueError(f"extractor config {dict(spec)!r} needs a 'type' naming one of: {_known(EXTRACTORS)}")
+            raise ValueError(f"extractor config {dict(spec)!r} needs a 'type' naming one of: {known(EXTRACTORS)}")
         name, params = spec["type"], {k: v for k, v in spec.items() if k != "type"}
     elif callable(spec):
         return spec
     else:
         raise ValueError(
             f"an extractor config item is a {type(spec).__name__}; use a name or a dict with 'type' "
-            f"(one of: {_known(EXTRACTORS)})"
+            f"(one of: {known(EXTRACTORS)})"
         )
     cls = EXTRACTORS.get(name)
     if cls is None:
-        raise ValueError(f"unknown extractor {name!r}; known extractors: {_known(EXTRACTORS)}")
-    built: Extractor = _instantiate("extractor", name, cls, params)
+        raise ValueError(f"unknown extractor {name!r}; known extractors: {known(EXTRACTORS)}")
+    built: Extractor = instantiate("extractor", name, cls, params)
     return built
 
 

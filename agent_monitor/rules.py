@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
-from .extractors import Extractor, LastNumber, _check_number, _compile, _instantiate, _known, build_extractors
+from ._config import check_number, compile_pattern, instantiate, known
+from .extractors import Extractor, LastNumber, build_extractors
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ def rule_name(rule: object) -> str:
 
 
 def _check_confidence(owner: str, value: object) -> None:
-    _check_number(owner, "confidence", value, 0.0, 1.0)
+    check_number(owner, "confidence", value, 0.0, 1.0)
 
 
 def _clamp(x: float) -> float:
@@ -155,13 +156,13 @@ class TestRatio:
     def __post_init__(self) -> None:
         pats = []
         for name in ("passed", "failed", "errors"):
-            p = _compile(f"test_ratio {name}", getattr(self, name))
+            p = compile_pattern(f"test_ratio {name}", getattr(self, name))
             if p.groups < 1:
                 raise ValueError(f"test_ratio: the {name} pattern {p.pattern!r} needs a group around the count")
             pats.append(p)
         object.__setattr__(self, "_patterns", tuple(pats))
         _check_confidence("test_ratio", self.confidence)
-        _check_number("test_ratio", "lookback", self.lookback, 1, float("inf"), integer=True)
+        check_number("test_ratio", "lookback", self.lookback, 1, float("inf"), integer=True)
 
     def _line_summary(self, text: str) -> tuple[int, tuple[int, int, int]] | None:
         offset = 0
@@ -273,9 +274,9 @@ class MetricCurve:
             raise ValueError(f"metric_curve: curve must be 'linear' or 'exp', got {self.curve!r}")
         inf = float("inf")
         if self.start is not None:
-            _check_number("metric_curve", "start", self.start, -inf, inf)
-        _check_number("metric_curve", "goal", self.goal, -inf, inf)
-        _check_number("metric_curve", "scale", self.scale, 0.0, inf)
+            check_number("metric_curve", "start", self.start, -inf, inf)
+        check_number("metric_curve", "goal", self.goal, -inf, inf)
+        check_number("metric_curve", "scale", self.scale, 0.0, inf)
         if self.scale == 0.0:
             raise ValueError("metric_curve: scale must be above 0")
         _check_confidence("metric_curve", self.confidence)
@@ -362,7 +363,7 @@ class AnswerMatch:
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "contains", "numeric"):
             raise ValueError(f"answer_match: mode must be 'exact', 'contains' or 'numeric', got {self.mode!r}")
-        _check_number("answer_match", "tolerance", self.tolerance, 0.0, float("inf"))
+        check_number("answer_match", "tolerance", self.tolerance, 0.0, float("inf"))
         _check_confidence("answer_match", self.confidence)
         if self.extractor is not None and not callable(self.extractor):
             raise ValueError(f"answer_match: extractor must be a str -> str callable, got {self.extractor!r}")
@@ -373,7 +374,7 @@ class AnswerMatch:
         if isinstance(extractor, (str, Mapping)):
             extractor = [extractor]
         built = None if extractor is None else build_extractors(extractor)
-        made: AnswerMatch = _instantiate("rule", "answer_match", cls, {**params, "extractor": built})
+        made: AnswerMatch = instantiate("rule", "answer_match", cls, {**params, "extractor": built})
         return made
 
     def __call__(self, inp: RuleInput) -> RuleScore | None:
@@ -430,7 +431,7 @@ class Composite:
         for i, m in enumerate(self.members):
             if not callable(m):
                 raise ValueError(f"composite: member {i} is a {type(m).__name__}, not a rule")
-        _check_number("composite", "min_confidence", self.min_confidence, 0.0, 1.0)
+        check_number("composite", "min_confidence", self.min_confidence, 0.0, 1.0)
 
     @classmethod
     def from_config(cls, *, members: Any = None, **params: Any) -> Composite:
@@ -443,7 +444,7 @@ class Composite:
                 built.append(build_rule(m))
             except ValueError as e:
                 raise ValueError(f"rule 'composite' members[{i}]: {e}") from None
-        made: Composite = _instantiate("rule", "composite", cls, {**params, "members": tuple(built)})
+        made: Composite = instantiate("rule", "composite", cls, {**params, "members": tuple(built)})
         return made
 
     def __call__(self, inp: RuleInput) -> CompositeScore | None:
@@ -468,11 +469,11 @@ def build_rule(spec: Mapping[str, Any]) -> Rule:
         raise ValueError(f"a rule config must be a dict with a 'type', got {spec!r}")
     kind = spec.get("type")
     if not isinstance(kind, str):
-        raise ValueError(f"rule config {dict(spec)!r} needs a 'type' naming one of: {_known(RULES)}")
+        raise ValueError(f"rule config {dict(spec)!r} needs a 'type' naming one of: {known(RULES)}")
     cls = RULES.get(_bare(kind))
     if cls is None:
-        raise ValueError(f"unknown rule {kind!r}; known rules: {_known(RULES)} (with or without the 'rule.' prefix)")
+        raise ValueError(f"unknown rule {kind!r}; known rules: {known(RULES)} (with or without the 'rule.' prefix)")
     params = {k: v for k, v in spec.items() if k not in ("type", "weight", "name")}
     factory: Callable[..., Any] = getattr(cls, "from_config", cls)
-    built: Rule = _instantiate("rule", _bare(kind), factory, params)
+    built: Rule = instantiate("rule", _bare(kind), factory, params)
     return built
