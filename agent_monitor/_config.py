@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
+
+_C = TypeVar("_C", bound=type)
 
 
 def check_number(owner: str, name: str, value: object, lo: float, hi: float, *, integer: bool = False) -> None:
@@ -47,3 +49,18 @@ def instantiate(kind: str, name: str, factory: Callable[..., Any], params: Mappi
         return factory(**params)
     except TypeError as e:
         raise ValueError(f"{kind} {name!r}: bad parameters {dict(params)!r}: {e}") from None
+
+
+def registrar(registry: MutableMapping[str, Any], kind: str, key: str) -> Callable[[_C], _C]:
+    """A class decorator adding the class to `registry` under `key`; another class under a taken key is an error."""
+    if not key or not isinstance(key, str):
+        raise ValueError(f"{kind} name must be a non-empty string, got {key!r}")
+
+    def add(cls: _C) -> _C:
+        taken = registry.get(key)
+        if taken is not None and taken is not cls:
+            raise ValueError(f"{kind} name {key!r} is already taken by {taken.__qualname__}; pick another name")
+        registry[key] = cls
+        return cls
+
+    return add

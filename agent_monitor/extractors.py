@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from ._config import check_number, compile_pattern, instantiate, known
+from ._config import check_number, compile_pattern, instantiate, known, registrar
 
 
 class Extractor(Protocol):
@@ -24,17 +24,7 @@ EXTRACTORS: dict[str, type[Extractor]] = {}
 
 def register_extractor(name: str) -> Callable[[type[_T]], type[_T]]:
     """Register an extractor type under `name` so that config can build it; its constructor takes the config keys."""
-    if not name or not isinstance(name, str):
-        raise ValueError(f"extractor name must be a non-empty string, got {name!r}")
-
-    def add(cls: type[_T]) -> type[_T]:
-        taken = EXTRACTORS.get(name)
-        if taken is not None and taken is not cls:
-            raise ValueError(f"extractor name {name!r} is already taken by {taken.__qualname__}; pick another name")
-        EXTRACTORS[name] = cls
-        return cls
-
-    return add
+    return registrar(EXTRACTORS, "extractor", name)
 
 
 @register_extractor("strip_reasoning")

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
-from ._config import check_number, compile_pattern, instantiate, known
+from ._config import check_number, compile_pattern, instantiate, known, registrar
 from .extractors import Extractor, LastNumber, build_extractors
 
 
@@ -65,18 +65,9 @@ def _bare(name: str) -> str:
 
 def register_rule(name: str) -> Callable[[type[_R]], type[_R]]:
     """Register a rule type under `name` (a `rule.` prefix is dropped); its constructor takes the config keys."""
-    if not name or not isinstance(name, str) or not _bare(name):
+    if not isinstance(name, str):
         raise ValueError(f"rule name must be a non-empty string, got {name!r}")
-    key = _bare(name)
-
-    def add(cls: type[_R]) -> type[_R]:
-        taken = RULES.get(key)
-        if taken is not None and taken is not cls:
-            raise ValueError(f"rule name {key!r} is already taken by {taken.__qualname__}; pick another name")
-        RULES[key] = cls
-        return cls
-
-    return add
+    return registrar(RULES, "rule", _bare(name))
 
 
 def rule_name(rule: object) -> str:
