@@ -7,6 +7,7 @@ from .extractors import register_extractor
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
 from .metrics import Metrics
+from .policy import Decision, Policy, PolicyError
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
@@ -44,6 +45,7 @@ __all__ = [
     "CriteriaError",
     "Criterion",
     "CriterionScore",
+    "Decision",
     "Frame",
     "FrameBudget",
     "GeminiJudge",
@@ -56,6 +58,8 @@ __all__ = [
     "LlamaCppJudge",
     "Metrics",
     "OpenAIJudge",
+    "Policy",
+    "PolicyError",
     "Progress",
     "ProgressTracker",
     "Prompt",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,6 +18,7 @@ from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
 from .metrics import Metrics
+from .policy import Decision, Policy, PolicyState
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput
 from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, rule_score, score_criterion
@@ -60,6 +62,7 @@ class Progress:
     calls: int = 0
     calls_saved: int = 0
     silent: tuple[str, ...] = ()
+    signal: Decision | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready view (the shape of the MQTT progress message)."""
@@ -89,6 +92,7 @@ class Progress:
             "coalesced": self.coalesced,
             "calls_saved": self.calls_saved,
             "silent": list(self.silent),
+            "signal": self.signal.signal if self.signal else None,
             "latency_s": self.latency_s,
             "tokens": {
                 "input": self.usage.input_tokens,
@@ -139,6 +143,8 @@ class AsyncProgressTracker:
         run_id: str | None = None,
         on_progress: ProgressCallback | None = None,
         metrics: Metrics | None = None,
+        policy: Policy | Mapping[str, Any] | None = None,
+        on_signal: Callable[[Decision], object] | None = None,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -155,6 +161,10 @@ class AsyncProgressTracker:
         self.expected = expected
         self.calls_saved = 0
         self.metrics = metrics
+        if isinstance(policy, Mapping):
+            policy = Policy().with_overrides(policy)
+        self.policy_state = PolicyState(policy) if policy is not None else None
+        self.on_signal = on_signal
         self.run_id = run_id
         self.on_progress = on_progress
         self.steps: list[Step] = []
@@ -264,10 +274,17 @@ class AsyncProgressTracker:
         self.calls_saved += p.calls_saved
         if self.metrics is not None:
             self.metrics.judge_calls_saved.inc(p.calls_saved)
-        self._record(p)
-        return p
+        return self._record(p)
 
-    def _record(self, p: Progress) -> None:
+    def _record(self, p: Progress) -> Progress:
+        if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
+            # Results older than the latest (a slow concurrent update) do not move the policy backwards.
+            p = dataclasses.replace(p, signal=self.policy_state.observe(p))
+            if p.signal is not None and p.signal.changed and self.on_signal is not None:
+                try:
+                    self.on_signal(p.signal)
+                except Exception:
+                    self._log.exception("on_signal_failed", step=p.step)
         self.curve.append(p)
         self.curve.sort(key=lambda q: q.step)
         if self.latest is None or p.step >= self.latest.step:
@@ -281,6 +298,7 @@ class AsyncProgressTracker:
             except Exception:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
+        return p
 
     async def _work(self) -> None:
         while True:
