@@ -623,42 +623,8 @@ class ProgressOut(_Out):
     @classmethod
     def from_progress(cls, run_id: str, progress: Progress, *, degraded: bool = False) -> ProgressOut:
         """The progress message for a tracker result."""
-        p = progress
-        return cls(
-            run_id=run_id,
-            step=p.step,
-            score=p.score,
-            uncertainty=p.uncertainty,
-            criteria={
-                n: CriterionOut(
-                    score=c.score,
-                    weight=c.weight,
-                    uncertainty=c.uncertainty,
-                    mass=c.mass,
-                    source=c.source,
-                    confidence=c.confidence,
-                    detail=c.detail,
-                )
-                for n, c in p.criteria.items()
-            },
-            ok=p.ok,
-            error=p.error,
-            reason=p.reason,
-            mass=p.mass,
-            dispersion=p.dispersion,
-            judge=p.judge,
-            model=p.model,
-            rubric=p.rubric,
-            coalesced=p.coalesced,
-            latency_s=p.latency_s,
-            tokens=Tokens(
-                input=p.usage.input_tokens, cached_input=p.usage.cached_input_tokens, output=p.usage.output_tokens
-            ),
-            calls_saved=p.calls_saved,
-            silent=list(p.silent),
-            signal=p.signal.signal if p.signal is not None else None,
-            degraded=degraded,
-        )
+        # One mapping of a result to JSON: the tracker's own `as_dict`.
+        return cls.model_validate({**progress.as_dict(), "run_id": run_id, "degraded": degraded})
 
 
 class SignalOut(_Out):

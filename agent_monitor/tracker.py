@@ -86,6 +86,7 @@ class Progress:
             "error": self.error,
             "reason": self.reason,
             "mass": self.mass,
+            "dispersion": self.dispersion,
             "judge": self.judge,
             "model": self.model,
             "rubric": self.rubric,
