@@ -21,4 +21,6 @@ check: $(VENV)/.installed
 	$(PY) -m mypy
 
 test: check
+	@command -v mosquitto >/dev/null && command -v mosquitto_pub >/dev/null || { \
+	  echo "make test needs the Mosquitto broker and clients: apt-get install mosquitto mosquitto-clients"; exit 1; }
 	$(PY) -m pytest -ra

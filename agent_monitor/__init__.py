@@ -10,18 +10,26 @@ from .metrics import Metrics
 from .policy import Decision, Policy, PolicyError
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
+from .runs import RunLimits
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
+from .settings import BrokerSettings
 from .tracker import AsyncProgressTracker, Progress, ProgressTracker, atrack, score_prefix, track
 
 if TYPE_CHECKING:
+    from .broker import EmbeddedBroker
+    from .client import MonitorClient
+    from .daemon import Monitor
     from .judges.gemini import GeminiJudge
     from .judges.llamacpp import LlamaCppJudge
     from .judges.openai import OpenAIJudge
 
 __version__ = "0.1.0"
 
-# Judges import their SDKs (openai, google-genai, llama-cpp) only when asked for.
+# Judges import their SDKs (openai, google-genai, llama-cpp), and the daemon side its MQTT libraries, only when asked for.
 _LAZY = {
+    "Monitor": "agent_monitor.daemon",
+    "MonitorClient": "agent_monitor.client",
+    "EmbeddedBroker": "agent_monitor.broker",
     "OpenAIJudge": "agent_monitor.judges.openai",
     "GeminiJudge": "agent_monitor.judges.gemini",
     "LlamaCppJudge": "agent_monitor.judges.llamacpp",
@@ -42,10 +50,12 @@ __all__ = [
     "LETTERS",
     "AsyncProgressTracker",
     "BaseJudge",
+    "BrokerSettings",
     "CriteriaError",
     "Criterion",
     "CriterionScore",
     "Decision",
+    "EmbeddedBroker",
     "Frame",
     "FrameBudget",
     "GeminiJudge",
@@ -57,6 +67,8 @@ __all__ = [
     "LetterDistribution",
     "LlamaCppJudge",
     "Metrics",
+    "Monitor",
+    "MonitorClient",
     "OpenAIJudge",
     "Policy",
     "PolicyError",
@@ -66,6 +78,7 @@ __all__ = [
     "Rubric",
     "RuleInput",
     "RuleScore",
+    "RunLimits",
     "ScoreError",
     "Step",
     "Usage",

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .criteria import CriteriaError
-from .judges.base import BaseJudge
+from .judges.base import BaseJudge, JudgeError
+from .policy import Policy, PolicyError
 from .recorded import RecordedRunError, iter_recorded
+from .settings import DEFAULT_BROKER, BrokerSettings, SettingsError
 from .tracker import AsyncProgressTracker, Progress
 
 _JUDGES = ("openai", "gemini", "local")
+
+
+class CliError(Exception):
+    """A setting the command cannot work with; printed as one line, exit code 2."""
 
 
 def _env(environ: Mapping[str, str], name: str, default: str | None = None) -> str | None:
@@ -84,7 +92,160 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     score.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
     score.add_argument("--min-mass", type=float, default=0.5, help="minimum letter probability mass for a score")
     score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
+    _serve_flags(
+        sub.add_parser("serve", help="follow live runs over MQTT; publish progress and abort/resample signals"), environ
+    )
     return parser
+
+
+def _num(environ: Mapping[str, str], name: str, kind: type[float] | type[int], default: float | int | None) -> Any:
+    raw = _env(environ, name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        raise CliError(f"AGENT_MONITOR_{name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
+
+
+def _serve_flags(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    e = environ
+    mq = p.add_argument_group("MQTT")
+    mq.add_argument(
+        "--broker",
+        default=_env(e, "BROKER", DEFAULT_BROKER),
+        help="mqtt://[user[:pass]@]host:port or mqtts://... [AGENT_MONITOR_BROKER]",
+    )
+    mq.add_argument("--broker-username", default=_env(e, "BROKER_USERNAME"), help="[AGENT_MONITOR_BROKER_USERNAME]")
+    mq.add_argument(
+        "--broker-password",
+        default=_env(e, "BROKER_PASSWORD"),
+        help="prefer the env var [AGENT_MONITOR_BROKER_PASSWORD]",
+    )
+    mq.add_argument(
+        "--tls-ca", default=_env(e, "TLS_CA"), help="CA file for mqtts:// (default: system CAs) [AGENT_MONITOR_TLS_CA]"
+    )
+    mq.add_argument("--tls-cert", default=_env(e, "TLS_CERT"), help="client certificate (PEM) [AGENT_MONITOR_TLS_CERT]")
+    mq.add_argument("--tls-key", default=_env(e, "TLS_KEY"), help="client key (PEM) [AGENT_MONITOR_TLS_KEY]")
+    mq.add_argument(
+        "--topic-prefix", default=_env(e, "TOPIC_PREFIX", "agents"), help="topic prefix [AGENT_MONITOR_TOPIC_PREFIX]"
+    )
+    mq.add_argument(
+        "--client-id",
+        default=_env(e, "CLIENT_ID", "agent-monitor"),
+        help="fixed MQTT client id: the broker keeps its session across restarts [AGENT_MONITOR_CLIENT_ID]",
+    )
+    mq.add_argument(
+        "--mqtt-protocol",
+        choices=("auto", "5", "3.1.1"),
+        default=_env(e, "MQTT_PROTOCOL", "auto"),
+        help="auto: v5, else 3.1.1 [AGENT_MONITOR_MQTT_PROTOCOL]",
+    )
+    mq.add_argument(
+        "--session-expiry",
+        type=int,
+        default=_num(e, "SESSION_EXPIRY", int, 3600),
+        help="seconds the broker keeps queueing steps while the monitor is down [AGENT_MONITOR_SESSION_EXPIRY]",
+    )
+    mq.add_argument(
+        "--embedded-broker",
+        action="store_true",
+        default=_env(e, "EMBEDDED_BROKER", "") in ("1", "true", "yes"),
+        help="run an MQTT 3.1.1 broker in-process on --broker's host:port (needs agent-monitor[embedded]) [AGENT_MONITOR_EMBEDDED_BROKER=1]",
+    )
+    _judge_flags(p, environ)
+    sc = p.add_argument_group("scoring")
+    sc.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=_num(e, "MAX_CONCURRENCY", int, 8),
+        help="judge calls in flight at once, shared by all runs [AGENT_MONITOR_MAX_CONCURRENCY]",
+    )
+    sc.add_argument(
+        "--repeats",
+        type=int,
+        default=_num(e, "REPEATS", int, 1),
+        help="judge repeats per criterion [AGENT_MONITOR_REPEATS]",
+    )
+    sc.add_argument(
+        "--min-mass",
+        type=float,
+        default=_num(e, "MIN_MASS", float, 0.5),
+        help="minimum letter probability mass for a score [AGENT_MONITOR_MIN_MASS]",
+    )
+    po = p.add_argument_group("policy defaults (a run's start.policy overrides them, same names in snake_case)")
+    po.add_argument(
+        "--abort-below",
+        type=float,
+        default=_num(e, "ABORT_BELOW", float, None),
+        help="abort when the score stays below this [AGENT_MONITOR_ABORT_BELOW]",
+    )
+    po.add_argument(
+        "--resample-below",
+        type=float,
+        default=_num(e, "RESAMPLE_BELOW", float, None),
+        help="resample when the score is below this [AGENT_MONITOR_RESAMPLE_BELOW]",
+    )
+    po.add_argument(
+        "--min-steps",
+        type=int,
+        default=_num(e, "MIN_STEPS", int, 3),
+        help="no signal before this step [AGENT_MONITOR_MIN_STEPS]",
+    )
+    po.add_argument(
+        "--patience",
+        type=int,
+        default=_num(e, "PATIENCE", int, 3),
+        help="scored steps below abort-below before abort [AGENT_MONITOR_PATIENCE]",
+    )
+    po.add_argument(
+        "--regression",
+        type=float,
+        default=_num(e, "REGRESSION", float, None),
+        help="resample on a fall this large from the run's best [AGENT_MONITOR_REGRESSION]",
+    )
+    po.add_argument(
+        "--max-uncertainty",
+        type=float,
+        default=_num(e, "MAX_UNCERTAINTY", float, 0.35),
+        help="scores more uncertain than this neither abort nor resample [AGENT_MONITOR_MAX_UNCERTAINTY]",
+    )
+    ru = p.add_argument_group("runs")
+    ru.add_argument(
+        "--hold",
+        type=float,
+        default=_num(e, "HOLD", float, 10.0),
+        help="seconds a step waits for its start or for missing earlier steps [AGENT_MONITOR_HOLD]",
+    )
+    ru.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=_num(e, "IDLE_TIMEOUT", float, 3600.0),
+        help="seconds without events before a run expires [AGENT_MONITOR_IDLE_TIMEOUT]",
+    )
+    ru.add_argument(
+        "--max-runs",
+        type=int,
+        default=_num(e, "MAX_RUNS", int, 10_000),
+        help="live runs; the idlest is evicted beyond [AGENT_MONITOR_MAX_RUNS]",
+    )
+    ob = p.add_argument_group("observability")
+    ob.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_num(e, "METRICS_PORT", int, 9464),
+        help="Prometheus /metrics port, 0 to disable [AGENT_MONITOR_METRICS_PORT]",
+    )
+    ob.add_argument(
+        "--metrics-host",
+        default=_env(e, "METRICS_HOST", "127.0.0.1"),
+        help="address /metrics binds to [AGENT_MONITOR_METRICS_HOST]",
+    )
+    ob.add_argument(
+        "--log-level",
+        default=_env(e, "LOG_LEVEL", "info"),
+        help="debug, info, warning, error [AGENT_MONITOR_LOG_LEVEL]",
+    )
 
 
 def _row(p: Progress) -> str:
@@ -97,13 +258,20 @@ def _row(p: Progress) -> str:
     )
 
 
+def _fail(message: str) -> int:
+    print(f"agent-monitor: {message}", file=sys.stderr)
+    return 2
+
+
+_NO_JUDGE = (
+    "no judge chosen; pass --judge openai --judge-url URL, --judge gemini, or --judge local "
+    "(or set AGENT_MONITOR_JUDGE)"
+)
+
+
 async def _score(args: argparse.Namespace) -> int:
     if not args.judge:
-        print(
-            "agent-monitor: no judge chosen; pass --judge openai|gemini|local (or set AGENT_MONITOR_JUDGE)",
-            file=sys.stderr,
-        )
-        return 2
+        return _fail(_NO_JUDGE)
     runs = list(iter_recorded(args.path))
     try:
         judge = build_judge(
@@ -132,6 +300,124 @@ async def _score(args: argparse.Namespace) -> int:
             f"\njudge {judge.name} model {judge.model}: {judge.calls} calls, {judge.failures} failed; tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
         )
     return 1 if failures else 0
+
+
+async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
+    """Build the judge and check it can answer before any run depends on it; raise CliError with one line."""
+    try:
+        judge = build_judge(
+            args.judge, url=args.judge_url, model=args.judge_model, api=args.judge_api, timeout_s=args.judge_timeout
+        )
+    except Exception as e:  # SDKs raise their own types for a missing key or extra
+        raise CliError(f"cannot set up the {args.judge} judge: {e}") from None
+    judge.concurrency = concurrency
+    try:
+        if args.judge == "openai" and not args.judge_model:
+            from .judges.openai import OpenAIJudge
+
+            assert isinstance(judge, OpenAIJudge)
+            await judge.resolve_model()
+        elif args.judge == "local":
+            from .judges.llamacpp import LlamaCppJudge
+
+            assert isinstance(judge, LlamaCppJudge)
+            await judge.load()
+    except (JudgeError, OSError, ValueError, RuntimeError) as e:
+        await judge.aclose()
+        where = f" at {args.judge_url}" if args.judge_url else ""
+        raise CliError(f"the {args.judge} judge{where} is not usable: {e}") from None
+    return judge
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import signal
+
+    import structlog
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from .daemon import Monitor
+    from .mqtt import BrokerUnavailable
+    from .runs import RunLimits
+
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    if args.max_concurrency < 1:
+        return _fail(f"--max-concurrency {args.max_concurrency}: use 1 or more")
+    broker = BrokerSettings.from_url(
+        args.broker,
+        username=args.broker_username,
+        password=args.broker_password,
+        ca_file=args.tls_ca,
+        cert_file=args.tls_cert,
+        key_file=args.tls_key,
+    )
+    policy = Policy(
+        abort_below=args.abort_below,
+        resample_below=args.resample_below,
+        min_steps=args.min_steps,
+        patience=args.patience,
+        regression=args.regression,
+        max_uncertainty=args.max_uncertainty,
+    )
+    limits = RunLimits(hold_s=args.hold, idle_timeout_s=args.idle_timeout, max_runs=args.max_runs)
+    log = structlog.get_logger("agent_monitor.cli")
+    async with contextlib.AsyncExitStack() as stack:
+        if args.embedded_broker:
+            from .broker import BrokerStartError, EmbeddedBroker
+
+            try:
+                embedded = await stack.enter_async_context(EmbeddedBroker(broker.host, broker.port))
+            except BrokerStartError as e:
+                return _fail(str(e))
+            log.info("embedded_broker_started", url=embedded.url)
+        judge = await _ready_judge(args, args.max_concurrency)
+        stack.push_async_callback(judge.aclose)
+        registry = CollectorRegistry()
+        monitor = Monitor(
+            judge=judge,
+            broker=broker,
+            prefix=args.topic_prefix,
+            policy=policy,
+            max_concurrency=args.max_concurrency,
+            registry=registry,
+            limits=limits,
+            repeats=args.repeats,
+            min_mass=args.min_mass,
+            client_id=args.client_id,
+            # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
+            protocol="3.1.1" if args.embedded_broker and args.mqtt_protocol == "auto" else args.mqtt_protocol,
+            session_expiry_s=args.session_expiry,
+        )
+        if args.metrics_port:
+            try:
+                server, thread = start_http_server(args.metrics_port, addr=args.metrics_host, registry=registry)
+            except OSError as e:
+                return _fail(
+                    f"cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: {e}; pass --metrics-port"
+                )
+            stack.callback(thread.join, 5)
+            stack.callback(server.shutdown)
+            log.info("metrics_serving", url=f"http://{args.metrics_host}:{args.metrics_port}/metrics")
+        try:
+            await stack.enter_async_context(monitor)
+        except BrokerUnavailable as e:
+            return _fail(str(e))
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        print(
+            f"agent-monitor: serving {args.topic_prefix}/+/start|step|end on {broker.url} "
+            f"with the {judge.name} judge ({judge.model or 'model from server'})",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            await monitor.wait()
+        except asyncio.CancelledError:
+            log.info("shutting_down")
+    return 0
 
 
 class _Stderr:
@@ -164,12 +450,18 @@ def _configure_logging(level: str) -> None:
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Entry point of the `agent-monitor` console script."""
     env = os.environ if environ is None else environ
-    args = _parser(env).parse_args(argv)
+    try:
+        args = _parser(env).parse_args(argv)
+    except CliError as e:
+        return _fail(str(e))
     _configure_logging(_env(env, "LOG_LEVEL", "warning") or "warning")
     try:
         if args.command == "score":
             return asyncio.run(_score(args))
-    except (RecordedRunError, CriteriaError) as e:
+        if args.command == "serve":
+            _configure_logging(args.log_level)
+            return asyncio.run(_serve(args))
+    except (RecordedRunError, CriteriaError, SettingsError, PolicyError, CliError) as e:
         print(f"agent-monitor: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

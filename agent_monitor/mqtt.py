@@ -1,0 +1,194 @@
+"""The daemon's MQTT link (aiomqtt): persistent session, QoS 1 inputs, the outbox published, reconnect with backoff.
+
+MQTT v5 with `clean_start=False` and a session expiry, so the broker queues a run's steps
+while the monitor restarts (aiomqtt's default clean start would drop them). Brokers that
+only speak 3.1.1 (amqtt, many edge brokers) get 3.1.1 with `clean_session=False`, which
+keeps the session the same way; `protocol="auto"` tries v5 first and says which it got.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import aiomqtt
+import structlog
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from .events import input_filters
+from .metrics import Metrics
+from .runs import Message, Outbox
+from .settings import BrokerSettings
+
+log = structlog.get_logger("agent_monitor.mqtt")
+
+Protocol = Literal["auto", "5", "3.1.1"]
+OnMessage = Callable[[str, bytes], Awaitable[None]]
+
+
+class BrokerUnavailable(ConnectionError):
+    """The broker cannot be reached or refused the connection; the message says which and what to check."""
+
+
+class MqttLink:
+    """One MQTT connection for the daemon: subscribe to every input topic, deliver messages, publish the outbox."""
+
+    def __init__(
+        self,
+        broker: BrokerSettings,
+        *,
+        prefix: str = "agents",
+        client_id: str = "agent-monitor",
+        protocol: Protocol = "auto",
+        session_expiry_s: int = 3600,
+        keepalive_s: int = 30,
+        connect_timeout_s: float = 10.0,
+        max_backoff_s: float = 30.0,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.broker = broker
+        self.prefix = prefix
+        self.client_id = client_id
+        self.protocol: Protocol = protocol
+        self.session_expiry_s = session_expiry_s
+        self.keepalive_s = keepalive_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self.metrics = metrics
+        self.connected = asyncio.Event()
+        self.connections = 0
+        self.negotiated: Literal["5", "3.1.1"] | None = None
+
+    def _client(self, version: Literal["5", "3.1.1"]) -> aiomqtt.Client:
+        b = self.broker
+        common = {
+            "username": b.username,
+            "password": b.password,
+            "identifier": self.client_id,
+            "keepalive": self.keepalive_s,
+            "timeout": self.connect_timeout_s,
+            "tls_context": b.ssl_context(),
+        }
+        if version == "5":
+            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = self.session_expiry_s
+            return aiomqtt.Client(
+                b.host,
+                b.port,
+                protocol=aiomqtt.ProtocolVersion.V5,
+                clean_start=False,
+                properties=props,
+                **common,  # type: ignore[arg-type]
+            )
+        return aiomqtt.Client(b.host, b.port, protocol=aiomqtt.ProtocolVersion.V311, clean_session=False, **common)  # type: ignore[arg-type]
+
+    async def connect(self) -> aiomqtt.Client:
+        """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
+        versions: list[Literal["5", "3.1.1"]]
+        if self.negotiated is not None:
+            versions = [self.negotiated]
+        elif self.protocol == "auto":
+            versions = ["5", "3.1.1"]
+        else:
+            versions = [self.protocol]
+        last: Exception | None = None
+        for v in versions:
+            client = self._client(v)
+            try:
+                await client.__aenter__()
+            except aiomqtt.MqttError as e:
+                last = e
+                if v == "5" and _protocol_refused(e):
+                    log.info("broker_refused_v5", broker=self.broker.url, error=str(e))
+                    continue
+                break
+            try:
+                # Subscribed before the monitor counts as started: the broker session queues from here on.
+                for f in input_filters(self.prefix):
+                    await client.subscribe(f, qos=1)
+            except aiomqtt.MqttError as e:
+                with contextlib.suppress(Exception):
+                    await client.__aexit__(None, None, None)
+                last = e
+                break
+            log.info("broker_connected", broker=self.broker.url, protocol=v, client_id=self.client_id)
+            self.negotiated = v
+            return client
+        raise BrokerUnavailable(_explain(self.broker, last))
+
+    async def run(self, on_message: OnMessage, outbox: Outbox, *, first: aiomqtt.Client | None = None) -> None:
+        """Serve forever: receive inputs and publish the outbox; on a lost connection, reconnect with backoff."""
+        client = first
+        backoff = 0.5
+        while True:
+            if client is None:
+                try:
+                    client = await self.connect()
+                except BrokerUnavailable as e:
+                    delay = random.uniform(0, backoff)  # full jitter: many monitors must not reconnect in step
+                    log.warning("broker_unavailable", error=str(e), retry_in_s=round(delay, 2))
+                    await asyncio.sleep(delay)
+                    backoff = min(backoff * 2, self.max_backoff_s)
+                    continue
+            backoff = 0.5
+            try:
+                await self._serve(client, on_message, outbox)
+            except* aiomqtt.MqttError as group:  # raised by the receive loop or the publisher task
+                log.warning("broker_connection_lost", broker=self.broker.url, error=str(group.exceptions[0]))
+            finally:
+                self.connected.clear()
+                if self.metrics:
+                    self.metrics.broker_connected.set(0)
+                with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone either way
+                    await client.__aexit__(None, None, None)
+                client = None
+
+    async def _serve(self, client: aiomqtt.Client, on_message: OnMessage, outbox: Outbox) -> None:
+        self.connections += 1
+        if self.metrics:
+            self.metrics.broker_connected.set(1)
+            if self.connections > 1:
+                self.metrics.broker_reconnects.inc()
+        self.connected.set()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._publish(client, outbox), name="mqtt-publish")
+            async for message in client.messages:
+                payload = message.payload
+                data = payload if isinstance(payload, bytes) else str(payload or "").encode()
+                await on_message(message.topic.value, data)
+
+    async def _publish(self, client: aiomqtt.Client, outbox: Outbox) -> None:
+        while True:
+            m: Message = await outbox.get()
+            try:
+                await client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
+            except aiomqtt.MqttError:
+                outbox.requeue(m)  # published on the next connection, in order
+                raise
+
+
+def _protocol_refused(e: aiomqtt.MqttError) -> bool:
+    rc = getattr(e, "rc", None)
+    value = getattr(rc, "value", rc)
+    # 1: 3.1.1 "unacceptable protocol version"; 132 (0x84): v5 "Unsupported protocol version".
+    return value in (1, 132) or "protocol" in str(e).lower()
+
+
+def _explain(broker: BrokerSettings, e: Exception | None) -> str:
+    text = str(e) if e else "no connection attempt was made"
+    low = text.lower()
+    if "refused" in low and ("111" in low or "errno" in low):
+        hint = "is the broker running? start one (mosquitto) or pass --embedded-broker"
+    elif "not authorized" in low or "bad user" in low or "code:5" in low or "code:134" in low or "code:135" in low:
+        hint = "check --broker-username / --broker-password"
+    elif "timed out" in low or "timeout" in low:
+        hint = "check the host, port and firewall"
+    elif "ssl" in low or "certificate" in low:
+        hint = "check the TLS settings (--tls-ca, or use mqtt:// for a plain broker)"
+    else:
+        hint = "check the broker URL"
+    return f"cannot connect to the MQTT broker at {broker.url}: {text}; {hint}"

@@ -1,0 +1,220 @@
+"""The daemon against a real private Mosquitto: many runs, order, abort/resample, coalescing, bad input, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiomqtt
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import Monitor
+from agent_monitor.mqtt import BrokerUnavailable
+from agent_monitor.policy import Policy
+from agent_monitor.settings import BrokerSettings
+from tests.brokers import Mosquitto, free_port
+from tests.fakes import ScriptedJudge
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Harness:
+    """A harness side written with plain aiomqtt: publishes inputs, collects every output by run and kind."""
+
+    def __init__(self, client: aiomqtt.Client) -> None:
+        self.client = client
+        self.seen: dict[tuple[str, str], list[Any]] = defaultdict(list)
+        self.retained: dict[tuple[str, str], list[bool]] = defaultdict(list)
+        self.changed = asyncio.Event()
+
+    async def publish(self, run_id: str, kind: str, payload: Any = None, *, raw: bytes | None = None) -> None:
+        data = raw if raw is not None else json.dumps(payload or {}).encode()
+        await self.client.publish(f"agents/{run_id}/{kind}", data, qos=1)
+
+    async def collect(self) -> None:
+        async for m in self.client.messages:
+            parts = m.topic.value.split("/")
+            run_id, kind = (parts[1], parts[2]) if len(parts) == 3 else ("_errors", "error")
+            body = bytes(m.payload) if isinstance(m.payload, (bytes, bytearray)) else b""
+            self.seen[(run_id, kind)].append(json.loads(body) if body else None)
+            self.retained[(run_id, kind)].append(m.retain)
+            self.changed.set()
+
+    async def until(self, check: Callable[[], bool], wait_s: float = 20.0) -> None:
+        async def loop() -> None:
+            while not check():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(loop(), wait_s)
+
+    def progress(self, run_id: str) -> list[dict[str, Any]]:
+        return [p for p in self.seen[(run_id, "progress")] if p]
+
+    def last_step(self, run_id: str) -> int:
+        p = self.progress(run_id)
+        return p[-1]["step"] if p else 0
+
+
+@asynccontextmanager
+async def harness(port: int, client_id: str = "harness") -> AsyncIterator[Harness]:
+    async with aiomqtt.Client("127.0.0.1", port, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5) as c:
+        for kind in ("progress", "signal", "error"):
+            await c.subscribe(f"agents/+/{kind}", qos=1)
+        await c.subscribe("agents/_errors", qos=1)
+        h = Harness(c)
+        task = asyncio.create_task(h.collect())
+        try:
+            yield h
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+def monitor(broker: Mosquitto, judge: ScriptedJudge, **kw: Any) -> Monitor:
+    return Monitor(judge=judge, broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", **kw)
+
+
+async def test_many_runs_at_once(broker: Mosquitto) -> None:
+    judge = ScriptedJudge(delay_s=0.005)
+    async with monitor(broker, judge, max_concurrency=8) as mon, harness(broker.port) as h:
+        assert mon.link is not None and mon.link.negotiated == "5"
+        runs = [f"run-{i}" for i in range(60)]
+        for r in runs:
+            await h.publish(r, "start", {"task": f"task of {r}"})
+        for i in range(1, 6):
+            await asyncio.gather(*(h.publish(r, "step", {"index": i, "text": f"{r} step {i}"}) for r in runs))
+        await h.until(lambda: all(h.last_step(r) == 5 for r in runs), wait_s=60)
+        for r in runs:
+            p = h.progress(r)[-1]
+            assert p["run_id"] == r and p["ok"] is True and p["score"] == pytest.approx(5 / 19)
+            assert sum(q["coalesced"] for q in h.progress(r)) == 5
+
+
+async def test_redelivered_and_out_of_order_steps(broker: Mosquitto) -> None:
+    judge = ScriptedJudge()
+    async with monitor(broker, judge, max_concurrency=1), harness(broker.port) as h:
+        await h.publish("r", "start", {"task": "t"})
+        for i in (2, 1, 1, 3, 2):
+            await h.publish("r", "step", {"index": i, "text": f"step number {i}"})
+        await h.until(lambda: h.last_step("r") == 3)
+        await asyncio.sleep(0.2)
+        assert h.last_step("r") == 3 and max(p["step"] for p in h.progress("r")) == 3
+        text = judge.prompts[-1].prefix_text()
+        assert text.count("step number 1") == 1 and text.count("step number 2") == 1
+        assert text.index("step number 1") < text.index("step number 2") < text.index("step number 3")
+
+
+async def test_abort_and_resample_signals_end_to_end(broker: Mosquitto) -> None:
+    # "bad" stays at ~5%; "dip" climbs then falls sharply (regression -> resample).
+    def answer(p: Any) -> dict[str, float]:
+        if "dip task" in p.prefix_text():
+            return {{1: "H", 2: "L", 3: "C", 4: "C"}[p.step]: 0.0}
+        return {"B": 0.0}
+
+    judge = ScriptedJudge(answer)
+    pol = Policy(abort_below=0.2, min_steps=2, patience=2)
+    async with monitor(broker, judge, policy=pol), harness(broker.port) as h:
+        await h.publish("bad", "start", {"task": "bad task"})
+        await h.publish("dip", "start", {"task": "dip task", "policy": {"regression": 0.3, "abort_below": None}})
+        for i in range(1, 5):
+            await h.publish("bad", "step", {"index": i, "text": f"b{i}"})
+            await h.publish("dip", "step", {"index": i, "text": f"d{i}"})
+            # "bad" is told to abort at step 3 (min_steps 2, then 2 low scores); abort is final: no more judge calls.
+            await h.until(lambda i=i: h.last_step("bad") == min(i, 3) and h.last_step("dip") == i)
+        await h.until(lambda: bool(h.seen[("bad", "signal")]) and bool(h.seen[("dip", "signal")]))
+        bad = h.seen[("bad", "signal")]
+        assert [s["signal"] for s in bad] == ["abort"] and bad[0]["step"] == 3 and bad[0]["score"] < 0.2
+        dip = h.seen[("dip", "signal")]
+        assert [s["signal"] for s in dip] == ["resample"] and dip[0]["best_step"] == 2
+
+        # A harness that subscribes late still learns the abort: the signal is retained while the run lives.
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="late") as late:
+            await late.subscribe("agents/bad/signal", qos=1)
+            m = await asyncio.wait_for(anext(aiter(late.messages)), 5)
+            assert m.retain and json.loads(bytes(m.payload))["signal"] == "abort"  # type: ignore[arg-type]
+
+        await h.publish("bad", "end", {"outcome": "failure"})
+        await h.until(lambda: None in h.seen[("bad", "signal")])  # cleared at end
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="later") as later:
+            await later.subscribe("agents/bad/signal", qos=1)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(anext(aiter(later.messages)), 0.5)
+
+
+async def test_slow_judge_burst_coalesces_to_newest_prefix(broker: Mosquitto) -> None:
+    judge = ScriptedJudge(delay_s=0.2)
+    async with monitor(broker, judge, max_concurrency=4), harness(broker.port) as h:
+        await h.publish("burst", "start", {"task": "t"})
+        await asyncio.gather(*(h.publish("burst", "step", {"index": i, "text": f"s{i}"}) for i in range(1, 101)))
+        await h.until(lambda: h.last_step("burst") == 100)
+        progress = h.progress("burst")
+        assert len(judge.prompts) <= 8, len(judge.prompts)
+        assert len(progress) == len(judge.prompts)
+        assert sum(p["coalesced"] for p in progress) == 100
+        assert judge.prompts[-1].step == 100
+
+
+async def test_malformed_payload_reported_and_others_go_on(broker: Mosquitto) -> None:
+    reg = CollectorRegistry()
+    async with monitor(broker, ScriptedJudge(), registry=reg), harness(broker.port) as h:
+        await h.publish("ok", "start", {"task": "t"})
+        await h.publish("broken", "start", raw=b"\xff\xfe not json")
+        await h.publish("ok", "step", raw=b'{"index": 1, "text": 5}')
+        await h.client.publish("agents/bad id!/step", b"{}", qos=1)  # not a valid run id
+        await h.publish("ok", "step", {"index": 1, "text": "fine"})
+        await h.until(lambda: h.last_step("ok") == 1 and bool(h.seen[("_errors", "error")]))
+        assert h.seen[("_errors", "error")][0]["reason"] == "bad_topic"
+        broken = h.seen[("broken", "error")]
+        assert broken[0]["reason"] == "bad_json" and broken[0]["topic"] == "agents/broken/start"
+        assert h.seen[("ok", "error")][0]["reason"] == "invalid" and "text" in h.seen[("ok", "error")][0]["error"]
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_json"}) == 1
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_topic"}) == 1
+
+
+@pytest.mark.parametrize("protocol", ["auto", "3.1.1"])
+async def test_broker_restart_mid_run_loses_no_step(broker: Mosquitto, protocol: str) -> None:
+    judge = ScriptedJudge()
+    async with monitor(broker, judge, protocol=protocol) as mon:  # type: ignore[arg-type]
+        assert mon.link is not None
+        async with harness(broker.port) as h:
+            await h.publish("r", "start", {"task": "t"})
+            for i in range(1, 4):
+                await h.publish("r", "step", {"index": i, "text": f"s{i}"})
+            await h.until(lambda: h.last_step("r") == 3)
+        await asyncio.to_thread(broker.restart)
+        # The harness comes back at once; the monitor may still be in its backoff: the broker queues for it.
+        async with harness(broker.port, client_id="harness-2") as h2:
+            for i in range(4, 8):
+                await h2.publish("r", "step", {"index": i, "text": f"s{i}"})
+            await h2.until(lambda: h2.last_step("r") == 7, wait_s=60)
+        assert mon.link.connections >= 2
+        assert [s.text for s in mon.runs.live["r"].tracker.steps] == [f"s{i}" for i in range(1, 8)]
+
+
+async def test_steps_published_while_monitor_is_down_are_delivered(broker: Mosquitto) -> None:
+    judge = ScriptedJudge()
+    async with monitor(broker, judge):
+        pass  # the first connection creates the persistent session and its subscriptions
+    async with harness(broker.port) as h:
+        await h.publish("r", "start", {"task": "t"})
+        for i in range(1, 4):
+            await h.publish("r", "step", {"index": i, "text": f"s{i}"})
+        async with monitor(broker, judge) as mon:
+            await h.until(lambda: h.last_step("r") == 3)
+            assert len(mon.runs.live["r"].tracker.steps) == 3
+
+
+async def test_broker_down_is_one_clear_error() -> None:
+    port = free_port()
+    mon = Monitor(judge=ScriptedJudge(), broker=BrokerSettings.from_url(f"mqtt://127.0.0.1:{port}"))
+    with pytest.raises(BrokerUnavailable) as e:
+        async with mon:
+            pass
+    assert f"mqtt://127.0.0.1:{port}" in str(e.value) and "\n" not in str(e.value)
