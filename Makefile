@@ -21,6 +21,6 @@ check: $(VENV)/.installed
 	$(PY) -m mypy
 
 test: check
-	@command -v mosquitto >/dev/null && command -v mosquitto_pub >/dev/null || { \
-	  echo "make test needs the Mosquitto broker and clients: apt-get install mosquitto mosquitto-clients"; exit 1; }
+	@for b in mosquitto mosquitto_pub prometheus promtool; do command -v $$b >/dev/null || { \
+	  echo "make test needs $$b: apt-get install mosquitto mosquitto-clients prometheus"; exit 1; }; done
 	$(PY) -m pytest -ra

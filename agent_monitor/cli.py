@@ -242,6 +242,25 @@ def _serve_flags(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None
         help="address /metrics binds to [AGENT_MONITOR_METRICS_HOST]",
     )
     ob.add_argument(
+        "--metric-labels",
+        default=_env(e, "METRIC_LABELS", "group,model"),
+        help="start.labels that become labels of the per-run gauges (comma-separated; keep them few) "
+        "[AGENT_MONITOR_METRIC_LABELS]",
+    )
+    ob.add_argument(
+        "--max-series",
+        type=int,
+        default=_num(e, "MAX_SERIES", int, 1000),
+        help="runs exported per run at most (the most recently active); the rest are counted in "
+        "agent_monitor_run_series_capped [AGENT_MONITOR_MAX_SERIES]",
+    )
+    ob.add_argument(
+        "--metrics-grace",
+        type=float,
+        default=_num(e, "METRICS_GRACE", float, 60.0),
+        help="seconds an ended run's per-run series stay visible [AGENT_MONITOR_METRICS_GRACE]",
+    )
+    ob.add_argument(
         "--log-level",
         default=_env(e, "LOG_LEVEL", "info"),
         help="debug, info, warning, error [AGENT_MONITOR_LOG_LEVEL]",
@@ -387,6 +406,9 @@ async def _serve(args: argparse.Namespace) -> int:
             # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
             protocol="3.1.1" if args.embedded_broker and args.mqtt_protocol == "auto" else args.mqtt_protocol,
             session_expiry_s=args.session_expiry,
+            metric_labels=tuple(n.strip() for n in args.metric_labels.split(",") if n.strip()),
+            max_series=args.max_series,
+            metrics_grace_s=args.metrics_grace,
         )
         if args.metrics_port:
             try:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from .events import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, EventError, decode_event
 from .images import FrameBudget
 from .judges.base import Judge
-from .metrics import Metrics
+from .metrics import MeteredJudge, Metrics, RunCollector
 from .mqtt import MqttLink, Protocol
 from .policy import Policy
 from .runs import Outbox, RunLimits, Runs
@@ -58,17 +58,21 @@ class Monitor:
         session_expiry_s: int = 3600,
         outbox_size: int = 10_000,
         sweep_interval_s: float = 0.5,
+        metric_labels: tuple[str, ...] = ("group", "model"),
+        max_series: int = 1000,
+        metrics_grace_s: float = 60.0,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}; use 1 or more")
-        self.judge = judge
         self.prefix = prefix
         self.max_concurrency = max_concurrency
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
+        # Every judge call is counted (calls, latency, tokens) on its way through.
+        self.judge = MeteredJudge(judge, self.metrics)
         self.outbox = Outbox(outbox_size, metrics=self.metrics)
         self.runs = Runs(
-            judge=judge,
+            judge=self.judge,
             outbox=self.outbox,
             prefix=prefix,
             policy=policy,
@@ -77,7 +81,9 @@ class Monitor:
             repeats=repeats,
             min_mass=min_mass,
             frame_budget=frame_budget,
+            series_grace_s=metrics_grace_s,
         )
+        self.registry.register(RunCollector(self.runs.series, label_names=metric_labels, max_series=max_series))
         self.max_payload_bytes = max_payload_bytes
         self.max_image_bytes = max_image_bytes
         self.sweep_interval_s = sweep_interval_s
@@ -116,7 +122,7 @@ class Monitor:
         log.info(
             "monitor_started",
             prefix=self.prefix,
-            judge=getattr(self.judge, "name", type(self.judge).__name__),
+            judge=self.judge.name,
             max_concurrency=self.max_concurrency,
             broker=self.link.broker.url if self.link else None,
             protocol=self.link.negotiated if self.link else None,

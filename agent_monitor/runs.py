@@ -35,7 +35,7 @@ from .events import (
 )
 from .images import FrameBudget
 from .judges.base import Judge
-from .metrics import Metrics
+from .metrics import Metrics, RunSeries
 from .policy import Policy
 from .scale import DEFAULT_MIN_MASS
 from .tracker import AsyncProgressTracker, Progress
@@ -193,6 +193,7 @@ class Runs:
         frame_budget: FrameBudget | None = None,
         max_side: int | None = 1024,
         clock: Callable[[], float] = time.monotonic,
+        series_grace_s: float = 60.0,
     ) -> None:
         self.judge = judge
         self.outbox = outbox
@@ -208,6 +209,9 @@ class Runs:
         self.live: dict[str, Run] = {}
         self.ended: OrderedDict[str, float] = OrderedDict()
         self.orphans: dict[str, _Orphan] = {}
+        self.series_grace_s = series_grace_s
+        # Ended runs' last values, shown for `series_grace_s` so a board sees how a run finished.
+        self._finished_series: OrderedDict[str, tuple[float, RunSeries]] = OrderedDict()
         self.scorings = 0
         self._ready: asyncio.Queue[str] = asyncio.Queue()
         self._busy = 0
@@ -474,6 +478,11 @@ class Runs:
         while len(self.ended) > self.limits.ended_memory:
             self.ended.popitem(last=False)
         latest = run.tracker.latest
+        if self.series_grace_s > 0:
+            self._finished_series.pop(run.run_id, None)
+            self._finished_series[run.run_id] = (self.clock(), _series(run))
+            while len(self._finished_series) > self.limits.ended_memory:
+                self._finished_series.popitem(last=False)
         if self.metrics:
             self.metrics.runs.labels(outcome).inc()
             self.metrics.runs_active.set(len(self.live))
@@ -500,8 +509,9 @@ class Runs:
     # -- time --
 
     async def sweep(self) -> None:
-        """Expire what waited too long: steps with no start, gaps nobody fills, idle runs."""
+        """Expire what waited too long: steps with no start, gaps nobody fills, idle runs, ended runs' series."""
         now = self.clock()
+        self._prune_series(now)
         for run_id, orphan in list(self.orphans.items()):
             if now - orphan.first_seen >= self.limits.hold_s:
                 del self.orphans[run_id]
@@ -525,6 +535,24 @@ class Runs:
         while True:
             await asyncio.sleep(interval_s)
             await self.sweep()
+
+    def series(self) -> list[RunSeries]:
+        """What the per-run gauges show: live runs, and ended ones within the grace period (scrape thread safe)."""
+        now = self.clock()
+        # list() copies under the GIL: the scrape runs on another thread while the loop mutates these.
+        finished = list(self._finished_series.items())
+        live = list(self.live.values())
+        shown = {r.run_id for r in live}
+        out = [_series(r) for r in live]
+        out += [s for rid, (t, s) in finished if now - t < self.series_grace_s and rid not in shown]
+        return out
+
+    def _prune_series(self, now: float) -> None:
+        while self._finished_series:
+            rid, (t, _) = next(iter(self._finished_series.items()))
+            if now - t < self.series_grace_s:
+                break
+            del self._finished_series[rid]
 
     def idle(self) -> bool:
         """Nothing is waiting for or in scoring."""
@@ -557,6 +585,19 @@ class Runs:
         out = ErrorOut(run_id=run_id, topic=came_on, reason=reason, error=message)
         self.outbox.put(Message(where, out.to_payload()))
         log.warning("event_refused", run_id=run_id, reason=reason, error=message, topic=topic_)
+
+
+def _series(run: Run) -> RunSeries:
+    p = run.tracker.latest
+    return RunSeries(
+        run_id=run.run_id,
+        labels=run.start.labels,
+        progress=p.score if p else None,
+        uncertainty=p.uncertainty if p else None,
+        step=p.step if p else 0,
+        signal=run.signal,
+        last_event=run.last_event,
+    )
 
 
 def _kind(event: InputEvent) -> str:
