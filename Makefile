@@ -16,8 +16,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 check: $(VENV)/.installed
-	$(PY) -m ruff check agent_monitor adapters tests
-	$(PY) -m ruff format --check agent_monitor adapters tests
+	$(PY) -m ruff check agent_monitor adapters tests dashboards bench
+	$(PY) -m ruff format --check agent_monitor adapters tests dashboards bench
 	$(PY) -m mypy
 
 test: check

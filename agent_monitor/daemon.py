@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from .events import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, EventError, decode_event
 from .images import FrameBudget
 from .judges.base import Judge
+from .judges.circuit import CircuitJudge
 from .metrics import MeteredJudge, Metrics, RunCollector
 from .mqtt import MqttLink, Protocol
 from .policy import Policy
@@ -61,6 +62,8 @@ class Monitor:
         metric_labels: tuple[str, ...] = ("group", "model"),
         max_series: int = 1000,
         metrics_grace_s: float = 60.0,
+        circuit_threshold: int = 5,
+        circuit_cooldown_s: float = 2.0,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}; use 1 or more")
@@ -68,8 +71,14 @@ class Monitor:
         self.max_concurrency = max_concurrency
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        # Every judge call is counted (calls, latency, tokens) on its way through.
-        self.judge = MeteredJudge(judge, self.metrics)
+        # Every judge call is counted (calls, latency, tokens) on its way through; the circuit breaker sits
+        # in front, so the calls it refuses while the judge is down are not counted as judge calls.
+        self.judge = CircuitJudge(
+            MeteredJudge(judge, self.metrics),
+            threshold=circuit_threshold,
+            cooldown_s=circuit_cooldown_s,
+            on_change=self._judge_state,
+        )
         self.outbox = Outbox(outbox_size, metrics=self.metrics)
         self.runs = Runs(
             judge=self.judge,
@@ -140,6 +149,11 @@ class Monitor:
                 await stack.aclose()
         self._stopped.set()
         log.info("monitor_stopped", scorings=self.runs.scorings, live_runs=len(self.runs.live))
+
+    def _judge_state(self, degraded: bool) -> None:
+        self.metrics.judge_degraded.set(1 if degraded else 0)
+        if not degraded:
+            self.runs.judge_recovered()
 
     async def wait(self) -> None:
         """Serve until the surrounding task is cancelled (or the monitor is left)."""

@@ -54,6 +54,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.judge_degraded = Gauge(
+            "agent_monitor_judge_degraded",
+            "1 while the judge's circuit breaker is open (the judge keeps failing; scoring waits, never aborts).",
+            registry=registry,
+        )
         self.judge_tokens = Counter(
             "agent_monitor_judge_tokens", "Tokens the judge read and wrote, by kind.", ["kind"], registry=registry
         )
@@ -142,6 +147,7 @@ class MeteredJudge:
         self.metrics = metrics
         for outcome in ("ok", "error"):
             metrics.judge_calls.labels(judge.name, outcome)
+        metrics.judge_latency.labels(judge.name)  # so rate() sees the first call
 
     @property
     def model(self) -> str:

@@ -35,12 +35,19 @@ from .events import (
 )
 from .images import FrameBudget
 from .judges.base import Judge
+from .judges.circuit import CircuitJudge
 from .metrics import Metrics, RunSeries
 from .policy import Policy
 from .scale import DEFAULT_MIN_MASS
 from .tracker import AsyncProgressTracker, Progress
 
 log = structlog.get_logger("agent_monitor.runs")
+
+
+OUTAGE_REASONS = frozenset(
+    {"timeout", "connection", "server_error", "rate_limited", "judge_unavailable", "judge_exception", "inference"}
+)
+"""Judge failures that say the judge was down, not that the prompt or answer was bad: retried on recovery."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +163,7 @@ class Run:
     inflight: bool = False
     ended: RunEnd | None = None
     signal: str = "continue"
+    last_ok: Progress | None = None
     log: Any = None
 
     @property
@@ -414,9 +422,16 @@ class Runs:
         if n <= run.scored or run.signal == "abort":
             self._after_score(run)
             return
-        coalesced = n - run.scored
         run.inflight = True
+        circuit = self.judge if isinstance(self.judge, CircuitJudge) else None
+        probe = False
         try:
+            if circuit is not None and circuit.degraded:
+                # The judge is down: wait for its next probe instead of spending this run's steps on certain
+                # failures; steps arriving meanwhile fold into the one scoring made when it is back.
+                probe = await circuit.wait_ready()
+                n = len(run.tracker.steps)
+            coalesced = n - run.scored
             p: Progress | None = await run.tracker.score(n, coalesced=coalesced)
         except Exception as e:
             # The tracker turns judge failures into results; anything else is a bug, reported, never a score.
@@ -425,11 +440,15 @@ class Runs:
             p = None
         finally:
             run.inflight = False
+            if probe and circuit is not None:
+                circuit.release()
         first = run.scored + 1
         run.scored = n
         self.scorings += 1
         if p is not None:
             self._publish(run, p, first)
+            if not p.ok and p.reason in OUTAGE_REASONS and circuit is not None and circuit.degraded:
+                self._rewind(run)  # retried (after the judge's cool-down) until the judge is back
         self._after_score(run)
 
     def _after_score(self, run: Run) -> None:
@@ -442,9 +461,11 @@ class Runs:
 
     def _publish(self, run: Run, p: Progress, first: int) -> None:
         now = self.clock()
-        self.outbox.put(
-            Message(topic(self.prefix, run.run_id, "progress"), ProgressOut.from_progress(run.run_id, p).to_payload())
-        )
+        if p.ok:
+            run.last_ok = p
+        degraded = isinstance(self.judge, CircuitJudge) and self.judge.degraded
+        out = ProgressOut.from_progress(run.run_id, p, degraded=degraded)
+        self.outbox.put(Message(topic(self.prefix, run.run_id, "progress"), out.to_payload()))
         m = self.metrics
         if m:
             m.scorings.labels("ok" if p.ok else "failed").inc()
@@ -505,6 +526,18 @@ class Runs:
             invalid=False,
         )
         self._finish(victim, "evicted")
+
+    def judge_recovered(self) -> None:
+        """Re-score runs whose newest result was lost to the judge outage that just ended."""
+        for run in list(self.live.values()):
+            latest = run.tracker.latest
+            if latest is not None and not latest.ok and latest.reason in OUTAGE_REASONS:
+                self._rewind(run)
+                self._schedule(run)
+
+    def _rewind(self, run: Run) -> None:
+        """Mark steps whose scoring was lost to an outage as unscored: the next scoring covers them again."""
+        run.scored = max((p.step for p in run.tracker.curve if p.ok), default=0)
 
     # -- time --
 
@@ -588,12 +621,13 @@ class Runs:
 
 
 def _series(run: Run) -> RunSeries:
-    p = run.tracker.latest
+    # The curve keeps the last good score through a failed scoring (a gap would read as "no data").
+    p, ok = run.tracker.latest, run.last_ok
     return RunSeries(
         run_id=run.run_id,
         labels=run.start.labels,
-        progress=p.score if p else None,
-        uncertainty=p.uncertainty if p else None,
+        progress=ok.score if ok else None,
+        uncertainty=ok.uncertainty if ok else None,
         step=p.step if p else 0,
         signal=run.signal,
         last_event=run.last_event,

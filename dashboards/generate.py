@@ -1,0 +1,552 @@
+"""Generate `agent-monitor.json`, the Grafana dashboard of the monitor daemon's Prometheus metrics.
+
+    python dashboards/generate.py           # rewrite dashboards/agent-monitor.json
+    python dashboards/generate.py --check   # exit 1 if the committed JSON is not what this script makes
+
+The committed JSON is what users import; this script only keeps it consistent (unique ids, one
+datasource variable everywhere, a gapless grid). Plain dicts in Grafana's classic JSON model
+(schemaVersion 39, Grafana 11); no Grafana SDK needed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).with_name("agent-monitor.json")
+DS = {"type": "prometheus", "uid": "${datasource}"}
+WIDTH = 24
+
+# Every query is scoped to the selected daemons; per-run queries to the selected runs too.
+INST = 'instance=~"$instance"'
+RUNS = f'{INST}, run_id=~"$run_id"'
+RATE = "$__rate_interval"
+
+SIGNAL_CODES = {"0": ("continue", "green"), "1": ("resample", "orange"), "2": ("abort", "red")}
+
+
+def target(
+    ref: str, expr: str, legend: str = "__auto", *, instant: bool = False, table: bool = False
+) -> dict[str, Any]:
+    """One Prometheus query of a panel."""
+    t: dict[str, Any] = {
+        "datasource": DS,
+        "refId": ref,
+        "expr": expr,
+        "legendFormat": legend,
+        "range": not instant,
+        "instant": instant,
+        "editorMode": "code",
+    }
+    if table:
+        t["format"] = "table"
+    return t
+
+
+def timeseries(
+    title: str,
+    targets: list[dict[str, Any]],
+    *,
+    unit: str = "short",
+    description: str = "",
+    w: int = 8,
+    h: int = 8,
+    min_: float | None = 0,
+    max_: float | None = None,
+    no_value: str | None = None,
+    stack: bool = False,
+) -> dict[str, Any]:
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 10,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+        },
+    }
+    if min_ is not None:
+        defaults["min"] = min_
+    if max_ is not None:
+        defaults["max"] = max_
+    if no_value is not None:
+        defaults["noValue"] = no_value
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "_size": (w, h),
+    }
+
+
+def stat(
+    title: str,
+    targets: list[dict[str, Any]],
+    *,
+    unit: str = "short",
+    description: str = "",
+    mappings: list[dict[str, Any]] | None = None,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    text_mode: str = "auto",
+    w: int = 6,
+    h: int = 4,
+) -> dict[str, Any]:
+    steps = [{"value": v, "color": c} for v, c in (thresholds or [(None, "green")])]
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "targets": targets,
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "mappings": mappings or [],
+                "thresholds": {"mode": "absolute", "steps": steps},
+                "color": {"mode": "thresholds"},
+            },
+            "overrides": [],
+        },
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+            "graphMode": "none",
+            "justifyMode": "auto",
+            "textMode": text_mode,
+            "orientation": "auto",
+        },
+        "_size": (w, h),
+    }
+
+
+def value_map(codes: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "value",
+            "options": {
+                code: {"text": text, "color": color, "index": i}
+                for i, (code, (text, color)) in enumerate(codes.items())
+            },
+        }
+    ]
+
+
+def quantiles(metric: str, by: str = "") -> list[dict[str, Any]]:
+    """p50 and p95 of a histogram over the selected daemons."""
+    group = f"{by}, le" if by else "le"
+    suffix = f" {{{{{by}}}}}" if by else ""
+    return [
+        target(
+            ref,
+            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{INST}}}[{RATE}])))",
+            f"p{int(q * 100)}{suffix}",
+        )
+        for ref, q in (("A", 0.5), ("B", 0.95))
+    ]
+
+
+def row(title: str) -> dict[str, Any]:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (WIDTH, 1)}
+
+
+def runs_table() -> dict[str, Any]:
+    """One row per live run: progress, uncertainty, step and current signal, merged on the run's labels.
+
+    Each query aggregates away `__name__` (and the signal gauge its `signal` label, folded into a code
+    0 continue / 1 resample / 2 abort) so all four have the same label set and Grafana's merge joins them.
+    """
+    sig = f'agent_monitor_run_signal{{{RUNS}, signal="%s"}} == 1'
+    signal_code = (
+        f"max without (signal) (({sig % 'abort'}) * 2 or ({sig % 'resample'}) * 1 or ({sig % 'continue'}) * 0)"
+    )
+    targets = [
+        target("A", f"max without () (agent_monitor_run_progress{{{RUNS}}})", instant=True, table=True),
+        target("B", f"max without () (agent_monitor_run_uncertainty{{{RUNS}}})", instant=True, table=True),
+        target("C", f"max without () (agent_monitor_run_step{{{RUNS}}})", instant=True, table=True),
+        target("D", signal_code, instant=True, table=True),
+    ]
+
+    def override(field: str, props: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"matcher": {"id": "byName", "options": field}, "properties": props}
+
+    return {
+        "type": "table",
+        "title": "Current runs",
+        "description": "Every live run of the selected daemons: latest score, its uncertainty, the latest scored step and the "
+        "current signal. Ended runs leave the table a grace period after they end.",
+        "targets": targets,
+        "transformations": [
+            {"id": "merge", "options": {}},
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "job": True},
+                    "indexByName": {"run_id": 0, "Value #A": 1, "Value #B": 2, "Value #C": 3, "Value #D": 4},
+                    "renameByName": {
+                        "Value #A": "progress",
+                        "Value #B": "uncertainty",
+                        "Value #C": "step",
+                        "Value #D": "signal",
+                    },
+                },
+            },
+            {"id": "sortBy", "options": {"sort": [{"field": "progress", "desc": False}]}},
+        ],
+        "fieldConfig": {
+            "defaults": {"custom": {"align": "auto", "cellOptions": {"type": "auto"}}},
+            "overrides": [
+                override(
+                    "progress",
+                    [
+                        {"id": "unit", "value": "percentunit"},
+                        {"id": "min", "value": 0},
+                        {"id": "max", "value": 1},
+                        {"id": "custom.cellOptions", "value": {"type": "gauge", "mode": "basic"}},
+                        {
+                            "id": "thresholds",
+                            "value": {
+                                "mode": "absolute",
+                                "steps": [
+                                    {"value": None, "color": "red"},
+                                    {"value": 0.2, "color": "orange"},
+                                    {"value": 0.5, "color": "green"},
+                                ],
+                            },
+                        },
+                    ],
+                ),
+                override("uncertainty", [{"id": "decimals", "value": 2}]),
+                override("step", [{"id": "decimals", "value": 0}]),
+                override(
+                    "signal",
+                    [
+                        {"id": "mappings", "value": value_map(SIGNAL_CODES)},
+                        {"id": "custom.cellOptions", "value": {"type": "color-text"}},
+                    ],
+                ),
+            ],
+        },
+        "options": {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}},
+        "_size": (WIDTH, 9),
+    }
+
+
+def panels() -> list[dict[str, Any]]:
+    return [
+        row("Runs"),
+        stat(
+            "Runs active",
+            [target("A", f"sum(agent_monitor_runs_active{{{INST}}})", "runs")],
+            description="Runs the selected daemons are following now.",
+            w=5,
+        ),
+        stat(
+            "Broker",
+            [target("A", f"agent_monitor_broker_connected{{{INST}}}", "{{instance}}")],
+            description="1 while the daemon is connected to its MQTT broker.",
+            mappings=value_map({"0": ("disconnected", "red"), "1": ("connected", "green")}),
+            thresholds=[(None, "red"), (1, "green")],
+            w=5,
+        ),
+        stat(
+            "Judge",
+            [target("A", f"max by (instance) (agent_monitor_judge_degraded{{{INST}}})", "{{instance}}")],
+            description="degraded while the judge's circuit breaker is open: the judge keeps failing, scoring waits "
+            "for it (runs are never aborted for it).",
+            mappings=value_map({"0": ("ok", "green"), "1": ("degraded", "red")}),
+            thresholds=[(None, "green"), (1, "red")],
+            w=5,
+        ),
+        stat(
+            "Runs not exported (series cap)",
+            [target("A", f"sum(agent_monitor_run_series_capped{{{INST}}})", "runs")],
+            description="Live runs without per-run series because the daemon's series cap is reached; they are still "
+            "monitored and counted everywhere else.",
+            thresholds=[(None, "green"), (1, "orange")],
+            w=5,
+        ),
+        stat(
+            "Version",
+            [target("A", f"count by (version) (agent_monitor_build_info{{{INST}}})", "{{version}}")],
+            description="agent-monitor versions of the selected daemons (value: how many daemons run it).",
+            text_mode="name",
+            thresholds=[(None, "blue")],
+            w=4,
+        ),
+        timeseries(
+            "Live progress per run",
+            [target("A", f"agent_monitor_run_progress{{{RUNS}}}", "{{run_id}}")],
+            unit="percentunit",
+            min_=0,
+            max_=1,
+            w=16,
+            h=9,
+            description="Latest judged score of each live run, in [0, 1]. A run's line ends a grace period after the "
+            "run ends or expires.",
+        ),
+        timeseries(
+            "Aborts and resamples per minute",
+            [
+                target(
+                    "A",
+                    f'sum by (signal) (rate(agent_monitor_signals_total{{{INST}, signal=~"abort|resample"}}[{RATE}])) * 60',
+                    "{{signal}}",
+                )
+            ],
+            w=8,
+            h=9,
+            description="Signal changes to abort or resample published per minute.",
+        ),
+        runs_table(),
+        timeseries(
+            "Runs ended per minute, by outcome",
+            [
+                target(
+                    "A",
+                    f"sum by (outcome) (rate(agent_monitor_runs_total{{{INST}}}[{RATE}])) * 60",
+                    "{{outcome}}",
+                )
+            ],
+            w=12,
+            description="Runs that ended (success, failure, scored, unknown), expired after the idle timeout, or "
+            "were evicted by the live-run cap.",
+        ),
+        timeseries(
+            "Events and scorings per second",
+            [
+                target("A", f"sum by (type) (rate(agent_monitor_events_total{{{INST}}}[{RATE}]))", "{{type}}"),
+                target(
+                    "B",
+                    f"sum by (outcome) (rate(agent_monitor_scorings_total{{{INST}}}[{RATE}]))",
+                    "scoring {{outcome}}",
+                ),
+                target(
+                    "C",
+                    f"sum(rate(agent_monitor_duplicate_steps_total{{{INST}}}[{RATE}]))",
+                    "duplicate steps",
+                ),
+            ],
+            unit="ops",
+            w=12,
+            description="Input events accepted by type, prefix scorings by result (one scoring may cover "
+            "several coalesced steps), and re-delivered steps ignored as duplicates.",
+        ),
+        row("Judge"),
+        timeseries(
+            "Judge latency p50 / p95",
+            quantiles("agent_monitor_judge_latency_seconds", "judge"),
+            unit="s",
+            description="Wall time of one judge call, retries included.",
+        ),
+        timeseries(
+            "Step-to-score lag p50 / p95",
+            quantiles("agent_monitor_step_to_score_seconds"),
+            unit="s",
+            description="From a step's arrival to the publication of the score that includes it: queueing, "
+            "coalescing and the judge call.",
+        ),
+        timeseries(
+            "Judge calls per second, by outcome",
+            [
+                target(
+                    "A",
+                    f"sum by (judge, outcome) (rate(agent_monitor_judge_calls_total{{{INST}}}[{RATE}]))",
+                    "{{judge}} {{outcome}}",
+                )
+            ],
+            unit="reqps",
+        ),
+        timeseries(
+            "Judge tokens per second, by kind",
+            [target("A", f"sum by (kind) (rate(agent_monitor_judge_tokens_total{{{INST}}}[{RATE}]))", "{{kind}}")],
+            w=12,
+            description="input includes cached_input (the share of the prompt the provider served from its cache).",
+        ),
+        timeseries(
+            "Prompt cache-hit share",
+            [
+                target(
+                    "A",
+                    f'sum(rate(agent_monitor_judge_tokens_total{{{INST}, kind="cached_input"}}[{RATE}]))'
+                    f' / sum(rate(agent_monitor_judge_tokens_total{{{INST}, kind="input"}}[{RATE}]))',
+                    "cached / input",
+                )
+            ],
+            unit="percentunit",
+            min_=0,
+            max_=1,
+            w=6,
+            description="cached_input / input tokens: how much of each prompt the judge's prefix cache served.",
+        ),
+        timeseries(
+            "Judge calls saved, steps coalesced",
+            [
+                target("A", f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))", "calls saved"),
+                target("B", f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))", "steps coalesced"),
+            ],
+            unit="ops",
+            w=6,
+            description="Judge calls not made because confident rules answered, and steps folded into a later "
+            "step's scoring while the judge was busy.",
+        ),
+        row("Pipeline health"),
+        timeseries(
+            "Invalid events per second, by reason",
+            [
+                target(
+                    "A",
+                    f"sum by (reason) (rate(agent_monitor_invalid_events_total{{{INST}}}[{RATE}])) > 0",
+                    "{{reason}}",
+                )
+            ],
+            unit="ops",
+            w=12,
+            no_value="no invalid events",
+            description="Input events refused, by reason (each one is also published on the run's error topic). "
+            "Only reasons that occurred are drawn.",
+        ),
+        timeseries(
+            "Queue and outbox depth",
+            [
+                target("A", f"agent_monitor_queue_depth{{{INST}}}", "queue {{instance}}"),
+                target("B", f"agent_monitor_outbox_depth{{{INST}}}", "outbox {{instance}}"),
+            ],
+            w=12,
+            description="queue: runs waiting for a scorer (each run at most once). outbox: messages waiting to be "
+            "published to the broker.",
+        ),
+        timeseries(
+            "Outbox drops and broker reconnects",
+            [
+                target(
+                    "A",
+                    f"sum by (instance) (increase(agent_monitor_outbox_dropped_total{{{INST}}}[{RATE}]))",
+                    "dropped {{instance}}",
+                ),
+                target(
+                    "B",
+                    f"sum by (instance) (increase(agent_monitor_broker_reconnects_total{{{INST}}}[{RATE}]))",
+                    "reconnects {{instance}}",
+                ),
+            ],
+            w=24,
+            h=7,
+            description="Progress messages dropped because the outbox was full (signals are never dropped), and "
+            "reconnections to the broker.",
+        ),
+    ]
+
+
+def layout(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Give panels ids and a left-to-right, top-to-bottom gridPos (a row starts on a new line)."""
+    x = y = line_h = 0
+    out = []
+    for pid, p in enumerate(items, start=1):
+        w, h = p.pop("_size")
+        if x + w > WIDTH or p["type"] == "row":
+            x, y, line_h = 0, y + line_h, 0
+        out.append({"id": pid, "datasource": DS, **p, "gridPos": {"h": h, "w": w, "x": x, "y": y}})
+        x += w
+        line_h = max(line_h, h)
+        if p["type"] == "row":
+            x, y, line_h = 0, y + h, 0
+    return out
+
+
+def variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "type": "query",
+        "name": name,
+        "label": label,
+        "datasource": DS,
+        "definition": query,
+        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "refresh": 2,
+        "regex": "",
+        "sort": 1,
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [],
+        "hide": 0,
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "uid": "agent-monitor",
+        "title": "Agent monitor",
+        "description": "Live progress of AI agent runs followed by agent-monitor, its LLM judge, and the daemon's health.",
+        "tags": ["agent-monitor", "prometheus"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,
+        "timezone": "browser",
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "10s",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "links": [],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "templating": {
+            "list": [
+                {
+                    "type": "datasource",
+                    "name": "datasource",
+                    "label": "Prometheus",
+                    "query": "prometheus",
+                    "regex": "",
+                    "refresh": 1,
+                    "hide": 0,
+                    "current": {},
+                    "options": [],
+                },
+                variable("instance", "Daemon", "label_values(agent_monitor_build_info, instance)"),
+                variable("run_id", "Run", f"label_values(agent_monitor_run_progress{{{INST}}}, run_id)"),
+            ]
+        },
+        "panels": layout(panels()),
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python {Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
