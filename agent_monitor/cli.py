@@ -7,8 +7,10 @@ import asyncio
 import contextlib
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .criteria import CriteriaError
@@ -16,6 +18,7 @@ from .judges.base import BaseJudge, JudgeError
 from .policy import Policy, PolicyError
 from .recorded import RecordedRunError, iter_recorded
 from .settings import DEFAULT_BROKER, BrokerSettings, SettingsError
+from .store import SqliteStore, default_state_dir
 from .tracker import AsyncProgressTracker, Progress
 
 _JUDGES = ("openai", "gemini", "local")
@@ -95,7 +98,23 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _serve_flags(
         sub.add_parser("serve", help="follow live runs over MQTT; publish progress and abort/resample signals"), environ
     )
+    runs = sub.add_parser("runs", help="list live and recent runs from the run store")
+    _state_flag(runs, environ)
+    runs.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first")
+    runs.add_argument("--json", action="store_true", help="one JSON object per run")
+    export = sub.add_parser("export", help="write a run's steps and score curve as JSON")
+    export.add_argument("run_id")
+    _state_flag(export, environ)
+    export.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
     return parser
+
+
+def _state_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup, environ: Mapping[str, str]) -> None:
+    p.add_argument(
+        "--state-dir",
+        default=_env(environ, "STATE_DIR"),
+        help="where the run store lives (default: $XDG_DATA_HOME/agent-monitor) [AGENT_MONITOR_STATE_DIR]",
+    )
 
 
 def _num(environ: Mapping[str, str], name: str, kind: type[float] | type[int], default: float | int | None) -> Any:
@@ -211,6 +230,38 @@ def _serve_flags(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None
         help="scores more uncertain than this neither abort nor resample [AGENT_MONITOR_MAX_UNCERTAINTY]",
     )
     ru = p.add_argument_group("runs")
+    _state_flag(ru, environ)
+    ru.add_argument(
+        "--no-store",
+        action="store_true",
+        default=_env(e, "NO_STORE", "") in ("1", "true", "yes"),
+        help="keep runs in memory only (a restart forgets them) [AGENT_MONITOR_NO_STORE=1]",
+    )
+    ru.add_argument(
+        "--allow-image-dir",
+        action="append",
+        default=[d for d in (_env(e, "ALLOW_IMAGE_DIRS") or "").split(os.pathsep) if d],
+        help='let events name image files under this directory ({"path": ...}); repeatable; off by default '
+        "[AGENT_MONITOR_ALLOW_IMAGE_DIRS, os.pathsep-separated]",
+    )
+    ru.add_argument(
+        "--allow-image-host",
+        action="append",
+        default=[h for h in (_env(e, "ALLOW_IMAGE_HOSTS") or "").split(",") if h],
+        help='let events name image URLs on this host ({"url": ...}); repeatable; off by default '
+        "[AGENT_MONITOR_ALLOW_IMAGE_HOSTS, comma-separated]",
+    )
+    ru.add_argument(
+        "--rescore",
+        action="store_true",
+        help="on start, score restored runs afresh instead of keeping their stored scores (e.g. a new judge)",
+    )
+    ru.add_argument(
+        "--retention",
+        type=float,
+        default=_num(e, "RETENTION", float, 7 * 24 * 3600.0),
+        help="seconds ended runs stay in the store (for runs / export) [AGENT_MONITOR_RETENTION]",
+    )
     ru.add_argument(
         "--hold",
         type=float,
@@ -379,6 +430,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_uncertainty=args.max_uncertainty,
     )
     limits = RunLimits(hold_s=args.hold, idle_timeout_s=args.idle_timeout, max_runs=args.max_runs)
+    store = None if args.no_store else _open_store(args.state_dir)
     log = structlog.get_logger("agent_monitor.cli")
     async with contextlib.AsyncExitStack() as stack:
         if args.embedded_broker:
@@ -389,6 +441,8 @@ async def _serve(args: argparse.Namespace) -> int:
             except BrokerStartError as e:
                 return _fail(str(e))
             log.info("embedded_broker_started", url=embedded.url)
+        if store is not None:
+            stack.push_async_callback(store.aclose)
         judge = await _ready_judge(args, args.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
@@ -409,6 +463,11 @@ async def _serve(args: argparse.Namespace) -> int:
             metric_labels=tuple(n.strip() for n in args.metric_labels.split(",") if n.strip()),
             max_series=args.max_series,
             metrics_grace_s=args.metrics_grace,
+            store=store,
+            retention_s=args.retention,
+            rescore=args.rescore,
+            image_dirs=tuple(args.allow_image_dir),
+            image_hosts=tuple(args.allow_image_host),
         )
         if args.metrics_port:
             try:
@@ -431,7 +490,8 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
         print(
             f"agent-monitor: serving {args.topic_prefix}/+/start|step|end on {broker.url} "
-            f"with the {judge.name} judge ({judge.model or 'model from server'})",
+            f"with the {judge.name} judge ({judge.model or 'model from server'}); "
+            f"run store {store.path if store else 'off (in memory)'}",
             file=sys.stderr,
             flush=True,
         )
@@ -439,6 +499,58 @@ async def _serve(args: argparse.Namespace) -> int:
             await monitor.wait()
         except asyncio.CancelledError:
             log.info("shutting_down")
+    return 0
+
+
+def _open_store(state_dir: str | None) -> SqliteStore:
+    path = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    try:
+        return SqliteStore(path / "runs.sqlite3")
+    except (OSError, sqlite3.Error) as e:
+        raise CliError(f"cannot open the run store in {path}: {e}; pass --state-dir, or --no-store") from None
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    store = _open_store(args.state_dir)
+    try:
+        rows = await store.list_runs(args.limit)
+    finally:
+        await store.aclose()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    if not rows:
+        print(f"no runs in {store.path}")
+        return 0
+    print(f"{'run_id':<32} {'state':<9} {'outcome':<9} {'step':>5} {'score':>6} {'signal':<9} task")
+    for r in rows:
+        state = "ended" if r["ended_at"] else "live"
+        score = "" if r["last_score"] is None else f"{r['last_score']:.3f}"
+        print(
+            f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} {score:>6} "
+            f"{r['signal'] or '':<9} {(r['task'] or '')[:60]}"
+        )
+    return 0
+
+
+async def _read_export(args: argparse.Namespace) -> tuple[Path, dict[str, Any] | None]:
+    store = _open_store(args.state_dir)
+    try:
+        return store.path, await store.export(args.run_id)
+    finally:
+        await store.aclose()
+
+
+def _export(args: argparse.Namespace) -> int:
+    path, data = asyncio.run(_read_export(args))
+    if data is None:
+        return _fail(f"no run {args.run_id!r} in {path}; `agent-monitor runs` lists them")
+    text = json.dumps(data, indent=2)
+    if args.output == "-":
+        print(text)
+    else:
+        Path(args.output).write_text(text + "\n")
     return 0
 
 
@@ -483,6 +595,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.command == "serve":
             _configure_logging(args.log_level)
             return asyncio.run(_serve(args))
+        if args.command == "runs":
+            return asyncio.run(_runs(args))
+        if args.command == "export":
+            return _export(args)
     except (RecordedRunError, CriteriaError, SettingsError, PolicyError, CliError) as e:
         print(f"agent-monitor: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any, Self
 
 import structlog
@@ -19,6 +20,8 @@ from .policy import Policy
 from .runs import Outbox, RunLimits, Runs
 from .scale import DEFAULT_MIN_MASS
 from .settings import BrokerSettings
+from .sources import fetch_images
+from .store import RunStore, SqliteStore
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -64,6 +67,11 @@ class Monitor:
         metrics_grace_s: float = 60.0,
         circuit_threshold: int = 5,
         circuit_cooldown_s: float = 2.0,
+        store: RunStore | None = None,
+        retention_s: float = 7 * 24 * 3600.0,
+        rescore: bool = False,
+        image_dirs: tuple[str, ...] = (),
+        image_hosts: tuple[str, ...] = (),
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency}; use 1 or more")
@@ -91,7 +99,14 @@ class Monitor:
             min_mass=min_mass,
             frame_budget=frame_budget,
             series_grace_s=metrics_grace_s,
+            store=store,
         )
+        self.store = store
+        self.retention_s = retention_s
+        self.rescore = rescore
+        # Off by default: a network event must not make the monitor read local files or fetch URLs.
+        self.image_dirs = tuple(str(Path(d).resolve()) for d in image_dirs)
+        self.image_hosts = image_hosts
         self.registry.register(RunCollector(self.runs.series, label_names=metric_labels, max_series=max_series))
         self.max_payload_bytes = max_payload_bytes
         self.max_image_bytes = max_image_bytes
@@ -115,6 +130,11 @@ class Monitor:
     async def __aenter__(self) -> Self:
         if self._stack is not None:
             raise RuntimeError("the monitor is already running")
+        if self.store is not None:
+            # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
+            restored = await self.runs.restore(await self.store.live_runs(), rescore=self.rescore)
+            if restored:
+                log.info("runs_restored", runs=restored)
         first = await self.link.connect() if self.link is not None else None
         stack = contextlib.AsyncExitStack()
         try:
@@ -124,6 +144,8 @@ class Monitor:
             for i in range(self.max_concurrency):
                 self._tasks.append(tg.create_task(self.runs.work(), name=f"scorer-{i + 1}"))
             self._tasks.append(tg.create_task(self.runs.sweeper(self.sweep_interval_s), name="sweeper"))
+            if isinstance(self.store, SqliteStore):
+                self._tasks.append(tg.create_task(self._retention(), name="retention"))
         except BaseException:
             await stack.aclose()
             raise
@@ -150,6 +172,18 @@ class Monitor:
         self._stopped.set()
         log.info("monitor_stopped", scorings=self.runs.scorings, live_runs=len(self.runs.live))
 
+    async def _retention(self) -> None:
+        """Delete ended runs older than `retention_s` (hourly)."""
+        assert isinstance(self.store, SqliteStore)
+        while True:
+            try:
+                deleted = await self.store.prune(self.retention_s)
+                if deleted:
+                    log.info("runs_pruned", runs=deleted)
+            except Exception:
+                log.exception("prune_failed")
+            await asyncio.sleep(3600)
+
     def _judge_state(self, degraded: bool) -> None:
         self.metrics.judge_degraded.set(1 if degraded else 0)
         if not degraded:
@@ -160,33 +194,41 @@ class Monitor:
         await self._stopped.wait()
 
     async def handle(self, topic: str, payload: bytes) -> None:
-        """Decode one message and fold it into its run; bad input is reported and counted, never raised."""
+        """Decode one message, journal it, fold it into its run; bad input is reported and counted, never raised.
+
+        Raises only when the run store cannot write: the message is then not acknowledged.
+        """
         try:
             if len(payload) > _INLINE_DECODE_BYTES:
-                run_id, event = await asyncio.to_thread(
-                    decode_event,
-                    topic,
-                    payload,
-                    prefix=self.prefix,
-                    max_payload=self.max_payload_bytes,
-                    max_image_bytes=self.max_image_bytes,
-                )
+                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode_options)
             else:
-                run_id, event = decode_event(
-                    topic,
-                    payload,
-                    prefix=self.prefix,
-                    max_payload=self.max_payload_bytes,
-                    max_image_bytes=self.max_image_bytes,
+                run_id, event = decode_event(topic, payload, **self._decode_options)
+            if any(getattr(i, "remote", False) for i in getattr(event, "images", ())):
+                await asyncio.to_thread(
+                    fetch_images, run_id, event, image_dirs=self.image_dirs, max_bytes=self.max_image_bytes
                 )
         except EventError as e:
             self.runs.reject(topic, e)
             return
+        if self.store is not None:
+            # Journaled before the event counts, and before the broker is told it arrived (the link acks on
+            # return): a crash in between makes the broker redeliver it. A failure here raises: no ack.
+            await self.store.journal(run_id, event)
         try:
             await self.runs.accept(run_id, event)
         except Exception:
             # A bug in handling one event must not stop the daemon or the other runs.
             log.exception("event_handling_failed", run_id=run_id, topic=topic)
+
+    @property
+    def _decode_options(self) -> dict[str, Any]:
+        return {
+            "prefix": self.prefix,
+            "max_payload": self.max_payload_bytes,
+            "max_image_bytes": self.max_image_bytes,
+            "image_dirs": self.image_dirs,
+            "image_hosts": self.image_hosts,
+        }
 
     def status(self) -> dict[str, Any]:
         """A snapshot for logs and health checks."""

@@ -41,12 +41,14 @@ import binascii
 import dataclasses
 import json
 import math
+import posixpath
 import re
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -215,6 +217,38 @@ def _looks_like_path(s: str) -> bool:
     )
 
 
+def check_image_path(path: str, allowed_dirs: Sequence[str | Path]) -> str:
+    """Refuse an image path unless it is absolute, plain and under a directory the operator allowed."""
+    if not allowed_dirs:
+        raise _err(
+            "bad_image",
+            f"image path {_clip(path, 60)!r} refused: the monitor reads no files named in events "
+            "unless its operator allows a directory (--allow-image-dir); send the bytes inline as base64",
+        )
+    norm = posixpath.normpath(path)
+    if not path.startswith("/") or "\x00" in path or ".." in path.split("/") or norm != path.rstrip("/"):
+        raise _err("bad_image", f"image path {_clip(path, 60)!r} must be absolute and plain (no '..', no '//')")
+    if not any(norm.startswith(str(d).rstrip("/") + "/") for d in allowed_dirs):
+        raise _err("bad_image", f"image path {_clip(path, 60)!r} is not under a directory the operator allowed")
+    return norm
+
+
+def check_image_url(url: str, allowed_hosts: Sequence[str]) -> str:
+    """Refuse an image URL unless it is http(s) on a host the operator allowed."""
+    if not allowed_hosts:
+        raise _err(
+            "bad_image",
+            f"image URL {_clip(url, 60)!r} refused: the monitor fetches no URLs named in events unless its "
+            "operator allows the host (--allow-image-host); send the bytes inline as base64",
+        )
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.username or parts.password:
+        raise _err("bad_image", f"image URL {_clip(url, 60)!r} must be http(s)://host/... without credentials")
+    if parts.hostname.lower() not in {h.lower() for h in allowed_hosts}:
+        raise _err("bad_image", f"image URL host {parts.hostname!r} is not one the operator allowed")
+    return url
+
+
 def _none_to(value: object, empty: object) -> object:
     return empty if value is None else value
 
@@ -254,10 +288,23 @@ class _In(BaseModel):
 
 
 class ImageIn(_In):
-    """An image sent inline: standard base64 bytes of a PNG, JPEG, GIF or WebP; never a path or URL."""
+    """An image: inline base64 bytes of a PNG, JPEG, GIF or WebP; a `path` or `url` only where the operator allows it."""
 
-    data: str = Field(description="Standard base64 (RFC 4648, padded) of the encoded image; no paths or URLs.")
+    data: str = Field(
+        default="", description="Standard base64 (RFC 4648, padded) of the encoded image; no paths or URLs."
+    )
     mime: str | None = Field(default=None, description="A hint; replaced by the type sniffed from the bytes.")
+    path: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="A file on the monitor's machine: refused unless the operator allows its directory "
+        "(--allow-image-dir).",
+    )
+    url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="An http(s) URL: refused unless the operator allows its host (--allow-image-host).",
+    )
 
     _bytes: bytes | None = PrivateAttr(default=None)
 
@@ -285,7 +332,17 @@ class ImageIn(_In):
 
     @model_validator(mode="after")
     def _decode(self, info: ValidationInfo) -> ImageIn:
-        limit = int((info.context or {}).get("max_image_bytes", MAX_IMAGE_BYTES))
+        ctx = info.context or {}
+        limit = int(ctx.get("max_image_bytes", MAX_IMAGE_BYTES))
+        given = [k for k in ("data", "path", "url") if getattr(self, k)]
+        if len(given) > 1:
+            raise _err("bad_image", f"an image has {' and '.join(given)}; give exactly one")
+        if self.path is not None:
+            check_image_path(self.path, ctx.get("image_dirs", ()))
+            return self  # read later, off the event loop (agent_monitor.sources)
+        if self.url is not None:
+            check_image_url(self.url, ctx.get("image_hosts", ()))
+            return self
         data = self.data
         if _URL.match(data):
             raise _err("bad_image", f"image data {_clip(data, 60)!r} is a URL; images are inline base64 bytes only")
@@ -324,10 +381,22 @@ class ImageIn(_In):
         return self
 
     def decoded(self) -> bytes:
-        """The image's encoded bytes (PNG/JPEG/...), decoded from base64 once."""
+        """The image's encoded bytes (PNG/JPEG/...), decoded from base64 once (or as fetched for a path/URL)."""
         if self._bytes is None:
+            if self.path is not None or self.url is not None:
+                raise RuntimeError("this image is a path or URL that was not fetched yet; see agent_monitor.sources")
             self._bytes = base64.b64decode(self.data, validate=True)
         return self._bytes
+
+    @property
+    def remote(self) -> bool:
+        """The image is a path or URL whose bytes are still to be fetched."""
+        return self._bytes is None and (self.path is not None or self.url is not None)
+
+    def set_fetched(self, raw: bytes, mime: str) -> None:
+        """Attach the bytes fetched for this path/URL image (by agent_monitor.sources)."""
+        object.__setattr__(self, "mime", mime)
+        self._bytes = raw
 
     @classmethod
     def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
@@ -705,10 +774,14 @@ def decode_event(
     prefix: str = "agents",
     max_payload: int = MAX_PAYLOAD_BYTES,
     max_image_bytes: int = MAX_IMAGE_BYTES,
+    image_dirs: Sequence[str | Path] = (),
+    image_hosts: Sequence[str] = (),
 ) -> tuple[str, InputEvent]:
     """Parse and validate one MQTT input message into (run_id, RunStart | StepIn | RunEnd); raise EventError.
 
-    CPU-bound for large images (base64 and JSON): call it off the event loop.
+    CPU-bound for large images (base64 and JSON): call it off the event loop. Image paths and URLs are
+    refused unless `image_dirs` / `image_hosts` allow them; allowed ones are checked here but read or
+    fetched later (`agent_monitor.sources.fetch_images`), never by this function.
     """
     try:
         run_id, kind = parse_topic(topic, prefix)
@@ -743,7 +816,12 @@ def decode_event(
             run_id=run_id,
         )
     try:
-        model = INPUT_MODELS[kind].model_validate(data, context={"max_image_bytes": max_image_bytes})
+        context = {
+            "max_image_bytes": max_image_bytes,
+            "image_dirs": tuple(image_dirs),
+            "image_hosts": tuple(image_hosts),
+        }
+        model = INPUT_MODELS[kind].model_validate(data, context=context)
     except ValidationError as e:
         reason, message = summarise(e)
         raise EventError(reason, f"{kind}: {message}", run_id=run_id) from None

@@ -98,6 +98,8 @@ class MqttLink:
         last: Exception | None = None
         for v in versions:
             client = self._client(v)
+            # Acknowledged only once handled (journaled): a crash before that makes the broker redeliver.
+            client._client.manual_ack_set(True)
             try:
                 await client.__aenter__()
             except aiomqtt.MqttError as e:
@@ -159,7 +161,14 @@ class MqttLink:
             async for message in client.messages:
                 payload = message.payload
                 data = payload if isinstance(payload, bytes) else str(payload or "").encode()
-                await on_message(message.topic.value, data)
+                try:
+                    await on_message(message.topic.value, data)
+                except Exception:
+                    # Not acknowledged: the broker redelivers it on the next connection.
+                    log.exception("message_not_acknowledged", topic=message.topic.value, mid=message.mid)
+                    continue
+                if message.qos > 0:
+                    client._client.ack(message.mid, message.qos)
 
     async def _publish(self, client: aiomqtt.Client, outbox: Outbox) -> None:
         while True:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,8 @@ from .judges.circuit import CircuitJudge
 from .metrics import Metrics, RunSeries
 from .policy import Policy
 from .scale import DEFAULT_MIN_MASS
-from .tracker import AsyncProgressTracker, Progress
+from .store import RunStore, StoredRun
+from .tracker import AsyncProgressTracker, Progress, progress_from_dict
 
 log = structlog.get_logger("agent_monitor.runs")
 
@@ -202,6 +203,7 @@ class Runs:
         max_side: int | None = 1024,
         clock: Callable[[], float] = time.monotonic,
         series_grace_s: float = 60.0,
+        store: RunStore | None = None,
     ) -> None:
         self.judge = judge
         self.outbox = outbox
@@ -217,6 +219,8 @@ class Runs:
         self.live: dict[str, Run] = {}
         self.ended: OrderedDict[str, float] = OrderedDict()
         self.orphans: dict[str, _Orphan] = {}
+        self.store = store
+        self._replaying = False
         self.series_grace_s = series_grace_s
         # Ended runs' last values, shown for `series_grace_s` so a board sees how a run finished.
         self._finished_series: OrderedDict[str, tuple[float, RunSeries]] = OrderedDict()
@@ -229,7 +233,7 @@ class Runs:
 
     async def accept(self, run_id: str, event: InputEvent) -> None:
         """Fold one decoded event into its run (never raises for bad input: it is reported instead)."""
-        if self.metrics:
+        if self.metrics and not self._replaying:
             self.metrics.events.labels(_kind(event)).inc()
         if isinstance(event, RunStart):
             await self._start(run_id, event)
@@ -392,6 +396,8 @@ class Runs:
     # -- scheduling and scoring --
 
     def _schedule(self, run: Run) -> None:
+        if self._replaying:
+            return  # scoring starts once every run is rebuilt, from its stored scores on
         if run.queued or run.inflight or not run.wants_scoring:
             return
         run.queued = True
@@ -465,6 +471,8 @@ class Runs:
             run.last_ok = p
         degraded = isinstance(self.judge, CircuitJudge) and self.judge.degraded
         out = ProgressOut.from_progress(run.run_id, p, degraded=degraded)
+        if self.store is not None:
+            self.store.record_progress(run.run_id, p.step, out.model_dump(mode="json"))
         self.outbox.put(Message(topic(self.prefix, run.run_id, "progress"), out.to_payload()))
         m = self.metrics
         if m:
@@ -493,6 +501,8 @@ class Runs:
         """Forget a run: clear its retained signal, remember its id for a while, count its outcome."""
         if self.live.pop(run.run_id, None) is None:
             return
+        if self.store is not None:
+            self.store.record_end(run.run_id, outcome)
         # An empty retained payload deletes the retained signal, so a later subscriber sees no stale abort.
         self.outbox.put(Message(topic(self.prefix, run.run_id, "signal"), b"", retain=True, droppable=False))
         self.ended[run.run_id] = self.clock()
@@ -526,6 +536,42 @@ class Runs:
             invalid=False,
         )
         self._finish(victim, "evicted")
+
+    async def restore(self, stored: Iterable[StoredRun], *, rescore: bool = False) -> int:
+        """Rebuild runs from a store after a restart: replay their events, take their stored scores; return runs live.
+
+        Nothing is published or judged while replaying; afterwards each run's unscored steps (only those)
+        are scheduled, and a run that had ended but not finished scoring finishes. With `rescore`, stored
+        scores are ignored and each run's newest prefix is scored afresh (e.g. after changing the judge).
+        """
+        stored = list(stored)
+        self._replaying = True
+        try:
+            for sr in stored:
+                for event in sr.events:
+                    await self.accept(sr.run_id, event)
+        finally:
+            self._replaying = False
+        for sr in stored:
+            run = self.live.get(sr.run_id)
+            if run is None:
+                continue
+            results = [] if rescore else [progress_from_dict(d) for d in sr.progress]
+            run.tracker.restore(results)
+            ok = [p for p in results if p.ok]
+            run.last_ok = ok[-1] if ok else None
+            run.scored = min(run.tracker.latest.step, len(run.tracker.steps)) if run.tracker.latest else 0
+            if run.tracker.policy_state is not None:
+                run.signal = run.tracker.policy_state.signal
+            for i in range(1, run.scored + 1):
+                run.arrived.pop(i, None)
+            if run.wants_scoring:
+                self._schedule(run)
+            elif run.ended is not None:
+                self._finish(run, _outcome(run.ended))
+        if self.metrics:
+            self.metrics.runs_active.set(len(self.live))
+        return len(self.live)
 
     def judge_recovered(self) -> None:
         """Re-score runs whose newest result was lost to the judge outage that just ended."""
@@ -611,6 +657,8 @@ class Runs:
         invalid: bool = True,
     ) -> None:
         """Publish an error for a run (or on `_errors`), count it as an invalid event unless it is the monitor's own."""
+        if self._replaying:
+            return  # reported when the event first came
         if self.metrics and invalid:
             self.metrics.invalid_events.labels(reason).inc(count)
         where = topic(self.prefix, run_id, "error") if run_id else errors_topic(self.prefix)

@@ -103,6 +103,28 @@ class Progress:
         }
 
 
+def progress_from_dict(data: Mapping[str, Any]) -> Progress:
+    """A result read back from its `as_dict` form (as a run store keeps it); per-criterion detail is not kept."""
+    tokens = data.get("tokens") or {}
+    return Progress(
+        step=int(data["step"]),
+        score=data.get("score"),
+        uncertainty=data.get("uncertainty"),
+        criteria={},
+        ok=bool(data.get("ok")),
+        error=data.get("error"),
+        reason=data.get("reason"),
+        mass=data.get("mass"),
+        dispersion=data.get("dispersion"),
+        judge=data.get("judge") or "",
+        model=data.get("model") or "",
+        rubric=data.get("rubric") or "",
+        coalesced=int(data.get("coalesced") or 1),
+        latency_s=float(data.get("latency_s") or 0.0),
+        usage=Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0))),
+    )
+
+
 def _step_text(step: StepInput) -> str:
     if isinstance(step, str):
         return step
@@ -300,6 +322,16 @@ class AsyncProgressTracker:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
         return p
+
+    def restore(self, results: Iterable[Progress]) -> None:
+        """Take results scored before a restart as this tracker's own: curve, latest and policy state, no callbacks."""
+        for p in sorted(results, key=lambda q: q.step):
+            if self.policy_state is not None:
+                # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
+                p = dataclasses.replace(p, signal=self.policy_state.observe(p))
+            self.curve.append(p)
+            self.latest = p
+            self._scored = max(self._scored, p.step)
 
     async def _work(self) -> None:
         while True:

@@ -10,6 +10,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +34,13 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "AGENT_MONITOR_LOG_LEVEL": "info", **(env or {})},
+        # Each daemon gets its own run store unless the test shares one (restart tests).
+        env={
+            **os.environ,
+            "AGENT_MONITOR_LOG_LEVEL": "info",
+            "AGENT_MONITOR_STATE_DIR": tempfile.mkdtemp(prefix="agent-monitor-state-"),
+            **(env or {}),
+        },
     )
     try:
         yield proc
@@ -179,6 +186,7 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> No
                 "-m",
                 "agent_monitor",
                 "serve",
+                "--no-store",
                 "--judge",
                 "openai",
                 "--judge-url",
@@ -201,6 +209,7 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> No
             "-m",
             "agent_monitor",
             "serve",
+            "--no-store",
             "--judge",
             "openai",
             "--judge-url",

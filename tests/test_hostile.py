@@ -1,0 +1,146 @@
+"""Hostile and broken input through the daemon: each gets an error event and a count; nothing else is disturbed."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import struct
+import zlib
+from typing import Any
+
+import pytest
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import Monitor
+from agent_monitor.runs import Message, RunLimits
+from agent_monitor.store import MemoryStore
+from tests.fakes import ScriptedJudge
+
+
+def j(**kw: Any) -> bytes:
+    return json.dumps(kw).encode()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def png_bomb(side: int = 100_000) -> bytes:
+    """A tiny PNG whose header claims side x side pixels (a decompression bomb by its header)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
+
+
+def real_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+HOSTILE: list[tuple[str, str, bytes, str]] = [
+    ("not json", "agents/victim/step", b"{oops", "bad_json"),
+    ("not utf-8", "agents/victim/step", b"\xff\xfe\x00", "bad_json"),
+    ("NaN", "agents/victim/step", b'{"text": NaN}', "bad_json"),
+    ("deep nesting", "agents/victim/step", b'{"text": "x", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}", "bad_json"),
+    ("wrong type", "agents/victim/step", j(index="1", text="x"), "invalid"),
+    ("missing field", "agents/victim/start", j(criteria="progress"), "invalid"),
+    ("huge text", "agents/victim/step", j(text="x" * 300_000), "invalid"),
+    ("bad base64", "agents/victim/step", j(text="x", images=["%%%not base64%%%"]), "bad_image"),
+    ("not an image", "agents/victim/step", j(text="x", images=[b64(b"MZ\x90\x00 an executable")]), "bad_image"),
+    ("a file path", "agents/victim/step", j(text="x", images=["/etc/shadow"]), "bad_image"),
+    (
+        "a URL",
+        "agents/victim/step",
+        j(text="x", images=[{"data": "http://169.254.169.254/latest/meta-data"}]),
+        "bad_image",
+    ),
+    ("bad run id", "agents/_sneaky/step", j(text="x"), "bad_topic"),
+    ("unknown policy key", "agents/other/start", j(task="t", policy={"abort_belw": 0.2}), "invalid"),
+    ("criteria file", "agents/other/start", j(task="t", criteria="../../etc/passwd.md"), "invalid"),
+    ("end of unknown run", "agents/nobody/end", j(outcome="success"), "unknown_run"),
+    ("duplicate start", "agents/victim/start", j(task="a different task"), "duplicate_start"),
+]
+
+
+@pytest.mark.parametrize(("what", "topic", "payload", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_hostile_event_is_reported_counted_and_harmless(
+    what: str, topic: str, payload: bytes, reason: str
+) -> None:
+    reg = CollectorRegistry()
+    judge = ScriptedJudge()
+    async with Monitor(judge=judge, registry=reg, store=MemoryStore()) as mon:
+        await mon.handle("agents/victim/start", j(task="the victim's task"))
+        await mon.handle("agents/victim/step", j(index=1, text="fine"))
+        await mon.runs.drain()
+        before = len(judge.prompts)
+        await mon.handle(topic, payload)
+        await mon.handle("agents/victim/step", j(index=2, text="still fine"))
+        await mon.runs.drain()
+        msgs: list[Message] = []
+        while (m := mon.outbox.get_nowait()) is not None:
+            msgs.append(m)
+        errors = [json.loads(m.payload) for m in msgs if "error" in m.topic.rsplit("/", 1)[-1]]
+        assert [e["reason"] for e in errors] == [reason], what
+        assert errors[0]["error"] and len(errors[0]["error"]) < 700
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": reason}) == 1
+        victim = mon.runs.live["victim"]
+        assert [s.text for s in victim.tracker.steps] == ["fine", "still fine"]  # undisturbed
+        assert victim.tracker.latest is not None and victim.tracker.latest.step == 2
+        assert len(judge.prompts) == before + 1
+        assert all("shadow" not in p.text() for p in judge.prompts)  # never reaches the judge
+
+
+async def test_images_that_pass_the_sniff_but_not_the_decoder_keep_the_step() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(judge=ScriptedJudge(), registry=reg) as mon:
+        await mon.handle("agents/r/start", j(task="t"))
+        corrupt = b"\x89PNG\r\n\x1a\n" + b"garbage" * 20
+        await mon.handle("agents/r/step", j(index=1, text="corrupt frame", images=[b64(corrupt)]))
+        await mon.handle("agents/r/step", j(index=2, text="bomb frame", images=[b64(png_bomb())]))
+        await mon.handle("agents/r/step", j(index=3, text="good frame", images=[b64(real_png())]))
+        await mon.runs.drain()
+        steps = mon.runs.live["r"].tracker.steps
+        assert [s.text for s in steps] == ["corrupt frame", "bomb frame", "good frame"]
+        assert [len(s.frames) for s in steps] == [0, 0, 1]
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_image"}) == 2
+
+
+async def test_a_flood_of_run_ids_evicts_the_idlest_and_counts_them() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(judge=ScriptedJudge(), registry=reg, limits=RunLimits(max_runs=50)) as mon:
+        for i in range(500):
+            await mon.handle(f"agents/flood-{i}/start", j(task="spam"))
+        assert len(mon.runs.live) == 50
+        assert set(mon.runs.live) == {f"flood-{i}" for i in range(450, 500)}  # the newest stay
+        assert reg.get_sample_value("agent_monitor_runs_total", {"outcome": "evicted"}) == 450
+        # Orphan steps for never-started runs are bounded too.
+        for i in range(2000):
+            await mon.handle(f"agents/ghost-{i}/step", j(text="x"))
+        assert len(mon.runs.orphans) == mon.runs.limits.max_orphan_runs
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "too_many_held"}) == 1000
+
+
+async def test_rescore_asks_for_fresh_scores_after_a_restart() -> None:
+    store = MemoryStore()
+    judge = ScriptedJudge()
+    async with Monitor(judge=judge, store=store) as mon:
+        await mon.handle("agents/r/start", j(task="t"))
+        for i in range(1, 4):
+            await mon.handle("agents/r/step", j(index=i, text=f"s{i}"))
+            await mon.runs.drain()
+    calls = len(judge.prompts)
+    async with Monitor(judge=judge, store=store) as mon:
+        await mon.runs.drain()
+        assert len(judge.prompts) == calls
+    async with Monitor(judge=judge, store=store, rescore=True) as mon:
+        await mon.runs.drain()
+        assert len(judge.prompts) == calls + 1 and judge.prompts[-1].step == 3
+        assert mon.runs.live["r"].tracker.latest is not None and mon.runs.live["r"].tracker.latest.coalesced == 3
