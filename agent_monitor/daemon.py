@@ -16,8 +16,9 @@ from .judges.base import Judge
 from .judges.circuit import CircuitJudge
 from .metrics import MeteredJudge, Metrics, RunCollector
 from .mqtt import MqttLink, Protocol
+from .outbox import Outbox
 from .policy import Policy
-from .runs import Outbox, RunLimits, Runs
+from .runs import RunLimits, Runs
 from .scale import DEFAULT_MIN_MASS
 from .settings import BrokerSettings
 from .sources import fetch_images

@@ -21,7 +21,7 @@ from paho.mqtt.properties import Properties
 
 from .events import input_filters
 from .metrics import Metrics
-from .runs import Message, Outbox
+from .outbox import Message, Outbox
 from .settings import BrokerSettings
 
 log = structlog.get_logger("agent_monitor.mqtt")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +37,7 @@ from .images import FrameBudget
 from .judges.base import Judge
 from .judges.circuit import CircuitJudge
 from .metrics import Metrics, RunSeries
+from .outbox import Message, Outbox
 from .policy import Policy
 from .scale import DEFAULT_MIN_MASS
 from .store import RunStore, StoredRun
@@ -73,78 +74,6 @@ class RunLimits:
             raise ValueError("hold_s must be >= 0 and idle_timeout_s > 0")
         if min(self.max_runs, self.max_held_steps, self.max_orphan_runs, self.ended_memory) < 1:
             raise ValueError("run limits must be >= 1")
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One MQTT message to publish."""
-
-    topic: str
-    payload: bytes
-    qos: int = 1
-    retain: bool = False
-    droppable: bool = True
-    """Progress and error messages may be dropped when the outbox is full; signals never are."""
-
-
-class Outbox:
-    """The bounded queue of messages to publish; when full, the oldest droppable message makes room."""
-
-    def __init__(self, maxsize: int = 10_000, *, metrics: Metrics | None = None) -> None:
-        if maxsize < 1:
-            raise ValueError("outbox maxsize must be >= 1")
-        self.maxsize = maxsize
-        self.metrics = metrics
-        self.dropped = 0
-        self._q: deque[Message] = deque()
-        self._ready = asyncio.Event()
-
-    def put(self, m: Message) -> None:
-        """Queue a message (never blocks: a scorer must not wait on a slow broker)."""
-        if len(self._q) >= self.maxsize:
-            victim = next((x for x in self._q if x.droppable), None)
-            if victim is not None:
-                self._q.remove(victim)
-            elif m.droppable:
-                victim = m
-            # With nothing droppable queued, a signal still goes in: there is at most one per run change.
-            if victim is not None:
-                self.dropped += 1
-                if self.metrics:
-                    self.metrics.outbox_dropped.inc()
-            if victim is m:
-                return
-        self._q.append(m)
-        self._ready.set()
-        self._gauge()
-
-    def requeue(self, m: Message) -> None:
-        """Put back a message whose publication failed, first in line."""
-        self._q.appendleft(m)
-        self._ready.set()
-        self._gauge()
-
-    async def get(self) -> Message:
-        """The next message, waiting for one."""
-        while not self._q:
-            self._ready.clear()
-            await self._ready.wait()
-        m = self._q.popleft()
-        self._gauge()
-        return m
-
-    def get_nowait(self) -> Message | None:
-        """The next message, or None."""
-        m = self._q.popleft() if self._q else None
-        self._gauge()
-        return m
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def _gauge(self) -> None:
-        if self.metrics:
-            self.metrics.outbox_depth.set(len(self._q))
 
 
 @dataclass(eq=False)

@@ -13,9 +13,9 @@ from agent_monitor.daemon import Monitor
 from agent_monitor.judges.base import JudgeError, JudgeRequest
 from agent_monitor.judges.circuit import CircuitJudge
 from agent_monitor.judges.openai import OpenAIJudge
+from agent_monitor.outbox import Message
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.runs import Message
 from tests.fakes import ScriptedJudge
 from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server
 

@@ -14,7 +14,8 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor
-from agent_monitor.runs import Message, RunLimits
+from agent_monitor.outbox import Message
+from agent_monitor.runs import RunLimits
 from agent_monitor.store import MemoryStore
 from tests.fakes import ScriptedJudge
 

@@ -10,8 +10,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor
+from agent_monitor.outbox import Message, Outbox
 from agent_monitor.policy import Policy
-from agent_monitor.runs import Message, Outbox, RunLimits
+from agent_monitor.runs import RunLimits
 from tests.fakes import ScriptedJudge
 
 

@@ -15,8 +15,8 @@ from PIL import Image
 from agent_monitor.daemon import Monitor
 from agent_monitor.events import RunEnd, RunStart, StepIn, decode_event
 from agent_monitor.images import FrameBudget
+from agent_monitor.outbox import Message
 from agent_monitor.policy import Policy
-from agent_monitor.runs import Message
 from agent_monitor.store import PLACEHOLDER_PNG, MemoryStore, SqliteStore
 from tests.fakes import ScriptedJudge
 
