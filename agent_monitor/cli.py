@@ -9,7 +9,7 @@ import json
 import os
 import sqlite3
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,51 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     _serve_flags(
         sub.add_parser("serve", help="follow live runs over MQTT; publish progress and abort/resample signals"), environ
     )
+    ev = sub.add_parser(
+        "eval", help="score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
+    )
+    ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
+    _judge_flags(ev, environ)
+    ev.add_argument("--criteria", default=None, help="bundled rubric name or a criteria file")
+    ev.add_argument("--min-mass", type=float, default=0.5, help="minimum letter probability mass for a score")
+    ev.add_argument("--repeats", type=int, default=1, help="judge repeats per criterion")
+    ev.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
+    ev.add_argument("--min-steps", type=int, default=3, help="policy: no abort before this step")
+    ev.add_argument("--patience", type=int, default=3, help="policy: low scores in a row before abort")
+    ev.add_argument(
+        "--max-uncertainty", type=float, default=0.35, help="policy: scores more uncertain than this don't count"
+    )
+    ev.add_argument("--abort-below", type=float, default=None, help="also report each run's decision at this threshold")
+    ev.add_argument("--max-false-abort", type=float, default=0.05, help="false-abort rate the recommendation must keep")
+    ev.add_argument("--out", default="agent-monitor-eval", help="folder for the CSVs, PNG and JSON report")
+    ev.add_argument(
+        "--cache", default=None, help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+    )
+    rp = sub.add_parser("replay", help="publish recorded runs to a broker as live runs (to watch the monitor)")
+    rp.add_argument("path", help="a recorded run (.json) or a folder of them")
+    rp.add_argument("--broker", default=_env(environ, "BROKER", DEFAULT_BROKER), help="[AGENT_MONITOR_BROKER]")
+    rp.add_argument("--topic-prefix", default=_env(environ, "TOPIC_PREFIX", "agents"))
+    rp.add_argument("--speed", type=float, default=1.0, help="time scale: 10 replays ten times faster than recorded")
+    rp.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between steps without timestamps (before --speed)"
+    )
+    rp.add_argument(
+        "--max-gap", type=float, default=30.0, help="cap on one recorded pause, in seconds (before --speed)"
+    )
+    rp.add_argument("--run-prefix", default="replay-", help="prefix of the run ids (the file name follows)")
+    rp.add_argument("--max-steps", type=int, default=None, help="publish at most this many steps per run")
+    rp.add_argument("--criteria", default=None, help="bundled rubric name to send in each start")
+    demo = sub.add_parser("demo", help="the whole loop offline: embedded broker, tiny local judge, example runs live")
+    demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
+    demo.add_argument("--out", default="agent-monitor-demo", help="folder for the progress plot")
+    demo.add_argument("--metrics-port", type=int, default=9464, help="/metrics port while the demo runs (0: any free)")
+    demo.add_argument("--pace", type=float, default=1.0, help="seconds between steps of each run")
+    demo.add_argument("--min-mass", type=float, default=0.05, help="minimum letter mass (the tiny judge needs it low)")
+    demo.add_argument("--judge", choices=_JUDGES, default=None, help="a real judge instead of the packaged tiny one")
+    demo.add_argument("--judge-url", default=None)
+    demo.add_argument("--judge-model", default=None)
+    demo.add_argument("--judge-api", choices=("chat", "completions"), default="chat")
+    demo.add_argument("--judge-timeout", type=float, default=60.0)
     runs = sub.add_parser("runs", help="list live and recent runs from the run store")
     _state_flag(runs, environ)
     runs.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first")
@@ -502,6 +547,101 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    judge = await _ready_judge(args, 2) if args.judge else None
+    try:
+        await run_demo(
+            judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
+            min_mass=args.min_mass, pace_s=args.pace,
+        )  # fmt: skip
+    finally:
+        if judge is not None:
+            await judge.aclose()
+    return 0
+
+
+async def _eval(args: argparse.Namespace) -> int:
+    from . import evaluate as ev
+
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    runs = list(iter_recorded(args.path))
+    if not runs:
+        return _fail(f"no recorded runs in {args.path}")
+    judge = await _ready_judge(args, 8)
+    out = Path(args.out)
+    cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
+    total = sum(min(len(r.steps), args.max_steps or len(r.steps)) for r in runs)
+    try:
+        with _progress_bar(total, "scoring prefixes") as advance:
+            curves = await ev.score_runs(
+                runs,
+                judge=judge,
+                criteria=args.criteria,
+                min_mass=args.min_mass,
+                repeats=args.repeats,
+                max_steps=args.max_steps,
+                cache=cache,
+                on_step=lambda run, p: advance(f"{run.name} step {p.step}"),
+            )
+    finally:
+        cache.close()
+        await judge.aclose()
+    policy = Policy(
+        abort_below=args.abort_below,
+        min_steps=args.min_steps,
+        patience=args.patience,
+        max_uncertainty=args.max_uncertainty,
+    )
+    report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
+    files = ev.write_csv(report, out)
+    (out / "eval.json").write_text(json.dumps(ev.report_json(report), indent=2))
+    files.append(out / "eval.json")
+    try:
+        files.append(ev.plot(report, out / "eval.png"))
+    except ImportError:
+        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
+    failed = sum(s is None for c in curves for s in c.scores)
+    cached = sum(c.cached for c in curves)
+    print(ev.summary(report))
+    print(
+        f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
+        + ", ".join(map(str, files))
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr (plain lines when rich is missing or stderr is not a terminal)."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:
+        done = [0]
+
+        def plain(note: str) -> None:
+            done[0] += 1
+            if done[0] % 10 == 0 or done[0] == total:
+                print(f"{what}: {done[0]}/{total}", file=sys.stderr, flush=True)
+
+        yield plain
+        return
+    from rich.console import Console
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(what, total=total, note="")
+        yield lambda note: bar.update(task, advance=1, note=note)
+
+
 def _open_store(state_dir: str | None) -> SqliteStore:
     path = Path(state_dir).expanduser() if state_dir else default_state_dir()
     try:
@@ -595,6 +735,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.command == "serve":
             _configure_logging(args.log_level)
             return asyncio.run(_serve(args))
+        if args.command == "demo":
+            return asyncio.run(_demo(args))
+        if args.command == "eval":
+            return asyncio.run(_eval(args))
+        if args.command == "replay":
+            from .replay import replay_cli
+
+            return replay_cli(args)
         if args.command == "runs":
             return asyncio.run(_runs(args))
         if args.command == "export":

@@ -166,6 +166,13 @@ class Monitor:
         self._stack, self._tasks = None, []
         for task in tasks:
             task.cancel()
+        pending = {t for t in tasks if not t.done()}
+        while pending:
+            # On Python 3.11, asyncio.wait_for (inside aiomqtt's publish, and the circuit's wait) can swallow a
+            # cancel that lands as its inner future completes; a loop that goes on is cancelled again.
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+            for task in pending:
+                task.cancel()
         if stack is not None:
             # The loops run forever, so they end only by cancellation; the TaskGroup awaits each one.
             with contextlib.suppress(asyncio.CancelledError):

@@ -111,7 +111,14 @@ class MqttLink:
             try:
                 # Subscribed before the monitor counts as started: the broker session queues from here on.
                 for f in input_filters(self.prefix):
-                    await client.subscribe(f, qos=1)
+                    granted = await client.subscribe(f, qos=1)
+                    refused = [c for c in (granted or ()) if _code(c) >= 0x80]
+                    if refused:
+                        await client.__aexit__(None, None, None)
+                        raise BrokerUnavailable(
+                            f"the MQTT broker at {self.broker.url} refused the subscription to {f} ({refused[0]}); "
+                            f"check the broker's ACL: the monitor must read {self.prefix}/+/start|step|end"
+                        )
             except aiomqtt.MqttError as e:
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
@@ -178,6 +185,14 @@ class MqttLink:
             except aiomqtt.MqttError:
                 outbox.requeue(m)  # published on the next connection, in order
                 raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError  # a cancel swallowed by wait_for inside publish (Python 3.11)
+
+
+def _code(c: object) -> int:
+    value = getattr(c, "value", c)
+    return int(value) if isinstance(value, int) else 0
 
 
 def _protocol_refused(e: aiomqtt.MqttError) -> bool:
@@ -193,7 +208,9 @@ def _explain(broker: BrokerSettings, e: Exception | None) -> str:
     if "refused" in low and ("111" in low or "errno" in low):
         hint = "is the broker running? start one (mosquitto) or pass --embedded-broker"
     elif "not authorized" in low or "bad user" in low or "code:5" in low or "code:134" in low or "code:135" in low:
-        hint = "check --broker-username / --broker-password"
+        hint = "the broker refused the credentials: check --broker-username / --broker-password"
+    elif "certificate required" in low:
+        hint = "the broker wants a client certificate: pass --tls-cert and --tls-key"
     elif "timed out" in low or "timeout" in low:
         hint = "check the host, port and firewall"
     elif "ssl" in low or "certificate" in low:

@@ -35,7 +35,10 @@ def test_unreadable_runs_get_clear_errors(tmp_path: Path) -> None:
         parse_recorded({"steps": ["a"]})
     with pytest.raises(RecordedRunError, match="neither ATIF"):
         parse_recorded({"foo": 1})
-    assert "atif_reverse_string" in [r.name for r in iter_recorded(FIXTURE.parent)]
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / FIXTURE.name).write_bytes(FIXTURE.read_bytes())
+    bad.unlink()
+    assert [r.name for r in iter_recorded(tmp_path)] == ["atif_reverse_string"]  # folders are searched recursively
 
 
 def test_score_command_prints_a_curve(capsys: pytest.CaptureFixture[str]) -> None:

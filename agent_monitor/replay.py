@@ -1,0 +1,131 @@
+"""Replay recorded runs to a broker as live runs, honouring their recorded timing (scaled), to watch the monitor."""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .client import MonitorClient, Run
+from .recorded import RecordedRun, iter_recorded
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class _Due:
+    at: float
+    order: int
+    run: int
+    kind: str
+    step: int
+
+
+def run_id_for(name: str, prefix: str = "replay-") -> str:
+    """A valid run id (one topic level) from a recorded run's name."""
+    clean = re.sub(r"[^A-Za-z0-9._:-]", "-", name).strip("-.") or "run"
+    return (prefix + clean)[:128]
+
+
+def schedule(
+    runs: Sequence[RecordedRun], *, speed: float = 1.0, interval_s: float = 1.0, max_gap_s: float = 30.0
+) -> list[_Due]:
+    """When each start, step and end is due (seconds from now): recorded gaps, capped and divided by `speed`."""
+    if speed <= 0:
+        raise ValueError("speed must be > 0")
+    due: list[_Due] = []
+    order = 0
+    for r, run in enumerate(runs):
+        t = 0.0
+        due.append(_Due(0.0, order, r, "start", 0))
+        order += 1
+        prev = None
+        for i, step in enumerate(run.steps, 1):
+            if step.timestamp is not None and prev is not None:
+                gap = (step.timestamp - prev).total_seconds()
+                gap = min(max(gap, 0.0), max_gap_s)
+            else:
+                gap = interval_s
+            prev = step.timestamp or prev
+            t += gap / speed
+            due.append(_Due(t, order, r, "step", i))
+            order += 1
+        due.append(_Due(t + interval_s / speed, order, r, "end", 0))
+        order += 1
+    heapq.heapify(due)
+    return [heapq.heappop(due) for _ in range(len(due))]
+
+
+def replay(
+    runs: Sequence[RecordedRun],
+    client: MonitorClient,
+    *,
+    speed: float = 1.0,
+    interval_s: float = 1.0,
+    max_gap_s: float = 30.0,
+    run_prefix: str = "replay-",
+    criteria: str | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    on_event: Callable[[str, str, int], object] | None = None,
+) -> dict[str, Run]:
+    """Publish every run as live (all runs at once, interleaved in recorded time); return the client runs."""
+    plan = schedule(runs, speed=speed, interval_s=interval_s, max_gap_s=max_gap_s)
+    live: dict[int, Run] = {}
+    begin = time.monotonic()
+    for d in plan:
+        wait = begin + d.at - time.monotonic()
+        if wait > 0:
+            sleep(wait)
+        run = runs[d.run]
+        rid = run_id_for(run.name, run_prefix)
+        if d.kind == "start":
+            live[d.run] = client.start_run(rid, task=run.task, criteria=criteria)
+        elif d.kind == "step":
+            live[d.run].step(run.steps[d.step - 1].text, index=d.step)
+        else:
+            if run.outcome is None:
+                live[d.run].end(None)
+            else:
+                live[d.run].end("success" if run.outcome >= 0.5 else "failure")
+        if on_event:
+            on_event(rid, d.kind, d.step)
+    return {run_id_for(runs[i].name, run_prefix): r for i, r in live.items()}
+
+
+def replay_cli(args: argparse.Namespace) -> int:
+    """`agent-monitor replay PATH`."""
+    runs = list(iter_recorded(args.path))
+    if args.max_steps:
+        runs = [RecordedRun(r.name, r.task, r.steps[: args.max_steps], r.outcome) for r in runs]
+    if not runs:
+        print(f"agent-monitor: no recorded runs in {args.path}", file=sys.stderr)
+        return 2
+    steps = sum(len(r.steps) for r in runs)
+    print(f"replaying {len(runs)} runs ({steps} steps) to {args.broker} at {args.speed:g}x", file=sys.stderr)
+    try:
+        with MonitorClient(args.broker, prefix=args.topic_prefix) as client:
+
+            def show(rid: str, kind: str, step: int) -> None:
+                if kind != "step":
+                    print(f"{kind:<5} {rid}", file=sys.stderr, flush=True)
+
+            done = replay(
+                runs,
+                client,
+                speed=args.speed,
+                interval_s=args.interval,
+                max_gap_s=args.max_gap,
+                run_prefix=args.run_prefix,
+                criteria=args.criteria,
+                on_event=show,
+            )
+            for rid, run in done.items():
+                p = run.progress
+                last = f"step {p.step} score {p.score}" if p is not None else "no progress seen"
+                print(f"{rid}: {last}; signal {run.signal.signal if run.signal else 'none'}", file=sys.stderr)
+    except ConnectionError as e:
+        print(f"agent-monitor: {e}", file=sys.stderr)
+        return 2
+    return 0
