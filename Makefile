@@ -19,6 +19,7 @@ check: $(VENV)/.installed
 	$(PY) -m ruff check agent_monitor adapters tests dashboards bench
 	$(PY) -m ruff format --check agent_monitor adapters tests dashboards bench
 	$(PY) -m mypy
+	$(PY) -m mypy adapters
 
 # The demo: its own virtualenv with the offline extras, then `agent-monitor demo` (no broker, GPU or API key).
 DEMO_VENV ?= .venv-demo
