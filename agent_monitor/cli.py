@@ -617,19 +617,21 @@ async def _eval(args: argparse.Namespace) -> int:
 def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
     """A rich progress bar on stderr (plain lines when rich is missing or stderr is not a terminal)."""
     try:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if not Console(stderr=True).is_terminal:
+            raise ImportError  # a log file gets plain lines, not a bar redrawn in place
     except ImportError:
         done = [0]
 
         def plain(note: str) -> None:
             done[0] += 1
             if done[0] % 10 == 0 or done[0] == total:
-                print(f"{what}: {done[0]}/{total}", file=sys.stderr, flush=True)
+                print(f"{what}: {done[0]}/{total} ({note})", file=sys.stderr, flush=True)
 
         yield plain
         return
-    from rich.console import Console
-
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
