@@ -99,9 +99,23 @@ class Prometheus:
             )
         try:
             wait_port(self.port, timeout=30)
+            self._wait_ready(60)
         except TimeoutError:
             self.stop()
             raise RuntimeError(f"prometheus did not start: {self.logs()}") from None
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Wait for /-/ready: the port opens before the TSDB is up, and queries answer 503 until it is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:  # URLError and HTTPError (503 while starting) included
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("prometheus was not ready in time")
 
     def stop(self) -> None:
         if self.proc is None:
