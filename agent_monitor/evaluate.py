@@ -249,7 +249,12 @@ def evaluate(curves: Sequence[RunCurve], *, policy: Policy | None = None, max_fa
                 aborted_successes=good_aborts,
             )
         )
-    ok = [r for r in sweep if r.false_abort_rate is not None and r.false_abort_rate <= max_false_abort]
+    # Only a threshold that saves something is worth recommending; ties go to the lowest (the least aggressive).
+    ok = [
+        r
+        for r in sweep
+        if r.false_abort_rate is not None and r.false_abort_rate <= max_false_abort and (r.steps_saved or 0.0) > 0
+    ]
     recommended = max(ok, key=lambda r: (r.steps_saved or 0.0, -r.threshold)) if ok else None
     decisions = {c.name: abort_step(c, policy) for c in curves} if policy.abort_below is not None else {}
     return Report(list(curves), aucs, rho, sweep, recommended, policy, max_false_abort, decisions)
@@ -298,7 +303,8 @@ def summary(report: Report) -> str:
     lines.append("")
     if report.recommended is None:
         lines.append(
-            f"no threshold keeps false aborts at or below {report.max_false_abort:.0%}: do not abort on this judge yet"
+            f"no threshold saves failing runs' steps while keeping false aborts at or below "
+            f"{report.max_false_abort:.0%}: do not let this judge abort runs yet"
         )
     else:
         r = report.recommended
@@ -355,6 +361,13 @@ def plot(report: Report, path: str | Path) -> Path:
     ax2.set_title("Abort threshold sweep")
     ax2.legend(loc="upper left", fontsize=8)
     ax2.grid(alpha=0.3)
+    good, bad = sum(c.success is True for c in report.runs), sum(c.success is False for c in report.runs)
+    auc = report.auroc.get(0.5)
+    fig.suptitle(
+        f"{len(report.runs)} runs ({good} success, {bad} failure); AUROC at half-run "
+        f"{'n/a' if auc is None else f'{auc:.2f}'}",
+        fontsize=11,
+    )
     fig.tight_layout()
     out = Path(path)
     fig.savefig(out, dpi=110)
