@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,9 +52,27 @@ def _time(value: object) -> datetime | None:
         return None
 
 
+def _shell_result(text: str) -> str:
+    """A JSON-encoded shell result (`{"returncode", "output"}`, as mini-swe-agent records) as plain text."""
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        return text
+    try:
+        data = json.loads(stripped)
+    except ValueError:
+        return text
+    if not isinstance(data, Mapping) or not isinstance(data.get("output"), str):
+        return text
+    out = data["output"].rstrip("\n")
+    code = data.get("returncode")
+    return f"{out}\n[exit code {code}]" if isinstance(code, int) and not isinstance(code, bool) else out
+
+
 def _atif_step(step: Mapping[str, Any], limit: int) -> str:
     parts: list[str] = []
-    if msg := step.get("message"):
+    msg = step.get("message")
+    # Some exports leave unresolved references ("$31") as the message: not text a judge should read.
+    if msg and not re.fullmatch(r"\s*\$\d+\s*", str(msg)):
         parts.append(str(msg).strip())
     for call in step.get("tool_calls") or []:
         if not isinstance(call, Mapping):
@@ -68,7 +87,7 @@ def _atif_step(step: Mapping[str, Any], limit: int) -> str:
     results = obs.get("results") if isinstance(obs, Mapping) else None
     for r in results or []:
         if isinstance(r, Mapping) and r.get("content") is not None:
-            parts.append("Observation:\n" + _clip(str(r["content"]).strip(), limit))
+            parts.append("Observation:\n" + _clip(_shell_result(str(r["content"])).strip(), limit))
     return "\n".join(p for p in parts if p)
 
 

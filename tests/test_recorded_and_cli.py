@@ -78,3 +78,24 @@ def test_score_command_needs_a_judge(
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     assert main(["score", str(FIXTURE), "--judge", "openai"], environ={}) == 2
     assert "cannot set up the openai judge" in capsys.readouterr().err
+
+
+def test_atif_shell_results_are_unwrapped_and_placeholder_messages_dropped() -> None:
+    run = parse_recorded(
+        {
+            "reward": 0,
+            "trajectory": {
+                "steps": [
+                    {"source": "user", "message": "Do it."},
+                    {
+                        "source": "agent",
+                        "message": "$31",
+                        "tool_calls": [{"arguments": {"command": "ls"}}],
+                        "observation": {"results": [{"content": '{"returncode": 2, "output": "no such file\\n"}'}]},
+                    },
+                ]
+            },
+        }
+    )
+    assert run.steps[0].text == "$ ls\nObservation:\nno such file\n[exit code 2]"
+    assert run.outcome == 0.0
