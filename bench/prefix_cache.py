@@ -1,0 +1,369 @@
+"""Judge cost with a real prefix cache: our prefix-stable prompt layout against a step-count-first baseline.
+
+Starts `llama_cpp.server` with the packaged Gemma 3 270M, replays a recorded run
+step by step through `AsyncProgressTracker` + `OpenAIJudge`, once with our
+layout (instructions, task, criteria, steps; "n steps so far" and the criterion
+last) and once with a BASELINE layout that puts the same question block ("The
+trajectory below has n steps so far. Grade only the criterion ...") before the
+trajectory, as the reference library does, so every prompt differs from the
+previous one a few hundred tokens in. Same content, same judge class, same
+server; only the order differs.
+
+Reported: per-update latency at the first and last step for both, prompt tokens
+sent, tokens the server actually evaluated (its verbose log says how much of
+each prompt it kept in the KV cache), and the share of each prompt that is a
+prefix of the next one, on the server's own token ids (`/extras/tokenize`).
+
+    .venv/bin/python bench/prefix_cache.py [--run FILE] [--max-steps 30] [--stock-server] [--server-cache]
+
+By default the server runs with one fix applied at launch (see `_common.LAZY_LOGPROBS_LAUNCHER`):
+stock llama-cpp-python computes a log-softmax over every prompt position on every request that asks
+for logprobs, which costs O(prompt length x vocabulary) time and memory per call regardless of the
+cache and runs this 24 GiB machine out of memory at ~5k-token prompts with Gemma's 262k vocabulary.
+`--stock-server` runs it unmodified (use a small `--max-steps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import re
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _common import REPO, cleanup_on_sigterm, configure_logs, gemma_path, kv_line, llama_server, load1, mem_available_kb
+
+from agent_monitor import AsyncProgressTracker, JudgeRequest, JudgeResponse, Prompt, build_prompt, load_criteria
+from agent_monitor.judges.openai import OpenAIJudge
+from agent_monitor.prompts import Step, TextPart
+from agent_monitor.recorded import RecordedRun, load_recorded
+
+DEFAULT_RUN = REPO.parent / "shared" / "data" / "atif" / "pytorch-model-cli" / "success_trajectory.json"
+FALLBACK_RUN = REPO / "tests" / "fixtures" / "atif_reverse_string.json"
+
+# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose llama_cpp.server).
+PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
+NO_REUSE = re.compile(r"Llama\.generate: (\d+) prefix-match found but partial kv removal not supported")
+
+
+def baseline_layout(p: Prompt) -> Prompt:
+    """The same prompt with its question block (step count + criterion) moved before the task and the steps."""
+    question = "".join(part.text for part in p.tail if isinstance(part, TextPart)).strip("\n")
+    question = question.replace("The trajectory above has", "The trajectory below has")
+    others = tuple(part for part in p.tail if not isinstance(part, TextPart))  # frames (none in text runs)
+    return dataclasses.replace(p, prefix=(TextPart(question + "\n\n"), *p.prefix, *others), tail=())
+
+
+class LayoutJudge(OpenAIJudge):
+    """OpenAIJudge that re-lays the prompt out (`ours` leaves it alone) and remembers what it sent."""
+
+    def __init__(self, layout: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.layout = layout
+        self.sent: list[Prompt] = []
+
+    async def grade(self, request: JudgeRequest) -> JudgeResponse:
+        prompt = request.prompt if self.layout == "ours" else baseline_layout(request.prompt)
+        self.sent.append(prompt)
+        return await super().grade(dataclasses.replace(request, prompt=prompt))
+
+
+@dataclass
+class Update:
+    step: int
+    latency_s: float
+    prompt_tokens: int
+    kept: int | None
+    evaluated: int | None
+    ok: bool
+    score: float | None
+    reason: str | None
+
+
+@dataclass
+class Phase:
+    layout: str
+    updates: list[Update] = field(default_factory=list)
+
+    def at(self, step: int) -> Update | None:
+        return next((u for u in self.updates if u.step == step), None)
+
+
+def post_json(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        return json.loads(resp.read())
+
+
+def tokenize(base: str, text: str) -> list[int]:
+    return list(post_json(base + "/extras/tokenize", {"input": text})["tokens"])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def all_prompts(run: RecordedRun, n: int) -> dict[str, list[str]]:
+    """The prompt text each layout sends at steps 1..n (what `api=completions` posts)."""
+    rubric = load_criteria(None)
+    steps: list[Step] = [Step(index=i + 1, text=rubric.extractors(s.text)) for i, s in enumerate(run.steps[:n])]
+    out: dict[str, list[str]] = {"ours": [], "baseline": []}
+    for k in range(1, n + 1):
+        for c in rubric.judged:
+            p = build_prompt(run.task, rubric, steps[:k], c)
+            out["ours"].append(p.text())
+            out["baseline"].append(baseline_layout(p).text())
+    return out
+
+
+async def warm_up(judge: LayoutJudge) -> None:
+    """One unrelated short prompt, so the server's slot holds nothing useful when a phase starts."""
+    model = await judge.resolve_model()
+    await judge.client.completions.create(model=model, prompt="Warm-up: say A.", max_tokens=1, temperature=0.0)
+
+
+def prefault(base: str, tokens: int) -> float:
+    """Evaluate one unrelated prompt of `tokens` tokens; return its latency.
+
+    llama_cpp.server keeps an n_ctx x n_vocab float array of logits (logits_all, which logprobs
+    need) and touches a row per evaluated token for the first time; with Gemma's 262k vocabulary
+    that is 1 MB of page faults per new position. Doing it once up front keeps that one-off cost out
+    of whichever layout happens to run first.
+    """
+    unit = len(tokenize(base, " ".join(["lorem"] * 1000))) / 1000
+    words = " ".join(["lorem"] * int(tokens / unit))
+    t0 = time.perf_counter()
+    post_json(base + "/v1/completions", {"prompt": words, "max_tokens": 1, "temperature": 0.0})
+    return time.perf_counter() - t0
+
+
+async def replay(
+    layout: str, run: RecordedRun, n: int, server: Any, args: argparse.Namespace, score_at: set[int]
+) -> Phase:
+    judge = LayoutJudge(layout, base_url=server.url + "/v1", api=args.api, timeout_s=args.timeout, max_retries=0)
+    phase = Phase(layout)
+    try:
+        await warm_up(judge)
+        tracker = AsyncProgressTracker(run.task, judge=judge, min_mass=args.min_mass, run_id=f"bench-{layout}")
+        for i, s in enumerate(run.steps[:n], start=1):
+            await tracker.add(s.text)
+            if i not in score_at:
+                continue
+            log_at = len(server.log())
+            t0 = time.perf_counter()
+            p = await tracker.score(i)
+            latency = time.perf_counter() - t0
+            fresh = server.log()[log_at:]
+            hits = PREFIX_HIT.findall(fresh)
+            kept, evaluated = (int(hits[-1][0]), int(hits[-1][1])) if hits else (None, None)
+            if kept is None and NO_REUSE.search(fresh):
+                kept, evaluated = 0, p.usage.input_tokens
+            phase.updates.append(Update(i, latency, p.usage.input_tokens, kept, evaluated, p.ok, p.score, p.reason))
+            tag = f"{p.score:.3f}" if p.score is not None else f"failed ({p.reason})"
+            print(
+                f"  {layout:<8} step {i:>2}: {latency:6.2f} s, {p.usage.input_tokens:>5} prompt tokens, "
+                f"{evaluated if evaluated is not None else '?':>5} evaluated, score {tag}",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        await judge.aclose()
+    return phase
+
+
+def parse_steps(spec: str, n: int) -> set[int]:
+    if spec == "all":
+        return set(range(1, n + 1))
+    if spec == "auto":  # first, last and two between: a baseline call does not depend on earlier ones
+        return {1, max(1, round(n / 3)), max(1, round(2 * n / 3)), n}
+    picked = {int(x) for x in spec.split(",") if x.strip()}
+    return {min(max(1, x), n) for x in picked} | {1, n}
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    path = Path(args.run) if args.run else (DEFAULT_RUN if DEFAULT_RUN.is_file() else FALLBACK_RUN)
+    run = load_recorded(path)
+    n = min(args.max_steps, len(run.steps))
+    load0 = load1()
+    server_args = ["--n_ctx", str(args.n_ctx), "--verbose", "true"]
+    if args.server_cache:
+        server_args += ["--cache", "true"]
+    print(
+        f"run {path.name} ({run.name}): {len(run.steps)} agent steps, replaying {n}; "
+        f"llama_cpp.server {'stock' if args.stock_server else 'with lazy logprobs'}, "
+        f"--n_ctx {args.n_ctx}, prompt cache (--cache) {'on' if args.server_cache else 'off'}, api={args.api}",
+        file=sys.stderr,
+        flush=True,
+    )
+    with llama_server(gemma_path(), args=server_args, lazy_logprobs=not args.stock_server) as server:
+        # Prefix shares on the server's token ids, for every step of both layouts (nothing is generated).
+        texts = await asyncio.to_thread(all_prompts, run, n)
+        tokens = {k: [await asyncio.to_thread(tokenize, server.url, t) for t in v] for k, v in texts.items()}
+        longest = max(len(t) for v in tokens.values() for t in v)
+        if longest >= args.n_ctx:
+            raise SystemExit(f"the longest prompt is {longest} tokens, over --n-ctx {args.n_ctx}: lower --max-steps")
+        # Stock llama-cpp-python holds ~4 n_tokens x n_vocab float32 arrays at once per logprobs request.
+        need_kb = 4 * longest * 262_144 * 4 // 1024
+        if args.stock_server and need_kb > 0.8 * mem_available_kb():
+            raise SystemExit(
+                f"the stock server would need ~{need_kb // 1024**2} GiB for a {longest}-token prompt's logprobs; "
+                f"{mem_available_kb() // 1024**2} GiB are available: lower --max-steps"
+            )
+        shares = {k: [common_prefix(a, b) / len(a) for a, b in itertools.pairwise(v)] for k, v in tokens.items()}
+        totals = {k: sum(len(t) for t in v) for k, v in tokens.items()}
+        # What a prefix-caching server evaluates when every step is scored in order: each prompt less
+        # the prefix it shares with the previous one.
+        to_eval = {
+            k: len(v[0]) + sum(len(b) - common_prefix(a, b) for a, b in itertools.pairwise(v))
+            for k, v in tokens.items()
+        }
+        print(f"pre-faulting the server's logits array with a {longest}-token filler prompt ..", file=sys.stderr)
+        took = await asyncio.to_thread(prefault, server.url, longest)
+        # One untimed cold call of each layout's step-1 prompt: the first real request after start-up
+        # runs ~1 s slower than later cold ones, which would flatter whichever layout goes first.
+        for layout in ("ours", "baseline"):
+            body = {"prompt": texts[layout][0], "max_tokens": 1, "temperature": 0.0, "logprobs": 20}
+            await asyncio.to_thread(post_json, server.url + "/v1/completions", body)
+        print(f"  {took:.1f} s, plus one untimed step-1 call per layout", file=sys.stderr, flush=True)
+        phases = {
+            "ours": await replay("ours", run, n, server, args, set(range(1, n + 1))),
+            "baseline": await replay("baseline", run, n, server, args, parse_steps(args.baseline_steps, n)),
+        }
+        died = server.process.poll() is not None
+        peak_rss_mb = 0.0 if died else server.peak_rss_kb() / 1024
+        if died:
+            print(f"llama_cpp.server died during the benchmark:\n{server.log()[-2000:]}", file=sys.stderr)
+
+    ours, base = phases["ours"], phases["baseline"]
+    # Gemma 270M often puts little mass on the letters (low_mass): a score failure, not a failed call.
+    errors = [u for ph in phases.values() for u in ph.updates if not u.ok and u.reason not in ("low_mass", "no_letter")]
+    if errors:
+        print(f"WARNING: {len(errors)} judge calls failed ({errors[0].reason}); latencies are not comparable")
+    print(f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on llama_cpp.server (2 cores)")
+    print(
+        f"{'step':>4} {'prompt tok':>10} | {'ours s':>7} {'evaluated':>9} {'kept':>6} | "
+        f"{'base tok':>8} {'base s':>7} {'evaluated':>9} {'kept':>6}"
+    )
+    for i in range(1, n + 1):
+        o, b = ours.at(i), base.at(i)
+        if o is None:
+            continue
+        line = f"{i:>4} {o.prompt_tokens:>10} | {o.latency_s:>7.2f} {o.evaluated or 0:>9} {o.kept or 0:>6} |"
+        if b is not None:
+            line += f" {b.prompt_tokens:>8} {b.latency_s:>7.2f} {b.evaluated or 0:>9} {b.kept or 0:>6}"
+        print(line)
+
+    def ratio(ph: Phase) -> float:
+        first, last = ph.at(1), ph.at(n)
+        return last.latency_s / first.latency_s if first and last and first.latency_s else float("nan")
+
+    o_first, o_last, b_first, b_last = ours.at(1), ours.at(n), base.at(1), base.at(n)
+    assert o_first and o_last and b_first and b_last
+    sent = {k: sum(u.prompt_tokens for u in ph.updates) for k, ph in phases.items()}
+    evaluated = {k: sum(u.evaluated or 0 for u in ph.updates) for k, ph in phases.items()}
+    server_kept = {
+        k: sum(u.kept or 0 for u in ph.updates[1:]) / max(1, sum(u.prompt_tokens for u in ph.updates[1:]))
+        for k, ph in phases.items()
+    }
+    reuse = statistics.fmean(shares["ours"]) if shares["ours"] else float("nan")
+    base_reuse = statistics.fmean(shares["baseline"]) if shares["baseline"] else float("nan")
+    print()
+    print(
+        f"latency step 1 -> {n}: ours {o_first.latency_s:.2f} -> {o_last.latency_s:.2f} s ({ratio(ours):.2f}x), ",
+        end="",
+    )
+    print(f"baseline {b_first.latency_s:.2f} -> {b_last.latency_s:.2f} s ({ratio(base):.2f}x)")
+    slowest = max(ours.updates, key=lambda u: u.latency_s)
+    print(
+        f"ours slowest update: step {slowest.step}, {slowest.latency_s:.2f} s ({slowest.evaluated} tokens evaluated); "
+        f"last step: baseline / ours = {b_last.latency_s / o_last.latency_s:.2f}x"
+    )
+    scored_base = sorted(u.step for u in base.updates)
+    print(
+        f"prompt tokens sent: ours {sent['ours']} over {len(ours.updates)} updates; baseline {sent['baseline']} over "
+        f"{len(base.updates)} updates (steps {','.join(map(str, scored_base))}); "
+        f"either layout at every step: ours {totals['ours']}, baseline {totals['baseline']}"
+    )
+    print(
+        f"tokens the server evaluated: ours {evaluated['ours']} ({evaluated['ours'] / max(1, sent['ours']):.1%} of sent), "
+        f"baseline {evaluated['baseline']} ({evaluated['baseline'] / max(1, sent['baseline']):.1%} of sent)"
+    )
+    print(
+        f"share of each prompt that is a prefix of the next (server token ids, mean over steps 1..{n - 1}): "
+        f"ours {reuse:.3f} (min {min(shares['ours'], default=float('nan')):.3f}), baseline {base_reuse:.3f}; "
+        f"kept by the server's KV cache (steps 2..): ours {server_kept['ours']:.3f}, baseline {server_kept['baseline']:.3f}"
+    )
+    print(
+        f"tokens to evaluate with every step scored in order (from the token ids): ours {to_eval['ours']}, "
+        f"baseline {to_eval['baseline']} ({to_eval['baseline'] / max(1, to_eval['ours']):.1f}x)"
+    )
+    print(f"server peak RSS {peak_rss_mb:.0f} MB; machine load (1-min average) at start {load0}, at end {load1()}")
+    print(
+        kv_line(
+            steps=n,
+            ours_last_over_first=ratio(ours),
+            baseline_last_over_first=ratio(base),
+            speedup_last_step=b_last.latency_s / o_last.latency_s,
+            prefix_reuse=reuse,
+            baseline_prefix_reuse=base_reuse,
+            ours_first_s=o_first.latency_s,
+            ours_last_s=o_last.latency_s,
+            ours_max_over_first=slowest.latency_s / o_first.latency_s,
+            baseline_first_s=b_first.latency_s,
+            baseline_last_s=b_last.latency_s,
+            ours_tokens_sent=sent["ours"],
+            ours_tokens_evaluated=evaluated["ours"],
+            baseline_tokens_sent=sent["baseline"],
+            baseline_tokens_evaluated=evaluated["baseline"],
+            baseline_tokens_every_step=totals["baseline"],
+            ours_tokens_to_evaluate=to_eval["ours"],
+            baseline_tokens_to_evaluate=to_eval["baseline"],
+            server="stock" if args.stock_server else "lazy_logprobs",
+            server_cache="on" if args.server_cache else "off",
+            failed_calls=len(errors),
+            server_peak_rss_mb=round(peak_rss_mb),
+        )
+    )
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--run", help=f"recorded run (ATIF or plain JSON); default {DEFAULT_RUN} or the bundled fixture")
+    ap.add_argument("--max-steps", type=int, default=30, help="replay at most this many agent steps (default 30)")
+    ap.add_argument("--n-ctx", type=int, default=8192, help="server context size (default 8192)")
+    ap.add_argument("--api", choices=["completions", "chat"], default="completions", help="OpenAIJudge api")
+    ap.add_argument(
+        "--baseline-steps",
+        default="auto",
+        help="steps the baseline scores: 'auto' (default: 1, n/3, 2n/3, n), 'all', or a comma list (1 and n\n"
+        "are always included). A baseline call reuses only the instructions whatever came before it, so a\n"
+        "sample shows its growth at a fraction of the time ('all' takes ~8 min on 18 steps here)",
+    )
+    ap.add_argument("--min-mass", type=float, default=0.05, help="letter mass floor (Gemma 270M puts ~0.1 on letters)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="per-call judge timeout in seconds")
+    ap.add_argument("--server-cache", action="store_true", help="start the server with --cache true (RAM state cache)")
+    ap.add_argument("--stock-server", action="store_true", help="unmodified llama_cpp.server (no lazy logprobs)")
+    args = ap.parse_args()
+    cleanup_on_sigterm()
+    configure_logs("error")  # the per-step lines on stderr already say which calls failed, and why
+    if args.max_steps < 2:
+        ap.error("--max-steps must be at least 2")
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
