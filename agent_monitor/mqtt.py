@@ -74,6 +74,8 @@ class MqttLink:
             "keepalive": self.keepalive_s,
             "timeout": self.connect_timeout_s,
             "tls_context": b.ssl_context(),
+            # The publish window is on the wire: paho's default of 20 in flight would cap it.
+            "max_inflight_messages": self.publish_window,
         }
         if version == "5":
             props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
@@ -102,6 +104,8 @@ class MqttLink:
             client = self._client(v)
             # Acknowledged only once handled (journaled): a crash before that makes the broker redeliver.
             client._client.manual_ack_set(True)
+            # aiomqtt warns on every publish beyond 10 pending; a full window is normal here, not a problem.
+            client.pending_calls_threshold = self.publish_window + 1
             try:
                 await client.__aenter__()
             except aiomqtt.MqttError as e:

@@ -186,9 +186,16 @@ def make_judge(render: bool) -> Any:
 
 async def ask(conn: Connection, *cmd: Any, wait_s: float = 600.0) -> Any:
     conn.send(cmd)
-    ready = await asyncio.to_thread(conn.poll, wait_s)
-    if not ready:
-        raise TimeoutError(f"no answer to {cmd[0]!r} within {wait_s}s")
+    return await answer(conn, wait_s, cmd[0])
+
+
+async def answer(conn: Connection, wait_s: float, what: str) -> Any:
+    """The next message from a child process."""
+    deadline = time.monotonic() + wait_s
+    # Short polls: a cancelled benchmark must not leave a worker thread blocked on the pipe for minutes.
+    while not await asyncio.to_thread(conn.poll, 0.2):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer to {what!r} within {wait_s}s")
     return conn.recv()
 
 
@@ -290,7 +297,7 @@ async def bench(args: argparse.Namespace) -> int:
         )
         profiler = None
         try:
-            assert (await asyncio.to_thread(sub_conn.recv))[0] == "ready"
+            assert (await answer(sub_conn, 30, "ready"))[0] == "ready"
             async with monitor:
                 await asyncio.sleep(0.5)
                 gc.collect()
