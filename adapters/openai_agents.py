@@ -66,6 +66,8 @@ from agents.tracing import (
     get_current_trace,
 )
 
+from .atif import clip
+
 if TYPE_CHECKING:
     from agent_monitor import AsyncProgressTracker, ProgressTracker
     from agent_monitor.client import Run
@@ -88,13 +90,6 @@ class RunAborted(AgentsException):
         self.reason = reason
         self.step = step
         self.score = score
-
-
-def _clip(text: str, limit: int) -> str:
-    if limit <= 0 or len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 def _text_of(value: object) -> str:
@@ -140,14 +135,14 @@ def span_step(span: Span[Any], *, max_chars: int = DEFAULT_MAX_CHARS, messages: 
     """The monitor step for a finished span, or None for spans that are not agent steps."""
     data = span.span_data
     if isinstance(data, FunctionSpanData):
-        lines = [f"tool {data.name}" + (f" {_clip(data.input, max_chars)}" if data.input else "")]
+        lines = [f"tool {data.name}" + (f" {clip(data.input, max_chars)}" if data.input else "")]
         error = span.error
         if error is not None:
             detail = error.get("data") or {}
             why = detail.get("error") if isinstance(detail, Mapping) else None
             lines.append(f"-> error: {error.get('message', 'failed')}" + (f": {why}" if why else ""))
         elif data.output is not None:
-            lines.append("-> " + _clip(_text_of(data.output), max_chars))
+            lines.append("-> " + clip(_text_of(data.output), max_chars))
         return "\n".join(lines)
     if not messages:
         return None
@@ -160,7 +155,7 @@ def span_step(span: Span[Any], *, max_chars: int = DEFAULT_MAX_CHARS, messages: 
         return f"handoff: {data.from_agent or '?'} -> {data.to_agent or '?'}"
     if not texts:
         return None
-    return "assistant: " + _clip("\n".join(texts), max_chars)
+    return "assistant: " + clip("\n".join(texts), max_chars)
 
 
 class MonitorTracingProcessor(TracingProcessor):

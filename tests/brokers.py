@@ -9,9 +9,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def free_port() -> int:
@@ -118,3 +119,22 @@ def mosquitto_sub(port: int, topic: str, *, count: int, timeout: float, extra: t
         check=False,
     )
     return [line for line in out.stdout.splitlines() if line]
+
+
+def input_listener(port: int, on_message: Callable[..., None], *, wait_s: float = 10.0) -> Any:
+    """A plain paho client playing the monitor: subscribed (QoS 1) to every run's start, step and end."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+    ready = threading.Event()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv311)
+    client.on_subscribe = lambda *a: ready.set()
+    client.on_message = on_message
+    client.connect("127.0.0.1", port)
+    client.subscribe([("agents/+/start", 1), ("agents/+/step", 1), ("agents/+/end", 1)])
+    client.loop_start()
+    if not ready.wait(wait_s):
+        raise TimeoutError(f"no SUBACK from the broker on port {port} within {wait_s}s")
+    return client

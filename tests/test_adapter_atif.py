@@ -10,7 +10,6 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from agent_monitor import track
 from agent_monitor.adapters.atif import (
@@ -25,7 +24,7 @@ from agent_monitor.adapters.atif import (
     publish,
 )
 from agent_monitor.client import MonitorClient
-from tests.brokers import Mosquitto
+from tests.brokers import Mosquitto, input_listener
 from tests.fakes import ScriptedJudge
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adapters"
@@ -239,14 +238,7 @@ class Recorder:
         self.msgs: list[tuple[str, Any]] = []
         self.abort_at = abort_at
         self.cond = threading.Condition()
-        ready = threading.Event()
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv311)
-        self.c.on_subscribe = lambda *a: ready.set()
-        self.c.on_message = self._on_message
-        self.c.connect("127.0.0.1", port)
-        self.c.subscribe([("agents/+/start", 1), ("agents/+/step", 1), ("agents/+/end", 1)])
-        self.c.loop_start()
-        assert ready.wait(WAIT)
+        self.c = input_listener(port, self._on_message, wait_s=WAIT)
 
     def _on_message(self, c: mqtt.Client, _u: Any, m: mqtt.MQTTMessage) -> None:
         body = json.loads(m.payload) if m.payload else {}

@@ -19,10 +19,9 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from agent_monitor.adapters.claude_code import Config, Hook, StateStore, main, settings_snippet, tool_step
-from tests.brokers import Mosquitto, free_port
+from tests.brokers import Mosquitto, free_port, input_listener
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adapters" / "claude_code"
 SESSION = "2f1c7e0a-6b1d-4c8e-9a3f-5d2b8c7e1a90"
@@ -41,14 +40,7 @@ class FakeMonitor:
     def __init__(self, port: int) -> None:
         self.msgs: list[tuple[str, str, Any]] = []  # (run_id, kind, body)
         self.cond = threading.Condition()
-        ready = threading.Event()
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv311)
-        self.c.on_subscribe = lambda *a: ready.set()
-        self.c.on_message = self._on_message
-        self.c.connect("127.0.0.1", port)
-        self.c.subscribe([("agents/+/start", 1), ("agents/+/step", 1), ("agents/+/end", 1)])
-        self.c.loop_start()
-        assert ready.wait(WAIT)
+        self.c = input_listener(port, self._on_message, wait_s=WAIT)
 
     def _on_message(self, _c: mqtt.Client, _u: Any, m: mqtt.MQTTMessage) -> None:
         _, run_id, kind = m.topic.split("/")

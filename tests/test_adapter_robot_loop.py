@@ -8,18 +8,16 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from PIL import Image
 
 from agent_monitor import Decision, FrameBudget, ProgressTracker
 from agent_monitor.adapters.robot_loop import DotWorld, control_loop
-from tests.brokers import Mosquitto
+from tests.brokers import Mosquitto, input_listener
 from tests.fakes import ScriptedJudge
 
 WAIT = 10.0
@@ -109,14 +107,7 @@ class FakeMonitor:
         self.starts: list[dict[str, Any]] = []
         self.ends: list[dict[str, Any]] = []
         self.abort_at = abort_at
-        ready = threading.Event()
-        self.c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv311)
-        self.c.on_subscribe = lambda *a: ready.set()
-        self.c.on_message = self._on_message
-        self.c.connect("127.0.0.1", port)
-        self.c.subscribe([("agents/+/start", 1), ("agents/+/step", 1), ("agents/+/end", 1)])
-        self.c.loop_start()
-        assert ready.wait(WAIT)
+        self.c = input_listener(port, self._on_message, wait_s=WAIT)
 
     def _on_message(self, c: mqtt.Client, _u: Any, m: mqtt.MQTTMessage) -> None:
         _, run_id, kind = m.topic.split("/")
