@@ -1,4 +1,4 @@
-# Two commands: `make test` (everything the suite needs, then the suite) and `make check` (lint + types).
+# Two commands: `make test` (everything the suite needs, then the suite) and `make check` (lint, types, import contracts).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -20,6 +20,7 @@ check: $(VENV)/.installed
 	$(PY) -m ruff format --check agent_monitor adapters tests dashboards bench
 	$(PY) -m mypy
 	$(PY) -m mypy adapters
+	$(VENV)/bin/lint-imports
 
 # The demo: its own virtualenv with the offline extras, then `agent-monitor demo` (no broker, GPU or API key).
 DEMO_VENV ?= .venv-demo

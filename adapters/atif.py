@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 if TYPE_CHECKING:
-    from agent_monitor.client import MonitorClient, Run
+    from agent_monitor.wire import MonitorClient, Run
 
 DEFAULT_MAX_CHARS = 6000
 """Each tool call's arguments and each observation is clipped to this many characters (head and tail kept)."""
@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 print(f"{r.name}\t{len(r.steps)} steps\toutcome={r.outcome}\t{r.task.splitlines()[0][:80]}")
         return 0
-    from agent_monitor.client import MonitorClient
+    from agent_monitor.wire import MonitorClient
 
     policy = {"abort_below": args.abort_below} if args.abort_below is not None else None
     try:

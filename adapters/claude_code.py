@@ -439,7 +439,7 @@ class Hook:
         return EXIT_BLOCK
 
     def _client(self) -> Any:
-        from agent_monitor.client import MonitorClient
+        from agent_monitor.wire import MonitorClient
 
         return MonitorClient(
             self.config.broker,

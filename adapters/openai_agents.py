@@ -3,7 +3,7 @@ and the run stops when the monitor says abort.
 
     from agents import Agent, Runner
     from agent_monitor.adapters.openai_agents import AgentMonitor, RunAborted
-    from agent_monitor.client import MonitorClient
+    from agent_monitor.wire import MonitorClient
 
     with MonitorClient("mqtt://127.0.0.1:1883") as client:
         run = client.start_run("run-1", task=task, policy={"abort_below": 0.2})
@@ -70,7 +70,7 @@ from .atif import clip
 
 if TYPE_CHECKING:
     from agent_monitor import AsyncProgressTracker, ProgressTracker
-    from agent_monitor.client import Run
+    from agent_monitor.wire import Run
 
     Sink = ProgressTracker | AsyncProgressTracker | Run
 

@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw
 
 if TYPE_CHECKING:
     from agent_monitor import AsyncProgressTracker, ProgressTracker
-    from agent_monitor.client import Run
+    from agent_monitor.wire import Run
 
     Sink = ProgressTracker | AsyncProgressTracker | Run
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abort-below", type=float, default=None, help="policy: abort when progress stays below this")
     ap.add_argument("--drift", type=float, default=0.0, help="heading drift per step (0.3 makes a hopeless run)")
     args = ap.parse_args(argv)
-    from agent_monitor.client import MonitorClient
+    from agent_monitor.wire import MonitorClient
 
     from ._cli import quiet_logs
 

@@ -1,35 +1,37 @@
-"""agent-monitor: live, fine-grained progress scores for running AI agents and robots."""
+"""agent-monitor: live, fine-grained progress scores for running AI agents and robots.
+
+This module is the in-process hook and its vocabulary: trackers, judges, results, policy,
+criteria. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
+`MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
+"""
 
 from typing import TYPE_CHECKING, Any
 
 from .criteria import CriteriaError, Criterion, Rubric, bundled_criteria, load_criteria
 from .extractors import register_extractor
 from .images import Frame, FrameBudget, ImageError, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
-from .metrics import Metrics
-from .policy import Decision, Policy, PolicyError
+from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
+from .policy import Policy, PolicyError
+from .progress import Decision, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
-from .runs import RunLimits
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
-from .settings import BrokerSettings
-from .tracker import AsyncProgressTracker, Progress, ProgressTracker, atrack, score_prefix, track
+from .tracker import AsyncProgressTracker, ProgressTracker, atrack, score_prefix, track
 
 if TYPE_CHECKING:
-    from .broker import EmbeddedBroker
-    from .client import MonitorClient
-    from .daemon import Monitor
+    from .daemon import Monitor, MonitorConfig
     from .judges.gemini import GeminiJudge
     from .judges.llamacpp import LlamaCppJudge
     from .judges.openai import OpenAIJudge
+    from .wire import MonitorClient
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Judges import their SDKs (openai, google-genai, llama-cpp), and the daemon side its MQTT libraries, only when asked for.
 _LAZY = {
     "Monitor": "agent_monitor.daemon",
-    "MonitorClient": "agent_monitor.client",
-    "EmbeddedBroker": "agent_monitor.broker",
+    "MonitorConfig": "agent_monitor.daemon",
+    "MonitorClient": "agent_monitor.wire",
     "OpenAIJudge": "agent_monitor.judges.openai",
     "GeminiJudge": "agent_monitor.judges.gemini",
     "LlamaCppJudge": "agent_monitor.judges.llamacpp",
@@ -46,16 +48,18 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'agent_monitor' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
 __all__ = [
     "LETTERS",
     "AsyncProgressTracker",
     "BaseJudge",
-    "BrokerSettings",
     "CriteriaError",
     "Criterion",
     "CriterionScore",
     "Decision",
-    "EmbeddedBroker",
     "Frame",
     "FrameBudget",
     "GeminiJudge",
@@ -66,9 +70,9 @@ __all__ = [
     "JudgeResponse",
     "LetterDistribution",
     "LlamaCppJudge",
-    "Metrics",
     "Monitor",
     "MonitorClient",
+    "MonitorConfig",
     "OpenAIJudge",
     "Policy",
     "PolicyError",
@@ -78,8 +82,8 @@ __all__ = [
     "Rubric",
     "RuleInput",
     "RuleScore",
-    "RunLimits",
     "ScoreError",
+    "Signal",
     "Step",
     "Usage",
     "__version__",

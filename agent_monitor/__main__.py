@@ -1,4 +1,4 @@
-"""`python -m agent_monitor` runs the command line."""
+"""`python -m agent_monitor`: the command line."""
 
 from .cli import main
 

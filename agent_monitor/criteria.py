@@ -37,11 +37,11 @@ class Criterion:
     weight: float = 1.0
     rules: tuple[Rule, ...] = ()
     min_confidence: float = 0.5
+    uses_judge: bool = field(init=False, compare=False, repr=False)
+    """Whether the LLM judge grades this criterion when no rule is confident."""
 
-    @property
-    def uses_judge(self) -> bool:
-        """Whether the LLM judge grades this criterion when no rule is confident."""
-        return bool(self.description)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "uses_judge", bool(self.description))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +51,17 @@ class Rubric:
     title: str
     criteria: tuple[Criterion, ...]
     extractors: Pipeline = field(default_factory=Pipeline)
+    # Computed once: they are read on every scoring.
+    hash: str = field(init=False, compare=False, repr=False)
+    """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
+    judged: tuple[Criterion, ...] = field(init=False, compare=False, repr=False)
+    """The criteria the LLM judge may be asked about (shown to it in every prompt)."""
 
-    @property
-    def hash(self) -> str:
-        """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hash", self._content_hash())
+        object.__setattr__(self, "judged", tuple(c for c in self.criteria if c.uses_judge))
+
+    def _content_hash(self) -> str:
         body = json.dumps(
             [
                 self.title,
@@ -67,11 +74,6 @@ class Rubric:
             separators=(",", ":"),
         )
         return hashlib.sha256(body.encode()).hexdigest()[:16]
-
-    @property
-    def judged(self) -> tuple[Criterion, ...]:
-        """The criteria the LLM judge may be asked about (shown to it in every prompt)."""
-        return tuple(c for c in self.criteria if c.uses_judge)
 
 
 CriteriaSpec: TypeAlias = (

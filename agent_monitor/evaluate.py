@@ -25,8 +25,9 @@ from typing import Any
 from .criteria import CriteriaSpec
 from .judges.base import Judge
 from .policy import Policy, PolicyState
+from .progress import Progress
 from .recorded import RecordedRun
-from .tracker import AsyncProgressTracker, Progress, progress_from_dict
+from .tracker import AsyncProgressTracker
 
 QUANTILES = (0.25, 0.5, 0.75)
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(1, 20))
@@ -68,12 +69,12 @@ class ScoreCache:
     def get(self, key: str) -> Progress | None:
         """The cached result, or None."""
         row = self.db.execute("SELECT body FROM scores WHERE key = ?", (key,)).fetchone()
-        return progress_from_dict(json.loads(row[0])) if row else None
+        return Progress.from_json(json.loads(row[0])) if row else None
 
     def put(self, key: str, p: Progress) -> None:
         """Cache a result (only successful ones: a failed call is retried next time)."""
         if p.ok:
-            self.db.execute("INSERT OR REPLACE INTO scores VALUES (?, ?)", (key, json.dumps(p.as_dict())))
+            self.db.execute("INSERT OR REPLACE INTO scores VALUES (?, ?)", (key, json.dumps(p.to_json())))
             self.db.commit()
 
     def close(self) -> None:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from .tracker import Progress
-
-Signal = Literal["continue", "abort", "resample"]
+from .progress import Decision, Progress, Signal
 
 
 class PolicyError(ValueError):
@@ -31,12 +28,16 @@ class Policy:
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     """
 
-    abort_below: float | None = None
-    resample_below: float | None = None
-    min_steps: int = 3
-    patience: int = 3
-    regression: float | None = None
-    max_uncertainty: float = 0.35
+    abort_below: float | None = field(default=None, metadata={"help": "abort when the score stays below this"})
+    resample_below: float | None = field(default=None, metadata={"help": "resample when the score is below this"})
+    min_steps: int = field(default=3, metadata={"help": "no abort or resample before this step"})
+    patience: int = field(default=3, metadata={"help": "scored steps in a row below abort-below before abort"})
+    regression: float | None = field(
+        default=None, metadata={"help": "resample on a fall this large from the run's best score"}
+    )
+    max_uncertainty: float = field(
+        default=0.35, metadata={"help": "scores more uncertain than this neither count toward nor break a streak"}
+    )
 
     def __post_init__(self) -> None:
         for name in ("abort_below", "resample_below", "regression"):
@@ -67,19 +68,6 @@ class Policy:
     def as_dict(self) -> dict[str, Any]:
         """The settings, for signal messages."""
         return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The policy's verdict after a scored step; `changed` says it differs from the one before."""
-
-    signal: Signal
-    reason: str
-    step: int
-    score: float | None
-    best_step: int | None
-    best_score: float | None
-    changed: bool
 
 
 class PolicyState:

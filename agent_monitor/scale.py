@@ -186,6 +186,30 @@ def score_criterion(
     )
 
 
+def score_samples(
+    name: str,
+    weight: float,
+    samples: Sequence[Mapping[str, float] | None],
+    *,
+    repeats: int,
+    min_mass: float = DEFAULT_MIN_MASS,
+    draws: int = 0,
+) -> CriterionScore:
+    """One criterion's score from the judge's answer positions, one per repeat; raise ScoreError when it has none.
+
+    A repeat with no answer position (None) is `no_answer`, fewer samples than `repeats` is
+    `missing_repeats`, and each sample must pass `distribution` (a letter, enough mass).
+    """
+    dists = []
+    for i, sample in enumerate(samples):
+        if sample is None:
+            raise ScoreError("no_answer", f"repeat {i + 1} returned no tokens with logprobs")
+        dists.append(distribution(sample, min_mass=min_mass))
+    if len(dists) < repeats:
+        raise ScoreError("missing_repeats", f"asked for {repeats} repeats, got {len(dists)}")
+    return score_criterion(name, weight, dists, draws=draws)
+
+
 @dataclass(frozen=True, slots=True)
 class Aggregate:
     """The weighted combination of criterion scores."""

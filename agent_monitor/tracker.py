@@ -8,23 +8,25 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
+from ._loop import LoopThread
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
-from .metrics import Metrics
-from .policy import Decision, Policy, PolicyState
+from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
+from .policy import Policy, PolicyState
+from .progress import Decision, Progress, Usage
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput
-from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, distribution, rule_score, score_criterion
+from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, rule_score, score_samples
+from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from anyio.from_thread import BlockingPortal
+    pass
 
 log = structlog.get_logger("agent_monitor.tracker")
 
@@ -32,97 +34,6 @@ StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
 
 ProgressCallback = Callable[["Progress"], object]
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """The score of a trajectory prefix, or why there is none.
-
-    `score` is None exactly when `ok` is False; `error` then says why and
-    `reason` gives a short code (timeout, rate_limited, no_letter, low_mass, ..).
-    `criteria` holds the criteria that were scored, even on a partial failure.
-    """
-
-    step: int
-    score: float | None
-    uncertainty: float | None
-    criteria: Mapping[str, CriterionScore]
-    ok: bool
-    error: str | None = None
-    reason: str | None = None
-    mass: float | None = None
-    dispersion: float | None = None
-    spread: float | None = None
-    judge: str = ""
-    model: str = ""
-    rubric: str = ""
-    coalesced: int = 1
-    latency_s: float = 0.0
-    usage: Usage = field(default_factory=Usage)
-    calls: int = 0
-    calls_saved: int = 0
-    silent: tuple[str, ...] = ()
-    signal: Decision | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready view (the shape of the MQTT progress message)."""
-        return {
-            "step": self.step,
-            "score": self.score,
-            "uncertainty": self.uncertainty,
-            "criteria": {
-                n: {
-                    "score": c.score,
-                    "weight": c.weight,
-                    "uncertainty": c.uncertainty,
-                    "mass": c.mass,
-                    "source": c.source,
-                    "confidence": c.confidence,
-                    "detail": c.detail,
-                }
-                for n, c in self.criteria.items()
-            },
-            "ok": self.ok,
-            "error": self.error,
-            "reason": self.reason,
-            "mass": self.mass,
-            "dispersion": self.dispersion,
-            "judge": self.judge,
-            "model": self.model,
-            "rubric": self.rubric,
-            "coalesced": self.coalesced,
-            "calls_saved": self.calls_saved,
-            "silent": list(self.silent),
-            "signal": self.signal.signal if self.signal else None,
-            "latency_s": self.latency_s,
-            "tokens": {
-                "input": self.usage.input_tokens,
-                "cached_input": self.usage.cached_input_tokens,
-                "output": self.usage.output_tokens,
-            },
-        }
-
-
-def progress_from_dict(data: Mapping[str, Any]) -> Progress:
-    """A result read back from its `as_dict` form (as a run store keeps it); per-criterion detail is not kept."""
-    tokens = data.get("tokens") or {}
-    return Progress(
-        step=int(data["step"]),
-        score=data.get("score"),
-        uncertainty=data.get("uncertainty"),
-        criteria={},
-        ok=bool(data.get("ok")),
-        error=data.get("error"),
-        reason=data.get("reason"),
-        mass=data.get("mass"),
-        dispersion=data.get("dispersion"),
-        judge=data.get("judge") or "",
-        model=data.get("model") or "",
-        rubric=data.get("rubric") or "",
-        coalesced=int(data.get("coalesced") or 1),
-        latency_s=float(data.get("latency_s") or 0.0),
-        usage=Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0))),
-    )
 
 
 def _step_text(step: StepInput) -> str:
@@ -165,7 +76,6 @@ class AsyncProgressTracker:
         expected: str | None = None,
         run_id: str | None = None,
         on_progress: ProgressCallback | None = None,
-        metrics: Metrics | None = None,
         policy: Policy | Mapping[str, Any] | None = None,
         on_signal: Callable[[Decision], object] | None = None,
     ) -> None:
@@ -183,7 +93,6 @@ class AsyncProgressTracker:
         self.allow_files = allow_files
         self.expected = expected
         self.calls_saved = 0
-        self.metrics = metrics
         if isinstance(policy, Mapping):
             policy = Policy().with_overrides(policy)
         self.policy_state = PolicyState(policy) if policy is not None else None
@@ -197,10 +106,8 @@ class AsyncProgressTracker:
         self._task_frames: tuple[Frame, ...] | None = None
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._scored = 0
+        self._scheduler: Scheduler[int] = Scheduler(self._background)
         self._stack: contextlib.AsyncExitStack | None = None
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
@@ -212,7 +119,7 @@ class AsyncProgressTracker:
             raise RuntimeError("tracker is already entered")
         self._stack = contextlib.AsyncExitStack()
         tg = await self._stack.enter_async_context(asyncio.TaskGroup())
-        self._worker = tg.create_task(self._work(), name=f"tracker-worker:{self.run_id or id(self)}")
+        self._worker = tg.create_task(self._scheduler.worker(), name=f"tracker-worker:{self.run_id or id(self)}")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -243,8 +150,7 @@ class AsyncProgressTracker:
         if self._worker is None:
             raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
         self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
-        self._idle.clear()
-        self._wake.set()
+        self._scheduler.wake(0)
         return len(self.steps) + len(self._pending)
 
     async def _materialise(self) -> None:
@@ -295,11 +201,11 @@ class AsyncProgressTracker:
             coalesced=coalesced,
         )
         self.calls_saved += p.calls_saved
-        if self.metrics is not None:
-            self.metrics.judge_calls_saved.inc(p.calls_saved)
         return self._record(p)
 
     def _record(self, p: Progress) -> Progress:
+        if self.run_id is not None:
+            p = dataclasses.replace(p, run_id=self.run_id)
         if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
             # Results older than the latest (a slow concurrent update) do not move the policy backwards.
             p = dataclasses.replace(p, signal=self.policy_state.observe(p))
@@ -333,27 +239,23 @@ class AsyncProgressTracker:
             self.latest = p
             self._scored = max(self._scored, p.step)
 
-    async def _work(self) -> None:
+    async def _background(self, _key: int) -> None:
+        """The scheduler's callback: materialise what was submitted, then score the newest prefix once."""
         while True:
-            await self._wake.wait()
-            self._wake.clear()
             try:
                 await self._materialise()
+                break
             except Exception as e:
-                # An undecodable image fails that step's submission, not the run.
+                # An undecodable image fails that step's submission (it was popped), not the run.
                 self._log.error("step_rejected", error=str(e))
-                self._wake.set()
-                continue
-            n = len(self.steps)
-            if n > self._scored:
-                await self.score(n, coalesced=n - self._scored)
-            if not self._pending and not self._wake.is_set():
-                self._idle.set()
+        n = len(self.steps)
+        if n > self._scored:
+            await self.score(n, coalesced=n - self._scored)
 
     async def drain(self) -> Progress | None:
         """Wait until every submitted step is folded into a score; return the latest result."""
         if self._worker is not None:
-            await self._idle.wait()
+            await self._scheduler.drain()
         return self.latest
 
 
@@ -416,7 +318,7 @@ async def score_prefix(
 
     answers = await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
-    model = getattr(judge, "model", "") or ""
+    model = ""
     failure: tuple[str, str] | None = None
     for c, a in zip(ask, answers, strict=True):
         if isinstance(a, JudgeError):
@@ -426,21 +328,16 @@ async def score_prefix(
         usage += a.usage
         model = a.model or model
         try:
-            dists = []
-            for i, sample in enumerate(a.samples):
-                if sample is None:
-                    raise ScoreError("no_answer", f"repeat {i + 1} returned no tokens with logprobs")
-                dists.append(distribution(sample, min_mass=min_mass))
-            if len(dists) < repeats:
-                raise ScoreError("missing_repeats", f"asked for {repeats} repeats, got {len(dists)}")
-            scored[c.name] = score_criterion(c.name, c.weight, dists, draws=a.draws)
+            scored[c.name] = score_samples(
+                c.name, c.weight, a.samples, repeats=repeats, min_mass=min_mass, draws=a.draws
+            )
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
     common: dict[str, Any] = {
         "step": n,
         "criteria": scored,
         "judge": getattr(judge, "name", type(judge).__name__),
-        "model": model,
+        "model": model or getattr(judge, "model", "") or "",
         "rubric": rubric.hash,
         "coalesced": coalesced,
         "latency_s": time.perf_counter() - start,
@@ -475,14 +372,12 @@ class ProgressTracker:
     """
 
     def __init__(self, task: str, *, judge: Judge, **options: Any) -> None:
-        self._own_portal: contextlib.AbstractContextManager[BlockingPortal] | None = None
+        self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
             self._portal = judge._portal()
         else:
-            from anyio.from_thread import start_blocking_portal
-
-            self._own_portal = start_blocking_portal()
-            self._portal = self._own_portal.__enter__()
+            self._own_loop = LoopThread("progress-tracker-loop")
+            self._portal = self._own_loop.portal
         self._core = AsyncProgressTracker(task, judge=judge, **options)
         self._cm = self._portal.wrap_async_context_manager(self._core)
         self._cm.__enter__()
@@ -537,8 +432,8 @@ class ProgressTracker:
             return
         self._closed = True
         self._cm.__exit__(None, None, None)
-        if self._own_portal is not None:
-            self._own_portal.__exit__(None, None, None)
+        if self._own_loop is not None:
+            self._own_loop.stop()
 
     def __enter__(self) -> Self:
         return self

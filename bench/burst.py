@@ -27,7 +27,8 @@ from typing import Any
 
 from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitto
 
-from agent_monitor import AsyncProgressTracker, BaseJudge, JudgeRequest, JudgeResponse, Usage
+from agent_monitor import AsyncProgressTracker
+from agent_monitor.testing import FakeJudge
 
 RUN = "burst-1"
 TASK = "Drive the robot arm to the red cube and pick it up."
@@ -37,19 +38,9 @@ def step_text(i: int) -> str:
     return f"t={i * 0.005:.3f}s action: move_to(x={0.3 + i * 0.001:.3f}, y=0.120, z=0.050)\nobservation: gripper open"
 
 
-class SlowJudge(BaseJudge):
-    """Answers 'K' after a fixed delay; counts calls (BaseJudge.calls) and remembers nothing."""
-
-    name = "slow"
-
-    def __init__(self, latency_s: float) -> None:
-        super().__init__(concurrency=8, timeout_s=60)
-        self.latency_s = latency_s
-        self.model = "slow-1"
-
-    async def _call(self, request: JudgeRequest) -> JudgeResponse:
-        await asyncio.sleep(self.latency_s)
-        return JudgeResponse(samples=({"K": 0.0},) * request.repeats, model=self.model, usage=Usage(output_tokens=1))
+def slow_judge(latency_s: float) -> FakeJudge:
+    """Answers 'K' after a fixed delay; counts calls (BaseJudge.calls)."""
+    return FakeJudge(["K"], latency_s=latency_s, concurrency=8, timeout_s=60)
 
 
 @dataclass
@@ -98,10 +89,10 @@ async def through_monitor(args: argparse.Namespace) -> Result:
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-    from agent_monitor import BrokerSettings
-    from agent_monitor.daemon import Monitor
+    from agent_monitor.daemon import Monitor, MonitorConfig
+    from agent_monitor.wire import BrokerSettings
 
-    judge = SlowJudge(args.latency_s)
+    judge = slow_judge(args.latency_s)
     scores: list[tuple[int, int, float]] = []
     got_last = threading.Event()
 
@@ -122,9 +113,10 @@ async def through_monitor(args: argparse.Namespace) -> Result:
         sub.subscribe(f"agents/{RUN}/progress", qos=1)
         try:
             await asyncio.to_thread(subscribed.wait, 10)
-            monitor = Monitor(
-                judge=judge, broker=BrokerSettings.from_url(broker.url), max_concurrency=8, client_id="burst-monitor"
+            config = MonitorConfig(
+                broker=BrokerSettings.from_url(broker.url), max_concurrency=8, client_id="burst-monitor"
             )
+            monitor = Monitor(config, judge=judge)
             sent: dict[str, float] = {}
             async with monitor:
                 await asyncio.to_thread(publish_burst, broker.port, args.steps, args.burst_s, sent)
@@ -152,7 +144,7 @@ async def arrivals(steps: int, burst_s: float, queue: asyncio.Queue[tuple[int, f
 
 async def naive(args: argparse.Namespace) -> Result:
     """One `await tracker.update(step)` per step, in arrival order."""
-    judge = SlowJudge(args.latency_s)
+    judge = slow_judge(args.latency_s)
     tracker = AsyncProgressTracker(TASK, judge=judge, run_id="naive")
     queue: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
     feeder = asyncio.create_task(arrivals(args.steps, args.burst_s, queue))
@@ -167,7 +159,7 @@ async def naive(args: argparse.Namespace) -> Result:
 
 async def hook_submit(args: argparse.Namespace) -> Result:
     """The in-process hook: `submit()` per step, the tracker's worker coalesces."""
-    judge = SlowJudge(args.latency_s)
+    judge = slow_judge(args.latency_s)
     scores: list[tuple[int, int, float]] = []
     tracker = AsyncProgressTracker(
         TASK, judge=judge, run_id="submit", on_progress=lambda p: scores.append((p.step, p.coalesced, time.time()))

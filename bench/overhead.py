@@ -163,25 +163,12 @@ def subscriber(port: int, conn: Connection) -> None:
 
 
 def make_judge(render: bool) -> Any:
-    from agent_monitor import BaseJudge, JudgeRequest, JudgeResponse, Usage
+    """An instant judge answering 'K'; with `render`, it renders each prompt's text as OpenAIJudge does before sending."""
+    from agent_monitor.testing import FakeJudge
 
-    class InstantJudge(BaseJudge):
-        """Answers 'K' at once and keeps nothing (tests/fakes.py ScriptedJudge records every prompt)."""
-
-        name = "instant"
-
-        def __init__(self) -> None:
-            super().__init__(concurrency=8)
-            self.model = "instant-1"
-
-        async def _call(self, request: JudgeRequest) -> JudgeResponse:
-            if render:  # what OpenAIJudge does before sending: the whole prompt as one string
-                request.prompt.text()
-            return JudgeResponse(
-                samples=({"K": 0.0},) * request.repeats, model=self.model, usage=Usage(output_tokens=1)
-            )
-
-    return InstantJudge()
+    if render:
+        return FakeJudge(lambda p: "K" if p.text() else "A", concurrency=8, record=False)
+    return FakeJudge(["K"], concurrency=8, record=False)
 
 
 async def ask(conn: Connection, *cmd: Any, wait_s: float = 600.0) -> Any:
@@ -199,15 +186,20 @@ async def answer(conn: Connection, wait_s: float, what: str) -> Any:
     return conn.recv()
 
 
+def scored(monitor: Any, run_id: str) -> int:
+    """Steps of a live run covered by its newest score (0 before its first)."""
+    t = monitor.tracker(run_id)
+    return t.latest.step if t is not None and t.latest is not None else 0
+
+
 async def wait_scored(monitor: Any, steps: int, wait_s: float) -> float:
     """Wait until every live run has `steps` steps scored and the outbox is empty; return when that was seen."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        live = monitor.runs.live.values()
-        if all(r.scored >= steps for r in live) and len(monitor.outbox) == 0:
+        if all(scored(monitor, rid) >= steps for rid in list(monitor.book.live)) and len(monitor.outbox) == 0:
             return time.time()
         await asyncio.sleep(0.05)
-    behind = sum(1 for r in monitor.runs.live.values() if r.scored < steps)
+    behind = sum(1 for rid in list(monitor.book.live) if scored(monitor, rid) < steps)
     raise TimeoutError(f"{behind} runs not scored up to step {steps} within {wait_s}s")
 
 
@@ -265,8 +257,8 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def bench(args: argparse.Namespace) -> int:
-    from agent_monitor import BrokerSettings, RunLimits
-    from agent_monitor.daemon import Monitor
+    from agent_monitor.daemon import Monitor, MonitorConfig, RunLimits
+    from agent_monitor.wire import BrokerSettings
 
     configure_logs(args.log_level, args.log_sink)
     ctx = mp.get_context("spawn")
@@ -287,14 +279,14 @@ async def bench(args: argparse.Namespace) -> int:
         pub.start()
         judge = make_judge(args.render)
         limits = RunLimits(max_runs=max(10_000, 2 * args.runs), idle_timeout_s=3600)
-        monitor = Monitor(
-            judge=judge,
+        config = MonitorConfig(
             broker=BrokerSettings.from_url(broker.url),
             max_concurrency=args.max_concurrency,
             limits=limits,
             client_id="bench-monitor",
             protocol=args.mqtt_protocol,
         )
+        monitor = Monitor(config, judge=judge)
         profiler = None
         try:
             assert (await answer(sub_conn, 30, "ready"))[0] == "ready"
@@ -305,7 +297,7 @@ async def bench(args: argparse.Namespace) -> int:
 
                 t = time.time()
                 await ask(pub_conn, "starts")
-                while len(monitor.runs.live) < args.runs:  # noqa: ASYNC110 - polling the daemon's own state
+                while len(monitor.book.live) < args.runs:  # noqa: ASYNC110 - polling the daemon's own state
                     await asyncio.sleep(0.01)
                 starts_s = time.time() - t
 
@@ -330,14 +322,16 @@ async def bench(args: argparse.Namespace) -> int:
                 gc.collect()
                 rss1 = proc_status_kb("VmRSS")
                 hwm = proc_status_kb("VmHWM")
-                live = len(monitor.runs.live)
-                steps_held = sum(len(r.tracker.steps) for r in monitor.runs.live.values())
-                curve_len = sum(len(r.tracker.curve) for r in monitor.runs.live.values())
+                live = len(monitor.book.live)
+                trackers = [t for rid in monitor.book.live if (t := monitor.tracker(rid)) is not None]
+                steps_held = sum(len(t.steps) for t in trackers)
+                curve_len = sum(len(t.curve) for t in trackers)
+                del trackers
                 dropped = monitor.outbox.dropped
 
                 await ask(pub_conn, "ends")
                 deadline = time.monotonic() + 60
-                while monitor.runs.live and time.monotonic() < deadline:  # noqa: ASYNC110
+                while monitor.book.live and time.monotonic() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
                 gc.collect()
                 rss2 = proc_status_kb("VmRSS")

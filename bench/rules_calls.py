@@ -15,17 +15,9 @@ import asyncio
 import sys
 from pathlib import Path
 
-from agent_monitor import AsyncProgressTracker, BaseJudge, JudgeRequest, JudgeResponse
+from agent_monitor import AsyncProgressTracker
 from agent_monitor.recorded import iter_recorded
-
-
-class CountingJudge(BaseJudge):
-    """Answers 'K' at once; counts calls."""
-
-    name = "counting"
-
-    async def _call(self, request: JudgeRequest) -> JudgeResponse:
-        return JudgeResponse(samples=({"K": 0.0},) * request.repeats, model="instant")
+from agent_monitor.testing import FakeJudge
 
 
 async def replay(path: Path) -> None:
@@ -33,7 +25,7 @@ async def replay(path: Path) -> None:
     for run in iter_recorded(path):
         counts = []
         for rubric in ("coding", "coding_tests"):
-            judge = CountingJudge()
+            judge = FakeJudge(["K"])  # answers at once; counts calls (BaseJudge.calls)
             tracker = AsyncProgressTracker(run.task, judge=judge, criteria=rubric)
             for s in run.steps:
                 await tracker.update(s.text)

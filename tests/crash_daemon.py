@@ -10,21 +10,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Any
 
 from agent_monitor import cli
-from agent_monitor.events import StepIn
-from agent_monitor.store import SqliteStore
+from agent_monitor.daemon import SqliteStore
+from agent_monitor.daemon._state import Record, Stepped
 
 
 def main() -> int:
     crash_at = int(sys.argv[1])
     journal = SqliteStore.journal
 
-    async def journal_or_die(self: SqliteStore, run_id: str, event: Any) -> bool:
-        if isinstance(event, StepIn) and event.index == crash_at:
+    async def journal_or_die(self: SqliteStore, record: Record) -> None:
+        if isinstance(record, Stepped) and record.step.index == crash_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return await journal(self, run_id, event)
+        await journal(self, record)
 
     SqliteStore.journal = journal_or_die  # type: ignore[method-assign]
     return cli.main(sys.argv[2:])

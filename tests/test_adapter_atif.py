@@ -23,9 +23,9 @@ from agent_monitor.adapters.atif import (
     parse_atif,
     publish,
 )
-from agent_monitor.client import MonitorClient
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import MonitorClient
 from tests.brokers import Mosquitto, input_listener
-from tests.fakes import ScriptedJudge
 
 FIXTURES = Path(__file__).parent / "fixtures" / "adapters"
 GOOD = FIXTURES / "atif"
@@ -176,7 +176,7 @@ def test_outcome_of(reward: object, outcome: object) -> None:
 
 def test_steps_score_with_the_in_process_hook() -> None:
     run = load_atif(GOOD / "harbor_v12_success.json")
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     try:
         curve = track(run.task, run.texts, judge=judge)
     finally:

@@ -34,9 +34,9 @@ from agent_monitor.adapters.openai_agents import (  # noqa: E402
     monitor_processor,
     span_step,
 )
-from agent_monitor.client import MonitorClient  # noqa: E402
+from agent_monitor.testing import FakeJudge  # noqa: E402
+from agent_monitor.wire import MonitorClient  # noqa: E402
 from tests.brokers import Mosquitto  # noqa: E402
-from tests.fakes import ScriptedJudge  # noqa: E402
 
 WAIT = 10.0
 
@@ -138,7 +138,7 @@ async def test_real_run_sends_messages_and_tool_steps_in_order_to_a_tracker() ->
             [say("All tests pass now.")],
         ]
     )
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     tracker = ProgressTracker("Make the failing test pass", judge=judge)
     try:
         with AgentMonitor(tracker) as monitor:
@@ -175,7 +175,7 @@ async def test_concurrent_runs_each_reach_their_own_monitor() -> None:
     try:
         coros = []
         for who in ("alpha", "beta"):
-            judge = ScriptedJudge()
+            judge = FakeJudge()
             tracker = ProgressTracker(f"task {who}", judge=judge)
             monitor = AgentMonitor(tracker, messages=False)
             judges.append(judge)
@@ -202,7 +202,7 @@ async def test_concurrent_runs_each_reach_their_own_monitor() -> None:
 async def test_explicit_trace_id_without_hooks_and_no_steps_when_tracing_is_disabled(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     tracker = ProgressTracker("t", judge=judge)
     try:
         monitor = AgentMonitor(tracker)
@@ -261,7 +261,7 @@ def test_sink_must_be_a_tracker_or_run() -> None:
 
 async def test_abort_from_an_in_process_tracker_stops_the_run_before_the_next_tool_call() -> None:
     executed: list[str] = []
-    judge = ScriptedJudge()  # step 1 scores 1/19, far below abort_below
+    judge = FakeJudge()  # step 1 scores 1/19, far below abort_below
     tracker = ProgressTracker("t", judge=judge, policy={"abort_below": 0.9, "min_steps": 1, "patience": 1})
     monitor = AgentMonitor(tracker)
 

@@ -17,8 +17,8 @@ from PIL import Image
 
 from agent_monitor import Decision, FrameBudget, ProgressTracker
 from agent_monitor.adapters.robot_loop import DotWorld, control_loop
+from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto, input_listener
-from tests.fakes import ScriptedJudge
 
 WAIT = 10.0
 
@@ -42,7 +42,7 @@ def test_dot_world_frames_are_pngs_of_a_dot_moving_to_the_goal() -> None:
 
 
 def test_loop_keeps_10_hz_while_a_slow_judge_scores_and_sends_a_frame_per_step() -> None:
-    judge = ScriptedJudge(delay_s=0.35)  # 3.5 ticks per judge call
+    judge = FakeJudge(latency_s=0.35)  # 3.5 ticks per judge call
     budget = FrameBudget(every=8, recent=4)
     tracker = ProgressTracker("Drive the dot to the goal", judge=judge, frame_budget=budget)
     try:
@@ -72,7 +72,7 @@ def test_loop_keeps_10_hz_while_a_slow_judge_scores_and_sends_a_frame_per_step()
 
 
 def test_loop_stops_on_abort_within_a_tick() -> None:
-    judge = ScriptedJudge(delay_s=0.05)
+    judge = FakeJudge(latency_s=0.05)
     decided: list[float] = []
 
     def on_signal(d: Decision) -> None:

@@ -18,7 +18,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from agent_monitor.broker import BrokerStartError, EmbeddedBroker, _broker_class
+from agent_monitor.daemon._broker import BrokerStartError, EmbeddedBroker, _broker_class
 from tests.brokers import free_port
 
 pytestmark = pytest.mark.timeout(30)

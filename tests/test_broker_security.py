@@ -1,7 +1,7 @@
 """The daemon and the harness client against a locked-down Mosquitto: passwords, TLS, mutual TLS, per-run ACLs.
 
 Each test starts its own Mosquitto on a free port with its own config (the system broker on 1883 is left alone);
-certificates are made with the `openssl` CLI into a temporary directory. The judge is the instant ScriptedJudge.
+certificates are made with the `openssl` CLI into a temporary directory. The judge is the instant FakeJudge.
 docs/broker-security.md shows the same configs to operators.
 """
 
@@ -27,13 +27,10 @@ from urllib.parse import quote
 import aiomqtt
 import pytest
 
-from agent_monitor.client import MonitorClient
-from agent_monitor.daemon import Monitor
-from agent_monitor.events import ProgressOut, SignalOut
-from agent_monitor.mqtt import BrokerUnavailable
-from agent_monitor.settings import BrokerSettings
+from agent_monitor.daemon import BrokerUnavailable, Monitor, MonitorConfig, RunView
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import BrokerSettings, MonitorClient, ProgressOut, SignalOut
 from tests.brokers import Mosquitto
-from tests.fakes import ScriptedJudge
 from tests.openai_server import chat_choice, chat_reply, scripted_server
 
 pytestmark = [
@@ -151,8 +148,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 # -- the two sides --
 
 
-def monitor(settings: BrokerSettings, judge: ScriptedJudge, **kw: Any) -> Monitor:
-    return Monitor(judge=judge, broker=settings, client_id=f"mon-{uuid.uuid4().hex[:8]}", **kw)
+def monitor(settings: BrokerSettings, judge: FakeJudge, **kw: Any) -> Monitor:
+    return Monitor(MonitorConfig(broker=settings, client_id=f"mon-{uuid.uuid4().hex[:8]}", **kw), judge=judge)
 
 
 async def eventually(check: Callable[[], bool], what: str, within: float = WAIT) -> None:
@@ -165,7 +162,7 @@ async def eventually(check: Callable[[], bool], what: str, within: float = WAIT)
 
 
 @asynccontextmanager
-async def serving(settings: BrokerSettings, judge: ScriptedJudge) -> AsyncIterator[Monitor]:
+async def serving(settings: BrokerSettings, judge: FakeJudge) -> AsyncIterator[Monitor]:
     """A running monitor, left only once its outbox is drained and the last PUBACK is in.
 
     Works around a shutdown hang: on Python 3.11, `asyncio.wait_for` (inside aiomqtt's publish) swallows a
@@ -214,7 +211,7 @@ async def nothing_arrives(client: aiomqtt.Client, within: float = 0.5) -> None:
 
 async def scored_end_to_end(settings: BrokerSettings, url: str, **client_kw: Any) -> None:
     """The monitor connects with `settings`; a MonitorClient on `url` gets its run scored."""
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with serving(settings, judge) as mon:
         assert mon.link is not None and mon.link.negotiated == "5"
         progress = await asyncio.to_thread(harness_run, url, **client_kw)
@@ -224,7 +221,7 @@ async def scored_end_to_end(settings: BrokerSettings, url: str, **client_kw: Any
 
 async def refused(settings: BrokerSettings, *, connect_timeout_s: float | None = None) -> str:
     """The one-line BrokerUnavailable message the monitor fails with on `settings`."""
-    mon = monitor(settings, ScriptedJudge())
+    mon = monitor(settings, FakeJudge())
     if connect_timeout_s is not None:
         assert mon.link is not None
         mon.link.connect_timeout_s = connect_timeout_s
@@ -289,7 +286,7 @@ async def test_credentials_in_the_url(tmp_path: Path) -> None:
 async def test_events_naming_files_or_urls_are_refused(password_broker: Mosquitto) -> None:
     # No ambient authority: a network event can never make the monitor read a file or fetch a URL.
     settings = BrokerSettings.from_url(password_broker.url, username=MONITOR_USER, password=MONITOR_PASSWORD)
-    async with serving(settings, ScriptedJudge()):
+    async with serving(settings, FakeJudge()):
         client = await asyncio.to_thread(
             MonitorClient, password_broker.url, username="harness-run-1", password=HARNESS_PASSWORD
         )
@@ -416,10 +413,16 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
     acl, user_prefix = ACLS[style]
     h1, h2 = f"{user_prefix}run-1", f"{user_prefix}run-2"
     users = {MONITOR_USER: MONITOR_PASSWORD, h1: HARNESS_PASSWORD, h2: HARNESS_PASSWORD}
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     with secure_broker(tmp_path / "mosquitto", auth_config(tmp_path, users, acl)) as b:
         settings = BrokerSettings.from_url(b.url, username=MONITOR_USER, password=MONITOR_PASSWORD)
         async with serving(settings, judge) as mon:
+
+            def run2_state() -> RunView:
+                view = mon.run("run-2")
+                assert view is not None, "run-2 is not live"
+                return view
+
             client1 = await asyncio.to_thread(
                 MonitorClient, b.url, username=h1, password=HARNESS_PASSWORD, connect_timeout=WAIT, ack_timeout=WAIT
             )
@@ -440,8 +443,8 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                 # order: once run-1's next step is scored, anything the broker let through would have been seen.
                 run1.step("run-1 step 2")
                 assert (await asyncio.to_thread(run1.wait_progress, 2, WAIT)).ok
-                assert "run-2" not in mon.runs.live and "run-2" not in mon.runs.orphans
-                assert "run-2" not in mon.runs.ended
+                assert "run-2" not in mon.book.live and "run-2" not in mon.book.orphans
+                assert "run-2" not in mon.book.ended
                 assert [p.step for p in judge.prompts] == [1, 2]
                 assert all("task of run-1" in p.text() for p in judge.prompts)
                 assert run1.signal is None  # the forged signal on its own topic did not arrive either
@@ -459,7 +462,7 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                     run2.step("run-2 step 1")
                     sig = await asyncio.to_thread(run2.wait_signal, "abort", WAIT)
                     assert sig.reason != "forged" and [s.reason for s in seen2] == [sig.reason]
-                    assert [s.text for s in mon.runs.live["run-2"].tracker.steps] == ["run-2 step 1"]
+                    assert [s.step.text for s in run2_state().steps] == ["run-2 step 1"]
 
                     # 4. run-1's credentials cannot read run-2's signal (retained right now) or progress.
                     async with raw_client(b.port, h1) as snoop:
@@ -472,8 +475,8 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                     hijack.step("hijacked step")
                     run1.step("run-1 step 3")  # same connection: once this is scored, the hijack was dropped
                     assert (await asyncio.to_thread(run1.wait_progress, 3, WAIT)).ok
-                    assert mon.runs.live["run-2"].start.task == "task of run-2"
-                    assert [s.text for s in mon.runs.live["run-2"].tracker.steps] == ["run-2 step 1"]
+                    assert run2_state().task == "task of run-2"
+                    assert [s.step.text for s in run2_state().steps] == ["run-2 step 1"]
                     assert hijack.signal is None and hijack.progress is None  # the retained abort was not delivered
                     # ... while run-2's own credentials can (the abort is there to be read).
                     async with raw_client(b.port, h2) as own:
@@ -494,7 +497,7 @@ async def test_a_harness_cannot_take_over_the_monitors_client_id(tmp_path: Path,
     config = auth_config(tmp_path, users, ACLS["users"][0]) + ("use_username_as_clientid true\n" if pinned else "")
     with secure_broker(tmp_path / "mosquitto", config) as b:
         settings = BrokerSettings.from_url(b.url, username=MONITOR_USER, password=MONITOR_PASSWORD)
-        async with serving(settings, ScriptedJudge()) as mon:
+        async with serving(settings, FakeJudge()) as mon:
             assert mon.link is not None
             await asyncio.wait_for(mon.link.connected.wait(), WAIT)
             assert mon.link.connections == 1

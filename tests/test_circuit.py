@@ -9,14 +9,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import Monitor
+from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.daemon._outbox import Message
 from agent_monitor.judges.base import JudgeError, JudgeRequest
 from agent_monitor.judges.circuit import CircuitJudge
 from agent_monitor.judges.openai import OpenAIJudge
-from agent_monitor.outbox import Message
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from tests.fakes import ScriptedJudge
+from agent_monitor.testing import FakeJudge
 from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server
 
 
@@ -41,8 +41,8 @@ def request() -> JudgeRequest:
 async def test_breaker_opens_fails_fast_probes_and_closes() -> None:
     clock = Clock()
     down = {"on": True}
-    judge = ScriptedJudge(
-        lambda p: JudgeError("connection", "refused", retryable=True) if down["on"] else {"K": 0.0}, max_retries=0
+    judge = FakeJudge(
+        lambda p: JudgeError("connection", "refused", retryable=True) if down["on"] else "K", max_retries=0
     )
     changes: list[bool] = []
     c = CircuitJudge(judge, threshold=3, cooldown_s=10, clock=clock, on_change=changes.append)
@@ -73,7 +73,7 @@ async def test_breaker_opens_fails_fast_probes_and_closes() -> None:
 
 
 async def test_request_errors_do_not_trip_the_breaker() -> None:
-    judge = ScriptedJudge(lambda p: JudgeError("bad_request", "HTTP 400"), max_retries=0)
+    judge = FakeJudge(lambda p: JudgeError("bad_request", "HTTP 400"), max_retries=0)
     c = CircuitJudge(judge, threshold=2)
     for _ in range(5):
         with contextlib.suppress(JudgeError):
@@ -107,14 +107,13 @@ async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> N
         server.default = reply
         judge = OpenAIJudge(base_url=server.url, model="m", max_retries=0)
         policy = Policy(abort_below=0.5, min_steps=0, patience=1)
-        async with Monitor(
-            judge=judge, registry=reg, policy=policy, circuit_threshold=2, circuit_cooldown_s=0.5, max_concurrency=1
-        ) as mon:
+        config = MonitorConfig(policy=policy, circuit_threshold=2, circuit_cooldown_s=0.5, max_concurrency=1)
+        async with Monitor(config, judge=judge, registry=reg) as mon:
             await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
             for i in range(1, 3):  # one failed call per step: two in a row open the circuit
                 await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
                 await until(lambda i=i: state["calls"] == i)
-            await until(lambda: mon.judge.degraded)
+            await until(lambda: mon.circuit.degraded)
             assert reg.get_sample_value("agent_monitor_judge_degraded") == 1
             calls_when_open = state["calls"]
             # Steps keep coming during the outage: held, not spent on certain failures ...
@@ -124,11 +123,11 @@ async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> N
             assert state["calls"] == calls_when_open
             # ... until the cool-down ends: one probe, which fails, and the next cool-down is longer.
             await until(lambda: state["calls"] == calls_when_open + 1)
-            assert mon.judge.degraded
+            assert mon.circuit.degraded
             failed = progress(drained(mon))
             assert failed and not any(p["ok"] for p in failed) and failed[-1]["degraded"] is True
             state["down"] = False
-            await asyncio.wait_for(mon.runs.drain(), 10)
+            await asyncio.wait_for(mon.drain(), 10)
             msgs = drained(mon)
     back = progress(msgs)
     assert back[-1]["ok"] is True and back[-1]["step"] == 8 and back[-1]["degraded"] is False

@@ -20,8 +20,18 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from PIL import Image
 
-from agent_monitor.client import MonitorClient, Run
-from agent_monitor.events import ErrorOut, ImageIn, ProgressOut, RunEnd, RunStart, SignalOut, StepIn, TopicError
+from agent_monitor.wire import (
+    ErrorOut,
+    ImageIn,
+    MonitorClient,
+    ProgressOut,
+    Run,
+    RunEnd,
+    RunStart,
+    SignalOut,
+    StepIn,
+    TopicError,
+)
 from tests.brokers import Mosquitto, free_port
 
 WAIT = 10.0

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agent_monitor.client import MonitorClient
 from agent_monitor.scale import LETTERS
+from agent_monitor.wire import MonitorClient
 from tests.brokers import Mosquitto
 from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server
 

@@ -13,12 +13,11 @@ import aiomqtt
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import Monitor
-from agent_monitor.mqtt import BrokerUnavailable
+from agent_monitor.daemon import BrokerUnavailable, Monitor, MonitorConfig
 from agent_monitor.policy import Policy
-from agent_monitor.settings import BrokerSettings
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import BrokerSettings
 from tests.brokers import Mosquitto, free_port
-from tests.fakes import ScriptedJudge
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,12 +76,13 @@ async def harness(port: int, client_id: str = "harness") -> AsyncIterator[Harnes
                 await task
 
 
-def monitor(broker: Mosquitto, judge: ScriptedJudge, **kw: Any) -> Monitor:
-    return Monitor(judge=judge, broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", **kw)
+def monitor(broker: Mosquitto, judge: FakeJudge, registry: CollectorRegistry | None = None, **kw: Any) -> Monitor:
+    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", **kw)
+    return Monitor(config, judge=judge, registry=registry)
 
 
 async def test_many_runs_at_once(broker: Mosquitto) -> None:
-    judge = ScriptedJudge(delay_s=0.005)
+    judge = FakeJudge(latency_s=0.005)
     async with monitor(broker, judge, max_concurrency=8) as mon, harness(broker.port) as h:
         assert mon.link is not None and mon.link.negotiated == "5"
         runs = [f"run-{i}" for i in range(60)]
@@ -98,7 +98,7 @@ async def test_many_runs_at_once(broker: Mosquitto) -> None:
 
 
 async def test_redelivered_and_out_of_order_steps(broker: Mosquitto) -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with monitor(broker, judge, max_concurrency=1), harness(broker.port) as h:
         await h.publish("r", "start", {"task": "t"})
         for i in (2, 1, 1, 3, 2):
@@ -113,12 +113,12 @@ async def test_redelivered_and_out_of_order_steps(broker: Mosquitto) -> None:
 
 async def test_abort_and_resample_signals_end_to_end(broker: Mosquitto) -> None:
     # "bad" stays at ~5%; "dip" climbs then falls sharply (regression -> resample).
-    def answer(p: Any) -> dict[str, float]:
+    def answer(p: Any) -> str:
         if "dip task" in p.prefix_text():
-            return {{1: "H", 2: "L", 3: "C", 4: "C"}[p.step]: 0.0}
-        return {"B": 0.0}
+            return {1: "H", 2: "L", 3: "C", 4: "C"}[p.step]
+        return "B"
 
-    judge = ScriptedJudge(answer)
+    judge = FakeJudge(answer)
     pol = Policy(abort_below=0.2, min_steps=2, patience=2)
     async with monitor(broker, judge, policy=pol), harness(broker.port) as h:
         await h.publish("bad", "start", {"task": "bad task"})
@@ -149,7 +149,7 @@ async def test_abort_and_resample_signals_end_to_end(broker: Mosquitto) -> None:
 
 
 async def test_slow_judge_burst_coalesces_to_newest_prefix(broker: Mosquitto) -> None:
-    judge = ScriptedJudge(delay_s=0.2)
+    judge = FakeJudge(latency_s=0.2)
     async with monitor(broker, judge, max_concurrency=4), harness(broker.port) as h:
         await h.publish("burst", "start", {"task": "t"})
         await asyncio.gather(*(h.publish("burst", "step", {"index": i, "text": f"s{i}"}) for i in range(1, 101)))
@@ -163,7 +163,7 @@ async def test_slow_judge_burst_coalesces_to_newest_prefix(broker: Mosquitto) ->
 
 async def test_malformed_payload_reported_and_others_go_on(broker: Mosquitto) -> None:
     reg = CollectorRegistry()
-    async with monitor(broker, ScriptedJudge(), registry=reg), harness(broker.port) as h:
+    async with monitor(broker, FakeJudge(), registry=reg), harness(broker.port) as h:
         await h.publish("ok", "start", {"task": "t"})
         await h.publish("broken", "start", raw=b"\xff\xfe not json")
         await h.publish("ok", "step", raw=b'{"index": 1, "text": 5}')
@@ -180,7 +180,7 @@ async def test_malformed_payload_reported_and_others_go_on(broker: Mosquitto) ->
 
 @pytest.mark.parametrize("protocol", ["auto", "3.1.1"])
 async def test_broker_restart_mid_run_loses_no_step(broker: Mosquitto, protocol: str) -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with monitor(broker, judge, protocol=protocol) as mon:  # type: ignore[arg-type]
         assert mon.link is not None
         async with harness(broker.port) as h:
@@ -195,11 +195,12 @@ async def test_broker_restart_mid_run_loses_no_step(broker: Mosquitto, protocol:
                 await h2.publish("r", "step", {"index": i, "text": f"s{i}"})
             await h2.until(lambda: h2.last_step("r") == 7, wait_s=60)
         assert mon.link.connections >= 2
-        assert [s.text for s in mon.runs.live["r"].tracker.steps] == [f"s{i}" for i in range(1, 8)]
+        tracker = mon.tracker("r")
+        assert tracker is not None and [s.text for s in tracker.steps] == [f"s{i}" for i in range(1, 8)]
 
 
 async def test_steps_published_while_monitor_is_down_are_delivered(broker: Mosquitto) -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with monitor(broker, judge):
         pass  # the first connection creates the persistent session and its subscriptions
     async with harness(broker.port) as h:
@@ -208,12 +209,13 @@ async def test_steps_published_while_monitor_is_down_are_delivered(broker: Mosqu
             await h.publish("r", "step", {"index": i, "text": f"s{i}"})
         async with monitor(broker, judge) as mon:
             await h.until(lambda: h.last_step("r") == 3)
-            assert len(mon.runs.live["r"].tracker.steps) == 3
+            run = mon.run("r")
+            assert run is not None and len(run.steps) == 3
 
 
 async def test_broker_down_is_one_clear_error() -> None:
     port = free_port()
-    mon = Monitor(judge=ScriptedJudge(), broker=BrokerSettings.from_url(f"mqtt://127.0.0.1:{port}"))
+    mon = Monitor(MonitorConfig(broker=BrokerSettings.from_url(f"mqtt://127.0.0.1:{port}")), judge=FakeJudge())
     with pytest.raises(BrokerUnavailable) as e:
         async with mon:
             pass

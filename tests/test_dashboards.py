@@ -23,9 +23,10 @@ import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_monitor.daemon import Monitor
+from agent_monitor import JudgeError
+from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.policy import Policy
-from tests.fakes import JudgeError, ScriptedJudge
+from agent_monitor.testing import FakeJudge
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
@@ -177,23 +178,23 @@ def exposed_labels(text: str) -> dict[str, dict[str, set[str]]]:
     return labels
 
 
-def letters(prompt: Any) -> dict[str, float] | Exception:
+def letters(prompt: Any) -> str | Exception:
     """The scripted judge of the live Monitors: the run's task says how it goes."""
     text = prompt.prefix_text()
     if "doomed" in text:
-        return {"A": 0.0}  # score 0: aborts
+        return "A"  # score 0: aborts
     if "wobbly" in text:
-        return {"H": 0.0}  # 0.37: resample when resample_below is 0.5
+        return "H"  # 0.37: resample when resample_below is 0.5
     if "flaky" in text and prompt.step == 2:
         return JudgeError("server_error", "the judge is overloaded")
-    return {"P": 0.0}
+    return "P"
 
 
 async def exercised_monitor() -> str:
     """The exposition of a Monitor that has seen a bit of everything: labels, abort, resample, a judge error, bad input."""
     mon = Monitor(
-        judge=ScriptedJudge(letters, max_retries=0),
-        policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+        MonitorConfig(policy=Policy(abort_below=0.2, min_steps=1, patience=1)),
+        judge=FakeJudge(letters, max_retries=0),
         registry=CollectorRegistry(),
     )
     async with mon:
@@ -208,8 +209,9 @@ async def exercised_monitor() -> str:
         await mon.handle("agents/flaky/step", b'{"index": 2, "text": "y"}')
         await mon.handle("agents/broken/start", b"not json")
         await mon.handle("agents/ghost/end", b"{}")
-        await asyncio.wait_for(mon.runs.drain(), 10)
+        await asyncio.wait_for(mon.drain(), 10)
         await mon.handle("agents/good/end", b'{"outcome": "success"}')
+        await asyncio.wait_for(mon.drain(), 10)  # the end is acted on by a scorer
         return generate_latest(mon.registry).decode()
 
 

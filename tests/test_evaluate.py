@@ -15,26 +15,25 @@ from typing import Any
 import pytest
 
 from agent_monitor import evaluate as ev
-from agent_monitor.client import MonitorClient
-from agent_monitor.daemon import Monitor
+from agent_monitor.cli._replay import replay, run_id_for, schedule
+from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.recorded import RecordedRun, RecordedStep
-from agent_monitor.replay import replay, run_id_for, schedule
 from agent_monitor.scale import LETTERS
-from agent_monitor.settings import BrokerSettings
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import BrokerSettings, MonitorClient
 from tests.brokers import Mosquitto
-from tests.fakes import ScriptedJudge
 from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server
 
 FAIL_LETTERS = "BBAAAAAA"
 
 
-def known_answer(prompt: Prompt) -> dict[str, float]:
+def known_answer(prompt: Prompt) -> str:
     """Good runs climb one letter per step; bad runs sit at B, then fall to A."""
     if "doomed" in prompt.prefix_text():
-        return {FAIL_LETTERS[min(prompt.step, 8) - 1]: 0.0}
-    return {LETTERS[min(prompt.step, 19)]: 0.0}
+        return FAIL_LETTERS[min(prompt.step, 8) - 1]
+    return LETTERS[min(prompt.step, 19)]
 
 
 def runs(n: int = 4, steps: int = 8) -> list[RecordedRun]:
@@ -62,7 +61,7 @@ def test_auroc_and_spearman_on_known_values() -> None:
 
 
 async def test_scores_metrics_sweep_and_recommendation_with_known_answers(tmp_path: Path) -> None:
-    judge = ScriptedJudge(known_answer)
+    judge = FakeJudge(known_answer)
     cache = ev.ScoreCache(tmp_path / "cache.sqlite3")
     curves = await ev.score_runs(runs(), judge=judge, cache=cache)
     calls = len(judge.prompts)
@@ -149,9 +148,10 @@ def test_schedule_follows_recorded_time_scaled_and_capped() -> None:
 
 
 async def test_replay_publishes_recorded_runs_live_to_the_monitor(broker: Mosquitto) -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     recorded = runs(2, 4)
-    async with Monitor(judge=judge, broker=BrokerSettings.from_url(broker.url), client_id="replay-mon") as mon:
+    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id="replay-mon")
+    async with Monitor(config, judge=judge) as mon:
 
         def publish() -> list[str]:
             with MonitorClient(broker.url) as client:
@@ -160,11 +160,11 @@ async def test_replay_publishes_recorded_runs_live_to_the_monitor(broker: Mosqui
         published = await asyncio.to_thread(publish)
 
         async def finished() -> None:
-            while len(mon.runs.ended) < len(recorded):  # noqa: ASYNC110 - state of the monitor under test
+            while len(mon.book.ended) < len(recorded):  # noqa: ASYNC110 - state of the monitor under test
                 await asyncio.sleep(0.02)
 
         await asyncio.wait_for(finished(), 20)
-    assert sorted(published) == sorted(run_id_for(r.name) for r in recorded) == sorted(mon.runs.ended)
+    assert sorted(published) == sorted(run_id_for(r.name) for r in recorded) == sorted(mon.book.ended)
     # Every run was scored up to its last step before it finished.
     for r in recorded:
         last = [p for p in judge.prompts if r.task in p.prefix_text()]

@@ -2,6 +2,7 @@
 
 import base64
 import builtins
+import dataclasses
 import io
 import json
 import math
@@ -15,9 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from agent_monitor import events as ev
+from agent_monitor import Progress, score_prefix
+from agent_monitor import wire as ev
+from agent_monitor.cli import main as cli_main
 from agent_monitor.criteria import load_criteria
-from agent_monitor.events import (
+from agent_monitor.policy import Policy, PolicyState
+from agent_monitor.prompts import Step
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import (
     MAX_STEP_CHARS,
     ErrorOut,
     EventError,
@@ -28,15 +34,13 @@ from agent_monitor.events import (
     SignalOut,
     StepIn,
     TopicError,
+    _inputs,
     check_run_id,
     decode_event,
     parse_topic,
     topic,
 )
-from agent_monitor.policy import Policy, PolicyState
-from agent_monitor.prompts import Step
-from agent_monitor.tracker import Progress, score_prefix
-from tests.fakes import ScriptedJudge
+from agent_monitor.wire._schema import SCHEMA_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -326,7 +330,8 @@ def test_image_size_limit_from_argument_context_and_module_default(monkeypatch: 
     assert decode("step", payload, max_image_bytes=len(big)).images[0].decoded() == big
     with pytest.raises(ValueError, match="over the limit of 10"):
         ImageIn.model_validate(b64(big), context={"max_image_bytes": 10})
-    monkeypatch.setattr(ev, "MAX_IMAGE_BYTES", 10)
+    # The module default applies when no context names a limit (read at validation time by the input models).
+    monkeypatch.setattr(_inputs, "MAX_IMAGE_BYTES", 10)
     with pytest.raises(ValueError, match="over the limit of 10"):
         ImageIn.model_validate(b64(big))
     # A huge string is refused on its length, before any decoding.
@@ -535,25 +540,25 @@ def test_garbage_only_ever_raises_event_error(kind: str, payload: bytes) -> None
         assert e.reason in ("payload_too_large", "bad_json", "invalid", "bad_image") and e.message
         ErrorOut(run_id=e.run_id, topic="t", reason=e.reason, error=e.message)
     else:
-        assert run_id == "r1" and isinstance(model, ev.INPUT_MODELS[kind])
+        assert run_id == "r1" and isinstance(model, _inputs.INPUT_MODELS[kind])
 
 
 # -- outputs --
 
 
 async def test_progress_out_from_a_real_progress() -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     rubric = load_criteria({"done": "is it done", "tidy": "is it tidy"})
     steps = [Step(index=i, text=f"step {i}") for i in (1, 2)]
     p = await score_prefix("task", steps, judge=judge, rubric=rubric, coalesced=2)
-    out = ProgressOut.from_progress("r1", p)
+    out = ProgressOut.from_progress(p, run_id="r1")
     assert out.run_id == "r1" and out.step == 2 and out.ok and out.score == pytest.approx(2 / 19)
     assert set(out.criteria) == {"done", "tidy"} and out.criteria["done"].weight == pytest.approx(0.5)
-    assert out.coalesced == 2 and out.rubric == rubric.hash and out.model == "scripted-1" and not out.degraded
+    assert out.coalesced == 2 and out.rubric == rubric.hash and out.model == "fake-1" and not out.degraded
     assert out.tokens.input == p.usage.input_tokens > 0 and out.tokens.output == 2
     wire = json.loads(out.to_payload())
-    # The wire shape is Progress.as_dict plus run_id and degraded.
-    as_dict = p.as_dict()
+    # The wire shape is Progress.to_json, with the run id the caller gave.
+    form = p.to_json()
     for key in (
         "step",
         "score",
@@ -566,21 +571,22 @@ async def test_progress_out_from_a_real_progress() -> None:
         "calls_saved",
         "rubric",
     ):
-        assert wire[key] == as_dict[key], key
-    assert wire["criteria"]["done"] == as_dict["criteria"]["done"]
+        assert wire[key] == form[key], key
+    assert wire["criteria"]["done"] == form["criteria"]["done"]
+    assert wire == {**form, "run_id": "r1"}
     assert ProgressOut.model_validate_json(out.to_payload()) == out
 
 
 def test_progress_out_for_a_failed_judge_call_is_null_scored_and_degraded() -> None:
     p = Progress(step=4, score=None, uncertainty=None, criteria={}, ok=False, error="timed out", reason="timeout")
-    out = ProgressOut.from_progress("r1", p, degraded=True)
+    out = ProgressOut.from_progress(dataclasses.replace(p, degraded=True), run_id="r1")
     wire = json.loads(out.to_payload())
     assert wire["score"] is None and wire["ok"] is False and wire["reason"] == "timeout" and wire["degraded"] is True
 
 
 def test_progress_out_never_sends_invalid_json() -> None:
     p = Progress(step=1, score=math.nan, uncertainty=math.inf, criteria={}, ok=True)
-    wire = json.loads(ProgressOut.from_progress("r1", p).to_payload())
+    wire = json.loads(ProgressOut.from_progress(p, run_id="r1").to_payload())
     assert wire["score"] is None and wire["uncertainty"] is None
 
 
@@ -608,14 +614,14 @@ def test_output_models_validate_run_id_and_reason() -> None:
 
 
 def test_committed_schemas_equal_freshly_generated_ones() -> None:
-    assert ev.stale_schemas(REPO / "schemas") == [], "run: python -m agent_monitor.events --write schemas/"
+    assert ev.stale_schemas(REPO / "schemas") == [], "run: agent-monitor schemas --write schemas/"
 
 
 def test_write_and_check_schemas(tmp_path: Path) -> None:
-    assert ev.main(["--check", str(tmp_path)]) == 1
+    assert cli_main(["schemas", "--check", str(tmp_path)]) == 1
     written = ev.write_schemas(tmp_path)
-    assert sorted(p.name for p in written) == sorted(f"{k}.schema.json" for k in ev.SCHEMA_MODELS)
-    assert ev.main(["--check", str(tmp_path)]) == 0
+    assert sorted(p.name for p in written) == sorted(f"{k}.schema.json" for k in SCHEMA_MODELS)
+    assert cli_main(["schemas", "--check", str(tmp_path)]) == 0
     (tmp_path / "old.schema.json").write_text("{}")
     assert ev.stale_schemas(tmp_path) == ["old.schema.json"]
     for p in written:

@@ -13,11 +13,9 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import Monitor
-from agent_monitor.outbox import Message
-from agent_monitor.runs import RunLimits
-from agent_monitor.store import MemoryStore
-from tests.fakes import ScriptedJudge
+from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, RunLimits
+from agent_monitor.daemon._outbox import Message
+from agent_monitor.testing import FakeJudge
 
 
 def j(**kw: Any) -> bytes:
@@ -76,15 +74,15 @@ async def test_hostile_event_is_reported_counted_and_harmless(
     what: str, topic: str, payload: bytes, reason: str
 ) -> None:
     reg = CollectorRegistry()
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with Monitor(judge=judge, registry=reg, store=MemoryStore()) as mon:
         await mon.handle("agents/victim/start", j(task="the victim's task"))
         await mon.handle("agents/victim/step", j(index=1, text="fine"))
-        await mon.runs.drain()
+        await mon.drain()
         before = len(judge.prompts)
         await mon.handle(topic, payload)
         await mon.handle("agents/victim/step", j(index=2, text="still fine"))
-        await mon.runs.drain()
+        await mon.drain()
         msgs: list[Message] = []
         while (m := mon.outbox.get_nowait()) is not None:
             msgs.append(m)
@@ -92,23 +90,26 @@ async def test_hostile_event_is_reported_counted_and_harmless(
         assert [e["reason"] for e in errors] == [reason], what
         assert errors[0]["error"] and len(errors[0]["error"]) < 700
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": reason}) == 1
-        victim = mon.runs.live["victim"]
-        assert [s.text for s in victim.tracker.steps] == ["fine", "still fine"]  # undisturbed
-        assert victim.tracker.latest is not None and victim.tracker.latest.step == 2
+        victim = mon.tracker("victim")
+        assert victim is not None
+        assert [s.text for s in victim.steps] == ["fine", "still fine"]  # undisturbed
+        assert victim.latest is not None and victim.latest.step == 2
         assert len(judge.prompts) == before + 1
         assert all("shadow" not in p.text() for p in judge.prompts)  # never reaches the judge
 
 
 async def test_images_that_pass_the_sniff_but_not_the_decoder_keep_the_step() -> None:
     reg = CollectorRegistry()
-    async with Monitor(judge=ScriptedJudge(), registry=reg) as mon:
+    async with Monitor(judge=FakeJudge(), registry=reg) as mon:
         await mon.handle("agents/r/start", j(task="t"))
         corrupt = b"\x89PNG\r\n\x1a\n" + b"garbage" * 20
         await mon.handle("agents/r/step", j(index=1, text="corrupt frame", images=[b64(corrupt)]))
         await mon.handle("agents/r/step", j(index=2, text="bomb frame", images=[b64(png_bomb())]))
         await mon.handle("agents/r/step", j(index=3, text="good frame", images=[b64(real_png())]))
-        await mon.runs.drain()
-        steps = mon.runs.live["r"].tracker.steps
+        await mon.drain()
+        tracker = mon.tracker("r")
+        assert tracker is not None
+        steps = tracker.steps
         assert [s.text for s in steps] == ["corrupt frame", "bomb frame", "good frame"]
         assert [len(s.frames) for s in steps] == [0, 0, 1]
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_image"}) == 2
@@ -116,32 +117,33 @@ async def test_images_that_pass_the_sniff_but_not_the_decoder_keep_the_step() ->
 
 async def test_a_flood_of_run_ids_evicts_the_idlest_and_counts_them() -> None:
     reg = CollectorRegistry()
-    async with Monitor(judge=ScriptedJudge(), registry=reg, limits=RunLimits(max_runs=50)) as mon:
+    async with Monitor(MonitorConfig(limits=RunLimits(max_runs=50)), judge=FakeJudge(), registry=reg) as mon:
         for i in range(500):
             await mon.handle(f"agents/flood-{i}/start", j(task="spam"))
-        assert len(mon.runs.live) == 50
-        assert set(mon.runs.live) == {f"flood-{i}" for i in range(450, 500)}  # the newest stay
+        assert len(mon.book.live) == 50
+        assert set(mon.book.live) == {f"flood-{i}" for i in range(450, 500)}  # the newest stay
         assert reg.get_sample_value("agent_monitor_runs_total", {"outcome": "evicted"}) == 450
         # Orphan steps for never-started runs are bounded too.
         for i in range(2000):
             await mon.handle(f"agents/ghost-{i}/step", j(text="x"))
-        assert len(mon.runs.orphans) == mon.runs.limits.max_orphan_runs
+        assert len(mon.book.orphans) == mon.config.limits.max_orphan_runs
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "too_many_held"}) == 1000
 
 
 async def test_rescore_asks_for_fresh_scores_after_a_restart() -> None:
     store = MemoryStore()
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     async with Monitor(judge=judge, store=store) as mon:
         await mon.handle("agents/r/start", j(task="t"))
         for i in range(1, 4):
             await mon.handle("agents/r/step", j(index=i, text=f"s{i}"))
-            await mon.runs.drain()
+            await mon.drain()
     calls = len(judge.prompts)
     async with Monitor(judge=judge, store=store) as mon:
-        await mon.runs.drain()
+        await mon.drain()
         assert len(judge.prompts) == calls
-    async with Monitor(judge=judge, store=store, rescore=True) as mon:
-        await mon.runs.drain()
+    async with Monitor(MonitorConfig(rescore=True), judge=judge, store=store) as mon:
+        await mon.drain()
         assert len(judge.prompts) == calls + 1 and judge.prompts[-1].step == 3
-        assert mon.runs.live["r"].tracker.latest is not None and mon.runs.live["r"].tracker.latest.coalesced == 3
+        run = mon.run("r")
+        assert run is not None and run.latest is not None and run.latest.coalesced == 3

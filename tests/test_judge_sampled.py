@@ -71,7 +71,7 @@ async def test_sampled_expectation_converges_within_the_stated_error(server: Scr
     reqs = server.requests
     assert all("logprobs" not in r and r["temperature"] == 1.0 for r in reqs)
     assert sorted(r.get("n", 1) for r in reqs) == sorted([128] * (k // 128) + ([k % 128] if k % 128 else []))
-    assert p.as_dict()["criteria"]["task_progress"]["source"] == "sampled"
+    assert p.to_json()["criteria"]["task_progress"]["source"] == "sampled"
 
 
 async def test_error_shrinks_as_samples_grow(server: ScriptedServer) -> None:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent_monitor.daemon import Monitor
+from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon._metrics import RunCollector
 from agent_monitor.judges.base import JudgeError
-from agent_monitor.metrics import RunCollector
 from agent_monitor.policy import Policy
-from tests.fakes import ScriptedJudge
+from agent_monitor.testing import FakeJudge
 
 
 class Clock:
@@ -35,13 +35,13 @@ def value(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
 async def test_per_run_gauges_follow_live_runs_and_vanish_after_grace() -> None:
     clock = Clock()
     reg = CollectorRegistry()
-    judge = ScriptedJudge(lambda p: {"K": 0.0})  # K = 10/19
-    async with Monitor(judge=judge, registry=reg, metrics_grace_s=30, metric_labels=("group",)) as mon:
-        mon.runs.clock = clock
+    judge = FakeJudge(lambda p: "K")  # K = 10/19
+    config = MonitorConfig(metrics=MetricsSettings(labels=("group",), grace_s=30))
+    async with Monitor(config, judge=judge, registry=reg, clock=clock) as mon:
         await mon.handle("agents/r1/start", j(task="t", labels={"group": "g1", "secret": "not exported"}))
         await mon.handle("agents/r1/step", j(index=1, text="a"))
         await mon.handle("agents/r1/step", j(index=2, text="b"))
-        await mon.runs.drain()
+        await mon.drain()
         assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(10 / 19)
         assert value(reg, "agent_monitor_run_step", run_id="r1", group="g1") == 2
         assert value(reg, "agent_monitor_run_uncertainty", run_id="r1", group="g1") == pytest.approx(0.0)
@@ -50,13 +50,13 @@ async def test_per_run_gauges_follow_live_runs_and_vanish_after_grace() -> None:
         assert value(reg, "agent_monitor_runs_active") == 1
 
         await mon.handle("agents/r1/end", j(outcome="success"))
-        await mon.runs.drain()
+        await mon.drain()
         # Still visible during the grace period, so the board shows how the run finished ...
         assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(10 / 19)
         assert value(reg, "agent_monitor_runs_active") == 0
         assert value(reg, "agent_monitor_runs_total", outcome="success") == 1
         clock.t += 31
-        await mon.runs.sweep()
+        await mon.sweep()
         # ... then gone: ended runs leak no series.
         assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") is None
         assert 'run_id="r1"' not in generate_latest(reg).decode()
@@ -65,8 +65,8 @@ async def test_per_run_gauges_follow_live_runs_and_vanish_after_grace() -> None:
 async def test_series_cap_keeps_the_most_recent_runs_and_counts_the_rest() -> None:
     clock = Clock()
     reg = CollectorRegistry()
-    async with Monitor(judge=ScriptedJudge(), registry=reg, max_series=2) as mon:
-        mon.runs.clock = clock
+    config = MonitorConfig(metrics=MetricsSettings(max_series=2))
+    async with Monitor(config, judge=FakeJudge(), registry=reg, clock=clock) as mon:
         for name in ("a", "b", "c"):
             await mon.handle(f"agents/{name}/start", j(task="t"))
             clock.t += 1
@@ -82,22 +82,24 @@ async def test_judge_calls_latency_tokens_and_scoring_counted() -> None:
     reg = CollectorRegistry()
     fail = {"on": False}
 
-    def answer(p: Any) -> dict[str, float] | Exception:
-        return JudgeError("server_error", "HTTP 500") if fail["on"] else {"C": 0.0}
+    def answer(p: Any) -> str | Exception:
+        return JudgeError("server_error", "HTTP 500") if fail["on"] else "C"
 
-    judge = ScriptedJudge(answer, max_retries=0)
-    async with Monitor(judge=judge, registry=reg, policy=Policy(abort_below=0.5, min_steps=1, patience=1)) as mon:
+    judge = FakeJudge(answer, max_retries=0)
+    async with Monitor(
+        MonitorConfig(policy=Policy(abort_below=0.5, min_steps=1, patience=1)), judge=judge, registry=reg
+    ) as mon:
         await mon.handle("agents/r/start", j(task="t"))
         await mon.handle("agents/r/step", j(index=1, text="a"))
-        await mon.runs.drain()
+        await mon.drain()
         fail["on"] = True
         await mon.handle("agents/q/start", j(task="t"))
         await mon.handle("agents/q/step", j(index=1, text="b"))
-        await mon.runs.drain()
-    assert value(reg, "agent_monitor_judge_calls_total", judge="scripted", outcome="ok") == 1
-    assert value(reg, "agent_monitor_judge_calls_total", judge="scripted", outcome="error") == 1
-    assert value(reg, "agent_monitor_judge_latency_seconds_count", judge="scripted") == 2
-    assert value(reg, "agent_monitor_judge_tokens_total", kind="input") == len(judge.prompts[0].text())
+        await mon.drain()
+    assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="ok") == 1
+    assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 1
+    assert value(reg, "agent_monitor_judge_latency_seconds_count", judge="fake") == 2
+    assert value(reg, "agent_monitor_judge_tokens_total", kind="input") == judge.usage.input_tokens > 0
     assert value(reg, "agent_monitor_judge_tokens_total", kind="output") == 1
     assert value(reg, "agent_monitor_scorings_total", outcome="ok") == 1
     assert value(reg, "agent_monitor_scorings_total", outcome="failed") == 1
@@ -109,7 +111,7 @@ async def test_judge_calls_latency_tokens_and_scoring_counted() -> None:
 
 async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     reg = CollectorRegistry()
-    async with Monitor(judge=ScriptedJudge(), registry=reg):
+    async with Monitor(judge=FakeJudge(), registry=reg):
         pass
     for signal in ("continue", "abort", "resample"):
         assert value(reg, "agent_monitor_signals_total", signal=signal) == 0
@@ -118,12 +120,12 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     for kind in ("input", "cached_input", "output"):
         assert value(reg, "agent_monitor_judge_tokens_total", kind=kind) == 0
     assert value(reg, "agent_monitor_invalid_events_total", reason="bad_json") == 0
-    assert value(reg, "agent_monitor_judge_calls_total", judge="scripted", outcome="error") == 0
+    assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 0
     assert value(reg, "agent_monitor_run_series_capped") == 0
 
 
 def test_two_monitors_have_separate_registries() -> None:
-    a, b = Monitor(judge=ScriptedJudge()), Monitor(judge=ScriptedJudge())
+    a, b = Monitor(judge=FakeJudge()), Monitor(judge=FakeJudge())
     assert a.registry is not b.registry  # no global registry: two monitors in one process do not collide
 
 

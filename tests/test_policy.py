@@ -2,11 +2,10 @@
 
 import pytest
 
-from agent_monitor import AsyncProgressTracker, JudgeError, Policy, PolicyError, ProgressTracker
+from agent_monitor import AsyncProgressTracker, JudgeError, Policy, PolicyError, Progress, ProgressTracker
 from agent_monitor.policy import PolicyState
 from agent_monitor.scale import LETTERS
-from agent_monitor.tracker import Progress
-from tests.fakes import ScriptedJudge
+from agent_monitor.testing import FakeJudge
 
 
 def prog(step: int, score: float | None, uncertainty: float = 0.05) -> Progress:
@@ -71,7 +70,7 @@ def test_overrides_are_checked() -> None:
 
 async def test_tracker_attaches_signals_and_calls_back_on_change_only() -> None:
     # Progress falls one letter per step: 9/19, 8/19, 7/19 (< 0.4), 6/19 ...; abort after 2 low steps.
-    judge = ScriptedJudge(lambda p: {LETTERS[max(0, 10 - p.step)]: 0.0})
+    judge = FakeJudge(lambda p: LETTERS[max(0, 10 - p.step)])
     changes = []
     t = AsyncProgressTracker(
         "task", judge=judge, policy={"abort_below": 0.4, "min_steps": 1, "patience": 2}, on_signal=changes.append
@@ -79,11 +78,11 @@ async def test_tracker_attaches_signals_and_calls_back_on_change_only() -> None:
     signals = [(await t.update(f"s{i}")).signal for i in range(1, 7)]
     assert [s.signal for s in signals if s] == ["continue", "continue", "continue", "abort", "abort", "abort"]
     assert [d.signal for d in changes] == ["abort"] and changes[0].step == 4 and changes[0].best_step == 1
-    assert t.curve[-1].as_dict()["signal"] == "abort"
+    assert t.curve[-1].to_json()["signal"] == "abort"
 
 
 def test_sync_hook_judge_outage_never_aborts() -> None:
-    judge = ScriptedJudge(lambda p: JudgeError("server_error", "HTTP 503", retryable=False))
+    judge = FakeJudge(lambda p: JudgeError("server_error", "HTTP 503", retryable=False))
     with ProgressTracker("task", judge=judge, policy=Policy(abort_below=0.9, min_steps=0, patience=1)) as t:
         results = [t.update(f"s{i}") for i in range(3)]
     assert all(not p.ok and p.signal is not None and p.signal.signal == "continue" for p in results)
@@ -92,5 +91,5 @@ def test_sync_hook_judge_outage_never_aborts() -> None:
 
 
 async def test_no_policy_no_signal() -> None:
-    p = await AsyncProgressTracker("task", judge=ScriptedJudge()).update("x")
-    assert p.signal is None and p.as_dict()["signal"] is None
+    p = await AsyncProgressTracker("task", judge=FakeJudge()).update("x")
+    assert p.signal is None and p.to_json()["signal"] is None

@@ -36,11 +36,12 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
-from agent_monitor.daemon import Monitor
+from agent_monitor import JudgeError
+from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
+from agent_monitor.testing import FakeJudge
 from tests.brokers import free_port, wait_port
-from tests.fakes import JudgeError, ScriptedJudge
 from tests.test_dashboards import ALERTS, alert_queries, dashboard_queries, letters, load_dashboard, variable_queries
 
 PROMETHEUS = shutil.which("prometheus")
@@ -54,7 +55,7 @@ GRACE_S = 1.0
 DOOMED = 14  # aborted runs on daemon A: > 10 in 5 minutes is the AbortStorm threshold (2 a minute)
 
 
-class CachingJudge(ScriptedJudge):
+class CachingJudge(FakeJudge):
     """A scripted judge whose provider says half of each prompt came from its prefix cache."""
 
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
@@ -230,7 +231,7 @@ async def steps(mon: Monitor, run: str, indexes: range) -> None:
 
 async def drain(*monitors: Monitor) -> None:
     for mon in monitors:
-        await asyncio.wait_for(mon.runs.drain(), 20)
+        await asyncio.wait_for(mon.drain(), 20)
 
 
 LIVE: dict[
@@ -289,18 +290,18 @@ def instances(result: list[dict[str, Any]]) -> set[str]:
 
 async def test_dashboard_and_alert_queries_on_a_real_prometheus(tmp_path: Path) -> None:
     a = Monitor(
-        judge=CachingJudge(letters, delay_s=0.02, max_retries=0),
-        policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+        MonitorConfig(
+            policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+            max_concurrency=4,
+            metrics=MetricsSettings(grace_s=GRACE_S),
+        ),
+        judge=CachingJudge(letters, latency_s=0.02, max_retries=0),
         registry=CollectorRegistry(),
-        max_concurrency=4,
-        metrics_grace_s=GRACE_S,
     )
     b = Monitor(
-        judge=ScriptedJudge(lambda p: JudgeError("server_error", "the judge is down"), max_retries=0),
+        MonitorConfig(outbox_size=3, metrics=MetricsSettings(max_series=0, grace_s=GRACE_S)),
+        judge=FakeJudge(lambda p: JudgeError("server_error", "the judge is down"), max_retries=0),
         registry=CollectorRegistry(),
-        outbox_size=3,
-        max_series=0,
-        metrics_grace_s=GRACE_S,
     )
     dead = f"127.0.0.1:{free_port()}"
     async with served(a) as ta, served(b) as tb:
@@ -328,7 +329,7 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     await wave(a, b, 2)
     await caught_up(prom, monitors)
     live_runs = {*LIVE, f"doomed-{DOOMED - 1:02}"}
-    assert set(a.runs.live) == live_runs
+    assert set(a.book.live) == live_runs
 
     async def only_live_runs() -> bool:  # the aborted runs ended last leave after the grace period
         return {r["metric"]["run_id"] for r in await prom.query("agent_monitor_run_progress")} == live_runs
@@ -352,8 +353,9 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
 
     # The values behind the panels are the monitors' own.
     for run in LIVE:
-        latest = a.runs.live[run].tracker.latest
-        assert latest is not None and latest.score is not None
+        view = a.run(run)
+        assert view is not None and view.latest is not None and view.latest.score is not None
+        latest = view.latest
         seen = await prom.value(f'agent_monitor_run_progress{{run_id="{run}"}}')
         assert seen == pytest.approx(latest.score), run
     a1 = await prom.query('agent_monitor_run_progress{run_id="run-a1"}')
@@ -372,7 +374,7 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         ' / sum(rate(agent_monitor_judge_tokens_total{kind="input"}[1m]))'
     )
     assert share == pytest.approx(0.5, abs=0.01)
-    assert await prom.value("sum(agent_monitor_runs_active)") == len(a.runs.live) + len(b.runs.live) == len(LIVE) + 2
+    assert await prom.value("sum(agent_monitor_runs_active)") == len(a.book.live) + len(b.book.live) == len(LIVE) + 2
     assert await prom.value(f'agent_monitor_run_series_capped{{instance="{tb}"}}') == 1
 
     # Every alert expression holds, for exactly the daemons it is about.

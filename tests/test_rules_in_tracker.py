@@ -8,7 +8,7 @@ import pytest
 from agent_monitor import AsyncProgressTracker, ProgressTracker, load_criteria
 from agent_monitor.criteria import CriteriaError
 from agent_monitor.rules import RuleInput, RuleScore, register_rule
-from tests.fakes import ScriptedJudge
+from agent_monitor.testing import FakeJudge
 
 MIXED = {
     "title": "tests first",
@@ -27,7 +27,7 @@ MIXED = {
 
 
 async def test_confident_rule_carries_a_step_and_silent_rules_hand_it_to_the_judge() -> None:
-    judge = ScriptedJudge(lambda p: {"K": 0.0})
+    judge = FakeJudge(lambda p: "K")
     t = AsyncProgressTracker("Fix the tests.", judge=judge, criteria=MIXED)
     # Step 1: no test summary, no metric: goal and health go to the judge, distance is silent.
     p1 = await t.update("<think>hmm</think>looked at the repo")
@@ -36,7 +36,7 @@ async def test_confident_rule_carries_a_step_and_silent_rules_hand_it_to_the_jud
     assert p1.score == pytest.approx(10 / 19)  # weights renormalised over goal and health
     assert "hmm" not in t.steps[0].text  # the extractor ran before anything saw the step
     # Step 2: pytest summary and a distance reading: goal from the rule, no judge call for it.
-    judge.prompts.clear()
+    judge.requests.clear()
     p2 = await t.update("$ pytest -q\n3 failed, 7 passed in 0.4s", meta={"distance_to_goal": 4.0})
     assert [c.criterion for c in judge.prompts] == ["health"] and p2.calls == 1 and p2.calls_saved == 1
     goal = p2.criteria["goal"]
@@ -49,11 +49,11 @@ async def test_confident_rule_carries_a_step_and_silent_rules_hand_it_to_the_jud
     p3 = await t.update("$ pytest -q\n10 passed in 0.3s", meta={"distance_to_goal": 1.0})
     assert p3.criteria["goal"].score == 1.0 and p3.criteria["distance"].score == pytest.approx(0.75)
     assert t.calls_saved == 2 == sum(p.calls_saved for p in t.curve)
-    assert p3.as_dict()["criteria"]["goal"]["source"] == "rule"
+    assert p3.to_json()["criteria"]["goal"]["source"] == "rule"
 
 
 async def test_rules_only_rubric_never_calls_the_judge() -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     crit = {"criteria": [{"type": "rule.answer_match", "mode": "numeric", "name": "answer"}]}
     t = AsyncProgressTracker("What is 6 x 7?", judge=judge, criteria=crit, expected="42")
     p1 = await t.update("thinking about it")
@@ -65,7 +65,7 @@ async def test_rules_only_rubric_never_calls_the_judge() -> None:
 
 
 def test_sync_hook_takes_metadata_and_judge_never_sees_it() -> None:
-    judge = ScriptedJudge(lambda p: {"T": 0.0})
+    judge = FakeJudge(lambda p: "T")
     crit = {
         "criteria": [
             {"type": "rule.metric_curve", "start": 10.0, "weight": 1},
@@ -94,7 +94,7 @@ async def test_broken_user_rule_is_no_opinion_and_the_judge_answers() -> None:
             }
         ]
     }
-    p = await AsyncProgressTracker("t", judge=ScriptedJudge(), criteria=crit).update("x")
+    p = await AsyncProgressTracker("t", judge=FakeJudge(), criteria=crit).update("x")
     assert p.ok and p.calls == 1 and p.criteria["g"].source == "llm"
 
 
@@ -132,19 +132,27 @@ def test_bad_pipeline_config_gets_clear_errors(crit: dict, message: str) -> None
 
 
 async def test_calls_saved_are_exported_on_the_registry_passed_in() -> None:
+    # The tracker sets Progress.calls_saved; the daemon counts it on the registry its Monitor was given.
+    import json
+
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from agent_monitor.metrics import Metrics
+    from agent_monitor.daemon import Monitor
 
     registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    t = AsyncProgressTracker("Fix the tests.", judge=ScriptedJudge(), criteria="coding_tests", metrics=metrics)
-    await t.update("$ ls")
-    assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 0.0
-    await t.update("$ pytest\n=== 2 failed, 8 passed in 1.2s ===")
-    await t.update("$ pytest\n=== 10 passed in 1.1s ===")
-    assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 2.0 == t.calls_saved
-    assert b"agent_monitor_judge_calls_saved_total 2.0" in generate_latest(registry)
+    async with Monitor(judge=FakeJudge(), registry=registry) as mon:
+        await mon.handle("agents/r1/start", json.dumps({"task": "Fix the tests.", "criteria": "coding_tests"}).encode())
+        await mon.handle("agents/r1/step", json.dumps({"text": "$ ls"}).encode())
+        await mon.drain()
+        assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 0.0
+        # One step at a time: each prefix is scored on its own (no coalescing), as the tracker did.
+        for text in ("$ pytest\n=== 2 failed, 8 passed in 1.2s ===", "$ pytest\n=== 10 passed in 1.1s ==="):
+            await mon.handle("agents/r1/step", json.dumps({"text": text}).encode())
+            await mon.drain()
+        t = mon.tracker("r1")
+        assert t is not None and [p.calls_saved for p in t.curve] == [0, 1, 1]
+        assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 2.0 == t.calls_saved
+        assert b"agent_monitor_judge_calls_saved_total 2.0" in generate_latest(registry)
 
 
 def test_rubric_yaml(tmp_path: Path) -> None:

@@ -248,7 +248,7 @@ def test_metrics_served_while_serving(broker: Mosquitto) -> None:
 
 
 def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
-    from agent_monitor.client import MonitorClient
+    from agent_monitor.wire import MonitorClient
 
     port = free_port()
     url = f"mqtt://127.0.0.1:{port}"
@@ -285,7 +285,7 @@ def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
 @pytest.mark.slow
 def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
     """README's `agent-monitor serve --embedded-broker --judge local --min-mass 0.05`, with the real Gemma 270M."""
-    from agent_monitor.client import MonitorClient
+    from agent_monitor.wire import MonitorClient
 
     port = free_port()
     url = f"mqtt://127.0.0.1:{port}"

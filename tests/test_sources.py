@@ -16,11 +16,11 @@ import pytest
 from PIL import Image
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import Monitor
-from agent_monitor.events import EventError, decode_event
-from agent_monitor.sources import fetch_images
-from agent_monitor.store import MemoryStore
-from tests.fakes import ScriptedJudge
+from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
+from agent_monitor.daemon._sources import fetch_images
+from agent_monitor.daemon._state import Stepped
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import EventError, decode_event
 
 
 def png() -> bytes:
@@ -123,15 +123,18 @@ async def test_monitor_reads_allowed_frames_off_the_loop_and_journals_their_byte
     (tmp_path / "f.png").write_bytes(png())
     store = MemoryStore()
     reg = CollectorRegistry()
-    async with Monitor(judge=ScriptedJudge(), store=store, registry=reg, image_dirs=(str(tmp_path),)) as mon:
+    config = MonitorConfig(image_dirs=(str(tmp_path),))
+    async with Monitor(config, judge=FakeJudge(), store=store, registry=reg) as mon:
         await mon.handle("agents/r/start", b'{"task": "t"}')
         await mon.handle("agents/r/step", step({"path": str(tmp_path / "f.png")}).encode())
         await mon.handle(
             "agents/r/step", json.dumps({"index": 2, "text": "x", "images": [{"path": "/etc/passwd"}]}).encode()
         )
-        await mon.runs.drain()
-        steps = mon.runs.live["r"].tracker.steps
+        await mon.drain()
+        tracker = mon.tracker("r")
+        assert tracker is not None
+        steps = tracker.steps
         assert len(steps) == 1 and len(steps[0].frames) == 1
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_image"}) == 1
-    (run,) = await store.live_runs()
-    assert run.events[1].images[0].decoded() == png()  # type: ignore[union-attr]
+    (stepped,) = [r for r in (await store.replay()).records if isinstance(r, Stepped)]
+    assert stepped.step.images[0].decoded() == png()

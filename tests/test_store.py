@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from agent_monitor.daemon import Monitor
-from agent_monitor.events import RunEnd, RunStart, StepIn, decode_event
+from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.daemon._outbox import Message
+from agent_monitor.daemon._state import Duplicate, Ended, Finished, Orphaned, Refusal, RunBook, Started, Stepped
+from agent_monitor.daemon._store import PLACEHOLDER_PNG, MemoryStore, SqliteStore
 from agent_monitor.images import FrameBudget
-from agent_monitor.outbox import Message
 from agent_monitor.policy import Policy
-from agent_monitor.store import PLACEHOLDER_PNG, MemoryStore, SqliteStore
-from tests.fakes import ScriptedJudge
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import RunEnd, RunStart, StepIn, decode_event
 
 
 def png(color: tuple[int, int, int]) -> bytes:
@@ -35,6 +36,18 @@ def j(**kw: Any) -> bytes:
     return json.dumps(kw).encode()
 
 
+async def journal_events(store: SqliteStore, events: list[tuple[str, dict[str, Any]]], now: float = 1000.0) -> None:
+    """What the daemon journals for these events: the run state decides, refusals and duplicates are not journaled."""
+    book = RunBook()
+    for topic, payload in events:
+        run_id, event = ev(topic, **payload)
+        verdict = book.decide(run_id, event, now)
+        if isinstance(verdict, (Refusal, Duplicate)):
+            continue
+        await store.journal(verdict)
+        book.apply(verdict)
+
+
 def drained(mon: Monitor) -> list[Message]:
     out = []
     while (m := mon.outbox.get_nowait()) is not None:
@@ -45,19 +58,25 @@ def drained(mon: Monitor) -> list[Message]:
 async def test_journal_dedupes_steps_and_rebuilds_events_in_order(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "s.db")
     try:
-        for topic, payload in [
-            ("agents/r/start", {"task": "t", "labels": {"group": "g"}}),
-            ("agents/r/step", {"index": 2, "text": "two"}),
-            ("agents/r/step", {"index": 1, "text": "one"}),
-            ("agents/r/step", {"index": 1, "text": "one again"}),
-            ("agents/q/step", {"index": 1, "text": "orphan"}),
-        ]:
-            run_id, event = ev(topic, **payload)
-            await store.journal(run_id, event)
-        runs = {r.run_id: r for r in await store.live_runs()}
-        assert [type(e).__name__ for e in runs["r"].events] == ["RunStart", "StepIn", "StepIn"]
-        assert [e.text for e in runs["r"].events[1:]] == ["two", "one"]  # the re-delivery was not kept
-        assert runs["q"].events[0].text == "orphan"
+        await journal_events(
+            store,
+            [
+                ("agents/r/start", {"task": "t", "labels": {"group": "g"}}),
+                ("agents/r/step", {"index": 2, "text": "two"}),
+                ("agents/r/step", {"index": 1, "text": "one"}),
+                ("agents/r/step", {"index": 1, "text": "one again"}),
+                ("agents/q/step", {"index": 1, "text": "orphan"}),
+            ],
+        )
+        records = (await store.replay()).records
+        r = [rec for rec in records if rec.run_id == "r"]
+        assert [type(rec).__name__ for rec in r] == ["Started", "Stepped", "Stepped"]
+        assert [rec.step.text for rec in r if isinstance(rec, Stepped)] == [
+            "two",
+            "one",
+        ]  # the re-delivery was not kept
+        (q,) = [rec for rec in records if rec.run_id == "q"]
+        assert isinstance(q, Orphaned) and q.step.text == "orphan"
         exported = await store.export("r")
         assert exported is not None and [s["text"] for s in exported["steps"]] == ["one", "two"]
         assert exported["labels"] == {"group": "g"}
@@ -70,19 +89,20 @@ async def test_frames_stored_once_per_digest_and_pruned_by_budget(tmp_path: Path
     red, blue = png((255, 0, 0)), png((0, 0, 255))
     try:
         _, start = ev("agents/r/start", task="t", images=[{"data": base64.b64encode(red).decode()}])
-        await store.journal("r", start)
+        await store.journal(Started("r", start, 1000.0))
         frames = [red, blue, blue, red, blue]  # 5 step frames; ordinals 0..4
         for i, f in enumerate(frames, 1):
-            await store.journal("r", StepIn.model_validate({"index": i, "text": f"s{i}", "images": [
-                {"data": base64.b64encode(f).decode()}]}))  # fmt: skip
+            await store.journal(Stepped("r", StepIn.model_validate({"index": i, "text": f"s{i}", "images": [
+                {"data": base64.b64encode(f).decode()}]}), 1000.0 + i))  # fmt: skip
         db = sqlite3.connect(tmp_path / "s.db")
         assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 2  # red and blue, once each
         pruned = [o for (o,) in db.execute("SELECT ordinal FROM event_frames WHERE pruned = 1 ORDER BY ordinal")]
         assert pruned == [1, 3]  # not anchors (0, 2, 4) and not the newest (4)
-        (run,) = await store.live_runs()
-        step_images = [e.images[0].decoded() for e in run.events[1:]]
+        first, *steps = (await store.replay()).records
+        assert isinstance(first, Started) and all(isinstance(r, Stepped) for r in steps)
+        step_images = [r.step.images[0].decoded() for r in steps if isinstance(r, Stepped)]
         assert step_images == [red, PLACEHOLDER_PNG, blue, PLACEHOLDER_PNG, blue]
-        assert run.events[0].images[0].decoded() == red  # task images are never pruned
+        assert first.start.images[0].decoded() == red  # task images are never pruned
     finally:
         await store.aclose()
 
@@ -93,11 +113,11 @@ async def test_retention_deletes_ended_runs_and_unreferenced_frames(tmp_path: Pa
     try:
         for rid in ("old", "new"):
             _, start = ev(f"agents/{rid}/start", task=rid, images=[base64.b64encode(png((1, 2, 3))).decode()])
-            await store.journal(rid, start)
+            await store.journal(Started(rid, start, clock["t"]))
         store.record_progress("old", 1, {"step": 1, "score": 0.5, "ok": True})
-        store.record_end("old", "success")
+        await store.journal(Finished("old", "success", clock["t"]))
         clock["t"] += 100
-        store.record_end("new", "failure")
+        await store.journal(Finished("new", "failure", clock["t"]))
         assert await store.prune(older_than_s=50) == 1
         assert [r["run_id"] for r in await store.list_runs()] == ["new"]
         assert await store.export("old") is None
@@ -115,59 +135,67 @@ async def test_monitor_rebuilds_runs_from_the_store_without_rescoring(tmp_path: 
         return SqliteStore(tmp_path / "s.db") if kind == "sqlite" else memory
 
     memory = MemoryStore()
-    judge = ScriptedJudge(lambda p: {"B": 0.0} if "bad" in p.prefix_text() else {"K": 0.0})
+    judge = FakeJudge(lambda p: "B" if "bad" in p.prefix_text() else "K")
     policy = Policy(abort_below=0.2, min_steps=1, patience=2)
     store = make()
-    async with Monitor(judge=judge, store=store, policy=policy) as mon:
+    async with Monitor(MonitorConfig(policy=policy), judge=judge, store=store) as mon:
         for rid, task in (("good", "good task"), ("bad", "bad task")):
             await mon.handle(f"agents/{rid}/start", j(task=task))
             for i in range(1, 4):
                 await mon.handle(f"agents/{rid}/step", j(index=i, text=f"{rid} {i}"))
-                await mon.runs.drain()
+                await mon.drain()
         await mon.handle("agents/good/step", j(index=5, text="good 5 (4 is missing)"))
         assert [m for m in drained(mon) if m.topic == "agents/bad/signal"]  # aborted at step 2
     await store.aclose()
     calls = len(judge.prompts)
 
     store = make()
-    async with Monitor(judge=judge, store=store, policy=policy) as mon:
-        await mon.runs.drain()
+    async with Monitor(MonitorConfig(policy=policy), judge=judge, store=store) as mon:
+        await mon.drain()
         assert len(judge.prompts) == calls  # nothing scored again
-        good, bad = mon.runs.live["good"], mon.runs.live["bad"]
-        assert [s.text for s in good.tracker.steps] == ["good 1", "good 2", "good 3"]
+        good, bad, bad_tracker = mon.run("good"), mon.run("bad"), mon.tracker("bad")
+        assert good is not None and bad is not None and bad_tracker is not None
+        assert [s.step.text for s in good.steps] == ["good 1", "good 2", "good 3"]
         assert list(good.held) == [5] and good.scored == 3
-        assert [p.step for p in good.tracker.curve] == [1, 2, 3] and good.last_ok is not None
-        assert bad.signal == "abort" and bad.tracker.policy_state is not None
-        assert bad.tracker.policy_state.signal == "abort"
-        assert not drained(mon)  # replaying publishes nothing: no duplicate progress, no errors
+        assert [p.step for p in good.curve] == [1, 2, 3] and good.last_ok is not None
+        assert bad.signal == "abort" and bad_tracker.policy_state is not None
+        assert bad_tracker.policy_state.signal == "abort"
+        # Replaying publishes no duplicate progress and no errors; only the run's current signal is published
+        # again (retained, the same decision: it may have been lost with the crash).
+        replayed = drained(mon)
+        assert [m.topic for m in replayed] == ["agents/bad/signal"]
+        assert replayed[0].retain and json.loads(replayed[0].payload)["signal"] == "abort"
         # The run goes on where it was: the missing step arrives, then 4 and 5 are scored together.
         await mon.handle("agents/good/step", j(index=4, text="good 4"))
         await mon.handle("agents/bad/step", j(index=4, text="bad 4"))
-        await mon.runs.drain()
+        await mon.drain()
         progress = [json.loads(m.payload) for m in drained(mon) if m.topic.endswith("/progress")]
         assert [(p["run_id"], p["step"], p["coalesced"]) for p in progress] == [("good", 5, 2)]
         assert len(judge.prompts) == calls + 1  # the aborted run is not judged again
         await mon.handle("agents/good/end", j(outcome="success"))
-        await mon.runs.drain()
+        await mon.drain()
     await store.aclose()
 
     store = make()
     async with Monitor(judge=judge, store=store) as mon:
-        assert set(mon.runs.live) == {"bad"}  # an ended run is not rebuilt
+        assert set(mon.book.live) == {"bad"}  # an ended run is not rebuilt
     await store.aclose()
 
 
 async def test_a_run_id_reused_after_its_end_is_a_new_run(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "s.db")
     try:
-        for payload in ({"task": "first"},):
-            await store.journal("r", RunStart.model_validate(payload))
-        await store.journal("r", StepIn.model_validate({"index": 1, "text": "a"}))
-        await store.journal("r", RunEnd.model_validate({}))
-        store.record_end("r", "unknown")
-        await store.journal("r", RunStart.model_validate({"task": "second"}))
-        assert await store.journal("r", StepIn.model_validate({"index": 1, "text": "b"})) is True
-        (run,) = await store.live_runs()
-        assert run.events[0].task == "second" and [e.text for e in run.events[1:]] == ["b"]
+        await store.journal(Started("r", RunStart.model_validate({"task": "first"}), 1000.0))
+        await store.journal(Stepped("r", StepIn.model_validate({"index": 1, "text": "a"}), 1001.0))
+        await store.journal(Ended("r", RunEnd.model_validate({}), 1002.0))
+        await store.journal(Finished("r", "unknown", 1002.0))
+        await store.journal(Started("r", RunStart.model_validate({"task": "second"}), 1003.0))
+        # Step 1 of the new run is journaled (not refused as step 1 of the old run already stored).
+        await store.journal(Stepped("r", StepIn.model_validate({"index": 1, "text": "b"}), 1004.0))
+        replay = await store.replay()
+        first, *steps = replay.records
+        assert isinstance(first, Started) and first.start.task == "second"
+        assert [r.step.text for r in steps if isinstance(r, Stepped)] == ["b"] and len(steps) == 1
+        assert "r" not in dict(replay.ended)
     finally:
         await store.aclose()

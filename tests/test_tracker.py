@@ -9,17 +9,17 @@ import pytest
 from agent_monitor import AsyncProgressTracker, JudgeError, ProgressTracker, atrack, track
 from agent_monitor.images import ImageError
 from agent_monitor.prompts import Prompt
-from tests.fakes import ScriptedJudge, logp
+from agent_monitor.testing import FakeJudge
 
 
 async def test_update_scores_each_growing_prefix() -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     t = AsyncProgressTracker("Reverse a string.", judge=judge, run_id="r1")
     for i in range(1, 4):
         p = await t.update(f"step {i}")
         assert p.ok and p.step == i and p.score == pytest.approx(i / 19)
         assert p.uncertainty == pytest.approx(0.0) and p.mass == pytest.approx(1.0)
-        assert p.model == "scripted-1" and p.judge == "scripted" and p.rubric == t.rubric.hash
+        assert p.model == "fake-1" and p.judge == "fake" and p.rubric == t.rubric.hash
     assert [p.step for p in t.curve] == [1, 2, 3]
     assert t.latest is not None and t.latest.step == 3
     assert [p.step for p in judge.prompts] == [1, 2, 3]
@@ -27,10 +27,10 @@ async def test_update_scores_each_growing_prefix() -> None:
 
 
 async def test_weighted_criteria_one_call_each_sharing_the_prefix() -> None:
-    def answer(p: Prompt) -> dict[str, float]:
-        return {"T": 0.0} if p.criterion == "done" else {"A": 0.0}
+    def answer(p: Prompt) -> str:
+        return "T" if p.criterion == "done" else "A"
 
-    judge = ScriptedJudge(answer)
+    judge = FakeJudge(answer)
     crit = [{"name": "done", "description": "is it done", "weight": 3}, {"name": "tidy", "description": "is it tidy"}]
     t = AsyncProgressTracker("task", judge=judge, criteria=crit)
     p = await t.update("did it")
@@ -40,9 +40,7 @@ async def test_weighted_criteria_one_call_each_sharing_the_prefix() -> None:
 
 
 async def test_judge_failure_is_reported_never_scored() -> None:
-    judge = ScriptedJudge(
-        lambda p: JudgeError("server_error", "HTTP 503", retryable=True), max_retries=1, backoff_s=0.001
-    )
+    judge = FakeJudge(lambda p: JudgeError("server_error", "HTTP 503", retryable=True), max_retries=1, backoff_s=0.001)
     seen = []
     t = AsyncProgressTracker("task", judge=judge, on_progress=seen.append)
     p = await t.update("x")
@@ -51,7 +49,7 @@ async def test_judge_failure_is_reported_never_scored() -> None:
 
 
 async def test_partial_criteria_failure_fails_the_step_but_keeps_what_scored() -> None:
-    judge = ScriptedJudge(lambda p: {"K": 0.0} if p.criterion == "a" else {"The": 0.0})
+    judge = FakeJudge(lambda p: "K" if p.criterion == "a" else "The")
     t = AsyncProgressTracker("task", judge=judge, criteria={"a": "x", "b": "y"})
     p = await t.update("x")
     assert not p.ok and p.score is None and p.reason == "no_letter" and "criterion 'b'" in (p.error or "")
@@ -75,7 +73,7 @@ async def test_buggy_third_party_judge_is_a_failure_not_a_crash() -> None:
 
 
 async def test_repeats_and_min_mass() -> None:
-    judge = ScriptedJudge(lambda p: logp({"K": 0.3, "The": 0.7}))
+    judge = FakeJudge(lambda p: {"K": 0.3, "The": 0.7})
     t = AsyncProgressTracker("task", judge=judge, repeats=2, min_mass=0.25)
     p = await t.update("x")
     assert p.ok and p.mass == pytest.approx(0.3) and p.criteria["task_progress"].repeats == 2
@@ -84,7 +82,7 @@ async def test_repeats_and_min_mass() -> None:
 
 
 async def test_submit_coalesces_a_burst_and_scores_the_newest_prefix() -> None:
-    judge = ScriptedJudge(delay_s=0.1)
+    judge = FakeJudge(latency_s=0.1)
     results = []
     async with AsyncProgressTracker("task", judge=judge, on_progress=results.append) as t:
         for i in range(1, 41):
@@ -99,13 +97,13 @@ async def test_submit_coalesces_a_burst_and_scores_the_newest_prefix() -> None:
 
 
 async def test_submit_needs_the_context() -> None:
-    t = AsyncProgressTracker("task", judge=ScriptedJudge())
+    t = AsyncProgressTracker("task", judge=FakeJudge())
     with pytest.raises(RuntimeError, match="async with"):
         t.submit("x")
 
 
 async def test_bad_image_rejects_that_step_only() -> None:
-    async with AsyncProgressTracker("task", judge=ScriptedJudge()) as t:
+    async with AsyncProgressTracker("task", judge=FakeJudge()) as t:
         with pytest.raises(ImageError, match="not PNG, JPEG"):
             await t.update("x", images=[b"not an image"])
         assert t.steps == []
@@ -116,7 +114,7 @@ async def test_bad_image_rejects_that_step_only() -> None:
 
 
 async def test_network_origin_trackers_can_refuse_file_paths(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    t = AsyncProgressTracker("task", judge=ScriptedJudge(), allow_files=False)
+    t = AsyncProgressTracker("task", judge=FakeJudge(), allow_files=False)
     with pytest.raises(ImageError, match="paths are not allowed"):
         await t.update("x", images=["/etc/hostname"])
 
@@ -125,7 +123,7 @@ async def test_callback_errors_do_not_stop_scoring() -> None:
     def boom(p: object) -> None:
         raise RuntimeError("callback bug")
 
-    async with AsyncProgressTracker("task", judge=ScriptedJudge(), on_progress=boom) as t:
+    async with AsyncProgressTracker("task", judge=FakeJudge(), on_progress=boom) as t:
         t.submit("a")
         await t.drain()
         t.submit("b")
@@ -147,13 +145,13 @@ async def test_image_loading_runs_off_the_event_loop(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(tracker_mod, "load_image", spy)
     from PIL import Image
 
-    t = AsyncProgressTracker("task", judge=ScriptedJudge())
+    t = AsyncProgressTracker("task", judge=FakeJudge())
     await t.update("x", images=[Image.new("RGB", (4, 4))])
     assert threads and loop_thread not in threads
 
 
 def test_sync_tracker_update_submit_and_shared_judge_loop() -> None:
-    judge = ScriptedJudge(delay_s=0.02)
+    judge = FakeJudge(latency_s=0.02)
     got = []
     with (
         ProgressTracker("task A", judge=judge, on_progress=got.append) as a,
@@ -176,7 +174,7 @@ def test_sync_tracker_update_submit_and_shared_judge_loop() -> None:
 
 
 def test_track_scores_every_prefix_offline() -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     curve = track("task", ["a", "b", {"action": "ls", "observation": "file.txt"}], judge=judge)
     assert [p.step for p in curve] == [1, 2, 3]
     assert [p.score for p in curve] == pytest.approx([1 / 19, 2 / 19, 3 / 19])
@@ -185,13 +183,13 @@ def test_track_scores_every_prefix_offline() -> None:
 
 
 async def test_atrack_in_order_for_prefix_caches() -> None:
-    judge = ScriptedJudge()
+    judge = FakeJudge()
     curve = await atrack("task", [f"s{i}" for i in range(5)], judge=judge)
     assert [p.step for p in judge.prompts] == [1, 2, 3, 4, 5] and curve[-1].score == pytest.approx(5 / 19)
 
 
 def test_invalid_arguments_are_clear() -> None:
     with pytest.raises(ValueError, match="task is empty"):
-        AsyncProgressTracker("  ", judge=ScriptedJudge())
+        AsyncProgressTracker("  ", judge=FakeJudge())
     with pytest.raises(ValueError, match="repeats"):
-        AsyncProgressTracker("t", judge=ScriptedJudge(), repeats=0)
+        AsyncProgressTracker("t", judge=FakeJudge(), repeats=0)

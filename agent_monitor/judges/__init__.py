@@ -1,5 +1,6 @@
 """Judge backends behind one async interface."""
 
-from .base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from ..progress import Usage
+from .base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
 
 __all__ = ["BaseJudge", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "Usage"]

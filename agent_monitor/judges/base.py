@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from .._loop import LoopThread
+from ..progress import Usage
 from ..prompts import Prompt
 from ..scale import read_letter
 
@@ -32,22 +34,6 @@ class JudgeError(Exception):
         self.reason = reason
         self.retryable = retryable
         self.retry_after = retry_after
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Tokens spent on a judge call."""
-
-    input_tokens: int = 0
-    cached_input_tokens: int = 0
-    output_tokens: int = 0
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(
-            self.input_tokens + other.input_tokens,
-            self.cached_input_tokens + other.cached_input_tokens,
-            self.output_tokens + other.output_tokens,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +111,7 @@ class BaseJudge(abc.ABC):
         self.model = ""
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
-        self._portal_cm: contextlib.AbstractContextManager[BlockingPortal] | None = None
-        self._portal_obj: BlockingPortal | None = None
+        self._loop: LoopThread | None = None
         self._portal_lock = threading.Lock()
         self.usage = Usage()
         self.calls = 0
@@ -214,12 +199,9 @@ class BaseJudge(abc.ABC):
     def _portal(self) -> BlockingPortal:
         """The judge's background event loop, started on first use by a synchronous tracker."""
         with self._portal_lock:
-            if self._portal_obj is None:
-                from anyio.from_thread import start_blocking_portal
-
-                self._portal_cm = start_blocking_portal()
-                self._portal_obj = self._portal_cm.__enter__()
-            return self._portal_obj
+            if self._loop is None:
+                self._loop = LoopThread(f"{type(self).__name__}-loop")
+            return self._loop.portal
 
     async def aclose(self) -> None:  # noqa: B027 - a judge with nothing to release need not override it
         """Release the judge's resources."""
@@ -227,12 +209,11 @@ class BaseJudge(abc.ABC):
     def close(self) -> None:
         """Release resources and stop the background loop used by synchronous trackers."""
         with self._portal_lock:
-            portal, cm = self._portal_obj, self._portal_cm
-            self._portal_obj = self._portal_cm = None
-        if portal is not None and cm is not None:
+            loop, self._loop = self._loop, None
+        if loop is not None:
             with contextlib.suppress(Exception):
-                portal.call(self.aclose)
-            cm.__exit__(None, None, None)
+                loop.portal.call(self.aclose)
+            loop.stop()
 
     def __enter__(self) -> BaseJudge:
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 import structlog
@@ -46,6 +46,8 @@ class CircuitJudge:
         self.clock = clock
         self.on_change = on_change
         self.state: State = "closed"
+        self.degraded = False
+        """The judge is failing and calls are being held back (the circuit is open)."""
         self.failures_in_row = 0
         self.trips = 0
         self.open_until = 0.0
@@ -57,11 +59,6 @@ class CircuitJudge:
     def model(self) -> str:
         """The wrapped judge's model id."""
         return str(getattr(self.inner, "model", "") or "")
-
-    @property
-    def degraded(self) -> bool:
-        """The judge is failing and calls are being held back."""
-        return self.state == "open"
 
     async def wait_ready(self) -> bool:
         """Wait until a call would go through; True when the caller now holds the probe and must `release()` it.
@@ -79,6 +76,16 @@ class CircuitJudge:
                 # Woken early when the circuit closes or the probe is released; else re-checked at the cool-down's end.
                 await asyncio.wait_for(changed.wait(), max(wait, 0.05))
         return False
+
+    @contextlib.asynccontextmanager
+    async def ready(self) -> AsyncIterator[bool]:
+        """`wait_ready()` and, when this caller took the probe, `release()` on the way out; yields whether it did."""
+        probe = await self.wait_ready()
+        try:
+            yield probe
+        finally:
+            if probe:
+                self.release()
 
     def release(self) -> None:
         """Give back the probe taken by `wait_ready()`."""
@@ -121,7 +128,7 @@ class CircuitJudge:
             if now >= self.open_until:  # the probe failed: wait longer before the next one
                 self._open(now, e)
         elif self.failures_in_row >= self.threshold:
-            self.state = "open"
+            self.state, self.degraded = "open", True
             self._open(now, e)
             log.warning("judge_degraded", judge=self.name, failures=self.failures_in_row, error=str(e))
             self._notify(True)
@@ -136,7 +143,7 @@ class CircuitJudge:
         was_open = self.state == "open"
         self.failures_in_row = 0
         self.trips = 0
-        self.state = "closed"
+        self.state, self.degraded = "closed", False
         if was_open:
             log.warning("judge_recovered", judge=self.name)
             self._notify(False)

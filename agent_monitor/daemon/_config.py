@@ -1,0 +1,140 @@
+"""The monitor's settings: one frozen dataclass tree, each default and its help text written once.
+
+`agent-monitor serve` generates its flags and their `AGENT_MONITOR_*` environment twins from
+these fields (`flag`/`env` metadata keep the names users' scripts already use), so a default
+changed here is the default everywhere, `--help` included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..images import FrameBudget
+from ..policy import Policy
+from ..scale import DEFAULT_MIN_MASS
+from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
+from ._state import RunLimits
+
+Protocol = Literal["auto", "5", "3.1.1"]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSettings:
+    """What the per-run Prometheus gauges show."""
+
+    labels: tuple[str, ...] = field(
+        default=("group", "model"),
+        metadata={
+            "flag": "--metric-labels",
+            "comma": True,
+            "help": "start.labels that become labels of the per-run gauges (comma-separated; keep them few)",
+        },
+    )
+    max_series: int = field(
+        default=1000,
+        metadata={
+            "flag": "--max-series",
+            "help": "runs exported per run at most (the most recently active); the rest are counted in "
+            "agent_monitor_run_series_capped",
+        },
+    )
+    grace_s: float = field(
+        default=60.0, metadata={"flag": "--metrics-grace", "help": "seconds an ended run's per-run series stay visible"}
+    )
+
+    def __post_init__(self) -> None:
+        bad = [n for n in self.labels if not n.isidentifier() or n.startswith("__") or n in ("run_id", "signal")]
+        if bad:
+            raise ValueError(f"metric labels {bad} are not allowed; use identifiers other than run_id and signal")
+        if self.max_series < 0 or self.grace_s < 0:
+            raise ValueError(f"max_series={self.max_series}, grace_s={self.grace_s}: use numbers >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorConfig:
+    """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`."""
+
+    broker: BrokerSettings | None = field(
+        default=None,
+        metadata={"cli": False, "help": "where the MQTT broker is; None: no broker (feed events with handle())"},
+    )
+    prefix: str = field(default="agents", metadata={"flag": "--topic-prefix", "help": "topic prefix"})
+    client_id: str = field(
+        default="agent-monitor",
+        metadata={"help": "fixed MQTT client id: the broker keeps its session (and queues steps) across restarts"},
+    )
+    protocol: Protocol = field(
+        default="auto", metadata={"flag": "--mqtt-protocol", "help": "MQTT version; auto: 5, else 3.1.1"}
+    )
+    session_expiry_s: int = field(
+        default=3600, metadata={"help": "seconds the broker keeps queueing steps while the monitor is down"}
+    )
+    max_concurrency: int = field(
+        default=8, metadata={"help": "judge calls in flight at once, shared by all runs (scorer tasks)"}
+    )
+    repeats: int = field(default=1, metadata={"help": "judge repeats per criterion"})
+    min_mass: float = field(
+        default=DEFAULT_MIN_MASS, metadata={"help": "minimum probability mass on scale letters for an answer to count"}
+    )
+    policy: Policy = field(
+        default_factory=Policy,
+        metadata={"help": "policy defaults (a run's start.policy overrides them, same names in snake_case)"},
+    )
+    limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
+    metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
+    image_dirs: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--allow-image-dir",
+            "env": "ALLOW_IMAGE_DIRS",
+            "help": 'let events name image files under this directory ({"path": ...}); repeatable; off by default',
+        },
+    )
+    image_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--allow-image-host",
+            "env": "ALLOW_IMAGE_HOSTS",
+            "help": 'let events name image URLs on this host ({"url": ...}); repeatable; off by default',
+        },
+    )
+    max_payload_bytes: int = field(default=MAX_PAYLOAD_BYTES, metadata={"help": "largest MQTT payload accepted"})
+    max_image_bytes: int = field(default=MAX_IMAGE_BYTES, metadata={"help": "largest image accepted (decoded)"})
+    retention_s: float = field(
+        default=7 * 24 * 3600.0,
+        metadata={"flag": "--retention", "help": "seconds ended runs stay in the run store (for runs / export)"},
+    )
+    rescore: bool = field(
+        default=False,
+        metadata={"help": "on start, score restored runs afresh instead of keeping their stored scores (a new judge)"},
+    )
+    frame_budget: FrameBudget = field(default_factory=FrameBudget, metadata={"cli": False})
+    outbox_size: int = field(
+        default=10_000, metadata={"help": "messages waiting for the broker; past it the oldest progress is dropped"}
+    )
+    sweep_interval_s: float = field(
+        default=0.5, metadata={"help": "seconds between checks for held steps, orphans and idle runs"}
+    )
+    circuit_threshold: int = field(
+        default=5, metadata={"help": "judge failures in a row before the monitor backs off (degraded)"}
+    )
+    circuit_cooldown_s: float = field(
+        default=2.0, metadata={"help": "first back-off, in seconds, before probing a failing judge (doubles to 60)"}
+    )
+
+    def __post_init__(self) -> None:
+        Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
+        for name in ("max_concurrency", "repeats", "outbox_size", "circuit_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}; use 1 or more")
+        for name in ("session_expiry_s", "max_payload_bytes", "max_image_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}; use 0 or more")
+        if not 0.0 <= self.min_mass <= 1.0:
+            raise ValueError(f"min_mass={self.min_mass}; use a number in [0, 1]")
+        if self.sweep_interval_s <= 0 or self.circuit_cooldown_s <= 0 or self.retention_s < 0:
+            raise ValueError("sweep_interval_s and circuit_cooldown_s must be > 0, retention_s >= 0")
+
+
+__all__ = ["MetricsSettings", "MonitorConfig", "Protocol"]

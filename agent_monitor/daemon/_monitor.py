@@ -1,0 +1,592 @@
+"""The monitor daemon: an async context manager whose loops (MQTT link, scorers, sweeper) run in one TaskGroup.
+
+A message's path: the MQTT link hands it to `handle`, which decodes it (`agent_monitor.wire`),
+asks the run state what it means (`RunBook.decide`), journals the resulting record, applies it
+and acknowledges (the link acks when `handle` returns). Steps now in order go to the run's
+tracker and wake the scheduler; a scorer scores the run's newest prefix and hands the result to
+the sinks (MQTT, store, metrics, log). A restart replays the journal through the same `apply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from ..judges.base import Judge
+from ..judges.circuit import CircuitJudge
+from ..policy import Policy
+from ..progress import OUTAGE_REASONS, Progress, Signal
+from ..scheduler import Scheduler
+from ..tracker import AsyncProgressTracker
+from ..wire import EventError, RunStart, Topics, decode_event
+from ._config import MonitorConfig
+from ._metrics import MeteredJudge, Metrics, MetricsSink, RunCollector, RunSeries, series_of
+from ._mqtt import MqttLink
+from ._outbox import Outbox
+from ._sinks import (
+    Accepted,
+    Duplicated,
+    LogSink,
+    MonitorEvent,
+    MqttSink,
+    Refused,
+    RunClosed,
+    RunOpened,
+    Scored,
+    SignalChanged,
+    Sink,
+    StoreSink,
+)
+from ._sources import fetch_images
+from ._state import (
+    AcceptedStep,
+    Appended,
+    Closed,
+    Closing,
+    Delivery,
+    Duplicate,
+    Ended,
+    Finished,
+    Notice,
+    Opened,
+    Orphaned,
+    Record,
+    Refusal,
+    RunBook,
+    Started,
+    Stepped,
+)
+from ._store import MemoryStore, RunStore, SqliteStore
+
+log = structlog.get_logger("agent_monitor.daemon")
+
+# Decoding a payload this big (base64 images) in a worker thread keeps the event loop, and so the
+# MQTT keep-alive, responsive; smaller ones decode faster inline than a thread hop costs.
+_INLINE_DECODE_BYTES = 64 * 1024
+_KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end"}
+
+
+@dataclass(eq=False, slots=True)
+class _Scoring:
+    """The scoring side of one live run: its tracker (steps, curve, policy state) and what was published."""
+
+    tracker: AsyncProgressTracker
+    policy: Policy
+    labels: dict[str, str]
+    scored: int = 0
+    signal: Signal = "continue"
+    last_ok: Progress | None = None
+    arrived: dict[int, float] = field(default_factory=dict)
+    closing: str | None = None
+    """The outcome to finish with once the newest prefix is scored (set when the end is accepted)."""
+
+    @property
+    def wants_scoring(self) -> bool:
+        """Steps wait to be scored, and the run was not told to abort (abort is final)."""
+        return len(self.tracker.steps) > self.scored and self.signal != "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """A live run as the monitor has it now (for health checks, tests and boards): a copy, safe to keep."""
+
+    run_id: str
+    task: str
+    steps: tuple[AcceptedStep, ...]
+    """The run's steps in order, placeholders for missing ones included."""
+    held: tuple[int, ...]
+    """Indexes of steps waiting for earlier ones."""
+    scored: int
+    """Steps covered by the newest score."""
+    signal: Signal
+    latest: Progress | None
+    last_ok: Progress | None
+    curve: tuple[Progress, ...]
+    ended: bool
+    last_event: float
+
+
+class Monitor:
+    """Follow every run published under the topic prefix, score each new prefix, publish progress and signals.
+
+    ```python
+    config = MonitorConfig(broker=BrokerSettings.from_url("mqtt://127.0.0.1:1883"))
+    async with Monitor(config, judge=judge, store=SqliteStore(path)) as monitor:
+        await monitor.wait()  # serve until cancelled
+    ```
+    Entering rebuilds the live runs from the store, connects to the broker (raising
+    `BrokerUnavailable` with a one-line reason) and starts the named tasks `mqtt`,
+    `scorer-1..N`, `sweeper` (and `retention` for a SQLite store); leaving cancels and awaits
+    them all. Without a broker (`config.broker=None`) nothing is received: feed events with
+    `handle()` (tests, embedding). `sinks` are called with every `MonitorEvent`, after the
+    monitor's own (MQTT, store, metrics, log).
+    """
+
+    def __init__(
+        self,
+        config: MonitorConfig | None = None,
+        *,
+        judge: Judge,
+        store: RunStore | None = None,
+        registry: CollectorRegistry | None = None,
+        sinks: Sequence[Sink] = (),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        c = self.config = config if config is not None else MonitorConfig()
+        self.clock = clock
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        # Every judge call is counted on its way through; the circuit breaker sits in front, so the calls
+        # it refuses while the judge is down are not counted as judge calls.
+        self.circuit = CircuitJudge(
+            MeteredJudge(judge, self.metrics),
+            threshold=c.circuit_threshold,
+            cooldown_s=c.circuit_cooldown_s,
+            on_change=self._judge_state,
+        )
+        self.topics = Topics(c.prefix)
+        self.outbox = Outbox(c.outbox_size, metrics=self.metrics)
+        self.store: RunStore = store if store is not None else MemoryStore()
+        self.book = RunBook(c.limits)
+        self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=self.metrics.queue_depth.set)
+        self._metrics_sink = MetricsSink(
+            self.metrics, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock
+        )
+        self.sinks: tuple[Sink, ...] = (
+            MqttSink(self.outbox, self.topics),
+            StoreSink(self.store),
+            self._metrics_sink,
+            LogSink(log),
+            *sinks,
+        )
+        # Off by default: a network event must not make the monitor read local files or fetch URLs.
+        self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
+        self._decode: dict[str, Any] = {
+            "prefix": c.prefix,
+            "max_payload": c.max_payload_bytes,
+            "max_image_bytes": c.max_image_bytes,
+            "image_dirs": self.image_dirs,
+            "image_hosts": c.image_hosts,
+        }
+        self.registry.register(
+            RunCollector(self._series, label_names=c.metrics.labels, max_series=c.metrics.max_series)
+        )
+        self.link = (
+            MqttLink(
+                c.broker,
+                topics=self.topics,
+                client_id=c.client_id,
+                protocol=c.protocol,
+                session_expiry_s=c.session_expiry_s,
+                metrics=self.metrics,
+            )
+            if c.broker is not None
+            else None
+        )
+        self.scorings = 0
+        self._scoring: dict[str, _Scoring] = {}
+        self._prepared: dict[str, _Scoring] = {}
+        self._routes: dict[type, list[Sink]] = {}
+        # One writer of the run state at a time: decide, journal and apply happen as one step, so the
+        # journal's order is the order the state saw (the MQTT loop and the sweeper both write).
+        self._lock = asyncio.Lock()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = asyncio.Event()
+
+    # -- lifecycle --
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise RuntimeError("the monitor is already running")
+        # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
+        restored = await self._restore()
+        if restored:
+            log.info("runs_restored", runs=restored)
+        first = await self.link.connect() if self.link is not None else None
+        stack = contextlib.AsyncExitStack()
+        try:
+            tg = await stack.enter_async_context(asyncio.TaskGroup())
+            if self.link is not None:
+                self._tasks.append(tg.create_task(self.link.run(self.handle, self.outbox, first=first), name="mqtt"))
+            for i in range(self.config.max_concurrency):
+                self._tasks.append(tg.create_task(self.scheduler.worker(), name=f"scorer-{i + 1}"))
+            self._tasks.append(tg.create_task(self._sweeper(), name="sweeper"))
+            if isinstance(self.store, SqliteStore):
+                self._tasks.append(tg.create_task(self._retention(self.store), name="retention"))
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        log.info(
+            "monitor_started",
+            prefix=self.config.prefix,
+            judge=self.circuit.name,
+            max_concurrency=self.config.max_concurrency,
+            broker=self.link.broker.url if self.link else None,
+            protocol=self.link.negotiated if self.link else None,
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        stack, tasks = self._stack, self._tasks
+        self._stack, self._tasks = None, []
+        for task in tasks:
+            task.cancel()
+        pending = {t for t in tasks if not t.done()}
+        while pending:
+            # On Python 3.11, asyncio.wait_for (inside aiomqtt's publish, and the circuit's wait) can swallow a
+            # cancel that lands as its inner future completes; a loop that goes on is cancelled again.
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+            for task in pending:
+                task.cancel()
+        if stack is not None:
+            # The loops run forever, so they end only by cancellation; the TaskGroup awaits each one.
+            with contextlib.suppress(asyncio.CancelledError):
+                await stack.aclose()
+        self._stopped.set()
+        log.info("monitor_stopped", scorings=self.scorings, live_runs=len(self.book.live))
+
+    async def wait(self) -> None:
+        """Serve until the surrounding task is cancelled (or the monitor is left)."""
+        await self._stopped.wait()
+
+    async def drain(self) -> None:
+        """Wait until every step received so far is scored (tests, shutdown; bound it with asyncio.timeout)."""
+        await self.scheduler.drain()
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for logs and health checks."""
+        return {
+            "live_runs": len(self.book.live),
+            "queued": len(self.outbox),
+            "scorings": self.scorings,
+            "degraded": self.circuit.degraded,
+            "connected": bool(self.link and self.link.connected.is_set()),
+        }
+
+    def run(self, run_id: str) -> RunView | None:
+        """A copy of a live run's state and scores, or None when the run is not live."""
+        state, s = self.book.live.get(run_id), self._scoring.get(run_id)
+        if state is None or s is None:
+            return None
+        return RunView(
+            run_id=run_id,
+            task=state.start.task,
+            steps=tuple(state.steps),
+            held=tuple(sorted(state.held)),
+            scored=s.scored,
+            signal=s.signal,
+            latest=s.tracker.latest,
+            last_ok=s.last_ok,
+            curve=tuple(s.tracker.curve),
+            ended=state.ended is not None,
+            last_event=state.last_event,
+        )
+
+    def tracker(self, run_id: str) -> AsyncProgressTracker | None:
+        """The tracker scoring a live run (its steps, curve and policy state), or None."""
+        s = self._scoring.get(run_id)
+        return s.tracker if s else None
+
+    # -- input --
+
+    async def handle(self, topic: str, payload: bytes, delivery: Delivery | None = None) -> None:
+        """Decode one message, journal what it means, fold it into its run; bad input is reported, never raised.
+
+        Raises only when the run store cannot write: the message is then not acknowledged, and the
+        broker delivers it again.
+        """
+        try:
+            if len(payload) > _INLINE_DECODE_BYTES:
+                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode)
+            else:
+                run_id, event = decode_event(topic, payload, **self._decode)
+            if any(i.remote for i in getattr(event, "images", ())):
+                await asyncio.to_thread(
+                    fetch_images, run_id, event, image_dirs=self.image_dirs, max_bytes=self.config.max_image_bytes
+                )
+        except EventError as e:
+            self._emit(Refused(e.run_id, e.reason, e.message, topic))
+            return
+        async with self._lock:
+            verdict = self.book.decide(run_id, event, self.clock(), delivery)
+            if isinstance(verdict, Refusal):
+                self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
+                return
+            if isinstance(verdict, Duplicate):
+                self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
+                return
+            if isinstance(verdict, Started):
+                try:
+                    self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
+                except Exception as e:  # validated on decode; still the run's problem, never the daemon's
+                    self._emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
+                    return
+            # Journaled before it counts, and before the broker is told it arrived (the link acks on
+            # return): a crash in between makes the broker redeliver it. A failure here raises: no ack.
+            await self.store.journal(verdict)
+            self._emit(Accepted(run_id, _KINDS[type(verdict)]))
+            await self._apply(verdict)
+
+    async def _apply(self, record: Record, *, replaying: bool = False) -> None:
+        """Apply a journaled record to the run state and act on what it changed."""
+        for effect in self.book.apply(record, replaying=replaying):
+            try:
+                if isinstance(effect, Appended):
+                    await self._append(effect.run_id, effect.steps, replaying)
+                elif isinstance(effect, Opened):
+                    self._open(effect.run_id, effect.start, replaying)
+                elif isinstance(effect, Closing):
+                    scoring = self._scoring.get(effect.run_id)
+                    if scoring is not None:
+                        scoring.closing = effect.outcome
+                        if not replaying:
+                            self.scheduler.wake(effect.run_id)  # finishes the run once its newest prefix is scored
+                elif isinstance(effect, Closed):
+                    await self._closed(effect, replaying)
+                elif isinstance(effect, Notice) and not replaying:
+                    where = self.topics.of(effect.run_id, effect.kind) if effect.run_id else self.topics.errors
+                    self._emit(
+                        Refused(effect.run_id, effect.reason, effect.message, where, effect.count, effect.invalid)
+                    )
+            except Exception:
+                # A bug in acting on one record must not stop the daemon or the other runs.
+                log.exception("record_handling_failed", run_id=record.run_id, record=type(record).__name__)
+
+    def _new_scoring(self, run_id: str, start: RunStart) -> _Scoring:
+        c = self.config
+        policy = start.resolved_policy(c.policy)
+        tracker = AsyncProgressTracker(
+            start.task,
+            judge=self.circuit,
+            criteria=start.criteria,  # type: ignore[arg-type]  # validated JSON shapes
+            repeats=c.repeats,
+            min_mass=c.min_mass,
+            images=[i.decoded() for i in start.images],
+            frame_budget=c.frame_budget,
+            allow_files=False,  # network events never name local files
+            expected=start.expected,
+            run_id=run_id,
+            policy=policy,
+        )
+        return _Scoring(tracker, policy, dict(start.labels))
+
+    def _open(self, run_id: str, start: RunStart, replaying: bool) -> None:
+        scoring = self._prepared.pop(run_id, None) or self._new_scoring(run_id, start)
+        self._scoring[run_id] = scoring
+        if not replaying:
+            self._emit(RunOpened(run_id, start, len(self.book.live)))
+
+    async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
+        scoring = self._scoring.get(run_id)
+        if scoring is None:
+            return
+        for s in steps:
+            step = s.step
+            try:
+                await scoring.tracker.add(step.text, images=[im.decoded() for im in step.images], meta=step.meta)
+            except Exception as e:
+                # The images passed the sniff but not the decoder: keep the step's text, report the images.
+                if not replaying:
+                    self._emit(
+                        Refused(
+                            run_id,
+                            "bad_image",
+                            f"step {s.index}: an image could not be decoded ({e}); scored without",
+                            self.topics.of(run_id, "step"),
+                        )
+                    )
+                text = step.text or f"(step {s.index}: its images could not be decoded)"
+                await scoring.tracker.add(text, meta=step.meta)
+            scoring.arrived[s.index] = s.at
+        if not replaying:
+            self.scheduler.wake(run_id)
+
+    async def _closed(self, effect: Closed, replaying: bool) -> None:
+        run_id = effect.run_id
+        scoring = self._scoring.pop(run_id, None)
+        self.scheduler.discard(run_id)
+        if effect.outcome == "evicted":
+            # Derived from a start, not journaled by itself: the store learns the run is over here.
+            await self.store.journal(Finished(run_id, effect.outcome, effect.at))
+        elif replaying:
+            return
+        latest = scoring.tracker.latest if scoring else None
+        self._emit(
+            RunClosed(
+                run_id,
+                effect.outcome,
+                len(scoring.tracker.steps) if scoring else 0,
+                latest,
+                scoring.last_ok if scoring else None,
+                scoring.signal if scoring else "continue",
+                scoring.labels if scoring else {},
+                effect.at,
+                len(self.book.live),
+            )
+        )
+
+    async def _finish(self, run_id: str, outcome: str) -> None:
+        async with self._lock:
+            record = self.book.finish(run_id, outcome, self.clock())
+            if record is not None:
+                await self.store.journal(record)
+                await self._apply(record)
+
+    # -- scoring (the scheduler's callback) --
+
+    async def _score(self, run_id: str) -> None:
+        scoring = self._scoring.get(run_id)
+        if scoring is None:
+            return
+        if scoring.wants_scoring:
+            # While the judge is down, wait for its next probe instead of spending this run's steps on certain
+            # failures; steps arriving meanwhile fold into the one scoring made when it is back.
+            async with self.circuit.ready():
+                n = len(scoring.tracker.steps)
+                first = scoring.scored + 1
+                try:
+                    p: Progress | None = await scoring.tracker.score(n, coalesced=n - scoring.scored)
+                except Exception as e:
+                    # The tracker turns judge failures into results; anything else is a bug, reported, never a score.
+                    log.exception("scoring_crashed", run_id=run_id, step=n)
+                    where = self.topics.of(run_id, "step")
+                    self._emit(Refused(run_id, "scoring_failed", f"scoring step {n} failed: {e}", where, invalid=False))
+                    p = None
+            scoring.scored = max(scoring.scored, n)
+            self.scorings += 1
+            if p is not None:
+                self._scored(run_id, scoring, p, first)
+        if scoring.closing is not None and not scoring.wants_scoring and self._scoring.get(run_id) is scoring:
+            await self._finish(run_id, scoring.closing)
+
+    def _scored(self, run_id: str, scoring: _Scoring, p: Progress, first: int) -> None:
+        degraded = self.circuit.degraded
+        if degraded:
+            p = dataclasses.replace(p, degraded=True)
+        if p.ok:
+            scoring.last_ok = p
+        arrived = tuple(t for i in range(first, p.step + 1) if (t := scoring.arrived.pop(i, None)) is not None)
+        self._emit(Scored(run_id, p, p.to_json(), arrived, self.clock()))
+        d = p.signal
+        if d is not None and d.changed:
+            scoring.signal = d.signal
+            self._emit(SignalChanged(run_id, d, scoring.policy))
+        if not p.ok and p.reason in OUTAGE_REASONS and degraded:
+            # Scored again at the judge's next probe: woken now (it is in flight, so it goes to the back of the
+            # queue when this scoring ends) and it waits in `circuit.ready()` until the probe is due.
+            self._rewind(scoring)
+            self.scheduler.wake(run_id)
+
+    def _rewind(self, scoring: _Scoring) -> None:
+        """Mark steps whose scoring was lost to an outage as unscored: the next scoring covers them again."""
+        scoring.scored = max((p.step for p in scoring.tracker.curve if p.ok), default=0)
+
+    def _judge_state(self, degraded: bool) -> None:
+        self.metrics.judge_degraded.set(1 if degraded else 0)
+        if degraded:
+            return
+        for run_id, scoring in list(self._scoring.items()):
+            latest = scoring.tracker.latest
+            if latest is not None and not latest.ok and latest.reason in OUTAGE_REASONS:
+                self._rewind(scoring)
+                self.scheduler.wake(run_id)
+
+    # -- publishing --
+
+    def _emit(self, event: MonitorEvent) -> None:
+        kind = type(event)
+        route = self._routes.get(kind)
+        if route is None:
+            # The sinks that take this kind of event (all of them, unless a sink lists its `events`).
+            route = self._routes[kind] = [s for s in self.sinks if kind in getattr(s, "events", (kind,))]
+        for sink in route:
+            try:
+                sink(event)
+            except Exception:
+                # One broken sink (a user's, or a full disk under the store) must not silence the others.
+                log.exception("sink_failed", sink=getattr(sink, "__qualname__", type(sink).__name__))
+
+    def _series(self) -> list[RunSeries]:
+        """What the per-run gauges show (called from the scrape thread: reads copies)."""
+        live = dict(self.book.live)
+        out = [
+            series_of(rid, s.labels, s.tracker.latest, s.last_ok, s.signal, live[rid].last_event)
+            for rid, s in list(self._scoring.items())
+            if rid in live
+        ]
+        shown = {r.run_id for r in out}
+        return out + [r for r in self._metrics_sink.finished() if r.run_id not in shown]
+
+    # -- time --
+
+    async def sweep(self) -> None:
+        """Act on what time made due: steps with no start, gaps nobody fills, idle runs; forget old series."""
+        async with self._lock:
+            for record in self.book.due(self.clock()):
+                await self.store.journal(record)
+                await self._apply(record)
+        self._metrics_sink.prune()
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("sweep_failed")  # e.g. the store cannot write: try again next time
+
+    async def _retention(self, store: SqliteStore) -> None:
+        """Delete ended runs older than the retention (hourly)."""
+        while True:
+            try:
+                deleted = await store.prune(self.config.retention_s)
+                if deleted:
+                    log.info("runs_pruned", runs=deleted)
+            except Exception:
+                log.exception("prune_failed")
+            await asyncio.sleep(3600)
+
+    # -- restart --
+
+    async def _restore(self) -> int:
+        """Rebuild the live runs by replaying the journal; take their stored scores; return the runs live.
+
+        Nothing is published or judged while replaying; afterwards each run's unscored steps (only those)
+        are scheduled, a run that had ended but not finished scoring finishes, and each run's current
+        signal is published again (it may have been decided but not yet published before the crash).
+        With `rescore`, stored scores are ignored and each run's newest prefix is scored afresh.
+        """
+        replay = await self.store.replay()
+        self.book.remember_ended(replay.ended)
+        self.book.remember_deliveries(replay.deliveries)
+        async with self._lock:
+            for record in replay.records:
+                await self._apply(record, replaying=True)
+        for run_id, scoring in self._scoring.items():
+            results = [] if self.config.rescore else [Progress.from_json(d) for d in replay.progress.get(run_id, ())]
+            tracker = scoring.tracker
+            tracker.restore(r for r in results if r.step <= len(tracker.steps))
+            scoring.last_ok = next((p for p in reversed(tracker.curve) if p.ok), None)
+            scoring.scored = tracker.latest.step if tracker.latest else 0
+            for i in range(1, scoring.scored + 1):
+                scoring.arrived.pop(i, None)
+            latest = tracker.latest
+            if latest is not None and latest.signal is not None:
+                scoring.signal = latest.signal.signal
+                if any(p.signal is not None and p.signal.changed for p in tracker.curve):
+                    self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
+            if scoring.wants_scoring or scoring.closing is not None:
+                self.scheduler.wake(run_id)
+        self.metrics.runs_active.set(len(self.book.live))
+        return len(self.book.live)

@@ -1,0 +1,208 @@
+"""Publishing: what the monitor says about runs, as events handed to a list of sinks (structlog's pipeline style).
+
+A sink is any callable taking one `MonitorEvent`; it must not block and must not raise (the
+monitor logs and ignores a sink that does, and the other sinks still run). A sink with an
+`events` attribute (a tuple of event classes) is given only those. The daemon's own
+sinks publish to MQTT (through the bounded outbox), keep scores in the run store, count
+Prometheus metrics (`MetricsSink`, next to the metrics) and log. Adding a sink (OpenTelemetry,
+a web board) is appending a callable: `Monitor(config, judge=..., sinks=[my_sink])`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import structlog
+
+from ..policy import Policy
+from ..progress import Decision, Progress, ProgressJSON, Signal
+from ..wire import RunStart, Topics, signal_json
+from ._outbox import Message, Outbox
+from ._store import RunStore
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """An input event was accepted (journaled) for a run."""
+
+    run_id: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicated:
+    """A redelivered input event was recognised and ignored."""
+
+    run_id: str
+    kind: str
+    counted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An input event was refused, or something about a run's events needs saying (a gap, an eviction)."""
+
+    run_id: str | None
+    reason: str
+    message: str
+    topic: str
+    """The topic the event came on (for a notice not tied to one event: the run's topic of `kind`)."""
+    count: int = 1
+    invalid: bool = True
+    """The harness's doing (counted as invalid input), not the monitor's own (an eviction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunOpened:
+    """A run became live."""
+
+    run_id: str
+    start: RunStart
+    live: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A run's newest prefix was scored (or failed to be)."""
+
+    run_id: str
+    progress: Progress
+    data: ProgressJSON
+    """`progress.to_json()`, made once for every sink."""
+    arrived: tuple[float, ...]
+    """When each step this score newly covers arrived (for step-to-score latency)."""
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SignalChanged:
+    """The run policy's decision changed (or is published again after a restart)."""
+
+    run_id: str
+    decision: Decision
+    policy: Policy
+    republished: bool = False
+    """Published again after a restart (it may have been lost with the crash); not a new change."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunClosed:
+    """A run left the live set: ended and scored, expired, evicted or rejected."""
+
+    run_id: str
+    outcome: str
+    steps: int
+    latest: Progress | None
+    last_ok: Progress | None
+    signal: Signal
+    labels: Mapping[str, str]
+    at: float
+    live: int
+
+
+MonitorEvent: TypeAlias = Accepted | Duplicated | Refused | RunOpened | Scored | SignalChanged | RunClosed
+Sink: TypeAlias = Callable[[MonitorEvent], object]
+
+
+def _payload(data: Mapping[str, Any]) -> bytes:
+    # The JSON form has no NaN (progress.to_json maps non-finite numbers to null); compact UTF-8.
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+class MqttSink:
+    """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
+
+    events = (Scored, SignalChanged, Refused, RunClosed)
+
+    def __init__(self, outbox: Outbox, topics: Topics) -> None:
+        self.outbox = outbox
+        self.topics = topics
+        self._progress_topics: dict[str, str] = {}
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Queue the messages for one event."""
+        t = self.topics
+        if isinstance(event, Scored):
+            # One topic name per live run, built once: a run id is checked when its event is decoded.
+            where = self._progress_topics.get(event.run_id)
+            if where is None:
+                where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
+            self.outbox.put(Message(where, _payload(event.data)))
+        elif isinstance(event, SignalChanged):
+            payload = _payload(signal_json(event.run_id, event.decision, event.policy))
+            self.outbox.put(Message(t.of(event.run_id, "signal"), payload, retain=True, droppable=False))
+        elif isinstance(event, Refused):
+            where = t.of(event.run_id, "error") if event.run_id else t.errors
+            body = {"run_id": event.run_id, "topic": event.topic[:512], "reason": event.reason, "error": event.message}
+            self.outbox.put(Message(where, _payload(body)))
+        elif isinstance(event, RunClosed):
+            self._progress_topics.pop(event.run_id, None)
+            # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
+            self.outbox.put(Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False))
+
+
+class StoreSink:
+    """Keep every published score in the run store (restarts take them instead of judging again)."""
+
+    events = (Scored,)
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Record a score."""
+        if isinstance(event, Scored):
+            self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
+
+
+class LogSink:
+    """One structured log line per thing worth a line: runs opened and closed, signals, refusals.
+
+    (A failed score is logged by the run's tracker, with the run id bound.)
+    """
+
+    events = (SignalChanged, Refused, RunOpened, RunClosed)
+
+    def __init__(self, logger: Any = None) -> None:
+        self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Log one event."""
+        log = self.log
+        if isinstance(event, SignalChanged):
+            d = event.decision
+            log.info(
+                "signal", run_id=event.run_id, signal=d.signal, reason=d.reason, step=d.step, score=d.score,
+                best_step=d.best_step,
+            )  # fmt: skip
+        elif isinstance(event, Refused):
+            log.warning(
+                "event_refused", run_id=event.run_id, reason=event.reason, error=event.message, topic=event.topic
+            )
+        elif isinstance(event, RunOpened):
+            s = event.start
+            log.info("run_started", run_id=event.run_id, task=s.task[:200], labels=s.labels)
+        elif isinstance(event, RunClosed):
+            log.info(
+                "run_finished", run_id=event.run_id, outcome=event.outcome, steps=event.steps,
+                score=event.latest.score if event.latest else None, signal=event.signal,
+            )  # fmt: skip
+
+
+__all__ = [
+    "Accepted",
+    "Duplicated",
+    "LogSink",
+    "MonitorEvent",
+    "MqttSink",
+    "Refused",
+    "RunClosed",
+    "RunOpened",
+    "Scored",
+    "SignalChanged",
+    "Sink",
+    "StoreSink",
+]

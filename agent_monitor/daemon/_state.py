@@ -1,0 +1,620 @@
+"""Run state: ordering, idempotency, gaps, orphans and liveness of every run. Pure: no I/O, no event loop, no clock.
+
+The state changes only by applying a *record*: what a run accepted (a start, a step at its
+resolved index, an end), or a decision the monitor took (a gap filled with placeholders,
+orphan steps dropped, a run finished). `decide` turns an input event into a record, or into a
+refusal or a duplicate that change nothing; `due` gives the decisions that time has made
+due. The daemon journals each record before it applies it, so the journal is exactly what each
+run accepted, and replaying it through `apply` rebuilds exactly the state the daemon had:
+the same steps under the same indexes (placeholders included), the same activity times and
+eviction order, the same held steps and orphans. Everything `apply` derives (index order,
+evictions, orphan adoption) is a function of the state and the record alone.
+
+A redelivered MQTT message is recognised by its packet id and payload digest among the
+recent deliveries, when the broker marks it a redelivery (DUP): that is how a step without an
+`index`, journaled just before a crash and redelivered after it, is not applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from ..wire import RunEnd, RunStart, StepIn
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """How long things wait and how much is kept; every buffer here is bounded."""
+
+    hold_s: float = field(
+        default=10.0, metadata={"help": "seconds a step waits for its run's start, or for missing earlier steps"}
+    )
+    idle_timeout_s: float = field(
+        default=3600.0, metadata={"help": "seconds without events before a run expires (its signal is cleared)"}
+    )
+    max_runs: int = field(
+        default=10_000, metadata={"help": "live runs; a start beyond this evicts the run idle longest"}
+    )
+    max_held_steps: int = field(
+        default=1_000, metadata={"help": "out-of-order steps kept per run, and steps kept for a run not started yet"}
+    )
+    max_orphan_runs: int = field(default=1_000, metadata={"help": "run ids with steps but no start yet"})
+    ended_memory: int = field(
+        default=10_000, metadata={"help": "ended run ids remembered, so a late step is reported, not a ghost run"}
+    )
+    redelivery_window: int = field(
+        default=4_096,
+        metadata={"help": "recent MQTT deliveries remembered to recognise a broker's redelivery (DUP) of one"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.hold_s < 0 or self.idle_timeout_s <= 0:
+            raise ValueError(
+                f"hold_s={self.hold_s} and idle_timeout_s={self.idle_timeout_s}: use hold >= 0 and idle timeout > 0"
+            )
+        small = {
+            k: v
+            for k, v in (
+                ("max_runs", self.max_runs),
+                ("max_held_steps", self.max_held_steps),
+                ("max_orphan_runs", self.max_orphan_runs),
+                ("ended_memory", self.ended_memory),
+                ("redelivery_window", self.redelivery_window),
+            )
+            if v < 1
+        }
+        if small:
+            raise ValueError(f"run limits {small} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """How a message arrived: the broker's packet id, a digest of topic and payload, and the broker's DUP flag."""
+
+    mid: int
+    digest: str
+    dup: bool = False
+
+    @classmethod
+    def of(cls, mid: int, topic: str, payload: bytes, *, dup: bool = False) -> Delivery:
+        """The delivery of one MQTT message."""
+        h = hashlib.blake2b(topic.encode(), digest_size=12)
+        h.update(b"\0")
+        h.update(payload)
+        return cls(mid, h.hexdigest(), dup)
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """What identifies the message among recent deliveries (a new message may reuse the packet id)."""
+        return (self.mid, self.digest)
+
+
+# -- records: what the journal holds; applying them is the only way the state changes --
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A run's start was accepted."""
+
+    run_id: str
+    start: RunStart
+    at: float
+    delivery: Delivery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped:
+    """A step was accepted at `step.index` (resolved for a step sent without one); it may wait for earlier ones."""
+
+    run_id: str
+    step: StepIn
+    at: float
+    delivery: Delivery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Orphaned:
+    """A step came before its run's start and waits for it (at most `hold_s`)."""
+
+    run_id: str
+    step: StepIn
+    at: float
+    delivery: Delivery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """A run's end was accepted (for a run not started yet, it waits with its orphan steps)."""
+
+    run_id: str
+    end: RunEnd
+    at: float
+    delivery: Delivery | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GapFilled:
+    """The steps missing before `upto` were given up on: placeholders keep the harness's step numbers."""
+
+    run_id: str
+    upto: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class OrphansDropped:
+    """The steps held for a run whose start never came were dropped (reported `no_start`)."""
+
+    run_id: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A run left the live set: ended and scored, expired, evicted or rejected."""
+
+    run_id: str
+    outcome: str
+    at: float
+
+
+Record: TypeAlias = Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished
+
+
+# -- what deciding can say instead of a record --
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An event the run does not accept: it changes nothing and is never journaled."""
+
+    run_id: str | None
+    reason: str
+    message: str
+    kind: str = "step"
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Duplicate:
+    """A redelivery of something already accepted: it changes nothing."""
+
+    run_id: str
+    kind: str
+    counted: bool = True
+    """Counted as a duplicate step (re-delivered steps are; a re-delivered start or end is not)."""
+
+
+# -- effects: what applying a record asks the daemon to do --
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A run became live: set up its scoring."""
+
+    run_id: str
+    start: RunStart
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """Steps are now in order at the end of the run: score them."""
+
+    run_id: str
+    steps: tuple[AcceptedStep, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Closing:
+    """The run's end was accepted: finish it once its newest prefix is scored."""
+
+    run_id: str
+    outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """The run left the live set."""
+
+    run_id: str
+    outcome: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something to report about a run's events (a gap, an eviction, orphan steps that never got a start)."""
+
+    run_id: str | None
+    reason: str
+    message: str
+    kind: str = "step"
+    count: int = 1
+    invalid: bool = True
+    """Counted as invalid input (the harness's doing); False for the monitor's own (an eviction)."""
+
+
+Effect: TypeAlias = Opened | Appended | Closing | Closed | Notice
+
+
+# -- the state --
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedStep:
+    """A step in a run's order: the harness's step, or a placeholder for one that never arrived."""
+
+    index: int
+    step: StepIn
+    at: float
+    placeholder: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class RunState:
+    """One live run: its start, its steps in order, the steps waiting for earlier ones, its activity."""
+
+    run_id: str
+    start: RunStart
+    started_at: float
+    last_event: float
+    steps: list[AcceptedStep] = field(default_factory=list)
+    held: dict[int, tuple[StepIn, float, bool]] = field(default_factory=dict)
+    """Steps waiting for earlier ones: index -> (step, arrival time, is a placeholder)."""
+    gap_since: float | None = None
+    ended: RunEnd | None = None
+
+    @property
+    def next_index(self) -> int:
+        """The index the next in-order step must have."""
+        return len(self.steps) + 1
+
+
+@dataclass(eq=False, slots=True)
+class Orphan:
+    """Steps (and perhaps an end) for a run whose start has not come."""
+
+    first_seen: float
+    steps: list[tuple[StepIn, float]] = field(default_factory=list)
+    end: RunEnd | None = None
+
+
+def outcome_of(end: RunEnd) -> str:
+    """The outcome label of an end: success, failure, scored (a number) or unknown."""
+    if end.outcome in ("success", "failure"):
+        return str(end.outcome)
+    return "unknown" if end.outcome is None else "scored"
+
+
+def placeholder(index: int) -> StepIn:
+    """The step that stands for one that never arrived."""
+    return StepIn(index=index, text=f"(step {index} was not received by the monitor)", images=[])
+
+
+def same_start(a: RunStart, b: RunStart) -> bool:
+    """Whether two starts are the same start (a redelivery), images compared by their base64 text."""
+    return a.model_dump(exclude={"images"}) == b.model_dump(exclude={"images"}) and [i.data for i in a.images] == [
+        i.data for i in b.images
+    ]
+
+
+class RunBook:
+    """Every run one daemon follows: live runs in least-recently-active order, orphans, recently ended ids."""
+
+    def __init__(self, limits: RunLimits | None = None) -> None:
+        self.limits = limits or RunLimits()
+        self.live: OrderedDict[str, RunState] = OrderedDict()
+        self.orphans: OrderedDict[str, Orphan] = OrderedDict()
+        self.ended: OrderedDict[str, float] = OrderedDict()
+        self._gapped: set[str] = set()
+        self._recent: OrderedDict[tuple[int, str], str] = OrderedDict()
+
+    # -- deciding: an event becomes a record, or a refusal or duplicate that changes nothing --
+
+    def decide(
+        self, run_id: str, event: RunStart | StepIn | RunEnd, now: float, delivery: Delivery | None = None
+    ) -> Record | Refusal | Duplicate:
+        """What the event means for its run now; nothing changes until the record is applied."""
+        if delivery is not None and delivery.dup and delivery.key in self._recent:
+            return Duplicate(run_id, kind_of(event), counted=isinstance(event, StepIn))
+        if isinstance(event, RunStart):
+            return self._decide_start(run_id, event, now, delivery)
+        if isinstance(event, StepIn):
+            return self._decide_step(run_id, event, now, delivery)
+        return self._decide_end(run_id, event, now, delivery)
+
+    def _decide_start(
+        self, run_id: str, start: RunStart, now: float, d: Delivery | None
+    ) -> Started | Refusal | Duplicate:
+        run = self.live.get(run_id)
+        if run is None:
+            return Started(run_id, start, now, d)
+        if same_start(run.start, start):
+            return Duplicate(run_id, "start", counted=False)
+        return Refusal(
+            run_id, "duplicate_start", "the run has already started with another start; use a new run id", "start"
+        )
+
+    def _decide_step(
+        self, run_id: str, step: StepIn, now: float, d: Delivery | None
+    ) -> Stepped | Orphaned | Refusal | Duplicate:
+        run = self.live.get(run_id)
+        if run is None:
+            if run_id in self.ended:
+                return Refusal(run_id, "run_ended", "a step came for a run that has ended; it was ignored")
+            orphan = self.orphans.get(run_id)
+            if orphan is None and len(self.orphans) >= self.limits.max_orphan_runs:
+                return Refusal(run_id, "too_many_held", "too many runs have steps but no start; publish start first")
+            if orphan is not None and len(orphan.steps) >= self.limits.max_held_steps:
+                return Refusal(run_id, "too_many_held", "too many steps before the run's start; publish start first")
+            return Orphaned(run_id, step, now, d)
+        verdict = self._place(run, step)
+        if isinstance(verdict, int):
+            return Stepped(
+                run_id, step if step.index == verdict else step.model_copy(update={"index": verdict}), now, d
+            )
+        return verdict
+
+    def _place(self, run: RunState, step: StepIn) -> int | Refusal | Duplicate:
+        """The index a step takes in a live run, or why it takes none."""
+        if run.ended is not None:
+            return Refusal(run.run_id, "run_ended", "a step came after the run's end; it was ignored")
+        index = step.index
+        if index is None:  # no index: the next free position
+            index = max(run.next_index, max(run.held, default=0) + 1)
+        if index < run.next_index or index in run.held:
+            return Duplicate(run.run_id, "step")
+        if index - run.next_index >= self.limits.max_held_steps:
+            return Refusal(
+                run.run_id,
+                "index_too_far",
+                f"step index {index} is {index - run.next_index} ahead of the next expected ({run.next_index}); "
+                f"at most {self.limits.max_held_steps} out-of-order steps are kept",
+            )
+        return index
+
+    def _decide_end(self, run_id: str, end: RunEnd, now: float, d: Delivery | None) -> Ended | Refusal | Duplicate:
+        run = self.live.get(run_id)
+        if run is not None:
+            return Duplicate(run_id, "end", counted=False) if run.ended is not None else Ended(run_id, end, now, d)
+        if run_id in self.ended:
+            return Duplicate(run_id, "end", counted=False)  # a re-delivered end
+        orphan = self.orphans.get(run_id)
+        if orphan is not None:
+            return Duplicate(run_id, "end", counted=False) if orphan.end is not None else Ended(run_id, end, now, d)
+        return Refusal(
+            run_id, "unknown_run", "end for a run that never started (or has expired); it was ignored", kind="end"
+        )
+
+    def due(self, now: float) -> list[Record]:
+        """The decisions time has made due: orphans that waited too long, gaps nobody filled, idle runs."""
+        hold = self.limits.hold_s
+        out: list[Record] = []
+        for run_id, orphan in self.orphans.items():  # oldest first
+            if now - orphan.first_seen < hold:
+                break
+            out.append(OrphansDropped(run_id, now))
+        for run_id in sorted(self._gapped):
+            run = self.live[run_id]
+            if run.gap_since is not None and now - run.gap_since >= hold:
+                out.append(GapFilled(run_id, min(run.held), now))
+        for run_id, run in self.live.items():  # least recently active first
+            if now - run.last_event < self.limits.idle_timeout_s:
+                break
+            out.append(Finished(run_id, "expired", now))
+        return out
+
+    def finish(self, run_id: str, outcome: str, now: float) -> Finished | None:
+        """The record that takes a live run out (ended and scored, rejected); None when it is not live."""
+        return Finished(run_id, outcome, now) if run_id in self.live else None
+
+    # -- applying: the only way the state changes, live and on replay alike --
+
+    def apply(self, record: Record, *, replaying: bool = False) -> list[Effect]:
+        """Fold one record into the state; return what the daemon should do about it.
+
+        On replay the recent deliveries come whole from the store (`remember_deliveries`), in their
+        original order, finished runs' included; applying a record then leaves them alone.
+        """
+        if isinstance(record, (Started, Stepped, Orphaned, Ended)) and record.delivery is not None and not replaying:
+            self._remember(record.delivery, record.run_id)
+        effects: list[Effect] = []
+        if isinstance(record, Started):
+            self._start(record, effects)
+        elif isinstance(record, Stepped):
+            run = self.live.get(record.run_id)
+            if run is not None:
+                self._touch(run, record.at)
+                self._step(run, record.step, record.at, effects)
+        elif isinstance(record, Orphaned):
+            self.orphans.setdefault(record.run_id, Orphan(first_seen=record.at)).steps.append((record.step, record.at))
+        elif isinstance(record, Ended):
+            self._end(record, effects)
+        elif isinstance(record, GapFilled):
+            run = self.live.get(record.run_id)
+            if run is not None:
+                self._fill_gap(run, record.upto, record.at, effects)
+        elif isinstance(record, OrphansDropped):
+            orphan = self.orphans.pop(record.run_id, None)
+            if orphan is not None:
+                n = len(orphan.steps)
+                effects.append(
+                    Notice(
+                        record.run_id,
+                        "no_start",
+                        f"{n} step(s) came but no start within {self.limits.hold_s:g}s; publish the run's start "
+                        "before its steps",
+                        count=max(1, n),
+                    )
+                )
+        else:
+            self._close(record.run_id, record.outcome, record.at, effects)
+        return effects
+
+    def _remember(self, d: Delivery, run_id: str) -> None:
+        self._recent[d.key] = run_id
+        self._recent.move_to_end(d.key)
+        while len(self._recent) > self.limits.redelivery_window:
+            self._recent.popitem(last=False)
+
+    def _touch(self, run: RunState, at: float) -> None:
+        run.last_event = max(run.last_event, at)
+        self.live.move_to_end(run.run_id)
+
+    def _start(self, record: Started, effects: list[Effect]) -> None:
+        run_id = record.run_id
+        if run_id in self.live:
+            return  # decided against already; a journal never holds two starts of one live run
+        while len(self.live) >= self.limits.max_runs:
+            victim = next(iter(self.live))  # the least recently active
+            effects.append(
+                Notice(
+                    victim,
+                    "evicted",
+                    f"the monitor follows at most {self.limits.max_runs} runs; this one was idle longest and was "
+                    "dropped",
+                    kind="start",
+                    invalid=False,
+                )
+            )
+            self._close(victim, "evicted", record.at, effects)
+        self.ended.pop(run_id, None)
+        run = RunState(run_id, record.start, started_at=record.at, last_event=record.at)
+        self.live[run_id] = run
+        effects.append(Opened(run_id, record.start, record.at))
+        orphan = self.orphans.pop(run_id, None)
+        if orphan is not None:
+            for step, at in orphan.steps:
+                verdict = self._place(run, step)
+                if isinstance(verdict, int):
+                    placed = step if step.index == verdict else step.model_copy(update={"index": verdict})
+                    self._step(run, placed, at, effects)
+                elif isinstance(verdict, Refusal):
+                    effects.append(Notice(run_id, verdict.reason, verdict.message, verdict.kind))
+            if orphan.end is not None:
+                self._end(Ended(run_id, orphan.end, record.at), effects)
+
+    def _step(self, run: RunState, step: StepIn, at: float, effects: list[Effect]) -> None:
+        assert step.index is not None
+        run.held[step.index] = (step, at, False)
+        self._flush(run, effects)
+        self._gap(run, at)
+
+    def _flush(self, run: RunState, effects: list[Effect]) -> None:
+        """Append the held steps that are now in order."""
+        added: list[AcceptedStep] = []
+        while (nxt := run.held.pop(run.next_index, None)) is not None:
+            step, at, is_placeholder = nxt
+            accepted = AcceptedStep(run.next_index, step, at, placeholder=is_placeholder)
+            run.steps.append(accepted)
+            added.append(accepted)
+        if added:
+            effects.append(Appended(run.run_id, tuple(added)))
+
+    def _gap(self, run: RunState, at: float) -> None:
+        if run.held:
+            run.gap_since = run.gap_since if run.gap_since is not None else at
+            self._gapped.add(run.run_id)
+        else:
+            run.gap_since = None
+            self._gapped.discard(run.run_id)
+
+    def _fill_gap(self, run: RunState, upto: int, at: float, effects: list[Effect]) -> None:
+        missing = [i for i in range(run.next_index, upto) if i not in run.held]
+        if missing:
+            span = f"{missing[0]}" if len(missing) == 1 else f"{missing[0]}..{missing[-1]}"
+            effects.append(
+                Notice(
+                    run.run_id,
+                    "step_gap",
+                    f"step(s) {span} never arrived within {self.limits.hold_s:g}s; later steps are scored without them",
+                )
+            )
+        for i in missing:
+            run.held[i] = (placeholder(i), at, True)
+        self._flush(run, effects)
+        run.gap_since = None
+        self._gap(run, at)
+
+    def _end(self, record: Ended, effects: list[Effect]) -> None:
+        run = self.live.get(record.run_id)
+        if run is None:
+            orphan = self.orphans.get(record.run_id)
+            if orphan is not None:
+                orphan.end = record.end
+            return
+        self._touch(run, record.at)
+        if run.ended is not None:
+            return
+        run.ended = record.end
+        if run.held:
+            self._fill_gap(run, max(run.held) + 1, record.at, effects)
+        effects.append(Closing(run.run_id, outcome_of(record.end)))
+
+    def _close(self, run_id: str, outcome: str, at: float, effects: list[Effect]) -> None:
+        if self.live.pop(run_id, None) is None:
+            return
+        self._gapped.discard(run_id)
+        self._remember_ended(run_id, at)
+        effects.append(Closed(run_id, outcome, at))
+
+    def _remember_ended(self, run_id: str, at: float) -> None:
+        self.ended[run_id] = at
+        self.ended.move_to_end(run_id)
+        while len(self.ended) > self.limits.ended_memory:
+            self.ended.popitem(last=False)
+
+    def remember_deliveries(self, deliveries: list[tuple[int, str, str]]) -> None:
+        """Take the recent deliveries (packet id, digest, run id; oldest first) from before a restart."""
+        for mid, digest, run_id in deliveries[-self.limits.redelivery_window :]:
+            self._remember(Delivery(mid, digest), run_id)
+
+    def remember_ended(self, log: list[tuple[str, float | None]]) -> None:
+        """Rebuild the memory of ended runs from before a restart, folding their log as it was folded live.
+
+        `log` is, oldest first, each run id that ended (with when) or was used again for a new run (None).
+        """
+        for run_id, at in log:
+            if at is None:
+                self.ended.pop(run_id, None)
+            else:
+                self._remember_ended(run_id, at)
+
+    # -- for tests and health checks --
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as plain data (equal snapshots: equal states)."""
+        return {
+            "live": [
+                {
+                    "run_id": r.run_id,
+                    "task": r.start.task,
+                    "started_at": r.started_at,
+                    "last_event": r.last_event,
+                    "steps": [(s.index, s.step.text, s.placeholder, _digests(s.step), s.at) for s in r.steps],
+                    "held": sorted((i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()),
+                    "gap_since": r.gap_since,
+                    "ended": None if r.ended is None else r.ended.model_dump(),
+                }
+                for r in self.live.values()
+            ],
+            "orphans": [
+                (rid, o.first_seen, [(s.index, s.text, at) for s, at in o.steps], o.end is not None)
+                for rid, o in self.orphans.items()
+            ],
+            "ended": list(self.ended.items()),
+            "recent": list(self._recent.items()),
+        }
+
+
+def _digests(step: StepIn) -> list[str]:
+    return [hashlib.sha256(i.decoded()).hexdigest()[:16] for i in step.images]
+
+
+def kind_of(event: RunStart | StepIn | RunEnd) -> str:
+    """The topic kind of an input event: start, step or end."""
+    return "start" if isinstance(event, RunStart) else "step" if isinstance(event, StepIn) else "end"

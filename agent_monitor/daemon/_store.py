@@ -1,0 +1,560 @@
+"""Run stores: the journal of what each run accepted, and its scores, so a restarted daemon resumes every live run.
+
+`SqliteStore` (the default, one WAL file under `--state-dir`) journals each record of the run
+state (`agent_monitor.daemon._state`: a start, a step at its resolved index, an end, a gap
+filled, orphan steps held or dropped, a run finished) before the daemon applies it, and the
+daemon acknowledges an MQTT message only after its record is committed: a crash between
+receipt and journal loses nothing, because the broker redelivers what was not acknowledged.
+What the monitor refused is never journaled. Replaying the records of the runs still live
+rebuilds exactly the state the daemon had; scores are stored too, so steps already scored are
+not judged again. `MemoryStore` keeps the same records in memory (tests, embedding). Images
+are stored once per digest; frames the frame budget will never show again are pruned
+(replayed as a 1x1 placeholder, keeping the run's frame numbering and so its prompt prefix).
+Writes run on one thread in submission order, so a crash leaves a consistent prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import concurrent.futures
+import hashlib
+import json
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import structlog
+
+from ..images import FrameBudget
+from ..wire import RunEnd, RunStart, StepIn
+from ._state import (
+    Delivery,
+    Ended,
+    Finished,
+    GapFilled,
+    Orphaned,
+    OrphansDropped,
+    Record,
+    Started,
+    Stepped,
+)
+
+log = structlog.get_logger("agent_monitor.store")
+
+T = TypeVar("T")
+
+# A valid 1x1 PNG: what a pruned frame is replayed as (never shown to the judge by then).
+PLACEHOLDER_PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+_SCHEMA_VERSION = 2
+_DELIVERIES_KEPT = 65_536
+"""Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
+
+
+@dataclass(slots=True)
+class Replay:
+    """What a store holds of the runs still live: their records in journal order, their scores, and ended ids."""
+
+    records: list[Record] = field(default_factory=list)
+    progress: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per run, its stored scores in step order (`Progress.to_json` forms)."""
+    ended: list[tuple[str, float | None]] = field(default_factory=list)
+    """The log of run ids ending (with when) and used again for a new run (None), oldest first: folded by the
+    run state into its bounded memory of ended runs, exactly as it folded them live."""
+    deliveries: list[tuple[int, str, str]] = field(default_factory=list)
+    """The most recent MQTT deliveries journaled (packet id, digest, run id), oldest first, finished runs' too."""
+
+
+class RunStore(Protocol):
+    """Where runs are journaled: the narrow seam between the daemon and durable state."""
+
+    async def journal(self, record: Record) -> None:
+        """Record durably, before the daemon applies it (and so before the message is acknowledged)."""
+        ...
+
+    def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
+        """Record a published score (written in order, without waiting)."""
+        ...
+
+    async def replay(self) -> Replay:
+        """The records of every run not finished, in journal order, with their scores."""
+        ...
+
+    async def aclose(self) -> None:
+        """Finish pending writes and close."""
+        ...
+
+
+def default_state_dir() -> Path:
+    """A per-user data directory ($XDG_DATA_HOME/agent-monitor, else ~/.local/share/agent-monitor)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "agent-monitor"
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, task TEXT, started_at REAL, updated_at REAL, ended_at REAL, outcome TEXT,
+    last_step INTEGER, last_score REAL, signal TEXT, labels TEXT
+);
+CREATE TABLE IF NOT EXISTS ended_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, at REAL);
+CREATE TABLE IF NOT EXISTS deliveries (seq INTEGER PRIMARY KEY AUTOINCREMENT, mid INTEGER, digest TEXT, run_id TEXT);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, kind TEXT NOT NULL,
+    step_index INTEGER, body TEXT NOT NULL, received_at REAL NOT NULL, mid INTEGER, digest TEXT
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq);
+CREATE UNIQUE INDEX IF NOT EXISTS steps_once ON events (run_id, step_index) WHERE kind = 'step';
+CREATE TABLE IF NOT EXISTS event_frames (
+    seq INTEGER NOT NULL, position INTEGER NOT NULL, run_id TEXT NOT NULL, ordinal INTEGER,
+    digest TEXT NOT NULL, mime TEXT, pruned INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (seq, position)
+);
+CREATE INDEX IF NOT EXISTS frames_by_run ON event_frames (run_id, ordinal);
+CREATE TABLE IF NOT EXISTS frames (digest TEXT PRIMARY KEY, data BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS progress (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, body TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (run_id, step)
+);
+"""
+
+
+class StoreFormatError(RuntimeError):
+    """A run store written by another version of agent-monitor, in a format this one cannot read."""
+
+
+class SqliteStore:
+    """The embedded run store: one SQLite file in WAL mode, written by one thread in submission order.
+
+    `synchronous=NORMAL` in WAL mode survives a crash of the process (the case here: SIGKILL, OOM)
+    without an fsync per record; pass `fsync=True` to survive power loss too, at a cost per record.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        frame_budget: FrameBudget | None = None,
+        fsync: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = Path(path)
+        self.budget = frame_budget or FrameBudget()
+        self.clock = clock
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        self._db.execute("PRAGMA foreign_keys=OFF")
+        self._check_format()
+        self._db.executescript(_SCHEMA)
+        self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+        self._frames_total: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._writer, name="run-store-writer", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _check_format(self) -> None:
+        version = self._db.execute("PRAGMA user_version").fetchone()[0]
+        has_events = self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchone() is not None
+        if version > _SCHEMA_VERSION:
+            raise StoreFormatError(
+                f"the run store {self.path} was written by a newer agent-monitor (format {version}); "
+                "upgrade, or pass another --state-dir"
+            )
+        if has_events and version < _SCHEMA_VERSION:
+            # Format 1 journaled raw events (including refused ones) and no gap decisions: replaying it could
+            # not rebuild the state exactly. Its ended runs stay readable (runs / export); its live runs are
+            # closed with outcome "migrated" rather than resumed wrongly.
+            self._db.execute("ALTER TABLE events ADD COLUMN mid INTEGER")
+            self._db.execute("ALTER TABLE events ADD COLUMN digest TEXT")
+            now = time.time()
+            n = self._db.execute(
+                "UPDATE runs SET ended_at = ?, outcome = 'migrated' WHERE ended_at IS NULL", (now,)
+            ).rowcount
+            self._db.execute(
+                "DELETE FROM events WHERE run_id NOT IN (SELECT run_id FROM runs)"
+            )  # steps of runs never started
+            log.warning("store_migrated", path=str(self.path), closed_live_runs=n)
+
+    # -- the writer thread: every statement runs here, in submission order --
+
+    def _writer(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                result = fn(self._db)
+                self._db.execute("COMMIT")
+            except BaseException as e:
+                self._db.execute("ROLLBACK")
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    def _submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise RuntimeError("the run store is closed")
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str) -> None:
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if f.exception() is not None:
+                log.error("store_write_failed", what=what, error=str(f.exception()))
+
+        self._submit(fn).add_done_callback(done)
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    # -- writes --
+
+    async def journal(self, record: Record) -> None:
+        """Write one record (images once per digest) and wait until it is committed."""
+        await self._run(self._writer_for(record))
+
+    def _writer_for(self, record: Record) -> Callable[[sqlite3.Connection], None]:
+        run_id, at = record.run_id, record.at
+        if isinstance(record, Finished):
+            return lambda db: _finish(db, run_id, record.outcome, at, self._frames_total)
+        if isinstance(record, OrphansDropped):
+            return lambda db: _drop_orphans(db, run_id)
+        if isinstance(record, GapFilled):
+            body = json.dumps({"upto": record.upto})
+
+            def gap(db: sqlite3.Connection) -> None:
+                _insert(db, run_id, "gap", None, body, at, None)
+
+            return gap
+        event: RunStart | StepIn | RunEnd
+        if isinstance(record, Started):
+            kind, event = "start", record.start
+        elif isinstance(record, Stepped):
+            kind, event = "step", record.step
+        elif isinstance(record, Orphaned):
+            kind, event = "orphan", record.step
+        else:
+            kind, event = "end", record.end
+        body = event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
+        images = [(hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded()) for i in getattr(event, "images", [])]
+        index = event.index if kind == "step" and isinstance(event, StepIn) else None
+        delivery = record.delivery
+        budget = self.budget
+
+        def write(db: sqlite3.Connection) -> None:
+            if (
+                kind != "step"
+                and db.execute("SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NOT NULL", (run_id,)).fetchone()
+            ):
+                _delete_run(db, run_id)  # a run id used again after its run ended: a new run
+                db.execute("INSERT INTO ended_log (run_id, at) VALUES (?, NULL)", (run_id,))
+                self._frames_total.pop(run_id, None)
+            if kind == "start":
+                assert isinstance(event, RunStart)
+                db.execute(
+                    "INSERT INTO runs (run_id, task, started_at, updated_at, labels) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id) DO UPDATE SET task = excluded.task, started_at = excluded.started_at, "
+                    "updated_at = excluded.updated_at, ended_at = NULL, outcome = NULL, labels = excluded.labels",
+                    (run_id, event.task, at, at, json.dumps(event.labels)),
+                )
+            seq = _insert(db, run_id, kind, index, body, at, delivery)
+            total = self._frame_count(db, run_id) if kind == "step" else None
+            for pos, (digest, mime, data) in enumerate(images):
+                db.execute("INSERT OR IGNORE INTO frames (digest, data) VALUES (?, ?)", (digest, data))
+                ordinal = None if total is None else total + pos
+                db.execute(
+                    "INSERT INTO event_frames (seq, position, run_id, ordinal, digest, mime) VALUES (?, ?, ?, ?, ?, ?)",
+                    (seq, pos, run_id, ordinal, digest, mime),
+                )
+            if total is not None and images:
+                total += len(images)
+                self._frames_total[run_id] = total
+                # Frames the budget will never show again: neither anchors nor among the newest `recent`.
+                db.execute(
+                    "UPDATE event_frames SET pruned = 1 WHERE run_id = ? AND pruned = 0 AND ordinal IS NOT NULL "
+                    "AND ordinal < ? AND (ordinal % ? != 0 OR ordinal / ? >= ?)",
+                    (run_id, total - budget.recent, budget.every, budget.every, budget.max_frames),
+                )
+
+        return write
+
+    def _frame_count(self, db: sqlite3.Connection, run_id: str) -> int:
+        if run_id not in self._frames_total:
+            row = db.execute(
+                "SELECT COALESCE(MAX(ordinal) + 1, 0) FROM event_frames WHERE run_id = ? AND ordinal IS NOT NULL",
+                (run_id,),
+            ).fetchone()
+            self._frames_total[run_id] = int(row[0])
+        return self._frames_total[run_id]
+
+    def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
+        """Record a score and the run's summary (in the background, in order)."""
+        body, now = json.dumps(data), self.clock()
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT OR REPLACE INTO progress (run_id, step, body, at) VALUES (?, ?, ?, ?)",
+                (run_id, step, body, now),
+            )
+            db.execute(
+                "UPDATE runs SET updated_at = ?, last_step = ?, last_score = COALESCE(?, last_score), "
+                "signal = COALESCE(?, signal) WHERE run_id = ?",
+                (now, step, data.get("score"), data.get("signal"), run_id),
+            )
+
+        self._background(write, "progress")
+
+    async def prune(self, older_than_s: float) -> int:
+        """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted."""
+        cutoff = self.clock() - older_than_s
+
+        def write(db: sqlite3.Connection) -> int:
+            ids = [
+                r[0]
+                for r in db.execute("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?", (cutoff,))
+            ]
+            for rid in ids:
+                _delete_run(db, rid)
+            db.execute("DELETE FROM frames WHERE digest NOT IN (SELECT digest FROM event_frames WHERE pruned = 0)")
+            return len(ids)
+
+        return await self._run(write)
+
+    # -- reads --
+
+    async def replay(self) -> Replay:
+        """The records of every run not finished (and of steps still waiting for a start), in journal order."""
+
+        def read(db: sqlite3.Connection) -> Replay:
+            ended = {r[0] for r in db.execute("SELECT run_id FROM runs WHERE ended_at IS NOT NULL")}
+            log_rows = db.execute("SELECT run_id, at FROM ended_log ORDER BY seq DESC LIMIT ?", (_DELIVERIES_KEPT,))
+            deliveries = db.execute(
+                "SELECT mid, digest, run_id FROM deliveries ORDER BY seq DESC LIMIT ?", (_DELIVERIES_KEPT,)
+            )
+            out = Replay(
+                ended=[(r[0], r[1]) for r in reversed(list(log_rows))],
+                deliveries=[tuple(r) for r in reversed(list(deliveries))],
+            )
+            frames = _frames_by_seq(db, set(ended))
+            rows = db.execute("SELECT seq, run_id, kind, body, received_at, mid, digest FROM events ORDER BY seq")
+            for seq, run_id, kind, body, at, mid, digest in rows:
+                if run_id not in ended:
+                    delivery = Delivery(mid, digest) if mid is not None and digest else None
+                    out.records.append(_record(run_id, kind, body, at, delivery, frames.get(seq, [])))
+            for run_id, body in db.execute("SELECT run_id, body FROM progress ORDER BY run_id, step"):
+                if run_id not in ended:
+                    out.progress.setdefault(run_id, []).append(json.loads(body))
+            return out
+
+        return await self._run(read)
+
+    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Live and recent runs, newest first: id, task, times, outcome, last step, score and signal."""
+
+        def read(db: sqlite3.Connection) -> list[dict[str, Any]]:
+            cols = [
+                "run_id",
+                "task",
+                "started_at",
+                "updated_at",
+                "ended_at",
+                "outcome",
+                "last_step",
+                "last_score",
+                "signal",
+            ]
+            rows = db.execute(f"SELECT {', '.join(cols)} FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,))
+            return [dict(zip(cols, r, strict=True)) for r in rows]
+
+        return await self._run(read)
+
+    async def export(self, run_id: str) -> dict[str, Any] | None:
+        """A run's task, steps (in index order, placeholders marked, images as digests) and score curve, or None."""
+
+        def read(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute(
+                "SELECT task, started_at, ended_at, outcome, labels FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            steps: dict[int, dict[str, Any]] = {}
+            for seq, kind, index, body in db.execute(
+                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap') "
+                "ORDER BY seq",
+                (run_id,),
+            ):
+                data = json.loads(body)
+                if kind == "gap":
+                    # The steps given up on: below `upto` and not received by the time of the decision.
+                    for i in range(1, int(data["upto"])):
+                        steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
+                    continue
+                digests = [
+                    d for (d,) in db.execute("SELECT digest FROM event_frames WHERE seq = ? ORDER BY position", (seq,))
+                ]
+                steps[index] = {"index": index, "text": data.get("text", ""), "ts": data.get("ts"), "images": digests}
+            curve = [
+                json.loads(b)
+                for (b,) in db.execute("SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,))
+            ]
+            return {
+                "run_id": run_id,
+                "task": row[0],
+                "started_at": row[1],
+                "ended_at": row[2],
+                "outcome": row[3],
+                "labels": json.loads(row[4] or "{}"),
+                "steps": [steps[i] for i in sorted(steps)],
+                "curve": curve,
+            }
+
+        return await self._run(read)
+
+    async def aclose(self) -> None:
+        """Finish every pending write, then close the database."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._db.close()
+
+
+def _insert(
+    db: sqlite3.Connection, run_id: str, kind: str, index: int | None, body: str, at: float, d: Delivery | None
+) -> int:
+    cur = db.execute(
+        "INSERT INTO events (run_id, kind, step_index, body, received_at, mid, digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (run_id, kind, index, body, at, d.mid if d else None, d.digest if d else None),
+    )
+    assert cur.lastrowid is not None
+    if d is not None:
+        c = db.execute("INSERT INTO deliveries (mid, digest, run_id) VALUES (?, ?, ?)", (d.mid, d.digest, run_id))
+        if c.lastrowid is not None and c.lastrowid % 1024 == 0:
+            db.execute("DELETE FROM deliveries WHERE seq <= ?", (c.lastrowid - _DELIVERIES_KEPT,))
+    return cur.lastrowid
+
+
+def _finish(db: sqlite3.Connection, run_id: str, outcome: str, at: float, totals: dict[str, int]) -> None:
+    totals.pop(run_id, None)
+    db.execute("UPDATE runs SET ended_at = ?, outcome = ?, updated_at = ? WHERE run_id = ?", (at, outcome, at, run_id))
+    c = db.execute("INSERT INTO ended_log (run_id, at) VALUES (?, ?)", (run_id, at))
+    if c.lastrowid is not None and c.lastrowid % 1024 == 0:
+        db.execute("DELETE FROM ended_log WHERE seq <= ?", (c.lastrowid - _DELIVERIES_KEPT,))
+
+
+def _drop_orphans(db: sqlite3.Connection, run_id: str) -> None:
+    """Forget the steps (and end) held for a run id that never started."""
+    if db.execute("SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NULL", (run_id,)).fetchone():
+        return  # started meanwhile: its held steps belong to it now
+    seqs = [
+        s for (s,) in db.execute("SELECT seq FROM events WHERE run_id = ? AND kind IN ('orphan', 'end')", (run_id,))
+    ]
+    db.executemany("DELETE FROM event_frames WHERE seq = ?", [(s,) for s in seqs])
+    db.executemany("DELETE FROM events WHERE seq = ?", [(s,) for s in seqs])
+
+
+def _delete_run(db: sqlite3.Connection, run_id: str) -> None:
+    for table in ("events", "event_frames", "progress", "runs"):
+        db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
+
+
+def _frames_by_seq(db: sqlite3.Connection, ended: set[str]) -> dict[int, list[tuple[str | None, bytes | None]]]:
+    out: dict[int, list[tuple[str | None, bytes | None]]] = {}
+    rows = db.execute(
+        "SELECT ef.seq, ef.run_id, ef.mime, ef.pruned, f.data FROM event_frames ef "
+        "LEFT JOIN frames f ON f.digest = ef.digest ORDER BY ef.seq, ef.position"
+    )
+    for seq, run_id, mime, pruned, data in rows:
+        if run_id not in ended:
+            out.setdefault(seq, []).append((mime, None if pruned or data is None else bytes(data)))
+    return out
+
+
+def _record(
+    run_id: str, kind: str, body: str, at: float, d: Delivery | None, frames: list[tuple[str | None, bytes | None]]
+) -> Record:
+    data = json.loads(body)
+    if kind == "gap":
+        return GapFilled(run_id, int(data["upto"]), at)
+    if kind in ("start", "step", "orphan"):
+        data["images"] = [
+            {
+                "data": base64.b64encode(raw if raw is not None else PLACEHOLDER_PNG).decode("ascii"),
+                "mime": mime if raw else None,
+            }
+            for mime, raw in frames
+        ]
+    # Validated again on the way in: a store must make sense to the models it is read with.
+    ctx = {"max_image_bytes": 1 << 40}
+    if kind == "start":
+        return Started(run_id, RunStart.model_validate(data, context=ctx), at, d)
+    if kind == "step":
+        return Stepped(run_id, StepIn.model_validate(data, context=ctx), at, d)
+    if kind == "orphan":
+        return Orphaned(run_id, StepIn.model_validate(data, context=ctx), at, d)
+    if kind == "end":
+        return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
+    raise StoreFormatError(f"unknown record kind {kind!r} in the run store; was it written by a newer agent-monitor?")
+
+
+class MemoryStore:
+    """The run store in memory: the same records and semantics as SqliteStore, for tests and embedding."""
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.progress: dict[str, dict[int, dict[str, Any]]] = {}
+        self.ended: dict[str, float] = {}
+        self.ended_log: collections.deque[tuple[str, float | None]] = collections.deque(maxlen=_DELIVERIES_KEPT)
+        self.deliveries: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=_DELIVERIES_KEPT)
+
+    async def journal(self, record: Record) -> None:
+        """Keep one record."""
+        run_id = record.run_id
+        if isinstance(record, Finished):
+            self.ended.pop(run_id, None)
+            self.ended[run_id] = record.at
+            self.ended_log.append((run_id, record.at))
+            self.records = [r for r in self.records if r.run_id != run_id]
+            return
+        if isinstance(record, OrphansDropped):
+            if not any(isinstance(r, Started) and r.run_id == run_id for r in self.records):
+                self.records = [r for r in self.records if r.run_id != run_id]
+            return
+        delivery = getattr(record, "delivery", None)
+        if delivery is not None:
+            self.deliveries.append((delivery.mid, delivery.digest, run_id))
+        if not isinstance(record, Stepped) and self.ended.pop(run_id, None) is not None:
+            self.progress.pop(run_id, None)  # a run id used again after its run ended: a new run
+            self.ended_log.append((run_id, None))
+        self.records.append(record)
+
+    def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
+        """Keep a score."""
+        self.progress.setdefault(run_id, {})[step] = data
+
+    async def replay(self) -> Replay:
+        """The records of runs not finished, in journal order."""
+        live = {r.run_id for r in self.records}
+        return Replay(
+            records=list(self.records),
+            progress={rid: [p[s] for s in sorted(p)] for rid, p in self.progress.items() if rid in live},
+            ended=list(self.ended_log),
+            deliveries=list(self.deliveries),
+        )
+
+    async def aclose(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,349 @@
+"""The one vocabulary of results: Progress, Decision, signal names and error reasons, with exactly one JSON form.
+
+A scored prefix is a `Progress`; the run policy's verdict on it is a `Decision`. Their JSON
+form (`Progress.to_json`, `Decision.to_json`) is what the MQTT progress and signal messages
+carry, what the run store keeps and what `agent-monitor score --json` prints; `from_json` is its
+exact inverse. The wire models (`agent_monitor.wire`) validate this form; they do not define one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict, get_args
+
+from .scale import CriterionScore
+
+Signal = Literal["continue", "abort", "resample"]
+"""What the harness should do with a run now."""
+SIGNALS: tuple[Signal, ...] = get_args(Signal)
+
+OUTAGE_REASONS = frozenset(
+    {"timeout", "connection", "server_error", "rate_limited", "judge_unavailable", "judge_exception", "inference"}
+)
+"""Judge failures that say the judge was down, not that the prompt or answer was bad: retried on recovery."""
+
+FAILURES: Mapping[str, str] = {
+    # The judge call failed.
+    "timeout": "the judge did not answer in time",
+    "connection": "the judge server cannot be reached",
+    "server_error": "the judge server answered 5xx",
+    "rate_limited": "the judge server answered 429",
+    "bad_request": "the judge server refused the request (400)",
+    "auth": "the judge refused the credentials",
+    "not_found": "no such model or endpoint on the judge server",
+    "no_model": "the judge server lists no model",
+    "client_error": "the judge client failed before reaching the server",
+    "bad_response": "the judge's answer could not be read",
+    "chat_template": "the local model's chat template failed",
+    "context_overflow": "the prompt does not fit the judge's context",
+    "inference": "the local model failed to evaluate the prompt",
+    "closed": "the judge was closed",
+    "judge_exception": "the judge backend raised an unexpected error",
+    "judge_unavailable": "the judge keeps failing; the monitor is backing off (circuit open)",
+    # The judge answered, but the answer is not a score.
+    "no_letter": "no candidate token at the answer position is a scale letter",
+    "low_mass": "scale letters hold less probability than the minimum mass",
+    "no_answer": "a repeat returned no answer position",
+    "missing_repeats": "fewer repeats came back than were asked for",
+    "no_opinion": "no criterion could be scored (silent rules, no judge criterion)",
+    "scoring_failed": "scoring failed inside the monitor (a bug; the log has the traceback)",
+}
+"""Why a Progress has no score (`Progress.reason`), and what each reason means."""
+
+REFUSALS: Mapping[str, str] = {
+    "payload_too_large": "the payload is over the size limit",
+    "bad_json": "the payload is not UTF-8 JSON",
+    "bad_topic": "the topic is not {prefix}/{run_id}/{start|step|end}",
+    "invalid": "the payload does not match its schema",
+    "bad_image": "an image is not inline base64 PNG/JPEG/GIF/WebP, or is not allowed",
+    "no_start": "steps came for a run whose start never came",
+    "duplicate_start": "a second, different start for a live run",
+    "run_ended": "an event came after the run's end",
+    "unknown_run": "an end for a run the monitor does not know",
+    "step_gap": "steps never arrived; later steps were scored without them",
+    "index_too_far": "a step index too far ahead of the next expected step",
+    "too_many_held": "too many steps waiting for their start or for missing steps",
+    "run_rejected": "a start the monitor cannot use",
+}
+"""Why the monitor refused (or could not fully use) an input event: the `reason` of an error message."""
+
+NOTICES: Mapping[str, str] = {
+    "evicted": "the monitor follows at most --max-runs runs; the run idle the longest was dropped",
+    "scoring_failed": FAILURES["scoring_failed"],
+}
+"""Errors that are the monitor's own doing, not the harness's: published like refusals, not counted as invalid."""
+
+ERROR_REASONS: tuple[str, ...] = tuple(dict.fromkeys([*REFUSALS, *NOTICES]))
+"""Every `reason` an error message can carry."""
+
+
+def _finite(x: float | None) -> float | None:
+    # JSON has no NaN or infinity; a non-finite number reads as "no value", never as a made-up one.
+    return x if x is None or math.isfinite(x) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens spent on a judge call."""
+
+    input_tokens: int = 0
+    cached_input_tokens: int = 0
+    output_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.input_tokens + other.input_tokens,
+            self.cached_input_tokens + other.cached_input_tokens,
+            self.output_tokens + other.output_tokens,
+        )
+
+
+class DecisionJSON(TypedDict):
+    """The JSON form of a Decision."""
+
+    signal: Signal
+    reason: str
+    step: int
+    score: float | None
+    best_step: int | None
+    best_score: float | None
+    changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The policy's verdict after a scored step; `changed` says it differs from the one before."""
+
+    signal: Signal
+    reason: str
+    step: int
+    score: float | None
+    best_step: int | None
+    best_score: float | None
+    changed: bool
+
+    def to_json(self) -> DecisionJSON:
+        """The JSON form."""
+        return {
+            "signal": self.signal,
+            "reason": self.reason,
+            "step": self.step,
+            "score": _finite(self.score),
+            "best_step": self.best_step,
+            "best_score": _finite(self.best_score),
+            "changed": self.changed,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Decision:
+        """The Decision a `to_json` form describes."""
+        return cls(
+            signal=data["signal"],
+            reason=data["reason"],
+            step=int(data["step"]),
+            score=data.get("score"),
+            best_step=data.get("best_step"),
+            best_score=data.get("best_score"),
+            changed=bool(data.get("changed", False)),
+        )
+
+
+class CriterionJSON(TypedDict):
+    """The JSON form of one criterion's part of a score."""
+
+    score: float
+    weight: float
+    uncertainty: float
+    mass: float
+    source: str
+    confidence: float
+    detail: str
+    dispersion: float
+    spread: float
+    repeats: int
+    sampling_error: float
+    letters: dict[str, float]
+
+
+class TokensJSON(TypedDict):
+    """Judge tokens spent on one scoring."""
+
+    input: int
+    cached_input: int
+    output: int
+
+
+class ProgressJSON(TypedDict):
+    """The JSON form of a Progress: the MQTT progress message, a stored score, a `score --json` line."""
+
+    run_id: str | None
+    step: int
+    score: float | None
+    uncertainty: float | None
+    criteria: dict[str, CriterionJSON]
+    ok: bool
+    error: str | None
+    reason: str | None
+    mass: float | None
+    dispersion: float | None
+    spread: float | None
+    judge: str
+    model: str
+    rubric: str
+    coalesced: int
+    latency_s: float
+    tokens: TokensJSON
+    calls: int
+    calls_saved: int
+    silent: list[str]
+    signal: Signal | None
+    decision: DecisionJSON | None
+    degraded: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The score of a trajectory prefix, or why there is none.
+
+    `score` is None exactly when `ok` is False; `error` then says why and
+    `reason` gives a short code (see `FAILURES`: timeout, rate_limited, no_letter, low_mass, ..).
+    `criteria` holds the criteria that were scored, even on a partial failure.
+    `signal` is the run policy's decision after this result, when the run has a policy.
+    """
+
+    step: int
+    score: float | None
+    uncertainty: float | None
+    criteria: Mapping[str, CriterionScore]
+    ok: bool
+    error: str | None = None
+    reason: str | None = None
+    mass: float | None = None
+    dispersion: float | None = None
+    spread: float | None = None
+    judge: str = ""
+    model: str = ""
+    rubric: str = ""
+    coalesced: int = 1
+    latency_s: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    calls: int = 0
+    calls_saved: int = 0
+    silent: tuple[str, ...] = ()
+    signal: Decision | None = None
+    run_id: str | None = None
+    degraded: bool = False
+
+    def to_json(self) -> ProgressJSON:
+        """The one JSON form (the MQTT progress message; what the run store keeps)."""
+        u = self.usage
+        return {
+            "run_id": self.run_id,
+            "step": self.step,
+            "score": _finite(self.score),
+            "uncertainty": _finite(self.uncertainty),
+            "criteria": {n: _criterion_json(c) for n, c in self.criteria.items()},
+            "ok": self.ok,
+            "error": self.error,
+            "reason": self.reason,
+            "mass": _finite(self.mass),
+            "dispersion": _finite(self.dispersion),
+            "spread": _finite(self.spread),
+            "judge": self.judge,
+            "model": self.model,
+            "rubric": self.rubric,
+            "coalesced": self.coalesced,
+            "latency_s": self.latency_s if math.isfinite(self.latency_s) else 0.0,
+            "tokens": {"input": u.input_tokens, "cached_input": u.cached_input_tokens, "output": u.output_tokens},
+            "calls": self.calls,
+            "calls_saved": self.calls_saved,
+            "silent": list(self.silent),
+            "signal": self.signal.signal if self.signal else None,
+            "decision": self.signal.to_json() if self.signal else None,
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Progress:
+        """The Progress a `to_json` form describes (the exact inverse; missing optional keys take defaults)."""
+        tokens = data.get("tokens") or {}
+        decision = data.get("decision")
+        return cls(
+            step=int(data["step"]),
+            score=data.get("score"),
+            uncertainty=data.get("uncertainty"),
+            criteria={n: _criterion(n, c) for n, c in (data.get("criteria") or {}).items()},
+            ok=bool(data.get("ok")),
+            error=data.get("error"),
+            reason=data.get("reason"),
+            mass=data.get("mass"),
+            dispersion=data.get("dispersion"),
+            spread=data.get("spread"),
+            judge=data.get("judge") or "",
+            model=data.get("model") or "",
+            rubric=data.get("rubric") or "",
+            coalesced=int(data.get("coalesced") or 1),
+            latency_s=float(data.get("latency_s") or 0.0),
+            usage=Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0))),
+            calls=int(data.get("calls") or 0),
+            calls_saved=int(data.get("calls_saved") or 0),
+            silent=tuple(data.get("silent") or ()),
+            signal=Decision.from_json(decision) if decision else None,
+            run_id=data.get("run_id"),
+            degraded=bool(data.get("degraded", False)),
+        )
+
+
+def _criterion_json(c: CriterionScore) -> CriterionJSON:
+    return {
+        "score": c.score,
+        "weight": c.weight,
+        "uncertainty": c.uncertainty,
+        "mass": c.mass,
+        "source": c.source,
+        "confidence": c.confidence,
+        "detail": c.detail,
+        "dispersion": c.dispersion,
+        "spread": c.spread,
+        "repeats": c.repeats,
+        "sampling_error": c.sampling_error,
+        "letters": dict(c.letters),
+    }
+
+
+def _criterion(name: str, c: Mapping[str, Any]) -> CriterionScore:
+    return CriterionScore(
+        name=name,
+        weight=float(c["weight"]),
+        score=float(c["score"]),
+        dispersion=float(c.get("dispersion", 0.0)),
+        spread=float(c.get("spread", 0.0)),
+        uncertainty=float(c["uncertainty"]),
+        mass=float(c["mass"]),
+        repeats=int(c.get("repeats", 0)),
+        letters=dict(c.get("letters") or {}),
+        source=str(c.get("source", "llm")),
+        sampling_error=float(c.get("sampling_error", 0.0)),
+        confidence=float(c.get("confidence", 1.0)),
+        detail=str(c.get("detail", "")),
+    )
+
+
+__all__ = [
+    "ERROR_REASONS",
+    "FAILURES",
+    "NOTICES",
+    "OUTAGE_REASONS",
+    "REFUSALS",
+    "SIGNALS",
+    "CriterionJSON",
+    "Decision",
+    "DecisionJSON",
+    "Progress",
+    "ProgressJSON",
+    "Signal",
+    "TokensJSON",
+    "Usage",
+]

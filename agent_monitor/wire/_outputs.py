@@ -1,0 +1,140 @@
+"""Output payloads (progress, signal, error): validators of the JSON form `agent_monitor.progress` defines.
+
+The form itself is written once, in `Progress.to_json` / `Decision.to_json`; these models add
+nothing to it and drop nothing from it (a test holds them to that), so a harness can validate
+what it receives and the JSON Schemas can be generated. Unknown fields are ignored: a client
+keeps working with a newer monitor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..policy import Policy
+from ..progress import ERROR_REASONS, Decision, Progress, Signal
+from ._topics import RunId
+
+
+class _Out(BaseModel):
+    """Base of output payloads: unknown fields ignored (clients tolerate newer monitors); NaN is sent as null."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, ser_json_inf_nan="null", protected_namespaces=())
+
+    def to_payload(self) -> bytes:
+        """The MQTT payload: compact JSON, UTF-8."""
+        return self.model_dump_json().encode()
+
+
+class Tokens(_Out):
+    """Judge tokens spent on one scoring."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+
+
+class CriterionOut(_Out):
+    """One criterion's part of a score."""
+
+    score: float
+    weight: float
+    uncertainty: float
+    mass: float
+    source: str = "llm"
+    confidence: float = 1.0
+    detail: str = ""
+    dispersion: float = 0.0
+    spread: float = 0.0
+    repeats: int = 0
+    sampling_error: float = 0.0
+    letters: dict[str, float] = Field(default_factory=dict, description="Pooled letter probabilities.")
+
+
+class DecisionOut(_Out):
+    """The run policy's verdict after this score."""
+
+    signal: Signal
+    reason: str
+    step: int
+    score: float | None = None
+    best_step: int | None = None
+    best_score: float | None = None
+    changed: bool = False
+
+
+class ProgressOut(_Out):
+    """`{prefix}/{run_id}/progress`: the score of the run's newest scored prefix, or why there is none."""
+
+    run_id: RunId
+    step: int
+    score: float | None = Field(description="Null when the judge failed; never a made-up default.")
+    uncertainty: float | None = None
+    criteria: dict[str, CriterionOut] = Field(default_factory=dict)
+    ok: bool
+    error: str | None = None
+    reason: str | None = Field(default=None, description="Why there is no score: timeout, low_mass, ...")
+    mass: float | None = None
+    dispersion: float | None = None
+    spread: float | None = None
+    judge: str = ""
+    model: str = ""
+    rubric: str = Field(default="", description="Hash of the rubric that produced the score.")
+    coalesced: int = Field(default=1, description="Steps folded into this score.")
+    latency_s: float = 0.0
+    tokens: Tokens = Field(default_factory=Tokens)
+    calls: int = Field(default=0, description="Judge calls made for this score.")
+    calls_saved: int = Field(default=0, description="Judge calls not made because confident rules answered.")
+    silent: list[str] = Field(default_factory=list)
+    signal: Signal | None = None
+    decision: DecisionOut | None = None
+    degraded: bool = Field(default=False, description="The judge is failing and the monitor is backing off.")
+
+    @classmethod
+    def from_progress(cls, progress: Progress, *, run_id: str | None = None) -> ProgressOut:
+        """The progress message of a result (`run_id` for a result that does not carry its own)."""
+        data: dict[str, Any] = dict(progress.to_json())
+        if run_id is not None:
+            data["run_id"] = run_id
+        return cls.model_validate(data)
+
+    def to_progress(self) -> Progress:
+        """The result this message carries."""
+        return Progress.from_json(self.model_dump(mode="json"))
+
+
+class SignalOut(_Out):
+    """`{prefix}/{run_id}/signal` (retained while the run lives): what the harness should do now."""
+
+    run_id: RunId
+    signal: Signal
+    reason: str
+    step: int
+    score: float | None = None
+    best_step: int | None = Field(default=None, description="The step where progress peaked (roll back there).")
+    best_score: float | None = None
+    changed: bool = True
+    policy: dict[str, float | int | None] = Field(default_factory=dict)
+
+    @classmethod
+    def from_decision(cls, run_id: str, decision: Decision, policy: Policy) -> SignalOut:
+        """The signal message for a policy decision."""
+        return cls.model_validate(signal_json(run_id, decision, policy))
+
+
+def signal_json(run_id: str, decision: Decision, policy: Policy) -> dict[str, Any]:
+    """The signal message's JSON: the decision's one JSON form, with the run and the policy in force."""
+    return {**decision.to_json(), "run_id": run_id, "policy": policy.as_dict()}
+
+
+class ErrorOut(_Out):
+    """`{prefix}/{run_id}/error` or `{prefix}/_errors`: an event that was refused, and why."""
+
+    run_id: RunId | None = None
+    topic: str = Field(description="The topic the refused event came on.")
+    reason: str = Field(
+        pattern=r"^[a-z][a-z0-9_]{0,63}$",
+        description=f"Short code: one of {', '.join(ERROR_REASONS)} (newer monitors may add more).",
+    )
+    error: str = Field(description="What was wrong and what to do.")

@@ -1,0 +1,170 @@
+"""`serve` flags are generated from the settings classes: every default written once, old names kept, env twins."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import pytest
+
+from agent_monitor import Policy
+from agent_monitor.cli import main
+from agent_monitor.cli._flags import build
+from agent_monitor.cli._main import BrokerOptions, JudgeOptions, ServeOptions, _parser
+from agent_monitor.daemon import MetricsSettings, MonitorConfig, RunLimits
+
+# Every flag `serve` had before the flags were generated: users' scripts use these names.
+OLD_FLAGS = [
+    "--broker",
+    "--broker-username",
+    "--broker-password",
+    "--tls-ca",
+    "--tls-cert",
+    "--tls-key",
+    "--topic-prefix",
+    "--client-id",
+    "--mqtt-protocol",
+    "--session-expiry",
+    "--embedded-broker",
+    "--judge",
+    "--judge-url",
+    "--judge-model",
+    "--judge-api",
+    "--judge-timeout",
+    "--max-concurrency",
+    "--repeats",
+    "--min-mass",
+    "--abort-below",
+    "--resample-below",
+    "--min-steps",
+    "--patience",
+    "--regression",
+    "--max-uncertainty",
+    "--state-dir",
+    "--no-store",
+    "--allow-image-dir",
+    "--allow-image-host",
+    "--rescore",
+    "--retention",
+    "--hold",
+    "--idle-timeout",
+    "--max-runs",
+    "--metrics-port",
+    "--metrics-host",
+    "--metric-labels",
+    "--max-series",
+    "--metrics-grace",
+    "--log-level",
+]
+OLD_ENV = [f"AGENT_MONITOR_{f[2:].upper().replace('-', '_')}" for f in OLD_FLAGS if f not in ("--rescore",)]
+OLD_ENV = [
+    e.replace("ALLOW_IMAGE_DIR", "ALLOW_IMAGE_DIRS").replace("ALLOW_IMAGE_HOST", "ALLOW_IMAGE_HOSTS") for e in OLD_ENV
+]
+
+
+def serve_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    parser = _parser(environ or {})
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
+    return serve_parser(environ).parse_args(argv)
+
+
+def test_every_old_flag_and_environment_twin_is_still_there() -> None:
+    text = serve_parser().format_help()
+    missing = [f for f in OLD_FLAGS if f"{f} " not in text and f"{f}\n" not in text]
+    assert missing == []
+    assert [e for e in OLD_ENV if f"[{e}]" not in text] == []
+
+
+def leaves(cls: type, default: object) -> list[tuple[str, object]]:
+    out = []
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(default, f.name)
+        if f.metadata.get("cli") is False:
+            continue
+        if dataclasses.is_dataclass(value):
+            out += leaves(type(value), value)
+        else:
+            out.append((f.name, value))
+    return out
+
+
+def test_no_flag_means_the_library_default_everywhere() -> None:
+    args = parse([])
+    assert build(MonitorConfig, args) == MonitorConfig()
+    assert build(JudgeOptions, args) == JudgeOptions()
+    assert build(BrokerOptions, args) == BrokerOptions()
+    assert build(ServeOptions, args) == ServeOptions()
+
+
+def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None:
+    text = " ".join(serve_parser().format_help().split())
+    for cls, default in ((MonitorConfig, MonitorConfig()), (ServeOptions, ServeOptions())):
+        for name, _ in leaves(cls, default):
+            # Each field's help text is on the page (written once, on the field).
+            f = next(
+                f for c in (cls, Policy, RunLimits, MetricsSettings) for f in dataclasses.fields(c) if f.name == name
+            )
+            first_words = " ".join(str(f.metadata["help"]).split()[:4])
+            assert first_words in text, name
+    assert (
+        "--hold SECONDS seconds a step waits for its run's start, or for missing earlier steps (default: 10) [AGENT_MONITOR_HOLD]"
+        in text
+    )
+    assert "(default: 0.35) [AGENT_MONITOR_MAX_UNCERTAINTY]" in text
+
+
+def test_flags_and_environment_build_the_config() -> None:
+    env = {
+        "AGENT_MONITOR_ABORT_BELOW": "0.2",
+        "AGENT_MONITOR_HOLD": "3",
+        "AGENT_MONITOR_ALLOW_IMAGE_DIRS": os.pathsep.join(["/a", "/b"]),
+    }
+    args = parse(
+        [
+            "--max-runs",
+            "5",
+            "--metric-labels",
+            "group, team",
+            "--allow-image-host",
+            "cams.local",
+            "--patience",
+            "4",
+            "--rescore",
+        ],
+        env,
+    )
+    c = build(MonitorConfig, args)
+    assert c.policy == Policy(abort_below=0.2, patience=4)
+    assert c.limits == RunLimits(hold_s=3.0, max_runs=5)
+    assert c.metrics.labels == ("group", "team")
+    assert c.image_dirs == ("/a", "/b") and c.image_hosts == ("cams.local",)
+    assert c.rescore is True
+    # A flag beats its environment twin; an empty twin of an optional number means "none".
+    assert build(MonitorConfig, parse(["--abort-below", "0.1"], env)).policy.abort_below == 0.1
+    assert build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": ""})).policy.abort_below is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"AGENT_MONITOR_MAX_RUNS": "many"}, "AGENT_MONITOR_MAX_RUNS='many' is not an integer"),
+        ({"AGENT_MONITOR_NO_STORE": "maybe"}, "AGENT_MONITOR_NO_STORE='maybe' is not a boolean"),
+        ({"AGENT_MONITOR_MQTT_PROTOCOL": "4"}, "AGENT_MONITOR_MQTT_PROTOCOL='4': use one of auto, 5, 3.1.1"),
+    ],
+)
+def test_a_bad_environment_value_is_one_line_and_exit_code_2(
+    environ: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--judge", "openai"], environ) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_setting_is_refused_by_the_class_that_owns_it(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--judge", "openai", "--max-runs", "0", "--metrics-port", "0", "--no-store"], {}) == 2
+    assert "run limits {'max_runs': 0} must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,117 @@
+"""The public surface, locked: what each package exports, what `import agent_monitor` loads, and who imports what.
+
+A change to a list below is a change to the public API: make it on purpose (and say so in the notes).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+PUBLIC = {
+    "agent_monitor": [
+        "AsyncProgressTracker", "BaseJudge", "CriteriaError", "Criterion", "CriterionScore", "Decision", "Frame",
+        "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
+        "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
+        "PolicyError", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
+        "Signal", "Step", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
+        "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "track",
+    ],
+    "agent_monitor.wire": [
+        "BrokerSettings", "CriterionOut", "DEFAULT_BROKER", "DecisionOut", "ErrorOut", "EventError", "INPUT_KINDS",
+        "ImageArg", "ImageIn", "InputEvent", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_LABELS", "MAX_LABEL_KEY_CHARS",
+        "MAX_LABEL_VALUE_CHARS", "MAX_META_BYTES", "MAX_META_DEPTH", "MAX_PAYLOAD_BYTES", "MAX_RUN_ID_CHARS",
+        "MAX_STEP_CHARS", "MAX_STEP_INDEX", "MAX_TASK_CHARS", "MonitorClient", "OUTPUT_KINDS", "POLICY_KEYS",
+        "ProgressOut", "Run", "RunEnd", "RunStart", "SettingsError", "SignalName", "SignalOut", "StepIn", "Tokens",
+        "TopicError", "Topics", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
+        "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
+    ],
+    "agent_monitor.daemon": [
+        "Accepted", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker", "MemoryStore",
+        "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
+        "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
+        "StoreFormatError", "default_state_dir",
+    ],
+    "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],
+    "agent_monitor.cli": ["main"],
+}  # fmt: skip
+
+# The packages around the concepts keep their modules private: their public face is their __all__.
+PACKAGES = ("agent_monitor.wire", "agent_monitor.daemon", "agent_monitor.cli")
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_all_is_locked_and_every_name_resolves(module: str) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC[module]), f"{module}.__all__ changed"
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_packages_have_no_public_modules(package: str) -> None:
+    mod = importlib.import_module(package)
+    public = [m.name for m in pkgutil.iter_modules(mod.__path__) if not m.name.startswith("_")]
+    assert public == [], f"{package} has public modules {public}; make them private and export names in __all__"
+
+
+def test_import_agent_monitor_loads_no_daemon_wire_or_mqtt_module() -> None:
+    code = (
+        "import json, sys, agent_monitor\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('aiomqtt', 'paho', 'prometheus_client', 'pydantic', 'sqlite3', 'amqtt') "
+        "or m.startswith(('agent_monitor.daemon', 'agent_monitor.wire', 'agent_monitor.cli')))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout) == []
+
+
+def test_monitor_and_client_are_reachable_lazily_from_the_top() -> None:
+    code = (
+        "import sys, agent_monitor\n"
+        "assert 'agent_monitor.daemon' not in sys.modules\n"
+        "from agent_monitor.daemon import Monitor\n"
+        "from agent_monitor.wire import MonitorClient\n"
+        "assert agent_monitor.Monitor is Monitor and agent_monitor.MonitorClient is MonitorClient\n"
+        "assert agent_monitor.MonitorConfig.__module__ == 'agent_monitor.daemon._config'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def _agent_monitor_imports(path: Path) -> list[tuple[str, list[str], int]]:
+    """Every `from agent_monitor... import names` and `import agent_monitor...` in a file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "agent_monitor":
+            out.append((node.module, [a.name for a in node.names], node.lineno))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "agent_monitor"]
+    return out
+
+
+@pytest.mark.parametrize("folder", ["adapters", "bench"])
+def test_adapters_and_benchmarks_use_only_public_names(folder: str) -> None:
+    bad = []
+    for path in sorted((REPO / folder).glob("*.py")):
+        for module, names, line in _agent_monitor_imports(path):
+            if module.startswith("agent_monitor.adapters"):
+                continue  # the adapters' own package name in the wheel
+            where = f"{path.relative_to(REPO)}:{line}"
+            if any(part.startswith("_") for part in module.split(".")):
+                bad.append(f"{where} imports the private module {module}")
+                continue
+            mod = importlib.import_module(module)
+            exported = getattr(mod, "__all__", None)
+            for name in names:
+                if name.startswith("_") or (exported is not None and name not in exported):
+                    bad.append(f"{where} imports {name} from {module}, which does not export it")
+    assert bad == []
