@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LETTERS = "ABCDEFGHIJKLMNOPQRST"
 """The progress scale, worst to best: A = nothing useful done .. T = verifiably complete."""
@@ -51,18 +51,17 @@ class LetterDistribution:
 
     probs: tuple[float, ...]
     mass: float
+    # Computed once: every scoring reads them several times.
+    expectation: float = field(init=False, compare=False, repr=False)
+    """Expected scale value on [0, 1]."""
+    dispersion: float = field(init=False, compare=False, repr=False)
+    """Standard deviation of the scale value on [0, 1]."""
 
-    @property
-    def expectation(self) -> float:
-        """Expected scale value on [0, 1]."""
-        return sum(p * i * _STEP for i, p in enumerate(self.probs))
-
-    @property
-    def dispersion(self) -> float:
-        """Standard deviation of the scale value on [0, 1]."""
-        mean = self.expectation
-        var = sum(p * (i * _STEP - mean) ** 2 for i, p in enumerate(self.probs))
-        return math.sqrt(max(var, 0.0))
+    def __post_init__(self) -> None:
+        mean = sum(p * i * _STEP for i, p in enumerate(self.probs) if p)
+        var = sum(p * (i * _STEP - mean) ** 2 for i, p in enumerate(self.probs) if p)
+        object.__setattr__(self, "expectation", mean)
+        object.__setattr__(self, "dispersion", math.sqrt(max(var, 0.0)))
 
     @property
     def top(self) -> str:

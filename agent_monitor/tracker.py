@@ -107,7 +107,8 @@ class AsyncProgressTracker:
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
         self._scored = 0
-        self._scheduler: Scheduler[int] = Scheduler(self._background)
+        # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not their own.
+        self._scheduler: Scheduler[int] | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
@@ -119,6 +120,7 @@ class AsyncProgressTracker:
             raise RuntimeError("tracker is already entered")
         self._stack = contextlib.AsyncExitStack()
         tg = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self._scheduler = Scheduler(self._background)
         self._worker = tg.create_task(self._scheduler.worker(), name=f"tracker-worker:{self.run_id or id(self)}")
         return self
 
@@ -147,7 +149,7 @@ class AsyncProgressTracker:
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> int:
         """Queue a step and return its index at once; the background worker scores the newest prefix."""
-        if self._worker is None:
+        if self._worker is None or self._scheduler is None:
             raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
         self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
         self._scheduler.wake(0)
@@ -199,13 +201,12 @@ class AsyncProgressTracker:
             expected=self.expected,
             cache_key=self.run_id,
             coalesced=coalesced,
+            run_id=self.run_id,
         )
         self.calls_saved += p.calls_saved
         return self._record(p)
 
     def _record(self, p: Progress) -> Progress:
-        if self.run_id is not None:
-            p = dataclasses.replace(p, run_id=self.run_id)
         if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
             # Results older than the latest (a slow concurrent update) do not move the policy backwards.
             p = dataclasses.replace(p, signal=self.policy_state.observe(p))
@@ -254,7 +255,7 @@ class AsyncProgressTracker:
 
     async def drain(self) -> Progress | None:
         """Wait until every submitted step is folded into a score; return the latest result."""
-        if self._worker is not None:
+        if self._scheduler is not None:
             await self._scheduler.drain()
         return self.latest
 
@@ -272,6 +273,7 @@ async def score_prefix(
     expected: str | None = None,
     cache_key: str | None = None,
     coalesced: int = 1,
+    run_id: str | None = None,
 ) -> Progress:
     """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then aggregate.
 
@@ -345,6 +347,7 @@ async def score_prefix(
         "calls": len(answers),
         "calls_saved": saved,
         "silent": tuple(silent),
+        "run_id": run_id,
     }
     if failure is None and not scored:
         failure = ("no_opinion", f"no criterion could be scored: rules {silent} had no confident answer and no judge")

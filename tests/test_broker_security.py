@@ -462,7 +462,7 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                     run2.step("run-2 step 1")
                     sig = await asyncio.to_thread(run2.wait_signal, "abort", WAIT)
                     assert sig.reason != "forged" and [s.reason for s in seen2] == [sig.reason]
-                    assert [s.step.text for s in run2_state().steps] == ["run-2 step 1"]
+                    assert [s.text for s in run2_state().steps] == ["run-2 step 1"]
 
                     # 4. run-1's credentials cannot read run-2's signal (retained right now) or progress.
                     async with raw_client(b.port, h1) as snoop:
@@ -476,7 +476,7 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                     run1.step("run-1 step 3")  # same connection: once this is scored, the hijack was dropped
                     assert (await asyncio.to_thread(run1.wait_progress, 3, WAIT)).ok
                     assert run2_state().task == "task of run-2"
-                    assert [s.step.text for s in run2_state().steps] == ["run-2 step 1"]
+                    assert [s.text for s in run2_state().steps] == ["run-2 step 1"]
                     assert hijack.signal is None and hijack.progress is None  # the retained abort was not delivered
                     # ... while run-2's own credentials can (the abort is there to be read).
                     async with raw_client(b.port, h2) as own:

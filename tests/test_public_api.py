@@ -39,7 +39,7 @@ PUBLIC = {
         "Accepted", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
         "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
-        "StoreFormatError", "default_state_dir",
+        "StepView", "StoreFormatError", "default_state_dir",
     ],
     "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],
     "agent_monitor.cli": ["main"],

@@ -53,16 +53,33 @@ def step(text: str, index: int | None = None) -> StepIn:
     return StepIn.model_validate({"text": text} if index is None else {"text": text, "index": index})
 
 
+SCORED: dict[int, dict[str, list[tuple[int, str, bool]]]] = {}
+"""Per book, the steps each run handed to scoring (what the daemon's tracker would hold)."""
+
+
+def apply(book: RunBook, record: Any) -> list[Any]:
+    effects = book.apply(record)
+    for e in effects:
+        if isinstance(e, Appended):
+            scored = SCORED.setdefault(id(book), {}).setdefault(e.run_id, [])
+            scored += [(s.index, s.step.text, s.placeholder) for s in e.steps]
+    return effects
+
+
 def run(book: RunBook, run_id: str, event: Any, now: float, d: Delivery | None = None) -> list[Any]:
     """What the daemon does with an event: decide, then apply the record (the journal is elided)."""
     verdict = book.decide(run_id, event, now, d)
     if isinstance(verdict, (Refusal, Duplicate)):
         return [verdict]
-    return book.apply(verdict)
+    return apply(book, verdict)
 
 
 def texts(book: RunBook, run_id: str) -> list[tuple[int, str, bool]]:
-    return [(s.index, s.step.text, s.placeholder) for s in book.live[run_id].steps]
+    """The run's steps in order: what the state says of them, with the content handed to scoring."""
+    scored = SCORED.get(id(book), {}).get(run_id, [])
+    state = book.live[run_id]
+    assert state.steps == len(scored) and state.placeholders == {i for i, _, p in scored if p}
+    return scored
 
 
 # -- the RunBook alone --
@@ -97,7 +114,7 @@ def test_a_gap_is_filled_only_when_its_hold_is_due_and_the_decision_is_a_record(
     assert book.due(6.9) == []
     (gap,) = book.due(7.0)
     assert gap == GapFilled("r", 3, 7.0)  # the steps before 3 are given up on
-    effects = book.apply(gap)
+    effects = apply(book, gap)
     assert [e.reason for e in effects if isinstance(e, Notice)] == ["step_gap"]
     assert texts(book, "r")[1][2] is True and texts(book, "r")[2] == (3, "three", False)
     assert [s.index for e in effects if isinstance(e, Appended) for s in e.steps] == [2, 3]
@@ -107,7 +124,7 @@ def test_orphans_wait_for_their_start_and_expire_as_no_start() -> None:
     book = RunBook(LIMITS)
     (held,) = [book.decide("o", step("early", 1), 0)]
     assert isinstance(held, Orphaned)
-    book.apply(held)
+    apply(book, held)
     effects = run(book, "o", start(), 1)
     assert any(isinstance(e, Opened) for e in effects) and texts(book, "o") == [(1, "early", False)]
     book.apply(book.decide("ghost", step("x"), 10))  # type: ignore[arg-type]
@@ -271,9 +288,14 @@ def view(mon: Monitor) -> dict[str, Any]:
     for rid in mon.book.live:
         r = mon.run(rid)
         assert r is not None
-        scoring[rid] = (r.scored, r.signal, [p.step for p in r.curve], [s.step.text for s in r.steps])
+        scoring[rid] = (
+            r.scored,
+            r.signal,
+            [p.step for p in r.curve],
+            [(s.index, s.text, s.placeholder) for s in r.steps],
+        )
         tracker = mon.tracker(rid)
-        assert tracker is not None and [s.text for s in tracker.steps] == [s.step.text for s in r.steps]
+        assert tracker is not None and len(tracker.steps) == mon.book.live[rid].steps
     return {"state": mon.book.snapshot(), "scoring": scoring}
 
 

@@ -155,7 +155,7 @@ async def test_monitor_rebuilds_runs_from_the_store_without_rescoring(tmp_path: 
         assert len(judge.prompts) == calls  # nothing scored again
         good, bad, bad_tracker = mon.run("good"), mon.run("bad"), mon.tracker("bad")
         assert good is not None and bad is not None and bad_tracker is not None
-        assert [s.step.text for s in good.steps] == ["good 1", "good 2", "good 3"]
+        assert [s.text for s in good.steps] == ["good 1", "good 2", "good 3"]
         assert list(good.held) == [5] and good.scored == 3
         assert [p.step for p in good.curve] == [1, 2, 3] and good.last_ok is not None
         assert bad.signal == "abort" and bad_tracker.policy_state is not None
@@ -196,6 +196,9 @@ async def test_a_run_id_reused_after_its_end_is_a_new_run(tmp_path: Path) -> Non
         first, *steps = replay.records
         assert isinstance(first, Started) and first.start.task == "second"
         assert [r.step.text for r in steps if isinstance(r, Stepped)] == ["b"] and len(steps) == 1
-        assert "r" not in dict(replay.ended)
+        assert replay.ended == [("r", 1002.0), ("r", None)]  # ended, then used again
+        book = RunBook()
+        book.remember_ended(replay.ended)
+        assert "r" not in book.ended
     finally:
         await store.aclose()

@@ -7,7 +7,7 @@ the top level of `agent_monitor`, never `cli/`.
 
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._config import MetricsSettings, MonitorConfig, Protocol
-from ._monitor import Monitor, RunView
+from ._monitor import Monitor, RunView, StepView
 from ._mqtt import BrokerUnavailable
 from ._sinks import (
     Accepted,
@@ -46,6 +46,7 @@ __all__ = [
     "SignalChanged",
     "Sink",
     "SqliteStore",
+    "StepView",
     "StoreFormatError",
     "default_state_dir",
 ]

@@ -132,9 +132,12 @@ class MeteredJudge:
         self.inner = judge
         self.name = judge.name
         self.metrics = metrics
-        for outcome in ("ok", "error"):
-            metrics.judge_calls.labels(judge.name, outcome)
-        metrics.judge_latency.labels(judge.name)  # so rate() sees the first call
+        # Children looked up once (labels() costs a lock and a dict lookup per call); they exist at 0 from here,
+        # so rate() sees the first call.
+        self._ok = metrics.judge_calls.labels(judge.name, "ok")
+        self._error = metrics.judge_calls.labels(judge.name, "error")
+        self._latency = metrics.judge_latency.labels(judge.name)
+        self._tokens = [metrics.judge_tokens.labels(k) for k in ("input", "cached_input", "output")]
 
     @property
     def model(self) -> str:
@@ -143,20 +146,20 @@ class MeteredJudge:
 
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
         """Grade through the wrapped judge, counting the call."""
-        m = self.metrics
         start = time.perf_counter()
         try:
             response = await self.inner.grade(request)
         except Exception:  # JudgeError or a backend's bug: either way a failed call
-            m.judge_calls.labels(self.name, "error").inc()
-            m.judge_latency.labels(self.name).observe(time.perf_counter() - start)
+            self._error.inc()
+            self._latency.observe(time.perf_counter() - start)
             raise
-        m.judge_calls.labels(self.name, "ok").inc()
-        m.judge_latency.labels(self.name).observe(time.perf_counter() - start)
+        self._ok.inc()
+        self._latency.observe(time.perf_counter() - start)
         u = response.usage
-        m.judge_tokens.labels("input").inc(u.input_tokens)
-        m.judge_tokens.labels("cached_input").inc(u.cached_input_tokens)
-        m.judge_tokens.labels("output").inc(u.output_tokens)
+        tokens_in, cached, out = self._tokens
+        tokens_in.inc(u.input_tokens)
+        cached.inc(u.cached_input_tokens)
+        out.inc(u.output_tokens)
         return response
 
     async def aclose(self) -> None:
@@ -205,17 +208,22 @@ class MetricsSink:
         self.memory = memory
         self.clock = clock
         self._finished: OrderedDict[str, tuple[float, RunSeries]] = OrderedDict()
+        # The children counted on every step, looked up once.
+        self._events = {k: metrics.events.labels(k) for k in INPUT_KINDS}
+        self._scorings = {True: metrics.scorings.labels("ok"), False: metrics.scorings.labels("failed")}
 
     def __call__(self, event: MonitorEvent) -> None:
         """Count one event."""
         m = self.metrics
         if isinstance(event, Accepted):
-            m.events.labels(event.kind).inc()
+            self._events[event.kind].inc()
         elif isinstance(event, Scored):
             p = event.progress
-            m.scorings.labels("ok" if p.ok else "failed").inc()
-            m.coalesced_steps.inc(p.coalesced - 1)
-            m.judge_calls_saved.inc(p.calls_saved)
+            self._scorings[p.ok].inc()
+            if p.coalesced > 1:
+                m.coalesced_steps.inc(p.coalesced - 1)
+            if p.calls_saved:
+                m.judge_calls_saved.inc(p.calls_saved)
             for t in event.arrived:
                 m.step_to_score.observe(max(0.0, event.at - t))
         elif isinstance(event, SignalChanged):

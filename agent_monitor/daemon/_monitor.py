@@ -65,7 +65,7 @@ from ._state import (
     Started,
     Stepped,
 )
-from ._store import MemoryStore, RunStore, SqliteStore
+from ._store import NoStore, RunStore, SqliteStore
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -96,12 +96,22 @@ class _Scoring:
 
 
 @dataclass(frozen=True, slots=True)
+class StepView:
+    """One step of a live run as scored: its text after the rubric's extractors, and how many frames it has."""
+
+    index: int
+    text: str
+    placeholder: bool
+    frames: int
+
+
+@dataclass(frozen=True, slots=True)
 class RunView:
     """A live run as the monitor has it now (for health checks, tests and boards): a copy, safe to keep."""
 
     run_id: str
     task: str
-    steps: tuple[AcceptedStep, ...]
+    steps: tuple[StepView, ...]
     """The run's steps in order, placeholders for missing ones included."""
     held: tuple[int, ...]
     """Indexes of steps waiting for earlier ones."""
@@ -127,7 +137,8 @@ class Monitor:
     `BrokerUnavailable` with a one-line reason) and starts the named tasks `mqtt`,
     `scorer-1..N`, `sweeper` (and `retention` for a SQLite store); leaving cancels and awaits
     them all. Without a broker (`config.broker=None`) nothing is received: feed events with
-    `handle()` (tests, embedding). `sinks` are called with every `MonitorEvent`, after the
+    `handle()` (tests, embedding). Without a store nothing is journaled (a restart forgets the
+    runs); `SqliteStore` survives restarts, `MemoryStore` keeps the journal in this process. `sinks` are called with every `MonitorEvent`, after the
     monitor's own (MQTT, store, metrics, log).
     """
 
@@ -155,7 +166,7 @@ class Monitor:
         )
         self.topics = Topics(c.prefix)
         self.outbox = Outbox(c.outbox_size, metrics=self.metrics)
-        self.store: RunStore = store if store is not None else MemoryStore()
+        self.store: RunStore = store if store is not None else NoStore()
         self.book = RunBook(c.limits)
         self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=self.metrics.queue_depth.set)
         self._metrics_sink = MetricsSink(
@@ -282,7 +293,9 @@ class Monitor:
         return RunView(
             run_id=run_id,
             task=state.start.task,
-            steps=tuple(state.steps),
+            steps=tuple(
+                StepView(t.index, t.text, t.index in state.placeholders, len(t.frames)) for t in s.tracker.steps
+            ),
             held=tuple(sorted(state.held)),
             scored=s.scored,
             signal=s.signal,

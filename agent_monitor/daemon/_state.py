@@ -46,7 +46,7 @@ class RunLimits:
         default=10_000, metadata={"help": "ended run ids remembered, so a late step is reported, not a ghost run"}
     )
     redelivery_window: int = field(
-        default=4_096,
+        default=1_024,
         metadata={"help": "recent MQTT deliveries remembered to recognise a broker's redelivery (DUP) of one"},
     )
 
@@ -246,7 +246,7 @@ Effect: TypeAlias = Opened | Appended | Closing | Closed | Notice
 
 @dataclass(frozen=True, slots=True)
 class AcceptedStep:
-    """A step in a run's order: the harness's step, or a placeholder for one that never arrived."""
+    """A step now in a run's order, on its way to scoring: the harness's step, or a placeholder for a missing one."""
 
     index: int
     step: StepIn
@@ -262,7 +262,10 @@ class RunState:
     start: RunStart
     started_at: float
     last_event: float
-    steps: list[AcceptedStep] = field(default_factory=list)
+    steps: int = 0
+    """Steps in order so far (their content went to scoring: the tracker keeps it, once)."""
+    placeholders: set[int] = field(default_factory=set)
+    """Indexes among them that stand in for steps that never arrived."""
     held: dict[int, tuple[StepIn, float, bool]] = field(default_factory=dict)
     """Steps waiting for earlier ones: index -> (step, arrival time, is a placeholder)."""
     gap_since: float | None = None
@@ -271,7 +274,7 @@ class RunState:
     @property
     def next_index(self) -> int:
         """The index the next in-order step must have."""
-        return len(self.steps) + 1
+        return self.steps + 1
 
 
 @dataclass(eq=False, slots=True)
@@ -509,9 +512,10 @@ class RunBook:
         added: list[AcceptedStep] = []
         while (nxt := run.held.pop(run.next_index, None)) is not None:
             step, at, is_placeholder = nxt
-            accepted = AcceptedStep(run.next_index, step, at, placeholder=is_placeholder)
-            run.steps.append(accepted)
-            added.append(accepted)
+            added.append(AcceptedStep(run.next_index, step, at, placeholder=is_placeholder))
+            if is_placeholder:
+                run.placeholders.add(run.next_index)
+            run.steps += 1
         if added:
             effects.append(Appended(run.run_id, tuple(added)))
 
@@ -595,7 +599,8 @@ class RunBook:
                     "task": r.start.task,
                     "started_at": r.started_at,
                     "last_event": r.last_event,
-                    "steps": [(s.index, s.step.text, s.placeholder, _digests(s.step), s.at) for s in r.steps],
+                    "steps": r.steps,
+                    "placeholders": sorted(r.placeholders),
                     "held": sorted((i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()),
                     "gap_since": r.gap_since,
                     "ended": None if r.ended is None else r.ended.model_dump(),

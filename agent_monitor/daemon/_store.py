@@ -405,6 +405,8 @@ class SqliteStore:
                 digests = [
                     d for (d,) in db.execute("SELECT digest FROM event_frames WHERE seq = ? ORDER BY position", (seq,))
                 ]
+                if index is None:  # a step journaled by agent-monitor 0.1 without an index: the next position
+                    index = max(steps, default=0) + 1
                 steps[index] = {"index": index, "text": data.get("text", ""), "ts": data.get("ts"), "images": digests}
             curve = [
                 json.loads(b)
@@ -555,6 +557,23 @@ class MemoryStore:
             ended=list(self.ended_log),
             deliveries=list(self.deliveries),
         )
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+class NoStore:
+    """No run store: nothing is journaled and a restart forgets every run (a Monitor given no store)."""
+
+    async def journal(self, record: Record) -> None:
+        """Keep nothing."""
+
+    def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
+        """Keep nothing."""
+
+    async def replay(self) -> Replay:
+        """Nothing to replay."""
+        return Replay()
 
     async def aclose(self) -> None:
         """Nothing to release."""
