@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
+
+from ._budget import Pattern, error
 
 _C = TypeVar("_C", bound=type)
 
@@ -18,12 +19,13 @@ def check_number(owner: str, name: str, value: object, lo: float, hi: float, *, 
         raise ValueError(f"{owner}: {name} must be {kind} in [{lo}, {hi}], got {value!r}")
 
 
-def compile_pattern(owner: str, pattern: object, flags: int = 0) -> re.Pattern[str]:
+def compile_pattern(owner: str, pattern: object, flags: int = 0) -> Pattern:
+    # Budgeted: a user's pattern may come from the network and backtrack for ever on a crafted step.
     if not isinstance(pattern, str):
         raise ValueError(f"{owner}: pattern must be a string, got {pattern!r}")
     try:
-        return re.compile(pattern, flags)
-    except re.error as e:
+        return Pattern(pattern, flags)
+    except (error, ValueError, OverflowError) as e:
         raise ValueError(f"{owner}: invalid regular expression {pattern!r}: {e}") from None
 
 

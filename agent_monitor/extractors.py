@@ -7,7 +7,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from ._budget import DOTALL, IGNORECASE, MULTILINE, Pattern
 from ._config import check_number, compile_pattern, instantiate, known, registrar
+
+# Every pattern here reads untrusted step text: each is a budgeted `Pattern` (see _budget), ours included,
+# since a lazy `.*?` before a backreference or a `[ \t]*$` is quadratic on a crafted step.
 
 
 class Extractor(Protocol):
@@ -40,19 +44,19 @@ class StripReasoning:
     """
 
     tags: tuple[str, ...] = ("think", "thinking")
-    _blocks: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _open: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _close: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _blocks: Pattern = field(init=False, repr=False, compare=False)
+    _open: Pattern = field(init=False, repr=False, compare=False)
+    _close: Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.tags, str) or not self.tags or not all(isinstance(t, str) and t for t in self.tags):
             raise ValueError(f"strip_reasoning: tags must be a non-empty list of tag names, got {self.tags!r}")
         object.__setattr__(self, "tags", tuple(self.tags))
         names = "|".join(re.escape(t) for t in self.tags)
-        flags = re.IGNORECASE | re.DOTALL
-        object.__setattr__(self, "_blocks", re.compile(rf"<({names})\b[^>]*>.*?</\1\s*>", flags))
-        object.__setattr__(self, "_open", re.compile(rf"<(?:{names})\b[^>]*>.*\Z", flags))
-        object.__setattr__(self, "_close", re.compile(rf"\A.*?</(?:{names})\s*>", flags))
+        flags = IGNORECASE | DOTALL
+        object.__setattr__(self, "_blocks", Pattern(rf"<({names})\b[^>]*>.*?</\1\s*>", flags))
+        object.__setattr__(self, "_open", Pattern(rf"<(?:{names})\b[^>]*>.*\Z", flags))
+        object.__setattr__(self, "_close", Pattern(rf"\A.*?</(?:{names})\s*>", flags))
 
     def __call__(self, text: str) -> str:
         """The text without its reasoning blocks."""
@@ -62,10 +66,14 @@ class StripReasoning:
 
 
 # `<|im_start|>`, `<|eot_id|>`, DeepSeek's tokens written with full-width bars (U+FF5C), and the common bare tokens.
-_SPECIAL = re.compile(
+_SPECIAL = Pattern(
     r"<[|\uff5c][^<>|\uff5c\n]{1,60}[|\uff5c]>"
     r"|</?s>|<(?:bos|eos|pad)>|<(?:start|end)_of_turn>|\[/?INST\]"
 )
+
+
+_TRAILING_SPACE = Pattern(r"[ \t\r\f\v]+$", MULTILINE)
+_BLANK_LINES = Pattern(r"\n{3,}")
 
 
 @register_extractor("strip_special_tokens")
@@ -84,8 +92,8 @@ class StripSpecialTokens:
     def __call__(self, text: str) -> str:
         """The text without special tokens, with tidy whitespace."""
         text = _SPECIAL.sub("", text)
-        text = re.sub(r"[ \t\r\f\v]+$", "", text, flags=re.MULTILINE)
-        return re.sub(r"\n{3,}", "\n\n", text).strip()
+        text = _TRAILING_SPACE.sub("", text)
+        return _BLANK_LINES.sub("\n\n", text).strip()
 
 
 @register_extractor("truncate")
@@ -131,7 +139,7 @@ class RegexCapture:
     pattern: str
     group: int | str = 1
     all: bool = False
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _regex: Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         regex = compile_pattern("regex_capture", self.pattern)
@@ -160,9 +168,7 @@ class RegexCapture:
 
 # A number not glued to a word before or after it ("x2", "3rd" do not count; "1-3" ends in 3, not -3).
 # Thousands separators only in groups of exactly three digits, so "[1,2,3]" reads as three numbers.
-_NUMBER = re.compile(
-    r"(?<![\w.])[-+\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?!\w)"
-)
+_NUMBER = Pattern(r"(?<![\w.])[-+\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?!\w)")
 
 
 def _normalise_number(s: str) -> str:
@@ -187,7 +193,7 @@ class LastNumber:
         return _normalise_number(found[-1]) if found else ""
 
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOXED = Pattern(r"\\(?:boxed|fbox)\s*\{")
 
 
 @register_extractor("boxed")
@@ -197,16 +203,21 @@ class Boxed:
 
     def __call__(self, text: str) -> str:
         """The boxed content, stripped, or ""."""
-        for m in reversed(list(_BOXED.finditer(text))):
-            depth = 1
-            for i in range(m.end(), len(text)):
-                c = text[i]
-                if c == "{":
-                    depth += 1
-                elif c == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[m.end() : i].strip()
+        starts = [m.end() for m in _BOXED.finditer(text)]
+        if not starts:
+            return ""
+        # One pass matching every brace (not a scan to the end per `\boxed{`: that is quadratic on a crafted step).
+        closes: dict[int, int] = {}
+        open_at: list[int] = []
+        for i, c in enumerate(text):
+            if c == "{":
+                open_at.append(i + 1)
+            elif c == "}" and open_at:
+                closes[open_at.pop()] = i
+        for start in reversed(starts):
+            end = closes.get(start)
+            if end is not None:
+                return text[start:end].strip()
         return ""
 
 

@@ -48,6 +48,7 @@ FAILURES: Mapping[str, str] = {
     "no_answer": "a repeat returned no answer position",
     "missing_repeats": "fewer repeats came back than were asked for",
     "no_opinion": "no criterion could be scored (silent rules, no judge criterion)",
+    "extractor_timeout": "a step's extractors or a criterion's rules ran over their time budget (untrusted text)",
     "scoring_failed": "scoring failed inside the monitor (a bug; the log has the traceback)",
 }
 """Why a Progress has no score (`Progress.reason`), and what each reason means."""
@@ -64,6 +65,7 @@ REFUSALS: Mapping[str, str] = {
     "unknown_run": "an end for a run the monitor does not know",
     "step_gap": "steps never arrived; later steps were scored without them",
     "index_too_far": "a step index too far ahead of the next expected step",
+    "conflict": "a step re-sent under an index already taken, with different content; the first one stays",
     "too_many_held": "too many steps waiting for their start or for missing steps",
     "run_rejected": "a start the monitor cannot use",
 }

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
+from ._budget import IGNORECASE, MULTILINE, Pattern
 from ._config import check_number, compile_pattern, instantiate, known, registrar
 from .extractors import Extractor, LastNumber, build_extractors
 
@@ -90,19 +90,20 @@ def _clamp(x: float) -> float:
 
 
 # mini-swe-agent and similar harnesses report tool output as JSON, where line breaks are the two characters `\n`.
-_ESCAPED_NEWLINE = re.compile(r"\\r?\\n")
-_UNITTEST = re.compile(
+# Budgeted patterns (see _budget): every one of them reads untrusted step text.
+_ESCAPED_NEWLINE = Pattern(r"\\r?\\n")
+_UNITTEST = Pattern(
     r"^Ran (?P<ran>\d+) tests? in [^\n]*\n(?:[ \t]*\n)*[ \t]*(?P<status>OK|FAILED)\b(?:[ \t]*\((?P<counts>[^)\n]*)\))?",
-    re.MULTILINE,
+    MULTILINE,
 )
 # What may follow a count in a summary: "7 passed, 1 error", "8 passed; 2 failed", "5 passed in 0.1s", "== 5 passed ==",
 # "9 passing (2s)", or the line's end. Code and prose ("ctx*99 passed to get_integer", from a recorded run) do not count.
-_AFTER_COUNT = re.compile(r"[ \t]*(?:[,;=(]|in[ \t]|\.?[ \t]*$)")
-_DURATION = re.compile(r"\bin \d+(?:\.\d+)?s\b")
-_UNITTEST_COUNT = re.compile(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
+_AFTER_COUNT = Pattern(r"[ \t]*(?:[,;=(]|in[ \t]|\.?[ \t]*$)")
+_DURATION = Pattern(r"\bin \d+(?:\.\d+)?s\b")
+_UNITTEST_COUNT = Pattern(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
 
 
-def _count(pattern: re.Pattern[str], line: str) -> re.Match[str] | None:
+def _count(pattern: Pattern, line: str) -> Any:
     return next((m for m in pattern.finditer(line) if _AFTER_COUNT.match(line, m.end())), None)
 
 
@@ -142,7 +143,7 @@ class TestRatio:
     errors: str = r"(\d+) errors?"
     confidence: float = 0.9
     lookback: int = 3
-    _patterns: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+    _patterns: tuple[Pattern, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         pats = []
@@ -300,8 +301,13 @@ class MetricCurve:
 
 
 # "Final answer: 42", "**Final Answer:** 42", "FINAL ANSWER = Paris" on a line of its own.
-_FINAL_ANSWER = re.compile(r"^[ \t>#*_-]*final[ \t_]+answer[ \t*_]*[:=][ \t]*(?P<answer>.*?)[ \t]*$", re.I | re.M)
-_FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
+_FINAL_ANSWER = Pattern(
+    r"^[ \t>#*_-]*final[ \t_]+answer[ \t*_]*[:=][ \t]*(?P<answer>.*?)[ \t]*$", IGNORECASE | MULTILINE
+)
+_FRACTION = Pattern(r"^([-+]?\d+)\s*/\s*(\d+)$")
+
+
+_DIGITS = Pattern(r"\d[\d,.]*")
 
 
 def _declared(text: str) -> str:
@@ -324,7 +330,7 @@ def _parse_float(s: str) -> float | None:
     if x is not None:
         return x
     # "x = 42" or "42 apples": exactly one number in the answer is that number; two or more is ambiguous.
-    numbers = re.findall(r"\d[\d,.]*", s)
+    numbers = _DIGITS.findall(s)
     return _number(LastNumber()(s)) if len(numbers) == 1 else None
 
 

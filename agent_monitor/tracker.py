@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 
+from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
 from ._loop import LoopThread
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
@@ -21,7 +22,7 @@ from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeRespon
 from .policy import Policy, PolicyState
 from .progress import Decision, Progress, Usage
 from .prompts import Step, build_prompt
-from .rules import Composite, RuleInput
+from .rules import Composite, RuleInput, RuleScore
 from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, rule_score, score_samples
 from .scheduler import Scheduler
 
@@ -29,6 +30,9 @@ if TYPE_CHECKING:
     pass
 
 log = structlog.get_logger("agent_monitor.tracker")
+
+DEFAULT_EXTRACT_BUDGET_S: float = DEFAULT_BUDGET_S
+"""Seconds a step's extractors, or a criterion's rules on one prefix, may take (then: `extractor_timeout`)."""
 
 StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
@@ -78,11 +82,14 @@ class AsyncProgressTracker:
         on_progress: ProgressCallback | None = None,
         policy: Policy | Mapping[str, Any] | None = None,
         on_signal: Callable[[Decision], object] | None = None,
+        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
         if repeats < 1:
             raise ValueError(f"repeats={repeats}; use 1 or more")
+        if not extract_budget_s > 0:
+            raise ValueError(f"extract_budget_s={extract_budget_s}; use a number of seconds > 0 (default 0.05)")
         self.task = task
         self.judge = judge
         self.rubric: Rubric = load_criteria(criteria)
@@ -92,6 +99,7 @@ class AsyncProgressTracker:
         self.frame_budget = frame_budget or FrameBudget()
         self.allow_files = allow_files
         self.expected = expected
+        self.extract_budget_s = extract_budget_s
         self.calls_saved = 0
         if isinstance(policy, Mapping):
             policy = Policy().with_overrides(policy)
@@ -162,10 +170,26 @@ class AsyncProgressTracker:
             while self._pending:
                 # Popped before loading: a step whose images fail is rejected, not retried forever.
                 p = self._pending.popleft()
-                frames = await self._load(p.images)
-                # Extractors run once per step, before any criterion or prompt sees it.
-                text = self.rubric.extractors(p.text)
-                self.steps.append(Step(index=len(self.steps) + 1, text=text, frames=tuple(frames), meta=p.meta))
+                index = len(self.steps) + 1
+                if p.images or self.rubric.extractors.extractors:
+                    # Image decoding and the extractors read untrusted input: a worker thread, never the event loop.
+                    self.steps.append(await asyncio.to_thread(self._prepare, p, index))
+                else:
+                    self.steps.append(Step(index=index, text=p.text, meta=p.meta))
+
+    def _prepare(self, p: _Pending, index: int) -> Step:
+        """A step made ready in a worker thread: images decoded, extractors run once under the time budget."""
+        frames = tuple(load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in p.images)
+        try:
+            text = within(lambda: self.rubric.extractors(p.text), self.extract_budget_s, f"step {index}'s extractors")
+        except BudgetExceeded as e:
+            # The raw text is not shown instead: the extractors may exist to keep parts of it from the judge.
+            why = f"step {index}: {e}; its text is withheld from the judge and the rules"
+            self._log.warning("extractor_timeout", step=index, error=str(e))
+            return Step(
+                index=index, text=f"(step {index}: text withheld, {e})", frames=frames, meta=p.meta, withheld=why
+            )
+        return Step(index=index, text=text, frames=frames, meta=p.meta)
 
     async def _load(self, images: Sequence[ImageInput]) -> list[Frame]:
         if not images:
@@ -189,6 +213,8 @@ class AsyncProgressTracker:
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
             raise ValueError(f"cannot score {n} steps: the tracker has {len(self.steps)}")
+        # A step withheld since the last score fails this one (once): the run learns why that step has no score.
+        withheld = next((s.withheld for s in self.steps[self._scored : n] if s.withheld), None)
         p = await score_prefix(
             self.task,
             self.steps[:n],
@@ -202,6 +228,8 @@ class AsyncProgressTracker:
             cache_key=self.run_id,
             coalesced=coalesced,
             run_id=self.run_id,
+            withheld=withheld,
+            rule_budget_s=self.extract_budget_s,
         )
         self.calls_saved += p.calls_saved
         return self._record(p)
@@ -221,7 +249,7 @@ class AsyncProgressTracker:
             self.latest = p
         self._scored = max(self._scored, p.step)
         if not p.ok:
-            self._log.warning("judge_failed", step=p.step, reason=p.reason, error=p.error)
+            self._log.warning("score_failed", step=p.step, reason=p.reason, error=p.error)
         if self.on_progress is not None:
             try:
                 self.on_progress(p)
@@ -274,12 +302,16 @@ async def score_prefix(
     cache_key: str | None = None,
     coalesced: int = 1,
     run_id: str | None = None,
+    withheld: str | None = None,
+    rule_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
 ) -> Progress:
     """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then aggregate.
 
     The judge calls share the prompt prefix. A criterion whose rules are
     confident costs no call (counted in `calls_saved`); a rule-only criterion
     with no confident rule is `silent` and left out of the weighted mean.
+    Rules run in a worker thread, each criterion's under `rule_budget_s`; one
+    over it, or a `withheld` step, fails the result with `extractor_timeout`.
     """
     start = time.perf_counter()
     n = steps[-1].index if steps else 0
@@ -287,18 +319,17 @@ async def score_prefix(
     silent: list[str] = []
     saved = 0
     ask: list[Criterion] = []
-    rule_input: RuleInput | None = None
+    failure: tuple[str, str] | None = ("extractor_timeout", withheld) if withheld else None
+    verdicts: dict[str, RuleScore | None] = {}
+    if failure is None and any(c.rules for c in rubric.criteria):
+        rule_input = RuleInput(
+            task=task, steps=[s.text for s in steps], metadata=[s.meta for s in steps], expected=expected
+        )
+        verdicts, timeout = await asyncio.to_thread(_run_rules, rubric, rule_input, rule_budget_s, n)
+        if timeout is not None:
+            failure = ("extractor_timeout", timeout)
     for c in rubric.criteria:
-        verdict = None
-        if c.rules:
-            rule_input = rule_input or RuleInput(
-                task=task, steps=[s.text for s in steps], metadata=[s.meta for s in steps], expected=expected
-            )
-            try:
-                verdict = Composite(c.rules, c.min_confidence)(rule_input)
-            except Exception:
-                # A broken (user-registered) rule has no opinion; the judge, if any, still answers.
-                log.exception("rule_failed", criterion=c.name, step=n)
+        verdict = verdicts.get(c.name)
         if verdict is not None:
             scored[c.name] = rule_score(c.name, c.weight, verdict.score, verdict.confidence, verdict.detail)
             saved += c.uses_judge
@@ -306,6 +337,8 @@ async def score_prefix(
             ask.append(c)
         else:
             silent.append(c.name)
+    if failure is not None:
+        ask = []  # the result is a failure whatever the judge says: do not pay for its calls
 
     async def one(c: Criterion) -> JudgeResponse | Exception:
         prompt = build_prompt(task, rubric, steps, c, budget=frame_budget, task_frames=task_frames)
@@ -321,7 +354,6 @@ async def score_prefix(
     answers = await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
     model = ""
-    failure: tuple[str, str] | None = None
     for c, a in zip(ask, answers, strict=True):
         if isinstance(a, JudgeError):
             failure = failure or (a.reason, f"criterion {c.name!r}: judge call failed: {a}")
@@ -363,6 +395,27 @@ async def score_prefix(
         spread=agg.spread,
         **common,
     )
+
+
+def _run_rules(
+    rubric: Rubric, inp: RuleInput, budget_s: float, n: int
+) -> tuple[dict[str, RuleScore | None], str | None]:
+    """Each rule criterion's verdict (in a worker thread), or why one ran over its time budget."""
+    out: dict[str, RuleScore | None] = {}
+    for c in rubric.criteria:
+        if not c.rules:
+            continue
+        rules = Composite(c.rules, c.min_confidence)
+        try:
+            out[c.name] = within(partial(rules, inp), budget_s, f"criterion {c.name!r}'s rules")
+        except BudgetExceeded as e:
+            log.warning("extractor_timeout", criterion=c.name, step=n, error=str(e))
+            return out, f"criterion {c.name!r} at step {n}: {e}"
+        except Exception:
+            # A broken (user-registered) rule has no opinion; the judge, if any, still answers.
+            log.exception("rule_failed", criterion=c.name, step=n)
+            out[c.name] = None
+    return out, None
 
 
 class ProgressTracker:

@@ -66,6 +66,8 @@ HOSTILE: list[tuple[str, str, bytes, str]] = [
     ("criteria file", "agents/other/start", j(task="t", criteria="../../etc/passwd.md"), "invalid"),
     ("end of unknown run", "agents/nobody/end", j(outcome="success"), "unknown_run"),
     ("duplicate start", "agents/victim/start", j(task="a different task"), "duplicate_start"),
+    ("conflicting re-send", "agents/victim/step", j(index=1, text="not fine: rewritten"), "conflict"),
+    # The same step again is a re-delivery, not a conflict: the next case shows the difference.
 ]
 
 
@@ -96,6 +98,17 @@ async def test_hostile_event_is_reported_counted_and_harmless(
         assert victim.latest is not None and victim.latest.step == 2
         assert len(judge.prompts) == before + 1
         assert all("shadow" not in p.text() for p in judge.prompts)  # never reaches the judge
+
+
+async def test_a_resend_of_the_same_step_is_a_duplicate_not_a_conflict() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(judge=FakeJudge(), registry=reg) as mon:
+        await mon.handle("agents/r/start", j(task="t"))
+        for _ in range(3):
+            await mon.handle("agents/r/step", j(index=1, text="same"))
+        await mon.drain()
+        assert reg.get_sample_value("agent_monitor_duplicate_steps_total") == 2
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "conflict"}) == 0
 
 
 async def test_images_that_pass_the_sniff_but_not_the_decoder_keep_the_step() -> None:

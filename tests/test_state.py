@@ -91,11 +91,33 @@ def test_steps_are_put_in_order_duplicates_and_too_far_refused() -> None:
     for i in (1, 3, 2, 2, 1):
         run(book, "r", step(f"s{i}", i), 1)
     assert texts(book, "r") == [(1, "s1", False), (2, "s2", False), (3, "s3", False)]
-    (dup,) = run(book, "r", step("again", 2), 2)
+    (dup,) = run(book, "r", step("s2", 2), 2)
     assert isinstance(dup, Duplicate) and dup.counted
     (far,) = run(book, "r", step("far", 8), 2)
     assert isinstance(far, Refusal) and far.reason == "index_too_far" and "8 is 4 ahead" in far.message
     assert not book.live["r"].held  # a refusal leaves nothing behind
+
+
+def test_a_resend_with_other_content_is_a_conflict_and_the_first_stays() -> None:
+    book = RunBook(LIMITS)
+    run(book, "r", start(), 0)
+    run(book, "r", step("one", 1), 1)
+    run(book, "r", step("three", 3), 1)  # held, waiting for 2
+    for index, text in ((1, "one, rewritten"), (3, "three, rewritten")):
+        (verdict,) = run(book, "r", step(text, index), 2)
+        assert isinstance(verdict, Refusal) and verdict.reason == "conflict", verdict
+        assert f"step {index} was sent again with different content; the first one stays" in verdict.message
+    for index, text in ((1, "one"), (3, "three")):  # the same content again: a plain re-delivery
+        (verdict,) = run(book, "r", step(text, index), 2)
+        assert isinstance(verdict, Duplicate)
+    run(book, "r", step("two", 2), 3)
+    assert texts(book, "r") == [(1, "one", False), (2, "two", False), (3, "three", False)]
+    # A step given up for missing and scored as a placeholder cannot come in late under its index either.
+    run(book, "r", step("five", 5), 4)
+    for record in book.due(4 + LIMITS.hold_s + 1):
+        apply(book, record)
+    (late,) = run(book, "r", step("four, at last", 4), 20)
+    assert isinstance(late, Refusal) and late.reason == "conflict" and "given up for missing" in late.message
 
 
 def test_unindexed_steps_take_the_next_free_index_after_held_ones() -> None:

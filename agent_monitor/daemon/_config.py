@@ -13,6 +13,7 @@ from typing import Literal
 from ..images import FrameBudget
 from ..policy import Policy
 from ..scale import DEFAULT_MIN_MASS
+from ..tracker import DEFAULT_EXTRACT_BUDGET_S
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
 from ._state import RunLimits
 
@@ -110,6 +111,14 @@ class MonitorConfig:
         metadata={"help": "on start, score restored runs afresh instead of keeping their stored scores (a new judge)"},
     )
     frame_budget: FrameBudget = field(default_factory=FrameBudget, metadata={"cli": False})
+    extract_budget_s: float = field(
+        default=DEFAULT_EXTRACT_BUDGET_S,
+        metadata={
+            "flag": "--extract-budget",
+            "help": "seconds a step's extractors, or a criterion's rules on one prefix, may take before that step "
+            "or score reports extractor_timeout (patterns come from the network and may backtrack for ever)",
+        },
+    )
     outbox_size: int = field(
         default=10_000, metadata={"help": "messages waiting for the broker; past it the oldest progress is dropped"}
     )
@@ -135,6 +144,8 @@ class MonitorConfig:
             raise ValueError(f"min_mass={self.min_mass}; use a number in [0, 1]")
         if self.sweep_interval_s <= 0 or self.circuit_cooldown_s <= 0 or self.retention_s < 0:
             raise ValueError("sweep_interval_s and circuit_cooldown_s must be > 0, retention_s >= 0")
+        if not self.extract_budget_s > 0:
+            raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
 
 
 __all__ = ["MetricsSettings", "MonitorConfig", "Protocol"]

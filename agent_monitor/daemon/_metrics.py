@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..judges.base import Judge, JudgeRequest, JudgeResponse
-from ..progress import REFUSALS, SIGNALS, Progress
+from ..progress import FAILURES, REFUSALS, SIGNALS, Progress
 from ..wire import INPUT_KINDS
 from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 
@@ -76,6 +76,12 @@ class Metrics:
             "agent_monitor_signals", "Signal changes published, by signal.", ["signal"], registry=registry
         )
         self.scorings = Counter("agent_monitor_scorings", "Prefix scorings, by result.", ["outcome"], registry=registry)
+        self.scoring_failures = Counter(
+            "agent_monitor_scoring_failures",
+            "Prefix scorings that gave no score, by reason (judge failures, extractor_timeout, ...).",
+            ["reason"],
+            registry=registry,
+        )
         self.coalesced_steps = Counter(
             "agent_monitor_coalesced_steps",
             "Steps folded into a later step's scoring instead of being scored alone.",
@@ -114,6 +120,8 @@ class Metrics:
             self.invalid_events.labels(r)
         for o in ("ok", "failed"):
             self.scorings.labels(o)
+        for f in FAILURES:
+            self.scoring_failures.labels(f)
 
 
 def _version() -> str:
@@ -220,6 +228,8 @@ class MetricsSink:
         elif isinstance(event, Scored):
             p = event.progress
             self._scorings[p.ok].inc()
+            if not p.ok and p.reason:
+                m.scoring_failures.labels(p.reason).inc()
             if p.coalesced > 1:
                 m.coalesced_steps.inc(p.coalesced - 1)
             if p.calls_saved:

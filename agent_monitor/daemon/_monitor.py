@@ -391,6 +391,7 @@ class Monitor:
             expected=start.expected,
             run_id=run_id,
             policy=policy,
+            extract_budget_s=c.extract_budget_s,
         )
         return _Scoring(tracker, policy, dict(start.labels))
 

@@ -270,6 +270,8 @@ class RunState:
     """Steps waiting for earlier ones: index -> (step, arrival time, is a placeholder)."""
     gap_since: float | None = None
     ended: RunEnd | None = None
+    contents: bytearray = field(default_factory=bytearray)
+    """A short digest of each step in order (`_CONTENT` bytes apiece): a re-send is told from a conflict by it."""
 
     @property
     def next_index(self) -> int:
@@ -369,7 +371,21 @@ class RunBook:
         index = step.index
         if index is None:  # no index: the next free position
             index = max(run.next_index, max(run.held, default=0) + 1)
-        if index < run.next_index or index in run.held:
+        if index < run.next_index:
+            if index in run.placeholders:
+                return Refusal(
+                    run.run_id,
+                    "conflict",
+                    f"step {index} came after it was given up for missing (--hold {self.limits.hold_s:g}s) and "
+                    "scored as a placeholder; it was ignored",
+                )
+            k = (index - 1) * _CONTENT
+            if run.contents[k : k + _CONTENT] != content_digest(step):
+                return _conflict(run.run_id, index)
+            return Duplicate(run.run_id, "step")
+        if index in run.held:
+            if content_digest(run.held[index][0]) != content_digest(step):
+                return _conflict(run.run_id, index)
             return Duplicate(run.run_id, "step")
         if index - run.next_index >= self.limits.max_held_steps:
             return Refusal(
@@ -513,6 +529,7 @@ class RunBook:
         while (nxt := run.held.pop(run.next_index, None)) is not None:
             step, at, is_placeholder = nxt
             added.append(AcceptedStep(run.next_index, step, at, placeholder=is_placeholder))
+            run.contents += content_digest(step)
             if is_placeholder:
                 run.placeholders.add(run.next_index)
             run.steps += 1
@@ -603,6 +620,7 @@ class RunBook:
                     "placeholders": sorted(r.placeholders),
                     "held": sorted((i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()),
                     "gap_since": r.gap_since,
+                    "contents": r.contents.hex(),
                     "ended": None if r.ended is None else r.ended.model_dump(),
                 }
                 for r in self.live.values()
@@ -614,6 +632,28 @@ class RunBook:
             "ended": list(self.ended.items()),
             "recent": list(self._recent.items()),
         }
+
+
+_CONTENT = 8
+
+
+def content_digest(step: StepIn) -> bytes:
+    """What tells a re-sent step from a different one under the same index: its text and its number of images.
+
+    Not the image bytes: frames the run store pruned come back from it as placeholders, and a redelivery
+    after a restart must still read as the same step.
+    """
+    h = hashlib.blake2b(step.text.encode("utf-8", "surrogatepass"), digest_size=_CONTENT)
+    h.update(len(step.images).to_bytes(4, "little"))
+    return h.digest()
+
+
+def _conflict(run_id: str, index: int) -> Refusal:
+    return Refusal(
+        run_id,
+        "conflict",
+        f"step {index} was sent again with different content; the first one stays (a new step needs a new index)",
+    )
 
 
 def _digests(step: StepIn) -> list[str]:
