@@ -388,15 +388,17 @@ def panels() -> list[dict[str, Any]]:
             description="cached_input / input tokens: how much of each prompt the judge's prefix cache served.",
         ),
         timeseries(
-            "Judge calls saved, steps coalesced",
+            "Judge calls saved, steps coalesced, frames unseen",
             [
                 target("A", f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))", "calls saved"),
                 target("B", f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))", "steps coalesced"),
+                target("C", f"sum(rate(agent_monitor_images_dropped_total{{{INST}}}[{RATE}]))", "frames unseen"),
             ],
             unit="ops",
             w=6,
-            description="Judge calls not made because confident rules answered, and steps folded into a later "
-            "step's scoring while the judge was busy.",
+            description="Judge calls not made because confident rules answered, steps folded into a later "
+            "step's scoring while the judge was busy, and frames the judge got as text placeholders (a text-only "
+            "judge, or a model that refused images: see the judge_refuses_images warning).",
         ),
         row("Pipeline health"),
         timeseries(
