@@ -150,6 +150,12 @@ class MeteredJudge:
         """The wrapped judge's model id."""
         return str(getattr(self.inner, "model", "") or "")
 
+    @property
+    def timeout_s(self) -> float | None:
+        """The wrapped judge's timeout per attempt, if it has one (the circuit breaker's silence rule reads it)."""
+        timeout = getattr(self.inner, "timeout_s", None)
+        return float(timeout) if isinstance(timeout, (int, float)) else None
+
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
         """Grade through the wrapped judge, counting the call."""
         start = time.perf_counter()
