@@ -199,6 +199,7 @@ class ProgressJSON(TypedDict):
     tokens: TokensJSON
     calls: int
     calls_saved: int
+    images_dropped: int
     silent: list[str]
     signal: Signal | None
     decision: DecisionJSON | None
@@ -213,6 +214,8 @@ class Progress:
     `reason` gives a short code (see `FAILURES`: timeout, rate_limited, no_letter, low_mass, ..).
     `criteria` holds the criteria that were scored, even on a partial failure.
     `signal` is the run policy's decision after this result, when the run has a policy.
+    `images_dropped` counts the image parts the judge got as text placeholders instead of
+    pixels, over this result's judge calls (a text-only judge, or a model that refused images).
     """
 
     step: int
@@ -233,6 +236,7 @@ class Progress:
     usage: Usage = field(default_factory=Usage)
     calls: int = 0
     calls_saved: int = 0
+    images_dropped: int = 0
     silent: tuple[str, ...] = ()
     signal: Decision | None = None
     run_id: str | None = None
@@ -261,6 +265,7 @@ class Progress:
             "tokens": {"input": u.input_tokens, "cached_input": u.cached_input_tokens, "output": u.output_tokens},
             "calls": self.calls,
             "calls_saved": self.calls_saved,
+            "images_dropped": self.images_dropped,
             "silent": list(self.silent),
             "signal": self.signal.signal if self.signal else None,
             "decision": self.signal.to_json() if self.signal else None,
@@ -291,6 +296,7 @@ class Progress:
             usage=Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0))),
             calls=int(data.get("calls") or 0),
             calls_saved=int(data.get("calls_saved") or 0),
+            images_dropped=int(data.get("images_dropped") or 0),
             silent=tuple(data.get("silent") or ()),
             signal=Decision.from_json(decision) if decision else None,
             run_id=data.get("run_id"),

@@ -135,6 +135,11 @@ class Prompt:
         """Prefix then tail."""
         return self.prefix + self.tail
 
+    @property
+    def image_count(self) -> int:
+        """How many image parts the prompt holds (task frames included)."""
+        return sum(isinstance(p, ImagePart) for p in self.parts)
+
     def text(self, image: Callable[[Frame], str] = Frame.describe) -> str:
         """The whole prompt as plain text ending in the answer cue; images become `image(frame)`."""
         return render_text(self.instructions, self.parts, image) + ANSWER_CUE

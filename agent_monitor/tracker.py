@@ -354,6 +354,7 @@ async def score_prefix(
     answers = await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
     model = ""
+    dropped = 0
     for c, a in zip(ask, answers, strict=True):
         if isinstance(a, JudgeError):
             failure = failure or (a.reason, f"criterion {c.name!r}: judge call failed: {a}")
@@ -361,6 +362,7 @@ async def score_prefix(
         assert isinstance(a, JudgeResponse)
         usage += a.usage
         model = a.model or model
+        dropped += a.images_dropped
         try:
             scored[c.name] = score_samples(
                 c.name, c.weight, a.samples, repeats=repeats, min_mass=min_mass, draws=a.draws
@@ -378,6 +380,7 @@ async def score_prefix(
         "usage": usage,
         "calls": len(answers),
         "calls_saved": saved,
+        "images_dropped": dropped,
         "silent": tuple(silent),
         "run_id": run_id,
     }

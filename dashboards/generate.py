@@ -334,11 +334,17 @@ def panels() -> list[dict[str, Any]]:
                     f"sum(rate(agent_monitor_duplicate_steps_total{{{INST}}}[{RATE}]))",
                     "duplicate steps",
                 ),
+                target(
+                    "D",
+                    f"sum by (reason) (rate(agent_monitor_scoring_failures_total{{{INST}}}[{RATE}]))",
+                    "no score: {{reason}}",
+                ),
             ],
             unit="ops",
             w=12,
             description="Input events accepted by type, prefix scorings by result (one scoring may cover "
-            "several coalesced steps), and re-delivered steps ignored as duplicates.",
+            "several coalesced steps), re-delivered steps ignored as duplicates, and scorings that gave no "
+            "score by reason (judge failures, low_mass, extractor_timeout, ...).",
         ),
         row("Judge"),
         timeseries(
@@ -388,15 +394,17 @@ def panels() -> list[dict[str, Any]]:
             description="cached_input / input tokens: how much of each prompt the judge's prefix cache served.",
         ),
         timeseries(
-            "Judge calls saved, steps coalesced",
+            "Judge calls saved, steps coalesced, frames unseen",
             [
                 target("A", f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))", "calls saved"),
                 target("B", f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))", "steps coalesced"),
+                target("C", f"sum(rate(agent_monitor_images_dropped_total{{{INST}}}[{RATE}]))", "frames unseen"),
             ],
             unit="ops",
             w=6,
-            description="Judge calls not made because confident rules answered, and steps folded into a later "
-            "step's scoring while the judge was busy.",
+            description="Judge calls not made because confident rules answered, steps folded into a later "
+            "step's scoring while the judge was busy, and frames the judge got as text placeholders (a text-only "
+            "judge, or a model that refused images: see the judge_refuses_images warning).",
         ),
         row("Pipeline health"),
         timeseries(

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from agent_monitor.cli._main import JudgeOptions, build_judge
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.daemon._outbox import Message
 from agent_monitor.judges.base import JudgeError, JudgeRequest
@@ -136,3 +140,94 @@ async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> N
     assert not [m for m in msgs if m.topic.endswith("/signal")]  # no abort from the outage
     assert reg.get_sample_value("agent_monitor_judge_degraded") == 0
     assert reg.get_sample_value("agent_monitor_signals_total", {"signal": "abort"}) == 0
+
+
+# -- a judge that hangs ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hanging_server() -> Iterator[str]:
+    """An OpenAI-compatible base URL whose server takes connections and never answers (a wedged judge)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)  # the kernel completes the handshakes; nothing ever reads or replies
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        sock.close()
+
+
+async def test_a_hanging_judge_is_degraded_within_two_timeouts_with_the_default_retries() -> None:
+    """The daemon as `serve --judge openai --judge-timeout 0.5` builds it: default retries, circuit and config."""
+    timeout = 0.5
+    reg = CollectorRegistry()
+    with hanging_server() as url:
+        judge = build_judge(JudgeOptions(judge="openai", judge_url=url, judge_model="m", judge_timeout=timeout))
+        assert judge.max_retries == 3 and judge.backoff_s > 0  # one failed call: 4 timeouts plus backoff
+        async with Monitor(MonitorConfig(), judge=judge, registry=reg) as mon:
+            assert mon.circuit.threshold == 5  # the old rule alone: 5 such calls, about 20 timeouts
+            await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
+            start = time.monotonic()
+            await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "s1"}).encode())
+            await until(lambda: mon.circuit.degraded, within_s=3 * timeout)
+            took = time.monotonic() - start
+            assert reg.get_sample_value("agent_monitor_judge_degraded") == 1
+            # Reported while the first call is still retrying: no call has even failed yet.
+            assert reg.get_sample_value("agent_monitor_judge_calls_total", {"judge": "openai", "outcome": "error"}) == 0
+            assert mon.circuit.failures_in_row == 0 and "no answer" in str(mon.circuit.last_error)
+        await judge.aclose()
+    assert 2 * timeout - 0.05 <= took < 3 * timeout
+
+
+async def test_a_judge_that_answers_again_closes_the_circuit_it_opened_by_hanging() -> None:
+    state = {"hang": True}
+
+    def reply(body: dict[str, Any]) -> Reply:
+        if state["hang"]:
+            return Reply(delay_s=5.0)  # far past the timeout: the client gives up first
+        return chat_reply(chat_choice([("S", {"S": 1.0})]))
+
+    changes: list[bool] = []
+    with scripted_server() as server:
+        server.default = reply
+        judge = OpenAIJudge(base_url=server.url, model="m", timeout_s=0.3)
+        c = CircuitJudge(judge, on_change=changes.append)
+        assert c.silence_s == 0.6
+        call = asyncio.create_task(c.grade(request()))
+        await until(lambda: c.degraded, within_s=2.0)
+        assert changes == [True] and not call.done()
+        state["hang"] = False
+        # The call in flight retries, gets its answer, and that closes the circuit.
+        resp = await asyncio.wait_for(call, 10)
+        assert resp.attempts > 1 and not c.degraded and changes == [True, False] and c.state == "closed"
+        await c.aclose()
+
+
+async def test_failing_calls_add_up_to_silence_and_idle_time_does_not() -> None:
+    judge = FakeJudge(lambda p: FakeJudge.failure("timeout"), latency_s=0.3, max_retries=0)
+    c = CircuitJudge(judge, silence_s=0.5)  # threshold 5: only the silence rule can open it here
+    with contextlib.suppress(JudgeError):
+        await c.grade(request())
+    assert not c.degraded
+    await asyncio.sleep(0.6)  # idle: no call waits, so the judge is not "silent" meanwhile
+    second = asyncio.create_task(c.grade(request()))
+    await asyncio.sleep(0.05)
+    assert not c.degraded  # 0.35 s of waiting so far, not 0.95 s of wall time
+    with contextlib.suppress(JudgeError):
+        await second
+    assert c.degraded and "gave no answer" in c._why  # 0.6 s of waiting without an answer
+    await c.aclose()
+
+
+async def test_a_storm_of_bad_requests_never_degrades_but_the_same_storm_of_outages_does() -> None:
+    async def storm(error: JudgeError) -> CircuitJudge:
+        judge = FakeJudge(lambda p: error, latency_s=0.1, max_retries=0)
+        c = CircuitJudge(judge, threshold=100, silence_s=0.25)
+        for _ in range(6):  # 0.6 s of calls, back to back
+            with contextlib.suppress(JudgeError):
+                await c.grade(request())
+        await c.aclose()
+        return c
+
+    assert not (await storm(JudgeError("bad_request", "HTTP 400: bad prompt"))).degraded  # each 400 is an answer
+    assert (await storm(JudgeError("server_error", "HTTP 503", retryable=True))).degraded

@@ -226,7 +226,8 @@ async def test_images_are_sent_inline_in_prompt_order(
     first, second = png((255, 0, 0)), png((0, 0, 255), fmt="JPEG")
     assert (first.mime, second.mime) == ("image/png", "image/jpeg")
     server.queue(letter_reply({"C": 0.0}))
-    await make_judge().grade(JudgeRequest(prompt((Step(1, "did x", frames=(first, second)),))))
+    resp = await make_judge().grade(JudgeRequest(prompt((Step(1, "did x", frames=(first, second)),))))
+    assert resp.images_dropped == 0
 
     parts = list(iter_parts(server.requests[0]))
     images = [
@@ -249,8 +250,11 @@ async def test_without_vision_images_become_text_placeholders(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
     frame = png()
-    server.queue(letter_reply({"C": 0.0}))
-    await make_judge(vision=False).grade(JudgeRequest(prompt((Step(1, "did x", frames=(frame,)),))))
+    server.queue(letter_reply({"C": 0.0}), letter_reply({"C": 0.0}))
+    judge = make_judge(vision=False)
+    resp = await judge.grade(JudgeRequest(prompt((Step(1, "did x", frames=(frame, frame)),))))
+    assert resp.images_dropped == 2  # a score computed without the step's frames says so
+    assert (await judge.grade(JudgeRequest(prompt()))).images_dropped == 0
 
     parts = list(iter_parts(server.requests[0]))
     assert all("inlineData" not in part for part in parts)

@@ -108,6 +108,19 @@ async def test_inprocess_reads_exact_letter_logprobs(gemma: LlamaCppJudge) -> No
     print(f"\ngemma in-process plain text: prompt {len(tokens)} tokens, letter mass {d.mass:.4f}, top {d.top}")
 
 
+async def test_inprocess_frames_are_read_as_descriptions_and_counted_as_unseen(gemma: LlamaCppJudge) -> None:
+    from PIL import Image
+
+    from agent_monitor.images import load_image
+
+    rubric = load_criteria(None)
+    frame = load_image(Image.new("RGB", (32, 24), (0, 128, 0)))
+    p = build_prompt(TASK, rubric, [Step(1, ACTIONS[0], (frame, frame))], rubric.criteria[0])
+    assert frame.describe() in p.text()
+    assert (await gemma.grade(JudgeRequest(p))).images_dropped == 2
+    assert (await gemma.grade(JudgeRequest(prompt_at(1)))).images_dropped == 0
+
+
 async def test_identical_calls_reuse_the_whole_prompt_and_agree(gemma: LlamaCppJudge) -> None:
     p = prompt_at(4)
     first = await gemma.grade(JudgeRequest(p))
@@ -280,5 +293,6 @@ async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_se
     steps = [Step(1, "moved the gripper above the cup", (frame,))]
     async with OpenAIJudge(base_url=smollm_server.url + "/v1", timeout_s=120) as judge:
         resp = await judge.grade(JudgeRequest(build_prompt("Pick up the cup.", rubric, steps, rubric.criteria[0])))
-    assert judge.vision is False  # the real server refused image parts; the judge resent text placeholders
+    # The real server refused image parts; the judge resent text placeholders and says the frame went unseen.
+    assert not judge.sends_images(judge.model) and resp.images_dropped == 1
     assert isinstance(resp.samples[0], dict) and resp.samples[0]

@@ -69,6 +69,7 @@ def progress(draw: st.DrawFn) -> Progress:
         usage=Usage(draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), draw(st.integers(0, 10))),
         calls=draw(st.integers(0, 5)),
         calls_saved=draw(st.integers(0, 5)),
+        images_dropped=draw(st.integers(0, 20)),
         silent=tuple(draw(st.lists(names, max_size=2))),
         signal=draw(st.none() | decision),
         run_id=draw(st.none() | st.from_regex(r"[a-z0-9][a-z0-9._:-]{0,20}", fullmatch=True)),

@@ -126,7 +126,11 @@ class MonitorConfig:
         default=0.5, metadata={"help": "seconds between checks for held steps, orphans and idle runs"}
     )
     circuit_threshold: int = field(
-        default=5, metadata={"help": "judge failures in a row before the monitor backs off (degraded)"}
+        default=5,
+        metadata={
+            "help": "judge calls failed in a row before the monitor backs off (degraded); a judge that gives "
+            "no answer for two of its timeouts while calls wait is degraded sooner"
+        },
     )
     circuit_cooldown_s: float = field(
         default=2.0, metadata={"help": "first back-off, in seconds, before probing a failing judge (doubles to 60)"}

@@ -56,6 +56,12 @@ class Metrics:
             "Judge calls not made because confident rules answered the criterion.",
             registry=registry,
         )
+        self.images_dropped = Counter(
+            "agent_monitor_images_dropped",
+            "Image parts the judge got as text placeholders instead of pixels (a text-only judge, or a model "
+            "that refused images; the log's judge_refuses_images says which).",
+            registry=registry,
+        )
         self.events = Counter("agent_monitor_events", "Input events accepted, by type.", ["type"], registry=registry)
         self.invalid_events = Counter(
             "agent_monitor_invalid_events", "Input events refused, by reason.", ["reason"], registry=registry
@@ -152,6 +158,12 @@ class MeteredJudge:
         """The wrapped judge's model id."""
         return str(getattr(self.inner, "model", "") or "")
 
+    @property
+    def timeout_s(self) -> float | None:
+        """The wrapped judge's timeout per attempt, if it has one (the circuit breaker's silence rule reads it)."""
+        timeout = getattr(self.inner, "timeout_s", None)
+        return float(timeout) if isinstance(timeout, (int, float)) else None
+
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
         """Grade through the wrapped judge, counting the call."""
         start = time.perf_counter()
@@ -234,6 +246,8 @@ class MetricsSink:
                 m.coalesced_steps.inc(p.coalesced - 1)
             if p.calls_saved:
                 m.judge_calls_saved.inc(p.calls_saved)
+            if p.images_dropped:
+                m.images_dropped.inc(p.images_dropped)
             for t in event.arrived:
                 m.step_to_score.observe(max(0.0, event.at - t))
         elif isinstance(event, SignalChanged):

@@ -157,7 +157,8 @@ class Monitor:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         # Every judge call is counted on its way through; the circuit breaker sits in front, so the calls
-        # it refuses while the judge is down are not counted as judge calls.
+        # it refuses while the judge is down are not counted as judge calls. It reads the judge's timeout
+        # through MeteredJudge and reports a hanging judge degraded after two timeouts of silence.
         self.circuit = CircuitJudge(
             MeteredJudge(judge, self.metrics),
             threshold=c.circuit_threshold,

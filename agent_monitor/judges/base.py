@@ -10,7 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._loop import LoopThread
@@ -53,6 +53,8 @@ class JudgeResponse:
     at all (e.g. an empty completion); the scorer turns it into a failure.
     `draws` > 0 marks a judge without logprobs: each sample is then the
     empirical letter frequencies (as logprobs) of that many sampled answers.
+    `images_dropped` counts the prompt's image parts the judge got as text
+    placeholders instead of pixels in the request it answered (0: it saw every frame).
     """
 
     samples: tuple[Mapping[str, float] | None, ...]
@@ -61,6 +63,7 @@ class JudgeResponse:
     latency_s: float = 0.0
     attempts: int = 1
     draws: int = 0
+    images_dropped: int = 0
 
 
 Sample = Mapping[str, float] | None
@@ -149,14 +152,7 @@ class BaseJudge(abc.ABC):
                 else:
                     self.calls += 1
                     self.usage += resp.usage
-                    return JudgeResponse(
-                        samples=resp.samples,
-                        model=resp.model,
-                        usage=resp.usage,
-                        latency_s=time.perf_counter() - start,
-                        attempts=attempt,
-                        draws=resp.draws,
-                    )
+                    return replace(resp, latency_s=time.perf_counter() - start, attempts=attempt)
                 if not err.retryable or attempt > self.max_retries:
                     self.calls += 1
                     self.failures += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
@@ -18,12 +19,26 @@ State = Literal["closed", "open"]
 
 
 class CircuitJudge:
-    """Wrap a judge: after `threshold` failed calls in a row, fail fast for a cool-down, then let one probe through.
+    """Wrap a judge: when it fails or goes silent, fail fast for a cool-down, then let one probe through.
+
+    The circuit opens (`degraded`) on either sign of an outage:
+    - `threshold` failed calls in a row: a judge that fails fast (refused connections, 5xx);
+    - `silence_s` seconds without an answer while at least one call was waiting for one: a judge
+      that hangs. The wrapped judge retries inside each call, so with the default retries one call
+      to a hanging judge lasts four timeouts plus backoff, and `threshold` such calls take minutes;
+      measured in waiting time instead, a hang is reported after `silence_s` whatever the retry
+      settings. It defaults to twice the wrapped judge's `timeout_s` (one attempt timing out can
+      be bad luck, a second in a row is an outage); `math.inf` turns it off. Only time with a call
+      in flight counts, so an idle monitor never degrades, and any answer (a score, or a 400,
+      which is the request's fault) starts the count again. A timer on the event loop
+      (`loop.call_later`, cancelled when an answer comes or the circuit closes) opens the circuit
+      on time while the call is still hanging.
 
     Only outages count (timeouts, connection errors, 429/5xx, a backend's crash); a 400 is the
     request's fault and does not trip it. Each failed probe doubles the cool-down up to
-    `max_cooldown_s`; a successful call closes the circuit. `degraded` is True while it is open;
-    a scheduler can `await wait_ready()` instead of spending runs on certain failures.
+    `max_cooldown_s`; a successful call, in-flight ones included, closes the circuit. `degraded`
+    is True while it is open; a scheduler can `await wait_ready()` instead of spending runs on
+    certain failures.
     """
 
     def __init__(
@@ -33,16 +48,23 @@ class CircuitJudge:
         threshold: int = 5,
         cooldown_s: float = 2.0,
         max_cooldown_s: float = 60.0,
+        silence_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[bool], object] | None = None,
     ) -> None:
         if threshold < 1 or cooldown_s <= 0 or max_cooldown_s < cooldown_s:
             raise ValueError("circuit needs threshold >= 1 and 0 < cooldown_s <= max_cooldown_s")
+        if silence_s is None:
+            timeout = getattr(judge, "timeout_s", None)
+            silence_s = 2.0 * timeout if isinstance(timeout, (int, float)) and timeout > 0 else math.inf
+        if not silence_s > 0:
+            raise ValueError(f"silence_s={silence_s}; use seconds > 0 (math.inf turns the silence rule off)")
         self.inner = judge
         self.name = judge.name
         self.threshold = threshold
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
+        self.silence_s = silence_s
         self.clock = clock
         self.on_change = on_change
         self.state: State = "closed"
@@ -52,8 +74,14 @@ class CircuitJudge:
         self.trips = 0
         self.open_until = 0.0
         self.last_error: JudgeError | None = None
+        self._why = ""
         self._probing = False
         self._changed = asyncio.Event()
+        # Silence: waiting time (some call in flight) since the judge last answered.
+        self._in_flight = 0
+        self._busy_since = 0.0  # when the current stretch with calls in flight began (or the last answer in it)
+        self._silent_for = 0.0  # waiting time without an answer before that stretch
+        self._watchdog: asyncio.TimerHandle | None = None
 
     @property
     def model(self) -> str:
@@ -99,27 +127,30 @@ class CircuitJudge:
             remaining = self.open_until - self.clock()
             if remaining > 0:
                 raise JudgeError(
-                    "judge_unavailable",
-                    f"the judge failed {self.failures_in_row} times in a row "
-                    f"({self.last_error}); next try in {remaining:.1f} s",
+                    "judge_unavailable", f"the judge {self._why} ({self.last_error}); next try in {remaining:.1f} s"
                 )
             self._probing = own_probe = True  # a caller that did not wait_ready(): this call is the probe
+        heard = False
+        self._started()
         try:
             response = await self.inner.grade(request)
+            heard = True
         except JudgeError as e:
+            heard = not _outage(e)  # a 400 is an answer: the judge is up
             self._failed(e)
             raise
         except Exception as e:
             self._failed(JudgeError("judge_exception", f"{type(e).__name__}: {e}"))
             raise
         finally:
+            self._ended(heard)
             if own_probe:
                 self.release()
         self._succeeded()
         return response
 
     def _failed(self, e: JudgeError) -> None:
-        if not (e.retryable or e.reason == "judge_exception"):
+        if not _outage(e):
             return  # the request's fault (bad request, no such model): the judge itself is up
         self.failures_in_row += 1
         self.last_error = e
@@ -128,10 +159,14 @@ class CircuitJudge:
             if now >= self.open_until:  # the probe failed: wait longer before the next one
                 self._open(now, e)
         elif self.failures_in_row >= self.threshold:
-            self.state, self.degraded = "open", True
-            self._open(now, e)
-            log.warning("judge_degraded", judge=self.name, failures=self.failures_in_row, error=str(e))
-            self._notify(True)
+            self._trip(now, e, f"failed {self.failures_in_row} times in a row")
+
+    def _trip(self, now: float, e: JudgeError, why: str) -> None:
+        self.state, self.degraded = "open", True
+        self.last_error, self._why = e, why
+        self._open(now, e)
+        log.warning("judge_degraded", judge=self.name, why=why, error=str(e))
+        self._notify(True)
 
     def _open(self, now: float, e: JudgeError) -> None:
         cooldown = min(self.max_cooldown_s, self.cooldown_s * 2**self.trips)
@@ -147,6 +182,52 @@ class CircuitJudge:
         if was_open:
             log.warning("judge_recovered", judge=self.name)
             self._notify(False)
+            self._arm()  # calls still in flight are watched again
+
+    # -- silence ----------------------------------------------------------------
+
+    def _silent(self, now: float) -> float:
+        """Waiting time since the judge last answered."""
+        return self._silent_for + (now - self._busy_since if self._in_flight else 0.0)
+
+    def _started(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since = self.clock()
+        self._in_flight += 1
+        if self._watchdog is None:
+            self._arm()
+
+    def _ended(self, heard: bool) -> None:
+        now = self.clock()
+        self._in_flight -= 1
+        if heard:
+            self._silent_for, self._busy_since = 0.0, now
+        elif self._in_flight == 0:
+            # Failing calls keep the count; the idle time until the next call does not add to it.
+            self._silent_for += now - self._busy_since
+        if heard or self._in_flight == 0:
+            self._arm()
+
+    def _arm(self) -> None:
+        """(Re)schedule the check for the moment the waiting time reaches `silence_s`, if a call is waiting."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._in_flight and self.state == "closed" and math.isfinite(self.silence_s):
+            remaining = self.silence_s - self._silent(self.clock())
+            self._watchdog = asyncio.get_running_loop().call_later(max(remaining, 0.001), self._watch)
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        if not self._in_flight or self.state != "closed":
+            return
+        now = self.clock()
+        silent = self._silent(now)
+        if silent < self.silence_s:
+            self._arm()  # woken a little early (timer resolution, or a clock that is not the loop's)
+            return
+        e = JudgeError("timeout", f"no answer for {silent:.1f} s while calls waited for one", retryable=True)
+        self._trip(now, e, f"gave no answer for {silent:.1f} s")
 
     def _wake(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -161,5 +242,13 @@ class CircuitJudge:
                 log.exception("circuit_on_change_failed")
 
     async def aclose(self) -> None:
-        """Close the wrapped judge."""
+        """Stop watching for silence and close the wrapped judge."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         await self.inner.aclose()
+
+
+def _outage(e: JudgeError) -> bool:
+    """Whether a failure says the judge is down (retryable, or a backend's crash) rather than the request is bad."""
+    return e.retryable or e.reason == "judge_exception"

@@ -34,6 +34,8 @@ class GeminiJudge(BaseJudge):
     - `thinking_budget=0` turns thinking off, so the one output token is the
       answer (2.5 Flash and Flash-Lite). Models that always think (2.5 Pro)
       reject 0: pass None and a larger `max_output_tokens`.
+    - `vision=False` sends frames as text placeholders; results then count
+      them in `images_dropped`.
 
     K repeats go as one request with `candidate_count=K` (at most 8); if the API
     rejects that or returns fewer candidates, the rest go as separate requests
@@ -105,7 +107,12 @@ class GeminiJudge(BaseJudge):
         samples, usage, batch = await self._repeats(k, ask, lambda n: self._request(request.prompt, n))
         if batch is not None:
             self.supports_candidates = batch
-        return JudgeResponse(samples=tuple(samples), model=self.model, usage=usage)
+        return JudgeResponse(
+            samples=tuple(samples),
+            model=self.model,
+            usage=usage,
+            images_dropped=0 if self.vision else request.prompt.image_count,
+        )
 
     def _config(self, prompt: Prompt, n: int) -> types.GenerateContentConfig:
         return types.GenerateContentConfig(

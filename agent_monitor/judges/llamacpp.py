@@ -142,6 +142,7 @@ class LlamaCppJudge(BaseJudge):
             samples=tuple(dict(sample) for _ in range(request.repeats)),
             model=self.model,
             usage=usage,
+            images_dropped=request.prompt.image_count,  # text-only: frames are read as their descriptions
         )
 
     async def aclose(self) -> None:

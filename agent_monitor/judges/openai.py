@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Mapping
+import re
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
 import openai
@@ -31,10 +33,15 @@ class OpenAIJudge(BaseJudge):
     - `prefill`: text put in an open assistant turn (vLLM/SGLang
       `continue_final_message`), so the next token is the letter.
     - `constrain=True` asks vLLM to restrict the answer to the 20 letters.
-    - `vision`: True sends images as `image_url` parts, False sends text
-      placeholders; None (default) sends images and, if the server refuses a
-      request with images (many text-only servers answer 400 or 500), resends it
-      with placeholders and keeps doing so, with a warning.
+    - `vision`: True sends images as `image_url` parts (a server that refuses
+      them fails the call with `bad_request`), False sends text placeholders.
+      None (default) sends images; when the server answers that the model does
+      not take images (`refuses_images`: a clear message, not any 4xx/5xx), the
+      request is resent with placeholders and that model gets placeholders for
+      `vision_retry_s` (600 s), with a warning, before images are tried again.
+      A 5xx, a timeout or a lost connection is retried like any other failure
+      and never turns images off. A result scored without its frames says how
+      many it missed (`JudgeResponse.images_dropped`, `Progress.images_dropped`).
     - `logprobs=False` is for servers that return no logprobs (e.g. Anthropic's
       OpenAI-compatible endpoint): each repeat's letter distribution is then
       estimated from `samples` answers drawn at `sample_temperature` (batched
@@ -65,6 +72,7 @@ class OpenAIJudge(BaseJudge):
         prefill: str | None = None,
         constrain: bool = False,
         vision: bool | None = None,
+        vision_retry_s: float = 600.0,
         logprobs: bool = True,
         samples: int = 20,
         sample_temperature: float = 1.0,
@@ -76,8 +84,11 @@ class OpenAIJudge(BaseJudge):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         concurrency: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        if vision_retry_s <= 0:
+            raise ValueError(f"vision_retry_s={vision_retry_s}; use a number of seconds > 0")
         if api not in ("chat", "completions"):
             raise ValueError(f"api={api!r}; use 'chat' or 'completions'")
         if max_tokens < 1 or not 0 <= top_logprobs <= 20:
@@ -99,6 +110,10 @@ class OpenAIJudge(BaseJudge):
         self.prefill = prefill
         self.constrain = constrain
         self.vision = vision
+        self.vision_retry_s = vision_retry_s
+        self.clock = clock
+        # Per model: when images may be tried again after the server said the model takes none.
+        self._no_images_until: dict[str, float] = {}
         self.logprobs = logprobs
         self.samples = samples
         self.sample_temperature = sample_temperature
@@ -128,19 +143,29 @@ class OpenAIJudge(BaseJudge):
                 self.model = ids[0]
         return self.model
 
+    def sends_images(self, model: str) -> bool:
+        """Whether a request for `model` goes out with its images now (chat API; False while its refusal cools down)."""
+        if self.api != "chat" or self.vision is False:
+            return False
+        if self.vision:
+            return True
+        until = self._no_images_until.get(model)
+        return until is None or self.clock() >= until
+
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         model = await self.resolve_model()
+        dropped: list[int] = []  # per request answered: image parts sent as placeholders
         if not self.logprobs:
-            return await self._sampled(request, model)
+            return await self._sampled(request, model, dropped)
         k = request.repeats
         samples, usage, batch = await self._repeats(
-            k, k if self.supports_n is not False else 1, lambda n: self._request(request.prompt, model, n)
+            k, k if self.supports_n is not False else 1, lambda n: self._request(request.prompt, model, n, dropped)
         )
         if batch is not None:
             self.supports_n = batch
-        return JudgeResponse(samples=tuple(samples), model=model, usage=usage)
+        return JudgeResponse(samples=tuple(samples), model=model, usage=usage, images_dropped=max(dropped, default=0))
 
-    async def _sampled(self, request: JudgeRequest, model: str) -> JudgeResponse:
+    async def _sampled(self, request: JudgeRequest, model: str, dropped: list[int]) -> JudgeResponse:
         """Estimate each repeat's letter distribution from `samples` sampled answers."""
         total = request.repeats * self.samples
         sizes = [self.max_batch] * (total // self.max_batch) + (
@@ -149,7 +174,7 @@ class OpenAIJudge(BaseJudge):
 
         async def chunk(n: int) -> tuple[list[Sample], Usage, bool | None]:
             ask = n if self.supports_n is not False else 1
-            return await self._repeats(n, ask, lambda m: self._request(request.prompt, model, m))
+            return await self._repeats(n, ask, lambda m: self._request(request.prompt, model, m, dropped))
 
         draws: list[Sample] = []
         usage = Usage()
@@ -167,26 +192,41 @@ class OpenAIJudge(BaseJudge):
                     counts[letter] = counts.get(letter, 0) + 1
             # Frequencies over all draws: answers that are not a letter lower the mass.
             samples.append({letter: math.log(c / len(group)) for letter, c in counts.items()})
-        return JudgeResponse(samples=tuple(samples), model=model, usage=usage, draws=self.samples)
+        return JudgeResponse(
+            samples=tuple(samples), model=model, usage=usage, draws=self.samples, images_dropped=max(dropped, default=0)
+        )
 
-    async def _request(self, prompt: Prompt, model: str, n: int) -> tuple[list[Sample], Usage]:
-        with_images = self.vision is not False and any(isinstance(p, ImagePart) for p in prompt.parts)
-        try:
-            return await self._send(prompt, model, n, images=with_images)
-        except JudgeError as e:
-            if not (with_images and self.vision is None and e.reason in ("bad_request", "server_error")):
-                raise
+    async def _request(self, prompt: Prompt, model: str, n: int, dropped: list[int]) -> tuple[list[Sample], Usage]:
+        images = prompt.image_count
+        if not (images and self.sends_images(model)):
             answer = await self._send(prompt, model, n, images=False)
-            # The same request without images worked: the server has no vision. Stop sending them.
-            self.vision = False
-            log.warning(
-                "judge_has_no_vision",
-                judge=self.name,
-                model=model,
-                error=str(e),
-                hint="pass vision=False to silence, or use a vision model",
-            )
+            dropped.append(images)
             return answer
+        try:
+            answer = await self._send(prompt, model, n, images=True)
+        except ImagesRefused as e:
+            if self.vision:
+                raise  # asked for explicitly: a refusal is the caller's failure to see, never a silent fallback
+            self._images_off(model, e)
+            answer = await self._send(prompt, model, n, images=False)
+            dropped.append(images)
+            return answer
+        if self._no_images_until.pop(model, None) is not None:
+            log.info("judge_takes_images_again", judge=self.name, model=model)
+        dropped.append(0)
+        return answer
+
+    def _images_off(self, model: str, e: ImagesRefused) -> None:
+        self._no_images_until[model] = self.clock() + self.vision_retry_s
+        log.warning(
+            "judge_refuses_images",
+            judge=self.name,
+            model=model,
+            error=e.server_message,
+            retry_in_s=self.vision_retry_s,
+            hint="its requests carry text placeholders for the frames until then; "
+            "pass vision=False to silence this, or use a vision model",
+        )
 
     async def _send(self, prompt: Prompt, model: str, n: int, *, images: bool) -> tuple[list[Sample], Usage]:
         extra = dict(self.extra_body)
@@ -216,6 +256,11 @@ class OpenAIJudge(BaseJudge):
                     **common,
                 )
                 samples = [_from_chat(c) for c in resp.choices]
+        except openai.APIStatusError as e:
+            message = _server_message(e)
+            if images and refuses_images(e.status_code, message):
+                raise ImagesRefused(e.status_code, message) from None
+            raise _judge_error(e) from None
         except openai.OpenAIError as e:
             raise _judge_error(e) from None
         return samples, _usage(resp)
@@ -251,6 +296,69 @@ class OpenAIJudge(BaseJudge):
         if self.prefill is not None:
             messages.append({"role": "assistant", "content": self.prefill})
         return messages
+
+
+class ImagesRefused(JudgeError):
+    """The server answered that the model takes no images (a `bad_request`: resending the same images cannot help)."""
+
+    def __init__(self, status: int, server_message: str) -> None:
+        super().__init__(
+            "bad_request",
+            f"HTTP {status}: the judge model refuses images ({server_message}); "
+            "use a vision model, or vision=None to send text placeholders instead",
+        )
+        self.server_message = server_message
+
+
+# What servers answer when the model takes no images, as their code or their users' reports show it:
+# - OpenAI, 400: "Invalid content type. image_url is only supported by certain models."
+#   (quoted in vllm-project/vllm#11629, browser-use/web-ui#274)
+# - vLLM, 400: "<model> is not a multimodal model" (studio-dots-ai/dots.ocr#61, vllm-project/vllm#23402), and
+#   "At most 0 image(s) may be provided in one prompt." when image inputs are limited to 0
+#   (--limit-mm-per-prompt, --language-model-only); "At most 1 image(s)" is a different complaint.
+# - llama.cpp llama-server without --mmproj: "image input is not supported - hint: if this is unexpected,
+#   you may need to provide the mmproj" (tools/server/server-common.cpp), thrown as std::runtime_error,
+#   which its ex_wrapper turns into HTTP 500.
+# - llama-cpp-python's llama_cpp.server with a text chat format, 500: 'can only concatenate str (not "list")
+#   to str' (abetlen/llama-cpp-python#1168): it cannot take content parts at all; plain text works.
+# - SGLang, Ollama and gateways word it in their own ways; no verbatim string was found for SGLang, so the
+#   generic "does not support image(s)/vision/multimodal" and "image(s)/vision/multimodal ... not supported"
+#   forms cover them.
+_NO_IMAGES = re.compile(
+    r"image_url is only supported by certain models"
+    r"|is not a multimodal model"
+    r"|at most 0 image\(s\) may be provided"
+    r"|image input is not supported"
+    r'|can only concatenate str \(not "list"\) to str'
+    r"|(?:does not|doesn't|do not) support (?:images?|vision|multi-?modal)\b"
+    r"|(?:image|vision|multi-?modal)(?:s| inputs?)? (?:is|are) not (?:supported|enabled)",
+    re.IGNORECASE,
+)
+
+
+def refuses_images(status: int, message: str) -> bool:
+    """Whether an HTTP error answer says the model takes no images (then resending without images helps).
+
+    Only a clear answer counts: a 4xx other than 408/429, or a 500 (llama.cpp's servers answer this
+    refusal with 500), whose message says so. Overload (502-504), timeouts, rate limits and other
+    errors say nothing about images and are retried instead.
+    """
+    if not (400 <= status < 500 and status not in (408, 429)) and status != 500:
+        return False
+    return _NO_IMAGES.search(message) is not None
+
+
+def _server_message(e: openai.APIStatusError) -> str:
+    """The error message the server wrote (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form), else the SDK's."""
+    body = e.body
+    if isinstance(body, Mapping):
+        inner = body.get("error")
+        for where in (body, inner if isinstance(inner, Mapping) else {}):
+            if isinstance(msg := where.get("message"), str) and msg:
+                return msg
+        if isinstance(inner, str) and inner:
+            return inner
+    return e.message
 
 
 def _part(p: TextPart | ImagePart) -> dict[str, Any]:

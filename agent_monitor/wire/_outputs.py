@@ -86,6 +86,11 @@ class ProgressOut(_Out):
     tokens: Tokens = Field(default_factory=Tokens)
     calls: int = Field(default=0, description="Judge calls made for this score.")
     calls_saved: int = Field(default=0, description="Judge calls not made because confident rules answered.")
+    images_dropped: int = Field(
+        default=0,
+        description="Image parts the judge got as text placeholders instead of pixels (a text-only judge, "
+        "or a model that refused images), over this score's judge calls.",
+    )
     silent: list[str] = Field(default_factory=list)
     signal: Signal | None = None
     decision: DecisionOut | None = None
