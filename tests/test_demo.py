@@ -25,3 +25,30 @@ def test_demo_runs_to_the_end_and_leaves_the_plot(tmp_path: Path) -> None:
     assert "coding-success" in out and "coding-failure" in out and "robot-pick-place" in out
     assert "/metrics" in out and str(png) in out.replace("\n", "")
     assert "3/3 ended" in out
+    # It says what it is doing and, at the end, what happened to each run and why.
+    assert "s a call" in out and "steps scored on their own" in out
+    assert "What happened" in out and "coding-failure (failure):" in out
+    assert "flagged" in out  # a run flagged, or why none was
+
+
+def test_the_summary_names_the_flagged_run_and_why_or_why_none_was() -> None:
+    from agent_monitor.cli._demo import _RunView, summary
+    from agent_monitor.policy import Policy
+
+    policy = Policy(abort_below=0.15, min_steps=3, patience=2)
+    good = _RunView("good", "success", 5, published=5, step=5, score=0.8, curve=[(i, 0.2 * i) for i in range(1, 6)])
+    good.lowest, good.alone = 0.2, 5
+    bad = _RunView("bad", "failure", 5, published=4, step=4, score=0.1, curve=[(1, 0.3), (3, 0.1), (4, 0.1)])
+    bad.lowest, bad.alone, bad.failed = 0.1, 2, 1
+    lines = summary({"good": good, "bad": bad}, policy)
+    assert lines[0] == "good (success): 5 scores for 5 steps (5 on their own); final 0.80, lowest 0.20; signal continue"
+    assert (
+        lines[1]
+        == "bad (failure): 3 scores for 5 steps (2 on their own), 1 failed; final 0.10, lowest 0.10; signal continue"
+    )
+    assert lines[2].startswith("no run was flagged: abort needs 2 scored steps in a row below 0.15 from step 3 on")
+    assert "lowest score of any run was 0.10 (bad)" in lines[2]
+    bad.signal, bad.flagged = "abort", ("abort", 4, "score below 0.15 for 2 scored steps")
+    assert summary({"good": good, "bad": bad}, policy)[-1] == (
+        "flagged: bad got abort at step 4: score below 0.15 for 2 scored steps"
+    )

@@ -40,6 +40,21 @@ class _RunView:
     reason: str = ""
     ended: bool = False
     curve: list[tuple[int, float]] = field(default_factory=list)
+    alone: int = 0
+    """Scores that covered one new step (not folded into a later one)."""
+    failed: int = 0
+    lowest: float | None = None
+    flagged: tuple[str, int, str] | None = None
+    """The first abort or resample: (signal, step, reason)."""
+
+    @property
+    def waiting(self) -> bool:
+        """A published step has no score yet (and the run is still judged)."""
+        return self.step < self.published and self.signal != "abort" and not self.ended
+
+
+# Each run its own colour and marker, whatever its outcome (the legend says the outcome).
+_STYLES = [("#2a9d8f", "o"), ("#e76f51", "s"), ("#457b9d", "^"), ("#9c6644", "D"), ("#6a4c93", "v")]
 
 
 def robot_run(steps: int = 10) -> tuple[RecordedRun, list[bytes]]:
@@ -93,8 +108,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _publish(url: str, runs: list[tuple[RecordedRun, list[bytes]]], views: dict[str, _RunView], pace_s: float) -> None:
-    """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one step per pace."""
+def _publish(
+    url: str,
+    runs: list[tuple[RecordedRun, list[bytes]]],
+    views: dict[str, _RunView],
+    pace_s: float,
+    wait_s: float,
+) -> None:
+    """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one step per pace.
+
+    After each round the harness also waits, up to `wait_s`, until the monitor has scored what it
+    published: the demo paces itself to its judge, so each step can get a score of its own.
+    """
     from ..wire import MonitorClient
 
     with MonitorClient(url) as client:
@@ -106,9 +131,12 @@ def _publish(url: str, runs: list[tuple[RecordedRun, list[bytes]]], views: dict[
                     live[r.name].step(r.steps[i].text, images=[frames[i]] if frames else ())
                     views[r.name].published = i + 1
             time.sleep(pace_s)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and any(v.waiting for v in views.values()):
+                time.sleep(0.05)
         # Give the monitor the time to score each run's last step before it ends.
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and any(v.step < v.published and v.signal != "abort" for v in views.values()):
+        while time.monotonic() < deadline and any(v.waiting for v in views.values()):
             time.sleep(0.2)
         for r, _ in runs:
             live[r.name].end("success" if (r.outcome or 0) >= 0.5 else "failure")
@@ -142,27 +170,74 @@ def _table(views: dict[str, _RunView], judge: str) -> Any:
     return table
 
 
-def plot_curves(views: dict[str, _RunView], path: Path, judge_name: str = "") -> Path:
-    """The demo's progress curves, coloured by outcome."""
+def _caption(views: dict[str, _RunView], latency_s: float | None, paced: bool) -> str:
+    """What the demo is doing: the judge's speed, and how many steps got a score of their own."""
+    parts = [f"{v.run_id} {v.alone}/{v.published}" for v in views.values()]
+    head = f"judge ~{latency_s:.1f} s a call" if latency_s is not None else "judge speed not measured"
+    how = "harness paced to the judge" if paced else "fixed pace"
+    return f"{head}; {how}; steps scored on their own (of those published): " + ", ".join(parts)
+
+
+def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
+    """What happened, run by run, and which run was flagged and why (or why none was)."""
+    lines: list[str] = []
+    for v in views.values():
+        final = "no score" if v.score is None else f"final {v.score:.2f}"
+        low = "" if v.lowest is None else f", lowest {v.lowest:.2f}"
+        failed = f", {v.failed} failed" if v.failed else ""
+        lines.append(
+            f"{v.run_id} ({v.outcome}): {len(v.curve)} scores for {v.total} steps "
+            f"({v.alone} on their own){failed}; {final}{low}; signal {v.signal}"
+        )
+    flagged = [v for v in views.values() if v.flagged]
+    for v in flagged:
+        assert v.flagged is not None
+        signal, step, reason = v.flagged
+        lines.append(f"flagged: {v.run_id} got {signal} at step {step}: {reason}")
+    if not flagged:
+        lows = [v for v in views.values() if v.lowest is not None]
+        if policy.abort_below is not None and lows:
+            worst = min(lows, key=lambda v: v.lowest or 0.0)
+            lines.append(
+                f"no run was flagged: abort needs {policy.patience} scored steps in a row below {policy.abort_below} "
+                f"from step {policy.min_steps} on, and the lowest score of any run was {worst.lowest:.2f} "
+                f"({worst.run_id}); the tiny judge's scores sit in a narrow band, a real judge spreads them further"
+            )
+        else:
+            lines.append("no run was flagged")
+    return lines
+
+
+def plot_curves(views: dict[str, _RunView], path: Path, judge_name: str = "", abort_below: float | None = None) -> Path:
+    """The demo's progress curves: each run its own colour and marker, dashed when it failed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for v in views.values():
+    for i, v in enumerate(views.values()):
         if not v.curve:
             continue
-        xs, ys = zip(*v.curve, strict=True)
-        colour = "#2a9d8f" if v.outcome == "success" else "#e76f51"
+        xs, ys = zip(*sorted(v.curve), strict=True)
+        colour, marker = _STYLES[i % len(_STYLES)]
         ax.plot(
             xs,
             ys,
-            marker="o",
+            marker=marker,
             color=colour,
-            label=f"{v.run_id} ({v.outcome})",
-            linestyle="--" if "robot" in v.run_id else "-",
+            label=f"{v.run_id} ({v.outcome}; {len(v.curve)} of {v.total} steps scored)",
+            linestyle="-" if v.outcome == "success" else "--",
         )
+        if v.flagged:
+            signal, step, _ = v.flagged
+            at = dict(v.curve).get(step)
+            if at is not None:
+                ax.annotate(signal, (step, at), textcoords="offset points", xytext=(6, -14), color=colour, fontsize=8)
+    if abort_below is not None:
+        ax.axhline(abort_below, color="#999999", linestyle=":", linewidth=1)
+        ax.text(0.99, abort_below, f" abort below {abort_below:g}", transform=ax.get_yaxis_transform(),
+                ha="right", va="bottom", fontsize=8, color="#666666")  # fmt: skip
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -188,6 +263,22 @@ def _status(console: Any, text: str) -> Iterator[None]:
     console.print(f"[green]✓[/green] {text.rstrip('.')}")
 
 
+async def _judge_latency(judge: Any, run: RecordedRun) -> float | None:
+    """Seconds one judge call takes on the first step of a demo run (also warms the judge up)."""
+    from ..criteria import load_criteria
+    from ..judges.base import JudgeError, JudgeRequest
+    from ..prompts import Step, build_prompt
+
+    rubric = load_criteria(None)
+    prompt = build_prompt(run.task, rubric, [Step(1, run.steps[0].text)], rubric.criteria[0])
+    start = time.perf_counter()
+    try:
+        await judge.grade(JudgeRequest(prompt))
+    except JudgeError:
+        return None
+    return time.perf_counter() - start
+
+
 async def run_demo(
     *,
     judge: Any = None,
@@ -195,12 +286,20 @@ async def run_demo(
     out_dir: str | Path = "agent-monitor-demo",
     metrics_port: int = 9464,
     min_mass: float = 0.05,
-    pace_s: float = 1.0,
+    pace_s: float | None = None,
+    keep: bool = False,
 ) -> Path:
-    """Run the demo end to end; return the path of the PNG it leaves."""
+    """Run the demo end to end; return the path of the PNG it leaves.
+
+    `pace_s=None` paces the harness to the judge: after each round of steps it waits (up to a
+    few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
+    monitor and /metrics up after the runs end, until Ctrl-C.
+    """
     from prometheus_client import CollectorRegistry, start_http_server
     from rich.console import Console
+    from rich.console import Group as RichGroup
     from rich.live import Live
+    from rich.text import Text
 
     from ..daemon import EmbeddedBroker, Monitor, MonitorConfig
     from ..wire import BrokerSettings
@@ -225,6 +324,21 @@ async def run_demo(
     views = {
         r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps)) for r, _ in runs
     }
+    with _status(console, "Timing one judge call..."):
+        latency = await _judge_latency(judge, runs[0][0])
+    paced = pace_s is None
+    # One round publishes a step of every run; the monitor then makes about one call per run and criterion
+    # (the robot rubric has two), and a local judge answers one call at a time.
+    calls = sum(2 if frames else 1 for _, frames in runs)
+    wait_s = 4 * calls * latency if paced and latency is not None else 0.0
+    pace = (0.3 if short else 1.0) if pace_s is None else pace_s
+    if latency is not None:
+        how = (
+            f"pacing the harness to it (up to {wait_s:.0f} s a round of {len(runs)} steps)"
+            if paced
+            else f"fixed pace {pace:g} s a round"
+        )
+        console.print(f"judge ~{latency:.1f} s a call; {how}")
     registry = CollectorRegistry()
     port = _free_port()
     metrics_at = metrics_port if metrics_port else _free_port()
@@ -234,6 +348,10 @@ async def run_demo(
         metrics_at = _free_port()
         server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
     policy = Policy(abort_below=0.15, min_steps=3, patience=2, max_uncertainty=0.5)
+
+    def screen() -> Any:
+        return RichGroup(_table(views, f"judge {judge.name}"), Text(_caption(views, latency, paced), style="dim"))
+
     try:
         async with (
             EmbeddedBroker("127.0.0.1", port) as broker,
@@ -254,26 +372,39 @@ async def run_demo(
                 f"broker {broker.url}   metrics http://127.0.0.1:{metrics_at}/metrics   "
                 f"{len(runs)} runs replayed live over MQTT"
             )
-            watcher = asyncio.create_task(_watch(broker.url, views), name="demo-watch")
-            publisher = asyncio.create_task(
-                asyncio.to_thread(_publish, broker.url, runs, views, 0.3 if short else pace_s)
-            )
-            try:
-                with Live(_table(views, f"judge {judge.name}"), console=console, refresh_per_second=4) as live:
+            async with asyncio.TaskGroup() as tg:
+                watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
+                publisher = tg.create_task(
+                    asyncio.to_thread(_publish, broker.url, runs, views, pace, wait_s), name="demo-harness"
+                )
+                with Live(screen(), console=console, refresh_per_second=4) as live:
                     while not (publisher.done() and all(v.ended for v in views.values())):
-                        live.update(_table(views, f"judge {judge.name}"))
+                        live.update(screen())
                         await asyncio.sleep(0.25)
-                    live.update(_table(views, f"judge {judge.name}"))
+                    live.update(screen())
                 await publisher
-            finally:
+                png = plot_curves(
+                    views,
+                    Path(out_dir) / "progress.png",
+                    f"judge {judge.name} {judge.model}".strip(),
+                    abort_below=policy.abort_below,
+                )
+                console.print()
+                console.print("[bold]What happened[/bold]")
+                for line in summary(views, policy):
+                    console.print(f"  {line}", highlight=False)
+                console.print(f"[bold]Progress curves:[/bold] {png.resolve()}")
+                if keep:
+                    console.print(
+                        f"Still serving (Ctrl-C to stop): broker {broker.url}, "
+                        f"metrics http://127.0.0.1:{metrics_at}/metrics (ended runs' series stay for 60 s)"
+                    )
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.Event().wait()
                 watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
     finally:
         server.shutdown()
         thread.join(5)
-    png = plot_curves(views, Path(out_dir) / "progress.png", f"judge {judge.name} {judge.model}".strip())
-    console.print(f"[bold]Progress curves:[/bold] {png.resolve()}")
     return png
 
 
@@ -296,11 +427,20 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                 continue
             data = json.loads(payload)
             if kind == "progress":
-                v.step = max(v.step, int(data["step"]))
+                step = int(data["step"])
+                v.step = max(v.step, step)
                 if data.get("ok"):
                     v.score, v.uncertainty = data["score"], data.get("uncertainty")
-                    v.curve.append((int(data["step"]), float(data["score"])))
+                    v.curve.append((step, float(data["score"])))
+                    v.lowest = v.score if v.lowest is None else min(v.lowest, float(data["score"]))
+                    v.alone += int(data.get("coalesced") or 1) == 1
                 else:
+                    v.failed += 1
                     v.reason = f"no score: {data.get('reason')}"
+                decision = data.get("decision") or {}
+                if decision.get("reason") and data.get("ok"):
+                    v.reason = str(decision["reason"])
             else:
                 v.signal, v.reason = data["signal"], data.get("reason", "")
+                if v.signal != "continue" and v.flagged is None:
+                    v.flagged = (v.signal, int(data.get("step") or v.step), v.reason)

@@ -167,7 +167,17 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
     demo.add_argument("--out", default="agent-monitor-demo", help="folder for the progress plot")
     demo.add_argument("--metrics-port", type=int, default=9464, help="/metrics port while the demo runs (0: any free)")
-    demo.add_argument("--pace", type=float, default=1.0, help="seconds between steps of each run")
+    demo.add_argument(
+        "--pace",
+        type=float,
+        default=None,
+        help="seconds between steps of each run (default: paced to the judge, so each step can get its own score)",
+    )
+    demo.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
+    )
     # The packaged tiny judge puts little mass on the scale letters; the demo's minimum is set for it.
     demo.add_argument("--min-mass", type=float, default=0.05, help="minimum letter mass (the tiny judge needs it low)")
     add_flags(demo, JudgeOptions, {}, title="a real judge instead of the packaged tiny one")
@@ -338,7 +348,7 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         await run_demo(
             judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
-            min_mass=args.min_mass, pace_s=args.pace,
+            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep,
         )  # fmt: skip
     finally:
         if judge is not None:
