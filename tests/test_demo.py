@@ -26,7 +26,7 @@ def test_demo_runs_to_the_end_and_leaves_the_plot(tmp_path: Path) -> None:
     assert "/metrics" in out and str(png) in out.replace("\n", "")
     assert "3/3 ended" in out
     # It says what it is doing and, at the end, what happened to each run and why.
-    assert "s a call" in out and "steps scored on their own" in out
+    assert "cold call" in out and "a scoring takes" in out and "steps scored on their own" in out
     assert "What happened" in out and "coding-failure (failure):" in out
     assert "flagged" in out  # a run flagged, or why none was
 

@@ -46,6 +46,8 @@ class _RunView:
     lowest: float | None = None
     flagged: tuple[str, int, str] | None = None
     """The first abort or resample: (signal, step, reason)."""
+    latencies: list[float] = field(default_factory=list)
+    """Seconds each of this run's scorings took (all its judge calls)."""
 
     @property
     def waiting(self) -> bool:
@@ -173,7 +175,13 @@ def _table(views: dict[str, _RunView], judge: str) -> Any:
 def _caption(views: dict[str, _RunView], latency_s: float | None, paced: bool) -> str:
     """What the demo is doing: the judge's speed, and how many steps got a score of their own."""
     parts = [f"{v.run_id} {v.alone}/{v.published}" for v in views.values()]
-    head = f"judge ~{latency_s:.1f} s a call" if latency_s is not None else "judge speed not measured"
+    seen = sorted(t for v in views.values() for t in v.latencies[-5:])
+    if seen:
+        head = f"a scoring takes ~{seen[len(seen) // 2]:.1f} s"
+    elif latency_s is not None:
+        head = f"judge ~{latency_s:.1f} s a call"
+    else:
+        head = "judge speed not measured"
     how = "harness paced to the judge" if paced else "fixed pace"
     return f"{head}; {how}; steps scored on their own (of those published): " + ", ".join(parts)
 
@@ -338,7 +346,7 @@ async def run_demo(
             if paced
             else f"fixed pace {pace:g} s a round"
         )
-        console.print(f"judge ~{latency:.1f} s a call; {how}")
+        console.print(f"judge ~{latency:.1f} s for a first, cold call; {how}")
     registry = CollectorRegistry()
     port = _free_port()
     metrics_at = metrics_port if metrics_port else _free_port()
@@ -434,6 +442,7 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                     v.curve.append((step, float(data["score"])))
                     v.lowest = v.score if v.lowest is None else min(v.lowest, float(data["score"]))
                     v.alone += int(data.get("coalesced") or 1) == 1
+                    v.latencies.append(float(data.get("latency_s") or 0.0))
                 else:
                     v.failed += 1
                     v.reason = f"no score: {data.get('reason')}"
