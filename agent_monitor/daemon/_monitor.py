@@ -318,8 +318,11 @@ class Monitor:
         """Decode one message, journal what it means, fold it into its run; bad input is reported, never raised.
 
         Raises only when the run store cannot write: the message is then not acknowledged, and the
-        broker delivers it again.
+        broker delivers it again. The monitor's own outputs (progress, signal, error, `_errors`), which its
+        subscription `{prefix}/+/+` also matches, are ignored: acknowledged, not reported.
         """
+        if self.topics.is_output(topic):
+            return
         try:
             if len(payload) > _INLINE_DECODE_BYTES:
                 run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode)
