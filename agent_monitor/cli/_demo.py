@@ -14,6 +14,7 @@ import io
 import json
 import math
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -202,7 +203,7 @@ async def run_demo(
     from rich.console import Console
     from rich.live import Live
 
-    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig
+    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig, SqliteStore
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -227,13 +228,19 @@ async def run_demo(
     }
     registry = CollectorRegistry()
     port = _free_port()
-    metrics_at = metrics_port if metrics_port else _free_port()
-    try:
-        server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
-    except OSError:
-        metrics_at = _free_port()
-        server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+    metrics_at, server, thread = metrics_port, None, None
+    if metrics_port:  # 0 turns /metrics off, as for serve
+        try:
+            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+        except OSError:  # taken (a serve running?): any free port, shown below
+            metrics_at = _free_port()
+            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+    metrics = f"metrics http://127.0.0.1:{metrics_at}/metrics" if server else "metrics off"
     policy = Policy(abort_below=0.15, min_steps=3, patience=2, max_uncertainty=0.5)
+    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it: never the
+    # default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore them.
+    state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
+    store = SqliteStore(Path(state.name) / "runs.sqlite3")
     try:
         async with (
             EmbeddedBroker("127.0.0.1", port) as broker,
@@ -248,12 +255,10 @@ async def run_demo(
                 ),
                 judge=judge,
                 registry=registry,
+                store=store,
             ),
         ):
-            console.print(
-                f"broker {broker.url}   metrics http://127.0.0.1:{metrics_at}/metrics   "
-                f"{len(runs)} runs replayed live over MQTT"
-            )
+            console.print(f"broker {broker.url}   {metrics}   {len(runs)} runs replayed live over MQTT")
             watcher = asyncio.create_task(_watch(broker.url, views), name="demo-watch")
             publisher = asyncio.create_task(
                 asyncio.to_thread(_publish, broker.url, runs, views, 0.3 if short else pace_s)
@@ -270,8 +275,11 @@ async def run_demo(
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
     finally:
-        server.shutdown()
-        thread.join(5)
+        if server is not None and thread is not None:
+            server.shutdown()
+            thread.join(5)
+        await store.aclose()
+        state.cleanup()
     png = plot_curves(views, Path(out_dir) / "progress.png", f"judge {judge.name} {judge.model}".strip())
     console.print(f"[bold]Progress curves:[/bold] {png.resolve()}")
     return png

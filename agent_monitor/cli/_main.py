@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -290,7 +291,7 @@ async def _serve(args: argparse.Namespace) -> int:
             try:
                 embedded = await stack.enter_async_context(EmbeddedBroker(broker.host, broker.port))
             except BrokerStartError as e:
-                return _fail(str(e))
+                return _fail(f"{e}; {_other_port(broker)}" if e.port_in_use else str(e))
             log.info("embedded_broker_started", url=embedded.url)
         if store is not None:
             stack.push_async_callback(store.aclose)
@@ -317,6 +318,8 @@ async def _serve(args: argparse.Namespace) -> int:
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
+        if store is not None:
+            print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}); "
@@ -329,6 +332,36 @@ async def _serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             log.info("shutting_down")
     return 0
+
+
+async def _store_line(store: SqliteStore, restored: Sequence[str], *, default: bool) -> str:
+    """Where the run store is and what came back from it, so restored runs are never a surprise."""
+    _, ended = await store.count_runs()
+    where = f"run store {store.path}"
+    if default:
+        where += " (the default, shared by every agent-monitor of this user; --state-dir DIR for another, --no-store for none)"
+    if not restored and not ended:
+        return f"agent-monitor: {where}: no runs yet"
+    shown = ", ".join(restored[:5]) + (f", +{len(restored) - 5} more" if len(restored) > 5 else "")
+    live = f"restored {len(restored)} live run{'s' if len(restored) != 1 else ''}" + (f" ({shown})" if restored else "")
+    runs = "agent-monitor runs" + ("" if default else f" --state-dir {store.path.parent}")
+    return f"agent-monitor: {where}: {live}, {ended} ended (`{runs}` lists them)"
+
+
+def _other_port(broker: BrokerSettings) -> str:
+    """What to do when --embedded-broker's port is taken: use the broker there, or a free port."""
+    host = f"[{broker.host}]" if ":" in broker.host else broker.host
+    here = f"mqtt://{host}:{broker.port}"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in broker.host else socket.AF_INET) as s:
+            s.bind((broker.host, 0))
+            free = f"mqtt://{host}:{s.getsockname()[1]} (free now)"
+    except OSError:
+        free = f"mqtt://{host}:PORT with a free PORT"
+    return (
+        f"to use the broker already there, drop --embedded-broker (and keep --broker {here}); "
+        f"to run the embedded one anyway, move it to a free port: --embedded-broker --broker {free}"
+    )
 
 
 async def _demo(args: argparse.Namespace) -> int:

@@ -205,6 +205,8 @@ class Monitor:
             else None
         )
         self.scorings = 0
+        self.restored: tuple[str, ...] = ()
+        """The live runs rebuilt from the store on entering, least recently active first."""
         self._scoring: dict[str, _Scoring] = {}
         self._prepared: dict[str, _Scoring] = {}
         self._routes: dict[type, list[Sink]] = {}
@@ -221,9 +223,9 @@ class Monitor:
         if self._stack is not None:
             raise RuntimeError("the monitor is already running")
         # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
-        restored = await self._restore()
-        if restored:
-            log.info("runs_restored", runs=restored)
+        await self._restore()
+        if self.restored:
+            log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
         first = await self.link.connect() if self.link is not None else None
         stack = contextlib.AsyncExitStack()
         try:
@@ -607,4 +609,5 @@ class Monitor:
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)
         self.metrics.runs_active.set(len(self.book.live))
+        self.restored = tuple(self.book.live)
         return len(self.book.live)
