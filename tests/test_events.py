@@ -67,7 +67,7 @@ def refused(kind: str, payload: Any, **kw: Any) -> EventError:
     with pytest.raises(EventError) as info:
         decode(kind, payload, **kw)
     e = info.value
-    assert e.reason in ("payload_too_large", "bad_json", "bad_topic", "invalid", "bad_image")
+    assert e.reason in ("payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image")
     assert "\n" not in e.message and len(e.message) <= 700
     return e
 
@@ -201,6 +201,30 @@ def test_payload_may_be_str_bytearray_or_memoryview() -> None:
 def test_malformed_json_is_bad_json(payload: bytes, needle: str) -> None:
     e = refused("step", payload)
     assert e.reason == "bad_json" and needle in e.message and e.run_id == "r1"
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        # The decoder's own message ends in "at" here: the position follows it, without a second "at".
+        (
+            b'{"index": 1, "text": "line 1\nline 2"}',
+            "payload is not valid JSON: Invalid control character at line 1 column 29; "
+            "write a tab or line break inside a string as \\t or \\n",
+        ),
+        (
+            b'{"text": "never closed',
+            "payload is not valid JSON: Unterminated string starting at line 1 column 10; "
+            "send one JSON object (e.g. from json.dumps)",
+        ),
+        (
+            b"step 1: clicked",
+            "payload is not valid JSON: Expecting value at line 1 column 1; send one JSON object (e.g. from json.dumps)",
+        ),
+    ],
+)
+def test_a_json_error_reads_as_one_sentence(payload: bytes, message: str) -> None:
+    assert refused("step", payload).message == message
 
 
 @pytest.mark.parametrize(
@@ -466,7 +490,7 @@ def test_meta_is_bounded_in_size_and_depth() -> None:
         "agents/r1/step/extra",
         "agents/a/b/step",
         "agents/r1/progress",
-        "agents/r1/STEP",
+        "agents/_errors/x",
         "",
     ],
 )
@@ -478,6 +502,38 @@ def test_bad_topics_and_run_ids_are_bad_topic(bad: str) -> None:
     assert info.value.reason == "bad_topic" and info.value.run_id is None
     out = info.value.to_out(bad)
     assert out.run_id is None and out.reason == "bad_topic" and len(out.topic) <= 515
+
+
+@pytest.mark.parametrize(
+    ("bad", "hint"),
+    [
+        ("agents/run-3/steps", "publish to agents/run-3/step"),
+        ("agents/run-3/STEP", "publish to agents/run-3/step"),
+        ("agents/run-3/begin", "publish to agents/run-3/<start|step|end>"),
+        ("agents/run-3/", "publish to agents/run-3/<start|step|end>"),
+    ],
+)
+def test_a_misspelt_kind_is_unknown_topic_naming_the_topic_and_the_kinds(bad: str, hint: str) -> None:
+    with pytest.raises(EventError) as info:
+        decode_event(bad, b'{"text": "x"}')
+    e = info.value
+    assert e.reason == "unknown_topic" and e.run_id is None  # reported on agents/_errors
+    assert e.message.startswith(f"unknown topic {bad!r}: the monitor reads only agents/<run_id>/start, step and end")
+    assert e.message.endswith(hint)
+    with pytest.raises(TopicError) as topic_error:
+        parse_topic(bad)
+    assert topic_error.value.reason == "unknown_topic"
+
+
+def test_the_monitors_own_topics_are_outputs_and_inputs_are_not() -> None:
+    t = ev.Topics("lab/agents")
+    assert t.subscription == "lab/agents/+/+"
+    outputs = ["lab/agents/r1/progress", "lab/agents/r1/signal", "lab/agents/r1/error", "lab/agents/_errors"]
+    outputs += ["lab/agents/_groups/g1/ranking", "lab/agents/_groups/g1"]
+    assert [o for o in outputs if not t.is_output(o)] == []
+    others = ["lab/agents/r1/step", "lab/agents/r1/steps", "lab/agents/_sneaky/step", "agents/r1/progress"]
+    others += ["lab/agents/r1/progress/x", "lab/agentsx/r1/progress", "lab/agents/progress"]
+    assert [o for o in others if t.is_output(o)] == []
 
 
 def test_topic_helpers() -> None:

@@ -168,3 +168,79 @@ def test_a_bad_environment_value_is_one_line_and_exit_code_2(
 def test_a_bad_setting_is_refused_by_the_class_that_owns_it(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--judge", "openai", "--max-runs", "0", "--metrics-port", "0", "--no-store"], {}) == 2
     assert "run limits {'max_runs': 0} must be >= 1" in capsys.readouterr().err
+
+
+# -- the command line around the flags: help, version, no command --
+
+
+def commands(environ: dict[str, str] | None = None) -> dict[str, argparse.ArgumentParser]:
+    parser = _parser(environ or {})
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_argument_of_every_command_has_help_and_every_command_a_description() -> None:
+    parsers = {"agent-monitor": _parser({}), **commands()}
+    missing = [
+        f"{name} {'/'.join(a.option_strings) or a.dest}"
+        for name, p in parsers.items()
+        for a in p._actions
+        if not (a.help or "").strip()
+    ]
+    assert missing == []
+    for name, p in commands().items():
+        text = p.format_help()
+        summary = str(p.description).split(".")[0]
+        assert summary and summary.lower() in " ".join(_parser({}).format_help().split()).lower(), name
+        assert text.split("\n\n")[1].startswith(summary[:40]), name  # right under the usage lines
+
+
+def test_help_shows_the_default_of_every_option_that_has_one() -> None:
+    lacking = []
+    for name, p in commands().items():
+        formatter = p._get_formatter()
+        for a in p._actions:
+            shows = "(default: " in str(formatter._get_help_string(a))
+            if a.option_strings and a.nargs != 0 and a.default is not None and not shows:
+                lacking.append(f"{name} {a.option_strings[-1]}")
+    assert lacking == []
+    replay = " ".join(commands()["replay"].format_help().split())
+    assert "--speed X time scale: 10 replays ten times faster than recorded (default: 1)" in replay
+    assert "--max-steps N publish at most this many steps per run (default: all)" in replay
+    runs = " ".join(commands()["runs"].format_help().split())
+    assert "--limit N at most this many runs, newest first (default: 50)" in runs
+
+
+def test_version_and_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent_monitor import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"], {})
+    assert done.value.code == 0 and capsys.readouterr().out == f"agent-monitor {__version__}\n"
+    # No command: the whole help (every command and how to get its flags), as a usage error.
+    assert main([], {}) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: agent-monitor [-h] [--version] COMMAND ...")
+    assert all(f"\n    {c} " in err for c in commands())
+    assert "`agent-monitor COMMAND --help`" in " ".join(err.split())
+
+
+@pytest.mark.parametrize("command", ["score", "serve", "eval", "demo"])
+def test_every_judge_flag_has_its_environment_twin_wherever_it_is(command: str) -> None:
+    text = commands()[command].format_help()
+    for twin in ("JUDGE", "JUDGE_URL", "JUDGE_MODEL", "JUDGE_API", "JUDGE_TIMEOUT"):
+        assert f"[AGENT_MONITOR_{twin}]" in text
+    env = {"AGENT_MONITOR_JUDGE": "openai", "AGENT_MONITOR_JUDGE_TIMEOUT": "7.5"}
+    argv = [] if command in ("serve", "demo") else ["runs/"]
+    args = commands(env)[command].parse_args(argv)
+    assert build(JudgeOptions, args) == JudgeOptions(judge="openai", judge_timeout=7.5)
+
+
+def test_metrics_port_0_means_off_for_serve_and_demo_alike() -> None:
+    for command in ("serve", "demo"):
+        text = " ".join(commands()[command].format_help().split())
+        assert (
+            "--metrics-port N Prometheus /metrics port, 0 to disable (default: 9464) [AGENT_MONITOR_METRICS_PORT]"
+            in text
+        )
+        assert commands({"AGENT_MONITOR_METRICS_PORT": "0"})[command].parse_args([]).metrics_port == 0

@@ -62,6 +62,7 @@ HOSTILE: list[tuple[str, str, bytes, str]] = [
         "bad_image",
     ),
     ("bad run id", "agents/_sneaky/step", j(text="x"), "bad_topic"),
+    ("misspelt kind", "agents/victim/steps", j(index=2, text="typo"), "unknown_topic"),
     ("unknown policy key", "agents/other/start", j(task="t", policy={"abort_belw": 0.2}), "invalid"),
     ("criteria file", "agents/other/start", j(task="t", criteria="../../etc/passwd.md"), "invalid"),
     ("end of unknown run", "agents/nobody/end", j(outcome="success"), "unknown_run"),
@@ -98,6 +99,38 @@ async def test_hostile_event_is_reported_counted_and_harmless(
         assert victim.latest is not None and victim.latest.step == 2
         assert len(judge.prompts) == before + 1
         assert all("shadow" not in p.text() for p in judge.prompts)  # never reaches the judge
+
+
+async def test_a_misspelt_topic_is_reported_on_errors_naming_the_topic_and_the_kinds() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(judge=FakeJudge(), registry=reg) as mon:
+        await mon.handle("agents/run-3/start", j(task="t"))
+        await mon.handle("agents/run-3/steps", j(index=1, text="x"))
+        msgs = [m for m in iter(mon.outbox.get_nowait, None) if m.topic.endswith("error") or "_errors" in m.topic]
+        assert [m.topic for m in msgs] == ["agents/_errors"]
+        body = json.loads(msgs[0].payload)
+        assert body == {
+            "run_id": None,
+            "topic": "agents/run-3/steps",
+            "reason": "unknown_topic",
+            "error": "unknown topic 'agents/run-3/steps': the monitor reads only agents/<run_id>/start, step and end, "
+            "not 'steps'; publish to agents/run-3/step",
+        }
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "unknown_topic"}) == 1
+
+
+async def test_the_monitors_own_outputs_are_ignored_not_reported() -> None:
+    # The daemon subscribes to agents/+/+, so its own progress, signals and errors (and other monitors') come
+    # back on MQTT 3.1.1: they are dropped without an error message or a count.
+    reg = CollectorRegistry()
+    async with Monitor(judge=FakeJudge(), registry=reg) as mon:
+        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "unknown_topic"}) == 0
+        for topic in ("agents/r/progress", "agents/r/signal", "agents/r/error", "agents/_errors", "agents/_groups/g"):
+            await mon.handle(topic, j(run_id="r", step=1, score=0.5))
+        assert mon.outbox.get_nowait() is None
+        assert not mon.book.live and not mon.book.orphans
+        for reason in ("unknown_topic", "bad_topic", "bad_json", "invalid"):
+            assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": reason}) == 0
 
 
 async def test_a_resend_of_the_same_step_is_a_duplicate_not_a_conflict() -> None:

@@ -225,6 +225,89 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> No
     assert len(dead_judge.stderr.strip().splitlines()) == 1
 
 
+def test_embedded_broker_on_a_taken_port_says_how_to_use_that_broker_or_another_port() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        url = f"mqtt://127.0.0.1:{port}"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent_monitor",
+                "serve",
+                "--embedded-broker",
+                "--broker",
+                url,
+                "--judge",
+                "openai",
+                "--no-store",
+                "--metrics-port",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(
+        f"agent-monitor: cannot start the embedded MQTT broker on mqtt://127.0.0.1:{port}: the port is already in use "
+        f"(another broker running?); to use the broker already there, drop --embedded-broker "
+        f"(and keep --broker mqtt://127.0.0.1:{port}); to run the embedded one anyway, move it to a free port: "
+        "--embedded-broker --broker mqtt://127.0.0.1:"
+    ), line
+    suggested = int(line.rsplit(":", 1)[1].removesuffix(" (free now)"))
+    assert suggested != port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", suggested))  # it was free
+
+
+def test_serve_says_where_its_run_store_is_and_what_it_restored(broker: Mosquitto, tmp_path: Path) -> None:
+    """A newcomer's `serve` uses the per-user default store: start-up says so, and which runs came back from it."""
+    xdg = tmp_path / "xdg"
+    env = {"XDG_DATA_HOME": str(xdg), "AGENT_MONITOR_STATE_DIR": ""}  # no --state-dir: the default store
+    default = (
+        f"agent-monitor: run store {xdg}/agent-monitor/runs.sqlite3 (the default, shared by every agent-monitor of "
+        "this user; --state-dir DIR for another, --no-store for none)"
+    )
+    with scripted_server() as judge:
+        judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
+        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0")
+        with serve(*args, "--client-id", "store-line", env=env) as proc:
+            assert f"{default}: no runs yet\n" in wait_serving(proc)
+            progress = sub(broker.port, "agents/+/progress", 2)
+            time.sleep(0.3)
+            for run in ("run-a", "run-b"):
+                pub(broker.port, f"agents/{run}/start", '{"task": "t"}')
+                pub(broker.port, f"agents/{run}/step", '{"index": 1, "text": "x"}')
+            assert len(lines_of(progress)) == 2
+            pub(broker.port, "agents/run-b/end", '{"outcome": "success"}')
+            runs: list[dict[str, Any]] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not any(r["ended_at"] for r in runs):
+                listed = subprocess.run(
+                    [sys.executable, "-m", "agent_monitor", "runs", "--json"],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, **env},
+                    check=True,
+                )
+                runs = [json.loads(line) for line in listed.stdout.splitlines()]
+            assert {r["run_id"]: bool(r["ended_at"]) for r in runs} == {"run-a": False, "run-b": True}
+        with serve(*args, "--client-id", "store-line", env=env) as proc:
+            lines = wait_serving(proc)
+            restored = f"{default}: restored 1 live run (run-a), 1 ended (`agent-monitor runs` lists them)\n"
+            assert restored in lines, lines
+        state = tmp_path / "own"
+        with serve(*args, "--client-id", "store-line-2", "--state-dir", str(state)) as proc:
+            own = f"agent-monitor: run store {state}/runs.sqlite3: no runs yet\n"
+            assert own in wait_serving(proc)
+
+
 def test_metrics_served_while_serving(broker: Mosquitto) -> None:
     import urllib.request
 

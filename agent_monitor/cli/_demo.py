@@ -14,6 +14,7 @@ import io
 import json
 import math
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -309,7 +310,7 @@ async def run_demo(
     from rich.live import Live
     from rich.text import Text
 
-    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig
+    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig, SqliteStore
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -349,13 +350,19 @@ async def run_demo(
         console.print(f"judge ~{latency:.1f} s for a first, cold call; {how}")
     registry = CollectorRegistry()
     port = _free_port()
-    metrics_at = metrics_port if metrics_port else _free_port()
-    try:
-        server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
-    except OSError:
-        metrics_at = _free_port()
-        server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+    metrics_at, server, thread = metrics_port, None, None
+    if metrics_port:  # 0 turns /metrics off, as for serve
+        try:
+            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+        except OSError:  # taken (a serve running?): any free port, shown below
+            metrics_at = _free_port()
+            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+    metrics = f"metrics http://127.0.0.1:{metrics_at}/metrics" if server else "metrics off"
     policy = Policy(abort_below=0.15, min_steps=3, patience=2, max_uncertainty=0.5)
+    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it: never the
+    # default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore them.
+    state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
+    store = SqliteStore(Path(state.name) / "runs.sqlite3")
 
     def screen() -> Any:
         return RichGroup(_table(views, f"judge {judge.name}"), Text(_caption(views, latency, paced), style="dim"))
@@ -374,12 +381,10 @@ async def run_demo(
                 ),
                 judge=judge,
                 registry=registry,
+                store=store,
             ),
         ):
-            console.print(
-                f"broker {broker.url}   metrics http://127.0.0.1:{metrics_at}/metrics   "
-                f"{len(runs)} runs replayed live over MQTT"
-            )
+            console.print(f"broker {broker.url}   {metrics}   {len(runs)} runs replayed live over MQTT")
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
                 publisher = tg.create_task(
@@ -404,15 +409,18 @@ async def run_demo(
                 console.print(f"[bold]Progress curves:[/bold] {png.resolve()}")
                 if keep:
                     console.print(
-                        f"Still serving (Ctrl-C to stop): broker {broker.url}, "
-                        f"metrics http://127.0.0.1:{metrics_at}/metrics (ended runs' series stay for 60 s)"
+                        f"Still serving (Ctrl-C to stop): broker {broker.url}, {metrics} "
+                        "(ended runs' series stay for 60 s)"
                     )
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.Event().wait()
                 watcher.cancel()
     finally:
-        server.shutdown()
-        thread.join(5)
+        if server is not None and thread is not None:
+            server.shutdown()
+            thread.join(5)
+        await store.aclose()
+        state.cleanup()
     return png
 
 

@@ -142,6 +142,26 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each hand-written option's default shown as a generated flag shows its own.
+
+    Generated flags carry `(default: X)` in their help already; switches are off unless given; an option
+    whose default is None says in its own help what that means.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "(default:" in text
+            or not action.option_strings
+            or action.default is None
+            or action.default is argparse.SUPPRESS
+            or action.nargs == 0  # switches, --help, --version
+        ):
+            return text
+        return f"{text} (default: {_shown(action.default).replace('%', '%%')})"
+
+
 def _metavar(leaf: _Leaf) -> str | None:
     if leaf.choices or leaf.kind is bool:
         return None
@@ -245,4 +265,4 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
     return dataclasses.replace(base, **values)
 
 
-__all__ = ["FlagError", "add_flags", "build", "env_name", "flag_name"]
+__all__ = ["FlagError", "HelpFormatter", "add_flags", "build", "env_name", "flag_name"]

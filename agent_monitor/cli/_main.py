@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,7 +23,7 @@ from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
-from ._flags import FlagError, add_flags, build
+from ._flags import FlagError, HelpFormatter, add_flags, build
 
 if TYPE_CHECKING:
     from ..daemon import SqliteStore
@@ -112,65 +113,116 @@ def build_judge(options: JudgeOptions) -> BaseJudge:
     raise CliError(f"unknown judge {kind!r}; choose openai, gemini or local")
 
 
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
+) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is its entry in `agent-monitor --help` and the top of its own --help."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=f"{summary[0].upper()}{summary[1:]}." + (f" {more}" if more else ""),
+        formatter_class=HelpFormatter,
+    )
+
+
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    from .. import __version__
     from ..daemon import MonitorConfig
 
     parser = argparse.ArgumentParser(
-        prog="agent-monitor", description="Live, fine-grained progress scores for AI agents and robots."
+        prog="agent-monitor",
+        description="Live, fine-grained progress scores for AI agents and robots.",
+        epilog="`agent-monitor COMMAND --help` shows a command's flags, their defaults and their "
+        "AGENT_MONITOR_* environment twins. Start with `agent-monitor demo` (offline, nothing to set up).",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    score = sub.add_parser(
-        "score", help="score every prefix of recorded runs (ATIF or plain JSON), as a live monitor would"
-    )
+    parser.add_argument("--version", action="version", version=f"agent-monitor {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", help="one of:")
+    score = _command(sub, "score", "score every prefix of recorded runs (ATIF or plain JSON), as a live monitor would")
     score.add_argument("path", help="a recorded run (.json) or a folder of them")
     add_flags(score, JudgeOptions, environ, title="judge")
-    score.add_argument("--criteria", default=None, help="bundled rubric name (progress, coding, robot) or a .md path")
-    score.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
+    score.add_argument(
+        "--criteria",
+        metavar="RUBRIC",
+        help="bundled rubric name (progress, coding, robot) or a .md path (default: progress)",
+    )
+    score.add_argument(
+        "--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)"
+    )
     add_flags(score, MonitorConfig, environ, only=["min_mass"], title="scoring")
     score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
 
-    serve = sub.add_parser("serve", help="follow live runs over MQTT; publish progress and abort/resample signals")
+    serve = _command(
+        sub,
+        "serve",
+        "follow live runs over MQTT; publish progress and abort/resample signals",
+        "Every flag has an AGENT_MONITOR_* environment twin (shown in brackets); a flag given wins over its twin.",
+    )
     add_flags(serve, BrokerOptions, environ, title="MQTT broker")
     add_flags(serve, JudgeOptions, environ, title="judge")
     add_flags(serve, MonitorConfig, environ, title="monitor")
     add_flags(serve, ServeOptions, environ, title="run store, metrics and logs")
 
-    ev = sub.add_parser(
-        "eval", help="score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
+    ev = _command(
+        sub, "eval", "score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
     )
     ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
     add_flags(ev, JudgeOptions, environ, title="judge")
-    ev.add_argument("--criteria", default=None, help="bundled rubric name or a criteria file")
+    ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
     add_flags(ev, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
-    ev.add_argument("--max-steps", type=int, default=None, help="score at most this many steps per run")
+    ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
     add_flags(ev, Policy, environ, only=["min_steps", "patience", "max_uncertainty", "abort_below"], title="policy")
-    ev.add_argument("--max-false-abort", type=float, default=0.05, help="false-abort rate the recommendation must keep")
-    ev.add_argument("--out", default="agent-monitor-eval", help="folder for the CSVs, PNG and JSON report")
     ev.add_argument(
-        "--cache", default=None, help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+        "--max-false-abort", type=float, default=0.05, metavar="X", help="false-abort rate the recommendation must keep"
     )
-    rp = sub.add_parser("replay", help="publish recorded runs to a broker as live runs (to watch the monitor)")
+    ev.add_argument(
+        "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
+    )
+    ev.add_argument(
+        "--cache", metavar="FILE", help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+    )
+
+    rp = _command(sub, "replay", "publish recorded runs to a broker as live runs (to watch the monitor)")
     rp.add_argument("path", help="a recorded run (.json) or a folder of them")
-    add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker")
-    add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics")
-    rp.add_argument("--speed", type=float, default=1.0, help="time scale: 10 replays ten times faster than recorded")
+    add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)")
+    add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)")
     rp.add_argument(
-        "--interval", type=float, default=1.0, help="seconds between steps without timestamps (before --speed)"
+        "--speed", type=float, default=1.0, metavar="X", help="time scale: 10 replays ten times faster than recorded"
     )
     rp.add_argument(
-        "--max-gap", type=float, default=30.0, help="cap on one recorded pause, in seconds (before --speed)"
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between steps without timestamps (before --speed)",
     )
-    rp.add_argument("--run-prefix", default="replay-", help="prefix of the run ids (the file name follows)")
-    rp.add_argument("--max-steps", type=int, default=None, help="publish at most this many steps per run")
-    rp.add_argument("--criteria", default=None, help="bundled rubric name to send in each start")
-    demo = sub.add_parser("demo", help="the whole loop offline: embedded broker, tiny local judge, example runs live")
+    rp.add_argument(
+        "--max-gap", type=float, default=30.0, metavar="SECONDS", help="cap on one recorded pause (before --speed)"
+    )
+    rp.add_argument(
+        "--run-prefix", default="replay-", metavar="PREFIX", help="prefix of the run ids (the file name follows)"
+    )
+    rp.add_argument("--max-steps", type=int, metavar="N", help="publish at most this many steps per run (default: all)")
+    rp.add_argument(
+        "--criteria",
+        metavar="RUBRIC",
+        help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
+    )
+
+    demo = _command(
+        sub,
+        "demo",
+        "the whole loop offline: embedded broker, tiny local judge, example runs live",
+        "No broker, GPU or API key needed; the runs are kept in a temporary store of their own (never serve's).",
+    )
     demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
-    demo.add_argument("--out", default="agent-monitor-demo", help="folder for the progress plot")
-    demo.add_argument("--metrics-port", type=int, default=9464, help="/metrics port while the demo runs (0: any free)")
+    demo.add_argument("--out", default="agent-monitor-demo", metavar="DIR", help="folder for the progress plot")
+    add_flags(demo, ServeOptions, environ, only=["metrics_port"], title="metrics (a taken port: any free one)")
     demo.add_argument(
         "--pace",
         type=float,
         default=None,
+        metavar="SECONDS",
         help="seconds between steps of each run (default: paced to the judge, so each step can get its own score)",
     )
     demo.add_argument(
@@ -179,17 +231,22 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
     )
     # The packaged tiny judge puts little mass on the scale letters; the demo's minimum is set for it.
-    demo.add_argument("--min-mass", type=float, default=0.05, help="minimum letter mass (the tiny judge needs it low)")
-    add_flags(demo, JudgeOptions, {}, title="a real judge instead of the packaged tiny one")
-    runs = sub.add_parser("runs", help="list live and recent runs from the run store")
+    demo.add_argument(
+        "--min-mass", type=float, default=0.05, metavar="X", help="minimum letter mass (the tiny judge needs it low)"
+    )
+    add_flags(demo, JudgeOptions, environ, title="a real judge instead of the packaged tiny one")
+
+    runs = _command(sub, "runs", "list live and recent runs from the run store")
     add_flags(runs, ServeOptions, environ, only=["state_dir"])
-    runs.add_argument("--limit", type=int, default=50, help="at most this many runs, newest first")
+    runs.add_argument("--limit", type=int, default=50, metavar="N", help="at most this many runs, newest first")
     runs.add_argument("--json", action="store_true", help="one JSON object per run")
-    export = sub.add_parser("export", help="write a run's steps and score curve as JSON")
-    export.add_argument("run_id")
+
+    export = _command(sub, "export", "write a run's steps and score curve as JSON")
+    export.add_argument("run_id", help="the run to export (`agent-monitor runs` lists them)")
     add_flags(export, ServeOptions, environ, only=["state_dir"])
-    export.add_argument("-o", "--output", default="-", help="file to write (default: stdout)")
-    schemas = sub.add_parser("schemas", help="write or check the JSON Schemas of every MQTT payload")
+    export.add_argument("-o", "--output", default="-", metavar="FILE", help="file to write (default: stdout)")
+
+    schemas = _command(sub, "schemas", "write or check the JSON Schemas of every MQTT payload")
     g = schemas.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="DIR", help="write the JSON Schemas of every payload into DIR")
     g.add_argument("--check", metavar="DIR", help="exit 1 if the schemas in DIR are not up to date")
@@ -300,7 +357,7 @@ async def _serve(args: argparse.Namespace) -> int:
             try:
                 embedded = await stack.enter_async_context(EmbeddedBroker(broker.host, broker.port))
             except BrokerStartError as e:
-                return _fail(str(e))
+                return _fail(f"{e}; {_other_port(broker)}" if e.port_in_use else str(e))
             log.info("embedded_broker_started", url=embedded.url)
         if store is not None:
             stack.push_async_callback(store.aclose)
@@ -327,6 +384,8 @@ async def _serve(args: argparse.Namespace) -> int:
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
+        if store is not None:
+            print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}); "
@@ -339,6 +398,36 @@ async def _serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             log.info("shutting_down")
     return 0
+
+
+async def _store_line(store: SqliteStore, restored: Sequence[str], *, default: bool) -> str:
+    """Where the run store is and what came back from it, so restored runs are never a surprise."""
+    _, ended = await store.count_runs()
+    where = f"run store {store.path}"
+    if default:
+        where += " (the default, shared by every agent-monitor of this user; --state-dir DIR for another, --no-store for none)"
+    if not restored and not ended:
+        return f"agent-monitor: {where}: no runs yet"
+    shown = ", ".join(restored[:5]) + (f", +{len(restored) - 5} more" if len(restored) > 5 else "")
+    live = f"restored {len(restored)} live run{'s' if len(restored) != 1 else ''}" + (f" ({shown})" if restored else "")
+    runs = "agent-monitor runs" + ("" if default else f" --state-dir {store.path.parent}")
+    return f"agent-monitor: {where}: {live}, {ended} ended (`{runs}` lists them)"
+
+
+def _other_port(broker: BrokerSettings) -> str:
+    """What to do when --embedded-broker's port is taken: use the broker there, or a free port."""
+    host = f"[{broker.host}]" if ":" in broker.host else broker.host
+    here = f"mqtt://{host}:{broker.port}"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in broker.host else socket.AF_INET) as s:
+            s.bind((broker.host, 0))
+            free = f"mqtt://{host}:{s.getsockname()[1]} (free now)"
+    except OSError:
+        free = f"mqtt://{host}:PORT with a free PORT"
+    return (
+        f"to use the broker already there, drop --embedded-broker (and keep --broker {here}); "
+        f"to run the embedded one anyway, move it to a free port: --embedded-broker --broker {free}"
+    )
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -532,9 +621,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     """Entry point of the `agent-monitor` console script."""
     env = os.environ if environ is None else environ
     try:
-        args = _parser(env).parse_args(argv)
+        parser = _parser(env)
+        args = parser.parse_args(argv)
     except (CliError, FlagError, ValueError) as e:
         return _fail(str(e))
+    if args.command is None:
+        # No command is a usage error, as argparse treats any other (exit code 2), shown as the whole help.
+        parser.print_help(sys.stderr)
+        return 2
     _configure_logging(env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning")
     try:
         if args.command == "score":

@@ -48,7 +48,15 @@ log = structlog.get_logger("agent_monitor.broker")
 
 
 class BrokerStartError(RuntimeError):
-    """The embedded broker could not start (port in use, amqtt missing); the message is one line."""
+    """The embedded broker could not start (port in use, amqtt missing); the message is one line.
+
+    `port_in_use` says the address was taken (another broker, most likely), so a caller can offer
+    to use that broker or another port.
+    """
+
+    def __init__(self, message: str, *, port_in_use: bool = False) -> None:
+        super().__init__(message)
+        self.port_in_use = port_in_use
 
 
 class EmbeddedBroker:
@@ -87,7 +95,7 @@ class EmbeddedBroker:
         except OSError as e:
             broker, self._broker = self._broker, None
             await broker.shutdown()
-            raise BrokerStartError(_start_failure(self.url, e)) from e
+            raise BrokerStartError(_start_failure(self.url, e), port_in_use=e.errno == errno.EADDRINUSE) from e
         return self
 
     async def __aexit__(self, *exc: object) -> None:

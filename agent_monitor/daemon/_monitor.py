@@ -205,6 +205,8 @@ class Monitor:
             else None
         )
         self.scorings = 0
+        self.restored: tuple[str, ...] = ()
+        """The live runs rebuilt from the store on entering, least recently active first."""
         self._scoring: dict[str, _Scoring] = {}
         self._prepared: dict[str, _Scoring] = {}
         self._routes: dict[type, list[Sink]] = {}
@@ -221,9 +223,9 @@ class Monitor:
         if self._stack is not None:
             raise RuntimeError("the monitor is already running")
         # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
-        restored = await self._restore()
-        if restored:
-            log.info("runs_restored", runs=restored)
+        await self._restore()
+        if self.restored:
+            log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
         first = await self.link.connect() if self.link is not None else None
         stack = contextlib.AsyncExitStack()
         try:
@@ -318,8 +320,11 @@ class Monitor:
         """Decode one message, journal what it means, fold it into its run; bad input is reported, never raised.
 
         Raises only when the run store cannot write: the message is then not acknowledged, and the
-        broker delivers it again.
+        broker delivers it again. The monitor's own outputs (progress, signal, error, `_errors`), which its
+        subscription `{prefix}/+/+` also matches, are ignored: acknowledged, not reported.
         """
+        if self.topics.is_output(topic):
+            return
         try:
             if len(payload) > _INLINE_DECODE_BYTES:
                 run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode)
@@ -604,4 +609,5 @@ class Monitor:
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)
         self.metrics.runs_active.set(len(self.book.live))
+        self.restored = tuple(self.book.live)
         return len(self.book.live)

@@ -19,6 +19,7 @@ import paho.mqtt.client as mqtt
 import structlog
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ..wire import BrokerSettings, Topics
 from ._config import Protocol
@@ -36,7 +37,7 @@ class BrokerUnavailable(ConnectionError):
 
 
 class MqttLink:
-    """One MQTT connection for the daemon: subscribe to every input topic, deliver messages, publish the outbox."""
+    """One MQTT connection for the daemon: subscribe to `{prefix}/+/+`, deliver messages, publish the outbox."""
 
     def __init__(
         self,
@@ -137,15 +138,7 @@ class MqttLink:
                 break
             try:
                 # Subscribed before the monitor counts as started: the broker session queues from here on.
-                for f in self.topics.inputs:
-                    granted = await client.subscribe(f, qos=1)
-                    refused = [c for c in (granted or ()) if _code(c) >= 0x80]
-                    if refused:
-                        await client.__aexit__(None, None, None)
-                        raise BrokerUnavailable(
-                            f"the MQTT broker at {self.broker.url} refused the subscription to {f} ({refused[0]}); "
-                            f"check the broker's ACL: the monitor must read {self.topics.prefix}/+/start|step|end"
-                        )
+                await self._subscribe(client, v)
             except aiomqtt.MqttError as e:
                 with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
@@ -155,6 +148,44 @@ class MqttLink:
             self.negotiated = v
             return client
         raise BrokerUnavailable(_explain(self.broker, last))
+
+    async def _subscribe(self, client: aiomqtt.Client, version: Literal["5", "3.1.1"]) -> None:
+        """Subscribe to `{prefix}/+/+`, or to the three input kinds where the broker refuses that; else raise.
+
+        The wide filter is what lets a misspelt topic (`agents/run-3/steps`) be reported as unknown_topic
+        instead of never arriving. It matches the monitor's own outputs too: MQTT v5's no-local option
+        keeps the broker from sending them back; on 3.1.1 they come back and `Monitor.handle` drops them.
+        """
+        t = self.topics
+
+        async def subscribe(f: str) -> str | None:
+            if version == "5":
+                granted = await client.subscribe(f, options=SubscribeOptions(qos=1, noLocal=True))
+            else:
+                granted = await client.subscribe(f, qos=1)
+            refused = [c for c in (granted or ()) if _code(c) >= 0x80]
+            return str(refused[0]) if refused else None
+
+        refused = await subscribe(t.subscription)
+        if refused is None:
+            # A session kept by the broker from an older monitor still holds the three input filters, and a
+            # broker sends a message once per matching subscription: each step would arrive twice.
+            await client.unsubscribe(t.inputs)
+            return
+        log.warning(
+            "subscription_narrowed",
+            refused=t.subscription,
+            reason=refused,
+            note="misspelt topics will not be reported (unknown_topic); the broker's ACL allows only the inputs",
+        )
+        for f in t.inputs:
+            refused = await subscribe(f)
+            if refused is not None:
+                await client.__aexit__(None, None, None)
+                raise BrokerUnavailable(
+                    f"the MQTT broker at {self.broker.url} refused the subscription to {f} ({refused}); "
+                    f"check the broker's ACL: the monitor must read {t.prefix}/+/start|step|end"
+                )
 
     async def run(self, on_message: OnMessage, outbox: Outbox, *, first: aiomqtt.Client | None = None) -> None:
         """Serve forever: receive inputs and publish the outbox; on a lost connection, reconnect with backoff."""

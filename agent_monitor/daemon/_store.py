@@ -361,6 +361,15 @@ class SqliteStore:
 
         return await self._run(read)
 
+    async def count_runs(self) -> tuple[int, int]:
+        """How many runs the store holds: (live, ended), ended ones until --retention drops them."""
+
+        def read(db: sqlite3.Connection) -> tuple[int, int]:
+            live, ended = db.execute("SELECT COUNT(*) - COUNT(ended_at), COUNT(ended_at) FROM runs").fetchone()
+            return int(live), int(ended)
+
+        return await self._run(read)
+
     async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
         """Live and recent runs, newest first: id, task, times, outcome, last step, score and signal."""
 

@@ -4,7 +4,8 @@ Topics (prefix `agents` by default, configurable, may have several levels):
 
 - inputs: `{prefix}/{run_id}/start` (RunStart), `.../step` (StepIn), `.../end` (RunEnd);
 - outputs: `.../progress` (ProgressOut), `.../signal` (SignalOut, retained), `.../error` (ErrorOut);
-  events whose topic or run id cannot be parsed are reported on `{prefix}/_errors`.
+  events whose topic or run id cannot be parsed (`bad_topic`), or whose kind is none of start,
+  step, end (`unknown_topic`: a typo such as `steps`), are reported on `{prefix}/_errors`.
 
 A run id is one topic level of 1 to 128 characters from `A-Z a-z 0-9 . _ : -`, not starting
 with `_` (reserved for the monitor's own topics such as `_errors`) and not `.` or `..`.

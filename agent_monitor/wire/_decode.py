@@ -15,7 +15,7 @@ from ._limits import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES
 from ._outputs import ErrorOut
 from ._topics import TopicError, parse_topic
 
-ErrorReason = Literal["payload_too_large", "bad_json", "bad_topic", "invalid", "bad_image"]
+ErrorReason = Literal["payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image"]
 """The refusals decoding can give (a subset of `agent_monitor.progress.REFUSALS`)."""
 
 
@@ -63,6 +63,19 @@ def summarise(error: ValidationError) -> tuple[ErrorReason, str]:
     return reason, clip(text, 600)
 
 
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """The decoder's message with its position (`Invalid control character at line 1 column 28`) and what to do.
+
+    Some of the decoder's messages end in "at" already ("Invalid control character at", "Unterminated
+    string starting at"), others do not ("Expecting value").
+    """
+    where = f"line {e.lineno} column {e.colno}"
+    problem = f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
+    if e.msg.startswith("Invalid control character"):
+        return f"{problem}; write a tab or line break inside a string as \\t or \\n"
+    return f"{problem}; send one JSON object (e.g. from json.dumps)"
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number in JSON")
 
@@ -86,7 +99,7 @@ def decode_event(
     try:
         run_id, kind = parse_topic(topic, prefix)
     except TopicError as e:
-        raise EventError("bad_topic", str(e)) from None
+        raise EventError(e.reason, str(e)) from None
     raw = payload.encode() if isinstance(payload, str) else bytes(payload)
     if len(raw) > max_payload:
         raise EventError(
@@ -103,9 +116,7 @@ def decode_event(
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise EventError(
-            "bad_json", f"payload is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", run_id=run_id
-        ) from None
+        raise EventError("bad_json", f"payload is not valid JSON: {_json_problem(e)}", run_id=run_id) from None
     except (ValueError, RecursionError) as e:
         detail = "nested too deeply" if isinstance(e, RecursionError) else clip(str(e), 120)
         raise EventError("bad_json", f"payload is not acceptable JSON: {detail}", run_id=run_id) from None

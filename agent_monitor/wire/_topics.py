@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Literal
 
@@ -23,7 +24,15 @@ RunId = Annotated[str, StringConstraints(pattern=_RUN_ID_PATTERN, max_length=MAX
 
 
 class TopicError(ValueError):
-    """A topic that is not `{prefix}/{run_id}/{kind}`, or a run id that is not a valid topic level."""
+    """A topic that is not `{prefix}/{run_id}/{kind}`, or a run id that is not a valid topic level.
+
+    `reason` is `unknown_topic` for a well-formed topic whose kind is none of start, step, end (a
+    typo such as `steps`), else `bad_topic`.
+    """
+
+    def __init__(self, message: str, *, reason: Literal["bad_topic", "unknown_topic"] = "bad_topic") -> None:
+        super().__init__(message)
+        self.reason: Literal["bad_topic", "unknown_topic"] = reason
 
 
 def check_run_id(run_id: object) -> str:
@@ -68,7 +77,18 @@ def parse_topic(topic: str, prefix: str = "agents") -> tuple[str, Kind]:
         return run_id, "step"
     if kind == "end":
         return run_id, "end"
-    raise TopicError(f"topic {clip(topic)!r} has unknown kind {clip(kind, 40)!r}; use start, step or end")
+    if kind in OUTPUT_KINDS:
+        raise TopicError(
+            f"topic {clip(topic)!r} is one of the monitor's outputs, not an input; "
+            f"publish to {prefix}/{run_id}/<start|step|end>"
+        )
+    guess = difflib.get_close_matches(kind.lower(), INPUT_KINDS, n=1, cutoff=0.6)
+    hint = f"{prefix}/{run_id}/{guess[0]}" if guess else f"{prefix}/{run_id}/<start|step|end>"
+    raise TopicError(
+        f"unknown topic {clip(topic)!r}: the monitor reads only {prefix}/<run_id>/start, step and end, "
+        f"not {clip(kind, 40)!r}; publish to {hint}",
+        reason="unknown_topic",
+    )
 
 
 def topic(prefix: str, run_id: str, kind: str) -> str:
@@ -100,8 +120,25 @@ class Topics:
     def __init__(self, prefix: str = "agents") -> None:
         self.prefix = check_prefix(prefix)
         self.errors = f"{prefix}/{ERRORS_LEVEL}"
+        self.subscription = f"{prefix}/+/+"
+        """What the daemon subscribes to: every input, and every misspelt one (reported as unknown_topic)."""
         self.inputs = [f"{prefix}/+/{k}" for k in INPUT_KINDS]
+        """The exact input filters (where a broker refuses the wider subscription)."""
+        self._under = prefix + "/"
 
     def of(self, run_id: str, kind: str) -> str:
         """`{prefix}/{run_id}/{kind}` for a run id that is already known valid."""
         return f"{self.prefix}/{run_id}/{kind}"
+
+    def is_output(self, topic: str) -> bool:
+        """Whether `topic` is one the monitor publishes (progress, signal, error, `_errors`, other `_` levels).
+
+        The daemon's subscription also matches these (its own messages and other monitors'); they are
+        ignored, not reported. A `_` level followed by an input kind is not one of them: it is a bad run id.
+        """
+        if not topic.startswith(self._under):
+            return False
+        levels = topic[len(self._under) :].split("/")
+        if levels[0].startswith("_"):
+            return levels[-1] not in INPUT_KINDS
+        return len(levels) == 2 and levels[1] in OUTPUT_KINDS
