@@ -10,13 +10,14 @@ import json
 import os
 import sqlite3
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..criteria import CriteriaError
-from ..judges.base import BaseJudge, JudgeError
+from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
@@ -94,7 +95,19 @@ class ServeOptions:
 
 
 def build_judge(options: JudgeOptions) -> BaseJudge:
-    """The judge the options name."""
+    """The judge the options name; a warning it gives (e.g. a tiny local model's) becomes one log line."""
+    import structlog
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)  # advice to the user; deprecations stay as filtered
+        judge = _new_judge(options)
+    for w in caught:
+        # Python's own format would add a file name and a source line to what is one line of advice.
+        structlog.get_logger("agent_monitor.cli").warning("judge_warning", judge=judge.name, warning=str(w.message))
+    return judge
+
+
+def _new_judge(options: JudgeOptions) -> BaseJudge:
     kind, timeout = options.judge, options.judge_timeout
     extra: dict[str, Any] = {} if timeout is None else {"timeout_s": timeout}
     if kind == "openai":
@@ -168,8 +181,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     demo.add_argument("--out", default="agent-monitor-demo", help="folder for the progress plot")
     demo.add_argument("--metrics-port", type=int, default=9464, help="/metrics port while the demo runs (0: any free)")
     demo.add_argument("--pace", type=float, default=1.0, help="seconds between steps of each run")
-    # The packaged tiny judge puts little mass on the scale letters; the demo's minimum is set for it.
-    demo.add_argument("--min-mass", type=float, default=0.05, help="minimum letter mass (the tiny judge needs it low)")
+    add_flags(demo, MonitorConfig, {}, only=["min_mass"], title="scoring")
     add_flags(demo, JudgeOptions, {}, title="a real judge instead of the packaged tiny one")
     runs = sub.add_parser("runs", help="list live and recent runs from the run store")
     add_flags(runs, ServeOptions, environ, only=["state_dir"])
@@ -211,11 +223,8 @@ async def _score(args: argparse.Namespace) -> int:
     if not args.judge:
         return _fail(_NO_JUDGE)
     runs = list(iter_recorded(args.path))
-    try:
-        judge = build_judge(build(JudgeOptions, args))
-    except Exception as e:  # SDKs raise their own types for missing keys or extras; one line for the user
-        print(f"agent-monitor: cannot set up the {args.judge} judge: {e}", file=sys.stderr)
-        return 2
+    # Probed first, as `serve` does: a dead judge is one line now, not a failed row per step after retries.
+    judge = await _ready_judge(args)
     failures = 0
     try:
         for run in runs:
@@ -233,19 +242,21 @@ async def _score(args: argparse.Namespace) -> int:
         await judge.aclose()
     if not args.json:
         print(
-            f"\njudge {judge.name} model {judge.model}: {judge.calls} calls, {judge.failures} failed; tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
+            f"\njudge {judge.name} model {judge.model or '(unknown)'}: {judge.calls} calls, {judge.failures} failed; "
+            f"tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
         )
     return 1 if failures else 0
 
 
-async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
+async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None) -> BaseJudge:
     """Build the judge and check it can answer before any run depends on it; raise CliError with one line."""
     options = build(JudgeOptions, args)
     try:
         judge = build_judge(options)
     except Exception as e:  # SDKs raise their own types for a missing key or extra
         raise CliError(f"cannot set up the {options.judge} judge: {e}") from None
-    judge.concurrency = concurrency
+    if concurrency is not None:
+        judge.concurrency = concurrency
     try:
         if options.judge == "openai" and not options.judge_model:
             from ..judges.openai import OpenAIJudge
@@ -259,7 +270,9 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
             await judge.load()
     except (JudgeError, OSError, ValueError, RuntimeError) as e:
         await judge.aclose()
-        where = f" at {options.judge_url}" if options.judge_url else ""
+        # The OpenAI judge's errors name the URL they tried; said once, the line stays readable.
+        url = options.judge_url
+        where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
 
@@ -317,9 +330,10 @@ async def _serve(args: argparse.Namespace) -> int:
         assert task is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
+        min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
-            f"with the {judge.name} judge ({judge.model or 'model from server'}); "
+            f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
             f"run store {store.path if store else 'off (in memory)'}",
             file=sys.stderr,
             flush=True,
@@ -501,14 +515,23 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, *, drop: Sequence[str] = ()) -> None:
+    """JSON log lines on stderr at `level` and above; events named in `drop` are left out."""
     import logging
 
     import structlog
 
+    dropped = frozenset(drop)
+
+    def leave_out(_logger: object, _method: str, event: Any) -> Any:
+        if event.get("event") in dropped:
+            raise structlog.DropEvent
+        return event
+
     # Logs go to stderr so that stdout stays the command's output (tables, JSON lines).
     structlog.configure(
         processors=[
+            leave_out,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),
@@ -525,9 +548,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         args = _parser(env).parse_args(argv)
     except (CliError, FlagError, ValueError) as e:
         return _fail(str(e))
-    _configure_logging(env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning")
+    level = env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning"
+    _configure_logging(level)
     try:
         if args.command == "score":
+            # Each row already shows its failure; the tracker's log line would say it a second time.
+            _configure_logging(level, drop=["score_failed"])
             return asyncio.run(_score(args))
         if args.command == "serve":
             _configure_logging(args.log_level)
