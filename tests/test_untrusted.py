@@ -247,6 +247,7 @@ def _specials(llm: object, spellings: Iterable[str]) -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning")  # the tiny judge, on purpose
 @pytest.mark.parametrize("model", ["gemma", "smollm2"])
 def test_llamacpp_token_ids_hold_no_control_token_from_the_run(model: str) -> None:
     pytest.importorskip("llama_cpp")
