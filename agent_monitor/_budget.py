@@ -48,17 +48,6 @@ def budget(seconds: float) -> Iterator[None]:
         _deadline.reset(token)
 
 
-def remaining(what: str = "extraction") -> float | None:
-    """Seconds left in the current budget (None outside one); BudgetExceeded when none is left."""
-    d = _deadline.get()
-    if d is None:
-        return None
-    left = d[0] - time.monotonic()
-    if left <= 0:
-        raise BudgetExceeded(what, d[1])
-    return left
-
-
 def within(fn: Callable[[], Any], seconds: float, what: str) -> Any:
     """Call `fn()` under a budget of `seconds`; BudgetExceeded if it ran over, even if it returned."""
     start = time.monotonic()

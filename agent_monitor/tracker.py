@@ -197,7 +197,7 @@ class AsyncProgressTracker:
 
     def _prepare(self, p: _Pending, index: int) -> Step:
         """A step made ready in a worker thread: images decoded, extractors run once under the time budget."""
-        frames = tuple(load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in p.images)
+        frames = tuple(self._decode(p.images))
         try:
             text = within(lambda: self.rubric.extractors(p.text), self.extract_budget_s, f"step {index}'s extractors")
         except BudgetExceeded as e:
@@ -209,12 +209,12 @@ class AsyncProgressTracker:
             )
         return Step(index=index, text=text, frames=frames, meta=p.meta)
 
+    def _decode(self, images: Sequence[ImageInput]) -> list[Frame]:
+        """Images loaded as this tracker allows (blocking: call it from a worker thread)."""
+        return [load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in images]
+
     async def _load(self, images: Sequence[ImageInput]) -> list[Frame]:
-        if not images:
-            return []
-        return await asyncio.to_thread(
-            lambda: [load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in images]
-        )
+        return await asyncio.to_thread(self._decode, images) if images else []
 
     # -- scoring --
 
