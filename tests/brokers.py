@@ -54,7 +54,6 @@ class Mosquitto:
             "persistence true\n"
             f"persistence_location {workdir}/\n"
             "autosave_interval 1\n"
-            "max_queued_messages 100000\n"
             "log_dest stderr\n"
             "log_type error\n"
             "log_type warning\n"
