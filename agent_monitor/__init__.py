@@ -1,12 +1,13 @@
 """agent-monitor: live, fine-grained progress scores for running AI agents and robots.
 
 This module is the in-process hook and its vocabulary: trackers, judges, results, policy,
-criteria. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
+calibration, criteria. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
 `MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from .calibration import Calibration, CalibrationError, Family, Threshold
 from .criteria import CriteriaError, Criterion, Rubric, bundled_criteria, load_criteria
 from .extractors import register_extractor
 from .images import Frame, FrameBudget, ImageError, load_image
@@ -56,10 +57,13 @@ __all__ = [
     "LETTERS",
     "AsyncProgressTracker",
     "BaseJudge",
+    "Calibration",
+    "CalibrationError",
     "CriteriaError",
     "Criterion",
     "CriterionScore",
     "Decision",
+    "Family",
     "Frame",
     "FrameBudget",
     "GeminiJudge",
@@ -85,6 +89,7 @@ __all__ = [
     "ScoreError",
     "Signal",
     "Step",
+    "Threshold",
     "Usage",
     "__version__",
     "atrack",

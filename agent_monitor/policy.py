@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .progress import Decision, Progress, Signal
+
+if TYPE_CHECKING:
+    from .calibration import Threshold
+
+AUTO: Literal["auto"] = "auto"
+"""`abort_below="auto"`: the threshold comes from calibration on the family's finished runs."""
+DEFAULT_ALPHA = 0.05
+"""The default bound on the share of successful runs an "auto" threshold may abort."""
 
 
 class PolicyError(ValueError):
@@ -20,7 +29,10 @@ class Policy:
     """Thresholds for one run's signals (None turns a signal off).
 
     - abort: the score stayed below `abort_below` for `patience` scored steps in
-      a row, after `min_steps`. Abort is final for the run.
+      a row, after `min_steps`. Abort is final for the run. `abort_below="auto"`
+      takes the threshold from calibration (`agent_monitor.calibration`): the
+      highest one that aborts at most a share `alpha` of the family's successful
+      runs, and none until enough of them have ended.
     - resample: the score is below `resample_below`, or has fallen by at least
       `regression` from the run's best; back to continue when neither holds.
     - A score with `uncertainty` above `max_uncertainty` neither counts toward
@@ -28,7 +40,10 @@ class Policy:
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     """
 
-    abort_below: float | None = field(default=None, metadata={"help": "abort when the score stays below this"})
+    abort_below: float | Literal["auto"] | None = field(
+        default=None,
+        metadata={"help": "abort when the score stays below this; 'auto': the calibrated threshold (see alpha)"},
+    )
     resample_below: float | None = field(default=None, metadata={"help": "resample when the score is below this"})
     min_steps: int = field(default=3, metadata={"help": "no abort or resample before this step"})
     patience: int = field(default=3, metadata={"help": "scored steps in a row below abort-below before abort"})
@@ -38,18 +53,36 @@ class Policy:
     max_uncertainty: float = field(
         default=0.35, metadata={"help": "scores more uncertain than this neither count toward nor break a streak"}
     )
+    alpha: float = field(
+        default=DEFAULT_ALPHA,
+        metadata={"help": "with abort-below auto: the most successful runs of a family it may abort (a share)"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("abort_below", "resample_below", "regression"):
             v = getattr(self, name)
+            if name == "abort_below" and v == AUTO:
+                continue
             if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
-                raise PolicyError(f"policy {name}={v!r}: use a number in [0, 1], or leave it out")
+                raise PolicyError(
+                    f"policy {name}={v!r}: use a number in [0, 1]"
+                    + (', or "auto"' if name == "abort_below" else "")
+                    + ", or leave it out"
+                )
         if not (isinstance(self.min_steps, int) and self.min_steps >= 0):
             raise PolicyError(f"policy min_steps={self.min_steps!r}: use an integer >= 0")
         if not (isinstance(self.patience, int) and self.patience >= 1):
             raise PolicyError(f"policy patience={self.patience!r}: use an integer >= 1")
         if not (isinstance(self.max_uncertainty, (int, float)) and 0.0 <= self.max_uncertainty <= 1.0):
             raise PolicyError(f"policy max_uncertainty={self.max_uncertainty!r}: use a number in [0, 1]")
+        a = self.alpha
+        if isinstance(a, bool) or not (isinstance(a, (int, float)) and 0.0 < a < 1.0):
+            raise PolicyError(f"policy alpha={a!r}: use a number between 0 and 1 (exclusive), e.g. {DEFAULT_ALPHA}")
+
+    @property
+    def auto(self) -> bool:
+        """The abort threshold comes from calibration."""
+        return self.abort_below == AUTO
 
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Policy:
         """This policy with some settings replaced (e.g. a run's `start.policy`); unknown keys are an error."""
@@ -71,20 +104,55 @@ class Policy:
 
 
 class PolicyState:
-    """One run's policy memory: best score so far, the low-score streak, the current signal."""
+    """One run's policy memory: best score so far, the last counted scores, the current signal.
 
-    def __init__(self, policy: Policy) -> None:
+    With `abort_below="auto"`, `threshold` gives the calibrated threshold in force at each
+    observation (it moves as the family's runs end); without it, an "auto" run never aborts.
+    """
+
+    def __init__(self, policy: Policy, *, threshold: Callable[[], Threshold] | None = None) -> None:
         self.policy = policy
+        self.threshold = threshold
         self.signal: Signal = "continue"
         self.reason = "start"
         self.best_score: float | None = None
         self.best_step: int | None = None
-        self.low_streak = 0
+        # The last `patience` scores the streak counts: abort when all are below the threshold in force. With a
+        # fixed threshold that is exactly "a streak of `patience`"; with a moving one it uses today's threshold.
+        self.recent: deque[float] = deque(maxlen=policy.patience)
+        fixed = policy.abort_below
+        self.abort_below: float | None = float(fixed) if isinstance(fixed, (int, float)) else None
+        """The abort threshold in force at the last observation (None: this rule aborts nothing)."""
+        self.calibration: str | None = None
+        """Where an "auto" threshold came from ("calibrated on 23 successful runs, alpha 0.05"), else None."""
+
+    @property
+    def low_streak(self) -> int:
+        """Counted scores in a row, up to `patience`, below the threshold in force."""
+        t = self.abort_below
+        if t is None:
+            return 0
+        n = 0
+        for s in reversed(self.recent):
+            if s >= t:
+                break
+            n += 1
+        return n
+
+    def _refresh(self) -> None:
+        if not self.policy.auto:
+            return
+        if self.threshold is None:
+            self.abort_below, self.calibration = None, "no calibration attached; never aborts"
+            return
+        th = self.threshold()
+        self.abort_below, self.calibration = th.value, th.reason
 
     def observe(self, p: Progress) -> Decision:
         """Fold one result (in step order) into the state and decide."""
         before = self.signal
         pol = self.policy
+        self._refresh()
         if self.signal == "abort":
             pass  # final: the harness has been told to stop
         elif not p.ok or p.score is None:
@@ -99,10 +167,7 @@ class PolicyState:
             elif not certain:
                 self.reason = f"score {score:.2f} too uncertain (±{p.uncertainty:.2f}); keeping {self.signal}"
             else:
-                if pol.abort_below is not None and score < pol.abort_below:
-                    self.low_streak += 1
-                else:
-                    self.low_streak = 0
+                self.recent.append(score)
                 self.signal, self.reason = self._decide(score)
         return Decision(
             signal=self.signal,
@@ -112,12 +177,16 @@ class PolicyState:
             best_step=self.best_step,
             best_score=self.best_score,
             changed=self.signal != before,
+            abort_below=self.abort_below,
+            calibration=self.calibration,
         )
 
     def _decide(self, score: float) -> tuple[Signal, str]:
         pol = self.policy
-        if pol.abort_below is not None and self.low_streak >= pol.patience:
-            return "abort", f"score below {pol.abort_below} for {self.low_streak} scored steps"
+        t = self.abort_below
+        if t is not None and len(self.recent) == pol.patience and max(self.recent) < t:
+            why = f"score below {t:.4g} for {pol.patience} scored steps"
+            return "abort", f"{why} ({self.calibration})" if self.calibration else why
         if pol.resample_below is not None and score < pol.resample_below:
             return "resample", f"score {score:.2f} below {pol.resample_below}"
         if pol.regression is not None and self.best_score is not None and self.best_score - score >= pol.regression:

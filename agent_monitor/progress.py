@@ -113,6 +113,8 @@ class DecisionJSON(TypedDict):
     best_step: int | None
     best_score: float | None
     changed: bool
+    abort_below: float | None
+    calibration: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,10 @@ class Decision:
     best_step: int | None
     best_score: float | None
     changed: bool
+    abort_below: float | None = None
+    """The abort threshold in force for this decision (None: no abort rule, or not calibrated yet)."""
+    calibration: str | None = None
+    """For `abort_below="auto"`: where the threshold came from, or why there is none yet."""
 
     def to_json(self) -> DecisionJSON:
         """The JSON form."""
@@ -137,6 +143,8 @@ class Decision:
             "best_step": self.best_step,
             "best_score": _finite(self.best_score),
             "changed": self.changed,
+            "abort_below": _finite(self.abort_below),
+            "calibration": self.calibration,
         }
 
     @classmethod
@@ -150,6 +158,8 @@ class Decision:
             best_step=data.get("best_step"),
             best_score=data.get("best_score"),
             changed=bool(data.get("changed", False)),
+            abort_below=data.get("abort_below"),
+            calibration=data.get("calibration"),
         )
 
 

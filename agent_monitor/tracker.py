@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import structlog
 
 from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
 from ._loop import LoopThread
+from .calibration import Calibration, Family, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
@@ -96,6 +98,8 @@ class AsyncProgressTracker:
         policy: Policy | Mapping[str, Any] | None = None,
         on_signal: Callable[[Decision], object] | None = None,
         extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+        calibration: Calibration | None = None,
+        family: str | None = None,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -121,7 +125,17 @@ class AsyncProgressTracker:
         self.calls_saved = 0
         if isinstance(policy, Mapping):
             policy = Policy().with_overrides(policy)
-        self.policy_state = PolicyState(policy) if policy is not None else None
+        self.calibration = calibration
+        self._anon_id = f"anonymous-{uuid.uuid4().hex}"
+        self.family = Family.of(
+            family=family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
+        )
+        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
+        self.policy_state = (
+            PolicyState(policy, threshold=self._threshold if calibration is not None else None)
+            if policy is not None
+            else None
+        )
         self.on_signal = on_signal
         self.run_id = run_id
         self.on_progress = on_progress
@@ -275,6 +289,22 @@ class AsyncProgressTracker:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
         return p
+
+    def _threshold(self) -> Threshold:
+        assert self.calibration is not None and self.policy_state is not None
+        return self.calibration.threshold(self.family, self.policy_state.policy)
+
+    def finish(self, outcome: object) -> Sample | None:
+        """Teach the calibration this run's outcome ("success", "failure" or a number); the sample it kept, if any.
+
+        Call it once the run has ended and its last step is scored. Without a calibration, or with an
+        outcome that says neither success nor failure, nothing is learnt (None).
+        """
+        if self.calibration is None:
+            return None
+        # A run counts once per family: a tracker without a run id still needs an id of its own.
+        run_id = self.run_id or self._anon_id
+        return self.calibration.record(self.family, run_id, outcome, self.curve)
 
     def restore(self, results: Iterable[Progress]) -> None:
         """Take results scored before a restart as this tracker's own: curve, latest and policy state, no callbacks."""
@@ -470,6 +500,8 @@ class ProgressTracker:
         policy: Policy | Mapping[str, Any] | None = None,
         on_signal: Callable[[Decision], object] | None = None,
         extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+        calibration: Calibration | None = None,
+        family: str | None = None,
     ) -> None:
         # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
         # Built before any loop starts: a bad option then leaves no thread behind.
@@ -489,6 +521,8 @@ class ProgressTracker:
             policy=policy,
             on_signal=on_signal,
             extract_budget_s=extract_budget_s,
+            calibration=calibration,
+            family=family,
         )
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
@@ -547,6 +581,21 @@ class ProgressTracker:
     def min_mass(self) -> float:
         """The minimum letter mass in use: the one given, else the judge's recommendation."""
         return self._core.min_mass
+
+    @property
+    def family(self) -> Family:
+        """This run's calibration key: its family, the judge's model, the rubric's hash."""
+        return self._core.family
+
+    def finish(self, outcome: object) -> Sample | None:
+        """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after the last step."""
+        self._check()
+        return self._portal.call(self._finish, outcome)
+
+    async def _finish(self, outcome: object) -> Sample | None:
+        # On the tracker's loop: the calibration is shared with other trackers there.
+        await self._core.drain()
+        return self._core.finish(outcome)
 
     def close(self) -> None:
         """Stop the background worker; the judge stays open for other trackers."""

@@ -19,11 +19,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = {
     "agent_monitor": [
-        "AsyncProgressTracker", "BaseJudge", "CriteriaError", "Criterion", "CriterionScore", "Decision", "Frame",
-        "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
+        "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "CriteriaError", "Criterion",
+        "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
         "PolicyError", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
-        "Signal", "Step", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
+        "Signal", "Step", "Threshold", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
         "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "track",
     ],
     "agent_monitor.wire": [

@@ -411,7 +411,7 @@ async def run_demo(
                     views,
                     Path(out_dir) / "progress.png",
                     f"judge {judge.name} {judge.model}".strip(),
-                    abort_below=policy.abort_below,
+                    abort_below=policy.abort_below if isinstance(policy.abort_below, float) else None,
                 )
                 console.print()
                 console.print("[bold]What happened[/bold]")

@@ -340,15 +340,16 @@ class MonitorClient:
         task: str,
         criteria: str | dict[str, Any] | list[Any] | None = None,
         images: Iterable[ImageArg] = (),
-        policy: Mapping[str, float | int | None] | None = None,
+        policy: Mapping[str, float | int | str | None] | None = None,
         labels: Mapping[str, str] | None = None,
+        family: str | None = None,
         on_signal: Callable[[SignalOut], None] | None = None,
         on_progress: Callable[[ProgressOut], None] | None = None,
     ) -> Run:
         """Subscribe to the run's outputs, publish its start (QoS 1) and wait for the PUBACK; return the Run."""
         filters = [topic(self.prefix, run_id, k) for k in OUTPUT_KINDS]  # raises TopicError for a bad run id
         payload: dict[str, Any] = {"task": task}
-        optional = {"criteria": criteria, "policy": policy, "labels": labels}
+        optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family}
         payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs

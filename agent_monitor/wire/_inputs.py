@@ -199,7 +199,7 @@ class RunStart(_In):
         "{'criteria': [...]}; never a file path. Null: the default progress rubric.",
     )
     images: ImageList
-    policy: dict[str, float | int | None] | None = Field(
+    policy: dict[str, float | int | str | None] | None = Field(
         default=None,
         description="Overrides of the monitor's policy defaults; unknown keys are an error.",
         json_schema_extra={"propertyNames": {"enum": list(POLICY_KEYS)}},
@@ -209,6 +209,12 @@ class RunStart(_In):
         Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)],
     ] = Field(default_factory=dict, max_length=MAX_LABELS)
     expected: str | None = Field(default=None, max_length=MAX_TASK_CHARS, description="Known final answer (eval).")
+    family: str | None = Field(
+        default=None,
+        max_length=MAX_LABEL_VALUE_CHARS,
+        description='The family of runs this one belongs to, for abort_below "auto" (calibration is kept per '
+        "family, judge model and rubric); default: the task text.",
+    )
 
     @field_validator("task")
     @classmethod
@@ -283,7 +289,9 @@ class RunStart(_In):
 
     @field_validator("policy")
     @classmethod
-    def _policy_known(cls, policy: dict[str, float | int | None] | None) -> dict[str, float | int | None] | None:
+    def _policy_known(
+        cls, policy: dict[str, float | int | str | None] | None
+    ) -> dict[str, float | int | str | None] | None:
         if policy is None:
             return None
         unknown = sorted(set(policy) - set(POLICY_KEYS))

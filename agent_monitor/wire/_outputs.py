@@ -62,6 +62,12 @@ class DecisionOut(_Out):
     best_step: int | None = None
     best_score: float | None = None
     changed: bool = False
+    abort_below: float | None = Field(
+        default=None, description="The abort threshold in force (null: no abort rule, or not calibrated yet)."
+    )
+    calibration: str | None = Field(
+        default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
+    )
 
 
 class ProgressOut(_Out):
@@ -120,7 +126,13 @@ class SignalOut(_Out):
     best_step: int | None = Field(default=None, description="The step where progress peaked (roll back there).")
     best_score: float | None = None
     changed: bool = True
-    policy: dict[str, float | int | None] = Field(default_factory=dict)
+    abort_below: float | None = Field(
+        default=None, description="The abort threshold in force (null: no abort rule, or not calibrated yet)."
+    )
+    calibration: str | None = Field(
+        default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
+    )
+    policy: dict[str, float | int | str | None] = Field(default_factory=dict)
 
     @classmethod
     def from_decision(cls, run_id: str, decision: Decision, policy: Policy) -> SignalOut:

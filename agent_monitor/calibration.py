@@ -1,0 +1,349 @@
+"""Abort thresholds learned from outcomes, with a finite-sample bound on aborted successes (split conformal).
+
+For a run policy (`min_steps`, `patience`, `max_uncertainty`), a finished run would be aborted at
+threshold t exactly when some `patience` consecutive *counted* scores (judged, from step `min_steps`
+on, no more uncertain than `max_uncertainty`: the scores the policy's streak counts) all lie below t.
+Its **margin** m is the largest t that does not abort it: the minimum over those windows of the
+window's maximum (infinite when the run has fewer than `patience` counted scores).
+
+With the margins m_1..m_n of the n successful runs of a family seen so far, the threshold is the
+k-th smallest, k = floor(alpha * (n + 1)); when k < 1 (fewer than ceil(1/alpha) - 1 successes) there
+is no threshold and nothing is aborted. If a new successful run is exchangeable with those n (same
+task family, judge and rubric, in no particular order), its margin's rank among all n + 1 is uniform,
+and it is aborted only when its margin is strictly below the k-th smallest of the others, that is
+when it is among the k smallest of the n + 1: probability at most k / (n + 1) <= alpha. Ties only
+lower that probability. The bound is marginal (averaged over calibration sets), it says nothing
+about failing runs, and it breaks when the family's mix of tasks or the judge changes; a family is
+therefore keyed by its name, the judge's model and the rubric's hash, and starts from nothing when
+any of them changes.
+
+`Calibration` keeps the runs' curves (not their margins), so runs under different policies share
+one family's evidence: margins are computed for the policy asking.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .policy import DEFAULT_ALPHA, Policy
+
+if TYPE_CHECKING:
+    from .progress import Progress
+
+DEFAULT_SUCCESS_AT = 0.5
+"""A numeric outcome at or above this counts as a success."""
+
+DEFAULT_MAX_SAMPLES = 2000
+"""Finished runs kept per family (the most recent): bounds memory, and follows a slowly drifting family."""
+
+_EPS = 1e-9  # alpha * (n + 1) in floating point: 0.29 * 100 must give 29, not 28
+
+
+class CalibrationError(ValueError):
+    """A calibration setting or record that cannot be used."""
+
+
+def check_alpha(alpha: float) -> float:
+    """`alpha` if it is a usable bound (0 < alpha < 1), else a CalibrationError saying what to use."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 < alpha < 1.0):
+        raise CalibrationError(f"alpha={alpha!r}: use a number between 0 and 1 (exclusive), e.g. {DEFAULT_ALPHA}")
+    return float(alpha)
+
+
+def min_successes(alpha: float) -> int:
+    """The fewest successful runs with which `alpha` gives a threshold: ceil(1/alpha) - 1 (19 at 0.05)."""
+    alpha = check_alpha(alpha)
+    n = max(0, math.ceil(1.0 / alpha - _EPS) - 1)
+    while math.floor(alpha * (n + 1) + _EPS) < 1:  # guards the rounding of ceil(1/alpha)
+        n += 1
+    return n
+
+
+class Point(NamedTuple):
+    """One scored step of a finished run, as calibration needs it."""
+
+    step: int
+    score: float | None
+    """None: the judge failed (the policy skips it)."""
+    uncertainty: float | None
+
+
+def points(curve: Iterable[Progress]) -> tuple[Point, ...]:
+    """A tracker's curve (Progress results in step order) as calibration points."""
+    return tuple(Point(p.step, p.score if p.ok else None, p.uncertainty if p.ok else None) for p in curve)
+
+
+def counted(curve: Iterable[Point], policy: Policy) -> list[float]:
+    """The scores the policy's low-score streak counts, in step order."""
+    return [
+        p.score
+        for p in curve
+        if p.score is not None
+        and p.step >= policy.min_steps
+        and (p.uncertainty is None or p.uncertainty <= policy.max_uncertainty)
+    ]
+
+
+def margin(curve: Iterable[Point], policy: Policy) -> float:
+    """The largest abort threshold under which `policy` would not have aborted this run (inf: none would)."""
+    scores = counted(curve, policy)
+    w = policy.patience
+    if len(scores) < w:
+        return math.inf
+    # Sliding-window maximum (monotone deque): O(n) for long runs.
+    best = math.inf
+    window: list[int] = []
+    head = 0
+    for i, s in enumerate(scores):
+        while len(window) > head and scores[window[-1]] <= s:
+            window.pop()
+        window.append(i)
+        if window[head] <= i - w:
+            head += 1
+        if i >= w - 1:
+            best = min(best, scores[window[head]])
+    return best
+
+
+def conformal_threshold(margins: Sequence[float], alpha: float) -> float | None:
+    """The k-th smallest margin, k = floor(alpha (n+1)), capped at 1; None when k < 1 (never abort)."""
+    k = math.floor(check_alpha(alpha) * (len(margins) + 1) + _EPS)
+    if k < 1:
+        return None
+    # A cap lowers the threshold, so it can only abort fewer runs: the bound still holds.
+    return min(sorted(margins)[k - 1], 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What a calibration is keyed by: the family of runs, the judge's model and the rubric's hash."""
+
+    name: str
+    model: str
+    rubric: str
+
+    @classmethod
+    def of(cls, *, family: str | None, task: str, model: str, rubric: str) -> Family:
+        """A run's family: its `family` when given, else its task text (long texts by their hash)."""
+        return cls(family if family else task_family(task), model, rubric)
+
+
+def task_family(task: str) -> str:
+    """The family name of a run that names none: its task text, or `task:<hash>` when that is long."""
+    task = " ".join(task.split())
+    if len(task) <= 80:
+        return task
+    return f"task:{hashlib.sha256(task.encode()).hexdigest()[:16]} {task[:48]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished run with an outcome: what calibration learns from."""
+
+    run_id: str
+    family: Family
+    success: bool
+    curve: tuple[Point, ...]
+    outcome: float | str | None = None
+    at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The stored form."""
+        return {
+            "run_id": self.run_id,
+            "family": self.family.name,
+            "model": self.family.model,
+            "rubric": self.family.rubric,
+            "success": self.success,
+            "outcome": self.outcome,
+            "at": self.at,
+            "curve": [list(p) for p in self.curve],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Sample:
+        """The Sample a `to_json` form describes."""
+        return cls(
+            run_id=str(data["run_id"]),
+            family=Family(str(data["family"]), str(data["model"]), str(data["rubric"])),
+            success=bool(data["success"]),
+            curve=tuple(Point(int(s), sc, u) for s, sc, u in data["curve"]),
+            outcome=data.get("outcome"),
+            at=float(data.get("at", 0.0)),
+        )
+
+
+def is_success(outcome: object, success_at: float = DEFAULT_SUCCESS_AT) -> bool | None:
+    """True / False for an outcome that says success or failure; None when it says neither (no evidence)."""
+    if isinstance(outcome, bool):
+        return outcome
+    if isinstance(outcome, (int, float)):
+        return outcome >= success_at if math.isfinite(outcome) else None
+    if isinstance(outcome, str):
+        o = outcome.strip().lower()
+        if o in {"success", "succeeded", "pass", "passed"}:
+            return True
+        if o in {"failure", "failed", "fail"}:
+            return False
+    return None  # None, "aborted", "evicted", "stalled", ...: the run's outcome is unknown
+
+
+@dataclass(frozen=True, slots=True)
+class Threshold:
+    """The abort threshold calibration gives a family now, and the evidence behind it."""
+
+    value: float | None
+    """None: not calibrated yet (or the margins allow no abort): the rule aborts nothing."""
+    successes: int
+    failures: int
+    alpha: float
+
+    @property
+    def needed(self) -> int:
+        """Successful runs needed before `alpha` gives a threshold."""
+        return min_successes(self.alpha)
+
+    @property
+    def reason(self) -> str:
+        """Where the threshold comes from, for signals and logs."""
+        if self.successes < self.needed:
+            return (
+                f"not calibrated yet: {self.successes} of {self.needed} successful runs needed at alpha "
+                f"{self.alpha:g}; never aborts"
+            )
+        return f"calibrated on {self.successes} successful runs, alpha {self.alpha:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySummary:
+    """One family's evidence, for `agent-monitor calibration` and the metrics."""
+
+    family: Family
+    successes: int
+    failures: int
+    last_at: float
+
+
+class Calibration:
+    """Per-family evidence from finished runs, and the abort thresholds it supports.
+
+    Feed it finished runs (`record`, or `add` for stored samples); ask `threshold(family, policy)`.
+    A run counts once (by run id) per family; its outcome decides success (`success_at` for numbers).
+    Each family keeps its `max_samples` most recent runs.
+    `on_sample` is called with each new sample (the daemon stores it there). Not thread-safe: the
+    daemon and the trackers use it from one event loop.
+    """
+
+    def __init__(
+        self,
+        samples: Iterable[Sample] = (),
+        *,
+        success_at: float = DEFAULT_SUCCESS_AT,
+        on_sample: Callable[[Sample], object] | None = None,
+        max_samples: int = DEFAULT_MAX_SAMPLES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not (isinstance(success_at, (int, float)) and math.isfinite(success_at)):
+            raise CalibrationError(f"success_at={success_at!r}: use a number (outcomes at or above it are successes)")
+        if not (isinstance(max_samples, int) and max_samples >= 1):
+            raise CalibrationError(f"max_samples={max_samples!r}: use an integer >= 1 (finished runs kept per family)")
+        self.success_at = float(success_at)
+        self.max_samples = max_samples
+        self.on_sample = on_sample
+        self.clock = clock
+        self._runs: dict[Family, dict[str, Sample]] = {}
+        # Sorted success margins per (family, min_steps, patience, max_uncertainty), kept current by `add`.
+        self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[float]]] = {}
+        for s in samples:
+            self.add(s)
+
+    def add(self, sample: Sample) -> bool:
+        """Take a sample (a stored one, or one made elsewhere); False when that run was already counted."""
+        runs = self._runs.setdefault(sample.family, {})
+        if sample.run_id in runs:
+            return False
+        runs[sample.run_id] = sample
+        self._cached(sample, bisect.insort)
+        if len(runs) > self.max_samples:
+            # The oldest goes: a bounded window of the family's most recent runs (dicts keep insertion order).
+            oldest = runs.pop(next(iter(runs)))
+            self._cached(oldest, _remove)
+        return True
+
+    def _cached(self, sample: Sample, change: Callable[[list[float], float], None]) -> None:
+        # Keep the cached margins current (one change each) rather than recomputing a family's on next use.
+        if sample.success:
+            for key, (policy, ms) in self._margins.items():
+                if key[0] == sample.family:
+                    change(ms, margin(sample.curve, policy))
+
+    def record(self, family: Family, run_id: str, outcome: object, curve: Iterable[Progress | Point]) -> Sample | None:
+        """Learn from a finished run; None when its outcome says neither success nor failure, or it was counted."""
+        success = is_success(outcome, self.success_at)
+        if success is None:
+            return None
+        pts = tuple(p if isinstance(p, Point) else points([p])[0] for p in curve)
+        stored = outcome if isinstance(outcome, (int, float, str)) and not isinstance(outcome, bool) else success
+        sample = Sample(run_id, family, success, pts, outcome=stored, at=self.clock())
+        if not self.add(sample):
+            return None
+        if self.on_sample is not None:
+            self.on_sample(sample)
+        return sample
+
+    def margins(self, family: Family, policy: Policy) -> list[float]:
+        """The family's successful runs' margins under `policy`, sorted."""
+        key = (family, policy.min_steps, policy.patience, policy.max_uncertainty)
+        got = self._margins.get(key)
+        if got is None:
+            ms = sorted(margin(s.curve, policy) for s in self._runs.get(family, {}).values() if s.success)
+            got = self._margins[key] = (policy, ms)
+        return got[1]
+
+    def threshold(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
+        """The abort threshold for a live run of `family` under `policy` (alpha: the policy's, unless given)."""
+        a = check_alpha(policy.alpha if alpha is None else alpha)
+        ms = self.margins(family, policy)
+        failures = len(self._runs.get(family, {})) - len(ms)
+        return Threshold(conformal_threshold(ms, a), len(ms), failures, a)
+
+    def families(self) -> list[FamilySummary]:
+        """Every family with evidence, most recent first."""
+        out = [
+            FamilySummary(
+                f,
+                sum(s.success for s in runs.values()),
+                sum(not s.success for s in runs.values()),
+                max((s.at for s in runs.values()), default=0.0),
+            )
+            for f, runs in self._runs.items()
+        ]
+        return sorted(out, key=lambda x: -x.last_at)
+
+    def samples(self, family: Family | None = None) -> Iterator[Sample]:
+        """The samples (of one family, or all)."""
+        for f, runs in self._runs.items():
+            if family is None or f == family:
+                yield from runs.values()
+
+    def reset(self, name: str) -> int:
+        """Forget every family called `name` (any model or rubric); how many samples were dropped."""
+        gone = [f for f in self._runs if f.name == name]
+        dropped = sum(len(self._runs.pop(f)) for f in gone)
+        self._margins = {k: v for k, v in self._margins.items() if k[0].name != name}
+        return dropped
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self._runs.values())
+
+
+def _remove(ms: list[float], m: float) -> None:
+    i = bisect.bisect_left(ms, m)
+    if i < len(ms) and ms[i] == m:
+        del ms[i]

@@ -1,0 +1,242 @@
+"""Calibrated abort thresholds: the rule, its guarantee, the minimum sample, and the family key."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent_monitor import Policy
+from agent_monitor.calibration import (
+    Calibration,
+    CalibrationError,
+    Family,
+    Point,
+    Sample,
+    conformal_threshold,
+    is_success,
+    margin,
+    min_successes,
+)
+from agent_monitor.policy import PolicyError, PolicyState
+from agent_monitor.progress import Progress
+
+FAM = Family("fix-the-test", "judge-v1", "rubric-1")
+
+
+def _curve(scores: list[float | None], uncertainties: list[float | None] | None = None) -> tuple[Point, ...]:
+    us = uncertainties or [0.1 if s is not None else None for s in scores]
+    return tuple(Point(i, s, u) for i, (s, u) in enumerate(zip(scores, us, strict=True), 1))
+
+
+def _aborts(curve: tuple[Point, ...], policy: Policy) -> bool:
+    """The live policy itself, stepped through the curve: does it abort?"""
+    state = PolicyState(policy)
+    for p in curve:
+        ok = p.score is not None
+        prog = Progress(step=p.step, score=p.score, uncertainty=p.uncertainty, criteria={}, ok=ok)
+        if state.observe(prog).signal == "abort":
+            return True
+    return False
+
+
+scores_st = st.lists(st.one_of(st.none(), st.floats(0, 1), st.sampled_from([0.1, 0.2, 0.3])), min_size=0, max_size=25)
+policy_st = st.builds(
+    Policy,
+    min_steps=st.integers(0, 5),
+    patience=st.integers(1, 5),
+    max_uncertainty=st.sampled_from([0.05, 0.35, 1.0]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(scores=scores_st, unc=st.lists(st.floats(0, 0.5), min_size=25, max_size=25), policy=policy_st)
+def test_margin_is_the_largest_threshold_that_does_not_abort(
+    scores: list[float | None], unc: list[float], policy: Policy
+) -> None:
+    """Brute force: the live policy with abort_below just above the margin aborts; at the margin it does not."""
+    curve = _curve(scores, [u if s is not None else None for s, u in zip(scores, unc, strict=False)])
+    m = margin(curve, policy)
+    candidates = sorted({0.0, 1.0, *(s for s in scores if s is not None)})
+    for t in candidates:
+        aborted = _aborts(curve, Policy(**{**policy.as_dict(), "abort_below": t}))
+        assert aborted == (t > m), (t, m)
+    if math.isfinite(m):
+        above = math.nextafter(m, 2.0)
+        if above <= 1.0:
+            assert _aborts(curve, Policy(**{**policy.as_dict(), "abort_below": above}))
+
+
+@settings(max_examples=200, deadline=None)
+@given(margins=st.lists(st.floats(0, 1), max_size=60), alpha=st.sampled_from([0.05, 0.1, 0.2, 0.29, 0.5]))
+def test_threshold_is_the_kth_smallest_margin(margins: list[float], alpha: float) -> None:
+    """Brute force: the largest t with #{m_i < t} <= k - 1 among the margins, i.e. the k-th smallest."""
+    k = math.floor(alpha * (len(margins) + 1) + 1e-9)
+    t = conformal_threshold(margins, alpha)
+    if k < 1:
+        assert t is None
+        return
+    assert t is not None
+    assert sum(m < t for m in margins) <= k - 1
+    assert t == sorted(margins)[k - 1]
+
+
+def test_minimum_sample() -> None:
+    assert min_successes(0.05) == 19
+    assert min_successes(0.1) == 9
+    assert min_successes(0.2) == 4
+    assert min_successes(0.29) == 3  # floor(0.29 * 4) = 1; the rounding of 0.29 * 100 must not cost a run
+    assert min_successes(0.5) == 1
+    for alpha in (0.05, 0.1, 0.2, 0.25, 0.3, 0.5):
+        n = min_successes(alpha)
+        assert conformal_threshold([0.5] * n, alpha) is not None
+        assert conformal_threshold([0.5] * (n - 1), alpha) is None
+
+
+def test_no_abort_before_the_minimum_sample() -> None:
+    """18 successes at alpha 0.05: an "auto" run at rock bottom keeps going; the 19th success arms the rule."""
+    cal = Calibration()
+    policy = Policy(abort_below="auto", min_steps=1, patience=2)
+    for i in range(18):
+        cal.record(FAM, f"ok-{i}", "success", _curve([0.6, 0.7, 0.8]))
+    for i in range(30):
+        cal.record(FAM, f"bad-{i}", "failure", _curve([0.05, 0.05, 0.05]))
+    state = PolicyState(policy, threshold=lambda: cal.threshold(FAM, policy))
+    for step in range(1, 6):
+        d = state.observe(Progress(step=step, score=0.01, uncertainty=0.05, criteria={}, ok=True))
+        assert d.signal == "continue"
+        assert d.abort_below is None
+        assert d.calibration is not None and "18 of 19" in d.calibration
+    cal.record(FAM, "ok-18", "success", _curve([0.6, 0.7, 0.8]))
+    d = state.observe(Progress(step=6, score=0.01, uncertainty=0.05, criteria={}, ok=True))
+    assert d.signal == "abort"
+    assert d.abort_below == pytest.approx(0.7)  # the smallest success margin (k = 1 at n = 19)
+    assert "calibrated on 19 successful runs, alpha 0.05" in d.reason
+
+
+def test_judge_failures_and_uncertain_scores_never_abort_an_auto_run() -> None:
+    cal = Calibration(Sample(f"ok-{i}", FAM, True, _curve([0.9, 0.9, 0.9])) for i in range(19))
+    policy = Policy(abort_below="auto", min_steps=1, patience=2, max_uncertainty=0.3)
+    state = PolicyState(policy, threshold=lambda: cal.threshold(FAM, policy))
+    steps = [
+        Progress(step=1, score=None, uncertainty=None, criteria={}, ok=False, reason="timeout"),
+        Progress(step=2, score=0.1, uncertainty=0.5, criteria={}, ok=True),
+        Progress(step=3, score=None, uncertainty=None, criteria={}, ok=False, reason="timeout"),
+        Progress(step=4, score=0.1, uncertainty=0.5, criteria={}, ok=True),
+    ]
+    assert all(state.observe(p).signal == "continue" for p in steps)
+
+
+def test_family_key_isolates_judge_model_and_rubric() -> None:
+    """A new judge model or rubric starts from nothing; so does another family."""
+    cal = Calibration()
+    policy = Policy(abort_below="auto", alpha=0.2)
+    for i in range(10):
+        cal.record(FAM, f"r{i}", "success", _curve([0.5] * 6))
+    assert cal.threshold(FAM, policy).value == pytest.approx(0.5)
+    for other in (
+        Family(FAM.name, "judge-v2", FAM.rubric),
+        Family(FAM.name, FAM.model, "rubric-2"),
+        Family("another-task", FAM.model, FAM.rubric),
+    ):
+        th = cal.threshold(other, policy)
+        assert th.value is None and th.successes == 0
+        assert "never aborts" in th.reason
+
+
+def test_a_run_counts_once_and_unknown_outcomes_teach_nothing() -> None:
+    cal = Calibration()
+    assert cal.record(FAM, "r1", "success", _curve([0.5] * 4)) is not None
+    assert cal.record(FAM, "r1", "success", _curve([0.5] * 4)) is None  # redelivered end
+    for outcome in (None, "aborted", "evicted", "stalled", float("nan")):
+        assert cal.record(FAM, f"x-{outcome}", outcome, _curve([0.5] * 4)) is None
+    assert cal.threshold(FAM, Policy(alpha=0.5)).successes == 1
+    assert len(cal) == 1
+
+
+def test_outcomes() -> None:
+    assert is_success("success") is True
+    assert is_success("failure") is False
+    assert is_success(0.5) is True
+    assert is_success(0.49) is False
+    assert is_success(0.6, success_at=0.7) is False
+    assert is_success(True) is True
+    assert is_success(None) is None
+    assert is_success("aborted") is None
+
+
+def test_samples_round_trip_and_reset() -> None:
+    cal = Calibration()
+    s = cal.record(FAM, "r1", 0.8, _curve([0.2, None, 0.4]))
+    assert s is not None
+    again = Sample.from_json(s.to_json())
+    assert again == s
+    cal.record(Family(FAM.name, "judge-v2", FAM.rubric), "r2", "failure", _curve([0.1]))
+    cal.record(Family("other", "m", "r"), "r3", "failure", _curve([0.1]))
+    assert cal.reset(FAM.name) == 2
+    assert [f.family.name for f in cal.families()] == ["other"]
+
+
+def test_bad_settings_say_what_to_use() -> None:
+    with pytest.raises(PolicyError, match="alpha"):
+        Policy(alpha=0.0)
+    with pytest.raises(PolicyError, match='"auto"'):
+        Policy(abort_below="automatic")  # type: ignore[arg-type]
+    with pytest.raises(CalibrationError, match="between 0 and 1"):
+        conformal_threshold([0.1], 1.5)
+    assert Policy().with_overrides({"abort_below": "auto", "alpha": 0.1}).auto
+
+
+def _family(rng: random.Random, n: int, p_success: float, gap: float) -> list[tuple[bool, tuple[Point, ...]]]:
+    """Exchangeable runs: a run's level is drawn once, its steps are noisy around it; failures sit `gap` lower."""
+    runs = []
+    for _ in range(n):
+        ok = rng.random() < p_success
+        level = rng.uniform(0.3, 0.8) - (0 if ok else gap)
+        length = rng.randint(6, 20)
+        runs.append((ok, _curve([min(1.0, max(0.0, level + rng.gauss(0, 0.08))) for _ in range(length)])))
+    return runs
+
+
+@pytest.mark.parametrize(("alpha", "gap"), [(0.05, 0.0), (0.1, 0.3), (0.2, 0.3)])
+def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
+    """Many families of exchangeable runs, learnt online: mean false-abort rate <= alpha; savings when failures lag.
+
+    Each family is a stream of runs in random order; each run is judged live against the threshold the runs
+    that ended before it gave (as the daemon does), then taught to the calibration.
+    """
+    rng = random.Random(1234 + int(alpha * 100))
+    policy = Policy(abort_below="auto", alpha=alpha, min_steps=2, patience=2, max_uncertainty=1.0)
+    rates, saved = [], []
+    for f in range(300):
+        fam = Family(f"fam-{f}", "m", "r")
+        cal = Calibration()
+        good = good_aborted = bad_steps = bad_saved = 0
+        for i, (ok, curve) in enumerate(_family(rng, 120, 0.5, gap)):
+            th = cal.threshold(fam, policy)
+            if th.value is not None:  # judged live only once the rule is armed
+                state = PolicyState(policy, threshold=lambda th=th: th)  # type: ignore[misc]
+                at = None
+                for p in curve:
+                    prog = Progress(step=p.step, score=p.score, uncertainty=p.uncertainty, criteria={}, ok=True)
+                    if state.observe(prog).signal == "abort":
+                        at = p.step
+                        break
+                if ok:
+                    good += 1
+                    good_aborted += at is not None
+                else:
+                    bad_steps += len(curve)
+                    bad_saved += len(curve) - at if at is not None else 0
+            cal.record(fam, f"r{i}", "success" if ok else "failure", curve)
+        if good:
+            rates.append(good_aborted / good)
+        if bad_steps:
+            saved.append(bad_saved / bad_steps)
+    mean_rate = sum(rates) / len(rates)
+    assert mean_rate <= alpha, mean_rate
+    if gap > 0:
+        assert sum(saved) / len(saved) > 0.1  # clearly above 0: failing runs' steps are saved
