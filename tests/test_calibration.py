@@ -218,13 +218,17 @@ def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
         for i, (ok, curve) in enumerate(_family(rng, 120, 0.5, gap)):
             th = cal.threshold(fam, policy)
             if th.value is not None:  # judged live only once the rule is armed
-                state = PolicyState(policy, threshold=lambda th=th: th)  # type: ignore[misc]
                 at = None
-                for p in curve:
-                    prog = Progress(step=p.step, score=p.score, uncertainty=p.uncertainty, criteria={}, ok=True)
-                    if state.observe(prog).signal == "abort":
-                        at = p.step
-                        break
+                # Aborted exactly when the margin is below the threshold (the brute-force test above); the live
+                # policy then says at which step.
+                if margin(curve, policy) < th.value:
+                    state = PolicyState(policy, threshold=lambda th=th: th)  # type: ignore[misc]
+                    for p in curve:
+                        prog = Progress(step=p.step, score=p.score, uncertainty=p.uncertainty, criteria={}, ok=True)
+                        if state.observe(prog).signal == "abort":
+                            at = p.step
+                            break
+                    assert at is not None
                 if ok:
                     good += 1
                     good_aborted += at is not None
@@ -237,6 +241,49 @@ def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
         if bad_steps:
             saved.append(bad_saved / bad_steps)
     mean_rate = sum(rates) / len(rates)
+    print(f"alpha={alpha} gap={gap} mean_false_abort={mean_rate:.4f} saved={sum(saved) / max(1, len(saved)):.3f}")
     assert mean_rate <= alpha, mean_rate
     if gap > 0:
         assert sum(saved) / len(saved) > 0.1  # clearly above 0: failing runs' steps are saved
+
+
+def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
+    """In-process, no daemon: the same Calibration fed by `finish`, shared by trackers on one judge."""
+    from agent_monitor import ProgressTracker
+    from agent_monitor.testing import FakeJudge
+
+    answer = {"letter": "P"}
+    judge = FakeJudge(lambda prompt: answer["letter"])
+    cal = Calibration()
+    # alpha 0.2 needs 4 successful runs (ceil(1/0.2) - 1): enough evidence in a short test.
+    policy = {"abort_below": "auto", "alpha": 0.2, "min_steps": 1, "patience": 2}
+
+    def run(run_id: str, letter: str, outcome: str) -> list[Progress]:
+        answer["letter"] = letter
+        with ProgressTracker("Fix the failing test", judge=judge, policy=policy, calibration=cal, family="fix",
+                             run_id=run_id) as tracker:  # fmt: skip
+            results = []
+            for i in range(5):
+                p = tracker.update(f"step {i}")
+                results.append(p)
+                if p.signal is not None and p.signal.signal == "abort":
+                    break
+            assert tracker.family == Family("fix", "fake-1", tracker.rubric.hash)
+            tracker.finish(outcome)
+        return results
+
+    for i in range(4):
+        bad = run(f"bad-{i}", "C", "failure")  # before the minimum sample: a failing run goes on to the end
+        assert len(bad) == 5 and all(p.signal is not None and p.signal.signal == "continue" for p in bad)
+        assert bad[-1].signal is not None and bad[-1].signal.abort_below is None
+        assert "not calibrated yet" in (bad[-1].signal.calibration or "")
+        run(f"good-{i}", "P", "success")
+    th = cal.threshold(Family("fix", "fake-1", bad[-1].rubric), Policy(**policy))  # type: ignore[arg-type]
+    assert th.successes == 4 and th.failures == 4 and th.value == pytest.approx(15 / 19)  # P = 15/19
+    late = run("bad-late", "C", "failure")
+    assert len(late) == 2  # patience 2 from min_steps 1: aborted at step 2
+    d = late[-1].signal
+    assert d is not None and d.signal == "abort" and d.abort_below == pytest.approx(15 / 19)
+    assert "calibrated on 4 successful runs, alpha 0.2" in d.reason
+    assert run("good-late", "P", "success")[-1].signal.signal == "continue"  # type: ignore[union-attr]
+    judge.close()
