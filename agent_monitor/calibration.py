@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .policy import DEFAULT_ALPHA, Policy
@@ -111,13 +113,13 @@ def margin(curve: Iterable[Point], policy: Policy) -> float:
     return best
 
 
-def conformal_threshold(margins: Sequence[float], alpha: float) -> float | None:
+def conformal_threshold(margins: Sequence[float], alpha: float, *, presorted: bool = False) -> float | None:
     """The k-th smallest margin, k = floor(alpha (n+1)), capped at 1; None when k < 1 (never abort)."""
     k = math.floor(check_alpha(alpha) * (len(margins) + 1) + _EPS)
     if k < 1:
         return None
     # A cap lowers the threshold, so it can only abort fewer runs: the bound still holds.
-    return min(sorted(margins)[k - 1], 1.0)
+    return min((margins if presorted else sorted(margins))[k - 1], 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +313,7 @@ class Calibration:
         a = check_alpha(policy.alpha if alpha is None else alpha)
         ms = self.margins(family, policy)
         failures = len(self._runs.get(family, {})) - len(ms)
-        return Threshold(conformal_threshold(ms, a), len(ms), failures, a)
+        return Threshold(conformal_threshold(ms, a, presorted=True), len(ms), failures, a)
 
     def families(self) -> list[FamilySummary]:
         """Every family with evidence, most recent first."""
@@ -338,6 +340,31 @@ class Calibration:
         dropped = sum(len(self._runs.pop(f)) for f in gone)
         self._margins = {k: v for k, v in self._margins.items() if k[0].name != name}
         return dropped
+
+    def save(self, path: str | Path) -> Path:
+        """Write every sample to a JSON-lines file (atomically: a crash leaves the old file), for `load`."""
+        out = Path(path)
+        tmp = out.with_name(out.name + ".tmp")
+        with tmp.open("w") as f:
+            for s in self.samples():
+                f.write(json.dumps(s.to_json()) + "\n")
+        tmp.replace(out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, **options: Any) -> Calibration:
+        """A Calibration from a file `save` wrote (none yet: empty); `options` are the constructor's."""
+        p = Path(path)
+        samples = []
+        if p.exists():
+            for n, line in enumerate(p.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    samples.append(Sample.from_json(json.loads(line)))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise CalibrationError(f"{p}:{n}: not a calibration sample ({e}); was it written by save()?") from e
+        return cls(samples, **options)
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._runs.values())

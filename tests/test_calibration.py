@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -178,6 +179,22 @@ def test_samples_round_trip_and_reset() -> None:
     cal.record(Family("other", "m", "r"), "r3", "failure", _curve([0.1]))
     assert cal.reset(FAM.name) == 2
     assert [f.family.name for f in cal.families()] == ["other"]
+
+
+def test_save_and_load(tmp_path: Path) -> None:
+    """A harness without the daemon keeps its evidence between processes."""
+    cal = Calibration()
+    for i in range(5):
+        cal.record(FAM, f"r{i}", "success" if i % 2 else "failure", _curve([0.1 * i, 0.2, None, 0.3]))
+    path = cal.save(tmp_path / "cal.jsonl")
+    again = Calibration.load(path)
+    assert sorted(s.to_json()["run_id"] for s in again.samples()) == [f"r{i}" for i in range(5)]
+    policy = Policy(alpha=0.5, min_steps=1, patience=1)
+    assert again.threshold(FAM, policy) == cal.threshold(FAM, policy)
+    assert len(Calibration.load(tmp_path / "none-yet.jsonl")) == 0
+    (tmp_path / "bad.jsonl").write_text('{"run_id": "x"}\n')
+    with pytest.raises(CalibrationError, match=r"bad\.jsonl:1: not a calibration sample"):
+        Calibration.load(tmp_path / "bad.jsonl")
 
 
 def test_bad_settings_say_what_to_use() -> None:
