@@ -346,6 +346,34 @@ def panels() -> list[dict[str, Any]]:
             "several coalesced steps), re-delivered steps ignored as duplicates, and scorings that gave no "
             "score by reason (judge failures, low_mass, extractor_timeout, ...).",
         ),
+        row("Calibration"),
+        timeseries(
+            "Calibrated abort thresholds (abort_below auto)",
+            [target("A", f"agent_monitor_calibrated_threshold{{{INST}}}", "{{family}} ({{model}}, {{rubric}})")],
+            unit="percentunit",
+            min_=0,
+            max_=1,
+            w=12,
+            description="Each family's abort_below auto threshold under the daemon's own policy flags and --alpha: "
+            "at most that share of the family's successful runs is aborted. A family has no line until it has "
+            "enough successful runs (19 at alpha 0.05); until then its auto runs are never aborted.",
+        ),
+        timeseries(
+            "Successful runs learnt from, per family",
+            [target("A", f"agent_monitor_calibration_successes{{{INST}}}", "{{family}} ({{model}}, {{rubric}})")],
+            w=8,
+            description="Runs of each family (with its judge model and rubric) that ended with a success: the "
+            "evidence its threshold rests on. A new judge model or rubric starts from nothing.",
+        ),
+        stat(
+            "Families not exported (cap)",
+            [target("A", f"sum(agent_monitor_calibration_series_capped{{{INST}}})", "families")],
+            description="Calibration families without series: not on --metric-families, or past --max-families. "
+            "They are still calibrated and used.",
+            thresholds=[(None, "green"), (1, "orange")],
+            w=4,
+            h=8,
+        ),
         row("Judge"),
         timeseries(
             "Judge latency p50 / p95",

@@ -244,3 +244,33 @@ def test_metrics_port_0_means_off_for_serve_and_demo_alike() -> None:
             in text
         )
         assert commands({"AGENT_MONITOR_METRICS_PORT": "0"})[command].parse_args([]).metrics_port == 0
+
+
+def test_abort_below_takes_a_number_or_auto_and_says_so_when_it_is_neither(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    c = build(MonitorConfig, parse(["--abort-below", "auto", "--alpha", "0.1", "--calibration-success-at", "0.8"]))
+    assert c.policy == Policy(abort_below="auto", alpha=0.1) and c.calibration_success_at == 0.8
+    assert build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": "AUTO"})).policy.abort_below == "auto"
+    assert build(MonitorConfig, parse(["--abort-below", "0.25"])).policy.abort_below == 0.25
+    assert (
+        build(MonitorConfig, parse(["--abort-below", "none"], {"AGENT_MONITOR_ABORT_BELOW": "auto"})).policy.auto
+        is False
+    )
+    text = " ".join(serve_parser().format_help().split())
+    assert "--abort-below X|auto abort when the score stays below this; 'auto': the calibrated threshold" in text
+
+    with pytest.raises(SystemExit) as done:
+        parse(["--abort-below", "automatic"])
+    assert done.value.code == 2
+    assert "argument --abort-below: 'automatic' is not a number, auto or none" in capsys.readouterr().err
+    assert main(["serve", "--judge", "openai"], {"AGENT_MONITOR_ABORT_BELOW": "sometimes"}) == 2
+    assert "AGENT_MONITOR_ABORT_BELOW='sometimes' is not a number or auto" in capsys.readouterr().err
+    # In range is the policy's to say.
+    assert main(["serve", "--judge", "openai", "--abort-below", "1.5", "--metrics-port", "0", "--no-store"], {}) == 2
+    assert 'policy abort_below=1.5: use a number in [0, 1], or "auto"' in capsys.readouterr().err
+
+
+def test_eval_refers_abort_below_auto_to_calibrate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "runs/", "--judge", "openai", "--abort-below", "auto"], {}) == 2
+    assert "eval --abort-below auto: a threshold learnt online needs eval --calibrate" in capsys.readouterr().err

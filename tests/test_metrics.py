@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from agent_monitor.criteria import load_criteria
 from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
 from agent_monitor.daemon._metrics import RunCollector
 from agent_monitor.judges.base import JudgeError
@@ -134,3 +135,42 @@ def test_bad_metric_label_names_are_refused() -> None:
         RunCollector(list, label_names=("run_id",))
     with pytest.raises(ValueError, match="not allowed"):
         RunCollector(list, label_names=("bad-name",))
+
+
+async def test_calibration_gauges_per_family_threshold_only_once_calibrated() -> None:
+    clock = Clock()
+    reg = CollectorRegistry()
+    # alpha 0.5 gives a threshold from ceil(1/0.5) - 1 = 1 successful run: one run is enough to see it appear.
+    config = MonitorConfig(
+        policy=Policy(alpha=0.5, min_steps=1, patience=1),
+        metrics=MetricsSettings(families=("kept", "late", "never"), max_families=2),
+    )
+    async with Monitor(config, judge=FakeJudge(lambda p: "K"), registry=reg, clock=clock) as mon:
+
+        async def run(run_id: str, family: str, outcome: str) -> None:
+            await mon.handle(f"agents/{run_id}/start", j(task="t", family=family))
+            await mon.handle(f"agents/{run_id}/step", j(index=1, text="a"))
+            await mon.handle(f"agents/{run_id}/end", j(outcome=outcome))
+            await mon.drain()
+            clock.t += 1
+
+        await run("f1", "kept", "failure")
+        labels = {"family": "kept", "model": "fake-1", "rubric": load_criteria(None).hash}
+        assert value(reg, "agent_monitor_calibration_successes", **labels) == 0
+        assert value(reg, "agent_monitor_calibrated_threshold", **labels) is None  # not calibrated: no series
+        await run("s1", "kept", "success")
+        assert value(reg, "agent_monitor_calibration_successes", **labels) == 1
+        assert value(reg, "agent_monitor_calibrated_threshold", **labels) == pytest.approx(10 / 19)
+        assert value(reg, "agent_monitor_calibration_series_capped") == 0
+        # A family not on the allow-list, and one past the cap (the least recently ended goes), are counted.
+        await run("x1", "unlisted", "success")
+        await run("l1", "late", "success")
+        await run("n1", "never", "success")
+        text = generate_latest(reg).decode()
+        shown = {
+            line.split('family="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith("agent_monitor_calibration_successes{")
+        }
+        assert shown == {"late", "never"}
+        assert value(reg, "agent_monitor_calibration_series_capped") == 2

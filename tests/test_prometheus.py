@@ -53,6 +53,7 @@ pytestmark = [
 
 GRACE_S = 1.0
 DOOMED = 14  # aborted runs on daemon A: > 10 in 5 minutes is the AbortStorm threshold (2 a minute)
+CALIBRATING = 4  # daemon A's runs that end with a success: at its alpha 0.2 they calibrate their family
 
 
 class CachingJudge(FakeJudge):
@@ -256,6 +257,10 @@ async def wave(a: Monitor, b: Monitor, n: int) -> None:
         for run, start in LIVE.items():
             await send(a, run, "start", start)
         await send(b, "run-b1", "start", {"task": "judged by a dead judge", "labels": {"group": "gamma"}})
+        for i in range(CALIBRATING):
+            await send(a, f"done-{i}", "start", {"task": "a finished task", "family": "release"})
+            await steps(a, f"done-{i}", range(1, 2))
+            await send(a, f"done-{i}", "end", {"outcome": "success"})
     for run in ("run-a1", "run-a2", "run-wobbly"):
         await steps(a, run, range(first, last + 1))
     # The flaky run's judge fails on its step 2 (and only there): one at a time, so step 2 is scored alone.
@@ -291,7 +296,9 @@ def instances(result: list[dict[str, Any]]) -> set[str]:
 async def test_dashboard_and_alert_queries_on_a_real_prometheus(tmp_path: Path) -> None:
     a = Monitor(
         MonitorConfig(
-            policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+            # alpha 0.2: a family is calibrated after ceil(1/0.2) - 1 = CALIBRATING successful runs, so the
+            # threshold panel has data.
+            policy=Policy(abort_below=0.2, min_steps=1, patience=1, alpha=0.2),
             max_concurrency=4,
             metrics=MetricsSettings(grace_s=GRACE_S),
         ),
@@ -425,4 +432,4 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     assert time.monotonic() - ended >= GRACE_S
     assert await prom.query('agent_monitor_run_step{run_id="run-a1"}') == []
     assert await prom.value('agent_monitor_run_progress{run_id="run-a2"}') is not None
-    assert await prom.value(f'agent_monitor_runs_total{{instance="{ta}", outcome="success"}}') == 1
+    assert await prom.value(f'agent_monitor_runs_total{{instance="{ta}", outcome="success"}}') == CALIBRATING + 1

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from agent_monitor.calibration import Family, Point, Sample
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Duplicate, Ended, Finished, Orphaned, Refusal, RunBook, Started, Stepped
-from agent_monitor.daemon._store import PLACEHOLDER_PNG, MemoryStore, SqliteStore
+from agent_monitor.daemon._store import PLACEHOLDER_PNG, MemoryStore, NoStore, SqliteStore
 from agent_monitor.images import FrameBudget
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -122,11 +123,53 @@ async def test_retention_deletes_ended_runs_and_unreferenced_frames(tmp_path: Pa
         assert [r["run_id"] for r in await store.list_runs()] == ["new"]
         assert await store.export("old") is None
         clock["t"] += 1
+        store.record_sample(sample("old", "fam"), keep=10)
         assert await store.prune(older_than_s=0) == 1
         db = sqlite3.connect(tmp_path / "s.db")
         assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 0
+        # Calibration samples are the evidence thresholds rest on, not run records: retention leaves them.
+        assert [s.run_id for s in await store.samples()] == ["old"]
     finally:
         await store.aclose()
+
+
+def sample(run_id: str, family: str, *, model: str = "m", success: bool = True, at: float = 0.0) -> Sample:
+    curve = (Point(1, 0.5, 0.1), Point(2, None, None), Point(3, 0.75, 0.0))
+    return Sample(run_id, Family(family, model, "r"), success, curve, outcome="success" if success else 0.1, at=at)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "memory"])
+async def test_calibration_samples_are_kept_once_bounded_per_family_and_reset_by_name(
+    tmp_path: Path, kind: str
+) -> None:
+    store = SqliteStore(tmp_path / "s.db") if kind == "sqlite" else MemoryStore()
+    try:
+        for i in range(5):
+            store.record_sample(sample(f"a{i}", "fam", at=float(i)), keep=3)
+        store.record_sample(sample("a4", "fam", success=False), keep=3)  # counted already: the first one stays
+        store.record_sample(sample("b0", "fam", model="other"), keep=3)  # another judge model: its own window
+        store.record_sample(sample("c0", "docs", success=False), keep=3)
+        got = await store.samples()
+        assert [(s.family.name, s.family.model, s.run_id) for s in got] == [
+            ("fam", "m", "a2"),
+            ("fam", "m", "a3"),
+            ("fam", "m", "a4"),
+            ("fam", "other", "b0"),
+            ("docs", "m", "c0"),
+        ]
+        assert got[2] == sample("a4", "fam", at=4.0)  # the whole sample comes back: curve, outcome, time
+        assert got[4].outcome == 0.1 and got[4].success is False
+        assert await store.reset_family("fam") == 4
+        assert [s.run_id for s in await store.samples()] == ["c0"]
+        assert await store.reset_family("fam") == 0
+    finally:
+        await store.aclose()
+
+
+async def test_no_store_keeps_no_samples() -> None:
+    store = NoStore()
+    store.record_sample(sample("a", "fam"), keep=3)
+    assert await store.samples() == [] and await store.reset_family("fam") == 0
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "memory"])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_monitor.calibration import Family, Point, Sample
 from agent_monitor.daemon import Monitor, SqliteStore, StoreFormatError
 from agent_monitor.testing import FakeJudge
 
@@ -69,6 +70,24 @@ async def test_a_v1_store_opens_keeps_ended_runs_and_closes_live_ones(tmp_path: 
         await store.aclose()
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
     SqliteStore(path)  # opening again is a no-op: already format 2
+
+
+async def test_a_format_2_store_from_before_calibration_opens_and_gains_its_table(tmp_path: Path) -> None:
+    path = tmp_path / "runs.sqlite3"
+    SqliteStore(path)  # today's schema, then made what agent-monitor wrote before calibration existed
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE calibration")
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    try:
+        assert await store.samples() == []
+        curve = (Point(1, 0.9, 0.0),)
+        store.record_sample(Sample("r", Family("fam", "m", "h"), True, curve), keep=10)
+        assert [s.run_id for s in await store.samples()] == ["r"]
+    finally:
+        await store.aclose()
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
 
 
 def test_a_store_from_a_newer_version_is_refused_with_what_to_do(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ class _Leaf:
     kind: type
     optional: bool
     choices: tuple[str, ...] | None
+    words: tuple[str, ...]  # taken as they are by a number flag (`float | Literal["auto"]`)
     many: str | None  # "append" or "comma" for tuples of strings
     split: str
     default: Any
@@ -81,10 +82,19 @@ def _leaves(cls: type, default: Any, path: tuple[str, ...]) -> list[tuple[str | 
 
 def _leaf(f: dataclasses.Field[Any], hint: Any, default: Any, path: tuple[str, ...]) -> _Leaf:
     optional = False
-    args = get_args(hint)
-    if get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
-        optional = True
-        (hint,) = [a for a in args if a is not type(None)]
+    words: tuple[str, ...] = ()
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        args = get_args(hint)
+        optional = type(None) in args
+        literals = [a for a in args if get_origin(a) is Literal]
+        rest = [a for a in args if a is not type(None) and get_origin(a) is not Literal]
+        if literals and len(rest) == 1:
+            words = tuple(str(v) for a in literals for v in get_args(a))
+            (hint,) = rest
+        elif len(rest) + len(literals) == 1:
+            (hint,) = rest or literals
+        else:
+            raise TypeError(f"field {f.name}: no flag for type {hint!r}; mark it cli=False")
     choices = None
     many = None
     if get_origin(hint) is Literal:
@@ -103,6 +113,7 @@ def _leaf(f: dataclasses.Field[Any], hint: Any, default: Any, path: tuple[str, .
         kind=kind,
         optional=optional,
         choices=choices,
+        words=words,
         many=many,
         split=str(f.metadata.get("split", os.pathsep if "dir" in f.name else ",")),
         default=default,
@@ -122,14 +133,27 @@ def _parse(leaf: _Leaf, raw: str) -> Any:
         raise FlagError(f"{leaf.env}={raw!r} is not a boolean; use 1 or 0")
     if raw.strip() == "" and leaf.optional:
         return None
+    if (word := _word(leaf, raw)) is not None:
+        return word
     try:
         value = leaf.kind(raw)
     except ValueError:
-        what = {int: "an integer", float: "a number"}.get(leaf.kind, "a value")
-        raise FlagError(f"{leaf.env}={raw!r} is not {what}") from None
+        raise FlagError(f"{leaf.env}={raw!r} is not {_what(leaf)}") from None
     if leaf.choices and value not in leaf.choices:
         raise FlagError(f"{leaf.env}={raw!r}: use one of {', '.join(leaf.choices)}")
     return value
+
+
+def _word(leaf: _Leaf, raw: str) -> str | None:
+    """The word `raw` spells (case and spaces aside), if the leaf takes words; else None."""
+    low = raw.strip().lower()
+    return next((w for w in leaf.words if w.lower() == low), None)
+
+
+def _what(leaf: _Leaf, *, none: bool = False) -> str:
+    """What a leaf's value must be, for error messages ("a number, auto or none")."""
+    items = [{int: "an integer", float: "a number"}.get(leaf.kind, "a value"), *leaf.words, *(["none"] if none else [])]
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
 def _shown(value: Any) -> str:
@@ -148,6 +172,14 @@ class HelpFormatter(argparse.HelpFormatter):
     Generated flags carry `(default: X)` in their help already; switches are off unless given; an option
     whose default is None says in its own help what that means.
     """
+
+    def add_argument(self, action: argparse.Action) -> None:
+        """Measure subcommands at the indent they are printed at (argparse leaves it out: long names wrap)."""
+        super().add_argument(action)
+        if isinstance(action, argparse._SubParsersAction) and action.help is not argparse.SUPPRESS:
+            for sub in action._get_subactions():
+                width = len(self._format_action_invocation(sub)) + self._current_indent + self._indent_increment
+                self._action_max_length = max(self._action_max_length, width)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -169,7 +201,8 @@ def _metavar(leaf: _Leaf) -> str | None:
         return "A,B" if leaf.many == "comma" else leaf.path[-1].removesuffix("s").split("_")[-1].upper()
     if leaf.path[-1].endswith("_s") or leaf.path[-1].endswith("timeout"):
         return "SECONDS"
-    return {int: "N", float: "X"}.get(leaf.kind) or leaf.flag[2:].split("-")[-1].upper()
+    base = {int: "N", float: "X"}.get(leaf.kind) or leaf.flag[2:].split("-")[-1].upper()
+    return "|".join([base, *leaf.words])
 
 
 def add_flags(
@@ -223,7 +256,14 @@ def _typed(leaf: _Leaf) -> Any:
     def convert(raw: str) -> Any:
         if leaf.optional and raw.strip().lower() in ("", "none", "off"):
             return None
-        return leaf.kind(raw)
+        if (word := _word(leaf, raw)) is not None:
+            return word
+        try:
+            return leaf.kind(raw)
+        except ValueError:
+            if not leaf.words:
+                raise  # argparse's own "invalid float value: 'x'"
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {_what(leaf, none=leaf.optional)}") from None
 
     convert.__name__ = leaf.kind.__name__  # argparse names the type in its "invalid ... value" message
     return convert

@@ -252,6 +252,28 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     runs.add_argument("--limit", type=int, default=50, metavar="N", help="at most this many runs, newest first")
     runs.add_argument("--json", action="store_true", help="one JSON object per run")
 
+    cal = _command(
+        sub,
+        "calibration",
+        "list the run families abort_below auto learns thresholds from, or reset one",
+        "Reads the run store serve writes (the one `agent-monitor runs` reads). A running agent-monitor serve keeps "
+        "its calibration in memory: it forgets a reset family only when it restarts.",
+    )
+    add_flags(cal, ServeOptions, environ, only=["state_dir"])
+    add_flags(
+        cal,
+        Policy,
+        environ,
+        only=["alpha", "min_steps", "patience", "max_uncertainty"],
+        title="policy (the thresholds shown are the ones a run with it gets)",
+    )
+    cal.add_argument("--json", action="store_true", help="one JSON object per family")
+    cal.add_argument(
+        "--reset",
+        metavar="FAMILY",
+        help="delete the samples of FAMILY (every judge model and rubric) and say how many; restart serve to apply",
+    )
+
     export = _command(sub, "export", "write a run's steps and score curve as JSON")
     export.add_argument("run_id", help="the run to export (`agent-monitor runs` lists them)")
     add_flags(export, ServeOptions, environ, only=["state_dir"])
@@ -461,6 +483,12 @@ async def _demo(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace) -> int:
     from .. import evaluate as ev
 
+    if args.abort_below == "auto":
+        # The sweep's decisions need a fixed threshold; learning one run after run is --calibrate's replay.
+        return _fail(
+            "eval --abort-below auto: a threshold learnt online needs eval --calibrate --alpha A; "
+            "pass a number here to see that threshold's decisions"
+        )
     if not args.judge:
         return _fail(_NO_JUDGE)
     runs = list(iter_recorded(args.path))
@@ -566,6 +594,52 @@ async def _runs(args: argparse.Namespace) -> int:
             f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} {score:>6} "
             f"{r['signal'] or '':<9} {(r['task'] or '')[:60]}"
         )
+    return 0
+
+
+async def _calibration(args: argparse.Namespace) -> int:
+    from ..calibration import Calibration
+
+    policy = build(Policy, args)
+    store = _open_store(args.state_dir)
+    try:
+        if args.reset is not None:
+            return _reset_family(args.reset, await store.reset_family(args.reset), store.path)
+        cal = Calibration(await store.samples())
+    finally:
+        await store.aclose()
+    rows = [(f, cal.threshold(f.family, policy)) for f in cal.families()]
+    if args.json:
+        for f, th in rows:
+            fam = f.family
+            data = {"family": fam.name, "model": fam.model, "rubric": fam.rubric, "successes": f.successes}
+            data |= {"failures": f.failures, "last_at": f.last_at, "alpha": th.alpha, "needed": th.needed}
+            print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
+        return 0
+    if not rows:
+        print(
+            f"no calibration samples in {store.path} yet: each run that ends with outcome success or failure adds one"
+        )
+        return 0
+    print(f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} {'failures':>8}  threshold")
+    for f, th in rows:
+        fam = f.family
+        shown = f"{th.value:.4f}" if th.value is not None else f"never aborts ({th.successes} of {th.needed} successes)"
+        print(f"{fam.name[:40]:<40} {fam.model[:24]:<24} {fam.rubric:<16} {f.successes:>9} {f.failures:>8}  {shown}")
+    print(
+        f"\nthresholds for alpha {policy.alpha:g}, min_steps {policy.min_steps}, patience {policy.patience}, "
+        f"max_uncertainty {policy.max_uncertainty:g}"
+    )
+    return 0
+
+
+def _reset_family(name: str, deleted: int, path: Path) -> int:
+    if not deleted:
+        return _fail(f"no family {name!r} in {path}; `agent-monitor calibration` lists them")
+    print(
+        f"deleted {deleted} sample{'s' if deleted != 1 else ''} of family {name!r} from {path}; "
+        "a running agent-monitor serve keeps using them until it restarts"
+    )
     return 0
 
 
@@ -675,6 +749,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return asyncio.run(_runs(args))
         if args.command == "export":
             return _export(args)
+        if args.command == "calibration":
+            return asyncio.run(_calibration(args))
     except (RecordedRunError, CriteriaError, SettingsError, PolicyError, CliError, ValueError) as e:
         print(f"agent-monitor: {e}", file=sys.stderr)
         return 2

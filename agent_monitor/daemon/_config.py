@@ -7,9 +7,11 @@ changed here is the default everywhere, `--help` included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..calibration import DEFAULT_SUCCESS_AT
 from ..images import FrameBudget
 from ..policy import Policy
 from ..scale import DEFAULT_MIN_MASS
@@ -43,13 +45,32 @@ class MetricsSettings:
     grace_s: float = field(
         default=60.0, metadata={"flag": "--metrics-grace", "help": "seconds an ended run's per-run series stay visible"}
     )
+    families: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--metric-families",
+            "comma": True,
+            "help": "calibration families exported by name (comma-separated); none: any family, up to "
+            "--max-families (family names come from runs' starts: keep them few)",
+        },
+    )
+    max_families: int = field(
+        default=100,
+        metadata={
+            "help": "calibration families (with their judge model and rubric) exported at most, the most recently "
+            "ended first; the rest are counted in agent_monitor_calibration_series_capped"
+        },
+    )
 
     def __post_init__(self) -> None:
         bad = [n for n in self.labels if not n.isidentifier() or n.startswith("__") or n in ("run_id", "signal")]
         if bad:
             raise ValueError(f"metric labels {bad} are not allowed; use identifiers other than run_id and signal")
-        if self.max_series < 0 or self.grace_s < 0:
-            raise ValueError(f"max_series={self.max_series}, grace_s={self.grace_s}: use numbers >= 0")
+        if self.max_series < 0 or self.grace_s < 0 or self.max_families < 0:
+            raise ValueError(
+                f"max_series={self.max_series}, grace_s={self.grace_s}, max_families={self.max_families}: "
+                "use numbers >= 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +106,12 @@ class MonitorConfig:
     policy: Policy = field(
         default_factory=Policy,
         metadata={"help": "policy defaults (a run's start.policy overrides them, same names in snake_case)"},
+    )
+    calibration_success_at: float = field(
+        default=DEFAULT_SUCCESS_AT,
+        metadata={
+            "help": "a numeric end.outcome at or above this counts as a success when calibrating abort_below auto"
+        },
     )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
@@ -154,6 +181,11 @@ class MonitorConfig:
             )
         if self.sweep_interval_s <= 0 or self.circuit_cooldown_s <= 0 or self.retention_s < 0:
             raise ValueError("sweep_interval_s and circuit_cooldown_s must be > 0, retention_s >= 0")
+        if not (isinstance(self.calibration_success_at, (int, float)) and math.isfinite(self.calibration_success_at)):
+            raise ValueError(
+                f"calibration_success_at={self.calibration_success_at!r}; use a number (outcomes at or above it "
+                "are successes)"
+            )
         if not self.extract_budget_s > 0:
             raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
 

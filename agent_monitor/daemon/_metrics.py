@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..calibration import Calibration, Family, min_successes
 from ..judges.base import Judge, JudgeRequest, JudgeResponse
+from ..policy import Policy
 from ..progress import FAILURES, REFUSALS, SIGNALS, Progress
 from ..wire import INPUT_KINDS
 from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
@@ -347,4 +349,78 @@ class RunCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: the families are built at scrape time (avoids a collect() at registration)."""
+        return iter(())
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySeries:
+    """What the calibration gauges show of one family (with its judge model and rubric)."""
+
+    family: Family
+    successes: int
+    threshold: float | None
+    """Under the monitor's default policy and alpha; None until the family is calibrated."""
+    last_at: float
+
+
+class CalibrationCollector(Collector):
+    """Per-family calibration gauges: successful runs seen, and the abort threshold they give now.
+
+    Kept current on the event loop (`update` after a family gains a sample) and read at scrape time
+    from a copy, so a scrape never computes margins on the scrape thread. Family names come from
+    runs' starts (or their task texts): only those on `allow` (all when empty) are exported, at most
+    `max_families` of them, the most recently ended first; the rest are counted in
+    `agent_monitor_calibration_series_capped`.
+    """
+
+    def __init__(
+        self, calibration: Calibration, policy: Policy, *, allow: Sequence[str] = (), max_families: int = 100
+    ) -> None:
+        if max_families < 0:
+            raise ValueError("max_families must be >= 0")
+        self.calibration = calibration
+        self.policy = policy
+        self.allow = frozenset(allow)
+        self.max_families = max_families
+        self._series: dict[Family, FamilySeries] = {}
+
+    def update(self, family: Family, at: float) -> FamilySeries:
+        """Recompute one family's gauges (on the event loop), `at` its newest sample's time."""
+        th = self.calibration.threshold(family, self.policy)
+        series = self._series[family] = FamilySeries(family, th.successes, th.value, at)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        """The calibration gauge families (called by the registry on every scrape)."""
+        every = sorted(list(self._series.values()), key=lambda f: f.last_at, reverse=True)
+        allowed = [f for f in every if not self.allow or f.family.name in self.allow]
+        shown = allowed[: self.max_families]
+        names = ["family", "model", "rubric"]
+        successes = GaugeMetricFamily(
+            "agent_monitor_calibration_successes",
+            "Successful finished runs each family's abort_below auto threshold is learnt from (by judge model "
+            "and rubric hash).",
+            labels=names,
+        )
+        threshold = GaugeMetricFamily(
+            "agent_monitor_calibrated_threshold",
+            "The abort_below auto threshold of each family under the monitor's default policy and alpha; no "
+            f"series until the family has {min_successes(self.policy.alpha)} successful runs (at alpha "
+            f"{self.policy.alpha:g}): until then it never aborts.",
+            labels=names,
+        )
+        for f in shown:
+            values = [f.family.name, f.family.model, f.family.rubric]
+            successes.add_metric(values, f.successes)
+            if f.threshold is not None:
+                threshold.add_metric(values, f.threshold)
+        yield from (successes, threshold)
+        yield GaugeMetricFamily(
+            "agent_monitor_calibration_series_capped",
+            "Calibration families not exported: not on --metric-families, or past --max-families.",
+            value=len(every) - len(shown),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the families are built at scrape time."""
         return iter(())

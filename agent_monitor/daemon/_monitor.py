@@ -21,6 +21,7 @@ from typing import Any, Self
 import structlog
 from prometheus_client import CollectorRegistry
 
+from ..calibration import Calibration, Sample
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy
@@ -29,7 +30,15 @@ from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, Topics, decode_event
 from ._config import MonitorConfig
-from ._metrics import MeteredJudge, Metrics, MetricsSink, RunCollector, RunSeries, series_of
+from ._metrics import (
+    CalibrationCollector,
+    MeteredJudge,
+    Metrics,
+    MetricsSink,
+    RunCollector,
+    RunSeries,
+    series_of,
+)
 from ._mqtt import MqttLink
 from ._outbox import Outbox
 from ._sinks import (
@@ -140,6 +149,10 @@ class Monitor:
     `handle()` (tests, embedding). Without a store nothing is journaled (a restart forgets the
     runs); `SqliteStore` survives restarts, `MemoryStore` keeps the journal in this process. `sinks` are called with every `MonitorEvent`, after the
     monitor's own (MQTT, store, metrics, log).
+
+    `calibration` holds what every run that ended with a success or failure outcome taught (kept in the
+    store, loaded on entering): the evidence `abort_below: "auto"` thresholds come from, per family,
+    judge model and rubric.
     """
 
     def __init__(
@@ -192,6 +205,11 @@ class Monitor:
         self.registry.register(
             RunCollector(self._series, label_names=c.metrics.labels, max_series=c.metrics.max_series)
         )
+        self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
+        self._families = CalibrationCollector(
+            self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
+        )
+        self.registry.register(self._families)
         self.link = (
             MqttLink(
                 c.broker,
@@ -398,6 +416,8 @@ class Monitor:
             run_id=run_id,
             policy=policy,
             extract_budget_s=c.extract_budget_s,
+            calibration=self.calibration,
+            family=start.family,
         )
         return _Scoring(tracker, policy, dict(start.labels))
 
@@ -460,8 +480,37 @@ class Monitor:
         async with self._lock:
             record = self.book.finish(run_id, outcome, self.clock())
             if record is not None:
+                # Learnt before the run's end is journaled: the sample's write is queued first, so a crash in
+                # between replays a run that teaches again, and the calibration keeps the sample once.
+                self._teach(run_id)
                 await self.store.journal(record)
                 await self._apply(record)
+
+    def _teach(self, run_id: str) -> None:
+        """Teach the calibration a run that ended and is scored: its outcome and its curve (no outcome: nothing)."""
+        state, scoring = self.book.live.get(run_id), self._scoring.get(run_id)
+        if state is None or state.ended is None or scoring is None:
+            return
+        tracker = scoring.tracker
+        # A run id may be used again for a new run once its run ended: the start time tells the two apart.
+        key = f"{run_id}@{state.started_at!r}"
+        try:
+            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.curve)
+        except Exception:
+            log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
+
+    def _learned(self, sample: Sample) -> None:
+        """A new calibration sample: store it, update its family's gauges."""
+        self.store.record_sample(sample, self.calibration.max_samples)
+        now = self._families.update(sample.family, sample.at)
+        log.info(
+            "calibration_sample",
+            run_id=sample.run_id,
+            family=sample.family.name,
+            success=sample.success,
+            successes=now.successes,
+            threshold=now.threshold,
+        )
 
     # -- scoring (the scheduler's callback) --
 
@@ -587,6 +636,11 @@ class Monitor:
         signal is published again (it may have been decided but not yet published before the crash).
         With `rescore`, stored scores are ignored and each run's newest prefix is scored afresh.
         """
+        # Samples first: the runs replayed below are scored against the calibration they had before.
+        for sample in await self.store.samples():
+            self.calibration.add(sample)
+        for f in self.calibration.families():
+            self._families.update(f.family, f.last_at)
         replay = await self.store.replay()
         self.book.remember_ended(replay.ended)
         self.book.remember_deliveries(replay.deliveries)

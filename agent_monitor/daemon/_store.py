@@ -11,6 +11,11 @@ not judged again. `MemoryStore` keeps the same records in memory (tests, embeddi
 are stored once per digest; frames the frame budget will never show again are pruned
 (replayed as a 1x1 placeholder, keeping the run's frame numbering and so its prompt prefix).
 Writes run on one thread in submission order, so a crash leaves a consistent prefix.
+
+The store also keeps the calibration samples (`agent_monitor.calibration`: each finished run's
+outcome and score curve, per family, judge model and rubric) that "auto" abort thresholds are
+learnt from. They are evidence, not run records: retention never deletes them; each family keeps
+its most recent `Calibration.max_samples`.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
+from ..calibration import Family, Sample
 from ..images import FrameBudget
 from ..wire import RunEnd, RunStart, StepIn
 from ._state import (
@@ -89,6 +95,18 @@ class RunStore(Protocol):
         """The records of every run not finished, in journal order, with their scores."""
         ...
 
+    def record_sample(self, sample: Sample, keep: int) -> None:
+        """Keep a calibration sample (in order, without waiting), and only its family's `keep` most recent."""
+        ...
+
+    async def samples(self) -> list[Sample]:
+        """Every calibration sample kept, oldest first."""
+        ...
+
+    async def reset_family(self, name: str) -> int:
+        """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
+        ...
+
     async def aclose(self) -> None:
         """Finish pending writes and close."""
         ...
@@ -122,7 +140,14 @@ CREATE TABLE IF NOT EXISTS frames (digest TEXT PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS progress (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, body TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (run_id, step)
 );
+CREATE TABLE IF NOT EXISTS calibration (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, family TEXT NOT NULL, model TEXT NOT NULL, rubric TEXT NOT NULL,
+    run_id TEXT NOT NULL, body TEXT NOT NULL, at REAL NOT NULL, UNIQUE (family, model, rubric, run_id)
+);
+CREATE INDEX IF NOT EXISTS calibration_by_family ON calibration (family, model, rubric, seq);
 """
+# Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them, and an older
+# agent-monitor still reads a newer store of the same format. A change to an existing table needs a new format.
 
 
 class StoreFormatError(RuntimeError):
@@ -317,8 +342,45 @@ class SqliteStore:
 
         self._background(write, "progress")
 
+    def record_sample(self, sample: Sample, keep: int) -> None:
+        """Keep a calibration sample (in the background, in order), and only its family's `keep` most recent."""
+        f = sample.family
+        key = (f.name, f.model, f.rubric)
+        body = json.dumps(sample.to_json())
+
+        def write(db: sqlite3.Connection) -> None:
+            c = db.execute(
+                "INSERT OR IGNORE INTO calibration (family, model, rubric, run_id, body, at) VALUES (?, ?, ?, ?, ?, ?)",
+                (*key, sample.run_id, body, sample.at),
+            )
+            if c.rowcount:
+                # The same window Calibration keeps in memory: the family's most recent `keep` runs.
+                db.execute(
+                    "DELETE FROM calibration WHERE family = ? AND model = ? AND rubric = ? AND seq <= ("
+                    "SELECT seq FROM calibration WHERE family = ? AND model = ? AND rubric = ? "
+                    "ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    (*key, *key, keep),
+                )
+
+        self._background(write, "calibration")
+
+    async def samples(self) -> list[Sample]:
+        """Every calibration sample kept, oldest first (the order Calibration keeps its window in)."""
+
+        def read(db: sqlite3.Connection) -> list[Sample]:
+            return [Sample.from_json(json.loads(b)) for (b,) in db.execute("SELECT body FROM calibration ORDER BY seq")]
+
+        return await self._run(read)
+
+    async def reset_family(self, name: str) -> int:
+        """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
+        return await self._run(lambda db: db.execute("DELETE FROM calibration WHERE family = ?", (name,)).rowcount)
+
     async def prune(self, older_than_s: float) -> int:
-        """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted."""
+        """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted.
+
+        Calibration samples stay: they are the evidence "auto" thresholds rest on, bounded per family instead.
+        """
         cutoff = self.clock() - older_than_s
 
         def write(db: sqlite3.Connection) -> int:
@@ -531,6 +593,8 @@ class MemoryStore:
         self.ended: dict[str, float] = {}
         self.ended_log: collections.deque[tuple[str, float | None]] = collections.deque(maxlen=_DELIVERIES_KEPT)
         self.deliveries: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=_DELIVERIES_KEPT)
+        self.calibration: dict[tuple[Family, str], Sample] = {}
+        """Calibration samples by (family, run id), oldest first."""
 
     async def journal(self, record: Record) -> None:
         """Keep one record."""
@@ -567,6 +631,26 @@ class MemoryStore:
             deliveries=list(self.deliveries),
         )
 
+    def record_sample(self, sample: Sample, keep: int) -> None:
+        """Keep a calibration sample, and only its family's `keep` most recent."""
+        if (sample.family, sample.run_id) in self.calibration:
+            return
+        self.calibration[(sample.family, sample.run_id)] = sample
+        mine = [k for k in self.calibration if k[0] == sample.family]
+        for k in mine[: max(0, len(mine) - keep)]:
+            del self.calibration[k]
+
+    async def samples(self) -> list[Sample]:
+        """Every calibration sample kept, oldest first."""
+        return list(self.calibration.values())
+
+    async def reset_family(self, name: str) -> int:
+        """Forget the calibration samples of every family called `name`; how many."""
+        gone = [k for k in self.calibration if k[0].name == name]
+        for k in gone:
+            del self.calibration[k]
+        return len(gone)
+
     async def aclose(self) -> None:
         """Nothing to release."""
 
@@ -583,6 +667,17 @@ class NoStore:
     async def replay(self) -> Replay:
         """Nothing to replay."""
         return Replay()
+
+    def record_sample(self, sample: Sample, keep: int) -> None:
+        """Keep nothing (calibration lives in memory until the daemon stops)."""
+
+    async def samples(self) -> list[Sample]:
+        """No samples kept."""
+        return []
+
+    async def reset_family(self, name: str) -> int:
+        """Nothing to forget."""
+        return 0
 
     async def aclose(self) -> None:
         """Nothing to release."""
