@@ -631,6 +631,8 @@ async def atrack(
     policy: Policy | Mapping[str, Any] | None = None,
     on_signal: Callable[[Decision], object] | None = None,
     extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+    calibration: Calibration | None = None,
+    family: str | None = None,
 ) -> list[Progress]:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
@@ -651,6 +653,8 @@ async def atrack(
         policy=policy,
         on_signal=on_signal,
         extract_budget_s=extract_budget_s,
+        calibration=calibration,
+        family=family,
     )
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
@@ -677,6 +681,8 @@ def track(
     policy: Policy | Mapping[str, Any] | None = None,
     on_signal: Callable[[Decision], object] | None = None,
     extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+    calibration: Calibration | None = None,
+    family: str | None = None,
 ) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     run = partial(
@@ -697,6 +703,8 @@ def track(
         policy=policy,
         on_signal=on_signal,
         extract_budget_s=extract_budget_s,
+        calibration=calibration,
+        family=family,
     )
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)
