@@ -285,10 +285,24 @@ class Calibration:
                 if key[0] == sample.family:
                     change(ms, margin(sample.curve, policy))
 
-    def record(self, family: Family, run_id: str, outcome: object, curve: Iterable[Progress | Point]) -> Sample | None:
-        """Learn from a finished run; None when its outcome says neither success nor failure, or it was counted."""
+    def record(
+        self,
+        family: Family,
+        run_id: str,
+        outcome: object,
+        curve: Iterable[Progress | Point],
+        *,
+        exposed: bool = False,
+    ) -> Sample | None:
+        """Learn from a finished run; None when it teaches nothing (see below) or was counted already.
+
+        A run teaches nothing when its outcome says neither success nor failure, or when it was
+        `exposed`: an abort rule could have stopped it (`PolicyState.exposed`). Such a run's outcome
+        is censored: the successes an armed threshold aborted never report one, so learning from
+        the rest would only ever raise the threshold, and the bound would no longer hold.
+        """
         success = is_success(outcome, self.success_at)
-        if success is None:
+        if success is None or exposed:
             return None
         pts = tuple(p if isinstance(p, Point) else points([p])[0] for p in curve)
         stored = outcome if isinstance(outcome, (int, float, str)) and not isinstance(outcome, bool) else success

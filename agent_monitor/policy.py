@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -18,6 +19,8 @@ AUTO: Literal["auto"] = "auto"
 """`abort_below="auto"`: the threshold comes from calibration on the family's finished runs."""
 DEFAULT_ALPHA = 0.05
 """The default bound on the share of successful runs an "auto" threshold may abort."""
+DEFAULT_HOLDOUT = 0.1
+"""The default share of "auto" runs never aborted by the calibrated rule, so that they keep teaching it."""
 
 
 class PolicyError(ValueError):
@@ -58,6 +61,14 @@ class Policy:
         metadata={"help": "with abort-below auto: the most successful runs of a family it may abort (a share)"},
     )
 
+    holdout: float = field(
+        default=DEFAULT_HOLDOUT,
+        metadata={
+            "help": "with abort-below auto: the share of runs (chosen by run id) it never aborts; their outcomes "
+            "keep teaching the calibration without bias"
+        },
+    )
+
     def __post_init__(self) -> None:
         for name in ("abort_below", "resample_below", "regression"):
             v = getattr(self, name)
@@ -78,6 +89,10 @@ class Policy:
         a = self.alpha
         if isinstance(a, bool) or not (isinstance(a, (int, float)) and 0.0 < a < 1.0):
             raise PolicyError(f"policy alpha={a!r}: use a number between 0 and 1 (exclusive), e.g. {DEFAULT_ALPHA}")
+
+        h = self.holdout
+        if isinstance(h, bool) or not (isinstance(h, (int, float)) and 0.0 <= h < 1.0):
+            raise PolicyError(f"policy holdout={h!r}: use a share in [0, 1), e.g. {DEFAULT_HOLDOUT}")
 
     @property
     def auto(self) -> bool:
@@ -108,11 +123,17 @@ class PolicyState:
 
     With `abort_below="auto"`, `threshold` gives the calibrated threshold in force at each
     observation (it moves as the family's runs end); without it, an "auto" run never aborts.
+    A `held_out` run is never aborted by the calibrated rule (its decisions say when it would
+    have been): runs that an abort rule could stop have censored outcomes and must not teach
+    the calibration (`exposed`), so held-out runs are what keeps it learning without bias.
     """
 
-    def __init__(self, policy: Policy, *, threshold: Callable[[], Threshold] | None = None) -> None:
+    def __init__(
+        self, policy: Policy, *, threshold: Callable[[], Threshold] | None = None, held_out: bool = False
+    ) -> None:
         self.policy = policy
         self.threshold = threshold
+        self.held_out = held_out and policy.auto
         self.signal: Signal = "continue"
         self.reason = "start"
         self.best_score: float | None = None
@@ -125,6 +146,8 @@ class PolicyState:
         """The abort threshold in force at the last observation (None: this rule aborts nothing)."""
         self.calibration: str | None = None
         """Where an "auto" threshold came from ("calibrated on 23 successful runs, alpha 0.05"), else None."""
+        self.exposed = self.abort_below is not None
+        """An abort rule could have stopped this run: its outcome is censored, so it must not teach calibration."""
 
     @property
     def low_streak(self) -> int:
@@ -147,6 +170,8 @@ class PolicyState:
             return
         th = self.threshold()
         self.abort_below, self.calibration = th.value, th.reason
+        if th.value is not None and not self.held_out:
+            self.exposed = True
 
     def observe(self, p: Progress) -> Decision:
         """Fold one result (in step order) into the state and decide."""
@@ -186,9 +211,22 @@ class PolicyState:
         t = self.abort_below
         if t is not None and len(self.recent) == pol.patience and max(self.recent) < t:
             why = f"score below {t:.4g} for {pol.patience} scored steps"
+            if self.held_out:
+                return "continue", (
+                    f"held out: would abort ({why}, {self.calibration}); one of the {pol.holdout:.0%} of runs "
+                    "left running so their outcomes keep the calibration unbiased"
+                )
             return "abort", f"{why} ({self.calibration})" if self.calibration else why
         if pol.resample_below is not None and score < pol.resample_below:
             return "resample", f"score {score:.2f} below {pol.resample_below}"
         if pol.regression is not None and self.best_score is not None and self.best_score - score >= pol.regression:
             return "resample", f"score fell {self.best_score - score:.2f} from its best at step {self.best_step}"
         return "continue", "on track"
+
+
+def held_out(run_key: str, share: float) -> bool:
+    """Whether a run is in the held-out share: chosen by a hash of its id, so independent of how it goes."""
+    if share <= 0.0:
+        return False
+    h = int.from_bytes(hashlib.sha256(run_key.encode()).digest()[:8], "big")
+    return h / 2.0**64 < share

@@ -21,7 +21,7 @@ from .calibration import Calibration, Family, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
-from .policy import Policy, PolicyState
+from .policy import Policy, PolicyState, held_out
 from .progress import Decision, Progress, Usage
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -132,7 +132,11 @@ class AsyncProgressTracker:
         )
         """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
         self.policy_state = (
-            PolicyState(policy, threshold=self._threshold if calibration is not None else None)
+            PolicyState(
+                policy,
+                threshold=self._threshold if calibration is not None else None,
+                held_out=held_out(run_id or self._anon_id, policy.holdout),
+            )
             if policy is not None
             else None
         )
@@ -297,14 +301,16 @@ class AsyncProgressTracker:
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome ("success", "failure" or a number); the sample it kept, if any.
 
-        Call it once the run has ended and its last step is scored. Without a calibration, or with an
-        outcome that says neither success nor failure, nothing is learnt (None).
+        Call it once the run has ended and its last step is scored. Nothing is learnt (None) without a
+        calibration, from an outcome that says neither success nor failure, or from a run an abort rule
+        could have stopped (its outcome is censored; see `Calibration.record`).
         """
         if self.calibration is None:
             return None
         # A run counts once per family: a tracker without a run id still needs an id of its own.
         run_id = self.run_id or self._anon_id
-        return self.calibration.record(self.family, run_id, outcome, self.curve)
+        exposed = self.policy_state is not None and self.policy_state.exposed
+        return self.calibration.record(self.family, run_id, outcome, self.curve, exposed=exposed)
 
     def restore(self, results: Iterable[Progress]) -> None:
         """Take results scored before a restart as this tracker's own: curve, latest and policy state, no callbacks."""

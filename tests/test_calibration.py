@@ -22,7 +22,7 @@ from agent_monitor.calibration import (
     margin,
     min_successes,
 )
-from agent_monitor.policy import PolicyError, PolicyState
+from agent_monitor.policy import PolicyError, PolicyState, held_out
 from agent_monitor.progress import Progress
 
 FAM = Family("fix-the-test", "judge-v1", "rubric-1")
@@ -218,24 +218,28 @@ def _family(rng: random.Random, n: int, p_success: float, gap: float) -> list[tu
     return runs
 
 
-@pytest.mark.parametrize(("alpha", "gap"), [(0.05, 0.0), (0.1, 0.3), (0.2, 0.3)])
-def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
-    """Many families of exchangeable runs, learnt online: mean false-abort rate <= alpha; savings when failures lag.
+def _simulate(alpha: float, gap: float, *, learner: str, families: int = 300) -> tuple[float, float]:
+    """Families of exchangeable runs learnt online; the mean false-abort rate and share of failing steps saved.
 
     Each family is a stream of runs in random order; each run is judged live against the threshold the runs
-    that ended before it gave (as the daemon does), then taught to the calibration.
+    that ended before it gave (as the daemon does), then its outcome is offered to the calibration:
+    - "live": as the monitor does. A run the armed rule could have stopped is exposed and teaches nothing;
+      the held-out share (by run id) is never aborted and teaches.
+    - "censored": the naive way. Every run that was not aborted teaches (an aborted one has no outcome).
     """
     rng = random.Random(1234 + int(alpha * 100))
     policy = Policy(abort_below="auto", alpha=alpha, min_steps=2, patience=2, max_uncertainty=1.0)
     rates, saved = [], []
-    for f in range(300):
+    for f in range(families):
         fam = Family(f"fam-{f}", "m", "r")
         cal = Calibration()
         good = good_aborted = bad_steps = bad_saved = 0
         for i, (ok, curve) in enumerate(_family(rng, 120, 0.5, gap)):
+            run_id = f"fam-{f}-r{i}"
             th = cal.threshold(fam, policy)
-            if th.value is not None:  # judged live only once the rule is armed
-                at = None
+            held = learner == "live" and held_out(run_id, policy.holdout)
+            at = None
+            if th.value is not None and not held:  # judged live only once the rule is armed
                 # Aborted exactly when the margin is below the threshold (the brute-force test above); the live
                 # policy then says at which step.
                 if margin(curve, policy) < th.value:
@@ -252,16 +256,31 @@ def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
                 else:
                     bad_steps += len(curve)
                     bad_saved += len(curve) - at if at is not None else 0
-            cal.record(fam, f"r{i}", "success" if ok else "failure", curve)
+            exposed = th.value is not None and not held if learner == "live" else at is not None
+            cal.record(fam, run_id, "success" if ok else "failure", curve, exposed=exposed)
         if good:
             rates.append(good_aborted / good)
         if bad_steps:
             saved.append(bad_saved / bad_steps)
-    mean_rate = sum(rates) / len(rates)
-    print(f"alpha={alpha} gap={gap} mean_false_abort={mean_rate:.4f} saved={sum(saved) / max(1, len(saved)):.3f}")
-    assert mean_rate <= alpha, mean_rate
+    return sum(rates) / len(rates), sum(saved) / max(1, len(saved))
+
+
+@pytest.mark.parametrize(("alpha", "gap"), [(0.05, 0.0), (0.1, 0.3), (0.2, 0.3)])
+def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
+    """Mean realised false-abort rate <= alpha, and clearly above 0 savings when failures score lower."""
+    rate, saved = _simulate(alpha, gap, learner="live")
+    print(f"alpha={alpha} gap={gap} mean_false_abort={rate:.4f} failing_steps_saved={saved:.3f}")
+    assert rate <= alpha, rate
     if gap > 0:
-        assert sum(saved) / len(saved) > 0.1  # clearly above 0: failing runs' steps are saved
+        assert saved > 0.1
+
+
+def test_learning_from_runs_the_rule_could_stop_breaks_the_guarantee() -> None:
+    """Why exposed runs teach nothing: learning from the survivors ratchets the threshold up past alpha."""
+    rate, _ = _simulate(0.2, 0.3, learner="censored", families=100)
+    live, _ = _simulate(0.2, 0.3, learner="live", families=100)
+    print(f"censored mean_false_abort={rate:.4f} live={live:.4f}")
+    assert rate > 0.2 >= live
 
 
 def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
@@ -273,7 +292,7 @@ def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
     judge = FakeJudge(lambda prompt: answer["letter"])
     cal = Calibration()
     # alpha 0.2 needs 4 successful runs (ceil(1/0.2) - 1): enough evidence in a short test.
-    policy = {"abort_below": "auto", "alpha": 0.2, "min_steps": 1, "patience": 2}
+    policy = {"abort_below": "auto", "alpha": 0.2, "min_steps": 1, "patience": 2, "holdout": 0.0}
 
     def run(run_id: str, letter: str, outcome: str) -> list[Progress]:
         answer["letter"] = letter

@@ -32,7 +32,8 @@ pytestmark = pytest.mark.timeout(120)
 ALPHA = 0.2
 NEEDED = min_successes(ALPHA)  # 4
 GOOD, BAD = 15 / 19, 2 / 19
-AUTO = {"abort_below": "auto", "alpha": ALPHA, "min_steps": 1, "patience": 2}
+# holdout 0: every auto run here may be aborted (the default holds out ~10% of runs, picked by run id).
+AUTO = {"abort_below": "auto", "alpha": ALPHA, "min_steps": 1, "patience": 2, "holdout": 0.0}
 STEPS = 3
 RUBRIC = load_criteria(None).hash  # the default rubric's
 
@@ -114,6 +115,35 @@ async def test_a_well_separated_family_starts_aborting_failures_once_enough_succ
             assert (th.successes, th.failures, th.value) == (NEEDED, 3, pytest.approx(GOOD))
     finally:
         await store.aclose()
+
+
+async def test_only_runs_no_rule_could_stop_teach_and_held_out_runs_keep_it_learning(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    """Once armed, an auto run's outcome is censored (an aborted success never reports one): it teaches nothing.
+
+    A held-out run is judged but never aborted by the rule; its decisions say it would have been, and its
+    outcome teaches, so the calibration keeps learning without bias.
+    """
+    store = MemoryStore()
+    async with monitor(broker, store) as mon, harness(broker.port) as h:
+        for i in range(NEEDED):
+            await finished_run(h, f"good-{i}", "good", "success")
+        fam = Family("fix-tests", "fake-1", RUBRIC)
+        policy = Policy().with_overrides(AUTO)
+        assert mon.calibration.threshold(fam, policy).successes == NEEDED
+        # Armed and not held out: a success that could have been aborted teaches nothing.
+        await finished_run(h, "exposed", "good", "success", policy=AUTO)
+        assert mon.calibration.threshold(fam, policy).successes == NEEDED
+        # Held out (a share just under 1 holds out every run id): never aborted, says so, and teaches.
+        await failing_auto_run(h, "held", policy={**AUTO, "holdout": 0.999})
+        assert h.seen[("held", "signal")] == []
+        last = decisions(h, "held")[-1]
+        assert last["signal"] == "continue" and last["reason"].startswith("held out: would abort (score below")
+        assert last["abort_below"] == pytest.approx(GOOD)
+        await h.publish("held", "end", {"outcome": "success"})
+        await h.until(lambda: mon.calibration.threshold(fam, policy).successes == NEEDED + 1)
+        assert mon.calibration.threshold(fam, policy).value == pytest.approx(BAD)  # its low margin now counts
 
 
 async def teach(broker: Mosquitto, store: SqliteStore | MemoryStore, *, successes: int = NEEDED) -> float:

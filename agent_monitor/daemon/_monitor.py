@@ -495,7 +495,8 @@ class Monitor:
         # A run id may be used again for a new run once its run ended: the start time tells the two apart.
         key = f"{run_id}@{state.started_at!r}"
         try:
-            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.curve)
+            exposed = tracker.policy_state is not None and tracker.policy_state.exposed
+            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.curve, exposed=exposed)
         except Exception:
             log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
 
