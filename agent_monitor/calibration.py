@@ -44,6 +44,9 @@ DEFAULT_SUCCESS_AT = 0.5
 DEFAULT_MAX_SAMPLES = 2000
 """Finished runs kept per family (the most recent): bounds memory, and follows a slowly drifting family."""
 
+DEFAULT_MAX_TOTAL = 50_000
+"""Finished runs kept over all families; past it, the family that learnt least recently is forgotten."""
+
 _EPS = 1e-9  # alpha * (n + 1) in floating point: 0.29 * 100 must give 29, not 28
 
 
@@ -237,7 +240,8 @@ class Calibration:
 
     Feed it finished runs (`record`, or `add` for stored samples); ask `threshold(family, policy)`.
     A run counts once (by run id) per family; its outcome decides success (`success_at` for numbers).
-    Each family keeps its `max_samples` most recent runs.
+    Each family keeps its `max_samples` most recent runs, and all families together `max_total`
+    (families come from the network: past it, the family that learnt least recently is forgotten).
     `on_sample` is called with each new sample (the daemon stores it there). Not thread-safe: the
     daemon and the trackers use it from one event loop.
     """
@@ -249,14 +253,21 @@ class Calibration:
         success_at: float = DEFAULT_SUCCESS_AT,
         on_sample: Callable[[Sample], object] | None = None,
         max_samples: int = DEFAULT_MAX_SAMPLES,
+        max_total: int = DEFAULT_MAX_TOTAL,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not (isinstance(success_at, (int, float)) and math.isfinite(success_at)):
             raise CalibrationError(f"success_at={success_at!r}: use a number (outcomes at or above it are successes)")
         if not (isinstance(max_samples, int) and max_samples >= 1):
             raise CalibrationError(f"max_samples={max_samples!r}: use an integer >= 1 (finished runs kept per family)")
+        if not (isinstance(max_total, int) and max_total >= max_samples):
+            raise CalibrationError(
+                f"max_total={max_total!r}: use an integer >= max_samples ({max_samples}): runs kept over all families"
+            )
         self.success_at = float(success_at)
         self.max_samples = max_samples
+        self.max_total = max_total
+        self._total = 0
         self.on_sample = on_sample
         self.clock = clock
         self._runs: dict[Family, dict[str, Sample]] = {}
@@ -271,11 +282,20 @@ class Calibration:
         if sample.run_id in runs:
             return False
         runs[sample.run_id] = sample
+        self._total += 1
         self._cached(sample, bisect.insort)
         if len(runs) > self.max_samples:
             # The oldest goes: a bounded window of the family's most recent runs (dicts keep insertion order).
             oldest = runs.pop(next(iter(runs)))
+            self._total -= 1
             self._cached(oldest, _remove)
+        # Families come from the network (start.family, task texts): over the total, whole families go, the one
+        # that learnt least recently first (moved to the end of the dict on every new sample).
+        self._runs[sample.family] = self._runs.pop(sample.family)
+        while self._total > self.max_total:
+            stale = next(iter(self._runs))
+            self._total -= len(self._runs.pop(stale))
+            self._margins = {k: v for k, v in self._margins.items() if k[0] != stale}
         return True
 
     def _cached(self, sample: Sample, change: Callable[[list[float], float], None]) -> None:
@@ -352,6 +372,7 @@ class Calibration:
         """Forget every family called `name` (any model or rubric); how many samples were dropped."""
         gone = [f for f in self._runs if f.name == name]
         dropped = sum(len(self._runs.pop(f)) for f in gone)
+        self._total -= dropped
         self._margins = {k: v for k, v in self._margins.items() if k[0].name != name}
         return dropped
 
@@ -381,7 +402,7 @@ class Calibration:
         return cls(samples, **options)
 
     def __len__(self) -> int:
-        return sum(len(r) for r in self._runs.values())
+        return self._total
 
 
 def _remove(ms: list[float], m: float) -> None:

@@ -181,6 +181,22 @@ def test_samples_round_trip_and_reset() -> None:
     assert [f.family.name for f in cal.families()] == ["other"]
 
 
+def test_memory_is_bounded_per_family_and_in_total() -> None:
+    """Families come from the network: the oldest runs of a family go, then whole least-recent families."""
+    cal = Calibration(max_samples=3, max_total=7)
+    for i in range(5):
+        cal.record(FAM, f"r{i}", "success", _curve([0.1 * i, 0.1 * i]))
+    assert sorted(s.run_id for s in cal.samples(FAM)) == ["r2", "r3", "r4"]
+    assert cal.margins(FAM, Policy(min_steps=1, patience=1)) == pytest.approx([0.2, 0.3, 0.4])
+    for f in range(4):
+        cal.record(Family(f"f{f}", "m", "r"), "a", "failure", _curve([0.5]))
+        cal.record(Family(f"f{f}", "m", "r"), "b", "failure", _curve([0.5]))
+    # 3 + 4 x 2 = 11 over 7: FAM (least recent) goes, then f0; f1..f3 (6 runs) stay.
+    assert len(cal) == 6
+    assert sorted(f.family.name for f in cal.families()) == ["f1", "f2", "f3"]
+    assert cal.threshold(FAM, Policy(alpha=0.5)).successes == 0
+
+
 def test_save_and_load(tmp_path: Path) -> None:
     """A harness without the daemon keeps its evidence between processes."""
     cal = Calibration()
