@@ -214,7 +214,7 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 async def stored(path: Path, kept: list[Sample]) -> None:
     store = SqliteStore(path)
     for s in kept:
-        store.record_sample(s, 2000)
+        store.record_sample(s, 2000, 50_000)
     await store.aclose()
 
 

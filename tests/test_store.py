@@ -123,7 +123,7 @@ async def test_retention_deletes_ended_runs_and_unreferenced_frames(tmp_path: Pa
         assert [r["run_id"] for r in await store.list_runs()] == ["new"]
         assert await store.export("old") is None
         clock["t"] += 1
-        store.record_sample(sample("old", "fam"), keep=10)
+        store.record_sample(sample("old", "fam"), keep=10, total=100)
         assert await store.prune(older_than_s=0) == 1
         db = sqlite3.connect(tmp_path / "s.db")
         assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 0
@@ -145,10 +145,14 @@ async def test_calibration_samples_are_kept_once_bounded_per_family_and_reset_by
     store = SqliteStore(tmp_path / "s.db") if kind == "sqlite" else MemoryStore()
     try:
         for i in range(5):
-            store.record_sample(sample(f"a{i}", "fam", at=float(i)), keep=3)
-        store.record_sample(sample("a4", "fam", success=False), keep=3)  # counted already: the first one stays
-        store.record_sample(sample("b0", "fam", model="other"), keep=3)  # another judge model: its own window
-        store.record_sample(sample("c0", "docs", success=False), keep=3)
+            store.record_sample(sample(f"a{i}", "fam", at=float(i)), keep=3, total=100)
+        store.record_sample(
+            sample("a4", "fam", success=False), keep=3, total=100
+        )  # counted already: the first one stays
+        store.record_sample(
+            sample("b0", "fam", model="other"), keep=3, total=100
+        )  # another judge model: its own window
+        store.record_sample(sample("c0", "docs", success=False), keep=3, total=100)
         got = await store.samples()
         assert [(s.family.name, s.family.model, s.run_id) for s in got] == [
             ("fam", "m", "a2"),
@@ -162,13 +166,17 @@ async def test_calibration_samples_are_kept_once_bounded_per_family_and_reset_by
         assert await store.reset_family("fam") == 4
         assert [s.run_id for s in await store.samples()] == ["c0"]
         assert await store.reset_family("fam") == 0
+        # Families come from the network: over the total, the oldest samples go, whatever their family.
+        for i in range(4):
+            store.record_sample(sample(f"x{i}", f"f{i}"), keep=3, total=3)
+        assert [s.run_id for s in await store.samples()] == ["x1", "x2", "x3"]
     finally:
         await store.aclose()
 
 
 async def test_no_store_keeps_no_samples() -> None:
     store = NoStore()
-    store.record_sample(sample("a", "fam"), keep=3)
+    store.record_sample(sample("a", "fam"), keep=3, total=100)
     assert await store.samples() == [] and await store.reset_family("fam") == 0
 
 

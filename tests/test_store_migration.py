@@ -83,7 +83,7 @@ async def test_a_format_2_store_from_before_calibration_opens_and_gains_its_tabl
     try:
         assert await store.samples() == []
         curve = (Point(1, 0.9, 0.0),)
-        store.record_sample(Sample("r", Family("fam", "m", "h"), True, curve), keep=10)
+        store.record_sample(Sample("r", Family("fam", "m", "h"), True, curve), keep=10, total=100)
         assert [s.run_id for s in await store.samples()] == ["r"]
     finally:
         await store.aclose()

@@ -502,7 +502,7 @@ class Monitor:
 
     def _learned(self, sample: Sample) -> None:
         """A new calibration sample: store it, update its family's gauges."""
-        self.store.record_sample(sample, self.calibration.max_samples)
+        self.store.record_sample(sample, self.calibration.max_samples, self.calibration.max_total)
         now = self._families.update(sample.family, sample.at)
         log.info(
             "calibration_sample",

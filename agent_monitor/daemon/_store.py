@@ -95,8 +95,8 @@ class RunStore(Protocol):
         """The records of every run not finished, in journal order, with their scores."""
         ...
 
-    def record_sample(self, sample: Sample, keep: int) -> None:
-        """Keep a calibration sample (in order, without waiting), and only its family's `keep` most recent."""
+    def record_sample(self, sample: Sample, keep: int, total: int) -> None:
+        """Keep a calibration sample (in order, without waiting): its family's `keep` most recent, `total` in all."""
         ...
 
     async def samples(self) -> list[Sample]:
@@ -342,8 +342,8 @@ class SqliteStore:
 
         self._background(write, "progress")
 
-    def record_sample(self, sample: Sample, keep: int) -> None:
-        """Keep a calibration sample (in the background, in order), and only its family's `keep` most recent."""
+    def record_sample(self, sample: Sample, keep: int, total: int) -> None:
+        """Keep a calibration sample (in the background, in order): its family's `keep` most recent, `total` in all."""
         f = sample.family
         key = (f.name, f.model, f.rubric)
         body = json.dumps(sample.to_json())
@@ -360,6 +360,11 @@ class SqliteStore:
                     "SELECT seq FROM calibration WHERE family = ? AND model = ? AND rubric = ? "
                     "ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                     (*key, *key, keep),
+                )
+                # And a bound over all families (they come from the network): the oldest samples go.
+                db.execute(
+                    "DELETE FROM calibration WHERE seq <= (SELECT seq FROM calibration ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    (total,),
                 )
 
         self._background(write, "calibration")
@@ -631,14 +636,16 @@ class MemoryStore:
             deliveries=list(self.deliveries),
         )
 
-    def record_sample(self, sample: Sample, keep: int) -> None:
-        """Keep a calibration sample, and only its family's `keep` most recent."""
+    def record_sample(self, sample: Sample, keep: int, total: int) -> None:
+        """Keep a calibration sample: its family's `keep` most recent, `total` in all."""
         if (sample.family, sample.run_id) in self.calibration:
             return
         self.calibration[(sample.family, sample.run_id)] = sample
         mine = [k for k in self.calibration if k[0] == sample.family]
         for k in mine[: max(0, len(mine) - keep)]:
             del self.calibration[k]
+        while len(self.calibration) > total:
+            del self.calibration[next(iter(self.calibration))]
 
     async def samples(self) -> list[Sample]:
         """Every calibration sample kept, oldest first."""
@@ -668,7 +675,7 @@ class NoStore:
         """Nothing to replay."""
         return Replay()
 
-    def record_sample(self, sample: Sample, keep: int) -> None:
+    def record_sample(self, sample: Sample, keep: int, total: int) -> None:
         """Keep nothing (calibration lives in memory until the daemon stops)."""
 
     async def samples(self) -> list[Sample]:
