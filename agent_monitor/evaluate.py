@@ -7,6 +7,11 @@ score at 25/50/75% of a run against its outcome, the value-order (Spearman) corr
 curve with step index per outcome, and an abort-threshold sweep (false-abort rate on successful
 runs, share of failing runs' steps saved) with the threshold that saves most within a target
 false-abort rate.
+
+`calibrate` replays the scored runs through the online calibration of `abort_below="auto"`
+(`agent_monitor.calibration`): runs arrive one after another, each judged live against the
+threshold the runs that ended before it give, then taught its outcome; in recorded order and in
+many random orders, with the realised false-abort rate, the steps saved and when aborts begin.
 """
 
 from __future__ import annotations
@@ -16,21 +21,28 @@ import dataclasses
 import hashlib
 import json
 import math
+import random
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from .calibration import Calibration, Family, Threshold, min_successes, task_family
 from .criteria import CriteriaSpec
 from .judges.base import Judge
-from .policy import Policy, PolicyState
+from .policy import AUTO, Policy, PolicyState
 from .progress import Progress
 from .recorded import RecordedRun
 from .tracker import DEFAULT_REPEATS, AsyncProgressTracker
 
 QUANTILES = (0.25, 0.5, 0.75)
 THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(1, 20))
+DEFAULT_ORDERS = 200
+"""Random orders `calibrate` replays the runs in (besides the recorded one)."""
+
+FamilyBy = Literal["task", "all"]
+"""How `calibrate` groups runs: by task (as the monitor does without `start.family`), or all in one family."""
 
 
 @dataclass(slots=True)
@@ -42,6 +54,8 @@ class RunCurve:
     scores: list[float | None]
     uncertainties: list[float | None] = field(default_factory=list)
     cached: int = 0
+    family: Family | None = None
+    """The calibration key a live run of this task would have (None: its name is its task)."""
 
     @property
     def success(self) -> bool | None:
@@ -108,7 +122,7 @@ async def score_runs(
         tracker = AsyncProgressTracker(
             run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name
         )
-        curve = RunCurve(run.name, run.outcome, [])
+        curve = RunCurve(run.name, run.outcome, [], family=tracker.family)
         setting = [
             getattr(judge, "name", ""),
             getattr(judge, "model", "") or "",
@@ -173,13 +187,19 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
     return None if vx == 0 or vy == 0 else cov / math.sqrt(vx * vy)
 
 
-def abort_step(curve: RunCurve, policy: Policy) -> int | None:
-    """The step at which `policy` would have aborted this run, or None."""
-    state = PolicyState(policy)
-    for i, (s, u) in enumerate(zip(curve.scores, curve.uncertainties or [None] * len(curve.scores), strict=False), 1):
-        p = Progress(step=i, score=s, uncertainty=u if s is not None else None, criteria={}, ok=s is not None)
+def progress(curve: RunCurve) -> Iterator[Progress]:
+    """The run's scores as the tracker gave them live, step by step (a None score: a failed judge call)."""
+    us = [*curve.uncertainties, *[None] * (len(curve.scores) - len(curve.uncertainties))]
+    for i, (s, u) in enumerate(zip(curve.scores, us, strict=False), 1):
+        yield Progress(step=i, score=s, uncertainty=u if s is not None else None, criteria={}, ok=s is not None)
+
+
+def abort_step(curve: RunCurve, policy: Policy, state: PolicyState | None = None) -> int | None:
+    """The step at which `policy` (or a live `state`) would have aborted this run, or None."""
+    state = state or PolicyState(policy)
+    for p in progress(curve):
         if state.observe(p).signal == "abort":
-            return i
+            return p.step
     return None
 
 
@@ -387,4 +407,382 @@ def report_json(report: Report) -> dict[str, Any]:
         "spearman": report.spearman,
         "sweep": [dataclasses.asdict(r) for r in report.sweep],
         "recommended": dataclasses.asdict(report.recommended) if report.recommended else None,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """One run as the online procedure judged it: the threshold in force, and the step it was aborted at."""
+
+    name: str
+    family: str
+    success: bool | None
+    steps: int
+    threshold: float | None
+    """The calibrated threshold in force while it ran (None: the rule was not armed for its family)."""
+    abort_step: int | None
+
+    @property
+    def armed(self) -> bool:
+        """A threshold was in force while it ran."""
+        return self.threshold is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """The online procedure over one order of the runs."""
+
+    name: str
+    """"recorded", or "random N"."""
+    runs: tuple[Judged, ...]
+
+    def _count(self, success: bool | None, *, armed: bool = False, aborted: bool = False) -> int:
+        return sum(
+            1
+            for r in self.runs
+            if r.success is success and (r.armed or not armed) and (r.abort_step is not None or not aborted)
+        )
+
+    @property
+    def aborts(self) -> int:
+        """Runs aborted, whatever their outcome."""
+        return sum(r.abort_step is not None for r in self.runs)
+
+    @property
+    def runs_armed(self) -> int:
+        """Runs judged while their family's threshold was in force."""
+        return sum(r.armed for r in self.runs)
+
+    @property
+    def successes_armed(self) -> int:
+        """Successful runs judged while armed: the ones the guarantee is about."""
+        return self._count(True, armed=True)
+
+    @property
+    def aborted_successes(self) -> int:
+        """Successful runs aborted (false aborts)."""
+        return self._count(True, aborted=True)
+
+    @property
+    def aborted_failures(self) -> int:
+        """Failing runs aborted."""
+        return self._count(False, aborted=True)
+
+    @property
+    def false_abort_rate_armed(self) -> float | None:
+        """Aborted successes over the successes judged while armed (None: none was)."""
+        n = self.successes_armed
+        return self.aborted_successes / n if n else None
+
+    @property
+    def false_abort_rate(self) -> float | None:
+        """Aborted successes over all successes."""
+        n = self._count(True)
+        return self.aborted_successes / n if n else None
+
+    @property
+    def steps_saved(self) -> float | None:
+        """Share of failing runs' steps that came after their abort."""
+        bad = [r for r in self.runs if r.success is False]
+        total = sum(r.steps for r in bad)
+        saved = sum(r.steps - r.abort_step for r in bad if r.abort_step is not None)
+        return saved / total if total else None
+
+    @property
+    def runs_before_first_abort(self) -> int | None:
+        """Runs judged before the first abort (None: nothing was aborted)."""
+        return next((i for i, r in enumerate(self.runs) if r.abort_step is not None), None)
+
+    @property
+    def successes_before_first_abort(self) -> int | None:
+        """Successful runs that had ended before the first abort (None: nothing was aborted)."""
+        first = self.runs_before_first_abort
+        return None if first is None else sum(r.success is True for r in self.runs[:first])
+
+
+ORDER_METRICS: dict[str, Callable[[Order], float | None]] = {
+    "false_abort_rate_armed": lambda o: o.false_abort_rate_armed,
+    "false_abort_rate": lambda o: o.false_abort_rate,
+    "steps_saved": lambda o: o.steps_saved,
+    "runs_armed": lambda o: o.runs_armed,
+    "runs_before_first_abort": lambda o: o.runs_before_first_abort,
+    "successes_before_first_abort": lambda o: o.successes_before_first_abort,
+}
+"""What `calibrate` reports per order and summarises over orders."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """A metric over the orders that have it: mean, min, 5th and 95th percentiles, max."""
+
+    mean: float
+    low: float
+    p5: float
+    p95: float
+    high: float
+    orders: int
+    """Orders with a value (e.g. those with an abort, for "runs before the first abort")."""
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> Spread | None:
+        """The spread of the values that are not None; None when there are none."""
+        xs = sorted(v for v in values if v is not None)
+        if not xs:
+            return None
+        return cls(sum(xs) / len(xs), xs[0], _quantile(xs, 0.05), _quantile(xs, 0.95), xs[-1], len(xs))
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    # Linear interpolation between order statistics (numpy's default).
+    at = q * (len(xs) - 1)
+    lo = math.floor(at)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (at - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class FamilyResult:
+    """A family's calibration after every run has ended, and what its threshold does to its own failing runs."""
+
+    name: str
+    threshold: Threshold
+    failures_aborted: int
+    """The family's recorded failing runs its final threshold aborts (in-sample: they were not new to it)."""
+
+
+@dataclass(slots=True)
+class CalibrateReport:
+    """What `agent-monitor eval --calibrate` prints and writes."""
+
+    policy: Policy
+    family_by: FamilyBy
+    seed: int
+    recorded: Order
+    shuffled: list[Order]
+    families: list[FamilyResult]
+
+    @property
+    def orders(self) -> list[Order]:
+        """The recorded order, then the random ones."""
+        return [self.recorded, *self.shuffled]
+
+    @property
+    def spreads(self) -> dict[str, Spread | None]:
+        """Each metric of ORDER_METRICS over every order, the recorded one included."""
+        return {k: Spread.of([f(o) for o in self.orders]) for k, f in ORDER_METRICS.items()}
+
+    @property
+    def never_aborts(self) -> str | None:
+        """Why the procedure aborted nothing in any order; None when it aborted something."""
+        if any(o.aborts for o in self.orders):
+            return None
+        alpha = self.policy.alpha
+        needed = min_successes(alpha)
+        if not any(o.runs_armed for o in self.orders):
+            best = max(self.families, key=lambda f: f.threshold.successes, default=None)
+            if best is None or best.threshold.successes < needed:
+                most = "" if best is None else f" (most: {best.threshold.successes}, {_short(best.name)!r})"
+                return f"no family reached {needed} successful runs at alpha {alpha:g}{most}"
+            return (
+                f"no run came after {needed} successful runs of its family had ended (at alpha {alpha:g} a family "
+                f"is armed only then)"
+            )
+        armed = Spread.of([o.runs_armed for o in self.orders])
+        assert armed is not None
+        return (
+            f"armed for {armed.mean:.1f} runs per order on average, but its thresholds aborted none of them: the "
+            f"judge's scores do not put failing runs below the lowest-scoring successful ones"
+        )
+
+    @property
+    def no_better_than_chance(self) -> tuple[float, float] | None:
+        """(failing, successful) shares of armed runs aborted, over every order, when failures are not aborted more."""
+        armed = [r for o in self.orders for r in o.runs if r.armed and r.success is not None]
+        bad = [r for r in armed if not r.success]
+        good = [r for r in armed if r.success]
+        if not bad or not good or not any(r.abort_step is not None for r in armed):
+            return None
+        fail = sum(r.abort_step is not None for r in bad) / len(bad)
+        succ = sum(r.abort_step is not None for r in good) / len(good)
+        return (fail, succ) if fail <= succ else None
+
+
+def _family(curve: RunCurve, family_by: FamilyBy) -> Family:
+    own = curve.family or Family(task_family(curve.name), "", "")
+    return own if family_by == "task" else Family("all", own.model, own.rubric)
+
+
+def replay_online(
+    curves: Sequence[RunCurve], order: Sequence[int], *, policy: Policy, family_by: FamilyBy = "task"
+) -> tuple[list[Judged], Calibration]:
+    """Runs in `order`, each judged live against the threshold the runs that ended before it give, then taught.
+
+    Each run steps through its recorded scores with the live `PolicyState` of `abort_below="auto"`,
+    its threshold from a real `Calibration`, so eval and the monitor cannot disagree. Unlike live,
+    an aborted run is still taught its recorded outcome (live it has none unless the harness reports one).
+    """
+    pol = dataclasses.replace(policy, abort_below=AUTO)
+    calibration = Calibration()
+    judged = []
+    for i in order:
+        curve = curves[i]
+        family = _family(curve, family_by)
+
+        def threshold(family: Family = family) -> Threshold:
+            return calibration.threshold(family, pol)
+
+        in_force = threshold().value  # runs end one after another: it holds for the whole run
+        at = abort_step(curve, pol, PolicyState(pol, threshold=threshold))
+        # The index keeps two recorded runs of the same name apart (a run counts once per family).
+        calibration.record(family, f"{i}:{curve.name}", curve.outcome, list(progress(curve)))
+        judged.append(Judged(curve.name, family.name, curve.success, len(curve.scores), in_force, at))
+    return judged, calibration
+
+
+def calibrate(
+    curves: Sequence[RunCurve],
+    *,
+    policy: Policy | None = None,
+    orders: int = DEFAULT_ORDERS,
+    seed: int = 0,
+    family_by: FamilyBy = "task",
+) -> CalibrateReport:
+    """The online calibration of `abort_below="auto"` replayed in recorded order and in `orders` random ones."""
+    policy = dataclasses.replace(policy or Policy(), abort_below=AUTO)
+    if orders < 0:
+        raise ValueError(f"orders={orders}; use 0 or more random orders (0: the recorded order only)")
+    index = list(range(len(curves)))
+    judged, calibration = replay_online(curves, index, policy=policy, family_by=family_by)
+    recorded = Order("recorded", tuple(judged))
+    rng = random.Random(seed)
+    shuffled = []
+    for k in range(orders):
+        rng.shuffle(index)
+        shuffled.append(
+            Order(f"random {k + 1}", tuple(replay_online(curves, index, policy=policy, family_by=family_by)[0]))
+        )
+    families = []
+    for summary_ in calibration.families():
+        th = calibration.threshold(summary_.family, policy)
+        fixed = dataclasses.replace(policy, abort_below=th.value)
+        bad = [c for c in curves if c.success is False and _family(c, family_by) == summary_.family]
+        aborted = sum(abort_step(c, fixed) is not None for c in bad) if th.value is not None else 0
+        families.append(FamilyResult(summary_.family.name, th, aborted))
+    families.sort(key=lambda f: (-f.threshold.successes, f.name))
+    return CalibrateReport(policy, family_by, seed, recorded, shuffled, families)
+
+
+_METRIC_LABELS = {
+    "false_abort_rate_armed": "false-abort rate (successes judged while armed)",
+    "false_abort_rate": "false-abort rate (all successes)",
+    "steps_saved": "failing runs' steps saved",
+    "runs_armed": "runs judged while armed",
+    "runs_before_first_abort": "runs before the first abort",
+    "successes_before_first_abort": "successes before the first abort",
+}
+_RATES = ("false_abort_rate_armed", "false_abort_rate", "steps_saved")
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _metric(key: str, x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.1%}" if key in _RATES else f"{x:.1f}" if not float(x).is_integer() else f"{int(x)}"
+
+
+def calibrate_summary(report: CalibrateReport) -> str:
+    """The online calibration report as readable text: the verdict first, then the figures and the families."""
+    pol, runs = report.policy, report.recorded.runs
+    good, bad = sum(r.success is True for r in runs), sum(r.success is False for r in runs)
+    needed = min_successes(pol.alpha)
+    grouping = (
+        f"families by task ({len(report.families)})"
+        if report.family_by == "task"
+        else "one family of every run (--family-by all)"
+    )
+    lines = [
+        f"online calibration (abort_below auto): {len(runs)} runs ({good} success, {bad} failure), {grouping}, "
+        f"alpha {pol.alpha:g} (armed from {needed} successful runs per family), min_steps {pol.min_steps}, "
+        f"patience {pol.patience}; the recorded order and {len(report.shuffled)} random orders (seed {report.seed})"
+    ]
+    never = report.never_aborts
+    if never is not None:
+        lines.append(f"verdict: never aborts: {never}")
+    else:
+        with_abort = sum(o.aborts > 0 for o in report.orders)
+        lines.append(f"verdict: aborts runs in {with_abort} of {len(report.orders)} orders")
+        chance = report.no_better_than_chance
+        if chance is not None:
+            lines.append(
+                f"warning: no better than chance: it aborted {chance[0]:.0%} of the failing runs judged while armed "
+                f"and {chance[1]:.0%} of the successful ones; this judge's aborts cost successes for nothing"
+            )
+    if report.family_by == "all":
+        lines.append(
+            "note: --family-by all pools different tasks into one family; runs of different tasks are not "
+            "exchangeable, so the alpha bound does not hold: read these figures as indicative only"
+        )
+    lines.append(
+        "note: in this replay an aborted run is still taught its recorded outcome; live, an aborted run has no "
+        "outcome unless the harness reports one"
+    )
+    lines.append("")
+    lines.append(f"{'':<50} {'recorded':>9} {'mean':>7} {'min':>7} {'5%':>7} {'95%':>7} {'max':>7}")
+    for key, f in ORDER_METRICS.items():
+        s = report.spreads[key]
+        cols = [_metric(key, v) for v in ((s.mean, s.low, s.p5, s.p95, s.high) if s else (None,) * 5)]
+        row = f"{_METRIC_LABELS[key]:<50} {_metric(key, f(report.recorded)):>9} " + " ".join(f"{c:>7}" for c in cols)
+        if s is not None and s.orders < len(report.orders):
+            row += f"  (in the {s.orders} orders that have it)"
+        lines.append(row)
+    lines.append("")
+    lines.append("families after every run has ended:")
+    lines.append(f"  {'family':<50} {'successes':>9} {'failures':>8}  threshold")
+    for fam in report.families:
+        th = fam.threshold
+        if th.value is None:
+            what = f"never aborts ({th.successes} of {th.needed} successful runs needed)"
+        else:
+            failing = th.failures
+            what = f"{th.value:.3f}: aborts {fam.failures_aborted} of its {failing} failing runs (in-sample)"
+            if fam.failures_aborted == 0:
+                what += "; never aborts them in effect"
+        lines.append(f"  {_short(fam.name):<50} {th.successes:>9} {th.failures:>8}  {what}")
+    return "\n".join(lines)
+
+
+def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
+    """The online calibration report as JSON-ready data (per-run decisions for the recorded order only)."""
+
+    def order(o: Order, runs: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"order": o.name, **{k: f(o) for k, f in ORDER_METRICS.items()}}
+        out.update(aborted_successes=o.aborted_successes, aborted_failures=o.aborted_failures)
+        if runs:
+            out["runs"] = [dataclasses.asdict(r) for r in o.runs]
+        return out
+
+    return {
+        "policy": report.policy.as_dict(),
+        "min_successes": min_successes(report.policy.alpha),
+        "family_by": report.family_by,
+        "seed": report.seed,
+        "never_aborts": report.never_aborts,
+        "no_better_than_chance": report.no_better_than_chance,
+        "spread": {k: dataclasses.asdict(s) if s else None for k, s in report.spreads.items()},
+        "recorded": order(report.recorded, True),
+        "random": [order(o, False) for o in report.shuffled],
+        "families": [
+            {
+                "family": f.name,
+                "successes": f.threshold.successes,
+                "failures": f.threshold.failures,
+                "threshold": f.threshold.value,
+                "reason": f.threshold.reason,
+                "failures_aborted": f.failures_aborted,
+            }
+            for f in report.families
+        ],
     }

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..criteria import CriteriaError
+from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
 from ..progress import Progress
@@ -184,9 +185,32 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
     add_flags(ev, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
     ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
-    add_flags(ev, Policy, environ, only=["min_steps", "patience", "max_uncertainty", "abort_below"], title="policy")
+    add_flags(
+        ev, Policy, environ, only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha"], title="policy"
+    )
     ev.add_argument(
         "--max-false-abort", type=float, default=0.05, metavar="X", help="false-abort rate the recommendation must keep"
+    )
+    cal = ev.add_argument_group("online calibration (abort-below auto)")
+    cal.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="also replay the runs through the online calibration of --abort-below auto at --alpha, as the monitor "
+        "would learn it, and report the false aborts it would have made (eval_calibrate.json)",
+    )
+    cal.add_argument(
+        "--orders",
+        type=int,
+        default=DEFAULT_ORDERS,
+        metavar="N",
+        help="random orders to replay besides the recorded one",
+    )
+    cal.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random orders")
+    cal.add_argument(
+        "--family-by",
+        choices=("task", "all"),
+        default="task",
+        help="a family per task (as the monitor keys runs without start.family), or all runs in one (pools tasks)",
     )
     ev.add_argument(
         "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
@@ -491,6 +515,7 @@ async def _eval(args: argparse.Namespace) -> int:
         )
     if not args.judge:
         return _fail(_NO_JUDGE)
+    policy = _eval_policy(args)
     runs = list(iter_recorded(args.path))
     if not runs:
         return _fail(f"no recorded runs in {args.path}")
@@ -513,11 +538,15 @@ async def _eval(args: argparse.Namespace) -> int:
     finally:
         cache.close()
         await judge.aclose()
-    policy = build(Policy, args)
     report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
     files = ev.write_csv(report, out)
     (out / "eval.json").write_text(json.dumps(ev.report_json(report), indent=2))
     files.append(out / "eval.json")
+    calibrated = None
+    if args.calibrate:
+        calibrated = ev.calibrate(curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by)
+        (out / "eval_calibrate.json").write_text(json.dumps(ev.calibrate_json(calibrated), indent=2))
+        files.append(out / "eval_calibrate.json")
     try:
         files.append(ev.plot(report, out / "eval.png"))
     except ImportError:
@@ -525,11 +554,33 @@ async def _eval(args: argparse.Namespace) -> int:
     failed = sum(s is None for c in curves for s in c.scores)
     cached = sum(c.cached for c in curves)
     print(ev.summary(report))
+    if calibrated is not None:
+        print("\n" + ev.calibrate_summary(calibrated))
     print(
         f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
         + ", ".join(map(str, files))
     )
     return 0
+
+
+def _eval_policy(args: argparse.Namespace) -> Policy:
+    """The policy eval measures; with --calibrate the abort threshold is the one calibration learns."""
+    policy = build(Policy, args)
+    if args.calibrate:
+        if policy.abort_below is not None and not policy.auto:
+            raise CliError(
+                f"--calibrate learns the abort threshold (abort-below auto); drop --abort-below {policy.abort_below:g}"
+            )
+        if args.orders < 0:
+            raise CliError(f"--orders {args.orders}: use 0 or more random orders (0: the recorded order only)")
+        # The plain report's sweep and AUROC do not depend on the threshold; its decisions need a number.
+        return dataclasses.replace(policy, abort_below=None)
+    if policy.auto:
+        raise CliError(
+            "--abort-below auto learns its threshold from outcomes as runs end; add --calibrate (and --alpha) "
+            "to replay the recorded runs through that online calibration, or give a number"
+        )
+    return policy
 
 
 @contextlib.contextmanager
