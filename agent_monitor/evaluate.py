@@ -548,6 +548,8 @@ class FamilyResult:
     threshold: Threshold
     failures_aborted: int
     """The family's recorded failing runs its final threshold aborts (in-sample: they were not new to it)."""
+    example: str
+    """The name of one of its runs (a family named by a long task's hash says little)."""
 
 
 @dataclass(slots=True)
@@ -665,9 +667,10 @@ def calibrate(
     for summary_ in calibration.families():
         th = calibration.threshold(summary_.family, policy)
         fixed = dataclasses.replace(policy, abort_below=th.value)
-        bad = [c for c in curves if c.success is False and _family(c, family_by) == summary_.family]
+        members = [c for c in curves if _family(c, family_by) == summary_.family]
+        bad = [c for c in members if c.success is False]
         aborted = sum(abort_step(c, fixed) is not None for c in bad) if th.value is not None else 0
-        families.append(FamilyResult(summary_.family.name, th, aborted))
+        families.append(FamilyResult(summary_.family.name, th, aborted, members[0].name))
     families.sort(key=lambda f: (-f.threshold.successes, f.name))
     return CalibrateReport(policy, family_by, seed, recorded, shuffled, families)
 
@@ -740,7 +743,7 @@ def calibrate_summary(report: CalibrateReport) -> str:
         lines.append(row)
     lines.append("")
     lines.append("families after every run has ended:")
-    lines.append(f"  {'family':<50} {'successes':>9} {'failures':>8}  threshold")
+    lines.append(f"  {'family':<50} {'a run of it':<28} {'successes':>9} {'failures':>8}  threshold")
     for fam in report.families:
         th = fam.threshold
         if th.value is None:
@@ -750,7 +753,9 @@ def calibrate_summary(report: CalibrateReport) -> str:
             what = f"{th.value:.3f}: aborts {fam.failures_aborted} of its {failing} failing runs (in-sample)"
             if fam.failures_aborted == 0:
                 what += "; never aborts them in effect"
-        lines.append(f"  {_short(fam.name):<50} {th.successes:>9} {th.failures:>8}  {what}")
+        lines.append(
+            f"  {_short(fam.name):<50} {_short(fam.example, 28):<28} {th.successes:>9} {th.failures:>8}  {what}"
+        )
     return "\n".join(lines)
 
 
@@ -777,6 +782,7 @@ def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
         "families": [
             {
                 "family": f.name,
+                "example_run": f.example,
                 "successes": f.threshold.successes,
                 "failures": f.threshold.failures,
                 "threshold": f.threshold.value,
