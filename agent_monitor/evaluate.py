@@ -433,7 +433,7 @@ class Order:
     """The online procedure over one order of the runs."""
 
     name: str
-    """"recorded", or "random N"."""
+    """Which order: `recorded`, or `random N`."""
     runs: tuple[Judged, ...]
 
     def _count(self, success: bool | None, *, armed: bool = False, aborted: bool = False) -> int:
