@@ -597,16 +597,21 @@ class CalibrateReport:
         )
 
     @property
-    def no_better_than_chance(self) -> tuple[float, float] | None:
-        """(failing, successful) shares of armed runs aborted, over every order, when failures are not aborted more."""
-        armed = [r for o in self.orders for r in o.runs if r.armed and r.success is not None]
-        bad = [r for r in armed if not r.success]
-        good = [r for r in armed if r.success]
-        if not bad or not good or not any(r.abort_step is not None for r in armed):
-            return None
-        fail = sum(r.abort_step is not None for r in bad) / len(bad)
-        succ = sum(r.abort_step is not None for r in good) / len(good)
-        return (fail, succ) if fail <= succ else None
+    def armed_abort_shares(self) -> tuple[float | None, float | None]:
+        """(failing, successful): the share of each aborted among the runs judged while armed, over every order."""
+        armed = [r for o in self.orders for r in o.runs if r.armed]
+
+        def share(success: bool) -> float | None:
+            runs = [r for r in armed if r.success is success]
+            return sum(r.abort_step is not None for r in runs) / len(runs) if runs else None
+
+        return share(False), share(True)
+
+    @property
+    def no_better_than_chance(self) -> bool:
+        """It aborts, but failing runs no more often than successful ones (judged while armed, over every order)."""
+        fail, succ = self.armed_abort_shares
+        return self.never_aborts is None and fail is not None and succ is not None and fail <= succ
 
 
 def _family(curve: RunCurve, family_by: FamilyBy) -> Family:
@@ -693,7 +698,10 @@ def _short(name: str, width: int = 48) -> str:
 def _metric(key: str, x: float | None) -> str:
     if x is None:
         return "n/a"
-    return f"{x:.1%}" if key in _RATES else f"{x:.1f}" if not float(x).is_integer() else f"{int(x)}"
+    if key in _RATES:
+        return f"{x:.1%}"
+    # Counts: a mean or a percentile may fall between two runs.
+    return f"{round(x)}" if abs(x - round(x)) < 1e-9 else f"{x:.1f}"
 
 
 def calibrate_summary(report: CalibrateReport) -> str:
@@ -717,16 +725,21 @@ def calibrate_summary(report: CalibrateReport) -> str:
     else:
         with_abort = sum(o.aborts > 0 for o in report.orders)
         lines.append(f"verdict: aborts runs in {with_abort} of {len(report.orders)} orders")
-        chance = report.no_better_than_chance
-        if chance is not None:
+        fail, succ = report.armed_abort_shares
+        lines.append(
+            f"of the runs judged while armed (every order): {_pct(fail)} of the failing ones aborted, "
+            f"{_pct(succ)} of the successful ones"
+        )
+        if report.no_better_than_chance:
             lines.append(
-                f"warning: no better than chance: it aborted {chance[0]:.0%} of the failing runs judged while armed "
-                f"and {chance[1]:.0%} of the successful ones; this judge's aborts cost successes for nothing"
+                "warning: no better than chance: failing runs are aborted no more often than successful ones; "
+                "this judge's aborts cost successes for nothing"
             )
     if report.family_by == "all":
         lines.append(
-            "note: --family-by all pools different tasks into one family; runs of different tasks are not "
-            "exchangeable, so the alpha bound does not hold: read these figures as indicative only"
+            "note: --family-by all pools different tasks into one family: the alpha bound then holds only while "
+            "the mix of tasks stays the same (random orders of these runs keep it; a stream that runs one task "
+            "after another does not), so read these figures as indicative only"
         )
     lines.append(
         "note: in this replay an aborted run is still taught its recorded outcome; live, an aborted run has no "
@@ -775,6 +788,7 @@ def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
         "family_by": report.family_by,
         "seed": report.seed,
         "never_aborts": report.never_aborts,
+        "armed_abort_shares": dict(zip(("failing", "successful"), report.armed_abort_shares, strict=True)),
         "no_better_than_chance": report.no_better_than_chance,
         "spread": {k: dataclasses.asdict(s) if s else None for k, s in report.spreads.items()},
         "recorded": order(report.recorded, True),

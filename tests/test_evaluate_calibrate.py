@@ -49,7 +49,9 @@ def test_a_judge_that_separates_aborts_failures_and_keeps_false_aborts_within_al
     curves = separated(rng, 80, gap=0.35)
     report = ev.calibrate(curves, policy=dataclasses.replace(POLICY, alpha=0.1), orders=200, seed=3)
     spreads = report.spreads
-    assert report.never_aborts is None and report.no_better_than_chance is None
+    assert report.never_aborts is None and not report.no_better_than_chance
+    fail, succ = report.armed_abort_shares
+    assert fail is not None and succ is not None and fail > 3 * succ
     fa = spreads["false_abort_rate_armed"]
     saved = spreads["steps_saved"]
     assert fa is not None and fa.mean <= 0.1 and fa.orders == 201
@@ -85,8 +87,9 @@ def test_scores_independent_of_the_outcome_are_flagged_as_no_better_than_chance(
         twins += [curve(f"ok-{i}", True, scores), curve(f"bad-{i}", False, list(scores))]
     rng.shuffle(twins)
     report = ev.calibrate(twins, policy=dataclasses.replace(POLICY, alpha=0.2), orders=100, seed=5)
-    chance = report.no_better_than_chance
-    assert report.never_aborts is None and chance is not None and chance[0] <= chance[1]
+    fail, succ = report.armed_abort_shares
+    assert report.never_aborts is None and report.no_better_than_chance
+    assert fail is not None and succ is not None and 0 < fail <= succ
     assert "no better than chance" in ev.calibrate_summary(report)
 
 
