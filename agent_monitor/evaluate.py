@@ -31,7 +31,7 @@ from typing import Any, Literal
 from .calibration import Calibration, Family, Threshold, min_successes, task_family
 from .criteria import CriteriaSpec
 from .judges.base import Judge
-from .policy import AUTO, Policy, PolicyState
+from .policy import AUTO, Policy, PolicyState, held_out
 from .progress import Progress
 from .recorded import RecordedRun
 from .tracker import DEFAULT_REPEATS, AsyncProgressTracker
@@ -421,11 +421,15 @@ class Judged:
     threshold: float | None
     """The calibrated threshold in force while it ran (None: the rule was not armed for its family)."""
     abort_step: int | None
+    held_out: bool = False
+    """In the policy's holdout share (by run id): judged, never aborted, and its outcome teaches."""
+    taught: bool = False
+    """Its outcome taught the calibration (not when an abort rule could have stopped it: censored)."""
 
     @property
     def armed(self) -> bool:
-        """A threshold was in force while it ran."""
-        return self.threshold is not None
+        """A threshold was in force while it ran and it was not held out: the rule could abort it."""
+        return self.threshold is not None and not self.held_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,8 +454,13 @@ class Order:
 
     @property
     def runs_armed(self) -> int:
-        """Runs judged while their family's threshold was in force."""
+        """Runs judged while their family's threshold was in force (held-out ones aside)."""
         return sum(r.armed for r in self.runs)
+
+    @property
+    def runs_taught(self) -> int:
+        """Runs whose outcome taught the calibration."""
+        return sum(r.taught for r in self.runs)
 
     @property
     def successes_armed(self) -> int:
@@ -505,6 +514,7 @@ ORDER_METRICS: dict[str, Callable[[Order], float | None]] = {
     "false_abort_rate": lambda o: o.false_abort_rate,
     "steps_saved": lambda o: o.steps_saved,
     "runs_armed": lambda o: o.runs_armed,
+    "runs_taught": lambda o: o.runs_taught,
     "runs_before_first_abort": lambda o: o.runs_before_first_abort,
     "successes_before_first_abort": lambda o: o.successes_before_first_abort,
 }
@@ -546,8 +556,10 @@ class FamilyResult:
 
     name: str
     threshold: Threshold
+    failing: int
+    """The family's recorded failing runs."""
     failures_aborted: int
-    """The family's recorded failing runs its final threshold aborts (in-sample: they were not new to it)."""
+    """Of those, the ones its final threshold aborts (in-sample: some taught it)."""
     example: str
     """The name of one of its runs (a family named by a long task's hash says little)."""
 
@@ -625,8 +637,9 @@ def replay_online(
     """Runs in `order`, each judged live against the threshold the runs that ended before it give, then taught.
 
     Each run steps through its recorded scores with the live `PolicyState` of `abort_below="auto"`,
-    its threshold from a real `Calibration`, so eval and the monitor cannot disagree. Unlike live,
-    an aborted run is still taught its recorded outcome (live it has none unless the harness reports one).
+    its threshold from a real `Calibration`, held out by its name as live by its run id, and teaches
+    its outcome only when the monitor would learn from it (not when an abort rule could have stopped
+    it), so eval and the monitor cannot disagree.
     """
     pol = dataclasses.replace(policy, abort_below=AUTO)
     calibration = Calibration()
@@ -639,10 +652,18 @@ def replay_online(
             return calibration.threshold(family, pol)
 
         in_force = threshold().value  # runs end one after another: it holds for the whole run
-        at = abort_step(curve, pol, PolicyState(pol, threshold=threshold))
+        state = PolicyState(pol, threshold=threshold, held_out=held_out(curve.name, pol.holdout))
+        at = abort_step(curve, pol, state)
         # The index keeps two recorded runs of the same name apart (a run counts once per family).
-        calibration.record(family, f"{i}:{curve.name}", curve.outcome, list(progress(curve)))
-        judged.append(Judged(curve.name, family.name, curve.success, len(curve.scores), in_force, at))
+        sample = calibration.record(
+            family, f"{i}:{curve.name}", curve.outcome, list(progress(curve)), exposed=state.exposed
+        )
+        judged.append(
+            Judged(
+                curve.name, family.name, curve.success, len(curve.scores), in_force, at, state.held_out,
+                sample is not None,
+            )
+        )  # fmt: skip
     return judged, calibration
 
 
@@ -675,7 +696,7 @@ def calibrate(
         members = [c for c in curves if _family(c, family_by) == summary_.family]
         bad = [c for c in members if c.success is False]
         aborted = sum(abort_step(c, fixed) is not None for c in bad) if th.value is not None else 0
-        families.append(FamilyResult(summary_.family.name, th, aborted, members[0].name))
+        families.append(FamilyResult(summary_.family.name, th, len(bad), aborted, members[0].name))
     families.sort(key=lambda f: (-f.threshold.successes, f.name))
     return CalibrateReport(policy, family_by, seed, recorded, shuffled, families)
 
@@ -685,6 +706,7 @@ _METRIC_LABELS = {
     "false_abort_rate": "false-abort rate (all successes)",
     "steps_saved": "failing runs' steps saved",
     "runs_armed": "runs judged while armed",
+    "runs_taught": "runs whose outcome taught the calibration",
     "runs_before_first_abort": "runs before the first abort",
     "successes_before_first_abort": "successes before the first abort",
 }
@@ -717,7 +739,8 @@ def calibrate_summary(report: CalibrateReport) -> str:
     lines = [
         f"online calibration (abort_below auto): {len(runs)} runs ({good} success, {bad} failure), {grouping}, "
         f"alpha {pol.alpha:g} (armed from {needed} successful runs per family), min_steps {pol.min_steps}, "
-        f"patience {pol.patience}; the recorded order and {len(report.shuffled)} random orders (seed {report.seed})"
+        f"patience {pol.patience}, holdout {pol.holdout:g} ({sum(r.held_out for r in runs)} of these runs by "
+        f"name); the recorded order and {len(report.shuffled)} random orders (seed {report.seed})"
     ]
     never = report.never_aborts
     if never is not None:
@@ -742,8 +765,8 @@ def calibrate_summary(report: CalibrateReport) -> str:
             "after another does not), so read these figures as indicative only"
         )
     lines.append(
-        "note: in this replay an aborted run is still taught its recorded outcome; live, an aborted run has no "
-        "outcome unless the harness reports one"
+        "note: as live, a run judged while armed teaches nothing (its outcome is censored: an aborted success "
+        "reports none); the runs before the rule is armed and the held-out ones (never aborted) teach"
     )
     lines.append("")
     lines.append(f"{'':<50} {'recorded':>9} {'mean':>7} {'min':>7} {'5%':>7} {'95%':>7} {'max':>7}")
@@ -755,19 +778,18 @@ def calibrate_summary(report: CalibrateReport) -> str:
             row += f"  (in the {s.orders} orders that have it)"
         lines.append(row)
     lines.append("")
-    lines.append("families after every run has ended:")
-    lines.append(f"  {'family':<50} {'a run of it':<28} {'successes':>9} {'failures':>8}  threshold")
+    lines.append("families after the recorded order (taught: the runs the calibration learnt from):")
+    lines.append(f"  {'family':<50} {'a run of it':<28} {'taught: successes':>17} {'failures':>8}  threshold")
     for fam in report.families:
         th = fam.threshold
         if th.value is None:
             what = f"never aborts ({th.successes} of {th.needed} successful runs needed)"
         else:
-            failing = th.failures
-            what = f"{th.value:.3f}: aborts {fam.failures_aborted} of its {failing} failing runs (in-sample)"
+            what = f"{th.value:.3f}: aborts {fam.failures_aborted} of its {fam.failing} failing runs (in-sample)"
             if fam.failures_aborted == 0:
                 what += "; never aborts them in effect"
         lines.append(
-            f"  {_short(fam.name):<50} {_short(fam.example, 28):<28} {th.successes:>9} {th.failures:>8}  {what}"
+            f"  {_short(fam.name):<50} {_short(fam.example, 28):<28} {th.successes:>17} {th.failures:>8}  {what}"
         )
     return "\n".join(lines)
 
@@ -801,6 +823,7 @@ def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
                 "failures": f.threshold.failures,
                 "threshold": f.threshold.value,
                 "reason": f.threshold.reason,
+                "failing_runs": f.failing,
                 "failures_aborted": f.failures_aborted,
             }
             for f in report.families

@@ -186,27 +186,31 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flags(ev, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
     ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
     add_flags(
-        ev, Policy, environ, only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha"], title="policy"
+        ev,
+        Policy,
+        environ,
+        only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha", "holdout"],
+        title="policy",
     )
     ev.add_argument(
         "--max-false-abort", type=float, default=0.05, metavar="X", help="false-abort rate the recommendation must keep"
     )
-    cal = ev.add_argument_group("online calibration (abort-below auto)")
-    cal.add_argument(
+    online = ev.add_argument_group("online calibration (abort-below auto)")
+    online.add_argument(
         "--calibrate",
         action="store_true",
         help="also replay the runs through the online calibration of --abort-below auto at --alpha, as the monitor "
         "would learn it, and report the false aborts it would have made (eval_calibrate.json)",
     )
-    cal.add_argument(
+    online.add_argument(
         "--orders",
         type=int,
         default=DEFAULT_ORDERS,
         metavar="N",
         help="random orders to replay besides the recorded one",
     )
-    cal.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random orders")
-    cal.add_argument(
+    online.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random orders")
+    online.add_argument(
         "--family-by",
         choices=("task", "all"),
         default="task",
@@ -507,12 +511,6 @@ async def _demo(args: argparse.Namespace) -> int:
 async def _eval(args: argparse.Namespace) -> int:
     from .. import evaluate as ev
 
-    if args.abort_below == "auto":
-        # The sweep's decisions need a fixed threshold; learning one run after run is --calibrate's replay.
-        return _fail(
-            "eval --abort-below auto: a threshold learnt online needs eval --calibrate --alpha A; "
-            "pass a number here to see that threshold's decisions"
-        )
     if not args.judge:
         return _fail(_NO_JUDGE)
     policy = _eval_policy(args)
@@ -576,9 +574,10 @@ def _eval_policy(args: argparse.Namespace) -> Policy:
         # The plain report's sweep and AUROC do not depend on the threshold; its decisions need a number.
         return dataclasses.replace(policy, abort_below=None)
     if policy.auto:
+        # The sweep's decisions need a fixed threshold; learning one run after run is --calibrate's replay.
         raise CliError(
-            "--abort-below auto learns its threshold from outcomes as runs end; add --calibrate (and --alpha) "
-            "to replay the recorded runs through that online calibration, or give a number"
+            "eval --abort-below auto: a threshold learnt online needs eval --calibrate --alpha A; "
+            "pass a number here to see that threshold's decisions"
         )
     return policy
 
