@@ -401,6 +401,9 @@ class Calibration:
                     raise CalibrationError(f"{p}:{n}: not a calibration sample ({e}); was it written by save()?") from e
         return cls(samples, **options)
 
+    def __contains__(self, family: object) -> bool:
+        return family in self._runs
+
     def __len__(self) -> int:
         return self._total
 

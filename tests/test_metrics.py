@@ -174,3 +174,21 @@ async def test_calibration_gauges_per_family_threshold_only_once_calibrated() ->
         }
         assert shown == {"late", "never"}
         assert value(reg, "agent_monitor_calibration_series_capped") == 2
+
+
+def test_calibration_gauges_forget_families_the_calibration_forgot() -> None:
+    """Family names come from the network: the gauge table stays as bounded as the calibration it shows."""
+    from agent_monitor.calibration import Calibration, Family, Point
+    from agent_monitor.daemon._metrics import CalibrationCollector
+
+    cal = Calibration(max_samples=1, max_total=2)
+    gauges = CalibrationCollector(cal, Policy(alpha=0.5))
+    for i in range(4):
+        fam = Family(f"f{i}", "m", "r")
+        cal.record(fam, "run", "success", [Point(1, 0.5, 0.1)])
+        gauges.update(fam, float(i))
+    reg = CollectorRegistry()
+    reg.register(gauges)
+    text = generate_latest(reg).decode()
+    shown = {line.split('family="')[1].split('"')[0] for line in text.splitlines() if "calibration_successes{" in line}
+    assert shown == {"f2", "f3"}

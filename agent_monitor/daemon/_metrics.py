@@ -388,6 +388,8 @@ class CalibrationCollector(Collector):
         """Recompute one family's gauges (on the event loop), `at` its newest sample's time."""
         th = self.calibration.threshold(family, self.policy)
         series = self._series[family] = FamilySeries(family, th.successes, th.value, at)
+        # The calibration forgets families past its bound (their names come from the network): so does this table.
+        self._series = {f: s for f, s in self._series.items() if f in self.calibration}
         return series
 
     def collect(self) -> Iterator[Metric]:
