@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent_monitor import AsyncProgressTracker, Prices, Progress, ProgressTracker, Usage, atrack, track
 from agent_monitor.cli import main
-from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, SqliteStore
+from agent_monitor.daemon import MemoryStore, MetricsSettings, Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon._metrics import RunCollector, RunSeries
 from agent_monitor.progress import run_totals
 from agent_monitor.prompts import Prompt
@@ -248,6 +248,23 @@ async def test_rescored_runs_keep_their_totals() -> None:
         tracker = mon.tracker("r")
         assert tracker is not None and tracker.latest is not None
         assert tracker.usage == tracker.latest.totals == usage_of(range(1, 3)) + usage_of(range(2, 3))
+
+
+async def test_a_monitors_run_gauges_respect_its_series_cap() -> None:
+    clock = iter(range(1000, 10_000)).__next__
+    settings = MetricsSettings(max_series=1)
+    cfg = MonitorConfig(metrics=settings, price_input=2.5, price_output=10.0, price_cached_input=1.25)
+    async with Monitor(cfg, judge=FakeJudge(usage=per_step), clock=lambda: float(clock())) as mon:
+        for run in ("old", "new"):
+            await mon.handle(f"agents/{run}/start", b'{"task": "count"}')
+            await mon.handle(f"agents/{run}/step", b'{"index": 1, "text": "step 1"}')
+            await asyncio.wait_for(mon.drain(), 10)
+        families = {f.name: f for f in text_string_to_metric_families(generate_latest(mon.registry).decode())}
+    assert {s.labels["run_id"] for s in families["agent_monitor_run_tokens"].samples} == {"new"}
+    assert [(s.labels["run_id"], s.value) for s in families["agent_monitor_run_cost_usd"].samples] == [("new", 0.00251)]
+    assert families["agent_monitor_run_series_capped"].samples[0].value == 1
+    # Both runs are in the global counter, priced once from its totals: 2 x 1000 input at 2.5, 2 outputs at 10.
+    assert families["agent_monitor_judge_cost_usd"].samples[0].value == 0.00502
 
 
 def test_run_gauges_respect_the_series_cap() -> None:
