@@ -13,7 +13,7 @@ from .extractors import register_extractor
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
 from .policy import Policy, PolicyError
-from .progress import Decision, Progress, Signal, Usage
+from .progress import Decision, Prices, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
@@ -80,6 +80,7 @@ __all__ = [
     "OpenAIJudge",
     "Policy",
     "PolicyError",
+    "Prices",
     "Progress",
     "ProgressTracker",
     "Prompt",

@@ -9,8 +9,9 @@ exact inverse. The wire models (`agent_monitor.wire`) validate this form; they d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Literal, TypedDict, get_args
 
 from .scale import CriterionScore
@@ -89,7 +90,11 @@ def _finite(x: float | None) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Tokens spent on a judge call."""
+    """Tokens spent on a judge call (or summed over many); `input_tokens` includes the cached ones.
+
+    Every backend reports it so: OpenAI's `prompt_tokens` and Gemini's `prompt_token_count` include the
+    tokens served from the provider's cache, and the local judge counts its reused KV prefix in both.
+    """
 
     input_tokens: int = 0
     cached_input_tokens: int = 0
@@ -101,6 +106,62 @@ class Usage:
             self.cached_input_tokens + other.cached_input_tokens,
             self.output_tokens + other.output_tokens,
         )
+
+    def most(self, other: Usage) -> Usage:
+        """Each kind's larger count of the two."""
+        return Usage(
+            max(self.input_tokens, other.input_tokens),
+            max(self.cached_input_tokens, other.cached_input_tokens),
+            max(self.output_tokens, other.output_tokens),
+        )
+
+
+_PER_TOKENS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """What the judge's tokens cost, in USD per million tokens: `Prices(input=2.5, output=10.0, cached_input=1.25)`.
+
+    `input` is the price of input tokens not served from the provider's cache; `cached_input` the price of
+    those that were, and None bills them as ordinary input (an upper bound where the provider discounts
+    them). Negative or non-finite prices are refused.
+    """
+
+    input: float
+    output: float
+    cached_input: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("input", "output", "cached_input"):
+            value = getattr(self, name)
+            if value is None and name == "cached_input":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"Prices {name}={value!r}; use a finite number of USD per million tokens, 0 or more"
+                    + (" (or None: cached input is billed as input)" if name == "cached_input" else "")
+                )
+
+    def cost(self, usage: Usage) -> float:
+        """The cost of `usage` in USD, computed once and exactly from the token counts (then rounded to a float).
+
+        The prices are read as the decimals they are written as (2.5, 0.15), so a figure such as
+        1234 input tokens at 0.15 is 0.0001851, not a sum of rounded per-call costs.
+        """
+        cached = min(usage.cached_input_tokens, usage.input_tokens)
+        cached_price = self.input if self.cached_input is None else self.cached_input
+        total = (
+            (usage.input_tokens - cached) * _decimal(self.input)
+            + cached * _decimal(cached_price)
+            + usage.output_tokens * _decimal(self.output)
+        )
+        return float(total / _PER_TOKENS)
+
+
+def _decimal(price: float) -> Fraction:
+    # The shortest repr of a float is the decimal the user wrote: 0.15, not the binary 0.1499999999999999944..
+    return Fraction(repr(float(price)))
 
 
 class DecisionJSON(TypedDict):
@@ -188,6 +249,15 @@ class TokensJSON(TypedDict):
     output: int
 
 
+class TotalsJSON(TypedDict):
+    """The run's judge tokens over every scoring so far, and their cost (None without prices)."""
+
+    input: int
+    cached_input: int
+    output: int
+    cost: float | None
+
+
 class ProgressJSON(TypedDict):
     """The JSON form of a Progress: the MQTT progress message, a stored score, a `score --json` line."""
 
@@ -208,6 +278,7 @@ class ProgressJSON(TypedDict):
     coalesced: int
     latency_s: float
     tokens: TokensJSON
+    totals: TotalsJSON
     calls: int
     calls_saved: int
     images_dropped: int
@@ -227,6 +298,9 @@ class Progress:
     `signal` is the run policy's decision after this result, when the run has a policy.
     `images_dropped` counts the image parts the judge got as text placeholders instead of
     pixels, over this result's judge calls (a text-only judge, or a model that refused images).
+    `usage` is what this scoring's judge calls spent; `totals` the run's running totals: every judge
+    token spent on the run by every scoring recorded up to and including this one (failed, coalesced
+    and out-of-order ones too), and `cost` their price in USD at the tracker's `Prices` (None without).
     """
 
     step: int
@@ -245,6 +319,8 @@ class Progress:
     coalesced: int = 1
     latency_s: float = 0.0
     usage: Usage = field(default_factory=Usage)
+    totals: Usage = field(default_factory=Usage)
+    cost: float | None = None
     calls: int = 0
     calls_saved: int = 0
     images_dropped: int = 0
@@ -255,7 +331,7 @@ class Progress:
 
     def to_json(self) -> ProgressJSON:
         """The one JSON form (the MQTT progress message; what the run store keeps)."""
-        u = self.usage
+        u, t = self.usage, self.totals
         return {
             "run_id": self.run_id,
             "step": self.step,
@@ -274,6 +350,12 @@ class Progress:
             "coalesced": self.coalesced,
             "latency_s": self.latency_s if math.isfinite(self.latency_s) else 0.0,
             "tokens": {"input": u.input_tokens, "cached_input": u.cached_input_tokens, "output": u.output_tokens},
+            "totals": {
+                "input": t.input_tokens,
+                "cached_input": t.cached_input_tokens,
+                "output": t.output_tokens,
+                "cost": _finite(self.cost),
+            },
             "calls": self.calls,
             "calls_saved": self.calls_saved,
             "images_dropped": self.images_dropped,
@@ -287,6 +369,7 @@ class Progress:
     def from_json(cls, data: Mapping[str, Any]) -> Progress:
         """The Progress a `to_json` form describes (the exact inverse; missing optional keys take defaults)."""
         tokens = data.get("tokens") or {}
+        totals = data.get("totals") or {}
         decision = data.get("decision")
         return cls(
             step=int(data["step"]),
@@ -304,7 +387,9 @@ class Progress:
             rubric=data.get("rubric") or "",
             coalesced=int(data.get("coalesced") or 1),
             latency_s=float(data.get("latency_s") or 0.0),
-            usage=Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0))),
+            usage=_usage(tokens),
+            totals=_usage(totals),
+            cost=totals.get("cost"),
             calls=int(data.get("calls") or 0),
             calls_saved=int(data.get("calls_saved") or 0),
             images_dropped=int(data.get("images_dropped") or 0),
@@ -313,6 +398,21 @@ class Progress:
             run_id=data.get("run_id"),
             degraded=bool(data.get("degraded", False)),
         )
+
+
+def _usage(tokens: Mapping[str, Any]) -> Usage:
+    return Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0)))
+
+
+def run_totals(results: Iterable[Progress]) -> Usage:
+    """A run's totals as its stored results tell them: the largest any carries, or their own usage summed if larger.
+
+    Totals only grow, so the largest is the newest; the sum covers results stored before totals existed.
+    """
+    carried, summed = Usage(), Usage()
+    for p in results:
+        carried, summed = carried.most(p.totals), summed + p.usage
+    return carried.most(summed)
 
 
 def _criterion_json(c: CriterionScore) -> CriterionJSON:
@@ -360,9 +460,12 @@ __all__ = [
     "CriterionJSON",
     "Decision",
     "DecisionJSON",
+    "Prices",
     "Progress",
     "ProgressJSON",
     "Signal",
     "TokensJSON",
+    "TotalsJSON",
     "Usage",
+    "run_totals",
 ]

@@ -16,6 +16,21 @@ that are not scale letters, like `"The"`, take mass away from the letters, as a 
 do), or an exception to raise (`FakeJudge.failure(reason)` gives a `JudgeError` with the real
 reason and retry semantics). Answers come from a list (one per call, the last one repeated), or
 from a function of the prompt. With no answers, progress grows one letter per step.
+
+Each answered call reports `usage`: a fixed `Usage`, or a function of the prompt; by default the
+prompt's characters stand in for input tokens, with one output token. A failed call reports none.
+
+```python
+from agent_monitor import Prices, Usage
+
+judge = FakeJudge(["C"], usage=Usage(input_tokens=1000, cached_input_tokens=600, output_tokens=1))
+tracker = ProgressTracker("Make the test pass", judge=judge, prices=Prices(input=2.0, output=8.0, cached_input=0.5))
+tracker.update("ran pytest")
+tracker.update("fixed the bug")
+tracker.usage  # Usage(input_tokens=2000, cached_input_tokens=1200, output_tokens=2)
+tracker.cost   # (800 * 2.0 + 1200 * 0.5 + 2 * 8.0) / 1e6 = 0.002216
+tracker.close()
+```
 """
 
 from __future__ import annotations
@@ -55,6 +70,7 @@ class FakeJudge(BaseJudge):
         model: str = "fake-1",
         record: bool = True,
         max_retries: int = 0,
+        usage: Usage | Callable[[Prompt], Usage] | None = None,
         **options: float,
     ) -> None:
         super().__init__(max_retries=max_retries, **options)  # type: ignore[arg-type]
@@ -69,6 +85,13 @@ class FakeJudge(BaseJudge):
         if latency_s < 0:
             raise ValueError(f"latency_s={latency_s}; use 0 or more")
         self.latency_s = latency_s
+        self._usage: Callable[[Prompt], Usage] = (
+            (lambda p: Usage(input_tokens=_characters(p), output_tokens=1))
+            if usage is None
+            else usage
+            if callable(usage)
+            else (lambda _p: usage)
+        )
         self.model = model
         self.record = record
         self.requests: list[JudgeRequest] = []
@@ -104,7 +127,7 @@ class FakeJudge(BaseJudge):
         return JudgeResponse(
             samples=tuple(dict(sample) for _ in range(request.repeats)),
             model=self.model,
-            usage=Usage(input_tokens=_characters(request.prompt), output_tokens=1),
+            usage=self._usage(request.prompt),
         )
 
 

@@ -22,7 +22,7 @@ from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 from .policy import Policy, PolicyState, held_out
-from .progress import Decision, Progress, Usage
+from .progress import Decision, Prices, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samples
@@ -78,6 +78,10 @@ class AsyncProgressTracker:
     letters for an answer to be a score; None takes the judge's recommendation
     (`judge.min_mass`: the packaged tiny local models recommend a low one),
     else the library default `DEFAULT_MIN_MASS`.
+
+    `usage` is the run's running totals of judge tokens: every scoring's, failed,
+    coalesced and out-of-order ones included (each result carries them as
+    `totals`); with `prices`, `cost` is their price in USD.
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class AsyncProgressTracker:
         extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
         calibration: Calibration | None = None,
         family: str | None = None,
+        prices: Prices | None = None,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -123,6 +128,9 @@ class AsyncProgressTracker:
         self.expected = expected
         self.extract_budget_s = extract_budget_s
         self.calls_saved = 0
+        self.prices = prices
+        self.usage = Usage()
+        """The run's judge tokens over every scoring recorded so far (continued across a restart by `restore`)."""
         if isinstance(policy, Mapping):
             policy = Policy().with_overrides(policy)
         self.calibration = calibration
@@ -270,7 +278,15 @@ class AsyncProgressTracker:
         self.calls_saved += p.calls_saved
         return self._record(p)
 
+    @property
+    def cost(self) -> float | None:
+        """What `usage` cost in USD at `prices` (None without prices)."""
+        return self.prices.cost(self.usage) if self.prices is not None else None
+
     def _record(self, p: Progress) -> Progress:
+        # Every recorded scoring counts, whatever became of its score: its tokens were spent.
+        self.usage += p.usage
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost)
         if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
             # Results older than the latest (a slow concurrent update) do not move the policy backwards.
             p = dataclasses.replace(p, signal=self.policy_state.observe(p))
@@ -312,8 +328,14 @@ class AsyncProgressTracker:
         exposed = self.policy_state is not None and self.policy_state.exposed
         return self.calibration.record(self.family, run_id, outcome, self.curve, exposed=exposed)
 
-    def restore(self, results: Iterable[Progress]) -> None:
-        """Take results scored before a restart as this tracker's own: curve, latest and policy state, no callbacks."""
+    def restore(self, results: Iterable[Progress], *, usage: Usage | None = None) -> None:
+        """Take results scored before a restart as this tracker's own: curve, latest, policy state and totals.
+
+        No callbacks. `usage` is the run's totals before the restart (None: what the results carry, see
+        `run_totals`); scorings from here on add to them.
+        """
+        results = list(results)
+        self.usage += run_totals(results) if usage is None else usage
         for p in sorted(results, key=lambda q: q.step):
             if self.policy_state is not None:
                 # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
@@ -435,6 +457,7 @@ async def score_prefix(
         "coalesced": coalesced,
         "latency_s": time.perf_counter() - start,
         "usage": usage,
+        "totals": usage,  # a run of one scoring; a tracker replaces them with the run's running totals
         "calls": len(answers),
         "calls_saved": saved,
         "images_dropped": dropped,
@@ -508,6 +531,7 @@ class ProgressTracker:
         extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
         calibration: Calibration | None = None,
         family: str | None = None,
+        prices: Prices | None = None,
     ) -> None:
         # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
         # Built before any loop starts: a bad option then leaves no thread behind.
@@ -529,6 +553,7 @@ class ProgressTracker:
             extract_budget_s=extract_budget_s,
             calibration=calibration,
             family=family,
+            prices=prices,
         )
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
@@ -593,6 +618,16 @@ class ProgressTracker:
         """This run's calibration key: its family, the judge's model, the rubric's hash."""
         return self._core.family
 
+    @property
+    def usage(self) -> Usage:
+        """The run's judge tokens over every scoring so far (failed and coalesced ones included)."""
+        return self._core.usage
+
+    @property
+    def cost(self) -> float | None:
+        """What `usage` cost in USD at the tracker's `prices` (None without prices)."""
+        return self._core.cost
+
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after the last step."""
         self._check()
@@ -639,6 +674,7 @@ async def atrack(
     extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
     calibration: Calibration | None = None,
     family: str | None = None,
+    prices: Prices | None = None,
 ) -> list[Progress]:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
@@ -661,6 +697,7 @@ async def atrack(
         extract_budget_s=extract_budget_s,
         calibration=calibration,
         family=family,
+        prices=prices,
     )
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
@@ -689,6 +726,7 @@ def track(
     extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
     calibration: Calibration | None = None,
     family: str | None = None,
+    prices: Prices | None = None,
 ) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     run = partial(
@@ -711,6 +749,7 @@ def track(
         extract_budget_s=extract_budget_s,
         calibration=calibration,
         family=family,
+        prices=prices,
     )
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)

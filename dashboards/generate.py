@@ -434,6 +434,29 @@ def panels() -> list[dict[str, Any]]:
             "step's scoring while the judge was busy, and frames the judge got as text placeholders (a text-only "
             "judge, or a model that refused images: see the judge_refuses_images warning).",
         ),
+        row("Cost"),
+        timeseries(
+            "Judge cost per hour",
+            [target("A", f"sum(rate(agent_monitor_judge_cost_usd_total{{{INST}}}[{RATE}])) * 3600", "USD per hour")],
+            unit="currencyUSD",
+            no_value="no prices (--price-input, --price-output)",
+            description="What the judge's tokens cost per hour, at the daemon's --price-input, --price-cached-input "
+            "and --price-output (USD per million tokens). No line without prices.",
+        ),
+        timeseries(
+            "Cost per run",
+            [target("A", f"agent_monitor_run_cost_usd{{{RUNS}}}", "{{run_id}}")],
+            unit="currencyUSD",
+            no_value="no prices (--price-input, --price-output)",
+            description="Each live run's judge cost so far: its tokens over every scoring (failed and coalesced ones "
+            "included, continued across daemon restarts) at the daemon's prices.",
+        ),
+        timeseries(
+            "Judge tokens per run",
+            [target("A", f"sum without (kind) (agent_monitor_run_tokens{{{RUNS}}})", "{{run_id}}")],
+            description="Each live run's judge tokens so far, every kind together (input, which includes "
+            "cached_input, plus output); agent_monitor_run_tokens has them by kind.",
+        ),
         row("Pipeline health"),
         timeseries(
             "Invalid events per second, by reason",

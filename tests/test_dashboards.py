@@ -193,7 +193,7 @@ def letters(prompt: Any) -> str | Exception:
 async def exercised_monitor() -> str:
     """The exposition of a Monitor that has seen a bit of everything: labels, abort, resample, a judge error, bad input."""
     mon = Monitor(
-        MonitorConfig(policy=Policy(abort_below=0.2, min_steps=1, patience=1)),
+        MonitorConfig(policy=Policy(abort_below=0.2, min_steps=1, patience=1), price_input=2.5, price_output=10.0),
         judge=FakeJudge(letters, max_retries=0),
         registry=CollectorRegistry(),
     )
@@ -292,6 +292,9 @@ def test_the_issue_s_panels_are_there() -> None:
     panel("agent_monitor_judge_calls_total", "outcome")
     panel("agent_monitor_runs_active")
     panel("agent_monitor_broker_connected")
+    panel("agent_monitor_run_cost_usd", 'run_id=~"$run_id"')
+    panel("agent_monitor_run_tokens", 'run_id=~"$run_id"')
+    panel("agent_monitor_judge_cost_usd_total")
 
 
 def test_runs_table_merges_instant_queries_with_the_same_labels() -> None:

@@ -67,6 +67,8 @@ def progress(draw: st.DrawFn) -> Progress:
         coalesced=draw(st.integers(1, 50)),
         latency_s=draw(st.floats(0, 100)),
         usage=Usage(draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), draw(st.integers(0, 10))),
+        totals=Usage(draw(st.integers(0, 10**9)), draw(st.integers(0, 10**9)), draw(st.integers(0, 10**4))),
+        cost=draw(st.none() | st.floats(0, 10**4)),
         calls=draw(st.integers(0, 5)),
         calls_saved=draw(st.integers(0, 5)),
         images_dropped=draw(st.integers(0, 20)),

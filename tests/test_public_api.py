@@ -22,7 +22,7 @@ PUBLIC = {
         "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "CriteriaError", "Criterion",
         "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
-        "PolicyError", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
+        "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
         "Signal", "Step", "Threshold", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
         "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "track",
     ],
@@ -32,7 +32,7 @@ PUBLIC = {
         "MAX_LABEL_VALUE_CHARS", "MAX_META_BYTES", "MAX_META_DEPTH", "MAX_PAYLOAD_BYTES", "MAX_RUN_ID_CHARS",
         "MAX_STEP_CHARS", "MAX_STEP_INDEX", "MAX_TASK_CHARS", "MonitorClient", "OUTPUT_KINDS", "POLICY_KEYS",
         "ProgressOut", "Run", "RunEnd", "RunStart", "SettingsError", "SignalName", "SignalOut", "StepIn", "Tokens",
-        "TopicError", "Topics", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
+        "TopicError", "Topics", "Totals", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
         "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
     ],
     "agent_monitor.daemon": [

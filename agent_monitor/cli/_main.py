@@ -636,13 +636,20 @@ async def _runs(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no runs in {store.path}")
         return 0
-    print(f"{'run_id':<32} {'state':<9} {'outcome':<9} {'step':>5} {'score':>6} {'signal':<9} task")
+    print(
+        f"{'run_id':<32} {'state':<9} {'outcome':<9} {'step':>5} {'score':>6} {'signal':<9} "
+        f"{'tokens in':>10} {'cached':>10} {'out':>7} {'cost USD':>10} task"
+    )
     for r in rows:
         state = "ended" if r["ended_at"] else "live"
         score = "" if r["last_score"] is None else f"{r['last_score']:.3f}"
+        t = r["totals"]
+        # Cost as the store has it (the monitor's prices when it scored); blank when it ran without prices.
+        cost = "" if t["cost"] is None else f"{t['cost']:.6f}"
         print(
             f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} {score:>6} "
-            f"{r['signal'] or '':<9} {(r['task'] or '')[:60]}"
+            f"{r['signal'] or '':<9} {t['input']:>10} {t['cached_input']:>10} {t['output']:>7} {cost:>10} "
+            f"{(r['task'] or '')[:60]}"
         )
     return 0
 

@@ -14,6 +14,7 @@ from typing import Literal
 from ..calibration import DEFAULT_SUCCESS_AT
 from ..images import FrameBudget
 from ..policy import Policy
+from ..progress import Prices
 from ..scale import DEFAULT_MIN_MASS
 from ..tracker import DEFAULT_EXTRACT_BUDGET_S, DEFAULT_REPEATS
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
@@ -166,6 +167,20 @@ class MonitorConfig:
     circuit_cooldown_s: float = field(
         default=2.0, metadata={"help": "first back-off, in seconds, before probing a failing judge (doubles to 60)"}
     )
+    price_input: float | None = field(
+        default=None,
+        metadata={
+            "help": "USD per million judge input tokens not served from the provider's cache; with --price-output, "
+            "progress messages and the run gauges carry each run's cost; none: no cost, tokens only"
+        },
+    )
+    price_cached_input: float | None = field(
+        default=None,
+        metadata={"help": "USD per million cached judge input tokens; none: billed as --price-input (an upper bound)"},
+    )
+    price_output: float | None = field(
+        default=None, metadata={"help": "USD per million judge output tokens (needed with --price-input; 0 is fine)"}
+    )
 
     def __post_init__(self) -> None:
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
@@ -188,6 +203,25 @@ class MonitorConfig:
             )
         if not self.extract_budget_s > 0:
             raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
+        self.prices  # noqa: B018 - raises ValueError for prices that cannot be used
+
+    @property
+    def prices(self) -> Prices | None:
+        """The judge's prices the price_* fields give (None: none given, no cost); ValueError for unusable ones."""
+        given = {"input": self.price_input, "cached_input": self.price_cached_input, "output": self.price_output}
+        if all(v is None for v in given.values()):
+            return None
+        if self.price_input is None or self.price_output is None:
+            missing = " and ".join(f"price_{k}" for k in ("input", "output") if given[k] is None)
+            raise ValueError(
+                f"{missing} not given: a cost needs both price_input and price_output "
+                "(--price-input, --price-output; give 0 for tokens the judge does not bill)"
+            )
+        for name, value in given.items():
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                flag = "--price-" + name.replace("_", "-")
+                raise ValueError(f"price_{name}={value!r} ({flag}); use a finite number of USD per million tokens >= 0")
+        return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
 __all__ = ["MetricsSettings", "MonitorConfig", "Protocol"]

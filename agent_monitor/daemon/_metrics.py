@@ -8,13 +8,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..calibration import Calibration, Family, min_successes
 from ..judges.base import Judge, JudgeRequest, JudgeResponse
 from ..policy import Policy
-from ..progress import FAILURES, REFUSALS, SIGNALS, Progress
+from ..progress import FAILURES, REFUSALS, SIGNALS, Prices, Progress, Usage
 from ..wire import INPUT_KINDS
 from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 
@@ -154,6 +154,8 @@ class MeteredJudge:
         self._error = metrics.judge_calls.labels(judge.name, "error")
         self._latency = metrics.judge_latency.labels(judge.name)
         self._tokens = [metrics.judge_tokens.labels(k) for k in ("input", "cached_input", "output")]
+        self.usage = Usage()
+        """Every token the judge reported, summed as integers (what `CostCollector` prices)."""
 
     @property
     def model(self) -> str:
@@ -184,6 +186,7 @@ class MeteredJudge:
         self._ok.inc()
         self._latency.observe(time.perf_counter() - start)
         u = response.usage
+        self.usage += u
         tokens_in, cached, out = self._tokens
         tokens_in.inc(u.input_tokens)
         cached.inc(u.cached_input_tokens)
@@ -206,6 +209,10 @@ class RunSeries:
     step: int = 0
     signal: str = "continue"
     last_event: float = 0.0
+    tokens: Usage = field(default_factory=Usage)
+    """The run's judge tokens over every scoring so far."""
+    cost: float | None = None
+    """What they cost in USD (None without prices)."""
 
 
 def series_of(
@@ -220,6 +227,8 @@ def series_of(
         step=latest.step if latest else 0,
         signal=signal,
         last_event=at,
+        tokens=latest.totals if latest else Usage(),
+        cost=latest.cost if latest else None,
     )
 
 
@@ -334,6 +343,16 @@ class RunCollector(Collector):
         signal = GaugeMetricFamily(
             "agent_monitor_run_signal", "1 for each run's current signal.", labels=[*names, "signal"]
         )
+        tokens = GaugeMetricFamily(
+            "agent_monitor_run_tokens",
+            "Judge tokens each run's scorings spent so far, by kind (input includes cached_input).",
+            labels=[*names, "kind"],
+        )
+        cost = GaugeMetricFamily(
+            "agent_monitor_run_cost_usd",
+            "What each run's judge tokens cost so far, in USD at the --price-* flags (no series without prices).",
+            labels=names,
+        )
         for r in shown:
             values = [r.run_id, *(r.labels.get(n, "") for n in self.label_names)]
             if r.progress is not None:
@@ -342,13 +361,38 @@ class RunCollector(Collector):
                 uncertainty.add_metric(values, r.uncertainty)
             step.add_metric(values, r.step)
             signal.add_metric([*values, r.signal], 1.0)
-        yield from (progress, uncertainty, step, signal)
+            t = r.tokens
+            for kind, n in zip(TOKEN_KINDS, (t.input_tokens, t.cached_input_tokens, t.output_tokens), strict=True):
+                tokens.add_metric([*values, kind], n)
+            if r.cost is not None:
+                cost.add_metric(values, r.cost)
+        yield from (progress, uncertainty, step, signal, tokens, cost)
         yield GaugeMetricFamily(
             "agent_monitor_run_series_capped", "Live runs not exported per run because of the series cap.", value=capped
         )
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: the families are built at scrape time (avoids a collect() at registration)."""
+        return iter(())
+
+
+class CostCollector(Collector):
+    """`agent_monitor_judge_cost_usd`: what every judge token so far cost, priced once from the integer totals."""
+
+    def __init__(self, judge: MeteredJudge, prices: Prices) -> None:
+        self.judge = judge
+        self.prices = prices
+
+    def collect(self) -> Iterator[Metric]:
+        """The cost counter (called by the registry on every scrape)."""
+        yield CounterMetricFamily(
+            "agent_monitor_judge_cost_usd",
+            "What the judge's tokens (agent_monitor_judge_tokens_total) cost, in USD at the --price-* flags.",
+            value=self.prices.cost(self.judge.usage),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the value is computed at scrape time."""
         return iter(())
 
 

@@ -25,13 +25,14 @@ from ..calibration import Calibration, Sample
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy
-from ..progress import OUTAGE_REASONS, Progress, Signal
+from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, Topics, decode_event
 from ._config import MonitorConfig
 from ._metrics import (
     CalibrationCollector,
+    CostCollector,
     MeteredJudge,
     Metrics,
     MetricsSink,
@@ -172,13 +173,15 @@ class Monitor:
         # Every judge call is counted on its way through; the circuit breaker sits in front, so the calls
         # it refuses while the judge is down are not counted as judge calls. It reads the judge's timeout
         # through MeteredJudge and reports a hanging judge degraded after two timeouts of silence.
+        metered = MeteredJudge(judge, self.metrics)
         self.circuit = CircuitJudge(
-            MeteredJudge(judge, self.metrics),
+            metered,
             threshold=c.circuit_threshold,
             cooldown_s=c.circuit_cooldown_s,
             on_change=self._judge_state,
         )
         self.topics = Topics(c.prefix)
+        self.prices = c.prices
         self.outbox = Outbox(c.outbox_size, metrics=self.metrics)
         self.store: RunStore = store if store is not None else NoStore()
         self.book = RunBook(c.limits)
@@ -205,6 +208,8 @@ class Monitor:
         self.registry.register(
             RunCollector(self._series, label_names=c.metrics.labels, max_series=c.metrics.max_series)
         )
+        if self.prices is not None:
+            self.registry.register(CostCollector(metered, self.prices))
         self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
         self._families = CalibrationCollector(
             self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
@@ -418,6 +423,7 @@ class Monitor:
             extract_budget_s=c.extract_budget_s,
             calibration=self.calibration,
             family=start.family,
+            prices=self.prices,
         )
         return _Scoring(tracker, policy, dict(start.labels))
 
@@ -649,9 +655,11 @@ class Monitor:
             for record in replay.records:
                 await self._apply(record, replaying=True)
         for run_id, scoring in self._scoring.items():
-            results = [] if self.config.rescore else [Progress.from_json(d) for d in replay.progress.get(run_id, ())]
+            stored = [Progress.from_json(d) for d in replay.progress.get(run_id, ())]
+            results = [] if self.config.rescore else stored
             tracker = scoring.tracker
-            tracker.restore(r for r in results if r.step <= len(tracker.steps))
+            # The tokens were spent whatever is kept of the scores: the totals go on from where they were.
+            tracker.restore((r for r in results if r.step <= len(tracker.steps)), usage=run_totals(stored))
             scoring.last_ok = next((p for p in reversed(tracker.curve) if p.ok), None)
             scoring.scored = tracker.latest.step if tracker.latest else 0
             for i in range(1, scoring.scored + 1):

@@ -40,6 +40,7 @@ import structlog
 
 from ..calibration import Family, Sample
 from ..images import FrameBudget
+from ..progress import Usage
 from ..wire import RunEnd, RunStart, StepIn
 from ._state import (
     Delivery,
@@ -453,7 +454,18 @@ class SqliteStore:
                 "signal",
             ]
             rows = db.execute(f"SELECT {', '.join(cols)} FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,))
-            return [dict(zip(cols, r, strict=True)) for r in rows]
+            out = [dict(zip(cols, r, strict=True)) for r in rows]
+            by_run: dict[str, list[tuple[Any, ...]]] = {r["run_id"]: [] for r in out}
+            for run_id, *values in db.execute(
+                f"SELECT run_id, {_TOTALS_COLUMNS} FROM progress WHERE run_id IN "
+                f"(SELECT run_id FROM runs ORDER BY updated_at DESC LIMIT ?)",
+                (limit,),
+            ):
+                if run_id in by_run:
+                    by_run[run_id].append(tuple(values))
+            for r in out:
+                r["totals"] = _totals(by_run[r["run_id"]])
+            return out
 
         return await self._run(read)
 
@@ -488,6 +500,7 @@ class SqliteStore:
                 json.loads(b)
                 for (b,) in db.execute("SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,))
             ]
+            totals = _totals([_totals_row(p) for p in curve])
             return {
                 "run_id": run_id,
                 "task": row[0],
@@ -497,6 +510,7 @@ class SqliteStore:
                 "labels": json.loads(row[4] or "{}"),
                 "steps": [steps[i] for i in sorted(steps)],
                 "curve": curve,
+                "totals": totals,
             }
 
         return await self._run(read)
@@ -509,6 +523,36 @@ class SqliteStore:
         self._jobs.put(None)
         await asyncio.to_thread(self._thread.join)
         self._db.close()
+
+
+_KINDS = ("input", "cached_input", "output")
+_TOTALS_COLUMNS = ", ".join(
+    [f"json_extract(body, '$.totals.{k}')" for k in (*_KINDS, "cost")]
+    + [f"json_extract(body, '$.tokens.{k}')" for k in _KINDS]
+)
+"""A stored score's totals (input, cached_input, output, cost), then its own tokens (input, cached_input, output)."""
+
+
+def _totals_row(progress: dict[str, Any]) -> tuple[Any, ...]:
+    """A stored score's `_TOTALS_COLUMNS`, read from its JSON form."""
+    t, u = progress.get("totals") or {}, progress.get("tokens") or {}
+    return (*(t.get(k) for k in _KINDS), t.get("cost"), *(u.get(k) for k in _KINDS))
+
+
+def _totals(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """A run's totals from its stored scores (rows as `_TOTALS_COLUMNS`): the `run_totals` rule, and the last cost.
+
+    Totals only grow, so the largest are the newest; scores stored before totals existed count their own tokens.
+    """
+    carried, summed = Usage(), Usage()
+    cost: float | None = None
+    for ti, tc, to, c, ui, uc, uo in rows:
+        carried = carried.most(Usage(int(ti or 0), int(tc or 0), int(to or 0)))
+        summed += Usage(int(ui or 0), int(uc or 0), int(uo or 0))
+        if c is not None and (cost is None or c > cost):
+            cost = float(c)
+    t = carried.most(summed)
+    return {"input": t.input_tokens, "cached_input": t.cached_input_tokens, "output": t.output_tokens, "cost": cost}
 
 
 def _insert(

@@ -45,7 +45,7 @@ from ._limits import (
     MAX_STEP_INDEX,
     MAX_TASK_CHARS,
 )
-from ._outputs import CriterionOut, DecisionOut, ErrorOut, ProgressOut, SignalOut, Tokens, signal_json
+from ._outputs import CriterionOut, DecisionOut, ErrorOut, ProgressOut, SignalOut, Tokens, Totals, signal_json
 from ._schema import schemas, stale_schemas, write_schemas
 from ._settings import DEFAULT_BROKER, BrokerSettings, SettingsError
 from ._topics import (
@@ -97,6 +97,7 @@ __all__ = [
     "Tokens",
     "TopicError",
     "Topics",
+    "Totals",
     "check_run_id",
     "decode_event",
     "errors_topic",

@@ -35,6 +35,17 @@ class Tokens(_Out):
     output: int = 0
 
 
+class Totals(_Out):
+    """The run's judge tokens over every scoring so far (input includes cached_input), and what they cost."""
+
+    input: int = 0
+    cached_input: int = 0
+    output: int = 0
+    cost: float | None = Field(
+        default=None, description="USD at the monitor's prices (--price-*), from these totals; null without prices."
+    )
+
+
 class CriterionOut(_Out):
     """One criterion's part of a score."""
 
@@ -89,7 +100,12 @@ class ProgressOut(_Out):
     rubric: str = Field(default="", description="Hash of the rubric that produced the score.")
     coalesced: int = Field(default=1, description="Steps folded into this score.")
     latency_s: float = 0.0
-    tokens: Tokens = Field(default_factory=Tokens)
+    tokens: Tokens = Field(default_factory=Tokens, description="Judge tokens this scoring spent.")
+    totals: Totals = Field(
+        default_factory=Totals,
+        description="The run's running totals: every judge token its scorings spent so far (failed, coalesced and "
+        "superseded scorings included; continued across monitor restarts), with their cost.",
+    )
     calls: int = Field(default=0, description="Judge calls made for this score.")
     calls_saved: int = Field(default=0, description="Judge calls not made because confident rules answered.")
     images_dropped: int = Field(
