@@ -21,7 +21,7 @@ from .calibration import Calibration, Family, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
-from .policy import Policy, PolicyState, held_out
+from .policy import Policy, PolicyState, held_out, resolve
 from .progress import Decision, Progress, Usage
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -74,6 +74,11 @@ class AsyncProgressTracker:
     (results via `on_progress` and `latest`); it needs `async with tracker:`,
     which owns that worker. `curve` holds every result, in step order.
 
+    `policy` (a Policy, or a mapping of its settings) turns scores into
+    continue / abort / resample signals; a rubric config's `thresholds` fill the
+    levels it leaves open (a mapping's keys and a Policy's non-default settings
+    win; with no `policy`, a rubric with thresholds still gets one).
+
     `min_mass` is the least probability the judge must put on the scale
     letters for an answer to be a score; None takes the judge's recommendation
     (`judge.min_mass`: the packaged tiny local models recommend a low one),
@@ -123,8 +128,8 @@ class AsyncProgressTracker:
         self.expected = expected
         self.extract_budget_s = extract_budget_s
         self.calls_saved = 0
-        if isinstance(policy, Mapping):
-            policy = Policy().with_overrides(policy)
+        # The rubric's thresholds fill what the caller's policy leaves open (see policy.resolve).
+        policy = resolve(policy, dict(self.rubric.thresholds))
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(
