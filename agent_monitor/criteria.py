@@ -1,19 +1,22 @@
-"""Judge criteria: bundled markdown rubrics, paths, dicts and lists; weights and the rubric hash."""
+"""Judge criteria: bundled markdown rubrics, paths, dicts and lists; weights, thresholds and the rubric hash."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any, Literal, TypeAlias
 
 from .extractors import Pipeline, build_extractors
+from .policy import AUTO
 from .rules import RULES, Rule, build_rule
+from .scale import LETTERS, phi
 
 DEFAULT_RUBRIC = "progress"
 
@@ -44,13 +47,25 @@ class Criterion:
         object.__setattr__(self, "uses_judge", bool(self.description))
 
 
+Level: TypeAlias = "float | Literal['auto']"
+"""A rubric threshold's value once mapped: a score in [0, 1], or "auto" (a calibrated abort level)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Rubric:
-    """An ordered set of criteria whose weights sum to 1, the step extractors, and a content hash."""
+    """An ordered set of criteria whose weights sum to 1, the step extractors, and a content hash.
+
+    `thresholds` are the run-policy levels the rubric config's `thresholds` map to, as
+    (policy setting, value) pairs: `abort_below`, `resample_below`, `regression` (see
+    `map_thresholds`). They decide what a run does about its scores, not the scores, so the
+    hash leaves them out; a run's own policy (the hook's `policy=`, a start's `policy`, the
+    daemon's policy flags) wins over them.
+    """
 
     title: str
     criteria: tuple[Criterion, ...]
     extractors: Pipeline = field(default_factory=Pipeline)
+    thresholds: tuple[tuple[str, Level], ...] = ()
     # Computed once: they are read on every scoring.
     hash: str = field(init=False, compare=False, repr=False)
     """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
@@ -132,7 +147,13 @@ def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
     return _normalised(title or source, criteria, source)
 
 
-def _normalised(title: str, criteria: Sequence[Criterion], source: str, extractors: Pipeline | None = None) -> Rubric:
+def _normalised(
+    title: str,
+    criteria: Sequence[Criterion],
+    source: str,
+    extractors: Pipeline | None = None,
+    thresholds: tuple[tuple[str, Level], ...] = (),
+) -> Rubric:
     names = [c.name for c in criteria]
     if len(set(names)) != len(names):
         raise CriteriaError(f"{source}: criterion names repeat ({names}); give each a unique name")
@@ -151,6 +172,7 @@ def _normalised(title: str, criteria: Sequence[Criterion], source: str, extracto
         title=title,
         criteria=tuple(dataclasses.replace(c, weight=c.weight / total) for c in criteria),
         extractors=extractors or Pipeline(),
+        thresholds=thresholds,
     )
 
 
@@ -210,7 +232,11 @@ def _load_structured(text: str, path: Path) -> Any:
 
 
 def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
-    """A rubric from config: `{"title", "extractors": [...], "criteria": [...]}` (other keys, e.g. thresholds, ignored)."""
+    """A rubric from config: `{"title", "extractors": [...], "criteria": [...], "thresholds": {...}}`.
+
+    Other top-level keys (a `scale` description, notes) are ignored; `thresholds` are mapped onto the
+    run policy or refused (see `map_thresholds`).
+    """
     try:
         extractors = build_extractors(data.get("extractors"))
     except ValueError as e:
@@ -219,7 +245,91 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
     if not isinstance(items, list):
         raise CriteriaError(f"{source}: 'criteria' must be a list")
     criteria = [_item(x, i) for i, x in enumerate(items, 1)]
-    return _normalised(str(data.get("title") or "custom"), criteria, source, extractors)
+    thresholds = map_thresholds(data.get("thresholds"), [c.name for c in criteria], source)
+    return _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+
+
+# A rubric's threshold names and the policy setting each one is; values are run-level scores.
+_LEVELS = {
+    "abort_below": "abort_below",
+    "abort": "abort_below",
+    "resample_below": "resample_below",
+    "resample": "resample_below",
+    "regression": "regression",
+}
+# Names rubric formats use for a pass mark: the monitor has none (a run's outcome comes from its end event).
+_PASS_MARKS = ("pass", "passing", "pass_above", "success", "min_score", "minimum", "accept", "target", "good")
+# Policy settings that are not levels: they belong to the run's policy, not to the rubric.
+_NOT_LEVELS = ("min_steps", "patience", "max_uncertainty", "alpha", "holdout")
+_USE = "use abort_below, resample_below or regression (a score in [0, 1], or a scale letter A..T)"
+
+
+def map_thresholds(raw: object, criteria: Sequence[str] = (), source: str = "rubric") -> tuple[tuple[str, Level], ...]:
+    """A rubric config's `thresholds` as run-policy levels; raise CriteriaError for any that cannot be one.
+
+    `{"abort_below": 0.2, "resample_below": "H"}` (aliases `abort`, `resample`) become the policy's
+    `abort_below` and `resample_below` (and `regression`, a fall from the run's best). A value is a
+    run-level score in [0, 1], a scale letter (its score: A = 0, T = 1), "auto" for `abort_below`,
+    or null (no level). A pass mark, a per-criterion threshold, or a policy setting that is not a
+    level (min_steps, patience, ...) is refused, never silently ignored.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise CriteriaError(
+            f"{source}: 'thresholds' is a {type(raw).__name__}; write a mapping such as "
+            '{"abort_below": 0.2, "resample_below": 0.4}'
+        )
+    out: dict[str, Level] = {}
+    for key, value in raw.items():
+        name = str(key)
+        where = f"{source}: thresholds.{name}"
+        setting = _LEVELS.get(name.lower())
+        if name in criteria or isinstance(value, Mapping):
+            raise CriteriaError(
+                f"{where}: per-criterion thresholds cannot be mapped: the run policy acts on the run's weighted "
+                f"score, not on one criterion's; give run-level thresholds instead ({_USE}), or remove it"
+            )
+        if setting is None:
+            if name.lower() in _PASS_MARKS:
+                raise CriteriaError(
+                    f"{where}: the monitor has no pass mark (a run's outcome comes from its end event); to stop runs "
+                    "that stay low use abort_below, to ask for a new attempt use resample_below, or remove it"
+                )
+            if name.lower() in _NOT_LEVELS:
+                raise CriteriaError(
+                    f"{where} is a policy setting, not a threshold: set it in the run's policy (start.policy, the "
+                    f"hook's policy=, or serve --{name.lower().replace('_', '-')})"
+                )
+            raise CriteriaError(f"{where} is not a threshold the monitor knows; {_USE}")
+        if setting in out:
+            raise CriteriaError(f"{where} sets {setting} a second time; give it once")
+        level = _level(value, setting, where)
+        if level is not None:
+            out[setting] = level
+    return tuple(out.items())
+
+
+def _level(value: object, setting: str, where: str) -> Level | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        word = value.strip()
+        if word.lower() == AUTO and setting == "abort_below":
+            return AUTO
+        if len(word) == 1 and word.upper() in LETTERS and setting != "regression":
+            return phi(word.upper())
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        v = float(value)
+        if math.isfinite(v) and 0.0 <= v <= 1.0:
+            return v
+        raise CriteriaError(
+            f"{where}={value!r}: thresholds are run-level scores in [0, 1] (A = 0 .. T = 1), or a scale letter; "
+            "on a 1-20 scale, k is letter number k (score (k - 1) / 19)"
+        )
+    what = "a fall in [0, 1]" if setting == "regression" else "a score in [0, 1] or a scale letter A..T"
+    auto = ', or "auto"' if setting == "abort_below" else ""
+    raise CriteriaError(f"{where}={value!r}: use {what}{auto}")
 
 
 def _item(x: str | Criterion | Mapping[str, object], i: int) -> Criterion:
@@ -230,6 +340,13 @@ def _item(x: str | Criterion | Mapping[str, object], i: int) -> Criterion:
     if not isinstance(x, Mapping):
         raise CriteriaError(f"criteria list item {i} is a {type(x).__name__}; use a string, a dict or a Criterion")
     kind = str(x.get("type", "llm"))
+    for key in ("threshold", "thresholds"):
+        if key in x:
+            raise CriteriaError(
+                f"criteria list item {i} ({x.get('name') or kind}) has '{key}': per-criterion thresholds cannot be "
+                "mapped: the run policy acts on the run's weighted score; put run-level levels in the rubric's "
+                f"top-level 'thresholds' ({_USE}), or remove it"
+            )
     try:
         weight = float(x.get("weight", 1.0))  # type: ignore[arg-type]
     except (TypeError, ValueError):

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -116,6 +116,33 @@ class Policy:
     def as_dict(self) -> dict[str, Any]:
         """The settings, for signal messages."""
         return dataclasses.asdict(self)
+
+
+def with_levels(policy: Policy, levels: Mapping[str, Any], *, keep: Iterable[str] = ()) -> Policy:
+    """`policy` with a rubric's threshold levels (see `criteria.map_thresholds`) where the policy leaves them open.
+
+    A setting is the policy's own, and wins over the rubric's level, when it differs from
+    `Policy()`'s default or is named in `keep` (settings chosen explicitly, even at their default
+    value: `serve --abort-below none` keeps aborts off whatever a rubric says).
+    """
+    if not levels:
+        return policy
+    kept, default = set(keep), Policy()
+    take = {k: v for k, v in levels.items() if k not in kept and getattr(policy, k) == getattr(default, k)}
+    return dataclasses.replace(policy, **take) if take else policy
+
+
+def resolve(policy: Policy | Mapping[str, Any] | None, levels: Mapping[str, Any]) -> Policy | None:
+    """A run's policy from what the caller gave and its rubric's threshold levels (the caller's settings win).
+
+    A mapping's keys win (`{"abort_below": None}` turns a rubric's abort level off); a Policy's settings win
+    where they differ from the defaults; None takes the rubric's levels, and is no policy when it has none.
+    """
+    if isinstance(policy, Mapping):
+        return with_levels(Policy(), levels).with_overrides(policy)
+    if policy is None:
+        return with_levels(Policy(), levels) if levels else None
+    return with_levels(policy, levels)
 
 
 class PolicyState:

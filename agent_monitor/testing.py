@@ -13,7 +13,8 @@ tracker.update("ran pytest again").reason # "timeout": a failure, never a made-u
 
 An answer is a letter (all probability on it), a mapping of tokens to *probabilities* (tokens
 that are not scale letters, like `"The"`, take mass away from the letters, as a real model's
-do), or an exception to raise (`FakeJudge.failure(reason)` gives a `JudgeError` with the real
+do), a list of those, one per repeat (`["C", "K", "T"]` with `repeats=3`: the repeats disagree;
+the last is used for further repeats), or an exception to raise (`FakeJudge.failure(reason)` gives a `JudgeError` with the real
 reason and retry semantics). Answers come from a list (one per call, the last one repeated), or
 from a function of the prompt. With no answers, progress grows one letter per step.
 
@@ -45,8 +46,8 @@ from .progress import FAILURES, OUTAGE_REASONS, Usage
 from .prompts import Prompt, TextPart
 from .scale import LETTERS
 
-Answer: TypeAlias = str | Mapping[str, float] | BaseException
-"""A letter, a token -> probability mapping, or an exception to raise."""
+Answer: TypeAlias = str | Mapping[str, float] | list[str | Mapping[str, float]] | BaseException
+"""A letter, a token -> probability mapping, a list of those (one per repeat), or an exception to raise."""
 
 
 def letter_at(step: int) -> str:
@@ -123,9 +124,14 @@ class FakeJudge(BaseJudge):
             await asyncio.sleep(self.latency_s)
         if isinstance(answer, BaseException):
             raise answer
-        sample = _logprobs(answer)
+        if isinstance(answer, list):
+            if not answer:
+                raise ValueError("FakeJudge answer []: give at least one answer per call")
+            per_repeat = [answer[min(i, len(answer) - 1)] for i in range(request.repeats)]
+        else:
+            per_repeat = [answer] * request.repeats
         return JudgeResponse(
-            samples=tuple(dict(sample) for _ in range(request.repeats)),
+            samples=tuple(_logprobs(a) for a in per_repeat),
             model=self.model,
             usage=self._usage(request.prompt),
         )

@@ -21,7 +21,7 @@ from .calibration import Calibration, Family, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
-from .policy import Policy, PolicyState, held_out
+from .policy import Policy, PolicyState, held_out, resolve
 from .progress import Decision, Prices, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -73,6 +73,11 @@ class AsyncProgressTracker:
     the newest prefix, folding steps that arrived meanwhile into one call
     (results via `on_progress` and `latest`); it needs `async with tracker:`,
     which owns that worker. `curve` holds every result, in step order.
+
+    `policy` (a Policy, or a mapping of its settings) turns scores into
+    continue / abort / resample signals; a rubric config's `thresholds` fill the
+    levels it leaves open (a mapping's keys and a Policy's non-default settings
+    win; with no `policy`, a rubric with thresholds still gets one).
 
     `min_mass` is the least probability the judge must put on the scale
     letters for an answer to be a score; None takes the judge's recommendation
@@ -131,8 +136,8 @@ class AsyncProgressTracker:
         self.prices = prices
         self.usage = Usage()
         """The run's judge tokens over every scoring recorded so far (continued across a restart by `restore`)."""
-        if isinstance(policy, Mapping):
-            policy = Policy().with_overrides(policy)
+        # The rubric's thresholds fill what the caller's policy leaves open (see policy.resolve).
+        policy = resolve(policy, dict(self.rubric.thresholds))
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(

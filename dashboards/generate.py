@@ -308,6 +308,24 @@ def panels() -> list[dict[str, Any]]:
         ),
         runs_table(),
         timeseries(
+            "Uncertainty per run",
+            [target("A", f"agent_monitor_run_uncertainty{{{RUNS}}}", "{{run_id}}")],
+            min_=0,
+            w=12,
+            description="Standard deviation of each live run's latest score: the judge's own spread over the letters, "
+            "the disagreement between repeats and, for a judge without logprobs, the sampling error. The policy "
+            "ignores scores above --max-uncertainty.",
+        ),
+        timeseries(
+            "Disagreement between repeats per run (spread)",
+            [target("A", f"agent_monitor_run_spread{{{RUNS}}}", "{{run_id}}")],
+            min_=0,
+            w=12,
+            description="Standard deviation of the judge's repeats' expectations on each live run's latest score "
+            "(--repeats; weighted over criteria). Always 0 with one repeat; a high value says the judge cannot make "
+            "up its mind about that run: more repeats, or a stronger judge.",
+        ),
+        timeseries(
             "Runs ended per minute, by outcome",
             [
                 target(

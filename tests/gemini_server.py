@@ -6,7 +6,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -38,12 +38,14 @@ class GeminiServer:
 
     Tests `queue()` replies; each request pops the next one, or gets `default`
     when the queue is empty (a 500 naming the missing script, unless a test sets
-    it). Every request is recorded in `requests`, in arrival order.
+    it; a function of the request's JSON body answers each request itself, e.g.
+    by drawing `generationConfig.candidateCount` answers). Every request is
+    recorded in `requests`, in arrival order.
     """
 
     def __init__(self) -> None:
         self.requests: list[Received] = []
-        self.default: Reply = error(500, "the test server has no scripted reply left")
+        self.default: Reply | Callable[[Any], Reply] = error(500, "the test server has no scripted reply left")
         self._replies: deque[Reply] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -77,9 +79,10 @@ class GeminiServer:
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
-    def _next(self) -> Reply:
+    def _next(self, body: Any) -> Reply:
         with self._lock:
-            return self._replies.popleft() if self._replies else self.default
+            reply = self._replies.popleft() if self._replies else self.default
+        return reply(body) if callable(reply) else reply
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -90,17 +93,18 @@ class GeminiServer:
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
+                body = json.loads(raw) if raw else None
                 with server._lock:
                     server.requests.append(
                         Received(
                             method="POST",
                             path=self.path,
                             headers={k.lower(): v for k, v in self.headers.items()},
-                            body=json.loads(raw) if raw else None,
+                            body=body,
                             at=time.monotonic(),
                         )
                     )
-                reply = server._next() if ":generateContent" in self.path else error(404, f"no route {self.path}")
+                reply = server._next(body) if ":generateContent" in self.path else error(404, f"no route {self.path}")
                 if reply.delay_s and server._stop.wait(reply.delay_s):
                     return
                 payload = json.dumps(reply.body).encode()
@@ -152,6 +156,11 @@ def candidate(*steps: tuple[str, float, Mapping[str, float]], index: int = 0) ->
             "chosenCandidates": [{"token": s[0], "logProbability": s[1]} for s in steps],
         },
     }
+
+
+def text_candidate(text: str, *, index: int = 0) -> dict[str, Any]:
+    """A response candidate without `logprobsResult`, as a model answers when logprobs are not asked for."""
+    return {"content": {"role": "model", "parts": [{"text": text}]}, "finishReason": "STOP", "index": index}
 
 
 def response(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,16 +22,18 @@ from gemini_server import (
     letter_reply,
     response,
     step,
+    text_candidate,
 )
 from google import genai
 from google.genai import types
 
+from agent_monitor import AsyncProgressTracker
 from agent_monitor.criteria import load_criteria
 from agent_monitor.images import Frame, load_image
 from agent_monitor.judges.base import JudgeError, JudgeRequest, Usage
 from agent_monitor.judges.gemini import GeminiJudge
 from agent_monitor.prompts import INSTRUCTIONS, Prompt, Step, TextPart, build_prompt
-from agent_monitor.scale import ScoreError, distribution
+from agent_monitor.scale import LETTERS, ScoreError, distribution
 
 ln = math.log
 MODEL = "gemini-test"
@@ -334,6 +337,106 @@ async def test_a_rejected_candidate_count_falls_back_to_separate_requests(
     assert judge.supports_candidates is False and resp.attempts == 1
 
 
+# --- without logprobs: sampled answers -------------------------------------------------------------------------
+
+# The scripted model's answer distribution: 10% of answers are not a letter at all.
+TRUE = {"E": 0.3, "K": 0.4, "R": 0.2, "Sure": 0.1}
+LETTER_P = {k: v / 0.9 for k, v in TRUE.items() if k in LETTERS}
+TRUE_MEAN = sum(p * LETTERS.index(t) / 19 for t, p in LETTER_P.items())
+TRUE_STD = math.sqrt(sum(p * (LETTERS.index(t) / 19 - TRUE_MEAN) ** 2 for t, p in LETTER_P.items()))
+
+
+def sampler(seed: int, *, max_candidates: int = 8) -> Callable[[Any], Reply]:
+    """Answers drawn from TRUE, `candidateCount` of them (at most `max_candidates`), as text without logprobs."""
+    rng = random.Random(seed)
+    tokens, weights = zip(*TRUE.items(), strict=True)
+
+    def answer(body: Any) -> Reply:
+        n = int(body["generationConfig"].get("candidateCount", 1))
+        if n > max_candidates:
+            return error(400, f"Multiple candidates is not enabled for models/{MODEL}")
+        draws = rng.choices(tokens, weights, k=n)
+        return response(
+            *(text_candidate(t + ("." if i % 3 == 0 else ""), index=i) for i, t in enumerate(draws)), output=n
+        )
+
+    return answer
+
+
+@pytest.mark.parametrize("k", [10, 100])
+async def test_sampled_expectation_converges_within_the_stated_error(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge], k: int
+) -> None:
+    server.default = sampler(seed=k)
+    judge = make_judge(logprobs=False, samples=k)
+    t = AsyncProgressTracker("task", judge=judge, min_mass=0.5)
+    p = await t.update("did a thing")
+    assert p.ok and p.score is not None
+    c = p.criteria["task_progress"]
+    assert c.source == "sampled"
+    assert c.mass == pytest.approx(0.9, abs=4 * math.sqrt(0.09 / k) + 1e-9)
+    stated = TRUE_STD / math.sqrt(0.9 * k)
+    assert c.sampling_error == pytest.approx(stated, rel=0.5)
+    assert abs(p.score - TRUE_MEAN) <= 4 * stated  # within the stated sampling error
+    assert p.uncertainty == pytest.approx(math.sqrt(c.dispersion**2 + c.sampling_error**2), rel=1e-6)
+    cfgs = [config(r) for r in server.requests]
+    # No logprobs asked for (a model without them refuses the request), sampled at temperature 1.
+    assert all("responseLogprobs" not in c and "logprobs" not in c and c["temperature"] == 1.0 for c in cfgs)
+    # Draws go 8 candidates per request, the API's limit.
+    assert sorted(c["candidateCount"] for c in cfgs) == sorted([8] * (k // 8) + ([k % 8] if k % 8 else []))
+    assert p.usage.output_tokens == k and p.usage.input_tokens == 100 * len(cfgs)
+
+
+async def test_sampled_repeats_each_get_their_own_draws(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
+    server.default = sampler(seed=3)
+    judge = make_judge(logprobs=False, samples=8)
+    resp = await judge.grade(JudgeRequest(prompt(), repeats=3))
+    assert resp.draws == 8 and len(resp.samples) == 3
+    assert [config(r)["candidateCount"] for r in server.requests] == [8, 8, 8]
+
+
+async def test_a_model_refusing_several_candidates_is_sampled_one_answer_per_request(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
+    server.default = sampler(seed=1, max_candidates=1)  # Gemini 2.0 and 3 models: 400 for candidateCount > 1
+    judge = make_judge(logprobs=False, samples=6)
+    t = AsyncProgressTracker("task", judge=judge, min_mass=0.1)
+    p = await t.update("x")
+    assert p.ok and p.criteria["task_progress"].source == "sampled"
+    assert judge.supports_candidates is False
+    counts = [config(r)["candidateCount"] for r in server.requests]
+    assert counts == [6] + [1] * 6
+    # Remembered: the next scoring asks one answer per request from the start.
+    await t.update("y")
+    assert [config(r)["candidateCount"] for r in server.requests[len(counts) :]] == [1] * 6
+
+
+async def test_sampled_answers_that_are_never_letters_fail_loudly(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
+    server.default = lambda body: response(
+        *(text_candidate("The answer is K", index=i) for i in range(body["generationConfig"]["candidateCount"]))
+    )
+    t = AsyncProgressTracker("task", judge=make_judge(logprobs=False, samples=5))
+    p = await t.update("x")
+    assert not p.ok and p.score is None and p.reason == "no_letter"
+
+
+async def test_sampled_reads_the_answer_not_the_thoughts(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
+    thinking = {
+        "content": {"role": "model", "parts": [{"text": "Probably Q", "thought": True}, {"text": "C"}]},
+        "finishReason": "STOP",
+        "index": 0,
+    }
+    server.queue(response(thinking))
+    resp = await make_judge(logprobs=False, samples=1).grade(JudgeRequest(prompt()))
+    assert resp.samples == ({"C": 0.0},)
+
+
 # --- errors and retries ---------------------------------------------------------------------------------------
 
 
@@ -452,3 +555,5 @@ def test_bad_settings_are_refused() -> None:
         GeminiJudge(api_key="test", top_logprobs=21)
     with pytest.raises(ValueError, match="max_output_tokens"):
         GeminiJudge(api_key="test", max_output_tokens=0)
+    with pytest.raises(ValueError, match="samples=0"):
+        GeminiJudge(api_key="test", logprobs=False, samples=0)

@@ -241,15 +241,43 @@ def add_flags(
                     lf.flag, dest=dest, type=functools.partial(_parse, lf), default=value, help=text, metavar="A,B"
                 )
             else:
+                parser.set_defaults(**{dest + _SEP + "given": raw is not None})
                 target.add_argument(
                     lf.flag,
                     dest=dest,
+                    action=_Given,
                     type=_typed(lf),
                     default=value,
                     choices=lf.choices,
                     help=text,
                     metavar=_metavar(lf),
                 )
+
+
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (its value may equal the default: `--abort-below none`)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + _SEP + "given", True)
+
+
+def given(args: argparse.Namespace, group: str) -> tuple[str, ...]:
+    """The fields of a nested settings group (e.g. "policy") whose flag or environment twin was given."""
+    head, tail = group + _SEP, _SEP + "given"
+    return tuple(
+        sorted(
+            k[len(head) : -len(tail)]
+            for k, v in vars(args).items()
+            if v is True and k.startswith(head) and k.endswith(tail)
+        )
+    )
 
 
 def _typed(leaf: _Leaf) -> Any:
@@ -305,4 +333,4 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
     return dataclasses.replace(base, **values)
 
 
-__all__ = ["FlagError", "HelpFormatter", "add_flags", "build", "env_name", "flag_name"]
+__all__ = ["FlagError", "HelpFormatter", "add_flags", "build", "env_name", "flag_name", "given"]

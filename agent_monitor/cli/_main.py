@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..criteria import CriteriaError
+from ..criteria import CriteriaError, load_criteria
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
@@ -25,7 +25,7 @@ from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
-from ._flags import FlagError, HelpFormatter, add_flags, build
+from ._flags import FlagError, HelpFormatter, add_flags, build, given
 
 if TYPE_CHECKING:
     from ..daemon import SqliteStore
@@ -406,7 +406,11 @@ async def _serve(args: argparse.Namespace) -> int:
     broker_options = build(BrokerOptions, args)
     serve = build(ServeOptions, args)
     broker = broker_options.settings()
-    config = build(MonitorConfig, args, broker=broker)
+    config = build(MonitorConfig, args, broker=broker, policy_given=given(args, "policy"))
+    try:
+        load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
+    except CriteriaError as e:
+        return _fail(f"--criteria {config.criteria}: {e}")
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")

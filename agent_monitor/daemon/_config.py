@@ -7,6 +7,7 @@ changed here is the default everywhere, `--help` included.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -104,9 +105,24 @@ class MonitorConfig:
             f"recommendation (the packaged tiny local models recommend a low one), else {DEFAULT_MIN_MASS}"
         },
     )
+    criteria: str | None = field(
+        default=None,
+        metadata={
+            "help": "default rubric for runs whose start names none: a bundled name or a rubric file (.md, .json, "
+            ".yaml) read at start-up; none: the bundled progress rubric"
+        },
+    )
     policy: Policy = field(
         default_factory=Policy,
         metadata={"help": "policy defaults (a run's start.policy overrides them, same names in snake_case)"},
+    )
+    policy_given: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "cli": False,
+            "help": "policy settings chosen explicitly (serve: the policy flags given): they win over a rubric's "
+            "thresholds even at their default value; settings that differ from the default always win",
+        },
     )
     calibration_success_at: float = field(
         default=DEFAULT_SUCCESS_AT,
@@ -201,6 +217,9 @@ class MonitorConfig:
                 f"calibration_success_at={self.calibration_success_at!r}; use a number (outcomes at or above it "
                 "are successes)"
             )
+        unknown = sorted(set(self.policy_given) - {f.name for f in dataclasses.fields(Policy)})
+        if unknown:
+            raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")
         if not self.extract_budget_s > 0:
             raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
         self.prices  # noqa: B018 - raises ValueError for prices that cannot be used

@@ -206,6 +206,7 @@ class RunSeries:
     labels: Mapping[str, str] = field(default_factory=dict)
     progress: float | None = None
     uncertainty: float | None = None
+    spread: float | None = None
     step: int = 0
     signal: str = "continue"
     last_event: float = 0.0
@@ -224,6 +225,7 @@ def series_of(
         labels=labels,
         progress=last_ok.score if last_ok else None,
         uncertainty=last_ok.uncertainty if last_ok else None,
+        spread=last_ok.spread if last_ok else None,
         step=latest.step if latest else 0,
         signal=signal,
         last_event=at,
@@ -339,6 +341,12 @@ class RunCollector(Collector):
         uncertainty = GaugeMetricFamily(
             "agent_monitor_run_uncertainty", "Uncertainty (std) of each run's latest score.", labels=names
         )
+        spread = GaugeMetricFamily(
+            "agent_monitor_run_spread",
+            "Disagreement between the judge's repeats on each run's latest score (std of the repeats' "
+            "expectations, weighted over criteria; 0 with one repeat).",
+            labels=names,
+        )
         step = GaugeMetricFamily("agent_monitor_run_step", "Latest scored step of each run.", labels=names)
         signal = GaugeMetricFamily(
             "agent_monitor_run_signal", "1 for each run's current signal.", labels=[*names, "signal"]
@@ -359,6 +367,8 @@ class RunCollector(Collector):
                 progress.add_metric(values, r.progress)
             if r.uncertainty is not None:
                 uncertainty.add_metric(values, r.uncertainty)
+            if r.spread is not None:
+                spread.add_metric(values, r.spread)
             step.add_metric(values, r.step)
             signal.add_metric([*values, r.signal], 1.0)
             t = r.tokens
@@ -366,7 +376,7 @@ class RunCollector(Collector):
                 tokens.add_metric([*values, kind], n)
             if r.cost is not None:
                 cost.add_metric(values, r.cost)
-        yield from (progress, uncertainty, step, signal, tokens, cost)
+        yield from (progress, uncertainty, spread, step, signal, tokens, cost)
         yield GaugeMetricFamily(
             "agent_monitor_run_series_capped", "Live runs not exported per run because of the series cap.", value=capped
         )

@@ -22,9 +22,10 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from ..calibration import Calibration, Sample
+from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
-from ..policy import Policy
+from ..policy import Policy, with_levels
 from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
@@ -168,6 +169,12 @@ class Monitor:
     ) -> None:
         c = self.config = config if config is not None else MonitorConfig()
         self.clock = clock
+        # Read once, here: a bad name or file fails the start-up, not each run. The operator's file, never an event's.
+        try:
+            self.criteria: Rubric = load_criteria(c.criteria)
+        except CriteriaError as e:
+            raise CriteriaError(f"default criteria {c.criteria!r} (serve --criteria): {e}") from None
+        """The rubric of runs whose start names none."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
         # Every judge call is counted on its way through; the circuit breaker sits in front, so the calls
@@ -407,11 +414,14 @@ class Monitor:
 
     def _new_scoring(self, run_id: str, start: RunStart) -> _Scoring:
         c = self.config
-        policy = start.resolved_policy(c.policy)
+        rubric = start.rubric() if start.criteria is not None else self.criteria
+        # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
+        # thresholds, then the defaults.
+        policy = start.resolved_policy(with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given))
         tracker = AsyncProgressTracker(
             start.task,
             judge=self.circuit,
-            criteria=start.criteria,  # type: ignore[arg-type]  # validated JSON shapes
+            criteria=rubric,
             repeats=c.repeats,
             min_mass=c.min_mass,
             images=[i.decoded() for i in start.images],
@@ -419,7 +429,8 @@ class Monitor:
             allow_files=False,  # network events never name local files
             expected=start.expected,
             run_id=run_id,
-            policy=policy,
+            # Every setting named: resolved above, so the tracker must not fill any from the rubric again.
+            policy=policy.as_dict(),
             extract_budget_s=c.extract_budget_s,
             calibration=self.calibration,
             family=start.family,

@@ -6,6 +6,7 @@ import abc
 import asyncio
 import contextlib
 import email.utils
+import math
 import random
 import threading
 import time
@@ -263,6 +264,36 @@ def answer_sample(
     if lp is not None:
         cands.setdefault(token, lp)
     return cands
+
+
+def drawn_letter(text: str) -> dict[str, float]:
+    """One sampled answer (a judge without logprobs) as a sample: the letter it is exactly, else nothing.
+
+    Trailing punctuation is allowed ("K." is K); "The answer is K" is not a letter.
+    """
+    letter = read_letter(text.strip().rstrip(".,;:!)"))
+    return {letter: 0.0} if letter else {}
+
+
+def tally(draws: Sequence[Sample], repeats: int, samples: int) -> tuple[Sample, ...]:
+    """Each repeat's letter frequencies, as logprobs, over its `samples` draws (draws in repeat order).
+
+    Frequencies are over all draws, so answers that are not a letter lower the mass.
+    """
+    out: list[Sample] = []
+    for r in range(repeats):
+        group = draws[r * samples : (r + 1) * samples]
+        counts: dict[str, int] = {}
+        for d in group:
+            for letter in d or {}:
+                counts[letter] = counts.get(letter, 0) + 1
+        out.append({letter: math.log(c / len(group)) for letter, c in counts.items()})
+    return tuple(out)
+
+
+def batches(total: int, size: int) -> list[int]:
+    """`total` split into requests of at most `size`."""
+    return [size] * (total // size) + ([total % size] if total % size else [])
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import math
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,18 @@ from google.genai import errors, types
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import Prompt, TextPart
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, answer_sample, retry_after_seconds
+from .base import (
+    BaseJudge,
+    JudgeError,
+    JudgeRequest,
+    JudgeResponse,
+    Sample,
+    answer_sample,
+    batches,
+    drawn_letter,
+    retry_after_seconds,
+    tally,
+)
 
 MAX_CANDIDATES = 8
 """The most candidates one generateContent request may ask for (the API's `candidateCount` limit)."""
@@ -37,9 +49,19 @@ class GeminiJudge(BaseJudge):
     - `vision=False` sends frames as text placeholders; results then count
       them in `images_dropped`.
 
-    K repeats go as one request with `candidate_count=K` (at most 8); if the API
-    rejects that or returns fewer candidates, the rest go as separate requests
-    (and the judge remembers not to ask for several again).
+    - `logprobs=False` is for models that return no logprobs (the API refuses
+      `responseLogprobs` for some): each repeat's letter distribution is then
+      estimated from `samples` answers drawn at `sample_temperature`, as
+      `OpenAIJudge(logprobs=False)` does: answers that are not exactly a letter
+      count against the mass, and the sampling error is added to the result's
+      uncertainty (`source="sampled"`). Draws go `candidate_count` at a time
+      (at most 8 per request).
+
+    K repeats (or draws) go as one request with `candidate_count=K` (at most 8);
+    if the API rejects that (Gemini 2.0 and 3 models answer 400 "Multiple
+    candidates is not enabled for this model") or returns fewer candidates, the
+    rest go as separate requests (and the judge remembers not to ask for several
+    again).
     """
 
     name = "gemini"
@@ -59,6 +81,9 @@ class GeminiJudge(BaseJudge):
         temperature: float = 0.0,
         thinking_budget: int | None = 0,
         vision: bool = True,
+        logprobs: bool = True,
+        samples: int = 20,
+        sample_temperature: float = 1.0,
         supports_candidates: bool | None = None,
         client: genai.Client | None = None,
         timeout_s: float = 60.0,
@@ -71,6 +96,8 @@ class GeminiJudge(BaseJudge):
             raise ValueError("GeminiJudge needs a model name, e.g. model='gemini-2.5-flash'")
         if max_output_tokens < 1 or not 1 <= top_logprobs <= 20:
             raise ValueError("GeminiJudge needs max_output_tokens >= 1 and 1 <= top_logprobs <= 20")
+        if samples < 1:
+            raise ValueError(f"GeminiJudge samples={samples}; use 1 or more answers per repeat (with logprobs=False)")
         self._owns_client = client is None
         if client is None:
             http = types.HttpOptions(base_url=base_url, api_version=api_version)
@@ -90,6 +117,9 @@ class GeminiJudge(BaseJudge):
         self.temperature = temperature
         self.thinking_budget = thinking_budget
         self.vision = vision
+        self.logprobs = logprobs
+        self.samples = samples
+        self.sample_temperature = sample_temperature
         self.supports_candidates = supports_candidates
 
     async def aclose(self) -> None:
@@ -101,12 +131,9 @@ class GeminiJudge(BaseJudge):
             await close()
 
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
-        k = request.repeats
-        ask = min(k, MAX_CANDIDATES) if self.supports_candidates is not False else 1
-        # Some models refuse candidateCount > 1 with a 400; single requests still work.
-        samples, usage, batch = await self._repeats(k, ask, lambda n: self._request(request.prompt, n))
-        if batch is not None:
-            self.supports_candidates = batch
+        if not self.logprobs:
+            return await self._sampled(request)
+        samples, usage = await self._chunk(request.prompt, request.repeats)
         return JudgeResponse(
             samples=tuple(samples),
             model=self.model,
@@ -114,13 +141,39 @@ class GeminiJudge(BaseJudge):
             images_dropped=0 if self.vision else request.prompt.image_count,
         )
 
+    async def _chunk(self, prompt: Prompt, k: int) -> tuple[list[Sample], Usage]:
+        """k samples (repeats, or draws without logprobs): as one request for up to 8, the rest one by one."""
+        ask = min(k, MAX_CANDIDATES) if self.supports_candidates is not False else 1
+        # Some models refuse candidateCount > 1 with a 400; single requests still work.
+        samples, usage, batch = await self._repeats(k, ask, lambda n: self._request(prompt, n))
+        if batch is not None:
+            self.supports_candidates = batch
+        return samples, usage
+
+    async def _sampled(self, request: JudgeRequest) -> JudgeResponse:
+        """Estimate each repeat's letter distribution from `samples` sampled answers."""
+        draws: list[Sample] = []
+        usage = Usage()
+        chunks = batches(request.repeats * self.samples, MAX_CANDIDATES)
+        for got, u in await asyncio.gather(*(self._chunk(request.prompt, n) for n in chunks)):
+            draws.extend(got)
+            usage += u
+        return JudgeResponse(
+            samples=tally(draws, request.repeats, self.samples),
+            model=self.model,
+            usage=usage,
+            draws=self.samples,
+            images_dropped=0 if self.vision else request.prompt.image_count,
+        )
+
     def _config(self, prompt: Prompt, n: int) -> types.GenerateContentConfig:
         return types.GenerateContentConfig(
             system_instruction=prompt.instructions,
-            response_logprobs=True,
-            logprobs=self.top_logprobs,
+            # Without logprobs the fields are left out, not sent false: a model that refuses them refuses both.
+            response_logprobs=True if self.logprobs else None,
+            logprobs=self.top_logprobs if self.logprobs else None,
             max_output_tokens=self.max_output_tokens,
-            temperature=self.temperature,
+            temperature=self.temperature if self.logprobs else self.sample_temperature,
             candidate_count=n,
             thinking_config=(
                 types.ThinkingConfig(thinking_budget=self.thinking_budget) if self.thinking_budget is not None else None
@@ -168,7 +221,15 @@ class GeminiJudge(BaseJudge):
                 )
             # An answer with nothing in it: one empty repeat, so the caller asks again for the rest.
             return [None], _usage(resp)
+        if not self.logprobs:
+            return [drawn_letter(_text(c)) for c in candidates], _usage(resp)
         return [_sample(c) for c in candidates], _usage(resp)
+
+
+def _text(candidate: types.Candidate) -> str:
+    """A candidate's answer text (thought summaries left out; nothing for a candidate stopped for safety)."""
+    parts = candidate.content.parts if candidate.content is not None else None
+    return "".join(p.text for p in parts or [] if p.text and not p.thought)
 
 
 def _sample(candidate: types.Candidate) -> Sample:

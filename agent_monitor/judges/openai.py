@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import re
 import time
@@ -17,8 +16,19 @@ from openai import AsyncOpenAI
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
-from ..scale import LETTERS, read_letter
-from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse, Sample, answer_sample, retry_after_seconds
+from ..scale import LETTERS
+from .base import (
+    BaseJudge,
+    JudgeError,
+    JudgeRequest,
+    JudgeResponse,
+    Sample,
+    answer_sample,
+    batches,
+    drawn_letter,
+    retry_after_seconds,
+    tally,
+)
 
 log = structlog.get_logger("agent_monitor.judges.openai")
 
@@ -200,10 +210,6 @@ class OpenAIJudge(BaseJudge):
 
     async def _sampled(self, request: JudgeRequest, model: str, dropped: list[int]) -> JudgeResponse:
         """Estimate each repeat's letter distribution from `samples` sampled answers."""
-        total = request.repeats * self.samples
-        sizes = [self.max_batch] * (total // self.max_batch) + (
-            [total % self.max_batch] if total % self.max_batch else []
-        )
 
         async def chunk(n: int) -> tuple[list[Sample], Usage, bool | None]:
             ask = n if self.supports_n is not False else 1
@@ -211,22 +217,18 @@ class OpenAIJudge(BaseJudge):
 
         draws: list[Sample] = []
         usage = Usage()
+        sizes = batches(request.repeats * self.samples, self.max_batch)
         for got, u, batch in await asyncio.gather(*(chunk(n) for n in sizes)):
             draws.extend(got)
             usage += u
             if batch is not None:
                 self.supports_n = batch
-        samples: list[Sample] = []
-        for r in range(request.repeats):
-            group = draws[r * self.samples : (r + 1) * self.samples]
-            counts: dict[str, int] = {}
-            for d in group:
-                for letter in d or {}:
-                    counts[letter] = counts.get(letter, 0) + 1
-            # Frequencies over all draws: answers that are not a letter lower the mass.
-            samples.append({letter: math.log(c / len(group)) for letter, c in counts.items()})
         return JudgeResponse(
-            samples=tuple(samples), model=model, usage=usage, draws=self.samples, images_dropped=max(dropped, default=0)
+            samples=tally(draws, request.repeats, self.samples),
+            model=model,
+            usage=usage,
+            draws=self.samples,
+            images_dropped=max(dropped, default=0),
         )
 
     async def _request(self, prompt: Prompt, model: str, n: int, dropped: list[int]) -> tuple[list[Sample], Usage]:
@@ -319,7 +321,7 @@ class OpenAIJudge(BaseJudge):
                 **common,
             )
             texts = self._read(lambda: [str(c.message.content or "") for c in resp.choices])
-        return [_draw(t) for t in texts], self._read(lambda: _usage(resp))
+        return [drawn_letter(t) for t in texts], self._read(lambda: _usage(resp))
 
     def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
@@ -406,12 +408,6 @@ def _part(p: TextPart | ImagePart) -> dict[str, Any]:
     if isinstance(p, TextPart):
         return {"type": "text", "text": p.text}
     return {"type": "image_url", "image_url": {"url": p.frame.data_url()}}
-
-
-def _draw(text: str) -> dict[str, float]:
-    """One sampled answer as a sample: the letter it is exactly (trailing punctuation allowed), else nothing."""
-    letter = read_letter(text.strip().rstrip(".,;:!)"))
-    return {letter: 0.0} if letter else {}
 
 
 def _from_chat(choice: Any) -> Sample:

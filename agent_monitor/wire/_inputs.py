@@ -196,12 +196,15 @@ class RunStart(_In):
     criteria: JsonValue = Field(
         default=None,
         description="A bundled rubric name, {name: description}, a list of criteria, or a rubric config "
-        "{'criteria': [...]}; never a file path. Null: the default progress rubric.",
+        "{'criteria': [...], 'thresholds': {'abort_below': ..., 'resample_below': ...}} (thresholds become this "
+        "run's policy levels where its policy and the monitor's policy flags leave them open); never a file path. "
+        "Null: the monitor's default rubric (serve --criteria; the bundled progress rubric unless set).",
     )
     images: ImageList
     policy: dict[str, float | int | str | None] | None = Field(
         default=None,
-        description="Overrides of the monitor's policy defaults; unknown keys are an error.",
+        description="Overrides of the monitor's policy defaults and of the rubric's thresholds; unknown keys are an "
+        "error.",
         json_schema_extra={"propertyNames": {"enum": list(POLICY_KEYS)}},
     )
     labels: dict[
