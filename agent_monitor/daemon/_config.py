@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from ..calibration import DEFAULT_SUCCESS_AT
 from ..images import FrameBudget
@@ -166,6 +167,14 @@ class MonitorConfig:
     circuit_cooldown_s: float = field(
         default=2.0, metadata={"help": "first back-off, in seconds, before probing a failing judge (doubles to 60)"}
     )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "send OpenTelemetry gen_ai.evaluation.result events for every score to this OTLP/HTTP collector "
+            "(protobuf; /v1/logs is appended, as for OTEL_EXPORTER_OTLP_ENDPOINT); none: off. Needs "
+            "pip install 'agent-monitor[otel]'"
+        },
+    )
 
     def __post_init__(self) -> None:
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
@@ -188,6 +197,13 @@ class MonitorConfig:
             )
         if not self.extract_budget_s > 0:
             raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
+        if self.otlp_endpoint is not None:
+            url = urlsplit(self.otlp_endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    f"otlp_endpoint={self.otlp_endpoint!r} is not an OTLP/HTTP collector URL; use "
+                    "http://host:4318 (the collector's OTLP/HTTP port; /v1/logs is appended)"
+                )
 
 
 __all__ = ["MetricsSettings", "MonitorConfig", "Protocol"]
