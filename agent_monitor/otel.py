@@ -11,8 +11,8 @@ when an emitter is made (`pip install 'agent-monitor[otel]'`).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .progress import Progress
 from .scale import CriterionScore
@@ -29,6 +29,7 @@ INSTALL_HINT = "pip install 'agent-monitor[otel]'"
 # An explanation is a short why, never a copy of the step text or a judge's long error.
 _MAX_EXPLANATION = 300
 
+T = TypeVar("T")
 AttributeValue = str | bool | int | float
 Attributes = dict[str, AttributeValue]
 
@@ -127,6 +128,17 @@ def current_context() -> Context:
     return get_current()
 
 
+async def in_context(context: Context, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await `fn()` with `context` current (a caller's spans carried to another thread's event loop)."""
+    from opentelemetry.context import attach, detach
+
+    token = attach(context)
+    try:
+        return await fn()
+    finally:
+        detach(token)
+
+
 def detached_context() -> Context:
     """A context with no span: events emitted in it belong to no trace (the daemon's: its runs come over MQTT)."""
     _require_otel()
@@ -179,4 +191,5 @@ __all__ = [
     "current_context",
     "detached_context",
     "evaluation_attributes",
+    "in_context",
 ]

@@ -168,7 +168,9 @@ class AsyncProgressTracker:
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
         self._otel: EvaluationEmitter | None = None
-        if otel is not False:
+        if otel:
+            if otel is not True and not callable(getattr(otel, "get_logger", None)):
+                raise TypeError(f"otel={otel!r}; use True (the global LoggerProvider) or a LoggerProvider")
             from .otel import EvaluationEmitter
 
             # Built here, not at import: without otel= no OpenTelemetry package is loaded.
@@ -605,7 +607,8 @@ class ProgressTracker:
     ) -> Progress:
         """Append a step and block until the trajectory up to it is scored."""
         self._check()
-        # The caller's context is taken here, on the caller's thread: the loop thread has none of its spans.
+        # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
+        # whatever context the loop thread runs the call in.
         context = self._core._context()
         return self._portal.call(partial(self._core._update, step, tuple(images), meta, context))
 
@@ -779,6 +782,12 @@ def track(
         family=family,
         otel=otel,
     )
+    if otel:
+        from .otel import current_context, in_context
+
+        # Scored on the judge's loop thread: the caller's spans are taken along explicitly, not left to the portal
+        # (asyncio's call_soon_threadsafe happens to copy the calling thread's contextvars; another backend may not).
+        run = partial(in_context, current_context(), run)
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)
     import anyio

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -363,8 +364,9 @@ async def test_the_async_tracker_and_atrack_link_the_same_way() -> None:
 
 def test_track_emits_through_the_provider_it_is_given_and_a_broken_one_never_stops_scoring() -> None:
     o = Spans()
-    curve = track("t", ["a", "b"], judge=FakeJudge(), otel=o.logs)
-    assert [p.step for p in curve] == [1, 2] and sorted(linked(o.events())) == [1, 2]
+    with o.tracer.start_as_current_span("replay") as span:
+        curve = track("t", ["a", "b"], judge=FakeJudge(), otel=o.logs)  # scored on the judge's loop thread
+    assert [p.step for p in curve] == [1, 2] and linked(o.events()) == {1: {ids(span)}, 2: {ids(span)}}
 
     class Broken(LoggerProvider):
         def get_logger(self, *args: Any, **kwargs: Any) -> Any:
@@ -374,6 +376,8 @@ def test_track_emits_through_the_provider_it_is_given_and_a_broken_one_never_sto
 
             return Logger()
 
+    with pytest.raises(TypeError, match=r"^otel='yes'; use True \(the global LoggerProvider\) or a LoggerProvider$"):
+        ProgressTracker("t", judge=FakeJudge(), otel="yes")  # type: ignore[arg-type]
     with capture_logs() as logs:
         curve = track("t", ["a", "b"], judge=FakeJudge(), otel=Broken())
     assert [p.ok for p in curve] == [True, True]
@@ -428,3 +432,48 @@ def test_importing_agent_monitor_loads_no_opentelemetry_and_a_missing_extra_is_n
     assert len(lines) == 2, out
     assert all("pip install 'agent-monitor[otel]'" in line for line in lines), out
     assert lines[1].startswith("--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter")
+
+
+def test_otel_true_uses_the_global_provider_even_one_set_after_the_tracker_was_made() -> None:
+    # In a process of its own: the global LoggerProvider can be set once per process.
+    code = (
+        "from opentelemetry._logs import set_logger_provider\n"
+        "from opentelemetry.sdk._logs import LoggerProvider\n"
+        "from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor\n"
+        "from agent_monitor import ProgressTracker\n"
+        "from agent_monitor.testing import FakeJudge\n"
+        "tracker = ProgressTracker('t', judge=FakeJudge(), run_id='r', otel=True)\n"
+        "memory = InMemoryLogRecordExporter()\n"
+        "provider = LoggerProvider()\n"
+        "provider.add_log_record_processor(SimpleLogRecordProcessor(memory))\n"
+        "set_logger_provider(provider)\n"
+        "tracker.update('one')\n"
+        "tracker.close()\n"
+        "for r in memory.get_finished_logs():\n"
+        "    a = r.log_record.attributes\n"
+        "    print(r.log_record.event_name, a['gen_ai.evaluation.name'], a['agent_monitor.run_id'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [f"{EVENT_NAME} task_progress r"]
+
+
+def test_serve_otlp_endpoint_as_a_user_runs_it(broker: Mosquitto) -> None:
+    from tests.openai_server import chat_choice, chat_reply, scripted_server
+    from tests.test_serve_cli import pub, serve, wait_serving
+
+    with scripted_server() as judge, receiver() as collector:
+        judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
+        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0"]
+        with serve(*args, env={"AGENT_MONITOR_OTLP_ENDPOINT": collector.url}) as proc:
+            wait_serving(proc)
+            pub(broker.port, "agents/cli-1/start", '{"task": "Make the failing test pass"}')
+            pub(broker.port, "agents/cli-1/step", '{"index": 1, "text": "pytest: 3 failed"}')
+            deadline = time.monotonic() + 30
+            while not collector.records() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        [r] = collector.records()
+    a = r["attributes"]
+    assert r["event_name"] == EVENT_NAME and r["path"] == "/v1/logs"
+    assert a["gen_ai.evaluation.name"] == "task_progress" and a["gen_ai.evaluation.score.label"] == "K"
+    assert a["gen_ai.evaluation.score.value"] == pytest.approx((0.8 * 10 + 0.2 * 11) / 19)
+    assert (a["agent_monitor.run_id"], a["agent_monitor.step"]) == ("cli-1", 1)
