@@ -98,7 +98,7 @@ def _explain(c: CriterionScore, progress: Progress) -> str:
     else:
         top = sorted(c.letters.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
         spelled = ", ".join(f"{letter} {p:.0%}" for letter, p in top)
-        how = "sampled answers" if c.source == "sampled" else "letter mass"
+        how = "sampled, letter mass" if c.source == "sampled" else "letter mass"
         why = f"{spelled} ({how} {c.mass:.2f}" + (f", {c.repeats} repeats" if c.repeats > 1 else "") + ")"
     d = progress.signal
     if d is not None and d.signal != "continue":

@@ -155,6 +155,9 @@ class Monitor:
     runs); `SqliteStore` survives restarts, `MemoryStore` keeps the journal in this process. `sinks` are called with every `MonitorEvent`, after the
     monitor's own (MQTT, store, metrics, log).
 
+    With `config.otlp_endpoint`, `otel` (an `OtelSink`) sends every score's OpenTelemetry
+    `gen_ai.evaluation.result` events to that collector: opened on entering, flushed on leaving.
+
     `calibration` holds what every run that ended with a success or failure outcome taught (kept in the
     store, loaded on entering): the evidence `abort_below: "auto"` thresholds come from, per family,
     judge model and rubric.
