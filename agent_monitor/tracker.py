@@ -29,7 +29,10 @@ from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samp
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    pass
+    from opentelemetry._logs import LoggerProvider
+    from opentelemetry.context import Context
+
+    from .otel import EvaluationEmitter
 
 log = structlog.get_logger("agent_monitor.tracker")
 
@@ -63,6 +66,8 @@ class _Pending:
     text: str
     images: tuple[ImageInput, ...]
     meta: Mapping[str, Any]
+    context: Context | None = None
+    """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that span."""
 
 
 class AsyncProgressTracker:
@@ -87,6 +92,10 @@ class AsyncProgressTracker:
     `usage` is the run's running totals of judge tokens: every scoring's, failed,
     coalesced and out-of-order ones included (each result carries them as
     `totals`); with `prices`, `cost` is their price in USD.
+    `otel=True` emits OpenTelemetry `gen_ai.evaluation.result` events for every result through
+    the global LoggerProvider (a `LoggerProvider` instead: through that one; see
+    `agent_monitor.otel`). Each result's events carry the span that was current when its newest
+    step was given (`add`, `update` or `submit`), so a trace shows the verdict on the step it judged.
     """
 
     def __init__(
@@ -110,6 +119,7 @@ class AsyncProgressTracker:
         calibration: Calibration | None = None,
         family: str | None = None,
         prices: Prices | None = None,
+        otel: bool | LoggerProvider = False,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -169,6 +179,15 @@ class AsyncProgressTracker:
         self._stack: contextlib.AsyncExitStack | None = None
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
+        self._otel: EvaluationEmitter | None = None
+        if otel:
+            if otel is not True and not callable(getattr(otel, "get_logger", None)):
+                raise TypeError(f"otel={otel!r}; use True (the global LoggerProvider) or a LoggerProvider")
+            from .otel import EvaluationEmitter
+
+            # Built here, not at import: without otel= no OpenTelemetry package is loaded.
+            self._otel = EvaluationEmitter(None if otel is True else otel)
+        self._contexts: dict[int, Context] = {}
 
     # -- lifecycle: the context owns the background worker used by submit() --
 
@@ -198,17 +217,35 @@ class AsyncProgressTracker:
 
         `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge never sees it.
         """
-        self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
+        return await self._add(step, tuple(images), meta, self._context())
+
+    async def _add(
+        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+    ) -> int:
+        self._pending.append(_Pending(_step_text(step), images, dict(meta or {}), context))
         await self._materialise()
         return len(self.steps)
+
+    def _context(self) -> Context | None:
+        """The caller's OpenTelemetry context when events are emitted (else None: nothing to carry)."""
+        if self._otel is None:
+            return None
+        from .otel import current_context
+
+        return current_context()
 
     def submit(
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> int:
         """Queue a step and return its index at once; the background worker scores the newest prefix."""
+        return self._submit(step, tuple(images), meta, self._context())
+
+    def _submit(
+        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+    ) -> int:
         if self._worker is None or self._scheduler is None:
             raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
-        self._pending.append(_Pending(_step_text(step), tuple(images), dict(meta or {})))
+        self._pending.append(_Pending(_step_text(step), images, dict(meta or {}), context))
         self._scheduler.wake(0)
         return len(self.steps) + len(self._pending)
 
@@ -220,6 +257,8 @@ class AsyncProgressTracker:
                 # Popped before loading: a step whose images fail is rejected, not retried forever.
                 p = self._pending.popleft()
                 index = len(self.steps) + 1
+                if p.context is not None:
+                    self._contexts[index] = p.context
                 if p.images or self.rubric.extractors.extractors:
                     # Image decoding and the extractors read untrusted input: a worker thread, never the event loop.
                     self.steps.append(await asyncio.to_thread(self._prepare, p, index))
@@ -253,7 +292,12 @@ class AsyncProgressTracker:
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> Progress:
         """Append a step and score the trajectory up to it."""
-        n = await self.add(step, images=images, meta=meta)
+        return await self._update(step, tuple(images), meta, self._context())
+
+    async def _update(
+        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+    ) -> Progress:
+        n = await self._add(step, images, meta, context)
         return await self.score(n)
 
     async def score(self, n: int | None = None, *, coalesced: int = 1) -> Progress:
@@ -307,6 +351,8 @@ class AsyncProgressTracker:
         self._scored = max(self._scored, p.step)
         if not p.ok:
             self._log.warning("score_failed", step=p.step, reason=p.reason, error=p.error)
+        if self._otel is not None:
+            self._emit_otel(p)
         if self.on_progress is not None:
             try:
                 self.on_progress(p)
@@ -314,6 +360,19 @@ class AsyncProgressTracker:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
         return p
+
+    def _emit_otel(self, p: Progress) -> None:
+        """Emit a result's evaluation events in the context its newest step was given in; never raises."""
+        assert self._otel is not None
+        context = self._contexts.get(p.step)
+        # Contexts of steps this result covers are no longer needed (a coalesced score covers several).
+        for i in [i for i in self._contexts if i <= p.step]:
+            del self._contexts[i]
+        try:
+            self._otel.emit(p, criteria=[c.name for c in self.rubric.criteria], context=context)
+        except Exception:
+            # Telemetry is a side channel: a broken provider or processor never stops scoring.
+            self._log.exception("otel_emit_failed", step=p.step)
 
     def _threshold(self) -> Threshold:
         assert self.calibration is not None and self.policy_state is not None
@@ -537,6 +596,7 @@ class ProgressTracker:
         calibration: Calibration | None = None,
         family: str | None = None,
         prices: Prices | None = None,
+        otel: bool | LoggerProvider = False,
     ) -> None:
         # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
         # Built before any loop starts: a bad option then leaves no thread behind.
@@ -559,6 +619,7 @@ class ProgressTracker:
             calibration=calibration,
             family=family,
             prices=prices,
+            otel=otel,
         )
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
@@ -575,14 +636,18 @@ class ProgressTracker:
     ) -> Progress:
         """Append a step and block until the trajectory up to it is scored."""
         self._check()
-        return self._portal.call(partial(self._core.update, step, images=tuple(images), meta=meta))
+        # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
+        # whatever context the loop thread runs the call in.
+        context = self._core._context()
+        return self._portal.call(partial(self._core._update, step, tuple(images), meta, context))
 
     def submit(
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> int:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
-        return self._portal.call(partial(self._core.submit, step, images=tuple(images), meta=meta))
+        context = self._core._context()
+        return self._portal.call(partial(self._core._submit, step, tuple(images), meta, context))
 
     def drain(self) -> Progress | None:
         """Block until every submitted step is folded into a score; return the latest result."""
@@ -680,6 +745,7 @@ async def atrack(
     calibration: Calibration | None = None,
     family: str | None = None,
     prices: Prices | None = None,
+    otel: bool | LoggerProvider = False,
 ) -> list[Progress]:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
@@ -703,6 +769,7 @@ async def atrack(
         calibration=calibration,
         family=family,
         prices=prices,
+        otel=otel,
     )
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
@@ -732,6 +799,7 @@ def track(
     calibration: Calibration | None = None,
     family: str | None = None,
     prices: Prices | None = None,
+    otel: bool | LoggerProvider = False,
 ) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     run = partial(
@@ -755,7 +823,14 @@ def track(
         calibration=calibration,
         family=family,
         prices=prices,
+        otel=otel,
     )
+    if otel:
+        from .otel import current_context, in_context
+
+        # Scored on the judge's loop thread: the caller's spans are taken along explicitly, not left to the portal
+        # (asyncio's call_soon_threadsafe happens to copy the calling thread's contextvars; another backend may not).
+        run = partial(in_context, current_context(), run)
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)
     import anyio

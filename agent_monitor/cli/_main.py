@@ -430,7 +430,10 @@ async def _serve(args: argparse.Namespace) -> int:
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
-        monitor = Monitor(config, judge=judge, store=store, registry=registry)
+        try:
+            monitor = Monitor(config, judge=judge, store=store, registry=registry)
+        except ImportError as e:  # --otlp-endpoint without the otel extra: the message names it
+            return _fail(str(e))
         if serve.metrics_port:
             try:
                 server, thread = start_http_server(serve.metrics_port, addr=serve.metrics_host, registry=registry)

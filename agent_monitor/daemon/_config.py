@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from ..calibration import DEFAULT_SUCCESS_AT
 from ..images import FrameBudget
@@ -197,6 +198,14 @@ class MonitorConfig:
     price_output: float | None = field(
         default=None, metadata={"help": "USD per million judge output tokens (needed with --price-input; 0 is fine)"}
     )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "send OpenTelemetry gen_ai.evaluation.result events for every score to this OTLP/HTTP collector "
+            "(protobuf; /v1/logs is appended, as for OTEL_EXPORTER_OTLP_ENDPOINT); none: off. Needs "
+            "pip install 'agent-monitor[otel]'"
+        },
+    )
 
     def __post_init__(self) -> None:
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
@@ -222,6 +231,13 @@ class MonitorConfig:
             raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")
         if not self.extract_budget_s > 0:
             raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
+        if self.otlp_endpoint is not None:
+            url = urlsplit(self.otlp_endpoint)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    f"otlp_endpoint={self.otlp_endpoint!r} is not an OTLP/HTTP collector URL; use "
+                    "http://host:4318 (the collector's OTLP/HTTP port; /v1/logs is appended)"
+                )
         self.prices  # noqa: B018 - raises ValueError for prices that cannot be used
 
     @property

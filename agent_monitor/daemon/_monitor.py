@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -78,12 +78,17 @@ from ._state import (
 )
 from ._store import NoStore, RunStore, SqliteStore
 
+if TYPE_CHECKING:
+    from ._otel import OtelSink
+
 log = structlog.get_logger("agent_monitor.daemon")
 
 # Decoding a payload this big (base64 images) in a worker thread keeps the event loop, and so the
 # MQTT keep-alive, responsive; smaller ones decode faster inline than a thread hop costs.
 _INLINE_DECODE_BYTES = 64 * 1024
 _KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end"}
+# How long leaving the monitor waits for queued OpenTelemetry events to reach the collector.
+_OTLP_CLOSE_S = 5.0
 
 
 @dataclass(eq=False, slots=True)
@@ -152,6 +157,9 @@ class Monitor:
     runs); `SqliteStore` survives restarts, `MemoryStore` keeps the journal in this process. `sinks` are called with every `MonitorEvent`, after the
     monitor's own (MQTT, store, metrics, log).
 
+    With `config.otlp_endpoint`, `otel` (an `OtelSink`) sends every score's OpenTelemetry
+    `gen_ai.evaluation.result` events to that collector: opened on entering, flushed on leaving.
+
     `calibration` holds what every run that ended with a success or failure outcome taught (kept in the
     store, loaded on entering): the evidence `abort_below: "auto"` thresholds come from, per family,
     judge model and rubric.
@@ -196,11 +204,19 @@ class Monitor:
         self._metrics_sink = MetricsSink(
             self.metrics, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock
         )
+        self.otel: OtelSink | None = None
+        """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
+        if c.otlp_endpoint is not None:
+            # Imported here: without an endpoint no OpenTelemetry package is loaded (ImportError names the extra).
+            from ._otel import OtelSink
+
+            self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._criteria_of)
         self.sinks: tuple[Sink, ...] = (
             MqttSink(self.outbox, self.topics),
             StoreSink(self.store),
             self._metrics_sink,
             LogSink(log),
+            *((self.otel,) if self.otel is not None else ()),
             *sinks,
         )
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
@@ -258,6 +274,10 @@ class Monitor:
             log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
         first = await self.link.connect() if self.link is not None else None
         stack = contextlib.AsyncExitStack()
+        if self.otel is not None:
+            # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
+            self.otel.open()
+            stack.push_async_callback(asyncio.to_thread, self.otel.close, _OTLP_CLOSE_S)
         try:
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.link is not None:
@@ -338,6 +358,11 @@ class Monitor:
             ended=state.ended is not None,
             last_event=state.last_event,
         )
+
+    def _criteria_of(self, run_id: str) -> tuple[str, ...]:
+        """The names of a live run's criteria (a failed score's evaluation events are one per criterion)."""
+        s = self._scoring.get(run_id)
+        return tuple(c.name for c in s.tracker.rubric.criteria) if s else ()
 
     def tracker(self, run_id: str) -> AsyncProgressTracker | None:
         """The tracker scoring a live run (its steps, curve and policy state), or None."""
