@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -22,7 +23,7 @@ import aiomqtt
 import pytest
 from rich.console import Console
 
-from agent_monitor.cli._top import Board, TopOptions, age, clean, count, render
+from agent_monitor.cli._top import Board, Top, TopOptions, age, clean, count, render
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge, letter_at
@@ -118,6 +119,20 @@ def test_rows_are_bounded_with_a_count_of_the_rest() -> None:
     shown = [w[0] for line in screen.splitlines() if (w := line.split()) and w[0][:1] == "r" and w[0] != "run"]
     assert shown == ["r6", "r5", "r4"]
     assert "+4 more" in screen
+
+
+def test_a_terminal_gets_as_many_rows_as_fit_and_never_scrolls() -> None:
+    console = Console(width=60, height=12, force_terminal=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    t = Top(BrokerSettings(), "agents", TopOptions(), console)
+    for i in range(30):
+        t.board.feed(f"agents/run-{i}/progress", progress(f"run-{i}", 1, reason="x" * 300))
+    t.board.bad, t.board.last_bad = 3, "y" * 200
+    lines = console.render_lines(t.screen(), console.options, pad=False)
+    console.file.close()
+    assert len(lines) == 12
+    text = ["".join(seg.text for seg in line) for line in lines]
+    assert text[0].startswith("agent-monitor top") and text[-1].startswith("+21 more")
+    assert [line.split()[0] for line in text[2:-1]] == [f"run-{i}" for i in range(29, 20, -1)]
 
 
 BAD = [
@@ -300,19 +315,21 @@ class Tmux:
     """`agent-monitor top` in a tmux pane of a private tmux server: what it renders is read back as text."""
 
     def __init__(self, workdir: Path, width: int = 150, height: int = 24) -> None:
-        self.socket = workdir / "tmux.sock"
+        # A server of its own, named (-L) rather than a socket path under tmp_path: socket paths are short.
+        self.server = f"agent-monitor-test-{secrets.token_hex(4)}"
         self.width, self.height = width, height
         self.exit_file = workdir / "exit-code"
 
     def tmux(self, *args: str) -> str:
-        out = subprocess.run(["tmux", "-S", str(self.socket), *args], capture_output=True, text=True, check=True)
+        out = subprocess.run(["tmux", "-L", self.server, *args], capture_output=True, text=True, check=True)
         return out.stdout
 
     def start(self, argv: list[str]) -> None:
         # The exit code lands in a file: the pane closes with the command. COLUMNS and LINES, when the pane's shell
         # sets them, would pin rich to 80x24 whatever the pane's size.
         command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", *argv])
-        shell = f"{command} 2>{self.exit_file.parent}/stderr; echo $? > {self.exit_file}"
+        stderr, exit_file = shlex.quote(str(self.exit_file.parent / "stderr")), shlex.quote(str(self.exit_file))
+        shell = f"{command} 2>{stderr}; echo $? > {exit_file}"
         size = ["-x", str(self.width), "-y", str(self.height)]
         self.tmux("-f", "/dev/null", "new-session", "-d", *size, "-c", str(ROOT), "-s", "top", shell)
 
@@ -344,7 +361,7 @@ def tmux(workdir: Path) -> Iterator[Tmux]:
     try:
         yield t
     finally:
-        subprocess.run(["tmux", "-S", str(t.socket), "kill-server"], capture_output=True, check=False)
+        subprocess.run(["tmux", "-L", t.server, "kill-server"], capture_output=True, check=False)
 
 
 async def exit_code(t: Tmux, wait_s: float = 20.0) -> int:
@@ -409,6 +426,30 @@ async def test_top_exits_cleanly_on_ctrl_c(broker: Mosquitto, tmp_path: Path) ->
         await t.until(lambda s: "no runs yet" in s, "the empty board")
         t.keys("C-c")
         assert await exit_code(t) == 0
+
+
+async def test_top_survives_a_broker_restart(broker: Mosquitto, tmp_path: Path) -> None:
+    async def publish(run_id: str, step: int) -> None:
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="pub") as c:
+            await c.publish(f"agents/{run_id}/progress", progress(run_id, step, step / 10), qos=1)
+
+    with tmux(tmp_path) as t:
+        t.start(top_command(broker, "--refresh", "0.2"))
+        await t.until(lambda s: "no runs yet" in s, "the empty board")
+        await publish("before", 1)
+        await t.until(lambda s: row(s, "before")[2:4] == ["0.100", "1"], "the run published before the restart")
+        await asyncio.to_thread(broker.stop)
+        await t.until(lambda s: "connection lost" in s.splitlines()[0], "the lost connection, in the title")
+        await asyncio.to_thread(broker.start)
+        # A clean session keeps nothing while top is away: publish (as a harness's monitor would, step after
+        # step) until top, reconnected with backoff, reads again; what it knew stays on the board.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while row(screen := await asyncio.to_thread(t.screen), "after")[2:4] != ["0.200", "2"]:
+            assert loop.time() < deadline, f"no run published after the restart on the screen:\n{screen}"
+            await publish("after", 2)
+            await asyncio.sleep(0.3)
+        assert row(screen, "before")[2:4] == ["0.100", "1"] and "connection lost" not in screen
 
 
 async def test_top_once_sees_the_retained_signals_of_runs_already_there(broker: Mosquitto) -> None:

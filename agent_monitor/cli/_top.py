@@ -192,7 +192,6 @@ class Board:
         self.last_bad = ""
         self.forgotten = 0
         """Runs dropped because more than `keep_runs` were seen."""
-        self.messages = 0
         self._ended: deque[tuple[float, str]] = deque()
         self._under = prefix + "/"
 
@@ -211,10 +210,9 @@ class Board:
 
     def feed(self, topic: str, payload: bytes, *, retained: bool = False) -> None:
         """Take one message; a message that cannot be read is counted in `bad`, never raised."""
-        self.messages += 1
         try:
             self._feed(topic, payload, retained)
-        except (ValueError, TypeError, ValidationError, RecursionError) as e:
+        except Exception as e:  # whatever a payload does to a model or the parser, a viewer counts it and goes on
             self.bad += 1
             self.last_bad = clean(f"{topic}: {_why(e)}", 160)
 
@@ -290,8 +288,15 @@ class Board:
         self._close(self._touch(run_id, retained), None if e.outcome is None else clean(str(e.outcome), 20))
 
     def _close(self, v: RunView, outcome: str | None) -> None:
+        if v.ended:  # a repeated end: the first one counts, and the queue of ends does not grow with repeats
+            v.outcome = outcome or v.outcome
+            return
         v.ended, v.outcome, v.ended_at = True, outcome, self.clock()
         self._ended.append((v.ended_at, v.run_id))
+        if len(self._ended) > 2 * self.keep_runs:
+            # Runs started and ended again and again leave stale entries: keep only those of runs still ended.
+            ended = ((r.ended_at, r.run_id) for r in self.runs.values() if r.ended and r.ended_at is not None)
+            self._ended = deque(sorted(ended))
 
     def _ranking(self, group: str, payload: bytes, retained: bool) -> None:
         if not payload:
@@ -360,8 +365,8 @@ def _why(e: BaseException) -> str:
 # --- rendering ------------------------------------------------------------------------------------------
 
 _COLOURS = {"abort": "bold red", "resample": "yellow", "continue": "green"}
-CHROME_LINES = 6
-"""Lines around the rows: the title, the table's header and rule, the footer and its spare line."""
+CHROME_LINES = 3
+"""Lines around the rows: the title, the table's header, the footer (each one line: cut, never wrapped)."""
 
 
 def age(seconds: float | None) -> str:
@@ -437,11 +442,11 @@ def render(
         cells.append(Text(f"[{ended}] {v.task}" if v.ended else v.task))
         table.add_row(*cells, style="dim" if v.ended else None)
     live = sum(not v.ended for v in board.runs.values())
-    title = Text(f"agent-monitor top  {source}  ", style="bold")
+    title = Text(f"agent-monitor top  {source}  ", style="bold", no_wrap=True, overflow="ellipsis")
     title.append(f"{live} live, {len(board.runs) - live} ended", style="")
     if connected is not None:
         title.append(f"  {connected}", style="bold red")
-    foot = Text(style="dim")
+    foot = Text(style="dim", no_wrap=True, overflow="ellipsis")
     more = len(board.runs) - len(shown)
     if more > 0:
         foot.append(f"+{more} more  ", style="bold")
