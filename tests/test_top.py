@@ -307,6 +307,19 @@ async def live_monitor(broker: Mosquitto) -> AsyncIterator[Callable[..., Any]]:
         yield publish
 
 
+async def top_once(url: str) -> tuple[int | None, str]:
+    """`agent-monitor top --once 1` to a pipe: its exit code, and its stdout (or stderr when it failed)."""
+    proc = await asyncio.create_subprocess_exec(
+        *[sys.executable, "-m", "agent_monitor", "top", "--broker", url, "--once", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        env=SIZELESS,
+    )
+    out, err = await proc.communicate()
+    return proc.returncode, (out if proc.returncode == 0 else err).decode()
+
+
 def top_command(broker: Mosquitto, *flags: str) -> list[str]:
     return [sys.executable, "-m", "agent_monitor", "top", "--broker", broker.url, *flags]
 
@@ -460,13 +473,22 @@ async def test_top_once_sees_the_retained_signals_of_runs_already_there(broker: 
         async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch") as c:
             await c.subscribe("agents/stuck/signal", qos=1)
             await asyncio.wait_for(anext(aiter(c.messages)), 20)  # the abort is out (and retained)
-        proc = await asyncio.create_subprocess_exec(
-            *top_command(broker, "--once", "1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=SIZELESS
-        )
-        out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    stuck = row(out.decode(), "stuck")
-    assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-1] == "-", out.decode()
+        returncode, out = await top_once(broker.url)
+    assert returncode == 0, out
+    stuck = row(out, "stuck")
+    assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-1] == "-", out
+
+
+async def test_top_reads_a_broker_that_speaks_only_mqtt_3_1_1() -> None:
+    from agent_monitor.daemon import EmbeddedBroker
+    from tests.brokers import free_port
+
+    async with EmbeddedBroker(port=free_port()) as b:  # amqtt: refuses v5, so top falls back to 3.1.1
+        async with aiomqtt.Client("127.0.0.1", b.port, protocol=aiomqtt.ProtocolVersion.V311) as c:
+            await c.publish("agents/old/signal", signal("old", "resample", 5, "regressed"), qos=1, retain=True)
+        returncode, out = await top_once(b.url)
+    assert returncode == 0, out
+    assert row(out, "old")[2:] == ["5", "resample", "regressed", "-"], out.decode()
 
 
 def test_top_says_what_to_check_when_the_broker_is_not_there(tmp_path: Path) -> None:
