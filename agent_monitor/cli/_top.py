@@ -28,13 +28,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Literal
 
-import aiomqtt
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from ..wire import MAX_LABEL_VALUE_CHARS, MAX_PAYLOAD_BYTES, BrokerSettings, ProgressOut, RunEnd, SignalOut, TopicError
 from ..wire import check_run_id as _check_run_id
 
 if TYPE_CHECKING:
+    import aiomqtt
     from rich.console import Console, RenderableType
     from rich.live import Live
 
@@ -470,6 +470,8 @@ class TopError(Exception):
 
 async def _connect(broker: BrokerSettings, filters: list[tuple[str, int]]) -> aiomqtt.Client:
     """A clean-session connection with a random client id (v5, or 3.1.1 where refused), subscribed; else TopError."""
+    import aiomqtt  # here: every command's start-up (and --help) imports this module for TopOptions
+
     client_id = f"agent-monitor-top-{secrets.token_hex(4)}"
     last: Exception | None = None
     for version in (aiomqtt.ProtocolVersion.V5, aiomqtt.ProtocolVersion.V311):
@@ -571,6 +573,8 @@ class Top:
 
     async def _receive(self, first: aiomqtt.Client) -> None:
         """Feed the board; on a lost connection, say so in the title and reconnect with backoff."""
+        import aiomqtt
+
         client: aiomqtt.Client | None = first
         backoff = 0.5
         while True:
