@@ -26,6 +26,7 @@ from ..recorded import RecordedRunError, iter_recorded
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
 from ._flags import FlagError, HelpFormatter, add_flags, build, given
+from ._top import TopOptions
 
 if TYPE_CHECKING:
     from ..daemon import SqliteStore
@@ -249,6 +250,23 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
     )
+
+    tp = _command(
+        sub,
+        "top",
+        "a live table of every run on the broker: score, uncertainty, step, signal, cost",
+        "A read-only subscriber of the monitors' progress, signal, start and end topics (random client id, clean "
+        "session): any broker, any number of monitor replicas. q or Ctrl-C quits.",
+    )
+    add_flags(
+        tp,
+        BrokerOptions,
+        environ,
+        only=["broker", "broker_username", "broker_password", "tls_ca", "tls_cert", "tls_key"],
+        title="MQTT broker (where the monitors publish)",
+    )
+    add_flags(tp, MonitorConfig, environ, only=["prefix"], title="topics (the monitors' --topic-prefix)")
+    add_flags(tp, TopOptions, environ, title="view")
 
     demo = _command(
         sub,
@@ -741,6 +759,20 @@ def _schemas(args: argparse.Namespace) -> int:
     return 0
 
 
+def _top(args: argparse.Namespace) -> int:
+    from ..wire import Topics
+    from ._top import TopError, top
+
+    broker = build(BrokerOptions, args).settings()
+    options = build(TopOptions, args)
+    prefix = Topics(args.prefix).prefix  # a prefix that is not a topic is one line now, not a refused subscription
+    try:
+        asyncio.run(top(broker, prefix, options))
+    except TopError as e:
+        return _fail(str(e))
+    return 0
+
+
 class _Stderr:
     """Whatever sys.stderr is when a line is written (it may be swapped after logging is configured)."""
 
@@ -807,6 +839,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             from ._replay import replay_cli
 
             return replay_cli(args)
+        if args.command == "top":
+            return _top(args)
         if args.command == "schemas":
             return _schemas(args)
         if args.command == "runs":
