@@ -47,7 +47,7 @@ async def main(out: Path) -> None:
         Monitor(config, judge=FakeJudge(answer), registry=registry, sinks=[board]) as monitor,
     ):
         await feed(monitor, end=("robot-pick-place-3",))
-        async with Browser(1280, 760) as browser:
+        async with Browser(1280, 660) as browser:
             await browser.navigate(web.url)
             await browser.wait_for(f"document.querySelectorAll('.card').length === {len(RUNS)}")
             await asyncio.sleep(0.5)  # the score bars' width transition

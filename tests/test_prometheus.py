@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon import HttpServer, MetricsSettings, Monitor, MonitorConfig
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -171,15 +171,9 @@ def prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
 
 @asynccontextmanager
 async def served(monitor: Monitor) -> AsyncIterator[str]:
-    """Run the monitor and serve its registry on a free port; yields the scrape target."""
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=monitor.registry)
-    try:
-        async with monitor:
-            yield f"127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    """Run the monitor and serve its registry on a free port, as `serve` does; yields the scrape target."""
+    async with HttpServer(monitor.registry, port=0) as web, monitor:
+        yield f"127.0.0.1:{web.port}"
 
 
 async def until(what: str, check: Callable[[], Awaitable[bool]], wait_s: float = 30.0) -> None:

@@ -397,7 +397,9 @@ async def run_demo(
                 sinks=[board] if board else [],
             ),
         ):
-            console.print(f"broker {broker.url}   {metrics}   {len(runs)} runs replayed live over MQTT")
+            console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
+            # Its own line: a console of 130 columns would wrap the URLs.
+            console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
                 publisher = tg.create_task(
