@@ -86,7 +86,7 @@ async def test_the_board_shows_live_runs_and_a_new_score_without_a_reload(broker
                     assert await browser.evaluate(card("climbing", "step")) == "step 3"
                     assert await browser.evaluate("window.sameDocument") is True
                     first = "[...document.querySelectorAll('.card')][0].dataset.run"
-                    assert await browser.evaluate(first) == "climbing"  # most recently active first
+                    await browser.wait_for(f"{first} === 'climbing'")  # most recently active first
 
                     # A new run appears, and an ended run says so, both live.
                     late = client.start_run("late", task="joined later")
@@ -108,3 +108,29 @@ async def test_the_board_shows_live_runs_and_a_new_score_without_a_reload(broker
         finally:
             await asyncio.to_thread(client.close)
         assert monitor.scorings >= 7
+
+
+async def test_a_browser_turned_away_at_the_cap_connects_once_a_place_is_free() -> None:
+    """EventSource gives up on a 503; the page tries again by itself and shows the runs once it gets in."""
+    from agent_monitor.daemon import BoardSettings
+    from tests.test_board import EventStream
+
+    registry = CollectorRegistry()
+    board = Board(BoardSettings(max_clients=1), registry=registry)
+    async with (
+        HttpServer(registry, board=board, port=0) as web,
+        Monitor(MonitorConfig(), judge=FakeJudge(), registry=registry, sinks=[board]) as monitor,
+    ):
+        await monitor.handle("agents/r1/start", json.dumps({"task": "t"}).encode())
+        await monitor.handle("agents/r1/step", json.dumps({"index": 1, "text": "one"}).encode())
+        await asyncio.wait_for(monitor.drain(), 10)
+        taken = await EventStream.open(web.port)  # the one place
+        async with Browser() as browser:
+            await browser.navigate(web.url)
+            await browser.wait_for("document.getElementById('status-text').textContent === 'reconnecting'")
+            assert await browser.evaluate("document.querySelectorAll('.card').length") == 0
+            taken.close()
+            await browser.wait_for("document.getElementById('status-text').textContent === 'live'")
+            await browser.wait_for("document.querySelectorAll('.card').length === 1")
+        rejected = registry.get_sample_value("agent_monitor_board_clients_dropped_total", {"reason": "full"})
+        assert rejected is not None and rejected >= 1
