@@ -265,7 +265,7 @@ async def test_a_failed_scoring_keeps_the_last_score_and_says_why() -> None:
         (run,) = s.board.snapshot()["runs"]
     assert run["ok"] is False and run["failure"] == "timeout" and "did not answer" in run["error"]
     assert run["score"] == pytest.approx(10 / 19) and run["step"] == 2
-    assert run["curve"] == [[1, pytest.approx(10 / 19), 0.0], [2, None, None]]
+    assert run["curve"] == [(1, pytest.approx(10 / 19), 0.0), (2, None, None)]  # a gap in the curve
 
 
 async def test_only_the_most_recently_active_runs_are_kept_and_the_rest_counted() -> None:

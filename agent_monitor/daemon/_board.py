@@ -174,7 +174,7 @@ class _Run:
             "ended_at": self.ended_at,
         }
         if curve:
-            data["curve"] = [list(pt) for pt in self.curve]
+            data["curve"] = list(self.curve)  # (step, score, uncertainty) tuples: JSON arrays
         return data
 
 
@@ -368,10 +368,11 @@ class Board:
     def _counts(self) -> dict[str, int]:
         return {"live": self._live, "hidden": self.hidden}
 
-    def subscribe(self, on_drop: Callable[[], object]) -> tuple[BoardClient, bytes] | None:
-        """A new browser's queue and its snapshot event, or None when --board-clients are already connected.
+    def subscribe(self, on_drop: Callable[[], object]) -> tuple[BoardClient, dict[str, Any]] | None:
+        """A new browser's queue and the snapshot to send it first, or None when --board-clients are connected.
 
-        The snapshot is taken when the queue starts, so the browser misses nothing between the two.
+        The snapshot is taken when the queue starts, so the browser misses nothing between the two. It is
+        a copy (encode it anywhere, e.g. in a worker thread: a full board is a megabyte of JSON).
         """
         if len(self._clients) >= self.settings.max_clients:
             self._dropped.labels("full").inc()
@@ -379,7 +380,7 @@ class Board:
         client = BoardClient(self.settings.client_queue, on_drop)
         self._clients.add(client)
         self._clients_gauge.set(len(self._clients))
-        return client, sse("snapshot", self.snapshot())
+        return client, self.snapshot()
 
     def unsubscribe(self, client: BoardClient) -> None:
         """Forget a browser that went away."""

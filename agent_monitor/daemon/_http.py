@@ -34,7 +34,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from ._board import Board, BoardClient
+from ._board import Board, BoardClient, sse
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -219,7 +219,7 @@ class HttpServer:
                 head=head,
             )
         elif path == "/api/runs":
-            body = json.dumps(self.board.snapshot(), separators=(",", ":"), allow_nan=False).encode()
+            body = await asyncio.to_thread(_json, self.board.snapshot())
             await self._respond(writer, HTTPStatus.OK, body, "application/json", head=head)
         elif path == "/events":
             await self._events(self.board, reader, writer, head)
@@ -305,8 +305,10 @@ class HttpServer:
                 f"{board.settings.max_clients} browsers already follow the board (--board-clients); retry later",
                 {"Retry-After": "10"},
             )
-        client, snapshot = joined
+        client, snap = joined
         try:
+            # A full board is a megabyte of JSON (tens of milliseconds): encoded off the loop.
+            snapshot = await asyncio.to_thread(sse, "snapshot", snap)
             fields = {**_COMMON, "Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no"}
             # retry: how long a browser's EventSource waits before reconnecting (to a fresh snapshot).
             writer.write(_status_line(HTTPStatus.OK) + _fields(fields) + b"retry: 2000\n\n" + snapshot)
@@ -331,6 +333,10 @@ class HttpServer:
                 pass  # a browser sends nothing after its request; anything it does send is read and ignored
         gone.set()
         client.drop()
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 def _status_line(status: HTTPStatus) -> bytes:
