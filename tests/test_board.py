@@ -484,3 +484,30 @@ async def test_connections_beyond_the_cap_are_closed_unanswered() -> None:
             w.close()
         await asyncio.wait_for(_until(lambda: s.web._open == 0), 15)
         assert (await get(s.web.port, "/api/runs")).status == 200
+
+
+async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
+    """A response bigger than the socket buffers, never read: the connection is closed after write_timeout_s."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    class Big:
+        def collect(self) -> Any:
+            g = GaugeMetricFamily("big", "a big exposition", labels=["i"])
+            for i in range(60_000):
+                g.add_metric([f"{i:0>60}"], i)
+            yield g
+
+    registry = CollectorRegistry()
+    registry.register(Big())  # type: ignore[arg-type]
+    async with HttpServer(registry, port=0, write_timeout_s=0.5) as web:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", web.port))
+            await loop.sock_sendall(sock, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(_until(lambda: web._open == 1), 10)
+            await asyncio.wait_for(_until(lambda: web._open == 0), 30)  # let go, though nothing was read
+        finally:
+            sock.close()

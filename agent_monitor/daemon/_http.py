@@ -86,7 +86,8 @@ class HttpServer:
     ```
     Entering binds the port (raising OSError when it is taken) and starts the named task `board-prune`;
     leaving stops listening, drops the board's browsers and closes every connection. `port=0` binds a
-    free port (`server.port` says which).
+    free port (`server.port` says which). A request head must arrive within `request_timeout_s`, a
+    response be read within `write_timeout_s`; at most `max_connections` are open at once.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class HttpServer:
         port: int = 9464,
         max_connections: int = 64,
         request_timeout_s: float = 10.0,
+        write_timeout_s: float = 30.0,
     ) -> None:
         self.registry = registry
         self.board = board
@@ -105,6 +107,7 @@ class HttpServer:
         self.port = port
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._page, self._csp = _page() if board is not None else (b"", "")
         self._server: asyncio.Server | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -186,8 +189,8 @@ class HttpServer:
                 await self._respond(
                     writer, e.status, e.message.encode() + b"\n", "text/plain; charset=utf-8", e.headers
                 )
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the client went away, or did not read its response within write_timeout_s
         except Exception:
             # A bug in answering one request must not end the server (a TaskGroup child that raises would).
             log.exception("http_request_failed")
@@ -274,7 +277,9 @@ class HttpServer:
         writer.write(_status_line(status) + _fields(fields))
         if not head:
             writer.write(body)
-        await writer.drain()
+        # A client that does not read its response does not keep its connection (one of max_connections) for ever.
+        async with asyncio.timeout(self.write_timeout_s):
+            await writer.drain()
 
     async def _metrics(self, writer: asyncio.StreamWriter, headers: Mapping[str, str], head: bool) -> None:
         encoder, content_type = choose_encoder(headers.get("accept", ""))
