@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import hashlib
 import json
+import math
 import re
 import socket
 from collections.abc import AsyncIterator
@@ -511,3 +512,16 @@ async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
             await asyncio.wait_for(_until(lambda: web._open == 0), 30)  # let go, though nothing was read
         finally:
             sock.close()
+
+
+def test_numbers_json_cannot_carry_become_null() -> None:
+    """A score's NaN or infinite figure must not make the board's event unencodable (the sink would fail)."""
+    from agent_monitor.daemon import Scored
+    from agent_monitor.progress import Progress
+
+    board = Board()
+    p = Progress(step=1, score=0.5, uncertainty=math.nan, criteria={}, ok=True, mass=math.inf, spread=math.nan)
+    board(Scored("r", p, p.to_json(), (), 0.0))
+    (run,) = json.loads(json.dumps(board.snapshot(), allow_nan=False))["runs"]
+    assert run["score"] == 0.5 and run["uncertainty"] is None and run["mass"] is None and run["spread"] is None
+    assert run["curve"] == [[1, 0.5, None]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -97,6 +98,11 @@ class BoardSettings:
             )
 
 
+def _finite(x: float | None) -> float | None:
+    """A number JSON can carry: NaN and infinities become None (as in the progress message)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 def _cut(text: str | None, n: int = TEXT_CHARS) -> str | None:
     if text is None:
         return None
@@ -132,10 +138,11 @@ class _Run:
     def score_with(self, p: Progress, at: float) -> tuple[int, float | None, float | None]:
         self.updated = at
         self.step = max(self.step, p.step)
-        self.ok, self.mass = p.ok, p.mass
+        score, uncertainty = _finite(p.score), _finite(p.uncertainty)
+        self.ok, self.mass = p.ok, _finite(p.mass)
         if p.ok:
             # The curve and the big number keep the last good score through a failed scoring (as the gauges do).
-            self.score, self.uncertainty, self.spread = p.score, p.uncertainty, p.spread
+            self.score, self.uncertainty, self.spread = score, uncertainty, _finite(p.spread)
             self.failure = self.error = None
         else:
             self.failure, self.error = p.reason, _cut(p.error)
@@ -145,7 +152,7 @@ class _Run:
                 _cut(p.signal.reason) or "",
                 p.signal.step,
             )
-        point = (p.step, p.score, p.uncertainty)
+        point = (p.step, score, uncertainty)
         while self.curve and self.curve[-1][0] >= p.step:
             self.curve.pop()  # a step scored again (after a judge outage): its newest score stands
         self.curve.append(point)
