@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon import HttpServer, MetricsSettings, Monitor, MonitorConfig
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -171,15 +171,9 @@ def prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
 
 @asynccontextmanager
 async def served(monitor: Monitor) -> AsyncIterator[str]:
-    """Run the monitor and serve its registry on a free port; yields the scrape target."""
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=monitor.registry)
-    try:
-        async with monitor:
-            yield f"127.0.0.1:{server.server_port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    """Run the monitor and serve its registry on a free port, as `serve` does; yields the scrape target."""
+    async with HttpServer(monitor.registry, port=0) as web, monitor:
+        yield f"127.0.0.1:{web.port}"
 
 
 async def until(what: str, check: Callable[[], Awaitable[bool]], wait_s: float = 30.0) -> None:
@@ -301,6 +295,9 @@ async def test_dashboard_and_alert_queries_on_a_real_prometheus(tmp_path: Path) 
             # alpha 0.2: a family is calibrated after ceil(1/0.2) - 1 = CALIBRATING successful runs, so the
             # threshold panel has data.
             policy=Policy(abort_below=0.2, min_steps=1, patience=1, alpha=0.2),
+            # Prices: the Cost row's panels query the cost series, which a monitor without prices has not.
+            price_input=2.5,
+            price_output=10.0,
             max_concurrency=4,
             metrics=MetricsSettings(grace_s=GRACE_S),
         ),

@@ -36,7 +36,8 @@ PUBLIC = {
         "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
     ],
     "agent_monitor.daemon": [
-        "Accepted", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker", "MemoryStore",
+        "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
+        "HttpServer", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
         "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir",

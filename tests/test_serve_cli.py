@@ -318,7 +318,8 @@ def test_metrics_served_while_serving(broker: Mosquitto) -> None:
         with serve(
             "--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port)
         ) as proc:
-            wait_serving(proc)
+            lines = wait_serving(proc)
+            assert lines[-1].rstrip().endswith(f"; board http://127.0.0.1:{port}/"), lines[-1]
             wait_port(port)
             pub(broker.port, "agents/m/start", '{"task": "t"}')
             pub(broker.port, "agents/m/step", '{"text": "x"}')
@@ -329,6 +330,29 @@ def test_metrics_served_while_serving(broker: Mosquitto) -> None:
                 time.sleep(0.1)
             assert 'agent_monitor_scorings_total{outcome="ok"} 1.0' in text
             assert "agent_monitor_runs_active 1.0" in text
+            # The same port serves the web board and its snapshot.
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/").read().decode()
+            assert "<title>agent-monitor board</title>" in page
+            runs = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/api/runs").read())
+            assert [(r["run_id"], r["step"], r["task"]) for r in runs["runs"]] == [("m", 1, "t")]
+
+
+def test_no_board_leaves_only_metrics_on_the_port(broker: Mosquitto) -> None:
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    with scripted_server() as judge:
+        judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
+        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port))
+        with serve(*args, "--no-board") as proc:
+            lines = wait_serving(proc)
+            assert lines[-1].rstrip().endswith(f"; metrics http://127.0.0.1:{port}/metrics"), lines[-1]
+            wait_port(port)
+            assert b"agent_monitor_runs_active" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/")
+            assert e.value.code == 404
 
 
 def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:

@@ -316,13 +316,13 @@ async def run_demo(
     few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
     monitor and /metrics up after the runs end, until Ctrl-C.
     """
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
     from rich.console import Console
     from rich.console import Group as RichGroup
     from rich.live import Live
     from rich.text import Text
 
-    from ..daemon import EmbeddedBroker, Monitor, MonitorConfig, SqliteStore
+    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, SqliteStore
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -361,14 +361,15 @@ async def run_demo(
         console.print(f"judge ~{latency:.1f} s for a first, cold call; {how}")
     registry = CollectorRegistry()
     port = _free_port()
-    metrics_at, server, thread = metrics_port, None, None
-    if metrics_port:  # 0 turns /metrics off, as for serve
+    board = Board(registry=registry) if metrics_port else None  # 0 turns /metrics off, as for serve
+    served = contextlib.AsyncExitStack()
+    web = None
+    if board is not None:
         try:
-            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
+            web = await served.enter_async_context(HttpServer(registry, board=board, port=metrics_port))
         except OSError:  # taken (a serve running?): any free port, shown below
-            metrics_at = _free_port()
-            server, thread = start_http_server(metrics_at, addr="127.0.0.1", registry=registry)
-    metrics = f"metrics http://127.0.0.1:{metrics_at}/metrics" if server else "metrics off"
+            web = await served.enter_async_context(HttpServer(registry, board=board, port=0))
+    metrics = f"board {web.url}   metrics {web.url}metrics" if web else "metrics off"
     policy = Policy(abort_below=0.15, min_steps=3, patience=2, max_uncertainty=0.5)
     # The demo's runs are journaled as serve's are, but in a store of its own that goes with it: never the
     # default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore them.
@@ -393,9 +394,12 @@ async def run_demo(
                 judge=judge,
                 registry=registry,
                 store=store,
+                sinks=[board] if board else [],
             ),
         ):
-            console.print(f"broker {broker.url}   {metrics}   {len(runs)} runs replayed live over MQTT")
+            console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
+            # Its own line: a console of 130 columns would wrap the URLs.
+            console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
                 publisher = tg.create_task(
@@ -427,9 +431,7 @@ async def run_demo(
                         await asyncio.Event().wait()
                 watcher.cancel()
     finally:
-        if server is not None and thread is not None:
-            server.shutdown()
-            thread.join(5)
+        await served.aclose()
         await store.aclose()
         state.cleanup()
     return png

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..criteria import CriteriaError, load_criteria
+from ..daemon import BoardSettings
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
@@ -95,6 +96,9 @@ class ServeOptions:
     metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port, 0 to disable"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address /metrics binds to"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    board: BoardSettings = field(
+        default_factory=BoardSettings, metadata={"help": "web board (at / of the metrics port)"}
+    )
 
 
 def build_judge(options: JudgeOptions) -> BaseJudge:
@@ -415,9 +419,9 @@ async def _serve(args: argparse.Namespace) -> int:
     import signal
 
     import structlog
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
 
-    from ..daemon import BrokerUnavailable, Monitor, MonitorConfig
+    from ..daemon import Board, BrokerUnavailable, HttpServer, Monitor, MonitorConfig
 
     if not args.judge:
         return _fail(_NO_JUDGE)
@@ -448,24 +452,27 @@ async def _serve(args: argparse.Namespace) -> int:
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
+        board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
         try:
-            monitor = Monitor(config, judge=judge, store=store, registry=registry)
+            monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=[board] if board else [])
         except ImportError as e:  # --otlp-endpoint without the otel extra: the message names it
             return _fail(str(e))
+        web = None
         if serve.metrics_port:
+            web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
             try:
-                server, thread = start_http_server(serve.metrics_port, addr=serve.metrics_host, registry=registry)
+                await stack.enter_async_context(web)
             except OSError as e:
                 return _fail(
                     f"cannot serve /metrics on {serve.metrics_host}:{serve.metrics_port}: {e}; pass --metrics-port"
                 )
-            stack.callback(thread.join, 5)
-            stack.callback(server.shutdown)
-            log.info("metrics_serving", url=f"http://{serve.metrics_host}:{serve.metrics_port}/metrics")
+            log.info("metrics_serving", url=f"{web.url}metrics", board=web.url if board else None)
         try:
             await stack.enter_async_context(monitor)
         except BrokerUnavailable as e:
             return _fail(str(e))
+        if board is not None:
+            board.restore((monitor.run(r) for r in monitor.restored), live=monitor.status()["live_runs"])
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         assert task is not None
@@ -477,7 +484,8 @@ async def _serve(args: argparse.Namespace) -> int:
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
-            f"run store {store.path if store else 'off (in memory)'}",
+            f"run store {store.path if store else 'off (in memory)'}"
+            + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -1,12 +1,14 @@
-"""The monitor daemon: Monitor and its settings, the run store, metrics, sinks, and the embedded broker.
+"""The monitor daemon: Monitor and its settings, the run store, metrics, sinks, the web board and the embedded broker.
 
 `Monitor(config, judge=...)` follows every run on an MQTT broker (or fed with `handle()`),
 scores each new prefix and publishes progress and signals. This package imports `wire/` and
 the top level of `agent_monitor`, never `cli/`.
 """
 
+from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._config import MetricsSettings, MonitorConfig, Protocol
+from ._http import HttpServer
 from ._monitor import Monitor, RunView, StepView
 from ._mqtt import BrokerUnavailable
 from ._sinks import (
@@ -25,10 +27,13 @@ from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError
 
 __all__ = [
     "Accepted",
+    "Board",
+    "BoardSettings",
     "BrokerStartError",
     "BrokerUnavailable",
     "Duplicated",
     "EmbeddedBroker",
+    "HttpServer",
     "MemoryStore",
     "MetricsSettings",
     "Monitor",

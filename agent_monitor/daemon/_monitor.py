@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -139,6 +139,8 @@ class RunView:
     curve: tuple[Progress, ...]
     ended: bool
     last_event: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """The start's labels (a copy)."""
 
 
 class Monitor:
@@ -357,6 +359,7 @@ class Monitor:
             curve=tuple(s.tracker.curve),
             ended=state.ended is not None,
             last_event=state.last_event,
+            labels=dict(s.labels),
         )
 
     def _criteria_of(self, run_id: str) -> tuple[str, ...]:

@@ -1,0 +1,355 @@
+"""The metrics port's HTTP server, on the event loop: /metrics, and the web board at / with its live updates.
+
+One small HTTP/1.0-style server on asyncio streams (no framework: four GET routes need none, and every
+bound is in plain sight). Paths:
+
+- `/metrics`: the registry's exposition (Prometheus text or OpenMetrics, as the scraper asks; gzip when
+  accepted), rendered in a worker thread (the collectors read copies of the run state);
+- `/`: the board, one static HTML file with its CSS and script inline (no external resources: it works
+  air-gapped), sent with a Content-Security-Policy that allows exactly that script and style;
+- `/events`: server-sent events, a snapshot of the board on connect, then one event per change;
+- `/api/runs`: the board's snapshot as JSON.
+
+Protections: only GET and HEAD; no request bodies; a request head of at most 8 KiB read within a
+deadline; a cap on connections and on board clients; each board client's queue bounded (a slow
+browser is dropped, never waited for: see `Board`); every response says `Connection: close`. Every
+connection is a task in the server's own TaskGroup; leaving the server closes them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import gzip
+import hashlib
+import importlib.resources
+import json
+import re
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any, Self
+
+import structlog
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from ._board import Board, BoardClient, sse
+
+log = structlog.get_logger("agent_monitor.daemon")
+
+MAX_HEAD_BYTES = 8 * 1024
+"""The largest request head (request line and headers) read; a bigger one is answered 431."""
+_GZIP_MIN_BYTES = 1024
+# Security headers on every response; the board page gets its own Content-Security-Policy (see _page).
+_COMMON = {
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "default-src 'none'; frame-ancestors 'none'",
+    "Connection": "close",
+}
+
+
+def _page() -> tuple[bytes, str]:
+    """The board page and its Content-Security-Policy: only its own inline script and style run."""
+    html = importlib.resources.files("agent_monitor.daemon").joinpath("board.html").read_bytes()
+    text = html.decode()
+
+    def hashes(tag: str) -> str:
+        found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in found)
+
+    csp = (
+        f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    return html, csp
+
+
+class _Refused(Exception):
+    """A request answered with an error status (and the connection closed)."""
+
+    def __init__(self, status: HTTPStatus, message: str, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+
+
+class HttpServer:
+    """Serve /metrics of `registry` and, with a `board`, the web board (/, /events, /api/runs) on host:port.
+
+    ```python
+    async with HttpServer(registry, board=board, host="127.0.0.1", port=9464) as server:
+        print(server.url)  # http://127.0.0.1:9464/
+    ```
+    Entering binds the port (raising OSError when it is taken) and starts the named task `board-prune`;
+    leaving stops listening, drops the board's browsers and closes every connection. `port=0` binds a
+    free port (`server.port` says which). A request head must arrive within `request_timeout_s`, a
+    response be read within `write_timeout_s`; at most `max_connections` are open at once.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        board: Board | None = None,
+        host: str = "127.0.0.1",
+        port: int = 9464,
+        max_connections: int = 64,
+        request_timeout_s: float = 10.0,
+        write_timeout_s: float = 30.0,
+    ) -> None:
+        self.registry = registry
+        self.board = board
+        self.host = host
+        self.port = port
+        self.max_connections = max_connections
+        self.request_timeout_s = request_timeout_s
+        self.write_timeout_s = write_timeout_s
+        self._page, self._csp = _page() if board is not None else (b"", "")
+        self._server: asyncio.Server | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._open = 0
+        self.refused = 0
+        """Connections closed unanswered because max_connections were open."""
+
+    @property
+    def url(self) -> str:
+        """The board's address (the metrics are at `url + "metrics"`)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/"
+
+    async def __aenter__(self) -> Self:
+        if self._stack is not None:
+            raise RuntimeError("the server is already running")
+        stack = contextlib.AsyncExitStack()
+        try:
+            self._tg = await stack.enter_async_context(asyncio.TaskGroup())
+            self._server = await asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD_BYTES)
+            self.port = self._server.sockets[0].getsockname()[1]
+            if self.board is not None:
+                self._spawn(self._prune(self.board), "board-prune")
+        except BaseException:
+            await self._close(stack)
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await self._close(stack)
+
+    async def _close(self, stack: contextlib.AsyncExitStack) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self.board is not None:
+            self.board.close()
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stack.aclose()  # the TaskGroup awaits every connection
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        self._tg = None
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        assert self._tg is not None
+        task = self._tg.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A new connection becomes a task in the server's TaskGroup (or is closed when too many are open)."""
+        if self._tg is None or self._open >= self.max_connections:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        self._open += 1
+        self._spawn(self._connection(reader, writer), "http-connection")
+
+    async def _prune(self, board: Board) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                board.prune()
+            except Exception:
+                log.exception("board_prune_failed")
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._serve_one(reader, writer)
+        except _Refused as e:
+            with contextlib.suppress(ConnectionError):
+                await self._respond(
+                    writer, e.status, e.message.encode() + b"\n", "text/plain; charset=utf-8", e.headers
+                )
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the client went away, or did not read its response within write_timeout_s
+        except Exception:
+            # A bug in answering one request must not end the server (a TaskGroup child that raises would).
+            log.exception("http_request_failed")
+        finally:
+            self._open -= 1
+            writer.close()
+            try:
+                # What was written goes out first; a peer that reads nothing more is not waited for long.
+                async with asyncio.timeout(5):
+                    await writer.wait_closed()
+            except (TimeoutError, ConnectionError):
+                writer.transport.abort()
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method, path, headers = await self._read_head(reader)
+        head = method == "HEAD"
+        if path == "/metrics":
+            await self._metrics(writer, headers, head)
+            return
+        if self.board is None:
+            raise _Refused(HTTPStatus.NOT_FOUND, f"no {path} here: the board is off (serve --no-board); see /metrics")
+        if path in ("/", "/index.html"):
+            await self._respond(
+                writer,
+                HTTPStatus.OK,
+                self._page,
+                "text/html; charset=utf-8",
+                {"Content-Security-Policy": self._csp, "X-Frame-Options": "DENY"},
+                head=head,
+            )
+        elif path == "/api/runs":
+            body = await asyncio.to_thread(_json, self.board.snapshot())
+            await self._respond(writer, HTTPStatus.OK, body, "application/json", head=head)
+        elif path == "/events":
+            await self._events(self.board, reader, writer, head)
+        else:
+            raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here: the board is at /, metrics at /metrics")
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
+        """The request's method, path and headers (lower-case names); raises _Refused for anything else."""
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                raw = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            raise _Refused(
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, f"request head over {MAX_HEAD_BYTES} bytes"
+            ) from None
+        except TimeoutError:
+            raise _Refused(HTTPStatus.REQUEST_TIMEOUT, f"no request within {self.request_timeout_s:g} s") from None
+        lines = raw.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _Refused(HTTPStatus.BAD_REQUEST, "not an HTTP/1.x request line")
+        method, target, _ = parts
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if not line:
+                continue
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise _Refused(HTTPStatus.BAD_REQUEST, "a malformed header line")
+            headers[name.lower()] = value.strip()
+        if method not in ("GET", "HEAD"):
+            raise _Refused(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                f"{method[:20]} is not allowed here: use GET or HEAD",
+                {"Allow": "GET, HEAD"},
+            )
+        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+            raise _Refused(HTTPStatus(413), "requests here have no body")
+        return method, target.split("?", 1)[0], headers
+
+    async def _respond(
+        self,
+        writer: asyncio.StreamWriter,
+        status: HTTPStatus,
+        body: bytes,
+        content_type: str,
+        headers: Mapping[str, str] | None = None,
+        *,
+        head: bool = False,
+    ) -> None:
+        fields = {**_COMMON, "Content-Type": content_type, "Content-Length": str(len(body)), **(headers or {})}
+        writer.write(_status_line(status) + _fields(fields))
+        if not head:
+            writer.write(body)
+        # A client that does not read its response does not keep its connection (one of max_connections) for ever.
+        async with asyncio.timeout(self.write_timeout_s):
+            await writer.drain()
+
+    async def _metrics(self, writer: asyncio.StreamWriter, headers: Mapping[str, str], head: bool) -> None:
+        encoder, content_type = choose_encoder(headers.get("accept", ""))
+        zipped = "gzip" in headers.get("accept-encoding", "")
+
+        def render() -> tuple[bytes, bool]:
+            body = encoder(self.registry)
+            if zipped and len(body) >= _GZIP_MIN_BYTES:
+                return gzip.compress(body, compresslevel=6), True
+            return body, False
+
+        # Off the loop: a big registry takes milliseconds to render, and scoring must not wait for a scrape.
+        body, gzipped = await asyncio.to_thread(render)
+        extra = {"Content-Encoding": "gzip", "Vary": "Accept-Encoding"} if gzipped else {}
+        await self._respond(writer, HTTPStatus.OK, body, content_type, extra, head=head)
+
+    async def _events(
+        self, board: Board, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bool
+    ) -> None:
+        """Server-sent events: the snapshot, then the board's updates, keep-alive comments while idle."""
+        if head:
+            await self._respond(writer, HTTPStatus.OK, b"", "text/event-stream; charset=utf-8", head=True)
+            return
+        joined = board.subscribe(on_drop=writer.transport.abort)
+        if joined is None:
+            raise _Refused(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"{board.settings.max_clients} browsers already follow the board (--board-clients); retry later",
+                {"Retry-After": "10"},
+            )
+        client, snap = joined
+        try:
+            # A full board is a megabyte of JSON (tens of milliseconds): encoded off the loop.
+            snapshot = await asyncio.to_thread(sse, "snapshot", snap)
+            fields = {**_COMMON, "Content-Type": "text/event-stream; charset=utf-8", "X-Accel-Buffering": "no"}
+            # retry: how long a browser's EventSource waits before reconnecting (to a fresh snapshot).
+            writer.write(_status_line(HTTPStatus.OK) + _fields(fields) + b"retry: 2000\n\n" + snapshot)
+            await writer.drain()
+            gone = asyncio.Event()
+            self._spawn(self._watch_eof(reader, gone, client), "board-client-eof")
+            keepalive = board.settings.keepalive_s
+            while not client.dropped and not gone.is_set():
+                batch = await client.take(keepalive)
+                if client.dropped or gone.is_set() or writer.is_closing():
+                    break
+                writer.write(b"".join(batch) if batch else b": keep-alive\n\n")
+                await writer.drain()
+        finally:
+            board.unsubscribe(client)
+            client.drop()  # ends the EOF watcher's wait too
+
+    async def _watch_eof(self, reader: asyncio.StreamReader, gone: asyncio.Event, client: BoardClient) -> None:
+        """Notice a browser that closed its /events connection at once, not at the next keep-alive."""
+        with contextlib.suppress(ConnectionError):
+            while not client.dropped and await reader.read(1024):
+                pass  # a browser sends nothing after its request; anything it does send is read and ignored
+        gone.set()
+        client.drop()
+
+
+def _json(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _status_line(status: HTTPStatus) -> bytes:
+    return f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()
+
+
+def _fields(fields: Mapping[str, str]) -> bytes:
+    return "".join(f"{k}: {v}\r\n" for k, v in fields.items()).encode("latin-1") + b"\r\n"
+
+
+__all__ = ["MAX_HEAD_BYTES", "HttpServer"]
