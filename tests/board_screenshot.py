@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig
 from agent_monitor.policy import Policy
+from agent_monitor.progress import Usage
 from agent_monitor.testing import FakeJudge
 from tests.board_scenario import RUNS, answer
 from tests.chromium import Browser
@@ -41,10 +42,18 @@ async def feed(monitor: Monitor, runs: list[dict[str, object]] = RUNS, *, end: t
 async def main(out: Path) -> None:
     registry = CollectorRegistry()
     board = Board(registry=registry)
-    config = MonitorConfig(policy=Policy(abort_below=0.2, min_steps=3, patience=2))
+    # Prices and scripted token counts: each card shows what judging its run has cost so far.
+    config = MonitorConfig(
+        policy=Policy(abort_below=0.2, min_steps=3, patience=2),
+        price_input=0.15,
+        price_output=0.6,
+        price_cached_input=0.075,
+    )
     async with (
         HttpServer(registry, board=board, port=0) as web,
-        Monitor(config, judge=FakeJudge(answer), registry=registry, sinks=[board]) as monitor,
+        Monitor(
+            config, judge=FakeJudge(answer, usage=Usage(2400, 2000, 1)), registry=registry, sinks=[board]
+        ) as monitor,
     ):
         await feed(monitor, end=("robot-pick-place-3",))
         async with Browser(1280, 660) as browser:

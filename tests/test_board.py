@@ -29,6 +29,7 @@ from agent_monitor.daemon import Board, BoardSettings, HttpServer, MemoryStore, 
 from agent_monitor.daemon._board import TASK_CHARS
 from agent_monitor.daemon._http import MAX_HEAD_BYTES
 from agent_monitor.policy import Policy
+from agent_monitor.progress import Usage
 from agent_monitor.testing import FakeJudge
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,12 +68,17 @@ class Served:
 
 @asynccontextmanager
 async def served(
-    settings: BoardSettings | None = None, *, policy: Policy | None = None, judge: FakeJudge | None = None, **kw: Any
+    settings: BoardSettings | None = None,
+    *,
+    policy: Policy | None = None,
+    judge: FakeJudge | None = None,
+    config: MonitorConfig | None = None,
+    **kw: Any,
 ) -> AsyncIterator[Served]:
     clock = Clock()
     registry = CollectorRegistry()
     board = Board(settings, registry=registry, clock=clock)
-    config = MonitorConfig(policy=policy or Policy())
+    config = config or MonitorConfig(policy=policy or Policy())
     monitor = Monitor(config, judge=judge or FakeJudge(), registry=registry, sinks=[board], clock=clock)
     async with HttpServer(registry, board=board, port=0, **kw) as web, monitor:
         yield Served(monitor, board, web, registry, clock)
@@ -255,6 +261,25 @@ async def test_snapshot_keeps_the_newest_points_task_cut_labels_signal_and_reaso
     assert fine["step"] == 5 and fine["signal"] == "continue" and fine["outcome"] is None
     assert doomed["signal"] == "abort" and doomed["signal_step"] == 1
     assert doomed["signal_reason"] == "score below 0.2 for 1 scored steps"
+
+
+async def test_each_run_shows_its_running_judge_tokens_and_cost() -> None:
+    judge = FakeJudge(usage=Usage(1000, 400, 1))
+    config = MonitorConfig(price_input=2.5, price_output=10.0, price_cached_input=1.25)
+    async with served(judge=judge, config=config) as s:
+        await s.start("r")
+        for i in (1, 2, 3):
+            await s.step("r", i)
+        (run,) = s.board.snapshot()["runs"]
+        sse = await EventStream.open(s.web.port)
+        try:
+            (snap_run,) = (await sse.until("snapshot"))["runs"]
+        finally:
+            sse.close()
+    assert run["tokens"] == {"input": 3000, "cached_input": 1200, "output": 3}
+    # 1,800 fresh input at 2.5, 1,200 cached at 1.25, 3 output at 10 per million tokens.
+    assert run["cost"] == (1800 * 2.5 + 1200 * 1.25 + 3 * 10.0) / 1e6
+    assert snap_run["tokens"] == run["tokens"] and snap_run["cost"] == run["cost"]
 
 
 async def test_a_failed_scoring_keeps_the_last_score_and_says_why() -> None:

@@ -131,6 +131,10 @@ class _Run:
     signal: str = "continue"
     signal_reason: str = ""
     signal_step: int | None = None
+    tokens: tuple[int, int, int] = (0, 0, 0)
+    """The run's judge tokens so far (input, cached input, output): the newest result's running totals."""
+    cost: float | None = None
+    """What they cost in USD (None: the monitor has no prices)."""
     outcome: str | None = None
     """How the run ended (success, failure, expired, ...); None while it is live."""
     ended_at: float | None = None
@@ -140,6 +144,8 @@ class _Run:
         self.step = max(self.step, p.step)
         score, uncertainty = _finite(p.score), _finite(p.uncertainty)
         self.ok, self.mass = p.ok, _finite(p.mass)
+        t = p.totals
+        self.tokens, self.cost = (t.input_tokens, t.cached_input_tokens, t.output_tokens), _finite(p.cost)
         if p.ok:
             # The curve and the big number keep the last good score through a failed scoring (as the gauges do).
             self.score, self.uncertainty, self.spread = score, uncertainty, _finite(p.spread)
@@ -171,6 +177,8 @@ class _Run:
             "uncertainty": self.uncertainty,
             "spread": self.spread,
             "mass": self.mass,
+            "tokens": {"input": self.tokens[0], "cached_input": self.tokens[1], "output": self.tokens[2]},
+            "cost": self.cost,
             "ok": self.ok,
             "failure": self.failure,
             "error": self.error,
