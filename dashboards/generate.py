@@ -520,6 +520,49 @@ def panels() -> list[dict[str, Any]]:
             description="Progress messages dropped because the outbox was full (signals are never dropped), and "
             "reconnections to the broker.",
         ),
+        timeseries(
+            "OpenTelemetry export (serve --otlp-endpoint)",
+            [
+                target(
+                    "A",
+                    f"sum by (instance) (rate(agent_monitor_otlp_exported_events_total{{{INST}}}[{RATE}]))",
+                    "exported {{instance}}",
+                ),
+                target(
+                    "B",
+                    f"sum by (instance, reason) (rate(agent_monitor_otlp_dropped_events_total{{{INST}}}[{RATE}]))",
+                    "dropped ({{reason}}) {{instance}}",
+                ),
+                target(
+                    "C",
+                    f"sum by (instance) (rate(agent_monitor_otlp_export_failures_total{{{INST}}}[{RATE}]))",
+                    "failed requests {{instance}}",
+                ),
+                target("D", f"agent_monitor_otlp_queue_depth{{{INST}}}", "queued {{instance}}"),
+            ],
+            unit="ops",
+            w=12,
+            no_value="no OTLP endpoint",
+            description="gen_ai.evaluation.result events sent to the OTLP collector per second, events dropped (queue "
+            "full, export failed, still queued at shutdown), failed export requests, and the export queue. Empty "
+            "when no daemon has --otlp-endpoint.",
+        ),
+        timeseries(
+            "Web board browsers",
+            [
+                target("A", f"agent_monitor_board_clients{{{INST}}}", "following {{instance}}"),
+                target(
+                    "B",
+                    f"sum by (instance, reason) (increase(agent_monitor_board_clients_dropped_total{{{INST}}}[{RATE}]))",
+                    "dropped ({{reason}}) {{instance}}",
+                ),
+            ],
+            w=12,
+            no_value="board off",
+            description="Browsers following the live board (/events) now, and browsers let go: slow (fell behind "
+            "their queue; they reconnect to a fresh snapshot) or full (over --board-clients). Scoring never waits "
+            "for a browser.",
+        ),
     ]
 
 

@@ -24,9 +24,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.daemon import Board, Monitor, MonitorConfig
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
+from tests.brokers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = ROOT / "dashboards"
@@ -192,10 +193,18 @@ def letters(prompt: Any) -> str | Exception:
 
 async def exercised_monitor() -> str:
     """The exposition of a Monitor that has seen a bit of everything: labels, abort, resample, a judge error, bad input."""
+    registry = CollectorRegistry()
     mon = Monitor(
-        MonitorConfig(policy=Policy(abort_below=0.2, min_steps=1, patience=1), price_input=2.5, price_output=10.0),
+        MonitorConfig(
+            policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+            price_input=2.5,
+            price_output=10.0,
+            # Nothing listens there: the OTLP sink's series exist (and count the failures) all the same.
+            otlp_endpoint=f"http://127.0.0.1:{free_port()}",
+        ),
         judge=FakeJudge(letters, max_retries=0),
-        registry=CollectorRegistry(),
+        registry=registry,
+        sinks=[Board(registry=registry)],
     )
     async with mon:
         await mon.handle("agents/good/start", b'{"task": "a good task", "labels": {"group": "g1", "model": "m1"}}')
@@ -481,6 +490,23 @@ RULE_TESTS: list[dict[str, Any]] = [
             },
             # Five minutes after the last drop the alert resolves.
             {"eval_time": "10m", "alertname": "AgentMonitorOutboxDropping", "exp_alerts": []},
+        ],
+    },
+    {
+        "input_series": [
+            _series("agent_monitor_otlp_export_failures_total", "down:9464", "0+1x20"),
+            _series("agent_monitor_otlp_exported_events_total", "down:9464", "0x20"),
+            # A collector that fails now and then but still takes events is not down.
+            _series("agent_monitor_otlp_export_failures_total", "flaky:9464", "0+1x20"),
+            _series("agent_monitor_otlp_exported_events_total", "flaky:9464", "0+100x20"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "3m", "alertname": "AgentMonitorOtlpExportFailing", "exp_alerts": []},  # pending: for 5m
+            {
+                "eval_time": "8m",
+                "alertname": "AgentMonitorOtlpExportFailing",
+                "exp_alerts": _alerts("AgentMonitorOtlpExportFailing", "down:9464"),
+            },
         ],
     },
     {

@@ -37,7 +37,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import HttpServer, MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon import Board, HttpServer, MetricsSettings, Monitor, MonitorConfig
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -289,7 +289,13 @@ def instances(result: list[dict[str, Any]]) -> set[str]:
     return {r["metric"].get("instance", "") for r in result}
 
 
-async def test_dashboard_and_alert_queries_on_a_real_prometheus(tmp_path: Path) -> None:
+async def test_dashboard_and_alert_queries_on_a_real_prometheus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The OTLP exporter retries a refused connection until its timeout (10 s): 1 s makes the dead collector's
+    # failures (and so AgentMonitorOtlpExportFailing) show within the test.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "1")
+    registry = CollectorRegistry()
     a = Monitor(
         MonitorConfig(
             # alpha 0.2: a family is calibrated after ceil(1/0.2) - 1 = CALIBRATING successful runs, so the
@@ -300,9 +306,12 @@ async def test_dashboard_and_alert_queries_on_a_real_prometheus(tmp_path: Path) 
             price_output=10.0,
             max_concurrency=4,
             metrics=MetricsSettings(grace_s=GRACE_S),
+            # Nothing listens there: the OpenTelemetry panel's series exist and count the failures.
+            otlp_endpoint=f"http://127.0.0.1:{free_port()}",
         ),
         judge=CachingJudge(letters, latency_s=0.02, max_retries=0),
-        registry=CollectorRegistry(),
+        registry=registry,
+        sinks=[Board(registry=registry)],  # the board panel's series
     )
     b = Monitor(
         MonitorConfig(outbox_size=3, metrics=MetricsSettings(max_series=0, grace_s=GRACE_S)),
@@ -392,6 +401,7 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         "AgentMonitorBrokerDisconnected": {ta, tb},
         "AgentMonitorOutboxDropping": {tb},
         "AgentMonitorSeriesCapped": {tb},
+        "AgentMonitorOtlpExportFailing": {ta},
     }
     queries = dict(alert_queries())
     assert set(queries) == set(expected), "a new alert rule needs its expectation here"
