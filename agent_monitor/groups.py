@@ -21,8 +21,10 @@ API (stable; `agent_monitor.select` and `eval --groups` use it):
 
 - `GroupState(group, policy, max_runs=None)`: one group's memory.
 - `.join(run_id) -> GroupUpdate`: a run joins (idempotent; `GroupFull` past `max_runs`).
-- `.observe(run_id, step=, score=, uncertainty=, ok=) -> GroupUpdate` (or `.observe_progress(run_id, p)`):
-  fold one scoring of that run, in the run's step order; `update.prunes` lists the runs pruned now.
+- `.observe(run_id, step=, score=, uncertainty=, ok=, decide=True) -> GroupUpdate` (or
+  `.observe_progress(run_id, p)`): fold one scoring of that run, in the run's step order;
+  `update.prunes` lists the runs pruned now (`decide=False`: count, never prune; for rebuilding).
+- `.prune(run_id)`: mark a run pruned as decided before (a restart restoring its stored abort).
 - `.end(run_id, outcome=None) -> GroupUpdate`: the run ended (its rank stays, state "ended").
 - `.set_order(run_ids)`: a pairwise verdict on the order of some runs (e.g. the pivot tournament's),
   used as the tie-break among runs whose pointwise scores cannot be separated; cleared by `set_order(())`.
@@ -151,7 +153,13 @@ class GroupState:
         return ranked[0].run_id if ranked else None
 
     def join(self, run_id: str) -> GroupUpdate:
-        """A run joins the group (again: nothing changes); `GroupFull` when it has `max_runs` runs already."""
+        """A run joins the group (a live one again: nothing changes); `GroupFull` when it has `max_runs` runs already.
+
+        A run id that ended or was pruned and joins again is a new run under the same id: it starts afresh.
+        """
+        old = self._members.get(run_id)
+        if old is not None and old.state != "live":
+            self._members[run_id] = Member(run_id=run_id, order=old.order)
         if run_id not in self._members:
             if self.max_runs is not None and len(self._members) >= self.max_runs:
                 raise GroupFull(
@@ -161,14 +169,25 @@ class GroupState:
             self._members[run_id] = Member(run_id=run_id, order=len(self._members))
         return self._update()
 
-    def observe_progress(self, run_id: str, p: Progress) -> GroupUpdate:
+    def observe_progress(self, run_id: str, p: Progress, *, decide: bool = True) -> GroupUpdate:
         """Fold one of the run's results (see `observe`)."""
-        return self.observe(run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok)
+        return self.observe(run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok, decide=decide)
 
     def observe(
-        self, run_id: str, *, step: int, score: float | None, uncertainty: float | None = None, ok: bool = True
+        self,
+        run_id: str,
+        *,
+        step: int,
+        score: float | None,
+        uncertainty: float | None = None,
+        ok: bool = True,
+        decide: bool = True,
     ) -> GroupUpdate:
-        """Fold one scoring of a member run (in that run's step order) and decide whether it is pruned now."""
+        """Fold one scoring of a member run (in that run's step order) and decide whether it is pruned now.
+
+        `decide=False` (rebuilding a group after a restart) counts streaks but prunes nothing: a prune
+        is a decision taken once, live, and restored as it was (`prune`).
+        """
         m = self._member(run_id)
         if m.state != "live" or step <= m.last_step:
             # Final states stay; an older result (a slow concurrent scoring) does not move the group backwards.
@@ -192,7 +211,7 @@ class GroupState:
                 m.behind += 1
             else:
                 m.behind = 0
-            if kth is not None and m.behind >= pol.patience:
+            if decide and kth is not None and m.behind >= pol.patience:
                 m.state = "pruned"
                 leader = self.leader
                 reason = (

@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -26,14 +27,16 @@ from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy, with_levels
-from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
+from ..progress import OUTAGE_REASONS, Decision, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, Topics, decode_event
 from ._config import MonitorConfig
+from ._groups import GroupBook, GroupLimitError, GroupSeries
 from ._metrics import (
     CalibrationCollector,
     CostCollector,
+    GroupCollector,
     MeteredJudge,
     Metrics,
     MetricsSink,
@@ -46,6 +49,7 @@ from ._outbox import Outbox
 from ._sinks import (
     Accepted,
     Duplicated,
+    GroupRanked,
     LogSink,
     MonitorEvent,
     MqttSink,
@@ -102,6 +106,8 @@ class _Scoring:
     signal: Signal = "continue"
     last_ok: Progress | None = None
     arrived: dict[int, float] = field(default_factory=dict)
+    group: str | None = None
+    """The run's group (`start.group`), while it is in one."""
     closing: str | None = None
     """The outcome to finish with once the newest prefix is scored (set when the end is accepted)."""
 
@@ -235,6 +241,13 @@ class Monitor:
         )
         if self.prices is not None:
             self.registry.register(CostCollector(metered, self.prices))
+        lim = c.limits
+        self.groups = GroupBook(max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s)
+        """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
+        self._group_series: tuple[GroupSeries, ...] = ()
+        self.registry.register(
+            GroupCollector(lambda: self._group_series, allow=c.metrics.groups, max_groups=c.metrics.max_group_series)
+        )
         self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
         self._families = CalibrationCollector(
             self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
@@ -404,6 +417,13 @@ class Monitor:
                 self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
                 return
             if isinstance(verdict, Started):
+                if verdict.start.group is not None:
+                    try:
+                        self.groups.check(run_id, verdict.start.group)
+                    except GroupLimitError as e:
+                        self.metrics.groups_refused.inc()
+                        self._emit(Refused(run_id, "run_rejected", str(e), topic))
+                        return
                 try:
                     self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
                 except Exception as e:  # validated on decode; still the run's problem, never the daemon's
@@ -464,13 +484,54 @@ class Monitor:
             family=start.family,
             prices=self.prices,
         )
-        return _Scoring(tracker, policy, dict(start.labels))
+        return _Scoring(tracker, policy, dict(start.labels), group=start.group)
 
     def _open(self, run_id: str, start: RunStart, replaying: bool) -> None:
         scoring = self._prepared.pop(run_id, None) or self._new_scoring(run_id, start)
         self._scoring[run_id] = scoring
         if not replaying:
             self._emit(RunOpened(run_id, start, len(self.book.live)))
+        if start.group is not None:
+            try:
+                update = self.groups.join(run_id, start.group, scoring.policy, self.clock())
+            except GroupLimitError:
+                # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
+                log.warning("group_refused_on_replay", run_id=run_id, group=start.group)
+                scoring.group = None
+                return
+            scoring.tracker.on_group = partial(self._group_verdict, run_id)
+            self._group_changed(start.group, update.changed and not replaying)
+
+    def _group_verdict(self, run_id: str, p: Progress) -> Decision | None:
+        """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""
+        update = self.groups.observe(run_id, p, self.clock())
+        if update is None:
+            return None
+        group = self.groups.of_run[run_id]
+        self._group_changed(group, update.changed)
+        if not update.prunes:
+            return None
+        pr, d = update.prunes[0], p.signal
+        return Decision(
+            signal="abort",
+            reason=pr.reason,
+            step=p.step,
+            score=p.score,
+            best_step=d.best_step if d else None,
+            best_score=d.best_score if d else None,
+            changed=True,
+            abort_below=d.abort_below if d else None,
+            calibration=d.calibration if d else None,
+            pruned=True,
+            leader=pr.leader,
+        )
+
+    def _group_changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
+        """Refresh the group gauges; publish the group's ranking (retained) when asked."""
+        self._group_series = tuple(self.groups.series())
+        g = self.groups.groups.get(group)
+        if publish and g is not None:
+            self._emit(GroupRanked(group, g.ranking(), republished=republished))
 
     async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
         scoring = self._scoring.get(run_id)
@@ -501,6 +562,10 @@ class Monitor:
         run_id = effect.run_id
         scoring = self._scoring.pop(run_id, None)
         self.scheduler.discard(run_id)
+        group = self.groups.of_run.get(run_id)
+        update = self.groups.end(run_id, effect.outcome, effect.at)
+        if group is not None and update is not None:
+            self._group_changed(group, update.changed and not replaying)
         if effect.outcome == "evicted":
             # Derived from a start, not journaled by itself: the store learns the run is over here.
             await self.store.journal(Finished(run_id, effect.outcome, effect.at))
@@ -651,6 +716,11 @@ class Monitor:
             for record in self.book.due(self.clock()):
                 await self.store.journal(record)
                 await self._apply(record)
+            cleared = self.groups.due(self.clock())
+            if cleared:
+                self._group_series = tuple(self.groups.series())
+            for group in cleared:
+                self._emit(GroupRanked(group, None))  # an empty retained payload clears the ranking
         self._metrics_sink.prune()
 
     async def _sweeper(self) -> None:
@@ -673,6 +743,25 @@ class Monitor:
             await asyncio.sleep(3600)
 
     # -- restart --
+
+    def _restore_groups(self) -> None:
+        """Rebuild each group from its runs' restored scores, keep the prunes decided before, publish its ranking.
+
+        The journal replay made the groups and their members (in start order); the runs' stored results fold
+        in step by step across siblings (their order in time is not kept), counting streaks but deciding no
+        prune: a prune is a decision taken live once and restored from the run's stored abort.
+        """
+        for name, g in self.groups.groups.items():
+            curves = {r: self._scoring[r].tracker.curve for r in g.members if r in self._scoring}
+            depth = max((len(c) for c in curves.values()), default=0)
+            for i in range(depth):
+                for run_id, curve in curves.items():
+                    if i < len(curve):
+                        p = curve[i]
+                        g.observe_progress(run_id, p, decide=False)
+                        if p.signal is not None and p.signal.pruned:
+                            g.prune(run_id)
+            self._group_changed(name, True, republished=True)
 
     async def _restore(self) -> int:
         """Rebuild the live runs by replaying the journal; take their stored scores; return the runs live.
@@ -710,6 +799,7 @@ class Monitor:
                     self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)
+        self._restore_groups()
         self.metrics.runs_active.set(len(self.book.live))
         self.restored = tuple(self.book.live)
         return len(self.book.live)

@@ -1,0 +1,274 @@
+"""Groups through the daemon on a real Mosquitto: laggards pruned, keep_top kept, fail-open, retained ranking."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import jsonschema
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
+from agent_monitor.daemon._state import RunLimits
+from agent_monitor.policy import Policy
+from agent_monitor.prompts import Prompt
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import BrokerSettings, RankingOut, schemas
+from tests.brokers import Mosquitto
+
+pytestmark = pytest.mark.timeout(120)
+
+# Each run's task names it; the judge answers by run: two leaders, two laggards.
+LETTERS = {"lead-a": "P", "lead-b": "O", "lag-c": "D", "lag-d": "C"}
+RANKING_SCHEMA = json.loads(schemas()["ranking.schema.json"])
+
+
+def by_run(p: Prompt) -> str:
+    text = p.prefix_text()
+    return next(letter for run, letter in LETTERS.items() if f"task of {run}" in text)
+
+
+class Harness:
+    """Publishes inputs and collects every output under agents/ by topic (an empty payload is None)."""
+
+    def __init__(self, client: aiomqtt.Client) -> None:
+        self.client = client
+        self.seen: dict[str, list[Any]] = defaultdict(list)
+        self.changed = asyncio.Event()
+
+    async def publish(self, run_id: str, kind: str, payload: Any = None) -> None:
+        await self.client.publish(f"agents/{run_id}/{kind}", json.dumps(payload or {}).encode(), qos=1)
+
+    async def collect(self) -> None:
+        async for m in self.client.messages:
+            body = bytes(m.payload) if isinstance(m.payload, (bytes, bytearray)) else b""
+            self.seen[m.topic.value].append(json.loads(body) if body else None)
+            self.changed.set()
+
+    async def until(self, check: Callable[[], bool], wait_s: float = 30.0) -> None:
+        async def loop() -> None:
+            while not check():
+                self.changed.clear()
+                await self.changed.wait()
+
+        await asyncio.wait_for(loop(), wait_s)
+
+    def signals(self, run_id: str) -> list[dict[str, Any]]:
+        return [s for s in self.seen[f"agents/{run_id}/signal"] if s]
+
+    def last_step(self, run_id: str) -> int:
+        p = [q for q in self.seen[f"agents/{run_id}/progress"] if q]
+        return p[-1]["step"] if p else 0
+
+    def ranking(self, group: str) -> Any:
+        r = self.seen[f"agents/_groups/{group}/ranking"]
+        return r[-1] if r else None
+
+
+@asynccontextmanager
+async def harness(port: int, client_id: str) -> AsyncIterator[Harness]:
+    async with aiomqtt.Client("127.0.0.1", port, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5) as c:
+        await c.subscribe("agents/#", qos=1)
+        h = Harness(c)
+        task = asyncio.create_task(h.collect())
+        try:
+            yield h
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+def monitor(broker: Mosquitto, judge: FakeJudge, policy: Policy, **kw: Any) -> Monitor:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        policy=policy,
+        circuit_threshold=1000,  # failures in these tests are scripted answers, not an outage to back off from
+        **kw,
+    )
+    return Monitor(config, judge=judge, registry=kw.pop("registry", None) or CollectorRegistry(), store=None)
+
+
+def shape(ranking: dict[str, Any]) -> list[tuple[str, int, str]]:
+    return [(r["run_id"], r["rank"], r["state"]) for r in ranking["runs"]]
+
+
+GROUP_POLICY = Policy(min_steps=2, patience=2, keep_top=2, prune_margin=0.2)
+
+
+async def _steps(h: Harness, runs: list[str], upto: int, start: int = 1) -> None:
+    for i in range(start, upto + 1):
+        for r in runs:
+            await h.publish(r, "step", {"index": i, "text": f"{r} did step {i}"})
+
+
+async def test_two_laggards_of_four_are_pruned_while_the_leaders_continue(broker: Mosquitto) -> None:
+    registry = CollectorRegistry()
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", policy=GROUP_POLICY
+    )
+    runs = list(LETTERS)
+    async with Monitor(config, judge=FakeJudge(by_run), registry=registry), harness(broker.port, "h") as h:
+        for r in runs:
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "best-of-4"})
+        await _steps(h, runs, 6)
+        await h.until(lambda: all(h.last_step(r) == 6 for r in ("lead-a", "lead-b")))
+        await h.until(lambda: all(h.signals(r) for r in ("lag-c", "lag-d")))
+        for r in ("lag-c", "lag-d"):
+            (s,) = h.signals(r)
+            assert s["signal"] == "abort" and s["pruned"] is True and s["leader"] == "lead-a"
+            assert "below the 2nd best live sibling" in s["reason"] and s["policy"]["keep_top"] == 2
+            # Pruned at step 3 (min_steps 2, then patience 2 behind): abort is final, nothing scored after it.
+            assert s["step"] == 3 and h.last_step(r) == 3
+        assert not h.signals("lead-a") and not h.signals("lead-b")  # the leaders continue
+
+        ranking = h.ranking("best-of-4")
+        jsonschema.validate(ranking, RANKING_SCHEMA)
+        RankingOut.model_validate(ranking)
+        assert ranking["leader"] == "lead-a"
+        assert [(r["run_id"], r["rank"], r["state"]) for r in ranking["runs"]] == [
+            ("lead-a", 1, "live"),
+            ("lead-b", 2, "live"),
+            ("lag-c", 3, "pruned"),
+            ("lag-d", 4, "pruned"),
+        ]
+        # keep_top is never violated: no ranking ever had fewer than 2 live runs once all four were in.
+        for seen in h.seen["agents/_groups/best-of-4/ranking"]:
+            if len(seen["runs"]) == 4:
+                assert sum(r["state"] == "live" for r in seen["runs"]) >= 2
+        # Dense reward: each progress message carries its change since the previous scored step.
+        progress = [p for p in h.seen["agents/lead-a/progress"] if p]
+        assert progress[0]["delta"] is None and all(p["delta"] == pytest.approx(0.0) for p in progress[1:])
+
+        # A late subscriber gets the ranking as it stands (retained).
+        async with harness(broker.port, "late") as late:
+            await late.until(lambda: late.ranking("best-of-4") is not None)
+            assert late.ranking("best-of-4") == ranking
+
+        assert registry.get_sample_value("agent_monitor_pruned_total") == 2
+        assert registry.get_sample_value("agent_monitor_group_live_runs", {"group": "best-of-4"}) == 2
+        assert registry.get_sample_value("agent_monitor_group_leader_score", {"group": "best-of-4"}) == pytest.approx(
+            15 / 19
+        )
+
+
+async def test_keep_top_three_prunes_only_one_of_four(broker: Mosquitto) -> None:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        policy=Policy(min_steps=1, patience=1, keep_top=3, prune_margin=0.04),
+    )
+    runs = list(LETTERS)
+    async with Monitor(config, judge=FakeJudge(by_run), registry=CollectorRegistry()), harness(broker.port, "h") as h:
+        for r in runs:
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+        await _steps(h, runs, 5)
+        await h.until(lambda: all(h.last_step(r) == 5 for r in ("lead-a", "lead-b", "lag-c")))
+        await h.until(lambda: bool(h.signals("lag-d")))
+        assert h.signals("lag-d")[0]["pruned"] is True
+        assert not any(h.signals(r) for r in ("lead-a", "lead-b", "lag-c"))
+        states = [r["state"] for r in h.ranking("g")["runs"]]
+        assert states == ["live", "live", "live", "pruned"]
+
+
+async def test_a_judge_outage_prunes_nothing(broker: Mosquitto) -> None:
+    def answer(p: Prompt) -> Any:
+        # Step 1 puts the laggards behind; from step 2 the judge fails for everyone.
+        return by_run(p) if p.step == 1 else FakeJudge.failure("timeout")
+
+    policy = Policy(min_steps=1, patience=2, keep_top=1, prune_margin=0.1)
+    runs = list(LETTERS)
+    async with monitor(broker, FakeJudge(answer), policy), harness(broker.port, "h") as h:
+        for r in runs:
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+        await _steps(h, runs, 5)
+        await h.until(lambda: all(h.last_step(r) == 5 for r in runs))
+        assert not any(h.signals(r) for r in runs)
+        assert [r["state"] for r in h.ranking("g")["runs"]] == ["live"] * 4
+        last = [q for q in h.seen["agents/lag-d/progress"] if q][-1]
+        assert last["ok"] is False and last["delta"] is None
+
+
+async def test_the_ranking_is_right_after_a_restart_and_cleared_after_the_last_run_ends(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    db = tmp_path / "runs.db"
+    runs = list(LETTERS)
+
+    def make(grace_s: float = 3600.0) -> Monitor:
+        config = MonitorConfig(
+            broker=BrokerSettings.from_url(broker.url),
+            client_id=f"mon-{broker.port}",
+            policy=GROUP_POLICY,
+            limits=RunLimits(group_grace_s=grace_s),
+            sweep_interval_s=0.05,
+        )
+        return Monitor(config, judge=FakeJudge(by_run), registry=CollectorRegistry(), store=SqliteStore(db))
+
+    async with harness(broker.port, "h") as h:
+        async with make():
+            for r in runs:
+                await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await _steps(h, runs, 4)
+            await h.until(lambda: all(h.last_step(r) == 4 for r in ("lead-a", "lead-b")))
+            await h.until(lambda: all(h.signals(r) for r in ("lag-c", "lag-d")))
+            before = h.ranking("g")
+        # The retained ranking is lost while the monitor is down (a broker restart without persistence).
+        await h.client.publish("agents/_groups/g/ranking", b"", qos=1, retain=True)
+        await h.until(lambda: h.ranking("g") is None)
+        async with make(grace_s=0.0) as mon:
+            await h.until(lambda: h.ranking("g") is not None)
+            # Published on a change of order or state, so scores in it may be older than the newest: compare those.
+            assert shape(h.ranking("g")) == shape(before)
+            assert shape(before) == [
+                ("lead-a", 1, "live"),
+                ("lead-b", 2, "live"),
+                ("lag-c", 3, "pruned"),
+                ("lag-d", 4, "pruned"),
+            ]
+            assert [r["step"] for r in h.ranking("g")["runs"]] == [4, 4, 3, 3]
+            g = mon.groups.groups["g"]
+            assert g.live == ["lead-a", "lead-b"]
+            # The leaders go on; a pruned run's late steps are not scored.
+            await _steps(h, runs, 5, start=5)
+            await h.until(lambda: all(h.last_step(r) == 5 for r in ("lead-a", "lead-b")))
+            await mon.drain()
+            assert h.last_step("lag-c") == 3
+            async with harness(broker.port, "late") as late:
+                await late.until(lambda: late.ranking("g") is not None)
+                assert shape(late.ranking("g")) == shape(before)
+            for r in runs:
+                await h.publish(r, "end", {"outcome": "success" if r == "lead-a" else "failure"})
+            await h.until(lambda: h.ranking("g") is None)  # cleared after the grace period (0 here)
+            assert "g" not in mon.groups.groups
+
+
+async def test_group_names_and_limits_are_checked(broker: Mosquitto) -> None:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        limits=RunLimits(max_group_runs=2, max_groups=1),
+    )
+    registry = CollectorRegistry()
+    async with Monitor(config, judge=FakeJudge(), registry=registry), harness(broker.port, "h") as h:
+        await h.publish("a", "start", {"task": "t", "group": "g"})
+        await h.publish("b", "start", {"task": "t", "group": "g"})
+        await h.publish("c", "start", {"task": "t", "group": "g"})
+        await h.publish("d", "start", {"task": "t", "group": "other"})
+        await h.publish("e", "start", {"task": "t", "group": "bad/name"})
+        await h.publish("f", "start", {"task": "t", "group": "_reserved"})
+        await h.until(lambda: all(h.seen[f"agents/{r}/error"] for r in "cdef"))
+        assert "already has 2 runs" in h.seen["agents/c/error"][0]["error"]
+        assert "at most 1 groups" in h.seen["agents/d/error"][0]["error"]
+        assert h.seen["agents/e/error"][0]["reason"] == "invalid"
+        assert h.seen["agents/f/error"][0]["reason"] == "invalid"
+        assert registry.get_sample_value("agent_monitor_groups_refused_total") == 2
+        await h.until(lambda: h.ranking("g") is not None and len(h.ranking("g")["runs"]) == 2)
