@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = {
     "agent_monitor": [
-        "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "CriteriaError", "Criterion",
-        "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
+        "AsyncGroupTracker", "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "CriteriaError", "Criterion",
+        "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "GroupTracker", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
         "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
         "Signal", "Step", "Threshold", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
