@@ -40,6 +40,11 @@ class Policy:
       `regression` from the run's best; back to continue when neither holds.
     - A score with `uncertainty` above `max_uncertainty` neither counts toward
       nor breaks a streak: a low but very uncertain score must not abort a run.
+    - group (a run started with `start.group`, or a `GroupTracker`'s): prune a live run whose
+      score stays more than `prune_margin` below the `keep_top`-th best live sibling for
+      `patience` scored steps after `min_steps` (beyond both runs' uncertainty); never below
+      `keep_top` live runs. `compare` orders leaders pointwise scores cannot separate by pairwise
+      judge calls. See `agent_monitor.groups`.
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     """
 
@@ -69,8 +74,27 @@ class Policy:
         },
     )
 
+    keep_top: int = field(
+        default=1,
+        metadata={"help": "in a group (start.group): never prune below this many live runs; the k of 'k-th best'"},
+    )
+    prune_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "in a group: prune a run whose score stays more than this below the keep-top-th best live "
+            "sibling for patience scored steps (and beyond both runs' uncertainty); none: never prune"
+        },
+    )
+    compare: bool = field(
+        default=False,
+        metadata={
+            "help": "in a group: when the leaders' scores are within their uncertainty, rank them by pairwise "
+            "judge comparisons (pivot tournament; costs judge calls)"
+        },
+    )
+
     def __post_init__(self) -> None:
-        for name in ("abort_below", "resample_below", "regression"):
+        for name in ("abort_below", "resample_below", "regression", "prune_margin"):
             v = getattr(self, name)
             if name == "abort_below" and v == AUTO:
                 continue
@@ -94,6 +118,12 @@ class Policy:
         if isinstance(h, bool) or not (isinstance(h, (int, float)) and 0.0 <= h < 1.0):
             raise PolicyError(f"policy holdout={h!r}: use a share in [0, 1), e.g. {DEFAULT_HOLDOUT}")
 
+        k = self.keep_top
+        if isinstance(k, bool) or not (isinstance(k, int) and k >= 1):
+            raise PolicyError(f"policy keep_top={k!r}: use an integer >= 1 (the live runs a group always keeps)")
+        if not isinstance(self.compare, bool):
+            raise PolicyError(f"policy compare={self.compare!r}: use true or false")
+
     @property
     def auto(self) -> bool:
         """The abort threshold comes from calibration."""
@@ -108,7 +138,7 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy setting(s) {unknown}; known: {sorted(known)}")
         values = dict(overrides)
-        for key in ("min_steps", "patience"):
+        for key in ("min_steps", "patience", "keep_top"):
             if isinstance(values.get(key), float) and values[key].is_integer():
                 values[key] = int(values[key])
         return dataclasses.replace(self, **values)

@@ -335,7 +335,7 @@ class AsyncProgressTracker:
     def _record(self, p: Progress) -> Progress:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
         self.usage += p.usage
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost)
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p))
         if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
             # Results older than the latest (a slow concurrent update) do not move the policy backwards.
             p = dataclasses.replace(p, signal=self.policy_state.observe(p))
@@ -360,6 +360,13 @@ class AsyncProgressTracker:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
         return p
+
+    def _delta(self, p: Progress) -> float | None:
+        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
+        prev = max((q for q in self.curve if q.step < p.step), key=lambda q: q.step, default=None)
+        if prev is None or prev.score is None or p.score is None:
+            return None
+        return p.score - prev.score
 
     def _emit_otel(self, p: Progress) -> None:
         """Emit a result's evaluation events in the context its newest step was given in; never raises."""

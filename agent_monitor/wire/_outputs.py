@@ -79,6 +79,10 @@ class DecisionOut(_Out):
     calibration: str | None = Field(
         default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
     )
+    pruned: bool = Field(
+        default=False, description="An abort decided by the group policy: the run fell behind its siblings."
+    )
+    leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
 
 
 class ProgressOut(_Out):
@@ -87,6 +91,11 @@ class ProgressOut(_Out):
     run_id: RunId
     step: int
     score: float | None = Field(description="Null when the judge failed; never a made-up default.")
+    delta: float | None = Field(
+        default=None,
+        description="The score's change since the run's previous scored step (null at the first, or when either "
+        "score is null): a shaped reward that needs no state.",
+    )
     uncertainty: float | None = None
     criteria: dict[str, CriterionOut] = Field(default_factory=dict)
     ok: bool
@@ -148,7 +157,11 @@ class SignalOut(_Out):
     calibration: str | None = Field(
         default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
     )
-    policy: dict[str, float | int | str | None] = Field(default_factory=dict)
+    pruned: bool = Field(
+        default=False, description="An abort decided by the group policy: the run fell behind its siblings."
+    )
+    leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
+    policy: dict[str, bool | float | int | str | None] = Field(default_factory=dict)
 
     @classmethod
     def from_decision(cls, run_id: str, decision: Decision, policy: Policy) -> SignalOut:
