@@ -1,7 +1,7 @@
 """agent-monitor: live, fine-grained progress scores for running AI agents and robots.
 
 This module is the in-process hook and its vocabulary: trackers, judges, results, policy,
-calibration, criteria. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
+calibration, criteria, best-of-N selection. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
 `MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
 """
 
@@ -18,6 +18,7 @@ from .progress import Decision, Prices, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
+from .selection import Comparison, Selection, Tournament, aselect, compare, select, tournament
 from .tracker import AsyncProgressTracker, ProgressTracker, atrack, score_prefix, track
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ __all__ = [
     "BaseJudge",
     "Calibration",
     "CalibrationError",
+    "Comparison",
     "CriteriaError",
     "Criterion",
     "CriterionScore",
@@ -91,14 +93,18 @@ __all__ = [
     "RuleInput",
     "RuleScore",
     "ScoreError",
+    "Selection",
     "Signal",
     "Step",
     "Threshold",
+    "Tournament",
     "Usage",
     "__version__",
+    "aselect",
     "atrack",
     "build_prompt",
     "bundled_criteria",
+    "compare",
     "distribution",
     "load_criteria",
     "load_image",
@@ -106,5 +112,7 @@ __all__ = [
     "register_extractor",
     "register_rule",
     "score_prefix",
+    "select",
+    "tournament",
     "track",
 ]

@@ -19,12 +19,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = {
     "agent_monitor": [
-        "AsyncGroupTracker", "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "CriteriaError", "Criterion",
+        "AsyncGroupTracker", "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "Comparison", "CriteriaError", "Criterion",
         "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "GroupTracker", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
-        "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError",
-        "Signal", "Step", "Threshold", "Usage", "__version__", "atrack", "build_prompt", "bundled_criteria", "distribution",
-        "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "track",
+        "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError", "Selection",
+        "Signal", "Step", "Threshold", "Tournament", "Usage", "__version__", "aselect", "atrack", "build_prompt", "bundled_criteria", "compare", "distribution",
+        "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "select", "tournament", "track",
     ],
     "agent_monitor.wire": [
         "BrokerSettings", "CriterionOut", "DEFAULT_BROKER", "DecisionOut", "ErrorOut", "EventError", "INPUT_KINDS",
