@@ -86,7 +86,9 @@ async def harness(port: int, client_id: str) -> AsyncIterator[Harness]:
                 await task
 
 
-def monitor(broker: Mosquitto, judge: FakeJudge, policy: Policy, **kw: Any) -> Monitor:
+def monitor(
+    broker: Mosquitto, judge: FakeJudge, policy: Policy, registry: CollectorRegistry | None = None, **kw: Any
+) -> Monitor:
     config = MonitorConfig(
         broker=BrokerSettings.from_url(broker.url),
         client_id=f"mon-{broker.port}",
@@ -94,7 +96,7 @@ def monitor(broker: Mosquitto, judge: FakeJudge, policy: Policy, **kw: Any) -> M
         circuit_threshold=1000,  # failures in these tests are scripted answers, not an outage to back off from
         **kw,
     )
-    return Monitor(config, judge=judge, registry=kw.pop("registry", None) or CollectorRegistry(), store=None)
+    return Monitor(config, judge=judge, registry=registry or CollectorRegistry())
 
 
 def shape(ranking: dict[str, Any]) -> list[tuple[str, int, str]]:
@@ -272,3 +274,48 @@ async def test_group_names_and_limits_are_checked(broker: Mosquitto) -> None:
         assert h.seen["agents/f/error"][0]["reason"] == "invalid"
         assert registry.get_sample_value("agent_monitor_groups_refused_total") == 2
         await h.until(lambda: h.ranking("g") is not None and len(h.ranking("g")["runs"]) == 2)
+
+
+async def test_compare_orders_leaders_pointwise_scores_cannot_separate(broker: Mosquitto) -> None:
+    # Pointwise, lead-a is slightly ahead of lead-b but both answers are spread wide: within their uncertainty.
+    # Pairwise, the judge always prefers lead-b, in whichever slot it is shown.
+    pointwise = {"lead-a": {"L": 0.5, "T": 0.5}, "lead-b": {"K": 0.5, "S": 0.5}, "lag-c": "D", "lag-d": "C"}
+
+    def answer(p: Prompt) -> Any:
+        text = p.prefix_text()
+        if "## Trajectory 2" in text:
+            first_is_b = text.index("lead-b did") < text.index("lead-a did")
+            return "A" if first_is_b else "T"  # A: trajectory 1 is far ahead
+        return next(v for run, v in pointwise.items() if f"task of {run}" in text)
+
+    registry = CollectorRegistry()
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        policy=Policy(compare=True),
+        max_concurrency=1,
+    )
+    runs = list(pointwise)
+    async with Monitor(config, judge=FakeJudge(answer), registry=registry), harness(broker.port, "h") as h:
+        for r in runs:
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+        await _steps(h, runs, 1)
+        await h.until(lambda: h.ranking("g") is not None and h.ranking("g")["leader"] == "lead-b")
+        assert shape(h.ranking("g")) == [("lead-b", 1, "live"), ("lead-a", 2, "live"), ("lag-c", 3, "live"),
+                                         ("lag-d", 4, "live")]  # fmt: skip
+        a, b = (next(x for x in h.ranking("g")["runs"] if x["run_id"] == r) for r in ("lead-a", "lead-b"))
+        assert a["score"] > b["score"]  # the pointwise order said otherwise
+        # Two leaders: one comparison, both orders: two judge calls.
+        assert registry.get_sample_value("agent_monitor_compare_calls_total", {"outcome": "ok"}) == 2
+
+
+async def test_compare_is_off_by_default(broker: Mosquitto) -> None:
+    registry = CollectorRegistry()
+    judge = FakeJudge(lambda p: {"L": 0.5, "T": 0.5})
+    async with monitor(broker, judge, Policy(), registry=registry), harness(broker.port, "h") as h:
+        for r in ("x", "y"):
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "step", {"index": 1, "text": "s"})
+        await h.until(lambda: all(h.last_step(r) == 1 for r in ("x", "y")))
+        assert not any("## Trajectory 2" in p.prefix_text() for p in judge.prompts)
+        assert registry.get_sample_value("agent_monitor_compare_calls_total", {"outcome": "ok"}) == 0

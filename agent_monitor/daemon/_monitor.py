@@ -29,6 +29,7 @@ from ..judges.circuit import CircuitJudge
 from ..policy import Policy, with_levels
 from ..progress import OUTAGE_REASONS, Decision, Progress, Signal, run_totals
 from ..scheduler import Scheduler
+from ..selection import Comparison, compare, tournament
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, Topics, decode_event
 from ._config import MonitorConfig
@@ -277,6 +278,10 @@ class Monitor:
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        # policy.compare: one pivot tournament in flight per group; what it last compared; groups to compare again.
+        self._comparing: dict[str, asyncio.Task[None]] = {}
+        self._compared: dict[str, tuple[tuple[str, int], ...]] = {}
+        self._compare_again: set[str] = set()
 
     # -- lifecycle --
 
@@ -319,6 +324,7 @@ class Monitor:
     async def __aexit__(self, *exc: object) -> None:
         stack, tasks = self._stack, self._tasks
         self._stack, self._tasks = None, []
+        tasks = [*tasks, *self._comparing.values()]
         for task in tasks:
             task.cancel()
         pending = {t for t in tasks if not t.done()}
@@ -509,6 +515,7 @@ class Monitor:
             return None
         group = self.groups.of_run[run_id]
         self._group_changed(group, update.changed)
+        self._maybe_compare(group)
         if not update.prunes:
             return None
         pr, d = update.prunes[0], p.signal
@@ -525,6 +532,64 @@ class Monitor:
             pruned=True,
             leader=pr.leader,
         )
+
+    def _maybe_compare(self, group: str) -> None:
+        """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
+
+        Asked again only when the tied leaders or their steps changed since the last tournament, one
+        tournament per group at a time (a change meanwhile asks once more after it). A failed tournament
+        leaves the pointwise order (fail-open); pairwise verdicts order the ranking, they never prune.
+        """
+        g = self.groups.groups.get(group)
+        if g is None or not g.policy.compare or self._stack is None:
+            return  # (no tournaments once the monitor is leaving)
+        tied = [r for r in g.tied_leaders() if r in self._scoring]
+        if len(tied) < 2:
+            self._compared.pop(group, None)
+            return
+        key = tuple((r, len(self._scoring[r].tracker.steps)) for r in sorted(tied))
+        if self._compared.get(group) == key:
+            return
+        if group in self._comparing:
+            self._compare_again.add(group)
+            return
+        self._compared[group] = key
+        self._comparing[group] = asyncio.create_task(self._compare(group, tied), name=f"compare:{group}")
+
+    async def _compare(self, group: str, tied: list[str]) -> None:
+        try:
+            trackers = {r: self._scoring[r].tracker for r in tied if r in self._scoring}
+            first = trackers[tied[0]]
+
+            async def pair(a: str, b: str) -> Comparison:
+                c = await compare(
+                    first.task,
+                    list(trackers[a].steps),
+                    list(trackers[b].steps),
+                    judge=self.circuit,
+                    criteria=first.rubric,
+                    repeats=self.config.repeats,
+                    min_mass=first.min_mass,
+                )
+                self.metrics.compare_calls.labels("ok" if c.ok else "failed").inc(c.calls)
+                return c
+
+            result = await tournament(list(trackers), pair)
+            g = self.groups.groups.get(group)
+            if g is not None:
+                update = g.set_order(result.ranking if result.ok else ())
+                self._group_changed(group, update.changed)
+                log.info(
+                    "group_compared", group=group, leaders=tied, winner=result.winner,
+                    comparisons=result.comparisons, failed=result.failed,
+                )  # fmt: skip
+        except Exception:
+            log.exception("group_compare_failed", group=group)  # the pointwise ranking stands
+        finally:
+            self._comparing.pop(group, None)
+            if group in self._compare_again:
+                self._compare_again.discard(group)
+                self._maybe_compare(group)
 
     def _group_changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
         """Refresh the group gauges; publish the group's ranking (retained) when asked."""
