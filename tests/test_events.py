@@ -381,7 +381,7 @@ def test_unknown_policy_keys_name_the_known_ones(policy: dict[str, Any]) -> None
         ({"patience": None}, "patience"),
         ({"min_steps": -1}, "min_steps"),
         ({"abort_below": True}, "policy abort_below=True: use a number in [0, 1]"),
-            ({"compare": 1}, "policy compare=1: use true or false"),
+        ({"compare": 1}, "policy compare=1: use true or false"),
         ({"abort_below": "0.2"}, "abort_below='0.2': use a number in [0, 1], or \"auto\""),
         ([0.2], "policy: Input should be a valid dictionary"),
     ],
