@@ -24,7 +24,8 @@ API (stable; `agent_monitor.select` and `eval --groups` use it):
 - `.observe(run_id, step=, score=, uncertainty=, ok=, decide=True) -> GroupUpdate` (or
   `.observe_progress(run_id, p)`): fold one scoring of that run, in the run's step order;
   `update.prunes` lists the runs pruned now (`decide=False`: count, never prune; for rebuilding).
-- `.prune(run_id)`: mark a run pruned as decided before (a restart restoring its stored abort).
+- `.prune(run_id)`: mark a run pruned as decided before (a restart restoring its stored abort);
+  `.restore(ranked_run)`: take a pruned or ended run from a published ranking (a restart).
 - `.end(run_id, outcome=None) -> GroupUpdate`: the run ended (its rank stays, state "ended").
 - `.set_order(run_ids)`: a pairwise verdict on the order of some runs (e.g. the pivot tournament's),
   used as the tie-break among runs whose pointwise scores cannot be separated; cleared by `set_order(())`.
@@ -247,6 +248,24 @@ class GroupState:
             m.state = "pruned"
         if step is not None:
             m.last_step = max(m.last_step, step)
+
+    def restore(self, run: Mapping[str, Any]) -> None:
+        """Take a run that is no longer live from a published ranking (`RankedRunJSON`); a member already here stays."""
+        run_id = str(run["run_id"])
+        state = run.get("state")
+        if run_id in self._members or state not in ("pruned", "ended"):
+            return
+        step = run.get("step")
+        self._members[run_id] = Member(
+            run_id=run_id,
+            order=len(self._members),
+            state=state,
+            score=_finite(run.get("score")),
+            uncertainty=_finite(run.get("uncertainty")),
+            step=step,
+            outcome=run.get("outcome"),
+            last_step=step if isinstance(step, int) else -1,
+        )
 
     def set_order(self, run_ids: Sequence[str]) -> GroupUpdate:
         """A pairwise order of some runs (best first): the tie-break among scores that cannot be separated."""

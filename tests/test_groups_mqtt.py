@@ -205,7 +205,7 @@ async def test_the_ranking_is_right_after_a_restart_and_cleared_after_the_last_r
     db = tmp_path / "runs.db"
     runs = list(LETTERS)
 
-    def make(grace_s: float = 3600.0) -> Monitor:
+    def make(store: SqliteStore, grace_s: float = 3600.0) -> Monitor:
         config = MonitorConfig(
             broker=BrokerSettings.from_url(broker.url),
             client_id=f"mon-{broker.port}",
@@ -213,44 +213,68 @@ async def test_the_ranking_is_right_after_a_restart_and_cleared_after_the_last_r
             limits=RunLimits(group_grace_s=grace_s),
             sweep_interval_s=0.05,
         )
-        return Monitor(config, judge=FakeJudge(by_run), registry=CollectorRegistry(), store=SqliteStore(db))
+        return Monitor(config, judge=FakeJudge(by_run), registry=CollectorRegistry(), store=store)
 
     async with harness(broker.port, "h") as h:
-        async with make():
+        store = SqliteStore(db)
+        async with make(store):
             for r in runs:
                 await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
             await _steps(h, runs, 4)
             await h.until(lambda: all(h.last_step(r) == 4 for r in ("lead-a", "lead-b")))
             await h.until(lambda: all(h.signals(r) for r in ("lag-c", "lag-d")))
+            # The harness stops one pruned run: it ends before the restart, so the journal replay does not bring
+            # it back; the stored ranking does. A whole group ends before the restart too.
+            await h.publish("lag-d", "end", {"outcome": "failure"})
+            await h.until(lambda: h.ranking("g")["runs"][3].get("outcome") == "failure")
+            await h.publish("solo", "start", {"task": "task of lead-a", "group": "done"})
+            await _steps(h, ["solo"], 1)
+            await h.publish("solo", "end", {"outcome": "success"})
+            await h.until(lambda: h.ranking("done") is not None and h.ranking("done")["runs"][0]["state"] == "ended")
             before = h.ranking("g")
+        await store.aclose()
         # The retained ranking is lost while the monitor is down (a broker restart without persistence).
         await h.client.publish("agents/_groups/g/ranking", b"", qos=1, retain=True)
         await h.until(lambda: h.ranking("g") is None)
-        async with make(grace_s=0.0) as mon:
+        done_seen = len(h.seen["agents/_groups/done/ranking"])
+        store = SqliteStore(db)
+        async with make(store, grace_s=0.0) as mon:
             await h.until(lambda: h.ranking("g") is not None)
             # Published on a change of order or state, so scores in it may be older than the newest: compare those.
-            assert shape(h.ranking("g")) == shape(before)
-            assert shape(before) == [
-                ("lead-a", 1, "live"),
-                ("lead-b", 2, "live"),
-                ("lag-c", 3, "pruned"),
-                ("lag-d", 4, "pruned"),
-            ]
+            assert (
+                shape(h.ranking("g"))
+                == shape(before)
+                == [
+                    ("lead-a", 1, "live"),
+                    ("lead-b", 2, "live"),
+                    ("lag-c", 3, "pruned"),
+                    ("lag-d", 4, "pruned"),
+                ]
+            )
+            assert h.ranking("g")["runs"][3]["outcome"] == "failure"
             assert [r["step"] for r in h.ranking("g")["runs"]] == [4, 4, 3, 3]
             g = mon.groups.groups["g"]
             assert g.live == ["lead-a", "lead-b"]
+            # The group that had ended is published again, then cleared after its grace period (0 here).
+            await h.until(lambda: len(h.seen["agents/_groups/done/ranking"]) > done_seen + 1)
+            assert h.seen["agents/_groups/done/ranking"][-2]["runs"][0]["outcome"] == "success"
+            assert h.ranking("done") is None
             # The leaders go on; a pruned run's late steps are not scored.
-            await _steps(h, runs, 5, start=5)
+            await _steps(h, ["lead-a", "lead-b", "lag-c"], 5, start=5)
             await h.until(lambda: all(h.last_step(r) == 5 for r in ("lead-a", "lead-b")))
             await mon.drain()
             assert h.last_step("lag-c") == 3
             async with harness(broker.port, "late") as late:
                 await late.until(lambda: late.ranking("g") is not None)
                 assert shape(late.ranking("g")) == shape(before)
-            for r in runs:
+            for r in ("lead-a", "lead-b", "lag-c"):
                 await h.publish(r, "end", {"outcome": "success" if r == "lead-a" else "failure"})
-            await h.until(lambda: h.ranking("g") is None)  # cleared after the grace period (0 here)
+            await h.until(lambda: h.ranking("g") is None)  # cleared after the grace period
             assert "g" not in mon.groups.groups
+        await store.aclose()
+        reopened = SqliteStore(db)
+        assert await reopened.rankings() == {}  # a cleared group leaves nothing behind
+        await reopened.aclose()
 
 
 async def test_group_names_and_limits_are_checked(broker: Mosquitto) -> None:

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from ..calibration import Calibration, Sample
 from ..criteria import CriteriaError, Rubric, load_criteria
+from ..groups import GroupState
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy, with_levels
@@ -809,13 +810,26 @@ class Monitor:
 
     # -- restart --
 
-    def _restore_groups(self) -> None:
+    def _restore_groups(self, stored: Mapping[str, Mapping[str, Any]]) -> None:
         """Rebuild each group from its runs' restored scores, keep the prunes decided before, publish its ranking.
 
         The journal replay made the groups and their members (in start order); the runs' stored results fold
         in step by step across siblings (their order in time is not kept), counting streaks but deciding no
-        prune: a prune is a decision taken live once and restored from the run's stored abort.
+        prune: a prune is a decision taken live once and restored from the run's stored abort. Siblings that
+        ended before the restart come from the group's last stored ranking; a group whose runs had all ended
+        is published again and cleared after the grace period, as it would have been.
         """
+        now = self.clock()
+        for name, ranking in stored.items():
+            if name not in self.groups.groups:
+                if len(self.groups.groups) >= self.groups.max_groups:
+                    break
+                self.groups.groups[name] = GroupState(name, self.config.policy, max_runs=self.groups.max_group_runs)
+                self.groups.done_at[name] = now
+            g = self.groups.groups[name]
+            for run in ranking.get("runs") or ():
+                if isinstance(run, Mapping) and len(g.members) < self.groups.max_group_runs:
+                    g.restore(run)
         for name, g in self.groups.groups.items():
             curves = {r: self._scoring[r].tracker.curve for r in g.members if r in self._scoring}
             depth = max((len(c) for c in curves.values()), default=0)
@@ -864,7 +878,7 @@ class Monitor:
                     self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)
-        self._restore_groups()
+        self._restore_groups(await self.store.rankings())
         self.metrics.runs_active.set(len(self.book.live))
         self.restored = tuple(self.book.live)
         return len(self.book.live)

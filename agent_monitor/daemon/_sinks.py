@@ -160,17 +160,19 @@ class MqttSink:
 
 
 class StoreSink:
-    """Keep every published score in the run store (restarts take them instead of judging again)."""
+    """Keep every published score and group ranking in the run store (a restart takes them up again)."""
 
-    events = (Scored,)
+    events = (Scored, GroupRanked)
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
 
     def __call__(self, event: MonitorEvent) -> None:
-        """Record a score."""
+        """Record a score or a ranking."""
         if isinstance(event, Scored):
             self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
+        elif isinstance(event, GroupRanked) and not event.republished:
+            self.store.record_ranking(event.group, event.ranking)
 
 
 class LogSink:
