@@ -116,14 +116,17 @@ class GroupBook:
                     del self.of_run[r]
         return out
 
+    def series_of(self, name: str) -> GroupSeries | None:
+        """One group's gauges now (None: no such group)."""
+        g = self.groups.get(name)
+        if g is None:
+            return None
+        live = sum(m.state == "live" for m in g.members.values())
+        leader = next((m for m in g.ranked() if m.state != "pruned" and m.score is not None), None)
+        return GroupSeries(name, live, leader.score if leader else None, self.last_at.get(name, 0.0))
+
     def series(self, allow: Iterable[str] = ()) -> list[GroupSeries]:
         """Each group's gauges, most recently active first (groups not on `allow`, when it is given, left out)."""
         allowed = frozenset(allow)
-        out = []
-        for name, g in list(self.groups.items()):
-            if allowed and name not in allowed:
-                continue
-            live = [m for m in g.members.values() if m.state == "live"]
-            ranked = [m for m in g.ranked() if m.state != "pruned" and m.score is not None]
-            out.append(GroupSeries(name, len(live), ranked[0].score if ranked else None, self.last_at.get(name, 0.0)))
+        out = [s for name in list(self.groups) if (not allowed or name in allowed) and (s := self.series_of(name))]
         return sorted(out, key=lambda s: s.last_at, reverse=True)

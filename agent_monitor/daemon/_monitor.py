@@ -246,9 +246,14 @@ class Monitor:
         lim = c.limits
         self.groups = GroupBook(max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s)
         """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
-        self._group_series: tuple[GroupSeries, ...] = ()
+        # Kept current one group at a time on the event loop; the scrape thread reads a copy, most recent first.
+        self._group_series: dict[str, GroupSeries] = {}
         self.registry.register(
-            GroupCollector(lambda: self._group_series, allow=c.metrics.groups, max_groups=c.metrics.max_group_series)
+            GroupCollector(
+                lambda: sorted(dict(self._group_series).values(), key=lambda s: s.last_at, reverse=True),
+                allow=c.metrics.groups,
+                max_groups=c.metrics.max_group_series,
+            )
         )
         self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
         self._families = CalibrationCollector(
@@ -594,7 +599,11 @@ class Monitor:
 
     def _group_changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
         """Refresh the group gauges; publish the group's ranking (retained) when asked."""
-        self._group_series = tuple(self.groups.series())
+        series = self.groups.series_of(group)
+        if series is None:
+            self._group_series.pop(group, None)
+        else:
+            self._group_series[group] = series
         g = self.groups.groups.get(group)
         if publish and g is not None:
             self._emit(GroupRanked(group, g.ranking(), republished=republished))
@@ -783,9 +792,8 @@ class Monitor:
                 await self.store.journal(record)
                 await self._apply(record)
             cleared = self.groups.due(self.clock())
-            if cleared:
-                self._group_series = tuple(self.groups.series())
             for group in cleared:
+                self._group_series.pop(group, None)
                 self._emit(GroupRanked(group, None))  # an empty retained payload clears the ranking
         self._metrics_sink.prune()
 
