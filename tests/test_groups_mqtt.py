@@ -20,7 +20,7 @@ from agent_monitor.daemon._state import RunLimits
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import FakeJudge
-from agent_monitor.wire import BrokerSettings, RankingOut, schemas
+from agent_monitor.wire import BrokerSettings, MonitorClient, RankingOut, schemas
 from tests.brokers import Mosquitto
 
 pytestmark = pytest.mark.timeout(120)
@@ -107,9 +107,11 @@ GROUP_POLICY = Policy(min_steps=2, patience=2, keep_top=2, prune_margin=0.2)
 
 
 async def _steps(h: Harness, runs: list[str], upto: int, start: int = 1) -> None:
+    """Steps in lockstep: each one scored (or its run told to abort) before the next, so none are coalesced."""
     for i in range(start, upto + 1):
         for r in runs:
             await h.publish(r, "step", {"index": i, "text": f"{r} did step {i}"})
+        await h.until(lambda i=i: all(h.last_step(r) >= i or h.signals(r) for r in runs))
 
 
 async def test_two_laggards_of_four_are_pruned_while_the_leaders_continue(broker: Mosquitto) -> None:
@@ -343,3 +345,23 @@ async def test_compare_is_off_by_default(broker: Mosquitto) -> None:
         await h.until(lambda: all(h.last_step(r) == 1 for r in ("x", "y")))
         assert not any("## Trajectory 2" in p.prefix_text() for p in judge.prompts)
         assert registry.get_sample_value("agent_monitor_compare_calls_total", {"outcome": "ok"}) == 0
+
+
+async def test_a_harness_on_monitor_client_is_told_it_was_pruned(broker: Mosquitto) -> None:
+    def harness_side() -> tuple[bool, bool, str | None]:
+        with MonitorClient(broker.url, client_id="harness-client") as client:
+            lead = client.start_run("lead-a", task="task of lead-a", group="pair", policy={"keep_top": 1})
+            lag = client.start_run("lag-c", task="task of lag-c", group="pair")
+            lead.step("lead-a did step 1")
+            lead.wait_progress(1)
+            for i in (1, 2):
+                lag.step(f"lag-c did step {i}")
+                lag.wait_progress(i)  # each step scored on its own: two scored steps behind
+            signal = lag.wait_signal("abort")
+            lead.end("success")
+            lag.end("failure")
+            return lag.pruned, lead.pruned, signal.leader
+
+    async with monitor(broker, FakeJudge(by_run), Policy(min_steps=1, patience=2, prune_margin=0.2)):
+        lag_pruned, lead_pruned, leader = await asyncio.to_thread(harness_side)
+    assert lag_pruned and not lead_pruned and leader == "lead-a"
