@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Self
 
 from .groups import GROUP_NAME_MAX, GroupState, GroupUpdate, RankingJSON
 from .judges.base import Judge
 from .policy import Policy
 from .progress import Decision, Progress
+from .selection import DEFAULT_PIVOTS, Comparison, Tournament, compare, tournament
 from .tracker import AsyncProgressTracker, ProgressTracker
 
 RankingCallback = Callable[[RankingJSON], object]
@@ -88,9 +90,40 @@ class _Group:
         with self._lock:
             return self.state.ranking()
 
+    def tied(self) -> list[str]:
+        with self._lock:
+            return self.state.tied_leaders()
+
+    def order(self, run_ids: list[str]) -> None:
+        with self._lock:
+            update = self.state.set_order(run_ids)
+        self._tell(update)
+
     def _tell(self, update: GroupUpdate) -> None:
         if update.changed and self.on_ranking is not None and update.ranking is not None:
             self.on_ranking(update.ranking)
+
+
+async def _tournament(
+    group: _Group, trackers: Mapping[str, AsyncProgressTracker], pivots: int
+) -> Tournament[str] | None:
+    """Order the leaders pointwise scores cannot separate by a pivot tournament of pairwise comparisons."""
+    tied = [r for r in group.tied() if r in trackers]
+    if len(tied) < 2:
+        return None
+    first = trackers[tied[0]]
+
+    async def pair(a: str, b: str) -> Comparison:
+        ta, tb = trackers[a], trackers[b]
+        return await compare(
+            first.task, list(ta.steps), list(tb.steps), judge=first.judge, criteria=first.rubric,
+            repeats=first.repeats, min_mass=first.min_mass,
+        )  # fmt: skip
+
+    result = await tournament(tied, pair, pivots=pivots)
+    # A failed tournament leaves the pointwise order (fail-open).
+    group.order(result.ranking if result.ok else [])
+    return result
 
 
 class AsyncGroupTracker:
@@ -148,6 +181,16 @@ class AsyncGroupTracker:
     def end(self, run_id: str, outcome: str | None = None) -> None:
         """A sibling ended (its rank stays; `outcome` shows in the ranking)."""
         self._group.end(run_id, outcome)
+
+    async def compare(self, *, pivots: int = DEFAULT_PIVOTS) -> Tournament[str] | None:
+        """Order the leaders whose scores are within their uncertainty by pairwise judge comparisons (both orders).
+
+        The pivot tournament (`agent_monitor.tournament`) over the tied leaders orders them in the ranking;
+        pruning stays pointwise. None when pointwise scores separate the leaders (no call made). It costs
+        judge calls (`Tournament.comparisons` comparisons of two calls per criterion): call it when the
+        order matters (e.g. before picking), the daemon's `policy.compare` does it as runs go.
+        """
+        return await _tournament(self._group, self.trackers, pivots)
 
     def ranking(self) -> RankingJSON:
         """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""
@@ -218,6 +261,14 @@ class GroupTracker:
         tracker = self.trackers.get(run_id)
         if tracker is not None:
             tracker.close()
+
+    def compare(self, *, pivots: int = DEFAULT_PIVOTS) -> Tournament[str] | None:
+        """`AsyncGroupTracker.compare`, blocking: order the tied leaders by pairwise judge comparisons."""
+        cores = {r: t._core for r, t in self.trackers.items()}
+        if not cores:
+            return None
+        portal = next(iter(self.trackers.values()))._portal
+        return portal.call(partial(_tournament, self._group, cores, pivots))
 
     def ranking(self) -> RankingJSON:
         """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""

@@ -79,3 +79,34 @@ async def test_the_async_group() -> None:
         group.run("a")
     with pytest.raises(TypeError, match="policy is the group's"):
         group.run("e", policy={})
+
+
+def _tied_judge(p: Prompt) -> Any:
+    # Pointwise: a slightly ahead of b, both spread wide (tied within their uncertainty). Pairwise: b, in either slot.
+    text = p.prefix_text()
+    if "## Trajectory 2" in text:
+        return "A" if text.index("run=b") < text.index("run=a") else "T"
+    last = text.rsplit("run=", 1)[1][0]
+    return {"a": {"L": 0.5, "T": 0.5}, "b": {"K": 0.5, "S": 0.5}, "c": "C"}[last]
+
+
+def test_compare_orders_tied_leaders_by_the_pivot_tournament() -> None:
+    rankings: list[Any] = []
+    with GroupTracker("t", judge=FakeJudge(_tied_judge), on_ranking=rankings.append) as group:
+        runs = {r: group.run(r) for r in "abc"}
+        for r, t in runs.items():
+            t.update(f"run={r} step 1")
+        assert group.leader == "a" and group.state.tied_leaders() == ["a", "b"]
+        result = group.compare()
+        assert result is not None and result.winner == "b" and result.comparisons == 1
+        assert [x["run_id"] for x in group.ranking()["runs"]] == ["b", "a", "c"]
+        assert rankings[-1]["leader"] == "b"
+
+
+async def test_compare_makes_no_call_when_pointwise_scores_separate_the_leaders() -> None:
+    judge = FakeJudge(by_run)
+    group = AsyncGroupTracker("t", judge=judge, policy=POLICY)
+    for r in LETTERS:
+        await group.run(r).update(f"run={r} step 1")
+    calls = len(judge.requests)
+    assert await group.compare() is None and len(judge.requests) == calls
