@@ -17,10 +17,11 @@ best *live sibling*, a prune always leaves at least `keep_top` live runs. A prun
 The ranking: runs not pruned (live or ended) before pruned ones; within each, higher score first,
 runs with no score last, then the order they joined. Rank 1 is the `leader`.
 
-API (stable; `agent_monitor.select` and `eval --groups` use it):
+API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
 
 - `GroupState(group, policy, max_runs=None)`: one group's memory.
-- `.join(run_id) -> GroupUpdate`: a run joins (idempotent; `GroupFull` past `max_runs`).
+- `.join(run_id) -> GroupUpdate`: a run joins (a live member again: no change; an ended or pruned one
+  joining again is a new run under that id; `GroupFull` past `max_runs`).
 - `.observe(run_id, step=, score=, uncertainty=, ok=, decide=True) -> GroupUpdate` (or
   `.observe_progress(run_id, p)`): fold one scoring of that run, in the run's step order;
   `update.prunes` lists the runs pruned now (`decide=False`: count, never prune; for rebuilding).
