@@ -128,35 +128,6 @@ def _setting(judge: Judge, tracker: AsyncProgressTracker, repeats: int) -> list[
     ]
 
 
-async def score_last(
-    runs: Sequence[RecordedRun],
-    *,
-    judge: Judge,
-    criteria: CriteriaSpec = None,
-    min_mass: float | None = None,
-    repeats: int = DEFAULT_REPEATS,
-    max_steps: int | None = None,
-    cache: ScoreCache | None = None,
-) -> list[Progress]:
-    """Each run's last prefix (of at most `max_steps` steps) scored as `score_runs` scores it, same cache keys."""
-    out = []
-    for run in runs:
-        steps = run.steps[:max_steps] if max_steps else run.steps
-        tracker = AsyncProgressTracker(
-            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name
-        )
-        for step in steps:
-            await tracker.add(step.text)
-        key = _key([*_setting(judge, tracker, repeats), run.task, *(s.text for s in steps)])
-        hit = cache.get(key) if cache else None
-        if hit is None:
-            hit = await tracker.score()
-            if cache:
-                cache.put(key, hit)
-        out.append(hit)
-    return out
-
-
 def pair_key(judge: Judge, rubric_hash: str, min_mass: float, repeats: int, max_chars: int, task: str,
              a: Sequence[str], b: Sequence[str]) -> str:  # fmt: skip
     """The cache key of a pairwise comparison of step texts `a` with `b`."""

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .criteria import CriteriaSpec, load_criteria
-from .evaluate import RunCurve, ScoreCache, pair_key, score_last
+from .evaluate import RunCurve, ScoreCache, pair_key, score_runs
 from .groups import GroupState
 from .judges.base import Judge, recommended_min_mass
 from .policy import Policy
-from .progress import Progress, Usage
+from .progress import Usage
 from .recorded import RecordedRun, load_recorded
 from .selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS, Comparison, Selection, compare, tournament
 
@@ -190,10 +190,12 @@ async def select_groups(
     cache: ScoreCache | None = None,
     on_call: Callable[[str], object] | None = None,
 ) -> SelectReport:
-    """Pick the best run of each group; the pointwise pick by the last step's score always comes along.
+    """Pick the best run of each group; the pointwise pick by the latest score always comes along.
 
-    Scores and comparisons are cached in `cache` (the same cache and keys as `eval`: scoring with
-    eval first makes the pointwise picks free).
+    A run's pointwise score is the latest one it got, prefix by prefix as live (up to `max_steps`;
+    a step whose scoring failed, e.g. a prompt over the judge's context, keeps the one before).
+    Scores and comparisons are cached in `cache` (the same cache and keys as `eval`: after an
+    `eval` with the same `max_steps` the pointwise scores are free).
     """
     rubric = load_criteria(criteria)
     mass = recommended_min_mass(judge) if min_mass is None else min_mass
@@ -204,14 +206,14 @@ async def select_groups(
         names = [r.name for r in g.runs]
         if len(set(names)) != len(names):
             names = [f"{i}:{n}" for i, n in enumerate(names)]
-        last = await score_last(
-            g.runs, judge=judge, criteria=rubric, min_mass=min_mass, repeats=repeats, max_steps=max_steps, cache=cache
-        )
-        if on_call:
-            for n in names:
-                on_call(f"{n}: pointwise")
-        scores = {n: p.score if p.ok else None for n, p in zip(names, last, strict=True)}
-        pointwise = _pick_pointwise(names, last)
+        curves = await score_runs(
+            g.runs, judge=judge, criteria=rubric, min_mass=min_mass, repeats=repeats, max_steps=max_steps, cache=cache,
+            on_step=(lambda run, p: on_call(f"{run.name} step {p.step}")) if on_call else None,
+        )  # fmt: skip
+        # As live: a run's pointwise standing is its latest score (a step whose scoring failed keeps the one before).
+        scores = {n: next((x for x in reversed(c.scores) if x is not None), None) for n, c in zip(names, curves,
+                  strict=True)}  # fmt: skip
+        pointwise = _pick_pointwise(names, scores)
         if pairwise:
             texts = {n: [s.text for s in (r.steps[:max_steps] if max_steps else r.steps)]
                      for n, r in zip(names, g.runs, strict=True)}  # fmt: skip
@@ -249,15 +251,12 @@ async def select_groups(
     return report
 
 
-def _pick_pointwise(names: list[str], last: Sequence[Progress]) -> Selection:
-    scores = {n: p.score if p.ok else None for n, p in zip(names, last, strict=True)}
+def _pick_pointwise(names: list[str], scores: Mapping[str, float | None]) -> Selection:
     ranking = sorted(names, key=lambda k: (scores[k] is None, -(scores[k] or 0.0), names.index(k)))
-    failures = [p for p in last if not p.ok]
+    unscored = sum(scores[n] is None for n in names)
     winner = ranking[0] if ranking and scores[ranking[0]] is not None else None
-    return Selection(
-        "pointwise", winner, ranking, scores, sum(p.calls for p in last), sum((p.usage for p in last), Usage()),
-        len(failures), failures[0].reason if failures else None, pointwise=dict(zip(names, last, strict=True)),
-    )  # fmt: skip
+    return Selection("pointwise", winner, ranking, dict(scores), 0, Usage(), unscored,
+                     "no_score" if unscored else None)  # fmt: skip
 
 
 def select_summary(report: SelectReport) -> str:

@@ -87,27 +87,16 @@ async def test_select_pointwise_reports_pick_accuracy_against_random_exactly(tmp
     # Random: 1/3 + 2/3 + 0, over three groups; the best possible: two groups have a success.
     assert report.random_accuracy == pytest.approx((1 / 3 + 2 / 3 + 0) / 3)
     assert report.oracle == pytest.approx(2 / 3)
-    assert report.pointwise_accuracy == report.accuracy and report.calls == 8
-    # One judge call per run: the whole trajectory, as its last step is scored.
-    assert judge.calls_made == 8 and {p.step for p in judge.prompts} == {6}
+    assert report.pointwise_accuracy == report.accuracy and report.calls == 48
+    # Every prefix is scored as live (8 runs of 6 steps); a run's standing is its latest score.
+    assert judge.calls_made == 48 and {p.step for p in judge.prompts} == set(range(1, 7))
     again = await ge.select_groups(groups(), judge=judge, cache=cache)
-    assert judge.calls_made == 8 and [g.pick for g in again.picks] == [g.pick for g in report.picks]
+    assert judge.calls_made == 48 and again.calls == 0 and [g.pick for g in again.picks] == [g.pick for g in report.picks]
     text = ge.select_summary(report)
     assert "pick accuracy (pointwise): 33%" in text and "random pick (expected): 33%" in text
     assert "verdict: no better than a random pick" in text
     data = ge.select_json(report)
     assert data["groups"][1]["random_success"] == pytest.approx(2 / 3)
-    cache.close()
-
-
-async def test_the_last_steps_score_is_what_eval_cached(tmp_path: Path) -> None:
-    judge = FakeJudge(pointwise)
-    cache = ev.ScoreCache(tmp_path / "c.sqlite3")
-    runs = [r for g in groups() for r in g.runs]
-    await ev.score_runs(runs, judge=judge, cache=cache, max_steps=4)
-    made = judge.calls_made
-    last = await ev.score_last(runs, judge=judge, cache=cache, max_steps=4)
-    assert judge.calls_made == made and all(p.ok and p.step == 4 for p in last)
     cache.close()
 
 
@@ -120,7 +109,7 @@ async def test_select_pairwise_runs_the_tournament_with_cached_comparisons(tmp_p
     assert [g.pointwise_pick for g in report.picks] == ["alpha__hi1", "beta__hi0", "gamma__mid0"]
     made = judge.calls_made
     pairs = sum(g.selection.tournament.comparisons for g in report.picks if g.selection.tournament)
-    assert made == report.calls == 8 + 2 * pairs
+    assert made == report.calls == 48 + 2 * pairs
     again = await ge.select_groups(groups(), judge=judge, pairwise=True, pivots=2, cache=cache)
     assert judge.calls_made == made and again.calls == 0
     assert [g.pick for g in again.picks] == [g.pick for g in report.picks]
@@ -130,7 +119,18 @@ async def test_select_pairwise_runs_the_tournament_with_cached_comparisons(tmp_p
 async def test_select_with_a_failing_judge_counts_a_miss_and_says_why() -> None:
     report = await ge.select_groups(groups()[:1], judge=FakeJudge([FakeJudge.failure("auth")]))
     assert report.picks[0].pick is None and report.accuracy == 0.0
-    assert "none (auth)" in ge.select_summary(report)
+    assert "none (no_score)" in ge.select_summary(report)
+    pair = await ge.select_groups(groups()[:1], judge=FakeJudge([FakeJudge.failure("auth")]), pairwise=True)
+    assert pair.picks[0].pick is None and "none (auth)" in ge.select_summary(pair)
+
+
+async def test_a_failed_last_step_keeps_the_runs_latest_score() -> None:
+    def answer(prompt: Prompt) -> str | BaseException:
+        return FakeJudge.failure("context_overflow") if prompt.step >= 5 else pointwise(prompt)
+
+    report = await ge.select_groups(groups(), judge=FakeJudge(answer))
+    assert [g.pick for g in report.picks] == ["alpha__hi1", "beta__hi0", "gamma__mid0"]
+    assert report.picks[0].pointwise_scores["alpha__hi1"] == pytest.approx(12 / 19)
 
 
 # -- eval --groups ---------------------------------------------------------------------------------------------------

@@ -671,8 +671,9 @@ async def _select(args: argparse.Namespace) -> int:
     judge = await _ready_judge(args, 8)
     out = Path(args.out)
     cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
-    # Pointwise: a score per run; pairwise adds at most a ring and k meetings per run (cached ones cost nothing).
-    total = sum(len(g.runs) * (1 + (1 + args.pivots) * args.pairwise) for g in groups)
+    # Pointwise: every prefix of every run; pairwise adds about a ring and k meetings per run.
+    steps = sum(min(len(r.steps), args.max_steps or len(r.steps)) for g in groups for r in g.runs)
+    total = steps + sum(len(g.runs) * (1 + args.pivots) * args.pairwise for g in groups)
     try:
         with _progress_bar(total, "judging") as advance:
             report = await ge.select_groups(
