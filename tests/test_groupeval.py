@@ -91,7 +91,9 @@ async def test_select_pointwise_reports_pick_accuracy_against_random_exactly(tmp
     # Every prefix is scored as live (8 runs of 6 steps); a run's standing is its latest score.
     assert judge.calls_made == 48 and {p.step for p in judge.prompts} == set(range(1, 7))
     again = await ge.select_groups(groups(), judge=judge, cache=cache)
-    assert judge.calls_made == 48 and again.calls == 0 and [g.pick for g in again.picks] == [g.pick for g in report.picks]
+    assert (
+        judge.calls_made == 48 and again.calls == 0 and [g.pick for g in again.picks] == [g.pick for g in report.picks]
+    )
     text = ge.select_summary(report)
     assert "pick accuracy (pointwise): 33%" in text and "random pick (expected): 33%" in text
     assert "verdict: no better than a random pick" in text
