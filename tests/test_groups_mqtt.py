@@ -365,3 +365,31 @@ async def test_a_harness_on_monitor_client_is_told_it_was_pruned(broker: Mosquit
     async with monitor(broker, FakeJudge(by_run), Policy(min_steps=1, patience=2, prune_margin=0.2)):
         lag_pruned, lead_pruned, leader = await asyncio.to_thread(harness_side)
     assert lag_pruned and not lead_pruned and leader == "lead-a"
+
+
+async def test_a_failed_comparison_leaves_the_pointwise_order(broker: Mosquitto) -> None:
+    pointwise = {"lead-a": {"L": 0.5, "T": 0.5}, "lead-b": {"K": 0.5, "S": 0.5}}
+
+    def answer(p: Prompt) -> Any:
+        text = p.prefix_text()
+        if "## Trajectory 2" in text:
+            return FakeJudge.failure("bad_response")  # every pairwise call fails
+        return next(v for run, v in pointwise.items() if f"task of {run}" in text)
+
+    registry = CollectorRegistry()
+    mon = monitor(broker, FakeJudge(answer), Policy(compare=True), registry=registry)
+    async with mon, harness(broker.port, "h") as h:
+        for r in pointwise:
+            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+        await _steps(h, list(pointwise), 1)
+
+        def failed() -> float:
+            return registry.get_sample_value("agent_monitor_compare_calls_total", {"outcome": "failed"}) or 0.0
+
+        await h.until(lambda: h.ranking("g") is not None and len(h.ranking("g")["runs"]) == 2)
+        # The tournament was started by the scoring of the second leader, before its progress went out.
+        await asyncio.gather(*mon._comparing.values())
+        assert failed() == 2
+        assert h.ranking("g")["leader"] == "lead-a"  # pointwise, as if no comparison had been asked
+        assert mon.groups.groups["g"].leader == "lead-a"
+        assert not any(h.signals(r) for r in pointwise)
