@@ -1,7 +1,7 @@
 """agent-monitor: live, fine-grained progress scores for running AI agents and robots.
 
 This module is the in-process hook and its vocabulary: trackers, judges, results, policy,
-calibration, criteria. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
+calibration, criteria, best-of-N selection. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
 `MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
 """
 
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .calibration import Calibration, CalibrationError, Family, Threshold
 from .criteria import CriteriaError, Criterion, Rubric, bundled_criteria, load_criteria
 from .extractors import register_extractor
+from .group_tracker import AsyncGroupTracker, GroupTracker
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
 from .policy import Policy, PolicyError
@@ -17,6 +18,7 @@ from .progress import Decision, Prices, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
 from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
+from .selection import Comparison, Selection, Tournament, aselect, compare, select, tournament
 from .tracker import AsyncProgressTracker, ProgressTracker, atrack, score_prefix, track
 
 if TYPE_CHECKING:
@@ -55,10 +57,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LETTERS",
+    "AsyncGroupTracker",
     "AsyncProgressTracker",
     "BaseJudge",
     "Calibration",
     "CalibrationError",
+    "Comparison",
     "CriteriaError",
     "Criterion",
     "CriterionScore",
@@ -67,6 +71,7 @@ __all__ = [
     "Frame",
     "FrameBudget",
     "GeminiJudge",
+    "GroupTracker",
     "ImageError",
     "Judge",
     "JudgeError",
@@ -88,14 +93,18 @@ __all__ = [
     "RuleInput",
     "RuleScore",
     "ScoreError",
+    "Selection",
     "Signal",
     "Step",
     "Threshold",
+    "Tournament",
     "Usage",
     "__version__",
+    "aselect",
     "atrack",
     "build_prompt",
     "bundled_criteria",
+    "compare",
     "distribution",
     "load_criteria",
     "load_image",
@@ -103,5 +112,7 @@ __all__ = [
     "register_extractor",
     "register_rule",
     "score_prefix",
+    "select",
+    "tournament",
     "track",
 ]

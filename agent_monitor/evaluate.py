@@ -34,6 +34,7 @@ from .judges.base import Judge
 from .policy import AUTO, Policy, PolicyState, held_out
 from .progress import Progress
 from .recorded import RecordedRun
+from .selection import Comparison
 from .tracker import DEFAULT_REPEATS, AsyncProgressTracker
 
 QUANTILES = (0.25, 0.5, 0.75)
@@ -79,6 +80,7 @@ class ScoreCache:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path)
         self.db.execute("CREATE TABLE IF NOT EXISTS scores (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS pairs (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
 
     def get(self, key: str) -> Progress | None:
         """The cached result, or None."""
@@ -89,6 +91,17 @@ class ScoreCache:
         """Cache a result (only successful ones: a failed call is retried next time)."""
         if p.ok:
             self.db.execute("INSERT OR REPLACE INTO scores VALUES (?, ?)", (key, json.dumps(p.to_json())))
+            self.db.commit()
+
+    def get_pair(self, key: str) -> Comparison | None:
+        """The cached pairwise comparison, or None."""
+        row = self.db.execute("SELECT body FROM pairs WHERE key = ?", (key,)).fetchone()
+        return Comparison.from_json(json.loads(row[0])) if row else None
+
+    def put_pair(self, key: str, c: Comparison) -> None:
+        """Cache a comparison (only a successful one: a failed one is asked again next time)."""
+        if c.ok:
+            self.db.execute("INSERT OR REPLACE INTO pairs VALUES (?, ?)", (key, json.dumps(c.to_json())))
             self.db.commit()
 
     def close(self) -> None:
@@ -102,6 +115,25 @@ def _key(parts: Iterable[str]) -> str:
         h.update(p.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def _setting(judge: Judge, tracker: AsyncProgressTracker, repeats: int) -> list[str]:
+    """What besides the text determines a score: the cache key's head."""
+    return [
+        getattr(judge, "name", ""),
+        getattr(judge, "model", "") or "",
+        tracker.rubric.hash,
+        f"{tracker.min_mass}",
+        f"{repeats}",
+    ]
+
+
+def pair_key(judge: Judge, rubric_hash: str, min_mass: float, repeats: int, max_chars: int, task: str,
+             a: Sequence[str], b: Sequence[str]) -> str:  # fmt: skip
+    """The cache key of a pairwise comparison of step texts `a` with `b`."""
+    setting = ["pair", getattr(judge, "name", ""), getattr(judge, "model", "") or "", rubric_hash, f"{min_mass}",
+               f"{repeats}", f"{max_chars}"]  # fmt: skip
+    return _key([*setting, task, f"{len(a)}", *a, f"{len(b)}", *b])
 
 
 async def score_runs(
@@ -123,13 +155,7 @@ async def score_runs(
             run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name
         )
         curve = RunCurve(run.name, run.outcome, [], family=tracker.family)
-        setting = [
-            getattr(judge, "name", ""),
-            getattr(judge, "model", "") or "",
-            tracker.rubric.hash,
-            f"{tracker.min_mass}",
-            f"{repeats}",
-        ]
+        setting = _setting(judge, tracker, repeats)
         texts: list[str] = [run.task]
         for step in steps:
             await tracker.add(step.text)

@@ -40,6 +40,11 @@ class Policy:
       `regression` from the run's best; back to continue when neither holds.
     - A score with `uncertainty` above `max_uncertainty` neither counts toward
       nor breaks a streak: a low but very uncertain score must not abort a run.
+    - group (a run started with `start.group`, or a `GroupTracker`'s): prune a live run whose
+      score stays more than `prune_margin` below the `keep_top`-th best live sibling for
+      `patience` scored steps after `min_steps` (beyond both runs' uncertainty); never below
+      `keep_top` live runs. `compare` orders leaders pointwise scores cannot separate by pairwise
+      judge calls. See `agent_monitor.groups`.
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     """
 
@@ -69,22 +74,44 @@ class Policy:
         },
     )
 
+    keep_top: int = field(
+        default=1,
+        metadata={"help": "in a group (start.group): never prune below this many live runs; the k of 'k-th best'"},
+    )
+    prune_margin: float | None = field(
+        default=None,
+        metadata={
+            "help": "in a group: prune a run whose score stays more than this below the keep-top-th best live "
+            "sibling for patience scored steps (and beyond both runs' uncertainty); none: never prune"
+        },
+    )
+    compare: bool = field(
+        default=False,
+        metadata={
+            "help": "in a group: when the leaders' scores are within their uncertainty, rank them by pairwise "
+            "judge comparisons (pivot tournament; costs judge calls)"
+        },
+    )
+
     def __post_init__(self) -> None:
-        for name in ("abort_below", "resample_below", "regression"):
+        for name in ("abort_below", "resample_below", "regression", "prune_margin"):
             v = getattr(self, name)
             if name == "abort_below" and v == AUTO:
                 continue
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
+            if v is not None and (
+                isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0)
+            ):
                 raise PolicyError(
                     f"policy {name}={v!r}: use a number in [0, 1]"
                     + (', or "auto"' if name == "abort_below" else "")
                     + ", or leave it out"
                 )
-        if not (isinstance(self.min_steps, int) and self.min_steps >= 0):
+        if isinstance(self.min_steps, bool) or not (isinstance(self.min_steps, int) and self.min_steps >= 0):
             raise PolicyError(f"policy min_steps={self.min_steps!r}: use an integer >= 0")
-        if not (isinstance(self.patience, int) and self.patience >= 1):
+        if isinstance(self.patience, bool) or not (isinstance(self.patience, int) and self.patience >= 1):
             raise PolicyError(f"policy patience={self.patience!r}: use an integer >= 1")
-        if not (isinstance(self.max_uncertainty, (int, float)) and 0.0 <= self.max_uncertainty <= 1.0):
+        mu = self.max_uncertainty
+        if isinstance(mu, bool) or not (isinstance(mu, (int, float)) and 0.0 <= mu <= 1.0):
             raise PolicyError(f"policy max_uncertainty={self.max_uncertainty!r}: use a number in [0, 1]")
         a = self.alpha
         if isinstance(a, bool) or not (isinstance(a, (int, float)) and 0.0 < a < 1.0):
@@ -93,6 +120,12 @@ class Policy:
         h = self.holdout
         if isinstance(h, bool) or not (isinstance(h, (int, float)) and 0.0 <= h < 1.0):
             raise PolicyError(f"policy holdout={h!r}: use a share in [0, 1), e.g. {DEFAULT_HOLDOUT}")
+
+        k = self.keep_top
+        if isinstance(k, bool) or not (isinstance(k, int) and k >= 1):
+            raise PolicyError(f"policy keep_top={k!r}: use an integer >= 1 (the live runs a group always keeps)")
+        if not isinstance(self.compare, bool):
+            raise PolicyError(f"policy compare={self.compare!r}: use true or false")
 
     @property
     def auto(self) -> bool:
@@ -108,7 +141,7 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy setting(s) {unknown}; known: {sorted(known)}")
         values = dict(overrides)
-        for key in ("min_steps", "patience"):
+        for key in ("min_steps", "patience", "keep_top"):
             if isinstance(values.get(key), float) and values[key].is_integer():
                 values[key] = int(values[key])
         return dataclasses.replace(self, **values)

@@ -176,6 +176,8 @@ class DecisionJSON(TypedDict):
     changed: bool
     abort_below: float | None
     calibration: str | None
+    pruned: bool
+    leader: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +195,10 @@ class Decision:
     """The abort threshold in force for this decision (None: no abort rule, or not calibrated yet)."""
     calibration: str | None = None
     """For `abort_below="auto"`: where the threshold came from, or why there is none yet."""
+    pruned: bool = False
+    """An abort decided by the group policy: the run fell behind its siblings (see `agent_monitor.groups`)."""
+    leader: str | None = None
+    """For a pruned run: the group's leading run at the time."""
 
     def to_json(self) -> DecisionJSON:
         """The JSON form."""
@@ -206,6 +212,8 @@ class Decision:
             "changed": self.changed,
             "abort_below": _finite(self.abort_below),
             "calibration": self.calibration,
+            "pruned": self.pruned,
+            "leader": self.leader,
         }
 
     @classmethod
@@ -221,6 +229,8 @@ class Decision:
             changed=bool(data.get("changed", False)),
             abort_below=data.get("abort_below"),
             calibration=data.get("calibration"),
+            pruned=bool(data.get("pruned", False)),
+            leader=data.get("leader"),
         )
 
 
@@ -264,6 +274,7 @@ class ProgressJSON(TypedDict):
     run_id: str | None
     step: int
     score: float | None
+    delta: float | None
     uncertainty: float | None
     criteria: dict[str, CriterionJSON]
     ok: bool
@@ -295,7 +306,8 @@ class Progress:
     `score` is None exactly when `ok` is False; `error` then says why and
     `reason` gives a short code (see `FAILURES`: timeout, rate_limited, no_letter, low_mass, ..).
     `criteria` holds the criteria that were scored, even on a partial failure.
-    `signal` is the run policy's decision after this result, when the run has a policy.
+    `signal` is the run policy's decision after this result, when the run has a policy (or a group).
+    `delta` is the score's change since the run's previous scored step (None at the first or when either is None).
     `images_dropped` counts the image parts the judge got as text placeholders instead of
     pixels, over this result's judge calls (a text-only judge, or a model that refused images).
     `usage` is what this scoring's judge calls spent; `totals` the run's running totals: every judge
@@ -328,6 +340,9 @@ class Progress:
     signal: Decision | None = None
     run_id: str | None = None
     degraded: bool = False
+    delta: float | None = None
+    """The score's change since the run's previous scored step (None at the first, or when either has no score):
+    a shaped reward an RL trainer can use without keeping state."""
 
     def to_json(self) -> ProgressJSON:
         """The one JSON form (the MQTT progress message; what the run store keeps)."""
@@ -336,6 +351,7 @@ class Progress:
             "run_id": self.run_id,
             "step": self.step,
             "score": _finite(self.score),
+            "delta": _finite(self.delta),
             "uncertainty": _finite(self.uncertainty),
             "criteria": {n: _criterion_json(c) for n, c in self.criteria.items()},
             "ok": self.ok,
@@ -397,6 +413,7 @@ class Progress:
             signal=Decision.from_json(decision) if decision else None,
             run_id=data.get("run_id"),
             degraded=bool(data.get("degraded", False)),
+            delta=data.get("delta"),
         )
 
 

@@ -24,6 +24,7 @@ from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
+from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
 from ._flags import FlagError, HelpFormatter, add_flags, build, given
@@ -144,6 +145,15 @@ def _command(
     )
 
 
+def _group_flags(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--group-by",
+        choices=("task", "folder", "name"),
+        default="task",
+        help="siblings are runs with the same task text, in the same folder, or with the same name before '__'",
+    )
+
+
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from .. import __version__
     from ..daemon import MonitorConfig
@@ -221,11 +231,57 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default="task",
         help="a family per task (as the monitor keys runs without start.family), or all runs in one (pools tasks)",
     )
+    groups = ev.add_argument_group("best of N (group pruning)")
+    groups.add_argument(
+        "--groups",
+        action="store_true",
+        help="also treat runs of one task as siblings launched together, replay them through the live group policy "
+        "for a grid of keep-top / prune-margin, and compare with random pruning at the same step budget "
+        "(eval_groups.json)",
+    )
+    _group_flags(groups)
     ev.add_argument(
         "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
     )
     ev.add_argument(
         "--cache", metavar="FILE", help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+    )
+
+    sel = _command(
+        sub,
+        "select",
+        "pick the best of each group of finished runs (best of N); with outcomes, report the pick accuracy",
+        "Groups are runs of one task (--group-by). The pick is the highest pointwise score of the last step, or with "
+        "--pairwise the pivot tournament of pairwise judge comparisons (both orders each). With known outcomes it "
+        "reports the share of groups whose pick succeeded, against a random pick and the last step's pointwise pick.",
+    )
+    sel.add_argument("path", help="a folder of recorded runs (.json, ATIF or plain)")
+    add_flags(sel, JudgeOptions, environ, title="judge")
+    sel.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
+    add_flags(sel, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
+    sel.add_argument("--max-steps", type=int, metavar="N", help="judge at most this many steps per run (default: all)")
+    _group_flags(sel)
+    pair = sel.add_argument_group("pairwise (pivot tournament)")
+    pair.add_argument("--pairwise", action="store_true", help="pick by the pivot tournament of pairwise comparisons")
+    pair.add_argument(
+        "--pivots", type=int, default=DEFAULT_PIVOTS, metavar="K", help="candidates that meet every other one"
+    )
+    pair.add_argument(
+        "--rings", type=int, default=1, metavar="N", help="ring passes (random Hamiltonian cycles) that pick the pivots"
+    )
+    pair.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the ring passes")
+    pair.add_argument(
+        "--max-chars",
+        type=int,
+        default=DEFAULT_PAIR_CHARS,
+        metavar="N",
+        help="characters of step text a pairwise prompt holds for both runs (each keeps its newest steps)",
+    )
+    sel.add_argument("--out", default="agent-monitor-select", metavar="DIR", help="folder for the JSON report")
+    sel.add_argument(
+        "--cache",
+        metavar="FILE",
+        help="score cache file (default: OUT/score-cache.sqlite3; eval's cache serves the pointwise scores)",
     )
 
     rp = _command(sub, "replay", "publish recorded runs to a broker as live runs (to watch the monitor)")
@@ -578,6 +634,11 @@ async def _eval(args: argparse.Namespace) -> int:
         calibrated = ev.calibrate(curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by)
         (out / "eval_calibrate.json").write_text(json.dumps(ev.calibrate_json(calibrated), indent=2))
         files.append(out / "eval_calibrate.json")
+    grouped = None
+    if args.groups:
+        grouped, data = _eval_groups(args, curves, policy)
+        (out / "eval_groups.json").write_text(json.dumps(data, indent=2))
+        files.append(out / "eval_groups.json")
     try:
         files.append(ev.plot(report, out / "eval.png"))
     except ImportError:
@@ -587,11 +648,66 @@ async def _eval(args: argparse.Namespace) -> int:
     print(ev.summary(report))
     if calibrated is not None:
         print("\n" + ev.calibrate_summary(calibrated))
+    if grouped is not None:
+        print("\n" + grouped)
     print(
         f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
         + ", ".join(map(str, files))
     )
     return 0
+
+
+async def _select(args: argparse.Namespace) -> int:
+    from .. import evaluate as ev
+    from .. import groupeval as ge
+
+    if not args.judge:
+        return _fail(_NO_JUDGE)
+    if args.pivots < 1 or args.rings < 1:
+        return _fail(f"--pivots {args.pivots} --rings {args.rings}: use 1 or more of each")
+    groups = ge.group_runs(ge.load_runs(args.path), args.group_by)
+    if not groups:
+        return _fail(f"no recorded runs in {args.path}")
+    judge = await _ready_judge(args, 8)
+    out = Path(args.out)
+    cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
+    # Pointwise: every prefix of every run; pairwise adds about a ring and k meetings per run.
+    steps = sum(min(len(r.steps), args.max_steps or len(r.steps)) for g in groups for r in g.runs)
+    total = steps + sum(len(g.runs) * (1 + args.pivots) * args.pairwise for g in groups)
+    try:
+        with _progress_bar(total, "judging") as advance:
+            report = await ge.select_groups(
+                groups, judge=judge, pairwise=args.pairwise, criteria=args.criteria, repeats=args.repeats,
+                min_mass=args.min_mass, max_steps=args.max_steps, pivots=args.pivots, rings=args.rings,
+                seed=args.seed, max_chars=args.max_chars, cache=cache, on_call=advance,
+            )  # fmt: skip
+    finally:
+        cache.close()
+        await judge.aclose()
+    _write_json(out / "select.json", ge.select_json(report))
+    print(ge.select_summary(report))
+    print(f"wrote {out / 'select.json'}")
+    return 0
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _eval_groups(args: argparse.Namespace, curves: Sequence[Any], policy: Policy) -> tuple[str, dict[str, Any]]:
+    """eval --groups: the curves, grouped into siblings, replayed through the live group policy."""
+    from .. import groupeval as ge
+
+    loaded = ge.load_runs(args.path)  # the files eval scored, in the same (sorted) order, with their folders
+    if [r.name for r, _ in loaded] != [c.name for c in curves]:
+        raise CliError(f"the recorded runs in {args.path} changed while eval ran; run it again")
+    by_name = {id(r): c for (r, _p), c in zip(loaded, curves, strict=True)}
+    sibling_groups = [
+        (g.name, ge.siblings(g.runs, [by_name[id(r)] for r in g.runs])) for g in ge.group_runs(loaded, args.group_by)
+    ]
+    report = ge.prune_report(sibling_groups, policy=dataclasses.replace(policy, abort_below=None), seed=args.seed)
+    return ge.prune_summary(report), ge.prune_json(report)
 
 
 def _eval_policy(args: argparse.Namespace) -> Policy:
@@ -843,6 +959,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return asyncio.run(_demo(args))
         if args.command == "eval":
             return asyncio.run(_eval(args))
+        if args.command == "select":
+            return asyncio.run(_select(args))
         if args.command == "replay":
             from ._replay import replay_cli
 

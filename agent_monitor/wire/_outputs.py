@@ -8,13 +8,13 @@ keeps working with a newer monitor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..policy import Policy
 from ..progress import ERROR_REASONS, Decision, Progress, Signal
-from ._topics import RunId
+from ._topics import GroupName, RunId
 
 
 class _Out(BaseModel):
@@ -79,6 +79,10 @@ class DecisionOut(_Out):
     calibration: str | None = Field(
         default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
     )
+    pruned: bool = Field(
+        default=False, description="An abort decided by the group policy: the run fell behind its siblings."
+    )
+    leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
 
 
 class ProgressOut(_Out):
@@ -87,6 +91,11 @@ class ProgressOut(_Out):
     run_id: RunId
     step: int
     score: float | None = Field(description="Null when the judge failed; never a made-up default.")
+    delta: float | None = Field(
+        default=None,
+        description="The score's change since the run's previous scored step (null at the first, or when either "
+        "score is null): a shaped reward that needs no state.",
+    )
     uncertainty: float | None = None
     criteria: dict[str, CriterionOut] = Field(default_factory=dict)
     ok: bool
@@ -148,7 +157,11 @@ class SignalOut(_Out):
     calibration: str | None = Field(
         default=None, description='With abort_below "auto": where the threshold came from, or why there is none yet.'
     )
-    policy: dict[str, float | int | str | None] = Field(default_factory=dict)
+    pruned: bool = Field(
+        default=False, description="An abort decided by the group policy: the run fell behind its siblings."
+    )
+    leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
+    policy: dict[str, bool | float | int | str | None] = Field(default_factory=dict)
 
     @classmethod
     def from_decision(cls, run_id: str, decision: Decision, policy: Policy) -> SignalOut:
@@ -159,6 +172,30 @@ class SignalOut(_Out):
 def signal_json(run_id: str, decision: Decision, policy: Policy) -> dict[str, Any]:
     """The signal message's JSON: the decision's one JSON form, with the run and the policy in force."""
     return {**decision.to_json(), "run_id": run_id, "policy": policy.as_dict()}
+
+
+class RankedRunOut(_Out):
+    """One run in a group's ranking."""
+
+    run_id: RunId
+    rank: int = Field(ge=1, description="1 = best.")
+    score: float | None = Field(default=None, description="The run's latest counted score (null: none yet).")
+    uncertainty: float | None = None
+    step: int | None = Field(default=None, description="The step that score is for.")
+    state: Literal["live", "pruned", "ended"]
+    outcome: str | None = Field(default=None, description="The run's end outcome, once it ended with one.")
+
+
+class RankingOut(_Out):
+    """`{prefix}/_groups/{group}/ranking` (retained): a group's sibling runs, best first; empty when it is cleared.
+
+    Published when the order or a state changes; cleared when the group's last run has ended and the
+    grace period passed. Runs not pruned come before pruned ones; within each, higher score first.
+    """
+
+    group: GroupName
+    leader: RunId | None = Field(description="The rank-1 run.")
+    runs: list[RankedRunOut] = Field(description="Sorted by rank.")
 
 
 class ErrorOut(_Out):
