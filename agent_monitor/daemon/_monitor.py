@@ -223,7 +223,7 @@ class Monitor:
         )
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
         self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
-        self._decode: dict[str, Any] = {
+        self._decode_args: dict[str, Any] = {
             "prefix": c.prefix,
             "max_payload": c.max_payload_bytes,
             "max_image_bytes": c.max_image_bytes,
@@ -247,6 +247,7 @@ class Monitor:
                 client_id=c.client_id,
                 protocol=c.protocol,
                 session_expiry_s=c.session_expiry_s,
+                receive_window=c.receive_window,
                 metrics=self.metrics,
             )
             if c.broker is not None
@@ -283,7 +284,9 @@ class Monitor:
         try:
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.link is not None:
-                self._tasks.append(tg.create_task(self.link.run(self.handle, self.outbox, first=first), name="mqtt"))
+                self._tasks.append(
+                    tg.create_task(self.link.run(self.handle_batch, self.outbox, first=first), name="mqtt")
+                )
             for i in range(self.config.max_concurrency):
                 self._tasks.append(tg.create_task(self.scheduler.worker(), name=f"scorer-{i + 1}"))
             self._tasks.append(tg.create_task(self._sweeper(), name="sweeper"))
@@ -381,39 +384,107 @@ class Monitor:
         broker delivers it again. The monitor's own outputs (progress, signal, error, `_errors`), which its
         subscription `{prefix}/+/+` also matches, are ignored: acknowledged, not reported.
         """
+        (error,) = await self.handle_batch([(topic, payload, delivery)])
+        if error is not None:
+            raise error
+
+    async def handle_batch(self, messages: Sequence[tuple[str, bytes, Delivery | None]]) -> list[BaseException | None]:
+        """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
+
+        A message whose record failed to commit gets its error (it must not be acknowledged: the broker
+        delivers it again); None means handled (accepted, refused or ignored) and safe to acknowledge.
+        Each record is applied only after its transaction commits, so the state never runs ahead of the
+        journal. A batch is decided against the state before it, so it holds at most one record per run,
+        and a record whose decision reads other runs (a start that evicts, an orphan step) commits alone.
+        """
+        decoded = [await self._decode(topic, payload) for topic, payload, _ in messages]
+        errors: list[BaseException | None] = [None] * len(messages)
+        batch: list[tuple[int, Record]] = []
+        runs: set[str] = set()
+        async with self._lock:
+            for i, d in enumerate(decoded):
+                if d is None:
+                    continue
+                run_id, event = d
+                topic, delivery = messages[i][0], messages[i][2]
+                if run_id in runs:
+                    await self._commit(batch, errors)
+                    runs.clear()
+                verdict = self.book.decide(run_id, event, self.clock(), delivery)
+                if batch and self._alone(verdict, len(batch)):
+                    await self._commit(batch, errors)
+                    runs.clear()
+                    verdict = self.book.decide(run_id, event, self.clock(), delivery)  # against the state now
+                if isinstance(verdict, Refusal):
+                    self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
+                    continue
+                if isinstance(verdict, Duplicate):
+                    self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
+                    continue
+                if isinstance(verdict, Started):
+                    try:
+                        self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
+                    except Exception as e:  # validated on decode; still the run's problem, never the daemon's
+                        self._emit(
+                            Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic)
+                        )
+                        continue
+                batch.append((i, verdict))
+                runs.add(run_id)
+                if self._alone(verdict, 0):
+                    await self._commit(batch, errors)
+                    runs.clear()
+            await self._commit(batch, errors)
+        return errors
+
+    async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:
+        """The run id and event of one input message; None for the monitor's own outputs and refused input."""
         if self.topics.is_output(topic):
-            return
+            return None
         try:
             if len(payload) > _INLINE_DECODE_BYTES:
-                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode)
+                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode_args)
             else:
-                run_id, event = decode_event(topic, payload, **self._decode)
+                run_id, event = decode_event(topic, payload, **self._decode_args)
             if any(i.remote for i in getattr(event, "images", ())):
                 await asyncio.to_thread(
                     fetch_images, run_id, event, image_dirs=self.image_dirs, max_bytes=self.config.max_image_bytes
                 )
         except EventError as e:
             self._emit(Refused(e.run_id, e.reason, e.message, topic))
+            return None
+        return run_id, event
+
+    def _alone(self, verdict: object, pending: int) -> bool:
+        """Whether a record reads state beyond its own run, so it must not share a batch decided on older state.
+
+        A start that evicts the run idle longest (`pending` starts of the batch count towards --max-runs),
+        and an orphan step (the number of runs with orphan steps is bounded).
+        """
+        if isinstance(verdict, Orphaned):
+            return True
+        return isinstance(verdict, Started) and len(self.book.live) + pending >= self.book.limits.max_runs
+
+    async def _commit(self, batch: list[tuple[int, Record]], errors: list[BaseException | None]) -> None:
+        """Journal a batch's records in one transaction, then apply them; on a failure mark them unacknowledgeable."""
+        if not batch:
             return
-        async with self._lock:
-            verdict = self.book.decide(run_id, event, self.clock(), delivery)
-            if isinstance(verdict, Refusal):
-                self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
-                return
-            if isinstance(verdict, Duplicate):
-                self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
-                return
-            if isinstance(verdict, Started):
-                try:
-                    self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
-                except Exception as e:  # validated on decode; still the run's problem, never the daemon's
-                    self._emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
-                    return
-            # Journaled before it counts, and before the broker is told it arrived (the link acks on
-            # return): a crash in between makes the broker redeliver it. A failure here raises: no ack.
-            await self.store.journal(verdict)
-            self._emit(Accepted(run_id, _KINDS[type(verdict)]))
-            await self._apply(verdict)
+        try:
+            # Journaled before they count, and before the broker is told they arrived (the link acks once the
+            # batch is handled): a crash in between makes the broker redeliver them.
+            await self.store.journal_batch([r for _, r in batch])
+        except Exception as e:
+            log.warning("journal_failed", records=len(batch), error=f"{type(e).__name__}: {e}")
+            for i, r in batch:
+                errors[i] = e
+                if isinstance(r, Started):
+                    self._prepared.pop(r.run_id, None)
+            batch.clear()
+            return
+        for _, r in batch:
+            self._emit(Accepted(r.run_id, _KINDS[type(r)]))
+            await self._apply(r)
+        batch.clear()
 
     async def _apply(self, record: Record, *, replaying: bool = False) -> None:
         """Apply a journaled record to the run state and act on what it changed."""

@@ -31,7 +31,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -63,6 +63,8 @@ PLACEHOLDER_PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 _SCHEMA_VERSION = 2
+_GROUP_MAX = 256
+"""Writes the writer thread commits in one transaction at most (it takes what is waiting, up to this)."""
 _DELIVERIES_KEPT = 65_536
 """Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
 
@@ -86,6 +88,10 @@ class RunStore(Protocol):
 
     async def journal(self, record: Record) -> None:
         """Record durably, before the daemon applies it (and so before the message is acknowledged)."""
+        ...
+
+    async def journal_batch(self, records: Sequence[Record]) -> None:
+        """Record several in order, all or none (one transaction): the daemon's group commit of a batch of messages."""
         ...
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
@@ -215,19 +221,73 @@ class SqliteStore:
     # -- the writer thread: every statement runs here, in submission order --
 
     def _writer(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
+        # Group commit: every write waiting when the thread gets to it shares one transaction (one WAL commit),
+        # each inside its own savepoint so one failing write fails alone. Futures resolve only after COMMIT.
+        stop = False
+        while not stop:
+            job = self._jobs.get()
+            if job is None:
+                break
+            group = [job]
+            while len(group) < _GROUP_MAX:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+            self._run_group(group)
+
+    def _run_group(
+        self, group: list[tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]]
+    ) -> None:
+        db = self._db
+        done: list[tuple[concurrent.futures.Future[Any], Any]] = []
+        failed: list[tuple[concurrent.futures.Future[Any], BaseException]] = []
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except BaseException as e:
+            for _, fut in group:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+            return
+        for fn, fut in group:
             if not fut.set_running_or_notify_cancel():
                 continue
+            db.execute("SAVEPOINT job")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                result = fn(self._db)
-                self._db.execute("COMMIT")
+                result = fn(db)
             except BaseException as e:
-                self._db.execute("ROLLBACK")
-                fut.set_exception(e)
+                failed.append((fut, e))
+                if db.in_transaction:
+                    db.execute("ROLLBACK TO job")
+                    db.execute("RELEASE job")
+                else:  # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it are gone too
+                    failed.extend((f, e) for f, _ in done)
+                    done.clear()
+                    db.execute("BEGIN IMMEDIATE")
             else:
-                fut.set_result(result)
+                db.execute("RELEASE job")
+                done.append((fut, result))
+        try:
+            self._commit(db)
+        except BaseException as e:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            failed.extend((f, e) for f, _ in done)
+            done.clear()
+        if failed:
+            self._frames_total.clear()  # a cache of what is committed: a rolled-back write may have moved it
+        for fut, result in done:
+            fut.set_result(result)
+        for fut, error in failed:
+            fut.set_exception(error)
+
+    def _commit(self, db: sqlite3.Connection) -> None:
+        """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O error would)."""
+        db.execute("COMMIT")
 
     def _submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
         if self._closed:
@@ -251,6 +311,18 @@ class SqliteStore:
     async def journal(self, record: Record) -> None:
         """Write one record (images once per digest) and wait until it is committed."""
         await self._run(self._writer_for(record))
+
+    async def journal_batch(self, records: Sequence[Record]) -> None:
+        """Write records in order in one transaction and wait until it is committed; on a failure none is kept."""
+        if not records:
+            return
+        writers = [self._writer_for(r) for r in records]
+
+        def write(db: sqlite3.Connection) -> None:
+            for w in writers:
+                w(db)
+
+        await self._run(write)
 
     def _writer_for(self, record: Record) -> Callable[[sqlite3.Connection], None]:
         run_id, at = record.run_id, record.at
@@ -666,6 +738,11 @@ class MemoryStore:
             self.ended_log.append((run_id, None))
         self.records.append(record)
 
+    async def journal_batch(self, records: Sequence[Record]) -> None:
+        """Keep records, in order."""
+        for r in records:
+            await self.journal(r)
+
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
         """Keep a score."""
         self.progress.setdefault(run_id, {})[step] = data
@@ -710,6 +787,9 @@ class NoStore:
     """No run store: nothing is journaled and a restart forgets every run (a Monitor given no store)."""
 
     async def journal(self, record: Record) -> None:
+        """Keep nothing."""
+
+    async def journal_batch(self, records: Sequence[Record]) -> None:
         """Keep nothing."""
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
