@@ -78,7 +78,7 @@ class Counter:
     """A sink counting accepted events, with the time of the last one."""
 
     def __init__(self) -> None:
-        from agent_monitor.daemon._sinks import Accepted
+        from agent_monitor.daemon import Accepted
 
         self.events = (Accepted,)
         self.accepted = 0

@@ -470,19 +470,26 @@ class Monitor:
         """Journal a batch's records in one transaction, then apply them; on a failure mark them unacknowledgeable."""
         if not batch:
             return
+        records = [r for _, r in batch]
+        committed = 0
         try:
             # Journaled before they count, and before the broker is told they arrived (the link acks once the
             # batch is handled): a crash in between makes the broker redeliver them.
-            await self.store.journal_batch([r for _, r in batch])
+            group = getattr(self.store, "journal_batch", None)
+            if group is not None:
+                await group(records)
+                committed = len(records)
+            else:  # a store of the user's without group commits: one by one, the committed ones count
+                for r in records:
+                    await self.store.journal(r)
+                    committed += 1
         except Exception as e:
-            log.warning("journal_failed", records=len(batch), error=f"{type(e).__name__}: {e}")
-            for i, r in batch:
+            log.warning("journal_failed", records=len(batch) - committed, error=f"{type(e).__name__}: {e}")
+            for i, r in batch[committed:]:
                 errors[i] = e
                 if isinstance(r, Started):
                     self._prepared.pop(r.run_id, None)
-            batch.clear()
-            return
-        for _, r in batch:
+        for _, r in batch[:committed]:
             self._emit(Accepted(r.run_id, _KINDS[type(r)]))
             await self._apply(r)
         batch.clear()

@@ -84,14 +84,14 @@ class Replay:
 
 
 class RunStore(Protocol):
-    """Where runs are journaled: the narrow seam between the daemon and durable state."""
+    """Where runs are journaled: the narrow seam between the daemon and durable state.
+
+    A store may also offer `async journal_batch(records)`: several records in order, all or none (one
+    transaction), the daemon's group commit of the messages it handles together (SqliteStore, MemoryStore
+    and NoStore do). Without it the daemon journals a batch's records one by one."""
 
     async def journal(self, record: Record) -> None:
         """Record durably, before the daemon applies it (and so before the message is acknowledged)."""
-        ...
-
-    async def journal_batch(self, records: Sequence[Record]) -> None:
-        """Record several in order, all or none (one transaction): the daemon's group commit of a batch of messages."""
         ...
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
