@@ -191,6 +191,9 @@ class SqliteStore:
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         self._frames_total: dict[str, int] = {}
+        self._progress_lock = threading.Lock()
+        self._progress_rows: list[tuple[Any, ...]] | None = None
+        """Scores waiting for the write already queued for them (see record_progress); None: none queued."""
         self._thread = threading.Thread(target=self._writer, name="run-store-writer", daemon=True)
         self._thread.start()
         self._closed = False
@@ -289,19 +292,22 @@ class SqliteStore:
         """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O error would)."""
         db.execute("COMMIT")
 
-    def _submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
+    def _submit(self, fn: Callable[[sqlite3.Connection], T], *, seal: bool = True) -> concurrent.futures.Future[T]:
         if self._closed:
             raise RuntimeError("the run store is closed")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if seal:
+            with self._progress_lock:
+                self._progress_rows = None  # scores recorded after this write are written after it
         self._jobs.put((fn, fut))
         return fut
 
-    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str) -> None:
+    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str, *, seal: bool = True) -> None:
         def done(f: concurrent.futures.Future[Any]) -> None:
             if f.exception() is not None:
                 log.error("store_write_failed", what=what, error=str(f.exception()))
 
-        self._submit(fn).add_done_callback(done)
+        self._submit(fn, seal=seal).add_done_callback(done)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await asyncio.wrap_future(self._submit(fn))
@@ -399,21 +405,36 @@ class SqliteStore:
         return self._frames_total[run_id]
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
-        """Record a score and the run's summary (in the background, in order)."""
-        body, now = json.dumps(data), self.clock()
+        """Record a score and the run's summary (in the background, in order).
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT OR REPLACE INTO progress (run_id, step, body, at) VALUES (?, ?, ?, ?)",
-                (run_id, step, body, now),
-            )
-            db.execute(
-                "UPDATE runs SET updated_at = ?, last_step = ?, last_score = COALESCE(?, last_score), "
-                "signal = COALESCE(?, signal) WHERE run_id = ?",
-                (now, step, data.get("score"), data.get("signal"), run_id),
-            )
+        Scores recorded one after another share one write (one queue hop, one executemany): a scored
+        step each costs a thread wake-up and a future otherwise, which a burst of scorings pays thousands
+        of times a second. A write of another kind submitted meanwhile closes the group, so every write
+        still runs in submission order.
+        """
+        row = (run_id, step, json.dumps(data), self.clock(), data.get("score"), data.get("signal"))
+        with self._progress_lock:
+            rows = self._progress_rows
+            if rows is None:
+                rows = self._progress_rows = []
+                group = rows
+                self._background(lambda db: self._write_progress(db, group), "progress", seal=False)
+            rows.append(row)
 
-        self._background(write, "progress")
+    def _write_progress(self, db: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+        with self._progress_lock:
+            if self._progress_rows is rows:
+                self._progress_rows = None  # closed: later scores go to the next write
+            taken = list(rows)
+        db.executemany(
+            "INSERT OR REPLACE INTO progress (run_id, step, body, at) VALUES (?, ?, ?, ?)",
+            [(r[0], r[1], r[2], r[3]) for r in taken],
+        )
+        db.executemany(
+            "UPDATE runs SET updated_at = ?, last_step = ?, last_score = COALESCE(?, last_score), "
+            "signal = COALESCE(?, signal) WHERE run_id = ?",
+            [(r[3], r[1], r[4], r[5], r[0]) for r in taken],
+        )
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
         """Keep a calibration sample (in the background, in order): its family's `keep` most recent, `total` in all."""
