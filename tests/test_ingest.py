@@ -16,6 +16,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
+from agent_monitor.daemon._outbox import Message, Outbox
 from agent_monitor.daemon._state import Record, Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings
@@ -147,3 +148,22 @@ async def test_a_broker_that_refuses_the_drop_counter_does_not_stop_the_monitor(
                 await h.publish("agents/r/step", json.dumps({"index": 1, "text": "one"}).encode(), qos=1)
                 await until(lambda: (t := mon.tracker("r")) is not None and t.latest is not None)
             assert registry.get_sample_value("agent_monitor_broker_dropped_messages") == 0
+
+
+def test_the_outbox_keeps_arrival_order_and_drops_the_oldest_progress_when_full() -> None:
+    box = Outbox(4)
+    p = [Message(f"agents/r{i}/progress", b"p") for i in range(6)]
+    s = [Message(f"agents/r{i}/signal", b"s", droppable=False) for i in range(4)]
+    for m in (p[0], s[0], p[1], s[1]):
+        box.put(m)
+    box.put(p[2])  # full: the oldest progress (p0) makes room
+    box.put(s[2])  # full: p1 makes room
+    box.put(s[3])  # full: p2 makes room; now only signals wait
+    box.put(p[3])  # full, nothing droppable queued: the newcomer is dropped
+    assert box.dropped == 4 and len(box) == 4
+    box.put(Message("agents/r9/signal", b"s", droppable=False))  # a signal still goes in, over the limit
+    box.requeue(p[4])  # a failed publication goes first
+    out = []
+    while (m := box.get_nowait()) is not None:
+        out.append(m.topic)
+    assert out == [p[4].topic, *(m.topic for m in s), "agents/r9/signal"] and box.dropped == 4
