@@ -96,7 +96,7 @@ class MonitorConfig:
         default=3600, metadata={"help": "seconds the broker keeps queueing steps while the monitor is down"}
     )
     receive_window: int = field(
-        default=10_000,
+        default=65_535,
         metadata={
             "help": "MQTT v5 receive maximum: unacknowledged messages the broker may send at once (a burst beyond "
             "it waits in the broker's queue, max_queued_messages; 1..65535)"

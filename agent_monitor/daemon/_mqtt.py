@@ -61,7 +61,7 @@ class MqttLink:
         connect_timeout_s: float = 10.0,
         max_backoff_s: float = 30.0,
         publish_window: int = 64,
-        receive_window: int = 10_000,
+        receive_window: int = 65_535,
         metrics: Metrics | None = None,
     ) -> None:
         self.broker = broker
