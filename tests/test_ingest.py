@@ -13,10 +13,12 @@ import aiomqtt
 import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.exception import MQTTException
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon._outbox import Message, Outbox
+from agent_monitor.daemon._paho import SharedTableProperties, share_property_tables
 from agent_monitor.daemon._state import Record, Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings
@@ -167,3 +169,23 @@ def test_the_outbox_keeps_arrival_order_and_drops_the_oldest_progress_when_full(
     while (m := box.get_nowait()) is not None:
         out.append(m.topic)
     assert out == [p[4].topic, *(m.topic for m in s), "agents/r9/signal"] and box.dropped == 4
+
+
+def test_paho_properties_with_shared_tables_encode_and_decode_as_paho_s_own() -> None:
+    share_property_tables()
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    mine, theirs = SharedTableProperties(PacketTypes.PUBLISH), Properties(PacketTypes.PUBLISH)
+    for props in (mine, theirs):
+        props.ContentType = "application/json"
+        props.UserProperty = [("run", "r1"), ("k", "v")]
+        props.MessageExpiryInterval = 60
+    packed = mine.pack()
+    assert packed == theirs.pack()
+    back = SharedTableProperties(PacketTypes.PUBLISH)
+    back.unpack(packed)
+    assert back.json() == theirs.json()
+    with pytest.raises(MQTTException):
+        back.SessionExpiryInterval = 1  # not a PUBLISH property: refused as paho refuses it
+    assert SharedTableProperties(PacketTypes.PUBACK).json() == {}  # instances do not share values
