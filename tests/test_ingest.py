@@ -189,3 +189,60 @@ def test_paho_properties_with_shared_tables_encode_and_decode_as_paho_s_own() ->
     with pytest.raises(MQTTException):
         back.SessionExpiryInterval = 1  # not a PUBLISH property: refused as paho refuses it
     assert SharedTableProperties(PacketTypes.PUBACK).json() == {}  # instances do not share values
+
+
+def _events(seed: int, n: int) -> list[tuple[str, bytes, None]]:
+    """A random mix of starts, steps (in and out of order) and ends over a few run ids, as topic and payload."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[tuple[str, bytes, None]] = []
+    for _ in range(n):
+        run = f"r{rng.randrange(8)}"
+        kind = rng.choices(["start", "step", "end"], weights=[3, 6, 1])[0]
+        body: dict[str, Any] = {"task": "t"} if kind == "start" else {}
+        if kind == "step":
+            body = {"index": rng.randrange(1, 5), "text": f"s{rng.randrange(3)}"}
+        out.append((f"agents/{run}/{kind}", json.dumps(body).encode(), None))
+    return out
+
+
+class Reports:
+    """A sink keeping what the monitor reported, in order (accepted kinds and refusal reasons, by run)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None, str]] = []
+
+    def __call__(self, event: Any) -> None:
+        from agent_monitor.daemon import Accepted, Refused
+
+        if isinstance(event, Accepted):
+            self.seen.append(("accepted", event.run_id, event.kind))
+        elif isinstance(event, Refused):
+            self.seen.append(("refused", event.run_id, event.reason))
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_a_batch_decides_as_one_message_at_a_time_would_evictions_included(seed: int) -> None:
+    from agent_monitor.daemon import MemoryStore, RunLimits
+
+    events = _events(seed, 120)
+    # max_runs 3 over 8 run ids: most starts evict, and later messages in the same batch name their victims.
+    config = MonitorConfig(limits=RunLimits(max_runs=3, hold_s=1000, max_orphan_runs=4))
+    outcomes = []
+    for batch_size in (1, 7, 120):
+        store, reports = MemoryStore(), Reports()
+        async with Monitor(config, judge=FakeJudge(["K"]), store=store, sinks=[reports], clock=lambda: 1000.0) as mon:
+            for k in range(0, len(events), batch_size):
+                errors = await mon.handle_batch(events[k : k + batch_size])
+                assert errors == [None] * len(errors)
+            outcomes.append((mon.book.snapshot(), reports.seen, [(type(r).__name__, r.run_id) for r in store.records]))
+        # The journal rebuilds the same state.
+        async with Monitor(config, judge=FakeJudge(["K"]), store=store, clock=lambda: 1000.0) as again:
+            assert again.book.snapshot() == outcomes[-1][0]
+    one, *batched = outcomes
+    for other in batched:
+        assert other[0] == one[0]
+        assert sorted(other[1]) == sorted(one[1])  # the same reports (refusals may come before earlier acceptances)
+        assert [x for x in other[1] if x[0] == "accepted"] == [x for x in one[1] if x[0] == "accepted"]
+        assert other[2] == one[2]

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -29,7 +29,7 @@ from ..policy import Policy, with_levels
 from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
-from ..wire import EventError, RunStart, Topics, decode_event
+from ..wire import EventError, RunStart, StepIn, Topics, decode_event
 from ._config import MonitorConfig
 from ._metrics import (
     CalibrationCollector,
@@ -109,6 +109,56 @@ class _Scoring:
     def wants_scoring(self) -> bool:
         """Steps wait to be scored, and the run was not told to abort (abort is final)."""
         return len(self.tracker.steps) > self.scored and self.signal != "abort"
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Records decided against the state before the batch, waiting for their group commit.
+
+    Deciding a record reads its own run's state, except for two kinds: a start at --max-runs evicts the
+    run idle longest, and a step for a run not live counts the runs with orphan steps (which starts
+    adopt). So a batch holds at most one record per run; a start that evicts joins only with its victim
+    named in advance (the least recently active live run no earlier record of the batch touches, exactly
+    the one applying it will evict), and a message for a victim waits for the next batch; a step for a
+    run not live is decided after the batch, and an orphan step commits alone.
+    """
+
+    records: list[tuple[int, Record]] = field(default_factory=list)
+    runs: set[str] = field(default_factory=set)
+    victims: set[str] = field(default_factory=set)
+    starts: int = 0
+    order: Iterator[str] | None = None
+    """The live runs as the batch began, least recently active first (unchanged until the batch commits)."""
+
+    def take(self, verdict: Record, book: RunBook) -> bool:
+        """Whether the record may join the batch (a start that evicts takes its victim); False: it goes alone."""
+        if isinstance(verdict, Orphaned):
+            return False
+        if not isinstance(verdict, Started):
+            return True
+        live = len(book.live) + self.starts - len(self.victims)
+        if live < book.limits.max_runs:
+            self.starts += 1
+            return True
+        if live > book.limits.max_runs:
+            return False  # over the limit already (lowered since a restart): it evicts several
+        if self.order is None:
+            self.order = iter(book.live)
+        for run_id in self.order:
+            # A run touched earlier in the batch moves to the back when applied: not this start's victim.
+            if run_id not in self.runs:
+                self.victims.add(run_id)
+                self.starts += 1
+                return True
+        return False
+
+    def clear(self) -> None:
+        """Start the next batch (after a commit: the live runs may have changed)."""
+        self.records.clear()
+        self.runs.clear()
+        self.victims.clear()
+        self.starts = 0
+        self.order = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +309,8 @@ class Monitor:
         self._scoring: dict[str, _Scoring] = {}
         self._prepared: dict[str, _Scoring] = {}
         self._default_policy: tuple[Policy, dict[str, Any]] | None = None
+        self._evicted: list[Record] | None = None
+        """While a batch is applied: the evictions it made, journaled together after it."""
         self._routes: dict[type, list[Sink]] = {}
         # One writer of the run state at a time: decide, journal and apply happen as one step, so the
         # journal's order is the order the state saw (the MQTT loop and the sweeper both write).
@@ -392,36 +444,50 @@ class Monitor:
     async def handle_batch(self, messages: Sequence[tuple[str, bytes, Delivery | None]]) -> list[BaseException | None]:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
 
-        A message whose record failed to commit gets its error (it must not be acknowledged: the broker
-        delivers it again); None means handled (accepted, refused or ignored) and safe to acknowledge.
-        Each record is applied only after its transaction commits, so the state never runs ahead of the
-        journal. A batch is decided against the state before it, so it holds at most one record per run,
-        and a record whose decision reads other runs (a start that evicts, an orphan step) commits alone.
+            A message whose record failed to commit gets its error (it must not be acknowledged: the broker
+            delivers it again); None means handled (accepted, refused or ignored) and safe to acknowledge.
+            Each record is applied only after its transaction commits, so the state never runs ahead of the
+            journal. A batch is decided against the state before it, so it holds at most one record per run
+            and none for a run a start of the batch evicts; a step for a run not live (an orphan) is decided after
+        the batch and commits alone (see `_Batch`).
         """
         decoded = [await self._decode(topic, payload) for topic, payload, _ in messages]
         errors: list[BaseException | None] = [None] * len(messages)
-        batch: list[tuple[int, Record]] = []
-        runs: set[str] = set()
+        b = _Batch()
+
+        async def flush() -> None:
+            await self._commit(b.records, errors)
+            b.clear()
+
         async with self._lock:
             for i, d in enumerate(decoded):
                 if d is None:
                     continue
                 run_id, event = d
                 topic, delivery = messages[i][0], messages[i][2]
-                if run_id in runs:
-                    await self._commit(batch, errors)
-                    runs.clear()
+                # A step for a run that is not live is decided on the number of runs with orphan steps, which
+                # the batch's starts change (they adopt theirs): decided on the state after the batch.
+                orphan = isinstance(event, StepIn) and run_id not in self.book.live
+                if run_id in b.runs or run_id in b.victims or (orphan and b.records):
+                    await flush()
                 verdict = self.book.decide(run_id, event, self.clock(), delivery)
-                if batch and self._alone(verdict, len(batch)):
-                    await self._commit(batch, errors)
-                    runs.clear()
-                    verdict = self.book.decide(run_id, event, self.clock(), delivery)  # against the state now
                 if isinstance(verdict, Refusal):
                     self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
                     continue
                 if isinstance(verdict, Duplicate):
                     self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
                     continue
+                joins = b.take(verdict, self.book)
+                if not joins and b.records:
+                    await flush()
+                    verdict = self.book.decide(run_id, event, self.clock(), delivery)  # against the state now
+                    if isinstance(verdict, Refusal):
+                        self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
+                        continue
+                    if isinstance(verdict, Duplicate):
+                        self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
+                        continue
+                    joins = b.take(verdict, self.book)
                 if isinstance(verdict, Started):
                     try:
                         self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
@@ -430,12 +496,11 @@ class Monitor:
                             Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic)
                         )
                         continue
-                batch.append((i, verdict))
-                runs.add(run_id)
-                if self._alone(verdict, 0):
-                    await self._commit(batch, errors)
-                    runs.clear()
-            await self._commit(batch, errors)
+                b.records.append((i, verdict))
+                b.runs.add(run_id)
+                if not joins:  # it reads state beyond its run: alone, decided on the state now
+                    await flush()
+            await flush()
         return errors
 
     async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:
@@ -455,16 +520,6 @@ class Monitor:
             self._emit(Refused(e.run_id, e.reason, e.message, topic))
             return None
         return run_id, event
-
-    def _alone(self, verdict: object, pending: int) -> bool:
-        """Whether a record reads state beyond its own run, so it must not share a batch decided on older state.
-
-        A start that evicts the run idle longest (`pending` starts of the batch count towards --max-runs),
-        and an orphan step (the number of runs with orphan steps is bounded).
-        """
-        if isinstance(verdict, Orphaned):
-            return True
-        return isinstance(verdict, Started) and len(self.book.live) + pending >= self.book.limits.max_runs
 
     async def _commit(self, batch: list[tuple[int, Record]], errors: list[BaseException | None]) -> None:
         """Journal a batch's records in one transaction, then apply them; on a failure mark them unacknowledgeable."""
@@ -489,10 +544,29 @@ class Monitor:
                 errors[i] = e
                 if isinstance(r, Started):
                     self._prepared.pop(r.run_id, None)
-        for _, r in batch[:committed]:
-            self._emit(Accepted(r.run_id, _KINDS[type(r)]))
-            await self._apply(r)
+        self._evicted = []
+        try:
+            for _, r in batch[:committed]:
+                self._emit(Accepted(r.run_id, _KINDS[type(r)]))
+                await self._apply(r)
+            evicted, self._evicted = self._evicted, None
+            if evicted:
+                # The store learns the evicted runs are over in one commit (a crash before it: replaying the starts
+                # evicts them again, and journals this again).
+                await self._journal_records(evicted)
+        except Exception:
+            log.exception("eviction_not_journaled", runs=len(self._evicted or ()))
+        finally:
+            self._evicted = None
         batch.clear()
+
+    async def _journal_records(self, records: list[Record]) -> None:
+        group = getattr(self.store, "journal_batch", None)
+        if group is not None:
+            await group(records)
+        else:
+            for r in records:
+                await self.store.journal(r)
 
     async def _apply(self, record: Record, *, replaying: bool = False) -> None:
         """Apply a journaled record to the run state and act on what it changed."""
@@ -589,8 +663,13 @@ class Monitor:
         scoring = self._scoring.pop(run_id, None)
         self.scheduler.discard(run_id)
         if effect.outcome == "evicted":
-            # Derived from a start, not journaled by itself: the store learns the run is over here.
-            await self.store.journal(Finished(run_id, effect.outcome, effect.at))
+            # Derived from a start, not journaled by itself: the store learns the run is over here (with the
+            # other evictions of a batch, after it).
+            finished = Finished(run_id, effect.outcome, effect.at)
+            if self._evicted is not None:
+                self._evicted.append(finished)
+            else:
+                await self.store.journal(finished)
         elif replaying:
             return
         latest = scoring.tracker.latest if scoring else None
