@@ -1,8 +1,10 @@
 """The monitor daemon: an async context manager whose loops (MQTT link, scorers, sweeper) run in one TaskGroup.
 
-A message's path: the MQTT link hands it to `handle`, which decodes it (`agent_monitor.wire`),
-asks the run state what it means (`RunBook.decide`), journals the resulting record, applies it
-and acknowledges (the link acks when `handle` returns). Steps now in order go to the run's
+A message's path: the MQTT link hands it, with every message that arrived meanwhile, to
+`handle_batch`, which decodes each (`agent_monitor.wire`), asks the run state what it means
+(`RunBook.decide`), journals the batch's records in one transaction (a group commit) and applies
+them once it committed; the link acknowledges each message only after that (`handle` is the same
+for one message). Steps now in order go to the run's
 tracker and wake the scheduler; a scorer scores the run's newest prefix and hands the result to
 the sinks (MQTT, store, metrics, log). A restart replays the journal through the same `apply`.
 """
