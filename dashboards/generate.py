@@ -548,7 +548,7 @@ def panels() -> list[dict[str, Any]]:
             "published to the broker.",
         ),
         timeseries(
-            "Outbox drops and broker reconnects",
+            "Outbox drops, broker drops and reconnects",
             [
                 target(
                     "A",
@@ -560,11 +560,17 @@ def panels() -> list[dict[str, Any]]:
                     f"sum by (instance) (increase(agent_monitor_broker_reconnects_total{{{INST}}}[{RATE}]))",
                     "reconnects {{instance}}",
                 ),
+                target(
+                    "C",
+                    f"max by (instance) (increase(agent_monitor_broker_dropped_messages{{{INST}}}[{RATE}]))",
+                    "broker dropped {{instance}}",
+                ),
             ],
             w=24,
             h=7,
-            description="Progress messages dropped because the outbox was full (signals are never dropped), and "
-            "reconnections to the broker.",
+            description="Progress messages dropped because the outbox was full (signals are never dropped), "
+            "reconnections to the broker, and messages the broker itself dropped (its $SYS count, any client's: "
+            "queues full; see docs/broker-settings.md).",
         ),
         timeseries(
             "OpenTelemetry export (serve --otlp-endpoint)",

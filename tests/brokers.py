@@ -9,7 +9,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,8 @@ def wait_port(port: int, *, up: bool = True, timeout: float = 10.0) -> None:
 class Mosquitto:
     """One private Mosquitto on a free port; persistence keeps sessions and queued messages across restarts."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, *, extra: Sequence[str] = ()) -> None:
+        """Stock limits; `extra` adds configuration lines (only for a test about a limit, which says why)."""
         if shutil.which("mosquitto") is None:
             raise RuntimeError("mosquitto is not installed; `apt-get install mosquitto mosquitto-clients`")
         self.port = port or free_port()
@@ -58,7 +59,7 @@ class Mosquitto:
             "log_type error\n"
             "log_type warning\n"
             # Started as root, mosquitto drops to user `mosquitto`, which cannot write our persistence dir.
-            f"user {pwd.getpwuid(os.geteuid()).pw_name}\n"
+            f"user {pwd.getpwuid(os.geteuid()).pw_name}\n" + "".join(f"{line}\n" for line in extra)
         )
 
     @property
@@ -98,9 +99,9 @@ class Mosquitto:
 
 
 @contextmanager
-def mosquitto(workdir: Path) -> Iterator[Mosquitto]:
+def mosquitto(workdir: Path, *, extra: Sequence[str] = ()) -> Iterator[Mosquitto]:
     """A running private broker for the duration of the block."""
-    broker = Mosquitto(workdir)
+    broker = Mosquitto(workdir, extra=extra)
     broker.start()
     try:
         yield broker

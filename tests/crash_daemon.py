@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
 from agent_monitor import cli
 from agent_monitor.daemon import SqliteStore
@@ -18,14 +19,14 @@ from agent_monitor.daemon._state import Record, Stepped
 
 def main() -> int:
     crash_at = int(sys.argv[1])
-    journal = SqliteStore.journal
+    journal_batch = SqliteStore.journal_batch
 
-    async def journal_or_die(self: SqliteStore, record: Record) -> None:
-        if isinstance(record, Stepped) and record.step.index == crash_at:
+    async def journal_or_die(self: SqliteStore, records: Sequence[Record]) -> None:
+        if any(isinstance(r, Stepped) and r.step.index == crash_at for r in records):
             os.kill(os.getpid(), signal.SIGKILL)
-        await journal(self, record)
+        await journal_batch(self, records)
 
-    SqliteStore.journal = journal_or_die  # type: ignore[method-assign]
+    SqliteStore.journal_batch = journal_or_die  # type: ignore[method-assign]
     return cli.main(sys.argv[2:])
 
 

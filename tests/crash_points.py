@@ -10,9 +10,9 @@ The process dies on the first input step whose `text` equals TEXT:
 - `after-journal`: the step is committed to the run store but not yet acknowledged to the broker, so the
   broker delivers it again after the restart although the store already holds it.
 
-The seam is the durable write of one record of the run state: `SqliteStore.journal(record)` resolves
-only after COMMIT, `Monitor.handle` awaits it before applying the record, and the MQTT link acknowledges
-the message only after `handle` returns.
+The seam is the durable write of a batch of records of the run state (the group commit of the messages
+handled together): `SqliteStore.journal_batch(records)` resolves only after COMMIT, `Monitor.handle_batch`
+awaits it before applying the records, and the MQTT link acknowledges the messages only after that returns.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Sequence
 
 from agent_monitor import cli
 from agent_monitor.daemon import SqliteStore
@@ -38,17 +39,17 @@ def main() -> int:
         print(f"usage: {sys.argv[0]} {{{'|'.join(POINTS)}}} TEXT serve ARGS...", file=sys.stderr)
         return 2
     point, text, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-    journal = SqliteStore.journal
+    journal_batch = SqliteStore.journal_batch
 
-    async def journal_with_crash(self: SqliteStore, record: Record) -> None:
-        chosen = isinstance(record, (Stepped, Orphaned)) and record.step.text == text
+    async def journal_with_crash(self: SqliteStore, records: Sequence[Record]) -> None:
+        chosen = any(isinstance(r, (Stepped, Orphaned)) and r.step.text == text for r in records)
         if chosen and point == "before-journal":
             die()
-        await journal(self, record)  # returns once the record is committed
+        await journal_batch(self, records)  # returns once the batch is committed
         if chosen and point == "after-journal":
-            die()  # committed, and Monitor.handle has not returned: the broker has no ack
+            die()  # committed, and Monitor.handle_batch has not returned: the broker has no ack
 
-    SqliteStore.journal = journal_with_crash  # type: ignore[method-assign]
+    SqliteStore.journal_batch = journal_with_crash  # type: ignore[method-assign]
     return cli.main(argv)
 
 

@@ -519,6 +519,22 @@ RULE_TESTS: list[dict[str, Any]] = [
     },
     {
         "input_series": [
+            _series("agent_monitor_broker_dropped_messages", "lossy:9464", "0 0 0 12 12 12 12 12 12 12 12 12"),
+            _series("agent_monitor_broker_dropped_messages", "fine:9464", "40x12"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "2m", "alertname": "AgentMonitorBrokerDropping", "exp_alerts": []},
+            {
+                "eval_time": "4m",
+                "alertname": "AgentMonitorBrokerDropping",
+                "exp_alerts": _alerts("AgentMonitorBrokerDropping", "lossy:9464"),
+            },
+            # A count that stopped rising: five minutes later the alert resolves.
+            {"eval_time": "10m", "alertname": "AgentMonitorBrokerDropping", "exp_alerts": []},
+        ],
+    },
+    {
+        "input_series": [
             _series("agent_monitor_run_series_capped", "flooded:9464", "3x20"),
             _series("agent_monitor_run_series_capped", "fine:9464", "0x20"),
         ],

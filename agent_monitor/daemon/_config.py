@@ -111,6 +111,13 @@ class MonitorConfig:
     session_expiry_s: int = field(
         default=3600, metadata={"help": "seconds the broker keeps queueing steps while the monitor is down"}
     )
+    receive_window: int = field(
+        default=65_535,
+        metadata={
+            "help": "MQTT v5 receive maximum: unacknowledged messages the broker may send at once (a burst beyond "
+            "it waits in the broker's queue, max_queued_messages; 1..65535)"
+        },
+    )
     max_concurrency: int = field(
         default=8, metadata={"help": "judge calls in flight at once, shared by all runs (scorer tasks)"}
     )
@@ -225,6 +232,8 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
+        if not 1 <= self.receive_window <= 65_535:
+            raise ValueError(f"receive_window={self.receive_window}; MQTT allows 1..65535")
         for name in ("max_concurrency", "repeats", "outbox_size", "circuit_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; use 1 or more")

@@ -135,6 +135,12 @@ class Metrics:
         self.broker_connected = Gauge(
             "agent_monitor_broker_connected", "1 while connected to the MQTT broker.", registry=registry
         )
+        self.broker_dropped = Gauge(
+            "agent_monitor_broker_dropped_messages",
+            "The broker's own count of messages it dropped (Mosquitto's $SYS/broker/publish/messages/dropped: "
+            "queues full), since the broker started; stays 0 where the broker publishes no such count.",
+            registry=registry,
+        )
         self.broker_reconnects = Counter(
             "agent_monitor_broker_reconnects", "Connections to the broker after the first.", registry=registry
         )

@@ -1,8 +1,10 @@
 """The monitor daemon: an async context manager whose loops (MQTT link, scorers, sweeper) run in one TaskGroup.
 
-A message's path: the MQTT link hands it to `handle`, which decodes it (`agent_monitor.wire`),
-asks the run state what it means (`RunBook.decide`), journals the resulting record, applies it
-and acknowledges (the link acks when `handle` returns). Steps now in order go to the run's
+A message's path: the MQTT link hands it, with every message that arrived meanwhile, to
+`handle_batch`, which decodes each (`agent_monitor.wire`), asks the run state what it means
+(`RunBook.decide`), journals the batch's records in one transaction (a group commit) and applies
+them once it committed; the link acknowledges each message only after that (`handle` is the same
+for one message). Steps now in order go to the run's
 tracker and wake the scheduler; a scorer scores the run's newest prefix and hands the result to
 the sinks (MQTT, store, metrics, log). A restart replays the journal through the same `apply`.
 """
@@ -13,7 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,7 +34,7 @@ from ..progress import OUTAGE_REASONS, Decision, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..selection import Comparison, compare, tournament
 from ..tracker import AsyncProgressTracker
-from ..wire import EventError, RunStart, Topics, decode_event
+from ..wire import EventError, RunStart, StepIn, Topics, decode_event
 from ._config import MonitorConfig
 from ._groups import GroupBook, GroupLimitError, GroupSeries
 from ._metrics import (
@@ -117,6 +119,56 @@ class _Scoring:
     def wants_scoring(self) -> bool:
         """Steps wait to be scored, and the run was not told to abort (abort is final)."""
         return len(self.tracker.steps) > self.scored and self.signal != "abort"
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """Records decided against the state before the batch, waiting for their group commit.
+
+    Deciding a record reads its own run's state, except for two kinds: a start at --max-runs evicts the
+    run idle longest, and a step for a run not live counts the runs with orphan steps (which starts
+    adopt). So a batch holds at most one record per run; a start that evicts joins only with its victim
+    named in advance (the least recently active live run no earlier record of the batch touches, exactly
+    the one applying it will evict), and a message for a victim waits for the next batch; a step for a
+    run not live is decided after the batch, and an orphan step commits alone.
+    """
+
+    records: list[tuple[int, Record]] = field(default_factory=list)
+    runs: set[str] = field(default_factory=set)
+    victims: set[str] = field(default_factory=set)
+    starts: int = 0
+    order: Iterator[str] | None = None
+    """The live runs as the batch began, least recently active first (unchanged until the batch commits)."""
+
+    def take(self, verdict: Record, book: RunBook) -> bool:
+        """Whether the record may join the batch (a start that evicts takes its victim); False: it goes alone."""
+        if isinstance(verdict, Orphaned):
+            return False
+        if not isinstance(verdict, Started):
+            return True
+        live = len(book.live) + self.starts - len(self.victims)
+        if live < book.limits.max_runs:
+            self.starts += 1
+            return True
+        if live > book.limits.max_runs:
+            return False  # over the limit already (lowered since a restart): it evicts several
+        if self.order is None:
+            self.order = iter(book.live)
+        for run_id in self.order:
+            # A run touched earlier in the batch moves to the back when applied: not this start's victim.
+            if run_id not in self.runs:
+                self.victims.add(run_id)
+                self.starts += 1
+                return True
+        return False
+
+    def clear(self) -> None:
+        """Start the next batch (after a commit: the live runs may have changed)."""
+        self.records.clear()
+        self.runs.clear()
+        self.victims.clear()
+        self.starts = 0
+        self.order = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +283,7 @@ class Monitor:
         )
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
         self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
-        self._decode: dict[str, Any] = {
+        self._decode_args: dict[str, Any] = {
             "prefix": c.prefix,
             "max_payload": c.max_payload_bytes,
             "max_image_bytes": c.max_image_bytes,
@@ -267,6 +319,7 @@ class Monitor:
                 client_id=c.client_id,
                 protocol=c.protocol,
                 session_expiry_s=c.session_expiry_s,
+                receive_window=c.receive_window,
                 metrics=self.metrics,
             )
             if c.broker is not None
@@ -277,6 +330,9 @@ class Monitor:
         """The live runs rebuilt from the store on entering, least recently active first."""
         self._scoring: dict[str, _Scoring] = {}
         self._prepared: dict[str, _Scoring] = {}
+        self._default_policy: tuple[Policy, dict[str, Any]] | None = None
+        self._evicted: list[Record] | None = None
+        """While a batch is applied: the evictions it made, journaled together after it."""
         self._routes: dict[type, list[Sink]] = {}
         # One writer of the run state at a time: decide, journal and apply happen as one step, so the
         # journal's order is the order the state saw (the MQTT loop and the sweeper both write).
@@ -307,7 +363,9 @@ class Monitor:
         try:
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.link is not None:
-                self._tasks.append(tg.create_task(self.link.run(self.handle, self.outbox, first=first), name="mqtt"))
+                self._tasks.append(
+                    tg.create_task(self.link.run(self.handle_batch, self.outbox, first=first), name="mqtt")
+                )
             for i in range(self.config.max_concurrency):
                 self._tasks.append(tg.create_task(self.scheduler.worker(), name=f"scorer-{i + 1}"))
             self._tasks.append(tg.create_task(self._sweeper(), name="sweeper"))
@@ -406,46 +464,146 @@ class Monitor:
         broker delivers it again. The monitor's own outputs (progress, signal, error, `_errors`), which its
         subscription `{prefix}/+/+` also matches, are ignored: acknowledged, not reported.
         """
+        (error,) = await self.handle_batch([(topic, payload, delivery)])
+        if error is not None:
+            raise error
+
+    async def handle_batch(self, messages: Sequence[tuple[str, bytes, Delivery | None]]) -> list[BaseException | None]:
+        """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
+
+            A message whose record failed to commit gets its error (it must not be acknowledged: the broker
+            delivers it again); None means handled (accepted, refused or ignored) and safe to acknowledge.
+            Each record is applied only after its transaction commits, so the state never runs ahead of the
+            journal. A batch is decided against the state before it, so it holds at most one record per run
+            and none for a run a start of the batch evicts; a step for a run not live (an orphan) is decided after
+        the batch and commits alone (see `_Batch`).
+        """
+        decoded = [await self._decode(topic, payload) for topic, payload, _ in messages]
+        errors: list[BaseException | None] = [None] * len(messages)
+        b = _Batch()
+
+        async def flush() -> None:
+            await self._commit(b.records, errors)
+            b.clear()
+
+        async with self._lock:
+            for i, d in enumerate(decoded):
+                if d is None:
+                    continue
+                run_id, event = d
+                topic, delivery = messages[i][0], messages[i][2]
+                # A step for a run that is not live is decided on the number of runs with orphan steps, which
+                # the batch's starts change (they adopt theirs): decided on the state after the batch.
+                orphan = isinstance(event, StepIn) and run_id not in self.book.live
+                # A start joining a group is checked against the group's size, which the batch's other starts
+                # change: decided on the state now, and committed alone.
+                grouped = isinstance(event, RunStart) and event.group is not None
+                if run_id in b.runs or run_id in b.victims or ((orphan or grouped) and b.records):
+                    await flush()
+                verdict = self.book.decide(run_id, event, self.clock(), delivery)
+                if isinstance(verdict, Refusal):
+                    self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
+                    continue
+                if isinstance(verdict, Duplicate):
+                    self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
+                    continue
+                joins = b.take(verdict, self.book)
+                if not joins and b.records:
+                    await flush()
+                    verdict = self.book.decide(run_id, event, self.clock(), delivery)  # against the state now
+                    if isinstance(verdict, Refusal):
+                        self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
+                        continue
+                    if isinstance(verdict, Duplicate):
+                        self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
+                        continue
+                    joins = b.take(verdict, self.book)
+                if isinstance(verdict, Started):
+                    if verdict.start.group is not None:
+                        try:
+                            self.groups.check(run_id, verdict.start.group)
+                        except GroupLimitError as e:
+                            self.metrics.groups_refused.inc()
+                            self._emit(Refused(run_id, "run_rejected", str(e), topic))
+                            continue
+                    try:
+                        self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
+                    except Exception as e:  # validated on decode; still the run's problem, never the daemon's
+                        self._emit(
+                            Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic)
+                        )
+                        continue
+                b.records.append((i, verdict))
+                b.runs.add(run_id)
+                if not joins or grouped:  # it reads state beyond its run: alone, decided on the state now
+                    await flush()
+            await flush()
+        return errors
+
+    async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:
+        """The run id and event of one input message; None for the monitor's own outputs and refused input."""
         if self.topics.is_output(topic):
-            return
+            return None
         try:
             if len(payload) > _INLINE_DECODE_BYTES:
-                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode)
+                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode_args)
             else:
-                run_id, event = decode_event(topic, payload, **self._decode)
+                run_id, event = decode_event(topic, payload, **self._decode_args)
             if any(i.remote for i in getattr(event, "images", ())):
                 await asyncio.to_thread(
                     fetch_images, run_id, event, image_dirs=self.image_dirs, max_bytes=self.config.max_image_bytes
                 )
         except EventError as e:
             self._emit(Refused(e.run_id, e.reason, e.message, topic))
+            return None
+        return run_id, event
+
+    async def _commit(self, batch: list[tuple[int, Record]], errors: list[BaseException | None]) -> None:
+        """Journal a batch's records in one transaction, then apply them; on a failure mark them unacknowledgeable."""
+        if not batch:
             return
-        async with self._lock:
-            verdict = self.book.decide(run_id, event, self.clock(), delivery)
-            if isinstance(verdict, Refusal):
-                self._emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
-                return
-            if isinstance(verdict, Duplicate):
-                self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
-                return
-            if isinstance(verdict, Started):
-                if verdict.start.group is not None:
-                    try:
-                        self.groups.check(run_id, verdict.start.group)
-                    except GroupLimitError as e:
-                        self.metrics.groups_refused.inc()
-                        self._emit(Refused(run_id, "run_rejected", str(e), topic))
-                        return
-                try:
-                    self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
-                except Exception as e:  # validated on decode; still the run's problem, never the daemon's
-                    self._emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
-                    return
-            # Journaled before it counts, and before the broker is told it arrived (the link acks on
-            # return): a crash in between makes the broker redeliver it. A failure here raises: no ack.
-            await self.store.journal(verdict)
-            self._emit(Accepted(run_id, _KINDS[type(verdict)]))
-            await self._apply(verdict)
+        records = [r for _, r in batch]
+        committed = 0
+        try:
+            # Journaled before they count, and before the broker is told they arrived (the link acks once the
+            # batch is handled): a crash in between makes the broker redeliver them.
+            group = getattr(self.store, "journal_batch", None)
+            if group is not None:
+                await group(records)
+                committed = len(records)
+            else:  # a store of the user's without group commits: one by one, the committed ones count
+                for r in records:
+                    await self.store.journal(r)
+                    committed += 1
+        except Exception as e:
+            log.warning("journal_failed", records=len(batch) - committed, error=f"{type(e).__name__}: {e}")
+            for i, r in batch[committed:]:
+                errors[i] = e
+                if isinstance(r, Started):
+                    self._prepared.pop(r.run_id, None)
+        self._evicted = []
+        try:
+            for _, r in batch[:committed]:
+                self._emit(Accepted(r.run_id, _KINDS[type(r)]))
+                await self._apply(r)
+            evicted, self._evicted = self._evicted, None
+            if evicted:
+                # The store learns the evicted runs are over in one commit (a crash before it: replaying the starts
+                # evicts them again, and journals this again).
+                await self._journal_records(evicted)
+        except Exception:
+            log.exception("eviction_not_journaled", runs=len(self._evicted or ()))
+        finally:
+            self._evicted = None
+        batch.clear()
+
+    async def _journal_records(self, records: list[Record]) -> None:
+        group = getattr(self.store, "journal_batch", None)
+        if group is not None:
+            await group(records)
+        else:
+            for r in records:
+                await self.store.journal(r)
 
     async def _apply(self, record: Record, *, replaying: bool = False) -> None:
         """Apply a journaled record to the run state and act on what it changed."""
@@ -476,8 +634,16 @@ class Monitor:
         c = self.config
         rubric = start.rubric() if start.criteria is not None else self.criteria
         # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
-        # thresholds, then the defaults.
-        policy = start.resolved_policy(with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given))
+        # thresholds, then the defaults. A start naming neither criteria nor policy (most) gets the same one:
+        # resolved once (dataclasses.asdict per start was a third of a start's cost in a burst).
+        if start.criteria is None and not start.policy:
+            if self._default_policy is None:
+                resolved = with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given)
+                self._default_policy = (resolved, resolved.as_dict())
+            policy, settings = self._default_policy
+        else:
+            policy = start.resolved_policy(with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given))
+            settings = policy.as_dict()
         tracker = AsyncProgressTracker(
             start.task,
             judge=self.circuit,
@@ -490,7 +656,7 @@ class Monitor:
             expected=start.expected,
             run_id=run_id,
             # Every setting named: resolved above, so the tracker must not fill any from the rubric again.
-            policy=policy.as_dict(),
+            policy=settings,
             extract_budget_s=c.extract_budget_s,
             calibration=self.calibration,
             family=start.family,
@@ -642,8 +808,13 @@ class Monitor:
         if group is not None and update is not None:
             self._group_changed(group, update.changed and not replaying)
         if effect.outcome == "evicted":
-            # Derived from a start, not journaled by itself: the store learns the run is over here.
-            await self.store.journal(Finished(run_id, effect.outcome, effect.at))
+            # Derived from a start, not journaled by itself: the store learns the run is over here (with the
+            # other evictions of a batch, after it).
+            finished = Finished(run_id, effect.outcome, effect.at)
+            if self._evicted is not None:
+                self._evicted.append(finished)
+            else:
+                await self.store.journal(finished)
         elif replaying:
             return
         latest = scoring.tracker.latest if scoring else None

@@ -24,7 +24,13 @@ class Message:
 
 
 class Outbox:
-    """The bounded queue of messages to publish; when full, the oldest droppable message makes room."""
+    """The bounded queue of messages to publish; when full, the oldest droppable message makes room.
+
+    Droppable and kept messages wait in two queues, each message numbered in arrival order, and leave
+    in that order: finding the oldest droppable one is O(1) however many signals wait (a burst of
+    evictions at --max-runs queues thousands of signal clears, and a scan past them per message was
+    the ingest's cost there).
+    """
 
     def __init__(self, maxsize: int = 10_000, *, metrics: Metrics | None = None) -> None:
         if maxsize < 1:
@@ -32,52 +38,63 @@ class Outbox:
         self.maxsize = maxsize
         self.metrics = metrics
         self.dropped = 0
-        self._q: deque[Message] = deque()
+        self._droppable: deque[tuple[int, Message]] = deque()
+        self._kept: deque[tuple[int, Message]] = deque()
+        self._next = 0
+        self._first = 0
+        """The number a requeued message gets: below every other, so it goes first."""
         self._ready = asyncio.Event()
 
     def put(self, m: Message) -> None:
         """Queue a message (never blocks: a scorer must not wait on a slow broker)."""
-        if len(self._q) >= self.maxsize:
-            victim = next((x for x in self._q if x.droppable), None)
-            if victim is not None:
-                self._q.remove(victim)
-            elif m.droppable:
-                victim = m
-            # With nothing droppable queued, a signal still goes in: there is at most one per run change.
-            if victim is not None:
+        if len(self) >= self.maxsize:
+            # The oldest droppable message makes room; with none queued, a droppable newcomer is the one dropped,
+            # and a signal still goes in (there is at most one per run change).
+            newcomer_dropped = not self._droppable and m.droppable
+            if self._droppable or newcomer_dropped:
+                if self._droppable:
+                    self._droppable.popleft()
                 self.dropped += 1
                 if self.metrics:
                     self.metrics.outbox_dropped.inc()
-            if victim is m:
+            if newcomer_dropped:
                 return
-        self._q.append(m)
+        self._next += 1
+        (self._droppable if m.droppable else self._kept).append((self._next, m))
         self._ready.set()
         self._gauge()
 
     def requeue(self, m: Message) -> None:
         """Put back a message whose publication failed, first in line."""
-        self._q.appendleft(m)
+        self._first -= 1
+        (self._droppable if m.droppable else self._kept).appendleft((self._first, m))
         self._ready.set()
         self._gauge()
 
     async def get(self) -> Message:
         """The next message, waiting for one."""
-        while not self._q:
+        while not len(self):
             self._ready.clear()
             await self._ready.wait()
-        m = self._q.popleft()
+        m = self._pop()
         self._gauge()
         return m
 
     def get_nowait(self) -> Message | None:
         """The next message, or None."""
-        m = self._q.popleft() if self._q else None
+        m = self._pop() if len(self) else None
         self._gauge()
         return m
 
+    def _pop(self) -> Message:
+        d, k = self._droppable, self._kept
+        if d and (not k or d[0][0] < k[0][0]):
+            return d.popleft()[1]
+        return k.popleft()[1]
+
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._droppable) + len(self._kept)
 
     def _gauge(self) -> None:
         if self.metrics:
-            self.metrics.outbox_depth.set(len(self._q))
+            self.metrics.outbox_depth.set(len(self))

@@ -31,7 +31,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -63,6 +63,8 @@ PLACEHOLDER_PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 _SCHEMA_VERSION = 2
+_GROUP_MAX = 256
+"""Writes the writer thread commits in one transaction at most (it takes what is waiting, up to this)."""
 _DELIVERIES_KEPT = 65_536
 """Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
 
@@ -82,7 +84,11 @@ class Replay:
 
 
 class RunStore(Protocol):
-    """Where runs are journaled: the narrow seam between the daemon and durable state."""
+    """Where runs are journaled: the narrow seam between the daemon and durable state.
+
+    A store may also offer `async journal_batch(records)`: several records in order, all or none (one
+    transaction), the daemon's group commit of the messages it handles together (SqliteStore, MemoryStore
+    and NoStore do). Without it the daemon journals a batch's records one by one."""
 
     async def journal(self, record: Record) -> None:
         """Record durably, before the daemon applies it (and so before the message is acknowledged)."""
@@ -194,6 +200,9 @@ class SqliteStore:
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         self._frames_total: dict[str, int] = {}
+        self._progress_lock = threading.Lock()
+        self._progress_rows: list[tuple[Any, ...]] | None = None
+        """Scores waiting for the write already queued for them (see record_progress); None: none queued."""
         self._thread = threading.Thread(target=self._writer, name="run-store-writer", daemon=True)
         self._thread.start()
         self._closed = False
@@ -224,33 +233,90 @@ class SqliteStore:
     # -- the writer thread: every statement runs here, in submission order --
 
     def _writer(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, fut = job
+        # Group commit: every write waiting when the thread gets to it shares one transaction (one WAL commit),
+        # each inside its own savepoint so one failing write fails alone. Futures resolve only after COMMIT.
+        stop = False
+        while not stop:
+            job = self._jobs.get()
+            if job is None:
+                break
+            group = [job]
+            while len(group) < _GROUP_MAX:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+            self._run_group(group)
+
+    def _run_group(
+        self, group: list[tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]]
+    ) -> None:
+        db = self._db
+        done: list[tuple[concurrent.futures.Future[Any], Any]] = []
+        failed: list[tuple[concurrent.futures.Future[Any], BaseException]] = []
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except BaseException as e:
+            for _, fut in group:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+            return
+        for fn, fut in group:
             if not fut.set_running_or_notify_cancel():
                 continue
+            db.execute("SAVEPOINT job")
             try:
-                self._db.execute("BEGIN IMMEDIATE")
-                result = fn(self._db)
-                self._db.execute("COMMIT")
+                result = fn(db)
             except BaseException as e:
-                self._db.execute("ROLLBACK")
-                fut.set_exception(e)
+                failed.append((fut, e))
+                if db.in_transaction:
+                    db.execute("ROLLBACK TO job")
+                    db.execute("RELEASE job")
+                else:  # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it are gone too
+                    failed.extend((f, e) for f, _ in done)
+                    done.clear()
+                    db.execute("BEGIN IMMEDIATE")
             else:
-                fut.set_result(result)
+                db.execute("RELEASE job")
+                done.append((fut, result))
+        try:
+            self._commit(db)
+        except BaseException as e:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            failed.extend((f, e) for f, _ in done)
+            done.clear()
+        if failed:
+            self._frames_total.clear()  # a cache of what is committed: a rolled-back write may have moved it
+        for fut, result in done:
+            fut.set_result(result)
+        for fut, error in failed:
+            fut.set_exception(error)
 
-    def _submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future[T]:
+    def _commit(self, db: sqlite3.Connection) -> None:
+        """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O error would)."""
+        db.execute("COMMIT")
+
+    def _submit(self, fn: Callable[[sqlite3.Connection], T], *, seal: bool = True) -> concurrent.futures.Future[T]:
         if self._closed:
             raise RuntimeError("the run store is closed")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if seal:
+            with self._progress_lock:
+                self._progress_rows = None  # scores recorded after this write are written after it
         self._jobs.put((fn, fut))
         return fut
 
-    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str) -> None:
+    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str, *, seal: bool = True) -> None:
         def done(f: concurrent.futures.Future[Any]) -> None:
             if f.exception() is not None:
                 log.error("store_write_failed", what=what, error=str(f.exception()))
 
-        self._submit(fn).add_done_callback(done)
+        self._submit(fn, seal=seal).add_done_callback(done)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await asyncio.wrap_future(self._submit(fn))
@@ -260,6 +326,18 @@ class SqliteStore:
     async def journal(self, record: Record) -> None:
         """Write one record (images once per digest) and wait until it is committed."""
         await self._run(self._writer_for(record))
+
+    async def journal_batch(self, records: Sequence[Record]) -> None:
+        """Write records in order in one transaction and wait until it is committed; on a failure none is kept."""
+        if not records:
+            return
+        writers = [self._writer_for(r) for r in records]
+
+        def write(db: sqlite3.Connection) -> None:
+            for w in writers:
+                w(db)
+
+        await self._run(write)
 
     def _writer_for(self, record: Record) -> Callable[[sqlite3.Connection], None]:
         run_id, at = record.run_id, record.at
@@ -336,21 +414,36 @@ class SqliteStore:
         return self._frames_total[run_id]
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
-        """Record a score and the run's summary (in the background, in order)."""
-        body, now = json.dumps(data), self.clock()
+        """Record a score and the run's summary (in the background, in order).
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT OR REPLACE INTO progress (run_id, step, body, at) VALUES (?, ?, ?, ?)",
-                (run_id, step, body, now),
-            )
-            db.execute(
-                "UPDATE runs SET updated_at = ?, last_step = ?, last_score = COALESCE(?, last_score), "
-                "signal = COALESCE(?, signal) WHERE run_id = ?",
-                (now, step, data.get("score"), data.get("signal"), run_id),
-            )
+        Scores recorded one after another share one write (one queue hop, one executemany): a scored
+        step each costs a thread wake-up and a future otherwise, which a burst of scorings pays thousands
+        of times a second. A write of another kind submitted meanwhile closes the group, so every write
+        still runs in submission order.
+        """
+        row = (run_id, step, json.dumps(data), self.clock(), data.get("score"), data.get("signal"))
+        with self._progress_lock:
+            rows = self._progress_rows
+            if rows is None:
+                rows = self._progress_rows = []
+                group = rows
+                self._background(lambda db: self._write_progress(db, group), "progress", seal=False)
+            rows.append(row)
 
-        self._background(write, "progress")
+    def _write_progress(self, db: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
+        with self._progress_lock:
+            if self._progress_rows is rows:
+                self._progress_rows = None  # closed: later scores go to the next write
+            taken = list(rows)
+        db.executemany(
+            "INSERT OR REPLACE INTO progress (run_id, step, body, at) VALUES (?, ?, ?, ?)",
+            [(r[0], r[1], r[2], r[3]) for r in taken],
+        )
+        db.executemany(
+            "UPDATE runs SET updated_at = ?, last_step = ?, last_score = COALESCE(?, last_score), "
+            "signal = COALESCE(?, signal) WHERE run_id = ?",
+            [(r[3], r[1], r[4], r[5], r[0]) for r in taken],
+        )
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
         """Keep a calibration sample (in the background, in order): its family's `keep` most recent, `total` in all."""
@@ -700,6 +793,11 @@ class MemoryStore:
             self.ended_log.append((run_id, None))
         self.records.append(record)
 
+    async def journal_batch(self, records: Sequence[Record]) -> None:
+        """Keep records, in order."""
+        for r in records:
+            await self.journal(r)
+
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
         """Keep a score."""
         self.progress.setdefault(run_id, {})[step] = data
@@ -754,6 +852,9 @@ class NoStore:
     """No run store: nothing is journaled and a restart forgets every run (a Monitor given no store)."""
 
     async def journal(self, record: Record) -> None:
+        """Keep nothing."""
+
+    async def journal_batch(self, records: Sequence[Record]) -> None:
         """Keep nothing."""
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:

@@ -1,0 +1,234 @@
+"""Ingest of a burst on a stock Mosquitto: 10,000 starts, then 10,000 steps, published as fast as one paho client can.
+
+The broker is started with nothing beyond a listener (and, as root, the user to run as): its stock
+limits, `max_inflight_messages 20` and `max_queued_messages 1000` per client, are what a deployment
+that did not tune its broker has. Mosquitto drops what a subscriber's session cannot hold after the
+publisher got its PUBACK, so a monitor that falls behind loses events silently at the broker.
+
+The monitor (`Monitor` in this process, a SQLite journal in a temporary directory, logs as `serve`
+writes them, to /dev/null) follows the runs with an instant judge (`FakeJudge`), so what is measured
+is ingest: receive, decode, decide, journal (group commits), apply, acknowledge. A second process
+publishes (paho, MQTT 3.1.1, QoS 1, 1,000 in flight), the starts first and then one step per run.
+
+Figures: `lost` = events published and not applied (10,000 - live runs, plus 10,000 - steps in the
+runs' order, read from the monitor's run state at the end; with `--max-runs` below `--runs`, the
+starts not accepted, since steps for evicted runs are refused by design); `events_per_s` = 20,000 / (first
+publication -> last event accepted); the publisher's own rate; the broker's drop counter as the
+monitor exported it (`agent_monitor_broker_dropped_messages`, read after the broker's next `$SYS`
+update, a whole 10 s interval after the last event); the journal's commits and records per commit.
+The same bench runs against an agent-monitor without group commits (a baseline checkout first on
+PYTHONPATH, run from outside the worktree): then each record is a commit and the drop gauge is n/a.
+
+    .venv/bin/python bench/ingest.py [--runs 10000] [--step-chars 200] [--mqtt-protocol auto] [--profile FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitto
+
+PREFIX = "agents"
+TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
+
+
+def run_id(i: int) -> str:
+    return f"ingest-{i:05d}"
+
+
+def publisher(port: int, conn: Connection, runs: int, step_chars: int) -> None:
+    """On command, publish every run's start, then one step per run, flat out; report when each phase was sent."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="ingest-publisher", protocol=MQTTProtocolVersion.MQTTv311)
+    c.max_inflight_messages_set(1000)
+    c.max_queued_messages_set(0)
+    c.connect("127.0.0.1", port, keepalive=60)
+    c.loop_start()
+    try:
+        conn.recv()
+        start = json.dumps({"task": TASK}).encode()
+        text = ("x" * step_chars)[:step_chars]
+        t0 = time.time()
+        infos = [c.publish(f"{PREFIX}/{run_id(r)}/start", start, qos=1) for r in range(runs)]
+        t1 = time.time()
+        infos += [
+            c.publish(f"{PREFIX}/{run_id(r)}/step", json.dumps({"index": 1, "text": text}).encode(), qos=1)
+            for r in range(runs)
+        ]
+        for info in infos:
+            info.wait_for_publish(120)
+        conn.send(("ok", t0, t1, time.time()))
+        conn.recv()
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+class Counter:
+    """A sink counting accepted events, with the time of the last one."""
+
+    def __init__(self) -> None:
+        from agent_monitor.daemon import Accepted
+
+        self.events = (Accepted,)
+        self.accepted = 0
+        self.starts = 0
+        self.last = 0.0
+
+    def __call__(self, event: Any) -> None:
+        self.accepted += 1
+        self.starts += event.kind == "start"
+        self.last = time.time()
+
+
+async def answer(conn: Connection, wait_s: float) -> Any:
+    deadline = time.monotonic() + wait_s
+    while not await asyncio.to_thread(conn.poll, 0.2):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer from the publisher within {wait_s}s")
+    return conn.recv()
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    from agent_monitor.daemon import Monitor, MonitorConfig, RunLimits, SqliteStore
+    from agent_monitor.testing import FakeJudge
+    from agent_monitor.wire import BrokerSettings
+
+    load_start = load1()
+    total = 2 * args.runs
+    with mosquitto() as broker, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
+        store = SqliteStore(Path(tmp) / "runs.db")
+        commits = [0, 0]
+        # Counted per commit. Run against an agent-monitor without group commits (a baseline checkout on
+        # PYTHONPATH), each `journal` is one commit.
+        if hasattr(SqliteStore, "journal_batch"):
+            batch = SqliteStore.journal_batch
+
+            async def counted(self: SqliteStore, records: Any) -> None:
+                commits[0] += 1
+                commits[1] += len(records)
+                await batch(self, records)
+
+            store.journal_batch = counted.__get__(store)  # type: ignore[method-assign]
+        else:
+            one = SqliteStore.journal
+
+            async def counted_one(self: SqliteStore, record: Any) -> None:
+                commits[0] += 1
+                commits[1] += 1
+                await one(self, record)
+
+            store.journal = counted_one.__get__(store)  # type: ignore[method-assign]
+        config = MonitorConfig(
+            broker=BrokerSettings.from_url(broker.url),
+            protocol=args.mqtt_protocol,
+            client_id="ingest-monitor",
+            max_concurrency=8,
+            limits=RunLimits(max_runs=args.max_runs),
+        )
+        counter = Counter()
+        judge = FakeJudge(["K"], concurrency=8, record=False)
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=publisher, args=(broker.port, child, args.runs, args.step_chars), daemon=True)
+        proc.start()
+        try:
+            async with Monitor(config, judge=judge, store=store, sinks=[counter]) as mon:
+                profiler = None
+                if args.profile:
+                    import cProfile
+
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                cpu0 = time.process_time()
+                parent.send(("go",))
+                _, t0, t_starts, t_sent = await answer(parent, 300)
+                # Until every event is in, or nothing more arrives for 5 s (what the broker dropped never will).
+                seen, quiet = -1, time.monotonic()
+                while counter.accepted < total and time.monotonic() - quiet < 5:
+                    await asyncio.sleep(0.05)
+                    if counter.accepted != seen:
+                        seen, quiet = counter.accepted, time.monotonic()
+                cpu = time.process_time() - cpu0
+                if profiler is not None:
+                    profiler.disable()
+                    profiler.dump_stats(args.profile)
+                if args.max_runs >= args.runs:
+                    runs_live = len(mon.book.live)
+                    steps = sum(s.steps for s in mon.book.live.values())
+                    lost = (args.runs - runs_live) + (args.runs - steps)
+                else:
+                    # Evictions: most runs are gone, and steps for evicted runs are refused (run_ended) by design;
+                    # what must all arrive is the starts.
+                    lost = args.runs - counter.starts
+                # The broker's drop counter arrives with its next $SYS update (every 10 s by default).
+                gauge = getattr(mon.metrics, "broker_dropped", None)
+                dropped: float | str = "n/a"  # a baseline without the gauge
+                if gauge is not None:
+                    # One whole interval after the last event: an update during the burst may be short of the end.
+                    await asyncio.sleep(11)
+                    dropped = gauge._value.get()
+                await asyncio.wait_for(mon.drain(), 120)
+                parent.send(("stop",))
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+            await store.aclose()
+    elapsed = counter.last - t0
+    return {
+        "runs": args.runs,
+        "events": total,
+        "lost": lost,
+        "events_per_s": round(counter.accepted / elapsed) if elapsed > 0 else 0,
+        "published_per_s": round(total / (t_sent - t0)),
+        "starts_published_per_s": round(args.runs / (t_starts - t0)),
+        "ingest_s": elapsed,
+        "monitor_cpu_ms_per_event": 1000 * cpu / max(1, counter.accepted),
+        "broker_dropped": dropped if isinstance(dropped, str) else int(dropped),
+        "commits": commits[0],
+        "records_per_commit": commits[1] / max(1, commits[0]),
+        "step_chars": args.step_chars,
+        "max_runs": args.max_runs,
+        "mqtt": args.mqtt_protocol,
+        "broker": "stock",
+        "load_start": load_start,
+        "load_end": load1(),
+    }
+
+
+def main() -> int:
+    cleanup_on_sigterm()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=10_000, help="runs: one start and one step each")
+    ap.add_argument("--step-chars", type=int, default=200, help="characters of each step's text")
+    ap.add_argument("--mqtt-protocol", default="auto", choices=["auto", "5", "3.1.1"])
+    ap.add_argument("--max-runs", type=int, default=10_000, help="the monitor's --max-runs (below --runs: evictions)")
+    ap.add_argument("--profile", help="write a cProfile of the monitor's process during ingest to this file")
+    args = ap.parse_args()
+    with open(os.devnull, "w") as devnull:
+        configure_logs("info", devnull)
+        with contextlib.suppress(KeyboardInterrupt):
+            out = asyncio.run(bench(args))
+            for k, v in out.items():
+                print(f"{k}: {v}", file=sys.stderr)
+            print(kv_line(**out))
+            return 0
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
