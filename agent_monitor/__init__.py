@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .calibration import Calibration, CalibrationError, Family, Threshold
 from .criteria import CriteriaError, Criterion, Rubric, bundled_criteria, load_criteria
 from .extractors import register_extractor
+from .group_tracker import AsyncGroupTracker, GroupTracker
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
 from .policy import Policy, PolicyError
@@ -56,6 +57,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LETTERS",
+    "AsyncGroupTracker",
     "AsyncProgressTracker",
     "BaseJudge",
     "Calibration",
@@ -69,6 +71,7 @@ __all__ = [
     "Frame",
     "FrameBudget",
     "GeminiJudge",
+    "GroupTracker",
     "ImageError",
     "Judge",
     "JudgeError",

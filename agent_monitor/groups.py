@@ -17,12 +17,16 @@ best *live sibling*, a prune always leaves at least `keep_top` live runs. A prun
 The ranking: runs not pruned (live or ended) before pruned ones; within each, higher score first,
 runs with no score last, then the order they joined. Rank 1 is the `leader`.
 
-API (stable; `agent_monitor.select` and `eval --groups` use it):
+API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
 
 - `GroupState(group, policy, max_runs=None)`: one group's memory.
-- `.join(run_id) -> GroupUpdate`: a run joins (idempotent; `GroupFull` past `max_runs`).
-- `.observe(run_id, step=, score=, uncertainty=, ok=) -> GroupUpdate` (or `.observe_progress(run_id, p)`):
-  fold one scoring of that run, in the run's step order; `update.prunes` lists the runs pruned now.
+- `.join(run_id) -> GroupUpdate`: a run joins (a live member again: no change; an ended or pruned one
+  joining again is a new run under that id; `GroupFull` past `max_runs`).
+- `.observe(run_id, step=, score=, uncertainty=, ok=, decide=True) -> GroupUpdate` (or
+  `.observe_progress(run_id, p)`): fold one scoring of that run, in the run's step order;
+  `update.prunes` lists the runs pruned now (`decide=False`: count, never prune; for rebuilding).
+- `.prune(run_id)`: mark a run pruned as decided before (a restart restoring its stored abort);
+  `.restore(ranked_run)`: take a pruned or ended run from a published ranking (a restart).
 - `.end(run_id, outcome=None) -> GroupUpdate`: the run ended (its rank stays, state "ended").
 - `.set_order(run_ids)`: a pairwise verdict on the order of some runs (e.g. the pivot tournament's),
   used as the tie-break among runs whose pointwise scores cannot be separated; cleared by `set_order(())`.
@@ -151,7 +155,13 @@ class GroupState:
         return ranked[0].run_id if ranked else None
 
     def join(self, run_id: str) -> GroupUpdate:
-        """A run joins the group (again: nothing changes); `GroupFull` when it has `max_runs` runs already."""
+        """A run joins the group (a live one again: nothing changes); `GroupFull` when it has `max_runs` runs already.
+
+        A run id that ended or was pruned and joins again is a new run under the same id: it starts afresh.
+        """
+        old = self._members.get(run_id)
+        if old is not None and old.state != "live":
+            self._members[run_id] = Member(run_id=run_id, order=old.order)
         if run_id not in self._members:
             if self.max_runs is not None and len(self._members) >= self.max_runs:
                 raise GroupFull(
@@ -161,14 +171,25 @@ class GroupState:
             self._members[run_id] = Member(run_id=run_id, order=len(self._members))
         return self._update()
 
-    def observe_progress(self, run_id: str, p: Progress) -> GroupUpdate:
+    def observe_progress(self, run_id: str, p: Progress, *, decide: bool = True) -> GroupUpdate:
         """Fold one of the run's results (see `observe`)."""
-        return self.observe(run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok)
+        return self.observe(run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok, decide=decide)
 
     def observe(
-        self, run_id: str, *, step: int, score: float | None, uncertainty: float | None = None, ok: bool = True
+        self,
+        run_id: str,
+        *,
+        step: int,
+        score: float | None,
+        uncertainty: float | None = None,
+        ok: bool = True,
+        decide: bool = True,
     ) -> GroupUpdate:
-        """Fold one scoring of a member run (in that run's step order) and decide whether it is pruned now."""
+        """Fold one scoring of a member run (in that run's step order) and decide whether it is pruned now.
+
+        `decide=False` (rebuilding a group after a restart) counts streaks but prunes nothing: a prune
+        is a decision taken once, live, and restored as it was (`prune`).
+        """
         m = self._member(run_id)
         if m.state != "live" or step <= m.last_step:
             # Final states stay; an older result (a slow concurrent scoring) does not move the group backwards.
@@ -192,7 +213,7 @@ class GroupState:
                 m.behind += 1
             else:
                 m.behind = 0
-            if kth is not None and m.behind >= pol.patience:
+            if decide and kth is not None and m.behind >= pol.patience:
                 m.state = "pruned"
                 leader = self.leader
                 reason = (
@@ -228,6 +249,24 @@ class GroupState:
             m.state = "pruned"
         if step is not None:
             m.last_step = max(m.last_step, step)
+
+    def restore(self, run: Mapping[str, Any]) -> None:
+        """Take a run that is no longer live from a published ranking (`RankedRunJSON`); a member already here stays."""
+        run_id = str(run["run_id"])
+        state = run.get("state")
+        if run_id in self._members or state not in ("pruned", "ended"):
+            return
+        step = run.get("step")
+        self._members[run_id] = Member(
+            run_id=run_id,
+            order=len(self._members),
+            state=state,
+            score=_finite(run.get("score")),
+            uncertainty=_finite(run.get("uncertainty")),
+            step=step,
+            outcome=run.get("outcome"),
+            last_step=step if isinstance(step, int) else -1,
+        )
 
     def set_order(self, run_ids: Sequence[str]) -> GroupUpdate:
         """A pairwise order of some runs (best first): the tie-break among scores that cannot be separated."""

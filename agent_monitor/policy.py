@@ -98,17 +98,20 @@ class Policy:
             v = getattr(self, name)
             if name == "abort_below" and v == AUTO:
                 continue
-            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0):
+            if v is not None and (
+                isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0)
+            ):
                 raise PolicyError(
                     f"policy {name}={v!r}: use a number in [0, 1]"
                     + (', or "auto"' if name == "abort_below" else "")
                     + ", or leave it out"
                 )
-        if not (isinstance(self.min_steps, int) and self.min_steps >= 0):
+        if isinstance(self.min_steps, bool) or not (isinstance(self.min_steps, int) and self.min_steps >= 0):
             raise PolicyError(f"policy min_steps={self.min_steps!r}: use an integer >= 0")
-        if not (isinstance(self.patience, int) and self.patience >= 1):
+        if isinstance(self.patience, bool) or not (isinstance(self.patience, int) and self.patience >= 1):
             raise PolicyError(f"policy patience={self.patience!r}: use an integer >= 1")
-        if not (isinstance(self.max_uncertainty, (int, float)) and 0.0 <= self.max_uncertainty <= 1.0):
+        mu = self.max_uncertainty
+        if isinstance(mu, bool) or not (isinstance(mu, (int, float)) and 0.0 <= mu <= 1.0):
             raise PolicyError(f"policy max_uncertainty={self.max_uncertainty!r}: use a number in [0, 1]")
         a = self.alpha
         if isinstance(a, bool) or not (isinstance(a, (int, float)) and 0.0 < a < 1.0):

@@ -164,6 +164,9 @@ class AsyncProgressTracker:
             else None
         )
         self.on_signal = on_signal
+        self.on_group: Callable[[Progress], Decision | None] | None = None
+        """Set by a `GroupTracker` (or the daemon) for a run in a group: given each in-order result after the run
+        policy's decision, it returns the group's prune (an abort with `pruned` set) or None."""
         self.run_id = run_id
         self.on_progress = on_progress
         self.steps: list[Step] = []
@@ -336,14 +339,17 @@ class AsyncProgressTracker:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
         self.usage += p.usage
         p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p))
-        if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
+        in_order = self.latest is None or p.step > self.latest.step
+        if self.policy_state is not None and in_order:
             # Results older than the latest (a slow concurrent update) do not move the policy backwards.
             p = dataclasses.replace(p, signal=self.policy_state.observe(p))
-            if p.signal is not None and p.signal.changed and self.on_signal is not None:
-                try:
-                    self.on_signal(p.signal)
-                except Exception:
-                    self._log.exception("on_signal_failed", step=p.step)
+        if self.on_group is not None and in_order:
+            p = self._group_decision(p)
+        if in_order and p.signal is not None and p.signal.changed and self.on_signal is not None:
+            try:
+                self.on_signal(p.signal)
+            except Exception:
+                self._log.exception("on_signal_failed", step=p.step)
         self.curve.append(p)
         self.curve.sort(key=lambda q: q.step)
         if self.latest is None or p.step >= self.latest.step:
@@ -360,6 +366,23 @@ class AsyncProgressTracker:
                 # A broken callback must not stop scoring of later steps.
                 self._log.exception("on_progress_failed", step=p.step)
         return p
+
+    def _group_decision(self, p: Progress) -> Progress:
+        """`p` with its group's verdict: a prune is an abort (final), marked `pruned`, that replaces the run's own."""
+        assert self.on_group is not None
+        if p.signal is not None and p.signal.signal == "abort" and not p.signal.changed:
+            return p  # aborted before: final, nothing for the group to decide
+        try:
+            d = self.on_group(p)
+        except Exception:
+            # The group is a side of the run, not the run: a failure there never stops its scoring.
+            self._log.exception("group_failed", step=p.step)
+            return p
+        if d is None:
+            return p
+        if self.policy_state is not None:
+            self.policy_state.signal, self.policy_state.reason = "abort", d.reason
+        return dataclasses.replace(p, signal=d)
 
     def _delta(self, p: Progress) -> float | None:
         """The score's change since the run's previous scored step (None at the first, or when either is None)."""
@@ -409,8 +432,12 @@ class AsyncProgressTracker:
         self.usage += run_totals(results) if usage is None else usage
         for p in sorted(results, key=lambda q: q.step):
             if self.policy_state is not None:
-                # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
-                p = dataclasses.replace(p, signal=self.policy_state.observe(p))
+                if p.signal is not None and p.signal.pruned:
+                    # The group's verdict is not a function of this run's scores: a prune is kept as it was decided.
+                    self.policy_state.signal, self.policy_state.reason = "abort", p.signal.reason
+                else:
+                    # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
+                    p = dataclasses.replace(p, signal=self.policy_state.observe(p))
             self.curve.append(p)
             self.latest = p
             self._scored = max(self._scored, p.step)

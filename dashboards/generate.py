@@ -392,6 +392,52 @@ def panels() -> list[dict[str, Any]]:
             w=4,
             h=8,
         ),
+        row("Groups (best of N)"),
+        timeseries(
+            "Group leader score",
+            [target("A", f"agent_monitor_group_leader_score{{{INST}}}", "{{group}}")],
+            unit="percentunit",
+            min_=0,
+            max_=1,
+            w=8,
+            description="The score of each group's leading run (rank 1 of its retained ranking on "
+            "{prefix}/_groups/{group}/ranking): the best of the sibling runs started with the same start.group.",
+        ),
+        timeseries(
+            "Live runs per group",
+            [target("A", f"agent_monitor_group_live_runs{{{INST}}}", "{{group}}")],
+            w=6,
+            description="Sibling runs still live in each group; pruned and ended runs are not counted. The group "
+            "policy never prunes below keep_top live runs.",
+        ),
+        timeseries(
+            "Pruned runs and pairwise judge calls per minute",
+            [
+                target("A", f"sum(rate(agent_monitor_pruned_total{{{INST}}}[{RATE}])) * 60", "pruned"),
+                target(
+                    "B",
+                    f"sum by (outcome) (rate(agent_monitor_compare_calls_total{{{INST}}}[{RATE}])) * 60",
+                    "compare calls {{outcome}}",
+                ),
+            ],
+            w=6,
+            description="Runs pruned by the group policy (aborted with pruned: true, behind their siblings by more "
+            "than prune_margin), and the judge calls spent comparing leaders pairwise (policy compare: true; "
+            "zero unless it is on).",
+        ),
+        stat(
+            "Groups not exported / refused",
+            [
+                target("A", f"sum(agent_monitor_group_series_capped{{{INST}}})", "not exported"),
+                target("B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts refused"),
+            ],
+            description="Groups without gauges (not on --metric-groups, or past --max-group-series; still ranked and "
+            "pruned), and starts refused because their group was full (--max-group-runs) or the monitor had "
+            "--max-groups groups.",
+            thresholds=[(None, "green"), (1, "orange")],
+            w=4,
+            h=8,
+        ),
         row("Judge"),
         timeseries(
             "Judge latency p50 / p95",

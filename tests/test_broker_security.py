@@ -375,6 +375,7 @@ topic write agents/+/progress
 topic write agents/+/signal
 topic write agents/+/error
 topic write agents/_errors
+topic write agents/_groups/+/ranking
 """
 
 

@@ -207,8 +207,13 @@ async def exercised_monitor() -> str:
         sinks=[Board(registry=registry)],
     )
     async with mon:
-        await mon.handle("agents/good/start", b'{"task": "a good task", "labels": {"group": "g1", "model": "m1"}}')
-        await mon.handle("agents/doomed/start", b'{"task": "a doomed task", "labels": {"group": "g2"}}')
+        await mon.handle(
+            "agents/good/start",
+            b'{"task": "a good task", "group": "best-of-2", "labels": {"group": "g1", "model": "m1"}}',
+        )
+        await mon.handle(
+            "agents/doomed/start", b'{"task": "a doomed task", "group": "best-of-2", "labels": {"group": "g2"}}'
+        )
         await mon.handle(
             "agents/dip/start", b'{"task": "wobbly", "policy": {"resample_below": 0.5, "abort_below": null}}'
         )
@@ -304,6 +309,9 @@ def test_the_issue_s_panels_are_there() -> None:
     panel("agent_monitor_run_cost_usd", 'run_id=~"$run_id"')
     panel("agent_monitor_run_tokens", 'run_id=~"$run_id"')
     panel("agent_monitor_judge_cost_usd_total")
+    panel("agent_monitor_group_leader_score")
+    panel("agent_monitor_group_live_runs")
+    panel("agent_monitor_pruned_total", "agent_monitor_compare_calls_total")
 
 
 def test_runs_table_merges_instant_queries_with_the_same_labels() -> None:

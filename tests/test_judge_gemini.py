@@ -368,7 +368,8 @@ async def test_sampled_expectation_converges_within_the_stated_error(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge], k: int
 ) -> None:
     server.default = sampler(seed=k)
-    judge = make_judge(logprobs=False, samples=k)
+    # A long timeout: a retried call (on a loaded machine) would send its draws again and break the count.
+    judge = make_judge(logprobs=False, samples=k, timeout_s=60.0, max_retries=0)
     t = AsyncProgressTracker("task", judge=judge, min_mass=0.5)
     p = await t.update("did a thing")
     assert p.ok and p.score is not None
@@ -391,7 +392,7 @@ async def test_sampled_repeats_each_get_their_own_draws(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
     server.default = sampler(seed=3)
-    judge = make_judge(logprobs=False, samples=8)
+    judge = make_judge(logprobs=False, samples=8, timeout_s=60.0, max_retries=0)
     resp = await judge.grade(JudgeRequest(prompt(), repeats=3))
     assert resp.draws == 8 and len(resp.samples) == 3
     assert [config(r)["candidateCount"] for r in server.requests] == [8, 8, 8]

@@ -232,8 +232,12 @@ async def drain(*monitors: Monitor) -> None:
 LIVE: dict[
     str, dict[str, Any]
 ] = {  # daemon A's runs that stay live, with their labels (group and model are the default metric labels)
-    "run-a1": {"task": "Make the failing test pass", "labels": {"group": "alpha", "model": "m-large", "user": "x"}},
-    "run-a2": {"task": "Refactor the parser", "labels": {"group": "beta", "model": "m-small"}},
+    "run-a1": {
+        "task": "Make the failing test pass",
+        "group": "best-of-2",  # siblings: the group panels' series
+        "labels": {"group": "alpha", "model": "m-large", "user": "x"},
+    },
+    "run-a2": {"task": "Refactor the parser", "group": "best-of-2", "labels": {"group": "beta", "model": "m-small"}},
     "run-flaky": {"task": "flaky", "labels": {"group": "beta"}},
     "run-wobbly": {
         "task": "wobbly",

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 PUBLIC = {
     "agent_monitor": [
-        "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "Comparison", "CriteriaError", "Criterion",
-        "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
+        "AsyncGroupTracker", "AsyncProgressTracker", "BaseJudge", "Calibration", "CalibrationError", "Comparison", "CriteriaError", "Criterion",
+        "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "GroupTracker", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
         "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError", "Selection",
         "Signal", "Step", "Threshold", "Tournament", "Usage", "__version__", "aselect", "atrack", "build_prompt", "bundled_criteria", "compare", "distribution",
@@ -31,9 +31,9 @@ PUBLIC = {
         "ImageArg", "ImageIn", "InputEvent", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_LABELS", "MAX_LABEL_KEY_CHARS",
         "MAX_LABEL_VALUE_CHARS", "MAX_META_BYTES", "MAX_META_DEPTH", "MAX_PAYLOAD_BYTES", "MAX_RUN_ID_CHARS",
         "MAX_STEP_CHARS", "MAX_STEP_INDEX", "MAX_TASK_CHARS", "MonitorClient", "OUTPUT_KINDS", "POLICY_KEYS",
-        "ProgressOut", "Run", "RunEnd", "RunStart", "SettingsError", "SignalName", "SignalOut", "StepIn", "Tokens",
+        "ProgressOut", "RankedRunOut", "RankingOut", "Run", "RunEnd", "RunStart", "SettingsError", "SignalName", "SignalOut", "StepIn", "Tokens",
         "TopicError", "Topics", "Totals", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
-        "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
+        "ranking_topic", "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
     ],
     "agent_monitor.daemon": [
         "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",

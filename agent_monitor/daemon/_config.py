@@ -57,6 +57,22 @@ class MetricsSettings:
             "--max-families (family names come from runs' starts: keep them few)",
         },
     )
+    groups: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "flag": "--metric-groups",
+            "comma": True,
+            "help": "groups (start.group) exported by name in the group gauges (comma-separated); none: any group, "
+            "up to --max-group-series",
+        },
+    )
+    max_group_series: int = field(
+        default=100,
+        metadata={
+            "help": "groups exported in the group gauges at most, the most recently active first; the rest are "
+            "counted in agent_monitor_group_series_capped"
+        },
+    )
     max_families: int = field(
         default=100,
         metadata={
@@ -69,7 +85,7 @@ class MetricsSettings:
         bad = [n for n in self.labels if not n.isidentifier() or n.startswith("__") or n in ("run_id", "signal")]
         if bad:
             raise ValueError(f"metric labels {bad} are not allowed; use identifiers other than run_id and signal")
-        if self.max_series < 0 or self.grace_s < 0 or self.max_families < 0:
+        if self.max_series < 0 or self.grace_s < 0 or self.max_families < 0 or self.max_group_series < 0:
             raise ValueError(
                 f"max_series={self.max_series}, grace_s={self.grace_s}, max_families={self.max_families}: "
                 "use numbers >= 0"

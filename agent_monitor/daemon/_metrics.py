@@ -16,6 +16,7 @@ from ..judges.base import Judge, JudgeRequest, JudgeResponse
 from ..policy import Policy
 from ..progress import FAILURES, REFUSALS, SIGNALS, Prices, Progress, Usage
 from ..wire import INPUT_KINDS
+from ._groups import GroupSeries
 from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
@@ -82,6 +83,25 @@ class Metrics:
         )
         self.signals = Counter(
             "agent_monitor_signals", "Signal changes published, by signal.", ["signal"], registry=registry
+        )
+        self.pruned = Counter(
+            "agent_monitor_pruned",
+            "Runs pruned by the group policy (aborted with pruned: true: behind their siblings).",
+            registry=registry,
+        )
+        self.compare_calls = Counter(
+            "agent_monitor_compare_calls",
+            "Pairwise judge comparisons made to rank group leaders pointwise scores could not separate "
+            "(policy compare: true), by result.",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("ok", "failed"):
+            self.compare_calls.labels(outcome)
+        self.groups_refused = Counter(
+            "agent_monitor_groups_refused",
+            "Starts refused because their group was full or the monitor had --max-groups groups.",
+            registry=registry,
         )
         self.scorings = Counter("agent_monitor_scorings", "Prefix scorings, by result.", ["outcome"], registry=registry)
         self.scoring_failures = Counter(
@@ -272,6 +292,8 @@ class MetricsSink:
         elif isinstance(event, SignalChanged):
             if event.decision.changed and not event.republished:
                 m.signals.labels(event.decision.signal).inc()
+                if event.decision.pruned:
+                    m.pruned.inc()
         elif isinstance(event, Refused):
             if event.invalid:
                 m.invalid_events.labels(event.reason).inc(event.count)
@@ -403,6 +425,53 @@ class CostCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: the value is computed at scrape time."""
+        return iter(())
+
+
+class GroupCollector(Collector):
+    """Per-group gauges: live runs and the leader's score, for groups on `allow` (all when empty), at most `max_groups`.
+
+    Group names come from runs' starts: the most recently active groups are exported, the rest are
+    counted in `agent_monitor_group_series_capped`; a group's series go when the group is cleared.
+    """
+
+    def __init__(
+        self, series: Callable[[], Sequence[GroupSeries]], *, allow: Sequence[str] = (), max_groups: int = 100
+    ) -> None:
+        if max_groups < 0:
+            raise ValueError("max_groups must be >= 0")
+        self.series = series
+        self.allow = tuple(allow)
+        self.max_groups = max_groups
+
+    def collect(self) -> Iterator[Metric]:
+        """The group gauge families (called by the registry on every scrape)."""
+        every = list(self.series())
+        allowed = [g for g in every if not self.allow or g.group in self.allow]
+        shown = allowed[: self.max_groups]
+        live = GaugeMetricFamily(
+            "agent_monitor_group_live_runs",
+            "Live runs in each group (start.group), pruned ones excluded.",
+            labels=["group"],
+        )
+        leader = GaugeMetricFamily(
+            "agent_monitor_group_leader_score",
+            "The score of each group's leading run (rank 1); no series until one is scored.",
+            labels=["group"],
+        )
+        for g in shown:
+            live.add_metric([g.group], g.live)
+            if g.leader_score is not None:
+                leader.add_metric([g.group], g.leader_score)
+        yield from (live, leader)
+        yield GaugeMetricFamily(
+            "agent_monitor_group_series_capped",
+            "Groups not exported: not on --metric-groups, or past --max-group-series.",
+            value=len(every) - len(shown),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the families are built at scrape time."""
         return iter(())
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -23,17 +24,21 @@ from prometheus_client import CollectorRegistry
 
 from ..calibration import Calibration, Sample
 from ..criteria import CriteriaError, Rubric, load_criteria
+from ..groups import GroupState
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy, with_levels
-from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
+from ..progress import OUTAGE_REASONS, Decision, Progress, Signal, run_totals
 from ..scheduler import Scheduler
+from ..selection import Comparison, compare, tournament
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, Topics, decode_event
 from ._config import MonitorConfig
+from ._groups import GroupBook, GroupLimitError, GroupSeries
 from ._metrics import (
     CalibrationCollector,
     CostCollector,
+    GroupCollector,
     MeteredJudge,
     Metrics,
     MetricsSink,
@@ -46,6 +51,7 @@ from ._outbox import Outbox
 from ._sinks import (
     Accepted,
     Duplicated,
+    GroupRanked,
     LogSink,
     MonitorEvent,
     MqttSink,
@@ -102,6 +108,8 @@ class _Scoring:
     signal: Signal = "continue"
     last_ok: Progress | None = None
     arrived: dict[int, float] = field(default_factory=dict)
+    group: str | None = None
+    """The run's group (`start.group`), while it is in one."""
     closing: str | None = None
     """The outcome to finish with once the newest prefix is scored (set when the end is accepted)."""
 
@@ -235,6 +243,18 @@ class Monitor:
         )
         if self.prices is not None:
             self.registry.register(CostCollector(metered, self.prices))
+        lim = c.limits
+        self.groups = GroupBook(max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s)
+        """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
+        # Kept current one group at a time on the event loop; the scrape thread reads a copy, most recent first.
+        self._group_series: dict[str, GroupSeries] = {}
+        self.registry.register(
+            GroupCollector(
+                lambda: sorted(dict(self._group_series).values(), key=lambda s: s.last_at, reverse=True),
+                allow=c.metrics.groups,
+                max_groups=c.metrics.max_group_series,
+            )
+        )
         self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
         self._families = CalibrationCollector(
             self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
@@ -264,6 +284,10 @@ class Monitor:
         self._stack: contextlib.AsyncExitStack | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        # policy.compare: one pivot tournament in flight per group; what it last compared; groups to compare again.
+        self._comparing: dict[str, asyncio.Task[None]] = {}
+        self._compared: dict[str, tuple[tuple[str, int], ...]] = {}
+        self._compare_again: set[str] = set()
 
     # -- lifecycle --
 
@@ -306,6 +330,7 @@ class Monitor:
     async def __aexit__(self, *exc: object) -> None:
         stack, tasks = self._stack, self._tasks
         self._stack, self._tasks = None, []
+        tasks = [*tasks, *self._comparing.values()]
         for task in tasks:
             task.cancel()
         pending = {t for t in tasks if not t.done()}
@@ -404,6 +429,13 @@ class Monitor:
                 self._emit(Duplicated(run_id, verdict.kind, verdict.counted))
                 return
             if isinstance(verdict, Started):
+                if verdict.start.group is not None:
+                    try:
+                        self.groups.check(run_id, verdict.start.group)
+                    except GroupLimitError as e:
+                        self.metrics.groups_refused.inc()
+                        self._emit(Refused(run_id, "run_rejected", str(e), topic))
+                        return
                 try:
                     self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
                 except Exception as e:  # validated on decode; still the run's problem, never the daemon's
@@ -464,13 +496,117 @@ class Monitor:
             family=start.family,
             prices=self.prices,
         )
-        return _Scoring(tracker, policy, dict(start.labels))
+        return _Scoring(tracker, policy, dict(start.labels), group=start.group)
 
     def _open(self, run_id: str, start: RunStart, replaying: bool) -> None:
         scoring = self._prepared.pop(run_id, None) or self._new_scoring(run_id, start)
         self._scoring[run_id] = scoring
         if not replaying:
             self._emit(RunOpened(run_id, start, len(self.book.live)))
+        if start.group is not None:
+            try:
+                update = self.groups.join(run_id, start.group, scoring.policy, self.clock())
+            except GroupLimitError:
+                # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
+                log.warning("group_refused_on_replay", run_id=run_id, group=start.group)
+                scoring.group = None
+                return
+            scoring.tracker.on_group = partial(self._group_verdict, run_id)
+            self._group_changed(start.group, update.changed and not replaying)
+
+    def _group_verdict(self, run_id: str, p: Progress) -> Decision | None:
+        """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""
+        update = self.groups.observe(run_id, p, self.clock())
+        if update is None:
+            return None
+        group = self.groups.of_run[run_id]
+        self._group_changed(group, update.changed)
+        self._maybe_compare(group)
+        if not update.prunes:
+            return None
+        pr, d = update.prunes[0], p.signal
+        return Decision(
+            signal="abort",
+            reason=pr.reason,
+            step=p.step,
+            score=p.score,
+            best_step=d.best_step if d else None,
+            best_score=d.best_score if d else None,
+            changed=True,
+            abort_below=d.abort_below if d else None,
+            calibration=d.calibration if d else None,
+            pruned=True,
+            leader=pr.leader,
+        )
+
+    def _maybe_compare(self, group: str) -> None:
+        """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
+
+        Asked again only when the tied leaders or their steps changed since the last tournament, one
+        tournament per group at a time (a change meanwhile asks once more after it). A failed tournament
+        leaves the pointwise order (fail-open); pairwise verdicts order the ranking, they never prune.
+        """
+        g = self.groups.groups.get(group)
+        if g is None or not g.policy.compare or self._stack is None:
+            return  # (no tournaments once the monitor is leaving)
+        tied = [r for r in g.tied_leaders() if r in self._scoring]
+        if len(tied) < 2:
+            self._compared.pop(group, None)
+            return
+        key = tuple((r, len(self._scoring[r].tracker.steps)) for r in sorted(tied))
+        if self._compared.get(group) == key:
+            return
+        if group in self._comparing:
+            self._compare_again.add(group)
+            return
+        self._compared[group] = key
+        self._comparing[group] = asyncio.create_task(self._compare(group, tied), name=f"compare:{group}")
+
+    async def _compare(self, group: str, tied: list[str]) -> None:
+        try:
+            trackers = {r: self._scoring[r].tracker for r in tied if r in self._scoring}
+            first = trackers[tied[0]]
+
+            async def pair(a: str, b: str) -> Comparison:
+                c = await compare(
+                    first.task,
+                    list(trackers[a].steps),
+                    list(trackers[b].steps),
+                    judge=self.circuit,
+                    criteria=first.rubric,
+                    repeats=self.config.repeats,
+                    min_mass=first.min_mass,
+                )
+                self.metrics.compare_calls.labels("ok" if c.ok else "failed").inc(c.calls)
+                return c
+
+            result = await tournament(list(trackers), pair)
+            g = self.groups.groups.get(group)
+            if g is not None:
+                update = g.set_order(result.ranking if result.ok else ())
+                self._group_changed(group, update.changed)
+                log.info(
+                    "group_compared", group=group, leaders=tied, winner=result.winner,
+                    comparisons=result.comparisons, failed=result.failed,
+                )  # fmt: skip
+        except Exception:
+            log.exception("group_compare_failed", group=group)  # the pointwise ranking stands
+        finally:
+            self._comparing.pop(group, None)
+            if group in self._compare_again:
+                self._compare_again.discard(group)
+                self._maybe_compare(group)
+
+    def _group_changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
+        """Refresh the group gauges; publish the group's ranking (retained) when asked."""
+        series = self.groups.series_of(group)
+        if series is None:
+            self._group_series.pop(group, None)
+        else:
+            self._group_series[group] = series
+        g = self.groups.groups.get(group)
+        if publish and g is not None:
+            self._emit(GroupRanked(group, g.ranking(), republished=republished))
 
     async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
         scoring = self._scoring.get(run_id)
@@ -501,6 +637,10 @@ class Monitor:
         run_id = effect.run_id
         scoring = self._scoring.pop(run_id, None)
         self.scheduler.discard(run_id)
+        group = self.groups.of_run.get(run_id)
+        update = self.groups.end(run_id, effect.outcome, effect.at)
+        if group is not None and update is not None:
+            self._group_changed(group, update.changed and not replaying)
         if effect.outcome == "evicted":
             # Derived from a start, not journaled by itself: the store learns the run is over here.
             await self.store.journal(Finished(run_id, effect.outcome, effect.at))
@@ -651,6 +791,10 @@ class Monitor:
             for record in self.book.due(self.clock()):
                 await self.store.journal(record)
                 await self._apply(record)
+            cleared = self.groups.due(self.clock())
+            for group in cleared:
+                self._group_series.pop(group, None)
+                self._emit(GroupRanked(group, None))  # an empty retained payload clears the ranking
         self._metrics_sink.prune()
 
     async def _sweeper(self) -> None:
@@ -673,6 +817,38 @@ class Monitor:
             await asyncio.sleep(3600)
 
     # -- restart --
+
+    def _restore_groups(self, stored: Mapping[str, Mapping[str, Any]]) -> None:
+        """Rebuild each group from its runs' restored scores, keep the prunes decided before, publish its ranking.
+
+        The journal replay made the groups and their members (in start order); the runs' stored results fold
+        in step by step across siblings (their order in time is not kept), counting streaks but deciding no
+        prune: a prune is a decision taken live once and restored from the run's stored abort. Siblings that
+        ended before the restart come from the group's last stored ranking; a group whose runs had all ended
+        is published again and cleared after the grace period, as it would have been.
+        """
+        now = self.clock()
+        for name, ranking in stored.items():
+            if name not in self.groups.groups:
+                if len(self.groups.groups) >= self.groups.max_groups:
+                    break
+                self.groups.groups[name] = GroupState(name, self.config.policy, max_runs=self.groups.max_group_runs)
+                self.groups.done_at[name] = now
+            g = self.groups.groups[name]
+            for run in ranking.get("runs") or ():
+                if isinstance(run, Mapping) and len(g.members) < self.groups.max_group_runs:
+                    g.restore(run)
+        for name, g in self.groups.groups.items():
+            curves = {r: self._scoring[r].tracker.curve for r in g.members if r in self._scoring}
+            depth = max((len(c) for c in curves.values()), default=0)
+            for i in range(depth):
+                for run_id, curve in curves.items():
+                    if i < len(curve):
+                        p = curve[i]
+                        g.observe_progress(run_id, p, decide=False)
+                        if p.signal is not None and p.signal.pruned:
+                            g.prune(run_id)
+            self._group_changed(name, True, republished=True)
 
     async def _restore(self) -> int:
         """Rebuild the live runs by replaying the journal; take their stored scores; return the runs live.
@@ -710,6 +886,7 @@ class Monitor:
                     self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)
+        self._restore_groups(await self.store.rankings())
         self.metrics.runs_active.set(len(self.book.live))
         self.restored = tuple(self.book.live)
         return len(self.book.live)

@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 
 import structlog
 
+from ..groups import RankingJSON
 from ..policy import Policy
 from ..progress import Decision, Progress, ProgressJSON, Signal
 from ..wire import RunStart, Topics, signal_json
@@ -103,7 +104,17 @@ class RunClosed:
     live: int
 
 
-MonitorEvent: TypeAlias = Accepted | Duplicated | Refused | RunOpened | Scored | SignalChanged | RunClosed
+@dataclass(frozen=True, slots=True)
+class GroupRanked:
+    """A group's ranking changed (order or a state), or the group was cleared (`ranking` None)."""
+
+    group: str
+    ranking: RankingJSON | None
+    republished: bool = False
+    """Published again after a restart (retained messages may have been lost with the crash)."""
+
+
+MonitorEvent: TypeAlias = Accepted | Duplicated | Refused | RunOpened | Scored | SignalChanged | RunClosed | GroupRanked
 Sink: TypeAlias = Callable[[MonitorEvent], object]
 
 
@@ -115,7 +126,7 @@ def _payload(data: Mapping[str, Any]) -> bytes:
 class MqttSink:
     """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
 
-    events = (Scored, SignalChanged, Refused, RunClosed)
+    events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
 
     def __init__(self, outbox: Outbox, topics: Topics) -> None:
         self.outbox = outbox
@@ -138,6 +149,10 @@ class MqttSink:
             where = t.of(event.run_id, "error") if event.run_id else t.errors
             body = {"run_id": event.run_id, "topic": event.topic[:512], "reason": event.reason, "error": event.message}
             self.outbox.put(Message(where, _payload(body)))
+        elif isinstance(event, GroupRanked):
+            # Retained, so a late subscriber sees the ranking now; an empty payload clears it.
+            ranking = b"" if event.ranking is None else _payload(event.ranking)
+            self.outbox.put(Message(t.ranking(event.group), ranking, retain=True, droppable=False))
         elif isinstance(event, RunClosed):
             self._progress_topics.pop(event.run_id, None)
             # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
@@ -145,17 +160,19 @@ class MqttSink:
 
 
 class StoreSink:
-    """Keep every published score in the run store (restarts take them instead of judging again)."""
+    """Keep every published score and group ranking in the run store (a restart takes them up again)."""
 
-    events = (Scored,)
+    events = (Scored, GroupRanked)
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
 
     def __call__(self, event: MonitorEvent) -> None:
-        """Record a score."""
+        """Record a score or a ranking."""
         if isinstance(event, Scored):
             self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
+        elif isinstance(event, GroupRanked) and not event.republished:
+            self.store.record_ranking(event.group, event.ranking)
 
 
 class LogSink:
@@ -195,6 +212,7 @@ class LogSink:
 __all__ = [
     "Accepted",
     "Duplicated",
+    "GroupRanked",
     "LogSink",
     "MonitorEvent",
     "MqttSink",

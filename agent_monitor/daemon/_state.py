@@ -45,12 +45,22 @@ class RunLimits:
     ended_memory: int = field(
         default=10_000, metadata={"help": "ended run ids remembered, so a late step is reported, not a ghost run"}
     )
+    max_groups: int = field(
+        default=1_000, metadata={"help": "live groups (start.group); a start for a new group beyond this is refused"}
+    )
+    max_group_runs: int = field(default=100, metadata={"help": "runs in one group; a start beyond this is refused"})
+    group_grace_s: float = field(
+        default=60.0,
+        metadata={"help": "seconds a group's ranking stays retained after its last run ended (then it is cleared)"},
+    )
     redelivery_window: int = field(
         default=1_024,
         metadata={"help": "recent MQTT deliveries remembered to recognise a broker's redelivery (DUP) of one"},
     )
 
     def __post_init__(self) -> None:
+        if self.group_grace_s < 0:
+            raise ValueError(f"group_grace_s={self.group_grace_s}; use 0 or more seconds")
         if self.hold_s < 0 or self.idle_timeout_s <= 0:
             raise ValueError(
                 f"hold_s={self.hold_s} and idle_timeout_s={self.idle_timeout_s}: use hold >= 0 and idle timeout > 0"
@@ -63,6 +73,8 @@ class RunLimits:
                 ("max_orphan_runs", self.max_orphan_runs),
                 ("ended_memory", self.ended_memory),
                 ("redelivery_window", self.redelivery_window),
+                ("max_groups", self.max_groups),
+                ("max_group_runs", self.max_group_runs),
             )
             if v < 1
         }

@@ -31,7 +31,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -108,6 +108,14 @@ class RunStore(Protocol):
         """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
         ...
 
+    def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
+        """Keep a group's published ranking (in order, without waiting); None: the group was cleared."""
+        ...
+
+    async def rankings(self) -> dict[str, dict[str, Any]]:
+        """Every group's last published ranking not cleared (a restart rebuilds its ended and pruned runs from it)."""
+        ...
+
     async def aclose(self) -> None:
         """Finish pending writes and close."""
         ...
@@ -146,6 +154,7 @@ CREATE TABLE IF NOT EXISTS calibration (
     run_id TEXT NOT NULL, body TEXT NOT NULL, at REAL NOT NULL, UNIQUE (family, model, rubric, run_id)
 );
 CREATE INDEX IF NOT EXISTS calibration_by_family ON calibration (family, model, rubric, seq);
+CREATE TABLE IF NOT EXISTS group_rankings (group_name TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
 """
 # Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them, and an older
 # agent-monitor still reads a newer store of the same format. A change to an existing table needs a new format.
@@ -381,6 +390,29 @@ class SqliteStore:
     async def reset_family(self, name: str) -> int:
         """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
         return await self._run(lambda db: db.execute("DELETE FROM calibration WHERE family = ?", (name,)).rowcount)
+
+    def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
+        """Keep a group's published ranking (in the background, in order); None deletes it (the group was cleared)."""
+        body, now = (None if ranking is None else json.dumps(ranking)), self.clock()
+
+        def write(db: sqlite3.Connection) -> None:
+            if body is None:
+                db.execute("DELETE FROM group_rankings WHERE group_name = ?", (group,))
+            else:
+                db.execute(
+                    "INSERT OR REPLACE INTO group_rankings (group_name, body, at) VALUES (?, ?, ?)", (group, body, now)
+                )
+
+        self._background(write, "ranking")
+
+    async def rankings(self) -> dict[str, dict[str, Any]]:
+        """Every group's last published ranking not cleared."""
+
+        def read(db: sqlite3.Connection) -> dict[str, dict[str, Any]]:
+            rows = db.execute("SELECT group_name, body FROM group_rankings ORDER BY at")
+            return {g: json.loads(b) for g, b in rows}
+
+        return await self._run(read)
 
     async def prune(self, older_than_s: float) -> int:
         """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted.
@@ -644,6 +676,8 @@ class MemoryStore:
         self.deliveries: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=_DELIVERIES_KEPT)
         self.calibration: dict[tuple[Family, str], Sample] = {}
         """Calibration samples by (family, run id), oldest first."""
+        self.group_rankings: dict[str, dict[str, Any]] = {}
+        """Each group's last published ranking, by group."""
 
     async def journal(self, record: Record) -> None:
         """Keep one record."""
@@ -702,6 +736,16 @@ class MemoryStore:
             del self.calibration[k]
         return len(gone)
 
+    def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
+        """Keep a group's published ranking; None forgets it."""
+        self.group_rankings.pop(group, None)
+        if ranking is not None:
+            self.group_rankings[group] = json.loads(json.dumps(ranking))  # a copy, as a database would keep
+
+    async def rankings(self) -> dict[str, dict[str, Any]]:
+        """Every group's last published ranking not cleared."""
+        return dict(self.group_rankings)
+
     async def aclose(self) -> None:
         """Nothing to release."""
 
@@ -729,6 +773,13 @@ class NoStore:
     async def reset_family(self, name: str) -> int:
         """Nothing to forget."""
         return 0
+
+    def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
+        """Keep nothing."""
+
+    async def rankings(self) -> dict[str, dict[str, Any]]:
+        """No rankings kept."""
+        return {}
 
     async def aclose(self) -> None:
         """Nothing to release."""

@@ -4,6 +4,7 @@ Topics (prefix `agents` by default, configurable, may have several levels):
 
 - inputs: `{prefix}/{run_id}/start` (RunStart), `.../step` (StepIn), `.../end` (RunEnd);
 - outputs: `.../progress` (ProgressOut), `.../signal` (SignalOut, retained), `.../error` (ErrorOut);
+  `{prefix}/_groups/{group}/ranking` (RankingOut, retained) for runs started with `start.group`;
   events whose topic or run id cannot be parsed (`bad_topic`), or whose kind is none of start,
   step, end (`unknown_topic`: a typo such as `steps`), are reported on `{prefix}/_errors`.
 
@@ -45,7 +46,18 @@ from ._limits import (
     MAX_STEP_INDEX,
     MAX_TASK_CHARS,
 )
-from ._outputs import CriterionOut, DecisionOut, ErrorOut, ProgressOut, SignalOut, Tokens, Totals, signal_json
+from ._outputs import (
+    CriterionOut,
+    DecisionOut,
+    ErrorOut,
+    ProgressOut,
+    RankedRunOut,
+    RankingOut,
+    SignalOut,
+    Tokens,
+    Totals,
+    signal_json,
+)
 from ._schema import schemas, stale_schemas, write_schemas
 from ._settings import DEFAULT_BROKER, BrokerSettings, SettingsError
 from ._topics import (
@@ -57,6 +69,7 @@ from ._topics import (
     errors_topic,
     input_filters,
     parse_topic,
+    ranking_topic,
     topic,
 )
 
@@ -87,6 +100,8 @@ __all__ = [
     "InputEvent",
     "MonitorClient",
     "ProgressOut",
+    "RankedRunOut",
+    "RankingOut",
     "Run",
     "RunEnd",
     "RunStart",
@@ -103,6 +118,7 @@ __all__ = [
     "errors_topic",
     "input_filters",
     "parse_topic",
+    "ranking_topic",
     "schemas",
     "signal_json",
     "stale_schemas",

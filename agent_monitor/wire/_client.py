@@ -156,6 +156,12 @@ class Run:
         return s is not None and s.signal == "abort"
 
     @property
+    def pruned(self) -> bool:
+        """Whether the latest signal is a prune: an abort because the run's group siblings are far ahead."""
+        s = self.signal
+        return s is not None and s.signal == "abort" and s.pruned
+
+    @property
     def should_resample(self) -> bool:
         """Whether the monitor's latest signal says to roll back to `best_step` and resample."""
         s = self.signal
@@ -340,16 +346,21 @@ class MonitorClient:
         task: str,
         criteria: str | dict[str, Any] | list[Any] | None = None,
         images: Iterable[ImageArg] = (),
-        policy: Mapping[str, float | int | str | None] | None = None,
+        policy: Mapping[str, bool | float | int | str | None] | None = None,
         labels: Mapping[str, str] | None = None,
         family: str | None = None,
         on_signal: Callable[[SignalOut], None] | None = None,
         on_progress: Callable[[ProgressOut], None] | None = None,
+        group: str | None = None,
     ) -> Run:
-        """Subscribe to the run's outputs, publish its start (QoS 1) and wait for the PUBACK; return the Run."""
+        """Subscribe to the run's outputs, publish its start (QoS 1) and wait for the PUBACK; return the Run.
+
+        `group` makes the run a sibling of the runs started with the same group (best of N): ranked together on
+        `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when far behind them.
+        """
         filters = [topic(self.prefix, run_id, k) for k in OUTPUT_KINDS]  # raises TopicError for a bad run id
         payload: dict[str, Any] = {"task": task}
-        optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family}
+        optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family, "group": group}
         payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs

@@ -44,6 +44,7 @@ from ._limits import (
     MAX_TASK_CHARS,
 )
 from ._refs import check_image_path, check_image_url, looks_like_path
+from ._topics import GroupName
 
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy))
 """The keys `start.policy` may set (the fields of `agent_monitor.policy.Policy`)."""
@@ -201,7 +202,7 @@ class RunStart(_In):
         "Null: the monitor's default rubric (serve --criteria; the bundled progress rubric unless set).",
     )
     images: ImageList
-    policy: dict[str, float | int | str | None] | None = Field(
+    policy: dict[str, bool | float | int | str | None] | None = Field(
         default=None,
         description="Overrides of the monitor's policy defaults and of the rubric's thresholds; unknown keys are an "
         "error.",
@@ -212,6 +213,12 @@ class RunStart(_In):
         Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)],
     ] = Field(default_factory=dict, max_length=MAX_LABELS)
     expected: str | None = Field(default=None, max_length=MAX_TASK_CHARS, description="Known final answer (eval).")
+    group: GroupName | None = Field(
+        default=None,
+        description="The group of sibling runs (best-of-N rollouts of one task) this one belongs to: ranked together "
+        "on {prefix}/_groups/{group}/ranking, laggards pruned by the policy's keep_top and prune_margin. A topic "
+        "level: 1-128 characters from A-Z a-z 0-9 . _ : -, not starting with '_'.",
+    )
     family: str | None = Field(
         default=None,
         max_length=MAX_LABEL_VALUE_CHARS,

@@ -8,13 +8,13 @@ keeps working with a newer monitor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..policy import Policy
 from ..progress import ERROR_REASONS, Decision, Progress, Signal
-from ._topics import RunId
+from ._topics import GroupName, RunId
 
 
 class _Out(BaseModel):
@@ -172,6 +172,30 @@ class SignalOut(_Out):
 def signal_json(run_id: str, decision: Decision, policy: Policy) -> dict[str, Any]:
     """The signal message's JSON: the decision's one JSON form, with the run and the policy in force."""
     return {**decision.to_json(), "run_id": run_id, "policy": policy.as_dict()}
+
+
+class RankedRunOut(_Out):
+    """One run in a group's ranking."""
+
+    run_id: RunId
+    rank: int = Field(ge=1, description="1 = best.")
+    score: float | None = Field(default=None, description="The run's latest counted score (null: none yet).")
+    uncertainty: float | None = None
+    step: int | None = Field(default=None, description="The step that score is for.")
+    state: Literal["live", "pruned", "ended"]
+    outcome: str | None = Field(default=None, description="The run's end outcome, once it ended with one.")
+
+
+class RankingOut(_Out):
+    """`{prefix}/_groups/{group}/ranking` (retained): a group's sibling runs, best first; empty when it is cleared.
+
+    Published when the order or a state changes; cleared when the group's last run has ended and the
+    grace period passed. Runs not pruned come before pruned ones; within each, higher score first.
+    """
+
+    group: GroupName
+    leader: RunId | None = Field(description="The rank-1 run.")
+    runs: list[RankedRunOut] = Field(description="Sorted by rank.")
 
 
 class ErrorOut(_Out):

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from ._inputs import RunEnd, RunStart, StepIn
-from ._outputs import ErrorOut, ProgressOut, SignalOut
+from ._outputs import ErrorOut, ProgressOut, RankingOut, SignalOut
 
 SCHEMA_MODELS: dict[str, tuple[type[BaseModel], Literal["validation", "serialization"]]] = {
     "start": (RunStart, "validation"),
@@ -18,6 +18,7 @@ SCHEMA_MODELS: dict[str, tuple[type[BaseModel], Literal["validation", "serializa
     "progress": (ProgressOut, "serialization"),
     "signal": (SignalOut, "serialization"),
     "error": (ErrorOut, "serialization"),
+    "ranking": (RankingOut, "serialization"),
 }
 """Each topic kind's model, and whether its schema describes what is accepted or what is sent."""
 

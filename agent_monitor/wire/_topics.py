@@ -14,6 +14,7 @@ from ._limits import MAX_RUN_ID_CHARS
 INPUT_KINDS = ("start", "step", "end")
 OUTPUT_KINDS = ("progress", "signal", "error")
 ERRORS_LEVEL = "_errors"
+GROUPS_LEVEL = "_groups"
 
 Kind = Literal["start", "step", "end"]
 
@@ -21,6 +22,8 @@ _RUN_ID = re.compile(r"[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}")
 _RUN_ID_PATTERN = r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}$"
 
 RunId = Annotated[str, StringConstraints(pattern=_RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
+GroupName = Annotated[str, StringConstraints(pattern=_RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
+"""A group name has a run id's grammar: it becomes one topic level (`{prefix}/_groups/{group}/ranking`)."""
 
 
 class TopicError(ValueError):
@@ -100,6 +103,16 @@ def topic(prefix: str, run_id: str, kind: str) -> str:
     return f"{prefix}/{run_id}/{kind}"
 
 
+def ranking_topic(prefix: str, group: str) -> str:
+    """The retained ranking topic of a group: `{prefix}/_groups/{group}/ranking` (a group name is a run id's grammar)."""
+    check_prefix(prefix)
+    try:
+        check_run_id(group)
+    except TopicError as e:
+        raise TopicError(str(e).replace("run id", "group name")) from None
+    return f"{prefix}/{GROUPS_LEVEL}/{group}/ranking"
+
+
 def errors_topic(prefix: str = "agents") -> str:
     """The topic for events whose run cannot be told (bad topic): `{prefix}/_errors`."""
     return f"{check_prefix(prefix)}/{ERRORS_LEVEL}"
@@ -125,6 +138,10 @@ class Topics:
         self.inputs = [f"{prefix}/+/{k}" for k in INPUT_KINDS]
         """The exact input filters (where a broker refuses the wider subscription)."""
         self._under = prefix + "/"
+
+    def ranking(self, group: str) -> str:
+        """`{prefix}/_groups/{group}/ranking` (retained) for a group name that is already known valid."""
+        return f"{self.prefix}/{GROUPS_LEVEL}/{group}/ranking"
 
     def of(self, run_id: str, kind: str) -> str:
         """`{prefix}/{run_id}/{kind}` for a run id that is already known valid."""
