@@ -173,6 +173,27 @@ class SelectReport:
         """Share of groups with at least one successful run: the best any pick can do."""
         return self._share([(g.random_success or 0.0) > 0 for g in self.known])
 
+    @property
+    def hits(self) -> int:
+        """Groups (outcomes known) whose pick succeeded."""
+        return sum(bool(g.pick_success) for g in self.known)
+
+    @property
+    def chance(self) -> float | None:
+        """The probability that random picks succeed in at least as many groups as these picks did (exact).
+
+        A random pick succeeds in each group independently with its share of successes (a Poisson
+        binomial); a small value says the picks beat random beyond luck, a large one that they may not.
+        """
+        if not self.known:
+            return None
+        dist = [1.0]  # dist[j]: probability of exactly j successes over the groups so far
+        for g in self.known:
+            p = g.random_success or 0.0
+            dist = [(dist[j] if j < len(dist) else 0.0) * (1 - p) + (dist[j - 1] * p if j else 0.0)
+                    for j in range(len(dist) + 1)]  # fmt: skip
+        return sum(dist[self.hits :])
+
 
 async def select_groups(
     groups: Sequence[Group],
@@ -274,17 +295,31 @@ def select_summary(report: SelectReport) -> str:
     lines.append("")
     lines.append(
         f"{len(known)} groups with known outcomes; pick accuracy ({report.method}): {_pct(report.accuracy)}; "
-        f"last step's pointwise score: {_pct(report.pointwise_accuracy)}; random pick (expected): "
+        f"by the latest pointwise score: {_pct(report.pointwise_accuracy)}; random pick (expected): "
         f"{_pct(report.random_accuracy)}; best possible (a group with a success): {_pct(report.oracle)}"
     )
-    if report.accuracy is not None and report.random_accuracy is not None:
+    chance = report.chance
+    if report.accuracy is not None and report.random_accuracy is not None and chance is not None:
+        lines.append(
+            f"random picks succeed in at least {report.hits} of these {len(known)} groups with probability "
+            f"{chance:.0%} (exact)"
+        )
         if report.accuracy <= report.random_accuracy:
             lines.append(
                 f"verdict: no better than a random pick: this judge's {report.method} picks do not find the "
                 "successful runs; do not let it choose for you"
             )
+        elif chance > 0.05:
+            lines.append(
+                f"verdict: not distinguishable from a random pick: {report.accuracy - report.random_accuracy:.0%} "
+                f"above its expected accuracy, but random picks do as well {chance:.0%} of the time; judge more "
+                "groups (or use a stronger judge) before trusting it"
+            )
         else:
-            lines.append(f"verdict: better than a random pick by {report.accuracy - report.random_accuracy:.0%}")
+            lines.append(
+                f"verdict: better than a random pick by {report.accuracy - report.random_accuracy:.0%} (random "
+                f"picks do as well {chance:.1%} of the time)"
+            )
     failed = sum(g.selection.failed for g in report.picks)
     if failed:
         lines.append(f"{failed} judge results failed (left out; see the JSON report for reasons)")
@@ -315,6 +350,7 @@ def select_json(report: SelectReport) -> dict[str, Any]:
         "pointwise_accuracy": report.pointwise_accuracy,
         "random_accuracy": report.random_accuracy,
         "oracle": report.oracle,
+        "random_at_least_as_good": report.chance,
         "calls": report.calls,
     }
 

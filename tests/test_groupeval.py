@@ -87,6 +87,8 @@ async def test_select_pointwise_reports_pick_accuracy_against_random_exactly(tmp
     # Random: 1/3 + 2/3 + 0, over three groups; the best possible: two groups have a success.
     assert report.random_accuracy == pytest.approx((1 / 3 + 2 / 3 + 0) / 3)
     assert report.oracle == pytest.approx(2 / 3)
+    # Random picks succeed in at least one group unless they miss in alpha (2/3) and beta (1/3): 1 - 2/9.
+    assert report.hits == 1 and report.chance == pytest.approx(7 / 9)
     assert report.pointwise_accuracy == report.accuracy and report.calls == 48
     # Every prefix is scored as live (8 runs of 6 steps); a run's standing is its latest score.
     assert judge.calls_made == 48 and {p.step for p in judge.prompts} == set(range(1, 7))
@@ -96,6 +98,7 @@ async def test_select_pointwise_reports_pick_accuracy_against_random_exactly(tmp
     )
     text = ge.select_summary(report)
     assert "pick accuracy (pointwise): 33%" in text and "random pick (expected): 33%" in text
+    assert "at least 1 of these 3 groups with probability 78% (exact)" in text
     assert "verdict: no better than a random pick" in text
     data = ge.select_json(report)
     assert data["groups"][1]["random_success"] == pytest.approx(2 / 3)
@@ -264,3 +267,18 @@ def test_select_and_eval_groups_commands_end_to_end(tmp_path: Path) -> None:
     assert out["method"] == "pairwise" and [g["pick"] for g in out["groups"]] == ["alpha__hi1", "beta__hi0",
                                                                                    "gamma__mid0"]  # fmt: skip
     assert out["random_accuracy"] == pytest.approx(1 / 3)
+
+
+async def test_the_verdict_tells_luck_from_a_judge_that_finds_the_successes() -> None:
+    def many(n: int) -> list[ge.Group]:
+        return [ge.Group(f"g{i}", (run(f"g{i}", "lo", 0, 0.0), run(f"g{i}", "hi", 1, 1.0), run(f"g{i}", "mid", 2, 0.0)))
+                for i in range(n)]  # fmt: skip
+
+    sure = await ge.select_groups(many(6), judge=FakeJudge(pointwise))
+    assert sure.accuracy == 1.0 and sure.chance == pytest.approx((1 / 3) ** 6)
+    assert "verdict: better than a random pick by 67% (random picks do as well 0.1% of the time)" in ge.select_summary(
+        sure
+    )
+    lucky = await ge.select_groups(many(2), judge=FakeJudge(pointwise))
+    assert lucky.chance == pytest.approx(1 / 9)
+    assert "verdict: not distinguishable from a random pick" in ge.select_summary(lucky)
