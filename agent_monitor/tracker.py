@@ -335,15 +335,19 @@ class AsyncProgressTracker:
     def _record(self, p: Progress) -> Progress:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
         self.usage += p.usage
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost)
-        if self.policy_state is not None and (self.latest is None or p.step > self.latest.step):
-            # Results older than the latest (a slow concurrent update) do not move the policy backwards.
-            p = dataclasses.replace(p, signal=self.policy_state.observe(p))
-            if p.signal is not None and p.signal.changed and self.on_signal is not None:
-                try:
-                    self.on_signal(p.signal)
-                except Exception:
-                    self._log.exception("on_signal_failed", step=p.step)
+        signal = p.signal
+        # Results older than the latest (a slow concurrent update) do not move the policy backwards.
+        observed = self.policy_state is not None and (self.latest is None or p.step > self.latest.step)
+        if observed:
+            assert self.policy_state is not None
+            # The policy reads the score, not the totals: one copy of the result carries both.
+            signal = self.policy_state.observe(p)
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, signal=signal)
+        if observed and signal is not None and signal.changed and self.on_signal is not None:
+            try:
+                self.on_signal(signal)
+            except Exception:
+                self._log.exception("on_signal_failed", step=p.step)
         self.curve.append(p)
         self.curve.sort(key=lambda q: q.step)
         if self.latest is None or p.step >= self.latest.step:
@@ -494,7 +498,8 @@ async def score_prefix(
             log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
             return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    answers = await asyncio.gather(*(one(c) for c in ask))
+    # One criterion (the common case) is awaited directly: gather would wrap it in a task of its own.
+    answers = [await one(ask[0])] if len(ask) == 1 else await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
     model = ""
     dropped = 0
