@@ -8,8 +8,8 @@ import contextlib
 import dataclasses
 import math
 import time
-from array import array
 import uuid
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
