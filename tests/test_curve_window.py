@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor import AsyncProgressTracker, Calibration, Policy, ProgressTracker
+from agent_monitor import AsyncProgressTracker, Calibration, Policy, Progress, ProgressTracker
 from agent_monitor.calibration import margin, points
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.daemon._store import SqliteStore
-from agent_monitor.testing import FakeJudge
+from agent_monitor.testing import Answer, FakeJudge
 from agent_monitor.tracker import DEFAULT_CURVE_WINDOW
 from agent_monitor.wire import Topics
 
@@ -20,9 +20,9 @@ WINDOW = 5
 STEPS = 10 * WINDOW
 
 
-def answers(n: int) -> list[object]:
+def answers(n: int) -> list[Answer]:
     """A long run's answers: a wandering score, some failed calls, some very uncertain answers."""
-    out: list[object] = []
+    out: list[Answer] = []
     for i in range(1, n + 1):
         if i % 7 == 0:
             out.append(FakeJudge.failure("timeout"))
@@ -33,7 +33,7 @@ def answers(n: int) -> list[object]:
     return out
 
 
-async def run(window: int, calibration: Calibration, policy: Policy) -> tuple[AsyncProgressTracker, list]:
+async def run(window: int, calibration: Calibration, policy: Policy) -> tuple[AsyncProgressTracker, list[Progress]]:
     judge = FakeJudge(answers(STEPS), record=False)
     tracker = AsyncProgressTracker(
         "count to fifty", judge=judge, curve_window=window, calibration=calibration, policy=policy, run_id="r"
