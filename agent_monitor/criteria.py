@@ -71,6 +71,8 @@ class Rubric:
     """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
     judged: tuple[Criterion, ...] = field(init=False, compare=False, repr=False)
     """The criteria the LLM judge may be asked about (shown to it in every prompt)."""
+    prompt_text: dict[str, str] = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Prompt fragments made from this rubric's own text (fenced once, not per scoring); filled by `build_prompt`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hash", self._content_hash())

@@ -158,11 +158,28 @@ def render_text(instructions: str, parts: Sequence[Part], image: Callable[[Frame
 
 
 def _criteria_text(rubric: Rubric) -> str:
-    # Titles, names and descriptions may come from a run's start: each stays inside its one line.
-    lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
-    for c in rubric.judged:
-        lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
-    return "".join(lines)
+    """The criteria section, made once per rubric (fencing its text is most of a prompt's regex work)."""
+    text = rubric.prompt_text.get("")
+    if text is None:
+        # Titles, names and descriptions may come from a run's start: each stays inside its one line.
+        lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
+        for c in rubric.judged:
+            lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
+        text = rubric.prompt_text[""] = "\n" + "".join(lines) + "\n## Trajectory so far\n"
+    return text
+
+
+def _question(rubric: Rubric, criterion: Criterion) -> str:
+    """The fenced criterion line of the question, made once per rubric and criterion."""
+    key = f"criterion:{criterion.name}\0{criterion.description}"
+    text = rubric.prompt_text.get(key)
+    if text is None:
+        if len(rubric.prompt_text) > 2 * len(rubric.criteria) + 1:
+            rubric.prompt_text.clear()  # criteria from elsewhere asked about with this rubric: keep the memo bounded
+            rubric.prompt_text[""] = _criteria_text(rubric)
+        text = f"Grade only the criterion '{fence_inline(criterion.name)}': {fence_inline(criterion.description)}\n"
+        rubric.prompt_text[key] = text
+    return text
 
 
 def build_prompt(
@@ -182,15 +199,18 @@ def build_prompt(
     its tail, is a prefix of the prompt for n + 1 steps.
     """
     budget = budget or FrameBudget()
-    prefix: list[Part] = [TextPart(f"## Task\n{fence(task.strip())}\n")]
-    prefix.extend(ImagePart(f) for f in task_frames)
-    prefix.append(TextPart("\n" + _criteria_text(rubric) + "\n## Trajectory so far\n"))
+    # One text block between images, joined once (the steps' text is most of the prompt).
+    text: list[str] = [f"## Task\n{fence(task.strip())}\n"]
+    prefix: list[Part] = []
+    if task_frames:
+        prefix.append(TextPart(text.pop()))
+        prefix.extend(ImagePart(f) for f in task_frames)
+    text.append(_criteria_text(rubric))
 
     ordinal: list[tuple[int, Frame]] = [(s.index, f) for s in steps for f in s.frames]
     anchors, recent = budget.select(len(ordinal))
     anchor_set = set(anchors)
     k = 0
-    text: list[str] = []
     for s in steps:
         text.append(f"\n### Step {s.index}\n{s.shown}\n")
         for f in s.frames:
@@ -213,7 +233,7 @@ def build_prompt(
     tail.append(
         TextPart(
             f"\n## Question\nThe trajectory above has {n} step{'s' if n != 1 else ''} so far. "
-            f"Grade only the criterion '{fence_inline(criterion.name)}': {fence_inline(criterion.description)}\n"
+            f"{_question(rubric, criterion)}"
             f"Reply with one letter from {LETTERS[0]} (nothing done) to {LETTERS[-1]} (complete and verified).\n"
         )
     )

@@ -172,7 +172,8 @@ def score_criterion(
     mean = sum(means) / k
     within = sum(d.dispersion**2 for d in repeats) / k
     between = sum((m - mean) ** 2 for m in means) / k
-    pooled = [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
+    # One repeat (the default) is its own pooled distribution: the same floats, without 20 sums.
+    pooled = repeats[0].probs if k == 1 else [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
     # Each expectation from n valid draws has variance var/n; the mean of K of them, sum(var/n) / K^2.
     se2 = sum(d.dispersion**2 / max(1.0, d.mass * draws) for d in repeats) / k**2 if draws > 0 else 0.0
     return CriterionScore(

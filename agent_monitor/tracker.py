@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
+import math
 import time
 import uuid
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ import structlog
 
 from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
 from ._loop import LoopThread
-from .calibration import Calibration, Family, Sample, Threshold
+from .calibration import Calibration, Family, Point, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
@@ -46,11 +49,17 @@ DEFAULT_MAX_SIDE: int | None = 1024
 """Images are downscaled so their longer side is at most this many pixels (None: never)."""
 DEFAULT_ALLOW_FILES = True
 """Whether a step's images may name local files (the daemon turns it off: network events never may)."""
+DEFAULT_CURVE_WINDOW = 100
+"""Results `tracker.curve` keeps (the newest steps); `summary` and `points` cover the whole run whatever its length."""
 
 StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
 
 ProgressCallback = Callable[["Progress"], object]
+
+
+def _step(p: Progress) -> int:
+    return p.step
 
 
 def _step_text(step: StepInput) -> str:
@@ -59,6 +68,65 @@ def _step_text(step: StepInput) -> str:
     if isinstance(step, Mapping):
         return "\n".join(f"{k}: {v}" for k, v in step.items())
     raise TypeError(f"a step is text or a mapping, not {type(step).__name__}")
+
+
+@dataclass(slots=True)
+class CurveSummary:
+    """A run's whole curve in a few numbers, however few results `tracker.curve` still holds."""
+
+    results: int = 0
+    """Results recorded, failed ones included."""
+    scored: int = 0
+    """Results with a score (`ok`)."""
+    first: Progress | None = None
+    """The result for the lowest step."""
+    last: Progress | None = None
+    """The result for the highest step (the newest of a step scored twice): the tracker's `latest`."""
+    last_ok: Progress | None = None
+    """The scored result for the highest step: what a gauge shows through a failed scoring."""
+    best_score: float | None = None
+    best_step: int | None = None
+    """The step of the first result with `best_score`."""
+    min_score: float | None = None
+    min_step: int | None = None
+    """The step of the first result with `min_score`."""
+    total: float = 0.0
+    """The sum of the scores (see `mean`)."""
+    signal_changes: int = 0
+    """Results whose policy decision changed the run's signal."""
+
+    @property
+    def failed(self) -> int:
+        """Results without a score."""
+        return self.results - self.scored
+
+    @property
+    def mean(self) -> float | None:
+        """The mean score over the scored results (None: none yet)."""
+        return self.total / self.scored if self.scored else None
+
+    def add(self, p: Progress) -> None:
+        """Fold one result in (in any step order)."""
+        self.results += 1
+        if self.first is None or p.step < self.first.step:
+            self.first = p
+        if self.last is None or p.step >= self.last.step:
+            self.last = p
+        if p.signal is not None and p.signal.changed:
+            self.signal_changes += 1
+        if not p.ok or p.score is None:
+            return
+        score = p.score
+        self.scored += 1
+        self.total += score
+        if self.last_ok is None or p.step >= self.last_ok.step:
+            self.last_ok = p
+        best, at = self.best_score, self.best_step
+        if best is None or at is None or score > best or (score == best and p.step < at):
+            self.best_score, self.best_step = score, p.step
+        low, at = self.min_score, self.min_step
+        if low is None or at is None or score < low or (score == low and p.step < at):
+            self.min_score, self.min_step = score, p.step
 
 
 @dataclass(slots=True)
@@ -77,7 +145,10 @@ class AsyncProgressTracker:
     producers, `submit(step)` returns at once and a background worker scores
     the newest prefix, folding steps that arrived meanwhile into one call
     (results via `on_progress` and `latest`); it needs `async with tracker:`,
-    which owns that worker. `curve` holds every result, in step order.
+    which owns that worker. `curve` holds the newest `curve_window` results
+    (default `DEFAULT_CURVE_WINDOW`), in step order; `summary` (counts, first,
+    last, best, lowest and mean score) and `points` (every result's step, score
+    and uncertainty) cover the whole run, so a long run's memory stays small.
 
     `policy` (a Policy, or a mapping of its settings) turns scores into
     continue / abort / resample signals; a rubric config's `thresholds` fill the
@@ -120,6 +191,7 @@ class AsyncProgressTracker:
         family: str | None = None,
         prices: Prices | None = None,
         otel: bool | LoggerProvider = False,
+        curve_window: int = DEFAULT_CURVE_WINDOW,
     ) -> None:
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
@@ -131,6 +203,10 @@ class AsyncProgressTracker:
             )
         if min_mass is not None and not 0.0 <= min_mass <= 1.0:
             raise ValueError(f"min_mass={min_mass}; use a number in [0, 1], or None for the judge's recommendation")
+        if isinstance(curve_window, bool) or not isinstance(curve_window, int) or curve_window < 1:
+            raise ValueError(
+                f"curve_window={curve_window!r}; use a number of results >= 1 (default {DEFAULT_CURVE_WINDOW})"
+            )
         self.task = task
         self.judge = judge
         self.rubric: Rubric = load_criteria(criteria)
@@ -170,7 +246,16 @@ class AsyncProgressTracker:
         self.run_id = run_id
         self.on_progress = on_progress
         self.steps: list[Step] = []
+        self.curve_window = curve_window
         self.curve: list[Progress] = []
+        """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
+        self.summary = CurveSummary()
+        """Every result so far in a few numbers: counts, first and last, best, lowest and mean score."""
+        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
+        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
+        self._point_steps = array("q")
+        self._point_scores = array("d")
+        self._point_uncertainties = array("d")
         self.latest: Progress | None = None
         self._task_images = tuple(images)
         self._task_frames: tuple[Frame, ...] | None = None
@@ -338,11 +423,13 @@ class AsyncProgressTracker:
     def _record(self, p: Progress) -> Progress:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
         self.usage += p.usage
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p))
+        signal = p.signal
+        # Results older than the latest (a slow concurrent update) do not move the policy backwards.
         in_order = self.latest is None or p.step > self.latest.step
         if self.policy_state is not None and in_order:
-            # Results older than the latest (a slow concurrent update) do not move the policy backwards.
-            p = dataclasses.replace(p, signal=self.policy_state.observe(p))
+            # The policy reads the score, not the totals: one copy of the result carries both.
+            signal = self.policy_state.observe(p)
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p), signal=signal)
         if self.on_group is not None and in_order:
             p = self._group_decision(p)
         if in_order and p.signal is not None and p.signal.changed and self.on_signal is not None:
@@ -350,8 +437,7 @@ class AsyncProgressTracker:
                 self.on_signal(p.signal)
             except Exception:
                 self._log.exception("on_signal_failed", step=p.step)
-        self.curve.append(p)
-        self.curve.sort(key=lambda q: q.step)
+        self._keep(p)
         if self.latest is None or p.step >= self.latest.step:
             self.latest = p
         self._scored = max(self._scored, p.step)
@@ -386,10 +472,34 @@ class AsyncProgressTracker:
 
     def _delta(self, p: Progress) -> float | None:
         """The score's change since the run's previous scored step (None at the first, or when either is None)."""
-        prev = max((q for q in self.curve if q.step < p.step), key=lambda q: q.step, default=None)
-        if prev is None or prev.score is None or p.score is None:
+        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
+        at = bisect.bisect_left(self._point_steps, p.step) - 1
+        if at < 0 or p.score is None or math.isnan(self._point_scores[at]):
             return None
-        return p.score - prev.score
+        return p.score - self._point_scores[at]
+
+    def _keep(self, p: Progress) -> None:
+        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
+        # After results for the same step (a step scored again): the order a sort of every result would give.
+        at = bisect.bisect_right(self.curve, p.step, key=_step)
+        self.curve.insert(at, p)
+        if len(self.curve) > self.curve_window:
+            del self.curve[0]
+        at = bisect.bisect_right(self._point_steps, p.step)
+        # As calibration.points reads a result: a failed one has neither score nor uncertainty.
+        score, u = (p.score, p.uncertainty) if p.ok else (None, None)
+        self._point_steps.insert(at, p.step)
+        self._point_scores.insert(at, math.nan if score is None else score)
+        self._point_uncertainties.insert(at, math.nan if u is None else u)
+        self.summary.add(p)
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
+        return tuple(
+            Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
+            for step, s, u in zip(self._point_steps, self._point_scores, self._point_uncertainties, strict=True)
+        )
 
     def _emit_otel(self, p: Progress) -> None:
         """Emit a result's evaluation events in the context its newest step was given in; never raises."""
@@ -420,7 +530,7 @@ class AsyncProgressTracker:
         # A run counts once per family: a tracker without a run id still needs an id of its own.
         run_id = self.run_id or self._anon_id
         exposed = self.policy_state is not None and self.policy_state.exposed
-        return self.calibration.record(self.family, run_id, outcome, self.curve, exposed=exposed)
+        return self.calibration.record(self.family, run_id, outcome, self.points, exposed=exposed)
 
     def restore(self, results: Iterable[Progress], *, usage: Usage | None = None) -> None:
         """Take results scored before a restart as this tracker's own: curve, latest, policy state and totals.
@@ -438,7 +548,7 @@ class AsyncProgressTracker:
                 else:
                     # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
                     p = dataclasses.replace(p, signal=self.policy_state.observe(p))
-            self.curve.append(p)
+            self._keep(p)
             self.latest = p
             self._scored = max(self._scored, p.step)
 
@@ -528,7 +638,8 @@ async def score_prefix(
             log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
             return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    answers = await asyncio.gather(*(one(c) for c in ask))
+    # One criterion (the common case) is awaited directly: gather would wrap it in a task of its own.
+    answers = [await one(ask[0])] if len(ask) == 1 else await asyncio.gather(*(one(c) for c in ask))
     usage = Usage()
     model = ""
     dropped = 0
@@ -631,6 +742,7 @@ class ProgressTracker:
         family: str | None = None,
         prices: Prices | None = None,
         otel: bool | LoggerProvider = False,
+        curve_window: int = DEFAULT_CURVE_WINDOW,
     ) -> None:
         # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
         # Built before any loop starts: a bad option then leaves no thread behind.
@@ -654,6 +766,7 @@ class ProgressTracker:
             family=family,
             prices=prices,
             otel=otel,
+            curve_window=curve_window,
         )
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
@@ -699,8 +812,18 @@ class ProgressTracker:
 
     @property
     def curve(self) -> list[Progress]:
-        """Every result so far, in step order."""
+        """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
         return list(self._core.curve)
+
+    @property
+    def summary(self) -> CurveSummary:
+        """Every result so far in a few numbers: counts, first and last, best, lowest and mean score (a copy)."""
+        return dataclasses.replace(self._core.summary)
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """Every result as (step, score, uncertainty), in step order."""
+        return self._core.points
 
     @property
     def steps(self) -> list[Step]:
@@ -780,6 +903,7 @@ async def atrack(
     family: str | None = None,
     prices: Prices | None = None,
     otel: bool | LoggerProvider = False,
+    curve_window: int = DEFAULT_CURVE_WINDOW,
 ) -> list[Progress]:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
@@ -804,6 +928,7 @@ async def atrack(
         family=family,
         prices=prices,
         otel=otel,
+        curve_window=curve_window,
     )
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
@@ -834,6 +959,7 @@ def track(
     family: str | None = None,
     prices: Prices | None = None,
     otel: bool | LoggerProvider = False,
+    curve_window: int = DEFAULT_CURVE_WINDOW,
 ) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     run = partial(
@@ -858,6 +984,7 @@ def track(
         family=family,
         prices=prices,
         otel=otel,
+        curve_window=curve_window,
     )
     if otel:
         from .otel import current_context, in_context

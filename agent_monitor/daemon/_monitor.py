@@ -197,6 +197,7 @@ class RunView:
     latest: Progress | None
     last_ok: Progress | None
     curve: tuple[Progress, ...]
+    """The newest results (the tracker's `curve_window`); the run store keeps every one."""
     ended: bool
     last_event: float
     labels: Mapping[str, str] = field(default_factory=dict)
@@ -852,7 +853,7 @@ class Monitor:
         key = f"{run_id}@{state.started_at!r}"
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
-            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.curve, exposed=exposed)
+            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.points, exposed=exposed)
         except Exception:
             log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
 
@@ -916,7 +917,8 @@ class Monitor:
 
     def _rewind(self, scoring: _Scoring) -> None:
         """Mark steps whose scoring was lost to an outage as unscored: the next scoring covers them again."""
-        scoring.scored = max((p.step for p in scoring.tracker.curve if p.ok), default=0)
+        last_ok = scoring.tracker.summary.last_ok
+        scoring.scored = last_ok.step if last_ok is not None else 0
 
     def _judge_state(self, degraded: bool) -> None:
         self.metrics.judge_degraded.set(1 if degraded else 0)
@@ -1046,14 +1048,14 @@ class Monitor:
             tracker = scoring.tracker
             # The tokens were spent whatever is kept of the scores: the totals go on from where they were.
             tracker.restore((r for r in results if r.step <= len(tracker.steps)), usage=run_totals(stored))
-            scoring.last_ok = next((p for p in reversed(tracker.curve) if p.ok), None)
+            scoring.last_ok = tracker.summary.last_ok
             scoring.scored = tracker.latest.step if tracker.latest else 0
             for i in range(1, scoring.scored + 1):
                 scoring.arrived.pop(i, None)
             latest = tracker.latest
             if latest is not None and latest.signal is not None:
                 scoring.signal = latest.signal.signal
-                if any(p.signal is not None and p.signal.changed for p in tracker.curve):
+                if tracker.summary.signal_changes:
                     self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
             if scoring.wants_scoring or scoring.closing is not None:
                 self.scheduler.wake(run_id)

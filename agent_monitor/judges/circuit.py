@@ -216,12 +216,20 @@ class CircuitJudge:
 
     def _arm(self) -> None:
         """(Re)schedule the check for the moment the waiting time reaches `silence_s`, if a call is waiting."""
+        if not (self._in_flight and self.state == "closed" and math.isfinite(self.silence_s)):
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + max(self.silence_s - self._silent(self.clock()), 0.001)
         if self._watchdog is not None:
+            if self._watchdog.when() <= due:
+                # An answer only moves the moment later: the timer set for the earlier one wakes early and
+                # re-arms itself (see _watch), instead of a new timer per answer (one per call when busy).
+                return
             self._watchdog.cancel()
-            self._watchdog = None
-        if self._in_flight and self.state == "closed" and math.isfinite(self.silence_s):
-            remaining = self.silence_s - self._silent(self.clock())
-            self._watchdog = asyncio.get_running_loop().call_later(max(remaining, 0.001), self._watch)
+        self._watchdog = loop.call_at(due, self._watch)
 
     def _watch(self) -> None:
         self._watchdog = None
