@@ -40,12 +40,13 @@ lowest of them lets every measured answer count, while an answer that has all bu
 scale (a broken prompt or chat template) still fails as `low_mass`.
 """
 
-DEFAULT_KV_BUDGET_MB = 512.0
+DEFAULT_KV_BUDGET_MB = 1024.0
 """Megabytes of KV prefixes a LlamaCppJudge keeps for runs whose prefix is not in its context.
 
-Gemma 3 270M holds about 5 KB of KV state per token (measured: 19.6 MB for a 3,803-token prompt),
-so this keeps some 100,000 tokens of other runs' prefixes: the demo's three runs or the eight
-recorded runs of `bench/multirun_local.py` several times over. A 1.5B model needs about 5x more per token.
+Gemma 3 270M's saved state is about 18 KB per token (its sliding-window layers keep every
+position: measured 16.9 MB for a 918-token prompt), plus 1 MB of answer logits: this keeps some
+55,000 tokens of other runs' prefixes, e.g. 14 runs at 10 steps of the recorded pytorch-model-cli
+runs (3,800 tokens). Models without sliding windows and more layers need more per token.
 """
 
 _GEMMA_NAME = "Gemma 3 270M"
@@ -89,9 +90,10 @@ class LlamaCppJudge(BaseJudge):
       states live in memory up to `kv_budget_mb` (the live context not counted);
       past it the least recently used run's is dropped, and that run's next call
       starts from whatever prefix the context holds (exact, only slower).
-      `kv_budget_mb=0` keeps one shared prefix. Measured here on the recorded
-      runs: saving or restoring a 3,800-token prefix of Gemma 3 270M (19.6 MB)
-      takes 9 ms, evaluating it 7.9 s. A restored state is the same bytes the
+      `kv_budget_mb=0` keeps one shared prefix. Saving or restoring a run's
+      state is a memory copy (measured: 9 ms for 20 MB), evaluating the
+      prompt it stands for takes seconds (7.9 s for 3,800 tokens of Gemma 3
+      270M on this 2-core machine). A restored state holds the same bytes the
       context held, so the exactness below holds for it too.
 
     Calls are serialised by a lock (llama.cpp contexts are not thread safe), so
