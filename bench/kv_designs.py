@@ -22,9 +22,8 @@ import random
 import time
 from typing import Any
 
-from _common import configure_logs, gemma_path, kv_line, load1
-
 import llama_cpp
+from _common import configure_logs, gemma_path, kv_line, load1
 
 
 def new_context(model: Any, n_ctx: int, n_seq: int) -> Any:
