@@ -81,7 +81,6 @@ class LlamaCppJudge(BaseJudge):
       Gemma 3 270M Q4_K_M: with repacking, 16 of 48 cached-prefix states moved
       some logit by 0.4-1.0 against a cold run; without it, and with no small
       batches, all 48 agreed exactly, at no measurable speed cost.
-
     - One KV prefix per run. A request's `run_key` (set by every tracker) says
       which run a call belongs to. When the next call is another run's, the
       context's KV state is saved under the run it belongs to and the new run's
@@ -90,11 +89,15 @@ class LlamaCppJudge(BaseJudge):
       states live in memory up to `kv_budget_mb` (the live context not counted);
       past it the least recently used run's is dropped, and that run's next call
       starts from whatever prefix the context holds (exact, only slower).
-      `kv_budget_mb=0` keeps one shared prefix. Saving or restoring a run's
-      state is a memory copy (measured: 9 ms for 20 MB), evaluating the
-      prompt it stands for takes seconds (7.9 s for 3,800 tokens of Gemma 3
-      270M on this 2-core machine). A restored state holds the same bytes the
-      context held, so the exactness below holds for it too.
+      `kv_budget_mb=0` keeps one shared prefix. `kept_runs`, `kv_restores` and
+      `kv_evictions` say what happened. A switch is two memory copies
+      (measured: 9 ms each for 20 MB), where re-evaluating the prompt a state
+      stands for takes seconds (7.9 s for 3,800 tokens of Gemma 3 270M on this
+      2-core machine); a restored state holds the bytes the context held, so a
+      kept prefix still gives the same logits as a cold run (tested on
+      interleaved runs). One sequence per run in a shared cache instead copies
+      nothing but makes every call attend over every run's cells: slower here
+      (`bench/kv_designs.py`).
 
     Calls are serialised by a lock (llama.cpp contexts are not thread safe), so
     `concurrency` above 1 only lets calls queue, it adds no parallelism.
