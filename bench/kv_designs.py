@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=3500, help="tokens of each run's prompt so far")
     ap.add_argument("--suffix", type=int, default=300, help="tokens each continuation adds")
     ap.add_argument("--rounds", type=int, default=2, help="continuations per run")
+    ap.add_argument("--sequences-first", action="store_true", help="time sequences before states (load drifts)")
     args = ap.parse_args()
     configure_logs("error")
     quiet = llama_cpp.llama_log_callback(lambda *_: None)  # kept referenced: llama.cpp holds only its pointer
@@ -151,10 +152,14 @@ def main() -> None:
     prompts = [ids(args.prefix) for _ in range(args.runs)]
     suffixes = [[ids(args.suffix) for _ in range(args.rounds)] for _ in range(args.runs)]
     try:
+        if args.sequences_first:
+            sq = sequences(model, prompts, suffixes)
+            print(f"  sequences: {sq:6.1f} s for the continuations", flush=True)
         st, copy = states(model, prompts, suffixes)
         print(f"  states:    {st:6.1f} s for the continuations ({copy:.2f} s of it saving and restoring)", flush=True)
-        sq = sequences(model, prompts, suffixes)
-        print(f"  sequences: {sq:6.1f} s for the continuations", flush=True)
+        if not args.sequences_first:
+            sq = sequences(model, prompts, suffixes)
+            print(f"  sequences: {sq:6.1f} s for the continuations", flush=True)
     finally:
         llama_cpp.llama_model_free(model)
     print(f"load {load1()}; sequences take {sq / st:.2f}x the time of states")
