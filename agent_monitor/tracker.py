@@ -406,7 +406,7 @@ class AsyncProgressTracker:
             frame_budget=self.frame_budget,
             task_frames=self._task_frames or (),
             expected=self.expected,
-            cache_key=self.run_id,
+            run_key=self.run_key,
             coalesced=coalesced,
             run_id=self.run_id,
             withheld=withheld,
@@ -514,6 +514,11 @@ class AsyncProgressTracker:
             # Telemetry is a side channel: a broken provider or processor never stops scoring.
             self._log.exception("otel_emit_failed", step=p.step)
 
+    @property
+    def run_key(self) -> str:
+        """The key this tracker's judge calls carry: the run id, else an anonymous id of its own."""
+        return self.run_id or self._anon_id
+
     def _threshold(self) -> Threshold:
         assert self.calibration is not None and self.policy_state is not None
         return self.calibration.threshold(self.family, self.policy_state.policy)
@@ -528,7 +533,7 @@ class AsyncProgressTracker:
         if self.calibration is None:
             return None
         # A run counts once per family: a tracker without a run id still needs an id of its own.
-        run_id = self.run_id or self._anon_id
+        run_id = self.run_key
         exposed = self.policy_state is not None and self.policy_state.exposed
         return self.calibration.record(self.family, run_id, outcome, self.points, exposed=exposed)
 
@@ -583,7 +588,7 @@ async def score_prefix(
     frame_budget: FrameBudget | None = None,
     task_frames: Sequence[Frame] = (),
     expected: str | None = None,
-    cache_key: str | None = None,
+    run_key: str | None = None,
     coalesced: int = 1,
     run_id: str | None = None,
     withheld: str | None = None,
@@ -597,6 +602,7 @@ async def score_prefix(
     Rules run in a worker thread, each criterion's under `rule_budget_s`; one
     over it, or a `withheld` step, fails the result with `extractor_timeout`.
     `min_mass` None is the judge's recommendation (see `recommended_min_mass`).
+    `run_key` goes to the judge with every call (see `JudgeRequest.run_key`).
     """
     start = time.perf_counter()
     if min_mass is None:
@@ -630,7 +636,7 @@ async def score_prefix(
     async def one(c: Criterion) -> JudgeResponse | Exception:
         prompt = build_prompt(task, rubric, steps, c, budget=frame_budget, task_frames=task_frames)
         try:
-            return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, cache_key=cache_key))
+            return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key))
         except JudgeError as e:
             return e
         except Exception as e:

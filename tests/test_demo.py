@@ -37,6 +37,10 @@ def test_demo_runs_to_the_end_and_leaves_the_plot(tmp_path: Path) -> None:
     assert "cold call" in out and "a scoring takes" in out and "steps scored on their own" in out
     assert "What happened" in out and "coding-failure (failure):" in out
     assert "flagged" in out  # a run flagged, or why none was
+    # The runs share one local judge, each with its own KV prefix: every run gets a score for most of its steps.
+    for run in ("coding-success (success)", "coding-failure (failure)", "robot-pick-place (success)"):
+        scored = int(out.split(run + ": ", 1)[1].split(" scores for 3 steps", 1)[0])
+        assert scored >= 2, out[-2000:]
 
     # No llama.cpp chatter, no library warning on top of the demo's own note about the tiny judge.
     assert "llama_kv_cache" not in out + done.stderr and "TinyJudgeWarning" not in done.stderr

@@ -337,3 +337,24 @@ async def test_text_only_server_refusing_images_gets_placeholders_for_a_while(se
     strict = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", vision=True))
     q = await strict.update("look", images=[Image.new("RGB", (8, 8))])
     assert not q.ok and q.reason == "bad_request" and len(server.requests) == 4  # not retried: it cannot help
+
+
+async def test_run_key_goes_hashed_in_the_named_field_and_nowhere_by_default(server: ScriptedServer) -> None:
+    from agent_monitor.judges.openai import run_hint
+
+    server.default = chat_reply(chat_choice([("K", {"K": 0.9})]))
+    async with OpenAIJudge(base_url=server.url, run_key_field="user") as judge:
+        await judge.grade(JudgeRequest(prompt(), run_key="run-7"))
+        await judge.grade(JudgeRequest(prompt(3), run_key="run-7"))
+        await judge.grade(JudgeRequest(prompt()))  # no key: no field
+    assert [r.get("user") for r in server.requests] == [run_hint("run-7"), run_hint("run-7"), None]
+    assert "run-7" not in str(server.requests) and len(run_hint("run-7")) == 32
+    async with OpenAIJudge(base_url=server.url) as judge:  # "auto": a local server gets no hint
+        assert judge.run_key_field is None
+        await judge.grade(JudgeRequest(prompt(), run_key="run-7"))
+    assert not {"user", "prompt_cache_key"} & set(server.requests[-1])
+    # Hosted OpenAI's chat API takes it as prompt_cache_key (no request made here: no key needed to build one).
+    assert OpenAIJudge(api_key="unused").run_key_field == "prompt_cache_key"
+    assert OpenAIJudge(api_key="unused", api="completions").run_key_field is None
+    with pytest.raises(ValueError, match="run_key_field"):
+        OpenAIJudge(base_url=server.url, run_key_field="not a field")

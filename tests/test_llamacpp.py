@@ -16,7 +16,7 @@ import pytest
 
 from agent_monitor.criteria import load_criteria
 from agent_monitor.judges.base import JudgeError, JudgeRequest
-from agent_monitor.judges.llamacpp import _MIN_BATCH, LlamaCppJudge, _batches
+from agent_monitor.judges.llamacpp import _MIN_BATCH, LlamaCppJudge, _batches, _common_prefix
 from agent_monitor.judges.openai import OpenAIJudge
 from agent_monitor.prompts import Prompt, Step, build_prompt
 from agent_monitor.scale import LETTERS, LetterDistribution, ScoreError, distribution, read_letter
@@ -177,6 +177,135 @@ async def test_prefix_reuse_on_a_growing_trajectory_matches_cold_runs(gemma: Lla
             assert d.probs == pytest.approx(warm[n - 1].probs, abs=1e-3)
     finally:
         await cold.aclose()
+
+
+OTHER_TASK = "Add a --verbose flag to the CLI in cli.py and document it in README.md."
+OTHER_ACTIONS = [
+    "$ grep -n argparse cli.py\n12: parser = argparse.ArgumentParser()",
+    "$ apply patch: cli.py adds parser.add_argument('--verbose', action='store_true')\npatched 1 file",
+    "$ python cli.py --verbose --help\nusage: cli.py [-h] [--verbose]",
+    "$ apply patch: README.md documents --verbose\npatched 1 file",
+]
+
+
+def run_prompt(run: str, n: int) -> Prompt:
+    """Step `n`'s prompt of one of four runs: "a", "c" (TASK), "b", "d" (OTHER_TASK); "c" and "d" in reverse order."""
+    if run in "bd":
+        rubric = load_criteria(None)
+        actions = OTHER_ACTIONS if run == "b" else OTHER_ACTIONS[::-1]
+        steps = [Step(i + 1, actions[i] + "\n" + LOG) for i in range(n)]
+        return build_prompt(OTHER_TASK, rubric, steps, rubric.criteria[0])
+    if run == "c":
+        rubric = load_criteria(None)
+        steps = [Step(i + 1, ACTIONS[-1 - i] + "\n" + LOG) for i in range(n)]
+        return build_prompt(TASK, rubric, steps, rubric.criteria[0])
+    return prompt_at(n, long=True)
+
+
+def reusable(judge: LlamaCppJudge, before: Prompt, after: Prompt) -> int:
+    """How many tokens of `after` a context holding `before` can reuse (its common prefix, less _MIN_BATCH)."""
+    a, b = judge.tokenize(before), judge.tokenize(after)
+    return min(_common_prefix(a, b), len(b) - _MIN_BATCH)
+
+
+async def cold_scores(prompts: list[Prompt]) -> list[LetterDistribution]:
+    """Each prompt scored by a fresh context: the reference a kept prefix must reproduce."""
+    cold = LlamaCppJudge(gemma_path(), n_ctx=4096, kv_budget_mb=0)
+    try:
+        out = []
+        for p in prompts:
+            cold.reset_cache()
+            resp = await cold.grade(JudgeRequest(p))
+            assert resp.usage.cached_input_tokens == 0
+            out.append(probs(resp.samples[0]))
+        return out
+    finally:
+        await cold.aclose()
+
+
+def assert_same(a: LetterDistribution, b: LetterDistribution) -> None:
+    assert a.mass == pytest.approx(b.mass, abs=1e-3)
+    assert a.probs == pytest.approx(b.probs, abs=1e-3)
+
+
+async def test_interleaved_runs_keep_their_own_prefixes_and_score_as_cold_runs() -> None:
+    judge = LlamaCppJudge(gemma_path(), n_ctx=4096)
+    shared = LlamaCppJudge(gemma_path(), n_ctx=4096, kv_budget_mb=0)  # today's one-prefix behaviour
+    order = [(run, n) for n in range(1, 5) for run in ("a", "b")]
+    try:
+        warm: dict[tuple[str, int], LetterDistribution] = {}
+        lengths: dict[tuple[str, int], int] = {}
+        for run, n in order:
+            resp = await judge.grade(JudgeRequest(run_prompt(run, n), run_key=run))
+            await shared.grade(JudgeRequest(run_prompt(run, n), run_key=run))
+            warm[run, n] = probs(resp.samples[0])
+            lengths[run, n] = resp.usage.input_tokens
+            if n > 1:
+                # Its own previous prompt came back from the saved state, not just the shared instructions.
+                assert resp.usage.cached_input_tokens == reusable(judge, run_prompt(run, n - 1), run_prompt(run, n))
+        assert judge.kv_restores == len(order) - 2  # every call but each run's first
+        assert set(judge.kept_runs) == {"a"}  # "b" is in the context, "a" saved
+        prompted = sum(lengths.values())
+        assert judge.tokens_prompted == shared.tokens_prompted == prompted
+        # The shared prefix re-reads most of each prompt; per-run prefixes read each step about once.
+        assert judge.tokens_evaluated < 0.6 * shared.tokens_evaluated
+        print(
+            f"\ngemma, 2 runs x 4 steps interleaved: {judge.tokens_evaluated} of {prompted} tokens evaluated "
+            f"with per-run prefixes, {shared.tokens_evaluated} with one shared prefix"
+        )
+    finally:
+        await judge.aclose()
+        await shared.aclose()
+    for key, d in zip(order, await cold_scores([run_prompt(*key) for key in order]), strict=True):
+        assert_same(warm[key], d)
+
+
+async def test_kv_budget_drops_the_least_recently_used_run_which_then_scores_cold() -> None:
+    sizer = LlamaCppJudge(gemma_path(), n_ctx=4096)
+    try:
+        for run in "abcd":
+            await sizer.grade(JudgeRequest(run_prompt(run, 2), run_key=run))
+        sizes = sizer.kept_runs
+        assert list(sizes) == ["a", "b", "c"] and sizer.kv_evictions == 0
+    finally:
+        await sizer.aclose()
+    # Room for two saved states, not three: keeping "c" when "d" comes in must drop "a", the oldest.
+    two = max(sizes.values()) * 2.4
+    assert two < 3 * min(sizes.values())
+    judge = LlamaCppJudge(gemma_path(), n_ctx=4096, kv_budget_mb=two / 2**20)
+    try:
+        for run in "abcd":
+            await judge.grade(JudgeRequest(run_prompt(run, 2), run_key=run))
+        assert list(judge.kept_runs) == ["b", "c"] and judge.kv_evictions == 1
+        b3 = await judge.grade(JudgeRequest(run_prompt("b", 3), run_key="b"))
+        assert judge.kv_restores == 1 and list(judge.kept_runs) == ["c", "d"]
+        assert b3.usage.cached_input_tokens == reusable(judge, run_prompt("b", 2), run_prompt("b", 3))
+        # Keeping "b" now drops "c": used before "d", and "b" just now.
+        a3 = await judge.grade(JudgeRequest(run_prompt("a", 3), run_key="a"))
+        assert list(judge.kept_runs) == ["d", "b"] and judge.kv_evictions == 2 and judge.kv_restores == 1
+        # "a" lost its state: only what its prompt shares with the context's ("b") was reused.
+        assert a3.usage.cached_input_tokens == reusable(judge, run_prompt("b", 3), run_prompt("a", 3))
+        assert a3.usage.cached_input_tokens < reusable(judge, run_prompt("a", 2), run_prompt("a", 3))
+    finally:
+        await judge.aclose()
+    cold = await cold_scores([run_prompt("a", 3), run_prompt("b", 3)])
+    assert_same(probs(a3.samples[0]), cold[0])
+    assert_same(probs(b3.samples[0]), cold[1])
+
+
+async def test_a_run_key_used_again_for_another_trajectory_still_scores_exactly(gemma: LlamaCppJudge) -> None:
+    gemma.reset_cache()
+    await gemma.grade(JudgeRequest(run_prompt("a", 3), run_key="x"))
+    await gemma.grade(JudgeRequest(run_prompt("b", 1), run_key="y"))
+    # "x" now names run "b": its saved state (run "a") shares only the instructions with this prompt.
+    resp = await gemma.grade(JudgeRequest(run_prompt("b", 2), run_key="x"))
+    (cold,) = await cold_scores([run_prompt("b", 2)])
+    assert_same(probs(resp.samples[0]), cold)
+
+
+async def test_kv_budget_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="kv_budget_mb"):
+        LlamaCppJudge(gemma_path(), kv_budget_mb=-1)
 
 
 async def test_prompt_longer_than_the_context_is_a_clear_error() -> None:

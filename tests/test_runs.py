@@ -281,3 +281,16 @@ async def test_many_runs_at_once(n_runs: int) -> None:
             p = json.loads(m.payload)
             last[p["run_id"]] = p["step"]
     assert len(last) == n_runs and set(last.values()) == {3}
+
+
+async def test_the_daemons_judge_calls_carry_their_run_id() -> None:
+    judge = FakeJudge()
+    async with Monitor(MonitorConfig(max_concurrency=1), judge=judge) as mon:
+        for run in ("ra", "rb"):
+            await mon.handle(f"agents/{run}/start", j(task=f"task of {run}"))
+        for i in (1, 2):
+            for run in ("ra", "rb"):
+                await mon.handle(f"agents/{run}/step", j(index=i, text=f"{run} step {i}"))
+        await mon.drain()
+    keys = {(r.run_key, "task of ra" in r.prompt.prefix_text()) for r in judge.requests}
+    assert keys == {("ra", True), ("rb", False)}

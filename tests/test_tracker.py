@@ -193,3 +193,28 @@ def test_invalid_arguments_are_clear() -> None:
         AsyncProgressTracker("  ", judge=FakeJudge())
     with pytest.raises(ValueError, match="repeats"):
         AsyncProgressTracker("t", judge=FakeJudge(), repeats=0)
+
+
+async def test_trackers_sharing_a_judge_tell_it_which_run_each_call_is() -> None:
+    judge = FakeJudge()
+    named = AsyncProgressTracker("first task", judge=judge, run_id="r-1")
+    anonymous = AsyncProgressTracker("second task", judge=judge)
+    other = AsyncProgressTracker("third task", judge=judge)
+    for i in range(3):
+        await named.update(f"step {i}")
+        await anonymous.update(f"step {i}")
+        await other.update(f"step {i}")
+    keys = [r.run_key for r in judge.requests]
+    # One stable key per tracker, with no code of the caller's: the run id, else an id of the tracker's own.
+    assert keys[0::3] == ["r-1"] * 3 and named.run_key == "r-1"
+    assert keys[1::3] == [anonymous.run_key] * 3 and keys[2::3] == [other.run_key] * 3
+    assert len({named.run_key, anonymous.run_key, other.run_key}) == 3
+    # The key never enters the prompt: the prompt stays a function of the trajectory (prefix stability).
+    assert all(anonymous.run_key not in p.text() for p in judge.prompts)
+
+
+def test_sync_tracker_carries_its_run_key() -> None:
+    judge = FakeJudge()
+    with ProgressTracker("task", judge=judge, run_id="sync-run") as tracker:
+        tracker.update("did a thing")
+    assert [r.run_key for r in judge.requests] == ["sync-run"]

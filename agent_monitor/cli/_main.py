@@ -21,6 +21,7 @@ from ..criteria import CriteriaError, load_criteria
 from ..daemon import BoardSettings
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
+from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
@@ -54,6 +55,13 @@ class JudgeOptions:
     judge_api: Literal["chat", "completions"] = field(default="chat", metadata={"help": "OpenAI-compatible API to use"})
     judge_timeout: float | None = field(
         default=None, metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"}
+    )
+    judge_kv_budget: float = field(
+        default=DEFAULT_KV_BUDGET_MB,
+        metadata={
+            "help": "local judge: MB of KV prefixes kept for runs not in its context, least recently used "
+            "dropped first; 0: one prefix shared by all runs"
+        },
     )
 
 
@@ -129,7 +137,7 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     if kind == "local":
         from ..judges.llamacpp import LlamaCppJudge
 
-        return LlamaCppJudge(model_path=options.judge_model, **extra)
+        return LlamaCppJudge(model_path=options.judge_model, kv_budget_mb=options.judge_kv_budget, **extra)
     raise CliError(f"unknown judge {kind!r}; choose openai, gemini or local")
 
 

@@ -39,11 +39,17 @@ class JudgeError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class JudgeRequest:
-    """What to grade: the prompt, how many repeats, and a key that groups one run's calls."""
+    """What to grade: the prompt, how many repeats, and the run the call belongs to.
+
+    `run_key` is a stable id of the run (every tracker sets it: the run id, else an
+    anonymous id of its own). It never enters the prompt; a judge may use it to keep
+    one KV prefix per run (LlamaCppJudge) or pass it to a server as a cache hint.
+    None: the caller did not say (such calls share one prefix).
+    """
 
     prompt: Prompt
     repeats: int = 1
-    cache_key: str | None = None
+    run_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

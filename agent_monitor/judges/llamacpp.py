@@ -10,7 +10,9 @@ import os
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,15 @@ recorded runs (the demo's three, two pytorch-model-cli runs): Gemma 3 270M put 0
 its probability on the letters (median 0.138), SmolLM2-135M 0.100-0.232 (median 0.147). Half the
 lowest of them lets every measured answer count, while an answer that has all but left the
 scale (a broken prompt or chat template) still fails as `low_mass`.
+"""
+
+DEFAULT_KV_BUDGET_MB = 1024.0
+"""Megabytes of KV prefixes a LlamaCppJudge keeps for runs whose prefix is not in its context.
+
+Gemma 3 270M's saved state is about 18 KB per token (its sliding-window layers keep every
+position: measured 16.9 MB for a 918-token prompt), plus 1 MB of answer logits: this keeps some
+55,000 tokens of other runs' prefixes, e.g. 14 runs at 10 steps of the recorded pytorch-model-cli
+runs (3,800 tokens). Models without sliding windows and more layers need more per token.
 """
 
 _GEMMA_NAME = "Gemma 3 270M"
@@ -70,11 +81,25 @@ class LlamaCppJudge(BaseJudge):
       Gemma 3 270M Q4_K_M: with repacking, 16 of 48 cached-prefix states moved
       some logit by 0.4-1.0 against a cold run; without it, and with no small
       batches, all 48 agreed exactly, at no measurable speed cost.
+    - One KV prefix per run. A request's `run_key` (set by every tracker) says
+      which run a call belongs to. When the next call is another run's, the
+      context's KV state is saved under the run it belongs to and the new run's
+      saved state, if any, is restored, so runs interleaving their calls on one
+      judge each keep their own prefix instead of evicting each other's. Saved
+      states live in memory up to `kv_budget_mb` (the live context not counted);
+      past it the least recently used run's is dropped, and that run's next call
+      starts from whatever prefix the context holds (exact, only slower).
+      `kv_budget_mb=0` keeps one shared prefix. `kept_runs`, `kv_restores` and
+      `kv_evictions` say what happened. A switch is two memory copies
+      (measured: 9 ms each for 20 MB), where re-evaluating the prompt a state
+      stands for takes seconds (7.9 s for 3,800 tokens of Gemma 3 270M on this
+      2-core machine); a restored state holds the bytes the context held, so a
+      kept prefix still gives the same logits as a cold run (tested on
+      interleaved runs). One sequence per run in a shared cache instead copies
+      nothing but makes every call attend over every run's cells: slower here
+      (`bench/kv_designs.py`).
 
-    One judge holds one llama.cpp context with one KV prefix. Several runs
-    interleaving their calls on one judge thrash that prefix (each call re-reads
-    most of its prompt); keep one judge per live run if memory allows. Calls are
-    serialised by a lock (llama.cpp contexts are not thread safe), so
+    Calls are serialised by a lock (llama.cpp contexts are not thread safe), so
     `concurrency` above 1 only lets calls queue, it adds no parallelism.
 
     The packaged default model (Gemma 3 270M) and the packaged SmolLM2-135M
@@ -104,10 +129,15 @@ class LlamaCppJudge(BaseJudge):
         max_retries: int = 1,
         backoff_s: float = 0.5,
         concurrency: int = 1,
+        kv_budget_mb: float = DEFAULT_KV_BUDGET_MB,
     ) -> None:
         super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
         if n_ctx < 2 * _MIN_BATCH:
             raise ValueError(f"n_ctx={n_ctx} is too small; a judge prompt needs a few hundred tokens at least")
+        if not kv_budget_mb >= 0:
+            raise ValueError(
+                f"kv_budget_mb={kv_budget_mb}; use megabytes >= 0 (0: one shared KV prefix, no per-run states)"
+            )
         try:
             import llama_cpp  # noqa: F401  (fail here, not at the first grade)
         except ImportError as e:
@@ -144,6 +174,11 @@ class LlamaCppJudge(BaseJudge):
         """Prompt tokens over all calls."""
         self.tokens_evaluated = 0
         """Tokens actually run through the model over all calls (the rest came from the KV cache)."""
+        self.kv_budget_mb = kv_budget_mb
+        self.kv_restores = 0
+        """Calls that started from their run's saved KV state."""
+        self.kv_evictions = 0
+        """Saved run states dropped to stay within `kv_budget_mb`."""
         self.chat_template: str | None = None
         """The chat template in use, once loaded (None: plain-text prompts)."""
         self._llm: Any = None
@@ -151,6 +186,9 @@ class LlamaCppJudge(BaseJudge):
         self._letter_ids: dict[int, str] = {}
         self._bos: int | None = None
         self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
+        self._active: str | None = None  # the run key whose prefix the context holds
+        self._kept: OrderedDict[str | None, _Kept] = OrderedDict()  # other runs' saved states, oldest use first
+        self._kept_bytes = 0
         # One lock for everything touching the llama.cpp objects: load, inference, close.
         self._lock = threading.Lock()
 
@@ -158,6 +196,12 @@ class LlamaCppJudge(BaseJudge):
     def loaded(self) -> bool:
         """Whether the model is in memory."""
         return self._llm is not None
+
+    @property
+    def kept_runs(self) -> dict[str | None, int]:
+        """Run key -> bytes of its saved KV state, least recently used first (the run in the context excluded)."""
+        with self._lock:
+            return {key: kept.nbytes for key, kept in self._kept.items()}
 
     async def load(self) -> None:
         """Load the model in a worker thread (idempotent); `grade` calls it first."""
@@ -176,7 +220,7 @@ class LlamaCppJudge(BaseJudge):
         return await super().grade(request)
 
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
-        sample, usage = await asyncio.to_thread(self._grade_sync, request.prompt)
+        sample, usage = await asyncio.to_thread(self._grade_sync, request.prompt, request.run_key)
         return JudgeResponse(
             samples=tuple(dict(sample) for _ in range(request.repeats)),
             model=self.model,
@@ -194,8 +238,9 @@ class LlamaCppJudge(BaseJudge):
         self._free()
 
     def reset_cache(self) -> None:
-        """Forget the KV prefix: the next call evaluates its whole prompt."""
+        """Forget every KV prefix, the context's and the saved ones: the next call evaluates its whole prompt."""
         with self._lock:
+            self._drop_kept()
             if self._llm is not None:
                 self._clear_kv(self._llm)
 
@@ -267,11 +312,12 @@ class LlamaCppJudge(BaseJudge):
 
     def _free(self) -> None:
         with self._lock:
+            self._drop_kept()
             llm, self._llm = self._llm, None
             if llm is not None:
                 llm.close()
 
-    def _grade_sync(self, prompt: Prompt) -> tuple[dict[str, float], Usage]:
+    def _grade_sync(self, prompt: Prompt, run_key: str | None = None) -> tuple[dict[str, float], Usage]:
         self._ensure_loaded()
         with self._lock:
             llm = self._llm
@@ -286,6 +332,8 @@ class LlamaCppJudge(BaseJudge):
                     "raise n_ctx (memory permitting) or give the judge fewer steps or frames",
                 )
             try:
+                if run_key != self._active:
+                    self._switch(llm, run_key, tokens)
                 reused, logits = self._eval_suffix(llm, tokens)
             except RuntimeError as e:
                 # A failed decode leaves the cache in an unknown state: start the next call cold.
@@ -343,11 +391,7 @@ class LlamaCppJudge(BaseJudge):
         cached = llm.input_ids[: llm.n_tokens].tolist()
         if cached == tokens and self._logits is not None:
             return len(tokens), self._logits
-        common = 0
-        for a, b in zip(cached, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = _common_prefix(cached, tokens)
         # Re-run a few cached tokens rather than decode a tiny batch: see _MIN_BATCH.
         keep = max(0, min(common, len(tokens) - _MIN_BATCH))
         if not self._trim(llm, keep):
@@ -385,6 +429,107 @@ class LlamaCppJudge(BaseJudge):
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
         llm.n_tokens = 0
         self._logits = None
+
+    def _switch(self, llm: Any, run_key: str | None, tokens: list[int]) -> None:
+        """Make the context hold `run_key`'s prefix: save the current run's state, restore the new run's."""
+        # Taken out first, so that keeping the outgoing run's state cannot evict the one about to be used.
+        kept = self._kept.pop(run_key, None)
+        if kept is not None:
+            self._kept_bytes -= kept.nbytes
+        budget = int(self.kv_budget_mb * 1024 * 1024)
+        if budget > 0 and llm.n_tokens > 0:
+            self._keep(llm, self._active, budget)
+        self._active = run_key
+        if kept is None:
+            return  # a new run: it starts from the context's prefix (the shared instructions, at least)
+        cached = llm.input_ids[: llm.n_tokens].tolist()
+        # The run's own state, unless the context already shares more with this prompt (a reused key).
+        if _common_prefix(kept.tokens, tokens) > _common_prefix(cached, tokens):
+            self._restore(llm, kept)
+
+    def _keep(self, llm: Any, key: str | None, budget: int) -> None:
+        """Save the context's KV state under `key`, then drop least recently used states past `budget`."""
+        import ctypes
+
+        import llama_cpp
+
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self._kept_bytes -= old.nbytes
+        size = int(llama_cpp.llama_state_seq_get_size(llm.ctx, _ALL_SEQS))
+        logits = None if self._logits is None else self._logits.astype("float32")  # float32 logits: lossless
+        extra = 0 if logits is None else int(logits.nbytes)
+        if size + extra > budget:
+            self.kv_evictions += 1
+            return
+        state = (ctypes.c_uint8 * size)()
+        if int(llama_cpp.llama_state_seq_get_data(llm.ctx, state, size, _ALL_SEQS)) != size:
+            return  # nothing usable to keep: the run will start from a shared prefix
+        self._kept[key] = _Kept(llm.input_ids[: llm.n_tokens].tolist(), state, logits)
+        self._kept_bytes += size + extra
+        while self._kept_bytes > budget:
+            _, dropped = self._kept.popitem(last=False)
+            self._kept_bytes -= dropped.nbytes
+            self.kv_evictions += 1
+
+    def _restore(self, llm: Any, kept: _Kept) -> None:
+        """Load a saved run state into the (cleared) context; on failure the context is left empty."""
+        import llama_cpp
+
+        self._clear_kv(llm)
+        n = len(kept.tokens)
+        size = len(kept.state)
+        memory = llama_cpp.llama_get_memory(llm.ctx)
+        if int(llama_cpp.llama_state_seq_set_data(llm.ctx, kept.state, size, 0)) != size or (
+            llama_cpp.llama_memory_seq_pos_min(memory, 0) != 0 or llama_cpp.llama_memory_seq_pos_max(memory, 0) != n - 1
+        ):
+            self._clear_kv(llm)
+            return
+        llm.input_ids[:n] = kept.tokens
+        llm.n_tokens = n
+        self._logits = None if kept.logits is None else kept.logits.astype("float64")
+        self.kv_restores += 1
+
+    def _drop_kept(self) -> None:
+        self._kept.clear()
+        self._kept_bytes = 0
+        self._active = None
+
+
+_ALL_SEQS = -1
+"""The sequence id that saves a context's whole KV cache (the judge decodes into sequence 0 only).
+
+Saved by sequence 0's id, llama.cpp leaves out the sliding-window layers' cells outside the
+window of the last position: measured on Gemma 3 270M, a restored 762-token prefix then began at
+position 250 in those layers, so it could not be cut back to where the next prompt differs. Saved
+as a whole, every cell is kept; it is restored into sequence 0 all the same, which lays the cells
+out as one decode would and moves the cache's head past them (restored as a whole, the head stayed
+at cell 0 and the next batch overwrote the oldest window cells: position 106 was the first left).
+"""
+
+
+@dataclass(slots=True)
+class _Kept:
+    """One run's saved KV prefix: its tokens, llama.cpp's sequence state, and the answer logits if evaluated."""
+
+    tokens: list[int]
+    state: Any  # a ctypes uint8 array, handed back to llama.cpp as is
+    logits: Any  # float32 numpy array, or None
+
+    @property
+    def nbytes(self) -> int:
+        """What keeping it costs in memory."""
+        return len(self.state) + (0 if self.logits is None else int(self.logits.nbytes))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 _MIN_BATCH = 32

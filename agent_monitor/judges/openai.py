@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, cast
 
@@ -64,6 +66,18 @@ class OpenAIJudge(BaseJudge):
       it for hosted models that may emit something before the letter; the
       reader takes the first generated token that is exactly a letter.
 
+    - `run_key_field` names the request body field that carries the request's
+      `run_key` (the run the call belongs to) as a cache hint that never enters
+      the prompt, hashed (`run_hint`: stable per run, and no run id leaves the
+      machine). "auto" (default) sends it as `prompt_cache_key` to hosted
+      OpenAI's chat API (api.openai.com), which routes requests by a hash of the prompt's
+      first ~256 tokens, the same rubric instructions for every run, and takes
+      the key to spread runs over its cache machines; to other servers nothing
+      (vLLM's and SGLang's prefix caches are keyed by the tokens alone, and
+      llama.cpp's llama-server picks a slot by prompt similarity). Name a field
+      (e.g. "user", which every OpenAI-compatible server accepts) to send it
+      there; None never sends it.
+
     The model is read from `/v1/models` when not given. K repeats go as one
     request with `n=K`; a server that returns fewer choices gets the rest as
     separate requests (and is remembered as not supporting `n`).
@@ -91,6 +105,7 @@ class OpenAIJudge(BaseJudge):
         max_batch: int = 128,
         supports_n: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        run_key_field: str | None = "auto",
         client: AsyncOpenAI | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 3,
@@ -132,6 +147,13 @@ class OpenAIJudge(BaseJudge):
         self.max_batch = max_batch
         self.supports_n = supports_n
         self.extra_body = dict(extra_body or {})
+        if run_key_field == "auto":
+            host = urllib.parse.urlsplit(str(self.client.base_url)).hostname or ""
+            run_key_field = "prompt_cache_key" if host == "api.openai.com" and api == "chat" else None
+        if run_key_field is not None and not run_key_field.isidentifier():
+            raise ValueError(f"run_key_field={run_key_field!r}; use a body field name such as 'user', or None")
+        self.run_key_field = run_key_field
+        """The body field that carries each request's run key (None: not sent)."""
         self._model_lock = asyncio.Lock()
 
     async def aclose(self) -> None:
@@ -202,7 +224,9 @@ class OpenAIJudge(BaseJudge):
             return await self._sampled(request, model, dropped)
         k = request.repeats
         samples, usage, batch = await self._repeats(
-            k, k if self.supports_n is not False else 1, lambda n: self._request(request.prompt, model, n, dropped)
+            k,
+            k if self.supports_n is not False else 1,
+            lambda n: self._request(request.prompt, model, n, dropped, request.run_key),
         )
         if batch is not None:
             self.supports_n = batch
@@ -213,7 +237,9 @@ class OpenAIJudge(BaseJudge):
 
         async def chunk(n: int) -> tuple[list[Sample], Usage, bool | None]:
             ask = n if self.supports_n is not False else 1
-            return await self._repeats(n, ask, lambda m: self._request(request.prompt, model, m, dropped))
+            return await self._repeats(
+                n, ask, lambda m: self._request(request.prompt, model, m, dropped, request.run_key)
+            )
 
         draws: list[Sample] = []
         usage = Usage()
@@ -231,19 +257,21 @@ class OpenAIJudge(BaseJudge):
             images_dropped=max(dropped, default=0),
         )
 
-    async def _request(self, prompt: Prompt, model: str, n: int, dropped: list[int]) -> tuple[list[Sample], Usage]:
+    async def _request(
+        self, prompt: Prompt, model: str, n: int, dropped: list[int], run_key: str | None = None
+    ) -> tuple[list[Sample], Usage]:
         images = prompt.image_count
         if not (images and self.sends_images(model)):
-            answer = await self._send(prompt, model, n, images=False)
+            answer = await self._send(prompt, model, n, images=False, run_key=run_key)
             dropped.append(images)
             return answer
         try:
-            answer = await self._send(prompt, model, n, images=True)
+            answer = await self._send(prompt, model, n, images=True, run_key=run_key)
         except ImagesRefused as e:
             if self.vision:
                 raise  # asked for explicitly: a refusal is the caller's failure to see, never a silent fallback
             self._images_off(model, e)
-            answer = await self._send(prompt, model, n, images=False)
+            answer = await self._send(prompt, model, n, images=False, run_key=run_key)
             dropped.append(images)
             return answer
         if self._no_images_until.pop(model, None) is not None:
@@ -263,8 +291,12 @@ class OpenAIJudge(BaseJudge):
             "pass vision=False to silence this, or use a vision model",
         )
 
-    async def _send(self, prompt: Prompt, model: str, n: int, *, images: bool) -> tuple[list[Sample], Usage]:
+    async def _send(
+        self, prompt: Prompt, model: str, n: int, *, images: bool, run_key: str | None = None
+    ) -> tuple[list[Sample], Usage]:
         extra = dict(self.extra_body)
+        if self.run_key_field is not None and run_key is not None:
+            extra.setdefault(self.run_key_field, run_hint(run_key))  # a field the caller set in extra_body wins
         temperature = self.temperature if self.logprobs else self.sample_temperature
         common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature}
         if n > 1:
@@ -377,6 +409,11 @@ _NO_IMAGES = re.compile(
     r"|(?:image|vision|multi-?modal)(?:s| inputs?)? (?:is|are) not (?:supported|enabled)",
     re.IGNORECASE,
 )
+
+
+def run_hint(run_key: str) -> str:
+    """What a server is sent for a run key: 32 hex digits of its SHA-256, the same for every call of the run."""
+    return hashlib.sha256(run_key.encode("utf-8")).hexdigest()[:32]
 
 
 def refuses_images(status: int, message: str) -> bool:
