@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -205,9 +206,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "max_runs": args.max_runs,
         "mqtt": args.mqtt_protocol,
         "broker": "stock",
+        "gc_threshold": args.gc_threshold,
         "load_start": load_start,
         "load_end": load1(),
     }
+
+
+def tune_collector(threshold: int | None) -> int:
+    """Tune the garbage collector as `agent-monitor serve --gc-threshold` does (the bench is serve's process)."""
+    try:
+        from agent_monitor.daemon import DEFAULT_GC_THRESHOLD, tune_gc
+    except ImportError:  # a baseline checkout from before serve tuned the collector: Python's own
+        return gc.get_threshold()[0]
+    tune_gc(DEFAULT_GC_THRESHOLD if threshold is None else threshold)
+    return gc.get_threshold()[0]
 
 
 def main() -> int:
@@ -217,8 +229,15 @@ def main() -> int:
     ap.add_argument("--step-chars", type=int, default=200, help="characters of each step's text")
     ap.add_argument("--mqtt-protocol", default="auto", choices=["auto", "5", "3.1.1"])
     ap.add_argument("--max-runs", type=int, default=10_000, help="the monitor's --max-runs (below --runs: evictions)")
+    ap.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=None,
+        help="the cyclic collector's first-generation threshold, as serve --gc-threshold (default: serve's; 0: Python's)",
+    )
     ap.add_argument("--profile", help="write a cProfile of the monitor's process during ingest to this file")
     args = ap.parse_args()
+    args.gc_threshold = tune_collector(args.gc_threshold)
     with open(os.devnull, "w") as devnull:
         configure_logs("info", devnull)
         with contextlib.suppress(KeyboardInterrupt):

@@ -36,11 +36,11 @@ PUBLIC = {
         "ranking_topic", "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
     ],
     "agent_monitor.daemon": [
-        "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
+        "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
         "HttpServer", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
         "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
-        "StepView", "StoreFormatError", "default_state_dir",
+        "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],
     "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],
     "agent_monitor.cli": ["main"],

@@ -417,3 +417,20 @@ def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
         assert (p.ok and p.score is not None and 0 <= p.score <= 1) or (not p.ok and p.score is None and p.reason)
         assert "gemma" in p.model.lower() and p.tokens.input > 0
     assert any(p.ok for p in results)
+
+
+def test_tune_gc_sets_the_first_generation_threshold_and_zero_keeps_python_s() -> None:
+    import gc
+
+    from agent_monitor.daemon import DEFAULT_GC_THRESHOLD, tune_gc
+
+    before = gc.get_threshold()
+    try:
+        assert tune_gc() == before
+        assert gc.get_threshold() == (DEFAULT_GC_THRESHOLD, *before[1:])
+        assert tune_gc(0) == (DEFAULT_GC_THRESHOLD, *before[1:])  # 0: left as it is
+        assert gc.get_threshold()[0] == DEFAULT_GC_THRESHOLD
+        with pytest.raises(ValueError, match="gc threshold -1"):
+            tune_gc(-1)
+    finally:
+        gc.set_threshold(*before)

@@ -8,6 +8,7 @@ the top level of `agent_monitor`, never `cli/`.
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._config import MetricsSettings, MonitorConfig, Protocol
+from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
 from ._monitor import Monitor, RunView, StepView
 from ._mqtt import BrokerUnavailable
@@ -26,6 +27,7 @@ from ._state import RunLimits
 from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
 
 __all__ = [
+    "DEFAULT_GC_THRESHOLD",
     "Accepted",
     "Board",
     "BoardSettings",
@@ -54,4 +56,5 @@ __all__ = [
     "StepView",
     "StoreFormatError",
     "default_state_dir",
+    "tune_gc",
 ]
