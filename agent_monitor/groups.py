@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
 
 from .policy import Policy
-from .progress import Progress
+from .progress import Decision, Progress
 
 RunState = Literal["live", "pruned", "ended"]
 """A sibling's state in its group."""
@@ -102,6 +102,23 @@ class Prune:
     reason: str
     threshold_run: str
     threshold_score: float
+
+    def decision(self, p: Progress) -> Decision:
+        """The abort this prune makes of the result `p` (marked pruned; the run's own decision's context kept)."""
+        d = p.signal
+        return Decision(
+            signal="abort",
+            reason=self.reason,
+            step=p.step,
+            score=p.score,
+            best_step=d.best_step if d else None,
+            best_score=d.best_score if d else None,
+            changed=True,
+            abort_below=d.abort_below if d else None,
+            calibration=d.calibration if d else None,
+            pruned=True,
+            leader=self.leader,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -691,20 +691,7 @@ class Monitor:
         self._maybe_compare(group)
         if not update.prunes:
             return None
-        pr, d = update.prunes[0], p.signal
-        return Decision(
-            signal="abort",
-            reason=pr.reason,
-            step=p.step,
-            score=p.score,
-            best_step=d.best_step if d else None,
-            best_score=d.best_score if d else None,
-            changed=True,
-            abort_below=d.abort_below if d else None,
-            calibration=d.calibration if d else None,
-            pruned=True,
-            leader=pr.leader,
-        )
+        return update.prunes[0].decision(p)
 
     def _maybe_compare(self, group: str) -> None:
         """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
