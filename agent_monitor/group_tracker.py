@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, Self
+from typing import Any, Generic, Self, TypeVar
 
 from .groups import GROUP_NAME_MAX, GroupState, GroupUpdate, RankingJSON
 from .judges.base import Judge
@@ -35,6 +35,7 @@ from .selection import DEFAULT_PIVOTS, Comparison, Tournament, compare, tourname
 from .tracker import AsyncProgressTracker, ProgressTracker
 
 RankingCallback = Callable[[RankingJSON], object]
+T = TypeVar("T", AsyncProgressTracker, ProgressTracker)
 
 
 class _Group:
@@ -113,15 +114,8 @@ async def _tournament(
     return result
 
 
-class AsyncGroupTracker:
-    """Sibling runs of one task on the event loop: `run(run_id)` gives each its `AsyncProgressTracker`.
-
-    `policy` (a Policy or a mapping of its settings) is the group's and every sibling's: `keep_top`,
-    `prune_margin`, `min_steps`, `patience` decide prunes (see `agent_monitor.groups`); the run
-    settings (abort_below, ...) act on each run as usual. `options` are AsyncProgressTracker's
-    (criteria, repeats, min_mass, on_signal, ...), given to every sibling. `on_ranking` is called
-    with the ranking whenever its order or a state changes.
-    """
+class _Siblings(Generic[T]):
+    """What both group facades are: the group, the siblings' options and trackers, the ranking read out."""
 
     def __init__(
         self,
@@ -138,7 +132,7 @@ class AsyncGroupTracker:
         self.judge = judge
         self._group = _Group(name, policy, max_runs, on_ranking)
         self.options = options
-        self.trackers: dict[str, AsyncProgressTracker] = {}
+        self.trackers: dict[str, T] = {}
         """Every sibling's tracker, by run id."""
 
     @property
@@ -151,16 +145,43 @@ class AsyncGroupTracker:
         """The group's policy."""
         return self._group.policy
 
-    def run(self, run_id: str, **options: Any) -> AsyncProgressTracker:
-        """A new sibling's tracker (`options` override the group's for this run; its policy stays the group's)."""
+    def _join(self, run_id: str, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Add a sibling to the group; the keyword arguments its tracker is made with."""
         if run_id in self.trackers:
             raise ValueError(f"run {run_id!r} is already in the group; give each sibling its own run id")
         if "policy" in options:
             raise TypeError("a sibling's policy is the group's; set it on the group")
         self._group.join(run_id)
-        tracker = AsyncProgressTracker(
-            self.task, judge=self.judge, run_id=run_id, policy=self.policy, **{**self.options, **options}
-        )
+        return {"judge": self.judge, "run_id": run_id, "policy": self.policy, **self.options, **options}
+
+    def ranking(self) -> RankingJSON:
+        """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""
+        return self._group.ranking()
+
+    @property
+    def leader(self) -> str | None:
+        """The rank-1 run."""
+        return self.ranking()["leader"]
+
+    @property
+    def pruned(self) -> list[str]:
+        """The runs pruned so far."""
+        return [r["run_id"] for r in self.ranking()["runs"] if r["state"] == "pruned"]
+
+
+class AsyncGroupTracker(_Siblings[AsyncProgressTracker]):
+    """Sibling runs of one task on the event loop: `run(run_id)` gives each its `AsyncProgressTracker`.
+
+    `policy` (a Policy or a mapping of its settings) is the group's and every sibling's: `keep_top`,
+    `prune_margin`, `min_steps`, `patience` decide prunes (see `agent_monitor.groups`); the run
+    settings (abort_below, ...) act on each run as usual. `options` are AsyncProgressTracker's
+    (criteria, repeats, min_mass, on_signal, ...), given to every sibling. `on_ranking` is called
+    with the ranking whenever its order or a state changes.
+    """
+
+    def run(self, run_id: str, **options: Any) -> AsyncProgressTracker:
+        """A new sibling's tracker (`options` override the group's for this run; its policy stays the group's)."""
+        tracker = AsyncProgressTracker(self.task, **self._join(run_id, options))
         tracker.on_group = lambda p: self._group.verdict(run_id, p)
         self.trackers[run_id] = tracker
         return tracker
@@ -179,65 +200,16 @@ class AsyncGroupTracker:
         """
         return await _tournament(self._group, self.trackers, pivots)
 
-    def ranking(self) -> RankingJSON:
-        """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""
-        return self._group.ranking()
 
-    @property
-    def leader(self) -> str | None:
-        """The rank-1 run."""
-        return self.ranking()["leader"]
-
-    @property
-    def pruned(self) -> list[str]:
-        """The runs pruned so far."""
-        return [r["run_id"] for r in self.ranking()["runs"] if r["state"] == "pruned"]
-
-
-class GroupTracker:
+class GroupTracker(_Siblings[ProgressTracker]):
     """The synchronous group: `run(run_id)` gives each sibling a `ProgressTracker`; `close()` closes them all.
 
     Options as for `AsyncGroupTracker`.
     """
 
-    def __init__(
-        self,
-        task: str,
-        *,
-        judge: Judge,
-        policy: Policy | Mapping[str, Any] | None = None,
-        name: str = "group",
-        max_runs: int | None = None,
-        on_ranking: RankingCallback | None = None,
-        **options: Any,
-    ) -> None:
-        self.task = task
-        self.judge = judge
-        self._group = _Group(name, policy, max_runs, on_ranking)
-        self.options = options
-        self.trackers: dict[str, ProgressTracker] = {}
-        """Every sibling's tracker, by run id."""
-
-    @property
-    def state(self) -> GroupState:
-        """The group's state (members, scores, states); read it, do not change it."""
-        return self._group.state
-
-    @property
-    def policy(self) -> Policy:
-        """The group's policy."""
-        return self._group.policy
-
     def run(self, run_id: str, **options: Any) -> ProgressTracker:
         """A new sibling's tracker (`options` override the group's for this run; its policy stays the group's)."""
-        if run_id in self.trackers:
-            raise ValueError(f"run {run_id!r} is already in the group; give each sibling its own run id")
-        if "policy" in options:
-            raise TypeError("a sibling's policy is the group's; set it on the group")
-        self._group.join(run_id)
-        tracker = ProgressTracker(
-            self.task, judge=self.judge, run_id=run_id, policy=self.policy, **{**self.options, **options}
-        )
+        tracker = ProgressTracker(self.task, **self._join(run_id, options))
         tracker._core.on_group = lambda p: self._group.verdict(run_id, p)
         self.trackers[run_id] = tracker
         return tracker
@@ -256,20 +228,6 @@ class GroupTracker:
             return None
         portal = next(iter(self.trackers.values()))._portal
         return portal.call(partial(_tournament, self._group, cores, pivots))
-
-    def ranking(self) -> RankingJSON:
-        """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""
-        return self._group.ranking()
-
-    @property
-    def leader(self) -> str | None:
-        """The rank-1 run."""
-        return self.ranking()["leader"]
-
-    @property
-    def pruned(self) -> list[str]:
-        """The runs pruned so far."""
-        return [r["run_id"] for r in self.ranking()["runs"] if r["state"] == "pruned"]
 
     def close(self) -> None:
         """Close every sibling's tracker."""
