@@ -240,6 +240,10 @@ def exports_when_ended(redis: RedisServer) -> dict[str, dict[str, Any]]:
 def check_runs(outputs: Outputs, harness: Harness, exports: dict[str, dict[str, Any]]) -> None:
     """What both tests promise: every step once and in order, curves that never go back, one abort per doomed run."""
     n = harness.steps
+    print(
+        "abort messages per doomed run:",
+        {r.run_id: len(outputs.aborts(r.run_id)) for r in harness.runs if int(r.run_id[4:]) in DOOMED},
+    )
     for i, run in enumerate(harness.runs):
         rid = run.run_id
         exported = exports[rid]
@@ -253,8 +257,9 @@ def check_runs(outputs: Outputs, harness: Harness, exports: dict[str, dict[str, 
         assert steps == sorted(steps), f"{rid}: published progress went back: {steps}"
         aborts = outputs.aborts(rid)
         if i in DOOMED:
-            # One decision: a new owner may publish the retained signal again, but never decide a second abort.
-            assert len({(a["step"], a["reason"]) for a in aborts}) == 1, f"{rid}: aborts {aborts}"
+            # One decision: a new owner publishes the run's retained signal again (a replica may have died between
+            # deciding and publishing), and that is the same message; a second abort decision would differ.
+            assert aborts and all(a == aborts[0] for a in aborts), f"{rid}: aborts {aborts}"
         else:
             assert aborts == [], rid
             assert steps[-1] == n, f"{rid}: last progress at step {steps[-1]} of {n}"
