@@ -156,8 +156,9 @@ _REASSIGN = (
     + _LEAST_LOADED
     + """
 -- Place a departed replica's runs on the least-loaded live replicas (a group's runs together), free their
--- leases, note each move, and forget the replica. ARGV: prefix, departed, claimer. Returns the moved runs and
--- the departed replica's info when the claimer is the one to take its MQTT session over ('' otherwise).
+-- leases, note each move, and (ARGV[5] == '1') forget the replica. ARGV: prefix, departed, claimer, notes kept,
+-- forget. Returns the moved runs and the departed replica's info when the claimer is the one to take its MQTT
+-- session over ('' otherwise).
 local P, gone, me = ARGV[1], ARGV[2], ARGV[3]
 local s = redis.call('ZSCORE', P .. 'replicas', gone)
 if s and tonumber(s) >= now then return {{}, ''} end
@@ -181,7 +182,7 @@ for _, run in ipairs(redis.call('SMEMBERS', P .. 'owned:' .. gone)) do
   redis.call('XADD', P .. 'note', 'MAXLEN', '~', ARGV[4], '*', 'r', run, 'a', to)
   table.insert(moved, run)
 end
-if redis.call('SCARD', P .. 'owned:' .. gone) > 0 then return {moved, ''} end
+if ARGV[5] ~= '1' or redis.call('SCARD', P .. 'owned:' .. gone) > 0 then return {moved, ''} end
 local info = redis.call('HGET', P .. 'replicas:info', gone) or ''
 redis.call('ZREM', P .. 'replicas', gone)
 redis.call('HDEL', P .. 'replicas:info', gone)
@@ -349,6 +350,8 @@ class _Owned:
     """The inbox id of the last event journaled (persisted with the records)."""
     fed: str = ""
     """The inbox id of the last event handed to the monitor."""
+    ready: bool = False
+    """Taken over (its journal replayed): only then are its inbox's events handed to the monitor."""
 
 
 def _id(entry_id: str) -> tuple[int, int]:
@@ -444,8 +447,6 @@ class Cluster:
                     f"replica id {self.replica_id!r} is in use by a live replica of cluster {self.settings.name!r}; "
                     "give each replica its own --replica-id (or none: a fresh one each start)"
                 )
-            # Our own session (a restart with the same replica id) is ours to resume, not a survivor's to take over.
-            await self.redis.set(self.key("adopt", self.replica_id), self.replica_id, ex=300)
             await self._heartbeat()
             last = await self.redis.xrevrange(self.key("note"), count=1)
             self._notes_from = _text(last[0][0]) if last else "0-0"
@@ -492,6 +493,7 @@ class Cluster:
                     pipe.zadd(self.key("replicas"), {self.replica_id: 0})
                     pipe.delete(self.key("adopt", self.replica_id))
                     await pipe.execute()
+                # Our runs go to the others now (not when our heartbeat expires); a survivor forgets us later.
                 moved, _ = await self._reassign(self.replica_id, claim=False)
                 log.info("cluster_left", replica=self.replica_id, runs_handed_over=len(owned), placed=len(moved))
         except Exception as e:
@@ -596,7 +598,7 @@ class Cluster:
 
     async def _reassign(self, gone: str, *, claim: bool) -> tuple[list[str], str]:
         moved, info = await self._scripts["reassign"](
-            args=[self.prefix, gone, self.replica_id if claim else "", _NOTES_MAXLEN]
+            args=[self.prefix, gone, self.replica_id, _NOTES_MAXLEN, "1" if claim else "0"]
         )
         runs = [_text(r) for r in moved]
         if runs:
@@ -666,6 +668,8 @@ class Cluster:
                 # be stale either way, so drop it; a run still placed here is taken again from its journal.
                 log.info("cluster_lease_lost", run_id=run_id, token=o.token, now=int(tok))
                 await self._drop(run_id)
+                if int(tok) == -2:  # moved elsewhere while still ours: free it for its new owner now
+                    self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
     async def _take(self, run_id: str) -> None:
         """Acquire a run's lease and take the run over from its journal (records, scores, inbox cursor)."""
@@ -682,6 +686,7 @@ class Cluster:
                 self.owned[run_id] = o
                 o.cursor = o.fed = cursor
                 await self.monitor.adopt(run_id, replay.records, replay.progress.get(run_id, ()))
+                o.ready = True
             except Exception:
                 self.owned.pop(run_id, None)
                 log.exception("cluster_take_failed", run_id=run_id)
@@ -706,9 +711,9 @@ class Cluster:
         o = self.owned.get(run_id)
         if o is None:
             return
-        await self.store.flush()  # its scores so far go with it
         await self._drop(run_id)
-        await self._scripts["release"](args=[self.prefix, run_id, self.replica_id, o.token])
+        # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
+        self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
     async def _notes(self) -> None:
         """Follow the note stream: runs placed here are taken at once, owned runs with new events are fed."""
@@ -753,7 +758,9 @@ class Cluster:
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
             try:
-                await self._feed([r for r in dirty if r in self.owned])
+                held = [r for r in dirty if (o := self.owned.get(r)) is not None and o.ready]
+                self._dirty |= {r for r in dirty if r in self.owned and r not in held}
+                await self._feed(held)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -768,8 +775,8 @@ class Cluster:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id in runs:
-                o = self.owned[run_id]
-                pipe.xrange(self.key("in", run_id), min=f"({o.fed}" if o.fed else "-", count=_FEED_PAGE)
+                fed = self.owned[run_id].fed
+                pipe.xrange(self.key("in", run_id), min=f"({fed}" if fed else "-", count=_FEED_PAGE)
             pages = await pipe.execute()
         messages: list[tuple[str, bytes, Delivery | None]] = []
         last: dict[str, str] = {}
@@ -788,7 +795,8 @@ class Cluster:
         if not messages:
             return
         for run_id, eid in last.items():
-            self.owned[run_id].fed = eid
+            if (held := self.owned.get(run_id)) is not None:
+                held.fed = eid
         errors = await self.monitor.handle_batch(messages)
         failed = {messages[i][0].rsplit("/", 2)[-2] for i, e in enumerate(errors) if e is not None}
         for run_id in failed:
@@ -873,7 +881,7 @@ class Cluster:
         taken = 0
         async with client:
             unsubscribed = False
-            it: AsyncIterator[aiomqtt.Message] = aiomqtt.Client.messages.fget(client).__aiter__()  # type: ignore[attr-defined]
+            it: AsyncIterator[aiomqtt.Message] = client.messages.__aiter__()
             while True:
                 try:
                     first = await asyncio.wait_for(it.__anext__(), _QUIET_S)

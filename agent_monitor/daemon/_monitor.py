@@ -1043,7 +1043,9 @@ class Monitor:
                             g.prune(run_id)
             self._group_changed(name, True, republished=True)
 
-    def _restore_scores(self, run_id: str, scoring: _Scoring, progress: Sequence[Mapping[str, Any]]) -> None:
+    def _restore_scores(
+        self, run_id: str, scoring: _Scoring, progress: Sequence[Mapping[str, Any]], *, republish: bool = True
+    ) -> None:
         """Give a replayed run its stored scores; schedule what is left to score (or to finish); republish its signal."""
         stored = [Progress.from_json(dict(d)) for d in progress]
         results = [] if self.config.rescore else stored
@@ -1057,7 +1059,7 @@ class Monitor:
         latest = tracker.latest
         if latest is not None and latest.signal is not None:
             scoring.signal = latest.signal.signal
-            if tracker.summary.signal_changes:
+            if tracker.summary.signal_changes and republish:
                 self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
         if scoring.wants_scoring or scoring.closing is not None:
             self.scheduler.wake(run_id)
@@ -1068,8 +1070,8 @@ class Monitor:
         """Take over one run from its shared journal: replay its records, take its stored scores, score what is left.
 
         Cluster mode: this replica became the run's owner (a failover, or the run was moved here). As on a
-        restart, nothing is judged again that was scored, and the run's current signal is published again
-        (retained, so the same message: a harness sees no second abort).
+        restart, nothing is judged again that was scored. Unlike a restart, the run's signal is not published
+        again: the previous owner published it (retained), and a harness must see each abort once.
         """
         async with self._lock:
             self._forget(run_id)
@@ -1077,7 +1079,7 @@ class Monitor:
                 await self._apply(record, replaying=True)
             scoring = self._scoring.get(run_id)
             if scoring is not None:
-                self._restore_scores(run_id, scoring, progress)
+                self._restore_scores(run_id, scoring, progress, republish=False)
                 if scoring.group is not None:
                     self._group_changed(scoring.group, False)
             self.metrics.runs_active.set(len(self.book.live))
