@@ -1206,10 +1206,12 @@ async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, An
 
 
 async def _read(settings: ClusterSettings, read: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:
+    from redis.exceptions import RedisError
+
     redis, prefix = cluster_redis(settings)
     try:
         return await read(redis, prefix)
-    except (OSError, ConnectionError, TimeoutError) as e:
+    except (OSError, RedisError) as e:
         raise ClusterUnavailable(
             f"cannot read the cluster {settings.name} in Redis at {settings.url}: {type(e).__name__}: {e}; "
             "check the URL (--cluster) and that Redis runs there"
