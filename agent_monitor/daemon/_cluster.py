@@ -898,18 +898,17 @@ class Cluster:
         client._client.manual_ack_set(True)
         taken = 0
         async with client:
-            unsubscribed = False
+            # Out of the shared subscription first: as a member, the resumed session gets its turn of every new
+            # message, so under steady traffic it would never fall quiet (and a second dead session, queued behind
+            # this one, would wait as long). The messages already queued in the session are still delivered after
+            # the UNSUBSCRIBE (MQTT 5 3.10.4; measured on Mosquitto 2.0.11: 100 queued of 100 arrived).
+            await client.unsubscribe(link.shared_filters())
             it: AsyncIterator[aiomqtt.Message] = client.messages.__aiter__()
             while True:
                 try:
                     first = await asyncio.wait_for(it.__anext__(), _QUIET_S)
                 except TimeoutError:
-                    if unsubscribed:
-                        break
-                    # Resumed and emptied of what was queued: stop the broker giving it a share, then empty it again.
-                    await client.unsubscribe(link.shared_filters())
-                    unsubscribed = True
-                    continue
+                    break  # emptied
                 batch = [first]
                 while not client._queue.empty():
                     batch.append(client._queue.get_nowait())
