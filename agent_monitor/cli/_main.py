@@ -12,13 +12,13 @@ import socket
 import sqlite3
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..criteria import CriteriaError, load_criteria
-from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings
+from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..daemon import SqliteStore
 
 JudgeKind = Literal["openai", "gemini", "local"]
+T = TypeVar("T")
 
 
 class CliError(Exception):
@@ -370,6 +371,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
     runs = _command(sub, "runs", "list live and recent runs from the run store")
     add_flags(runs, ServeOptions, environ, only=["state_dir"])
+    add_flags(runs, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
     runs.add_argument("--limit", type=int, default=50, metavar="N", help="at most this many runs, newest first")
     runs.add_argument("--json", action="store_true", help="one JSON object per run")
 
@@ -398,6 +400,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     export = _command(sub, "export", "write a run's steps and score curve as JSON")
     export.add_argument("run_id", help="the run to export (`agent-monitor runs` lists them)")
     add_flags(export, ServeOptions, environ, only=["state_dir"])
+    add_flags(export, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
     export.add_argument("-o", "--output", default="-", metavar="FILE", help="file to write (default: stdout)")
 
     schemas = _command(sub, "schemas", "write or check the JSON Schemas of every MQTT payload")
@@ -492,7 +495,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import structlog
     from prometheus_client import CollectorRegistry
 
-    from ..daemon import Board, BrokerUnavailable, HttpServer, Monitor, MonitorConfig, tune_gc
+    from ..daemon import Board, BrokerUnavailable, ClusterUnavailable, HttpServer, Monitor, MonitorConfig, tune_gc
 
     if not args.judge:
         return _fail(_NO_JUDGE)
@@ -511,7 +514,9 @@ async def _serve(args: argparse.Namespace) -> int:
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")
-    store = None if serve.no_store else _open_store(serve.state_dir)
+    clustered = config.cluster.url is not None
+    # In cluster mode the journal is in Redis (the Monitor opens it): no SQLite store of this replica's own.
+    store = None if serve.no_store or clustered else _open_store(serve.state_dir)
     log = structlog.get_logger("agent_monitor.cli")
     async with contextlib.AsyncExitStack() as stack:
         if broker_options.embedded_broker:
@@ -530,7 +535,7 @@ async def _serve(args: argparse.Namespace) -> int:
         board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
         try:
             monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=[board] if board else [])
-        except ImportError as e:  # --otlp-endpoint without the otel extra: the message names it
+        except ImportError as e:  # --otlp-endpoint or --cluster without their extra: the message names it
             return _fail(str(e))
         web = None
         if serve.metrics_port:
@@ -544,7 +549,7 @@ async def _serve(args: argparse.Namespace) -> int:
             log.info("metrics_serving", url=f"{web.url}metrics", board=web.url if board else None)
         try:
             await stack.enter_async_context(monitor)
-        except BrokerUnavailable as e:
+        except (BrokerUnavailable, ClusterUnavailable) as e:
             return _fail(str(e))
         if board is not None:
             board.restore((monitor.run(r) for r in monitor.restored), live=monitor.status()["live_runs"])
@@ -556,11 +561,18 @@ async def _serve(args: argparse.Namespace) -> int:
         if store is not None:
             print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
         min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
+        if monitor.cluster is not None:
+            c = monitor.cluster
+            where = (
+                f"cluster {config.cluster.name} on {config.cluster.url} as replica {c.replica_id} "
+                f"({len(c.live)} live), shared subscription $share/{config.cluster.name}/"
+            )
+        else:
+            where = f"run store {store.path if store else 'off (in memory)'}"
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
-            f"run store {store.path if store else 'off (in memory)'}"
-            + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
+            f"{where}" + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -792,17 +804,25 @@ def _open_store(state_dir: str | None) -> SqliteStore:
 
 
 async def _runs(args: argparse.Namespace) -> int:
-    store = _open_store(args.state_dir)
-    try:
-        rows = await store.list_runs(args.limit)
-    finally:
-        await store.aclose()
+    cluster = build(ClusterSettings, args)
+    if cluster.url is not None:
+        from ..daemon import cluster_runs
+
+        rows = await _from_cluster(cluster_runs(cluster, args.limit))
+        store_path: object = f"cluster {cluster.name} on {cluster.url}"
+    else:
+        store = _open_store(args.state_dir)
+        try:
+            rows = await store.list_runs(args.limit)
+        finally:
+            await store.aclose()
+        store_path = store.path
     if args.json:
         for r in rows:
             print(json.dumps(r))
         return 0
     if not rows:
-        print(f"no runs in {store.path}")
+        print(f"no runs in {store_path}")
         return 0
     print(
         f"{'run_id':<32} {'state':<9} {'outcome':<9} {'step':>5} {'score':>6} {'signal':<9} "
@@ -868,7 +888,22 @@ def _reset_family(name: str, deleted: int, path: Path) -> int:
     return 0
 
 
-async def _read_export(args: argparse.Namespace) -> tuple[Path, dict[str, Any] | None]:
+async def _from_cluster(read: Awaitable[T]) -> T:
+    """What a read of a cluster's shared journal gave; its failure as a one-line CliError."""
+    from ..daemon import ClusterUnavailable
+
+    try:
+        return await read
+    except (ClusterUnavailable, ImportError) as e:
+        raise CliError(str(e)) from None
+
+
+async def _read_export(args: argparse.Namespace) -> tuple[object, dict[str, Any] | None]:
+    cluster = build(ClusterSettings, args)
+    if cluster.url is not None:
+        from ..daemon import cluster_export
+
+        return f"cluster {cluster.name} on {cluster.url}", await _from_cluster(cluster_export(cluster, args.run_id))
     store = _open_store(args.state_dir)
     try:
         return store.path, await store.export(args.run_id)

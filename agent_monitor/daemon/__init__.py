@@ -7,7 +7,8 @@ the top level of `agent_monitor`, never `cli/`.
 
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
-from ._config import MetricsSettings, MonitorConfig, Protocol
+from ._cluster import ClusterUnavailable, cluster_export, cluster_runs
+from ._config import ClusterSettings, MetricsSettings, MonitorConfig, Protocol
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
 from ._monitor import Monitor, RunView, StepView
@@ -33,6 +34,8 @@ __all__ = [
     "BoardSettings",
     "BrokerStartError",
     "BrokerUnavailable",
+    "ClusterSettings",
+    "ClusterUnavailable",
     "Duplicated",
     "EmbeddedBroker",
     "HttpServer",
@@ -55,6 +58,8 @@ __all__ = [
     "SqliteStore",
     "StepView",
     "StoreFormatError",
+    "cluster_export",
+    "cluster_runs",
     "default_state_dir",
     "tune_gc",
 ]

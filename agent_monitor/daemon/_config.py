@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -93,6 +94,56 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """Cluster mode: replicas share runs through Redis and MQTT shared subscriptions (docs/cluster.md)."""
+
+    url: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--cluster",
+            "help": "join the cluster kept in this Redis (redis://HOST:PORT/DB; rediss:// for TLS); none: one process "
+            "with its own run store. Needs pip install 'agent-monitor[cluster]'",
+        },
+    )
+    name: str = field(
+        default="agent-monitor",
+        metadata={
+            "flag": "--cluster-name",
+            "help": "the cluster's name: its Redis keys (am:NAME:...) and shared subscription group ($share/NAME/...)",
+        },
+    )
+    replica_id: str | None = field(
+        default=None, metadata={"help": "this replica's id in the cluster; none: host-pid-random (new each start)"}
+    )
+    lease_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "--cluster-lease",
+            "help": "seconds a replica owns its runs without renewing; a dead replica's runs move after this",
+        },
+    )
+    heartbeat_s: float = field(
+        default=1.0, metadata={"flag": "--cluster-heartbeat", "help": "seconds between heartbeats and lease renewals"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"cluster url {self.url!r} is not a Redis URL; use redis://HOST:PORT/DB")
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(f"cluster name {self.name!r}; use letters, digits, '.', '_' or '-' (1-64)")
+        if self.replica_id is not None and not _NAME.fullmatch(self.replica_id):
+            raise ValueError(f"replica id {self.replica_id!r}; use letters, digits, '.', '_' or '-' (1-64)")
+        if not (self.heartbeat_s > 0 and self.lease_s >= 2 * self.heartbeat_s):
+            raise ValueError(
+                f"cluster lease {self.lease_s}s, heartbeat {self.heartbeat_s}s: the lease must be at least two "
+                "heartbeats (a renewal may be late once), and the heartbeat > 0"
+            )
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
 class MonitorConfig:
     """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`."""
 
@@ -156,6 +207,7 @@ class MonitorConfig:
     )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
+    cluster: ClusterSettings = field(default_factory=ClusterSettings, metadata={"help": "cluster"})
     image_dirs: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -284,4 +336,4 @@ class MonitorConfig:
         return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
-__all__ = ["MetricsSettings", "MonitorConfig", "Protocol"]
+__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "Protocol"]

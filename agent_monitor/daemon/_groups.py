@@ -104,6 +104,15 @@ class GroupBook:
             self.done_at[g.group] = at
         return update
 
+    def forget(self, run_id: str) -> str | None:
+        """Drop a run that moved to another replica (cluster mode); its group goes with its last run here. Its name."""
+        name = self.of_run.pop(run_id, None)
+        if name is not None and not any(g == name for g in self.of_run.values()):
+            self.groups.pop(name, None)
+            self.done_at.pop(name, None)
+            self.last_at.pop(name, None)
+        return name
+
     def due(self, now: float) -> list[str]:
         """The groups whose last run ended `grace_s` ago or more: forgotten now (their ranking is to be cleared)."""
         out = [name for name, at in self.done_at.items() if now - at >= self.grace_s]

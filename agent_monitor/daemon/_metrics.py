@@ -144,6 +144,41 @@ class Metrics:
         self.broker_reconnects = Counter(
             "agent_monitor_broker_reconnects", "Connections to the broker after the first.", registry=registry
         )
+        # Cluster mode (serve --cluster): each replica exports its own; sums over replicas are the cluster's.
+        self.cluster_replicas = Gauge(
+            "agent_monitor_cluster_replicas",
+            "Live replicas of the cluster this replica sees (heartbeats within the lease); 0 outside cluster mode.",
+            registry=registry,
+        )
+        self.runs_owned = Gauge(
+            "agent_monitor_runs_owned",
+            "Runs this replica owns now (holds the lease of): it alone scores them and exports their gauges.",
+            registry=registry,
+        )
+        self.run_takeovers = Counter(
+            "agent_monitor_run_takeovers",
+            "Runs this replica took over from another owner (one that died, left, or handed the run over).",
+            registry=registry,
+        )
+        self.sessions_adopted = Counter(
+            "agent_monitor_cluster_sessions_adopted",
+            "MQTT sessions of departed replicas this replica took over (and emptied, then deleted).",
+            registry=registry,
+        )
+        self.cluster_fenced = Counter(
+            "agent_monitor_cluster_fenced",
+            "Writes and publications refused because this replica no longer owned the run (fencing), by what.",
+            ["what"],
+            registry=registry,
+        )
+        for what in ("write", "publish"):
+            self.cluster_fenced.labels(what)
+        self.cluster_errors = Counter(
+            "agent_monitor_cluster_errors",
+            "Cluster operations on Redis that failed (retried; messages stay unacknowledged), by operation.",
+            ["op"],
+            registry=registry,
+        )
         for s in SIGNALS:
             self.signals.labels(s)
         for o in RUN_OUTCOMES:

@@ -87,6 +87,7 @@ from ._state import (
 from ._store import NoStore, RunStore, SqliteStore
 
 if TYPE_CHECKING:
+    from ._cluster import Cluster
     from ._otel import OtelSink
 
 log = structlog.get_logger("agent_monitor.daemon")
@@ -261,6 +262,18 @@ class Monitor:
         self.topics = Topics(c.prefix)
         self.prices = c.prices
         self.outbox = Outbox(c.outbox_size, metrics=self.metrics)
+        self.cluster: Cluster | None = None
+        """Cluster mode (`config.cluster.url`): the replica's membership, leases and shared journal in Redis."""
+        if c.cluster.url is not None:
+            if store is not None:
+                raise ValueError("a Monitor in cluster mode keeps its journal in Redis: pass no store")
+            # Imported here: without a cluster nothing loads redis (ImportError names the extra).
+            from ._cluster import Cluster
+
+            self.cluster = Cluster(c.cluster, monitor=self, metrics=self.metrics, retention_s=c.retention_s)
+            store = self.cluster.store
+            # Only the run's owner publishes: what a replica queued for a run it no longer owns is dropped.
+            self.outbox.gate = self.cluster.may_publish
         self.store: RunStore = store if store is not None else NoStore()
         self.book = RunBook(c.limits)
         self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=self.metrics.queue_depth.set)
@@ -317,7 +330,8 @@ class Monitor:
             MqttLink(
                 c.broker,
                 topics=self.topics,
-                client_id=c.client_id,
+                client_id=self.cluster.client_id(c.client_id) if self.cluster else c.client_id,
+                share=c.cluster.name if self.cluster else None,
                 protocol=c.protocol,
                 session_expiry_s=c.session_expiry_s,
                 receive_window=c.receive_window,
@@ -351,12 +365,22 @@ class Monitor:
     async def __aenter__(self) -> Self:
         if self._stack is not None:
             raise RuntimeError("the monitor is already running")
+        if self.cluster is not None:
+            # Joined before the broker is: a replica assigns the runs it receives to live replicas, itself included.
+            await self.cluster.open()
         # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
         await self._restore()
         if self.restored:
             log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
-        first = await self.link.connect() if self.link is not None else None
+        try:
+            first = await self.link.connect() if self.link is not None else None
+        except BaseException:
+            if self.cluster is not None:
+                await self.cluster.aclose()
+            raise
         stack = contextlib.AsyncExitStack()
+        if self.cluster is not None:
+            stack.push_async_callback(self.cluster.aclose)
         if self.otel is not None:
             # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
             self.otel.open()
@@ -364,9 +388,13 @@ class Monitor:
         try:
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.link is not None:
-                self._tasks.append(
-                    tg.create_task(self.link.run(self.handle_batch, self.outbox, first=first), name="mqtt")
-                )
+                # In cluster mode a replica journals what it receives into the runs' shared inboxes; each run's
+                # owner reads its inbox and hands the events to handle_batch.
+                receive = self.cluster.receive if self.cluster is not None else self.handle_batch
+                self._tasks.append(tg.create_task(self.link.run(receive, self.outbox, first=first), name="mqtt"))
+            if self.cluster is not None:
+                for name, loop in self.cluster.loops():
+                    self._tasks.append(tg.create_task(loop, name=name))
             for i in range(self.config.max_concurrency):
                 self._tasks.append(tg.create_task(self.scheduler.worker(), name=f"scorer-{i + 1}"))
             self._tasks.append(tg.create_task(self._sweeper(), name="sweeper"))
@@ -387,6 +415,9 @@ class Monitor:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self.cluster is not None and self._stack is not None:
+            # Before the loops stop: stop receiving, hand the runs to the other replicas, deregister.
+            await self.cluster.leave(self.link)
         stack, tasks = self._stack, self._tasks
         self._stack, self._tasks = None, []
         tasks = [*tasks, *self._comparing.values()]
@@ -879,6 +910,8 @@ class Monitor:
                     p = None
             scoring.scored = max(scoring.scored, n)
             self.scorings += 1
+            if self._scoring.get(run_id) is not scoring:
+                return  # the run moved to another replica meanwhile (cluster mode): its owner publishes, not this one
             if p is not None:
                 self._scored(run_id, scoring, p, first)
         if scoring.closing is not None and not scoring.wants_scoring and self._scoring.get(run_id) is scoring:
@@ -1010,6 +1043,62 @@ class Monitor:
                             g.prune(run_id)
             self._group_changed(name, True, republished=True)
 
+    def _restore_scores(
+        self, run_id: str, scoring: _Scoring, progress: Sequence[Mapping[str, Any]], *, republish: bool = True
+    ) -> None:
+        """Give a replayed run its stored scores; schedule what is left to score (or to finish); republish its signal."""
+        stored = [Progress.from_json(dict(d)) for d in progress]
+        results = [] if self.config.rescore else stored
+        tracker = scoring.tracker
+        # The tokens were spent whatever is kept of the scores: the totals go on from where they were.
+        tracker.restore((r for r in results if r.step <= len(tracker.steps)), usage=run_totals(stored))
+        scoring.last_ok = tracker.summary.last_ok
+        scoring.scored = tracker.latest.step if tracker.latest else 0
+        for i in range(1, scoring.scored + 1):
+            scoring.arrived.pop(i, None)
+        latest = tracker.latest
+        if latest is not None and latest.signal is not None:
+            scoring.signal = latest.signal.signal
+            if tracker.summary.signal_changes and republish:
+                self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
+        if scoring.wants_scoring or scoring.closing is not None:
+            self.scheduler.wake(run_id)
+
+    # -- cluster mode: runs arrive and leave while the monitor runs --
+
+    async def adopt(self, run_id: str, records: Sequence[Record], progress: Sequence[Mapping[str, Any]]) -> None:
+        """Take over one run from its shared journal: replay its records, take its stored scores, score what is left.
+
+        Cluster mode: this replica became the run's owner (a failover, or the run was moved here). As on a
+        restart, nothing is judged again that was scored. Unlike a restart, the run's signal is not published
+        again: the previous owner published it (retained), and a harness must see each abort once.
+        """
+        async with self._lock:
+            self._forget(run_id)
+            for record in records:
+                await self._apply(record, replaying=True)
+            scoring = self._scoring.get(run_id)
+            if scoring is not None:
+                self._restore_scores(run_id, scoring, progress, republish=False)
+                if scoring.group is not None:
+                    self._group_changed(scoring.group, False)
+            self.metrics.runs_active.set(len(self.book.live))
+
+    async def release(self, run_id: str) -> None:
+        """Forget one run without ending it (cluster mode: another replica owns it now); nothing is published."""
+        async with self._lock:
+            self._forget(run_id)
+            self.metrics.runs_active.set(len(self.book.live))
+
+    def _forget(self, run_id: str) -> None:
+        self.book.forget(run_id)
+        self._scoring.pop(run_id, None)
+        self._prepared.pop(run_id, None)
+        self.scheduler.discard(run_id)
+        group = self.groups.forget(run_id)
+        if group is not None and group not in self.groups.groups:
+            self._group_series.pop(group, None)
+
     async def _restore(self) -> int:
         """Rebuild the live runs by replaying the journal; take their stored scores; return the runs live.
 
@@ -1030,22 +1119,7 @@ class Monitor:
             for record in replay.records:
                 await self._apply(record, replaying=True)
         for run_id, scoring in self._scoring.items():
-            stored = [Progress.from_json(d) for d in replay.progress.get(run_id, ())]
-            results = [] if self.config.rescore else stored
-            tracker = scoring.tracker
-            # The tokens were spent whatever is kept of the scores: the totals go on from where they were.
-            tracker.restore((r for r in results if r.step <= len(tracker.steps)), usage=run_totals(stored))
-            scoring.last_ok = tracker.summary.last_ok
-            scoring.scored = tracker.latest.step if tracker.latest else 0
-            for i in range(1, scoring.scored + 1):
-                scoring.arrived.pop(i, None)
-            latest = tracker.latest
-            if latest is not None and latest.signal is not None:
-                scoring.signal = latest.signal.signal
-                if tracker.summary.signal_changes:
-                    self._emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
-            if scoring.wants_scoring or scoring.closing is not None:
-                self.scheduler.wake(run_id)
+            self._restore_scores(run_id, scoring, replay.progress.get(run_id, ()))
         self._restore_groups(await self.store.rankings())
         self.metrics.runs_active.set(len(self.book.live))
         self.restored = tuple(self.book.live)

@@ -64,6 +64,7 @@ class MqttLink:
         publish_window: int = 64,
         receive_window: int = 65_535,
         metrics: Metrics | None = None,
+        share: str | None = None,
     ) -> None:
         share_property_tables()  # paho rebuilt two tables per v5 packet: 11% of ingest's CPU (see _paho)
         self.broker = broker
@@ -78,6 +79,10 @@ class MqttLink:
         self.receive_window = receive_window
         self.redeliver_delay_s = 0.5
         self.metrics = metrics
+        self.share = share
+        """Cluster mode: the shared subscription group ($share/{share}/...) the replicas receive through."""
+        self.client: aiomqtt.Client | None = None
+        """The connection being served (None between connections)."""
         self.connected = asyncio.Event()
         self.connections = 0
         self.negotiated: Literal["5", "3.1.1"] | None = None
@@ -178,6 +183,9 @@ class MqttLink:
         keeps the broker from sending them back; on 3.1.1 they come back and `Monitor.handle` drops them.
         """
         t = self.topics
+        if self.share is not None:
+            await self._subscribe_shared(client, version)
+            return
 
         async def subscribe(f: str) -> str | None:
             if version == "5":
@@ -208,6 +216,36 @@ class MqttLink:
                     f"the MQTT broker at {self.broker.url} refused the subscription to {f} ({refused}); "
                     f"check the broker's ACL: the monitor must read {t.prefix}/+/start|step|end"
                 )
+
+    def shared_filters(self) -> list[str]:
+        """Cluster mode's subscriptions: the three input kinds, shared by the replicas ($share/{group}/...)."""
+        return [f"$share/{self.share}/{f}" for f in self.topics.inputs]
+
+    async def _subscribe_shared(self, client: aiomqtt.Client, version: Literal["5", "3.1.1"]) -> None:
+        """Subscribe to the inputs through the cluster's shared subscription; a refusal is fatal (it says why).
+
+        Only the inputs: a wide `{prefix}/+/+` would bring every replica's own progress back (MQTT 5 forbids
+        no-local on a shared subscription), so a misspelt topic is not reported in cluster mode.
+        """
+        await self._watch_drops(client)
+        for f in self.shared_filters():
+            granted = await client.subscribe(f, qos=1)
+            refused = [c for c in (granted or ()) if _code(c) >= 0x80]
+            if refused:
+                await client.__aexit__(None, None, None)
+                raise BrokerUnavailable(
+                    f"the MQTT broker at {self.broker.url} refused the shared subscription {f} ({refused[0]}); "
+                    "cluster mode needs MQTT shared subscriptions (Mosquitto 2, EMQX, HiveMQ) and read access "
+                    f"to {self.topics.prefix}/+/start|step|end"
+                )
+
+    async def stop_receiving(self) -> None:
+        """Unsubscribe the inputs (cluster mode, leaving): the broker stops sending this replica its share."""
+        client = self.client
+        if client is None or self.share is None:
+            return
+        with contextlib.suppress(aiomqtt.MqttError, asyncio.TimeoutError):
+            await asyncio.wait_for(client.unsubscribe(self.shared_filters()), 5.0)
 
     async def _watch_drops(self, client: aiomqtt.Client) -> None:
         """Subscribe to the broker's own drop counter where it allows it; a refusal or an error is logged, never fatal.
@@ -263,6 +301,7 @@ class MqttLink:
                 log.warning("broker_connection_lost", broker=self.broker.url, error=str(group.exceptions[0]))
             finally:
                 self.connected.clear()
+                self.client = None
                 if self.metrics:
                     self.metrics.broker_connected.set(0)
                 with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone either way
@@ -278,6 +317,7 @@ class MqttLink:
             if self.connections > 1:
                 self.metrics.broker_reconnects.inc()
         self.connected.set()
+        self.client = client
         dups = self._dups
         paho = client._client
         async with asyncio.TaskGroup() as tg:

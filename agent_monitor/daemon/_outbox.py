@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ class Message:
     retain: bool = False
     droppable: bool = True
     """Progress and error messages may be dropped when the outbox is full; signals never are."""
+    run_id: str | None = None
+    """The run the message is about (the outbox's `gate` may hold it back: cluster mode's fencing)."""
 
 
 class Outbox:
@@ -44,6 +47,8 @@ class Outbox:
         self._first = 0
         """The number a requeued message gets: below every other, so it goes first."""
         self._ready = asyncio.Event()
+        self.gate: Callable[[str], bool] | None = None
+        """Cluster mode: whether this replica may still publish about a run; a message it may not is dropped."""
 
     def put(self, m: Message) -> None:
         """Queue a message (never blocks: a scorer must not wait on a slow broker)."""
@@ -73,12 +78,18 @@ class Outbox:
 
     async def get(self) -> Message:
         """The next message, waiting for one."""
-        while not len(self):
-            self._ready.clear()
-            await self._ready.wait()
-        m = self._pop()
-        self._gauge()
-        return m
+        while True:
+            while not len(self):
+                self._ready.clear()
+                await self._ready.wait()
+            m = self._pop()
+            self._gauge()
+            # Checked as it leaves, not as it came: a replica paused past its lease (a zombie) must not publish
+            # what it queued before the pause, once another replica owns the run.
+            if m.run_id is None or self.gate is None or self.gate(m.run_id):
+                return m
+            if self.metrics:
+                self.metrics.cluster_fenced.labels("publish").inc()
 
     def get_nowait(self) -> Message | None:
         """The next message, or None."""

@@ -141,14 +141,16 @@ class MqttSink:
             where = self._progress_topics.get(event.run_id)
             if where is None:
                 where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
-            self.outbox.put(Message(where, _payload(event.data)))
+            self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
-            self.outbox.put(Message(t.of(event.run_id, "signal"), payload, retain=True, droppable=False))
+            self.outbox.put(
+                Message(t.of(event.run_id, "signal"), payload, retain=True, droppable=False, run_id=event.run_id)
+            )
         elif isinstance(event, Refused):
             where = t.of(event.run_id, "error") if event.run_id else t.errors
             body = {"run_id": event.run_id, "topic": event.topic[:512], "reason": event.reason, "error": event.message}
-            self.outbox.put(Message(where, _payload(body)))
+            self.outbox.put(Message(where, _payload(body), run_id=event.run_id or None))
         elif isinstance(event, GroupRanked):
             # Retained, so a late subscriber sees the ranking now; an empty payload clears it.
             ranking = b"" if event.ranking is None else _payload(event.ranking)
@@ -156,7 +158,9 @@ class MqttSink:
         elif isinstance(event, RunClosed):
             self._progress_topics.pop(event.run_id, None)
             # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
-            self.outbox.put(Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False))
+            self.outbox.put(
+                Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False, run_id=event.run_id)
+            )
 
 
 class StoreSink:

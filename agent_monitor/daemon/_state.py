@@ -89,6 +89,8 @@ class Delivery:
     mid: int
     digest: str
     dup: bool = False
+    cursor: str = ""
+    """Cluster mode: where the message sits in its run's shared inbox (a Redis stream id), journaled with it."""
 
     @classmethod
     def of(cls, mid: int, topic: str, payload: bytes, *, dup: bool = False) -> Delivery:
@@ -438,6 +440,13 @@ class RunBook:
                 break
             out.append(Finished(run_id, "expired", now))
         return out
+
+    def forget(self, run_id: str) -> None:
+        """Drop everything held about one run, without a record (cluster mode: the run moved to another replica)."""
+        self.live.pop(run_id, None)
+        self.orphans.pop(run_id, None)
+        self.ended.pop(run_id, None)
+        self._gapped.discard(run_id)
 
     def finish(self, run_id: str, outcome: str, now: float) -> Finished | None:
         """The record that takes a live run out (ended and scored, rejected); None when it is not live."""
