@@ -123,6 +123,11 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     assert value(reg, "agent_monitor_invalid_events_total", reason="bad_json") == 0
     assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 0
     assert value(reg, "agent_monitor_run_series_capped") == 0
+    # Cluster mode's counters too (a Monitor without a cluster exports them at 0, as a replica does at start).
+    for what in ("write", "publish"):
+        assert value(reg, "agent_monitor_cluster_fenced_total", what=what) == 0
+    for op in ("heartbeat", "receive", "notes", "feed", "journal", "progress"):
+        assert value(reg, "agent_monitor_cluster_errors_total", op=op) == 0
 
 
 def test_two_monitors_have_separate_registries() -> None:
