@@ -19,7 +19,12 @@ update, a whole 10 s interval after the last event); the journal's commits and r
 The same bench runs against an agent-monitor without group commits (a baseline checkout first on
 PYTHONPATH, run from outside the worktree): then each record is a commit and the drop gauge is n/a.
 
-    .venv/bin/python bench/ingest.py [--runs 10000] [--step-chars 200] [--mqtt-protocol auto] [--profile FILE]
+With `--cluster`, the monitor is one replica of a cluster (`serve --cluster`) on a private Redis: every event
+goes into its run's shared inbox before it is acknowledged, and the run's owner (this replica) reads it back,
+decides and journals it in Redis; `commits` then counts the owner's journal scripts. That is one replica's
+ingest capacity (docs/cluster.md's capacity table).
+
+    .venv/bin/python bench/ingest.py [--runs 10000] [--step-chars 200] [--mqtt-protocol auto] [--cluster] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitto
 
 PREFIX = "agents"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
 
 
@@ -110,12 +116,36 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     load_start = load1()
     total = 2 * args.runs
-    with mosquitto() as broker, tempfile.TemporaryDirectory(prefix="bench-ingest-") as tmp:
-        store = SqliteStore(Path(tmp) / "runs.db")
+    with contextlib.ExitStack() as stack:
+        broker = stack.enter_context(mosquitto())
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ingest-"))
+        store: Any = None
         commits = [0, 0]
+        cluster: dict[str, Any] = {}
+        if args.cluster:
+            from agent_monitor.daemon import ClusterSettings
+            from agent_monitor.daemon._cluster import ClusterStore
+
+            sys.path.insert(0, REPO)  # the private Redis is the tests' own
+            from tests.redis_server import redis_server
+
+            redis = stack.enter_context(redis_server(Path(tmp) / "redis"))
+            cluster["cluster"] = ClusterSettings(url=redis.url, name="bench", replica_id="r1")
+            journal = ClusterStore.journal_batch
+
+            async def counted_cluster(self: Any, records: Any) -> None:
+                commits[0] += 1
+                commits[1] += len(records)
+                await journal(self, records)
+
+            ClusterStore.journal_batch = counted_cluster  # type: ignore[method-assign]
+        else:
+            store = SqliteStore(Path(tmp) / "runs.db")
         # Counted per commit. Run against an agent-monitor without group commits (a baseline checkout on
         # PYTHONPATH), each `journal` is one commit.
-        if hasattr(SqliteStore, "journal_batch"):
+        if store is None:
+            pass
+        elif hasattr(SqliteStore, "journal_batch"):
             batch = SqliteStore.journal_batch
 
             async def counted(self: SqliteStore, records: Any) -> None:
@@ -139,6 +169,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             client_id="ingest-monitor",
             max_concurrency=8,
             limits=RunLimits(max_runs=args.max_runs),
+            **cluster,
         )
         counter = Counter()
         judge = FakeJudge(["K"], concurrency=8, record=False)
@@ -188,7 +219,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-            await store.aclose()
+            if store is not None:
+                await store.aclose()
     elapsed = counter.last - t0
     return {
         "runs": args.runs,
@@ -206,6 +238,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "max_runs": args.max_runs,
         "mqtt": args.mqtt_protocol,
         "broker": "stock",
+        "store": "cluster (redis)" if args.cluster else "sqlite",
         "gc_threshold": args.gc_threshold,
         "load_start": load_start,
         "load_end": load1(),
@@ -235,6 +268,7 @@ def main() -> int:
         default=None,
         help="the cyclic collector's first-generation threshold, as serve --gc-threshold (default: serve's; 0: Python's)",
     )
+    ap.add_argument("--cluster", action="store_true", help="one replica of a cluster on a private Redis")
     ap.add_argument("--profile", help="write a cProfile of the monitor's process during ingest to this file")
     args = ap.parse_args()
     args.gc_threshold = tune_collector(args.gc_threshold)

@@ -1,4 +1,5 @@
-"""Shared fixtures: a private Mosquitto per test that needs a broker (the system one on 1883 is left alone)."""
+"""Shared fixtures: a private Mosquitto or Redis per test that needs one (the system ones on 1883 and 6379 are left
+alone)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.brokers import Mosquitto, mosquitto
+from tests.redis_server import RedisServer, redis_server
 
 
 @pytest.fixture
@@ -15,3 +17,10 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
     """A private Mosquitto on a free port, with persistence (restart keeps sessions)."""
     with mosquitto(tmp_path / "mosquitto") as b:
         yield b
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private Redis on a free port (in memory; skips the test when redis-server is not installed)."""
+    with redis_server(tmp_path / "redis") as r:
+        yield r

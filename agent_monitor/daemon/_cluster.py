@@ -632,8 +632,7 @@ class Cluster:
         for run_id in [r for r in self.owned if r not in mine]:
             await self._give_back(run_id)
         await self._renew()
-        for run_id in sorted(mine - set(self.owned)):
-            await self._take(run_id)
+        await self._take(sorted(mine - set(self.owned)))
         # A missed note (or one for a run taken since) is caught here: any owned inbox past what was fed.
         owned = list(self.owned)
         if owned:
@@ -671,33 +670,44 @@ class Cluster:
                 if int(tok) == -2:  # moved elsewhere while still ours: free it for its new owner now
                     self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
-    async def _take(self, run_id: str) -> None:
-        """Acquire a run's lease and take the run over from its journal (records, scores, inbox cursor)."""
+    async def _take(self, runs: Sequence[str]) -> None:
+        """Acquire runs' leases and take each over from its journal (records, scores, inbox cursor).
+
+        Many at once (a burst of new runs, a failover): one round trip for the leases, one for the journals.
+        """
         async with self._owning:
-            if run_id in self.owned or self._leaving:
+            runs = [r for r in dict.fromkeys(runs) if r not in self.owned]
+            if not runs or self._leaving:
                 return
             sent = time.monotonic()
-            tok = int(await self._scripts["acquire"](args=[self.prefix, run_id, self.replica_id, self.lease_ms]))
-            if tok < 0:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for run_id in runs:
+                    await self._scripts["acquire"](
+                        args=[self.prefix, run_id, self.replica_id, self.lease_ms], client=pipe
+                    )
+                tokens = await pipe.execute()
+            got = {r: int(t) for r, t in zip(runs, tokens, strict=True) if int(t) > 0}
+            if not got:
                 return
-            o = _Owned(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
-            try:
-                replay, cursor = await self.store.read_run(run_id)
-                self.owned[run_id] = o
-                o.cursor = o.fed = cursor
-                await self.monitor.adopt(run_id, replay.records, replay.progress.get(run_id, ()))
-                o.ready = True
-            except Exception:
-                self.owned.pop(run_id, None)
-                log.exception("cluster_take_failed", run_id=run_id)
-                with contextlib.suppress(Exception):
-                    await self._scripts["release"](args=[self.prefix, run_id, self.replica_id, tok])
-                return
-            if tok > 1:
-                self.metrics.run_takeovers.inc()
-            log.debug("cluster_run_taken", run_id=run_id, token=tok, records=len(replay.records))
+            journals = await self.store.read_runs(list(got))
+            for run_id, tok in got.items():
+                o = _Owned(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
+                try:
+                    replay, cursor = journals[run_id]
+                    self.owned[run_id] = o
+                    o.cursor = o.fed = cursor
+                    await self.monitor.adopt(run_id, replay.records, replay.progress.get(run_id, ()))
+                    o.ready = True
+                except Exception:
+                    self.owned.pop(run_id, None)
+                    log.exception("cluster_take_failed", run_id=run_id)
+                    with contextlib.suppress(Exception):
+                        await self._scripts["release"](args=[self.prefix, run_id, self.replica_id, tok])
+                    continue
+                if tok > 1:
+                    self.metrics.run_takeovers.inc()
+                self._dirty.add(run_id)
             self.metrics.runs_owned.set(len(self.owned))
-            self._dirty.add(run_id)
             self._wake.set()
 
     async def _drop(self, run_id: str) -> None:
@@ -727,6 +737,7 @@ class Cluster:
                 log.warning("cluster_notes_failed", error=f"{type(e).__name__}: {e}")
                 await asyncio.sleep(self.settings.heartbeat_s)
                 continue
+            new: list[str] = []
             for _, entries in got or ():
                 for entry_id, fields in entries:
                     self._notes_from = _text(entry_id)
@@ -738,7 +749,14 @@ class Cluster:
                     if run_id in self.owned:
                         self._dirty.add(run_id)
                     elif to == self.replica_id and not self._leaving:
-                        await self._take(run_id)
+                        new.append(run_id)
+            try:
+                await self._take(new)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the heartbeat takes them at its next beat
+                self.metrics.cluster_errors.labels("take").inc()
+                log.warning("cluster_take_failed", runs=len(new), error=f"{type(e).__name__}: {e}")
             if self._dirty:
                 self._wake.set()
 
@@ -1109,18 +1127,23 @@ class ClusterStore:
             async with asyncio.timeout(5):
                 await self._idle.wait()
 
-    async def read_run(self, run_id: str) -> tuple[Replay, str]:
-        """One run's records, scores and inbox cursor, as a new owner takes it over."""
+    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str]]:
+        """Runs' records, scores and inbox cursors, as a new owner takes them over (one round trip)."""
         c = self.cluster
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.lrange(c.key("rec", run_id), 0, -1)
-            pipe.hgetall(c.key("prog", run_id))
-            pipe.get(c.key("cur", run_id))
-            recs, prog, cur = await pipe.execute()
-        replay = Replay(records=[_record_of(run_id, _text(b)) for b in recs])
-        if prog:
-            replay.progress[run_id] = [json.loads(prog[k]) for k in sorted(prog, key=lambda k: int(k))]
-        return replay, _text(cur) if cur else ""
+            for run_id in runs:
+                pipe.lrange(c.key("rec", run_id), 0, -1)
+                pipe.hgetall(c.key("prog", run_id))
+                pipe.get(c.key("cur", run_id))
+            got = await pipe.execute()
+        out: dict[str, tuple[Replay, str]] = {}
+        for k, run_id in enumerate(runs):
+            recs, prog, cur = got[3 * k : 3 * k + 3]
+            replay = Replay(records=[_record_of(run_id, _text(b)) for b in recs])
+            if prog:
+                replay.progress[run_id] = [json.loads(prog[i]) for i in sorted(prog, key=lambda i: int(i))]
+            out[run_id] = (replay, _text(cur) if cur else "")
+        return out
 
     async def replay(self) -> Replay:
         """Nothing at start-up: runs are taken one by one as the directory places them here."""
@@ -1206,10 +1229,12 @@ async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, An
 
 
 async def _read(settings: ClusterSettings, read: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:
+    from redis.exceptions import RedisError
+
     redis, prefix = cluster_redis(settings)
     try:
         return await read(redis, prefix)
-    except (OSError, ConnectionError, TimeoutError) as e:
+    except (OSError, RedisError) as e:
         raise ClusterUnavailable(
             f"cannot read the cluster {settings.name} in Redis at {settings.url}: {type(e).__name__}: {e}; "
             "check the URL (--cluster) and that Redis runs there"

@@ -1,0 +1,238 @@
+"""Cluster mode in one process: several Monitors (replicas) on one private Mosquitto and one private Redis.
+
+The must-show failover tests with replica processes and SIGKILL are in tests/test_cluster_e2e.py; these check
+the mechanisms one by one, with short leases so that they run in seconds: placement and moves on join and
+leave, fencing of a replica that lost its runs, groups kept on one replica, the shared journal's readers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.cli import main
+from agent_monitor.daemon import ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, cluster_export
+from agent_monitor.daemon._cluster import Fenced
+from agent_monitor.daemon._state import Stepped
+from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import BrokerSettings, StepIn
+from tests.brokers import Mosquitto, free_port
+from tests.redis_server import RedisServer
+from tests.test_daemon_mqtt import Harness, harness
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE, BEAT = 1.0, 0.25
+"""Short leases for these tests (the default is 5 s, heartbeat 1 s): a departed replica's runs move in ~1 s."""
+
+
+def replica(broker: Mosquitto, redis: RedisServer, name: str, *, judge: FakeJudge | None = None, **kw: Any) -> Monitor:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id="cl",
+        cluster=ClusterSettings(url=redis.url, name="t", replica_id=name, lease_s=LEASE, heartbeat_s=BEAT),
+        **kw,
+    )
+    return Monitor(config, judge=judge or FakeJudge(latency_s=0.01), registry=CollectorRegistry())
+
+
+async def owners(redis: RedisServer) -> dict[str, str]:
+    r = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    try:
+        return dict(await r.hgetall("am:t:assign"))
+    finally:
+        await r.aclose()
+
+
+@asynccontextmanager
+async def replicas(broker: Mosquitto, redis: RedisServer, *names: str, **kw: Any) -> AsyncIterator[dict[str, Monitor]]:
+    async with AsyncExitStack() as stack:
+        out = {n: await stack.enter_async_context(replica(broker, redis, n, **kw)) for n in names}
+        yield out
+
+
+async def step_all(h: Harness, runs: list[str], index: int) -> None:
+    for r in runs:
+        await h.publish(r, "step", {"index": index, "text": f"did {index}"})
+
+
+def metric(m: Monitor, name: str, **labels: str) -> float:
+    return m.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_runs_are_spread_over_replicas_and_move_on_join_and_leave(broker: Mosquitto, redis: RedisServer) -> None:
+    runs = [f"run-{i}" for i in range(6)]
+    async with harness(broker.port) as h, replica(broker, redis, "a") as a:
+        for r in runs:
+            await h.publish(r, "start", {"task": "count"})
+        await step_all(h, runs, 1)
+        await h.until(lambda: all(h.last_step(r) == 1 for r in runs))
+        assert set((await owners(redis)).values()) == {"a"}
+        async with replica(broker, redis, "b") as b:
+            # b joins: the heartbeat's rebalance moves ungrouped runs until loads differ by at most one.
+            for _ in range(40):
+                placed = await owners(redis)
+                if sorted(placed.values()).count("b") == 3 and len(b.cluster.owned) == 3:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(BEAT)
+            assert sorted(placed.values()) == ["a"] * 3 + ["b"] * 3
+            assert metric(b, "agent_monitor_runs_owned") == 3
+            assert metric(b, "agent_monitor_cluster_replicas") == 2
+            assert metric(b, "agent_monitor_run_takeovers_total") == 3  # each moved run had an owner before
+            # Each run's gauges come from its owner only: the two replicas' series are disjoint.
+            series = {
+                m: {s.labels["run_id"] for f in m.registry.collect() for s in f.samples if "run_id" in s.labels}
+                for m in (a, b)
+            }
+            assert series[a] | series[b] == set(runs) and not series[a] & series[b]
+            for i in (2, 3):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 3 for r in runs))
+        # b left: it handed its runs back at once (no lease to wait for).
+        for _ in range(40):
+            if len(a.cluster.owned) == 6:  # type: ignore[union-attr]
+                break
+            await asyncio.sleep(BEAT)
+        assert set((await owners(redis)).values()) == {"a"}
+        await step_all(h, runs, 4)
+        await h.until(lambda: all(h.last_step(r) == 4 for r in runs))
+        for r in runs:
+            await h.publish(r, "end", {"outcome": "success"})
+        await h.until(lambda: all(h.retained[(r, "signal")] for r in runs))
+    for r in runs:
+        steps = [p["step"] for p in h.progress(r)]
+        assert steps == sorted(steps), f"{r}'s progress went backwards: {steps}"
+        run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+        assert run is not None and [s["index"] for s in run["steps"]] == [1, 2, 3, 4]
+        assert run["outcome"] == "success" and [p["step"] for p in run["curve"]] == [1, 2, 3, 4]
+    assert await owners(redis) == {}  # finished runs leave the directory
+
+
+async def test_a_replica_that_lost_its_run_can_neither_write_nor_publish(broker: Mosquitto, redis: RedisServer) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:
+        await h.publish("r1", "start", {"task": "count"})
+        await h.publish("r1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("r1") == 1)
+        owner = (await owners(redis))["r1"]
+        zombie, survivor = ms[owner], ms["b" if owner == "a" else "a"]
+        zc, sc = zombie.cluster, survivor.cluster
+        assert zc is not None and sc is not None
+        stale = zc.owned["r1"]
+        # The owner stops renewing (as if paused): its heartbeat task is cancelled, nothing else.
+        beat = next(t for t in zombie._tasks if t.get_name() == "cluster-heartbeat")
+        beat.cancel()
+        for _ in range(40):
+            if "r1" in sc.owned:
+                break
+            await asyncio.sleep(BEAT)
+        assert "r1" in sc.owned and sc.owned["r1"].token > stale.token
+        assert not zombie.cluster.may_publish("r1")  # type: ignore[union-attr]
+        # Its late write is refused by Redis (the token is not the run's any more), and counted.
+        step = StepIn.model_validate({"index": 2, "text": "late"})
+        with pytest.raises(Fenced):
+            await zc.store.journal_batch([Stepped("r1", step, 0.0, None)])
+        assert metric(zombie, "agent_monitor_cluster_fenced_total", what="write") >= 1
+        await h.publish("r1", "step", {"index": 2, "text": "two"})
+        await h.until(lambda: h.last_step("r1") == 2)
+        run = await cluster_export(ClusterSettings(url=redis.url, name="t"), "r1")
+        assert run is not None and [s["text"] for s in run["steps"]] == ["one", "two"]
+
+
+async def test_a_group_is_scored_on_one_replica(broker: Mosquitto, redis: RedisServer) -> None:
+    sibs = [f"g-{i}" for i in range(4)]
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
+        for r in ["solo-1", *sibs, "solo-2"]:
+            await h.publish(r, "start", {"task": "count", **({"group": "G"} if r in sibs else {})})
+        await step_all(h, sibs, 1)
+        await h.until(lambda: all(h.last_step(r) == 1 for r in sibs))
+        placed = await owners(redis)
+        assert len({placed[r] for r in sibs}) == 1, placed
+
+
+async def test_cli_reads_the_shared_journal(
+    broker: Mosquitto, redis: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a"):
+        await h.publish("cli-1", "start", {"task": "Say hello"})
+        for i in (1, 2):
+            await h.publish("cli-1", "step", {"index": i, "text": f"said {i}"})
+        await h.until(lambda: h.last_step("cli-1") == 2)
+        await asyncio.sleep(0.3)  # scores are written in the background
+    url = ["--cluster", redis.url, "--cluster-name", "t"]
+    capsys.readouterr()  # the replica's own log lines
+    assert await asyncio.to_thread(main, ["runs", *url, "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["run_id"] == "cli-1" and row["task"] == "Say hello" and row["last_step"] == 2
+    assert await asyncio.to_thread(main, ["export", "cli-1", *url]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert [s["index"] for s in run["steps"]] == [1, 2] and len(run["curve"]) == 2
+    assert await asyncio.to_thread(main, ["export", "nope", *url]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
+    dead = ["--cluster", f"redis://127.0.0.1:{free_port()}/0"]
+    assert await asyncio.to_thread(main, ["runs", *dead]) == 2
+    assert "check the URL (--cluster)" in capsys.readouterr().err
+
+
+async def test_unindexed_steps_take_the_journals_order(broker: Mosquitto, redis: RedisServer) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
+        await h.publish("u", "start", {"task": "count"})
+        for i in range(1, 4):
+            await h.publish("u", "step", {"text": f"step {i}"})
+            await h.until(lambda i=i: h.last_step("u") == i)  # one at a time: the journal's order is the publish order
+    run = await cluster_export(ClusterSettings(url=redis.url, name="t"), "u")
+    assert run is not None and [(s["index"], s["text"]) for s in run["steps"]] == [
+        (1, "step 1"),
+        (2, "step 2"),
+        (3, "step 3"),
+    ]
+
+
+async def test_bad_input_is_refused_once_by_the_owner(broker: Mosquitto, redis: RedisServer) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:
+        await h.publish("bad", "start", {"task": "count"})
+        await h.publish("bad", "step", raw=b"{not json")
+        await h.publish("bad", "step", {"index": 1, "text": "fine"})
+        await h.until(lambda: h.last_step("bad") == 1 and bool(h.seen[("bad", "error")]))
+        await asyncio.sleep(3 * BEAT)
+        errors = h.seen[("bad", "error")]
+        assert len(errors) == 1 and errors[0]["reason"] == "bad_json"
+        assert sum(metric(m, "agent_monitor_invalid_events_total", reason="bad_json") for m in ms.values()) == 1
+
+
+async def test_no_redis_is_a_clear_start_up_error(broker: Mosquitto) -> None:
+    port = free_port()
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), cluster=ClusterSettings(url=f"redis://127.0.0.1:{port}/0")
+    )
+    with pytest.raises(ClusterUnavailable, match=f"127.0.0.1:{port}.*check that Redis runs there"):
+        async with Monitor(config, judge=FakeJudge()):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"url": "http://x"}, "is not a Redis URL"),
+        ({"name": "a/b"}, "cluster name"),
+        ({"replica_id": "#1"}, "replica id"),
+        ({"lease_s": 1.0, "heartbeat_s": 1.0}, "at least two heartbeats"),
+    ],
+)
+def test_cluster_settings_say_what_is_wrong(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterSettings(**kw)
+
+
+def test_a_store_beside_a_cluster_is_refused() -> None:
+    from agent_monitor.daemon import MemoryStore
+
+    config = MonitorConfig(cluster=ClusterSettings(url="redis://127.0.0.1:1/0"))
+    with pytest.raises(ValueError, match="pass no store"):
+        Monitor(config, judge=FakeJudge(), store=MemoryStore())
