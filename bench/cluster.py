@@ -250,6 +250,7 @@ class Outcome:
     failed: int
     duplicates: int
     cpu: dict[str, float] = field(default_factory=dict)  # process -> share of one core over the window
+    names: list[str] = field(default_factory=list)  # the replicas' names (keys of cpu)
     owned: list[int] = field(default_factory=list)
     takeovers: int = 0
     fenced: int = 0
@@ -274,6 +275,7 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
                 kind, _t_started = parent.recv()
                 assert kind == "started"
                 time.sleep(args.warmup_s)
+                assert pub.pid is not None
                 procs = {r.name: r.process.pid for r in replicas}
                 procs |= {"judge": judge.process.pid, "mosquitto": broker.process.pid, "publisher": pub.pid}
                 if redis is not None and redis.proc is not None:
@@ -306,6 +308,7 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
                     failed=sum(1 for m in window if not m[4]),
                     duplicates=duplicates,
                     cpu=cpu,
+                    names=[r.name for r in replicas],
                     owned=[
                         int(s.get("agent_monitor_runs_owned", s.get("agent_monitor_runs_active", 0))) for s in stats
                     ],
@@ -340,10 +343,11 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
             f"{r.published_per_s:>7.1f} {r.judge_calls_per_s:>8.1f} {r.duplicates:>4} {owned:<16}"
         )
     print("\nCPU over the window (share of one core; the machine has", os.cpu_count(), "cores):")
-    names = sorted({k for r in results for k in r.cpu}, key=lambda k: (not k.startswith("r"), k))
-    print(f"{'config':<10} " + " ".join(f"{k:>9}" for k in names) + f" {'total':>7} {'ms/scoring/replica':>18}")
+    reps_all = sorted({k for r in results for k in r.names})
+    names = reps_all + sorted({k for r in results for k in r.cpu} - set(reps_all))
+    print(f"{'config':<10} " + " ".join(f"{k:>9}" for k in names) + f" {'total':>7} {'replica ms/scored':>18}")
     for r in results:
-        reps = [v for k, v in r.cpu.items() if k.startswith("r")]
+        reps = [r.cpu[k] for k in r.names]
         per_scoring = 1000 * sum(reps) / max(1e-9, r.progress_per_s)
         cells = " ".join(f"{r.cpu[k]:>9.2f}" if k in r.cpu else f"{'':>9}" for k in names)
         print(f"{r.label:<10} {cells} {sum(r.cpu.values()):>7.2f} {per_scoring:>18.2f}")
@@ -361,7 +365,7 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
     for r in results:
         key = f"replicas{r.replicas}" if r.label.startswith("cluster") else "plain"
         pairs[f"{key}_steps"] = r.steps_per_s
-        reps = [v for k, v in r.cpu.items() if k.startswith("r")]
+        reps = [r.cpu[k] for k in r.names]
         pairs[f"{key}_cpu"] = sum(reps) / max(1, len(reps))
     pairs["duplicates"] = sum(r.duplicates for r in results)
     pairs["failed"] = sum(r.failed for r in results)
