@@ -226,6 +226,19 @@ def stop_all(replicas: list[Replica]) -> None:
             r.process.wait()
 
 
+def redis_memory(server: RedisServer | None) -> int:
+    """Redis' used memory in bytes (0 without a cluster)."""
+    if server is None:
+        return 0
+    import redis
+
+    client = redis.Redis(port=server.port)
+    try:
+        return int(client.info("memory")["used_memory"])
+    finally:
+        client.close()
+
+
 @contextlib.contextmanager
 def private_redis(workdir: Path) -> Iterator[RedisServer]:
     server = RedisServer(workdir / "redis")
@@ -255,6 +268,7 @@ class Outcome:
     takeovers: int = 0
     fenced: int = 0
     timeline: list[int] = field(default_factory=list)  # progress messages per 5 s of the window
+    redis_bytes_per_step: float = 0.0  # Redis' used memory at the end over the steps published (cluster only)
 
 
 def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: argparse.Namespace) -> Outcome:
@@ -269,6 +283,7 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
             progress: Progress | None = None
             try:
                 wait_serving(replicas, clustered)
+                memory0 = redis_memory(redis)
                 progress = Progress(broker.port)
                 pub.start()
                 parent.send("go")
@@ -287,6 +302,9 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
                 cpu = {k: (cpu_seconds(pid) - cpu0[k]) / (t1 - t0) for k, pid in procs.items()}
                 parent.send("stop")
                 _, sent, pub_s = parent.recv()
+                # Once the last steps are in (a few heartbeats): the journals' size, per step published.
+                time.sleep(2)
+                memory = redis_memory(redis) - memory0
                 window = progress.between(t0, t1)
                 seen_pairs: set[tuple[str, int]] = set()
                 duplicates = 0
@@ -297,6 +315,7 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
                 for m in window:
                     slices[min(len(slices) - 1, int((m[0] - t0) // 5))] += 1
                 stats = [r.metrics() for r in replicas]
+                owned_metric = "agent_monitor_runs_owned" if clustered else "agent_monitor_runs_active"
                 span = t1 - t0
                 return Outcome(
                     label=label,
@@ -309,12 +328,12 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
                     duplicates=duplicates,
                     cpu=cpu,
                     names=[r.name for r in replicas],
-                    owned=[
-                        int(s.get("agent_monitor_runs_owned", s.get("agent_monitor_runs_active", 0))) for s in stats
-                    ],
+                    # Outside cluster mode runs_owned stays 0: the one daemon's live runs are its runs.
+                    owned=[int(s.get(owned_metric, 0)) for s in stats],
                     takeovers=int(sum(s.get("agent_monitor_run_takeovers_total", 0) for s in stats)),
                     fenced=int(sum(s.get("agent_monitor_cluster_fenced_total", 0) for s in stats)),
                     timeline=slices,
+                    redis_bytes_per_step=memory / max(1, sent),
                 )
             finally:
                 if progress is not None:
@@ -333,14 +352,16 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
         f"\ncluster: {args.runs} runs, steps at {args.rate:g}/s, judge {args.latency_s * 1000:.0f} ms per call, "
         f"--max-concurrency {args.max_concurrency} per replica, window {args.window_s:g} s after {args.warmup_s:g} s"
     )
-    head = f"{'config':<10} {'scored/s':>9} {'x':>6} {'steps/s':>8} {'sent/s':>7} {'judge/s':>8} {'dup':>4} {'runs owned':<16}"
+    head = f"{'config':<10} {'scored/s':>9} {'x':>6} {'steps/s':>8} {'sent/s':>7} {'judge/s':>8} {'dup':>4} "
+    head += f"{'redis B/step':>12} {'runs owned':<16}"
     print(head)
     base = next((r.progress_per_s for r in results if r.label == "cluster-1"), results[0].progress_per_s)
     for r in results:
         owned = "/".join(str(o) for o in r.owned)
         print(
             f"{r.label:<10} {r.progress_per_s:>9.1f} {r.progress_per_s / base:>6.2f} {r.steps_per_s:>8.1f} "
-            f"{r.published_per_s:>7.1f} {r.judge_calls_per_s:>8.1f} {r.duplicates:>4} {owned:<16}"
+            f"{r.published_per_s:>7.1f} {r.judge_calls_per_s:>8.1f} {r.duplicates:>4} "
+            f"{r.redis_bytes_per_step:>12.0f} {owned:<16}"
         )
     print("\nCPU over the window (share of one core; the machine has", os.cpu_count(), "cores):")
     reps_all = sorted({k for r in results for k in r.names})
@@ -367,6 +388,8 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
         pairs[f"{key}_steps"] = r.steps_per_s
         reps = [r.cpu[k] for k in r.names]
         pairs[f"{key}_cpu"] = sum(reps) / max(1, len(reps))
+        if r.label.startswith("cluster"):
+            pairs[f"{key}_redis_bytes_per_step"] = round(r.redis_bytes_per_step)
     pairs["duplicates"] = sum(r.duplicates for r in results)
     pairs["failed"] = sum(r.failed for r in results)
     pairs["takeovers"] = sum(r.takeovers for r in results)
