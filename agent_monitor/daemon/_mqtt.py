@@ -83,6 +83,9 @@ class MqttLink:
         """Cluster mode: the shared subscription group ($share/{share}/...) the replicas receive through."""
         self.client: aiomqtt.Client | None = None
         """The connection being served (None between connections)."""
+        self.allowed = asyncio.Event()
+        """Cleared: do not connect again once the connection ends (cluster mode, cut off from Redis)."""
+        self.allowed.set()
         self.connected = asyncio.Event()
         self.connections = 0
         self.negotiated: Literal["5", "3.1.1"] | None = None
@@ -282,6 +285,7 @@ class MqttLink:
         backoff = 0.5
         while True:
             if client is None:
+                await self.allowed.wait()
                 try:
                     client = await self.connect()
                 except BrokerUnavailable as e:
