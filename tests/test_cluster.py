@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from agent_monitor.cli import main
 from agent_monitor.daemon import ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, cluster_export
 from agent_monitor.daemon._cluster import Fenced
+from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, StepIn
@@ -134,6 +135,14 @@ async def test_a_replica_that_lost_its_run_can_neither_write_nor_publish(broker:
             await asyncio.sleep(BEAT)
         assert "r1" in sc.owned and sc.owned["r1"].token > stale.token
         assert not zombie.cluster.may_publish("r1")  # type: ignore[union-attr]
+        # What it had queued to publish about the run is dropped as it leaves the outbox, and counted.
+        before = metric(zombie, "agent_monitor_cluster_fenced_total", what="publish")
+        zombie.outbox.put(Message("agents/r1/progress", b'{"step": 1}', run_id="r1"))
+        for _ in range(40):
+            if metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") > before:
+                break
+            await asyncio.sleep(0.05)
+        assert metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") == before + 1
         # Its late write is refused by Redis (the token is not the run's any more), and counted.
         step = StepIn.model_validate({"index": 2, "text": "late"})
         with pytest.raises(Fenced):
