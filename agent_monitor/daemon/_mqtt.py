@@ -143,7 +143,9 @@ class MqttLink:
     async def connect(self) -> aiomqtt.Client:
         """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
         versions: list[Literal["5", "3.1.1"]]
-        if self.negotiated is not None:
+        if self.share is not None:
+            versions = ["5"]  # cluster mode: shared subscriptions and session takeover need MQTT 5
+        elif self.negotiated is not None:
             versions = [self.negotiated]
         elif self.protocol == "auto":
             versions = ["5", "3.1.1"]
