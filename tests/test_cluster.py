@@ -20,11 +20,12 @@ from prometheus_client import CollectorRegistry
 from agent_monitor.cli import main
 from agent_monitor.daemon import ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, cluster_export
 from agent_monitor.daemon._cluster import Fenced
+from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, StepIn
 from tests.brokers import Mosquitto, free_port
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, redis_server
 from tests.test_daemon_mqtt import Harness, harness
 
 pytestmark = pytest.mark.timeout(120)
@@ -134,6 +135,14 @@ async def test_a_replica_that_lost_its_run_can_neither_write_nor_publish(broker:
             await asyncio.sleep(BEAT)
         assert "r1" in sc.owned and sc.owned["r1"].token > stale.token
         assert not zombie.cluster.may_publish("r1")  # type: ignore[union-attr]
+        # What it had queued to publish about the run is dropped as it leaves the outbox, and counted.
+        before = metric(zombie, "agent_monitor_cluster_fenced_total", what="publish")
+        zombie.outbox.put(Message("agents/r1/progress", b'{"step": 1}', run_id="r1"))
+        for _ in range(40):
+            if metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") > before:
+                break
+            await asyncio.sleep(0.05)
+        assert metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") == before + 1
         # Its late write is refused by Redis (the token is not the run's any more), and counted.
         step = StepIn.model_validate({"index": 2, "text": "late"})
         with pytest.raises(Fenced):
@@ -259,3 +268,46 @@ def test_a_store_beside_a_cluster_is_refused() -> None:
     config = MonitorConfig(cluster=ClusterSettings(url="redis://127.0.0.1:1/0"))
     with pytest.raises(ValueError, match="pass no store"):
         Monitor(config, judge=FakeJudge(), store=MemoryStore())
+
+
+async def test_a_redis_restart_loses_nothing(broker: Mosquitto, tmp_path: Any) -> None:
+    """Redis with its append-only file (what docs/cluster.md asks for) restarts mid-run: the runs go on, whole."""
+    runs = ["rr-1", "rr-2", "rr-3", "rr-4"]
+    with redis_server(tmp_path / "aof", appendonly=True) as redis:
+        async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
+            for r in runs:
+                await h.publish(r, "start", {"task": "count"})
+            for i in (1, 2, 3):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 3 for r in runs))
+            redis.stop()
+            # Published while Redis is down: not journaled, so not acknowledged; the broker keeps them.
+            for i in (4, 5):
+                await step_all(h, runs, i)
+            await asyncio.sleep(1.0)
+            redis.start()
+            for i in (6, 7):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 7 for r in runs), wait_s=40)
+        for r in runs:
+            run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+            assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 8)), run
+            steps = [p["step"] for p in h.progress(r)]
+            assert steps == sorted(steps)
+
+
+async def test_what_one_replica_learns_every_replica_uses(broker: Mosquitto, redis: RedisServer) -> None:
+    """A calibration sample (a run that ended with an outcome) reaches every replica's "auto" thresholds at once."""
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:
+        await h.publish("cal-1", "start", {"task": "count", "family": "fam"})
+        await h.publish("cal-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("cal-1") == 1)
+        await h.publish("cal-1", "end", {"outcome": "success"})
+        for _ in range(40):
+            if all(sum(f.successes for f in m.calibration.families()) == 1 for m in ms.values()):
+                break
+            await asyncio.sleep(BEAT)
+        assert [sum(f.successes for f in m.calibration.families()) for m in ms.values()] == [1, 1]
+    # And a replica that starts later loads it from the cluster.
+    async with replica(broker, redis, "c") as c:
+        assert sum(f.successes for f in c.calibration.families()) == 1

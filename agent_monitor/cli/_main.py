@@ -511,6 +511,11 @@ async def _serve(args: argparse.Namespace) -> int:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
         return _fail(f"--criteria {config.criteria}: {e}")
+    if broker_options.embedded_broker and config.cluster.url is not None:
+        return _fail(
+            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "
+            "replicas against one Mosquitto 2 (or EMQX, HiveMQ) with --broker"
+        )
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")

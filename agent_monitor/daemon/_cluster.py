@@ -80,6 +80,10 @@ _FEED_PAGE = 256
 """Inbox entries read per run at once."""
 _PUBLISH_MARGIN_S = 0.5
 """A replica stops publishing about a run this long before its lease would expire (clocks and delays)."""
+_CHECK_EVERY = 5
+"""Heartbeats between checks of the owned runs' inboxes for events no note announced."""
+_SESSION_TRIES = 10
+"""Attempts at taking a departed replica's session over (one every two heartbeats) before leaving it."""
 _QUIET_S = 1.0
 """Taking a session over: it is emptied once the broker has sent nothing for this long."""
 
@@ -413,6 +417,7 @@ class Cluster:
         self._joined = False
         self._leaving = False
         self._scripts: dict[str, Any] = {}
+        self._beats = 0
 
     # -- identity --
 
@@ -612,14 +617,26 @@ class Cluster:
         return runs, text
 
     async def _heartbeats(self) -> None:
+        link = self.monitor.link
+        last_ok = time.monotonic()
         while True:
             try:
                 await self._tick()
+                last_ok = time.monotonic()
+                if link is not None and not link.allowed.is_set():
+                    log.info("cluster_reachable_again", replica=self.replica_id)
+                    link.allowed.set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.metrics.cluster_errors.labels("heartbeat").inc()
                 log.warning("cluster_heartbeat_failed", error=f"{type(e).__name__}: {e}")
+                if link is not None and link.allowed.is_set() and time.monotonic() - last_ok > self.settings.lease_s:
+                    # Cut off from Redis past the lease: the others count this replica dead and take its session
+                    # over. It must not connect again meanwhile (a second client with the same id would push the
+                    # taker off): its link waits, once its connection ends, until Redis answers again.
+                    log.warning("cluster_unreachable", replica=self.replica_id, note="receiving paused")
+                    link.allowed.clear()
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _tick(self) -> None:
@@ -636,16 +653,23 @@ class Cluster:
             await self._give_back(run_id)
         await self._renew()
         await self._take(sorted(mine - set(self.owned)))
-        # A missed note (or one for a run taken since) is caught here: any owned inbox past what was fed.
-        owned = list(self.owned)
+        self._beats += 1
+        # Runs that are over here but still placed here (steps that never got a start, dropped after --hold).
+        m = self.monitor
+        for run_id, o in list(self.owned.items()):
+            if o.ready and run_id not in m.book.live and run_id not in m.book.orphans:
+                await self._retire_if_over(run_id)
+        # A missed note (or one for a run taken since) is caught here, every few beats: an owned inbox past what was
+        # fed.
+        owned = list(self.owned) if self._beats % _CHECK_EVERY == 0 else []
         if owned:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for run_id in owned:
                     pipe.xrevrange(self.key("in", run_id), count=1)
                 lasts = await pipe.execute()
             for run_id, last in zip(owned, lasts, strict=True):
-                o = self.owned.get(run_id)
-                if o is not None and last and _id(_text(last[0][0])) > _id(o.fed or "0-0"):
+                held = self.owned.get(run_id)
+                if held is not None and last and _id(_text(last[0][0])) > _id(held.fed or "0-0"):
                     self._dirty.add(run_id)
             if self._dirty:
                 self._wake.set()
@@ -870,7 +894,28 @@ class Cluster:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("cluster_session_not_taken", replica=info.get("replica"), error=f"{type(e).__name__}: {e}")
+                tries = int(info.get("tries", 0)) + 1
+                gone = str(info.get("replica", ""))
+                back = await self._alive(gone)
+                log.warning(
+                    "cluster_session_not_taken",
+                    replica=gone,
+                    error=f"{type(e).__name__}: {e}",
+                    retry=not back and tries < _SESSION_TRIES,
+                    note="the replica is back: its session is its own" if back else None,
+                )
+                if not back and tries < _SESSION_TRIES:
+                    # Its queued messages stay in the session (kept: nothing asked the broker to delete it); again.
+                    await asyncio.sleep(self.settings.heartbeat_s * 2)
+                    self._sessions.put_nowait({**info, "tries": tries})
+
+    async def _alive(self, replica: str) -> bool:
+        """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""
+        with contextlib.suppress(Exception):
+            score = await self.redis.zscore(self.key("replicas"), replica)
+            secs, micros = await self.redis.time()
+            return score is not None and float(score) >= secs * 1000 + micros // 1000
+        return False
 
     async def _take_session(self, info: Mapping[str, Any]) -> None:
         """Empty a departed replica's MQTT session into the inboxes, then let the broker delete it."""
@@ -884,8 +929,9 @@ class Cluster:
 
         b = link.broker
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        # Resume the session (clean start off) with expiry 0: the broker deletes it when this connection ends.
-        props.SessionExpiryInterval = 0
+        # Resume the session (clean start off), keeping its expiry: if this fails halfway, what is still queued
+        # there stays for the next attempt. Only once it is empty does the DISCONNECT ask the broker to delete it.
+        props.SessionExpiryInterval = link.session_expiry_s
         client = aiomqtt.Client(
             b.host,
             b.port,
@@ -927,6 +973,11 @@ class Cluster:
                 taken += sum(e is None for e in errors)
                 if any(e is not None for e in errors):
                     raise ConnectionError("messages could not be journaled; the session is left for another attempt")
+            gone = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+            gone.SessionExpiryInterval = 0  # emptied and unsubscribed: the broker may delete it now
+            client._client.disconnect(properties=gone)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(client._disconnected), 10)
         self.metrics.sessions_adopted.inc()
         log.info("cluster_session_taken", replica=info.get("replica"), client_id=client_id, messages=taken)
 
