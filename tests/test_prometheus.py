@@ -545,55 +545,61 @@ async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitt
         r1, t1 = stack.enter_context(replica("r1", *common, workdir=tmp_path))
         r2, t2 = stack.enter_context(replica("r2", *common, workdir=tmp_path))
         prom = stack.enter_context(prometheus(tmp_path, [t1, t2]))
+        try:
 
-        async def value_of(expr: str) -> dict[str, float]:
-            return {r["metric"].get("instance", ""): float(r["value"][1]) for r in await prom.query(expr)}
+            async def value_of(expr: str) -> dict[str, float]:
+                return {r["metric"].get("instance", ""): float(r["value"][1]) for r in await prom.query(expr)}
 
-        async def holds(expr: str, want: dict[str, float]) -> bool:
-            return await value_of(expr) == want
+            async def holds(expr: str, want: dict[str, float]) -> bool:
+                return await value_of(expr) == want
 
-        await until("both replicas to see two", lambda: holds("agent_monitor_cluster_replicas", {t1: 2, t2: 2}))
-        runs = [f"c{i}" for i in range(CLUSTER_RUNS)]
-        await asyncio.to_thread(
-            publish,
-            broker.port,
-            [(f"agents/{r}/start", {"task": "Make the failing test pass"}) for r in runs]
-            + [(f"agents/{r}/step", {"index": 1, "text": "pytest: 3 failed"}) for r in runs],
-        )
-        # Exact balance: 3 and 3.
-        half = CLUSTER_RUNS / 2
-        await until("the runs placed 3 and 3", lambda: holds("agent_monitor_runs_owned", {t1: half, t2: half}))
+            await until("both replicas to see two", lambda: holds("agent_monitor_cluster_replicas", {t1: 2, t2: 2}))
+            runs = [f"c{i}" for i in range(CLUSTER_RUNS)]
+            await asyncio.to_thread(
+                publish,
+                broker.port,
+                [(f"agents/{r}/start", {"task": "Make the failing test pass"}) for r in runs]
+                + [(f"agents/{r}/step", {"index": 1, "text": "pytest: 3 failed"}) for r in runs],
+            )
+            # Exact balance: 3 and 3.
+            half = CLUSTER_RUNS / 2
+            await until("the runs placed 3 and 3", lambda: holds("agent_monitor_runs_owned", {t1: half, t2: half}))
 
-        r2.kill()  # no goodbye: its runs and its broker session wait for the survivor
-        r2.wait()
-        await asyncio.to_thread(
-            publish, broker.port, [(f"agents/{r}/step", {"index": 2, "text": "pytest: 1 failed"}) for r in runs]
-        )
-        await until(
-            "the survivor to own every run",
-            lambda: holds("agent_monitor_runs_owned", {t1: CLUSTER_RUNS}),
-            wait_s=60,
-        )
-        await until("the survivor to see one replica", lambda: holds("agent_monitor_cluster_replicas", {t1: 1}))
-        await until(
-            "the dead replica's session to be adopted",
-            lambda: holds("agent_monitor_cluster_sessions_adopted_total", {t1: 1}),
-            wait_s=60,
-        )
-        took = (await value_of("agent_monitor_run_takeovers_total"))[t1]
-        assert took == half, "the survivor took exactly the dead replica's runs"
+            r2.kill()  # no goodbye: its runs and its broker session wait for the survivor
+            r2.wait()
+            await asyncio.to_thread(
+                publish, broker.port, [(f"agents/{r}/step", {"index": 2, "text": "pytest: 1 failed"}) for r in runs]
+            )
+            await until(
+                "the survivor to own every run",
+                lambda: holds("agent_monitor_runs_owned", {t1: CLUSTER_RUNS}),
+                wait_s=60,
+            )
+            await until("the survivor to see one replica", lambda: holds("agent_monitor_cluster_replicas", {t1: 1}))
+            await until(
+                "the dead replica's session to be adopted",
+                lambda: holds("agent_monitor_cluster_sessions_adopted_total", {t1: 1}),
+                wait_s=60,
+            )
+            took = (await value_of("agent_monitor_run_takeovers_total"))[t1]
+            assert took == half, "the survivor took exactly the dead replica's runs"
 
-        # Every query of the row answers with data about the survivor (rates and increases over the last minute
-        # still see the dead replica's samples from before it died).
-        for title, expr in queries:
-            result = await prom.query(expr)
-            assert result, f"{title}: no data for {expr}"
-            assert t1 in {r["metric"]["instance"] for r in result}, (title, result)
-            values = [float(r["value"][1]) for r in result]
-            assert all(math.isfinite(v) for v in values), (title, values)
-        by_title = {t: e for t, e in queries}
-        assert await value_of(by_title["Live replicas, as each replica sees them"]) == {t1: 1}
-        assert await value_of(by_title["Runs owned per replica"]) == {t1: CLUSTER_RUNS}
-        assert (await value_of(by_title["Run takeovers per minute"]))[t1] > 0
-        assert (await value_of(by_title["MQTT sessions adopted"]))[t1] > 0
-        assert r1.poll() is None
+            # Every query of the row answers with data about the survivor (rates and increases over the last minute
+            # still see the dead replica's samples from before it died).
+            for title, expr in queries:
+                result = await prom.query(expr)
+                assert result, f"{title}: no data for {expr}"
+                assert t1 in {r["metric"]["instance"] for r in result}, (title, result)
+                values = [float(r["value"][1]) for r in result]
+                assert all(math.isfinite(v) for v in values), (title, values)
+            by_title = {t: e for t, e in queries}
+            assert await value_of(by_title["Live replicas, as each replica sees them"]) == {t1: 1}
+            assert await value_of(by_title["Runs owned per replica"]) == {t1: CLUSTER_RUNS}
+            assert (await value_of(by_title["Run takeovers per minute"]))[t1] > 0
+            assert (await value_of(by_title["MQTT sessions adopted"]))[t1] > 0
+            assert r1.poll() is None
+        except BaseException:
+            # What the replicas said (their logs are in tmp_path) is what explains a failure here.
+            for name in ("r1", "r2"):
+                print(f"--- {name}.log ---", (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:])
+            raise
