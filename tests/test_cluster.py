@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
-from agent_monitor.daemon import ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, cluster_export
+from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig
 from agent_monitor.daemon._cluster import Fenced
 from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
@@ -42,6 +42,11 @@ def replica(broker: Mosquitto, redis: RedisServer, name: str, *, judge: FakeJudg
         **kw,
     )
     return Monitor(config, judge=judge or FakeJudge(latency_s=0.01), registry=CollectorRegistry())
+
+
+async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, Any] | None:
+    async with ClusterJournal(settings) as journal:
+        return await journal.export(run_id)
 
 
 async def owners(redis: RedisServer) -> dict[str, str]:
@@ -288,3 +293,24 @@ async def test_what_one_replica_learns_every_replica_uses(broker: Mosquitto, red
     # And a replica that starts later loads it from the cluster.
     async with replica(broker, redis, "c") as c:
         assert sum(f.successes for f in c.calibration.families()) == 1
+
+
+async def test_calibration_cli_reads_and_resets_the_clusters_samples(
+    broker: Mosquitto, redis: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a"):
+        await h.publish("c-1", "start", {"task": "count", "family": "fam"})
+        await h.publish("c-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("c-1") == 1)
+        await h.publish("c-1", "end", {"outcome": "success"})
+        await h.until(lambda: bool(h.retained[("c-1", "signal")]))
+        await asyncio.sleep(0.3)
+    url = ["--cluster", redis.url, "--cluster-name", "t"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["calibration", *url, "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["family"] == "fam" and row["successes"] == 1
+    assert await asyncio.to_thread(main, ["calibration", *url, "--reset", "fam"]) == 0
+    assert "deleted 1 sample of family 'fam' from cluster t on" in capsys.readouterr().out
+    assert await asyncio.to_thread(main, ["calibration", *url]) == 0
+    assert "no calibration samples in cluster t" in capsys.readouterr().out

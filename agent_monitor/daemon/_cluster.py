@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from ._mqtt import MqttLink
 
 log = structlog.get_logger("agent_monitor.cluster")
+T = TypeVar("T")
 
 _MAX_RUN_ID = 256
 """Longest run id a receiver journals (topic-safe ids are far shorter; a key per run is built from it)."""
@@ -1216,23 +1217,11 @@ class ClusterStore:
 
     async def samples(self) -> list[Sample]:
         """Every calibration sample the cluster kept, oldest first."""
-        return [Sample.from_json(json.loads(b)) for b in await self.redis.lrange(self.cluster.key("samples"), 0, -1)]
+        return await _samples(self.redis, self.cluster.prefix)
 
     async def reset_family(self, name: str) -> int:
         """Delete the samples of every family called `name`; how many."""
-        key = self.cluster.key("samples")
-        kept, gone = [], 0
-        for b in await self.redis.lrange(key, 0, -1):
-            if json.loads(b).get("family", {}).get("name") == name:
-                gone += 1
-            else:
-                kept.append(b)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            if kept:
-                pipe.rpush(key, *kept)
-            await pipe.execute()
-        return gone
+        return await _reset_family(self.redis, self.cluster.prefix, name)
 
     def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
         """Keep a group's ranking (its owner's); None clears it."""
@@ -1253,45 +1242,79 @@ class ClusterStore:
     async def aclose(self) -> None:
         """Nothing to close: the cluster owns the connection."""
 
-    # -- reading (agent-monitor runs / export --cluster) --
-
-    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Live and recent runs of the cluster, newest first (the same rows as SqliteStore.list_runs)."""
-        return await list_runs(self.redis, self.cluster.prefix, limit)
-
-    async def export(self, run_id: str) -> dict[str, Any] | None:
-        """A run as the cluster journaled it (the same form as SqliteStore.export)."""
-        return await export_run(self.redis, self.cluster.prefix, run_id)
-
 
 # -- reading the shared journal (agent-monitor runs / export --cluster, no replica needed) --
 
 
-async def cluster_runs(settings: ClusterSettings, limit: int = 100) -> list[dict[str, Any]]:
-    """A cluster's live and recent runs from its shared journal (`agent-monitor runs --cluster`); no replica needed."""
-    rows: list[dict[str, Any]] = await _read(settings, lambda r, p: list_runs(r, p, limit))
-    return rows
+class ClusterJournal:
+    """A cluster's shared journal, read without joining it: what `runs`, `export` and `calibration --cluster` show.
+
+    ```python
+    async with ClusterJournal(ClusterSettings(url="redis://127.0.0.1:6379/0")) as journal:
+        rows = await journal.list_runs()
+    ```
+    The same rows and forms as `SqliteStore`'s readers. Entering raises ClusterUnavailable with a one-line reason.
+    """
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.redis, self.prefix = cluster_redis(settings)
+        self.where = f"cluster {settings.name} on {settings.url}"
+        """Where the journal is, for messages."""
+
+    async def __aenter__(self) -> ClusterJournal:
+        await self._call(self.redis.ping())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.redis.aclose()
+
+    async def _call(self, aw: Awaitable[T]) -> T:
+        from redis.exceptions import RedisError
+
+        try:
+            return await aw
+        except (OSError, RedisError) as e:
+            raise ClusterUnavailable(
+                f"cannot read the {self.where}: {type(e).__name__}: {e}; check the URL (--cluster) and that Redis "
+                "runs there"
+            ) from None
+
+    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Live and recent runs, most recently updated first (the rows SqliteStore.list_runs gives)."""
+        return await self._call(list_runs(self.redis, self.prefix, limit))
+
+    async def export(self, run_id: str) -> dict[str, Any] | None:
+        """A run as the cluster journaled it (the form SqliteStore.export gives), or None."""
+        return await self._call(export_run(self.redis, self.prefix, run_id))
+
+    async def samples(self) -> list[Sample]:
+        """Every calibration sample the cluster kept, oldest first."""
+        return await self._call(_samples(self.redis, self.prefix))
+
+    async def reset_family(self, name: str) -> int:
+        """Delete the calibration samples of every family called `name` (any model or rubric); how many."""
+        return await self._call(_reset_family(self.redis, self.prefix, name))
 
 
-async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, Any] | None:
-    """One run from a cluster's shared journal (`agent-monitor export --cluster`), or None."""
-    run: dict[str, Any] | None = await _read(settings, lambda r, p: export_run(r, p, run_id))
-    return run
+async def _samples(redis: aioredis.Redis, prefix: str) -> list[Sample]:
+    return [Sample.from_json(json.loads(b)) for b in await redis.lrange(prefix + "samples", 0, -1)]
 
 
-async def _read(settings: ClusterSettings, read: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:
-    from redis.exceptions import RedisError
-
-    redis, prefix = cluster_redis(settings)
-    try:
-        return await read(redis, prefix)
-    except (OSError, RedisError) as e:
-        raise ClusterUnavailable(
-            f"cannot read the cluster {settings.name} in Redis at {settings.url}: {type(e).__name__}: {e}; "
-            "check the URL (--cluster) and that Redis runs there"
-        ) from None
-    finally:
-        await redis.aclose()
+async def _reset_family(redis: aioredis.Redis, prefix: str, name: str) -> int:
+    key = prefix + "samples"
+    kept, gone = [], 0
+    for b in await redis.lrange(key, 0, -1):
+        if json.loads(b).get("family") == name:
+            gone += 1
+        else:
+            kept.append(b)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        if kept:
+            pipe.rpush(key, *kept)
+        await pipe.execute()
+    return gone
 
 
 def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
