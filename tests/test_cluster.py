@@ -314,3 +314,20 @@ async def test_calibration_cli_reads_and_resets_the_clusters_samples(
     assert "deleted 1 sample of family 'fam' from cluster t on" in capsys.readouterr().out
     assert await asyncio.to_thread(main, ["calibration", *url]) == 0
     assert "no calibration samples in cluster t" in capsys.readouterr().out
+
+
+async def test_the_outbox_counts_what_waits_per_run() -> None:
+    """A replica handing a run over waits until the run's queued messages left: the outbox counts them per run."""
+    from agent_monitor.daemon._outbox import Outbox
+
+    box = Outbox(3)
+    box.put(Message("agents/a/progress", b"1", run_id="a"))
+    box.put(Message("agents/a/signal", b"2", run_id="a", droppable=False))
+    box.put(Message("agents/b/progress", b"3", run_id="b"))
+    assert (box.pending("a"), box.pending("b")) == (2, 1)
+    box.put(Message("agents/b/progress", b"4", run_id="b"))  # full: the oldest droppable one (a's progress) goes
+    assert (box.pending("a"), box.pending("b")) == (1, 2)
+    box.gate = lambda run: run != "b"  # b is not this replica's any more: its messages are dropped as they leave
+    box.put(Message("agents/a/progress", b"5", run_id="a"))
+    assert [(await box.get()).payload, (await box.get()).payload] == [b"2", b"5"]  # b's two were skipped
+    assert (box.pending("a"), box.pending("b"), len(box)) == (0, 0, 0)

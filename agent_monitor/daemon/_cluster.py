@@ -402,8 +402,9 @@ class Cluster:
         self.retention_ms = max(1, int(retention_s * 1000))
         self.store = ClusterStore(self)
         self.owned: dict[str, _Owned] = {}
-        self._finished: dict[str, float] = {}
-        """Runs that finished here, with the deadline until which their closing messages may still be published."""
+        self._closing: dict[str, float] = {}
+        """Runs no longer owned here (finished, or being handed over) whose queued messages may still be published,
+        with the lease deadline until which they may."""
         self.live: tuple[str, ...] = ()
         """The live replicas at the last heartbeat (this one included)."""
         self._client_id = ""
@@ -566,8 +567,8 @@ class Cluster:
         o = self.owned.get(run_id)
         if o is not None:
             return time.monotonic() < o.deadline
-        # A run that just finished here: its closing messages (the retained signal cleared) still go out.
-        return time.monotonic() < self._finished.get(run_id, 0.0)
+        # A run that just finished or is being handed over: what it queued (a retained signal) still goes out.
+        return time.monotonic() < self._closing.get(run_id, 0.0)
 
     def token(self, run_id: str) -> int:
         """The run's fencing token this replica holds; Fenced when it holds none."""
@@ -643,12 +644,11 @@ class Cluster:
             return
         await self._heartbeat()
         now = time.monotonic()
-        for run_id in [r for r, until in self._finished.items() if until <= now]:
-            del self._finished[run_id]
+        for run_id in [r for r, until in self._closing.items() if until <= now]:
+            del self._closing[run_id]
         await self._scripts["rebalance"](args=[self.prefix, 8, _NOTES_MAXLEN])
         mine = {_text(r) for r in await self.redis.smembers(self.key("owned", self.replica_id))}
-        for run_id in [r for r in self.owned if r not in mine]:
-            await self._give_back(run_id)
+        await self._give_back([r for r in self.owned if r not in mine])
         await self._renew()
         await self._take(sorted(mine - set(self.owned)))
         self._beats += 1
@@ -741,14 +741,25 @@ class Cluster:
             await self.monitor.release(run_id)
             self.metrics.runs_owned.set(len(self.owned))
 
-    async def _give_back(self, run_id: str) -> None:
-        """A run placed elsewhere now: stop publishing, forget it, free its lease for its new owner."""
-        o = self.owned.get(run_id)
-        if o is None:
+    async def _give_back(self, runs: Sequence[str]) -> None:
+        """Runs placed elsewhere now: forget them, let what they queued be published, then free their leases."""
+        handed = {r: o for r in runs if (o := self.owned.get(r)) is not None}
+        if not handed:
             return
-        await self._drop(run_id)
-        # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
-        self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
+        for run_id, o in handed.items():
+            self._closing[run_id] = o.deadline
+            await self._drop(run_id)
+        # A signal queued just before the move must still reach the harness (the new owner does not publish it
+        # again), and before the new owner can publish anything newer: the leases are freed once the messages
+        # are out (or after a bounded wait).
+        outbox = self.monitor.outbox
+        until = time.monotonic() + min(1.0, self.settings.lease_s / 4)
+        while any(outbox.pending(r) for r in handed) and time.monotonic() < until:  # noqa: ASYNC110 (bounded poll)
+            await asyncio.sleep(0.02)
+        for run_id, o in handed.items():
+            self._closing.pop(run_id, None)
+            # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
+            self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
     async def _notes(self) -> None:
         """Follow the note stream: runs placed here are taken at once, owned runs with new events are fed."""
@@ -878,7 +889,7 @@ class Cluster:
         """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
         o = self.owned.pop(run_id, None)
         if o is not None:
-            self._finished[run_id] = o.deadline
+            self._closing[run_id] = o.deadline
             self.metrics.runs_owned.set(len(self.owned))
             self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
