@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
-from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig
+from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, RunLimits
 from agent_monitor.daemon._cluster import Fenced
 from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
@@ -331,3 +331,22 @@ async def test_the_outbox_counts_what_waits_per_run() -> None:
     box.put(Message("agents/a/progress", b"5", run_id="a"))
     assert [(await box.get()).payload, (await box.get()).payload] == [b"2", b"5"]  # b's two were skipped
     assert (box.pending("a"), box.pending("b"), len(box)) == (0, 0, 0)
+
+
+async def test_made_up_runs_leave_nothing_behind(broker: Mosquitto, redis: RedisServer) -> None:
+    """Steps for runs that never start (a typo, a flood) are dropped after --hold, and their keys go with them."""
+    async with harness(broker.port) as h, replicas(broker, redis, "a", limits=RunLimits(hold_s=0.5)) as ms:
+        for i in range(5):
+            await h.publish(f"ghost-{i}", "step", {"index": 1, "text": "no start"})
+        await h.until(lambda: all(h.seen[(f"ghost-{i}", "error")] for i in range(5)))
+        for _ in range(40):
+            if not await owners(redis):
+                break
+            await asyncio.sleep(BEAT)
+        assert await owners(redis) == {}
+        assert ms["a"].status()["owned"] == 0
+    r = aioredis.Redis.from_url(redis.url)
+    try:
+        assert not [k for k in await r.keys("am:t:in:*")]
+    finally:
+        await r.aclose()

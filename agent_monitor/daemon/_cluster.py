@@ -320,7 +320,7 @@ return 1
 
 _RETIRE = """
 -- Take a run that is over out of the directory, unless its inbox got an event past the cursor meanwhile.
--- ARGV: prefix, run, me, token
+-- ARGV: prefix, run, me, token, retention ms
 local P, run, me = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('GET', P .. 'fence:' .. run) ~= ARGV[4] then return 0 end
 local last = redis.call('XREVRANGE', P .. 'in:' .. run, '+', '-', 'COUNT', 1)
@@ -332,6 +332,12 @@ if redis.call('HGET', P .. 'assign', run) == me then
 end
 local key = P .. 'lease:' .. run
 if redis.call('GET', key) == me .. ' ' .. ARGV[4] then redis.call('DEL', key) end
+if redis.call('HEXISTS', P .. 'meta:' .. run, 'started_at') == 0 then
+  -- never started (steps dropped after --hold, refused events, a flood of made-up run ids): nothing to keep. The
+  -- fencing counter stays (expiring): a later owner's tokens must stay above any a paused replica may hold.
+  redis.call('DEL', P .. 'in:' .. run, P .. 'cur:' .. run, P .. 'rec:' .. run, P .. 'prog:' .. run)
+  redis.call('PEXPIRE', P .. 'fence:' .. run, ARGV[5])
+end
 return 1
 """
 
@@ -424,6 +430,10 @@ class Cluster:
         """This replica's MQTT client id: unique per replica (the broker keeps one session per client id)."""
         self._client_id = f"{base}-{self.replica_id}"
         return self._client_id
+
+    def status(self) -> dict[str, Any]:
+        """The replica's part of `Monitor.status()`."""
+        return {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned)}
 
     def key(self, what: str, run_id: str = "") -> str:
         """A cluster key: `am:{name}:{what}` or, per run, `am:{name}:{what}:{run}`."""
@@ -881,7 +891,7 @@ class Cluster:
         o = self.owned.get(run_id)
         if o is None:
             return
-        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token])):
+        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token, self.retention_ms])):
             self.owned.pop(run_id, None)
             self.metrics.runs_owned.set(len(self.owned))
 
