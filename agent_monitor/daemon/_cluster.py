@@ -458,8 +458,7 @@ class Cluster:
             self._scripts[name] = self.redis.register_script(src)
         try:
             await self.redis.ping()
-            live = await self._run("heartbeat_check", self.redis.zscore(self.key("replicas"), self.replica_id))
-            if live is not None and float(live) > time.time() * 1000 and self.settings.replica_id is not None:
+            if self.settings.replica_id is not None and await self._alive(self.replica_id):
                 raise ClusterUnavailable(
                     f"replica id {self.replica_id!r} is in use by a live replica of cluster {self.settings.name!r}; "
                     "give each replica its own --replica-id (or none: a fresh one each start)"
@@ -497,14 +496,11 @@ class Cluster:
                 if link is not None:
                     await link.stop_receiving()
                     await asyncio.sleep(0.2)  # a batch being journaled finishes and is acknowledged
+                owned = len(self.owned)
+                # As for a move: what the runs queued goes out, their scores are written, then their leases freed.
+                await self._give_back(list(self.owned))
                 await self.store.flush()
-                owned, self.owned = self.owned, {}
-                self.metrics.runs_owned.set(0)
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for run_id, o in owned.items():
-                        await self._scripts["release"](
-                            args=[self.prefix, run_id, self.replica_id, o.token], client=pipe
-                        )
                     # Marked departed (not removed): a survivor places our runs at once and takes over our MQTT
                     # session, which may still hold a message delivered as we unsubscribed.
                     pipe.zadd(self.key("replicas"), {self.replica_id: 0})
@@ -512,7 +508,7 @@ class Cluster:
                     await pipe.execute()
                 # Our runs go to the others now (not when our heartbeat expires); a survivor forgets us later.
                 moved, _ = await self._reassign(self.replica_id, claim=False)
-                log.info("cluster_left", replica=self.replica_id, runs_handed_over=len(owned), placed=len(moved))
+                log.info("cluster_left", replica=self.replica_id, runs_handed_over=owned, placed=len(moved))
         except Exception as e:
             log.warning("cluster_leave_incomplete", error=f"{type(e).__name__}: {e}", note="the lease will expire")
 
