@@ -1342,7 +1342,11 @@ def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
         raise ImportError(f"cluster mode needs the redis client ({e}); pip install 'agent-monitor[cluster]'") from None
     if settings.url is None:
         raise ValueError("no cluster URL; pass --cluster redis://HOST:PORT/DB")
-    return aioredis.Redis.from_url(settings.url, socket_timeout=10, socket_connect_timeout=5), f"am:{settings.name}:"
+    # A reply slower than the lease is as good as none (the lease is gone by then): time out, say so, try again.
+    # At least 2 s: the notes are read with a blocking XREAD of one second.
+    timeout = max(2.0, settings.lease_s)
+    client = aioredis.Redis.from_url(settings.url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return client, f"am:{settings.name}:"
 
 
 async def list_runs(redis: aioredis.Redis, prefix: str, limit: int = 100) -> list[dict[str, Any]]:
