@@ -8,6 +8,8 @@ leave, fencing of a replica that lost its runs, groups kept on one replica, the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -350,3 +352,92 @@ async def test_made_up_runs_leave_nothing_behind(broker: Mosquitto, redis: Redis
         assert not [k for k in await r.keys("am:t:in:*")]
     finally:
         await r.aclose()
+
+
+class Cut:
+    """A TCP proxy to Redis that can cut one replica off (its connections closed, new ones refused) and mend it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut = False
+        self.conns: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Cut:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        self.sever()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    def sever(self) -> None:
+        for w in self.conns:
+            w.close()
+        self.conns.clear()
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if self.cut:
+            w.close()
+            return
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
+        self.conns += [w, uw]
+
+        async def pump(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await a.read(65536):
+                    b.write(data)
+                    await b.drain()
+            b.close()
+
+        await asyncio.gather(pump(r, uw), pump(ur, w))
+
+
+async def test_a_replica_cut_off_from_redis_loses_nothing(broker: Mosquitto, redis: RedisServer) -> None:
+    """Cut from Redis (not from the broker) past its lease, a replica's runs and MQTT session go to the other; it
+    waits, then joins again: every step once, in order, and no run's progress goes backwards."""
+    runs = [f"cut-{i}" for i in range(6)]
+    async with Cut(redis.port) as cut, harness(broker.port) as h:
+        cut_off = replica(broker, redis, "a")
+        cut_off.config = dataclasses.replace(
+            cut_off.config, cluster=dataclasses.replace(cut_off.config.cluster, url=cut.url)
+        )
+        cut_off = Monitor(cut_off.config, judge=FakeJudge(latency_s=0.01), registry=CollectorRegistry())
+        async with cut_off, replica(broker, redis, "b") as b:
+            for r in runs:
+                await h.publish(r, "start", {"task": "count"})
+            await step_all(h, runs, 1)
+            await h.until(lambda: all(h.last_step(r) == 1 for r in runs))
+            assert sorted((await owners(redis)).values()) == ["a"] * 3 + ["b"] * 3
+            cut.cut = True
+            cut.sever()
+            for i in (2, 3, 4):
+                await step_all(h, runs, i)
+                await asyncio.sleep(LEASE)
+            await h.until(lambda: all(h.last_step(r) == 4 for r in runs), wait_s=30)
+            assert set((await owners(redis)).values()) == {"b"}
+            for _ in range(40):  # emptied once the broker has sent nothing for a second, twice
+                if metric(b, "agent_monitor_cluster_sessions_adopted_total"):
+                    break
+                await asyncio.sleep(BEAT)
+            assert metric(b, "agent_monitor_cluster_sessions_adopted_total") == 1
+            cut.cut = False
+            for _ in range(40):
+                if cut_off.status()["replicas"] == 2 and b.status()["owned"] == 3:
+                    break
+                await asyncio.sleep(BEAT)
+            assert b.status()["owned"] == 3  # a is back: the runs are balanced again
+            for i in (5, 6):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 6 for r in runs), wait_s=30)
+    for r in runs:
+        steps = [p["step"] for p in h.progress(r)]
+        assert steps == sorted(steps), f"{r}'s progress went backwards: {steps}"
+        run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+        assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 7))
