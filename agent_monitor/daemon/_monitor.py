@@ -459,6 +459,7 @@ class Monitor:
             "scorings": self.scorings,
             "degraded": self.circuit.degraded,
             "connected": bool(self.link and self.link.connected.is_set()),
+            **(self.cluster.status() if self.cluster is not None else {}),
         }
 
     def run(self, run_id: str) -> RunView | None:
