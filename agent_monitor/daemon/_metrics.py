@@ -21,7 +21,7 @@ from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunO
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
-CLUSTER_OPS = ("heartbeat_check", "heartbeat", "receive", "notes", "take", "feed", "journal", "progress")
+CLUSTER_OPS = ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress")
 """The Redis operations cluster mode counts failures of (agent_monitor_cluster_errors_total{op})."""
 # Judge latencies run from tens of milliseconds (a warm local model) to a minute (a loaded hosted API).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
