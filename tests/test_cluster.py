@@ -196,6 +196,29 @@ async def test_cli_reads_the_shared_journal(
     assert "check the URL (--cluster)" in capsys.readouterr().err
 
 
+async def test_ended_runs_leave_the_listing_after_the_retention(broker: Mosquitto, redis: RedisServer) -> None:
+    r = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    try:
+        async with harness(broker.port) as h, replicas(broker, redis, "a", retention_s=1.0):
+            for run in ("old", "new"):
+                await h.publish(run, "start", {"task": "count"})
+                await h.publish(run, "step", {"index": 1, "text": "one"})
+                await h.until(lambda run=run: h.last_step(run) == 1)
+                await h.publish(run, "end", {"outcome": "success"})
+                for _ in range(40):
+                    if await r.zscore("am:t:ended", run) is not None:
+                        break
+                    await asyncio.sleep(BEAT)
+                if run == "old":
+                    await asyncio.sleep(1.5)  # past the retention: old's journal keys expire
+            # The next run to end trims the listing: old is gone from it (as its journal is), new is listed.
+            assert await r.zscore("am:t:ended", "old") is None
+            assert await r.zscore("am:t:ended", "new") is not None
+            assert not await r.exists("am:t:rec:old")
+    finally:
+        await r.aclose()
+
+
 async def test_unindexed_steps_take_the_journals_order(broker: Mosquitto, redis: RedisServer) -> None:
     async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
         await h.publish("u", "start", {"task": "count"})

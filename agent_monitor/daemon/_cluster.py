@@ -282,6 +282,9 @@ for k = 1, n do
     if kind == 'finished' then
       local at = tonumber(cjson.decode(fields)['ended_at'])
       redis.call('ZADD', P .. 'ended', at, run)
+      -- Runs that ended more than the retention ago have no journal left (their keys expired): the listing
+      -- forgets them too, or it would grow by one entry per run for ever.
+      redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', '(' .. string.format('%.3f', at - tonumber(retention) / 1000))
       if redis.call('HGET', P .. 'assign', run) == me then
         redis.call('HDEL', P .. 'assign', run)
         redis.call('SREM', P .. 'owned:' .. me, run)
