@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -219,6 +219,126 @@ def llama_server(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+# -- a scripted OpenAI-compatible judge ---------------------------------------------------------------------
+
+
+def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, ready: Any) -> None:
+    """The judge's process: a threaded HTTP server answering every chat completion with `letter` after `latency_s`."""
+    import json
+    import signal
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    # One reply for every request: the answer's first token is the letter, with all the probability mass.
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": letter},
+        "logprobs": {
+            "content": [
+                {
+                    "token": letter,
+                    "logprob": 0.0,
+                    "bytes": None,
+                    "top_logprobs": [{"token": letter, "logprob": 0.0, "bytes": list(letter.encode())}],
+                }
+            ]
+        },
+        "finish_reason": "length",
+    }
+    usage = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
+    reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [choice]}
+    chat = json.dumps({**reply, "usage": usage}).encode()
+    models = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "bench"}]})
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the judge client reuses its connections
+        # The headers and the body go out in two writes; with Nagle's algorithm the body waits for the client's
+        # delayed ACK of the headers (40 ms on Linux), which a 100 ms judge would report as 140 ms.
+        disable_nagle_algorithm = True
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _send(self, body: bytes, status: int = 200) -> None:
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a monitor stopped with calls in flight
+
+        def do_GET(self) -> None:
+            self._send(models.encode() if self.path.rstrip("/").endswith("/models") else b"{}", 200)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", "0")))
+            # Each request sleeps in its own thread: concurrent calls overlap, as on a real server with free slots.
+            time.sleep(latency_s)
+            with calls.get_lock():
+                calls.value += 1
+            self._send(chat)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    httpd.daemon_threads = True
+    ready.set()
+    httpd.serve_forever(poll_interval=0.05)
+
+
+@dataclass
+class ScriptedJudge:
+    """A running scripted judge: its /v1 URL, its process, and how many chat completions it answered."""
+
+    url: str
+    process: Any
+    _calls: Any
+
+    @property
+    def calls(self) -> int:
+        return int(self._calls.value)
+
+
+@contextlib.contextmanager
+def scripted_judge(latency_s: float, letter: str = "K") -> Iterator[ScriptedJudge]:
+    """An OpenAI-compatible chat judge in a process of its own (its threads do not share the caller's GIL).
+
+    Every completion answers `letter` with probability 1 after `latency_s`, whatever was asked: a judge
+    with a fixed latency and unlimited parallel slots, so what a benchmark measures is the monitor.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    calls = ctx.Value("q", 0)
+    ready = ctx.Event()
+    proc = ctx.Process(target=_serve_scripted_judge, args=(port, latency_s, letter, calls, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(30):
+            raise TimeoutError("the scripted judge did not start in 30 s")
+        wait_port(port)
+        yield ScriptedJudge(f"http://127.0.0.1:{port}/v1", proc, calls)
+    finally:
+        proc.terminate()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/<pid>/stat), 0 if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # The command name (field 2) may hold spaces; the fields after its closing parenthesis are fixed.
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def configure_logs(level: str = "warning", stream: TextIO | None = None) -> None:

@@ -124,21 +124,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         cluster: dict[str, Any] = {}
         if args.cluster:
             from agent_monitor.daemon import ClusterSettings
-            from agent_monitor.daemon._cluster import ClusterStore
 
             sys.path.insert(0, REPO)  # the private Redis is the tests' own
             from tests.redis_server import redis_server
 
             redis = stack.enter_context(redis_server(Path(tmp) / "redis"))
             cluster["cluster"] = ClusterSettings(url=redis.url, name="bench", replica_id="r1")
-            journal = ClusterStore.journal_batch
-
-            async def counted_cluster(self: Any, records: Any) -> None:
-                commits[0] += 1
-                commits[1] += len(records)
-                await journal(self, records)
-
-            ClusterStore.journal_batch = counted_cluster  # type: ignore[method-assign]
         else:
             store = SqliteStore(Path(tmp) / "runs.db")
         # Counted per commit. Run against an agent-monitor without group commits (a baseline checkout on
@@ -178,7 +169,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         proc = ctx.Process(target=publisher, args=(broker.port, child, args.runs, args.step_chars), daemon=True)
         proc.start()
         try:
-            async with Monitor(config, judge=judge, store=store, sinks=[counter]) as mon:
+            mon = Monitor(config, judge=judge, store=store, sinks=[counter])
+            if args.cluster:  # the replica's own store (the shared journal in Redis), counted per commit
+                journal = mon.store.journal_batch  # type: ignore[attr-defined]
+
+                async def counted_cluster(records: Any) -> None:
+                    commits[0] += 1
+                    commits[1] += len(records)
+                    await journal(records)
+
+                mon.store.journal_batch = counted_cluster  # type: ignore[attr-defined]
+            async with mon:
                 profiler = None
                 if args.profile:
                     import cProfile

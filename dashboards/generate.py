@@ -615,6 +615,76 @@ def panels() -> list[dict[str, Any]]:
             "their queue; they reconnect to a fresh snapshot) or full (over --board-clients). Scoring never waits "
             "for a browser.",
         ),
+        row("Cluster (serve --cluster)"),
+        timeseries(
+            "Live replicas, as each replica sees them",
+            [target("A", f"agent_monitor_cluster_replicas{{{INST}}}", "{{instance}}")],
+            w=6,
+            no_value="not in cluster mode",
+            description="Replicas with a fresh heartbeat in the cluster's Redis, counted by each replica. All lines "
+            "agree in a healthy cluster; a replica that sees fewer than the others is cut off from Redis. A replica "
+            "that stops is counted for one --cluster-lease more, then its runs are taken over.",
+        ),
+        timeseries(
+            "Runs owned per replica",
+            [target("A", f"sum by (instance) (agent_monitor_runs_owned{{{INST}}})", "{{instance}}")],
+            w=6,
+            stack=True,
+            no_value="not in cluster mode",
+            description="Runs each replica owns (holds the lease of, scores and publishes for). Placement keeps "
+            "them within one of each other, groups excepted (a group's runs stay on one replica); stacked, the "
+            "total is the cluster's live runs.",
+        ),
+        timeseries(
+            "Run takeovers per minute",
+            [
+                target(
+                    "A",
+                    f"sum by (instance) (rate(agent_monitor_run_takeovers_total{{{INST}}}[{RATE}])) * 60",
+                    "{{instance}}",
+                )
+            ],
+            w=4,
+            no_value="not in cluster mode",
+            description="Runs a replica took over from another owner: a dead replica's runs (lease expired), runs "
+            "handed over by a replica that stopped, or moved to a replica that joined. Zero while nothing changes.",
+        ),
+        timeseries(
+            "MQTT sessions adopted",
+            [
+                target(
+                    "A",
+                    f"sum by (instance) (increase(agent_monitor_cluster_sessions_adopted_total{{{INST}}}[{RATE}]))",
+                    "{{instance}}",
+                )
+            ],
+            w=4,
+            no_value="not in cluster mode",
+            description="Dead replicas' broker sessions this replica took over: it connected with the dead "
+            "replica's client id, journaled the messages the broker had queued for it and ended the session.",
+        ),
+        timeseries(
+            "Fenced writes and publications, Redis errors",
+            [
+                target(
+                    "A",
+                    f"sum by (instance, what) (increase(agent_monitor_cluster_fenced_total{{{INST}}}[{RATE}]))",
+                    "fenced {{what}} {{instance}}",
+                ),
+                target(
+                    "B",
+                    f"sum by (instance, op) (increase(agent_monitor_cluster_errors_total{{{INST}}}[{RATE}]))",
+                    "redis {{op}} failed {{instance}}",
+                ),
+            ],
+            w=4,
+            no_value="not in cluster mode",
+            description="Writes refused because the replica's fencing token was no longer the run's current one "
+            "(write), and publications dropped after its lease deadline (publish): an owner that was paused or cut "
+            "off past its lease, whose runs another replica now owns. A few around a failover are expected; a "
+            "steady rise is not. Redis operations that failed, by operation: inputs stay unacknowledged (the "
+            "broker delivers them again) while Redis is unreachable.",
+        ),
     ]
 
 

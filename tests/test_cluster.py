@@ -8,6 +8,8 @@ leave, fencing of a replica that lost its runs, groups kept on one replica, the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -18,13 +20,14 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
-from agent_monitor.daemon import ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, cluster_export
+from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, RunLimits
 from agent_monitor.daemon._cluster import Fenced
+from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, StepIn
 from tests.brokers import Mosquitto, free_port
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, redis_server
 from tests.test_daemon_mqtt import Harness, harness
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,6 +44,11 @@ def replica(broker: Mosquitto, redis: RedisServer, name: str, *, judge: FakeJudg
         **kw,
     )
     return Monitor(config, judge=judge or FakeJudge(latency_s=0.01), registry=CollectorRegistry())
+
+
+async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, Any] | None:
+    async with ClusterJournal(settings) as journal:
+        return await journal.export(run_id)
 
 
 async def owners(redis: RedisServer) -> dict[str, str]:
@@ -134,6 +142,14 @@ async def test_a_replica_that_lost_its_run_can_neither_write_nor_publish(broker:
             await asyncio.sleep(BEAT)
         assert "r1" in sc.owned and sc.owned["r1"].token > stale.token
         assert not zombie.cluster.may_publish("r1")  # type: ignore[union-attr]
+        # What it had queued to publish about the run is dropped as it leaves the outbox, and counted.
+        before = metric(zombie, "agent_monitor_cluster_fenced_total", what="publish")
+        zombie.outbox.put(Message("agents/r1/progress", b'{"step": 1}', run_id="r1"))
+        for _ in range(40):
+            if metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") > before:
+                break
+            await asyncio.sleep(0.05)
+        assert metric(zombie, "agent_monitor_cluster_fenced_total", what="publish") == before + 1
         # Its late write is refused by Redis (the token is not the run's any more), and counted.
         step = StepIn.model_validate({"index": 2, "text": "late"})
         with pytest.raises(Fenced):
@@ -178,6 +194,29 @@ async def test_cli_reads_the_shared_journal(
     dead = ["--cluster", f"redis://127.0.0.1:{free_port()}/0"]
     assert await asyncio.to_thread(main, ["runs", *dead]) == 2
     assert "check the URL (--cluster)" in capsys.readouterr().err
+
+
+async def test_ended_runs_leave_the_listing_after_the_retention(broker: Mosquitto, redis: RedisServer) -> None:
+    r = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    try:
+        async with harness(broker.port) as h, replicas(broker, redis, "a", retention_s=1.0):
+            for run in ("old", "new"):
+                await h.publish(run, "start", {"task": "count"})
+                await h.publish(run, "step", {"index": 1, "text": "one"})
+                await h.until(lambda run=run: h.last_step(run) == 1)
+                await h.publish(run, "end", {"outcome": "success"})
+                for _ in range(40):
+                    if await r.zscore("am:t:ended", run) is not None:
+                        break
+                    await asyncio.sleep(BEAT)
+                if run == "old":
+                    await asyncio.sleep(1.5)  # past the retention: old's journal keys expire
+            # The next run to end trims the listing: old is gone from it (as its journal is), new is listed.
+            assert await r.zscore("am:t:ended", "old") is None
+            assert await r.zscore("am:t:ended", "new") is not None
+            assert not await r.exists("am:t:rec:old")
+    finally:
+        await r.aclose()
 
 
 async def test_unindexed_steps_take_the_journals_order(broker: Mosquitto, redis: RedisServer) -> None:
@@ -236,3 +275,192 @@ def test_a_store_beside_a_cluster_is_refused() -> None:
     config = MonitorConfig(cluster=ClusterSettings(url="redis://127.0.0.1:1/0"))
     with pytest.raises(ValueError, match="pass no store"):
         Monitor(config, judge=FakeJudge(), store=MemoryStore())
+
+
+async def test_a_redis_restart_loses_nothing(broker: Mosquitto, tmp_path: Any) -> None:
+    """Redis with its append-only file (what docs/cluster.md asks for) restarts mid-run: the runs go on, whole."""
+    runs = ["rr-1", "rr-2", "rr-3", "rr-4"]
+    with redis_server(tmp_path / "aof", appendonly=True) as redis:
+        async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
+            for r in runs:
+                await h.publish(r, "start", {"task": "count"})
+            for i in (1, 2, 3):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 3 for r in runs))
+            redis.stop()
+            # Published while Redis is down: not journaled, so not acknowledged; the broker keeps them.
+            for i in (4, 5):
+                await step_all(h, runs, i)
+            await asyncio.sleep(1.0)
+            redis.start()
+            for i in (6, 7):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 7 for r in runs), wait_s=40)
+        for r in runs:
+            run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+            assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 8)), run
+            steps = [p["step"] for p in h.progress(r)]
+            assert steps == sorted(steps)
+
+
+async def test_what_one_replica_learns_every_replica_uses(broker: Mosquitto, redis: RedisServer) -> None:
+    """A calibration sample (a run that ended with an outcome) reaches every replica's "auto" thresholds at once."""
+    async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:
+        await h.publish("cal-1", "start", {"task": "count", "family": "fam"})
+        await h.publish("cal-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("cal-1") == 1)
+        await h.publish("cal-1", "end", {"outcome": "success"})
+        for _ in range(40):
+            if all(sum(f.successes for f in m.calibration.families()) == 1 for m in ms.values()):
+                break
+            await asyncio.sleep(BEAT)
+        assert [sum(f.successes for f in m.calibration.families()) for m in ms.values()] == [1, 1]
+    # And a replica that starts later loads it from the cluster.
+    async with replica(broker, redis, "c") as c:
+        assert sum(f.successes for f in c.calibration.families()) == 1
+
+
+async def test_calibration_cli_reads_and_resets_the_clusters_samples(
+    broker: Mosquitto, redis: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with harness(broker.port) as h, replicas(broker, redis, "a"):
+        await h.publish("c-1", "start", {"task": "count", "family": "fam"})
+        await h.publish("c-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("c-1") == 1)
+        await h.publish("c-1", "end", {"outcome": "success"})
+        await h.until(lambda: bool(h.retained[("c-1", "signal")]))
+        await asyncio.sleep(0.3)
+    url = ["--cluster", redis.url, "--cluster-name", "t"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["calibration", *url, "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["family"] == "fam" and row["successes"] == 1
+    assert await asyncio.to_thread(main, ["calibration", *url, "--reset", "fam"]) == 0
+    assert "deleted 1 sample of family 'fam' from cluster t on" in capsys.readouterr().out
+    assert await asyncio.to_thread(main, ["calibration", *url]) == 0
+    assert "no calibration samples in cluster t" in capsys.readouterr().out
+
+
+async def test_the_outbox_counts_what_waits_per_run() -> None:
+    """A replica handing a run over waits until the run's queued messages left: the outbox counts them per run."""
+    from agent_monitor.daemon._outbox import Outbox
+
+    box = Outbox(3)
+    box.put(Message("agents/a/progress", b"1", run_id="a"))
+    box.put(Message("agents/a/signal", b"2", run_id="a", droppable=False))
+    box.put(Message("agents/b/progress", b"3", run_id="b"))
+    assert (box.pending("a"), box.pending("b")) == (2, 1)
+    box.put(Message("agents/b/progress", b"4", run_id="b"))  # full: the oldest droppable one (a's progress) goes
+    assert (box.pending("a"), box.pending("b")) == (1, 2)
+    box.gate = lambda run: run != "b"  # b is not this replica's any more: its messages are dropped as they leave
+    box.put(Message("agents/a/progress", b"5", run_id="a"))
+    assert [(await box.get()).payload, (await box.get()).payload] == [b"2", b"5"]  # b's two were skipped
+    assert (box.pending("a"), box.pending("b"), len(box)) == (0, 0, 0)
+
+
+async def test_made_up_runs_leave_nothing_behind(broker: Mosquitto, redis: RedisServer) -> None:
+    """Steps for runs that never start (a typo, a flood) are dropped after --hold, and their keys go with them."""
+    async with harness(broker.port) as h, replicas(broker, redis, "a", limits=RunLimits(hold_s=0.5)) as ms:
+        for i in range(5):
+            await h.publish(f"ghost-{i}", "step", {"index": 1, "text": "no start"})
+        await h.until(lambda: all(h.seen[(f"ghost-{i}", "error")] for i in range(5)))
+        for _ in range(40):
+            if not await owners(redis):
+                break
+            await asyncio.sleep(BEAT)
+        assert await owners(redis) == {}
+        assert ms["a"].status()["owned"] == 0
+    r = aioredis.Redis.from_url(redis.url)
+    try:
+        assert not [k for k in await r.keys("am:t:in:*")]
+    finally:
+        await r.aclose()
+
+
+class Cut:
+    """A TCP proxy to Redis that can cut one replica off (its connections closed, new ones refused) and mend it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.cut = False
+        self.conns: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Cut:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        self.sever()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    def sever(self) -> None:
+        for w in self.conns:
+            w.close()
+        self.conns.clear()
+
+    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        if self.cut:
+            w.close()
+            return
+        ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
+        self.conns += [w, uw]
+
+        async def pump(a: asyncio.StreamReader, b: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await a.read(65536):
+                    b.write(data)
+                    await b.drain()
+            b.close()
+
+        await asyncio.gather(pump(r, uw), pump(ur, w))
+
+
+async def test_a_replica_cut_off_from_redis_loses_nothing(broker: Mosquitto, redis: RedisServer) -> None:
+    """Cut from Redis (not from the broker) past its lease, a replica's runs and MQTT session go to the other; it
+    waits, then joins again: every step once, in order, and no run's progress goes backwards."""
+    runs = [f"cut-{i}" for i in range(6)]
+    async with Cut(redis.port) as cut, harness(broker.port) as h:
+        cut_off = replica(broker, redis, "a")
+        cut_off.config = dataclasses.replace(
+            cut_off.config, cluster=dataclasses.replace(cut_off.config.cluster, url=cut.url)
+        )
+        cut_off = Monitor(cut_off.config, judge=FakeJudge(latency_s=0.01), registry=CollectorRegistry())
+        async with cut_off, replica(broker, redis, "b") as b:
+            for r in runs:
+                await h.publish(r, "start", {"task": "count"})
+            await step_all(h, runs, 1)
+            await h.until(lambda: all(h.last_step(r) == 1 for r in runs))
+            assert sorted((await owners(redis)).values()) == ["a"] * 3 + ["b"] * 3
+            cut.cut = True
+            cut.sever()
+            for i in (2, 3, 4):
+                await step_all(h, runs, i)
+                await asyncio.sleep(LEASE)
+            await h.until(lambda: all(h.last_step(r) == 4 for r in runs), wait_s=30)
+            assert set((await owners(redis)).values()) == {"b"}
+            for _ in range(40):  # emptied once the broker has sent nothing for a second, twice
+                if metric(b, "agent_monitor_cluster_sessions_adopted_total"):
+                    break
+                await asyncio.sleep(BEAT)
+            assert metric(b, "agent_monitor_cluster_sessions_adopted_total") == 1
+            cut.cut = False
+            for _ in range(40):
+                if cut_off.status()["replicas"] == 2 and b.status()["owned"] == 3:
+                    break
+                await asyncio.sleep(BEAT)
+            assert b.status()["owned"] == 3  # a is back: the runs are balanced again
+            for i in (5, 6):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 6 for r in runs), wait_s=30)
+    for r in runs:
+        steps = [p["step"] for p in h.progress(r)]
+        assert steps == sorted(steps), f"{r}'s progress went backwards: {steps}"
+        run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+        assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 7))

@@ -312,6 +312,12 @@ def test_the_issue_s_panels_are_there() -> None:
     panel("agent_monitor_group_leader_score")
     panel("agent_monitor_group_live_runs")
     panel("agent_monitor_pruned_total", "agent_monitor_compare_calls_total")
+    # Cluster mode (issue 15): membership, ownership by replica, takeovers, adopted sessions, fencing.
+    panel("agent_monitor_cluster_replicas", "instance")
+    panel("agent_monitor_runs_owned", "by (instance)")
+    panel("rate(agent_monitor_run_takeovers_total")
+    panel("agent_monitor_cluster_sessions_adopted_total")
+    panel("agent_monitor_cluster_fenced_total", "what")
 
 
 def test_runs_table_merges_instant_queries_with_the_same_labels() -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,6 +125,22 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     assert value(reg, "agent_monitor_invalid_events_total", reason="bad_json") == 0
     assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 0
     assert value(reg, "agent_monitor_run_series_capped") == 0
+    # Cluster mode's counters too (a Monitor without a cluster exports them at 0, as a replica does at start).
+    for what in ("write", "publish"):
+        assert value(reg, "agent_monitor_cluster_fenced_total", what=what) == 0
+    for op in ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress"):
+        assert value(reg, "agent_monitor_cluster_errors_total", op=op) == 0
+
+
+def test_every_cluster_operation_counted_is_there_from_start_up() -> None:
+    """The op names cluster mode counts failures under are all pre-initialised (a new one must join CLUSTER_OPS)."""
+    from agent_monitor.daemon import _cluster
+    from agent_monitor.daemon._metrics import CLUSTER_OPS
+
+    source = Path(_cluster.__file__).read_text()
+    ops = set(re.findall(r'cluster_errors\.labels\("(\w+)"\)', source)) | set(re.findall(r'_run\(\s*"(\w+)"', source))
+    assert {"receive", "journal", "heartbeat"} <= ops, ops
+    assert ops <= set(CLUSTER_OPS), f"counted but not at 0 from start-up: {sorted(ops - set(CLUSTER_OPS))}"
 
 
 def test_two_monitors_have_separate_registries() -> None:

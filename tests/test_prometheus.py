@@ -19,11 +19,13 @@ after the grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -41,7 +43,8 @@ from agent_monitor.daemon import Board, HttpServer, MetricsSettings, Monitor, Mo
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
-from tests.brokers import free_port, wait_port
+from tests.brokers import Mosquitto, free_port, wait_port
+from tests.redis_server import RedisServer
 from tests.test_dashboards import ALERTS, alert_queries, dashboard_queries, letters, load_dashboard, variable_queries
 
 PROMETHEUS = shutil.which("prometheus")
@@ -450,3 +453,153 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     assert await prom.query('agent_monitor_run_step{run_id="run-a1"}') == []
     assert await prom.value('agent_monitor_run_progress{run_id="run-a2"}') is not None
     assert await prom.value(f'agent_monitor_runs_total{{instance="{ta}", outcome="success"}}') == CALIBRATING + 1
+
+
+# -- the Cluster row, against real `serve --cluster` replicas --
+
+CLUSTER_RUNS = 6
+LEASE_S = 2.0  # short: a dead replica's runs move within lease + heartbeat, and the test waits for that
+
+
+@contextmanager
+def replica(name: str, *args: str, workdir: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`agent-monitor serve --cluster ... --replica-id NAME` with /metrics on a free port; yields (process, target)."""
+    port = free_port()
+    log = workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "agent_monitor", "serve", "--replica-id", name, "--metrics-port", str(port), *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while "agent-monitor: serving" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, f"replica {name} exited: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"replica {name} did not come up: {log.read_text()[-3000:]}"
+            time.sleep(0.1)
+        yield proc, f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def publish(port: int, messages: list[tuple[str, dict[str, Any]]]) -> None:
+    """Publish (topic, JSON) messages at QoS 1, as a harness does, and wait for every PUBACK."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+    c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    try:
+        infos = [c.publish(topic, json.dumps(payload), qos=1) for topic, payload in messages]
+        for info in infos:
+            info.wait_for_publish(10)
+    finally:
+        c.disconnect()
+        c.loop_stop()
+
+
+def cluster_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of the Cluster row's targets."""
+    dashboard = load_dashboard()
+    titles: dict[int, str] = {}
+    in_row = False
+    for p in dashboard["panels"]:
+        if p["type"] == "row":
+            in_row = p["title"].startswith("Cluster")
+        elif in_row:
+            titles[p["id"]] = p["title"]
+    return [
+        (titles[int(where.split()[1])], expr)
+        for where, expr in dashboard_queries(dashboard)
+        if int(where.split()[1]) in titles
+    ]
+
+
+async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitto, redis: RedisServer) -> None:
+    """Two replicas share the runs (3 and 3); one is killed; the survivor takes its runs and its MQTT session.
+
+    The Cluster row's queries, run by a real Prometheus scraping both replicas, show it: two live replicas, then
+    one; runs owned per replica; takeovers and the adopted session on the survivor; fencing and Redis errors
+    (zero here) answer with data.
+    """
+    from tests.openai_server import chat_choice, chat_reply, scripted_server
+
+    queries = cluster_queries()
+    assert {t for t, _ in queries} >= {
+        "Live replicas, as each replica sees them",
+        "Runs owned per replica",
+        "Run takeovers per minute",
+        "MQTT sessions adopted",
+        "Fenced writes and publications, Redis errors",
+    }
+    with contextlib.ExitStack() as stack:
+        judge = stack.enter_context(scripted_server())
+        judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
+        common = ["--cluster", redis.url, "--broker", broker.url, "--judge", "openai", "--judge-url", judge.url]
+        common += ["--cluster-lease", str(LEASE_S), "--cluster-heartbeat", str(LEASE_S / 4), "--no-board"]
+        r1, t1 = stack.enter_context(replica("r1", *common, workdir=tmp_path))
+        r2, t2 = stack.enter_context(replica("r2", *common, workdir=tmp_path))
+        prom = stack.enter_context(prometheus(tmp_path, [t1, t2]))
+        try:
+
+            async def value_of(expr: str) -> dict[str, float]:
+                return {r["metric"].get("instance", ""): float(r["value"][1]) for r in await prom.query(expr)}
+
+            async def holds(expr: str, want: dict[str, float]) -> bool:
+                return await value_of(expr) == want
+
+            await until("both replicas to see two", lambda: holds("agent_monitor_cluster_replicas", {t1: 2, t2: 2}))
+            runs = [f"c{i}" for i in range(CLUSTER_RUNS)]
+            await asyncio.to_thread(
+                publish,
+                broker.port,
+                [(f"agents/{r}/start", {"task": "Make the failing test pass"}) for r in runs]
+                + [(f"agents/{r}/step", {"index": 1, "text": "pytest: 3 failed"}) for r in runs],
+            )
+            # Exact balance: 3 and 3.
+            half = CLUSTER_RUNS / 2
+            await until("the runs placed 3 and 3", lambda: holds("agent_monitor_runs_owned", {t1: half, t2: half}))
+
+            r2.kill()  # no goodbye: its runs and its broker session wait for the survivor
+            r2.wait()
+            await asyncio.to_thread(
+                publish, broker.port, [(f"agents/{r}/step", {"index": 2, "text": "pytest: 1 failed"}) for r in runs]
+            )
+            await until(
+                "the survivor to own every run",
+                lambda: holds("agent_monitor_runs_owned", {t1: CLUSTER_RUNS}),
+                wait_s=60,
+            )
+            await until("the survivor to see one replica", lambda: holds("agent_monitor_cluster_replicas", {t1: 1}))
+            await until(
+                "the dead replica's session to be adopted",
+                lambda: holds("agent_monitor_cluster_sessions_adopted_total", {t1: 1}),
+                wait_s=60,
+            )
+            took = (await value_of("agent_monitor_run_takeovers_total"))[t1]
+            assert took == half, "the survivor took exactly the dead replica's runs"
+
+            # Every query of the row answers with data about the survivor (rates and increases over the last minute
+            # still see the dead replica's samples from before it died).
+            for title, expr in queries:
+                result = await prom.query(expr)
+                assert result, f"{title}: no data for {expr}"
+                assert t1 in {r["metric"]["instance"] for r in result}, (title, result)
+                values = [float(r["value"][1]) for r in result]
+                assert all(math.isfinite(v) for v in values), (title, values)
+            by_title = {t: e for t, e in queries}
+            assert await value_of(by_title["Live replicas, as each replica sees them"]) == {t1: 1}
+            assert await value_of(by_title["Runs owned per replica"]) == {t1: CLUSTER_RUNS}
+            assert (await value_of(by_title["Run takeovers per minute"]))[t1] > 0
+            assert (await value_of(by_title["MQTT sessions adopted"]))[t1] > 0
+            assert r1.poll() is None
+        except BaseException:
+            # What the replicas said (their logs are in tmp_path) is what explains a failure here.
+            for name in ("r1", "r2"):
+                print(f"--- {name}.log ---", (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:])
+            raise

@@ -37,7 +37,7 @@ PUBLIC = {
     ],
     "agent_monitor.daemon": [
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
-        "ClusterSettings", "ClusterUnavailable", "cluster_export", "cluster_runs", "HttpServer", "MemoryStore",
+        "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpServer", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
         "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",

@@ -12,7 +12,7 @@ import socket
 import sqlite3
 import sys
 import warnings
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -383,6 +383,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "its calibration in memory: it forgets a reset family only when it restarts.",
     )
     add_flags(cal, ServeOptions, environ, only=["state_dir"])
+    add_flags(cal, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
     add_flags(
         cal,
         Policy,
@@ -511,6 +512,11 @@ async def _serve(args: argparse.Namespace) -> int:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
         return _fail(f"--criteria {config.criteria}: {e}")
+    if broker_options.embedded_broker and config.cluster.url is not None:
+        return _fail(
+            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "
+            "replicas against one Mosquitto 2 (or EMQX, HiveMQ) with --broker"
+        )
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")
@@ -803,20 +809,32 @@ def _open_store(state_dir: str | None) -> SqliteStore:
         raise CliError(f"cannot open the run store in {path}: {e}; pass --state-dir, or --no-store") from None
 
 
-async def _runs(args: argparse.Namespace) -> int:
-    cluster = build(ClusterSettings, args)
-    if cluster.url is not None:
-        from ..daemon import cluster_runs
+@contextlib.asynccontextmanager
+async def _journal(args: argparse.Namespace) -> AsyncIterator[tuple[object, Any]]:
+    """The journal the options name (a cluster's shared one with --cluster, else the SQLite store) and where it is.
 
-        rows = await _from_cluster(cluster_runs(cluster, args.limit))
-        store_path: object = f"cluster {cluster.name} on {cluster.url}"
-    else:
+    Both read alike (`list_runs`, `export`, `samples`, `reset_family`); a cluster that cannot be read is a CliError.
+    """
+    cluster = build(ClusterSettings, args)
+    if cluster.url is None:
         store = _open_store(args.state_dir)
         try:
-            rows = await store.list_runs(args.limit)
+            yield store.path, store
         finally:
             await store.aclose()
-        store_path = store.path
+        return
+    from ..daemon import ClusterJournal, ClusterUnavailable
+
+    try:
+        async with ClusterJournal(cluster) as journal:
+            yield journal.where, journal
+    except (ClusterUnavailable, ImportError) as e:
+        raise CliError(str(e)) from None
+
+
+async def _runs(args: argparse.Namespace) -> int:
+    async with _journal(args) as (store_path, store):
+        rows = await store.list_runs(args.limit)
     if args.json:
         for r in rows:
             print(json.dumps(r))
@@ -846,13 +864,10 @@ async def _calibration(args: argparse.Namespace) -> int:
     from ..calibration import Calibration
 
     policy = build(Policy, args)
-    store = _open_store(args.state_dir)
-    try:
+    async with _journal(args) as (where, store):
         if args.reset is not None:
-            return _reset_family(args.reset, await store.reset_family(args.reset), store.path)
+            return _reset_family(args.reset, await store.reset_family(args.reset), where)
         cal = Calibration(await store.samples())
-    finally:
-        await store.aclose()
     rows = [(f, cal.threshold(f.family, policy)) for f in cal.families()]
     if args.json:
         for f, th in rows:
@@ -862,9 +877,7 @@ async def _calibration(args: argparse.Namespace) -> int:
             print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
         return 0
     if not rows:
-        print(
-            f"no calibration samples in {store.path} yet: each run that ends with outcome success or failure adds one"
-        )
+        print(f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one")
         return 0
     print(f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} {'failures':>8}  threshold")
     for f, th in rows:
@@ -878,7 +891,7 @@ async def _calibration(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reset_family(name: str, deleted: int, path: Path) -> int:
+def _reset_family(name: str, deleted: int, path: object) -> int:
     if not deleted:
         return _fail(f"no family {name!r} in {path}; `agent-monitor calibration` lists them")
     print(
@@ -888,27 +901,9 @@ def _reset_family(name: str, deleted: int, path: Path) -> int:
     return 0
 
 
-async def _from_cluster(read: Awaitable[T]) -> T:
-    """What a read of a cluster's shared journal gave; its failure as a one-line CliError."""
-    from ..daemon import ClusterUnavailable
-
-    try:
-        return await read
-    except (ClusterUnavailable, ImportError) as e:
-        raise CliError(str(e)) from None
-
-
 async def _read_export(args: argparse.Namespace) -> tuple[object, dict[str, Any] | None]:
-    cluster = build(ClusterSettings, args)
-    if cluster.url is not None:
-        from ..daemon import cluster_export
-
-        return f"cluster {cluster.name} on {cluster.url}", await _from_cluster(cluster_export(cluster, args.run_id))
-    store = _open_store(args.state_dir)
-    try:
-        return store.path, await store.export(args.run_id)
-    finally:
-        await store.aclose()
+    async with _journal(args) as (where, store):
+        return where, await store.export(args.run_id)
 
 
 def _export(args: argparse.Namespace) -> int:

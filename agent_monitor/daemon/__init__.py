@@ -7,7 +7,7 @@ the top level of `agent_monitor`, never `cli/`.
 
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
-from ._cluster import ClusterUnavailable, cluster_export, cluster_runs
+from ._cluster import ClusterJournal, ClusterUnavailable
 from ._config import ClusterSettings, MetricsSettings, MonitorConfig, Protocol
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
@@ -34,6 +34,7 @@ __all__ = [
     "BoardSettings",
     "BrokerStartError",
     "BrokerUnavailable",
+    "ClusterJournal",
     "ClusterSettings",
     "ClusterUnavailable",
     "Duplicated",
@@ -58,8 +59,6 @@ __all__ = [
     "SqliteStore",
     "StepView",
     "StoreFormatError",
-    "cluster_export",
-    "cluster_runs",
     "default_state_dir",
     "tune_gc",
 ]

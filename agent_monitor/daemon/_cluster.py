@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from ._mqtt import MqttLink
 
 log = structlog.get_logger("agent_monitor.cluster")
+T = TypeVar("T")
 
 _MAX_RUN_ID = 256
 """Longest run id a receiver journals (topic-safe ids are far shorter; a key per run is built from it)."""
@@ -80,6 +81,10 @@ _FEED_PAGE = 256
 """Inbox entries read per run at once."""
 _PUBLISH_MARGIN_S = 0.5
 """A replica stops publishing about a run this long before its lease would expire (clocks and delays)."""
+_CHECK_EVERY = 5
+"""Heartbeats between checks of the owned runs' inboxes for events no note announced."""
+_SESSION_TRIES = 10
+"""Attempts at taking a departed replica's session over (one every two heartbeats) before leaving it."""
 _QUIET_S = 1.0
 """Taking a session over: it is emptied once the broker has sent nothing for this long."""
 
@@ -277,6 +282,9 @@ for k = 1, n do
     if kind == 'finished' then
       local at = tonumber(cjson.decode(fields)['ended_at'])
       redis.call('ZADD', P .. 'ended', at, run)
+      -- Runs that ended more than the retention ago have no journal left (their keys expired): the listing
+      -- forgets them too, or it would grow by one entry per run for ever.
+      redis.call('ZREMRANGEBYSCORE', P .. 'ended', '-inf', '(' .. string.format('%.3f', at - tonumber(retention) / 1000))
       if redis.call('HGET', P .. 'assign', run) == me then
         redis.call('HDEL', P .. 'assign', run)
         redis.call('SREM', P .. 'owned:' .. me, run)
@@ -315,7 +323,7 @@ return 1
 
 _RETIRE = """
 -- Take a run that is over out of the directory, unless its inbox got an event past the cursor meanwhile.
--- ARGV: prefix, run, me, token
+-- ARGV: prefix, run, me, token, retention ms
 local P, run, me = ARGV[1], ARGV[2], ARGV[3]
 if redis.call('GET', P .. 'fence:' .. run) ~= ARGV[4] then return 0 end
 local last = redis.call('XREVRANGE', P .. 'in:' .. run, '+', '-', 'COUNT', 1)
@@ -327,6 +335,12 @@ if redis.call('HGET', P .. 'assign', run) == me then
 end
 local key = P .. 'lease:' .. run
 if redis.call('GET', key) == me .. ' ' .. ARGV[4] then redis.call('DEL', key) end
+if redis.call('HEXISTS', P .. 'meta:' .. run, 'started_at') == 0 then
+  -- never started (steps dropped after --hold, refused events, a flood of made-up run ids): nothing to keep. The
+  -- fencing counter stays (expiring): a later owner's tokens must stay above any a paused replica may hold.
+  redis.call('DEL', P .. 'in:' .. run, P .. 'cur:' .. run, P .. 'rec:' .. run, P .. 'prog:' .. run)
+  redis.call('PEXPIRE', P .. 'fence:' .. run, ARGV[5])
+end
 return 1
 """
 
@@ -397,8 +411,9 @@ class Cluster:
         self.retention_ms = max(1, int(retention_s * 1000))
         self.store = ClusterStore(self)
         self.owned: dict[str, _Owned] = {}
-        self._finished: dict[str, float] = {}
-        """Runs that finished here, with the deadline until which their closing messages may still be published."""
+        self._closing: dict[str, float] = {}
+        """Runs no longer owned here (finished, or being handed over) whose queued messages may still be published,
+        with the lease deadline until which they may."""
         self.live: tuple[str, ...] = ()
         """The live replicas at the last heartbeat (this one included)."""
         self._client_id = ""
@@ -410,6 +425,7 @@ class Cluster:
         self._joined = False
         self._leaving = False
         self._scripts: dict[str, Any] = {}
+        self._beats = 0
 
     # -- identity --
 
@@ -417,6 +433,10 @@ class Cluster:
         """This replica's MQTT client id: unique per replica (the broker keeps one session per client id)."""
         self._client_id = f"{base}-{self.replica_id}"
         return self._client_id
+
+    def status(self) -> dict[str, Any]:
+        """The replica's part of `Monitor.status()`."""
+        return {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned)}
 
     def key(self, what: str, run_id: str = "") -> str:
         """A cluster key: `am:{name}:{what}` or, per run, `am:{name}:{what}:{run}`."""
@@ -441,8 +461,7 @@ class Cluster:
             self._scripts[name] = self.redis.register_script(src)
         try:
             await self.redis.ping()
-            live = await self._run("heartbeat_check", self.redis.zscore(self.key("replicas"), self.replica_id))
-            if live is not None and float(live) > time.time() * 1000 and self.settings.replica_id is not None:
+            if self.settings.replica_id is not None and await self._alive(self.replica_id):
                 raise ClusterUnavailable(
                     f"replica id {self.replica_id!r} is in use by a live replica of cluster {self.settings.name!r}; "
                     "give each replica its own --replica-id (or none: a fresh one each start)"
@@ -480,14 +499,11 @@ class Cluster:
                 if link is not None:
                     await link.stop_receiving()
                     await asyncio.sleep(0.2)  # a batch being journaled finishes and is acknowledged
+                owned = len(self.owned)
+                # As for a move: what the runs queued goes out, their scores are written, then their leases freed.
+                await self._give_back(list(self.owned))
                 await self.store.flush()
-                owned, self.owned = self.owned, {}
-                self.metrics.runs_owned.set(0)
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    for run_id, o in owned.items():
-                        await self._scripts["release"](
-                            args=[self.prefix, run_id, self.replica_id, o.token], client=pipe
-                        )
                     # Marked departed (not removed): a survivor places our runs at once and takes over our MQTT
                     # session, which may still hold a message delivered as we unsubscribed.
                     pipe.zadd(self.key("replicas"), {self.replica_id: 0})
@@ -495,7 +511,7 @@ class Cluster:
                     await pipe.execute()
                 # Our runs go to the others now (not when our heartbeat expires); a survivor forgets us later.
                 moved, _ = await self._reassign(self.replica_id, claim=False)
-                log.info("cluster_left", replica=self.replica_id, runs_handed_over=len(owned), placed=len(moved))
+                log.info("cluster_left", replica=self.replica_id, runs_handed_over=owned, placed=len(moved))
         except Exception as e:
             log.warning("cluster_leave_incomplete", error=f"{type(e).__name__}: {e}", note="the lease will expire")
 
@@ -560,8 +576,8 @@ class Cluster:
         o = self.owned.get(run_id)
         if o is not None:
             return time.monotonic() < o.deadline
-        # A run that just finished here: its closing messages (the retained signal cleared) still go out.
-        return time.monotonic() < self._finished.get(run_id, 0.0)
+        # A run that just finished or is being handed over: what it queued (a retained signal) still goes out.
+        return time.monotonic() < self._closing.get(run_id, 0.0)
 
     def token(self, run_id: str) -> int:
         """The run's fencing token this replica holds; Fenced when it holds none."""
@@ -609,14 +625,26 @@ class Cluster:
         return runs, text
 
     async def _heartbeats(self) -> None:
+        link = self.monitor.link
+        last_ok = time.monotonic()
         while True:
             try:
                 await self._tick()
+                last_ok = time.monotonic()
+                if link is not None and not link.allowed.is_set():
+                    log.info("cluster_reachable_again", replica=self.replica_id)
+                    link.allowed.set()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.metrics.cluster_errors.labels("heartbeat").inc()
                 log.warning("cluster_heartbeat_failed", error=f"{type(e).__name__}: {e}")
+                if link is not None and link.allowed.is_set() and time.monotonic() - last_ok > self.settings.lease_s:
+                    # Cut off from Redis past the lease: the others count this replica dead and take its session
+                    # over. It must not connect again meanwhile (a second client with the same id would push the
+                    # taker off): its link waits, once its connection ends, until Redis answers again.
+                    log.warning("cluster_unreachable", replica=self.replica_id, note="receiving paused")
+                    link.allowed.clear()
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _tick(self) -> None:
@@ -625,24 +653,30 @@ class Cluster:
             return
         await self._heartbeat()
         now = time.monotonic()
-        for run_id in [r for r, until in self._finished.items() if until <= now]:
-            del self._finished[run_id]
+        for run_id in [r for r, until in self._closing.items() if until <= now]:
+            del self._closing[run_id]
         await self._scripts["rebalance"](args=[self.prefix, 8, _NOTES_MAXLEN])
         mine = {_text(r) for r in await self.redis.smembers(self.key("owned", self.replica_id))}
-        for run_id in [r for r in self.owned if r not in mine]:
-            await self._give_back(run_id)
+        await self._give_back([r for r in self.owned if r not in mine])
         await self._renew()
         await self._take(sorted(mine - set(self.owned)))
-        # A missed note (or one for a run taken since) is caught here: any owned inbox past what was fed.
-        owned = list(self.owned)
+        self._beats += 1
+        # Runs that are over here but still placed here (steps that never got a start, dropped after --hold).
+        m = self.monitor
+        for run_id, o in list(self.owned.items()):
+            if o.ready and run_id not in m.book.live and run_id not in m.book.orphans:
+                await self._retire_if_over(run_id)
+        # A missed note (or one for a run taken since) is caught here, every few beats: an owned inbox past what was
+        # fed.
+        owned = list(self.owned) if self._beats % _CHECK_EVERY == 0 else []
         if owned:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for run_id in owned:
                     pipe.xrevrange(self.key("in", run_id), count=1)
                 lasts = await pipe.execute()
             for run_id, last in zip(owned, lasts, strict=True):
-                o = self.owned.get(run_id)
-                if o is not None and last and _id(_text(last[0][0])) > _id(o.fed or "0-0"):
+                held = self.owned.get(run_id)
+                if held is not None and last and _id(_text(last[0][0])) > _id(held.fed or "0-0"):
                     self._dirty.add(run_id)
             if self._dirty:
                 self._wake.set()
@@ -716,14 +750,25 @@ class Cluster:
             await self.monitor.release(run_id)
             self.metrics.runs_owned.set(len(self.owned))
 
-    async def _give_back(self, run_id: str) -> None:
-        """A run placed elsewhere now: stop publishing, forget it, free its lease for its new owner."""
-        o = self.owned.get(run_id)
-        if o is None:
+    async def _give_back(self, runs: Sequence[str]) -> None:
+        """Runs placed elsewhere now: forget them, let what they queued be published, then free their leases."""
+        handed = {r: o for r in runs if (o := self.owned.get(r)) is not None}
+        if not handed:
             return
-        await self._drop(run_id)
-        # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
-        self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
+        for run_id, o in handed.items():
+            self._closing[run_id] = o.deadline
+            await self._drop(run_id)
+        # A signal queued just before the move must still reach the harness (the new owner does not publish it
+        # again), and before the new owner can publish anything newer: the leases are freed once the messages
+        # are out (or after a bounded wait).
+        outbox = self.monitor.outbox
+        until = time.monotonic() + min(1.0, self.settings.lease_s / 4)
+        while any(outbox.pending(r) for r in handed) and time.monotonic() < until:  # noqa: ASYNC110 (bounded poll)
+            await asyncio.sleep(0.02)
+        for run_id, o in handed.items():
+            self._closing.pop(run_id, None)
+            # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
+            self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
     async def _notes(self) -> None:
         """Follow the note stream: runs placed here are taken at once, owned runs with new events are fed."""
@@ -845,7 +890,7 @@ class Cluster:
         o = self.owned.get(run_id)
         if o is None:
             return
-        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token])):
+        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token, self.retention_ms])):
             self.owned.pop(run_id, None)
             self.metrics.runs_owned.set(len(self.owned))
 
@@ -853,7 +898,7 @@ class Cluster:
         """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
         o = self.owned.pop(run_id, None)
         if o is not None:
-            self._finished[run_id] = o.deadline
+            self._closing[run_id] = o.deadline
             self.metrics.runs_owned.set(len(self.owned))
             self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
@@ -867,7 +912,28 @@ class Cluster:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("cluster_session_not_taken", replica=info.get("replica"), error=f"{type(e).__name__}: {e}")
+                tries = int(info.get("tries", 0)) + 1
+                gone = str(info.get("replica", ""))
+                back = await self._alive(gone)
+                log.warning(
+                    "cluster_session_not_taken",
+                    replica=gone,
+                    error=f"{type(e).__name__}: {e}",
+                    retry=not back and tries < _SESSION_TRIES,
+                    note="the replica is back: its session is its own" if back else None,
+                )
+                if not back and tries < _SESSION_TRIES:
+                    # Its queued messages stay in the session (kept: nothing asked the broker to delete it); again.
+                    await asyncio.sleep(self.settings.heartbeat_s * 2)
+                    self._sessions.put_nowait({**info, "tries": tries})
+
+    async def _alive(self, replica: str) -> bool:
+        """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""
+        with contextlib.suppress(Exception):
+            score = await self.redis.zscore(self.key("replicas"), replica)
+            secs, micros = await self.redis.time()
+            return score is not None and float(score) >= secs * 1000 + micros // 1000
+        return False
 
     async def _take_session(self, info: Mapping[str, Any]) -> None:
         """Empty a departed replica's MQTT session into the inboxes, then let the broker delete it."""
@@ -881,8 +947,9 @@ class Cluster:
 
         b = link.broker
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        # Resume the session (clean start off) with expiry 0: the broker deletes it when this connection ends.
-        props.SessionExpiryInterval = 0
+        # Resume the session (clean start off), keeping its expiry: if this fails halfway, what is still queued
+        # there stays for the next attempt. Only once it is empty does the DISCONNECT ask the broker to delete it.
+        props.SessionExpiryInterval = link.session_expiry_s
         client = aiomqtt.Client(
             b.host,
             b.port,
@@ -923,6 +990,11 @@ class Cluster:
                 taken += sum(e is None for e in errors)
                 if any(e is not None for e in errors):
                     raise ConnectionError("messages could not be journaled; the session is left for another attempt")
+            gone = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+            gone.SessionExpiryInterval = 0  # emptied and unsubscribed: the broker may delete it now
+            client._client.disconnect(properties=gone)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(client._disconnected), 10)
         self.metrics.sessions_adopted.inc()
         log.info("cluster_session_taken", replica=info.get("replica"), client_id=client_id, messages=taken)
 
@@ -1164,23 +1236,11 @@ class ClusterStore:
 
     async def samples(self) -> list[Sample]:
         """Every calibration sample the cluster kept, oldest first."""
-        return [Sample.from_json(json.loads(b)) for b in await self.redis.lrange(self.cluster.key("samples"), 0, -1)]
+        return await _samples(self.redis, self.cluster.prefix)
 
     async def reset_family(self, name: str) -> int:
         """Delete the samples of every family called `name`; how many."""
-        key = self.cluster.key("samples")
-        kept, gone = [], 0
-        for b in await self.redis.lrange(key, 0, -1):
-            if json.loads(b).get("family", {}).get("name") == name:
-                gone += 1
-            else:
-                kept.append(b)
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            if kept:
-                pipe.rpush(key, *kept)
-            await pipe.execute()
-        return gone
+        return await _reset_family(self.redis, self.cluster.prefix, name)
 
     def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
         """Keep a group's ranking (its owner's); None clears it."""
@@ -1201,45 +1261,79 @@ class ClusterStore:
     async def aclose(self) -> None:
         """Nothing to close: the cluster owns the connection."""
 
-    # -- reading (agent-monitor runs / export --cluster) --
-
-    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Live and recent runs of the cluster, newest first (the same rows as SqliteStore.list_runs)."""
-        return await list_runs(self.redis, self.cluster.prefix, limit)
-
-    async def export(self, run_id: str) -> dict[str, Any] | None:
-        """A run as the cluster journaled it (the same form as SqliteStore.export)."""
-        return await export_run(self.redis, self.cluster.prefix, run_id)
-
 
 # -- reading the shared journal (agent-monitor runs / export --cluster, no replica needed) --
 
 
-async def cluster_runs(settings: ClusterSettings, limit: int = 100) -> list[dict[str, Any]]:
-    """A cluster's live and recent runs from its shared journal (`agent-monitor runs --cluster`); no replica needed."""
-    rows: list[dict[str, Any]] = await _read(settings, lambda r, p: list_runs(r, p, limit))
-    return rows
+class ClusterJournal:
+    """A cluster's shared journal, read without joining it: what `runs`, `export` and `calibration --cluster` show.
+
+    ```python
+    async with ClusterJournal(ClusterSettings(url="redis://127.0.0.1:6379/0")) as journal:
+        rows = await journal.list_runs()
+    ```
+    The same rows and forms as `SqliteStore`'s readers. Entering raises ClusterUnavailable with a one-line reason.
+    """
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self.settings = settings
+        self.redis, self.prefix = cluster_redis(settings)
+        self.where = f"cluster {settings.name} on {settings.url}"
+        """Where the journal is, for messages."""
+
+    async def __aenter__(self) -> ClusterJournal:
+        await self._call(self.redis.ping())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.redis.aclose()
+
+    async def _call(self, aw: Awaitable[T]) -> T:
+        from redis.exceptions import RedisError
+
+        try:
+            return await aw
+        except (OSError, RedisError) as e:
+            raise ClusterUnavailable(
+                f"cannot read the {self.where}: {type(e).__name__}: {e}; check the URL (--cluster) and that Redis "
+                "runs there"
+            ) from None
+
+    async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Live and recent runs, most recently updated first (the rows SqliteStore.list_runs gives)."""
+        return await self._call(list_runs(self.redis, self.prefix, limit))
+
+    async def export(self, run_id: str) -> dict[str, Any] | None:
+        """A run as the cluster journaled it (the form SqliteStore.export gives), or None."""
+        return await self._call(export_run(self.redis, self.prefix, run_id))
+
+    async def samples(self) -> list[Sample]:
+        """Every calibration sample the cluster kept, oldest first."""
+        return await self._call(_samples(self.redis, self.prefix))
+
+    async def reset_family(self, name: str) -> int:
+        """Delete the calibration samples of every family called `name` (any model or rubric); how many."""
+        return await self._call(_reset_family(self.redis, self.prefix, name))
 
 
-async def cluster_export(settings: ClusterSettings, run_id: str) -> dict[str, Any] | None:
-    """One run from a cluster's shared journal (`agent-monitor export --cluster`), or None."""
-    run: dict[str, Any] | None = await _read(settings, lambda r, p: export_run(r, p, run_id))
-    return run
+async def _samples(redis: aioredis.Redis, prefix: str) -> list[Sample]:
+    return [Sample.from_json(json.loads(b)) for b in await redis.lrange(prefix + "samples", 0, -1)]
 
 
-async def _read(settings: ClusterSettings, read: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:
-    from redis.exceptions import RedisError
-
-    redis, prefix = cluster_redis(settings)
-    try:
-        return await read(redis, prefix)
-    except (OSError, RedisError) as e:
-        raise ClusterUnavailable(
-            f"cannot read the cluster {settings.name} in Redis at {settings.url}: {type(e).__name__}: {e}; "
-            "check the URL (--cluster) and that Redis runs there"
-        ) from None
-    finally:
-        await redis.aclose()
+async def _reset_family(redis: aioredis.Redis, prefix: str, name: str) -> int:
+    key = prefix + "samples"
+    kept, gone = [], 0
+    for b in await redis.lrange(key, 0, -1):
+        if json.loads(b).get("family") == name:
+            gone += 1
+        else:
+            kept.append(b)
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        if kept:
+            pipe.rpush(key, *kept)
+        await pipe.execute()
+    return gone
 
 
 def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
@@ -1250,7 +1344,11 @@ def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
         raise ImportError(f"cluster mode needs the redis client ({e}); pip install 'agent-monitor[cluster]'") from None
     if settings.url is None:
         raise ValueError("no cluster URL; pass --cluster redis://HOST:PORT/DB")
-    return aioredis.Redis.from_url(settings.url, socket_timeout=10, socket_connect_timeout=5), f"am:{settings.name}:"
+    # A reply slower than the lease is as good as none (the lease is gone by then): time out, say so, try again.
+    # At least 2 s: the notes are read with a blocking XREAD of one second.
+    timeout = max(2.0, settings.lease_s)
+    client = aioredis.Redis.from_url(settings.url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return client, f"am:{settings.name}:"
 
 
 async def list_runs(redis: aioredis.Redis, prefix: str, limit: int = 100) -> list[dict[str, Any]]:

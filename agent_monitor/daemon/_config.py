@@ -284,6 +284,11 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
+        if self.cluster.url is not None and self.protocol == "3.1.1":
+            raise ValueError(
+                "cluster mode needs MQTT 5 (shared subscriptions, taking a departed replica's session over); "
+                "use --mqtt-protocol 5 or auto, and a broker that speaks it (Mosquitto 2, EMQX, HiveMQ)"
+            )
         if not 1 <= self.receive_window <= 65_535:
             raise ValueError(f"receive_window={self.receive_window}; MQTT allows 1..65535")
         for name in ("max_concurrency", "repeats", "outbox_size", "circuit_threshold"):

@@ -21,6 +21,8 @@ from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunO
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
+CLUSTER_OPS = ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress")
+"""The Redis operations cluster mode counts failures of (agent_monitor_cluster_errors_total{op})."""
 # Judge latencies run from tens of milliseconds (a warm local model) to a minute (a loaded hosted API).
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
 
@@ -179,6 +181,10 @@ class Metrics:
             ["op"],
             registry=registry,
         )
+        # At 0 from start-up like every labelled counter: a panel's increase() has data, and the first failure
+        # counts as a rise (a series born at 1 shows none).
+        for op in CLUSTER_OPS:
+            self.cluster_errors.labels(op)
         for s in SIGNALS:
             self.signals.labels(s)
         for o in RUN_OUTCOMES:

@@ -221,6 +221,12 @@ class Monitor:
     runs); `SqliteStore` survives restarts, `MemoryStore` keeps the journal in this process. `sinks` are called with every `MonitorEvent`, after the
     monitor's own (MQTT, store, metrics, log).
 
+    With `config.cluster.url` (cluster mode, docs/cluster.md) the monitor is one replica of several sharing
+    runs through Redis: it journals what it receives into the runs' shared inboxes (before acknowledging),
+    owns the runs the cluster places on it (a lease with a fencing token each), and scores and publishes
+    only those; the named tasks `cluster-heartbeat`, `cluster-notes`, `cluster-feed`, `cluster-writer` and
+    `cluster-sessions` run beside the others. Leaving hands its runs to the other replicas.
+
     With `config.otlp_endpoint`, `otel` (an `OtelSink`) sends every score's OpenTelemetry
     `gen_ai.evaluation.result` events to that collector: opened on entering, flushed on leaving.
 
@@ -453,6 +459,7 @@ class Monitor:
             "scorings": self.scorings,
             "degraded": self.circuit.degraded,
             "connected": bool(self.link and self.link.connected.is_set()),
+            **(self.cluster.status() if self.cluster is not None else {}),
         }
 
     def run(self, run_id: str) -> RunView | None:

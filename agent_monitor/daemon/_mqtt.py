@@ -83,6 +83,9 @@ class MqttLink:
         """Cluster mode: the shared subscription group ($share/{share}/...) the replicas receive through."""
         self.client: aiomqtt.Client | None = None
         """The connection being served (None between connections)."""
+        self.allowed = asyncio.Event()
+        """Cleared: do not connect again once the connection ends (cluster mode, cut off from Redis)."""
+        self.allowed.set()
         self.connected = asyncio.Event()
         self.connections = 0
         self.negotiated: Literal["5", "3.1.1"] | None = None
@@ -140,7 +143,9 @@ class MqttLink:
     async def connect(self) -> aiomqtt.Client:
         """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
         versions: list[Literal["5", "3.1.1"]]
-        if self.negotiated is not None:
+        if self.share is not None:
+            versions = ["5"]  # cluster mode: shared subscriptions and session takeover need MQTT 5
+        elif self.negotiated is not None:
             versions = [self.negotiated]
         elif self.protocol == "auto":
             versions = ["5", "3.1.1"]
@@ -282,6 +287,7 @@ class MqttLink:
         backoff = 0.5
         while True:
             if client is None:
+                await self.allowed.wait()
                 try:
                     client = await self.connect()
                 except BrokerUnavailable as e:

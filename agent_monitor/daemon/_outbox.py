@@ -49,6 +49,8 @@ class Outbox:
         self._ready = asyncio.Event()
         self.gate: Callable[[str], bool] | None = None
         """Cluster mode: whether this replica may still publish about a run; a message it may not is dropped."""
+        self._by_run: dict[str, int] = {}
+        """Messages waiting per run (those that name one): a replica handing a run over waits for them to leave."""
 
     def put(self, m: Message) -> None:
         """Queue a message (never blocks: a scorer must not wait on a slow broker)."""
@@ -58,7 +60,7 @@ class Outbox:
             newcomer_dropped = not self._droppable and m.droppable
             if self._droppable or newcomer_dropped:
                 if self._droppable:
-                    self._droppable.popleft()
+                    self._left(self._droppable.popleft()[1])
                 self.dropped += 1
                 if self.metrics:
                     self.metrics.outbox_dropped.inc()
@@ -66,6 +68,8 @@ class Outbox:
                 return
         self._next += 1
         (self._droppable if m.droppable else self._kept).append((self._next, m))
+        if m.run_id is not None:
+            self._by_run[m.run_id] = self._by_run.get(m.run_id, 0) + 1
         self._ready.set()
         self._gauge()
 
@@ -73,6 +77,8 @@ class Outbox:
         """Put back a message whose publication failed, first in line."""
         self._first -= 1
         (self._droppable if m.droppable else self._kept).appendleft((self._first, m))
+        if m.run_id is not None:
+            self._by_run[m.run_id] = self._by_run.get(m.run_id, 0) + 1
         self._ready.set()
         self._gauge()
 
@@ -86,22 +92,41 @@ class Outbox:
             self._gauge()
             # Checked as it leaves, not as it came: a replica paused past its lease (a zombie) must not publish
             # what it queued before the pause, once another replica owns the run.
-            if m.run_id is None or self.gate is None or self.gate(m.run_id):
+            if self._may(m):
                 return m
-            if self.metrics:
-                self.metrics.cluster_fenced.labels("publish").inc()
 
     def get_nowait(self) -> Message | None:
-        """The next message, or None."""
-        m = self._pop() if len(self) else None
+        """The next message, or None (the gate applies as in `get`)."""
+        while len(self):
+            m = self._pop()
+            if self._may(m):
+                self._gauge()
+                return m
         self._gauge()
-        return m
+        return None
+
+    def _may(self, m: Message) -> bool:
+        if m.run_id is None or self.gate is None or self.gate(m.run_id):
+            return True
+        if self.metrics:
+            self.metrics.cluster_fenced.labels("publish").inc()
+        return False
+
+    def pending(self, run_id: str) -> int:
+        """Messages about one run waiting to be published."""
+        return self._by_run.get(run_id, 0)
 
     def _pop(self) -> Message:
         d, k = self._droppable, self._kept
-        if d and (not k or d[0][0] < k[0][0]):
-            return d.popleft()[1]
-        return k.popleft()[1]
+        m = d.popleft()[1] if d and (not k or d[0][0] < k[0][0]) else k.popleft()[1]
+        self._left(m)
+        return m
+
+    def _left(self, m: Message) -> None:
+        if m.run_id is not None:
+            n = self._by_run.pop(m.run_id, 1) - 1
+            if n > 0:
+                self._by_run[m.run_id] = n
 
     def __len__(self) -> int:
         return len(self._droppable) + len(self._kept)
