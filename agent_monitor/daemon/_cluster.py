@@ -1396,16 +1396,24 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
     if not meta.get("started_at"):
         return None
     steps: dict[int, dict[str, Any]] = {}
+    early: list[dict[str, Any]] = []  # steps that came before the start: placed by it, unless dropped before
     for b in recs:
         d = json.loads(b)
-        if d["k"] == "gap":
+        if d["k"] == "orphan":
+            early.append(d["e"])
+        elif d["k"] == "dropped":
+            early = []
+        elif d["k"] == "start":
+            for e in early:
+                index = int(e.get("index") or max(steps, default=0) + 1)
+                steps.setdefault(index, _exported_step(index, e))
+            early = []
+        elif d["k"] == "gap":
             for i in range(1, int(d["upto"])):
                 steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
         elif d["k"] == "step":
-            e = d["e"]
-            index = int(e["index"])
-            digests = [hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()]
-            steps[index] = {"index": index, "text": e.get("text", ""), "ts": e.get("ts"), "images": digests}
+            index = int(d["e"]["index"])
+            steps[index] = _exported_step(index, d["e"])
     curve = [json.loads(prog[k]) for k in sorted(prog, key=lambda k: int(k))]
     return {
         "run_id": run_id,
@@ -1418,6 +1426,11 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         "curve": curve,
         "totals": _totals([_totals_row(p) for p in curve]),
     }
+
+
+def _exported_step(index: int, e: Mapping[str, Any]) -> dict[str, Any]:
+    digests = [hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()]
+    return {"index": index, "text": e.get("text", ""), "ts": e.get("ts"), "images": digests}
 
 
 def _float(v: str | None) -> float | None:
