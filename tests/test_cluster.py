@@ -378,10 +378,11 @@ async def test_made_up_runs_leave_nothing_behind(broker: Mosquitto, redis: Redis
 
 
 class Cut:
-    """A TCP proxy to Redis that can cut one replica off (its connections closed, new ones refused) and mend it."""
+    """A TCP proxy (to Redis, or the broker) that cuts one replica off (connections closed, new ones refused)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, scheme: str = "redis", path: str = "/0") -> None:
         self.port = port
+        self.scheme, self.path = scheme, path
         self.cut = False
         self.conns: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
@@ -398,7 +399,7 @@ class Cut:
     @property
     def url(self) -> str:
         assert self.server is not None
-        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+        return f"{self.scheme}://127.0.0.1:{self.server.sockets[0].getsockname()[1]}{self.path}"
 
     def sever(self) -> None:
         for w in self.conns:
@@ -456,6 +457,48 @@ async def test_a_replica_cut_off_from_redis_loses_nothing(broker: Mosquitto, red
                     break
                 await asyncio.sleep(BEAT)
             assert b.status()["owned"] == 3  # a is back: the runs are balanced again
+            for i in (5, 6):
+                await step_all(h, runs, i)
+            await h.until(lambda: all(h.last_step(r) == 6 for r in runs), wait_s=30)
+    for r in runs:
+        steps = [p["step"] for p in h.progress(r)]
+        assert steps == sorted(steps), f"{r}'s progress went backwards: {steps}"
+        run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+        assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 7))
+
+
+async def test_a_replica_cut_off_from_the_broker_steps_aside(broker: Mosquitto, redis: RedisServer) -> None:
+    """Cut from the broker (not from Redis) past its lease, a replica hands its runs over and counts as departed,
+    so a survivor empties its session (the broker queues a share of every run's inputs there): the other runs do
+    not wait for it. When the broker is back it joins again; nothing is lost or goes backwards."""
+    runs = [f"bcut-{i}" for i in range(6)]
+    async with Cut(broker.port, "mqtt", "") as cut, harness(broker.port) as h:
+        config = replica(broker, redis, "a").config
+        cut_off = Monitor(
+            dataclasses.replace(config, broker=BrokerSettings.from_url(cut.url)),
+            judge=FakeJudge(latency_s=0.01),
+            registry=CollectorRegistry(),
+        )
+        async with cut_off, replica(broker, redis, "b") as b:
+            for r in runs:
+                await h.publish(r, "start", {"task": "count"})
+            await step_all(h, runs, 1)
+            await h.until(lambda: all(h.last_step(r) == 1 for r in runs))
+            assert sorted((await owners(redis)).values()) == ["a"] * 3 + ["b"] * 3
+            cut.cut = True
+            cut.sever()
+            for i in (2, 3, 4):
+                await step_all(h, runs, i)
+                await asyncio.sleep(LEASE)
+            # Every run goes on, a's included, before a is back: it stepped aside and b emptied its session.
+            await h.until(lambda: all(h.last_step(r) == 4 for r in runs), wait_s=30)
+            assert set((await owners(redis)).values()) == {"b"}
+            cut.cut = False
+            for _ in range(80):
+                if cut_off.status()["owned"] == 3 and b.status()["owned"] == 3:
+                    break
+                await asyncio.sleep(BEAT)
+            assert (cut_off.status()["owned"], b.status()["owned"]) == (3, 3)  # back, and balanced again
             for i in (5, 6):
                 await step_all(h, runs, i)
             await h.until(lambda: all(h.last_step(r) == 6 for r in runs), wait_s=30)

@@ -424,6 +424,8 @@ class Cluster:
         self._notes_from = "$"
         self._joined = False
         self._leaving = False
+        self._aside = False
+        """Stepped aside (cut off from the broker past a lease): no heartbeats, no runs, until the broker is back."""
         self._scripts: dict[str, Any] = {}
         self._beats = 0
 
@@ -627,29 +629,66 @@ class Cluster:
     async def _heartbeats(self) -> None:
         link = self.monitor.link
         last_ok = time.monotonic()
+        broker_lost: float | None = None
         while True:
             try:
-                await self._tick()
-                last_ok = time.monotonic()
-                if link is not None and not link.allowed.is_set():
-                    log.info("cluster_reachable_again", replica=self.replica_id)
-                    link.allowed.set()
+                if self._aside:
+                    await self.redis.ping()  # no heartbeat while stepped aside, only whether Redis answers
+                else:
+                    await self._tick()
+                redis_ok = True
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                redis_ok = False
                 self.metrics.cluster_errors.labels("heartbeat").inc()
                 log.warning("cluster_heartbeat_failed", error=f"{type(e).__name__}: {e}")
-                if link is not None and link.allowed.is_set() and time.monotonic() - last_ok > self.settings.lease_s:
+            now = time.monotonic()
+            if link is not None:
+                if redis_ok:
+                    last_ok = now
+                    if not link.allowed.is_set():
+                        log.info("cluster_reachable_again", replica=self.replica_id)
+                        link.allowed.set()
+                elif link.allowed.is_set() and now - last_ok > self.settings.lease_s:
                     # Cut off from Redis past the lease: the others count this replica dead and take its session
                     # over. It must not connect again meanwhile (a second client with the same id would push the
                     # taker off): its link waits, once its connection ends, until Redis answers again.
                     log.warning("cluster_unreachable", replica=self.replica_id, note="receiving paused")
                     link.allowed.clear()
+                if link.connected.is_set():
+                    broker_lost = None
+                    if self._aside:
+                        log.info("cluster_broker_back", replica=self.replica_id, note="joining again")
+                        self._aside = False  # the next heartbeat finds it was counted departed, and joins afresh
+                elif not link.allowed.is_set():
+                    broker_lost = None  # not connected because it waits for Redis: not the broker's doing
+                elif broker_lost is None:
+                    broker_lost = now
+                elif not self._aside and now - broker_lost > self.settings.lease_s:
+                    try:
+                        await self._step_aside()
+                    except Exception as e:
+                        log.warning("cluster_step_aside_incomplete", error=f"{type(e).__name__}: {e}")
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _step_aside(self) -> None:
+        """Without the broker past a lease: hand the runs over and count as departed until the broker is back.
+
+        Its session keeps getting a share of every run's inputs meanwhile (the broker queues them there), so the
+        other replicas' runs would wait for those steps too: departed, a survivor takes the session over and
+        empties it, and the runs go on elsewhere. Its heartbeats stop until the broker answers again.
+        """
+        log.warning("cluster_broker_unreachable", replica=self.replica_id, runs=len(self.owned), note="stepping aside")
+        self._aside = True
+        await self._give_back(list(self.owned))
+        await self.store.flush()
+        await self.redis.zadd(self.key("replicas"), {self.replica_id: 0})
+        await self._reassign(self.replica_id, claim=False)
 
     async def _tick(self) -> None:
         """One heartbeat: membership, departed replicas, balance, then this replica's leases (taken, renewed, given)."""
-        if self._leaving:
+        if self._leaving or self._aside:
             return
         await self._heartbeat()
         now = time.monotonic()
@@ -711,7 +750,7 @@ class Cluster:
         """
         async with self._owning:
             runs = [r for r in dict.fromkeys(runs) if r not in self.owned]
-            if not runs or self._leaving:
+            if not runs or self._leaving or self._aside:
                 return
             sent = time.monotonic()
             async with self.redis.pipeline(transaction=False) as pipe:
