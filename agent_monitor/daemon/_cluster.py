@@ -1004,18 +1004,17 @@ class Cluster:
         client._client.manual_ack_set(True)
         taken = 0
         async with client:
-            unsubscribed = False
+            # Out of the shared subscription first: as a member, the resumed session gets its turn of every new
+            # message, so under steady traffic it would never fall quiet (and a second dead session, queued behind
+            # this one, would wait as long). The messages already queued in the session are still delivered after
+            # the UNSUBSCRIBE (MQTT 5 3.10.4; measured on Mosquitto 2.0.11: 100 queued of 100 arrived).
+            await client.unsubscribe(link.shared_filters())
             it: AsyncIterator[aiomqtt.Message] = client.messages.__aiter__()
             while True:
                 try:
                     first = await asyncio.wait_for(it.__anext__(), _QUIET_S)
                 except TimeoutError:
-                    if unsubscribed:
-                        break
-                    # Resumed and emptied of what was queued: stop the broker giving it a share, then empty it again.
-                    await client.unsubscribe(link.shared_filters())
-                    unsubscribed = True
-                    continue
+                    break  # emptied
                 batch = [first]
                 while not client._queue.empty():
                     batch.append(client._queue.get_nowait())
@@ -1436,16 +1435,24 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
     if not meta.get("started_at"):
         return None
     steps: dict[int, dict[str, Any]] = {}
+    early: list[dict[str, Any]] = []  # steps that came before the start: placed by it, unless dropped before
     for b in recs:
         d = json.loads(b)
-        if d["k"] == "gap":
+        if d["k"] == "orphan":
+            early.append(d["e"])
+        elif d["k"] == "dropped":
+            early = []
+        elif d["k"] == "start":
+            for e in early:
+                index = int(e.get("index") or max(steps, default=0) + 1)
+                steps.setdefault(index, _exported_step(index, e))
+            early = []
+        elif d["k"] == "gap":
             for i in range(1, int(d["upto"])):
                 steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
         elif d["k"] == "step":
-            e = d["e"]
-            index = int(e["index"])
-            digests = [hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()]
-            steps[index] = {"index": index, "text": e.get("text", ""), "ts": e.get("ts"), "images": digests}
+            index = int(d["e"]["index"])
+            steps[index] = _exported_step(index, d["e"])
     curve = [json.loads(prog[k]) for k in sorted(prog, key=lambda k: int(k))]
     return {
         "run_id": run_id,
@@ -1458,6 +1465,11 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         "curve": curve,
         "totals": _totals([_totals_row(p) for p in curve]),
     }
+
+
+def _exported_step(index: int, e: Mapping[str, Any]) -> dict[str, Any]:
+    digests = [hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()]
+    return {"index": index, "text": e.get("text", ""), "ts": e.get("ts"), "images": digests}
 
 
 def _float(v: str | None) -> float | None:

@@ -605,12 +605,18 @@ class SqliteStore:
                 return None
             steps: dict[int, dict[str, Any]] = {}
             for seq, kind, index, body in db.execute(
-                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap') "
+                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap', 'orphan') "
                 "ORDER BY seq",
                 (run_id,),
             ):
                 data = json.loads(body)
-                if kind == "gap":
+                if kind == "orphan":
+                    # A step that came before the start, which placed it (dropped ones were deleted): its index,
+                    # or the next position; a second one with the same index was refused there.
+                    index = data.get("index") or max(steps, default=0) + 1
+                    if index in steps:
+                        continue
+                elif kind == "gap":
                     # The steps given up on: below `upto` and not received by the time of the decision.
                     for i in range(1, int(data["upto"])):
                         steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
