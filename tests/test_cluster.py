@@ -507,3 +507,40 @@ async def test_a_replica_cut_off_from_the_broker_steps_aside(broker: Mosquitto, 
         assert steps == sorted(steps), f"{r}'s progress went backwards: {steps}"
         run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
         assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 7))
+
+
+async def test_a_new_owner_publishes_an_abort_again_only_if_it_may_not_be_out(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
+    """An abort the broker acknowledged is not published again by the run's next owner (a harness sees it once);
+    one the previous owner decided and stored but never got out (it died first) is."""
+    policy = {"abort_below": 0.5, "min_steps": 1, "patience": 1}
+    judge = FakeJudge(["A"])
+    async with harness(broker.port) as h, replica(broker, redis, "a", judge=judge) as a:
+        assert a.cluster is not None
+        for r in ("out", "lost"):
+            await h.publish(r, "start", {"task": "count", "policy": policy})
+        await h.publish("out", "step", {"index": 1, "text": "nothing done"})
+        await h.until(lambda: any(s and s["signal"] == "abort" for s in h.seen[("out", "signal")]))
+        await asyncio.sleep(0.3)  # the broker's acknowledgement is noted in Redis
+        # The next abort is decided and stored, but its publication never leaves (as if the owner died first).
+        a.outbox.gate = lambda run: run != "lost"
+        await h.publish("lost", "step", {"index": 1, "text": "nothing done"})
+        for _ in range(40):
+            t = a.tracker("lost")
+            if t is not None and t.latest is not None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert not [s for s in h.seen[("lost", "signal")] if s]
+        next(t for t in a._tasks if t.get_name() == "cluster-heartbeat").cancel()  # it stops renewing: "dead"
+        async with replica(broker, redis, "b", judge=judge) as b:
+            for _ in range(60):
+                if b.status()["owned"] == 2:
+                    break
+                await asyncio.sleep(BEAT)
+            assert b.status()["owned"] == 2
+            await h.until(lambda: any(s and s["signal"] == "abort" for s in h.seen[("lost", "signal")]))
+            await asyncio.sleep(1.0)
+    aborts = {r: [s for s in h.seen[(r, "signal")] if s and s["signal"] == "abort"] for r in ("out", "lost")}
+    assert (len(aborts["out"]), len(aborts["lost"])) == (1, 1), aborts

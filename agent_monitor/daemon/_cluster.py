@@ -312,6 +312,14 @@ for f, v in pairs(cjson.decode(ARGV[6])) do redis.call('HSET', P .. 'meta:' .. r
 return 1
 """
 
+_MARK = """
+-- Note in a run's listing which signal the broker acknowledged (its decision's step), if the token is still the
+-- run's. ARGV: prefix, run, token, step
+if redis.call('GET', ARGV[1] .. 'fence:' .. ARGV[2]) ~= ARGV[3] then return 0 end
+redis.call('HSET', ARGV[1] .. 'meta:' .. ARGV[2], 'signal_sent', ARGV[4])
+return 1
+"""
+
 _CURSOR = """
 -- Move a run's inbox cursor past events that left no record (refused, duplicates). ARGV: prefix, run, token, id
 local P, run = ARGV[1], ARGV[2]
@@ -411,7 +419,7 @@ class Cluster:
         self.retention_ms = max(1, int(retention_s * 1000))
         self.store = ClusterStore(self)
         self.owned: dict[str, _Owned] = {}
-        self._closing: dict[str, float] = {}
+        self._closing: dict[str, tuple[float, int]] = {}
         """Runs no longer owned here (finished, or being handed over) whose queued messages may still be published,
         with the lease deadline until which they may."""
         self.live: tuple[str, ...] = ()
@@ -458,6 +466,7 @@ class Cluster:
             ("journal", _JOURNAL),
             ("progress", _PROGRESS),
             ("cursor", _CURSOR),
+            ("mark", _MARK),
             ("retire", _RETIRE),
         ):
             self._scripts[name] = self.redis.register_script(src)
@@ -579,7 +588,14 @@ class Cluster:
         if o is not None:
             return time.monotonic() < o.deadline
         # A run that just finished or is being handed over: what it queued (a retained signal) still goes out.
-        return time.monotonic() < self._closing.get(run_id, 0.0)
+        return time.monotonic() < self._closing.get(run_id, (0.0, 0))[0]
+
+    def signal_sent(self, run_id: str, step: int) -> None:
+        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
+        o = self.owned.get(run_id)
+        token = o.token if o is not None else self._closing.get(run_id, (0.0, 0))[1]
+        if token:
+            self.store.later(self._scripts["mark"], [self.prefix, run_id, token, step])
 
     def token(self, run_id: str) -> int:
         """The run's fencing token this replica holds; Fenced when it holds none."""
@@ -692,7 +708,7 @@ class Cluster:
             return
         await self._heartbeat()
         now = time.monotonic()
-        for run_id in [r for r, until in self._closing.items() if until <= now]:
+        for run_id in [r for r, (until, _) in self._closing.items() if until <= now]:
             del self._closing[run_id]
         await self._scripts["rebalance"](args=[self.prefix, 8, _NOTES_MAXLEN])
         mine = {_text(r) for r in await self.redis.smembers(self.key("owned", self.replica_id))}
@@ -766,10 +782,12 @@ class Cluster:
             for run_id, tok in got.items():
                 o = _Owned(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
                 try:
-                    replay, cursor = journals[run_id]
+                    replay, cursor, signal_out = journals[run_id]
                     self.owned[run_id] = o
                     o.cursor = o.fed = cursor
-                    await self.monitor.adopt(run_id, replay.records, replay.progress.get(run_id, ()))
+                    await self.monitor.adopt(
+                        run_id, replay.records, replay.progress.get(run_id, ()), signal_sent=signal_out
+                    )
                     o.ready = True
                 except Exception:
                     self.owned.pop(run_id, None)
@@ -795,7 +813,7 @@ class Cluster:
         if not handed:
             return
         for run_id, o in handed.items():
-            self._closing[run_id] = o.deadline
+            self._closing[run_id] = (o.deadline, o.token)
             await self._drop(run_id)
         # A signal queued just before the move must still reach the harness (the new owner does not publish it
         # again), and before the new owner can publish anything newer: the leases are freed once the messages
@@ -937,7 +955,7 @@ class Cluster:
         """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
         o = self.owned.pop(run_id, None)
         if o is not None:
-            self._closing[run_id] = o.deadline
+            self._closing[run_id] = (o.deadline, o.token)
             self.metrics.runs_owned.set(len(self.owned))
             self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
 
@@ -1237,22 +1255,23 @@ class ClusterStore:
             async with asyncio.timeout(5):
                 await self._idle.wait()
 
-    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str]]:
-        """Runs' records, scores and inbox cursors, as a new owner takes them over (one round trip)."""
+    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str, int | None]]:
+        """Runs' records, scores, inbox cursors and last signal out, as a new owner takes them over (one round trip)."""
         c = self.cluster
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id in runs:
                 pipe.lrange(c.key("rec", run_id), 0, -1)
                 pipe.hgetall(c.key("prog", run_id))
                 pipe.get(c.key("cur", run_id))
+                pipe.hget(c.key("meta", run_id), "signal_sent")
             got = await pipe.execute()
-        out: dict[str, tuple[Replay, str]] = {}
+        out: dict[str, tuple[Replay, str, int | None]] = {}
         for k, run_id in enumerate(runs):
-            recs, prog, cur = got[3 * k : 3 * k + 3]
+            recs, prog, cur, sent = got[4 * k : 4 * k + 4]
             replay = Replay(records=[_record_of(run_id, _text(b)) for b in recs])
             if prog:
                 replay.progress[run_id] = [json.loads(prog[i]) for i in sorted(prog, key=lambda i: int(i))]
-            out[run_id] = (replay, _text(cur) if cur else "")
+            out[run_id] = (replay, _text(cur) if cur else "", int(sent) if sent else None)
         return out
 
     async def replay(self) -> Replay:

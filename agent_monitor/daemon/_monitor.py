@@ -294,7 +294,7 @@ class Monitor:
 
             self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._criteria_of)
         self.sinks: tuple[Sink, ...] = (
-            MqttSink(self.outbox, self.topics),
+            MqttSink(self.outbox, self.topics, on_signal_sent=self.cluster.signal_sent if self.cluster else None),
             StoreSink(self.store),
             self._metrics_sink,
             LogSink(log),
@@ -1073,12 +1073,20 @@ class Monitor:
 
     # -- cluster mode: runs arrive and leave while the monitor runs --
 
-    async def adopt(self, run_id: str, records: Sequence[Record], progress: Sequence[Mapping[str, Any]]) -> None:
+    async def adopt(
+        self,
+        run_id: str,
+        records: Sequence[Record],
+        progress: Sequence[Mapping[str, Any]],
+        *,
+        signal_sent: int | None = None,
+    ) -> None:
         """Take over one run from its shared journal: replay its records, take its stored scores, score what is left.
 
         Cluster mode: this replica became the run's owner (a failover, or the run was moved here). As on a
-        restart, nothing is judged again that was scored. Unlike a restart, the run's signal is not published
-        again: the previous owner published it (retained), and a harness must see each abort once.
+        restart, nothing is judged again that was scored. The run's signal is published again only when the
+        previous owner may not have got it out: `signal_sent` is the step of the last signal the broker
+        acknowledged, and a harness sees each abort once.
         """
         async with self._lock:
             self._forget(run_id)
@@ -1086,7 +1094,9 @@ class Monitor:
                 await self._apply(record, replaying=True)
             scoring = self._scoring.get(run_id)
             if scoring is not None:
-                self._restore_scores(run_id, scoring, progress, republish=False)
+                changes = [d["step"] for d in progress if (d.get("decision") or {}).get("changed")]
+                lost = bool(changes) and changes[-1] != signal_sent
+                self._restore_scores(run_id, scoring, progress, republish=lost)
                 if scoring.group is not None:
                     self._group_changed(scoring.group, False)
             self.metrics.runs_active.set(len(self.book.live))

@@ -389,6 +389,11 @@ class MqttLink:
             raise
         finally:
             window.release()
+        if m.sent is not None:
+            try:
+                m.sent()
+            except Exception:
+                log.exception("sent_callback_failed", topic=m.topic)
 
 
 def _code(c: object) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ class Message:
     """Progress and error messages may be dropped when the outbox is full; signals never are."""
     run_id: str | None = None
     """The run the message is about (the outbox's `gate` may hold it back: cluster mode's fencing)."""
+    sent: Callable[[], None] | None = field(default=None, compare=False)
+    """Called once the broker acknowledged the message (cluster mode: a signal known to be out is not republished)."""
 
 
 class Outbox:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeAlias
 
 import structlog
@@ -128,9 +129,13 @@ class MqttSink:
 
     events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
 
-    def __init__(self, outbox: Outbox, topics: Topics) -> None:
+    def __init__(
+        self, outbox: Outbox, topics: Topics, *, on_signal_sent: Callable[[str, int], None] | None = None
+    ) -> None:
         self.outbox = outbox
         self.topics = topics
+        self.on_signal_sent = on_signal_sent
+        """Told (run id, the decision's step) once a signal is out: cluster mode remembers which one is."""
         self._progress_topics: dict[str, str] = {}
 
     def __call__(self, event: MonitorEvent) -> None:
@@ -144,8 +149,13 @@ class MqttSink:
             self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
+            sent = (
+                None if self.on_signal_sent is None else partial(self.on_signal_sent, event.run_id, event.decision.step)
+            )
             self.outbox.put(
-                Message(t.of(event.run_id, "signal"), payload, retain=True, droppable=False, run_id=event.run_id)
+                Message(
+                    t.of(event.run_id, "signal"), payload, retain=True, droppable=False, run_id=event.run_id, sent=sent
+                )
             )
         elif isinstance(event, Refused):
             where = t.of(event.run_id, "error") if event.run_id else t.errors
