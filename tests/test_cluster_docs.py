@@ -13,8 +13,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent_monitor.cli._flags import env_name, flag_name
-from agent_monitor.daemon import ClusterSettings, Monitor
-from agent_monitor.daemon import _cluster as cluster_module
+from agent_monitor.daemon import ClusterSettings, Monitor, _cluster, _cluster_lua, _cluster_store
 from agent_monitor.testing import FakeJudge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +55,7 @@ def test_the_flag_table_names_every_cluster_setting_with_its_env_twin_and_defaul
 
 
 def test_every_redis_key_in_the_table_is_one_the_code_uses() -> None:
-    source = Path(cluster_module.__file__).read_text()
+    source = "".join(Path(m.__file__).read_text() for m in (_cluster, _cluster_lua, _cluster_store))  # type: ignore[arg-type]
     used = set(re.findall(r"P \.\. '([a-z:]+?):?'", source)) | set(re.findall(r'key\("([a-z:]+)"', source))
     documented = set()
     for row in table_rows("Redis"):

@@ -134,10 +134,10 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
 
 def test_every_cluster_operation_counted_is_there_from_start_up() -> None:
     """The op names cluster mode counts failures under are all pre-initialised (a new one must join CLUSTER_OPS)."""
-    from agent_monitor.daemon import _cluster
+    from agent_monitor.daemon import _cluster, _cluster_store
     from agent_monitor.daemon._metrics import CLUSTER_OPS
 
-    source = Path(_cluster.__file__).read_text()
+    source = "".join(Path(m.__file__).read_text() for m in (_cluster, _cluster_store))  # type: ignore[arg-type]
     ops = set(re.findall(r'cluster_errors\.labels\("(\w+)"\)', source)) | set(re.findall(r'_run\(\s*"(\w+)"', source))
     assert {"receive", "journal", "heartbeat"} <= ops, ops
     assert ops <= set(CLUSTER_OPS), f"counted but not at 0 from start-up: {sorted(ops - set(CLUSTER_OPS))}"

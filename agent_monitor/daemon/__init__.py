@@ -7,7 +7,7 @@ the top level of `agent_monitor`, never `cli/`.
 
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
-from ._cluster import ClusterJournal, ClusterUnavailable
+from ._cluster_store import ClusterJournal, ClusterUnavailable
 from ._config import ClusterSettings, MetricsSettings, MonitorConfig, Protocol
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
