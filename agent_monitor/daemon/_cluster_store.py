@@ -18,19 +18,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from ..calibration import Sample
-from ..wire import RunEnd, RunStart, StepIn
+from ..wire import RunEnd, RunStart
 from ._config import ClusterSettings
 from ._state import (
-    Ended,
     Finished,
     GapFilled,
-    Orphaned,
     OrphansDropped,
     Record,
-    Started,
-    Stepped,
 )
-from ._store import PLACEHOLDER_PNG, Replay, _totals, _totals_row
+from ._store import PLACEHOLDER_PNG, Replay, _event_of, _event_record, _totals, _totals_row
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -88,16 +84,7 @@ def _record_body(record: Record) -> tuple[str, str, dict[str, Any]]:
         return "dropped", json.dumps({"k": "dropped", "at": at}), {}
     if isinstance(record, GapFilled):
         return "gap", json.dumps({"k": "gap", "at": at, "upto": record.upto}), {"updated_at": at}
-    event: RunStart | StepIn | RunEnd
-    if isinstance(record, Started):
-        kind, event = "start", record.start
-    elif isinstance(record, Stepped):
-        kind, event = "step", record.step
-    elif isinstance(record, Orphaned):
-        kind, event = "orphan", record.step
-    else:
-        assert isinstance(record, Ended)
-        kind, event = "end", record.end
+    kind, event = _event_of(record)
     data = json.loads(event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None))
     if not isinstance(event, RunEnd):
         data["images"] = [{"data": base64.b64encode(i.decoded()).decode("ascii"), "mime": i.mime} for i in event.images]
@@ -120,16 +107,7 @@ def _record_of(run_id: str, body: str) -> Record:
     for im in data.get("images") or ():
         if not im.get("data"):
             im["data"] = base64.b64encode(PLACEHOLDER_PNG).decode("ascii")
-    ctx = {"max_image_bytes": 1 << 40}
-    if kind == "start":
-        return Started(run_id, RunStart.model_validate(data, context=ctx), at, None)
-    if kind == "step":
-        return Stepped(run_id, StepIn.model_validate(data, context=ctx), at, None)
-    if kind == "orphan":
-        return Orphaned(run_id, StepIn.model_validate(data, context=ctx), at, None)
-    if kind == "end":
-        return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, None)
-    raise ValueError(f"unknown record kind {kind!r} in the cluster journal; was it written by a newer agent-monitor?")
+    return _event_record(kind, run_id, data, at, None, where="the cluster journal")
 
 
 class ClusterStore:

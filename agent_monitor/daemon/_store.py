@@ -352,15 +352,7 @@ class SqliteStore:
                 _insert(db, run_id, "gap", None, body, at, None)
 
             return gap
-        event: RunStart | StepIn | RunEnd
-        if isinstance(record, Started):
-            kind, event = "start", record.start
-        elif isinstance(record, Stepped):
-            kind, event = "step", record.step
-        elif isinstance(record, Orphaned):
-            kind, event = "orphan", record.step
-        else:
-            kind, event = "end", record.end
+        kind, event = _event_of(record)
         body = event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
         images = [(hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded()) for i in getattr(event, "images", [])]
         index = event.index if kind == "step" and isinstance(event, StepIn) else None
@@ -751,6 +743,22 @@ def _record(
             }
             for mime, raw in frames
         ]
+    return _event_record(kind, run_id, data, at, d, where="the run store")
+
+
+def _event_of(record: Started | Stepped | Orphaned | Ended) -> tuple[str, RunStart | StepIn | RunEnd]:
+    """An event record's kind in a journal, and its event (the SQLite store and the cluster's journal alike)."""
+    if isinstance(record, Started):
+        return "start", record.start
+    if isinstance(record, Stepped):
+        return "step", record.step
+    if isinstance(record, Orphaned):
+        return "orphan", record.step
+    return "end", record.end
+
+
+def _event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: Delivery | None, *, where: str) -> Record:
+    """The record a journaled event makes again (`_event_of` backwards); StoreFormatError for a kind not known."""
     # Validated again on the way in: a store must make sense to the models it is read with.
     ctx = {"max_image_bytes": 1 << 40}
     if kind == "start":
@@ -761,7 +769,7 @@ def _record(
         return Orphaned(run_id, StepIn.model_validate(data, context=ctx), at, d)
     if kind == "end":
         return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
-    raise StoreFormatError(f"unknown record kind {kind!r} in the run store; was it written by a newer agent-monitor?")
+    raise StoreFormatError(f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?")
 
 
 class MemoryStore:
