@@ -211,6 +211,17 @@ class Harness:
         for i, run in enumerate(self.runs):
             run.end("failure" if i in DOOMED else "success")
 
+    def finish(self, steps: int) -> None:
+        """Step every run up to `steps`, wait for each run's last progress (a doomed run's abort), end them all."""
+        while self.steps < steps:
+            self.tick()
+        for i, run in enumerate(self.runs):
+            if i in DOOMED:
+                run.wait_signal("abort", timeout=60)
+            else:
+                run.wait_progress(steps, timeout=60)
+        self.end()
+
 
 def cli(*args: str) -> str:
     out = subprocess.run([sys.executable, "-m", "agent_monitor", *args], capture_output=True, text=True, timeout=60)
@@ -327,14 +338,7 @@ def test_sigkill_one_of_three_replicas(broker: Mosquitto, redis: RedisServer, tm
                 killed_at = time.monotonic()
                 marks["kill"] = killed_at - began
                 assert c.stop(victim, signal.SIGKILL) == -signal.SIGKILL
-                while h.steps < steps:
-                    h.tick()
-                for i, run in enumerate(h.runs):
-                    if i in DOOMED:
-                        run.wait_signal("abort", timeout=60)
-                    else:
-                        run.wait_progress(steps, timeout=60)
-                h.end()
+                h.finish(steps)
                 marks["ended"] = time.monotonic() - began
             exports = exports_when_ended(redis)
             marks["exported"] = time.monotonic() - began
@@ -391,12 +395,7 @@ def test_rolling_restart_of_all_replicas(broker: Mosquitto, redis: RedisServer, 
                 stop.set()
                 stepper.join(60)
                 assert not failed and not stepper.is_alive(), failed
-                for i, run in enumerate(h.runs):
-                    if i in DOOMED:
-                        run.wait_signal("abort", timeout=60)
-                    else:
-                        run.wait_progress(h.steps, timeout=60)
-                h.end()
+                h.finish(h.steps)
                 marks["ended"] = time.monotonic() - began
             exports = exports_when_ended(redis)
             marks["exported"] = time.monotonic() - began
@@ -445,14 +444,7 @@ def test_two_replicas_killed_one_after_the_other(broker: Mosquitto, redis: Redis
                     kills[victim] = time.monotonic()
                     marks[f"kill {victim}"] = kills[victim] - began
                     assert c.stop(victim, signal.SIGKILL) == -signal.SIGKILL
-                while h.steps < steps:  # past the lease and the hold
-                    h.tick()
-                for i, run in enumerate(h.runs):
-                    if i in DOOMED:
-                        run.wait_signal("abort", timeout=60)
-                    else:
-                        run.wait_progress(steps, timeout=60)
-                h.end()
+                h.finish(steps)  # past the lease and the hold
                 marks["ended"] = time.monotonic() - began
             exports = exports_when_ended(redis)
             marks["exported"] = time.monotonic() - began
