@@ -37,9 +37,9 @@ PUBLIC = {
     ],
     "agent_monitor.daemon": [
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
-        "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpServer", "MemoryStore",
+        "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpServer", "Inbound", "Ingest", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "Protocol", "Refused", "Replay", "RunClosed",
-        "RunLimits", "RunOpened", "RunStore", "RunView", "Scored", "SignalChanged", "Sink", "SqliteStore",
+        "RunLimits", "RunOpened", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Source", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],
     "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],

@@ -24,6 +24,7 @@ from ._sinks import (
     SignalChanged,
     Sink,
 )
+from ._source import Inbound, Ingest, RunsView, Source
 from ._state import RunLimits
 from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
 
@@ -40,6 +41,8 @@ __all__ = [
     "Duplicated",
     "EmbeddedBroker",
     "HttpServer",
+    "Inbound",
+    "Ingest",
     "MemoryStore",
     "MetricsSettings",
     "Monitor",
@@ -53,9 +56,11 @@ __all__ = [
     "RunOpened",
     "RunStore",
     "RunView",
+    "RunsView",
     "Scored",
     "SignalChanged",
     "Sink",
+    "Source",
     "SqliteStore",
     "StepView",
     "StoreFormatError",

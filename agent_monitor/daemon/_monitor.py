@@ -65,6 +65,7 @@ from ._sinks import (
     Sink,
     StoreSink,
 )
+from ._source import Ingest, Source
 from ._sources import fetch_images
 from ._state import (
     AcceptedStep,
@@ -173,6 +174,24 @@ class _Batch:
 
 
 @dataclass(frozen=True, slots=True)
+class _Runs:
+    """The `RunsView` a source reads: a live run's signal and newest result."""
+
+    monitor: Monitor
+
+    def is_live(self, run_id: str) -> bool:
+        return run_id in self.monitor._scoring
+
+    def signal(self, run_id: str) -> Signal | None:
+        s = self.monitor._scoring.get(run_id)
+        return s.signal if s is not None else None
+
+    def latest(self, run_id: str) -> Progress | None:
+        s = self.monitor._scoring.get(run_id)
+        return s.tracker.latest if s is not None else None
+
+
+@dataclass(frozen=True, slots=True)
 class StepView:
     """One step of a live run as scored: its text after the rubric's extractors, and how many frames it has."""
 
@@ -243,6 +262,7 @@ class Monitor:
         store: RunStore | None = None,
         registry: CollectorRegistry | None = None,
         sinks: Sequence[Sink] = (),
+        sources: Sequence[Source] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         c = self.config = config if config is not None else MonitorConfig()
@@ -300,7 +320,13 @@ class Monitor:
             LogSink(log),
             *((self.otel,) if self.otel is not None else ()),
             *sinks,
+            *(src.sink for src in sources if src.sink is not None),
         )
+        names = [src.name for src in sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sources need distinct names, got {names}")
+        self.sources: tuple[Source, ...] = tuple(sources)
+        """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
         self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
         self._decode_args: dict[str, Any] = {
@@ -401,6 +427,10 @@ class Monitor:
             if self.cluster is not None:
                 for name, loop in self.cluster.loops():
                     self._tasks.append(tg.create_task(loop, name=name))
+            # Every door hands its events to the same receive as MQTT: in cluster mode the runs' shared inboxes.
+            ingest = Ingest(self.cluster.receive if self.cluster is not None else self.handle_batch, self.topics)
+            for src in self.sources:
+                self._tasks.append(tg.create_task(src.run(ingest, _Runs(self)), name=f"source-{src.name}"))
             for i in range(self.config.max_concurrency):
                 self._tasks.append(tg.create_task(self.scheduler.worker(), name=f"scorer-{i + 1}"))
             self._tasks.append(tg.create_task(self._sweeper(), name="sweeper"))
@@ -460,6 +490,7 @@ class Monitor:
             "degraded": self.circuit.degraded,
             "connected": bool(self.link and self.link.connected.is_set()),
             **(self.cluster.status() if self.cluster is not None else {}),
+            **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
         }
 
     def run(self, run_id: str) -> RunView | None:
