@@ -1,4 +1,4 @@
-"""Runs for the web board's browser test and its README screenshot: a scripted judge whose curves have shapes.
+"""Runs for the web board's browser test and its screenshot in docs/metrics.md: a scripted judge whose curves have shapes.
 
 The task text names the shape; `answer` turns (shape, step) into a letter distribution with some
 spread (so the board draws an uncertainty band), and `RUNS` lists runs of every kind the board shows:

@@ -1,4 +1,4 @@
-"""Make README's screenshot of the web board: `python -m tests.board_screenshot docs/board.png`.
+"""Make the screenshot of the web board in docs/metrics.md: `python -m tests.board_screenshot docs/board.png`.
 
 A real Monitor (scripted judge: tests/board_scenario.py) with the board sink and the web server, fed
 with `handle()`; headless Chromium (tests/chromium.py) opens the board and takes the picture.
