@@ -430,3 +430,22 @@ async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_se
     # The real server refused image parts; the judge resent text placeholders and says the frame went unseen.
     assert not judge.sends_images(judge.model) and resp.images_dropped == 1
     assert isinstance(resp.samples[0], dict) and resp.samples[0]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_lean_and_sdk_transports_read_the_same_answer_from_the_real_server(
+    smollm_server: Server, gemma_server: Server, api: str
+) -> None:
+    # The same prompt through both transports against a real llama_cpp.server (temperature 0): the same tokens.
+    url = (smollm_server if api == "chat" else gemma_server).url + "/v1"
+    got = {}
+    for transport in ("lean", "sdk"):
+        async with OpenAIJudge(base_url=url, api=api, timeout_s=120, transport=transport) as judge:  # type: ignore[arg-type]
+            resp = await judge.grade(JudgeRequest(prompt_at(2)))
+        got[transport] = resp
+    lean, sdk = got["lean"], got["sdk"]
+    assert lean.model == sdk.model and lean.usage.input_tokens == sdk.usage.input_tokens > 0
+    assert isinstance(lean.samples[0], dict) and isinstance(sdk.samples[0], dict)
+    assert set(lean.samples[0]) == set(sdk.samples[0])
+    for token, lp in lean.samples[0].items():
+        assert math.isclose(lp, sdk.samples[0][token], abs_tol=1e-4), token

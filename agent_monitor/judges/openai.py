@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import time
@@ -19,6 +20,7 @@ from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import LETTERS
+from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
 from .base import (
     BaseJudge,
     JudgeError,
@@ -78,6 +80,14 @@ class OpenAIJudge(BaseJudge):
       (e.g. "user", which every OpenAI-compatible server accepts) to send it
       there; None never sends it.
 
+    - `transport`: "lean" (the default, unless a `client` is given) sends each
+      request as one JSON body over pooled keep-alive HTTP/1.1 connections
+      and reads the reply as plain JSON, the fields it needs and no others;
+      "sdk" goes through the `openai` SDK (`client`, or one made from
+      `base_url`/`api_key`), which builds a pydantic model of every reply:
+      measured with `bench/judge_cpu.py`, several times the CPU per call.
+      Both send the same request body and read the same answer.
+
     The model is read from `/v1/models` when not given. K repeats go as one
     request with `n=K`; a server that returns fewer choices gets the rest as
     separate requests (and is remembered as not supporting `n`).
@@ -107,6 +117,7 @@ class OpenAIJudge(BaseJudge):
         extra_body: Mapping[str, Any] | None = None,
         run_key_field: str | None = "auto",
         client: AsyncOpenAI | None = None,
+        transport: Literal["lean", "sdk"] | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
@@ -122,6 +133,12 @@ class OpenAIJudge(BaseJudge):
             raise ValueError("OpenAIJudge needs max_tokens >= 1 and 0 <= top_logprobs <= 20")
         if samples < 1 or max_batch < 1:
             raise ValueError("OpenAIJudge needs samples >= 1 and max_batch >= 1")
+        if transport not in (None, "lean", "sdk"):
+            raise ValueError(f"transport={transport!r}; use 'lean', 'sdk' or None (lean unless a client is given)")
+        if transport == "lean" and client is not None:
+            raise ValueError("transport='lean' sends its own requests: pass base_url and api_key, not client=")
+        self.transport: Literal["lean", "sdk"] = transport or ("sdk" if client is not None else "lean")
+        """How requests go out: "lean" (pooled HTTP/1.1, JSON read as is) or "sdk" (the `openai` SDK)."""
         self._owns_client = client is None
         if client is None:
             if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
@@ -129,6 +146,8 @@ class OpenAIJudge(BaseJudge):
             # Our own retry loop handles 429/5xx with backoff and Retry-After; SDK retries would multiply it.
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.client = client
+        self._pool: WirePool | None = None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
         self.model = model or ""
         self.api = api
         self.max_tokens = max_tokens
@@ -158,6 +177,9 @@ class OpenAIJudge(BaseJudge):
 
     async def aclose(self) -> None:
         """Close the HTTP client if this judge created it (a client passed in stays with its owner)."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.aclose()
         if self._owns_client:
             await self.client.close()
 
@@ -172,14 +194,20 @@ class OpenAIJudge(BaseJudge):
             return self.model
         async with self._model_lock:
             if not self.model:
-                try:
-                    raw = await self.client.models.with_raw_response.list()
-                except openai.OpenAIError as e:
-                    raise _judge_error(e, self.base_url) from None
-                # Read by hand, not by the SDK: it crashes on a reply that is not a JSON list of models.
-                data = _json_object(raw.http_response, self.base_url).get("data")
-                if not isinstance(data, list):
-                    raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `data` list")
+                if self.transport == "lean":
+                    reply = await self._fetch("GET", "/models", None)
+                    data = _reply_object(reply, self.base_url).get("data")
+                    if not isinstance(data, list):
+                        raise _not_openai_reply(reply, self.base_url, "a JSON object without a `data` list")
+                else:
+                    try:
+                        raw = await self.client.models.with_raw_response.list()
+                    except openai.OpenAIError as e:
+                        raise _judge_error(e, self.base_url) from None
+                    # Read by hand, not by the SDK: it crashes on a reply that is not a JSON list of models.
+                    data = _json_object(raw.http_response, self.base_url).get("data")
+                    if not isinstance(data, list):
+                        raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `data` list")
                 ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
                 if not ids:
                     raise JudgeError("no_model", f"{self.base_url}/models lists no model; pass model=")
@@ -201,7 +229,7 @@ class OpenAIJudge(BaseJudge):
         """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
         try:
             return read()
-        except (AttributeError, TypeError, ValueError) as e:
+        except (AttributeError, TypeError, ValueError, LookupError) as e:
             raise JudgeError(
                 "bad_response",
                 f"{self.base_url} answered choices of an unexpected shape ({type(e).__name__}: {e}); "
@@ -301,6 +329,8 @@ class OpenAIJudge(BaseJudge):
         common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature}
         if n > 1:
             common["n"] = n
+        if self.transport == "lean":
+            return await self._send_lean(prompt, common, extra, images=images)
         try:
             if not self.logprobs:
                 return await self._send_sampled(prompt, common, extra, images=images)
@@ -354,6 +384,73 @@ class OpenAIJudge(BaseJudge):
             )
             texts = self._read(lambda: [str(c.message.content or "") for c in resp.choices])
         return [drawn_letter(t) for t in texts], self._read(lambda: _usage(resp))
+
+    def _wire(self) -> WirePool:
+        """The keep-alive connections of this event loop (a judge serves one loop at a time: see BaseJudge)."""
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool_loop is not loop:
+            headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": "agent-monitor"}
+            if self.client.api_key:
+                headers["Authorization"] = f"Bearer {self.client.api_key}"
+            # Twice the judge's concurrency: repeats fall back to single requests side by side.
+            self._pool = WirePool(self.base_url, headers=headers, max_connections=2 * self.concurrency)
+            self._pool_loop = loop
+        return self._pool
+
+    async def _fetch(self, method: str, path: str, body: bytes | None) -> WireReply:
+        """One request on the lean path; a transport failure or an error status is a JudgeError (_StatusError)."""
+        try:
+            reply = await self._wire().request(method, path, body, timeout_s=self.timeout_s)
+        except WireTimeout:
+            raise JudgeError(
+                "timeout", f"the judge server at {self.base_url} did not answer in time", retryable=True
+            ) from None
+        except WireConnectionError as e:
+            raise JudgeError(
+                "connection",
+                f"cannot reach the judge server at {self.base_url} ({e}); is it running there?",
+                retryable=True,
+            ) from None
+        if reply.status >= 400:
+            raise _StatusError(reply.status, _reply_message(reply), reply.headers)
+        return reply
+
+    async def _send_lean(
+        self, prompt: Prompt, common: dict[str, Any], extra: dict[str, Any], *, images: bool
+    ) -> tuple[list[Sample], Usage]:
+        """`_send` over the lean transport: the SDK path's request body, the reply read as plain JSON."""
+        body: dict[str, Any]
+        if self.api == "completions":
+            path, body = "/completions", {"prompt": prompt.text(), **common}
+            if self.logprobs:
+                body["logprobs"] = self.top_logprobs
+        else:
+            path, body = "/chat/completions", {"messages": self._messages(prompt, images=images), **common}
+            if self.logprobs:
+                body.update(logprobs=True, top_logprobs=self.top_logprobs)
+                if self.prefill is not None:
+                    extra.update(continue_final_message=True, add_generation_prompt=False)
+                if self.constrain:
+                    extra["guided_choice"] = list(LETTERS)
+        body.update(extra)  # as the SDK's extra_body: merged into the body, a caller's field wins
+        try:
+            reply = await self._fetch("POST", path, json.dumps(body, ensure_ascii=False).encode())
+        except _StatusError as e:
+            if images and refuses_images(e.status, e.server_message):
+                raise ImagesRefused(e.status, e.server_message) from None
+            raise e.judge_error(self.base_url) from None
+        data = _reply_object(reply, self.base_url)
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            raise _not_openai_reply(reply, self.base_url, "a JSON object without a `choices` list")
+        if not self.logprobs:
+            if self.api == "completions":
+                texts = self._read(lambda: [str(c.get("text") or "") for c in choices])
+            else:
+                texts = self._read(lambda: [str((c.get("message") or {}).get("content") or "") for c in choices])
+            return [drawn_letter(t) for t in texts], self._read(lambda: _usage_of(data))
+        read = _completion_sample if self.api == "completions" else _chat_sample
+        return self._read(lambda: [read(c) for c in choices]), self._read(lambda: _usage_of(data))
 
     def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
@@ -495,6 +592,110 @@ def _not_openai(response: Any, where: str, what: str) -> JudgeError:
     )
 
 
+class _StatusError(Exception):
+    """An HTTP error status on the lean path, before it is known whether it is an image refusal."""
+
+    def __init__(self, status: int, server_message: str, headers: Mapping[str, str]) -> None:
+        super().__init__(f"HTTP {status}: {server_message}")
+        self.status = status
+        self.server_message = server_message
+        self.headers = headers
+
+    def judge_error(self, where: str) -> JudgeError:
+        return _status_error(self.status, self.server_message, self.headers)
+
+
+def _reply_message(reply: WireReply) -> str:
+    """The error message a server wrote (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form), else its body."""
+    try:
+        body = json.loads(reply.body)
+    except ValueError:
+        body = None
+    if isinstance(body, Mapping):
+        inner = body.get("error")
+        for where in (body, inner if isinstance(inner, Mapping) else {}):
+            if isinstance(msg := where.get("message"), str) and msg:
+                return msg
+        if isinstance(inner, str) and inner:
+            return inner
+    text = reply.body[:300].decode("utf-8", errors="replace").strip()
+    return text or f"no message ({reply.url})"
+
+
+def _reply_object(reply: WireReply, where: str) -> dict[str, Any]:
+    """A lean reply's body as a JSON object; `bad_response` when it is anything else (HTML, a list)."""
+    try:
+        body = json.loads(reply.body)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise _not_openai_reply(reply, where, "not a JSON object")
+    return body
+
+
+def _not_openai_reply(reply: WireReply, where: str, what: str) -> JudgeError:
+    kind = reply.headers.get("content-type", "no content type").split(";")[0].strip()
+    start = reply.body[:60].decode("utf-8", errors="replace")
+    return JudgeError(
+        "bad_response",
+        f"{reply.url} answered HTTP {reply.status} {kind} {start!r} ({what}): {where} does not "
+        "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
+    )
+
+
+def _chat_sample(choice: Mapping[str, Any]) -> Sample:
+    """A chat choice's answer, read from the reply's JSON as it is (the lean path's `_from_chat`)."""
+    lp = choice.get("logprobs")
+    content = lp.get("content") if isinstance(lp, Mapping) else None
+    content = content or []
+    return answer_sample(
+        [(c["token"], c["logprob"]) for c in content],
+        [[(t["token"], t["logprob"]) for t in c.get("top_logprobs") or []] for c in content],
+    )
+
+
+def _completion_sample(choice: Mapping[str, Any]) -> Sample:
+    """A completion choice's answer, read from the reply's JSON as it is (the lean path's `_from_completion`)."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, Mapping) or not lp.get("tokens"):
+        return None
+    tokens = lp["tokens"]
+    chosen = lp.get("token_logprobs") or [None] * len(tokens)
+    return answer_sample(
+        list(zip(tokens, chosen, strict=False)), [list((d or {}).items()) for d in lp.get("top_logprobs") or []]
+    )
+
+
+def _usage_of(body: Mapping[str, Any]) -> Usage:
+    """A reply's usage, read from its JSON (the lean path's `_usage`)."""
+    u = body.get("usage")
+    if not isinstance(u, Mapping):
+        return Usage()
+    details = u.get("prompt_tokens_details")
+    cached = (details.get("cached_tokens") if isinstance(details, Mapping) else None) or 0
+    return Usage(
+        input_tokens=int(u.get("prompt_tokens") or 0),
+        cached_input_tokens=int(cached),
+        output_tokens=int(u.get("completion_tokens") or 0),
+    )
+
+
+def _status_error(status: int, message: str, headers: Mapping[str, str]) -> JudgeError:
+    """The JudgeError for an HTTP error status, with the server's message (both transports)."""
+    hint = retry_after_seconds(headers)
+    if status == 429:
+        return JudgeError("rate_limited", f"HTTP 429: {message}", retryable=True, retry_after=hint)
+    if status >= 500 or status == 408:
+        return JudgeError("server_error", f"HTTP {status}: {message}", retryable=True, retry_after=hint)
+    if status in (401, 403):
+        return JudgeError(
+            "auth", f"HTTP {status}: the judge server refused the API key; check api_key / OPENAI_API_KEY"
+        )
+    if status == 404:
+        return JudgeError("not_found", f"HTTP 404: {message}; check base_url (it usually ends in /v1) and model")
+    return JudgeError("bad_request", f"HTTP {status}: {message}")
+
+
 def _judge_error(e: openai.OpenAIError, where: str) -> JudgeError:
     if isinstance(e, openai.APITimeoutError):
         return JudgeError("timeout", f"the judge server at {where} did not answer in time", retryable=True)
@@ -505,17 +706,5 @@ def _judge_error(e: openai.OpenAIError, where: str) -> JudgeError:
             retryable=True,
         )
     if isinstance(e, openai.APIStatusError):
-        status = e.status_code
-        hint = retry_after_seconds(e.response.headers)
-        if status == 429:
-            return JudgeError("rate_limited", f"HTTP 429: {e.message}", retryable=True, retry_after=hint)
-        if status >= 500 or status == 408:
-            return JudgeError("server_error", f"HTTP {status}: {e.message}", retryable=True, retry_after=hint)
-        if status in (401, 403):
-            return JudgeError(
-                "auth", f"HTTP {status}: the judge server refused the API key; check api_key / OPENAI_API_KEY"
-            )
-        if status == 404:
-            return JudgeError("not_found", f"HTTP 404: {e.message}; check base_url (it usually ends in /v1) and model")
-        return JudgeError("bad_request", f"HTTP {status}: {e.message}")
+        return _status_error(e.status_code, e.message, e.response.headers)
     return JudgeError("client_error", str(e))
