@@ -18,7 +18,16 @@ Phases, on the same 1,000 runs (each phase waits until every step so far is scor
   5. memory: VmRSS with every run live and scored (after gc) minus VmRSS before the starts, per run.
   6. ends: every run ends; RSS again.
 
-    .venv/bin/python bench/overhead.py [--runs 1000] [--rate 2000] [--mqtt-protocol 3.1.1] [--profile FILE]
+The judge, `--judges` (default `http,sdk,fake`: one after the other in this process, each on a
+broker of its own): `http` is the real `OpenAIJudge` (its default lean transport) over HTTP to a
+scripted OpenAI-compatible server in a process of its own that answers at once (what a user runs:
+the judge client's request build, HTTP and reply parsing are the monitor's CPU); `sdk` the same
+judge through the `openai` SDK (the path before the lean transport: the baseline); `fake` is an in-process `FakeJudge` that never renders
+a prompt or makes a call, the floor of the monitor's own path. Steps/s counts steps covered by a
+progress message (coalesced scorings cover several); scorings/s counts judge calls; the monitor's
+and the broker's CPU per step are both read from /proc in the same phase.
+
+    .venv/bin/python bench/overhead.py [--runs 1000] [--rate 2000] [--judges http,fake] [--mqtt-protocol 3.1.1]
 """
 
 from __future__ import annotations
@@ -40,7 +49,16 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitto, percentile, proc_status_kb
+from _common import (
+    cleanup_on_sigterm,
+    configure_logs,
+    kv_line,
+    load1,
+    mosquitto,
+    percentile,
+    proc_status_kb,
+    scripted_judge,
+)
 
 PREFIX = "agents"
 TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
@@ -170,10 +188,17 @@ def subscriber(port: int, conn: Connection) -> None:
 # -- the monitor side -------------------------------------------------------------------------------------
 
 
-def make_judge(render: bool) -> Any:
-    """An instant judge answering 'K'; with `render`, it renders each prompt's text as OpenAIJudge does before sending."""
+def make_judge(render: bool, url: str | None = None, concurrency: int = 8, transport: str = "lean") -> Any:
+    """An instant judge answering 'K': `OpenAIJudge` to the scripted server at `url`, else an in-process FakeJudge.
+
+    With `render`, the FakeJudge renders each prompt's text as OpenAIJudge does before sending.
+    """
     from agent_monitor.testing import FakeJudge
 
+    if url is not None:
+        from agent_monitor import OpenAIJudge
+
+        return OpenAIJudge(url, model="scripted", concurrency=concurrency, transport=transport)  # type: ignore[arg-type]
     if render:
         return FakeJudge(lambda p: "K" if p.text() else "A", concurrency=8, record=False)
     return FakeJudge(["K"], concurrency=8, record=False)
@@ -264,7 +289,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def bench(args: argparse.Namespace) -> int:
+async def bench(args: argparse.Namespace, judge_url: str | None = None, transport: str = "lean") -> dict[str, Any]:
     from agent_monitor.daemon import Monitor, MonitorConfig, RunLimits
     from agent_monitor.wire import BrokerSettings
 
@@ -285,7 +310,7 @@ async def bench(args: argparse.Namespace) -> int:
         sub = ctx.Process(target=subscriber, args=(broker.port, sub_child), daemon=True)
         sub.start()
         pub.start()
-        judge = make_judge(args.render)
+        judge = make_judge(args.render, judge_url, args.max_concurrency, transport)
         limits = RunLimits(max_runs=max(10_000, 2 * args.runs), idle_timeout_s=3600)
         config = MonitorConfig(
             broker=BrokerSettings.from_url(broker.url),
@@ -364,20 +389,22 @@ async def bench(args: argparse.Namespace) -> int:
     def ms(v: float) -> str:
         return f"{1000 * v:7.1f}"
 
+    kind = f"OpenAIJudge ({transport}) over HTTP to a scripted server" if judge_url else "in-process FakeJudge"
     print(
-        f"\nmonitor overhead: {args.runs} runs, instant judge, private Mosquitto, MQTT {args.mqtt_protocol}, "
+        f"\nmonitor overhead ({kind}): {args.runs} runs, instant judge, private Mosquitto, MQTT {args.mqtt_protocol}, "
         f"max_concurrency {args.max_concurrency}, {args.step_chars}-character steps"
     )
     print(
         f"{'phase':<8} {'steps':>6} {'published/s':>11} {'scored/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
-        f"{'calls':>6} {'missed':>6} {'monitor CPU ms/step':>19} {'broker CPU ms/step':>18}"
+        f"{'calls':>6} {'missed':>6} {'monitor CPU ms/step':>19} {'broker CPU ms/step':>18} {'ms/scoring':>10}"
     )
     for ph in phases:
         lat, missing = ph.lat()
         print(
             f"{ph.name:<8} {ph.steps:>6} {ph.published_per_s:>11.0f} {ph.scored_per_s():>8.0f} {ms(percentile(lat, 50))} "
             f"{ms(percentile(lat, 99))} {ms(max(lat, default=math.nan))} {ph.calls:>6} {missing:>6} "
-            f"{1000 * ph.cpu_s / max(1, ph.steps):>19.3f} {1000 * ph.broker_cpu_s / max(1, ph.steps):>18.3f}"
+            f"{1000 * ph.cpu_s / max(1, ph.steps):>19.3f} {1000 * ph.broker_cpu_s / max(1, ph.steps):>18.3f} "
+            f"{1000 * ph.cpu_s / max(1, ph.calls):>10.3f}"
         )
     low, high, flood = phases
     coalesced = [c for _r, _s, c, _t in flood.arrivals]
@@ -415,10 +442,25 @@ async def bench(args: argparse.Namespace) -> int:
     high_lat, high_missing = high.lat()
     low_lat, low_missing = low.lat()
     flood_lat, flood_missing = flood.lat()
+    flood_s = max(t for *_x, t in flood.arrivals) - min(t for *_x, t in flood.sends) if flood.arrivals else math.nan
+    figures: dict[str, Any] = {
+        "steps_per_s": flood.scored_per_s(),
+        "scorings_per_s": flood.calls / flood_s,
+        "cpu_ms_per_step": cpu_ms,
+        "cpu_ms_per_scoring": 1000 * flood.cpu_s / max(1, flood.calls),
+        "broker_cpu_ms_per_step": 1000 * flood.broker_cpu_s / max(1, flood.steps),
+        "p99_ms": 1000 * percentile(high_lat, 99),
+        "missed": high_missing + low_missing + flood_missing,
+    }
+    figures["monitor_over_broker"] = figures["cpu_ms_per_step"] / max(1e-9, figures["broker_cpu_ms_per_step"])
     print(
         kv_line(
+            judge=("http" if transport == "lean" else "sdk") if judge_url else "fake",
             runs=args.runs,
             steps_per_s=round(flood.scored_per_s()),
+            scorings_per_s=round(figures["scorings_per_s"]),
+            cpu_ms_per_scoring=figures["cpu_ms_per_scoring"],
+            monitor_over_broker=figures["monitor_over_broker"],
             p50_ms=1000 * percentile(high_lat, 50),
             p99_ms=1000 * percentile(high_lat, 99),
             rss_per_run_kb=per_run_kb,
@@ -439,7 +481,31 @@ async def bench(args: argparse.Namespace) -> int:
             gc_threshold=args.gc_threshold,
         )
     )
-    return 0
+    return figures
+
+
+async def bench_all(args: argparse.Namespace) -> int:
+    """Each judge of `--judges` in turn, then the figures side by side; non-zero only when a step was missed."""
+    results: dict[str, dict[str, Any]] = {}
+    print(f"load average at start: {load1()}")
+    for kind in args.judges:
+        if kind in ("http", "sdk"):
+            with scripted_judge(0.0) as server:
+                results[kind] = await bench(args, server.url, "lean" if kind == "http" else "sdk")
+        else:
+            results[kind] = await bench(args)
+    print(
+        f"\n{'judge':<6} {'steps/s':>8} {'scorings/s':>10} {'CPU ms/step':>11} {'CPU ms/scoring':>14} "
+        f"{'broker ms/step':>14} {'monitor/broker':>14} {'p99 ms':>7}"
+    )
+    for kind, f in results.items():
+        print(
+            f"{kind:<6} {f['steps_per_s']:>8.0f} {f['scorings_per_s']:>10.0f} {f['cpu_ms_per_step']:>11.3f} "
+            f"{f['cpu_ms_per_scoring']:>14.3f} {f['broker_cpu_ms_per_step']:>14.3f} {f['monitor_over_broker']:>13.1f}x "
+            f"{f['p99_ms']:>7.1f}"
+        )
+    print(f"load average at end: {load1()}")
+    return 1 if any(f["missed"] for f in results.values()) else 0
 
 
 def tune_collector(threshold: int | None) -> int:
@@ -464,7 +530,14 @@ def main() -> int:
     ap.add_argument(
         "--mqtt-protocol", choices=["auto", "5", "3.1.1"], default="auto", help="the monitor's MQTT (default auto: v5)"
     )
-    ap.add_argument("--render", action="store_true", help="the judge renders prompt.text() as OpenAIJudge would")
+    ap.add_argument(
+        "--judges",
+        type=lambda v: [j.strip() for j in v.split(",") if j.strip()],
+        default=["http", "sdk", "fake"],
+        help="judges in turn: http (OpenAIJudge, lean transport, to a scripted server), sdk (the same through the "
+        "openai SDK: the path before the lean one), fake (in-process); default http,sdk,fake",
+    )
+    ap.add_argument("--render", action="store_true", help="the fake judge renders prompt.text() as OpenAIJudge would")
     ap.add_argument("--log-level", default="info", help="the monitor's log level (default info, as serve)")
     ap.add_argument("--log-file", default=os.devnull, help="where the monitor's JSON log lines go (default devnull)")
     ap.add_argument(
@@ -479,8 +552,10 @@ def main() -> int:
     cleanup_on_sigterm()
     if min(args.runs, args.paced_steps, args.flood_steps) < 1 or min(args.rate, args.low_rate) <= 0:
         ap.error("--runs, --paced-steps, --flood-steps, --rate and --low-rate must be positive")
+    if not args.judges or set(args.judges) - {"http", "sdk", "fake"}:
+        ap.error("--judges takes http, sdk and fake, comma-separated")
     with open(args.log_file, "a") as args.log_sink:
-        return asyncio.run(bench(args))
+        return asyncio.run(bench_all(args))
 
 
 if __name__ == "__main__":
