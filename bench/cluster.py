@@ -14,7 +14,12 @@ a subscriber on `agents/+/progress` receives (scored steps/s) and the steps they
 and the CPU each process used (/proc/<pid>/stat: replicas, judge, Mosquitto, Redis, publisher). A progress
 message published twice for the same step of a run would mean two owners: it is counted (`duplicates`).
 Each replica count gets a fresh broker and Redis. `--plain` adds a row for one `serve` without `--cluster`
-(SQLite journal): what cluster mode costs a single daemon.
+(SQLite journal): what cluster mode costs a single daemon. `--equal-slots` (on) adds the baseline a user
+would try before adding replicas: one plain `serve` and one cluster replica with all the judge slots of
+the largest cluster (`--max-concurrency` x replicas); against a judge with free parallel slots and a fixed
+latency, more replicas only win over that baseline when one process runs out of CPU. For that, the
+CPU-bound configuration: an instant judge with many slots, e.g.
+`--latency-s 0 --max-concurrency 16 --rate 3000 --runs 300`.
 
     .venv/bin/python bench/cluster.py [--replicas 1,2,3] [--runs 300] [--rate 200] [--latency-s 0.1] [--plain]
 
@@ -173,12 +178,25 @@ class Replica:
 
 
 def start_replica(
-    name: str, broker: Broker, judge: ScriptedJudge, workdir: Path, args: argparse.Namespace, cluster: str | None
+    name: str,
+    broker: Broker,
+    judge: ScriptedJudge,
+    workdir: Path,
+    args: argparse.Namespace,
+    cluster: str | None,
+    slots: int | None = None,
 ) -> Replica:
     port = free_port()
     log = workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "agent_monitor", "serve", "--broker", broker.url, "--judge", "openai"]
-    cmd += ["--judge-url", judge.url, "--max-concurrency", str(args.max_concurrency), "--metrics-port", str(port)]
+    cmd += [
+        "--judge-url",
+        judge.url,
+        "--max-concurrency",
+        str(slots or args.max_concurrency),
+        "--metrics-port",
+        str(port),
+    ]
     cmd += ["--client-id", "bench", "--no-board", "--log-level", "warning"]
     if cluster is not None:
         cmd += ["--cluster", cluster, "--replica-id", name]
@@ -271,12 +289,14 @@ class Outcome:
     redis_bytes_per_step: float = 0.0  # Redis' used memory at the end over the steps published (cluster only)
 
 
-def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: argparse.Namespace) -> Outcome:
+def measure(
+    label: str, n: int, clustered: bool, judge: ScriptedJudge, args: argparse.Namespace, slots: int | None = None
+) -> Outcome:
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp, mosquitto() as broker:
         workdir = Path(tmp)
         with private_redis(workdir) if clustered else contextlib.nullcontext() as redis:
             cluster = redis.url if redis is not None else None
-            replicas = [start_replica(f"r{i + 1}", broker, judge, workdir, args, cluster) for i in range(n)]
+            replicas = [start_replica(f"r{i + 1}", broker, judge, workdir, args, cluster, slots) for i in range(n)]
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe()
             pub = ctx.Process(target=publisher, args=(broker.port, child, args.runs, args.rate), daemon=True)
@@ -347,6 +367,14 @@ def measure(label: str, n: int, clustered: bool, judge: ScriptedJudge, args: arg
 # -- report ------------------------------------------------------------------------------------------------------
 
 
+def _key(r: Outcome) -> str:
+    """The kv-line name of a row: replicasN, plain, or plain_xS / replicas1_xS for the equal-slots baselines."""
+    if "-x" in r.label:
+        slots = r.label.rsplit("-x", 1)[1]
+        return f"{'replicas1' if r.label.startswith('cluster') else 'plain'}_x{slots}"
+    return f"replicas{r.replicas}" if r.label.startswith("cluster") else "plain"
+
+
 def report(results: list[Outcome], args: argparse.Namespace, load_start: str) -> int:
     print(
         f"\ncluster: {args.runs} runs, steps at {args.rate:g}/s, judge {args.latency_s * 1000:.0f} ms per call, "
@@ -378,13 +406,12 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
     print(f"machine load (1-min average) at start {load_start}, at end {load1()}")
     pairs: dict[str, object] = {}
     for r in results:
-        key = f"replicas{r.replicas}" if r.label.startswith("cluster") else "plain"
-        pairs[key] = r.progress_per_s
+        pairs[_key(r)] = r.progress_per_s
     for r in results:
-        if r.label.startswith("cluster") and r.replicas > 1:
+        if r.label.startswith("cluster") and r.replicas > 1 and "-x" not in r.label:
             pairs[f"speedup{r.replicas}"] = r.progress_per_s / base
     for r in results:
-        key = f"replicas{r.replicas}" if r.label.startswith("cluster") else "plain"
+        key = _key(r)
         pairs[f"{key}_steps"] = r.steps_per_s
         reps = [r.cpu[k] for k in r.names]
         pairs[f"{key}_cpu"] = sum(reps) / max(1, len(reps))
@@ -411,6 +438,12 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0, help="seconds of steps before the window (10)")
     ap.add_argument("--window-s", type=float, default=30.0, help="the measured window (30)")
     ap.add_argument("--plain", action="store_true", help="also one serve without --cluster (SQLite journal)")
+    ap.add_argument(
+        "--equal-slots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also one plain serve and one cluster replica with all the judge slots of the largest cluster (on)",
+    )
     args = ap.parse_args()
     counts = [int(x) for x in args.replicas.split(",") if x.strip()]
     if (not counts and not args.plain) or min(counts, default=1) < 1:
@@ -420,11 +453,15 @@ def main() -> int:
     load_start = load1()
     results: list[Outcome] = []
     with contextlib.suppress(KeyboardInterrupt), scripted_judge(args.latency_s) as judge:
-        configs = [("plain", 1, False)] if args.plain else []
-        configs += [(f"cluster-{n}", n, True) for n in counts]
-        for label, n, clustered in configs:
+        configs: list[tuple[str, int, bool, int | None]] = [("plain", 1, False, None)] if args.plain else []
+        configs += [(f"cluster-{n}", n, True, None) for n in counts]
+        if args.equal_slots and max(counts, default=1) > 1:
+            # The baseline a user picks before adding replicas: one process with all the judge slots.
+            total = max(counts) * args.max_concurrency
+            configs += [(f"plain-x{total}", 1, False, total), (f"cluster-1-x{total}", 1, True, total)]
+        for label, n, clustered, slots in configs:
             print(f"{label}: {n} replica(s) ..", file=sys.stderr, flush=True)
-            out = measure(label, n, clustered, judge, args)
+            out = measure(label, n, clustered, judge, args, slots)
             print(
                 f"{label}: {out.progress_per_s:.1f} scored/s, {out.steps_per_s:.1f} steps/s covered, "
                 f"cpu {', '.join(f'{k} {v:.2f}' for k, v in out.cpu.items())}",

@@ -1,13 +1,20 @@
-"""Judge cost with a real prefix cache: our prefix-stable prompt layout against a step-count-first baseline.
+"""Judge cost with a real prefix cache: our prefix-stable prompt layout against the reference library's own.
 
 Starts `llama_cpp.server` with the packaged Gemma 3 270M, replays a recorded run
 step by step through `AsyncProgressTracker` + `OpenAIJudge`, once with our
 layout (instructions, task, criteria, steps; "n steps so far" and the criterion
-last) and once with a BASELINE layout that puts the same question block ("The
-trajectory below has n steps so far. Grade only the criterion ...") before the
-trajectory, as the reference library does, so every prompt differs from the
-previous one a few hundred tokens in. Same content, same judge class, same
-server; only the order differs.
+last) and once with the BASELINE a user of the reference library runs: its
+online `ProgressTracker.update` prompt (llm-as-a-verifier/llm-as-a-verifier,
+`llm_verifier/progress.py` at commit 115de30: `build_progress_prompt(problem,
+format_steps(steps), k, [k])`), ported here by layout with our own wording of
+the same length (see `reference_prompt`): the evaluator preamble, the task,
+then a trajectory header that names the step count ("Agent trajectory (k agent
+steps ...)"), the steps as "=== Agent Step i ===" blocks, and the checkpoint
+block after them. Its instructions and task are a stable prefix; the header
+changes with every step, so nothing after it is reused. Same recorded steps
+(after the same extractors), same judge class, same server; the baseline is
+read at one token after the answer cue, as ours (upstream generates the
+`<c1>` tag first: that only adds output tokens to its cost).
 
 Reported: per-update latency at the first and last step for both, prompt tokens
 sent, tokens the server actually evaluated (its verbose log says how much of
@@ -54,24 +61,76 @@ PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d
 NO_REUSE = re.compile(r"Llama\.generate: (\d+) prefix-match found but partial kv removal not supported")
 
 
-def baseline_layout(p: Prompt) -> Prompt:
-    """The same prompt with its question block (step count + criterion) moved before the task and the steps."""
-    question = "".join(part.text for part in p.tail if isinstance(part, TextPart)).strip("\n")
-    question = question.replace("The trajectory above has", "The trajectory below has")
-    others = tuple(part for part in p.tail if not isinstance(part, TextPart))  # frames (none in text runs)
-    return dataclasses.replace(p, prefix=(TextPart(question + "\n\n"), *p.prefix, *others), tail=())
+# The reference library's online prompt, by layout (llm_verifier/progress.py, build_progress_prompt, commit
+# 115de30): the parts in its order and about its lengths, in our own words (its text is not copied here).
+_REF_PREAMBLE = (
+    "You are a strict, skeptical judge of an agent's attempt at a task. Agents often claim success while "
+    "their environment still shows errors, change the wrong thing, or never run the check the task asks "
+    "for. Believe the observed output, not what the agent says about it."
+)
+_REF_SCORING = """You will score the trajectory at {n} CHECKPOINTS. The score measures ONE thing:
+
+    "Given all the agent has done up to and including this step, would its CURRENT state pass the
+    task's hidden grader (produce the files, output or behaviour the task requires)?"
+
+Use the 20-letter A..T scale:
+  A = certainly NO: nothing useful done yet, or the agent is on a clearly wrong path.
+  B-G = leaning NO: some work exists but key parts are missing or broken.
+  H-M = unsure: a plausible solution is forming, but nothing convincing has verified it.
+  N-S = leaning YES: the right artifacts look in place and partial checks have passed, with small doubts.
+  T = essentially certain YES: the agent ran the relevant check and its output matches what the task asks.
+
+CALIBRATION RULES:
+  * Effort, exploring, the number of steps and confident narration are NOT progress. An agent that ran
+    twenty commands and still lacks the right output deserves a score near A.
+  * Be skeptical by default. You cannot see the grader. A result without a real check should not go
+    past about K, and even a checked-looking one should rarely pass about R unless the check clearly
+    matches the task's stated success criterion.
+  * The agent's own declarations ("done!", "all tests pass") are NO evidence. Score the actual actions
+    and the actual output you can see.
+
+EXPECTED PATTERNS: successive checkpoints need not rise.
+  * On a trajectory that really solves the task, scores usually rise from A toward T.
+  * On a trajectory committed to a WRONG approach, scores should level off once the wrong artifact exists.
+  * If the agent breaks something that worked, scores should FALL.
+
+The checkpoints to score are:
+{checkpoints}
+
+Score each checkpoint ON ITS OWN from the agent's best attempt at that point. Output EXACTLY {n} lines
+and nothing else, in the format:
+{tags}
+
+where each LETTER is one letter from A to T."""
+
+
+def reference_prompt(task: str, steps: list[str], step: int, criterion: str) -> Prompt:
+    """The reference library's online prompt after `step` steps, as a Prompt (what its ProgressTracker sends)."""
+    trajectory = "".join(f"=== Agent Step {i} ===\n{text.strip()}\n\n" for i, text in enumerate(steps[:step], 1))
+    head = (
+        f"**Task instruction:**\n{task.strip()}\n\n"
+        f"**Agent trajectory ({step} agent steps; each step is one action by the agent, with its observed output):**\n"
+        f"{trajectory}"
+    )
+    scoring = _REF_SCORING.format(
+        n=1, checkpoints=f"  Checkpoint 1 = state right after Agent Step {step}", tags="<c1>LETTER</c1>"
+    )
+    return Prompt(_REF_PREAMBLE, (TextPart(head),), (TextPart(scoring + "\n\n<c1>"),), criterion, step)
 
 
 class LayoutJudge(OpenAIJudge):
-    """OpenAIJudge that re-lays the prompt out (`ours` leaves it alone) and remembers what it sent."""
+    """OpenAIJudge that sends our prompt (`ours`) or the reference library's for the same steps, and remembers it."""
 
-    def __init__(self, layout: str, **kw: Any) -> None:
+    def __init__(self, layout: str, task: str = "", steps: list[str] | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.layout = layout
+        self.task = task
+        self.steps = steps or []
         self.sent: list[Prompt] = []
 
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
-        prompt = request.prompt if self.layout == "ours" else baseline_layout(request.prompt)
+        p = request.prompt
+        prompt = p if self.layout == "ours" else reference_prompt(self.task, self.steps, p.step, p.criterion)
         self.sent.append(prompt)
         return await super().grade(dataclasses.replace(request, prompt=prompt))
 
@@ -120,12 +179,13 @@ def all_prompts(run: RecordedRun, n: int) -> dict[str, list[str]]:
     """The prompt text each layout sends at steps 1..n (what `api=completions` posts)."""
     rubric = load_criteria(None)
     steps: list[Step] = [Step(index=i + 1, text=rubric.extractors(s.text)) for i, s in enumerate(run.steps[:n])]
+    texts = [s.text for s in steps]
     out: dict[str, list[str]] = {"ours": [], "baseline": []}
     for k in range(1, n + 1):
         for c in rubric.judged:
             p = build_prompt(run.task, rubric, steps[:k], c)
             out["ours"].append(p.text())
-            out["baseline"].append(baseline_layout(p).text())
+            out["baseline"].append(reference_prompt(run.task, texts, k, c.name).text())
     return out
 
 
@@ -153,7 +213,10 @@ def prefault(base: str, tokens: int) -> float:
 async def replay(
     layout: str, run: RecordedRun, n: int, server: Any, args: argparse.Namespace, score_at: set[int]
 ) -> Phase:
-    judge = LayoutJudge(layout, base_url=server.url + "/v1", api=args.api, timeout_s=args.timeout, max_retries=0)
+    texts = [load_criteria(None).extractors(s.text) for s in run.steps[:n]]
+    judge = LayoutJudge(
+        layout, run.task, texts, base_url=server.url + "/v1", api=args.api, timeout_s=args.timeout, max_retries=0
+    )
     phase = Phase(layout)
     try:
         await warm_up(judge)
@@ -252,7 +315,8 @@ async def main_async(args: argparse.Namespace) -> int:
     errors = [u for ph in phases.values() for u in ph.updates if not u.ok and u.reason not in ("low_mass", "no_letter")]
     if errors:
         print(f"WARNING: {len(errors)} judge calls failed ({errors[0].reason}); latencies are not comparable")
-    print(f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on llama_cpp.server (2 cores)")
+    print(f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on llama_cpp.server (2 cores); baseline: the")
+    print("reference library's own online prompt layout (llm_verifier/progress.py at 115de30, ported by layout)")
     print(
         f"{'step':>4} {'prompt tok':>10} | {'ours s':>7} {'evaluated':>9} {'kept':>6} | "
         f"{'base tok':>8} {'base s':>7} {'evaluated':>9} {'kept':>6}"
