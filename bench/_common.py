@@ -283,8 +283,13 @@ def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, 
                 calls.value += 1
             self._send(chat)
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-    httpd.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            pass  # a monitor stopped with keep-alive connections open resets them: not the bench's news
+
+    httpd = Server(("127.0.0.1", port), Handler)
     ready.set()
     httpd.serve_forever(poll_interval=0.05)
 
