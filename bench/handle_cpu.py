@@ -18,7 +18,7 @@ import statistics
 import time
 
 import structlog
-from _common import kv_line
+from _common import kv_line, load1
 
 from agent_monitor import BaseJudge, JudgeRequest, JudgeResponse, Usage
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
@@ -58,8 +58,10 @@ def main() -> int:
     ap.add_argument("--journal", action="store_true", help="journal into a MemoryStore (the default keeps none)")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    load_start = load1()
     ms = [asyncio.run(one(args.runs, args.steps, args.journal)) for _ in range(args.repeat)]
     print(f"CPU ms per step over {args.repeat} rounds: {', '.join(f'{m:.3f}' for m in ms)}")
+    print(f"machine load (1-min average) at start {load_start}, at end {load1()}")
     print(
         kv_line(
             runs=args.runs, steps=args.steps, cpu_ms_per_step_min=min(ms), cpu_ms_per_step_median=statistics.median(ms)
