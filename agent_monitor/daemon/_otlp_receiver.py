@@ -65,6 +65,7 @@ _JSON = "application/json"
 _MAX_HEAD = 16 * 1024
 _ENDED_MEMORY = 10_000
 _SWEEP_S = 1.0
+_LINGER_S = 2.0
 
 
 @dataclass(eq=False, slots=True)
@@ -456,9 +457,10 @@ class OtlpReceiver:
         try:
             if self._connections > self.settings.max_connections:
                 self.refused.labels("unavailable").inc()
-                await self._write(
-                    writer, h11.Connection(h11.SERVER), self._error(503, "too many connections", _JSON), close=True
-                )
+                conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+                if isinstance(await self._next(conn, reader), h11.Request):  # an answer needs a request
+                    busy = self._error(503, "too many connections", _JSON, retry_after=self.settings.retry_after_s)
+                    await self._write(writer, conn, busy, close=True, reader=reader)
                 return
             await self._serve(reader, writer)
         except (TimeoutError, ConnectionError, h11.ProtocolError):
@@ -497,7 +499,7 @@ class OtlpReceiver:
                 answer = self._error(413, f"the body is {length} bytes, over the limit of {limit}", reply_type)
             if answer is not None:
                 # The body is not read: close once answered (the client may be sending it still).
-                await self._write(writer, conn, answer, close=True)
+                await self._write(writer, conn, answer, close=True, reader=reader)
                 return
             body = bytearray()
             while True:
@@ -511,6 +513,7 @@ class OtlpReceiver:
                             conn,
                             self._error(413, f"the body is over the limit of {limit} bytes", reply_type),
                             close=True,
+                            reader=reader,
                         )
                         return
                 elif isinstance(event, h11.EndOfMessage):
@@ -576,7 +579,13 @@ class OtlpReceiver:
         return _Answer(status, body, ctype, retry_after)
 
     async def _write(
-        self, writer: asyncio.StreamWriter, conn: h11.Connection, answer: _Answer, *, close: bool = False
+        self,
+        writer: asyncio.StreamWriter,
+        conn: h11.Connection,
+        answer: _Answer,
+        *,
+        close: bool = False,
+        reader: asyncio.StreamReader | None = None,
     ) -> None:
         self.requests.labels(str(answer.status)).inc()
         headers = [("content-type", answer.content_type), ("content-length", str(len(answer.body)))]
@@ -593,6 +602,16 @@ class OtlpReceiver:
             return
         writer.write(data)
         await asyncio.wait_for(writer.drain(), self.settings.read_timeout_s)
+        if close and reader is not None:
+            # A lingering close: what the client still sends is read and dropped (bounded), so closing with
+            # unread bytes does not reset the connection before the client has read the answer.
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write_eof()
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(min(self.settings.read_timeout_s, _LINGER_S)):
+                    left = self.settings.max_body_bytes + _MAX_HEAD
+                    while left > 0 and (chunk := await reader.read(65_536)):
+                        left -= len(chunk)
 
 
 def _success(rejected: int, message: str, ctype: str) -> bytes:
