@@ -9,22 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import json
-import socket
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import http.client
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -37,13 +31,14 @@ from agent_monitor.daemon import (
     MonitorConfig,
     MonitorEvent,
     OtlpReceiver,
-    RunClosed,
     OtlpReceiverSettings,
+    RunClosed,
     RunStore,
     SqliteStore,
 )
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
+from tests.brokers import Mosquitto, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -328,7 +323,7 @@ async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_
 
 
 async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_invalid_one_is_rejected() -> None:
-    async with receiving() as (monitor, receiver, events):
+    async with receiving() as (monitor, receiver, _):
         conv = jspan(
             "00000000000000b1",
             1_000,
@@ -510,3 +505,47 @@ async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
             idle_writer.close()
         status, _, reply = await apost(receiver.url, body())
         assert (status, json.loads(reply)) == (200, {})
+
+
+# -- serve --otlp-receiver as a user runs it: the SDK exporter in, progress on MQTT, evaluation events out --
+
+
+async def test_serve_otlp_receiver_scores_an_sdk_trace_on_mqtt_and_its_events_carry_the_trace(
+    broker: Mosquitto,
+) -> None:
+    from tests.openai_server import chat_choice, chat_reply, scripted_server
+    from tests.test_daemon_mqtt import harness
+    from tests.test_otel import receiver as logs_receiver
+    from tests.test_serve_cli import serve, wait_serving
+
+    port = free_port()
+    with scripted_server() as judge, logs_receiver() as collector:
+        judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
+        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0",
+                "--otlp-receiver", f"127.0.0.1:{port}", "--otlp-endpoint", collector.url]  # fmt: skip
+        with serve(*args) as proc:
+            lines = await asyncio.to_thread(wait_serving, proc)
+            assert f"OTLP traces on http://127.0.0.1:{port}/v1/traces" in lines[-1]
+            async with harness(broker.port) as h:
+                with sdk(f"http://127.0.0.1:{port}/v1/traces") as tracer:
+                    agent = Agent(tracer)
+                    await asyncio.to_thread(agent.begin)
+                    run_id = agent.trace_id
+                    for i, act in enumerate((agent.chat_calls_tool, agent.tool, agent.chat_answers), 1):
+                        await asyncio.to_thread(act)
+                        await h.until(lambda i=i: h.last_step(run_id) == i)  # scored step by step
+                    await asyncio.to_thread(agent.end, outcome="success")
+                    # The run closed: its retained signal is cleared (an empty payload).
+                    await h.until(lambda: None in h.seen[(run_id, "signal")])
+                progress = h.progress(run_id)
+                spans = {name: f"{s.get_span_context().span_id:016x}" for name, s in agent.spans.items()}
+            await until(lambda: len({r["attributes"]["agent_monitor.step"] for r in collector.records()}) == 3)
+    assert [p["step"] for p in progress] == [1, 2, 3] and all(p["ok"] for p in progress)
+    records = collector.records()
+    assert {r["trace_id"].hex() for r in records} == {run_id}
+    judged = {r["attributes"]["agent_monitor.step"]: r["span_id"].hex() for r in records}
+    assert judged == {
+        1: spans["chat gpt-x"],
+        2: spans["execute_tool get_weather"],
+        3: spans["chat gpt-x final"],
+    }
