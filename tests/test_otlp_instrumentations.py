@@ -18,15 +18,15 @@ import pytest
 pytest.importorskip("openinference.instrumentation.openai_agents")
 pytest.importorskip("openinference.instrumentation.openai")
 
-from openai import AsyncOpenAI, OpenAI  # noqa: E402
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # noqa: E402
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor  # noqa: E402
+from openai import AsyncOpenAI, OpenAI
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-from agent_monitor.daemon import RunOpened  # noqa: E402
-from agent_monitor.testing import FakeJudge  # noqa: E402
-from tests.openai_server import Reply, ScriptedServer, scripted_server  # noqa: E402
-from tests.test_otlp_receiver import closed, receiving, until  # noqa: E402
+from agent_monitor.daemon import RunOpened
+from agent_monitor.testing import FakeJudge
+from tests.openai_server import Reply, ScriptedServer, scripted_server
+from tests.test_otlp_receiver import closed, receiving, until
 
 pytestmark = pytest.mark.timeout(120)
 
