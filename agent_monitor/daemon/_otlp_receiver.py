@@ -174,6 +174,8 @@ class OtlpReceiver:
         Gauge("agent_monitor_otlp_connections", "Open OTLP/HTTP connections.", registry=r).set_function(
             lambda: self._connections
         )
+        for code in ("200", "400", "404", "405", "413", "415", "503"):
+            self.requests.labels(code)
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
         for reason in REFUSE_REASONS:
