@@ -549,3 +549,18 @@ async def test_serve_otlp_receiver_scores_an_sdk_trace_on_mqtt_and_its_events_ca
         2: spans["execute_tool get_weather"],
         3: spans["chat gpt-x final"],
     }
+
+
+async def test_a_token_is_required_when_set_and_never_shown() -> None:
+    reg = CollectorRegistry()
+    async with receiving(registry=reg, token="s3cret") as (monitor, receiver, _):
+        assert "s3cret" not in repr(receiver.settings)
+        status, _, reply = await apost(receiver.url, body(tool("00000000000000a1", 1_000, "t", "r")))
+        assert status == 401 and "--otlp-token" in json.loads(reply)["message"]
+        wrong = {"Authorization": "Bearer guess"}
+        assert (await apost(receiver.url, body(), headers=wrong))[0] == 401
+        assert reg.get_sample_value("agent_monitor_otlp_spans_refused_total", {"reason": "unauthorized"}) == 2
+        right = {"Authorization": "Bearer s3cret"}
+        task = jspan("00000000000000a2", 2_000, {"agent_monitor.task": "t", "gen_ai.operation.name": "execute_tool"})
+        assert (await apost(receiver.url, body(task), headers=right))[0] == 200
+        await until(lambda: len(texts(monitor, TRACE)) == 1)

@@ -152,6 +152,16 @@ class OtlpReceiverSettings:
             "port is 4318); each trace becomes a run; none: off. Needs pip install 'agent-monitor[otel]'",
         },
     )
+    token: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged or printed config
+        metadata={
+            "flag": "--otlp-token",
+            "help": "require 'Authorization: Bearer TOKEN' on every export request (401 without it); exporters send "
+            "it with OTEL_EXPORTER_OTLP_HEADERS='Authorization=Bearer TOKEN'. Prefer the environment twin: a flag "
+            "is visible in the process list. none: anyone who reaches the port may feed runs (and their outcomes)",
+        },
+    )
     idle_s: float = field(
         default=300.0,
         metadata={

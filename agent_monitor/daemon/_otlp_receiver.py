@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import zlib
@@ -58,6 +59,7 @@ REFUSE_REASONS = (
     "batch_too_large",
     "bad_body",
     "unavailable",
+    "unauthorized",
 )
 _PATH = "/v1/traces"
 _PROTOBUF = "application/x-protobuf"
@@ -150,7 +152,8 @@ class OtlpReceiver:
         )
         self.refused = Counter(
             "agent_monitor_otlp_spans_refused",
-            "Spans refused, by reason (the exporter was told: partial success, 400, 413 or 503).",
+            "Spans refused, by reason (the exporter was told: partial success, 400, 401, 413 or 503); a request "
+            "refused before its spans are read (unauthorized, body_too_large, bad_body, unavailable) counts one.",
             ["reason"],
             registry=r,
         )
@@ -174,7 +177,7 @@ class OtlpReceiver:
         Gauge("agent_monitor_otlp_connections", "Open OTLP/HTTP connections.", registry=r).set_function(
             lambda: self._connections
         )
-        for code in ("200", "400", "404", "405", "413", "415", "503"):
+        for code in ("200", "400", "401", "404", "405", "413", "415", "503"):
             self.requests.labels(code)
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
@@ -487,7 +490,13 @@ class OtlpReceiver:
             reply_type = _JSON if ctype == _JSON else _PROTOBUF
             target = request.target.decode("latin-1").split("?")[0]
             answer: _Answer | None = None
-            if target != _PATH:
+            token = self.settings.token
+            if token is not None and not hmac.compare_digest(
+                headers.get("authorization", "").encode(), f"Bearer {token}".encode()
+            ):
+                self.refused.labels("unauthorized").inc()
+                answer = self._error(401, "missing or wrong 'Authorization: Bearer' token (--otlp-token)", reply_type)
+            elif target != _PATH:
                 answer = self._error(404, f"no such path {target[:100]}; POST spans to {_PATH}", reply_type)
             elif request.method != b"POST":
                 answer = self._error(405, f"use POST {_PATH}", reply_type)
@@ -576,7 +585,7 @@ class OtlpReceiver:
         return _Answer(200, _success(rejected, reason, ctype), ctype)
 
     def _error(self, status: int, message: str, ctype: str, *, retry_after: int | None = None) -> _Answer:
-        code = {400: 3, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)  # google.rpc.Code
+        code = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)  # google.rpc.Code
         body = json.dumps({"code": code, "message": message}).encode() if ctype == _JSON else _status_pb(code, message)
         return _Answer(status, body, ctype, retry_after)
 
