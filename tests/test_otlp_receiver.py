@@ -564,3 +564,23 @@ async def test_a_token_is_required_when_set_and_never_shown() -> None:
         task = jspan("00000000000000a2", 2_000, {"agent_monitor.task": "t", "gen_ai.operation.name": "execute_tool"})
         assert (await apost(receiver.url, body(task), headers=right))[0] == 200
         await until(lambda: len(texts(monitor, TRACE)) == 1)
+
+
+async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another_idle_time() -> None:
+    now = [0.0]
+    receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0", idle_s=10), clock=lambda: now[0])
+    # The monitor's closes never reach the receiver (as for a start the monitor refused).
+    receiver.sink = None
+    async with Monitor(MonitorConfig(), judge=FakeJudge(), store=MemoryStore(), sources=[receiver]) as monitor:
+        await receiver.ready.wait()
+        assert (await apost(receiver.url, body(tool("00000000000000e1", 1_000, "ls", "a"))))[0] == 200
+        now[0] = 11.0
+        await receiver.sweep()  # idle: started with a stand-in task and ended
+        await until(lambda: monitor.run(TRACE) is None)
+        assert receiver.statistics()["live"] == 1
+        now[0] = 21.0
+        await receiver.sweep()
+        assert receiver.statistics()["live"] == 0
+        # A span of it now is ignored (the run ended), not a new run.
+        assert (await apost(receiver.url, body(tool("00000000000000e2", 2_000, "ls", "b"))))[0] == 200
+        assert receiver.statistics()["live"] == 0

@@ -423,6 +423,19 @@ class OtlpReceiver:
         """End the runs whose spans stopped coming `idle_s` ago (their roots never ended here)."""
         now = self.clock()
         async with self._lock:
+            # An ended run the monitor never opened or no longer has (its start refused, the run evicted before
+            # the close reached us) would stay here for ever: forgotten one more idle time after its end.
+            view = self._view
+            gone = [
+                r
+                for r in self._runs.values()
+                if r.ended and now - r.last_span >= 2 * self.settings.idle_s and not (view and view.is_live(r.run_id))
+            ]
+            for run in gone:
+                self._runs.pop(run.run_id, None)
+                for t in run.traces:
+                    self._traces.pop(t, None)
+                self._remember_ended(run.run_id)
             idle = [r for r in self._runs.values() if not r.ended and now - r.last_span >= self.settings.idle_s]
             events: list[Inbound] = []
             for run in idle:
