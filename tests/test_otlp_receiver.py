@@ -584,3 +584,17 @@ async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another
         # A span of it now is ignored (the run ended), not a new run.
         assert (await apost(receiver.url, body(tool("00000000000000e2", 2_000, "ls", "b"))))[0] == 200
         assert receiver.statistics()["live"] == 0
+
+
+async def test_a_span_after_the_root_ended_is_ignored_not_refused() -> None:
+    reg = CollectorRegistry()
+    async with receiving(registry=reg) as (_, receiver, events):
+        first = tool("00000000000000a1", 1_000, "t", "r")
+        first["attributes"].append({"key": "agent_monitor.task", "value": {"stringValue": "t"}})
+        assert (await apost(receiver.url, body(first, root(3_000))))[0] == 200
+        assert (await apost(receiver.url, body(tool("00000000000000a2", 2_000, "t", "late"))))[0] == 200
+        await until(lambda: closed(events, TRACE) is not None)
+    end = closed(events, TRACE)
+    assert end is not None and end.steps == 1
+    assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "run_ended"}) == 1
+    assert not [e for e in events if type(e).__name__ == "Refused"]

@@ -290,6 +290,13 @@ class OtlpReceiver:
                 self.accepted.inc(len(spans))
                 continue
             run = self._runs.get(run_id) or self._recover(run_id, explicit is None, now)
+            if run is not None and run.ended:
+                # After its end was sent (the monitor is finishing it): too late to be a step.
+                fresh = [s for s in spans if s.span_id not in run.seen]
+                self.ignored.labels("run_ended").inc(len(fresh))
+                self.ignored.labels("duplicate").inc(len(spans) - len(fresh))
+                self.accepted.inc(len(spans))
+                continue
             if run is None:
                 if len(self._runs) >= self.settings.max_live_traces:
                     self.refused.labels("too_many_traces").inc(len(spans))
