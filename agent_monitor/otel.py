@@ -149,6 +149,18 @@ def detached_context() -> Context:
     return set_span_in_context(INVALID_SPAN, Context())
 
 
+def span_context(trace_id: str, span_id: str) -> Context:
+    """A context whose span is another process's (hex ids): events emitted in it carry that trace and span id."""
+    _require_otel()
+    from opentelemetry.context import Context
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    span = NonRecordingSpan(
+        SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    )
+    return set_span_in_context(span, Context())
+
+
 class EvaluationEmitter:
     """Emit a result's `gen_ai.evaluation.result` events through an OpenTelemetry Logger.
 
@@ -192,4 +204,5 @@ __all__ = [
     "detached_context",
     "evaluation_attributes",
     "in_context",
+    "span_context",
 ]

@@ -615,6 +615,77 @@ def panels() -> list[dict[str, Any]]:
             "their queue; they reconnect to a fresh snapshot) or full (over --board-clients). Scoring never waits "
             "for a browser.",
         ),
+        row("OpenTelemetry traces in (serve --otlp-receiver)"),
+        timeseries(
+            "Spans received, accepted, ignored, refused",
+            [
+                target(
+                    "A",
+                    f"sum by (instance) (rate(agent_monitor_otlp_spans_received_total{{{INST}}}[{RATE}]))",
+                    "received {{instance}}",
+                ),
+                target(
+                    "B",
+                    f"sum by (instance) (rate(agent_monitor_otlp_spans_accepted_total{{{INST}}}[{RATE}]))",
+                    "accepted {{instance}}",
+                ),
+                target(
+                    "C",
+                    f"sum by (instance, reason) (rate(agent_monitor_otlp_spans_ignored_total{{{INST}}}[{RATE}]))",
+                    "ignored ({{reason}}) {{instance}}",
+                ),
+                target(
+                    "D",
+                    f"sum by (instance, reason) (rate(agent_monitor_otlp_spans_refused_total{{{INST}}}[{RATE}]))",
+                    "refused ({{reason}}) {{instance}}",
+                ),
+            ],
+            unit="ops",
+            w=10,
+            no_value="no OTLP receiver",
+            description="Spans per second in the trace export requests, taken into runs, taken but unused (no agent "
+            "action, a model turn without recorded content, a duplicate, a span of an ended run), and refused by "
+            "reason (the exporter was told: partial success, 400, 413, or 503 to retry). Empty when no daemon has "
+            "--otlp-receiver.",
+        ),
+        timeseries(
+            "Trace-fed runs, late spans, requests",
+            [
+                target("A", f"agent_monitor_otlp_traces_live{{{INST}}}", "live {{instance}}"),
+                target(
+                    "B",
+                    f"sum by (instance) (increase(agent_monitor_otlp_late_spans_total{{{INST}}}[{RATE}]))",
+                    "late {{instance}}",
+                ),
+                target("C", f"agent_monitor_otlp_connections{{{INST}}}", "connections {{instance}}"),
+                target(
+                    "D",
+                    f"sum by (instance, code) (increase(agent_monitor_otlp_receiver_requests_total{{{INST}}}[{RATE}]))",
+                    "requests {{code}} {{instance}}",
+                ),
+                target(
+                    "E",
+                    f"sum by (instance) (increase(agent_monitor_otlp_attributes_truncated_total{{{INST}}}[{RATE}]))",
+                    "attributes cut {{instance}}",
+                ),
+            ],
+            w=7,
+            no_value="no OTLP receiver",
+            description="Runs the receiver follows (one per trace, conversation or agent_monitor.run_id), action "
+            "spans that arrived after later ones were sent (appended as the next step, marked late), open "
+            "exporter connections (bounded by --otlp-max-connections), export requests by HTTP status, and "
+            "attribute values cut to --otlp-max-attribute-bytes.",
+        ),
+        timeseries(
+            "Last span to final score",
+            quantiles("agent_monitor_otlp_final_score_seconds"),
+            unit="s",
+            w=7,
+            no_value="no trace ended yet",
+            description="Seconds from a trace-fed run's last span to its final score (the run closed): the judge's "
+            "time for the last prefix plus queueing. Idle-closed runs count from their last span, so they show "
+            "--otlp-idle here.",
+        ),
         row("Cluster (serve --cluster)"),
         timeseries(
             "Live replicas, as each replica sees them",

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import Board, Monitor, MonitorConfig
+from agent_monitor.daemon import Board, Monitor, MonitorConfig, OtlpReceiver, OtlpReceiverSettings
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 from tests.brokers import free_port
@@ -205,6 +205,8 @@ async def exercised_monitor() -> str:
         judge=FakeJudge(letters, max_retries=0),
         registry=registry,
         sinks=[Board(registry=registry)],
+        # The OTLP traces receiver's series exist from start-up (by reason, at 0).
+        sources=[OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0"), registry=registry)],
     )
     async with mon:
         await mon.handle(

@@ -539,10 +539,31 @@ async def _serve(args: argparse.Namespace) -> int:
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
         board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
+        receiver = None
+        if config.otlp_receiver.address is not None:
+            from ..daemon import OtlpReceiver
+
+            receiver = OtlpReceiver(config.otlp_receiver, registry=registry)
+            try:
+                receiver.check_installed()
+                await receiver.open()
+            except ImportError as e:
+                return _fail(str(e))
+            except OSError as e:
+                return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
         try:
-            monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=[board] if board else [])
+            monitor = Monitor(
+                config,
+                judge=judge,
+                store=store,
+                registry=registry,
+                sinks=[board] if board else [],
+                sources=[receiver] if receiver else [],
+            )
         except ImportError as e:  # --otlp-endpoint or --cluster without their extra: the message names it
             return _fail(str(e))
+        if receiver is not None and monitor.otel is not None:
+            monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
         web = None
         if serve.metrics_port:
             web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
@@ -578,7 +599,9 @@ async def _serve(args: argparse.Namespace) -> int:
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
-            f"{where}" + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
+            f"{where}"
+            + (f"; OTLP traces on {receiver.url}" if receiver else "")
+            + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,
             flush=True,
         )

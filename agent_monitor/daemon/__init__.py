@@ -8,11 +8,12 @@ the top level of `agent_monitor`, never `cli/`.
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._cluster_store import ClusterJournal, ClusterUnavailable
-from ._config import ClusterSettings, MetricsSettings, MonitorConfig, Protocol
+from ._config import ClusterSettings, MetricsSettings, MonitorConfig, OtlpReceiverSettings, Protocol
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
 from ._monitor import Monitor, RunView, StepView
 from ._mqtt import BrokerUnavailable
+from ._otlp_receiver import OtlpReceiver
 from ._sinks import (
     Accepted,
     Duplicated,
@@ -48,6 +49,8 @@ __all__ = [
     "Monitor",
     "MonitorConfig",
     "MonitorEvent",
+    "OtlpReceiver",
+    "OtlpReceiverSettings",
     "Protocol",
     "Refused",
     "Replay",

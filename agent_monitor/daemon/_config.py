@@ -140,6 +140,117 @@ class ClusterSettings:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class OtlpReceiverSettings:
+    """The OTLP traces receiver: agents that export OpenTelemetry spans become runs (docs/opentelemetry.md)."""
+
+    address: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--otlp-receiver",
+            "help": "receive OTLP/HTTP traces (POST /v1/traces, protobuf or JSON) on HOST:PORT (the conventional "
+            "port is 4318); each trace becomes a run; none: off. Needs pip install 'agent-monitor[otel]'",
+        },
+    )
+    token: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged or printed config
+        metadata={
+            "flag": "--otlp-token",
+            "help": "require 'Authorization: Bearer TOKEN' on every export request (401 without it); exporters send "
+            "it with OTEL_EXPORTER_OTLP_HEADERS='Authorization=Bearer TOKEN'. Prefer the environment twin: a flag "
+            "is visible in the process list. none: anyone who reaches the port may feed runs (and their outcomes)",
+        },
+    )
+    idle_s: float = field(
+        default=300.0,
+        metadata={
+            "flag": "--otlp-idle",
+            "help": "seconds without a span after which a trace's run ends (outcome unknown) when its root never ends",
+        },
+    )
+    max_body_bytes: int = field(
+        default=4 * 1024 * 1024,
+        metadata={
+            "flag": "--otlp-max-body-bytes",
+            "help": "largest request body, compressed and decompressed (413 beyond it)",
+        },
+    )
+    max_spans_per_batch: int = field(
+        default=10_000,
+        metadata={"flag": "--otlp-max-spans-per-batch", "help": "spans in one request at most (413 beyond it)"},
+    )
+    max_live_traces: int = field(
+        default=1_000,
+        metadata={
+            "flag": "--otlp-max-live-traces",
+            "help": "runs fed by traces at once; spans of a new one beyond this are answered 503 with Retry-After",
+        },
+    )
+    max_spans_per_trace: int = field(
+        default=2_000,
+        metadata={
+            "flag": "--otlp-max-spans-per-trace",
+            "help": "spans remembered per run (steps and the rest); spans beyond it are rejected (partial success)",
+        },
+    )
+    max_attribute_bytes: int = field(
+        default=16 * 1024,
+        metadata={
+            "flag": "--otlp-max-attribute-bytes",
+            "help": "bytes of one attribute value kept; longer values are cut (and counted)",
+        },
+    )
+    max_step_chars: int = field(
+        default=8_000,
+        metadata={"flag": "--otlp-max-step-chars", "help": "characters of a step's text built from one span"},
+    )
+    max_connections: int = field(
+        default=64,
+        metadata={"flag": "--otlp-max-connections", "help": "open connections at once; more are answered 503"},
+    )
+    read_timeout_s: float = field(
+        default=30.0,
+        metadata={"flag": "--otlp-read-timeout", "help": "seconds a connection may wait between bytes of a request"},
+    )
+    retry_after_s: int = field(
+        default=5,
+        metadata={"flag": "--otlp-retry-after", "help": "the Retry-After seconds of a 429 or 503 answer"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.address is not None:
+            _host, sep, port = self.address.rpartition(":")
+            if not sep or not port.isdigit() or not 0 <= int(port) <= 65_535:
+                raise ValueError(f"otlp receiver address {self.address!r}; use HOST:PORT, e.g. 127.0.0.1:4318")
+        small = {
+            k: getattr(self, k)
+            for k in (
+                "max_body_bytes",
+                "max_spans_per_batch",
+                "max_live_traces",
+                "max_spans_per_trace",
+                "max_attribute_bytes",
+                "max_step_chars",
+                "max_connections",
+                "retry_after_s",
+            )
+            if getattr(self, k) < 1
+        }
+        if small:
+            raise ValueError(f"otlp receiver limits {small} must be >= 1")
+        if not (self.idle_s > 0 and self.read_timeout_s > 0):
+            raise ValueError(f"otlp idle {self.idle_s}s and read timeout {self.read_timeout_s}s must be > 0")
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """The address as (host, port); ValueError when the receiver is off."""
+        if self.address is None:
+            raise ValueError("the OTLP receiver is off (no address)")
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -208,6 +319,9 @@ class MonitorConfig:
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
     cluster: ClusterSettings = field(default_factory=ClusterSettings, metadata={"help": "cluster"})
+    otlp_receiver: OtlpReceiverSettings = field(
+        default_factory=OtlpReceiverSettings, metadata={"help": "OpenTelemetry traces receiver"}
+    )
     image_dirs: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -341,4 +455,4 @@ class MonitorConfig:
         return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
-__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "Protocol"]
+__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "OtlpReceiverSettings", "Protocol"]

@@ -190,6 +190,10 @@ class _Runs:
         s = self.monitor._scoring.get(run_id)
         return s.tracker.latest if s is not None else None
 
+    def step_meta(self, run_id: str) -> tuple[Mapping[str, Any], ...] | None:
+        s = self.monitor._scoring.get(run_id)
+        return tuple(t.meta for t in s.tracker.steps) if s is not None else None
+
 
 @dataclass(frozen=True, slots=True)
 class StepView:

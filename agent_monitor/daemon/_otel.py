@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..otel import INSTALL_HINT, EvaluationEmitter, detached_context, evaluation_attributes
+from ..otel import INSTALL_HINT, EvaluationEmitter, detached_context, evaluation_attributes, span_context
 from ._sinks import MonitorEvent, Scored
 
 # Imported only when the monitor is given an OTLP endpoint (the Monitor imports this module then).
@@ -102,6 +102,9 @@ class OtelSink:
         self._emitter: EvaluationEmitter | None = None
         # The monitor's runs come over MQTT: their events belong to no span of this process.
         self._context = detached_context()
+        self.spans: Callable[[str, int], tuple[str, str] | None] | None = None
+        """Which span a run's step is (trace id, span id in hex), for runs fed by traces: the OTLP receiver's
+        `span_of`. A score's events then carry the trace and the judged span's id; None, or no span: no trace."""
 
     def open(self) -> None:
         """Start the provider, its batch processor (a worker thread) and the OTLP exporter."""
@@ -149,7 +152,12 @@ class OtelSink:
             # A score's events go together or not at all: half a verdict is worse than a counted gap.
             self.dropped.labels("queue_full").inc(len(events))
             return
-        emitter.emit_attributes(events, context=self._context)
+        context = self._context
+        if self.spans is not None:
+            ref = self.spans(event.run_id, event.progress.step)
+            if ref is not None:
+                context = span_context(*ref)
+        emitter.emit_attributes(events, context=context)
 
     # -- called from the SDK's worker thread --
 

@@ -102,6 +102,10 @@ class RunsView(Protocol):
         """The run's newest result (a score or a failure), or None before its first or when it is not live."""
         ...
 
+    def step_meta(self, run_id: str) -> tuple[Mapping[str, Any], ...] | None:
+        """The `meta` of each step of a live run, in index order (what a source put there), or None when not live."""
+        ...
+
 
 @runtime_checkable
 class Source(Protocol):
