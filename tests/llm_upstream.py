@@ -81,7 +81,11 @@ def _chat_stream(a: Answer, model: str) -> Iterator[bytes]:
     for j, (n, args) in enumerate(a.calls):
         raw = json.dumps(args)
         yield chunk(
-            {"tool_calls": [{"index": j, "id": f"call_{j}", "type": "function", "function": {"name": n, "arguments": ""}}]}
+            {
+                "tool_calls": [
+                    {"index": j, "id": f"call_{j}", "type": "function", "function": {"name": n, "arguments": ""}}
+                ]
+            }
         )
         for piece in _pieces(raw):
             yield chunk({"tool_calls": [{"index": j, "function": {"arguments": piece}}]})
@@ -193,9 +197,14 @@ def _message_stream(a: Answer, model: str) -> Iterator[bytes]:
         else:
             yield ev("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
             for piece in _pieces(json.dumps(block["input"])):
-                yield ev("content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}})
+                yield ev(
+                    "content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}}
+                )
         yield ev("content_block_stop", {"index": i})
-    yield ev("message_delta", {"delta": {"stop_reason": full["stop_reason"], "stop_sequence": None}, "usage": {"output_tokens": 5}})
+    yield ev(
+        "message_delta",
+        {"delta": {"stop_reason": full["stop_reason"], "stop_sequence": None}, "usage": {"output_tokens": 5}},
+    )
     yield ev("message_stop", {})
 
 
@@ -230,7 +239,13 @@ class Upstream:
                 with up._lock:
                     up.seen.append(Seen(self.path, dict(self.headers.items()), {}))
                 if self.path.rstrip("/").endswith("/models"):
-                    self._json(200, {"object": "list", "data": [{"id": "up-model", "object": "model", "created": 0, "owned_by": "t"}]})
+                    self._json(
+                        200,
+                        {
+                            "object": "list",
+                            "data": [{"id": "up-model", "object": "model", "created": 0, "owned_by": "t"}],
+                        },
+                    )
                 else:
                     self._json(404, {"error": {"message": "no such path", "type": "invalid_request_error"}})
 

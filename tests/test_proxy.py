@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -63,7 +62,11 @@ async def chat_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Betwe
         if stream:
             text, calls = "", {}  # type: ignore[var-annotated]
             async for chunk in await client.chat.completions.create(
-                model="m", messages=messages, tools=tools, stream=True, **kw  # type: ignore[arg-type]
+                model="m",
+                messages=messages,
+                tools=tools,
+                stream=True,
+                **kw,  # type: ignore[arg-type]
             ):
                 if not chunk.choices:
                     continue
@@ -82,11 +85,17 @@ async def chat_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Betwe
             m = r.choices[0].message
             text = m.content or ""
             tool_calls = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
                 for c in m.tool_calls or []
                 if c.type == "function"
             ]
-        messages.append({"role": "assistant", "content": text or None, **({"tool_calls": tool_calls} if tool_calls else {})})
+        messages.append(
+            {"role": "assistant", "content": text or None, **({"tool_calls": tool_calls} if tool_calls else {})}
+        )
         if not tool_calls:
             return text
         for c in tool_calls:
@@ -101,12 +110,20 @@ async def messages_agent(client: anthropic.AsyncAnthropic, *, stream: bool, betw
     for turn in range(1, 6):
         if stream:
             async with client.messages.stream(
-                model="claude-x", max_tokens=100, system=SYSTEM, messages=messages, tools=tools  # type: ignore[arg-type]
+                model="claude-x",
+                max_tokens=100,
+                system=SYSTEM,
+                messages=messages,
+                tools=tools,  # type: ignore[arg-type]
             ) as s:
                 final = await s.get_final_message()
         else:
             final = await client.messages.create(
-                model="claude-x", max_tokens=100, system=SYSTEM, messages=messages, tools=tools  # type: ignore[arg-type]
+                model="claude-x",
+                max_tokens=100,
+                system=SYSTEM,
+                messages=messages,
+                tools=tools,  # type: ignore[arg-type]
             )
         blocks = [b.model_dump(exclude_none=True) for b in final.content]
         messages.append({"role": "assistant", "content": blocks})
@@ -114,7 +131,10 @@ async def messages_agent(client: anthropic.AsyncAnthropic, *, stream: bool, betw
         if not uses:
             return "".join(b.text for b in final.content if b.type == "text")
         messages.append(
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": u.id, "content": TOOL[u.name]} for u in uses]}
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": u.id, "content": TOOL[u.name]} for u in uses],
+            }
         )
         await between(turn)
     raise AssertionError("the agent did not finish")
@@ -127,7 +147,11 @@ async def responses_agent(client: openai.AsyncOpenAI, *, stream: bool, between: 
         if stream:
             final = None
             async for event in await client.responses.create(
-                model="m", instructions=SYSTEM, input=items, tools=tools, stream=True  # type: ignore[arg-type]
+                model="m",
+                instructions=SYSTEM,
+                input=items,
+                tools=tools,
+                stream=True,  # type: ignore[arg-type]
             ):
                 if event.type == "response.completed":
                     final = event.response
@@ -169,10 +193,10 @@ class Rig:
         """Wait until the monitor holds `steps` steps of the run and has scored them all."""
 
         async def loop() -> None:
-            while (v := self.monitor.run(run_id)) is None or len(v.steps) < steps:
+            while (v := self.monitor.run(run_id)) is None or len(v.steps) < steps:  # noqa: ASYNC110 - the monitor's state
                 await asyncio.sleep(0.01)
             await self.monitor.drain()
-            while (v := self.monitor.run(run_id)) is None or v.scored < steps:
+            while (v := self.monitor.run(run_id)) is None or v.scored < steps:  # noqa: ASYNC110 - the monitor's state
                 await asyncio.sleep(0.01)
 
         await asyncio.wait_for(loop(), 20)
@@ -202,7 +226,11 @@ async def rig(
     try:
         with upstream() as up:
             proxy = ProxySource(ProxySettings(upstream=up.url, listen="127.0.0.1:0", **settings), judge=judge)
-            async with proxy, Monitor(config, judge=judge, store=store, sources=[proxy]) as monitor, harness(broker.port) as h:
+            async with (
+                proxy,
+                Monitor(config, judge=judge, store=store, sources=[proxy]) as monitor,
+                harness(broker.port) as h,
+            ):
                 yield Rig(up, proxy, monitor, h, store_path, logs)
     finally:
         await store.aclose()
@@ -273,7 +301,14 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
     async with rig(broker, tmp_path) as r:
         client = r.openai(max_retries=0)
         assert [m.id async for m in client.models.list()] == ["up-model"]
-        body = {"error": {"message": "no such model", "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+        body = {
+            "error": {
+                "message": "no such model",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
         r.up.add(Error(404, body, {"x-request-id": "req-42"}))
         with pytest.raises(openai.NotFoundError) as e:
             await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -290,7 +325,7 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
         r.up.add(Error(500, {"error": {"message": "boom", "type": "server_error"}}), *SCRIPT)
         answer = await chat_agent(r.openai(max_retries=2), stream=False)
         assert answer == "All tests pass now."
-        rid = r.run_id()
+        rid = run_key(SYSTEM, TASK)
         await r.settle(rid, 3)
         view = r.monitor.run(rid)
         assert view is not None and [s.index for s in view.steps] == [1, 2, 3]
@@ -308,7 +343,11 @@ async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(brok
         r.up.add(Answer("A done."), Answer("B done."))
         results = []
         for client in (a, b):
-            results.append(await client.chat.completions.create(model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]))
+            results.append(
+                await client.chat.completions.create(
+                    model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+                )
+            )
         for client, res in zip((a, b), results, strict=True):
             m = res.choices[0].message
             assert m.tool_calls
@@ -318,7 +357,17 @@ async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(brok
                 messages=[
                     {"role": "system", "content": SYSTEM},
                     {"role": "user", "content": TASK},
-                    {"role": "assistant", "content": m.content, "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}]},  # type: ignore[union-attr]
+                    {
+                        "role": "assistant",
+                        "content": m.content,
+                        "tool_calls": [
+                            {
+                                "id": c.id,
+                                "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments},
+                            }
+                        ],
+                    },  # type: ignore[union-attr]
                     {"role": "tool", "tool_call_id": c.id, "content": "x"},
                 ],
             )
@@ -358,7 +407,9 @@ async def test_enforce_refuses_a_low_scoring_run_at_its_next_request_in_the_apis
             if turn == 1:
                 return
             await r.settle(r.run_id(), turn - 1)
-            await r.mqtt.until(lambda: any(s and s.get("signal") == "abort" for s in r.mqtt.seen[(r.run_id(), "signal")]))
+            await r.mqtt.until(
+                lambda: any(s and s.get("signal") == "abort" for s in r.mqtt.seen[(r.run_id(), "signal")])
+            )
 
         error = openai.ConflictError if api != "messages" else anthropic.ConflictError
         with pytest.raises(error) as e:
@@ -433,7 +484,11 @@ async def test_best_of_3_returns_the_judged_best_with_chats_n(broker: Mosquitto,
         assert post.body["n"] == 3 and "stream" not in post.body
         assert calls, "the judge compared the candidates"
         stats = r.proxy.statistics()
-        assert stats["best_of_judged"] == 1 and stats["best_of_candidates"] == 3 and stats["best_of_judge_calls"] == len(calls)
+        assert (
+            stats["best_of_judged"] == 1
+            and stats["best_of_candidates"] == 3
+            and stats["best_of_judge_calls"] == len(calls)
+        )
         await r.settle(r.run_id(), 1)
         view = r.monitor.run(r.run_id())
         assert view is not None and view.steps[0].text == "the BEST answer"
@@ -445,7 +500,12 @@ async def test_best_of_3_in_parallel_requests_for_anthropic(broker: Mosquitto, t
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
         r.up.add(Answer("first try"), Answer("", [("read_file", {"path": "BEST.py"})]), Answer("third try"))
         client = r.anthropic()
-        kw: dict[str, Any] = {"model": "claude-x", "max_tokens": 50, "system": SYSTEM, "messages": [{"role": "user", "content": TASK}]}
+        kw: dict[str, Any] = {
+            "model": "claude-x",
+            "max_tokens": 50,
+            "system": SYSTEM,
+            "messages": [{"role": "user", "content": TASK}],
+        }
         if stream:
             async with client.messages.stream(**kw) as s:
                 final = await s.get_final_message()
@@ -489,7 +549,11 @@ def test_requests_of_the_three_apis_read_as_the_same_conversation() -> None:
             "messages": [
                 {"role": "system", "content": "S"},
                 {"role": "user", "content": [{"type": "text", "text": "T"}]},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"a\":1}"}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}],
+                },
                 {"role": "tool", "tool_call_id": "1", "content": "R"},
             ],
         },
@@ -500,8 +564,19 @@ def test_requests_of_the_three_apis_read_as_the_same_conversation() -> None:
             "system": [{"type": "text", "text": "S"}],
             "messages": [
                 {"role": "user", "content": "T"},
-                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "tool_use", "id": "1", "name": "f", "input": {"a": 1}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "1", "content": [{"type": "text", "text": "R"}]}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm"},
+                        {"type": "tool_use", "id": "1", "name": "f", "input": {"a": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "1", "content": [{"type": "text", "text": "R"}]}
+                    ],
+                },
             ],
         },
     )
@@ -512,7 +587,7 @@ def test_requests_of_the_three_apis_read_as_the_same_conversation() -> None:
             "input": [
                 {"role": "user", "content": [{"type": "input_text", "text": "T"}]},
                 {"type": "reasoning", "id": "r", "summary": []},
-                {"type": "function_call", "call_id": "1", "name": "f", "arguments": "{\"a\":1}"},
+                {"type": "function_call", "call_id": "1", "name": "f", "arguments": '{"a":1}'},
                 {"type": "function_call_output", "call_id": "1", "output": "R"},
             ],
         },
@@ -528,7 +603,10 @@ def test_a_retried_request_is_no_new_step_and_a_prefix_of_another_conversation_s
     convs = Conversations(max_conversations=2)
 
     def req(*items: Item) -> Any:
-        return parse_request("chat", {"messages": [{"role": "system", "content": "S"}, *({"role": i.role, "content": i.text} for i in items)]})
+        return parse_request(
+            "chat",
+            {"messages": [{"role": "system", "content": "S"}, *({"role": i.role, "content": i.text} for i in items)]},
+        )
 
     r1 = req(Item("user", "T"))
     c = convs.match(r1, None, 0.0)

@@ -183,9 +183,7 @@ class ProxySettings:
     )
     max_upstream_requests: int = field(
         default=256,
-        metadata={
-            "help": "watched requests in flight at once; one beyond this is forwarded, not watched (counted)"
-        },
+        metadata={"help": "watched requests in flight at once; one beyond this is forwarded, not watched (counted)"},
     )
     conversation_idle_s: float = field(
         default=3600.0,

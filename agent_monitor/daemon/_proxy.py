@@ -362,7 +362,11 @@ class ProxySource:
         return self.upstream + target
 
     def _headers(self, headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [(k, v) for k, v in headers if k.lower() not in _REQUEST_DROP and not k.lower().startswith(b"x-agent-monitor-")]
+        return [
+            (k, v)
+            for k, v in headers
+            if k.lower() not in _REQUEST_DROP and not k.lower().startswith(b"x-agent-monitor-")
+        ]
 
     async def _forward(
         self,
@@ -394,7 +398,9 @@ class ProxySource:
             reading = watch is not None and resp.status_code < 300
             turn = StreamTurn(watch.req.api) if reading and streamed and watch is not None else None
             kept: bytearray | None = bytearray() if reading and not streamed else None
-            writer.write(conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode())))
+            writer.write(
+                conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
+            )
             async for chunk in resp.aiter_bytes():
                 # The client first; reading the turn comes after, off the chunk's path.
                 writer.write(conn.send(h11.Data(data=chunk)))
@@ -475,8 +481,7 @@ class ProxySource:
         if not cands:
             # Every candidate failed: the upstream's own first answer goes back unchanged.
             self.counts["best_of_failed"] += 1
-            a = answers[0] if answers else None
-            if isinstance(a, httpx2.Response):
+            if answers and isinstance(a := answers[0], httpx2.Response):
                 out = [(k, v) for k, v in a.headers.raw if k.lower() not in _RESPONSE_DROP]
                 await _respond(conn, writer, a.status_code, a.content, headers=out)
             else:

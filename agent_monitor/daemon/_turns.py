@@ -17,6 +17,7 @@ Nothing here does I/O: `_proxy` feeds it bodies, events and the time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import OrderedDict
@@ -237,7 +238,9 @@ def _responses_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
         elif role == "assistant":
             items.append(Item("assistant", _text(it.get("content"))))
         elif kind == "function_call":
-            items.append(Item("assistant", Turn("", ((str(it.get("name", "")), _args(it.get("arguments", ""))),)).render()))
+            items.append(
+                Item("assistant", Turn("", ((str(it.get("name", "")), _args(it.get("arguments", ""))),)).render())
+            )
         elif kind == "function_call_output":
             items.append(Item("tool", f"[tool result] {_text(it.get('output'))}"))
     return "\n".join(s for s in system if s), items
@@ -330,9 +333,9 @@ class Conversations:
             best: Conversation | None = None
             for rid in self.branches.get(base, []):
                 c = self.live[rid]
-                if len(digests) >= len(c.digests) and digests[: len(c.digests)] == c.digests:
-                    if best is None or len(c.digests) > len(best.digests):
-                        best = c
+                extends = len(digests) >= len(c.digests) and digests[: len(c.digests)] == c.digests
+                if extends and (best is None or len(c.digests) > len(best.digests)):
+                    best = c
             if best is None:
                 known = self.branches.get(base, [])
                 rid = base if not known else f"{base}-{self._next_branch(base)}"
@@ -417,12 +420,12 @@ def turn_of_response(api: Api, body: Any, choice: int = 0) -> Turn | None:
         if not isinstance(choices, list) or len(choices) <= choice or not isinstance(choices[choice], Mapping):
             return None
         m = choices[choice].get("message") or {}
-        calls = tuple(
+        chat_calls = tuple(
             (str((c.get("function") or {}).get("name", "")), _args((c.get("function") or {}).get("arguments", "")))
             for c in m.get("tool_calls") or []
             if isinstance(c, Mapping)
         )
-        return Turn(_text(m.get("content")), calls)
+        return Turn(_text(m.get("content")), chat_calls)
     if api == "messages":
         content = body.get("content")
         return _anthropic_turn(content) if isinstance(content, list) else None
@@ -537,10 +540,9 @@ class StreamTurn:
         for i in sorted(self._calls):
             args = "".join(self._calls[i])
             if self.api == "messages":
-                try:
+                # Anthropic streams the input as JSON pieces; the history sends it back as an object.
+                with contextlib.suppress(ValueError):
                     args = _args(json.loads(args or "{}"))
-                except ValueError:
-                    pass
             calls.append((self._names.get(i, ""), args))
         return Turn("".join(self._text), tuple(calls))
 
