@@ -48,6 +48,9 @@ __all__ = [
     "with_turn",
 ]
 
+MAX_BRANCHES = 64
+"""Runs one key may split into (agents sharing a system prompt and first message); more are not watched."""
+
 Api = Literal["chat", "responses", "messages"]
 API_OF_PATH: dict[str, Api] = {
     "/v1/chat/completions": "chat",
@@ -338,6 +341,9 @@ class Conversations:
                     best = c
             if best is None:
                 known = self.branches.get(base, [])
+                if len(known) >= MAX_BRANCHES:
+                    self.full += 1  # one key's many agents: each request compares with every branch
+                    return None
                 rid = base if not known else f"{base}-{self._next_branch(base)}"
                 if known:
                     self.splits += 1
