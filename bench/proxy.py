@@ -14,19 +14,20 @@ proxied calls, so both see the same machine load. Per chunk: time from the upstr
 the last byte of a non-streamed answer. Figures bound: loopback only (no network), one client at a
 time, so they are the proxy's own work per chunk and per request, not contention between agents.
 
-    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20] [--turns 20]
+    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20] [--turns 20] [--bare]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,8 +37,20 @@ import httpx2
 import structlog
 from _common import kv_line, percentile
 
-from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, ProxySettings, ProxySource
+from agent_monitor.daemon import Ingest, MemoryStore, Monitor, MonitorConfig, ProxySettings, ProxySource
 from agent_monitor.testing import FakeJudge
+from agent_monitor.wire import Topics
+
+
+class _NoRuns:
+    def is_live(self, run_id: str) -> bool:
+        return False
+
+    def signal(self, run_id: str) -> None:
+        return None
+
+    def latest(self, run_id: str) -> None:
+        return None
 
 
 class Upstream:
@@ -82,6 +95,8 @@ class Upstream:
                 conn.start_next_cycle()
         except (ConnectionError, h11.ProtocolError):
             pass
+        except asyncio.CancelledError:
+            pass  # the loop ends under a keep-alive connection: this server's tasks are nobody else's
         finally:
             writer.close()
 
@@ -179,7 +194,19 @@ async def main(args: argparse.Namespace) -> None:
     url = await up.start()
     proxy = ProxySource(ProxySettings(upstream=url, listen="127.0.0.1:0"))
     judge = FakeJudge(lambda p: "P", record=False)
-    async with proxy, Monitor(MonitorConfig(), judge=judge, store=MemoryStore(), sources=[proxy]) as monitor:
+    async with proxy, contextlib.AsyncExitStack() as stack:
+        monitor: Monitor | None = None
+        if args.bare:
+            # The proxy alone: its events go to an ingest that takes them and does nothing.
+            async def taken(messages: Sequence[object]) -> list[BaseException | None]:
+                return [None] * len(messages)
+
+            feed = asyncio.create_task(proxy.run(Ingest(taken, Topics("agents")), _NoRuns()))
+            stack.callback(feed.cancel)
+        else:
+            monitor = Monitor(MonitorConfig(), judge=judge, store=MemoryStore(), sources=[proxy])
+            await stack.enter_async_context(monitor)
+        await asyncio.sleep(0.05)
         via = f"{proxy.url}/v1"
         async with httpx2.AsyncClient(timeout=30) as client:
             direct_chunks: list[float] = []
@@ -202,13 +229,15 @@ async def main(args: argparse.Namespace) -> None:
             for fn, sink in jobs:
                 got = await fn()
                 sink.extend(got if isinstance(got, list) else [float(got)])  # type: ignore[arg-type]
-        await monitor.drain()
+        if monitor is not None:
+            await monitor.drain()
         stats = dict(proxy.statistics())
     assert up.server is not None
     up.server.close()
     await asyncio.sleep(0.2)  # the upstream's connections see their clients close
     print(
-        f"requests {args.requests} x (stream of {args.chunks} chunks, plain) x (direct, proxy); runs of {args.turns} "
+        ("bare proxy (events taken by a no-op ingest); " if args.bare else "proxy as a Monitor's source; ")
+        + f"requests {args.requests} x (stream of {args.chunks} chunks, plain) x (direct, proxy); runs of {args.turns} "
         f"requests, history {args.history} + 2 per turn messages"
     )
     figures = summary("chunk", direct_chunks, proxy_chunks) | summary("request", direct_req, proxy_req)
@@ -223,5 +252,6 @@ if __name__ == "__main__":
     parser.add_argument("--chunks", type=int, default=40)
     parser.add_argument("--gap-ms", type=float, default=2.0)
     parser.add_argument("--history", type=int, default=20, help="messages of history before a run's first request")
+    parser.add_argument("--bare", action="store_true", help="the proxy alone: no Monitor scoring in the process")
     parser.add_argument("--turns", type=int, default=20, help="requests per run (each one turn longer)")
     asyncio.run(main(parser.parse_args()))
