@@ -250,7 +250,12 @@ class Upstream:
                     self._json(404, {"error": {"message": "no such path", "type": "invalid_request_error"}})
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    self._json(400, {"error": {"message": "the body is not JSON", "type": "invalid_request_error"}})
+                    return
                 with up._lock:
                     up.seen.append(Seen(self.path, dict(self.headers.items()), body))
                     reply = up.script.popleft() if up.script else up.default

@@ -628,3 +628,80 @@ def test_majority_needs_more_than_half() -> None:
     assert majority([Turn("a"), Turn("b"), Turn("c")]) is None
     assert majority([Turn("a", (("f", "{}"),)), Turn("a"), Turn("a", (("f", "{}"),))]) == 0
     assert majority([None, None, Turn("a")]) is None
+
+
+# Bounds and bad input: over a limit a request is forwarded, not watched, and counted; nothing stops the proxy.
+
+
+async def test_over_a_bound_requests_are_forwarded_unwatched_and_counted(broker: Mosquitto, tmp_path: Path) -> None:
+    async with rig(broker, tmp_path, max_conversations=1, max_conversation_bytes=4000, max_upstream_requests=1) as r:
+        client = r.openai(max_retries=0)
+        r.up.default = Answer("fine")
+
+        async def ask(task: str, **kw: Any) -> str:
+            res = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task}], **kw)
+            return res.choices[0].message.content or ""
+
+        assert await ask("first task") == "fine"
+        assert await ask("second task") == "fine"  # the table holds one conversation: forwarded, not watched
+        assert await ask("first task" + " padding" * 1000) == "fine"  # over 4,000 bytes: not read
+        # One watched request in flight at most: a second one meanwhile is forwarded, not watched.
+        r.up.chunk_delay_s = 0.2  # ~1.4 s of stream: the second request comes while it flows
+
+        async def streamed() -> None:
+            messages = [{"role": "user", "content": "first task"}]
+            async for _ in await client.chat.completions.create(model="m", messages=messages, stream=True):  # type: ignore[arg-type]
+                pass
+
+        slow = asyncio.create_task(streamed())
+        while r.proxy.inflight == 0:  # noqa: ASYNC110 - the proxy's state
+            await asyncio.sleep(0.01)
+        assert await ask("first task") == "fine"
+        r.up.chunk_delay_s = 0.0
+        await slow
+        stats = r.proxy.statistics()
+        assert stats["unwatched_conversations"] >= 1 and stats["unwatched_too_large"] == 1
+        assert stats["unwatched_busy"] == 1
+        assert list(r.proxy.conversations.live) == [run_key("", "first task")]
+
+
+async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(broker: Mosquitto, tmp_path: Path) -> None:
+    import httpx2
+
+    async with rig(broker, tmp_path) as r:
+        r.up.default = Answer("fine")
+        async with httpx2.AsyncClient(base_url=r.proxy.url) as raw:
+            res = await raw.post(
+                "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+            )
+            assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error"  # the upstream's
+            assert r.proxy.statistics()["unwatched_unreadable"] == 1
+            r.up.chunk_delay_s = 0.05
+            async with raw.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            ) as s:
+                async for _ in s.aiter_raw():
+                    break  # hang up after the first chunk
+            r.up.chunk_delay_s = 0.0
+        reader, writer = await asyncio.open_connection(*r.proxy.url.removeprefix("http://").split(":"))
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        assert (await reader.read(100)).startswith(b"HTTP/1.1 400")
+        writer.close()
+        res2 = await r.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "still there?"}]
+        )
+        assert res2.choices[0].message.content == "fine"
+        assert r.proxy.statistics()["bad_http"] == 1 and r.proxy.statistics().get("proxy_errors", 0) == 0
+
+
+async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Path) -> None:
+    async with rig(broker, tmp_path, conversation_idle_s=0.4) as r:
+        r.up.add(*SCRIPT)
+        await chat_agent(r.openai(), stream=False)
+        rid = run_key(SYSTEM, TASK)
+        await r.mqtt.until(lambda: r.mqtt.last_step(rid) == 3)
+        await r.mqtt.until(lambda: rid not in r.proxy.conversations.live and r.monitor.run(rid) is None)
+        assert r.proxy.statistics()["ends_sent"] == 1
