@@ -216,6 +216,8 @@ class Upstream:
         self.default: Reply | None = None
         self.seen: list[Seen] = []
         self.chunk_delay_s = chunk_delay_s
+        self.written = 0
+        """Stream events written so far (all streams)."""
         self._lock = threading.Lock()
         up = self
 
@@ -292,6 +294,7 @@ class Upstream:
                         time.sleep(up.chunk_delay_s)
                     self.wfile.write(f"{len(e):x}\r\n".encode() + e + b"\r\n")
                     self.wfile.flush()
+                    up.written += 1
                 self.wfile.write(b"0\r\n\r\n")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -334,6 +334,28 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
         secret_nowhere(r, caplog)
 
 
+@pytest.mark.parametrize("api", sorted(AGENTS))
+async def test_a_stream_is_passed_on_chunk_by_chunk_not_buffered(broker: Mosquitto, tmp_path: Path, api: str) -> None:
+    import httpx2
+
+    async with rig(broker, tmp_path) as r:
+        r.up.chunk_delay_s = 0.1
+        r.up.add(Answer("a long answer streamed in pieces", [("read_file", {"path": "a.py"})]))
+        path = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}[api]
+        body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 10}
+        body |= {"input": TASK} if api == "responses" else {"messages": [{"role": "user", "content": TASK}]}
+        seen_at: list[int] = []
+        async with httpx2.AsyncClient(base_url=r.proxy.url) as raw, raw.stream("POST", path, json=body) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            async for chunk in s.aiter_raw():
+                if chunk.strip():
+                    seen_at.append(r.up.written)
+        total = r.up.written
+        # The first event reached the client while the upstream still had events to write.
+        assert total >= 6 and seen_at[0] < total, (seen_at, total)  # a buffering proxy: seen_at[0] == total
+        assert len(seen_at) >= 3
+
+
 async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(broker: Mosquitto, tmp_path: Path) -> None:
     async with rig(broker, tmp_path) as r:
         a, b = r.openai(), r.openai()
