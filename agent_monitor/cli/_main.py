@@ -32,7 +32,9 @@ from ._flags import FlagError, HelpFormatter, add_flags, build, given
 from ._top import TopOptions
 
 if TYPE_CHECKING:
-    from ..daemon import SqliteStore
+    from prometheus_client import CollectorRegistry
+
+    from ..daemon import MonitorConfig, Source, SqliteStore
 
 JudgeKind = Literal["openai", "gemini", "local"]
 T = TypeVar("T")
@@ -636,9 +638,9 @@ async def _proxy_source(
     stack: contextlib.AsyncExitStack,
     settings: ProxySettings | None,
     judge: BaseJudge,
-    config: Any,
-    registry: Any,
-) -> list[Any]:
+    config: MonitorConfig,
+    registry: CollectorRegistry,
+) -> list[Source]:
     """The proxy as the monitor's source, its port bound now (a taken port is one line, before the monitor starts)."""
     if settings is None:
         return []

@@ -32,6 +32,7 @@ from ..judges.base import Judge
 from ..progress import Usage
 from ..selection import compare, tournament
 from ._config import ProxySettings
+from ._sinks import Sink
 from ._source import Inbound, Ingest, RunsView
 from ._turns import (
     API_OF_PATH,
@@ -99,7 +100,8 @@ class ProxySource:
     """
 
     name = "proxy"
-    sink = None
+    sink: Sink | None = None
+    """No sink: the proxy reads the signals it needs through the RunsView, at each request."""
 
     def __init__(
         self,
