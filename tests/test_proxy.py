@@ -712,6 +712,9 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
         await writer.drain()
         assert (await reader.read(100)).startswith(b"HTTP/1.1 400")
         writer.close()
+        # A responses conversation kept by the provider (previous_response_id) has no history to read: not watched.
+        follow = await r.openai().responses.create(model="m", previous_response_id="resp_0", input="more")
+        assert follow.output_text == "fine" and r.proxy.statistics()["unwatched_server_history"] == 1
         res2 = await r.openai().chat.completions.create(
             model="m", messages=[{"role": "user", "content": "still there?"}]
         )
@@ -727,3 +730,16 @@ async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Pa
         await r.mqtt.until(lambda: r.mqtt.last_step(rid) == 3)
         await r.mqtt.until(lambda: rid not in r.proxy.conversations.live and r.monitor.run(rid) is None)
         assert r.proxy.statistics()["ends_sent"] == 1
+
+
+def test_a_stream_past_the_byte_bound_is_not_read() -> None:
+    from agent_monitor.daemon._turns import StreamTurn
+
+    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "abcdefghij"}}]}\n\n'
+    small = StreamTurn("chat", max_bytes=10 * len(chunk))
+    for _ in range(3):
+        small.feed(chunk)
+    assert small.turn() == Turn("abcdefghij" * 3)
+    for _ in range(10):
+        small.feed(chunk)
+    assert small.turn() is None and len(small._text) == 10  # nothing more held once past the bound

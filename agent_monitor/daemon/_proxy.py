@@ -324,6 +324,9 @@ class ProxySource:
             req = parse_request(api, data)
         except ValueError:
             return self._unwatched("unreadable")
+        if isinstance(data, dict) and data.get("previous_response_id"):
+            # The history is kept by the provider: this request holds only the new items, no conversation to read.
+            return self._unwatched("server_history")
         if header is not None:
             from ..wire import TopicError, check_run_id
 
@@ -398,7 +401,11 @@ class ProxySource:
             out = [(k, v) for k, v in resp.headers.raw if k.lower() not in _RESPONSE_DROP]
             streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
             reading = watch is not None and resp.status_code < 300
-            turn = StreamTurn(watch.req.api) if reading and streamed and watch is not None else None
+            turn = (
+                StreamTurn(watch.req.api, self.settings.max_conversation_bytes)
+                if reading and streamed and watch
+                else None
+            )
             kept: bytearray | None = bytearray() if reading and not streamed else None
             writer.write(
                 conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))

@@ -480,9 +480,11 @@ class SseParser:
 class StreamTurn:
     """The assistant turn a streamed response builds, from its server-sent events."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, max_bytes: int = 16 * 1024 * 1024) -> None:
         self.api = api
-        self.parser = SseParser()
+        self.parser = SseParser(max_bytes)
+        self.max_bytes = max_bytes
+        self.size = 0
         self._text: list[str] = []
         self._calls: dict[int, list[str]] = {}
         self._names: dict[int, str] = {}
@@ -490,7 +492,11 @@ class StreamTurn:
         self.bad = False
 
     def feed(self, chunk: bytes) -> None:
-        """Read the events `chunk` completes."""
+        """Read the events `chunk` completes (past `max_bytes` of stream, nothing more: the turn is not read)."""
+        self.size += len(chunk)
+        if self.bad or self.size > self.max_bytes:
+            self.bad = True
+            return
         for name, data in self.parser.feed(chunk):
             if data == "[DONE]":
                 continue
