@@ -27,6 +27,7 @@ from agent_monitor.daemon._turns import Conversations, Item, Turn, majority, par
 from agent_monitor.judges.base import JudgeError
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
+from agent_monitor.selection import PAIRWISE_INSTRUCTIONS
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings
 from tests.brokers import Mosquitto
@@ -471,9 +472,11 @@ async def test_enforce_never_refuses_a_run_that_scores_well(broker: Mosquitto, t
 
 
 def best_judge(calls: list[Prompt]) -> FakeJudge:
-    """A judge that prefers the trajectory whose last step says BEST (both slot orders agree)."""
+    """A judge that prefers the trajectory whose last step says BEST (both slot orders agree); `calls`: comparisons."""
 
     def answer(p: Prompt) -> str:
+        if p.instructions != PAIRWISE_INSTRUCTIONS:
+            return "P"  # the monitor scoring the run's steps (pointwise): not a comparison
         calls.append(p)
         head = "".join(getattr(part, "text", "") for part in p.prefix)
         one, _, two = head.partition("## Trajectory 2")
@@ -544,7 +547,7 @@ async def test_best_of_majority_skips_the_judge(broker: Mosquitto, tmp_path: Pat
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
         r.up.add(Answer("the BEST answer"), Answer("same  answer"), Answer("same answer"))
         res = await r.openai().responses.create(model="m", instructions=SYSTEM, input=TASK)
-        assert res.output_text == "same  answer"
+        assert " ".join(res.output_text.split()) == "same answer"  # one of the two that agree (arrival order)
         assert calls == [] and r.proxy.statistics()["best_of_majority"] == 1
         assert len(r.up.posts()) == 3
 
@@ -743,3 +746,23 @@ def test_a_stream_past_the_byte_bound_is_not_read() -> None:
     for _ in range(10):
         small.feed(chunk)
     assert small.turn() is None and len(small._text) == 10  # nothing more held once past the bound
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("api", sorted(AGENTS))
+async def test_a_whole_tool_loop_through_best_of_3(broker: Mosquitto, tmp_path: Path, api: str, stream: bool) -> None:
+    # Every turn's three candidates agree (the majority shortcut): the winner's tool calls, replayed as the API's
+    # stream when asked, must drive the SDK's agent loop to its end exactly as the upstream's own answer would.
+    calls: list[Prompt] = []
+    async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
+        for answer in SCRIPT:
+            if api == "chat":
+                r.up.add([answer, answer, answer])
+            else:
+                r.up.add(answer, answer, answer)
+        assert await AGENTS[api](r, stream) == "All tests pass now."
+        rid = run_key(SYSTEM, TASK)
+        await r.settle(rid, 3)
+        view = r.monitor.run(rid)
+        assert view is not None and len(view.steps) == 3 and TOOL["run_tests"] in view.steps[1].text
+        assert calls == [] and r.proxy.statistics()["best_of_majority"] == 3
