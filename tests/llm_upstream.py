@@ -26,6 +26,8 @@ class Answer:
 
     text: str = ""
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    cut_after: int | None = None
+    """Streamed: close the connection after this many events, mid-body (an upstream that breaks off)."""
 
 
 @dataclass
@@ -289,7 +291,10 @@ class Upstream:
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for e in events:
+                for i, e in enumerate(events):
+                    if answers[0].cut_after is not None and i >= answers[0].cut_after:
+                        self.close_connection = True
+                        return
                     if up.chunk_delay_s:
                         time.sleep(up.chunk_delay_s)
                     self.wfile.write(f"{len(e):x}\r\n".encode() + e + b"\r\n")

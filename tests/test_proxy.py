@@ -715,6 +715,14 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
         await writer.drain()
         assert (await reader.read(100)).startswith(b"HTTP/1.1 400")
         writer.close()
+        # An upstream that breaks off mid-stream: the client's stream breaks as well, the proxy goes on.
+        r.up.add(Answer("this answer is cut short", cut_after=2))
+        with pytest.raises((openai.APIError, httpx2.HTTPError)):
+            async for _ in await r.openai(max_retries=0).chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x"}], stream=True
+            ):
+                pass
+        assert r.proxy.statistics()["upstream_broken"] == 1
         # A responses conversation kept by the provider (previous_response_id) has no history to read: not watched.
         follow = await r.openai().responses.create(model="m", previous_response_id="resp_0", input="more")
         assert follow.output_text == "fine" and r.proxy.statistics()["unwatched_server_history"] == 1

@@ -67,6 +67,10 @@ log = structlog.get_logger("agent_monitor.proxy")
 
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 """A request body past this is refused (413): nothing an LLM API takes is larger."""
+MAX_CONNECTIONS = 4096
+"""Client connections open at once; one more is closed at once (counted in connections_refused)."""
+KEEPALIVE_S = 300.0
+"""Seconds an idle keep-alive connection stays open between two requests."""
 QUEUE_SIZE = 10_000
 """Events waiting for ingest; past it new ones are dropped (counted in events_dropped)."""
 _HOP = frozenset(
@@ -126,6 +130,7 @@ class ProxySource:
         self.conversations = Conversations(settings.max_conversations, settings.conversation_idle_s)
         self.counts: Counter[str] = Counter()
         self.inflight = 0
+        self.connections = 0
         self._queue: asyncio.Queue[Inbound] = asyncio.Queue(QUEUE_SIZE)
         self._server: asyncio.Server | None = None
         self._client: httpx2.AsyncClient | None = None
@@ -196,6 +201,7 @@ class ProxySource:
             **dict(self.counts),
             "live_conversations": len(self.conversations.live),
             "inflight": self.inflight,
+            "connections": self.connections,
             "queued_events": self._queue.qsize(),
             "splits": self.conversations.splits,
         }
@@ -242,21 +248,28 @@ class ProxySource:
     # HTTP.
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._tg is None:
+        if self._tg is None or self.connections >= MAX_CONNECTIONS:
+            self.counts["connections_refused"] += 1
             writer.close()
             return
         self._tg.create_task(self._connection(reader, writer), name="proxy-connection")
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_READ)
+        self.connections += 1
         try:
             while True:
-                event = await _next(conn, reader)
+                try:
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        event = await _next(conn, reader)
+                except TimeoutError:
+                    return  # an idle keep-alive connection: the client opens another when it needs one
                 if not isinstance(event, h11.Request):
                     return
                 body = bytearray()
                 while True:
-                    part = await _next(conn, reader)
+                    async with asyncio.timeout(self.settings.upstream_timeout_s):  # a body that never ends
+                        part = await _next(conn, reader)
                     if isinstance(part, h11.Data):
                         body += part.data
                         if len(body) > MAX_REQUEST_BYTES:
@@ -276,12 +289,13 @@ class ProxySource:
             with contextlib.suppress(Exception):
                 if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                     await _respond(conn, writer, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}')
-        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError):
-            pass  # the client went away mid-response
+        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError, TimeoutError):
+            pass  # the client (or the upstream) went away mid-message, or a body never ended
         except Exception as e:
             self.counts["proxy_errors"] += 1
             log.error("proxy_connection_failed", error=f"{type(e).__name__}: {e}")
         finally:
+            self.connections -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -410,16 +424,22 @@ class ProxySource:
             writer.write(
                 conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
             )
-            async for chunk in resp.aiter_bytes():
-                # The client first; reading the turn comes after, off the chunk's path.
-                writer.write(conn.send(h11.Data(data=chunk)))
-                await writer.drain()
-                if turn is not None:
-                    turn.feed(chunk)
-                elif kept is not None:
-                    kept += chunk
-                    if len(kept) > self.settings.max_conversation_bytes:
-                        kept = None
+            try:
+                async for chunk in resp.aiter_bytes():
+                    # The client first; reading the turn comes after, off the chunk's path.
+                    writer.write(conn.send(h11.Data(data=chunk)))
+                    await writer.drain()
+                    if turn is not None:
+                        turn.feed(chunk)
+                    elif kept is not None:
+                        kept += chunk
+                        if len(kept) > self.settings.max_conversation_bytes:
+                            kept = None
+            except httpx2.HTTPError as e:
+                # The upstream broke off mid-response: the client sees its connection close, as it would upstream.
+                self.counts["upstream_broken"] += 1
+                log.warning("proxy_upstream_broke_off", path=target.split("?", 1)[0], error=type(e).__name__)
+                raise ConnectionAbortedError from None
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
         finally:
@@ -579,7 +599,7 @@ async def _respond(
 class _ProxyCollector:
     """`agent_monitor_proxy_*`: the proxy's counters and gauges, read at scrape time."""
 
-    _GAUGES = frozenset({"live_conversations", "inflight", "queued_events"})
+    _GAUGES = frozenset({"live_conversations", "inflight", "connections", "queued_events"})
 
     def __init__(self, proxy: ProxySource) -> None:
         self.proxy = proxy
