@@ -774,3 +774,20 @@ async def test_a_whole_tool_loop_through_best_of_3(broker: Mosquitto, tmp_path: 
         view = r.monitor.run(rid)
         assert view is not None and len(view.steps) == 3 and TOOL["run_tests"] in view.steps[1].text
         assert calls == [] and r.proxy.statistics()["best_of_majority"] == 3
+
+
+def test_the_proxys_statistics_are_prometheus_metrics() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    proxy = ProxySource(ProxySettings(upstream="http://127.0.0.1:9/v1"), registry=registry)
+    proxy.counts["requests"] += 3
+    proxy.counts["unwatched_busy"] += 1
+    text = generate_latest(registry).decode()
+    assert "agent_monitor_proxy_requests_total 3.0" in text
+    assert "agent_monitor_proxy_unwatched_busy_total 1.0" in text
+    assert "# TYPE agent_monitor_proxy_live_conversations gauge" in text
+    with pytest.raises(ValueError, match="needs a judge"):
+        ProxySource(ProxySettings(upstream="http://127.0.0.1:9/v1", best_of=3))
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        ProxySettings(upstream="http://127.0.0.1:9/v1", listen="nowhere")
