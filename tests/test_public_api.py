@@ -38,7 +38,7 @@ PUBLIC = {
     "agent_monitor.daemon": [
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
         "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpServer", "Inbound", "Ingest", "MemoryStore",
-        "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "Protocol", "Refused", "Replay", "RunClosed",
+        "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "Protocol", "ProxySettings", "ProxySource", "Refused", "Replay", "RunClosed",
         "RunLimits", "RunOpened", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Source", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],

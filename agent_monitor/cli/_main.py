@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..criteria import CriteriaError, load_criteria
-from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings
+from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
@@ -32,7 +32,9 @@ from ._flags import FlagError, HelpFormatter, add_flags, build, given
 from ._top import TopOptions
 
 if TYPE_CHECKING:
-    from ..daemon import SqliteStore
+    from prometheus_client import CollectorRegistry
+
+    from ..daemon import MonitorConfig, Source, SqliteStore
 
 JudgeKind = Literal["openai", "gemini", "local"]
 T = TypeVar("T")
@@ -170,6 +172,19 @@ def _group_flags(parser: argparse._ActionsContainer) -> None:
     )
 
 
+_PROXY_FLAGS = [f.name for f in dataclasses.fields(ProxySettings) if f.name != "upstream"]
+
+
+def _serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """The flags of serve (and of proxy, which is serve with the proxy as its front door)."""
+    from ..daemon import MonitorConfig
+
+    add_flags(parser, BrokerOptions, environ, title="MQTT broker")
+    add_flags(parser, JudgeOptions, environ, title="judge")
+    add_flags(parser, MonitorConfig, environ, title="monitor")
+    add_flags(parser, ServeOptions, environ, title="run store, metrics and logs")
+
+
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from .. import __version__
     from ..daemon import MonitorConfig
@@ -203,10 +218,25 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "follow live runs over MQTT; publish progress and abort/resample signals",
         "Every flag has an AGENT_MONITOR_* environment twin (shown in brackets); a flag given wins over its twin.",
     )
-    add_flags(serve, BrokerOptions, environ, title="MQTT broker")
-    add_flags(serve, JudgeOptions, environ, title="judge")
-    add_flags(serve, MonitorConfig, environ, title="monitor")
-    add_flags(serve, ServeOptions, environ, title="run store, metrics and logs")
+    _serve_flags(serve, environ)
+    add_flags(serve, ProxySettings, environ, title="LLM API proxy (with --proxy-upstream; docs/proxy.md)")
+    proxy = _command(
+        sub,
+        "proxy",
+        "an LLM API proxy that watches every turn of an agent you did not write (serve, with the proxy as its door)",
+        "Point the agent's base URL at --listen (OPENAI_BASE_URL=http://HOST:PORT/v1, ANTHROPIC_BASE_URL=http://HOST:PORT): "
+        "each conversation is a run, each assistant turn with its tool results a step (docs/proxy.md). Takes every "
+        "flag of serve.",
+    )
+    proxy.add_argument(
+        "--upstream",
+        metavar="URL",
+        default=environ.get("AGENT_MONITOR_PROXY_UPSTREAM") or None,
+        help="the LLM API to forward to, e.g. https://api.openai.com/v1 or https://api.anthropic.com (required) "
+        "[AGENT_MONITOR_PROXY_UPSTREAM]",
+    )
+    add_flags(proxy, ProxySettings, environ, only=_PROXY_FLAGS, title="LLM API proxy")
+    _serve_flags(proxy, environ)
 
     ev = _command(
         sub, "eval", "score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
@@ -508,6 +538,9 @@ async def _serve(args: argparse.Namespace) -> int:
         return _fail(f"--gc-threshold: {e}")
     broker = broker_options.settings()
     config = build(MonitorConfig, args, broker=broker, policy_given=given(args, "policy"))
+    proxy_settings = build(ProxySettings, args) if args.command == "proxy" or args.upstream else None
+    if proxy_settings is not None and proxy_settings.upstream is None:
+        return _fail("agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1")
     try:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
@@ -552,16 +585,21 @@ async def _serve(args: argparse.Namespace) -> int:
             except OSError as e:
                 return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
         try:
+            sources = await _proxy_source(stack, proxy_settings, judge, config, registry)
             monitor = Monitor(
                 config,
                 judge=judge,
                 store=store,
                 registry=registry,
                 sinks=[board] if board else [],
-                sources=[receiver] if receiver else [],
+                sources=[*([receiver] if receiver else []), *sources],
             )
-        except ImportError as e:  # --otlp-endpoint or --cluster without their extra: the message names it
+        except ImportError as e:  # --otlp-endpoint, --cluster or the proxy without their extra: the message names it
             return _fail(str(e))
+        except OSError as e:
+            return _fail(
+                f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
+            )
         if receiver is not None and monitor.otel is not None:
             monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
         web = None
@@ -596,6 +634,11 @@ async def _serve(args: argparse.Namespace) -> int:
             )
         else:
             where = f"run store {store.path if store else 'off (in memory)'}"
+        for src in monitor.sources:
+            print(
+                f"agent-monitor: proxy on {getattr(src, 'url', '?')} -> {getattr(src, 'upstream', '?')}",
+                file=sys.stderr,
+            )
         print(
             f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
@@ -610,6 +653,23 @@ async def _serve(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             log.info("shutting_down")
     return 0
+
+
+async def _proxy_source(
+    stack: contextlib.AsyncExitStack,
+    settings: ProxySettings | None,
+    judge: BaseJudge,
+    config: MonitorConfig,
+    registry: CollectorRegistry,
+) -> list[Source]:
+    """The proxy as the monitor's source, its port bound now (a taken port is one line, before the monitor starts)."""
+    if settings is None:
+        return []
+    from ..daemon import ProxySource
+
+    proxy = ProxySource(settings, judge=judge, criteria=config.criteria, registry=registry)
+    await stack.enter_async_context(proxy)
+    return [proxy]
 
 
 async def _store_line(store: SqliteStore, restored: Sequence[str], *, default: bool) -> str:
@@ -1024,7 +1084,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             # Each row already shows its failure; the tracker's log line would say it a second time.
             _configure_logging(level, drop=["score_failed"])
             return asyncio.run(_score(args))
-        if args.command == "serve":
+        if args.command in ("serve", "proxy"):
             _configure_logging(args.log_level)
             return asyncio.run(_serve(args))
         if args.command == "demo":

@@ -5,10 +5,12 @@ scores each new prefix and publishes progress and signals. This package imports 
 the top level of `agent_monitor`, never `cli/`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._cluster_store import ClusterJournal, ClusterUnavailable
-from ._config import ClusterSettings, MetricsSettings, MonitorConfig, OtlpReceiverSettings, Protocol
+from ._config import ClusterSettings, MetricsSettings, MonitorConfig, OtlpReceiverSettings, Protocol, ProxySettings
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
 from ._monitor import Monitor, RunView, StepView
@@ -28,6 +30,19 @@ from ._sinks import (
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import RunLimits
 from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
+
+if TYPE_CHECKING:
+    from ._proxy import ProxySource
+
+
+def __getattr__(name: str) -> Any:
+    # Loaded on first use: without the proxy nothing imports h11 or httpx2 (ImportError names the extra).
+    if name == "ProxySource":
+        from ._proxy import ProxySource
+
+        return ProxySource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_GC_THRESHOLD",
@@ -52,6 +67,8 @@ __all__ = [
     "OtlpReceiver",
     "OtlpReceiverSettings",
     "Protocol",
+    "ProxySettings",
+    "ProxySource",
     "Refused",
     "Replay",
     "RunClosed",

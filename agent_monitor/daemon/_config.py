@@ -251,6 +251,85 @@ class OtlpReceiverSettings:
         return host.strip("[]") or "127.0.0.1", int(port)
 
 
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """The LLM API proxy (`agent-monitor proxy`, `serve --proxy-upstream`): where it listens, what it forwards to."""
+
+    upstream: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--proxy-upstream",
+            "help": "the LLM API the proxy forwards to, e.g. https://api.openai.com/v1 or https://api.anthropic.com; "
+            "none: no proxy. Needs pip install 'agent-monitor[proxy]'",
+        },
+    )
+    listen: str = field(
+        default="127.0.0.1:8888",
+        metadata={"help": "HOST:PORT the proxy listens on (agents set their base URL to it; port 0: any free one)"},
+    )
+    enforce: bool = field(
+        default=False,
+        metadata={
+            "help": "answer the next request of a run whose signal is abort with the API's own error (HTTP 409), "
+            "so the agent stops; off: the proxy only watches"
+        },
+    )
+    best_of: int = field(
+        default=1,
+        metadata={
+            "help": "candidates per request (the API's n where it has one, else parallel requests); the judge's "
+            "pivot tournament picks the one returned; 1: forward as is"
+        },
+    )
+    max_conversations: int = field(
+        default=10_000,
+        metadata={"help": "conversations watched at once; a new one beyond this is forwarded, not watched (counted)"},
+    )
+    max_conversation_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata={
+            "help": "largest request body (a conversation's whole history) the proxy reads; a larger one is "
+            "forwarded, not watched (counted)"
+        },
+    )
+    max_upstream_requests: int = field(
+        default=256,
+        metadata={"help": "watched requests in flight at once; one beyond this is forwarded, not watched (counted)"},
+    )
+    conversation_idle_s: float = field(
+        default=3600.0,
+        metadata={"flag": "--conversation-idle", "help": "seconds without a request before a conversation's run ends"},
+    )
+    upstream_timeout_s: float = field(
+        default=600.0,
+        metadata={"help": "seconds the upstream may stay silent (connecting, or between two chunks of a stream)"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.upstream is not None:
+            url = urlsplit(self.upstream)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(
+                    f"proxy upstream {self.upstream!r} is not an HTTP URL; use e.g. https://api.openai.com/v1"
+                )
+        self.address  # noqa: B018 - raises ValueError for a listen address that is not HOST:PORT
+        if self.best_of < 1 or self.max_conversations < 1 or self.max_upstream_requests < 1:
+            raise ValueError(
+                f"best_of={self.best_of}, max_conversations={self.max_conversations}, "
+                f"max_upstream_requests={self.max_upstream_requests}: use 1 or more"
+            )
+        if self.max_conversation_bytes < 0 or not self.conversation_idle_s > 0 or not self.upstream_timeout_s > 0:
+            raise ValueError("max_conversation_bytes must be >= 0, conversation_idle_s and upstream_timeout_s > 0")
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The listen address as (host, port); ValueError when it is not HOST:PORT."""
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"proxy listen address {self.listen!r} is not HOST:PORT; use e.g. 127.0.0.1:8888")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -455,4 +534,4 @@ class MonitorConfig:
         return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
-__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "OtlpReceiverSettings", "Protocol"]
+__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "OtlpReceiverSettings", "Protocol", "ProxySettings"]

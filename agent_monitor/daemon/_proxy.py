@@ -1,0 +1,620 @@
+"""The LLM API proxy: a source of the monitor that forwards an agent's API calls and watches every turn.
+
+An agent points its base URL at the proxy (`OPENAI_BASE_URL=http://127.0.0.1:8888/v1`,
+`ANTHROPIC_BASE_URL=http://127.0.0.1:8888`); every request is forwarded to the upstream with
+the client's own headers (its API key included: forwarded, never logged, never stored), every
+response comes back unchanged, streams chunk by chunk. `POST /v1/chat/completions`,
+`/v1/responses` and `/v1/messages` are also read: each conversation is a run, each assistant turn
+with the tool results that come back after it a step (`_turns`), handed to the monitor's ingest
+like any other source's events. With `enforce`, a run whose signal is abort gets a 409 in its
+API's own error format at its next request; with `best_of` N, the judge's pivot tournament picks
+the returned turn from N candidates.
+
+One task (`source-proxy`) owns everything: the HTTP/1.1 server (asyncio streams and h11, keep-alive,
+chunked responses), a TaskGroup of connections, the feeder that hands events to ingest (a bounded
+queue: a request never waits for the journal) and the sweeper that ends idle conversations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ..criteria import CriteriaSpec
+from ..judges.base import Judge
+from ..progress import Usage
+from ..selection import compare, tournament
+from ._config import ProxySettings
+from ._sinks import Sink
+from ._source import Inbound, Ingest, RunsView
+from ._turns import (
+    API_OF_PATH,
+    Api,
+    Conversation,
+    Conversations,
+    Request,
+    StreamTurn,
+    Turn,
+    error_body,
+    majority,
+    parse_request,
+    sse_of,
+    steps_of,
+    turn_of_response,
+    with_turn,
+)
+
+try:
+    import h11
+    import httpx2
+except ImportError as e:  # pragma: no cover - the extra names what to install
+    raise ImportError(f"the LLM API proxy needs pip install 'agent-monitor[proxy]' ({e})") from None
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import Metric
+
+__all__ = ["ProxySource"]
+
+log = structlog.get_logger("agent_monitor.proxy")
+
+MAX_REQUEST_BYTES = 64 * 1024 * 1024
+"""A request body past this is refused (413): nothing an LLM API takes is larger."""
+MAX_CONNECTIONS = 4096
+"""Client connections open at once; one more is closed at once (counted in connections_refused)."""
+KEEPALIVE_S = 300.0
+"""Seconds an idle keep-alive connection stays open between two requests."""
+QUEUE_SIZE = 10_000
+"""Events waiting for ingest; past it new ones are dropped (counted in events_dropped)."""
+_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
+        b"transfer-encoding", b"upgrade", b"host", b"content-length",
+    }
+)  # fmt: skip
+# The client's accept-encoding is not forwarded: httpx asks for what it can decode, and the proxy reads the stream.
+_REQUEST_DROP = _HOP | {b"accept-encoding"}
+_RESPONSE_DROP = _HOP | {b"content-encoding"}
+_RUN_HEADER = b"x-agent-monitor-run"
+_READ = 65_536
+
+
+class _Watch:
+    """What the proxy knows about one watched request while it is in flight."""
+
+    __slots__ = ("conv", "req")
+
+    def __init__(self, conv: Conversation, req: Request) -> None:
+        self.conv = conv
+        self.req = req
+
+
+class ProxySource:
+    """The LLM API proxy as a source: `Monitor(config, judge=judge, sources=[ProxySource(settings)])`.
+
+    Enter it (`async with`) to bind the port before the monitor starts (the CLI does, so a taken port
+    is one line); otherwise `run` binds it. `url` is where agents point their base URL.
+    """
+
+    name = "proxy"
+    sink: Sink | None = None
+    """No sink: the proxy reads the signals it needs through the RunsView, at each request."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        *,
+        judge: Judge | None = None,
+        criteria: CriteriaSpec = None,
+        registry: CollectorRegistry | None = None,
+        transport: httpx2.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if settings.upstream is None:
+            raise ValueError("the proxy needs an upstream; pass ProxySettings(upstream='https://api.openai.com/v1')")
+        if settings.best_of > 1 and judge is None:
+            raise ValueError(f"best_of={settings.best_of} needs a judge to pick the candidates: pass judge=")
+        self.settings = settings
+        self.judge = judge
+        self.criteria = criteria
+        self.clock = clock
+        self.upstream = settings.upstream.rstrip("/")
+        self._transport = transport
+        self.conversations = Conversations(settings.max_conversations, settings.conversation_idle_s)
+        self.counts: Counter[str] = Counter()
+        self.inflight = 0
+        self.connections = 0
+        self._queue: asyncio.Queue[Inbound] = asyncio.Queue(QUEUE_SIZE)
+        self._server: asyncio.Server | None = None
+        self._client: httpx2.AsyncClient | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._runs: RunsView | None = None
+        self._owned = False
+        if registry is not None:
+            registry.register(_ProxyCollector(self))
+
+    # Life cycle.
+
+    async def __aenter__(self) -> ProxySource:
+        host, port = self.settings.address
+        t = self.settings.upstream_timeout_s
+        self._client = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(t, connect=min(t, 30.0)),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64),
+            transport=self._transport,
+            follow_redirects=False,
+        )
+        try:
+            self._server = await asyncio.start_server(self._accept, host, port, start_serving=False, limit=_READ)
+        except BaseException:
+            await self._client.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def url(self) -> str:
+        """The proxy's base URL (bound: the real port when listening on port 0)."""
+        if self._server is None or not self._server.sockets:
+            host, port = self.settings.address
+        else:
+            host, port = self._server.sockets[0].getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+        """Serve until cancelled: connections, the feeder to ingest, the sweeper of idle conversations."""
+        self._runs = runs
+        if self._server is None:
+            await self.__aenter__()
+            self._owned = True
+        assert self._server is not None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self._feed(ingest), name="proxy-feed")
+                tg.create_task(self._sweep(), name="proxy-sweep")
+                await self._server.start_serving()
+                log.info("proxy_listening", url=self.url, upstream=self.upstream)
+                await asyncio.Event().wait()
+        finally:
+            self._tg = None
+            if self._owned:
+                await self.__aexit__()
+
+    def statistics(self) -> Mapping[str, Any]:
+        """Counters (requests, watched, unwatched by reason, refused, steps, best-of calls) and gauges."""
+        return {
+            **dict(self.counts),
+            "live_conversations": len(self.conversations.live),
+            "inflight": self.inflight,
+            "connections": self.connections,
+            "queued_events": self._queue.qsize(),
+            "splits": self.conversations.splits,
+        }
+
+    # The feeder and the sweeper.
+
+    def _emit(self, events: Sequence[Inbound]) -> None:
+        for e in events:
+            try:
+                self._queue.put_nowait(e)
+            except asyncio.QueueFull:
+                self.counts["events_dropped"] += 1
+            else:
+                self.counts[f"{e.kind}s_sent"] += 1
+
+    async def _feed(self, ingest: Ingest) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < 256 and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for attempt in range(3):
+                try:
+                    errors = await ingest.events(batch)
+                except Exception as e:  # the monitor's bug must not stop the proxy forwarding
+                    log.error("proxy_ingest_failed", error=f"{type(e).__name__}: {e}")
+                    errors = [e] * len(batch)
+                batch = [ev for ev, err in zip(batch, errors, strict=True) if err is not None]
+                if not batch:
+                    break
+                await asyncio.sleep(0.2 * (attempt + 1))
+            if batch:
+                self.counts["events_lost"] += len(batch)
+                log.warning("proxy_events_lost", events=len(batch), run_id=batch[0].run_id)
+
+    async def _sweep(self) -> None:
+        every = min(30.0, self.settings.conversation_idle_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            for conv in self.conversations.expire(self.clock()):
+                self.counts["conversations_ended"] += 1
+                if conv.started:
+                    self._emit([Inbound(conv.run_id, "end", {}, key=f"{conv.run_id}:end")])
+
+    # HTTP.
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._tg is None or self.connections >= MAX_CONNECTIONS:
+            self.counts["connections_refused"] += 1
+            writer.close()
+            return
+        self._tg.create_task(self._connection(reader, writer), name="proxy-connection")
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_READ)
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        event = await _next(conn, reader)
+                except TimeoutError:
+                    return  # an idle keep-alive connection: the client opens another when it needs one
+                if not isinstance(event, h11.Request):
+                    return
+                body = bytearray()
+                while True:
+                    async with asyncio.timeout(self.settings.upstream_timeout_s):  # a body that never ends
+                        part = await _next(conn, reader)
+                    if isinstance(part, h11.Data):
+                        body += part.data
+                        if len(body) > MAX_REQUEST_BYTES:
+                            self.counts["too_large"] += 1
+                            await _respond(conn, writer, 413, b'{"error":{"message":"request body too large"}}')
+                            return
+                    elif isinstance(part, h11.EndOfMessage):
+                        break
+                    else:
+                        return
+                await self._request(conn, writer, event, bytes(body))
+                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except h11.RemoteProtocolError as e:
+            self.counts["bad_http"] += 1
+            with contextlib.suppress(Exception):
+                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                    await _respond(conn, writer, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}')
+        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError, TimeoutError):
+            pass  # the client (or the upstream) went away mid-message, or a body never ended
+        except Exception as e:
+            self.counts["proxy_errors"] += 1
+            log.error("proxy_connection_failed", error=f"{type(e).__name__}: {e}")
+        finally:
+            self.connections -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _request(self, conn: h11.Connection, writer: asyncio.StreamWriter, req: h11.Request, body: bytes) -> None:
+        self.counts["requests"] += 1
+        method, target = req.method.decode(), req.target.decode("latin-1")
+        path = target.split("?", 1)[0].rstrip("/")
+        api = API_OF_PATH.get(path) if method == "POST" else None
+        header = next((v.decode("latin-1") for k, v in req.headers if k.lower() == _RUN_HEADER), None)
+        watch, parsed = (await self._watch(api, body, header)) if api is not None else (None, None)
+        if watch is None:
+            await self._forward(conn, writer, method, target, req.headers, body, api, None)
+            return
+        assert api is not None and parsed is not None
+        refusal = self._refusal(watch.conv) if self.settings.enforce else None
+        if refusal is not None:
+            self.counts["refused"] += 1
+            log.info("proxy_refused", run_id=watch.conv.run_id, api=api)
+            await _respond(conn, writer, 409, error_body(api, refusal), extra=[(b"x-should-retry", b"false")])
+            return
+        self.inflight += 1
+        try:
+            if self.settings.best_of > 1 and watch.req.n == 1:
+                await self._best_of(conn, writer, target, req.headers, parsed, watch)
+            else:
+                await self._forward(conn, writer, method, target, req.headers, body, api, watch)
+        finally:
+            self.inflight -= 1
+
+    async def _watch(self, api: Api, body: bytes, header: str | None) -> tuple[_Watch | None, dict[str, Any] | None]:
+        """The request's conversation (its history's new steps handed to ingest), or None: forwarded, not watched."""
+        if len(body) > self.settings.max_conversation_bytes:
+            return self._unwatched("too_large")
+        if self.inflight >= self.settings.max_upstream_requests:
+            return self._unwatched("busy")
+        try:
+            # A long history is megabytes of JSON: parsed off the loop, so other streams keep flowing.
+            data = json.loads(body) if len(body) < 262_144 else await asyncio.to_thread(json.loads, body)
+            req = parse_request(api, data)
+        except ValueError:
+            return self._unwatched("unreadable")
+        if isinstance(data, dict) and data.get("previous_response_id"):
+            # The history is kept by the provider: this request holds only the new items, no conversation to read.
+            return self._unwatched("server_history")
+        if header is not None:
+            from ..wire import TopicError, check_run_id
+
+            try:
+                check_run_id(header)
+            except TopicError:
+                return self._unwatched("bad_run_header")
+        conv = self.conversations.match(req, header, self.clock())
+        if conv is None:
+            return self._unwatched("conversations")
+        self.counts["watched"] += 1
+        self._emit(self.conversations.events(conv, req))
+        return _Watch(conv, req), data
+
+    def _unwatched(self, reason: str) -> tuple[None, None]:
+        self.counts[f"unwatched_{reason}"] += 1
+        return None, None
+
+    def _refusal(self, conv: Conversation) -> str | None:
+        """Why the run's requests are refused (its signal is abort, now or before), or None."""
+        if conv.stopped is None and self._runs is not None and self._runs.signal(conv.run_id) == "abort":
+            p = self._runs.latest(conv.run_id)
+            decision = p.signal if p is not None else None
+            score = decision.score if decision is not None else (p.score if p is not None else None)
+            shown = "unknown" if score is None else f"{score:.3f}"
+            why = decision.reason if decision is not None else "abort"
+            step = p.step if p is not None else 0
+            conv.stopped = (
+                f"agent-monitor stopped run {conv.run_id}: its progress score is {shown} at step {step} "
+                f"({why}); the monitor's policy aborted it, so the proxy refuses its requests"
+            )
+        return conv.stopped
+
+    def _url(self, target: str) -> str:
+        # `--proxy-upstream https://api.openai.com/v1` and the client's /v1/... share one /v1.
+        if self.upstream.endswith("/v1") and (target == "/v1" or target.startswith(("/v1/", "/v1?"))):
+            return self.upstream + target[3:]
+        return self.upstream + target
+
+    def _headers(self, headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [
+            (k, v)
+            for k, v in headers
+            if k.lower() not in _REQUEST_DROP and not k.lower().startswith(b"x-agent-monitor-")
+        ]
+
+    async def _forward(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        api: Api | None,
+        watch: _Watch | None,
+    ) -> None:
+        assert self._client is not None
+        self.counts["forwarded"] += 1
+        request = self._client.build_request(method, self._url(target), headers=self._headers(headers), content=body)
+        try:
+            resp = await self._client.send(request, stream=True)
+        except httpx2.HTTPError as e:
+            self.counts["upstream_unreachable"] += 1
+            log.warning("proxy_upstream_failed", path=target.split("?", 1)[0], error=type(e).__name__)
+            message = f"agent-monitor proxy: the upstream API did not answer ({type(e).__name__})"
+            await _respond(conn, writer, 502, error_body(api or "chat", message, "upstream"))
+            return
+        try:
+            if resp.status_code >= 400:
+                self.counts[f"upstream_status_{resp.status_code}"] += 1
+            out = [(k, v) for k, v in resp.headers.raw if k.lower() not in _RESPONSE_DROP]
+            streamed = resp.headers.get("content-type", "").startswith("text/event-stream")
+            reading = watch is not None and resp.status_code < 300
+            turn = (
+                StreamTurn(watch.req.api, self.settings.max_conversation_bytes)
+                if reading and streamed and watch
+                else None
+            )
+            kept: bytearray | None = bytearray() if reading and not streamed else None
+            writer.write(
+                conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
+            )
+            try:
+                async for chunk in resp.aiter_bytes():
+                    # The client first; reading the turn comes after, off the chunk's path.
+                    writer.write(conn.send(h11.Data(data=chunk)))
+                    await writer.drain()
+                    if turn is not None:
+                        turn.feed(chunk)
+                    elif kept is not None:
+                        kept += chunk
+                        if len(kept) > self.settings.max_conversation_bytes:
+                            kept = None
+            except httpx2.HTTPError as e:
+                # The upstream broke off mid-response: the client sees its connection close, as it would upstream.
+                self.counts["upstream_broken"] += 1
+                log.warning("proxy_upstream_broke_off", path=target.split("?", 1)[0], error=type(e).__name__)
+                raise ConnectionAbortedError from None
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+        finally:
+            await resp.aclose()
+        if watch is not None and reading:
+            got: Turn | None = None
+            if turn is not None:
+                got = turn.turn()
+            elif kept is not None:
+                with contextlib.suppress(ValueError):
+                    got = turn_of_response(watch.req.api, json.loads(kept))
+            self._answered(watch, got)
+
+    def _answered(self, watch: _Watch, turn: Turn | None) -> None:
+        if turn is None:
+            self.counts["unreadable_responses"] += 1
+            return
+        if turn.final:
+            self._emit(self.conversations.events(watch.conv, watch.req, turn))
+
+    # Best of N.
+
+    async def _best_of(
+        self,
+        conn: h11.Connection,
+        writer: asyncio.StreamWriter,
+        target: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        data: dict[str, Any],
+        watch: _Watch,
+    ) -> None:
+        assert self._client is not None
+        api, n = watch.req.api, self.settings.best_of
+        self.counts["best_of_requests"] += 1
+        body = {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
+        hdrs = self._headers(headers)
+
+        async def post(payload: dict[str, Any]) -> httpx2.Response | httpx2.HTTPError:
+            assert self._client is not None
+            try:
+                return await self._client.post(self._url(target), headers=hdrs, content=json.dumps(payload).encode())
+            except httpx2.HTTPError as e:
+                return e
+
+        # One request with n where the API has it (chat); the rest in parallel when the upstream gave fewer.
+        first = await post({**body, "n": n}) if api == "chat" else None
+        answers: list[httpx2.Response | httpx2.HTTPError] = [first] if first is not None else []
+        cands: list[tuple[dict[str, Any], int]] = []  # (response body, choice)
+        if isinstance(first, httpx2.Response) and first.status_code < 300:
+            with contextlib.suppress(ValueError):
+                got = first.json()
+                cands += [(got, i) for i in range(len(got.get("choices") or []))][:n]
+        more = n - len(cands)
+        answers += await asyncio.gather(*(post(body) for _ in range(more)))
+        for a in answers[1 if first is not None else 0 :]:
+            if isinstance(a, httpx2.Response) and a.status_code < 300:
+                with contextlib.suppress(ValueError):
+                    cands.append((a.json(), 0))
+        self.counts["best_of_upstream_calls"] += len(answers)
+        self.counts["best_of_candidates"] += len(cands)
+        for got, i in cands:
+            usage = got.get("usage") if i == 0 else None
+            if isinstance(usage, Mapping):
+                ins = usage.get("prompt_tokens", usage.get("input_tokens", 0))
+                outs = usage.get("completion_tokens", usage.get("output_tokens", 0))
+                self.counts["best_of_upstream_input_tokens"] += int(ins or 0)
+                self.counts["best_of_upstream_output_tokens"] += int(outs or 0)
+        if not cands:
+            # Every candidate failed: the upstream's own first answer goes back unchanged.
+            self.counts["best_of_failed"] += 1
+            if answers and isinstance(a := answers[0], httpx2.Response):
+                out = [(k, v) for k, v in a.headers.raw if k.lower() not in _RESPONSE_DROP]
+                await _respond(conn, writer, a.status_code, a.content, headers=out)
+            else:
+                message = "agent-monitor proxy: the upstream API did not answer"
+                await _respond(conn, writer, 502, error_body(api, message, "upstream"))
+            return
+        turns = [turn_of_response(api, got, i) for got, i in cands]
+        winner = await self._pick(watch.req, turns)
+        chosen_body, chosen = cands[winner]
+        result = with_turn(api, [chosen_body], chosen) if api == "chat" else chosen_body
+        if watch.req.stream:
+            hdr = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+            writer.write(conn.send(h11.Response(status_code=200, headers=hdr)))
+            for event in sse_of(api, result):
+                writer.write(conn.send(h11.Data(data=event)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+        else:
+            await _respond(conn, writer, 200, json.dumps(result).encode())
+        self._answered(watch, turns[winner])
+
+    async def _pick(self, req: Request, turns: Sequence[Turn | None]) -> int:
+        """The winning candidate: a strict majority's, else the pivot tournament's; 0 when the judge fails."""
+        readable = [i for i, t in enumerate(turns) if t is not None]
+        if len(readable) <= 1:
+            return readable[0] if readable else 0
+        if (m := majority(turns)) is not None:
+            self.counts["best_of_majority"] += 1
+            return m
+        assert self.judge is not None
+        history = [text for text, _ in steps_of(req.items)]
+        task = req.task or "(no user message)"
+        judge = self.judge
+
+        async def judged(i: int, j: int) -> Any:
+            ti, tj = turns[i], turns[j]
+            assert ti is not None and tj is not None
+            return await compare(
+                task, [*history, ti.render()], [*history, tj.render()], judge=judge, criteria=self.criteria
+            )
+
+        try:
+            t = await tournament(readable, judged)
+        except Exception as e:  # a judge's bug is a failed pick, never a failed request
+            log.warning("proxy_best_of_judge_failed", error=f"{type(e).__name__}: {e}")
+            self.counts["best_of_judge_failed"] += 1
+            return readable[0]
+        usage = sum((r.usage for r in t.results.values()), Usage())
+        self.counts["best_of_judge_calls"] += sum(r.calls for r in t.results.values())
+        self.counts["best_of_judge_input_tokens"] += usage.input_tokens
+        self.counts["best_of_judge_output_tokens"] += usage.output_tokens
+        if t.winner is None:
+            self.counts["best_of_judge_failed"] += 1
+            return readable[0]
+        self.counts["best_of_judged"] += 1
+        return t.winner
+
+
+async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    """The connection's next h11 event, reading from the socket as h11 needs."""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(_READ))
+            continue
+        return event
+
+
+async def _respond(
+    conn: h11.Connection,
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    *,
+    headers: Sequence[tuple[bytes, bytes]] | None = None,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
+    hdrs = list(headers) if headers is not None else [(b"content-type", b"application/json")]
+    hdrs += [*extra, (b"content-length", str(len(body)).encode())]
+    writer.write(conn.send(h11.Response(status_code=status, headers=hdrs)))
+    writer.write(conn.send(h11.Data(data=body)))
+    writer.write(conn.send(h11.EndOfMessage()))
+    await writer.drain()
+
+
+class _ProxyCollector:
+    """`agent_monitor_proxy_*`: the proxy's counters and gauges, read at scrape time."""
+
+    _GAUGES = frozenset({"live_conversations", "inflight", "connections", "queued_events"})
+
+    def __init__(self, proxy: ProxySource) -> None:
+        self.proxy = proxy
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per statistic (counters end in _total)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for key, value in sorted(self.proxy.statistics().items()):
+            name = f"agent_monitor_proxy_{key}"
+            if key in self._GAUGES:
+                yield GaugeMetricFamily(name, f"LLM API proxy: {key.replace('_', ' ')}", value=value)
+            else:
+                yield CounterMetricFamily(name, f"LLM API proxy: {key.replace('_', ' ')}", value=value)
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the families depend on what happened."""
+        return iter(())
