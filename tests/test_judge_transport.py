@@ -196,3 +196,4 @@ async def test_lean_timeout_and_refused_connection_are_judge_errors() -> None:
         with pytest.raises(JudgeError) as e:
             await judge.grade(JudgeRequest(prompt()))
     assert e.value.reason == "connection" and "cannot reach the judge server at http://127.0.0.1:9/v1 " in str(e.value)
+    assert str(e.value).count("127.0.0.1:9") == 1  # the server named once

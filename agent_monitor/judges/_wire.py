@@ -5,7 +5,8 @@ The OpenAI SDK builds request options, headers and a pydantic model of every rep
 it: one JSON body out, a handful of fields read back. This client is asyncio streams with h11
 (the HTTP/1.1 state machine httpx is built on) and a pool of keep-alive connections, bounded;
 TLS through `ssl` for https URLs. Errors are three kinds the judge maps to its reasons:
-`WireTimeout`, `WireConnectionError` and a reply with any status (the caller reads it).
+`WireTimeout`, `WireConnectionError` and a reply with any status (the caller reads it); the errors'
+messages leave the URL to the caller, which names its server once.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class WirePool:
                 async with asyncio.timeout(timeout_s):
                     return await self._exchange(method, self.path + path, body, url)
             except TimeoutError:
-                raise WireTimeout(f"no reply from {url} within {timeout_s:g} s") from None
+                raise WireTimeout(f"no reply within {timeout_s:g} s") from None
 
     async def _exchange(self, method: str, target: str, body: bytes | None, url: str) -> WireReply:
         while True:
@@ -100,7 +101,7 @@ class WirePool:
                 conn.close()
                 if reused:
                     continue  # the server closed an idle connection under us: a fresh one, once per idle conn
-                raise WireConnectionError(f"{url} closed the connection before replying") from None
+                raise WireConnectionError("the server closed the connection before replying") from None
             except BaseException:
                 conn.close()  # a cancelled or broken exchange leaves the connection in an unknown state
                 raise
@@ -116,7 +117,7 @@ class WirePool:
         try:
             reader, writer = await asyncio.open_connection(self.host, self.port, ssl=self.tls)
         except (OSError, ssl.SSLError) as e:
-            raise WireConnectionError(f"cannot connect to {url}: {e}") from None
+            raise WireConnectionError(f"connecting failed: {e}") from None
         self.opened += 1
         return _Conn(reader, writer)
 
@@ -150,18 +151,18 @@ class WirePool:
                 elif isinstance(event, h11.Data):
                     size += len(event.data)
                     if size > MAX_REPLY_BYTES:
-                        raise WireConnectionError(f"{url} sent a reply over {MAX_REPLY_BYTES} bytes")
+                        raise WireConnectionError(f"the reply was over {MAX_REPLY_BYTES} bytes")
                     chunks.append(bytes(event.data))
                 elif isinstance(event, h11.EndOfMessage):
                     return WireReply(status, reply_headers, b"".join(chunks), url)
                 elif isinstance(event, h11.ConnectionClosed):
-                    raise WireConnectionError(f"{url} closed the connection mid-reply")
+                    raise WireConnectionError("the server closed the connection mid-reply")
         except (ConnectionError, OSError) as e:
             if not got_any:
                 raise _Stale from None
-            raise WireConnectionError(f"the connection to {url} broke: {e}") from None
+            raise WireConnectionError(f"the connection broke: {e}") from None
         except h11.RemoteProtocolError as e:
-            raise WireConnectionError(f"{url} broke HTTP/1.1: {e}") from None
+            raise WireConnectionError(f"the reply broke HTTP/1.1: {e}") from None
 
     async def aclose(self) -> None:
         """Close every idle connection (in-flight ones close when their request ends)."""
