@@ -211,7 +211,7 @@ def load_criteria(spec: CriteriaSpec = None) -> Rubric:
             return _from_config(json.loads(js.read_text(encoding="utf-8")), spec)
         raise CriteriaError(f"no bundled criteria named {spec!r}; choose one of {bundled_criteria()} or pass a path")
     if isinstance(spec, Mapping):
-        if isinstance(spec.get("criteria"), list):
+        if _is_config(spec):
             return _from_config(spec, "rubric config")
         items = [Criterion(str(k), str(v)) for k, v in spec.items()]
         return _normalised("custom", items, "criteria dict")
@@ -233,6 +233,18 @@ def _load_structured(text: str, path: Path) -> Any:
         raise CriteriaError(f"{path} is not valid YAML: {e}") from None
 
 
+# Top-level keys of rubric configs (ours, the skill's rubric.json, lmms-eval's pipeline config): a dict holding any of
+# them is a config, never a {name: description} dict whose criteria would be named "extractors" or "thresholds".
+_CONFIG_KEYS = frozenset(
+    {"criteria", "extractors", "thresholds", "title", "scale", "schema", "passThreshold", "reviewThreshold", "verifier"}
+)
+
+
+def _is_config(spec: Mapping[Any, Any]) -> bool:
+    """Whether a dict is a rubric config rather than a `{name: description}` dict."""
+    return any(k in _CONFIG_KEYS for k in spec) or any(not isinstance(v, str) for v in spec.values())
+
+
 def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
     """A rubric from config: `{"title", "extractors": [...], "criteria": [...], "thresholds": {...}}`.
 
@@ -243,9 +255,21 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
         extractors = build_extractors(data.get("extractors"))
     except ValueError as e:
         raise CriteriaError(f"{source}: extractors: {e}") from None
+    if "verifier" in data:
+        raise CriteriaError(
+            f"{source}: 'verifier' makes this an lmms-eval verification pipeline config, not a rubric; build it with "
+            "agent_monitor.verifiers.build_verification_pipeline(config), or give a rubric with a 'criteria' list"
+        )
     items = data.get("criteria")
+    if isinstance(items, Mapping) and all(isinstance(v, str) for v in items.values()):
+        # {"criteria": {name: description}}: the dict form, inside a config.
+        items = [{"name": str(k), "description": v} for k, v in items.items()]
     if not isinstance(items, list):
-        raise CriteriaError(f"{source}: 'criteria' must be a list")
+        got = "missing" if items is None else f"a {type(items).__name__}"
+        raise CriteriaError(
+            f"{source}: 'criteria' is {got}; a rubric config's 'criteria' is a list of criteria "
+            "(strings, or dicts with 'name' and 'description') or a {name: description} dict"
+        )
     criteria = [_item(x, i) for i, x in enumerate(items, 1)]
     thresholds = map_thresholds(data.get("thresholds"), [c.name for c in criteria], source)
     return _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)

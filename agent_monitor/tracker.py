@@ -426,6 +426,8 @@ class AsyncProgressTracker:
         signal = p.signal
         # Results older than the latest (a slow concurrent update) do not move the policy backwards.
         in_order = self.latest is None or p.step > self.latest.step
+        # A step scored again after its first scoring failed (a judge outage ended) is the run's newest score.
+        in_order = in_order or (self.latest is not None and p.step == self.latest.step and p.ok and not self.latest.ok)
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
