@@ -66,6 +66,8 @@ class Rubric:
     criteria: tuple[Criterion, ...]
     extractors: Pipeline = field(default_factory=Pipeline)
     thresholds: tuple[tuple[str, Level], ...] = ()
+    note: str = ""
+    """A note the judge sees with the criteria in every prompt (the reference library's ground-truth note)."""
     # Computed once: they are read on every scoring.
     hash: str = field(init=False, compare=False, repr=False)
     """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
@@ -87,6 +89,8 @@ class Rubric:
                     for c in self.criteria
                 ],
                 [repr(e) for e in self.extractors.extractors],
+                # Only when present: a rubric without a note keeps the hash it always had.
+                *([self.note] if self.note else []),
             ],
             separators=(",", ":"),
         )
@@ -115,8 +119,21 @@ def _bundled_dir() -> resources.abc.Traversable:
     return resources.files("agent_monitor.criteria_files")
 
 
+_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+_SUBHEADER = re.compile(r"^###\s+(?P<name>\S.*?)(?:\s*\{#(?P<id>[A-Za-z0-9_.-]+)\})?\s*$")
+
+
 def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
-    """Parse the markdown rubric format: `# Title`, then `## name` sections with an optional `weight:` line."""
+    """Parse a markdown rubric: ours (`# Title`, `## name` sections, optional `weight:` line) or the reference library's.
+
+    The reference library's `criteria/*.md` layout is `# Title`, an optional `## Ground Truth Note`
+    section (the judge sees it with the criteria), and `## Criteria` holding one `### Name {#id}`
+    section per criterion (the id names the criterion). HTML comments are the author's and are
+    never shown to the judge, in either layout.
+    """
+    text = _COMMENT.sub("", text)
+    if any(_SUBHEADER.match(line) for line in text.splitlines()):
+        return _parse_reference(text, source)
     title = ""
     sections: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
@@ -147,6 +164,51 @@ def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
             raise CriteriaError(f"{source}: criterion {name!r} has no description; say what the judge should grade")
         criteria.append(Criterion(name=name, description=description, weight=weight))
     return _normalised(title or source, criteria, source)
+
+
+def _parse_reference(text: str, source: str) -> Rubric:
+    """The reference library's criteria file: a ground-truth note and `### Name {#id}` criteria under `## Criteria`."""
+    title, section = "", ""
+    note: list[str] = []
+    found: list[tuple[str, str, list[str]]] = []
+    for line in text.splitlines():
+        if m := _SUBHEADER.match(line):
+            if section != "criteria":
+                raise CriteriaError(
+                    f"{source}: criterion {m['name']!r} is outside '## Criteria'; in the reference layout every "
+                    "'### Name' heading goes under '## Criteria'"
+                )
+            found.append((m["id"] or _slug(m["name"]), m["name"], []))
+        elif m := _HEADER.match(line):
+            name = m["name"].strip().lower()
+            if name not in ("ground truth note", "criteria"):
+                raise CriteriaError(
+                    f"{source}: section '## {m['name']}' is not part of the reference layout; use "
+                    "'## Ground Truth Note' and '## Criteria' (with '### Name' criteria), or our layout ('## name' only)"
+                )
+            section = "note" if name == "ground truth note" else "criteria"
+        elif not section and not found and (m := _TITLE.match(line)):
+            title = m["title"]
+        elif section == "note":
+            note.append(line)
+        elif found:
+            found[-1][2].append(line)
+        elif line.strip() and section == "criteria":
+            raise CriteriaError(f"{source}: text under '## Criteria' before its first '### Name' heading")
+    criteria = []
+    for name, heading, body in found:
+        description = "\n".join(body).strip()
+        if not description:
+            raise CriteriaError(f"{source}: criterion {name!r} has no description; say what the judge should grade")
+        # Named by its id (the stable key, as the reference library's cache keys it); the judge reads the heading too.
+        criteria.append(Criterion(name=name, description=f"{heading}: {description}"))
+    rubric = _normalised(title or source, criteria, source)
+    return dataclasses.replace(rubric, note="\n".join(note).strip())
+
+
+def _slug(name: str) -> str:
+    """A criterion id from its name, as the reference library slugs it ("Final Answer" -> "final_answer")."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def _normalised(

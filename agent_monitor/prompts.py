@@ -165,6 +165,8 @@ def _criteria_text(rubric: Rubric) -> str:
         lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
         for c in rubric.judged:
             lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
+        if rubric.note:
+            lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
         text = rubric.prompt_text[""] = "\n" + "".join(lines) + "\n## Trajectory so far\n"
     return text
 

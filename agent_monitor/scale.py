@@ -127,6 +127,8 @@ class CriterionScore:
     sampling_error: float = 0.0
     confidence: float = 1.0
     detail: str = ""
+    expectations: tuple[float, ...] = field(default=(), compare=False)
+    """Each repeat's expectation, in order (the reference library's per-repeat scores); empty for a rule's score."""
 
 
 def rule_score(name: str, weight: float, score: float, confidence: float, detail: str = "") -> CriterionScore:
@@ -188,6 +190,7 @@ def score_criterion(
         letters={LETTERS[i]: p for i, p in enumerate(pooled) if p > 0.0},
         source="sampled" if draws > 0 else "llm",
         sampling_error=math.sqrt(se2),
+        expectations=tuple(means),
     )
 
 
