@@ -191,7 +191,6 @@ def build_pair_prompt(
         tail=(TextPart(tail),),
         criterion=criterion.name,
         step=max(n1, n2),
-        frames=len(task_frames),
     )
 
 
@@ -240,6 +239,13 @@ class Comparison:
     def __iter__(self) -> Iterator[float]:
         """`reward_a, reward_b = compare(...)`, as the reference library returns them (raises if the comparison failed)."""
         return iter((self.reward_a, self.reward_b))
+
+    def __getitem__(self, i: int) -> float:
+        """`r[0]`, `r[1]`: reward_a and reward_b, as upstream's tuple (raises if the comparison failed)."""
+        return (self.reward_a, self.reward_b)[i]
+
+    def __len__(self) -> int:
+        return 2
 
     @property
     def winner(self) -> Literal["a", "b"] | None:
