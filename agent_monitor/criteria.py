@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -68,6 +69,13 @@ class Rubric:
     thresholds: tuple[tuple[str, Level], ...] = ()
     note: str = ""
     """A note the judge sees with the criteria in every prompt (the reference library's ground-truth note)."""
+    scale: str = ""
+    """The rubric's own scale as the judge is told it ("" = ours, A = worst .. T = best); see `reversed_scale`."""
+    reversed_scale: bool = False
+    """The rubric's scale puts the best letter first (A = best .. T = worst, as the skill's rubric.json): the
+    judge is told so, and its letters are mirrored onto ours before the expectation (a score means the same)."""
+    verdicts: tuple[float, float] | None = None
+    """(pass, review) levels: a final score >= pass is "pass", >= review "review", else "fail" (see `verdict`)."""
     # Computed once: they are read on every scoring.
     hash: str = field(init=False, compare=False, repr=False)
     """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
@@ -80,6 +88,13 @@ class Rubric:
         object.__setattr__(self, "hash", self._content_hash())
         object.__setattr__(self, "judged", tuple(c for c in self.criteria if c.uses_judge))
 
+    def verdict(self, score: float | None) -> str | None:
+        """ "pass", "review" or "fail" for a final score at the rubric's thresholds; None without them or a score."""
+        if self.verdicts is None or score is None:
+            return None
+        passing, review = self.verdicts
+        return "pass" if score >= passing else "review" if score >= review else "fail"
+
     def _content_hash(self) -> str:
         body = json.dumps(
             [
@@ -89,8 +104,9 @@ class Rubric:
                     for c in self.criteria
                 ],
                 [repr(e) for e in self.extractors.extractors],
-                # Only when present: a rubric without a note keeps the hash it always had.
+                # Only when present: a rubric without them keeps the hash it always had.
                 *([self.note] if self.note else []),
+                *([self.scale, self.reversed_scale] if self.scale else []),
             ],
             separators=(",", ":"),
         )
@@ -322,7 +338,10 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
             f"{source}: 'verifier' makes this an lmms-eval verification pipeline config, not a rubric; build it with "
             "agent_monitor.verifiers.build_verification_pipeline(config), or give a rubric with a 'criteria' list"
         )
+    skill = _skill_format(data, source)
     items = data.get("criteria")
+    if skill is not None and isinstance(items, list):
+        items = [_skill_item(x, i, source) for i, x in enumerate(items, 1)]
     if isinstance(items, Mapping) and all(isinstance(v, str) for v in items.values()):
         # {"criteria": {name: description}}: the dict form, inside a config.
         items = [{"name": str(k), "description": v} for k, v in items.items()]
@@ -334,7 +353,80 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
         )
     criteria = [_item(x, i) for i, x in enumerate(items, 1)]
     thresholds = map_thresholds(data.get("thresholds"), [c.name for c in criteria], source)
-    return _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+    rubric = _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+    if skill is None:
+        return rubric
+    total = sum(c.weight for c in criteria)
+    if abs(total - 1.0) > 1e-6:
+        raise CriteriaError(f"{source}: the criteria's weights sum to {total:g}; in this rubric format they sum to 1")
+    return dataclasses.replace(rubric, **skill)
+
+
+# The skill's rubric.json (schema llm-verifier-rubric/v1): a 20-letter scale with a value per letter, weighted
+# criteria with ids, pass/review thresholds.
+_SKILL_KEYS = ("scale", "passThreshold", "reviewThreshold")
+
+
+def _skill_format(data: Mapping[str, Any], source: str) -> dict[str, Any] | None:
+    """The skill's scale and thresholds as Rubric fields, or None when `data` is not in its format."""
+    if not any(k in data for k in _SKILL_KEYS) and not str(data.get("schema", "")).startswith("llm-verifier-rubric"):
+        return None
+    out: dict[str, Any] = {}
+    scale = data.get("scale")
+    if scale is not None:
+        if not isinstance(scale, Mapping):
+            raise CriteriaError(f"{source}: 'scale' is a mapping with 'tokens' and 'values'")
+        tokens, values = scale.get("tokens"), scale.get("values")
+        if scale.get("levels", len(LETTERS)) != len(LETTERS) or tokens != list(LETTERS):
+            raise CriteriaError(
+                f"{source}: scale tokens {tokens!r}: the judge answers on the 20 letters A..T in order; give "
+                "'tokens': ['A', ..., 'T'] (and 'levels': 20)"
+            )
+        if (
+            not isinstance(values, list)
+            or len(values) != len(LETTERS)
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        ):
+            raise CriteriaError(f"{source}: scale 'values' must be 20 finite numbers, one per letter A..T")
+        steps = {round(b - a, 9) for a, b in itertools.pairwise(values)}
+        if len(steps) != 1 or 0 in steps:
+            raise CriteriaError(
+                f"{source}: scale values {values} are not evenly spaced; the expectation assumes evenly spaced letters"
+            )
+        reverse = steps.pop() < 0
+        best, worst = ("A", "T") if reverse else ("T", "A")
+        text = str(scale.get("description") or "").strip()
+        out["scale"] = (
+            f"{text}\nThe letters A..T are evenly spaced; {best} = best (value {max(values):g}), "
+            f"{worst} = worst (value {min(values):g})."
+        ).strip()
+        out["reversed_scale"] = reverse
+    levels = []
+    for key in ("passThreshold", "reviewThreshold"):
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+            raise CriteriaError(f"{source}: {key}={v!r}: use a score in [0, 1]")
+        levels.append(float(v))
+    if levels:
+        if len(levels) != 2:
+            raise CriteriaError(f"{source}: give both passThreshold and reviewThreshold (or neither)")
+        if levels[1] > levels[0]:
+            raise CriteriaError(f"{source}: reviewThreshold {levels[1]} is above passThreshold {levels[0]}")
+        out["verdicts"] = (levels[0], levels[1])
+    return out
+
+
+def _skill_item(x: object, i: int, source: str) -> object:
+    """A skill criterion `{"id", "name", "weight", "description"}`: named by its id, its name shown to the judge."""
+    if not isinstance(x, Mapping) or "id" not in x:
+        return x
+    if "description" not in x:
+        raise CriteriaError(f"{source}: criterion {x['id']!r} lacks 'description'")
+    name = x.get("name")
+    desc = f"{name}: {x['description']}" if name and name != x["id"] else str(x["description"])
+    return {"name": str(x["id"]), "description": desc, "weight": x.get("weight", 1.0)}
 
 
 # A rubric's threshold names and the policy setting each one is; values are run-level scores.

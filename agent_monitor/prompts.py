@@ -171,6 +171,28 @@ def _criteria_text(rubric: Rubric) -> str:
     return text
 
 
+_SCALE = re.compile(r"Grade on this 20-letter scale.*?evenly spaced\. ", re.DOTALL)
+
+
+def _instructions(rubric: Rubric) -> str:
+    """The instructions, with the rubric's own scale in place of ours when it has one (made once per rubric)."""
+    if not rubric.scale:
+        return INSTRUCTIONS
+    text = rubric.prompt_text.get("\0instructions")
+    if text is None:
+        scale = fence(rubric.scale)
+        text = rubric.prompt_text["\0instructions"] = _SCALE.sub(
+            lambda _m: f"Grade on this rubric's 20-letter scale:\n{scale}\n\n", INSTRUCTIONS, count=1
+        )
+    return text
+
+
+def _reply_line(rubric: Rubric) -> str:
+    if rubric.reversed_scale:
+        return f"Reply with one letter from {LETTERS[0]} (best) to {LETTERS[-1]} (worst).\n"
+    return f"Reply with one letter from {LETTERS[0]} (nothing done) to {LETTERS[-1]} (complete and verified).\n"
+
+
 def _question(rubric: Rubric, criterion: Criterion) -> str:
     """The fenced criterion line of the question, made once per rubric and criterion."""
     key = f"criterion:{criterion.name}\0{criterion.description}"
@@ -236,11 +258,11 @@ def build_prompt(
         TextPart(
             f"\n## Question\nThe trajectory above has {n} step{'s' if n != 1 else ''} so far. "
             f"{_question(rubric, criterion)}"
-            f"Reply with one letter from {LETTERS[0]} (nothing done) to {LETTERS[-1]} (complete and verified).\n"
+            f"{_reply_line(rubric)}"
         )
     )
     return Prompt(
-        instructions=INSTRUCTIONS,
+        instructions=_instructions(rubric),
         prefix=_merge(prefix),
         tail=tuple(tail),
         criterion=criterion.name,

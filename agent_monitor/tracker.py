@@ -29,7 +29,7 @@ from .policy import Policy, PolicyState, held_out, resolve
 from .progress import Decision, Prices, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
-from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samples
+from .scale import CriterionScore, ScoreError, aggregate, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -665,9 +665,9 @@ async def score_prefix(
         model = a.model or model
         dropped += a.images_dropped
         try:
-            scored[c.name] = score_samples(
-                c.name, c.weight, a.samples, repeats=repeats, min_mass=min_mass, draws=a.draws
-            )
+            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours.
+            samples = tuple(mirrored(x) for x in a.samples) if rubric.reversed_scale else a.samples
+            scored[c.name] = score_samples(c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws)
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
     common: dict[str, Any] = {
