@@ -560,7 +560,7 @@ class Selection:
     pointwise results, `tournament` the pairwise one. `winner` is None when nothing could be scored.
     """
 
-    method: Literal["pointwise", "pairwise"]
+    method: Literal["pointwise", "pairwise", "majority"]
     winner: str | None
     ranking: list[str]
     scores: dict[str, float | None]
@@ -574,6 +574,8 @@ class Selection:
     """The winner's position among the candidates as given (the reference library's `index`); None: no pick."""
     best: Any = None
     """The winning candidate as given (the reference library's `best`)."""
+    calls_saved: int = 0
+    """Judge calls the majority shortcut saved (`method` "majority"): the most the skipped ranking could have made."""
 
     @property
     def ok(self) -> bool:
@@ -611,10 +613,13 @@ async def aselect(
     max_chars: int = DEFAULT_PAIR_CHARS,
     compare_fn: CompareFn[str] | None = None,
     images: ImageInput | Sequence[ImageInput] = (),
+    majority: bool = True,
 ) -> Selection:
     """Pick the best of `candidates` (name -> steps, or a list: named "0", "1", ..) for `task`.
 
-    Pairwise (the default, as the reference library's select): the pivot tournament of `compare`
+    When more than half of three or more candidates end with the same answer (last step, normalised),
+    that answer wins without a judge call (`method` "majority", `calls_saved`; TurboAgent's shortcut;
+    `majority=False` always ranks). Pairwise (the default, as the reference library's select): the pivot tournament of `compare`
     (`pivots` k, `rings` ring passes, `seed`), or of `compare_fn(a, b)` over candidate names when
     given (e.g. a cached compare). `pairwise=False`: each candidate's whole trajectory is scored
     once, as the tracker would score its last step, and the highest score wins. `repeats` is the judge's repeats
@@ -622,6 +627,8 @@ async def aselect(
     """
     named = _named(candidates)
     rubric = load_criteria(criteria)
+    if majority and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None:
+        return shortcut
     frames = await _frames(images)
     if not pairwise:
         results = await asyncio.gather(
@@ -664,6 +671,39 @@ async def aselect(
                      index=index, best=best)  # fmt: skip
 
 
+def _answer(steps: Sequence[Step]) -> str:
+    """A candidate's answer, normalised: its last step's text, case-folded, whitespace collapsed, end punctuation off."""
+    return " ".join(steps[-1].text.casefold().split()).rstrip(".!;") if steps else ""
+
+
+def _majority(
+    named: Mapping[str, Sequence[Step]],
+    candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
+    rubric: Rubric,
+    pairwise: bool,
+    pivots: int,
+    rings: int,
+) -> Selection | None:
+    """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins unjudged."""
+    n = len(named)
+    if n < 3:
+        return None
+    groups: dict[str, list[str]] = {}
+    for name, steps in named.items():
+        groups.setdefault(_answer(steps), []).append(name)
+    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
+    if not answer or 2 * len(members) <= n:
+        return None
+    per = len(rubric.judged) or 1
+    # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or one call a candidate.
+    saved = 2 * per * (rings * n + min(pivots, n) * (n - 1)) if pairwise else per * n
+    winner = members[0]
+    ranking = members + [k for k in named if k not in members]
+    scores: dict[str, float | None] = {k: (1.0 if k in members else 0.0) for k in named}
+    index, best = indexed(candidates, winner)
+    return Selection("majority", winner, ranking, scores, 0, Usage(), index=index, best=best, calls_saved=saved)
+
+
 @reference_form("select")
 def select(
     task: str,
@@ -680,12 +720,13 @@ def select(
     max_chars: int = DEFAULT_PAIR_CHARS,
     compare_fn: CompareFn[str] | None = None,
     images: ImageInput | Sequence[ImageInput] = (),
+    majority: bool = True,
 ) -> Selection:
     """Synchronous `aselect`: pick the best of `candidates` (on the judge's own loop, as `track` runs)."""
     run = partial(
         aselect, task, candidates, judge=judge, pairwise=pairwise, criteria=criteria, repeats=repeats,
         min_mass=min_mass, pivots=pivots, rings=rings, seed=seed, max_chars=max_chars, compare_fn=compare_fn,
-        images=images,
+        images=images, majority=majority,
     )  # fmt: skip
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)

@@ -370,3 +370,17 @@ def test_judge_errors_raised_by_a_custom_compare_fn_are_failures() -> None:
 
     s = run(aselect(TASK, {"a": ["x"], "b": ["y"]}, judge=FakeJudge(), pairwise=True, compare_fn=cmp))
     assert not s.ok and s.reason == "rate_limited"
+
+
+def test_a_majority_answer_wins_without_the_tournament_and_counts_the_calls_saved() -> None:
+    judge = FakeJudge()
+    cands = [["tried", "Answer: 42."], ["x", "answer:   42"], ["y", "Answer: 41"], ["z", "ANSWER: 42!"], ["w", "7"]]
+    s = run(aselect(TASK, cands, judge=judge, pivots=2))
+    assert s.method == "majority" and s.winner == "0" and s.index == 0 and s.calls == 0
+    assert judge.calls_made == 0 and s.calls_saved == 2 * (5 + 2 * 4)
+    assert s.ranking[:3] == ["0", "1", "3"] and s.scores["2"] == 0.0
+    # No majority (2 of 4), or the shortcut turned off: the tournament runs.
+    split = run(aselect(TASK, [["a"], ["a"], ["b"], ["c"]], judge=FakeJudge()))
+    assert split.method == "pairwise" and split.calls_saved == 0
+    off = run(aselect(TASK, cands, judge=FakeJudge(), majority=False))
+    assert off.method == "pairwise" and off.calls > 0
