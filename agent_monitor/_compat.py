@@ -329,9 +329,11 @@ class TrackResult(list[Progress]):
     a step has no score), `final` the last step's score (raises `ScoringFailed` if it has none).
     """
 
-    def __init__(self, results: Iterable[Progress] = (), repeats: int = 1) -> None:
+    def __init__(self, results: Iterable[Progress] = (), repeats: int = 1, rubric: Rubric | None = None) -> None:
         super().__init__(results)
         self.repeats = repeats
+        self.verdict: str | None = rubric.verdict(self[-1].score) if rubric is not None and self else None
+        """The rubric's pass / review / fail for the last scored step (None: the rubric has no thresholds)."""
 
     @property
     def steps(self) -> list[int]:

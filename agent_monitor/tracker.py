@@ -958,7 +958,8 @@ async def atrack(
     for i, s in enumerate(steps):
         await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
     # One prefix at a time: a prefix cache (llama.cpp, vLLM) then reads each step once.
-    return TrackResult([await tracker.score(n) for n in _checkpoints(checkpoints, len(tracker.steps))], repeats)
+    scored = [await tracker.score(n) for n in _checkpoints(checkpoints, len(tracker.steps))]
+    return TrackResult(scored, repeats, tracker.rubric)
 
 
 def _task_images(

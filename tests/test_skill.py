@@ -77,3 +77,13 @@ def test_templates_are_checked_for_placeholders_and_prefix_stability(tmp_path: P
     bad.write_text("{question}\n{task}\n{criteria}\n{trajectory}\n")
     out = self_check("--prompt", str(bad))
     assert out.returncode == 1 and "{question} comes before {trajectory}" in out.stdout
+
+
+def test_track_gives_the_skill_rubric_verdict_on_the_final_score() -> None:
+    from agent_monitor import track
+
+    done = track("t", ["a", "b"], judge=FakeJudge(["T", "A"]), criteria=str(SKILL / "rubric.json"))
+    assert done.final == 1.0 and done.verdict == "pass"
+    shaky = track("t", ["a"], judge=FakeJudge(["G"]), criteria=str(SKILL / "rubric.json"))  # 1 - 6/19 = 0.684
+    assert shaky.verdict == "review"
+    assert track("t", ["a"], judge=FakeJudge(["T"])).verdict is None  # no thresholds in the default rubric
