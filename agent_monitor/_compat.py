@@ -2,7 +2,8 @@
 
 `import agent_monitor as llm_verifier` runs its documented calls: `problem=`, `trace_a=`/`trace_b=`,
 `n_evaluations=` (our `repeats`), `max_workers=` (the judge's concurrency), `model=`, `client=`,
-`ground_truth_note=`, `checkpoint_steps=`, `on_error=`, `progress=`; one image or a list, a candidate
+`ground_truth_note=`, `checkpoint_steps=`, `on_error=`, `progress=`, and the skill's editable progress template
+`prompt=` (trackers, track); one image or a list, a candidate
 as one string. Without `judge=` the judge comes from the environment (`judge_from_env`). Options that
 have no meaning here are refused with what to use instead, never ignored. Where we differ on purpose
 (a failed call is a failure, never a score; `compare` asks both slot orders) docs/coming-from.md says why.
@@ -21,6 +22,7 @@ from typing import Any, Literal, TypeVar
 from .criteria import CriteriaSpec, Rubric, load_criteria
 from .judges.base import BaseJudge, JudgeError
 from .progress import Progress
+from .templates import load_template
 
 Kind = Literal["select", "compare", "track", "tracker"]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -224,6 +226,7 @@ class _Call:
         client = kwargs.pop("client", None)
         note = kwargs.pop("ground_truth_note", None)
         self.checkpoints = kwargs.pop("checkpoint_steps", None) if kind == "track" else None
+        template = kwargs.pop("prompt", None) if kind in ("track", "tracker") else None
         try:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
@@ -251,6 +254,13 @@ class _Call:
                     )
         if note is not None:
             self.arguments["criteria"] = with_note(self.arguments.get("criteria"), note)
+        if template is not None:
+            # A progress template (checked: placeholders, prefix stability; a pairwise one is refused with why).
+            t = load_template(template)
+            t.check_for("progress")
+            self.arguments["criteria"] = dataclasses.replace(
+                load_criteria(self.arguments.get("criteria")), template=t.text
+            )
         if kind in ("select",) and "candidates" in self.arguments:
             c = self.arguments["candidates"]
             if isinstance(c, str):

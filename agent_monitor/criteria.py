@@ -75,6 +75,8 @@ class Rubric:
     """The rubric's scale puts the best letter first (A = best .. T = worst, as the skill's rubric.json): the
     judge is told so, and its letters are mirrored onto ours before the expectation (a score means the same)."""
     verdicts: tuple[float, float] | None = None
+    template: str = ""
+    """A checked progress prompt template (`agent_monitor.templates`) the judge's prompts are laid out by; "" = ours."""
     """(pass, review) levels: a final score >= pass is "pass", >= review "review", else "fail" (see `verdict`)."""
     # Computed once: they are read on every scoring.
     hash: str = field(init=False, compare=False, repr=False)
@@ -107,6 +109,7 @@ class Rubric:
                 # Only when present: a rubric without them keeps the hash it always had.
                 *([self.note] if self.note else []),
                 *([self.scale, self.reversed_scale] if self.scale else []),
+                *([self.template] if self.template else []),
             ],
             separators=(",", ":"),
         )

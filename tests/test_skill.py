@@ -87,3 +87,36 @@ def test_track_gives_the_skill_rubric_verdict_on_the_final_score() -> None:
     shaky = track("t", ["a"], judge=FakeJudge(["G"]), criteria=str(SKILL / "rubric.json"))  # 1 - 6/19 = 0.684
     assert shaky.verdict == "review"
     assert track("t", ["a"], judge=FakeJudge(["T"])).verdict is None  # no thresholds in the default rubric
+
+
+TEMPLATE = """You grade a coding agent for the team. Be strict.
+
+# The task
+{task}
+
+# What we grade
+{criteria}
+
+# What the agent did
+{trajectory}
+
+# Your answer
+{question}
+"""
+
+
+def test_a_progress_template_lays_out_the_prompt_and_stays_prefix_stable() -> None:
+    judge = FakeJudge()
+    with ProgressTracker("reverse a string", judge=judge, prompt=TEMPLATE, repeats=1) as t:
+        t.update("wrote rev")
+        t.update("ran the tests: 3 passed")
+    one, two = judge.prompts
+    assert one.instructions == two.instructions == "You grade a coding agent for the team. Be strict.\n\n# The task"
+    head1, head2 = one.prefix_text(), two.prefix_text()
+    assert head2.startswith(head1) and "# What the agent did" in head1 and "reverse a string" in head1
+    assert "# Your answer" in one.tail[-1].text and "1 step so far" in one.tail[-1].text  # type: ignore[union-attr]
+    assert t.rubric.template == TEMPLATE
+    with pytest.raises(TemplateError, match="use it with compare/select"):
+        ProgressTracker("t", judge=FakeJudge(), prompt=str(SKILL / "prompt.md"))
+    with pytest.raises(TemplateError, match="before"):
+        ProgressTracker("t", judge=FakeJudge(), prompt="{question}\n{task}\n{criteria}\n{trajectory}")
