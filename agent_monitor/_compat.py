@@ -196,7 +196,9 @@ def _set(kwargs: dict[str, Any], ours: str, theirs: str, value: Any) -> None:
 class _Call:
     """One call's arguments in our names, the judge it uses, and whether it built (and so closes) it."""
 
-    def __init__(self, kind: Kind, sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, kind: Kind, sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], fn_name: str = ""
+    ) -> None:
         self.kind = kind
         kwargs = dict(kwargs)
         for theirs, ours in _RENAMED.items():
@@ -230,7 +232,8 @@ class _Call:
         try:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{kind}: {e}") from None
+            # As Python words it for the function itself: "track() got an unexpected keyword argument 'x'".
+            raise TypeError(f"{fn_name or kind}() {e}") from None
         self.arguments = bound.arguments
         self.owned: BaseJudge | None = None
         judge = self.arguments.get("judge")
@@ -285,11 +288,12 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
+        name = fn.__qualname__.removesuffix(".__init__")
         if kind == "tracker":
 
             @functools.wraps(fn)
             def init(self: Any, *args: Any, **kwargs: Any) -> None:
-                call = _Call(kind, sig, (self, *args), kwargs)
+                call = _Call(kind, sig, (self, *args), kwargs, name)
                 try:
                     fn(**call.arguments)
                 except BaseException:
@@ -304,7 +308,7 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
 
             @functools.wraps(fn)
             def comparing(*args: Any, **kwargs: Any) -> Any:
-                call = _Call(kind, sig, args, kwargs)
+                call = _Call(kind, sig, args, kwargs, name)
                 if call.owned is None:
                     return fn(**call.arguments)  # ours: a coroutine, awaited by the caller
                 # The reference library's synchronous compare: run on the judge's loop, then close the judge.
@@ -317,7 +321,7 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def calling(*args: Any, **kwargs: Any) -> Any:
-            call = _Call(kind, sig, args, kwargs)
+            call = _Call(kind, sig, args, kwargs, name)
             try:
                 result = fn(**call.arguments)
             finally:
