@@ -384,11 +384,6 @@ def _repeat_score(p: Progress, r: int) -> float | None:
     )
 
 
-def rubric_of(criteria: CriteriaSpec) -> Rubric:
-    """The rubric a criteria argument names (a benchmark name, a criteria file, a dict or a list)."""
-    return load_criteria(criteria)
-
-
 def indexed(candidates: Sequence[Any] | Mapping[str, Any], winner: str | None) -> tuple[int | None, Any]:
     """The winner's position among the candidates as given, and the candidate itself."""
     if winner is None:
