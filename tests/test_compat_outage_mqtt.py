@@ -89,3 +89,43 @@ async def test_the_score_recovered_after_an_outage_aborts_over_mqtt(broker: Mosq
     assert recovered["score"] == pytest.approx(1 / 19)
     abort = next(s for s in seen["signal"] if s["signal"] == "abort")
     assert abort["step"] == 2 and abort["score"] == pytest.approx(1 / 19)
+
+
+async def test_seed_rubrics_in_a_start_event_are_read_exactly_or_refused_with_the_key(broker: Mosquitto) -> None:
+    """The skill's rubric.json inline in a start is read with its scale; lmms-eval's pipeline config is refused."""
+    from pathlib import Path
+
+    from agent_monitor.testing import FakeJudge
+
+    skill = json.loads((Path(__file__).parent / "fixtures" / "skill" / "rubric.json").read_text())
+    seen: dict[str, list[dict[str, Any]]] = {"progress": [], "error": []}
+
+    async def read(client: aiomqtt.Client) -> None:
+        async for m in client.messages:
+            kind = m.topic.value.rsplit("/", 1)[-1]
+            if kind in seen and isinstance(m.payload, bytes | bytearray) and m.payload:
+                seen[kind].append({"topic": m.topic.value, **json.loads(m.payload)})
+
+    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}")
+    async with Monitor(config, judge=FakeJudge(["A"])), aiomqtt.Client("127.0.0.1", broker.port, identifier="h") as h:
+        for kind in seen:
+            await h.subscribe(f"agents/+/{kind}", qos=1)
+        reader = asyncio.create_task(read(h))
+        try:
+            await h.publish("agents/skill/start", json.dumps({"task": "t", "criteria": skill}), qos=1)
+            await h.publish("agents/skill/step", json.dumps({"index": 1, "text": "done, verified"}), qos=1)
+            lmms = {"extractors": [{"type": "strip_reasoning"}], "verifier": {"type": "exact_match"}}
+            await h.publish("agents/lmms/start", json.dumps({"task": "t", "criteria": lmms}), qos=1)
+            await until(lambda: bool(seen["progress"]) and bool(seen["error"]))
+        finally:
+            reader.cancel()
+    p = seen["progress"][0]
+    # The skill's A is its best: an all-A judge scores 1, on the three criteria named by their ids.
+    assert p["topic"] == "agents/skill/progress" and p["score"] == pytest.approx(1.0)
+    assert sorted(p["criteria"]) == ["errors", "output", "specification"]
+    e = seen["error"][0]
+    assert (
+        e["topic"] == "agents/lmms/start"
+        and "'verifier'" in json.dumps(e)
+        and "build_verification_pipeline" in json.dumps(e)
+    )
