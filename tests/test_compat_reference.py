@@ -382,3 +382,13 @@ def test_a_string_step_and_one_image_path_are_one_each_in_the_async_tracker(tmp_
     results = agent_monitor.track("task", "a whole trajectory as one string", judge=FakeJudge())
     assert len(results) == 1 and results.steps == [1]
     assert re.search(r"### Step 1\n", "".join(getattr(p, "text", "") for p in judge.prompts[-1].parts))
+
+
+def test_a_prebuilt_openai_client_becomes_the_judge(server: ScriptedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    import openai
+
+    monkeypatch.delenv("AGENT_MONITOR_JUDGE_URL")
+    client = openai.OpenAI(base_url=server.url, api_key="k")
+    good, bad = "def rev(s): return s[::-1]", "def rev(s): return s"
+    reward_a, reward_b = agent_monitor.compare("reverse", good, bad, criteria=["correct?"], client=client, model="mine")
+    assert reward_a > reward_b and {r["model"] for r in server.requests} == {"mine"}
