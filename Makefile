@@ -51,6 +51,7 @@ demo: $(DEMO_VENV)/.installed
 	$(DEMO_VENV)/bin/agent-monitor demo $(DEMO_ARGS)
 
 test: check
+	$(PY) -m agent_monitor self-check --rubric tests/fixtures/skill/rubric.json --prompt tests/fixtures/skill/prompt.md
 	@for b in mosquitto mosquitto_pub prometheus promtool tmux chromium redis-server; do command -v $$b >/dev/null || { \
 	  echo "make test needs $$b: apt-get install mosquitto mosquitto-clients prometheus tmux chromium redis-server"; exit 1; }; done
 	$(PY) -m pytest -ra

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -66,6 +67,17 @@ class Rubric:
     criteria: tuple[Criterion, ...]
     extractors: Pipeline = field(default_factory=Pipeline)
     thresholds: tuple[tuple[str, Level], ...] = ()
+    note: str = ""
+    """A note the judge sees with the criteria in every prompt (the reference library's ground-truth note)."""
+    scale: str = ""
+    """The rubric's own scale as the judge is told it ("" = ours, A = worst .. T = best); see `reversed_scale`."""
+    reversed_scale: bool = False
+    """The rubric's scale puts the best letter first (A = best .. T = worst, as the skill's rubric.json): the
+    judge is told so, and its letters are mirrored onto ours before the expectation (a score means the same)."""
+    verdicts: tuple[float, float] | None = None
+    template: str = ""
+    """A checked progress prompt template (`agent_monitor.templates`) the judge's prompts are laid out by; "" = ours."""
+    """(pass, review) levels: a final score >= pass is "pass", >= review "review", else "fail" (see `verdict`)."""
     # Computed once: they are read on every scoring.
     hash: str = field(init=False, compare=False, repr=False)
     """A short hash of the rubric's content (rules and extractors included); it travels with every result."""
@@ -78,6 +90,13 @@ class Rubric:
         object.__setattr__(self, "hash", self._content_hash())
         object.__setattr__(self, "judged", tuple(c for c in self.criteria if c.uses_judge))
 
+    def verdict(self, score: float | None) -> str | None:
+        """ "pass", "review" or "fail" for a final score at the rubric's thresholds; None without them or a score."""
+        if self.verdicts is None or score is None:
+            return None
+        passing, review = self.verdicts
+        return "pass" if score >= passing else "review" if score >= review else "fail"
+
     def _content_hash(self) -> str:
         body = json.dumps(
             [
@@ -87,6 +106,10 @@ class Rubric:
                     for c in self.criteria
                 ],
                 [repr(e) for e in self.extractors.extractors],
+                # Only when present: a rubric without them keeps the hash it always had.
+                *([self.note] if self.note else []),
+                *([self.scale, self.reversed_scale] if self.scale else []),
+                *([self.template] if self.template else []),
             ],
             separators=(",", ":"),
         )
@@ -115,8 +138,21 @@ def _bundled_dir() -> resources.abc.Traversable:
     return resources.files("agent_monitor.criteria_files")
 
 
+_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+_SUBHEADER = re.compile(r"^###\s+(?P<name>\S.*?)(?:\s*\{#(?P<id>[A-Za-z0-9_.-]+)\})?\s*$")
+
+
 def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
-    """Parse the markdown rubric format: `# Title`, then `## name` sections with an optional `weight:` line."""
+    """Parse a markdown rubric: ours (`# Title`, `## name` sections, optional `weight:` line) or the reference library's.
+
+    The reference library's `criteria/*.md` layout is `# Title`, an optional `## Ground Truth Note`
+    section (the judge sees it with the criteria), and `## Criteria` holding one `### Name {#id}`
+    section per criterion (the id names the criterion). HTML comments are the author's and are
+    never shown to the judge, in either layout.
+    """
+    text = _COMMENT.sub("", text)
+    if any(_SUBHEADER.match(line) for line in text.splitlines()):
+        return _parse_reference(text, source)
     title = ""
     sections: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
@@ -147,6 +183,51 @@ def parse_criteria(text: str, *, source: str = "<text>") -> Rubric:
             raise CriteriaError(f"{source}: criterion {name!r} has no description; say what the judge should grade")
         criteria.append(Criterion(name=name, description=description, weight=weight))
     return _normalised(title or source, criteria, source)
+
+
+def _parse_reference(text: str, source: str) -> Rubric:
+    """The reference library's criteria file: a ground-truth note and `### Name {#id}` criteria under `## Criteria`."""
+    title, section = "", ""
+    note: list[str] = []
+    found: list[tuple[str, str, list[str]]] = []
+    for line in text.splitlines():
+        if m := _SUBHEADER.match(line):
+            if section != "criteria":
+                raise CriteriaError(
+                    f"{source}: criterion {m['name']!r} is outside '## Criteria'; in the reference layout every "
+                    "'### Name' heading goes under '## Criteria'"
+                )
+            found.append((m["id"] or _slug(m["name"]), m["name"], []))
+        elif m := _HEADER.match(line):
+            name = m["name"].strip().lower()
+            if name not in ("ground truth note", "criteria"):
+                raise CriteriaError(
+                    f"{source}: section '## {m['name']}' is not part of the reference layout; use "
+                    "'## Ground Truth Note' and '## Criteria' (with '### Name' criteria), or our layout ('## name' only)"
+                )
+            section = "note" if name == "ground truth note" else "criteria"
+        elif not section and not found and (m := _TITLE.match(line)):
+            title = m["title"]
+        elif section == "note":
+            note.append(line)
+        elif found:
+            found[-1][2].append(line)
+        elif line.strip() and section == "criteria":
+            raise CriteriaError(f"{source}: text under '## Criteria' before its first '### Name' heading")
+    criteria = []
+    for name, heading, body in found:
+        description = "\n".join(body).strip()
+        if not description:
+            raise CriteriaError(f"{source}: criterion {name!r} has no description; say what the judge should grade")
+        # Named by its id (the stable key, as the reference library's cache keys it); the judge reads the heading too.
+        criteria.append(Criterion(name=name, description=f"{heading}: {description}"))
+    rubric = _normalised(title or source, criteria, source)
+    return dataclasses.replace(rubric, note="\n".join(note).strip())
+
+
+def _slug(name: str) -> str:
+    """A criterion id from its name, as the reference library slugs it ("Final Answer" -> "final_answer")."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def _normalised(
@@ -211,7 +292,7 @@ def load_criteria(spec: CriteriaSpec = None) -> Rubric:
             return _from_config(json.loads(js.read_text(encoding="utf-8")), spec)
         raise CriteriaError(f"no bundled criteria named {spec!r}; choose one of {bundled_criteria()} or pass a path")
     if isinstance(spec, Mapping):
-        if isinstance(spec.get("criteria"), list):
+        if _is_config(spec):
             return _from_config(spec, "rubric config")
         items = [Criterion(str(k), str(v)) for k, v in spec.items()]
         return _normalised("custom", items, "criteria dict")
@@ -233,6 +314,18 @@ def _load_structured(text: str, path: Path) -> Any:
         raise CriteriaError(f"{path} is not valid YAML: {e}") from None
 
 
+# Top-level keys of rubric configs (ours, the skill's rubric.json, lmms-eval's pipeline config): a dict holding any of
+# them is a config, never a {name: description} dict whose criteria would be named "extractors" or "thresholds".
+_CONFIG_KEYS = frozenset(
+    {"criteria", "extractors", "thresholds", "title", "scale", "schema", "passThreshold", "reviewThreshold", "verifier"}
+)
+
+
+def _is_config(spec: Mapping[Any, Any]) -> bool:
+    """Whether a dict is a rubric config rather than a `{name: description}` dict."""
+    return any(k in _CONFIG_KEYS for k in spec) or any(not isinstance(v, str) for v in spec.values())
+
+
 def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
     """A rubric from config: `{"title", "extractors": [...], "criteria": [...], "thresholds": {...}}`.
 
@@ -243,12 +336,100 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
         extractors = build_extractors(data.get("extractors"))
     except ValueError as e:
         raise CriteriaError(f"{source}: extractors: {e}") from None
+    if "verifier" in data:
+        raise CriteriaError(
+            f"{source}: 'verifier' makes this an lmms-eval verification pipeline config, not a rubric; build it with "
+            "agent_monitor.verifiers.build_verification_pipeline(config), or give a rubric with a 'criteria' list"
+        )
+    skill = _skill_format(data, source)
     items = data.get("criteria")
+    if skill is not None and isinstance(items, list):
+        items = [_skill_item(x, i, source) for i, x in enumerate(items, 1)]
+    if isinstance(items, Mapping) and all(isinstance(v, str) for v in items.values()):
+        # {"criteria": {name: description}}: the dict form, inside a config.
+        items = [{"name": str(k), "description": v} for k, v in items.items()]
     if not isinstance(items, list):
-        raise CriteriaError(f"{source}: 'criteria' must be a list")
+        got = "missing" if items is None else f"a {type(items).__name__}"
+        raise CriteriaError(
+            f"{source}: 'criteria' is {got}; a rubric config's 'criteria' is a list of criteria "
+            "(strings, or dicts with 'name' and 'description') or a {name: description} dict"
+        )
     criteria = [_item(x, i) for i, x in enumerate(items, 1)]
     thresholds = map_thresholds(data.get("thresholds"), [c.name for c in criteria], source)
-    return _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+    rubric = _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+    if skill is None:
+        return rubric
+    total = sum(c.weight for c in criteria)
+    if abs(total - 1.0) > 1e-6:
+        raise CriteriaError(f"{source}: the criteria's weights sum to {total:g}; in this rubric format they sum to 1")
+    return dataclasses.replace(rubric, **skill)
+
+
+# The skill's rubric.json (schema llm-verifier-rubric/v1): a 20-letter scale with a value per letter, weighted
+# criteria with ids, pass/review thresholds.
+_SKILL_KEYS = ("scale", "passThreshold", "reviewThreshold")
+
+
+def _skill_format(data: Mapping[str, Any], source: str) -> dict[str, Any] | None:
+    """The skill's scale and thresholds as Rubric fields, or None when `data` is not in its format."""
+    if not any(k in data for k in _SKILL_KEYS) and not str(data.get("schema", "")).startswith("llm-verifier-rubric"):
+        return None
+    out: dict[str, Any] = {}
+    scale = data.get("scale")
+    if scale is not None:
+        if not isinstance(scale, Mapping):
+            raise CriteriaError(f"{source}: 'scale' is a mapping with 'tokens' and 'values'")
+        tokens, values = scale.get("tokens"), scale.get("values")
+        if scale.get("levels", len(LETTERS)) != len(LETTERS) or tokens != list(LETTERS):
+            raise CriteriaError(
+                f"{source}: scale tokens {tokens!r}: the judge answers on the 20 letters A..T in order; give "
+                "'tokens': ['A', ..., 'T'] (and 'levels': 20)"
+            )
+        if (
+            not isinstance(values, list)
+            or len(values) != len(LETTERS)
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        ):
+            raise CriteriaError(f"{source}: scale 'values' must be 20 finite numbers, one per letter A..T")
+        steps = {round(b - a, 9) for a, b in itertools.pairwise(values)}
+        if len(steps) != 1 or 0 in steps:
+            raise CriteriaError(
+                f"{source}: scale values {values} are not evenly spaced; the expectation assumes evenly spaced letters"
+            )
+        reverse = steps.pop() < 0
+        best, worst = ("A", "T") if reverse else ("T", "A")
+        text = str(scale.get("description") or "").strip()
+        out["scale"] = (
+            f"{text}\nThe letters A..T are evenly spaced; {best} = best (value {max(values):g}), "
+            f"{worst} = worst (value {min(values):g})."
+        ).strip()
+        out["reversed_scale"] = reverse
+    levels = []
+    for key in ("passThreshold", "reviewThreshold"):
+        v = data.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+            raise CriteriaError(f"{source}: {key}={v!r}: use a score in [0, 1]")
+        levels.append(float(v))
+    if levels:
+        if len(levels) != 2:
+            raise CriteriaError(f"{source}: give both passThreshold and reviewThreshold (or neither)")
+        if levels[1] > levels[0]:
+            raise CriteriaError(f"{source}: reviewThreshold {levels[1]} is above passThreshold {levels[0]}")
+        out["verdicts"] = (levels[0], levels[1])
+    return out
+
+
+def _skill_item(x: object, i: int, source: str) -> object:
+    """A skill criterion `{"id", "name", "weight", "description"}`: named by its id, its name shown to the judge."""
+    if not isinstance(x, Mapping) or "id" not in x:
+        return x
+    if "description" not in x:
+        raise CriteriaError(f"{source}: criterion {x['id']!r} lacks 'description'")
+    name = x.get("name")
+    desc = f"{name}: {x['description']}" if name and name != x["id"] else str(x["description"])
+    return {"name": str(x["id"]), "description": desc, "weight": x.get("weight", 1.0)}
 
 
 # A rubric's threshold names and the policy setting each one is; values are run-level scores.

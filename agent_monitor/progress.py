@@ -299,6 +299,18 @@ class ProgressJSON(TypedDict):
     degraded: bool
 
 
+class ScoringFailed(ValueError):
+    """A failed scoring read as a number (`float(p)`, `p < 0.05`): it has no score; `reason` and `error` say why."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.reason = progress.reason or "scoring_failed"
+        super().__init__(
+            f"step {progress.step} has no score ({self.reason}: {progress.error}); a failed scoring is never a "
+            "number: check `ok` (or catch ScoringFailed) before reading it as one"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """The score of a trajectory prefix, or why there is none.
@@ -343,6 +355,29 @@ class Progress:
     delta: float | None = None
     """The score's change since the run's previous scored step (None at the first, or when either has no score):
     a shaped reward an RL trainer can use without keeping state."""
+
+    def __float__(self) -> float:
+        """The score, as the reference library's `update` returns it; a failed scoring raises with its reason."""
+        if self.score is None:
+            raise ScoringFailed(self)
+        return self.score
+
+    # Compared with numbers as a float is (`if tracker.update(step) < 0.05`); a failed scoring raises, never compares.
+    def __lt__(self, other: float) -> bool:
+        return float(self) < other
+
+    def __le__(self, other: float) -> bool:
+        return float(self) <= other
+
+    def __gt__(self, other: float) -> bool:
+        return float(self) > other
+
+    def __ge__(self, other: float) -> bool:
+        return float(self) >= other
+
+    def __format__(self, spec: str) -> str:
+        # f"{p:.3f}" formats the score (a failed one raises); the bare f"{p}" stays the dataclass repr.
+        return format(float(self), spec) if spec else repr(self)
 
     def to_json(self) -> ProgressJSON:
         """The one JSON form (the MQTT progress message; what the run store keeps)."""
@@ -480,6 +515,7 @@ __all__ = [
     "Prices",
     "Progress",
     "ProgressJSON",
+    "ScoringFailed",
     "Signal",
     "TokensJSON",
     "TotalsJSON",

@@ -165,8 +165,55 @@ def _criteria_text(rubric: Rubric) -> str:
         lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
         for c in rubric.judged:
             lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
+        if rubric.note:
+            lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
         text = rubric.prompt_text[""] = "\n" + "".join(lines) + "\n## Trajectory so far\n"
     return text
+
+
+_SCALE = re.compile(r"Grade on this 20-letter scale.*?evenly spaced\. ", re.DOTALL)
+
+
+def _instructions(rubric: Rubric) -> str:
+    """The instructions, with the rubric's own scale in place of ours when it has one (made once per rubric)."""
+    if not rubric.scale:
+        return INSTRUCTIONS
+    text = rubric.prompt_text.get("\0instructions")
+    if text is None:
+        scale = fence(rubric.scale)
+        text = rubric.prompt_text["\0instructions"] = _SCALE.sub(
+            lambda _m: f"Grade on this rubric's 20-letter scale:\n{scale}\n\n", INSTRUCTIONS, count=1
+        )
+    return text
+
+
+def _pieces(template: str) -> tuple[str, str, str, str, str]:
+    """A checked progress template cut at its placeholders.
+
+    (instructions: the text before {task}, else ours; the text between {task} and {criteria}; between
+    {criteria} and {trajectory}; between {trajectory} and {question}; after {question}).
+    """
+    head, rest = template.split("{task}", 1)
+    mid1, rest = rest.split("{criteria}", 1)
+    mid2, rest = rest.split("{trajectory}", 1)
+    mid3, post = rest.split("{question}", 1)
+    instructions = head.strip() or INSTRUCTIONS
+    return instructions, mid1, mid2, mid3, post
+
+
+def _criterion_lines(rubric: Rubric) -> list[str]:
+    lines = [
+        f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n" for c in rubric.judged
+    ]
+    if rubric.note:
+        lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
+    return lines
+
+
+def _reply_line(rubric: Rubric) -> str:
+    if rubric.reversed_scale:
+        return f"Reply with one letter from {LETTERS[0]} (best) to {LETTERS[-1]} (worst).\n"
+    return f"Reply with one letter from {LETTERS[0]} (nothing done) to {LETTERS[-1]} (complete and verified).\n"
 
 
 def _question(rubric: Rubric, criterion: Criterion) -> str:
@@ -199,13 +246,19 @@ def build_prompt(
     its tail, is a prefix of the prompt for n + 1 steps.
     """
     budget = budget or FrameBudget()
+    # A rubric's own template: its head before {task} is the instructions, its pieces frame ours (checked at load:
+    # {question} after {trajectory}, so prefix stability holds).
+    pieces = _pieces(rubric.template) if rubric.template else None
     # One text block between images, joined once (the steps' text is most of the prompt).
-    text: list[str] = [f"## Task\n{fence(task.strip())}\n"]
+    text: list[str] = [f"## Task\n{fence(task.strip())}\n" if pieces is None else fence(task.strip())]
     prefix: list[Part] = []
     if task_frames:
         prefix.append(TextPart(text.pop()))
         prefix.extend(ImagePart(f) for f in task_frames)
-    text.append(_criteria_text(rubric))
+    if pieces is None:
+        text.append(_criteria_text(rubric))
+    else:
+        text.append(pieces[1] + "".join(_criterion_lines(rubric)) + pieces[2])
 
     ordinal: list[tuple[int, Frame]] = [(s.index, f) for s in steps for f in s.frames]
     anchors, recent = budget.select(len(ordinal))
@@ -230,15 +283,24 @@ def build_prompt(
             tail.append(TextPart(f"Step {idx}:\n"))
             tail.append(ImagePart(f))
     n = steps[-1].index if steps else 0
-    tail.append(
-        TextPart(
-            f"\n## Question\nThe trajectory above has {n} step{'s' if n != 1 else ''} so far. "
-            f"{_question(rubric, criterion)}"
-            f"Reply with one letter from {LETTERS[0]} (nothing done) to {LETTERS[-1]} (complete and verified).\n"
-        )
+    question = (
+        f"The trajectory above has {n} step{'s' if n != 1 else ''} so far. "
+        f"{_question(rubric, criterion)}"
+        f"{_reply_line(rubric)}"
     )
+    if pieces is not None:
+        tail.append(TextPart(pieces[3] + question + pieces[4]))
+        return Prompt(
+            instructions=pieces[0],
+            prefix=_merge(prefix),
+            tail=tuple(tail),
+            criterion=criterion.name,
+            step=n,
+            frames=len(anchors) + len(recent),
+        )
+    tail.append(TextPart(f"\n## Question\n{question}"))
     return Prompt(
-        instructions=INSTRUCTIONS,
+        instructions=_instructions(rubric),
         prefix=_merge(prefix),
         tail=tuple(tail),
         criterion=criterion.name,

@@ -45,6 +45,24 @@ def read_letter(token: str) -> str | None:
     return up if up in _INDEX else None
 
 
+def mirrored(sample: Mapping[str, float] | None) -> dict[str, float] | None:
+    """A judge's letter logprobs read on the reversed scale (A = best): each letter token becomes its mirror (A <-> T).
+
+    For a rubric whose own scale puts the best letter first (the skill's rubric.json): the judge is told that
+    scale, and its answer is mapped onto this one (T = best) before the expectation, so a score still means the same.
+    """
+    if sample is None:
+        return None
+    out: dict[str, float] = {}
+    for token, lp in sample.items():
+        letter = read_letter(token)
+        if letter is not None:
+            mirror = LETTERS[len(LETTERS) - 1 - _INDEX[letter]]
+            token = token.replace(letter, mirror) if letter in token else token.replace(letter.lower(), mirror.lower())
+        out[token] = lp
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class LetterDistribution:
     """A renormalised distribution over the 20 scale letters, with the raw mass it came from."""
@@ -127,6 +145,8 @@ class CriterionScore:
     sampling_error: float = 0.0
     confidence: float = 1.0
     detail: str = ""
+    expectations: tuple[float, ...] = field(default=(), compare=False)
+    """Each repeat's expectation, in order (the reference library's per-repeat scores); empty for a rule's score."""
 
 
 def rule_score(name: str, weight: float, score: float, confidence: float, detail: str = "") -> CriterionScore:
@@ -188,6 +208,7 @@ def score_criterion(
         letters={LETTERS[i]: p for i, p in enumerate(pooled) if p > 0.0},
         source="sampled" if draws > 0 else "llm",
         sampling_error=math.sqrt(se2),
+        expectations=tuple(means),
     )
 
 

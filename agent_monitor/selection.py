@@ -11,9 +11,9 @@ The API (stable: the live group policy builds on it):
 - `tournament(candidates, compare_fn, *, pivots=DEFAULT_PIVOTS, repeats=1, seed=0)` (async) ->
   `Tournament`: the Probabilistic Pivot Tournament over any hashable candidates, `compare_fn(a, b)`
   returning a `Comparison` (or a bare preference for `a` on [0, 1]). O(N k) comparisons, counted.
-- `aselect(task, candidates, *, judge, pairwise=False, ...)` (async) and `select(...)` (its sync twin)
-  -> `Selection`: the best of named candidate trajectories, by pointwise final score or by the
-  tournament of `compare`.
+- `aselect(task, candidates, *, judge, pairwise=True, ...)` (async) and `select(...)` (its sync twin)
+  -> `Selection`: the best of named candidate trajectories, by the tournament of `compare` (the
+  default, as the reference library) or by pointwise final score (`pairwise=False`); `method` says which.
 
 The pairwise scale. The answer letter says which of the two shown trajectories is further along:
 `A` = trajectory 1 (shown first) is far ahead .. `T` = trajectory 2 (shown second) is far ahead, so
@@ -41,17 +41,19 @@ import asyncio
 import math
 import random
 import re
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
+from ._compat import as_images, as_trajectory, indexed, reference_form
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
+from .images import Frame, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 from .progress import Progress, Usage
-from .prompts import INSTRUCTIONS, Prompt, Step, TextPart, fence_inline
+from .prompts import INSTRUCTIONS, ImagePart, Prompt, Step, TextPart, fence_inline
 from .scale import LETTERS, CriterionScore, ScoreError, score_samples
-from .tracker import score_prefix
+from .tracker import DEFAULT_MAX_SIDE, score_prefix
 
 DEFAULT_PIVOTS = 2
 """Candidates that become pivots after the ring pass (k): every other candidate meets each of them."""
@@ -96,7 +98,17 @@ def _pair_fence(shown: str) -> str:
 
 
 def _steps(steps: Sequence[PairStep]) -> list[Step]:
-    return [s if isinstance(s, Step) else Step(index=i, text=s) for i, s in enumerate(steps, 1)]
+    # A trajectory given as one string (or a reference-format dict) is one whole step, never its characters.
+    steps = as_trajectory(steps)
+    return [s if isinstance(s, Step) else Step(index=i, text=_text(s)) for i, s in enumerate(steps, 1)]
+
+
+def _text(step: object) -> str:
+    if isinstance(step, str):
+        return step
+    if isinstance(step, Mapping):
+        return "\n".join(f"{k}: {v}" for k, v in step.items())
+    raise TypeError(f"a step is a Step, text or a mapping, not {type(step).__name__}")
 
 
 def _clip(text: str, limit: int) -> str:
@@ -142,12 +154,13 @@ def build_pair_prompt(
     criterion: Criterion,
     *,
     max_chars: int = DEFAULT_PAIR_CHARS,
+    task_frames: Sequence[Frame] = (),
 ) -> Prompt:
     """The prompt comparing `first` (trajectory 1) with `second` (trajectory 2) on `criterion`.
 
     Layout: pairwise instructions -> task -> all criteria -> trajectory 1 -> trajectory 2 -> tail
     (the step counts and the criterion asked about). Each trajectory keeps its newest steps within
-    `max_chars // 2` characters. Images are not shown in pairwise prompts.
+    `max_chars // 2` characters. The task's images (`task_frames`) follow the task, in the shared head.
     """
     if max_chars < 200:
         raise ValueError(f"max_chars={max_chars}: give the two trajectories at least 200 characters")
@@ -156,12 +169,10 @@ def build_pair_prompt(
     lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
     for c in rubric.judged:
         lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
-    head = (
-        f"## Task\n{_pair_fence(Step(0, task).shown)}\n\n"
-        + "".join(lines)
-        + _trajectory(1, one, half)
-        + _trajectory(2, two, half)
-    )
+    if rubric.note:
+        lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
+    task_text = f"## Task\n{_pair_fence(Step(0, task).shown)}\n\n"
+    rest = "".join(lines) + _trajectory(1, one, half) + _trajectory(2, two, half)
     n1, n2 = (s[-1].index if s else 0 for s in (one, two))
     tail = (
         f"\n## Question\nTrajectory 1 has {n1} step{'s' if n1 != 1 else ''} so far and trajectory 2 has {n2}. "
@@ -172,7 +183,11 @@ def build_pair_prompt(
     )
     return Prompt(
         instructions=PAIRWISE_INSTRUCTIONS,
-        prefix=(TextPart(head),),
+        prefix=(
+            (TextPart(task_text), *(ImagePart(f) for f in task_frames), TextPart(rest))
+            if task_frames
+            else (TextPart(task_text + rest),)
+        ),
         tail=(TextPart(tail),),
         criterion=criterion.name,
         step=max(n1, n2),
@@ -203,6 +218,34 @@ class Comparison:
     calls: int = 0
     usage: Usage = field(default_factory=Usage)
     model: str = ""
+
+    @property
+    def reward_a(self) -> float:
+        """`a`'s pairwise reward on [0, 1] (the reference library's R_A): its preference; raises if the comparison failed."""
+        if self.preference is None:
+            raise ScoreError(self.reason or "scoring_failed", self.error or "the comparison failed")
+        return self.preference
+
+    @property
+    def reward_b(self) -> float:
+        """`b`'s pairwise reward on [0, 1] (R_B = 1 - R_A: one letter per order grades the pair); raises on failure."""
+        return 1.0 - self.reward_a
+
+    @property
+    def p_a_over_b(self) -> float:
+        """The Bradley-Terry preference the reference library's tournament reads: sigmoid(R_A - R_B)."""
+        return 1.0 / (1.0 + math.exp(-(self.reward_a - self.reward_b)))
+
+    def __iter__(self) -> Iterator[float]:
+        """`reward_a, reward_b = compare(...)`, as the reference library returns them (raises if the comparison failed)."""
+        return iter((self.reward_a, self.reward_b))
+
+    def __getitem__(self, i: int) -> float:
+        """`r[0]`, `r[1]`: reward_a and reward_b, as upstream's tuple (raises if the comparison failed)."""
+        return (self.reward_a, self.reward_b)[i]
+
+    def __len__(self) -> int:
+        return 2
 
     @property
     def winner(self) -> Literal["a", "b"] | None:
@@ -258,6 +301,7 @@ class Comparison:
         )
 
 
+@reference_form("compare")
 async def compare(
     task: str,
     a: Sequence[PairStep],
@@ -268,12 +312,14 @@ async def compare(
     repeats: int = 1,
     min_mass: float | None = None,
     max_chars: int = DEFAULT_PAIR_CHARS,
+    images: ImageInput | Sequence[ImageInput] = (),
 ) -> Comparison:
     """Compare trajectory `a` with `b` on every judged criterion, in both orders (2 calls per criterion).
 
     `min_mass` None is the judge's recommendation, as for pointwise scores. Rule-only criteria
     are left out (rules grade one trajectory, not a pair); a rubric with no judged criterion is
-    a `no_opinion` failure.
+    a `no_opinion` failure. `images` (one or a list) are the task's, shown after it in both orders.
+    Without `judge=`, this is the reference library's synchronous call (see `agent_monitor._compat`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; use 1 or more")
@@ -284,8 +330,10 @@ async def compare(
     if not asked:
         return Comparison(ok=False, preference=None, reason="no_opinion", error="the rubric has no judged criterion")
 
+    frames = await _frames(images)
+
     async def one(c: Criterion, first: Sequence[PairStep], second: Sequence[PairStep]) -> JudgeResponse | JudgeError:
-        prompt = build_pair_prompt(task, rubric, first, second, c, max_chars=max_chars)
+        prompt = build_pair_prompt(task, rubric, first, second, c, max_chars=max_chars, task_frames=frames)
         try:
             return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats))
         except JudgeError as e:
@@ -340,6 +388,14 @@ async def compare(
         criteria=prefs,
         **common,
     )
+
+
+async def _frames(images: ImageInput | Sequence[ImageInput]) -> list[Frame]:
+    """The task's images loaded once, off the event loop (files and URLs as the caller named them)."""
+    srcs = as_images(images)
+    if not srcs:
+        return []
+    return await asyncio.to_thread(lambda: [load_image(i, max_side=DEFAULT_MAX_SIDE) for i in srcs])
 
 
 CompareFn = Callable[[K, K], Awaitable["Comparison | float"]]
@@ -504,7 +560,7 @@ class Selection:
     pointwise results, `tournament` the pairwise one. `winner` is None when nothing could be scored.
     """
 
-    method: Literal["pointwise", "pairwise"]
+    method: Literal["pointwise", "pairwise", "majority"]
     winner: str | None
     ranking: list[str]
     scores: dict[str, float | None]
@@ -514,11 +570,22 @@ class Selection:
     reason: str | None = None
     pointwise: dict[str, Progress] = field(default_factory=dict)
     tournament: Tournament[str] | None = None
+    index: int | None = None
+    """The winner's position among the candidates as given (the reference library's `index`); None: no pick."""
+    best: Any = None
+    """The winning candidate as given (the reference library's `best`)."""
+    calls_saved: int = 0
+    """Judge calls the majority shortcut saved (`method` "majority"): the most the skipped ranking could have made."""
 
     @property
     def ok(self) -> bool:
         """True when there is a pick."""
         return self.winner is not None
+
+    @property
+    def n_comparisons(self) -> int:
+        """Pairwise comparisons made (each asks both orders); pointwise: the candidates scored."""
+        return self.tournament.comparisons if self.tournament is not None else len(self.pointwise)
 
 
 def _named(candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]]) -> dict[str, list[Step]]:
@@ -536,7 +603,7 @@ async def aselect(
     candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
     *,
     judge: Judge,
-    pairwise: bool = False,
+    pairwise: bool = True,
     criteria: CriteriaSpec = None,
     repeats: int = 1,
     min_mass: float | None = None,
@@ -545,21 +612,37 @@ async def aselect(
     seed: int = 0,
     max_chars: int = DEFAULT_PAIR_CHARS,
     compare_fn: CompareFn[str] | None = None,
+    images: ImageInput | Sequence[ImageInput] = (),
+    majority: bool = True,
 ) -> Selection:
     """Pick the best of `candidates` (name -> steps, or a list: named "0", "1", ..) for `task`.
 
-    Pointwise (the default): each candidate's whole trajectory is scored once, as the tracker
-    would score its last step, and the highest score wins. `pairwise=True`: the pivot
-    tournament of `compare` (`pivots` k, `rings` ring passes, `seed`), or of `compare_fn(a, b)`
-    over candidate names when given (e.g. a cached compare). `repeats` is the judge's repeats
+    When more than half of three or more candidates end with the same answer (last step, normalised),
+    that answer wins without a judge call (`method` "majority", `calls_saved`; TurboAgent's shortcut;
+    `majority=False` always ranks). Pairwise (the default, as the reference library's select): the pivot tournament of `compare`
+    (`pivots` k, `rings` ring passes, `seed`), or of `compare_fn(a, b)` over candidate names when
+    given (e.g. a cached compare). `pairwise=False`: each candidate's whole trajectory is scored
+    once, as the tracker would score its last step, and the highest score wins. `repeats` is the judge's repeats
     per call, as for trackers.
     """
     named = _named(candidates)
     rubric = load_criteria(criteria)
+    if majority and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None:
+        return shortcut
+    frames = await _frames(images)
     if not pairwise:
         results = await asyncio.gather(
             *(
-                score_prefix(task, steps, judge=judge, rubric=rubric, repeats=repeats, min_mass=min_mass, run_id=name)
+                score_prefix(
+                    task,
+                    steps,
+                    judge=judge,
+                    rubric=rubric,
+                    repeats=repeats,
+                    min_mass=min_mass,
+                    run_id=name,
+                    task_frames=frames,
+                )
                 for name, steps in named.items()
             )
         )
@@ -570,27 +653,64 @@ async def aselect(
         failures = [p for p in done.values() if not p.ok]
         usage = sum((p.usage for p in done.values()), Usage())
         winner = ranking[0] if scores[ranking[0]] is not None else None
+        index, best = indexed(candidates, winner)
         return Selection(
             "pointwise", winner, ranking, scores, sum(p.calls for p in done.values()), usage, len(failures),
-            failures[0].reason if failures else None, pointwise=done,
+            failures[0].reason if failures else None, pointwise=done, index=index, best=best,
         )  # fmt: skip
 
     async def judged(x: str, y: str) -> Comparison:
         return await compare(task, named[x], named[y], judge=judge, criteria=rubric, repeats=repeats,
-                             min_mass=min_mass, max_chars=max_chars)  # fmt: skip
+                             min_mass=min_mass, max_chars=max_chars, images=frames)  # fmt: skip
 
     t = await tournament(list(named), compare_fn or judged, pivots=pivots, repeats=rings, seed=seed)
     usage = sum((r.usage for r in t.results.values()), Usage())
     calls = sum(r.calls for r in t.results.values())
-    return Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason, tournament=t)
+    index, best = indexed(candidates, t.winner)
+    return Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason, tournament=t,
+                     index=index, best=best)  # fmt: skip
 
 
+def _answer(steps: Sequence[Step]) -> str:
+    """A candidate's answer, normalised: its last step's text, case-folded, whitespace collapsed, end punctuation off."""
+    return " ".join(steps[-1].text.casefold().split()).rstrip(".!;") if steps else ""
+
+
+def _majority(
+    named: Mapping[str, Sequence[Step]],
+    candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
+    rubric: Rubric,
+    pairwise: bool,
+    pivots: int,
+    rings: int,
+) -> Selection | None:
+    """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins unjudged."""
+    n = len(named)
+    if n < 3:
+        return None
+    groups: dict[str, list[str]] = {}
+    for name, steps in named.items():
+        groups.setdefault(_answer(steps), []).append(name)
+    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
+    if not answer or 2 * len(members) <= n:
+        return None
+    per = len(rubric.judged) or 1
+    # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or one call a candidate.
+    saved = 2 * per * (rings * n + min(pivots, n) * (n - 1)) if pairwise else per * n
+    winner = members[0]
+    ranking = members + [k for k in named if k not in members]
+    scores: dict[str, float | None] = {k: (1.0 if k in members else 0.0) for k in named}
+    index, best = indexed(candidates, winner)
+    return Selection("majority", winner, ranking, scores, 0, Usage(), index=index, best=best, calls_saved=saved)
+
+
+@reference_form("select")
 def select(
     task: str,
     candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
     *,
     judge: Judge,
-    pairwise: bool = False,
+    pairwise: bool = True,
     criteria: CriteriaSpec = None,
     repeats: int = 1,
     min_mass: float | None = None,
@@ -599,11 +719,14 @@ def select(
     seed: int = 0,
     max_chars: int = DEFAULT_PAIR_CHARS,
     compare_fn: CompareFn[str] | None = None,
+    images: ImageInput | Sequence[ImageInput] = (),
+    majority: bool = True,
 ) -> Selection:
     """Synchronous `aselect`: pick the best of `candidates` (on the judge's own loop, as `track` runs)."""
     run = partial(
         aselect, task, candidates, judge=judge, pairwise=pairwise, criteria=criteria, repeats=repeats,
         min_mass=min_mass, pivots=pivots, rings=rings, seed=seed, max_chars=max_chars, compare_fn=compare_fn,
+        images=images, majority=majority,
     )  # fmt: skip
     if isinstance(judge, BaseJudge):
         return judge._portal().call(run)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 import structlog
 
 from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
+from ._compat import TrackResult, as_images, as_steps, reference_form
 from ._loop import LoopThread
 from .calibration import Calibration, Family, Point, Sample, Threshold
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
@@ -28,7 +29,7 @@ from .policy import Policy, PolicyState, held_out, resolve
 from .progress import Decision, Prices, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
-from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samples
+from .scale import CriterionScore, ScoreError, aggregate, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ class AsyncProgressTracker:
         self._point_scores = array("d")
         self._point_uncertainties = array("d")
         self.latest: Progress | None = None
-        self._task_images = tuple(images)
+        self._task_images = as_images(images)
         self._task_frames: tuple[Frame, ...] | None = None
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
@@ -305,7 +306,7 @@ class AsyncProgressTracker:
 
         `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge never sees it.
         """
-        return await self._add(step, tuple(images), meta, self._context())
+        return await self._add(step, as_images(images), meta, self._context())
 
     async def _add(
         self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
@@ -326,7 +327,7 @@ class AsyncProgressTracker:
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> int:
         """Queue a step and return its index at once; the background worker scores the newest prefix."""
-        return self._submit(step, tuple(images), meta, self._context())
+        return self._submit(step, as_images(images), meta, self._context())
 
     def _submit(
         self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
@@ -380,7 +381,7 @@ class AsyncProgressTracker:
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
     ) -> Progress:
         """Append a step and score the trajectory up to it."""
-        return await self._update(step, tuple(images), meta, self._context())
+        return await self._update(step, as_images(images), meta, self._context())
 
     async def _update(
         self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
@@ -426,6 +427,8 @@ class AsyncProgressTracker:
         signal = p.signal
         # Results older than the latest (a slow concurrent update) do not move the policy backwards.
         in_order = self.latest is None or p.step > self.latest.step
+        # A step scored again after its first scoring failed (a judge outage ended) is the run's newest score.
+        in_order = in_order or (self.latest is not None and p.step == self.latest.step and p.ok and not self.latest.ok)
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
@@ -662,9 +665,9 @@ async def score_prefix(
         model = a.model or model
         dropped += a.images_dropped
         try:
-            scored[c.name] = score_samples(
-                c.name, c.weight, a.samples, repeats=repeats, min_mass=min_mass, draws=a.draws
-            )
+            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours.
+            samples = tuple(mirrored(x) for x in a.samples) if rubric.reversed_scale else a.samples
+            scored[c.name] = score_samples(c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws)
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
     common: dict[str, Any] = {
@@ -730,6 +733,9 @@ class ProgressTracker:
     same names, same defaults, same meaning.
     """
 
+    _owned_judge: BaseJudge | None = None
+
+    @reference_form("tracker")
     def __init__(
         self,
         task: str,
@@ -796,7 +802,7 @@ class ProgressTracker:
         # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
         # whatever context the loop thread runs the call in.
         context = self._core._context()
-        return self._portal.call(partial(self._core._update, step, tuple(images), meta, context))
+        return self._portal.call(partial(self._core._update, step, as_images(images), meta, context))
 
     def submit(
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
@@ -804,7 +810,7 @@ class ProgressTracker:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
         context = self._core._context()
-        return self._portal.call(partial(self._core._submit, step, tuple(images), meta, context))
+        return self._portal.call(partial(self._core._submit, step, as_images(images), meta, context))
 
     def drain(self) -> Progress | None:
         """Block until every submitted step is folded into a score; return the latest result."""
@@ -883,6 +889,8 @@ class ProgressTracker:
         self._cm.__exit__(None, None, None)
         if self._own_loop is not None:
             self._own_loop.stop()
+        if self._owned_judge is not None:
+            self._owned_judge.close()  # built from the environment for this tracker (the reference library's form)
 
     def __enter__(self) -> Self:
         return self
@@ -896,7 +904,7 @@ async def atrack(
     steps: Iterable[StepInput],
     *,
     judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | None = None,
+    images: Iterable[Iterable[ImageInput]] | ImageInput | None = None,
     criteria: CriteriaSpec = None,
     repeats: int = DEFAULT_REPEATS,
     min_mass: float | None = None,
@@ -914,17 +922,23 @@ async def atrack(
     prices: Prices | None = None,
     otel: bool | LoggerProvider = False,
     curve_window: int = DEFAULT_CURVE_WINDOW,
-) -> list[Progress]:
+    checkpoints: Sequence[int] | None = None,
+) -> TrackResult:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
-    `images[i]` are step i's images; the other options are AsyncProgressTracker's.
+    `images[i]` are step i's images (one image or a flat list of them: the task's, seen at every step,
+    as the reference library's `images=`); `checkpoints` the 1-based steps to score (default: every
+    step); the other options are AsyncProgressTracker's.
     """
+    steps = as_steps(steps)
+    task_images, images = _task_images(images)
     tracker = AsyncProgressTracker(
         task,
         judge=judge,
         criteria=criteria,
         repeats=repeats,
         min_mass=min_mass,
+        images=task_images,
         max_side=max_side,
         frame_budget=frame_budget,
         allow_files=allow_files,
@@ -944,15 +958,38 @@ async def atrack(
     for i, s in enumerate(steps):
         await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
     # One prefix at a time: a prefix cache (llama.cpp, vLLM) then reads each step once.
-    return [await tracker.score(n) for n in range(1, len(tracker.steps) + 1)]
+    scored = [await tracker.score(n) for n in _checkpoints(checkpoints, len(tracker.steps))]
+    return TrackResult(scored, repeats, tracker.rubric)
 
 
+def _task_images(
+    images: Iterable[Iterable[ImageInput]] | ImageInput | None,
+) -> tuple[tuple[ImageInput, ...], Iterable[Iterable[ImageInput]] | None]:
+    """(task images, per-step images): one image or a flat list of them is the task's (the reference form)."""
+    if images is None:
+        return (), None
+    flat = as_images(images)
+    if all(isinstance(i, str | bytes | bytearray) or not isinstance(i, Iterable) for i in flat):
+        return flat, None
+    return (), images  # type: ignore[return-value]
+
+
+def _checkpoints(checkpoints: Sequence[int] | None, n: int) -> list[int]:
+    if checkpoints is None:
+        return list(range(1, n + 1))
+    bad = [k for k in checkpoints if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"checkpoint_steps out of range 1..{n}: {bad}; give 1-based step numbers")
+    return sorted(set(checkpoints))
+
+
+@reference_form("track")
 def track(
     task: str,
     steps: Iterable[StepInput],
     *,
     judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | None = None,
+    images: Iterable[Iterable[ImageInput]] | ImageInput | None = None,
     criteria: CriteriaSpec = None,
     repeats: int = DEFAULT_REPEATS,
     min_mass: float | None = None,
@@ -970,7 +1007,8 @@ def track(
     prices: Prices | None = None,
     otel: bool | LoggerProvider = False,
     curve_window: int = DEFAULT_CURVE_WINDOW,
-) -> list[Progress]:
+    checkpoints: Sequence[int] | None = None,
+) -> TrackResult:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     run = partial(
         atrack,
@@ -995,6 +1033,7 @@ def track(
         prices=prices,
         otel=otel,
         curve_window=curve_window,
+        checkpoints=checkpoints,
     )
     if otel:
         from .otel import current_context, in_context

@@ -99,7 +99,8 @@ def completion_reply(dists: list[Mapping[str, float]], chosen: list[str] | None 
 class ScriptedServer:
     """Serves scripted replies in order on /v1/chat/completions and /v1/completions; lists models."""
 
-    def __init__(self, models: tuple[str, ...] = ("scripted-model",)) -> None:
+    def __init__(self, models: tuple[str, ...] = ("scripted-model",), port: int = 0) -> None:
+        """`port` 0 takes a free one; a given port lets a test start a server again where its judge expects it."""
         self.models = models
         self.script: deque[Script] = deque()
         self.default: Script | None = None
@@ -158,7 +159,7 @@ class ScriptedServer:
                     return
                 self._send(item(body) if callable(item) else item)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 

@@ -43,6 +43,12 @@ PUBLIC = {
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],
     "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],
+    "agent_monitor.verifiers": [
+        "CompositeVerifier", "ContainsVerifier", "EXTRACTOR_REGISTRY", "ExactMatchVerifier", "Extractor", "GeminiVerifier",
+        "MCQExtractor", "MCQMatchVerifier", "NumberExtractor", "NumericToleranceVerifier", "OpenAIVerifier",
+        "RegexExtractor", "StripExtractor", "StripReasoningExtractor", "VERIFIER_REGISTRY", "VerificationPipeline",
+        "Verifier", "VerifyResult", "build_verification_pipeline",
+    ],
     "agent_monitor.cli": ["main"],
 }  # fmt: skip
 

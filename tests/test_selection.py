@@ -340,12 +340,12 @@ def test_select_pointwise_picks_the_highest_final_score_sync_and_async() -> None
     quality = {"a": 4, "b": 12, "c": 7}
     candidates = {name: steps_of(name, 4) for name in quality}
     with pointwise_judge(quality) as judge:
-        s = select(TASK, candidates, judge=judge)
+        s = select(TASK, candidates, judge=judge, pairwise=False)
         assert s.method == "pointwise" and s.winner == "b" and s.ranking == ["b", "c", "a"]
         assert s.scores["b"] == pytest.approx(12 / 19) and s.calls == 3
         # The whole trajectory is graded once, as the tracker grades its last step.
         assert all(p.step == 4 for p in judge.prompts)
-    a = run(aselect(TASK, [steps_of(n, 4) for n in quality], judge=pointwise_judge(quality)))
+    a = run(aselect(TASK, [steps_of(n, 4) for n in quality], judge=pointwise_judge(quality), pairwise=False))
     assert a.winner == "1"
 
 
@@ -358,7 +358,7 @@ def test_select_pairwise_runs_the_tournament_of_compare() -> None:
 
 
 def test_select_with_a_failing_judge_picks_nothing_and_says_why() -> None:
-    s = run(aselect(TASK, {"a": ["x"], "b": ["y"]}, judge=FakeJudge([FakeJudge.failure("auth")])))
+    s = run(aselect(TASK, {"a": ["x"], "b": ["y"]}, judge=FakeJudge([FakeJudge.failure("auth")]), pairwise=False))
     assert not s.ok and s.winner is None and s.reason == "auth" and s.failed == 2
     p = run(aselect(TASK, {"a": ["x"], "b": ["y"]}, judge=FakeJudge([FakeJudge.failure("auth")]), pairwise=True))
     assert not p.ok and p.reason == "auth" and p.failed == 1
@@ -370,3 +370,17 @@ def test_judge_errors_raised_by_a_custom_compare_fn_are_failures() -> None:
 
     s = run(aselect(TASK, {"a": ["x"], "b": ["y"]}, judge=FakeJudge(), pairwise=True, compare_fn=cmp))
     assert not s.ok and s.reason == "rate_limited"
+
+
+def test_a_majority_answer_wins_without_the_tournament_and_counts_the_calls_saved() -> None:
+    judge = FakeJudge()
+    cands = [["tried", "Answer: 42."], ["x", "answer:   42"], ["y", "Answer: 41"], ["z", "ANSWER: 42!"], ["w", "7"]]
+    s = run(aselect(TASK, cands, judge=judge, pivots=2))
+    assert s.method == "majority" and s.winner == "0" and s.index == 0 and s.calls == 0
+    assert judge.calls_made == 0 and s.calls_saved == 2 * (5 + 2 * 4)
+    assert s.ranking[:3] == ["0", "1", "3"] and s.scores["2"] == 0.0
+    # No majority (2 of 4), or the shortcut turned off: the tournament runs.
+    split = run(aselect(TASK, [["a"], ["a"], ["b"], ["c"]], judge=FakeJudge()))
+    assert split.method == "pairwise" and split.calls_saved == 0
+    off = run(aselect(TASK, cands, judge=FakeJudge(), majority=False))
+    assert off.method == "pairwise" and off.calls > 0

@@ -438,6 +438,9 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     g = schemas.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", metavar="DIR", help="write the JSON Schemas of every payload into DIR")
     g.add_argument("--check", metavar="DIR", help="exit 1 if the schemas in DIR are not up to date")
+    from ._selfcheck import add_parser as _self_check_parser
+
+    _self_check_parser(sub, _command)
     return parser
 
 
@@ -1107,6 +1110,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return _export(args)
         if args.command == "calibration":
             return asyncio.run(_calibration(args))
+        if args.command == "self-check":
+            from ._selfcheck import run as _self_check
+
+            return _self_check(args)
     except (RecordedRunError, CriteriaError, SettingsError, PolicyError, CliError, ValueError) as e:
         print(f"agent-monitor: {e}", file=sys.stderr)
         return 2

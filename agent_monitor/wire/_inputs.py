@@ -278,6 +278,9 @@ class RunStart(_In):
             if spec not in names:
                 raise err("criteria", f"no bundled criteria named {clip(spec, 60)!r}; use one of {', '.join(names)}")
         elif isinstance(spec, dict):
+            if "verifier" in spec:  # lmms-eval's pipeline config: named, not read as a criterion called "verifier"
+                raise err("criteria", "'verifier' makes this an lmms-eval verification pipeline config, not a rubric; "
+                          "use agent_monitor.verifiers.build_verification_pipeline, or send a 'criteria' list")  # fmt: skip
             if not isinstance(spec.get("criteria"), list) and not all(isinstance(v, str) for v in spec.values()):
                 raise err(
                     "criteria",

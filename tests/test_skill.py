@@ -1,0 +1,122 @@
+"""The llm-as-verifier skill's files (tests/fixtures/skill: its rubric.json and prompt.md, MIT) and its self-check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_monitor import ProgressTracker, load_criteria
+from agent_monitor.templates import TemplateError, check_template, load_template
+from agent_monitor.testing import FakeJudge
+
+SKILL = Path(__file__).parent / "fixtures" / "skill"
+
+
+def self_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agent_monitor", "self-check", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_skill_rubric_loads_with_its_scale_weights_and_thresholds() -> None:
+    r = load_criteria(str(SKILL / "rubric.json"))
+    assert [c.name for c in r.criteria] == ["specification", "output", "errors"]
+    assert [c.weight for c in r.criteria] == pytest.approx([0.34, 0.33, 0.33])
+    assert r.reversed_scale and "A = best (value 20)" in r.scale and r.verdicts == (0.8, 0.6)
+    assert [r.verdict(s) for s in (0.85, 0.8, 0.7, 0.6, 0.59)] == ["pass", "pass", "review", "review", "fail"]
+
+
+def test_the_skill_scale_is_told_to_the_judge_and_its_letters_are_not_flipped_silently() -> None:
+    # The skill's A is its best answer: an all-A judge means done, an all-T judge means failed.
+    for letter, want in (("A", 1.0), ("T", 0.0), ("B", 18 / 19)):
+        judge = FakeJudge([letter])
+        with ProgressTracker("reverse a string", judge=judge, criteria=str(SKILL / "rubric.json"), repeats=1) as t:
+            p = t.update("wrote and tested rev")
+        assert p.score == pytest.approx(want)
+        prompt = judge.prompts[-1]
+        assert "A = clearly and completely succeeded" in prompt.instructions
+        assert "from A (nothing done) to T" not in prompt.tail[-1].text  # type: ignore[union-attr]
+        assert "from A (best) to T (worst)" in prompt.tail[-1].text  # type: ignore[union-attr]
+
+
+def test_a_skill_rubric_whose_weights_do_not_sum_to_one_is_refused(tmp_path: Path) -> None:
+    data = json.loads((SKILL / "rubric.json").read_text())
+    data["criteria"][0]["weight"] = 0.5
+    bad = tmp_path / "rubric.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"sum to 1\.16"):
+        load_criteria(str(bad))
+    out = self_check("--rubric", str(bad))
+    assert out.returncode == 1 and "FAIL rubric" in out.stdout and "sum to 1.16" in out.stdout
+
+
+def test_self_check_passes_on_the_skill_files_and_says_where_the_pairwise_prompt_is_used() -> None:
+    out = self_check("--rubric", str(SKILL / "rubric.json"), "--prompt", str(SKILL / "prompt.md"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "FAIL" not in out.stdout and "expectation of uniform A..T" in out.stdout
+    assert "a pairwise template" in out.stdout and "progress grades one trajectory" in out.stdout
+    assert "verdicts at pass 0.8 / review 0.6" in out.stdout
+
+
+def test_templates_are_checked_for_placeholders_and_prefix_stability(tmp_path: Path) -> None:
+    good = check_template("Judge.\n{task}\n{criteria}\n{trajectory}\n{question}\n")
+    assert good.kind == "progress"
+    with pytest.raises(TemplateError, match="lacks \\{criteria\\}"):
+        check_template("{task}\n{trajectory}\n{question}")
+    with pytest.raises(TemplateError, match="unknown placeholder"):
+        check_template("{task}\n{criteria}\n{trajectory}\n{question}\n{step_count}")
+    pairwise = load_template(SKILL / "prompt.md")
+    assert pairwise.kind == "pairwise"
+    with pytest.raises(TemplateError, match="use it with compare/select"):
+        pairwise.check_for("progress")
+    bad = tmp_path / "question_first.md"
+    bad.write_text("{question}\n{task}\n{criteria}\n{trajectory}\n")
+    out = self_check("--prompt", str(bad))
+    assert out.returncode == 1 and "{question} comes before {trajectory}" in out.stdout
+
+
+def test_track_gives_the_skill_rubric_verdict_on_the_final_score() -> None:
+    from agent_monitor import track
+
+    done = track("t", ["a", "b"], judge=FakeJudge(["T", "A"]), criteria=str(SKILL / "rubric.json"))
+    assert done.final == 1.0 and done.verdict == "pass"
+    shaky = track("t", ["a"], judge=FakeJudge(["G"]), criteria=str(SKILL / "rubric.json"))  # 1 - 6/19 = 0.684
+    assert shaky.verdict == "review"
+    assert track("t", ["a"], judge=FakeJudge(["T"])).verdict is None  # no thresholds in the default rubric
+
+
+TEMPLATE = """You grade a coding agent for the team. Be strict.
+
+# The task
+{task}
+
+# What we grade
+{criteria}
+
+# What the agent did
+{trajectory}
+
+# Your answer
+{question}
+"""
+
+
+def test_a_progress_template_lays_out_the_prompt_and_stays_prefix_stable() -> None:
+    judge = FakeJudge()
+    with ProgressTracker("reverse a string", judge=judge, prompt=TEMPLATE, repeats=1) as t:
+        t.update("wrote rev")
+        t.update("ran the tests: 3 passed")
+    one, two = judge.prompts
+    assert one.instructions == two.instructions == "You grade a coding agent for the team. Be strict.\n\n# The task"
+    head1, head2 = one.prefix_text(), two.prefix_text()
+    assert head2.startswith(head1) and "# What the agent did" in head1 and "reverse a string" in head1
+    assert "# Your answer" in one.tail[-1].text and "1 step so far" in one.tail[-1].text  # type: ignore[union-attr]
+    assert t.rubric.template == TEMPLATE
+    with pytest.raises(TemplateError, match="use it with compare/select"):
+        ProgressTracker("t", judge=FakeJudge(), prompt=str(SKILL / "prompt.md"))
+    with pytest.raises(TemplateError, match="before"):
+        ProgressTracker("t", judge=FakeJudge(), prompt="{question}\n{task}\n{criteria}\n{trajectory}")
