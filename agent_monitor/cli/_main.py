@@ -361,6 +361,11 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="seconds between steps of each run (default: paced to the judge, so each step can get its own score)",
     )
     demo.add_argument(
+        "--judge-only",
+        action="store_true",
+        help="score the coding runs with the judge alone (no test_ratio rule, no abort threshold): the second act",
+    )
+    demo.add_argument(
         "--keep",
         action="store_true",
         help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
@@ -626,7 +631,7 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         await run_demo(
             judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
-            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep,
+            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep, judge_only=args.judge_only,
         )  # fmt: skip
     finally:
         if judge is not None:
