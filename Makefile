@@ -45,7 +45,7 @@ DEMO_LOCAL_NOTE := The first time, llama-cpp-python compiles (about 5 minutes on
   loaded one); its [N/M] build steps follow.
 DEMO_STAMP := $(DEMO_VENV)/.installed-$(if $(DEMO_REMOTE),remote,local)
 # What the filter lets through: pip's own top-level lines and the build's [N/M] progress.
-PIP_PROGRESS := ^(Collecting|Using cached|Downloading|Building wheel|Created wheel|Successfully|Installing collected|ERROR)|\[[0-9]+/[0-9]+\]
+PIP_PROGRESS := ^(Building wheel|Created wheel|Successfully|Installing collected|ERROR)|\[[0-9]+/[0-9]+\]
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install -q -U pip
