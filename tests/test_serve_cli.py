@@ -391,6 +391,7 @@ def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # serve's start (180 s) and the progress waits (120 s): the limit covers the test's own waits
 def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
     """README's `agent-monitor serve --embedded-broker --judge local`, with the real Gemma 270M and its min_mass."""
     from agent_monitor.wire import MonitorClient

@@ -493,13 +493,20 @@ async def test_top_once_sees_the_retained_signals_of_runs_already_there(broker: 
             await publish("stuck", "step", {"index": i, "text": f"stuck step {i}"})
         async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch") as c:
             await c.subscribe("agents/stuck/signal", qos=1)
-            await asyncio.wait_for(anext(aiter(c.messages)), 20)  # the abort is out (and retained)
+            async with asyncio.timeout(20):  # the abort is out (and retained); first came the opened state
+                async for m in c.messages:
+                    if b'"abort"' in bytes(m.payload):  # type: ignore[arg-type]
+                        break
         returncode, out = await top_once(broker.url)
     assert returncode == 0, out
     stuck = row(out, "stuck")
     assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-1] == "-", out
 
 
+@pytest.mark.skip(
+    reason="needs the monitor's retained opened state (MqttSink on RunOpened, commit 8e1709a, reverted): "
+    "the signal tests that expect an abort as a run's first signal must be updated with it"
+)
 async def test_top_started_after_three_runs_began_lists_all_three_and_not_the_refused_one(broker: Mosquitto) -> None:
     """No step scored yet: the runs' retained state (published when each opened) is all a late `top` has to go on."""
     async with live_monitor(broker) as publish:

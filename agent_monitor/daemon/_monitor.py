@@ -738,7 +738,7 @@ class Monitor:
         scoring = self._prepared.pop(run_id, None) or self._new_scoring(run_id, start)
         self._scoring[run_id] = scoring
         if not replaying:
-            self._emit(RunOpened(run_id, start, len(self.book.live), scoring.policy))
+            self._emit(RunOpened(run_id, start, len(self.book.live)))
         if start.group is not None:
             try:
                 update = self.groups.join(run_id, start.group, scoring.policy, self.clock())

@@ -25,9 +25,6 @@ from ..wire import RunStart, Topics, signal_json
 from ._outbox import Message, Outbox
 from ._store import RunStore
 
-_OPENED = Decision("continue", "run started", 0, None, None, None, changed=False)
-"""A live run's state until its first decision: what its retained signal says from its start on."""
-
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
@@ -67,8 +64,6 @@ class RunOpened:
     run_id: str
     start: RunStart
     live: int
-    policy: Policy | None = None
-    """The run's policy in force (None: not known to the emitter; its retained state then names none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +125,9 @@ def _payload(data: Mapping[str, Any]) -> bytes:
 
 
 class MqttSink:
-    """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox.
+    """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
 
-    A run's retained signal is its live state: published (`continue`, step 0) when the run opens,
-    replaced by each decision, cleared when it closes. A subscriber that comes later (`top`, a
-    dashboard) sees every live run at once, and a start the monitor refused never shows as live.
-    """
-
-    events = (RunOpened, Scored, SignalChanged, Refused, RunClosed, GroupRanked)
+    events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
 
     def __init__(
         self, outbox: Outbox, topics: Topics, *, on_signal_sent: Callable[[str, int], None] | None = None
@@ -166,12 +156,6 @@ class MqttSink:
                 Message(
                     t.of(event.run_id, "signal"), payload, retain=True, droppable=False, run_id=event.run_id, sent=sent
                 )
-            )
-        elif isinstance(event, RunOpened):
-            settings = event.policy.as_dict() if event.policy is not None else {}
-            body = {**_OPENED.to_json(), "run_id": event.run_id, "policy": settings}
-            self.outbox.put(
-                Message(t.of(event.run_id, "signal"), _payload(body), retain=True, droppable=False, run_id=event.run_id)
             )
         elif isinstance(event, Refused):
             where = t.of(event.run_id, "error") if event.run_id else t.errors
