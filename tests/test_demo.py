@@ -192,3 +192,19 @@ def test_assembling_message_only_when_the_model_is_assembled(tmp_path: Path, mon
     assert "Assembling the packaged Gemma 3 270M model" in said
     again, said = run()
     assert again == first and said == ""
+
+
+def test_make_demo_with_a_judge_server_of_ones_own_installs_no_local_model() -> None:
+    """`make demo DEMO_ARGS="--judge openai ..."` must not build llama-cpp-python: make's dry run shows the install."""
+    root = Path(__file__).resolve().parent.parent
+
+    def plan(*args: str) -> str:
+        done = subprocess.run(["make", "-n", "-B", "demo", *args], capture_output=True, text=True, cwd=root, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    remote = plan("DEMO_ARGS=--judge openai --judge-url http://judge:8000/v1", "DEMO_VENV=.venv-demo-plan")
+    assert "pip install -v -e '.[embedded,plot]'" in remote and "[local" not in remote and "llama" not in remote
+    local = plan("DEMO_VENV=.venv-demo-plan")
+    assert "pip install -v -e '.[local,embedded,plot]'" in local
+    assert "[0-9]+/[0-9]+" in local  # the build's own [N/M] progress is let through pip's verbose log
