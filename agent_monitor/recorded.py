@@ -145,6 +145,12 @@ def load_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CH
         data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise RecordedRunError(f"cannot read {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        kind = " (a PNG image)" if e.object[:4] == b"\x89PNG" else ""
+        raise RecordedRunError(
+            f"{p} is not a text file{kind}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8; "
+            "a recorded run is a JSON file (see `agent-monitor replay --help`)"
+        ) from None
     except json.JSONDecodeError as e:
         raise RecordedRunError(f"{p} is not JSON: {e}") from None
     if not isinstance(data, Mapping):
