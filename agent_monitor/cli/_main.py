@@ -882,7 +882,11 @@ async def _calibration(args: argparse.Namespace) -> int:
             print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
         return 0
     if not rows:
-        print(f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one")
+        print(
+            f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one, "
+            'if no abort rule could have stopped it (no abort_below, or "auto" not yet calibrated or held out; '
+            "not a numeric abort_below)"
+        )
         return 0
     print(f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} {'failures':>8}  threshold")
     for f, th in rows:
