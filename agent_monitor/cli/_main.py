@@ -476,11 +476,12 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
     if concurrency is not None:
         judge.concurrency = concurrency
     try:
-        if options.judge == "openai" and not options.judge_model:
+        if options.judge == "openai":
             from ..judges.openai import OpenAIJudge
 
             assert isinstance(judge, OpenAIJudge)
-            await judge.resolve_model()
+            # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
+            await (judge.check_reachable() if options.judge_model else judge.resolve_model())
         elif options.judge == "local":
             from ..judges.llamacpp import LlamaCppJudge
 
@@ -493,6 +494,21 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
         where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
+
+
+async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0) -> str | None:
+    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is checked later)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(broker.host, broker.port), wait_s)
+    except (OSError, TimeoutError) as e:
+        return (
+            f"cannot connect to the MQTT broker at {broker.url} ({getattr(e, 'strerror', None) or type(e).__name__}): "
+            "is the broker running there? Start one (apt-get install mosquitto), or pass --embedded-broker"
+        )
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -540,6 +556,8 @@ async def _serve(args: argparse.Namespace) -> int:
             log.info("embedded_broker_started", url=embedded.url)
         if store is not None:
             stack.push_async_callback(store.aclose)
+        if not broker_options.embedded_broker and (problem := await _broker_unreachable(broker)):
+            return _fail(problem)  # before the judge loads: a missing broker is said in a second, not after it
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
