@@ -11,6 +11,7 @@ import os
 import socket
 import sqlite3
 import sys
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -801,11 +802,15 @@ def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
         if not Console(stderr=True).is_terminal:
             raise ImportError  # a log file gets plain lines, not a bar redrawn in place
     except ImportError:
-        done = [0]
+        done, said = [0], [time.monotonic()]
+        print(f"{what}: 0/{total}", file=sys.stderr, flush=True)  # a batch log shows at once that work began
 
         def plain(note: str) -> None:
             done[0] += 1
-            if done[0] % 10 == 0 or done[0] == total:
+            now = time.monotonic()
+            # The first, every tenth, the last, and at least one line every 15 s: a slow judge never looks hung.
+            if done[0] in (1, total) or done[0] % 10 == 0 or now - said[0] >= 15.0:
+                said[0] = now
                 print(f"{what}: {done[0]}/{total} ({note})", file=sys.stderr, flush=True)
 
         yield plain
