@@ -100,7 +100,8 @@ async def _demo(tmp_path: Path, judge: object, **kw: object) -> tuple[dict[str, 
 
     from agent_monitor.cli._demo import run_demo
 
-    png = await run_demo(judge=judge, out_dir=tmp_path, metrics_port=0, pace_s=0.02, **kw)  # type: ignore[arg-type]
+    # Lockstep: the harness waits for each round's scores, so a loaded machine changes nothing but the time.
+    png = await run_demo(judge=judge, out_dir=tmp_path, metrics_port=0, pace_s=0.02, lockstep=True, **kw)  # type: ignore[arg-type]
     record = json.loads((tmp_path / "progress.json").read_text())
     return record, "", png
 

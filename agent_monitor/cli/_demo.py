@@ -406,6 +406,7 @@ async def run_demo(
     keep: bool = False,
     judge_only: bool = False,
     runs: list[DemoRun] | None = None,
+    lockstep: bool = False,
 ) -> Path:
     """Run the demo end to end; return the path of the PNG it leaves (`min_mass` None: the judge's own).
 
@@ -413,7 +414,9 @@ async def run_demo(
     few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
     monitor and /metrics up after the runs end, until Ctrl-C. `judge_only=True` scores the coding
     runs with the judge alone (no rule, no abort threshold of their rubric); `runs` replaces the
-    example runs (each with its camera frames, or none).
+    example runs (each with its camera frames, or none). `lockstep=True` makes the harness wait
+    for each round's scores however long they take (an agent loop that reads the signal after every
+    step), so what happens does not depend on the machine's speed.
     """
     from prometheus_client import CollectorRegistry
     from rich.console import Console
@@ -451,6 +454,8 @@ async def run_demo(
     # (the robot rubric has two), and a local judge answers one call at a time.
     calls = sum(2 if frames else 1 for _, frames in runs)
     wait_s = 4 * calls * latency if paced and latency is not None else 0.0
+    if lockstep:
+        wait_s = 120.0
     pace = (0.3 if short else 1.0) if pace_s is None else pace_s
     if latency is not None:
         how = (
@@ -600,6 +605,11 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                     v.abort_rule = f"{float(decision['abort_below']):.4g}"
                 if decision.get("reason") and data.get("ok"):
                     v.reason = str(decision["reason"])
+                if decision.get("signal") and data.get("ok"):
+                    # The decision rides on the progress message: the harness knows it with the score, not later.
+                    v.signal = str(decision["signal"])
+                    if v.signal != "continue" and v.flagged is None:
+                        v.flagged = (v.signal, step, v.reason)
             else:
                 v.signal, v.reason = data["signal"], data.get("reason", "")
                 if v.signal != "continue" and v.flagged is None:
