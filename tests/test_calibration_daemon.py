@@ -261,6 +261,17 @@ def test_the_calibration_command_on_an_empty_store_says_what_teaches_it(
 ) -> None:
     code, out, _ = cli(capsys, "--state-dir", str(tmp_path))
     assert code == 0 and "no calibration samples in " in out and "outcome success or failure adds one" in out
+    assert "if no abort rule could have stopped it" in out and "not a numeric abort_below" in out
+
+
+def test_readme_docs_and_the_command_agree_on_which_runs_teach_auto() -> None:
+    """Runs under a numeric abort_below are censored: the manual's evaluation and calibration pages and the message agree."""
+    root = Path(__file__).resolve().parent.parent
+    readme = " ".join((root / "docs" / "evaluation.md").read_text(encoding="utf-8").split())
+    docs = " ".join((root / "docs" / "calibration.md").read_text(encoding="utf-8").split())
+    assert "whatever its policy" not in readme
+    assert "no abort rule could have stopped" in readme and "runs under a numeric `abort_below`" in readme
+    assert "Runs under a numeric `abort_below` are exposed too, and teach nothing" in docs
 
 
 class FullDisk(MemoryStore):

@@ -122,6 +122,9 @@ def test_eval_command_end_to_end_with_an_http_judge(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(
+    960
+)  # its eval subprocess may take 900 s on a loaded machine: the limit covers the test's own waits
 def test_eval_on_real_recorded_runs_with_the_tiny_local_judge(tmp_path: Path) -> None:
     data = Path(__file__).resolve().parents[2] / "shared" / "data" / "terminal-bench-2.1"
     if not data.is_dir():

@@ -239,6 +239,7 @@ def http_reply(body: dict[str, Any]) -> Reply:
     return chat_reply(chat_choice([(letter, {letter: 1.0})]))
 
 
+@pytest.mark.timeout(600)  # three CLI subprocesses of up to 180 s each: the limit covers the test's own waits
 def test_select_and_eval_groups_commands_end_to_end(tmp_path: Path) -> None:
     data = tmp_path / "runs"
     data.mkdir()

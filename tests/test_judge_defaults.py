@@ -46,6 +46,8 @@ def test_low_mass_error_names_the_setting_and_what_to_do() -> None:
     assert "scale letters hold 0.161 of the probability, below the minimum 0.5" in str(e)
     assert "min_mass" in str(e) and "--min-mass" in str(e)
     assert "lower min_mass, or use a stronger judge" in str(e)
+    # A value to try, spelt out for both places (not the empty "min_mass=;" it used to print).
+    assert "min_mass=0.08 in Python, --min-mass 0.08 on the command line" in str(e) and "=;" not in str(e)
 
 
 # -- the judge's recommendation, unless the user sets min_mass --

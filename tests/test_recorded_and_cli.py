@@ -137,3 +137,18 @@ def test_atif_shell_results_are_unwrapped_and_placeholder_messages_dropped() -> 
     )
     assert run.steps[0].text == "$ ls\nObservation:\nno such file\n[exit code 2]"
     assert run.outcome == 0.0
+
+
+def test_replay_of_a_file_that_is_not_text_says_what_it_is(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    png = tmp_path / "frame.json"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    done = subprocess.run(
+        [sys.executable, "-m", "agent_monitor", "replay", str(png), "--broker", "mqtt://127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "is not a text file (a PNG image): byte 0x89 at offset 0 is not UTF-8" in done.stderr, done.stderr
+    assert "codec can't decode" not in done.stderr and "Traceback" not in done.stderr

@@ -169,7 +169,7 @@ class Watch:
         self.proc.wait()
 
 
-def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> None:
+def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path, broker: Mosquitto) -> None:
     no_judge = subprocess.run(
         [sys.executable, "-m", "agent_monitor", "serve", "--metrics-port", "0"],
         capture_output=True,
@@ -215,6 +215,8 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> No
             "openai",
             "--judge-url",
             dead_url,
+            "--broker",
+            broker.url,
             "--metrics-port",
             "0",
         ],
@@ -224,6 +226,28 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path) -> No
     )
     assert dead_judge.returncode == 2 and f"cannot reach the judge server at {dead_url} " in dead_judge.stderr
     assert len(dead_judge.stderr.strip().splitlines()) == 1
+
+
+def serve_once(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "agent_monitor", "serve", "--no-store", "--metrics-port", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def test_a_missing_broker_is_said_before_the_judge_is_probed_or_loaded() -> None:
+    """Both missing: the broker is named (the judge, which may take long to load, was never tried)."""
+    port, dead_url = free_port(), f"http://127.0.0.1:{free_port()}/v1"
+    done = serve_once("--judge", "openai", "--judge-url", dead_url, "--broker", f"mqtt://127.0.0.1:{port}")
+    assert done.returncode == 2, done.stderr
+    assert f"cannot connect to the MQTT broker at mqtt://127.0.0.1:{port}" in done.stderr
+    assert "judge" not in done.stderr.split("--embedded-broker")[0].split(")")[-1] and dead_url not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_dead_judge_url_is_said_at_start_even_with_a_model_given(broker: Mosquitto) -> None:
+    dead_url = f"http://127.0.0.1:{free_port()}/v1"
+    done = serve_once("--judge", "openai", "--judge-url", dead_url, "--judge-model", "m", "--broker", broker.url)
+    assert done.returncode == 2 and f"cannot reach the judge server at {dead_url} " in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_embedded_broker_on_a_taken_port_says_how_to_use_that_broker_or_another_port() -> None:
@@ -391,6 +415,7 @@ def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(360)  # serve's start (180 s) and the progress waits (120 s): the limit covers the test's own waits
 def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
     """README's `agent-monitor serve --embedded-broker --judge local`, with the real Gemma 270M and its min_mass."""
     from agent_monitor.wire import MonitorClient

@@ -106,6 +106,7 @@ def test_runs_are_capped_and_the_least_recently_active_forgotten() -> None:
     clock.t += 1
     b.feed("agents/r2/progress", progress("r2", 2))
     b.feed("agents/r5/start", b'{"task": "t"}')
+    b.feed("agents/r5/signal", signal("r5", "continue", 0, "run started"))  # the monitor opened it
     assert [v.run_id for v in b.newest()] == ["r5", "r2", "r4"]
     assert b.forgotten == 3
     assert "3 runs forgotten (over --keep-runs 3)" in text_of(b)
@@ -222,9 +223,21 @@ def test_a_run_id_started_again_is_live_again() -> None:
     b = Board(ended_grace_s=30, clock=clock)
     b.feed("agents/r/end", b"")
     b.feed("agents/r/start", b'{"task": "second try"}')
+    assert b.runs["r"].ended  # a start alone is a request: live once the monitor says so
+    b.feed("agents/r/signal", signal("r", "continue", 0, "run started"))
     clock.t += 31
     b.prune()
     assert not b.runs["r"].ended and b.runs["r"].task == "second try"
+
+
+def test_a_start_the_monitor_never_opened_is_never_live() -> None:
+    """A refused start gets no retained state from the monitor: `top` shows no row for it, now or later."""
+    b = Board(clock=Clock())
+    b.feed("agents/refused/start", b'{"task": "t"}')
+    assert "refused" not in b.runs and "refused" not in text_of(b)
+    b.feed("agents/ok/start", b'{"task": "the task"}')
+    b.feed("agents/ok/signal", signal("ok", "continue", 0, "run started"), retained=True)
+    assert list(b.runs) == ["ok"] and b.runs["ok"].task == "the task" and not b.runs["ok"].ended
 
 
 def test_group_column_only_when_a_run_has_a_group() -> None:
@@ -233,6 +246,8 @@ def test_group_column_only_when_a_run_has_a_group() -> None:
     assert "group" not in text_of(b).splitlines()[1]
     b.feed("agents/b/start", json.dumps({"task": "t", "labels": {"group": "sweep-1", "model": "m"}}).encode())
     b.feed("agents/c/start", json.dumps({"task": "t", "group": "sweep-2"}).encode())
+    for r in "bc":
+        b.feed(f"agents/{r}/signal", signal(r, "continue", 0, "run started"))
     b.feed(
         "agents/_groups/sweep-2/ranking",
         json.dumps(
@@ -262,6 +277,7 @@ def test_text_from_the_network_cannot_drive_the_terminal() -> None:
     b = Board(clock=Clock())
     evil = "\x1b]0;owned\x07\x1b[2J\u202ereversed\r\nnext line [bold]markup[/bold]"
     b.feed("agents/r/start", json.dumps({"task": evil}).encode())
+    b.feed("agents/r/signal", signal("r", "continue", 0, "run started"))
     decision = {"signal": "abort", "reason": evil, "step": 1}
     b.feed("agents/r/progress", progress("r", 1, 0.1, decision=decision, signal="abort"))
     screen = text_of(b)
@@ -477,11 +493,40 @@ async def test_top_once_sees_the_retained_signals_of_runs_already_there(broker: 
             await publish("stuck", "step", {"index": i, "text": f"stuck step {i}"})
         async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch") as c:
             await c.subscribe("agents/stuck/signal", qos=1)
-            await asyncio.wait_for(anext(aiter(c.messages)), 20)  # the abort is out (and retained)
+            async with asyncio.timeout(20):  # the abort is out (and retained); first came the opened state
+                async for m in c.messages:
+                    if b'"abort"' in bytes(m.payload):  # type: ignore[arg-type]
+                        break
         returncode, out = await top_once(broker.url)
     assert returncode == 0, out
     stuck = row(out, "stuck")
     assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-1] == "-", out
+
+
+@pytest.mark.skip(
+    reason="needs the monitor's retained opened state (MqttSink on RunOpened, commit 8e1709a, reverted): "
+    "the signal tests that expect an abort as a run's first signal must be updated with it"
+)
+async def test_top_started_after_three_runs_began_lists_all_three_and_not_the_refused_one(broker: Mosquitto) -> None:
+    """No step scored yet: the runs' retained state (published when each opened) is all a late `top` has to go on."""
+    async with live_monitor(broker) as publish:
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch") as c:
+            await c.subscribe("agents/+/signal", qos=1)
+            for name in ("one", "two", "three"):
+                await publish(name, "start", {"task": f"task {name}"})
+            await publish("refused", "start", {"no_task": True})  # refused: no task
+            opened = set()
+            async with asyncio.timeout(20):
+                async for m in c.messages:
+                    opened.add(m.topic.value.split("/")[1])
+                    if len(opened) == 3:
+                        break
+        assert opened == {"one", "two", "three"}
+        returncode, out = await top_once(broker.url)
+    assert returncode == 0, out
+    for name in ("one", "two", "three"):
+        assert row(out, name)[-4:] == ["continue", "run", "started", "-"], out  # signal, reason, age (retained)
+    assert "refused" not in out, out
 
 
 async def test_top_reads_a_broker_that_speaks_only_mqtt_3_1_1() -> None:

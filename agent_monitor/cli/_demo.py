@@ -4,6 +4,13 @@ An embedded MQTT broker, the monitor daemon with the packaged tiny judge (Gemma 
 llama.cpp, no GPU, no key), three example runs replayed live over MQTT (a coding task that
 succeeds, one that fails, a robot run with generated camera frames), a live terminal view of
 every run, `/metrics` served meanwhile, and at the end a PNG of the progress curves.
+
+The coding runs are scored as a real harness's would be: their steps carry the test runner's
+summaries and exit codes, the demo's rubric (`examples/demo_coding.json`) reads the pass ratio
+with the exact `test_ratio` rule and asks the judge the rest, and its threshold aborts a run
+whose score stays low. Nothing in the demo knows a run's outcome before its `end`: another
+judge or other runs can come out otherwise. `judge_only=True` scores every run with the judge
+alone (the default rubric), the tiny judge's own view.
 """
 
 from __future__ import annotations
@@ -50,6 +57,17 @@ class _RunView:
     """The first abort or resample: (signal, step, reason)."""
     latencies: list[float] = field(default_factory=list)
     """Seconds each of this run's scorings took (all its judge calls)."""
+    rule_curve: list[tuple[int, float]] = field(default_factory=list)
+    """Per scored step, the part of the score that came from rules (the rest came from the judge)."""
+    rule_part: float | None = None
+    judge_part: float | None = None
+    """The newest score split into what rules and what the judge contributed (they add up to it)."""
+    rule_detail: str = ""
+    """The newest rule verdict's own words ("step 5: 2 passed, 3 failed, 0 errors -> 2/5")."""
+    abort_rule: str = ""
+    """The abort threshold in force, as its decisions report it ("" while none is)."""
+    stopped_at: int | None = None
+    """The step after which the harness stopped publishing (it obeyed an abort)."""
 
     @property
     def waiting(self) -> bool:
@@ -94,7 +112,18 @@ def robot_run(steps: int = 10) -> tuple[RecordedRun, list[bytes]]:
     return run, frames
 
 
-def example_runs(max_steps: int | None = None) -> list[tuple[RecordedRun, list[bytes]]]:
+DemoRun = tuple[RecordedRun, list[bytes]]
+"""A run the demo replays: its steps, and one camera frame per step (none for a text-only run)."""
+
+
+def demo_criteria() -> dict[str, Any]:
+    """The rubric the demo's coding runs are scored with: the `test_ratio` rule first, the judge for the rest."""
+    text = resources.files("agent_monitor.examples").joinpath("demo_coding.json").read_text()
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+def example_runs(max_steps: int | None = None) -> list[DemoRun]:
     """The runs the demo replays: the two shipped coding runs and the generated robot run."""
     out: list[tuple[RecordedRun, list[bytes]]] = []
     for name in ("coding_success.json", "coding_failure.json"):
@@ -112,28 +141,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _criteria_for(frames: list[bytes], judge_only: bool) -> str | dict[str, Any] | None:
+    if frames:
+        return "robot"  # camera frames: the judge alone (no rule reads pixels), and no abort threshold
+    return None if judge_only else demo_criteria()
+
+
 def _publish(
     url: str,
-    runs: list[tuple[RecordedRun, list[bytes]]],
+    runs: list[DemoRun],
     views: dict[str, _RunView],
     pace_s: float,
     wait_s: float,
+    judge_only: bool = False,
 ) -> None:
     """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one step per pace.
 
     After each round the harness also waits, up to `wait_s`, until the monitor has scored what it
-    published: the demo paces itself to its judge, so each step can get a score of its own.
+    published: the demo paces itself to its judge, so each step can get a score of its own. A run
+    told to abort publishes no further step, as a harness that obeys the monitor would.
     """
     from ..wire import MonitorClient
 
     with MonitorClient(url) as client:
-        live = {r.name: client.start_run(r.name, task=r.task, criteria="robot" if f else None) for r, f in runs}
+        live = {r.name: client.start_run(r.name, task=r.task, criteria=_criteria_for(f, judge_only)) for r, f in runs}
         longest = max(len(r.steps) for r, _ in runs)
         for i in range(longest):
             for r, frames in runs:
-                if i < len(r.steps):
+                v = views[r.name]
+                if v.signal == "abort" and v.stopped_at is None:
+                    v.stopped_at = v.published
+                if i < len(r.steps) and v.stopped_at is None:
                     live[r.name].step(r.steps[i].text, images=[frames[i]] if frames else ())
-                    views[r.name].published = i + 1
+                    v.published = i + 1
             time.sleep(pace_s)
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and any(v.waiting for v in views.values()):
@@ -155,13 +195,15 @@ def _table(views: dict[str, _RunView], judge: str) -> Any:
     table.add_column("run")
     table.add_column("outcome")
     table.add_column("progress", min_width=26)
-    table.add_column("score", justify="right")
+    table.add_column("score", justify="right", no_wrap=True)
     table.add_column("step", justify="right")
     table.add_column("signal")
     table.add_column("why", max_width=44)
     for v in views.values():
         colour = {"abort": "bold red", "resample": "yellow"}.get(v.signal, "green")
         score = "…" if v.score is None else f"{v.score:.2f} ±{v.uncertainty or 0:.2f}"
+        if v.score is not None and v.rule_part:
+            score += f" (rules {v.rule_part:.2f})"
         table.add_row(
             v.run_id,
             Text(v.outcome, style="green" if v.outcome == "success" else "red"),
@@ -188,38 +230,57 @@ def _caption(views: dict[str, _RunView], latency_s: float | None, paced: bool) -
     return f"{head}; {how}; steps scored on their own (of those published): " + ", ".join(parts)
 
 
+def _parts(v: _RunView) -> str:
+    if v.rule_part is None or v.judge_part is None or v.score is None:
+        return ""
+    if v.rule_part == 0.0:
+        return " (judge only)"
+    return f" = rules {v.rule_part:.2f} + judge {v.judge_part:.2f}"
+
+
 def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
-    """What happened, run by run, and which run was flagged and why (or why none was)."""
+    """What happened, run by run: which part of each score came from rules and which from the judge, who was flagged.
+
+    Each run's abort threshold is the one its decisions reported (a rubric may set its own); a run
+    with none could not be aborted, and the summary says so rather than implying it was on track.
+    """
     lines: list[str] = []
     for v in views.values():
-        final = "no score" if v.score is None else f"final {v.score:.2f}"
+        final = "no score" if v.score is None else f"final {v.score:.2f}{_parts(v)}"
         low = "" if v.lowest is None else f", lowest {v.lowest:.2f}"
         failed = f", {v.failed} failed" if v.failed else ""
         lines.append(
             f"{v.run_id} ({v.outcome}): {len(v.curve)} scores for {v.total} steps "
             f"({v.alone} on their own){failed}; {final}{low}; signal {v.signal}"
         )
-    flagged = [v for v in views.values() if v.flagged]
-    for v in flagged:
-        assert v.flagged is not None
-        signal, step, reason = v.flagged
-        lines.append(f"flagged: {v.run_id} got {signal} at step {step}: {reason}")
-    if not flagged:
-        lows = [v for v in views.values() if v.lowest is not None]
-        if policy.abort_below is not None and lows:
-            worst = min(lows, key=lambda v: v.lowest or 0.0)
+    for v in views.values():
+        if v.flagged:
+            signal, step, reason = v.flagged
+            where = f"step {step} of {v.total}"
+            if signal == "abort" and v.stopped_at is not None and v.stopped_at < v.total:
+                where += f", the harness stopped after step {v.stopped_at}"
+            said = f"; the rule said: {v.rule_detail}" if v.rule_detail else ""
+            lines.append(f"flagged: {v.run_id} got {signal} at {where}: {reason}{said}")
+        elif not v.abort_rule:
+            lines.append(f"not flagged: {v.run_id} has no abort threshold (its rubric and the demo's policy set none)")
+        elif v.lowest is not None:
             lines.append(
-                f"no run was flagged: abort needs {policy.patience} scored steps in a row below {policy.abort_below} "
-                f"from step {policy.min_steps} on, and the lowest score of any run was {worst.lowest:.2f} "
-                f"({worst.run_id}); the tiny judge's scores sit in a narrow band, a real judge spreads them further"
+                f"not flagged: {v.run_id}: abort needs {policy.patience} scored steps in a row below {v.abort_rule} "
+                f"from step {policy.min_steps} on; its lowest score was {v.lowest:.2f}"
             )
-        else:
-            lines.append("no run was flagged")
+    if not any(v.flagged for v in views.values()):
+        lines.append("no run was flagged")
     return lines
 
 
-def plot_curves(views: dict[str, _RunView], path: Path, judge_name: str = "", abort_below: float | None = None) -> Path:
-    """The demo's progress curves: each run its own colour and marker, dashed when it failed."""
+def plot_curves(
+    views: dict[str, _RunView], path: Path, judge_name: str = "", abort_below: float | None = None, note: str = ""
+) -> Path:
+    """The demo's progress curves: each run its own colour and marker, dashed when it failed.
+
+    A dotted line under a curve is the part of its score that came from rules (the gap up to the
+    curve came from the judge); a red cross marks where a run was aborted. `note` goes in a corner.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,11 +300,19 @@ def plot_curves(views: dict[str, _RunView], path: Path, judge_name: str = "", ab
             label=f"{v.run_id} ({v.outcome}; {len(v.curve)} of {v.total} steps scored)",
             linestyle="-" if v.outcome == "success" else "--",
         )
+        if any(r > 0 for _, r in v.rule_curve):
+            rx, ry = zip(*sorted(v.rule_curve), strict=True)
+            ax.plot(rx, ry, color=colour, linestyle=":", linewidth=1.2, label=f"{v.run_id}: the rules' part of it")
         if v.flagged:
             signal, step, _ = v.flagged
             at = dict(v.curve).get(step)
             if at is not None:
-                ax.annotate(signal, (step, at), textcoords="offset points", xytext=(6, -14), color=colour, fontsize=8)
+                # The abort mark: a large cross where the monitor told the harness to stop.
+                ax.plot([step], [at], marker="X", markersize=13, color="#c1121f", linestyle="none", zorder=5)
+                ax.annotate(
+                    f"{signal} at step {step}", (step, at), textcoords="offset points", xytext=(8, -16),
+                    color="#c1121f", fontsize=9, fontweight="bold",
+                )  # fmt: skip
     if abort_below is not None:
         ax.axhline(abort_below, color="#999999", linestyle=":", linewidth=1)
         ax.text(0.99, abort_below, f" abort below {abort_below:g}", transform=ax.get_yaxis_transform(),
@@ -256,14 +325,40 @@ def plot_curves(views: dict[str, _RunView], path: Path, judge_name: str = "", ab
         ylabel="progress score (0..1)",
         ylim=(0, 1),
     )
-    ax.set_title(f"agent-monitor demo: progress per step ({judge_name})")
+    ax.set_title(f"agent-monitor demo: progress per step ({judge_name})", fontsize=10)
+    if note:
+        ax.text(0.01, 0.01, note, transform=ax.transAxes, fontsize=7, color="#555555", va="bottom")
     ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _write_record(views: dict[str, _RunView], path: Path) -> None:
+    """What the picture shows, as JSON beside it: each run's curve, its rules' part, and where it was flagged."""
+    record = {
+        v.run_id: {
+            "outcome": v.outcome,
+            "steps": v.total,
+            "published": v.published,
+            "curve": sorted(v.curve),
+            "rule_curve": sorted(v.rule_curve),
+            "signal": v.signal,
+            "flagged": list(v.flagged) if v.flagged else None,
+            "abort_below": v.abort_rule or None,
+        }
+        for v in views.values()
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def _plot_note(judge_only: bool) -> str:
+    if judge_only:
+        return "judge only: every score is the judge's (no rule)"
+    return "coding runs: dotted = the test_ratio rule's part of the score, the rest is the judge's; robot: judge only"
 
 
 @contextlib.contextmanager
@@ -309,12 +404,19 @@ async def run_demo(
     min_mass: float | None = None,
     pace_s: float | None = None,
     keep: bool = False,
+    judge_only: bool = False,
+    runs: list[DemoRun] | None = None,
+    lockstep: bool = False,
 ) -> Path:
     """Run the demo end to end; return the path of the PNG it leaves (`min_mass` None: the judge's own).
 
     `pace_s=None` paces the harness to the judge: after each round of steps it waits (up to a
     few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
-    monitor and /metrics up after the runs end, until Ctrl-C.
+    monitor and /metrics up after the runs end, until Ctrl-C. `judge_only=True` scores the coding
+    runs with the judge alone (no rule, no abort threshold of their rubric); `runs` replaces the
+    example runs (each with its camera frames, or none). `lockstep=True` makes the harness wait
+    for each round's scores however long they take (an agent loop that reads the signal after every
+    step), so what happens does not depend on the machine's speed.
     """
     from prometheus_client import CollectorRegistry
     from rich.console import Console
@@ -340,7 +442,8 @@ async def run_demo(
             "[yellow]The packaged judge is tiny (270M parameters): its scores are noisy. For real decisions point the "
             "monitor at a real model: agent-monitor serve --judge openai --judge-url http://HOST:8000/v1[/yellow]"
         )
-    runs = example_runs(max_steps=3 if short else None)
+    # Short mode keeps 4 steps: room for an abort (2 low scored steps from step 2 on) before a run's end.
+    runs = example_runs(max_steps=4 if short else None) if runs is None else runs
     views = {
         r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps)) for r, _ in runs
     }
@@ -351,6 +454,8 @@ async def run_demo(
     # (the robot rubric has two), and a local judge answers one call at a time.
     calls = sum(2 if frames else 1 for _, frames in runs)
     wait_s = 4 * calls * latency if paced and latency is not None else 0.0
+    if lockstep:
+        wait_s = 120.0
     pace = (0.3 if short else 1.0) if pace_s is None else pace_s
     if latency is not None:
         how = (
@@ -370,10 +475,19 @@ async def run_demo(
         except OSError:  # taken (a serve running?): any free port, shown below
             web = await served.enter_async_context(HttpServer(registry, board=board, port=0))
     metrics = f"board {web.url}   metrics {web.url}metrics" if web else "metrics off"
-    # The tiny judge scores every demo run between 0.13 and 0.27 (measured: the robot run, a success, starts at
-    # 0.13-0.15 and climbs to 0.21); a floor inside that band aborted the robot run at step 4, its scoring stopped
-    # there, and the picture lost its curve. Below the band, the summary says why no run was flagged.
-    policy = Policy(abort_below=0.1, min_steps=3, patience=2, max_uncertainty=0.5)
+    if judge_only:
+        # The tiny judge alone scores every demo run between 0.13 and 0.27 (measured: the robot run, a success,
+        # starts at 0.13-0.15 and climbs to 0.21); a floor inside that band aborted the robot run at step 4. Below
+        # the band, the summary says why no run was flagged: the tiny judge alone cannot tell these runs apart.
+        policy = Policy(abort_below=0.1, min_steps=3, patience=2, max_uncertainty=0.5)
+    else:
+        # No abort floor of the demo's own: the coding rubric brings its threshold (0.35, on a score 60% of which
+        # is the pass ratio), the robot rubric none (judge only: too noisy to stop a run on).
+        policy = Policy(min_steps=2, patience=2, max_uncertainty=0.5)
+    abort_floor = policy.abort_below if isinstance(policy.abort_below, float) else None
+    if abort_floor is None and not judge_only:
+        floor = demo_criteria().get("thresholds", {}).get("abort_below")
+        abort_floor = float(floor) if isinstance(floor, (int, float)) else None
     # The demo's runs are journaled as serve's are, but in a store of its own that goes with it: never the
     # default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore them.
     state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
@@ -406,7 +520,7 @@ async def run_demo(
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
                 publisher = tg.create_task(
-                    asyncio.to_thread(_publish, broker.url, runs, views, pace, wait_s), name="demo-harness"
+                    asyncio.to_thread(_publish, broker.url, runs, views, pace, wait_s, judge_only), name="demo-harness"
                 )
                 with Live(screen(), console=console, refresh_per_second=4) as live:
                     while not (publisher.done() and all(v.ended for v in views.values())):
@@ -418,8 +532,10 @@ async def run_demo(
                     views,
                     Path(out_dir) / "progress.png",
                     f"judge {judge.name} {judge.model}".strip(),
-                    abort_below=policy.abort_below if isinstance(policy.abort_below, float) else None,
+                    abort_below=abort_floor,
+                    note=_plot_note(judge_only),
                 )
+                _write_record(views, png.with_name("progress.json"))
                 console.print()
                 console.print("[bold]What happened[/bold]")
                 for line in summary(views, policy):
@@ -438,6 +554,17 @@ async def run_demo(
         await store.aclose()
         state.cleanup()
     return png
+
+
+def _rule_part(progress: dict[str, Any]) -> tuple[float, str]:
+    """The part of a progress message's score its rule-scored criteria make up, and their details."""
+    crits = [c for c in (progress.get("criteria") or {}).values() if isinstance(c, dict)]
+    total = sum(float(c.get("weight") or 0.0) for c in crits)
+    if total <= 0:
+        return 0.0, ""
+    rules = [c for c in crits if c.get("source") == "rule"]
+    part = sum(float(c["weight"]) * float(c["score"]) for c in rules) / total
+    return part, "; ".join(str(c.get("detail") or "") for c in rules if c.get("detail"))
 
 
 async def _watch(url: str, views: dict[str, _RunView]) -> None:
@@ -464,6 +591,9 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                 if data.get("ok"):
                     v.score, v.uncertainty = data["score"], data.get("uncertainty")
                     v.curve.append((step, float(data["score"])))
+                    v.rule_part, v.rule_detail = _rule_part(data)
+                    v.judge_part = float(data["score"]) - v.rule_part
+                    v.rule_curve.append((step, v.rule_part))
                     v.lowest = v.score if v.lowest is None else min(v.lowest, float(data["score"]))
                     v.alone += int(data.get("coalesced") or 1) == 1
                     v.latencies.append(float(data.get("latency_s") or 0.0))
@@ -471,8 +601,15 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                     v.failed += 1
                     v.reason = f"no score: {data.get('reason')}"
                 decision = data.get("decision") or {}
+                if decision.get("abort_below") is not None:
+                    v.abort_rule = f"{float(decision['abort_below']):.4g}"
                 if decision.get("reason") and data.get("ok"):
                     v.reason = str(decision["reason"])
+                if decision.get("signal") and data.get("ok"):
+                    # The decision rides on the progress message: the harness knows it with the score, not later.
+                    v.signal = str(decision["signal"])
+                    if v.signal != "continue" and v.flagged is None:
+                        v.flagged = (v.signal, step, v.reason)
             else:
                 v.signal, v.reason = data["signal"], data.get("reason", "")
                 if v.signal != "continue" and v.flagged is None:

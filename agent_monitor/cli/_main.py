@@ -11,6 +11,7 @@ import os
 import socket
 import sqlite3
 import sys
+import time
 import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -391,6 +392,11 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="seconds between steps of each run (default: paced to the judge, so each step can get its own score)",
     )
     demo.add_argument(
+        "--judge-only",
+        action="store_true",
+        help="score the coding runs with the judge alone (no test_ratio rule, no abort threshold): the second act",
+    )
+    demo.add_argument(
         "--keep",
         action="store_true",
         help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
@@ -504,11 +510,12 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
     if concurrency is not None:
         judge.concurrency = concurrency
     try:
-        if options.judge == "openai" and not options.judge_model:
+        if options.judge == "openai":
             from ..judges.openai import OpenAIJudge
 
             assert isinstance(judge, OpenAIJudge)
-            await judge.resolve_model()
+            # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
+            await (judge.check_reachable() if options.judge_model else judge.resolve_model())
         elif options.judge == "local":
             from ..judges.llamacpp import LlamaCppJudge
 
@@ -521,6 +528,21 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
         where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
+
+
+async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0) -> str | None:
+    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is checked later)."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(broker.host, broker.port), wait_s)
+    except (OSError, TimeoutError) as e:
+        return (
+            f"cannot connect to the MQTT broker at {broker.url} ({getattr(e, 'strerror', None) or type(e).__name__}): "
+            "is the broker running there? Start one (apt-get install mosquitto), or pass --embedded-broker"
+        )
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -571,6 +593,8 @@ async def _serve(args: argparse.Namespace) -> int:
             log.info("embedded_broker_started", url=embedded.url)
         if store is not None:
             stack.push_async_callback(store.aclose)
+        if not broker_options.embedded_broker and (problem := await _broker_unreachable(broker)):
+            return _fail(problem)  # before the judge loads: a missing broker is said in a second, not after it
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
@@ -712,7 +736,7 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         await run_demo(
             judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
-            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep,
+            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep, judge_only=args.judge_only,
         )  # fmt: skip
     finally:
         if judge is not None:
@@ -864,11 +888,15 @@ def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
         if not Console(stderr=True).is_terminal:
             raise ImportError  # a log file gets plain lines, not a bar redrawn in place
     except ImportError:
-        done = [0]
+        done, said = [0], [time.monotonic()]
+        print(f"{what}: 0/{total}", file=sys.stderr, flush=True)  # a batch log shows at once that work began
 
         def plain(note: str) -> None:
             done[0] += 1
-            if done[0] % 10 == 0 or done[0] == total:
+            now = time.monotonic()
+            # The first, every tenth, the last, and at least one line every 15 s: a slow judge never looks hung.
+            if done[0] in (1, total) or done[0] % 10 == 0 or now - said[0] >= 15.0:
+                said[0] = now
                 print(f"{what}: {done[0]}/{total} ({note})", file=sys.stderr, flush=True)
 
         yield plain
@@ -963,7 +991,11 @@ async def _calibration(args: argparse.Namespace) -> int:
             print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
         return 0
     if not rows:
-        print(f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one")
+        print(
+            f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one, "
+            'if no abort rule could have stopped it (no abort_below, or "auto" not yet calibrated or held out; '
+            "not a numeric abort_below)"
+        )
         return 0
     print(f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} {'failures':>8}  threshold")
     for f, th in rows:

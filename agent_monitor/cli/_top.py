@@ -194,6 +194,8 @@ class Board:
         self.forgotten = 0
         """Runs dropped because more than `keep_runs` were seen."""
         self._ended: deque[tuple[float, str]] = deque()
+        self._starts: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        """Starts not (yet) confirmed live by the monitor: run id -> (task, group), bounded by `keep_runs`."""
         self._under = prefix + "/"
 
     # Topics ------------------------------------------------------------------------------------------
@@ -246,6 +248,7 @@ class Board:
         p = ProgressOut.model_validate(data)
         totals = _WithTotals.model_validate(data).totals
         v = self._touch(run_id, retained)
+        self._opened(v)
         v.step = p.step
         v.totals = totals or v.totals
         if p.ok and p.score is not None and math.isfinite(p.score):
@@ -269,20 +272,35 @@ class Board:
             return
         s = SignalOut.model_validate_json(payload)
         v = self._touch(run_id, retained)
+        self._opened(v)
         v.signal, v.reason = s.signal, clean(s.reason, 120)
         v.step = max(v.step or 0, s.step)
         if v.score is None and s.score is not None and math.isfinite(s.score):
             v.score = min(max(s.score, 0.0), 1.0)
 
     def _start(self, run_id: str, payload: bytes, retained: bool) -> None:
+        # A start is what a harness asked for, not a live run: the monitor may refuse it. A run is live once the
+        # monitor says so (its retained signal, published when the run opens); until then its task and group wait.
         s = StartSeen.model_validate_json(payload or b"{}")
-        v = self._touch(run_id, retained)
-        v.task = clean(s.task, 200)
         group = s.group or s.labels.get("group")
-        if group:
-            v.group = clean(group, 64)
-        if v.ended:  # a run id used again: a new run
+        seen = (clean(s.task, 200), clean(group, 64) if group else None)
+        v = self.runs.get(run_id)
+        if v is not None and not v.ended:
+            v.task, v.group = seen[0], seen[1] or v.group
+            return
+        self._starts[run_id] = seen
+        self._starts.move_to_end(run_id)
+        while len(self._starts) > self.keep_runs:
+            self._starts.popitem(last=False)
+
+    def _opened(self, v: RunView) -> None:
+        """The monitor says the run is live: take its start's task and group (a run id used again: a new run)."""
+        seen = self._starts.pop(v.run_id, None)
+        if seen is None:
+            return
+        if v.ended:
             v.ended, v.outcome, v.ended_at = False, None, None
+        v.task, v.group = seen[0], seen[1] or v.group
 
     def _end(self, run_id: str, payload: bytes, retained: bool) -> None:
         e = RunEnd.model_validate_json(payload or b"{}")

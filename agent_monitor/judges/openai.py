@@ -188,6 +188,19 @@ class OpenAIJudge(BaseJudge):
         """The server's base URL as the client uses it (errors name it)."""
         return str(self.client.base_url).rstrip("/")
 
+    async def check_reachable(self) -> None:
+        """Raise JudgeError("connection") when nothing answers at `base_url` (one try, no retries).
+
+        Any HTTP answer counts as reachable (some servers have no `/models`): this is the start-up check
+        for a judge whose model is given, so a dead URL is said at once, not after a first step's retries.
+        """
+        try:
+            await self.client.models.with_raw_response.list()
+        except openai.APIConnectionError as e:
+            raise _judge_error(e, self.base_url) from None
+        except openai.OpenAIError:
+            pass
+
     async def resolve_model(self) -> str:
         """The model id, read from `/v1/models` when it was not given."""
         if self.model:

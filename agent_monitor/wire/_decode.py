@@ -45,21 +45,28 @@ def _loc(loc: Sequence[int | str]) -> str:
     return out or "payload"
 
 
+_LISTED = 5
+"""Problems one error message spells out; more are counted (a hostile payload can have thousands)."""
+
+
+def _problem(error: Any) -> str:
+    where = _loc(error["loc"])
+    if error["type"] == "missing":
+        return f"{where} is required"
+    text = f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+    if error["type"].endswith("_type") or error["type"] in ("model_type", "dict_type", "list_type"):
+        text += f" (got {JSON_TYPES.get(type(error['input']), type(error['input']).__name__)})"
+    return text
+
+
 def summarise(error: ValidationError) -> tuple[ErrorReason, str]:
-    """One readable line (and a reason code) for a pydantic error: the first problem, its field, and a count."""
+    """One readable line (and a reason code) for a pydantic error: every problem with its field, up to a few."""
     errors = error.errors(include_url=False, include_context=False)
-    first = errors[0]
-    where = _loc(first["loc"])
-    msg = str(first["msg"]).removeprefix("Value error, ")
-    if first["type"] == "missing":
-        text = f"{where} is required"
-    else:
-        text = f"{where}: {msg}"
-        if first["type"].endswith("_type") or first["type"] in ("model_type", "dict_type", "list_type"):
-            text += f" (got {JSON_TYPES.get(type(first['input']), type(first['input']).__name__)})"
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    reason: ErrorReason = "bad_image" if first["type"] == "bad_image" else "invalid"
+    text = "; ".join(_problem(e) for e in errors[:_LISTED])
+    if len(errors) > _LISTED:
+        rest = len(errors) - _LISTED
+        text += f" (and {rest} more problem{'s' if rest > 1 else ''})"
+    reason: ErrorReason = "bad_image" if errors[0]["type"] == "bad_image" else "invalid"
     return reason, clip(text, 600)
 
 
