@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
 import uuid
@@ -14,48 +15,44 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 import structlog
 
-from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
+from ._budget import BudgetExceeded, within
 from ._loop import LoopThread
-from .calibration import Calibration, Family, Point, Sample, Threshold
-from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
+from .calibration import Family, Point, Sample, Threshold
+from .criteria import Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
-from .policy import Policy, PolicyState, held_out, resolve
-from .progress import Decision, Prices, Progress, Usage, run_totals
+
+# The defaults live with the options; re-exported here, where users (and the daemon) found them first.
+from .options import DEFAULT_ALLOW_FILES as DEFAULT_ALLOW_FILES
+from .options import DEFAULT_CURVE_WINDOW as DEFAULT_CURVE_WINDOW
+from .options import DEFAULT_EXTRACT_BUDGET_S as DEFAULT_EXTRACT_BUDGET_S
+from .options import DEFAULT_MAX_SIDE as DEFAULT_MAX_SIDE
+from .options import DEFAULT_REPEATS as DEFAULT_REPEATS
+from .options import ProgressCallback as ProgressCallback
+from .options import (
+    ScoringOptions,
+    TrackerOptions,
+)
+from .policy import PolicyState, held_out, resolve
+from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from opentelemetry._logs import LoggerProvider
     from opentelemetry.context import Context
 
     from .otel import EvaluationEmitter
 
 log = structlog.get_logger("agent_monitor.tracker")
 
-DEFAULT_EXTRACT_BUDGET_S: float = DEFAULT_BUDGET_S
-"""Seconds a step's extractors, or a criterion's rules on one prefix, may take (then: `extractor_timeout`)."""
-
-# The trackers' defaults, written once for the async tracker, the sync facade and track()/atrack().
-DEFAULT_REPEATS = 1
-"""Judge calls per criterion and prefix."""
-DEFAULT_MAX_SIDE: int | None = 1024
-"""Images are downscaled so their longer side is at most this many pixels (None: never)."""
-DEFAULT_ALLOW_FILES = True
-"""Whether a step's images may name local files (the daemon turns it off: network events never may)."""
-DEFAULT_CURVE_WINDOW = 100
-"""Results `tracker.curve` keeps (the newest steps); `summary` and `points` cover the whole run whatever its length."""
-
 StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
-
-ProgressCallback = Callable[["Progress"], object]
 
 
 def _step(p: Progress) -> int:
@@ -138,6 +135,95 @@ class _Pending:
     """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that span."""
 
 
+P = ParamSpec("P")
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TrackerArgs(TrackerOptions):
+    """A tracker's keywords: `TrackerOptions`' fields and what a tracker is given besides (never built)."""
+
+    judge: Judge
+    images: Sequence[ImageInput] = ()
+    """The task's images (e.g. the goal), shown to the judge before the steps."""
+    options: ScoringOptions | None = None
+    """Options given whole (a `TrackerOptions`, or a `MonitorConfig`'s scoring settings); keywords given win."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TrackArgs(TrackerOptions):
+    """`track`'s and `atrack`'s keywords: `TrackerOptions`' fields, the judge and each step's images (never built)."""
+
+    judge: Judge
+    images: Iterable[Iterable[ImageInput]] | None = None
+    """`images[i]` are step i's images."""
+    options: ScoringOptions | None = None
+
+
+def _signature(form: Callable[..., object], args: Any) -> inspect.Signature:
+    """`form`'s own positional parameters, then `args`' fields as keywords: the judge first, then the options."""
+    own = [p for p in inspect.signature(form).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    fields = sorted(dataclasses.fields(args), key=lambda f: f.name not in ("judge", "images", "options"))
+    keywords = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=(
+                f.default
+                if f.default is not dataclasses.MISSING
+                else f.default_factory()
+                if f.default_factory is not dataclasses.MISSING
+                else inspect.Parameter.empty
+            ),
+            annotation=f.type,
+        )
+        for f in fields
+    ]
+    return inspect.Signature([*own, *keywords], return_annotation=inspect.signature(form).return_annotation)
+
+
+def _takes(
+    args: Callable[P, object],
+) -> Callable[[Callable[Concatenate[S, str, ...], None]], Callable[Concatenate[S, str, P], None]]:
+    """A tracker's `__init__(self, task, **keywords)` typed and signed with `args`' fields as its keywords.
+
+    The option list is written once, as `TrackerOptions`' fields: mypy reads the keywords from
+    `args`' generated `__init__` (a ParamSpec), `help()` and `inspect` from the generated `__signature__`.
+    """
+
+    def sign(init: Callable[Concatenate[S, str, ...], None]) -> Callable[Concatenate[S, str, P], None]:
+        init.__signature__ = _signature(init, args)  # type: ignore[attr-defined]
+        return init
+
+    return sign
+
+
+def _takes_steps(
+    args: Callable[P, object],
+) -> Callable[
+    [Callable[Concatenate[str, Iterable[StepInput], ...], R]], Callable[Concatenate[str, Iterable[StepInput], P], R]
+]:
+    """`_takes` for `track(task, steps, **keywords)` and `atrack`."""
+
+    def sign(
+        form: Callable[Concatenate[str, Iterable[StepInput], ...], R],
+    ) -> Callable[Concatenate[str, Iterable[StepInput], P], R]:
+        form.__signature__ = _signature(form, args)  # type: ignore[attr-defined]
+        return form
+
+    return sign
+
+
+def _arguments(owner: str, keywords: dict[str, Any]) -> tuple[Judge, Any, TrackerOptions]:
+    """A form's keywords as (judge, images, options); a TypeError names the form for a missing or unknown one."""
+    if "judge" not in keywords:
+        raise TypeError(f"{owner}() missing required keyword argument: 'judge'")
+    judge = keywords.pop("judge")
+    images = keywords.pop("images", None)
+    return judge, images, TrackerOptions.of(owner, keywords.pop("options", None), **keywords)
+
+
 class AsyncProgressTracker:
     """Score one run's growing trajectory with a judge, on the event loop.
 
@@ -169,57 +255,27 @@ class AsyncProgressTracker:
     step was given (`add`, `update` or `submit`), so a trace shows the verdict on the step it judged.
     """
 
-    def __init__(
-        self,
-        task: str,
-        *,
-        judge: Judge,
-        criteria: CriteriaSpec = None,
-        repeats: int = DEFAULT_REPEATS,
-        min_mass: float | None = None,
-        images: Sequence[ImageInput] = (),
-        max_side: int | None = DEFAULT_MAX_SIDE,
-        frame_budget: FrameBudget | None = None,
-        allow_files: bool = DEFAULT_ALLOW_FILES,
-        expected: str | None = None,
-        run_id: str | None = None,
-        on_progress: ProgressCallback | None = None,
-        policy: Policy | Mapping[str, Any] | None = None,
-        on_signal: Callable[[Decision], object] | None = None,
-        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-        calibration: Calibration | None = None,
-        family: str | None = None,
-        prices: Prices | None = None,
-        otel: bool | LoggerProvider = False,
-        curve_window: int = DEFAULT_CURVE_WINDOW,
-    ) -> None:
+    @_takes(_TrackerArgs)
+    def __init__(self, task: str, **keywords: Any) -> None:
+        judge, images, options = _arguments("AsyncProgressTracker", keywords)
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
-        if repeats < 1:
-            raise ValueError(f"repeats={repeats}; use 1 or more")
-        if not extract_budget_s > 0:
-            raise ValueError(
-                f"extract_budget_s={extract_budget_s}; use a number of seconds > 0 (default {DEFAULT_EXTRACT_BUDGET_S})"
-            )
-        if min_mass is not None and not 0.0 <= min_mass <= 1.0:
-            raise ValueError(f"min_mass={min_mass}; use a number in [0, 1], or None for the judge's recommendation")
-        if isinstance(curve_window, bool) or not isinstance(curve_window, int) or curve_window < 1:
-            raise ValueError(
-                f"curve_window={curve_window!r}; use a number of results >= 1 (default {DEFAULT_CURVE_WINDOW})"
-            )
+        o = self.options = options
+        """The options in use (`TrackerOptions`)."""
+        repeats, min_mass, policy, run_id, calibration = o.repeats, o.min_mass, o.policy, o.run_id, o.calibration
         self.task = task
         self.judge = judge
-        self.rubric: Rubric = load_criteria(criteria)
+        self.rubric: Rubric = load_criteria(o.criteria)
         self.repeats = repeats
         self.min_mass: float = recommended_min_mass(judge) if min_mass is None else min_mass
         """The minimum letter mass in use: the one given, else the judge's recommendation."""
-        self.max_side = max_side
-        self.frame_budget = frame_budget or FrameBudget()
-        self.allow_files = allow_files
-        self.expected = expected
-        self.extract_budget_s = extract_budget_s
+        self.max_side = o.max_side
+        self.frame_budget: FrameBudget = o.frame_budget
+        self.allow_files = o.allow_files
+        self.expected = o.expected
+        self.extract_budget_s = o.extract_budget_s
         self.calls_saved = 0
-        self.prices = prices
+        self.prices = o.prices
         self.usage = Usage()
         """The run's judge tokens over every scoring recorded so far (continued across a restart by `restore`)."""
         # The rubric's thresholds fill what the caller's policy leaves open (see policy.resolve).
@@ -227,7 +283,7 @@ class AsyncProgressTracker:
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(
-            family=family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
+            family=o.family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
         )
         """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
         self.policy_state = (
@@ -239,14 +295,14 @@ class AsyncProgressTracker:
             if policy is not None
             else None
         )
-        self.on_signal = on_signal
+        self.on_signal = o.on_signal
         self.on_group: Callable[[Progress], Decision | None] | None = None
         """Set by a `GroupTracker` (or the daemon) for a run in a group: given each in-order result after the run
         policy's decision, it returns the group's prune (an abort with `pruned` set) or None."""
         self.run_id = run_id
-        self.on_progress = on_progress
+        self.on_progress = o.on_progress
         self.steps: list[Step] = []
-        self.curve_window = curve_window
+        self.curve_window = o.curve_window
         self.curve: list[Progress] = []
         """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
         self.summary = CurveSummary()
@@ -257,7 +313,7 @@ class AsyncProgressTracker:
         self._point_scores = array("d")
         self._point_uncertainties = array("d")
         self.latest: Progress | None = None
-        self._task_images = tuple(images)
+        self._task_images = tuple(images or ())
         self._task_frames: tuple[Frame, ...] | None = None
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
@@ -268,13 +324,11 @@ class AsyncProgressTracker:
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
         self._otel: EvaluationEmitter | None = None
-        if otel:
-            if otel is not True and not callable(getattr(otel, "get_logger", None)):
-                raise TypeError(f"otel={otel!r}; use True (the global LoggerProvider) or a LoggerProvider")
+        if o.otel:
             from .otel import EvaluationEmitter
 
             # Built here, not at import: without otel= no OpenTelemetry package is loaded.
-            self._otel = EvaluationEmitter(None if otel is True else otel)
+            self._otel = EvaluationEmitter(None if o.otel is True else o.otel)
         self._contexts: dict[int, Context] = {}
 
     # -- lifecycle: the context owns the background worker used by submit() --
@@ -730,54 +784,11 @@ class ProgressTracker:
     same names, same defaults, same meaning.
     """
 
-    def __init__(
-        self,
-        task: str,
-        *,
-        judge: Judge,
-        criteria: CriteriaSpec = None,
-        repeats: int = DEFAULT_REPEATS,
-        min_mass: float | None = None,
-        images: Sequence[ImageInput] = (),
-        max_side: int | None = DEFAULT_MAX_SIDE,
-        frame_budget: FrameBudget | None = None,
-        allow_files: bool = DEFAULT_ALLOW_FILES,
-        expected: str | None = None,
-        run_id: str | None = None,
-        on_progress: ProgressCallback | None = None,
-        policy: Policy | Mapping[str, Any] | None = None,
-        on_signal: Callable[[Decision], object] | None = None,
-        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-        calibration: Calibration | None = None,
-        family: str | None = None,
-        prices: Prices | None = None,
-        otel: bool | LoggerProvider = False,
-        curve_window: int = DEFAULT_CURVE_WINDOW,
-    ) -> None:
-        # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
+    @_takes(_TrackerArgs)
+    def __init__(self, task: str, **keywords: Any) -> None:
+        judge, images, options = _arguments("ProgressTracker", keywords)
         # Built before any loop starts: a bad option then leaves no thread behind.
-        self._core = AsyncProgressTracker(
-            task,
-            judge=judge,
-            criteria=criteria,
-            repeats=repeats,
-            min_mass=min_mass,
-            images=images,
-            max_side=max_side,
-            frame_budget=frame_budget,
-            allow_files=allow_files,
-            expected=expected,
-            run_id=run_id,
-            on_progress=on_progress,
-            policy=policy,
-            on_signal=on_signal,
-            extract_budget_s=extract_budget_s,
-            calibration=calibration,
-            family=family,
-            prices=prices,
-            otel=otel,
-            curve_window=curve_window,
-        )
+        self._core = AsyncProgressTracker(task, judge=judge, images=images or (), options=options)
         self._own_loop: LoopThread | None = None
         if isinstance(judge, BaseJudge):
             self._portal = judge._portal()
@@ -891,55 +902,14 @@ class ProgressTracker:
         self.close()
 
 
-async def atrack(
-    task: str,
-    steps: Iterable[StepInput],
-    *,
-    judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | None = None,
-    criteria: CriteriaSpec = None,
-    repeats: int = DEFAULT_REPEATS,
-    min_mass: float | None = None,
-    max_side: int | None = DEFAULT_MAX_SIDE,
-    frame_budget: FrameBudget | None = None,
-    allow_files: bool = DEFAULT_ALLOW_FILES,
-    expected: str | None = None,
-    run_id: str | None = None,
-    on_progress: ProgressCallback | None = None,
-    policy: Policy | Mapping[str, Any] | None = None,
-    on_signal: Callable[[Decision], object] | None = None,
-    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-    calibration: Calibration | None = None,
-    family: str | None = None,
-    prices: Prices | None = None,
-    otel: bool | LoggerProvider = False,
-    curve_window: int = DEFAULT_CURVE_WINDOW,
-) -> list[Progress]:
+@_takes_steps(_TrackArgs)
+async def atrack(task: str, steps: Iterable[StepInput], **keywords: Any) -> list[Progress]:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
-    `images[i]` are step i's images; the other options are AsyncProgressTracker's.
+    `images[i]` are step i's images; the other options are AsyncProgressTracker's (`TrackerOptions`).
     """
-    tracker = AsyncProgressTracker(
-        task,
-        judge=judge,
-        criteria=criteria,
-        repeats=repeats,
-        min_mass=min_mass,
-        max_side=max_side,
-        frame_budget=frame_budget,
-        allow_files=allow_files,
-        expected=expected,
-        run_id=run_id,
-        on_progress=on_progress,
-        policy=policy,
-        on_signal=on_signal,
-        extract_budget_s=extract_budget_s,
-        calibration=calibration,
-        family=family,
-        prices=prices,
-        otel=otel,
-        curve_window=curve_window,
-    )
+    judge, images, options = _arguments("atrack", keywords)
+    tracker = AsyncProgressTracker(task, judge=judge, options=options)
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
         await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
@@ -947,56 +917,12 @@ async def atrack(
     return [await tracker.score(n) for n in range(1, len(tracker.steps) + 1)]
 
 
-def track(
-    task: str,
-    steps: Iterable[StepInput],
-    *,
-    judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | None = None,
-    criteria: CriteriaSpec = None,
-    repeats: int = DEFAULT_REPEATS,
-    min_mass: float | None = None,
-    max_side: int | None = DEFAULT_MAX_SIDE,
-    frame_budget: FrameBudget | None = None,
-    allow_files: bool = DEFAULT_ALLOW_FILES,
-    expected: str | None = None,
-    run_id: str | None = None,
-    on_progress: ProgressCallback | None = None,
-    policy: Policy | Mapping[str, Any] | None = None,
-    on_signal: Callable[[Decision], object] | None = None,
-    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-    calibration: Calibration | None = None,
-    family: str | None = None,
-    prices: Prices | None = None,
-    otel: bool | LoggerProvider = False,
-    curve_window: int = DEFAULT_CURVE_WINDOW,
-) -> list[Progress]:
+@_takes_steps(_TrackArgs)
+def track(task: str, steps: Iterable[StepInput], **keywords: Any) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
-    run = partial(
-        atrack,
-        task,
-        steps,
-        judge=judge,
-        images=images,
-        criteria=criteria,
-        repeats=repeats,
-        min_mass=min_mass,
-        max_side=max_side,
-        frame_budget=frame_budget,
-        allow_files=allow_files,
-        expected=expected,
-        run_id=run_id,
-        on_progress=on_progress,
-        policy=policy,
-        on_signal=on_signal,
-        extract_budget_s=extract_budget_s,
-        calibration=calibration,
-        family=family,
-        prices=prices,
-        otel=otel,
-        curve_window=curve_window,
-    )
-    if otel:
+    judge, images, options = _arguments("track", keywords)
+    run = partial(atrack, task, steps, judge=judge, images=images, options=options)
+    if options.otel:
         from .otel import current_context, in_context
 
         # Scored on the judge's loop thread: the caller's spans are taken along explicitly, not left to the portal
