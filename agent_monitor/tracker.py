@@ -135,6 +135,51 @@ class _Pending:
     """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that span."""
 
 
+class _History:
+    """A run's results: the newest `window` in full, every one as a point and folded into a summary."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.curve: list[Progress] = []
+        self.summary = CurveSummary()
+        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
+        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
+        self._steps = array("q")
+        self._scores = array("d")
+        self._uncertainties = array("d")
+
+    def delta(self, p: Progress) -> float | None:
+        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
+        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
+        at = bisect.bisect_left(self._steps, p.step) - 1
+        if at < 0 or p.score is None or math.isnan(self._scores[at]):
+            return None
+        return p.score - self._scores[at]
+
+    def keep(self, p: Progress) -> None:
+        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
+        # After results for the same step (a step scored again): the order a sort of every result would give.
+        at = bisect.bisect_right(self.curve, p.step, key=_step)
+        self.curve.insert(at, p)
+        if len(self.curve) > self.window:
+            del self.curve[0]
+        at = bisect.bisect_right(self._steps, p.step)
+        # As calibration.points reads a result: a failed one has neither score nor uncertainty.
+        score, u = (p.score, p.uncertainty) if p.ok else (None, None)
+        self._steps.insert(at, p.step)
+        self._scores.insert(at, math.nan if score is None else score)
+        self._uncertainties.insert(at, math.nan if u is None else u)
+        self.summary.add(p)
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
+        return tuple(
+            Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
+            for step, s, u in zip(self._steps, self._scores, self._uncertainties, strict=True)
+        )
+
+
 P = ParamSpec("P")
 S = TypeVar("S")
 R = TypeVar("R")
@@ -303,15 +348,11 @@ class AsyncProgressTracker:
         self.on_progress = o.on_progress
         self.steps: list[Step] = []
         self.curve_window = o.curve_window
-        self.curve: list[Progress] = []
+        self._history = _History(o.curve_window)
+        self.curve: list[Progress] = self._history.curve
         """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
-        self.summary = CurveSummary()
+        self.summary: CurveSummary = self._history.summary
         """Every result so far in a few numbers: counts, first and last, best, lowest and mean score."""
-        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
-        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
-        self._point_steps = array("q")
-        self._point_scores = array("d")
-        self._point_uncertainties = array("d")
         self.latest: Progress | None = None
         self._task_images = tuple(images or ())
         self._task_frames: tuple[Frame, ...] | None = None
@@ -483,7 +524,7 @@ class AsyncProgressTracker:
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p), signal=signal)
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._history.delta(p), signal=signal)
         if self.on_group is not None and in_order:
             p = self._group_decision(p)
         if in_order and p.signal is not None and p.signal.changed and self.on_signal is not None:
@@ -491,7 +532,7 @@ class AsyncProgressTracker:
                 self.on_signal(p.signal)
             except Exception:
                 self._log.exception("on_signal_failed", step=p.step)
-        self._keep(p)
+        self._history.keep(p)
         if self.latest is None or p.step >= self.latest.step:
             self.latest = p
         self._scored = max(self._scored, p.step)
@@ -524,36 +565,10 @@ class AsyncProgressTracker:
             self.policy_state.signal, self.policy_state.reason = "abort", d.reason
         return dataclasses.replace(p, signal=d)
 
-    def _delta(self, p: Progress) -> float | None:
-        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
-        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
-        at = bisect.bisect_left(self._point_steps, p.step) - 1
-        if at < 0 or p.score is None or math.isnan(self._point_scores[at]):
-            return None
-        return p.score - self._point_scores[at]
-
-    def _keep(self, p: Progress) -> None:
-        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
-        # After results for the same step (a step scored again): the order a sort of every result would give.
-        at = bisect.bisect_right(self.curve, p.step, key=_step)
-        self.curve.insert(at, p)
-        if len(self.curve) > self.curve_window:
-            del self.curve[0]
-        at = bisect.bisect_right(self._point_steps, p.step)
-        # As calibration.points reads a result: a failed one has neither score nor uncertainty.
-        score, u = (p.score, p.uncertainty) if p.ok else (None, None)
-        self._point_steps.insert(at, p.step)
-        self._point_scores.insert(at, math.nan if score is None else score)
-        self._point_uncertainties.insert(at, math.nan if u is None else u)
-        self.summary.add(p)
-
     @property
     def points(self) -> tuple[Point, ...]:
         """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
-        return tuple(
-            Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
-            for step, s, u in zip(self._point_steps, self._point_scores, self._point_uncertainties, strict=True)
-        )
+        return self._history.points
 
     def _emit_otel(self, p: Progress) -> None:
         """Emit a result's evaluation events in the context its newest step was given in; never raises."""
@@ -607,7 +622,7 @@ class AsyncProgressTracker:
                 else:
                     # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
                     p = dataclasses.replace(p, signal=self.policy_state.observe(p))
-            self._keep(p)
+            self._history.keep(p)
             self.latest = p
             self._scored = max(self._scored, p.step)
 
