@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 import structlog
 
 from ._budget import BudgetExceeded, within
-from ._loop import LoopThread
+from ._sync import Blocking, run_blocking
 from .calibration import Family, Point, Sample, Threshold
 from .criteria import Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
+from .judges.base import Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 
 # The defaults live with the options; re-exported here, where users (and the daemon) found them first.
 from .options import DEFAULT_ALLOW_FILES as DEFAULT_ALLOW_FILES
@@ -804,14 +804,8 @@ class ProgressTracker:
         judge, images, options = _arguments("ProgressTracker", keywords)
         # Built before any loop starts: a bad option then leaves no thread behind.
         self._core = AsyncProgressTracker(task, judge=judge, images=images or (), options=options)
-        self._own_loop: LoopThread | None = None
-        if isinstance(judge, BaseJudge):
-            self._portal = judge._portal()
-        else:
-            self._own_loop = LoopThread("progress-tracker-loop")
-            self._portal = self._own_loop.portal
-        self._cm = self._portal.wrap_async_context_manager(self._core)
-        self._cm.__enter__()
+        self._sync = Blocking(judge, "progress-tracker-loop")
+        self._cm = self._sync.enter(self._core)
         self._closed = False
 
     def update(
@@ -822,7 +816,7 @@ class ProgressTracker:
         # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
         # whatever context the loop thread runs the call in.
         context = self._core._context()
-        return self._portal.call(partial(self._core._update, step, tuple(images), meta, context))
+        return self._sync.call(partial(self._core._update, step, tuple(images), meta, context))
 
     def submit(
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
@@ -830,12 +824,12 @@ class ProgressTracker:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
         context = self._core._context()
-        return self._portal.call(partial(self._core._submit, step, tuple(images), meta, context))
+        return self._sync.call(partial(self._core._submit, step, tuple(images), meta, context))
 
     def drain(self) -> Progress | None:
         """Block until every submitted step is folded into a score; return the latest result."""
         self._check()
-        return self._portal.call(self._core.drain)
+        return self._sync.call(self._core.drain)
 
     def _check(self) -> None:
         if self._closed:
@@ -894,7 +888,7 @@ class ProgressTracker:
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after the last step."""
         self._check()
-        return self._portal.call(self._finish, outcome)
+        return self._sync.call(self._finish, outcome)
 
     async def _finish(self, outcome: object) -> Sample | None:
         # On the tracker's loop: the calibration is shared with other trackers there.
@@ -907,8 +901,7 @@ class ProgressTracker:
             return
         self._closed = True
         self._cm.__exit__(None, None, None)
-        if self._own_loop is not None:
-            self._own_loop.stop()
+        self._sync.close()
 
     def __enter__(self) -> Self:
         return self
@@ -936,15 +929,5 @@ async def atrack(task: str, steps: Iterable[StepInput], **keywords: Any) -> list
 def track(task: str, steps: Iterable[StepInput], **keywords: Any) -> list[Progress]:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     judge, images, options = _arguments("track", keywords)
-    run = partial(atrack, task, steps, judge=judge, images=images, options=options)
-    if options.otel:
-        from .otel import current_context, in_context
-
-        # Scored on the judge's loop thread: the caller's spans are taken along explicitly, not left to the portal
-        # (asyncio's call_soon_threadsafe happens to copy the calling thread's contextvars; another backend may not).
-        run = partial(in_context, current_context(), run)
-    if isinstance(judge, BaseJudge):
-        return judge._portal().call(run)
-    import anyio
-
-    return anyio.run(run)
+    # On the judge's loop thread (or a private one), the caller's context variables (its spans) carried along.
+    return run_blocking(judge, partial(atrack, task, steps, judge=judge, images=images, options=options), "track")
