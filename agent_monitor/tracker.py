@@ -866,6 +866,11 @@ class ProgressTracker:
         return self._core.rubric
 
     @property
+    def options(self) -> TrackerOptions:
+        """The options in use (`TrackerOptions`)."""
+        return self._core.options
+
+    @property
     def min_mass(self) -> float:
         """The minimum letter mass in use: the one given, else the judge's recommendation."""
         return self._core.min_mass

@@ -96,7 +96,7 @@ def test_every_form_checks_values_with_the_options_one_check(form: Any, option: 
 def test_options_given_whole_and_keywords_beside_them_win() -> None:
     careful = TrackerOptions(repeats=3, curve_window=7, run_id="from-options")
     with ProgressTracker("t", judge=FakeJudge(["K"]), options=careful, run_id="given") as tracker:
-        assert tracker._core.options == dataclasses.replace(careful, run_id="given")
+        assert tracker.options == dataclasses.replace(careful, run_id="given")
         p = tracker.update("ran the tests")
         assert p.run_id == "given" and tracker._core.repeats == 3 and tracker._core.curve_window == 7
     with pytest.raises(TypeError, match=r"options=.*use a TrackerOptions"):
