@@ -13,6 +13,7 @@ from .extractors import register_extractor
 from .group_tracker import AsyncGroupTracker, GroupTracker
 from .images import Frame, FrameBudget, ImageError, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse
+from .options import TrackerOptions
 from .policy import Policy, PolicyError
 from .progress import Decision, Prices, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
@@ -98,6 +99,7 @@ __all__ = [
     "Step",
     "Threshold",
     "Tournament",
+    "TrackerOptions",
     "Usage",
     "__version__",
     "aselect",

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from ._sync import run_blocking
 from .criteria import CriteriaSpec, Rubric, load_criteria
 from .judges.base import BaseJudge, JudgeError
+from .options import OPTION_NAMES
 from .progress import Progress
 from .templates import load_template
 
@@ -233,7 +235,10 @@ class _Call:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
             # As Python words it for the function itself: "track() got an unexpected keyword argument 'x'".
-            raise TypeError(f"{fn_name or kind}() {e}") from None
+            hint = ""
+            if kind in ("tracker", "track") and "unexpected keyword" in str(e):
+                hint = f"; its options are TrackerOptions' fields: {', '.join(sorted(OPTION_NAMES))}"
+            raise TypeError(f"{fn_name or kind}() {e}{hint}") from None
         self.arguments = bound.arguments
         self.owned: BaseJudge | None = None
         judge = self.arguments.get("judge")
@@ -313,7 +318,7 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
                     return fn(**call.arguments)  # ours: a coroutine, awaited by the caller
                 # The reference library's synchronous compare: run on the judge's loop, then close the judge.
                 try:
-                    return call.owned._portal().call(functools.partial(fn, **call.arguments))
+                    return run_blocking(call.owned, functools.partial(fn, **call.arguments), "compare")
                 finally:
                     call.close()
 

@@ -226,8 +226,8 @@ class GroupTracker(_Siblings[ProgressTracker]):
         cores = {r: t._core for r, t in self.trackers.items()}
         if not cores:
             return None
-        portal = next(iter(self.trackers.values()))._portal
-        return portal.call(partial(_tournament, self._group, cores, pivots))
+        sync = next(iter(self.trackers.values()))._sync  # the siblings' loop: the judge's, or the first's own
+        return sync.call(partial(_tournament, self._group, cores, pivots))
 
     def close(self) -> None:
         """Close every sibling's tracker."""

@@ -8,12 +8,9 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from .progress import Decision, Progress, Signal
-
-if TYPE_CHECKING:
-    from .calibration import Threshold
 
 AUTO: Literal["auto"] = "auto"
 """`abort_below="auto"`: the threshold comes from calibration on the family's finished runs."""
@@ -25,6 +22,21 @@ DEFAULT_HOLDOUT = 0.1
 
 class PolicyError(ValueError):
     """A policy setting that is unknown or out of range."""
+
+
+class AbortThreshold(Protocol):
+    """What a run's policy reads of a calibrated abort threshold (`calibration.Threshold` is one).
+
+    A protocol, not an import: calibration learns from policies, so it imports this module, never the reverse.
+    """
+
+    @property
+    def value(self) -> float | None:
+        """The threshold (None: the rule aborts nothing)."""
+
+    @property
+    def reason(self) -> str:
+        """Where the threshold comes from, for signals and logs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +201,7 @@ class PolicyState:
     """
 
     def __init__(
-        self, policy: Policy, *, threshold: Callable[[], Threshold] | None = None, held_out: bool = False
+        self, policy: Policy, *, threshold: Callable[[], AbortThreshold] | None = None, held_out: bool = False
     ) -> None:
         self.policy = policy
         self.threshold = threshold

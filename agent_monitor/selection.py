@@ -47,9 +47,10 @@ from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 from ._compat import as_images, as_trajectory, indexed, reference_form
+from ._sync import run_blocking, twin_of
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, ImageInput, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
+from .judges.base import Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 from .progress import Progress, Usage
 from .prompts import INSTRUCTIONS, ImagePart, Prompt, Step, TextPart, fence_inline
 from .scale import LETTERS, CriterionScore, ScoreError, score_samples
@@ -705,34 +706,10 @@ def _majority(
 
 
 @reference_form("select")
-def select(
-    task: str,
-    candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
-    *,
-    judge: Judge,
-    pairwise: bool = True,
-    criteria: CriteriaSpec = None,
-    repeats: int = 1,
-    min_mass: float | None = None,
-    pivots: int = DEFAULT_PIVOTS,
-    rings: int = 1,
-    seed: int = 0,
-    max_chars: int = DEFAULT_PAIR_CHARS,
-    compare_fn: CompareFn[str] | None = None,
-    images: ImageInput | Sequence[ImageInput] = (),
-    majority: bool = True,
-) -> Selection:
+@twin_of(aselect)
+def select(*args: Any, **kwargs: Any) -> Selection:
     """Synchronous `aselect`: pick the best of `candidates` (on the judge's own loop, as `track` runs)."""
-    run = partial(
-        aselect, task, candidates, judge=judge, pairwise=pairwise, criteria=criteria, repeats=repeats,
-        min_mass=min_mass, pivots=pivots, rings=rings, seed=seed, max_chars=max_chars, compare_fn=compare_fn,
-        images=images, majority=majority,
-    )  # fmt: skip
-    if isinstance(judge, BaseJudge):
-        return judge._portal().call(run)
-    import anyio
-
-    return anyio.run(run)
+    return run_blocking(kwargs.get("judge"), partial(aselect, *args, **kwargs), "select")
 
 
 __all__ = [

@@ -6,6 +6,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
 import uuid
@@ -14,49 +15,45 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 import structlog
 
-from ._budget import DEFAULT_BUDGET_S, BudgetExceeded, within
+from ._budget import BudgetExceeded, within
 from ._compat import TrackResult, as_images, as_steps, reference_form
-from ._loop import LoopThread
-from .calibration import Calibration, Family, Point, Sample, Threshold
-from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
+from ._sync import Blocking, run_blocking
+from .calibration import Family, Point, Sample, Threshold
+from .criteria import Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
 from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
-from .policy import Policy, PolicyState, held_out, resolve
-from .progress import Decision, Prices, Progress, Usage, run_totals
+
+# The defaults live with the options; re-exported here, where users (and the daemon) found them first.
+from .options import DEFAULT_ALLOW_FILES as DEFAULT_ALLOW_FILES
+from .options import DEFAULT_CURVE_WINDOW as DEFAULT_CURVE_WINDOW
+from .options import DEFAULT_EXTRACT_BUDGET_S as DEFAULT_EXTRACT_BUDGET_S
+from .options import DEFAULT_MAX_SIDE as DEFAULT_MAX_SIDE
+from .options import DEFAULT_REPEATS as DEFAULT_REPEATS
+from .options import ProgressCallback as ProgressCallback
+from .options import (
+    ScoringOptions,
+    TrackerOptions,
+)
+from .policy import PolicyState, held_out, resolve
+from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from opentelemetry._logs import LoggerProvider
     from opentelemetry.context import Context
 
     from .otel import EvaluationEmitter
 
 log = structlog.get_logger("agent_monitor.tracker")
 
-DEFAULT_EXTRACT_BUDGET_S: float = DEFAULT_BUDGET_S
-"""Seconds a step's extractors, or a criterion's rules on one prefix, may take (then: `extractor_timeout`)."""
-
-# The trackers' defaults, written once for the async tracker, the sync facade and track()/atrack().
-DEFAULT_REPEATS = 1
-"""Judge calls per criterion and prefix."""
-DEFAULT_MAX_SIDE: int | None = 1024
-"""Images are downscaled so their longer side is at most this many pixels (None: never)."""
-DEFAULT_ALLOW_FILES = True
-"""Whether a step's images may name local files (the daemon turns it off: network events never may)."""
-DEFAULT_CURVE_WINDOW = 100
-"""Results `tracker.curve` keeps (the newest steps); `summary` and `points` cover the whole run whatever its length."""
-
 StepInput = str | Mapping[str, Any]
 """A step: its text (action plus observation), or a mapping rendered as `key: value` lines."""
-
-ProgressCallback = Callable[["Progress"], object]
 
 
 def _step(p: Progress) -> int:
@@ -139,6 +136,142 @@ class _Pending:
     """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that span."""
 
 
+class _History:
+    """A run's results: the newest `window` in full, every one as a point and folded into a summary."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.curve: list[Progress] = []
+        self.summary = CurveSummary()
+        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
+        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
+        self._steps = array("q")
+        self._scores = array("d")
+        self._uncertainties = array("d")
+
+    def delta(self, p: Progress) -> float | None:
+        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
+        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
+        at = bisect.bisect_left(self._steps, p.step) - 1
+        if at < 0 or p.score is None or math.isnan(self._scores[at]):
+            return None
+        return p.score - self._scores[at]
+
+    def keep(self, p: Progress) -> None:
+        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
+        # After results for the same step (a step scored again): the order a sort of every result would give.
+        at = bisect.bisect_right(self.curve, p.step, key=_step)
+        self.curve.insert(at, p)
+        if len(self.curve) > self.window:
+            del self.curve[0]
+        at = bisect.bisect_right(self._steps, p.step)
+        # As calibration.points reads a result: a failed one has neither score nor uncertainty.
+        score, u = (p.score, p.uncertainty) if p.ok else (None, None)
+        self._steps.insert(at, p.step)
+        self._scores.insert(at, math.nan if score is None else score)
+        self._uncertainties.insert(at, math.nan if u is None else u)
+        self.summary.add(p)
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
+        return tuple(
+            Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
+            for step, s, u in zip(self._steps, self._scores, self._uncertainties, strict=True)
+        )
+
+
+P = ParamSpec("P")
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TrackerArgs(TrackerOptions):
+    """A tracker's keywords: `TrackerOptions`' fields and what a tracker is given besides (never built)."""
+
+    judge: Judge
+    images: Sequence[ImageInput] = ()
+    """The task's images (e.g. the goal), shown to the judge before the steps."""
+    options: ScoringOptions | None = None
+    """Options given whole (a `TrackerOptions`, or a `MonitorConfig`'s scoring settings); keywords given win."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TrackArgs(TrackerOptions):
+    """`track`'s and `atrack`'s keywords: `TrackerOptions`' fields, the judge and each step's images (never built)."""
+
+    judge: Judge
+    images: Iterable[Iterable[ImageInput]] | ImageInput | None = None
+    """`images[i]` are step i's images (one image or a flat list: the task's, the reference library's form)."""
+    options: ScoringOptions | None = None
+    checkpoints: Sequence[int] | None = None
+    """The 1-based steps to score (default: every step; the reference library's `checkpoint_steps`)."""
+
+
+def _signature(form: Callable[..., object], args: Any) -> inspect.Signature:
+    """`form`'s own positional parameters, then `args`' fields as keywords: the judge first, then the options."""
+    own = [p for p in inspect.signature(form).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    fields = sorted(dataclasses.fields(args), key=lambda f: f.name not in ("judge", "images", "options"))
+    keywords = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=(
+                f.default
+                if f.default is not dataclasses.MISSING
+                else f.default_factory()
+                if f.default_factory is not dataclasses.MISSING
+                else inspect.Parameter.empty
+            ),
+            annotation=f.type,
+        )
+        for f in fields
+    ]
+    return inspect.Signature([*own, *keywords], return_annotation=inspect.signature(form).return_annotation)
+
+
+def _takes(
+    args: Callable[P, object],
+) -> Callable[[Callable[Concatenate[S, str, ...], None]], Callable[Concatenate[S, str, P], None]]:
+    """A tracker's `__init__(self, task, **keywords)` typed and signed with `args`' fields as its keywords.
+
+    The option list is written once, as `TrackerOptions`' fields: mypy reads the keywords from
+    `args`' generated `__init__` (a ParamSpec), `help()` and `inspect` from the generated `__signature__`.
+    """
+
+    def sign(init: Callable[Concatenate[S, str, ...], None]) -> Callable[Concatenate[S, str, P], None]:
+        init.__signature__ = _signature(init, args)  # type: ignore[attr-defined]
+        return init
+
+    return sign
+
+
+def _takes_steps(
+    args: Callable[P, object],
+) -> Callable[
+    [Callable[Concatenate[str, Iterable[StepInput], ...], R]], Callable[Concatenate[str, Iterable[StepInput], P], R]
+]:
+    """`_takes` for `track(task, steps, **keywords)` and `atrack`."""
+
+    def sign(
+        form: Callable[Concatenate[str, Iterable[StepInput], ...], R],
+    ) -> Callable[Concatenate[str, Iterable[StepInput], P], R]:
+        form.__signature__ = _signature(form, args)  # type: ignore[attr-defined]
+        return form
+
+    return sign
+
+
+def _arguments(owner: str, keywords: dict[str, Any]) -> tuple[Judge, Any, TrackerOptions]:
+    """A form's keywords as (judge, images, options); a TypeError names the form for a missing or unknown one."""
+    if "judge" not in keywords:
+        raise TypeError(f"{owner}() missing required keyword argument: 'judge'")
+    judge = keywords.pop("judge")
+    images = keywords.pop("images", None)
+    return judge, images, TrackerOptions.of(owner, keywords.pop("options", None), **keywords)
+
+
 class AsyncProgressTracker:
     """Score one run's growing trajectory with a judge, on the event loop.
 
@@ -170,57 +303,27 @@ class AsyncProgressTracker:
     step was given (`add`, `update` or `submit`), so a trace shows the verdict on the step it judged.
     """
 
-    def __init__(
-        self,
-        task: str,
-        *,
-        judge: Judge,
-        criteria: CriteriaSpec = None,
-        repeats: int = DEFAULT_REPEATS,
-        min_mass: float | None = None,
-        images: Sequence[ImageInput] = (),
-        max_side: int | None = DEFAULT_MAX_SIDE,
-        frame_budget: FrameBudget | None = None,
-        allow_files: bool = DEFAULT_ALLOW_FILES,
-        expected: str | None = None,
-        run_id: str | None = None,
-        on_progress: ProgressCallback | None = None,
-        policy: Policy | Mapping[str, Any] | None = None,
-        on_signal: Callable[[Decision], object] | None = None,
-        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-        calibration: Calibration | None = None,
-        family: str | None = None,
-        prices: Prices | None = None,
-        otel: bool | LoggerProvider = False,
-        curve_window: int = DEFAULT_CURVE_WINDOW,
-    ) -> None:
+    @_takes(_TrackerArgs)
+    def __init__(self, task: str, **keywords: Any) -> None:
+        judge, images, options = _arguments("AsyncProgressTracker", keywords)
         if not task or not task.strip():
             raise ValueError("task is empty; pass the task the agent is working on")
-        if repeats < 1:
-            raise ValueError(f"repeats={repeats}; use 1 or more")
-        if not extract_budget_s > 0:
-            raise ValueError(
-                f"extract_budget_s={extract_budget_s}; use a number of seconds > 0 (default {DEFAULT_EXTRACT_BUDGET_S})"
-            )
-        if min_mass is not None and not 0.0 <= min_mass <= 1.0:
-            raise ValueError(f"min_mass={min_mass}; use a number in [0, 1], or None for the judge's recommendation")
-        if isinstance(curve_window, bool) or not isinstance(curve_window, int) or curve_window < 1:
-            raise ValueError(
-                f"curve_window={curve_window!r}; use a number of results >= 1 (default {DEFAULT_CURVE_WINDOW})"
-            )
+        o = self.options = options
+        """The options in use (`TrackerOptions`)."""
+        repeats, min_mass, policy, run_id, calibration = o.repeats, o.min_mass, o.policy, o.run_id, o.calibration
         self.task = task
         self.judge = judge
-        self.rubric: Rubric = load_criteria(criteria)
+        self.rubric: Rubric = load_criteria(o.criteria)
         self.repeats = repeats
         self.min_mass: float = recommended_min_mass(judge) if min_mass is None else min_mass
         """The minimum letter mass in use: the one given, else the judge's recommendation."""
-        self.max_side = max_side
-        self.frame_budget = frame_budget or FrameBudget()
-        self.allow_files = allow_files
-        self.expected = expected
-        self.extract_budget_s = extract_budget_s
+        self.max_side = o.max_side
+        self.frame_budget: FrameBudget = o.frame_budget
+        self.allow_files = o.allow_files
+        self.expected = o.expected
+        self.extract_budget_s = o.extract_budget_s
         self.calls_saved = 0
-        self.prices = prices
+        self.prices = o.prices
         self.usage = Usage()
         """The run's judge tokens over every scoring recorded so far (continued across a restart by `restore`)."""
         # The rubric's thresholds fill what the caller's policy leaves open (see policy.resolve).
@@ -228,7 +331,7 @@ class AsyncProgressTracker:
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(
-            family=family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
+            family=o.family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
         )
         """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
         self.policy_state = (
@@ -240,23 +343,19 @@ class AsyncProgressTracker:
             if policy is not None
             else None
         )
-        self.on_signal = on_signal
+        self.on_signal = o.on_signal
         self.on_group: Callable[[Progress], Decision | None] | None = None
         """Set by a `GroupTracker` (or the daemon) for a run in a group: given each in-order result after the run
         policy's decision, it returns the group's prune (an abort with `pruned` set) or None."""
         self.run_id = run_id
-        self.on_progress = on_progress
+        self.on_progress = o.on_progress
         self.steps: list[Step] = []
-        self.curve_window = curve_window
-        self.curve: list[Progress] = []
+        self.curve_window = o.curve_window
+        self._history = _History(o.curve_window)
+        self.curve: list[Progress] = self._history.curve
         """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
-        self.summary = CurveSummary()
+        self.summary: CurveSummary = self._history.summary
         """Every result so far in a few numbers: counts, first and last, best, lowest and mean score."""
-        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
-        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
-        self._point_steps = array("q")
-        self._point_scores = array("d")
-        self._point_uncertainties = array("d")
         self.latest: Progress | None = None
         self._task_images = as_images(images)
         self._task_frames: tuple[Frame, ...] | None = None
@@ -269,13 +368,11 @@ class AsyncProgressTracker:
         self._worker: asyncio.Task[None] | None = None
         self._log = log.bind(run_id=run_id) if run_id else log
         self._otel: EvaluationEmitter | None = None
-        if otel:
-            if otel is not True and not callable(getattr(otel, "get_logger", None)):
-                raise TypeError(f"otel={otel!r}; use True (the global LoggerProvider) or a LoggerProvider")
+        if o.otel:
             from .otel import EvaluationEmitter
 
             # Built here, not at import: without otel= no OpenTelemetry package is loaded.
-            self._otel = EvaluationEmitter(None if otel is True else otel)
+            self._otel = EvaluationEmitter(None if o.otel is True else o.otel)
         self._contexts: dict[int, Context] = {}
 
     # -- lifecycle: the context owns the background worker used by submit() --
@@ -432,7 +529,7 @@ class AsyncProgressTracker:
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._delta(p), signal=signal)
+        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._history.delta(p), signal=signal)
         if self.on_group is not None and in_order:
             p = self._group_decision(p)
         if in_order and p.signal is not None and p.signal.changed and self.on_signal is not None:
@@ -440,7 +537,7 @@ class AsyncProgressTracker:
                 self.on_signal(p.signal)
             except Exception:
                 self._log.exception("on_signal_failed", step=p.step)
-        self._keep(p)
+        self._history.keep(p)
         if self.latest is None or p.step >= self.latest.step:
             self.latest = p
         self._scored = max(self._scored, p.step)
@@ -473,36 +570,10 @@ class AsyncProgressTracker:
             self.policy_state.signal, self.policy_state.reason = "abort", d.reason
         return dataclasses.replace(p, signal=d)
 
-    def _delta(self, p: Progress) -> float | None:
-        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
-        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
-        at = bisect.bisect_left(self._point_steps, p.step) - 1
-        if at < 0 or p.score is None or math.isnan(self._point_scores[at]):
-            return None
-        return p.score - self._point_scores[at]
-
-    def _keep(self, p: Progress) -> None:
-        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
-        # After results for the same step (a step scored again): the order a sort of every result would give.
-        at = bisect.bisect_right(self.curve, p.step, key=_step)
-        self.curve.insert(at, p)
-        if len(self.curve) > self.curve_window:
-            del self.curve[0]
-        at = bisect.bisect_right(self._point_steps, p.step)
-        # As calibration.points reads a result: a failed one has neither score nor uncertainty.
-        score, u = (p.score, p.uncertainty) if p.ok else (None, None)
-        self._point_steps.insert(at, p.step)
-        self._point_scores.insert(at, math.nan if score is None else score)
-        self._point_uncertainties.insert(at, math.nan if u is None else u)
-        self.summary.add(p)
-
     @property
     def points(self) -> tuple[Point, ...]:
         """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
-        return tuple(
-            Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
-            for step, s, u in zip(self._point_steps, self._point_scores, self._point_uncertainties, strict=True)
-        )
+        return self._history.points
 
     def _emit_otel(self, p: Progress) -> None:
         """Emit a result's evaluation events in the context its newest step was given in; never raises."""
@@ -556,7 +627,7 @@ class AsyncProgressTracker:
                 else:
                     # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
                     p = dataclasses.replace(p, signal=self.policy_state.observe(p))
-            self._keep(p)
+            self._history.keep(p)
             self.latest = p
             self._scored = max(self._scored, p.step)
 
@@ -736,62 +807,13 @@ class ProgressTracker:
     _owned_judge: BaseJudge | None = None
 
     @reference_form("tracker")
-    def __init__(
-        self,
-        task: str,
-        *,
-        judge: Judge,
-        criteria: CriteriaSpec = None,
-        repeats: int = DEFAULT_REPEATS,
-        min_mass: float | None = None,
-        images: Sequence[ImageInput] = (),
-        max_side: int | None = DEFAULT_MAX_SIDE,
-        frame_budget: FrameBudget | None = None,
-        allow_files: bool = DEFAULT_ALLOW_FILES,
-        expected: str | None = None,
-        run_id: str | None = None,
-        on_progress: ProgressCallback | None = None,
-        policy: Policy | Mapping[str, Any] | None = None,
-        on_signal: Callable[[Decision], object] | None = None,
-        extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-        calibration: Calibration | None = None,
-        family: str | None = None,
-        prices: Prices | None = None,
-        otel: bool | LoggerProvider = False,
-        curve_window: int = DEFAULT_CURVE_WINDOW,
-    ) -> None:
-        # The options are AsyncProgressTracker's, spelled out so help(), IDEs and a typo's TypeError name this class.
+    @_takes(_TrackerArgs)
+    def __init__(self, task: str, **keywords: Any) -> None:
+        judge, images, options = _arguments("ProgressTracker", keywords)
         # Built before any loop starts: a bad option then leaves no thread behind.
-        self._core = AsyncProgressTracker(
-            task,
-            judge=judge,
-            criteria=criteria,
-            repeats=repeats,
-            min_mass=min_mass,
-            images=images,
-            max_side=max_side,
-            frame_budget=frame_budget,
-            allow_files=allow_files,
-            expected=expected,
-            run_id=run_id,
-            on_progress=on_progress,
-            policy=policy,
-            on_signal=on_signal,
-            extract_budget_s=extract_budget_s,
-            calibration=calibration,
-            family=family,
-            prices=prices,
-            otel=otel,
-            curve_window=curve_window,
-        )
-        self._own_loop: LoopThread | None = None
-        if isinstance(judge, BaseJudge):
-            self._portal = judge._portal()
-        else:
-            self._own_loop = LoopThread("progress-tracker-loop")
-            self._portal = self._own_loop.portal
-        self._cm = self._portal.wrap_async_context_manager(self._core)
-        self._cm.__enter__()
+        self._core = AsyncProgressTracker(task, judge=judge, images=images or (), options=options)
+        self._sync = Blocking(judge, "progress-tracker-loop")
+        self._cm = self._sync.enter(self._core)
         self._closed = False
 
     def update(
@@ -802,7 +824,7 @@ class ProgressTracker:
         # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
         # whatever context the loop thread runs the call in.
         context = self._core._context()
-        return self._portal.call(partial(self._core._update, step, as_images(images), meta, context))
+        return self._sync.call(partial(self._core._update, step, as_images(images), meta, context))
 
     def submit(
         self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
@@ -810,12 +832,12 @@ class ProgressTracker:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
         context = self._core._context()
-        return self._portal.call(partial(self._core._submit, step, as_images(images), meta, context))
+        return self._sync.call(partial(self._core._submit, step, as_images(images), meta, context))
 
     def drain(self) -> Progress | None:
         """Block until every submitted step is folded into a score; return the latest result."""
         self._check()
-        return self._portal.call(self._core.drain)
+        return self._sync.call(self._core.drain)
 
     def _check(self) -> None:
         if self._closed:
@@ -852,6 +874,11 @@ class ProgressTracker:
         return self._core.rubric
 
     @property
+    def options(self) -> TrackerOptions:
+        """The options in use (`TrackerOptions`)."""
+        return self._core.options
+
+    @property
     def min_mass(self) -> float:
         """The minimum letter mass in use: the one given, else the judge's recommendation."""
         return self._core.min_mass
@@ -874,7 +901,7 @@ class ProgressTracker:
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after the last step."""
         self._check()
-        return self._portal.call(self._finish, outcome)
+        return self._sync.call(self._finish, outcome)
 
     async def _finish(self, outcome: object) -> Sample | None:
         # On the tracker's loop: the calibration is shared with other trackers there.
@@ -887,8 +914,7 @@ class ProgressTracker:
             return
         self._closed = True
         self._cm.__exit__(None, None, None)
-        if self._own_loop is not None:
-            self._own_loop.stop()
+        self._sync.close()
         if self._owned_judge is not None:
             self._owned_judge.close()  # built from the environment for this tracker (the reference library's form)
 
@@ -899,67 +925,25 @@ class ProgressTracker:
         self.close()
 
 
-async def atrack(
-    task: str,
-    steps: Iterable[StepInput],
-    *,
-    judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | ImageInput | None = None,
-    criteria: CriteriaSpec = None,
-    repeats: int = DEFAULT_REPEATS,
-    min_mass: float | None = None,
-    max_side: int | None = DEFAULT_MAX_SIDE,
-    frame_budget: FrameBudget | None = None,
-    allow_files: bool = DEFAULT_ALLOW_FILES,
-    expected: str | None = None,
-    run_id: str | None = None,
-    on_progress: ProgressCallback | None = None,
-    policy: Policy | Mapping[str, Any] | None = None,
-    on_signal: Callable[[Decision], object] | None = None,
-    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-    calibration: Calibration | None = None,
-    family: str | None = None,
-    prices: Prices | None = None,
-    otel: bool | LoggerProvider = False,
-    curve_window: int = DEFAULT_CURVE_WINDOW,
-    checkpoints: Sequence[int] | None = None,
-) -> TrackResult:
+@_takes_steps(_TrackArgs)
+async def atrack(task: str, steps: Iterable[StepInput], **keywords: Any) -> TrackResult:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
     `images[i]` are step i's images (one image or a flat list of them: the task's, seen at every step,
     as the reference library's `images=`); `checkpoints` the 1-based steps to score (default: every
-    step); the other options are AsyncProgressTracker's.
+    step); the other options are AsyncProgressTracker's (`TrackerOptions`).
     """
+    checkpoints = keywords.pop("checkpoints", None)
+    judge, images, options = _arguments("atrack", keywords)
     steps = as_steps(steps)
     task_images, images = _task_images(images)
-    tracker = AsyncProgressTracker(
-        task,
-        judge=judge,
-        criteria=criteria,
-        repeats=repeats,
-        min_mass=min_mass,
-        images=task_images,
-        max_side=max_side,
-        frame_budget=frame_budget,
-        allow_files=allow_files,
-        expected=expected,
-        run_id=run_id,
-        on_progress=on_progress,
-        policy=policy,
-        on_signal=on_signal,
-        extract_budget_s=extract_budget_s,
-        calibration=calibration,
-        family=family,
-        prices=prices,
-        otel=otel,
-        curve_window=curve_window,
-    )
+    tracker = AsyncProgressTracker(task, judge=judge, images=task_images, options=options)
     frames = list(images) if images is not None else None
     for i, s in enumerate(steps):
         await tracker.add(s, images=frames[i] if frames is not None and i < len(frames) else ())
     # One prefix at a time: a prefix cache (llama.cpp, vLLM) then reads each step once.
     scored = [await tracker.score(n) for n in _checkpoints(checkpoints, len(tracker.steps))]
-    return TrackResult(scored, repeats, tracker.rubric)
+    return TrackResult(scored, tracker.repeats, tracker.rubric)
 
 
 def _task_images(
@@ -984,65 +968,11 @@ def _checkpoints(checkpoints: Sequence[int] | None, n: int) -> list[int]:
 
 
 @reference_form("track")
-def track(
-    task: str,
-    steps: Iterable[StepInput],
-    *,
-    judge: Judge,
-    images: Iterable[Iterable[ImageInput]] | ImageInput | None = None,
-    criteria: CriteriaSpec = None,
-    repeats: int = DEFAULT_REPEATS,
-    min_mass: float | None = None,
-    max_side: int | None = DEFAULT_MAX_SIDE,
-    frame_budget: FrameBudget | None = None,
-    allow_files: bool = DEFAULT_ALLOW_FILES,
-    expected: str | None = None,
-    run_id: str | None = None,
-    on_progress: ProgressCallback | None = None,
-    policy: Policy | Mapping[str, Any] | None = None,
-    on_signal: Callable[[Decision], object] | None = None,
-    extract_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
-    calibration: Calibration | None = None,
-    family: str | None = None,
-    prices: Prices | None = None,
-    otel: bool | LoggerProvider = False,
-    curve_window: int = DEFAULT_CURVE_WINDOW,
-    checkpoints: Sequence[int] | None = None,
-) -> TrackResult:
+@_takes_steps(_TrackArgs)
+def track(task: str, steps: Iterable[StepInput], **keywords: Any) -> TrackResult:
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
-    run = partial(
-        atrack,
-        task,
-        steps,
-        judge=judge,
-        images=images,
-        criteria=criteria,
-        repeats=repeats,
-        min_mass=min_mass,
-        max_side=max_side,
-        frame_budget=frame_budget,
-        allow_files=allow_files,
-        expected=expected,
-        run_id=run_id,
-        on_progress=on_progress,
-        policy=policy,
-        on_signal=on_signal,
-        extract_budget_s=extract_budget_s,
-        calibration=calibration,
-        family=family,
-        prices=prices,
-        otel=otel,
-        curve_window=curve_window,
-        checkpoints=checkpoints,
-    )
-    if otel:
-        from .otel import current_context, in_context
-
-        # Scored on the judge's loop thread: the caller's spans are taken along explicitly, not left to the portal
-        # (asyncio's call_soon_threadsafe happens to copy the calling thread's contextvars; another backend may not).
-        run = partial(in_context, current_context(), run)
-    if isinstance(judge, BaseJudge):
-        return judge._portal().call(run)
-    import anyio
-
-    return anyio.run(run)
+    checkpoints = keywords.pop("checkpoints", None)
+    judge, images, options = _arguments("track", keywords)
+    # On the judge's loop thread (or a private one), the caller's context variables (its spans) carried along.
+    run = partial(atrack, task, steps, judge=judge, images=images, options=options, checkpoints=checkpoints)
+    return run_blocking(judge, run, "track")

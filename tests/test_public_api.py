@@ -23,7 +23,7 @@ PUBLIC = {
         "CriterionScore", "Decision", "Family", "Frame", "FrameBudget", "GeminiJudge", "GroupTracker", "ImageError", "Judge", "JudgeError", "JudgeRequest", "JudgeResponse", "LETTERS",
         "LetterDistribution", "LlamaCppJudge", "Monitor", "MonitorClient", "MonitorConfig", "OpenAIJudge", "Policy",
         "PolicyError", "Prices", "Progress", "ProgressTracker", "Prompt", "Rubric", "RuleInput", "RuleScore", "ScoreError", "Selection",
-        "Signal", "Step", "Threshold", "Tournament", "Usage", "__version__", "aselect", "atrack", "build_prompt", "bundled_criteria", "compare", "distribution",
+        "Signal", "Step", "Threshold", "Tournament", "TrackerOptions", "Usage", "__version__", "aselect", "atrack", "build_prompt", "bundled_criteria", "compare", "distribution",
         "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "select", "tournament", "track",
     ],
     "agent_monitor.wire": [
@@ -48,6 +48,10 @@ PUBLIC = {
         "MCQExtractor", "MCQMatchVerifier", "NumberExtractor", "NumericToleranceVerifier", "OpenAIVerifier",
         "RegexExtractor", "StripExtractor", "StripReasoningExtractor", "VERIFIER_REGISTRY", "VerificationPipeline",
         "Verifier", "VerifyResult", "build_verification_pipeline",
+    ],
+    "agent_monitor.options": [
+        "DEFAULT_ALLOW_FILES", "DEFAULT_CURVE_WINDOW", "DEFAULT_EXTRACT_BUDGET_S", "DEFAULT_MAX_SIDE", "DEFAULT_REPEATS",
+        "OPTION_NAMES", "ProgressCallback", "ScoringOptions", "TrackerOptions",
     ],
     "agent_monitor.cli": ["main"],
 }  # fmt: skip

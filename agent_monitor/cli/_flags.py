@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -62,16 +64,32 @@ def _default(f: dataclasses.Field[Any]) -> Any:
     raise TypeError(f"field {f.name} has no default; flags need one")
 
 
+def _hint(cls: type, f: dataclasses.Field[Any]) -> Any:
+    """A field's type as its flag reads it: metadata `flag_type` where given, else its annotation.
+
+    Resolved field by field in the module of the class that declares it: a settings class may
+    inherit fields (MonitorConfig's scoring settings are `ScoringOptions`'), and a field whose
+    type no flag can take (a rubric, in Python, may be a mapping) says with `flag_type` what its
+    flag takes.
+    """
+    if "flag_type" in f.metadata:
+        return f.metadata["flag_type"]
+    if not isinstance(f.type, str):
+        return f.type
+    owner = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))
+    # The annotation is our own source text (from __future__ annotations), not input: evaluating it is safe.
+    return eval(f.type, vars(sys.modules[owner.__module__]))
+
+
 def _leaves(cls: type, default: Any, path: tuple[str, ...]) -> list[tuple[str | None, list[_Leaf]]]:
     """(group title, leaves) for `cls`: its own scalar fields first, then one group per nested dataclass."""
-    hints = typing.get_type_hints(cls)
     own: list[_Leaf] = []
     groups: list[tuple[str | None, list[_Leaf]]] = []
     for f in dataclasses.fields(cls):
         if f.metadata.get("cli") is False:
             continue
         value = getattr(default, f.name)
-        hint = hints[f.name]
+        hint = _hint(cls, f)
         if dataclasses.is_dataclass(hint):
             for _, leaves in _leaves(hint, value, (*path, f.name)):  # type: ignore[arg-type]
                 groups.append((f.metadata.get("help") or f.name, leaves))
@@ -308,7 +326,6 @@ def build(cls: type[D], args: argparse.Namespace, *, default: D | None = None, *
 
 
 def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...], fixed: dict[str, Any]) -> Any:
-    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if not path and f.name in fixed:
@@ -316,7 +333,7 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
             continue
         if f.metadata.get("cli") is False:
             continue
-        hint = hints[f.name]
+        hint = _hint(cls, f)
         current = getattr(base, f.name)
         if dataclasses.is_dataclass(hint):
             values[f.name] = _build(hint, current, args, (*path, f.name), {})  # type: ignore[arg-type]

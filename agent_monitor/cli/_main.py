@@ -23,6 +23,7 @@ from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, Proxy
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
+from ..options import ScoringOptions
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
@@ -210,7 +211,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     score.add_argument(
         "--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)"
     )
-    add_flags(score, MonitorConfig, environ, only=["min_mass"], title="scoring")
+    add_flags(score, ScoringOptions, environ, only=["min_mass"], title="scoring")
     score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
 
     serve = _command(
@@ -245,7 +246,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
-    add_flags(ev, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
+    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
     ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
     add_flags(
         ev,
@@ -305,7 +306,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     sel.add_argument("path", help="a folder of recorded runs (.json, ATIF or plain)")
     add_flags(sel, JudgeOptions, environ, title="judge")
     sel.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
-    add_flags(sel, MonitorConfig, environ, only=["min_mass", "repeats"], title="scoring")
+    add_flags(sel, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
     sel.add_argument("--max-steps", type=int, metavar="N", help="judge at most this many steps per run (default: all)")
     _group_flags(sel)
     pair = sel.add_argument_group("pairwise (pivot tournament)")
@@ -402,7 +403,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
     )
     # Not the environment's: an AGENT_MONITOR_MIN_MASS set for serve's real judge would fail the tiny one here.
-    add_flags(demo, MonitorConfig, {}, only=["min_mass"], title="scoring")
+    add_flags(demo, ScoringOptions, {}, only=["min_mass"], title="scoring")
     add_flags(demo, JudgeOptions, environ, title="a real judge instead of the packaged tiny one")
 
     runs = _command(sub, "runs", "list live and recent runs from the run store")

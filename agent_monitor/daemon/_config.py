@@ -15,11 +15,9 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from ..calibration import DEFAULT_SUCCESS_AT
-from ..images import FrameBudget
+from ..options import ScoringOptions
 from ..policy import Policy
 from ..progress import Prices
-from ..scale import DEFAULT_MIN_MASS
-from ..tracker import DEFAULT_EXTRACT_BUDGET_S, DEFAULT_REPEATS
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
 from ._state import RunLimits
 
@@ -334,8 +332,12 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
-class MonitorConfig:
-    """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`."""
+class MonitorConfig(ScoringOptions):
+    """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`.
+
+    The scoring settings every run's tracker gets (repeats, min_mass, criteria, frame_budget,
+    extract_budget_s) are `ScoringOptions`' fields, inherited: written once, for the trackers too.
+    """
 
     broker: BrokerSettings | None = field(
         default=None,
@@ -361,21 +363,6 @@ class MonitorConfig:
     )
     max_concurrency: int = field(
         default=8, metadata={"help": "judge calls in flight at once, shared by all runs (scorer tasks)"}
-    )
-    repeats: int = field(default=DEFAULT_REPEATS, metadata={"help": "judge repeats per criterion"})
-    min_mass: float | None = field(
-        default=None,
-        metadata={
-            "help": "minimum probability mass on scale letters for an answer to count; none: the judge's "
-            f"recommendation (the packaged tiny local models recommend a low one), else {DEFAULT_MIN_MASS}"
-        },
-    )
-    criteria: str | None = field(
-        default=None,
-        metadata={
-            "help": "default rubric for runs whose start names none: a bundled name or a rubric file (.md, .json, "
-            ".yaml) read at start-up; none: the bundled progress rubric"
-        },
     )
     policy: Policy = field(
         default_factory=Policy,
@@ -427,15 +414,6 @@ class MonitorConfig:
         default=False,
         metadata={"help": "on start, score restored runs afresh instead of keeping their stored scores (a new judge)"},
     )
-    frame_budget: FrameBudget = field(default_factory=FrameBudget, metadata={"cli": False})
-    extract_budget_s: float = field(
-        default=DEFAULT_EXTRACT_BUDGET_S,
-        metadata={
-            "flag": "--extract-budget",
-            "help": "seconds a step's extractors, or a criterion's rules on one prefix, may take before that step "
-            "or score reports extractor_timeout (patterns come from the network and may backtrack for ever)",
-        },
-    )
     outbox_size: int = field(
         default=10_000, metadata={"help": "messages waiting for the broker; past it the oldest progress is dropped"}
     )
@@ -476,6 +454,7 @@ class MonitorConfig:
     )
 
     def __post_init__(self) -> None:
+        ScoringOptions.__post_init__(self)  # (zero-argument super() fails in slotted dataclasses before 3.14)
         Topics(self.prefix)  # raises TopicError (a ValueError) for a prefix that is not a topic
         if self.cluster.url is not None and self.protocol == "3.1.1":
             raise ValueError(
@@ -484,16 +463,12 @@ class MonitorConfig:
             )
         if not 1 <= self.receive_window <= 65_535:
             raise ValueError(f"receive_window={self.receive_window}; MQTT allows 1..65535")
-        for name in ("max_concurrency", "repeats", "outbox_size", "circuit_threshold"):
+        for name in ("max_concurrency", "outbox_size", "circuit_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; use 1 or more")
         for name in ("session_expiry_s", "max_payload_bytes", "max_image_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}; use 0 or more")
-        if self.min_mass is not None and not 0.0 <= self.min_mass <= 1.0:
-            raise ValueError(
-                f"min_mass={self.min_mass}; use a number in [0, 1], or none for the judge's recommendation"
-            )
         if self.sweep_interval_s <= 0 or self.circuit_cooldown_s <= 0 or self.retention_s < 0:
             raise ValueError("sweep_interval_s and circuit_cooldown_s must be > 0, retention_s >= 0")
         if not (isinstance(self.calibration_success_at, (int, float)) and math.isfinite(self.calibration_success_at)):
@@ -504,8 +479,6 @@ class MonitorConfig:
         unknown = sorted(set(self.policy_given) - {f.name for f in dataclasses.fields(Policy)})
         if unknown:
             raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")
-        if not self.extract_budget_s > 0:
-            raise ValueError(f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0")
         if self.otlp_endpoint is not None:
             url = urlsplit(self.otlp_endpoint)
             if url.scheme not in ("http", "https") or not url.hostname:

@@ -721,17 +721,14 @@ class Monitor:
         tracker = AsyncProgressTracker(
             start.task,
             judge=self.circuit,
+            options=c,  # the config's scoring settings (ScoringOptions' fields), passed on whole
             criteria=rubric,
-            repeats=c.repeats,
-            min_mass=c.min_mass,
             images=[i.decoded() for i in start.images],
-            frame_budget=c.frame_budget,
             allow_files=False,  # network events never name local files
             expected=start.expected,
             run_id=run_id,
             # Every setting named: resolved above, so the tracker must not fill any from the rubric again.
             policy=settings,
-            extract_budget_s=c.extract_budget_s,
             calibration=self.calibration,
             family=start.family,
             prices=self.prices,

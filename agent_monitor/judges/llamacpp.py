@@ -182,9 +182,8 @@ class LlamaCppJudge(BaseJudge):
         self.chat_template: str | None = None
         """The chat template in use, once loaded (None: plain-text prompts)."""
         self._llm: Any = None
-        self._formatter: Any = None
+        self._text: _PromptTokens | None = None  # how prompts become tokens, made with the model
         self._letter_ids: dict[int, str] = {}
-        self._bos: int | None = None
         self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
         self._active: str | None = None  # the run key whose prefix the context holds
         self._kept: OrderedDict[str | None, _Kept] = OrderedDict()  # other runs' saved states, oldest use first
@@ -286,24 +285,12 @@ class LlamaCppJudge(BaseJudge):
         # Note: verbose=False makes llama-cpp-python point file descriptors 1 and 2
         # at /dev/null while the model loads, which silences every thread briefly.
         llm = _new_llama(self.model_path, kwargs, repack=self.repack)
-        template = llm.metadata.get("tokenizer.chat_template")
-        if self.chat and not template:
+        try:
+            self._text = _PromptTokens(llm, self.chat)
+        except ValueError:
             llm.close()
-            raise ValueError("chat=True but the model has no chat template; use chat=False or None")
-        if template and self.chat is not False:
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-            self._formatter = Jinja2ChatFormatter(
-                template=template,
-                eos_token=_piece(llm, llm.token_eos()),
-                bos_token=_piece(llm, llm.token_bos()),
-                add_generation_prompt=True,
-            )
-            self.chat_template = template
-        import llama_cpp
-
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        self._bos = llm.token_bos() if llama_cpp.llama_vocab_get_add_bos(vocab) and llm.token_bos() >= 0 else None
+            raise
+        self.chat_template = self._text.template
         self._letter_ids = _letter_ids(llm)
         if not self._letter_ids:
             llm.close()
@@ -346,45 +333,8 @@ class LlamaCppJudge(BaseJudge):
         )
 
     def _tokens(self, prompt: Prompt) -> list[int]:
-        llm = self._llm
-        if self._formatter is None:
-            return list(llm.tokenize(prompt.text().encode("utf-8"), add_bos=True, special=False))
-        user = "".join(p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts)
-        pieces = self._render(prompt.instructions.strip(), user.strip())
-        tokens: list[int] = []
-        for text, is_markup in pieces:
-            # Markup may hold control tokens (<|im_start|>); the trajectory is plain text,
-            # so an agent that prints a control token's spelling cannot open a turn.
-            tokens.extend(llm.tokenize(text.encode("utf-8"), add_bos=False, special=is_markup))
-        if self._bos is not None and (not tokens or tokens[0] != self._bos):
-            tokens.insert(0, self._bos)
-        return tokens
-
-    def _render(self, system: str, user: str) -> list[tuple[str, bool]]:
-        """The chat prompt as (text, is_markup) pieces, the assistant turn left open."""
-        try:
-            rendered = self._formatter(
-                messages=[{"role": "system", "content": _SYSTEM_MARK}, {"role": "user", "content": _USER_MARK}]
-            ).prompt
-            texts = {_SYSTEM_MARK: system, _USER_MARK: user}
-        except Exception:
-            # Some templates refuse a system turn (raise_exception); fold the instructions into the user turn.
-            try:
-                rendered = self._formatter(messages=[{"role": "user", "content": _USER_MARK}]).prompt
-            except Exception as e:
-                raise JudgeError("chat_template", f"the model's chat template failed: {e}; use chat=False") from e
-            texts = {_USER_MARK: system + "\n\n" + user}
-        if any(rendered.count(mark) != 1 for mark in texts):
-            raise JudgeError(
-                "chat_template", "the model's chat template drops or repeats message content; use chat=False"
-            )
-        pieces: list[tuple[str, bool]] = []
-        rest = rendered
-        for mark in sorted(texts, key=rendered.index):
-            head, rest = rest.split(mark, 1)
-            pieces += [(head, True), (texts[mark], False)]
-        pieces.append((rest, True))
-        return [(t, markup) for t, markup in pieces if t]
+        assert self._text is not None  # set with the model, under the lock
+        return self._text.tokens(self._llm, prompt)
 
     def _eval_suffix(self, llm: Any, tokens: list[int]) -> tuple[int, Any]:
         """Evaluate `tokens` reusing the cached common prefix; return the reused length and the last logits."""
@@ -520,6 +470,74 @@ class _Kept:
     def nbytes(self) -> int:
         """What keeping it costs in memory."""
         return len(self.state) + (0 if self.logits is None else int(self.logits.nbytes))
+
+
+class _PromptTokens:
+    """How a prompt becomes the token ids the model evaluates: its chat template when it has one, else plain text."""
+
+    def __init__(self, llm: Any, chat: bool | None) -> None:
+        """Read the model's template and BOS rule; ValueError when `chat=True` finds no template."""
+        template = llm.metadata.get("tokenizer.chat_template")
+        if chat and not template:
+            raise ValueError("chat=True but the model has no chat template; use chat=False or None")
+        self.template: str | None = None
+        """The chat template in use (None: plain-text prompts)."""
+        self.formatter: Any = None
+        if template and chat is not False:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            self.formatter = Jinja2ChatFormatter(
+                template=template,
+                eos_token=_piece(llm, llm.token_eos()),
+                bos_token=_piece(llm, llm.token_bos()),
+                add_generation_prompt=True,
+            )
+            self.template = template
+        import llama_cpp
+
+        vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self.bos = llm.token_bos() if llama_cpp.llama_vocab_get_add_bos(vocab) and llm.token_bos() >= 0 else None
+
+    def tokens(self, llm: Any, prompt: Prompt) -> list[int]:
+        """The token ids of `prompt` for `llm`."""
+        if self.formatter is None:
+            return list(llm.tokenize(prompt.text().encode("utf-8"), add_bos=True, special=False))
+        user = "".join(p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts)
+        pieces = self.render(prompt.instructions.strip(), user.strip())
+        tokens: list[int] = []
+        for text, is_markup in pieces:
+            # Markup may hold control tokens (<|im_start|>); the trajectory is plain text,
+            # so an agent that prints a control token's spelling cannot open a turn.
+            tokens.extend(llm.tokenize(text.encode("utf-8"), add_bos=False, special=is_markup))
+        if self.bos is not None and (not tokens or tokens[0] != self.bos):
+            tokens.insert(0, self.bos)
+        return tokens
+
+    def render(self, system: str, user: str) -> list[tuple[str, bool]]:
+        """The chat prompt as (text, is_markup) pieces, the assistant turn left open."""
+        try:
+            rendered = self.formatter(
+                messages=[{"role": "system", "content": _SYSTEM_MARK}, {"role": "user", "content": _USER_MARK}]
+            ).prompt
+            texts = {_SYSTEM_MARK: system, _USER_MARK: user}
+        except Exception:
+            # Some templates refuse a system turn (raise_exception); fold the instructions into the user turn.
+            try:
+                rendered = self.formatter(messages=[{"role": "user", "content": _USER_MARK}]).prompt
+            except Exception as e:
+                raise JudgeError("chat_template", f"the model's chat template failed: {e}; use chat=False") from e
+            texts = {_USER_MARK: system + "\n\n" + user}
+        if any(rendered.count(mark) != 1 for mark in texts):
+            raise JudgeError(
+                "chat_template", "the model's chat template drops or repeats message content; use chat=False"
+            )
+        pieces: list[tuple[str, bool]] = []
+        rest = rendered
+        for mark in sorted(texts, key=rendered.index):
+            head, rest = rest.split(mark, 1)
+            pieces += [(head, True), (texts[mark], False)]
+        pieces.append((rest, True))
+        return [(t, markup) for t, markup in pieces if t]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

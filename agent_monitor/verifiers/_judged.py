@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
-from ..judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, recommended_min_mass
+from .._sync import run_blocking
+from ..judges.base import Judge, JudgeError, JudgeRequest, recommended_min_mass
 from ..prompts import Prompt, TextPart, fence, fence_inline
 from ..scale import LETTERS, ScoreError, score_samples
 from .base import Verifier, VerifyResult
@@ -97,12 +99,7 @@ class JudgedVerifier(Verifier):
         try:
             judge = self.judge
             request = JudgeRequest(prompt=self.prompt(str(question), str(prediction), str(ground_truth)))
-            if isinstance(judge, BaseJudge):
-                response = judge._portal().call(judge.grade, request)
-            else:
-                import anyio
-
-                response = anyio.run(judge.grade, request)
+            response = run_blocking(judge, functools.partial(judge.grade, request), "verify")
             min_mass = recommended_min_mass(judge) if self.min_mass is None else self.min_mass
             cs = score_samples("correct", 1.0, response.samples, repeats=1, min_mass=min_mass, draws=response.draws)
         except (JudgeError, ScoreError) as e:
