@@ -22,8 +22,8 @@ from agent_monitor import (
     atrack,
     track,
 )
-from agent_monitor.cli._flags import add_flags, build, flag_name
 from agent_monitor._compat import MissingJudgeError
+from agent_monitor.cli._flags import add_flags, build, flag_name
 from agent_monitor.options import OPTION_NAMES, ScoringOptions
 from agent_monitor.testing import FakeJudge
 
