@@ -145,5 +145,5 @@ def test_last_update_of_a_6000_step_episode_spans_every_minute() -> None:
     assert minutes == set(range(10))  # the first and the last minute and every minute between
     assert shown[0] == 1 and shown[-1] == 6000  # the first frame and the newest
     assert p.frames <= anchor_bound(FrameBudget(), 6000) + FrameBudget().recent
-    # Today's rule (anchors stop after 64) would have shown nothing between 51.2 s and the last 4 frames.
+    # The replaced rule (anchors stop after 64) have shown nothing between 51.2 s and the last 4 frames.
     assert len([i for i in shown if 1200 < i <= 1800]) >= 4
