@@ -8,8 +8,8 @@ loop's shape, the same for a real robot:
 - every tick: act, grab a frame, hand both to the monitor without waiting (`ProgressTracker.submit` in-process,
   or `Run.step` over MQTT, QoS 1 with no wait for the broker), then sleep until the next tick on a fixed
   schedule (a late tick is not caught up with a burst);
-- a frame goes with every step: the monitor's `FrameBudget` chooses which frames the judge sees (every 8th as
-  an anchor, plus the newest 4), so the loop never has to;
+- a frame goes with every step: the monitor's `FrameBudget` chooses which frames the judge sees (anchors whose stride
+  doubles as the episode grows, so they span all of it, plus the newest 4), so the loop never has to;
 - scoring runs beside the loop: steps that arrive while the judge is busy are folded into its next call
   (`coalesced`), so a slow judge lowers how often the run is scored, never the loop's rate;
 - before each tick the loop reads the monitor's latest signal and stops when it is `abort`.

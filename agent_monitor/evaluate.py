@@ -388,8 +388,8 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
-def plot(report: Report, path: str | Path) -> Path:
-    """A PNG: every run's curve coloured by outcome, and the threshold sweep."""
+def plot(report: Report, path: str | Path, *, note: str | None = None) -> Path:
+    """A PNG: every run's curve coloured by outcome, and the threshold sweep (`note`: a line under the title)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -430,7 +430,7 @@ def plot(report: Report, path: str | Path) -> Path:
     auc = report.auroc.get(0.5)
     fig.suptitle(
         f"{len(report.runs)} runs ({good} success, {bad} failure); AUROC at half-run "
-        f"{'n/a' if auc is None else f'{auc:.2f}'}",
+        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{note}" if note else ""),
         fontsize=11,
     )
     fig.tight_layout()

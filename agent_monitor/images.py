@@ -146,27 +146,48 @@ def _encode(img: Any, max_side: int | None, mime: str) -> Frame:
 
 @dataclass(frozen=True, slots=True)
 class FrameBudget:
-    """Which frames of a run go to the judge: every `every`-th frame inline, plus the last `recent`.
+    """Which frames of a run go to the judge: strided anchors spanning the whole run, plus the last `recent`.
 
-    Anchor frames (every `every`-th frame of the run, counted from the first) are
-    placed after their own step's text and never leave the prompt, so the prompt
-    stays a stable prefix. At most `max_frames` anchors are kept: once the cap is
-    reached no new anchors are added (dropping old ones would break the prefix
-    every step). The `recent` newest frames that are not anchors go in the
-    prompt's tail, where changes cost nothing for prefix reuse.
+    The rule: frame `o` (0-based, counted over the run) is an *anchor* when it is a multiple of the stride
+    in force at `o`. The stride is `every` for the first `per_stride * every` frames and doubles each time
+    the run's length doubles after that (frames `[per_stride * every * 2**(j-1), per_stride * every * 2**j)`
+    have stride `every * 2**j`). Anchors are placed after their own step's text and never leave the prompt
+    (appended only, so the prompt stays a prefix of the next one), and the gap between two anchors is at most
+    `2 / per_stride` of the run so far: the frames the judge sees always span the whole run.
+
+    Cost: after `n` frames the prompt holds `per_stride + per_stride / 2 * ceil(log2(n / (per_stride * every)))`
+    anchors plus `recent` tail frames (defaults: 51 images at 500 frames, 108 at 6,000, 124 at 12,000; at 10 Hz the widest gap between anchors is 25.6 s at 10 minutes). The
+    `recent` newest frames that are not anchors go in the prompt's tail, where changes cost nothing for
+    prefix reuse.
     """
 
     every: int = 8
     recent: int = 4
-    max_frames: int = 64
+    per_stride: int = 32
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.recent < 0 or self.max_frames < 1:
-            raise ValueError("FrameBudget needs every >= 1, recent >= 0 and max_frames >= 1")
+        if self.every < 1 or self.recent < 0 or self.per_stride < 2 or self.per_stride % 2:
+            raise ValueError("FrameBudget needs every >= 1, recent >= 0 and an even per_stride >= 2")
+
+    def stride(self, ordinal: int) -> int:
+        """The anchor stride in force at frame `ordinal`."""
+        return self.every << (ordinal // (self.per_stride * self.every)).bit_length()
+
+    def is_anchor(self, ordinal: int) -> bool:
+        """Whether frame `ordinal` (0-based) is an anchor: shown inline from its step on, for good."""
+        return ordinal >= 0 and ordinal % self.stride(ordinal) == 0
+
+    def anchors(self, total: int) -> list[int]:
+        """The ordinals of the anchors among a run's first `total` frames, in order."""
+        out: list[int] = []
+        start, end, stride = 0, self.per_stride * self.every, self.every
+        while start < total:
+            out.extend(range(start, min(end, total), stride))
+            start, end, stride = end, 2 * end, 2 * stride
+        return out
 
     def select(self, total: int) -> tuple[list[int], list[int]]:
         """Given a run's frame count, the ordinals (0-based) of anchor frames and of recent tail frames."""
-        anchors = list(range(0, total, self.every))[: self.max_frames]
-        kept = set(anchors)
-        recent = [i for i in range(max(0, total - self.recent), total) if i not in kept]
+        anchors = self.anchors(total)
+        recent = [i for i in range(max(0, total - self.recent), total) if not self.is_anchor(i)]
         return anchors, recent

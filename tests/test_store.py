@@ -86,7 +86,7 @@ async def test_journal_dedupes_steps_and_rebuilds_events_in_order(tmp_path: Path
 
 
 async def test_frames_stored_once_per_digest_and_pruned_by_budget(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "s.db", frame_budget=FrameBudget(every=2, recent=1, max_frames=8))
+    store = SqliteStore(tmp_path / "s.db", frame_budget=FrameBudget(every=2, recent=1, per_stride=2))
     red, blue = png((255, 0, 0)), png((0, 0, 255))
     try:
         _, start = ev("agents/r/start", task="t", images=[{"data": base64.b64encode(red).decode()}])
@@ -98,7 +98,7 @@ async def test_frames_stored_once_per_digest_and_pruned_by_budget(tmp_path: Path
         db = sqlite3.connect(tmp_path / "s.db")
         assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 2  # red and blue, once each
         pruned = [o for (o,) in db.execute("SELECT ordinal FROM event_frames WHERE pruned = 1 ORDER BY ordinal")]
-        assert pruned == [1, 3]  # not anchors (0, 2, 4) and not the newest (4)
+        assert pruned == [1, 3]  # not anchors (0, 2 at stride 2; 4 at stride 4 from frame 4) and not the newest (4)
         first, *steps = (await store.replay()).records
         assert isinstance(first, Started) and all(isinstance(r, Stepped) for r in steps)
         step_images = [r.step.images[0].decoded() for r in steps if isinstance(r, Stepped)]

@@ -27,6 +27,7 @@ from ..options import ScoringOptions
 from ..policy import Policy, PolicyError
 from ..progress import Progress
 from ..recorded import RecordedRunError, iter_recorded
+from ..robotmetrics import robot_json, robot_metrics, robot_summary
 from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
@@ -774,8 +775,9 @@ async def _eval(args: argparse.Namespace) -> int:
         cache.close()
         await judge.aclose()
     report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
+    robot = robot_metrics(curves, seed=args.seed)
     files = ev.write_csv(report, out)
-    (out / "eval.json").write_text(json.dumps(ev.report_json(report), indent=2))
+    (out / "eval.json").write_text(json.dumps({**ev.report_json(report), "robot": robot_json(robot)}, indent=2))
     files.append(out / "eval.json")
     calibrated = None
     if args.calibrate:
@@ -788,12 +790,13 @@ async def _eval(args: argparse.Namespace) -> int:
         (out / "eval_groups.json").write_text(json.dumps(data, indent=2))
         files.append(out / "eval_groups.json")
     try:
-        files.append(ev.plot(report, out / "eval.png"))
+        files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot)))
     except ImportError:
         print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
     failed = sum(s is None for c in curves for s in c.scores)
     cached = sum(c.cached for c in curves)
     print(ev.summary(report))
+    print(robot_summary(robot))
     if calibrated is not None:
         print("\n" + ev.calibrate_summary(calibrated))
     if grouped is not None:

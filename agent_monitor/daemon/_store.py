@@ -385,13 +385,13 @@ class SqliteStore:
                     (seq, pos, run_id, ordinal, digest, mime),
                 )
             if total is not None and images:
-                total += len(images)
+                before, total = total, total + len(images)
                 self._frames_total[run_id] = total
-                # Frames the budget will never show again: neither anchors nor among the newest `recent`.
-                db.execute(
-                    "UPDATE event_frames SET pruned = 1 WHERE run_id = ? AND pruned = 0 AND ordinal IS NOT NULL "
-                    "AND ordinal < ? AND (ordinal % ? != 0 OR ordinal / ? >= ?)",
-                    (run_id, total - budget.recent, budget.every, budget.every, budget.max_frames),
+                # Frames the budget will never show again: not anchors, and just out of the newest `recent`.
+                gone = range(max(0, before - budget.recent), max(0, total - budget.recent))
+                db.executemany(
+                    "UPDATE event_frames SET pruned = 1 WHERE run_id = ? AND ordinal = ? AND pruned = 0",
+                    [(run_id, o) for o in gone if not budget.is_anchor(o)],
                 )
 
         return write
