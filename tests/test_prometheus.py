@@ -39,13 +39,22 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from agent_monitor import JudgeError
-from agent_monitor.daemon import Board, HttpServer, MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon import (
+    Board,
+    HttpServer,
+    MetricsSettings,
+    Monitor,
+    MonitorConfig,
+    OtlpReceiver,
+    OtlpReceiverSettings,
+)
 from agent_monitor.judges.base import JudgeRequest, JudgeResponse, Usage
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto, free_port, wait_port
 from tests.redis_server import RedisServer
 from tests.test_dashboards import ALERTS, alert_queries, dashboard_queries, letters, load_dashboard, variable_queries
+from tests.test_otlp_receiver import apost, body, root, tool
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
@@ -319,6 +328,8 @@ async def test_dashboard_and_alert_queries_on_a_real_prometheus(
         judge=CachingJudge(letters, latency_s=0.02, max_retries=0),
         registry=registry,
         sinks=[Board(registry=registry)],  # the board panel's series
+        # The OTLP traces receiver's row: its series exist from start-up (by reason, at 0).
+        sources=[OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0"), registry=registry)],
     )
     b = Monitor(
         MonitorConfig(outbox_size=3, metrics=MetricsSettings(max_series=0, grace_s=GRACE_S)),
@@ -358,6 +369,23 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
 
     async def only_live_runs() -> bool:  # the aborted runs ended last leave after the grace period
         return {r["metric"]["run_id"] for r in await prom.query("agent_monitor_run_progress")} == live_runs
+
+    # One trace through a's OTLP receiver, to its end: the row's final-score latency has an observation.
+    receiver = next(s for s in a.sources if isinstance(s, OtlpReceiver))
+    now = time.time_ns()
+    trace = body(tool("00f067aa0ba902b7", now, "run_tests", "2 passed"), root(now + 1000))  # no outcome: it teaches nothing
+    status, _, _ = await apost(receiver.url, trace)
+    assert status == 200
+
+    async def trace_scored() -> bool:
+        return registry_sum(a, "agent_monitor_otlp_final_score_seconds_count") > 0
+
+    await until("the trace's final score", trace_scored)
+
+    async def trace_scraped() -> bool:
+        return bool(await prom.query("agent_monitor_otlp_final_score_seconds_count > 0"))
+
+    await until("Prometheus to scrape the trace's final score", trace_scraped)
 
     await until("the ended runs' series to leave", only_live_runs)
     assert registry_sum(a, "agent_monitor_coalesced_steps_total") > 0, "the burst was not coalesced"
