@@ -52,7 +52,7 @@ import structlog
 
 from ..calibration import Sample
 from ..wire import Topics
-from ._cluster_inbox import Inboxes
+from ._cluster_inbox import Inboxes, Notes
 from ._cluster_lua import SCRIPTS
 from ._cluster_session import SessionTaker
 from ._cluster_store import NOTES_MAXLEN, ClusterStore, ClusterUnavailable, _text, cluster_redis
@@ -121,7 +121,10 @@ class Cluster:
         self.inboxes = Inboxes(
             redis, prefix=self.prefix, leases=self.leases, scripts=self._scripts, topics=Topics(topics_prefix),
             metrics=metrics, retention_ms=self.retention_ms, max_payload_bytes=max_payload_bytes, drop=self._drop,
-            retire=self._retire_if_over,
+        )  # fmt: skip
+        self.notes = Notes(
+            redis, key=f"{self.prefix}note", leases=self.leases, inboxes=self.inboxes, placed=self._placed,
+            take=self._take, on_sample=on_sample, metrics=metrics, retry_s=settings.heartbeat_s,
         )  # fmt: skip
         self.sessions = SessionTaker(
             receive=self.inboxes.receive, alive=self._alive, metrics=metrics, retry_s=settings.heartbeat_s * 2
@@ -132,7 +135,6 @@ class Cluster:
         """The live replicas at the last heartbeat (this one included)."""
         self._client_id = ""
         self._owning = asyncio.Lock()
-        self._notes_from = "$"
         self._joined = False
         self._leaving = False
         self._aside = False
@@ -154,7 +156,7 @@ class Cluster:
     @property
     def signal_sent(self) -> Callable[[str, int], None]:
         """Told once a run's signal is out: a new owner publishes it again only if it was not."""
-        return self._signal_sent
+        return self.store.mark_signal
 
     def receiver(self, host: Host) -> Receive:
         """Where the sources' events go: the runs' shared inboxes (the owner feeds them to its host)."""
@@ -194,7 +196,7 @@ class Cluster:
                 )
             await self._heartbeat()
             last = await self.redis.xrevrange(self.key("note"), count=1)
-            self._notes_from = _text(last[0][0]) if last else "0-0"
+            self.notes.start = _text(last[0][0]) if last else "0-0"
         except ClusterUnavailable:
             raise
         except Exception as e:
@@ -209,7 +211,7 @@ class Cluster:
         """The background loops the Monitor runs in its TaskGroup, with their task names."""
         return [
             ("cluster-heartbeat", self._heartbeats()),
-            ("cluster-notes", self._notes()),
+            ("cluster-notes", self.notes.run()),
             ("cluster-feed", self.inboxes.feeder()),
             ("cluster-writer", self.store.writer()),
             ("cluster-sessions", self.sessions.run()),
@@ -248,12 +250,6 @@ class Cluster:
             await self.redis.aclose()
 
     # -- owning --
-
-    def _signal_sent(self, run_id: str, step: int) -> None:
-        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
-        token = self.leases.last_token(run_id)
-        if token:
-            self.store.later(self._scripts["mark"], [self.prefix, run_id, token, step])
 
     async def _heartbeat(self) -> None:
         info = json.dumps({"client_id": self._client_id, "pid": os.getpid(), "host": socket.gethostname()})
@@ -360,7 +356,7 @@ class Cluster:
         # Runs that are over here but still placed here (steps that never got a start, dropped after --hold).
         for run_id, o in list(self.owned.items()):
             if o.ready:
-                await self._retire_if_over(run_id)
+                await self.inboxes.retire_if_over(run_id)
         # A missed note (or one for a run taken since) is caught here, every few beats: an owned inbox past what was
         # fed.
         owned = list(self.owned) if self._beats % _CHECK_EVERY == 0 else []
@@ -464,55 +460,9 @@ class Cluster:
             # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
             self.store.release(run_id, o.token)
 
-    async def _notes(self) -> None:
-        """Follow the note stream: runs placed here are taken at once, owned runs with new events are fed."""
-        while True:
-            try:
-                got: Any = await self.redis.xread({self.key("note"): self._notes_from}, count=1000, block=1000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.metrics.cluster_errors.labels("notes").inc()
-                log.warning("cluster_notes_failed", error=f"{type(e).__name__}: {e}")
-                await asyncio.sleep(self.settings.heartbeat_s)
-                continue
-            new: list[str] = []
-            for _, entries in got or ():
-                for entry_id, fields in entries:
-                    self._notes_from = _text(entry_id)
-                    sample = fields.get(b"s")
-                    if sample is not None:
-                        self._learn(sample)
-                        continue
-                    run_id, to = _text(fields.get(b"r", b"")), _text(fields.get(b"a", b""))
-                    if run_id in self.owned:
-                        self.inboxes.dirty.add(run_id)
-                    elif to == self.replica_id and not self._leaving:
-                        new.append(run_id)
-            try:
-                await self._take(new)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the heartbeat takes them at its next beat
-                self.metrics.cluster_errors.labels("take").inc()
-                log.warning("cluster_take_failed", runs=len(new), error=f"{type(e).__name__}: {e}")
-            if self.inboxes.dirty:
-                self.inboxes.wake.set()
-
-    def _learn(self, raw: bytes) -> None:
-        """A calibration sample another replica learnt: every replica's "auto" thresholds use the same evidence."""
-        try:
-            self.on_sample(Sample.from_json(json.loads(raw)))
-        except Exception:
-            log.exception("calibration_sample_unreadable")
-
-    async def _retire_if_over(self, run_id: str) -> None:
-        """A run that is over here (finished, or only late events for an ended run) leaves the directory."""
-        o = self.owned.get(run_id)
-        if o is None or self.host is None or self.host.is_live(run_id):
-            return
-        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token, self.retention_ms])):
-            self.leases.drop(run_id)
+    def _placed(self, runs: list[str]) -> list[str]:
+        """Runs the notes placed here: taken now, unless this replica is leaving."""
+        return [] if self._leaving else runs
 
     async def _alive(self, replica: str) -> bool:
         """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""

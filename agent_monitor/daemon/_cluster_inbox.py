@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from ..calibration import Sample
 from ..wire import Topics
 from ._cluster_store import NOTES_MAXLEN, _text
 from ._leases import Leases
@@ -50,7 +51,6 @@ class Inboxes:
         retention_ms: int,
         max_payload_bytes: int,
         drop: Callable[[str], Awaitable[None]],
-        retire: Callable[[str], Awaitable[None]],
     ) -> None:
         self.redis = redis
         self.prefix = prefix
@@ -62,8 +62,6 @@ class Inboxes:
         self.max_payload_bytes = max_payload_bytes
         self.drop = drop
         """Forget a run here (a record of it did not commit)."""
-        self.retire = retire
-        """A fed run that may be over here: it leaves the directory if it is."""
         self.host: Host | None = None
         self.dirty: set[str] = set()
         """Owned runs whose inbox may hold events not yet fed."""
@@ -189,7 +187,91 @@ class Inboxes:
                     o.cursor = _later(o.cursor, o.fed)
         for run_id in last:
             if run_id not in failed:
-                await self.retire(run_id)
+                await self.retire_if_over(run_id)
+
+    async def retire_if_over(self, run_id: str) -> None:
+        """A run that is over here (finished, or only late events for an ended run) leaves the directory."""
+        o = self.leases.get(run_id)
+        if o is None or self.host is None or self.host.is_live(run_id):
+            return
+        args = [self.prefix, run_id, self.leases.replica_id, o.token, self.retention_ms]
+        if int(await self.scripts["retire"](args=args)):
+            self.leases.drop(run_id)
+
+
+class Notes:
+    """Follow the cluster's note stream: runs placed here are taken at once, owned runs with new events are fed.
+
+    A note names a run and the replica it is placed on, or carries a calibration sample another replica learnt.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        key: str,
+        leases: Leases,
+        inboxes: Inboxes,
+        placed: Callable[[list[str]], list[str]],
+        take: Callable[[list[str]], Awaitable[None]],
+        on_sample: Callable[[Sample], object],
+        metrics: Metrics,
+        retry_s: float,
+    ) -> None:
+        self.redis = redis
+        self.key = key
+        self.leases = leases
+        self.inboxes = inboxes
+        self.placed = placed
+        """Of the runs placed here, those to take now (none while the replica is leaving)."""
+        self.take = take
+        self.on_sample = on_sample
+        self.metrics = metrics
+        self.retry_s = retry_s
+        self.start = "$"
+        """The stream id after which notes are read (set on joining: the newest note then)."""
+
+    async def run(self) -> None:
+        """Read notes until cancelled (the `cluster-notes` task)."""
+        while True:
+            try:
+                got: Any = await self.redis.xread({self.key: self.start}, count=1000, block=1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.metrics.cluster_errors.labels("notes").inc()
+                log.warning("cluster_notes_failed", error=f"{type(e).__name__}: {e}")
+                await asyncio.sleep(self.retry_s)
+                continue
+            new: list[str] = []
+            for _, entries in got or ():
+                for entry_id, fields in entries:
+                    self.start = _text(entry_id)
+                    sample = fields.get(b"s")
+                    if sample is not None:
+                        self._learn(sample)
+                        continue
+                    run_id, to = _text(fields.get(b"r", b"")), _text(fields.get(b"a", b""))
+                    if run_id in self.leases:
+                        self.inboxes.dirty.add(run_id)
+                    elif to == self.leases.replica_id:
+                        new.append(run_id)
+            try:
+                await self.take(self.placed(new))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the heartbeat takes them at its next beat
+                self.metrics.cluster_errors.labels("take").inc()
+                log.warning("cluster_take_failed", runs=len(new), error=f"{type(e).__name__}: {e}")
+            if self.inboxes.dirty:
+                self.inboxes.wake.set()
+
+    def _learn(self, raw: bytes) -> None:
+        """A calibration sample another replica learnt: every replica's "auto" thresholds use the same evidence."""
+        try:
+            self.on_sample(Sample.from_json(json.loads(raw)))
+        except Exception:
+            log.exception("calibration_sample_unreadable")
 
 
 def _group_of(payload: bytes) -> str:

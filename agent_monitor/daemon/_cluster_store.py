@@ -177,6 +177,12 @@ class ClusterStore:
         if o is not None:
             self.release(run_id, o.token)
 
+    def mark_signal(self, run_id: str, step: int) -> None:
+        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
+        token = self.leases.last_token(run_id)
+        if token:
+            self.later(self.scripts["mark"], [self.prefix, run_id, token, step])
+
     def release(self, run_id: str, token: int) -> None:
         """Free a run's lease once the writes queued before are written (the writer keeps order)."""
         self.later(self.scripts["release"], [self.prefix, run_id, self.leases.replica_id, token])

@@ -32,6 +32,7 @@ from ._config import MonitorConfig
 from ._groups import GroupBook, Groups
 from ._ingest import Intake
 from ._metrics import (
+    STORE_GAUGES,
     CalibrationCollector,
     CostCollector,
     GroupCollector,
@@ -39,6 +40,7 @@ from ._metrics import (
     Metrics,
     MetricsSink,
     RunCollector,
+    StatisticsCollector,
 )
 from ._mode import Standalone, mode_of
 from ._mqtt import MqttLink
@@ -101,8 +103,7 @@ class Monitor:
         except CriteriaError as e:
             raise CriteriaError(f"default criteria {c.criteria!r} (serve --criteria): {e}") from None
         """The rubric of runs whose start names none."""
-        names = [src.name for src in sources]
-        if len(set(names)) != len(names):
+        if len(names := [src.name for src in sources]) != len(set(names)):
             raise ValueError(f"sources need distinct names, got {names}")
         self._emit = Fanout((), log)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -115,7 +116,9 @@ class Monitor:
             metered, threshold=c.circuit_threshold, cooldown_s=c.circuit_cooldown_s, on_change=self._judge_state
         )
         self.topics = Topics(c.prefix)
-        self.outbox = Outbox(c.outbox_size, metrics=m)
+        fenced = m.cluster_fenced.labels("publish").inc
+        self.outbox = Outbox(c.outbox_size, on_dropped=m.outbox_dropped.inc, on_fenced=fenced)
+        m.outbox_depth.set_function(self.outbox.__len__)  # read at scrape time
         self._restore: Restore  # built below, once the parts it drives are
         learned = lambda sample: self._restore.learned(sample)  # noqa: E731
         self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=learned, clock=clock)
@@ -181,6 +184,7 @@ class Monitor:
             GroupCollector(self._groups.gauges, allow=c.metrics.groups, max_groups=c.metrics.max_group_series)
         )
         self.registry.register(self._families)
+        self.registry.register(StatisticsCollector(self.store, STORE_GAUGES, prefix="agent_monitor_store_"))
         self.link: MqttLink | None = None
         if c.broker is not None:
             self.link = MqttLink(
