@@ -158,7 +158,7 @@ class Cluster:
         """Told once a run's signal is out: a new owner publishes it again only if it was not."""
         return self.store.mark_signal
 
-    def receiver(self, host: Host) -> Receive:
+    def receiver(self, own: Receive) -> Receive:
         """Where the sources' events go: the runs' shared inboxes (the owner feeds them to its host)."""
         return self.inboxes.receive
 

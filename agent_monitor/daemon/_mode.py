@@ -56,8 +56,8 @@ class Mode(Protocol):
         """The MQTT client id this monitor connects with."""
         ...
 
-    def receiver(self, host: Host) -> Receive:
-        """Where the sources' wire-form events go: the host's own ingest, or the runs' shared inboxes."""
+    def receiver(self, own: Receive) -> Receive:
+        """Where the sources' wire-form events go: the monitor's `own` ingest, or the runs' shared inboxes."""
         ...
 
     async def open(self, host: Host, link: MqttLink | None) -> None:
@@ -96,9 +96,9 @@ class Standalone:
         """The configured client id."""
         return base
 
-    def receiver(self, host: Host) -> Receive:
-        """The host's own ingest."""
-        return host.handle_batch
+    def receiver(self, own: Receive) -> Receive:
+        """The monitor's own ingest."""
+        return own
 
     async def open(self, host: Host, link: MqttLink | None) -> None:
         """Nothing to join."""

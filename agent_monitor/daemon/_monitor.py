@@ -218,7 +218,7 @@ class Monitor:
                 self.otel.open()
                 stack.push_async_callback(asyncio.to_thread, self.otel.close, _OTLP_CLOSE_S)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
-            receive = self.mode.receiver(self)
+            receive = self.mode.receiver(self._intake.handle_batch)  # (no hop through handle_batch)
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
             loops += self.mode.loops()
             # Every door hands its events to the same receive as MQTT: in cluster mode the runs' shared inboxes.
