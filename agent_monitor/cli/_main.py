@@ -539,15 +539,19 @@ async def _serve(args: argparse.Namespace) -> int:
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
         board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
-        try:
-            monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=[board] if board else [])
-        except ImportError as e:  # --otlp-endpoint or --cluster without their extra: the message names it
-            return _fail(str(e))
         web = None
         if serve.metrics_port:
             web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
+        try:
+            sinks = [board] if board else []
+            monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=sinks, http=web)
+        except ImportError as e:  # --otlp-endpoint or --cluster without their extra: the message names it
+            return _fail(str(e))
+        if web is not None:
             try:
-                await stack.enter_async_context(web)
+                # Bound here (a taken port fails the start-up); served as the task `http` in the monitor's TaskGroup.
+                await web.bind()
+                stack.push_async_callback(web.aclose)
             except OSError as e:
                 return _fail(
                     f"cannot serve /metrics on {serve.metrics_host}:{serve.metrics_port}: {e}; pass --metrics-port"

@@ -55,6 +55,7 @@ from ._views import LiveRuns, RunView, StepView, run_series
 
 if TYPE_CHECKING:
     from ._cluster import Cluster
+    from ._http import HttpServer
     from ._otel import OtelSink
 
 __all__ = ["Monitor", "RunView", "StepView"]
@@ -75,7 +76,7 @@ class Monitor:
     ```
     Entering rebuilds the live runs from the store, connects to the broker (`BrokerUnavailable` with a
     one-line reason) and starts the named tasks `mqtt`, `source-{name}` per source, `scorer-1..N`, `sweeper`
-    (and `retention` for a SQLite store); leaving cancels and awaits them all. Without a broker nothing is
+    (`retention` for a SQLite store, `http` with `http=`); leaving cancels and awaits them all. Without a broker nothing is
     received: feed events with `handle()`. Without a store nothing is journaled; `SqliteStore` survives
     restarts, `MemoryStore` keeps the journal in this process. `sinks` get every `MonitorEvent` after the
     monitor's own (MQTT, store, metrics, log). With `config.cluster.url` the monitor is one replica of a
@@ -93,6 +94,7 @@ class Monitor:
         registry: CollectorRegistry | None = None,
         sinks: Sequence[Sink] = (),
         sources: Sequence[Source] = (),
+        http: HttpServer | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         c = self.config = config if config is not None else MonitorConfig()
@@ -164,7 +166,9 @@ class Monitor:
             # Imported here: without an endpoint no OpenTelemetry package is loaded (ImportError names the extra).
             from ._otel import OtelSink
 
-            self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._criteria_of)
+            self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._scoring.criteria_of)
+        self.http = http
+        """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
         self.sources: tuple[Source, ...] = tuple(sources)
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         self._emit.sinks = self.sinks = (
@@ -225,7 +229,7 @@ class Monitor:
             ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
-            loops.append(("sweeper", self._sweeper()))
+            loops += [("sweeper", self._sweeper()), *((("http", http.serve()),) if (http := self.http) else ())]
             self._tasks = [tg.create_task(loop, name=name) for name, loop in loops]
             self._groups.tasks = tg
         except BaseException:
@@ -299,11 +303,6 @@ class Monitor:
     def is_live(self, run_id: str) -> bool:
         """Whether the run is live here or holds steps waiting for their start."""
         return run_id in self.book.live or run_id in self.book.orphans
-
-    def _criteria_of(self, run_id: str) -> tuple[str, ...]:
-        """The names of a live run's criteria (a failed score's evaluation events are one per criterion)."""
-        t = self._scoring.tracker(run_id)
-        return tuple(c.name for c in t.rubric.criteria) if t else ()
 
     # -- input --
 

@@ -92,6 +92,11 @@ class Scoring:
         s = self.runs.get(run_id)
         return s.tracker if s is not None else None
 
+    def criteria_of(self, run_id: str) -> tuple[str, ...]:
+        """The names of a live run's criteria (a failed score's evaluation events are one per criterion)."""
+        t = self.tracker(run_id)
+        return tuple(c.name for c in t.rubric.criteria) if t else ()
+
     # -- what the ingest applied --
 
     def prepare(self, run_id: str, start: RunStart) -> None:
