@@ -613,6 +613,9 @@ async def _serve(args: argparse.Namespace) -> int:
                 return _fail(str(e))
             except OSError as e:
                 return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
+        web = None
+        if serve.metrics_port:
+            web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
         try:
             sources = await _proxy_source(stack, proxy_settings, judge, config, registry)
             monitor = Monitor(
@@ -622,6 +625,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 registry=registry,
                 sinks=[board] if board else [],
                 sources=[*([receiver] if receiver else []), *sources],
+                http=web,
             )
         except ImportError as e:  # --otlp-endpoint, --cluster or the proxy without their extra: the message names it
             return _fail(str(e))
@@ -631,11 +635,11 @@ async def _serve(args: argparse.Namespace) -> int:
             )
         if receiver is not None and monitor.otel is not None:
             monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
-        web = None
-        if serve.metrics_port:
-            web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
+        if web is not None:
             try:
-                await stack.enter_async_context(web)
+                # Bound here (a taken port fails the start-up); served as the task `http` in the monitor's TaskGroup.
+                await web.bind()
+                stack.push_async_callback(web.aclose)
             except OSError as e:
                 return _fail(
                     f"cannot serve /metrics on {serve.metrics_host}:{serve.metrics_port}: {e}; pass --metrics-port"

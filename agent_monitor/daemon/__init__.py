@@ -13,7 +13,7 @@ from ._cluster_store import ClusterJournal, ClusterUnavailable
 from ._config import ClusterSettings, MetricsSettings, MonitorConfig, OtlpReceiverSettings, Protocol, ProxySettings
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpServer
-from ._monitor import Monitor, RunView, StepView
+from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
 from ._sinks import (
@@ -30,6 +30,7 @@ from ._sinks import (
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import RunLimits
 from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
+from ._views import RunView, StepView
 
 if TYPE_CHECKING:
     from ._proxy import ProxySource

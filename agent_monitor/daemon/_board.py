@@ -30,7 +30,7 @@ from ..progress import Progress
 from ._sinks import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
 
 if TYPE_CHECKING:
-    from ._monitor import RunView
+    from ._views import RunView
 
 TASK_CHARS = 300
 """A run's task is cut to this many characters on the board (the whole task can be megabytes)."""

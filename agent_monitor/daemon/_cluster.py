@@ -22,8 +22,11 @@ Why it is built this way (docs/cluster.md has the operator's side):
   freed at once), and one survivor takes its MQTT session over (same client id, session expiry 0),
   journals what the broker had queued there, unsubscribes and lets the session go.
 
-Modules: this one (the replica: membership, placement, leases, inboxes, session takeover), `_cluster_store`
-(the fenced run store, the journal's readers), `_cluster_lua` (the scripts Redis runs atomically).
+Modules: this one (the replica: membership, placement, taking and giving up runs), `_leases` (the lease
+table), `_cluster_inbox` (receiving into the inboxes, feeding the owned runs), `_cluster_session` (a departed
+replica's MQTT session), `_cluster_store` (the fenced run store, the journal's readers), `_cluster_lua` (the
+scripts Redis runs atomically). The replica is the monitor's mode (`_mode.Mode`): the monitor hands it a
+`Host` (`handle_batch`, `adopt`, `release`, `is_live`) and its MQTT link, and knows nothing of clusters.
 
 Keys (one Redis; the per-run ones end in the run id, ready for Redis Cluster hash tags):
 `am:{name}:replicas` (zset: replica -> heartbeat deadline, ms of Redis' clock), `:replicas:info`,
@@ -42,63 +45,36 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from ..calibration import Sample
+from ..wire import Topics
+from ._cluster_inbox import Inboxes, Notes
 from ._cluster_lua import SCRIPTS
-from ._cluster_store import (
-    NOTES_MAXLEN,
-    ClusterStore,
-    ClusterUnavailable,
-    Fenced,
-    _id,
-    _later,
-    _text,
-    cluster_redis,
-)
+from ._cluster_session import SessionTaker
+from ._cluster_store import NOTES_MAXLEN, ClusterStore, ClusterUnavailable, _text, cluster_redis
 from ._config import ClusterSettings
+from ._leases import Fenced, Lease, Leases, _id
 from ._metrics import Metrics
-from ._state import Delivery
+from ._outbox import Outbox
+from ._source import Host, Receive
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from ._monitor import Monitor
     from ._mqtt import MqttLink
+
+__all__ = ["Cluster", "ClusterUnavailable", "Fenced"]
 
 log = structlog.get_logger("agent_monitor.cluster")
 
-_MAX_RUN_ID = 256
-"""Longest run id a receiver journals (topic-safe ids are far shorter; a key per run is built from it)."""
-_FEED_PAGE = 256
-"""Inbox entries read per run at once."""
 _PUBLISH_MARGIN_S = 0.5
 """A replica stops publishing about a run this long before its lease would expire (clocks and delays)."""
 _CHECK_EVERY = 5
 """Heartbeats between checks of the owned runs' inboxes for events no note announced."""
-_SESSION_TRIES = 10
-"""Attempts at taking a departed replica's session over (one every two heartbeats) before leaving it."""
-_QUIET_S = 1.0
-"""Taking a session over: it is emptied once the broker has sent nothing for this long."""
-
-
-@dataclass(slots=True)
-class _Owned:
-    """A run this replica holds the lease of."""
-
-    token: int
-    deadline: float
-    """Monotonic time until which this replica may publish about the run."""
-    cursor: str = ""
-    """The inbox id of the last event journaled (persisted with the records)."""
-    fed: str = ""
-    """The inbox id of the last event handed to the monitor."""
-    ready: bool = False
-    """Taken over (its journal replayed): only then are its inbox's events handed to the monitor."""
 
 
 class Cluster:
@@ -108,40 +84,87 @@ class Cluster:
         self,
         settings: ClusterSettings,
         *,
-        monitor: Monitor,
         metrics: Metrics,
         retention_s: float,
+        topics_prefix: str,
+        max_payload_bytes: int,
+        outbox: Outbox,
+        on_sample: Callable[[Sample], object],
         redis: aioredis.Redis | None = None,
     ) -> None:
         if redis is None:
             redis, _ = cluster_redis(settings)
         self.redis = redis
         self.settings = settings
-        self.monitor = monitor
         self.metrics = metrics
+        self.outbox = outbox
+        """The monitor's outbox: a run handed over waits until what it queued is out."""
+        self.on_sample = on_sample
+        """Told each calibration sample another replica learnt."""
         self.replica_id = settings.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.prefix = f"am:{settings.name}:"
         self.lease_ms = int(settings.lease_s * 1000)
         self.retention_ms = max(1, int(retention_s * 1000))
-        self.store = ClusterStore(self)
-        self.owned: dict[str, _Owned] = {}
-        self._closing: dict[str, tuple[float, int]] = {}
-        """Runs no longer owned here (finished, or being handed over) whose queued messages may still be published,
-        with the lease deadline until which they may."""
+        # Registering a script only makes its object (nothing is sent until it runs): shared by every part below.
+        self._scripts: dict[str, Any] = {name: redis.register_script(src) for name, src in SCRIPTS.items()}
+        self.leases = Leases(
+            self.replica_id,
+            on_fenced=metrics.cluster_fenced.labels("write").inc,
+            on_owned=metrics.runs_owned.set,
+        )
+        self.owned = self.leases.owned
+        """The runs this replica holds the lease of (the lease table's)."""
+        self.store = ClusterStore(
+            redis, prefix=self.prefix, leases=self.leases, scripts=self._scripts, metrics=metrics,
+            retention_ms=self.retention_ms,
+        )  # fmt: skip
+        self.inboxes = Inboxes(
+            redis, prefix=self.prefix, leases=self.leases, scripts=self._scripts, topics=Topics(topics_prefix),
+            metrics=metrics, retention_ms=self.retention_ms, max_payload_bytes=max_payload_bytes, drop=self._drop,
+        )  # fmt: skip
+        self.notes = Notes(
+            redis, key=f"{self.prefix}note", leases=self.leases, inboxes=self.inboxes, placed=self._placed,
+            take=self._take, on_sample=on_sample, metrics=metrics, retry_s=settings.heartbeat_s,
+        )  # fmt: skip
+        self.sessions = SessionTaker(
+            receive=self.inboxes.receive, alive=self._alive, metrics=metrics, retry_s=settings.heartbeat_s * 2
+        )
+        self.host: Host | None = None
+        self.link: MqttLink | None = None
         self.live: tuple[str, ...] = ()
         """The live replicas at the last heartbeat (this one included)."""
         self._client_id = ""
-        self._dirty: set[str] = set()
-        self._wake = asyncio.Event()
         self._owning = asyncio.Lock()
-        self._sessions: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._notes_from = "$"
         self._joined = False
         self._leaving = False
         self._aside = False
         """Stepped aside (cut off from the broker past a lease): no heartbeats, no runs, until the broker is back."""
-        self._scripts: dict[str, Any] = {}
         self._beats = 0
+
+    # -- the monitor's mode (`_mode.Mode`) --
+
+    @property
+    def share(self) -> str:
+        """The shared subscription's group: the cluster's name."""
+        return self.settings.name
+
+    @property
+    def gate(self) -> Callable[[str], bool]:
+        """Only the run's owner publishes: what a replica queued for a run it no longer owns is dropped."""
+        return self.leases.may_publish
+
+    @property
+    def signal_sent(self) -> Callable[[str, int], None]:
+        """Told once a run's signal is out: a new owner publishes it again only if it was not."""
+        return self.store.mark_signal
+
+    def receiver(self, own: Receive) -> Receive:
+        """Where the sources' events go: the runs' shared inboxes (the owner feeds them to its host)."""
+        return self.inboxes.receive
+
+    def may_publish(self, run_id: str) -> bool:
+        """Whether this replica owns the run now (holds its lease, with time to spare): only the owner publishes."""
+        return self.leases.may_publish(run_id)
 
     # -- identity --
 
@@ -160,10 +183,10 @@ class Cluster:
 
     # -- lifecycle --
 
-    async def open(self) -> None:
-        """Reach Redis, register the scripts and join (raise ClusterUnavailable with a one-line reason)."""
-        for name, src in SCRIPTS.items():
-            self._scripts[name] = self.redis.register_script(src)
+    async def open(self, host: Host, link: MqttLink | None) -> None:
+        """Reach Redis and join, feeding `host` (raise ClusterUnavailable with a one-line reason)."""
+        self.host = self.inboxes.host = host
+        self.link = self.sessions.link = link
         try:
             await self.redis.ping()
             if self.settings.replica_id is not None and await self._alive(self.replica_id):
@@ -173,7 +196,7 @@ class Cluster:
                 )
             await self._heartbeat()
             last = await self.redis.xrevrange(self.key("note"), count=1)
-            self._notes_from = _text(last[0][0]) if last else "0-0"
+            self.notes.start = _text(last[0][0]) if last else "0-0"
         except ClusterUnavailable:
             raise
         except Exception as e:
@@ -188,17 +211,18 @@ class Cluster:
         """The background loops the Monitor runs in its TaskGroup, with their task names."""
         return [
             ("cluster-heartbeat", self._heartbeats()),
-            ("cluster-notes", self._notes()),
-            ("cluster-feed", self._feeder()),
+            ("cluster-notes", self.notes.run()),
+            ("cluster-feed", self.inboxes.feeder()),
             ("cluster-writer", self.store.writer()),
-            ("cluster-sessions", self._session_taker()),
+            ("cluster-sessions", self.sessions.run()),
         ]
 
-    async def leave(self, link: MqttLink | None) -> None:
+    async def leave(self) -> None:
         """Leave the cluster (a graceful stop): stop receiving, hand the runs over, let a survivor clean the session."""
         if not self._joined or self._leaving:
             return
         self._leaving = True
+        link = self.link
         try:
             async with asyncio.timeout(10):
                 if link is not None:
@@ -225,86 +249,7 @@ class Cluster:
         with contextlib.suppress(Exception):
             await self.redis.aclose()
 
-    # -- receiving: any replica, before the MQTT acknowledgement --
-
-    async def receive(self, batch: Sequence[tuple[str, bytes, Delivery | None]]) -> list[BaseException | None]:
-        """Journal received messages into their runs' inboxes (in one round trip); per message None or the error."""
-        errors: list[BaseException | None] = [None] * len(batch)
-        m = self.monitor
-        calls: list[int] = []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for i, (topic, payload, _) in enumerate(batch):
-                if m.topics.is_output(topic):
-                    continue
-                parts = topic.rsplit("/", 2)
-                run_id, kind = (parts[-2], parts[-1]) if len(parts) == 3 else ("", "")
-                if not run_id or len(run_id) > _MAX_RUN_ID or kind not in ("start", "step", "end"):
-                    continue  # not an input (the shared filters match only inputs)
-                if len(payload) > m.config.max_payload_bytes:
-                    log.warning("payload_too_large", run_id=run_id[:80], bytes=len(payload))
-                    self.metrics.invalid_events.labels("payload_too_large").inc()
-                    continue
-                group = _group_of(payload) if kind == "start" else ""
-                await self._scripts["receive"](
-                    keys=[self.key("in", run_id)],
-                    args=[self.prefix, run_id, kind, payload, group, self.retention_ms, NOTES_MAXLEN],
-                    client=pipe,
-                )
-                calls.append(i)
-            if not calls:
-                return errors
-            try:
-                results = await pipe.execute(raise_on_error=False)
-            except Exception as e:
-                self.metrics.cluster_errors.labels("receive").inc()
-                log.warning("cluster_receive_failed", messages=len(calls), error=f"{type(e).__name__}: {e}")
-                for i in calls:
-                    errors[i] = e
-                return errors
-        for i, r in zip(calls, results, strict=True):
-            if isinstance(r, Exception):
-                self.metrics.cluster_errors.labels("receive").inc()
-                errors[i] = r
-                continue
-            assignee = _text(r[1])
-            if assignee == self.replica_id:
-                run_id = batch[i][0].rsplit("/", 2)[-2]
-                if run_id in self.owned:
-                    self._dirty.add(run_id)
-                    self._wake.set()
-        return errors
-
     # -- owning --
-
-    def may_publish(self, run_id: str) -> bool:
-        """Whether this replica owns the run now (holds its lease, with time to spare): only the owner publishes."""
-        o = self.owned.get(run_id)
-        if o is not None:
-            return time.monotonic() < o.deadline
-        # A run that just finished or is being handed over: what it queued (a retained signal) still goes out.
-        return time.monotonic() < self._closing.get(run_id, (0.0, 0))[0]
-
-    def signal_sent(self, run_id: str, step: int) -> None:
-        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
-        o = self.owned.get(run_id)
-        token = o.token if o is not None else self._closing.get(run_id, (0.0, 0))[1]
-        if token:
-            self.store.later(self._scripts["mark"], [self.prefix, run_id, token, step])
-
-    def token(self, run_id: str) -> int:
-        """The run's fencing token this replica holds; Fenced when it holds none."""
-        o = self.owned.get(run_id)
-        if o is None:
-            self.metrics.cluster_fenced.labels("write").inc()
-            raise Fenced(f"run {run_id!r} is not owned by replica {self.replica_id}")
-        return o.token
-
-    async def _run(self, op: str, aw: Any) -> Any:
-        try:
-            return await aw
-        except Exception:
-            self.metrics.cluster_errors.labels(op).inc()
-            raise
 
     async def _heartbeat(self) -> None:
         info = json.dumps({"client_id": self._client_id, "pid": os.getpid(), "host": socket.gethostname()})
@@ -333,11 +278,11 @@ class Cluster:
             log.info("cluster_runs_placed", departed=gone, runs=len(runs))
         text = _text(info)
         if claim and text:
-            self._sessions.put_nowait({"replica": gone, **json.loads(text)})
+            self.sessions.queue.put_nowait({"replica": gone, **json.loads(text)})
         return runs, text
 
     async def _heartbeats(self) -> None:
-        link = self.monitor.link
+        link = self.link
         last_ok = time.monotonic()
         broker_lost: float | None = None
         while True:
@@ -401,9 +346,7 @@ class Cluster:
         if self._leaving or self._aside:
             return
         await self._heartbeat()
-        now = time.monotonic()
-        for run_id in [r for r, (until, _) in self._closing.items() if until <= now]:
-            del self._closing[run_id]
+        self.leases.expire(time.monotonic())
         await self._scripts["rebalance"](args=[self.prefix, 8, NOTES_MAXLEN])
         mine = {_text(r) for r in await self.redis.smembers(self.key("owned", self.replica_id))}
         await self._give_back([r for r in self.owned if r not in mine])
@@ -411,10 +354,9 @@ class Cluster:
         await self._take(sorted(mine - set(self.owned)))
         self._beats += 1
         # Runs that are over here but still placed here (steps that never got a start, dropped after --hold).
-        m = self.monitor
         for run_id, o in list(self.owned.items()):
-            if o.ready and run_id not in m.book.live and run_id not in m.book.orphans:
-                await self._retire_if_over(run_id)
+            if o.ready:
+                await self.inboxes.retire_if_over(run_id)
         # A missed note (or one for a run taken since) is caught here, every few beats: an owned inbox past what was
         # fed.
         owned = list(self.owned) if self._beats % _CHECK_EVERY == 0 else []
@@ -426,9 +368,7 @@ class Cluster:
             for run_id, last in zip(owned, lasts, strict=True):
                 held = self.owned.get(run_id)
                 if held is not None and last and _id(_text(last[0][0])) > _id(held.fed or "0-0"):
-                    self._dirty.add(run_id)
-            if self._dirty:
-                self._wake.set()
+                    self.inboxes.mark(run_id)
         self.metrics.runs_owned.set(len(self.owned))
 
     async def _renew(self) -> None:
@@ -451,7 +391,7 @@ class Cluster:
                 log.info("cluster_lease_lost", run_id=run_id, token=o.token, now=int(tok))
                 await self._drop(run_id)
                 if int(tok) == -2:  # moved elsewhere while still ours: free it for its new owner now
-                    self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
+                    self.store.release(run_id, o.token)
 
     async def _take(self, runs: Sequence[str]) -> None:
         """Acquire runs' leases and take each over from its journal (records, scores, inbox cursor).
@@ -474,209 +414,55 @@ class Cluster:
                 return
             journals = await self.store.read_runs(list(got))
             for run_id, tok in got.items():
-                o = _Owned(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
+                o = Lease(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
                 try:
                     replay, cursor, signal_out = journals[run_id]
-                    self.owned[run_id] = o
                     o.cursor = o.fed = cursor
-                    await self.monitor.adopt(
+                    self.leases.hold(run_id, o)
+                    assert self.host is not None, "taken over only once joined"
+                    await self.host.adopt(
                         run_id, replay.records, replay.progress.get(run_id, ()), signal_sent=signal_out
                     )
                     o.ready = True
                 except Exception:
-                    self.owned.pop(run_id, None)
+                    self.leases.drop(run_id)
                     log.exception("cluster_take_failed", run_id=run_id)
                     with contextlib.suppress(Exception):
                         await self._scripts["release"](args=[self.prefix, run_id, self.replica_id, tok])
                     continue
                 if tok > 1:
                     self.metrics.run_takeovers.inc()
-                self._dirty.add(run_id)
-            self.metrics.runs_owned.set(len(self.owned))
-            self._wake.set()
+                self.inboxes.mark(run_id)
 
     async def _drop(self, run_id: str) -> None:
         """Forget a run here (another replica owns it, or will)."""
-        if self.owned.pop(run_id, None) is not None:
-            await self.monitor.release(run_id)
-            self.metrics.runs_owned.set(len(self.owned))
+        if self.leases.drop(run_id) is not None and self.host is not None:
+            await self.host.release(run_id)
 
     async def _give_back(self, runs: Sequence[str]) -> None:
         """Runs placed elsewhere now: forget them, let what they queued be published, then free their leases."""
         handed = {r: o for r in runs if (o := self.owned.get(r)) is not None}
         if not handed:
             return
-        for run_id, o in handed.items():
-            self._closing[run_id] = (o.deadline, o.token)
-            await self._drop(run_id)
+        for run_id in handed:
+            self.leases.close(run_id)
+            if self.host is not None:
+                await self.host.release(run_id)
         # A signal queued just before the move must still reach the harness (the new owner does not publish it
         # again), and before the new owner can publish anything newer: the leases are freed once the messages
         # are out (or after a bounded wait).
-        outbox = self.monitor.outbox
+        outbox = self.outbox
         until = time.monotonic() + min(1.0, self.settings.lease_s / 4)
         while any(outbox.pending(r) for r in handed) and time.monotonic() < until:  # noqa: ASYNC110 (bounded poll)
             await asyncio.sleep(0.02)
         for run_id, o in handed.items():
-            self._closing.pop(run_id, None)
+            self.leases.closed(run_id)
             # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
-            self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
+            self.store.release(run_id, o.token)
 
-    async def _notes(self) -> None:
-        """Follow the note stream: runs placed here are taken at once, owned runs with new events are fed."""
-        while True:
-            try:
-                got: Any = await self.redis.xread({self.key("note"): self._notes_from}, count=1000, block=1000)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.metrics.cluster_errors.labels("notes").inc()
-                log.warning("cluster_notes_failed", error=f"{type(e).__name__}: {e}")
-                await asyncio.sleep(self.settings.heartbeat_s)
-                continue
-            new: list[str] = []
-            for _, entries in got or ():
-                for entry_id, fields in entries:
-                    self._notes_from = _text(entry_id)
-                    sample = fields.get(b"s")
-                    if sample is not None:
-                        self._learn(sample)
-                        continue
-                    run_id, to = _text(fields.get(b"r", b"")), _text(fields.get(b"a", b""))
-                    if run_id in self.owned:
-                        self._dirty.add(run_id)
-                    elif to == self.replica_id and not self._leaving:
-                        new.append(run_id)
-            try:
-                await self._take(new)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the heartbeat takes them at its next beat
-                self.metrics.cluster_errors.labels("take").inc()
-                log.warning("cluster_take_failed", runs=len(new), error=f"{type(e).__name__}: {e}")
-            if self._dirty:
-                self._wake.set()
-
-    def _learn(self, raw: bytes) -> None:
-        """A calibration sample another replica learnt: every replica's "auto" thresholds use the same evidence."""
-        try:
-            sample = Sample.from_json(json.loads(raw))
-            if self.monitor.calibration.add(sample):
-                self.monitor._families.update(sample.family, sample.at)
-        except Exception:
-            log.exception("calibration_sample_unreadable")
-
-    async def _feeder(self) -> None:
-        """Hand owned runs' new inbox events to the monitor, in inbox order per run, many runs per batch."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            dirty, self._dirty = self._dirty, set()
-            try:
-                held = [r for r in dirty if (o := self.owned.get(r)) is not None and o.ready]
-                self._dirty |= {r for r in dirty if r in self.owned and r not in held}
-                await self._feed(held)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self.metrics.cluster_errors.labels("feed").inc()
-                log.warning("cluster_feed_failed", error=f"{type(e).__name__}: {e}")
-                self._dirty |= dirty
-                await asyncio.sleep(0.5)
-                self._wake.set()
-
-    async def _feed(self, runs: list[str]) -> None:
-        if not runs:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id in runs:
-                fed = self.owned[run_id].fed
-                pipe.xrange(self.key("in", run_id), min=f"({fed}" if fed else "-", count=_FEED_PAGE)
-            pages = await pipe.execute()
-        messages: list[tuple[str, bytes, Delivery | None]] = []
-        last: dict[str, str] = {}
-        topics = self.monitor.topics
-        for run_id, page in zip(runs, pages, strict=True):
-            if len(page) >= _FEED_PAGE:
-                self._dirty.add(run_id)  # more after this page
-                self._wake.set()
-            for entry_id, fields in page:
-                eid = _text(entry_id)
-                kind = _text(fields[b"t"])
-                topic = topics.of(run_id, kind)
-                payload = fields[b"p"]
-                messages.append((topic, payload, Delivery(0, eid, cursor=eid)))
-                last[run_id] = eid
-        if not messages:
-            return
-        for run_id, eid in last.items():
-            if (held := self.owned.get(run_id)) is not None:
-                held.fed = eid
-        errors = await self.monitor.handle_batch(messages)
-        failed = {messages[i][0].rsplit("/", 2)[-2] for i, e in enumerate(errors) if e is not None}
-        for run_id in failed:
-            # A record that did not commit: forget the run rather than guess which of its events the state holds.
-            # Fenced, it is another replica's now; otherwise (Redis failed) the next heartbeat takes it again from
-            # its journal, under the lease this replica still holds.
-            await self._drop(run_id)
-        # Events that left no record (refused, duplicates) are consumed too: the cursor moves past them.
-        behind = [(r, w) for r in last if r not in failed and (w := self.owned.get(r)) and w.fed != w.cursor]
-        if behind:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for run_id, o in behind:
-                    await self._scripts["cursor"](args=[self.prefix, run_id, o.token, o.fed], client=pipe)
-                done = await pipe.execute()
-            for (_run, o), ok in zip(behind, done, strict=True):
-                if int(ok):
-                    o.cursor = _later(o.cursor, o.fed)
-        for run_id in last:
-            if run_id in failed:
-                continue
-            await self._retire_if_over(run_id)
-
-    async def _retire_if_over(self, run_id: str) -> None:
-        """A run that is over here (finished, or only late events for an ended run) leaves the directory."""
-        m = self.monitor
-        if run_id in m.book.live or run_id in m.book.orphans:
-            return
-        o = self.owned.get(run_id)
-        if o is None:
-            return
-        if int(await self._scripts["retire"](args=[self.prefix, run_id, self.replica_id, o.token, self.retention_ms])):
-            self.owned.pop(run_id, None)
-            self.metrics.runs_owned.set(len(self.owned))
-
-    def finished(self, run_id: str) -> None:
-        """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
-        o = self.owned.pop(run_id, None)
-        if o is not None:
-            self._closing[run_id] = (o.deadline, o.token)
-            self.metrics.runs_owned.set(len(self.owned))
-            self.store.later(self._scripts["release"], [self.prefix, run_id, self.replica_id, o.token])
-
-    # -- a departed replica's MQTT session --
-
-    async def _session_taker(self) -> None:
-        while True:
-            info = await self._sessions.get()
-            try:
-                await self._take_session(info)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                tries = int(info.get("tries", 0)) + 1
-                gone = str(info.get("replica", ""))
-                back = await self._alive(gone)
-                log.warning(
-                    "cluster_session_not_taken",
-                    replica=gone,
-                    error=f"{type(e).__name__}: {e}",
-                    retry=not back and tries < _SESSION_TRIES,
-                    note="the replica is back: its session is its own" if back else None,
-                )
-                if not back and tries < _SESSION_TRIES:
-                    # Its queued messages stay in the session (kept: nothing asked the broker to delete it); again.
-                    await asyncio.sleep(self.settings.heartbeat_s * 2)
-                    self._sessions.put_nowait({**info, "tries": tries})
+    def _placed(self, runs: list[str]) -> list[str]:
+        """Runs the notes placed here: taken now, unless this replica is leaving."""
+        return [] if self._leaving else runs
 
     async def _alive(self, replica: str) -> bool:
         """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""
@@ -685,77 +471,3 @@ class Cluster:
             secs, micros = await self.redis.time()
             return score is not None and float(score) >= secs * 1000 + micros // 1000
         return False
-
-    async def _take_session(self, info: Mapping[str, Any]) -> None:
-        """Empty a departed replica's MQTT session into the inboxes, then let the broker delete it."""
-        link = self.monitor.link
-        client_id = str(info.get("client_id") or "")
-        if link is None or not client_id:
-            return
-        import aiomqtt
-        from paho.mqtt.packettypes import PacketTypes
-        from paho.mqtt.properties import Properties
-
-        b = link.broker
-        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        # Resume the session (clean start off), keeping its expiry: if this fails halfway, what is still queued
-        # there stays for the next attempt. Only once it is empty does the DISCONNECT ask the broker to delete it.
-        props.SessionExpiryInterval = link.session_expiry_s
-        client = aiomqtt.Client(
-            b.host,
-            b.port,
-            identifier=client_id,
-            username=b.username,
-            password=b.password,
-            tls_context=b.ssl_context(),
-            protocol=aiomqtt.ProtocolVersion.V5,
-            clean_start=False,
-            properties=props,
-            timeout=10,
-        )
-        client._client.manual_ack_set(True)
-        taken = 0
-        async with client:
-            # Out of the shared subscription first: as a member, the resumed session gets its turn of every new
-            # message, so under steady traffic it would never fall quiet (and a second dead session, queued behind
-            # this one, would wait as long). The messages already queued in the session are still delivered after
-            # the UNSUBSCRIBE (MQTT 5 3.10.4; measured on Mosquitto 2.0.11: 100 queued of 100 arrived).
-            await client.unsubscribe(link.shared_filters())
-            it: AsyncIterator[aiomqtt.Message] = client.messages.__aiter__()
-            while True:
-                try:
-                    first = await asyncio.wait_for(it.__anext__(), _QUIET_S)
-                except TimeoutError:
-                    break  # emptied
-                batch = [first]
-                while not client._queue.empty():
-                    batch.append(client._queue.get_nowait())
-                items = []
-                for msg in batch:
-                    payload = msg.payload if isinstance(msg.payload, bytes) else str(msg.payload or "").encode()
-                    items.append((msg.topic.value, payload, None))
-                errors = await self.receive(items)
-                for msg, error in zip(batch, errors, strict=True):
-                    if error is None and msg.qos > 0:
-                        client._client.ack(msg.mid, msg.qos)
-                taken += sum(e is None for e in errors)
-                if any(e is not None for e in errors):
-                    raise ConnectionError("messages could not be journaled; the session is left for another attempt")
-            gone = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
-            gone.SessionExpiryInterval = 0  # emptied and unsubscribed: the broker may delete it now
-            client._client.disconnect(properties=gone)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(client._disconnected), 10)
-        self.metrics.sessions_adopted.inc()
-        log.info("cluster_session_taken", replica=info.get("replica"), client_id=client_id, messages=taken)
-
-
-def _group_of(payload: bytes) -> str:
-    """A start's group, read just enough to place the run with its siblings ('' when none or unreadable)."""
-    if b'"group"' not in payload:
-        return ""
-    try:
-        group = json.loads(payload).get("group")
-    except (ValueError, AttributeError):
-        return ""
-    return group if isinstance(group, str) and len(group) <= _MAX_RUN_ID else ""

@@ -20,6 +20,9 @@ import structlog
 from ..calibration import Sample
 from ..wire import RunEnd, RunStart
 from ._config import ClusterSettings
+from ._leases import Fenced, Leases
+from ._leases import later as _later
+from ._metrics import Metrics
 from ._state import (
     Finished,
     GapFilled,
@@ -31,8 +34,6 @@ from ._store import PLACEHOLDER_PNG, Replay, _event_of, _event_record, _totals, 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from ._cluster import Cluster
-
 log = structlog.get_logger("agent_monitor.cluster")
 T = TypeVar("T")
 
@@ -42,24 +43,6 @@ NOTES_MAXLEN = 100_000
 
 class ClusterUnavailable(ConnectionError):
     """Redis cannot be reached or refused the cluster's commands; the message says which and what to check."""
-
-
-class Fenced(RuntimeError):
-    """A write refused because this replica no longer owns the run (another took it over)."""
-
-
-def _id(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _later(a: str, b: str) -> str:
-    """The later of two stream ids ('' is before every id)."""
-    if not a:
-        return b
-    if not b:
-        return a
-    return a if _id(a) >= _id(b) else b
 
 
 def _text(v: object) -> str:
@@ -117,17 +100,32 @@ class ClusterStore:
     when another replica took the run over. Scores are written in the background, in order.
     """
 
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        prefix: str,
+        leases: Leases,
+        scripts: Mapping[str, Any],
+        metrics: Metrics,
+        retention_ms: int,
+    ) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.leases = leases
+        self.scripts = scripts
+        """The cluster's Lua scripts, registered on `redis` (`_cluster_lua`)."""
+        self.metrics = metrics
+        self.retention_ms = retention_ms
         self._pending: list[tuple[Any, list[Any]] | Callable[[], Awaitable[None]]] = []
         """Writes in order: a script and its arguments, or a coroutine function of its own (samples, rankings)."""
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def redis(self) -> aioredis.Redis:
-        return self.cluster.redis
+    def key(self, what: str, run_id: str = "") -> str:
+        """A cluster key: `am:{name}:{what}` or, per run, `am:{name}:{what}:{run}`."""
+        return f"{self.prefix}{what}:{run_id}" if run_id else f"{self.prefix}{what}"
 
     async def journal(self, record: Record) -> None:
         """Journal one record (fenced)."""
@@ -137,21 +135,21 @@ class ClusterStore:
         """Journal records and their runs' inbox cursors in one script: all or none; Fenced for a run not owned."""
         if not records:
             return
-        c = self.cluster
+        leases = self.leases
         by_run: dict[str, list[Record]] = {}
         for r in records:
             by_run.setdefault(r.run_id, []).append(r)
-        args: list[Any] = [c.prefix, c.replica_id, c.retention_ms, len(by_run)]
+        args: list[Any] = [self.prefix, leases.replica_id, self.retention_ms, len(by_run)]
         cursors: dict[str, str] = {}
         finished: list[str] = []
         for run_id, rs in by_run.items():
-            token = c.token(run_id)
+            token = leases.token(run_id)
             cursor = ""
             for r in rs:
                 d = getattr(r, "delivery", None)
                 if d is not None and d.cursor:
                     cursor = _later(cursor, d.cursor)
-            o = c.owned[run_id]
+            o = leases.owned[run_id]
             cursor = _later(o.cursor, cursor) if cursor else ""
             cursors[run_id] = cursor
             args += [run_id, token, cursor, len(rs)]
@@ -160,23 +158,40 @@ class ClusterStore:
                 args += [kind, body, json.dumps(meta)]
                 if kind == "finished":
                     finished.append(run_id)
-        ok, who = await c._run("journal", c._scripts["journal"](args=args))
+        try:
+            ok, who = await self.scripts["journal"](args=args)
+        except Exception:
+            self.metrics.cluster_errors.labels("journal").inc()
+            raise
         if not int(ok):
-            c.metrics.cluster_fenced.labels("write").inc()
+            self.metrics.cluster_fenced.labels("write").inc()
             raise Fenced(f"run {_text(who)!r} was taken over by another replica; its records were not journaled")
         for run_id, cursor in cursors.items():
-            held = c.owned.get(run_id)
-            if held is not None and cursor:
-                held.cursor = _later(held.cursor, cursor)
+            leases.advance(run_id, cursor)
         for run_id in finished:
-            c.finished(run_id)
+            self.finished(run_id)
+
+    def finished(self, run_id: str) -> None:
+        """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
+        o = self.leases.close(run_id)
+        if o is not None:
+            self.release(run_id, o.token)
+
+    def mark_signal(self, run_id: str, step: int) -> None:
+        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
+        token = self.leases.last_token(run_id)
+        if token:
+            self.later(self.scripts["mark"], [self.prefix, run_id, token, step])
+
+    def release(self, run_id: str, token: int) -> None:
+        """Free a run's lease once the writes queued before are written (the writer keeps order)."""
+        self.later(self.scripts["release"], [self.prefix, run_id, self.leases.replica_id, token])
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
         """Queue a score for the run's journal (fenced; written in order, in the background)."""
-        c = self.cluster
-        o = c.owned.get(run_id)
+        o = self.leases.get(run_id)
         if o is None:
-            c.metrics.cluster_fenced.labels("write").inc()
+            self.metrics.cluster_fenced.labels("write").inc()
             return
         meta = {
             "last_step": step,
@@ -184,7 +199,7 @@ class ClusterStore:
             "signal": data.get("signal") or "",
             "updated_at": time.time(),
         }
-        self.later(c._scripts["progress"], [c.prefix, run_id, o.token, step, json.dumps(data), json.dumps(meta)])
+        self.later(self.scripts["progress"], [self.prefix, run_id, o.token, step, json.dumps(data), json.dumps(meta)])
 
     def later(self, script: Any, args: list[Any]) -> None:
         """Queue a script call for the writer (in order, without waiting)."""
@@ -222,7 +237,7 @@ class ClusterStore:
                     raise
                 except Exception as e:
                     # Scores are kept in memory by the owner; a lost write costs a rescoring after a failover.
-                    self.cluster.metrics.cluster_errors.labels("progress").inc()
+                    self.metrics.cluster_errors.labels("progress").inc()
                     log.warning("cluster_progress_not_written", writes=len(batch), error=f"{type(e).__name__}: {e}")
             self._idle.set()
 
@@ -236,7 +251,7 @@ class ClusterStore:
 
     async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str, int | None]]:
         """Runs' records, scores, inbox cursors and last signal out, as a new owner takes them over (one round trip)."""
-        c = self.cluster
+        c = self
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id in runs:
                 pipe.lrange(c.key("rec", run_id), 0, -1)
@@ -259,7 +274,7 @@ class ClusterStore:
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
         """Keep a calibration sample for every replica (and tell the others now, through the notes)."""
-        c = self.cluster
+        c = self
         body = json.dumps(sample.to_json())
 
         async def write() -> None:
@@ -273,15 +288,15 @@ class ClusterStore:
 
     async def samples(self) -> list[Sample]:
         """Every calibration sample the cluster kept, oldest first."""
-        return await _samples(self.redis, self.cluster.prefix)
+        return await _samples(self.redis, self.prefix)
 
     async def reset_family(self, name: str) -> int:
         """Delete the samples of every family called `name`; how many."""
-        return await _reset_family(self.redis, self.cluster.prefix, name)
+        return await _reset_family(self.redis, self.prefix, name)
 
     def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
         """Keep a group's ranking (its owner's); None clears it."""
-        c = self.cluster
+        c = self
 
         async def write() -> None:
             if ranking is None:

@@ -8,12 +8,23 @@ a start beyond either is refused (`run_rejected`), never an unbounded table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import structlog
 
 from ..groups import GroupFull, GroupState, GroupUpdate
+from ..judges.base import Judge
 from ..policy import Policy
-from ..progress import Progress
+from ..progress import Decision, Progress
+from ..selection import Comparison, compare, tournament
+from ..tracker import AsyncProgressTracker
+from ._sinks import GroupRanked, MonitorEvent
+
+log = structlog.get_logger("agent_monitor.daemon")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +150,188 @@ class GroupBook:
         allowed = frozenset(allow)
         out = [s for name in list(self.groups) if (not allowed or name in allowed) and (s := self.series_of(name))]
         return sorted(out, key=lambda s: s.last_at, reverse=True)
+
+
+class Groups:
+    """The monitor's groups part: the book, the retained rankings it publishes, the gauges' copy, the tournaments.
+
+    Given what it needs, never the monitor: the sink to `emit` rankings to, the live runs' trackers
+    (`trackers`, read only), the judge for tournaments, the clock, and once the monitor runs the
+    TaskGroup its tournaments are named tasks of (`compare:{group}`).
+    """
+
+    def __init__(
+        self,
+        book: GroupBook,
+        *,
+        emit: Callable[[MonitorEvent], None],
+        trackers: Callable[[str], AsyncProgressTracker | None],
+        judge: Judge,
+        repeats: int,
+        clock: Callable[[], float],
+        on_compared: Callable[[bool, int], None] = lambda ok, calls: None,
+    ) -> None:
+        self.book = book
+        self.emit = emit
+        self.trackers = trackers
+        self.judge = judge
+        self.repeats = repeats
+        self.clock = clock
+        self.on_compared = on_compared
+        """Told (ok, judge calls) after each pairwise comparison (the compare-calls counter)."""
+        self.series: dict[str, GroupSeries] = {}
+        """Kept current one group at a time on the event loop; the scrape thread reads a copy."""
+        self.tasks: asyncio.TaskGroup | None = None
+        """The monitor's TaskGroup while it runs (None: no tournaments, e.g. once it is leaving)."""
+        # policy.compare: one pivot tournament in flight per group; what it last compared; groups to compare again.
+        self.comparing: dict[str, asyncio.Task[None]] = {}
+        self._compared: dict[str, tuple[tuple[str, int], ...]] = {}
+        self._compare_again: set[str] = set()
+
+    def gauges(self) -> list[GroupSeries]:
+        """The groups' gauges, most recently active first (called from the scrape thread: a copy)."""
+        return sorted(dict(self.series).values(), key=lambda s: s.last_at, reverse=True)
+
+    def join(self, run_id: str, group: str, policy: Policy, tracker: AsyncProgressTracker, *, publish: bool) -> bool:
+        """A run opened in a group: join it, route its results through the group; False when it runs ungrouped."""
+        try:
+            update = self.book.join(run_id, group, policy, self.clock())
+        except GroupLimitError:
+            # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
+            log.warning("group_refused_on_replay", run_id=run_id, group=group)
+            return False
+        tracker.on_group = partial(self.verdict, run_id)
+        self.changed(group, update.changed and publish)
+        return True
+
+    def verdict(self, run_id: str, p: Progress) -> Decision | None:
+        """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""
+        update = self.book.observe(run_id, p, self.clock())
+        if update is None:
+            return None
+        group = self.book.of_run[run_id]
+        self.changed(group, update.changed)
+        self.maybe_compare(group)
+        if not update.prunes:
+            return None
+        return update.prunes[0].decision(p)
+
+    def ended(self, run_id: str, outcome: str | None, at: float, *, publish: bool) -> None:
+        """A grouped run left the live set."""
+        group = self.book.of_run.get(run_id)
+        update = self.book.end(run_id, outcome, at)
+        if group is not None and update is not None:
+            self.changed(group, update.changed and publish)
+
+    def forget(self, run_id: str) -> None:
+        """A run moved to another replica (cluster mode): its group goes with its last run here."""
+        group = self.book.forget(run_id)
+        if group is not None and group not in self.book.groups:
+            self.series.pop(group, None)
+
+    def due(self, now: float) -> None:
+        """Clear the groups whose grace period passed (an empty retained payload clears a ranking)."""
+        for group in self.book.due(now):
+            self.series.pop(group, None)
+            self.emit(GroupRanked(group, None))
+
+    def changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
+        """Refresh the group gauges; publish the group's ranking (retained) when asked."""
+        series = self.book.series_of(group)
+        if series is None:
+            self.series.pop(group, None)
+        else:
+            self.series[group] = series
+        g = self.book.groups.get(group)
+        if publish and g is not None:
+            self.emit(GroupRanked(group, g.ranking(), republished=republished))
+
+    def maybe_compare(self, group: str) -> None:
+        """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
+
+        Asked again only when the tied leaders or their steps changed since the last tournament, one
+        tournament per group at a time (a change meanwhile asks once more after it). A failed tournament
+        leaves the pointwise order (fail-open); pairwise verdicts order the ranking, they never prune.
+        """
+        g = self.book.groups.get(group)
+        if g is None or not g.policy.compare or self.tasks is None:
+            return
+        steps = {r: len(t.steps) for r in g.tied_leaders() if (t := self.trackers(r)) is not None}
+        if len(steps) < 2:
+            self._compared.pop(group, None)
+            return
+        key = tuple(sorted(steps.items()))
+        if self._compared.get(group) == key:
+            return
+        if group in self.comparing:
+            self._compare_again.add(group)
+            return
+        self._compared[group] = key
+        self.comparing[group] = self.tasks.create_task(self._compare(group, list(steps)), name=f"compare:{group}")
+
+    async def _compare(self, group: str, tied: list[str]) -> None:
+        try:
+            trackers = {r: t for r in tied if (t := self.trackers(r)) is not None}
+            first = trackers[tied[0]]
+
+            async def pair(a: str, b: str) -> Comparison:
+                c = await compare(
+                    first.task,
+                    list(trackers[a].steps),
+                    list(trackers[b].steps),
+                    judge=self.judge,
+                    criteria=first.rubric,
+                    repeats=self.repeats,
+                    min_mass=first.min_mass,
+                )
+                self.on_compared(c.ok, c.calls)
+                return c
+
+            result = await tournament(list(trackers), pair)
+            g = self.book.groups.get(group)
+            if g is not None:
+                update = g.set_order(result.ranking if result.ok else ())
+                self.changed(group, update.changed)
+                log.info(
+                    "group_compared", group=group, leaders=tied, winner=result.winner,
+                    comparisons=result.comparisons, failed=result.failed,
+                )  # fmt: skip
+        except Exception:
+            log.exception("group_compare_failed", group=group)  # the pointwise ranking stands
+        finally:
+            self.comparing.pop(group, None)
+            if group in self._compare_again:
+                self._compare_again.discard(group)
+                self.maybe_compare(group)
+
+    def restore(self, stored: Mapping[str, Mapping[str, Any]], policy: Policy) -> None:
+        """Rebuild each group from its runs' restored scores, keep the prunes decided before, publish its ranking.
+
+        The journal replay made the groups and their members (in start order); the runs' stored results fold
+        in step by step across siblings (their order in time is not kept), counting streaks but deciding no
+        prune: a prune is a decision taken live once and restored from the run's stored abort. Siblings that
+        ended before the restart come from the group's last stored ranking; a group whose runs had all ended
+        is published again and cleared after the grace period, as it would have been.
+        """
+        book, now = self.book, self.clock()
+        for name, ranking in stored.items():
+            if name not in book.groups:
+                if len(book.groups) >= book.max_groups:
+                    break
+                book.groups[name] = GroupState(name, policy, max_runs=book.max_group_runs)
+                book.done_at[name] = now
+            g = book.groups[name]
+            for run in ranking.get("runs") or ():
+                if isinstance(run, Mapping) and len(g.members) < book.max_group_runs:
+                    g.restore(run)
+        for name, g in book.groups.items():
+            curves = {r: t.curve for r in g.members if (t := self.trackers(r)) is not None}
+            depth = max((len(c) for c in curves.values()), default=0)
+            for i in range(depth):
+                for run_id, curve in curves.items():
+                    if i < len(curve):
+                        p = curve[i]
+                        g.observe_progress(run_id, p, decide=False)
+                        if p.signal is not None and p.signal.pruned:
+                            g.prune(run_id)
+            self.changed(name, True, republished=True)

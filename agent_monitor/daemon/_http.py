@@ -139,6 +139,42 @@ class HttpServer:
         self._stack = stack
         return self
 
+    async def bind(self) -> None:
+        """Bind the port (OSError when it is taken) without serving yet: `serve()` serves it."""
+        if self._server is None:
+            self._server = await asyncio.start_server(
+                self._accept, self.host, self.port, limit=MAX_HEAD_BYTES, start_serving=False
+            )
+            self.port = self._server.sockets[0].getsockname()[1]
+
+    async def serve(self) -> None:
+        """Serve until cancelled, as one task of its owner's TaskGroup (the monitor's `http`); binds if not bound.
+
+        The connections and `board-prune` are this task's children; cancelling it stops listening, drops
+        the board's browsers and closes every connection, as leaving the context manager does.
+        """
+        if self._stack is not None:
+            raise RuntimeError("the server is already running")
+        await self.bind()
+        assert self._server is not None
+        stack = self._stack = contextlib.AsyncExitStack()
+        try:
+            self._tg = await stack.enter_async_context(asyncio.TaskGroup())
+            if self.board is not None:
+                self._spawn(self._prune(self.board), "board-prune")
+            await self._server.start_serving()
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            self._stack = None
+            await self._close(stack)
+
+    async def aclose(self) -> None:
+        """Stop listening (a server bound and never served, or served and cancelled)."""
+        if self._stack is None and self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
     async def __aexit__(self, *exc: object) -> None:
         stack, self._stack = self._stack, None
         if stack is not None:

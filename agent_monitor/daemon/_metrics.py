@@ -6,6 +6,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -473,6 +474,36 @@ class CostCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: the value is computed at scrape time."""
         return iter(())
+
+
+class StatisticsCollector(Collector):
+    """Gauges read from a component's `statistics()` at scrape time: `{prefix}{key}` for each key named in `gauges`."""
+
+    def __init__(self, component: object, gauges: Mapping[str, str], *, prefix: str = "agent_monitor_") -> None:
+        self.statistics: Callable[[], Mapping[str, Any]] | None = getattr(component, "statistics", None)
+        self.gauges = dict(gauges)
+        """Each statistic exported, with its help text."""
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        """The component's gauges now (none when it has no `statistics()`)."""
+        if self.statistics is None:
+            return
+        now = self.statistics()
+        for key, help_text in self.gauges.items():
+            if key in now:
+                yield GaugeMetricFamily(f"{self.prefix}{key}", help_text, value=float(now[key]))
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the values are read at scrape time."""
+        return iter(())
+
+
+STORE_GAUGES = {
+    "queue_depth": "Writes waiting for the run store's writer thread (bounded: beyond its bound, writers wait).",
+    "queue_max": "The bound of the run store's writer queue.",
+}
+"""What the run store's `statistics()` exports (as agent_monitor_store_*)."""
 
 
 class GroupCollector(Collector):

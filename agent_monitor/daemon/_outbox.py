@@ -6,10 +6,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._metrics import Metrics
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,12 +34,22 @@ class Outbox:
     the ingest's cost there).
     """
 
-    def __init__(self, maxsize: int = 10_000, *, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        maxsize: int = 10_000,
+        *,
+        on_dropped: Callable[[], None] | None = None,
+        on_fenced: Callable[[], None] | None = None,
+    ) -> None:
         if maxsize < 1:
             raise ValueError("outbox maxsize must be >= 1")
         self.maxsize = maxsize
-        self.metrics = metrics
+        self.on_dropped = on_dropped
+        """Told each message dropped for room (the dropped counter); the depth is read, `statistics()`."""
+        self.on_fenced = on_fenced
+        """Told each message the gate held back (cluster mode's fenced publishes)."""
         self.dropped = 0
+        self.fenced = 0
         self._droppable: deque[tuple[int, Message]] = deque()
         self._kept: deque[tuple[int, Message]] = deque()
         self._next = 0
@@ -64,8 +71,8 @@ class Outbox:
                 if self._droppable:
                     self._left(self._droppable.popleft()[1])
                 self.dropped += 1
-                if self.metrics:
-                    self.metrics.outbox_dropped.inc()
+                if self.on_dropped is not None:
+                    self.on_dropped()
             if newcomer_dropped:
                 return
         self._next += 1
@@ -73,7 +80,6 @@ class Outbox:
         if m.run_id is not None:
             self._by_run[m.run_id] = self._by_run.get(m.run_id, 0) + 1
         self._ready.set()
-        self._gauge()
 
     def requeue(self, m: Message) -> None:
         """Put back a message whose publication failed, first in line."""
@@ -82,7 +88,6 @@ class Outbox:
         if m.run_id is not None:
             self._by_run[m.run_id] = self._by_run.get(m.run_id, 0) + 1
         self._ready.set()
-        self._gauge()
 
     async def get(self) -> Message:
         """The next message, waiting for one."""
@@ -91,7 +96,6 @@ class Outbox:
                 self._ready.clear()
                 await self._ready.wait()
             m = self._pop()
-            self._gauge()
             # Checked as it leaves, not as it came: a replica paused past its lease (a zombie) must not publish
             # what it queued before the pause, once another replica owns the run.
             if self._may(m):
@@ -102,16 +106,15 @@ class Outbox:
         while len(self):
             m = self._pop()
             if self._may(m):
-                self._gauge()
                 return m
-        self._gauge()
         return None
 
     def _may(self, m: Message) -> bool:
         if m.run_id is None or self.gate is None or self.gate(m.run_id):
             return True
-        if self.metrics:
-            self.metrics.cluster_fenced.labels("publish").inc()
+        self.fenced += 1
+        if self.on_fenced is not None:
+            self.on_fenced()
         return False
 
     def pending(self, run_id: str) -> int:
@@ -133,6 +136,6 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._droppable) + len(self._kept)
 
-    def _gauge(self) -> None:
-        if self.metrics:
-            self.metrics.outbox_depth.set(len(self))
+    def statistics(self) -> dict[str, Any]:
+        """Messages waiting, the bound, and how many were dropped for room or held back by the gate."""
+        return {"depth": len(self), "maxsize": self.maxsize, "dropped": self.dropped, "fenced": self.fenced}

@@ -11,7 +11,7 @@ a web board) is appending a callable: `Monitor(config, judge=..., sinks=[my_sink
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeAlias
@@ -173,6 +173,29 @@ class MqttSink:
             )
 
 
+class Fanout:
+    """Hand each event to the sinks that take its kind, in order; a sink that raises is logged, never fatal."""
+
+    def __init__(self, sinks: Sequence[Sink], logger: Any = None) -> None:
+        self.sinks = tuple(sinks)
+        self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
+        self._routes: dict[type, list[Sink]] = {}
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Emit one event."""
+        kind = type(event)
+        route = self._routes.get(kind)
+        if route is None:
+            # The sinks that take this kind of event (all of them, unless a sink lists its `events`).
+            route = self._routes[kind] = [s for s in self.sinks if kind in getattr(s, "events", (kind,))]
+        for sink in route:
+            try:
+                sink(event)
+            except Exception:
+                # One broken sink (a user's, or a full disk under the store) must not silence the others.
+                self.log.exception("sink_failed", sink=getattr(sink, "__qualname__", type(sink).__name__))
+
+
 class StoreSink:
     """Keep every published score and group ranking in the run store (a restart takes them up again)."""
 
@@ -226,6 +249,7 @@ class LogSink:
 __all__ = [
     "Accepted",
     "Duplicated",
+    "Fanout",
     "GroupRanked",
     "LogSink",
     "MonitorEvent",

@@ -36,7 +36,7 @@ from ..wire import Topics
 from ._sinks import Sink
 from ._state import Delivery
 
-__all__ = ["Inbound", "Ingest", "Receive", "RunsView", "Source"]
+__all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source"]
 
 Kind = Literal["start", "step", "end"]
 
@@ -122,4 +122,32 @@ class Source(Protocol):
 
     def statistics(self) -> Mapping[str, Any]:
         """Counters and gauges of this source, read at scrape time and by `Monitor.status()`."""
+        ...
+
+
+@runtime_checkable
+class Host(Protocol):
+    """What a cluster replica needs of the monitor it feeds: hand it events, give it runs, take them back."""
+
+    async def handle_batch(self, messages: Sequence[tuple[str, bytes, Delivery | None]]) -> list[BaseException | None]:
+        """Decide, journal and apply wire-form messages; per message None (handled) or why not."""
+        ...
+
+    async def adopt(
+        self,
+        run_id: str,
+        records: Sequence[Any],
+        progress: Sequence[Mapping[str, Any]],
+        *,
+        signal_sent: int | None = None,
+    ) -> None:
+        """Take one run over from its journal (records and stored scores)."""
+        ...
+
+    async def release(self, run_id: str) -> None:
+        """Forget one run without ending it."""
+        ...
+
+    def is_live(self, run_id: str) -> bool:
+        """Whether the run is live here or holds steps waiting for their start."""
         ...

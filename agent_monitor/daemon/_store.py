@@ -65,6 +65,8 @@ PLACEHOLDER_PNG = base64.b64decode(
 _SCHEMA_VERSION = 2
 _GROUP_MAX = 256
 """Writes the writer thread commits in one transaction at most (it takes what is waiting, up to this)."""
+_QUEUE_MAX = 100_000
+"""Writes the writer thread's queue holds (each a record, a batch or a score write); beyond, writers wait."""
 _DELIVERIES_KEPT = 65_536
 """Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
 
@@ -184,118 +186,25 @@ class SqliteStore:
         frame_budget: FrameBudget | None = None,
         fsync: bool = False,
         clock: Callable[[], float] = time.time,
+        max_queue: int = _QUEUE_MAX,
     ) -> None:
         self.path = Path(path)
         self.budget = frame_budget or FrameBudget()
         self.clock = clock
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._jobs: queue.SimpleQueue[
-            tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]] | None
-        ] = queue.SimpleQueue()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         self._db.execute("PRAGMA foreign_keys=OFF")
-        self._check_format()
+        _check_format(self._db, self.path)
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
         self._frames_total: dict[str, int] = {}
         self._progress_lock = threading.Lock()
         self._progress_rows: list[tuple[Any, ...]] | None = None
         """Scores waiting for the write already queued for them (see record_progress); None: none queued."""
-        self._thread = threading.Thread(target=self._writer, name="run-store-writer", daemon=True)
-        self._thread.start()
+        self._writer = _Writer(self._db, commit=self._commit, on_failed=self._frames_total.clear, maxsize=max_queue)
         self._closed = False
-
-    def _check_format(self) -> None:
-        version = self._db.execute("PRAGMA user_version").fetchone()[0]
-        has_events = self._db.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchone() is not None
-        if version > _SCHEMA_VERSION:
-            raise StoreFormatError(
-                f"the run store {self.path} was written by a newer agent-monitor (format {version}); "
-                "upgrade, or pass another --state-dir"
-            )
-        if has_events and version < _SCHEMA_VERSION:
-            # Format 1 journaled raw events (including refused ones) and no gap decisions: replaying it could
-            # not rebuild the state exactly. Its ended runs stay readable (runs / export); its live runs are
-            # closed with outcome "migrated" rather than resumed wrongly.
-            self._db.execute("ALTER TABLE events ADD COLUMN mid INTEGER")
-            self._db.execute("ALTER TABLE events ADD COLUMN digest TEXT")
-            now = time.time()
-            n = self._db.execute(
-                "UPDATE runs SET ended_at = ?, outcome = 'migrated' WHERE ended_at IS NULL", (now,)
-            ).rowcount
-            self._db.execute(
-                "DELETE FROM events WHERE run_id NOT IN (SELECT run_id FROM runs)"
-            )  # steps of runs never started
-            log.warning("store_migrated", path=str(self.path), closed_live_runs=n)
-
-    # -- the writer thread: every statement runs here, in submission order --
-
-    def _writer(self) -> None:
-        # Group commit: every write waiting when the thread gets to it shares one transaction (one WAL commit),
-        # each inside its own savepoint so one failing write fails alone. Futures resolve only after COMMIT.
-        stop = False
-        while not stop:
-            job = self._jobs.get()
-            if job is None:
-                break
-            group = [job]
-            while len(group) < _GROUP_MAX:
-                try:
-                    nxt = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                group.append(nxt)
-            self._run_group(group)
-
-    def _run_group(
-        self, group: list[tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]]
-    ) -> None:
-        db = self._db
-        done: list[tuple[concurrent.futures.Future[Any], Any]] = []
-        failed: list[tuple[concurrent.futures.Future[Any], BaseException]] = []
-        try:
-            db.execute("BEGIN IMMEDIATE")
-        except BaseException as e:
-            for _, fut in group:
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(e)
-            return
-        for fn, fut in group:
-            if not fut.set_running_or_notify_cancel():
-                continue
-            db.execute("SAVEPOINT job")
-            try:
-                result = fn(db)
-            except BaseException as e:
-                failed.append((fut, e))
-                if db.in_transaction:
-                    db.execute("ROLLBACK TO job")
-                    db.execute("RELEASE job")
-                else:  # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it are gone too
-                    failed.extend((f, e) for f, _ in done)
-                    done.clear()
-                    db.execute("BEGIN IMMEDIATE")
-            else:
-                db.execute("RELEASE job")
-                done.append((fut, result))
-        try:
-            self._commit(db)
-        except BaseException as e:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            failed.extend((f, e) for f, _ in done)
-            done.clear()
-        if failed:
-            self._frames_total.clear()  # a cache of what is committed: a rolled-back write may have moved it
-        for fut, result in done:
-            fut.set_result(result)
-        for fut, error in failed:
-            fut.set_exception(error)
 
     def _commit(self, db: sqlite3.Connection) -> None:
         """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O error would)."""
@@ -308,7 +217,7 @@ class SqliteStore:
         if seal:
             with self._progress_lock:
                 self._progress_rows = None  # scores recorded after this write are written after it
-        self._jobs.put((fn, fut))
+        self._writer.put(fn, fut)
         return fut
 
     def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str, *, seal: bool = True) -> None:
@@ -643,9 +552,12 @@ class SqliteStore:
         if self._closed:
             return
         self._closed = True
-        self._jobs.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._writer.close)
         self._db.close()
+
+    def statistics(self) -> dict[str, int]:
+        """The writer thread's queue: writes waiting, and its bound."""
+        return {"queue_depth": self._writer.depth, "queue_max": self._writer.maxsize}
 
 
 _KINDS = ("input", "cached_input", "output")
@@ -770,6 +682,133 @@ def _event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: De
     if kind == "end":
         return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
     raise StoreFormatError(f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?")
+
+
+def _check_format(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse a newer format; migrate format 1 (its live runs closed as "migrated")."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    has_events = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchone() is not None
+    if version > _SCHEMA_VERSION:
+        raise StoreFormatError(
+            f"the run store {path} was written by a newer agent-monitor (format {version}); "
+            "upgrade, or pass another --state-dir"
+        )
+    if has_events and version < _SCHEMA_VERSION:
+        # Format 1 journaled raw events (including refused ones) and no gap decisions: replaying it could
+        # not rebuild the state exactly. Its ended runs stay readable (runs / export); its live runs are
+        # closed with outcome "migrated" rather than resumed wrongly.
+        db.execute("ALTER TABLE events ADD COLUMN mid INTEGER")
+        db.execute("ALTER TABLE events ADD COLUMN digest TEXT")
+        now = time.time()
+        n = db.execute("UPDATE runs SET ended_at = ?, outcome = 'migrated' WHERE ended_at IS NULL", (now,)).rowcount
+        db.execute("DELETE FROM events WHERE run_id NOT IN (SELECT run_id FROM runs)")  # steps of runs never started
+        log.warning("store_migrated", path=str(path), closed_live_runs=n)
+
+
+Job = tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]
+
+
+class _Writer:
+    """The store's writer thread: every statement runs there, in submission order, in group commits.
+
+    Its queue is bounded (`maxsize` writes): when it is full, submitting waits until the thread took a
+    group (back-pressure on whoever writes, the event loop included, rather than memory without bound).
+    """
+
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        *,
+        commit: Callable[[sqlite3.Connection], None],
+        on_failed: Callable[[], None],
+        maxsize: int,
+    ) -> None:
+        if maxsize < 1:
+            raise ValueError(f"the run store's queue needs room for at least one write, got max_queue={maxsize}")
+        self.db = db
+        self.commit = commit
+        self.on_failed = on_failed
+        self.maxsize = maxsize
+        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize)
+        self._thread = threading.Thread(target=self._loop, name="run-store-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Writes waiting for the thread."""
+        return self._jobs.qsize()
+
+    def put(self, fn: Callable[[sqlite3.Connection], Any], fut: concurrent.futures.Future[Any]) -> None:
+        """Queue one write (waits while the queue is full: the overflow policy is back-pressure)."""
+        self._jobs.put((fn, fut))
+
+    def close(self) -> None:
+        """Finish every queued write, then stop the thread (blocking: run it in a worker thread)."""
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        # Group commit: every write waiting when the thread gets to it shares one transaction (one WAL commit),
+        # each inside its own savepoint so one failing write fails alone. Futures resolve only after COMMIT.
+        stop = False
+        while not stop:
+            job = self._jobs.get()
+            if job is None:
+                break
+            group = [job]
+            while len(group) < _GROUP_MAX:
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                group.append(nxt)
+            self._run_group(group)
+
+    def _run_group(self, group: list[Job]) -> None:
+        db = self.db
+        done: list[tuple[concurrent.futures.Future[Any], Any]] = []
+        failed: list[tuple[concurrent.futures.Future[Any], BaseException]] = []
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except BaseException as e:
+            for _, fut in group:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(e)
+            return
+        for fn, fut in group:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            db.execute("SAVEPOINT job")
+            try:
+                result = fn(db)
+            except BaseException as e:
+                failed.append((fut, e))
+                if db.in_transaction:
+                    db.execute("ROLLBACK TO job")
+                    db.execute("RELEASE job")
+                else:  # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it are gone too
+                    failed.extend((f, e) for f, _ in done)
+                    done.clear()
+                    db.execute("BEGIN IMMEDIATE")
+            else:
+                db.execute("RELEASE job")
+                done.append((fut, result))
+        try:
+            self.commit(db)
+        except BaseException as e:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            failed.extend((f, e) for f, _ in done)
+            done.clear()
+        if failed:
+            self.on_failed()  # the store's caches of what is committed: a rolled-back write may have moved them
+        for fut, result in done:
+            fut.set_result(result)
+        for fut, error in failed:
+            fut.set_exception(error)
 
 
 class MemoryStore:

@@ -1,0 +1,307 @@
+"""The monitor's scoring part: each live run's tracker, the scheduler its scorers take runs from, the circuit.
+
+Handed what it needs, never the monitor: the run state (`RunBook`, read), the judge behind its circuit
+breaker, the calibration, the groups part, the sink to `emit` to and the clock. What the ingest
+applies reaches it as effects (`act`); a run whose end is accepted finishes through `finish` once its
+newest prefix is scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from ..calibration import Calibration
+from ..criteria import Rubric
+from ..judges.circuit import CircuitJudge
+from ..policy import Policy, with_levels
+from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
+from ..scheduler import Scheduler
+from ..tracker import AsyncProgressTracker
+from ..wire import RunStart, Topics
+from ._config import MonitorConfig
+from ._groups import Groups
+from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
+from ._state import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
+
+log = structlog.get_logger("agent_monitor.daemon")
+
+
+@dataclass(eq=False, slots=True)
+class RunScoring:
+    """The scoring side of one live run: its tracker (steps, curve, policy state) and what was published."""
+
+    tracker: AsyncProgressTracker
+    policy: Policy
+    labels: dict[str, str]
+    scored: int = 0
+    signal: Signal = "continue"
+    last_ok: Progress | None = None
+    arrived: dict[int, float] = field(default_factory=dict)
+    group: str | None = None
+    """The run's group (`start.group`), while it is in one."""
+    closing: str | None = None
+    """The outcome to finish with once the newest prefix is scored (set when the end is accepted)."""
+
+    @property
+    def wants_scoring(self) -> bool:
+        """Steps wait to be scored, and the run was not told to abort (abort is final)."""
+        return len(self.tracker.steps) > self.scored and self.signal != "abort"
+
+
+class Scoring:
+    """The live runs' trackers and the scorers' queue: score each run's newest prefix, emit what it gave."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        *,
+        criteria: Rubric,
+        book: RunBook,
+        circuit: CircuitJudge,
+        calibration: Calibration,
+        groups: Groups,
+        topics: Topics,
+        emit: Callable[[MonitorEvent], None],
+        clock: Callable[[], float],
+        on_depth: Callable[[int], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.criteria = criteria
+        self.book = book
+        self.circuit = circuit
+        self.calibration = calibration
+        self.groups = groups
+        self.topics = topics
+        self.emit = emit
+        self.clock = clock
+        self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=on_depth)
+        self.runs: dict[str, RunScoring] = {}
+        self.prepared: dict[str, RunScoring] = {}
+        self.scorings = 0
+        self.finish: Callable[[str, str], Awaitable[None]] | None = None
+        """Finish a run (journal its end) once its newest prefix is scored: the ingest's, wired by the monitor."""
+        self._default_policy: tuple[Policy, dict[str, Any]] | None = None
+
+    def tracker(self, run_id: str) -> AsyncProgressTracker | None:
+        """The tracker scoring a live run, or None."""
+        s = self.runs.get(run_id)
+        return s.tracker if s is not None else None
+
+    def criteria_of(self, run_id: str) -> tuple[str, ...]:
+        """The names of a live run's criteria (a failed score's evaluation events are one per criterion)."""
+        t = self.tracker(run_id)
+        return tuple(c.name for c in t.rubric.criteria) if t else ()
+
+    # -- what the ingest applied --
+
+    def prepare(self, run_id: str, start: RunStart) -> None:
+        """Build a start's tracker before it is journaled (a start that cannot be used is refused, not journaled)."""
+        self.prepared[run_id] = self._new(run_id, start)
+
+    async def act(self, effect: Effect, replaying: bool) -> None:
+        """Act on one effect of a journaled record (steps appended, a run opened, closing or closed)."""
+        if isinstance(effect, Appended):
+            await self._append(effect.run_id, effect.steps, replaying)
+        elif isinstance(effect, Opened):
+            self._open(effect.run_id, effect.start, replaying)
+        elif isinstance(effect, Closing):
+            scoring = self.runs.get(effect.run_id)
+            if scoring is not None:
+                scoring.closing = effect.outcome
+                if not replaying:
+                    self.scheduler.wake(effect.run_id)  # finishes the run once its newest prefix is scored
+        elif isinstance(effect, Closed):
+            self._closed(effect, replaying)
+
+    def _new(self, run_id: str, start: RunStart) -> RunScoring:
+        c = self.config
+        rubric = start.rubric() if start.criteria is not None else self.criteria
+        # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
+        # thresholds, then the defaults. A start naming neither criteria nor policy (most) gets the same one:
+        # resolved once (dataclasses.asdict per start was a third of a start's cost in a burst).
+        if start.criteria is None and not start.policy:
+            if self._default_policy is None:
+                resolved = with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given)
+                self._default_policy = (resolved, resolved.as_dict())
+            policy, settings = self._default_policy
+        else:
+            policy = start.resolved_policy(with_levels(c.policy, dict(rubric.thresholds), keep=c.policy_given))
+            settings = policy.as_dict()
+        tracker = AsyncProgressTracker(
+            start.task,
+            judge=self.circuit,
+            options=c,  # the config's scoring settings (ScoringOptions' fields), passed on whole
+            criteria=rubric,
+            images=[i.decoded() for i in start.images],
+            allow_files=False,  # network events never name local files
+            expected=start.expected,
+            run_id=run_id,
+            # Every setting named: resolved above, so the tracker must not fill any from the rubric again.
+            policy=settings,
+            calibration=self.calibration,
+            family=start.family,
+            prices=c.prices,
+        )
+        return RunScoring(tracker, policy, dict(start.labels), group=start.group)
+
+    def _open(self, run_id: str, start: RunStart, replaying: bool) -> None:
+        scoring = self.prepared.pop(run_id, None) or self._new(run_id, start)
+        self.runs[run_id] = scoring
+        if not replaying:
+            self.emit(RunOpened(run_id, start, len(self.book.live)))
+        if start.group is not None and not self.groups.join(
+            run_id, start.group, scoring.policy, scoring.tracker, publish=not replaying
+        ):
+            scoring.group = None
+
+    async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
+        scoring = self.runs.get(run_id)
+        if scoring is None:
+            return
+        for s in steps:
+            step = s.step
+            try:
+                await scoring.tracker.add(step.text, images=[im.decoded() for im in step.images], meta=step.meta)
+            except Exception as e:
+                # The images passed the sniff but not the decoder: keep the step's text, report the images.
+                if not replaying:
+                    where = self.topics.of(run_id, "step")
+                    why = f"step {s.index}: an image could not be decoded ({e}); scored without"
+                    self.emit(Refused(run_id, "bad_image", why, where))
+                text = step.text or f"(step {s.index}: its images could not be decoded)"
+                await scoring.tracker.add(text, meta=step.meta)
+            scoring.arrived[s.index] = s.at
+        if not replaying:
+            self.scheduler.wake(run_id)
+
+    def _closed(self, effect: Closed, replaying: bool) -> None:
+        run_id = effect.run_id
+        scoring = self.runs.pop(run_id, None)
+        self.scheduler.discard(run_id)
+        self.groups.ended(run_id, effect.outcome, effect.at, publish=not replaying)
+        if replaying and effect.outcome != "evicted":
+            return
+        latest = scoring.tracker.latest if scoring else None
+        self.emit(
+            RunClosed(
+                run_id,
+                effect.outcome,
+                len(scoring.tracker.steps) if scoring else 0,
+                latest,
+                scoring.last_ok if scoring else None,
+                scoring.signal if scoring else "continue",
+                scoring.labels if scoring else {},
+                effect.at,
+                len(self.book.live),
+            )
+        )
+
+    def teach(self, run_id: str) -> None:
+        """Teach the calibration a run that ended and is scored: its outcome and its curve (no outcome: nothing)."""
+        state, scoring = self.book.live.get(run_id), self.runs.get(run_id)
+        if state is None or state.ended is None or scoring is None:
+            return
+        tracker = scoring.tracker
+        # A run id may be used again for a new run once its run ended: the start time tells the two apart.
+        key = f"{run_id}@{state.started_at!r}"
+        try:
+            exposed = tracker.policy_state is not None and tracker.policy_state.exposed
+            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.points, exposed=exposed)
+        except Exception:
+            log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
+
+    def forget(self, run_id: str) -> None:
+        """Drop a run without ending it (cluster mode: another replica owns it now)."""
+        self.runs.pop(run_id, None)
+        self.prepared.pop(run_id, None)
+        self.scheduler.discard(run_id)
+        self.groups.forget(run_id)
+
+    # -- scoring (the scheduler's callback) --
+
+    async def _score(self, run_id: str) -> None:
+        scoring = self.runs.get(run_id)
+        if scoring is None:
+            return
+        if scoring.wants_scoring:
+            # While the judge is down, wait for its next probe instead of spending this run's steps on certain
+            # failures; steps arriving meanwhile fold into the one scoring made when it is back.
+            async with self.circuit.ready():
+                n = len(scoring.tracker.steps)
+                first = scoring.scored + 1
+                try:
+                    p: Progress | None = await scoring.tracker.score(n, coalesced=n - scoring.scored)
+                except Exception as e:
+                    # The tracker turns judge failures into results; anything else is a bug, reported, never a score.
+                    log.exception("scoring_crashed", run_id=run_id, step=n)
+                    where = self.topics.of(run_id, "step")
+                    self.emit(Refused(run_id, "scoring_failed", f"scoring step {n} failed: {e}", where, invalid=False))
+                    p = None
+            scoring.scored = max(scoring.scored, n)
+            self.scorings += 1
+            if self.runs.get(run_id) is not scoring:
+                return  # the run moved to another replica meanwhile (cluster mode): its owner publishes, not this one
+            if p is not None:
+                self._scored(run_id, scoring, p, first)
+        if scoring.closing is not None and not scoring.wants_scoring and self.runs.get(run_id) is scoring:
+            assert self.finish is not None, "Scoring.finish is wired by the monitor"
+            await self.finish(run_id, scoring.closing)
+
+    def _scored(self, run_id: str, scoring: RunScoring, p: Progress, first: int) -> None:
+        degraded = self.circuit.degraded
+        if degraded:
+            p = dataclasses.replace(p, degraded=True)
+        if p.ok:
+            scoring.last_ok = p
+        arrived = tuple(t for i in range(first, p.step + 1) if (t := scoring.arrived.pop(i, None)) is not None)
+        self.emit(Scored(run_id, p, p.to_json(), arrived, self.clock()))
+        d = p.signal
+        if d is not None and d.changed:
+            scoring.signal = d.signal
+            self.emit(SignalChanged(run_id, d, scoring.policy))
+        if not p.ok and p.reason in OUTAGE_REASONS and degraded:
+            # Scored again at the judge's next probe: woken now (it is in flight, so it goes to the back of the
+            # queue when this scoring ends) and it waits in `circuit.ready()` until the probe is due.
+            _rewind(scoring)
+            self.scheduler.wake(run_id)
+
+    def judge_back(self) -> None:
+        """The judge answers again: score again the runs whose newest result was lost to the outage."""
+        for run_id, scoring in list(self.runs.items()):
+            latest = scoring.tracker.latest
+            if latest is not None and not latest.ok and latest.reason in OUTAGE_REASONS:
+                _rewind(scoring)
+                self.scheduler.wake(run_id)
+
+    def restore(self, run_id: str, progress: Sequence[Mapping[str, Any]], *, republish: bool = True) -> None:
+        """Give a replayed run its stored scores; schedule what is left to score (or to finish); republish its signal."""
+        scoring = self.runs.get(run_id)
+        if scoring is None:
+            return
+        stored = [Progress.from_json(dict(d)) for d in progress]
+        results = [] if self.config.rescore else stored
+        tracker = scoring.tracker
+        # The tokens were spent whatever is kept of the scores: the totals go on from where they were.
+        tracker.restore((r for r in results if r.step <= len(tracker.steps)), usage=run_totals(stored))
+        scoring.last_ok = tracker.summary.last_ok
+        scoring.scored = tracker.latest.step if tracker.latest else 0
+        for i in range(1, scoring.scored + 1):
+            scoring.arrived.pop(i, None)
+        latest = tracker.latest
+        if latest is not None and latest.signal is not None:
+            scoring.signal = latest.signal.signal
+            if tracker.summary.signal_changes and republish:
+                self.emit(SignalChanged(run_id, latest.signal, scoring.policy, republished=True))
+        if scoring.wants_scoring or scoring.closing is not None:
+            self.scheduler.wake(run_id)
+
+
+def _rewind(scoring: RunScoring) -> None:
+    """Mark steps whose scoring was lost to an outage as unscored: the next scoring covers them again."""
+    last_ok = scoring.tracker.summary.last_ok
+    scoring.scored = last_ok.step if last_ok is not None else 0

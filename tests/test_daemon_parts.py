@@ -1,0 +1,55 @@
+"""The daemon's owned parts as the monitor wires them: the HTTP server as its task, the store's bounded queue."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import HttpServer, Monitor, MonitorConfig, SqliteStore
+from agent_monitor.testing import FakeJudge
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return str(r.read().decode())
+
+
+async def test_the_http_server_is_a_named_task_of_the_monitor_and_stops_with_it(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    store = SqliteStore(tmp_path / "runs.db")
+    web = HttpServer(registry, port=0)
+    await web.bind()  # bound before the monitor enters: a taken port fails first (as serve does)
+    try:
+        async with Monitor(MonitorConfig(), judge=FakeJudge(), store=store, registry=registry, http=web) as mon:
+            assert "http" in {t.get_name() for t in mon._tasks}
+            await mon.handle("agents/r1/start", b'{"task": "count"}')
+            text = await asyncio.to_thread(_get, f"{web.url}metrics")
+            assert "agent_monitor_runs_active 1.0" in text
+            # The run store's writer queue, read at scrape time from its statistics().
+            assert "agent_monitor_store_queue_max 100000.0" in text
+            assert "agent_monitor_store_queue_depth" in text
+        with pytest.raises(urllib.error.URLError):
+            await asyncio.to_thread(_get, f"{web.url}metrics")  # left with the monitor: nothing listens
+    finally:
+        await web.aclose()
+        await store.aclose()
+
+
+async def test_the_store_queue_is_bounded_and_reports_its_depth(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_queue"):
+        SqliteStore(tmp_path / "bad.db", max_queue=0)
+    store = SqliteStore(tmp_path / "runs.db", max_queue=2)
+    try:
+        assert store.statistics() == {"queue_depth": 0, "queue_max": 2}
+        # More writes than the queue holds: the writer applies back-pressure, none is lost.
+        for i in range(20):
+            store.record_ranking(f"g{i}", {"runs": []})
+        assert store.statistics()["queue_depth"] <= 2
+        assert len(await store.rankings()) == 20
+    finally:
+        await store.aclose()
