@@ -13,6 +13,7 @@ from agent_monitor.cli import main
 from agent_monitor.cli._flags import build
 from agent_monitor.cli._main import BrokerOptions, JudgeOptions, ServeOptions, _parser
 from agent_monitor.daemon import BoardSettings, ClusterSettings, MetricsSettings, MonitorConfig, RunLimits
+from agent_monitor.daemon._config import WorkLimits
 
 # Every flag `serve` had before the flags were generated: users' scripts use these names.
 OLD_FLAGS = [
@@ -108,7 +109,7 @@ def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None
             # Each field's help text is on the page (written once, on the field).
             f = next(
                 f
-                for c in (cls, Policy, RunLimits, MetricsSettings, BoardSettings, ClusterSettings)
+                for c in (cls, Policy, RunLimits, MetricsSettings, BoardSettings, ClusterSettings, WorkLimits)
                 for f in dataclasses.fields(c)
                 if f.name == name
             )

@@ -15,12 +15,20 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from ..calibration import DEFAULT_SUCCESS_AT
+from ..criteria import RubricBounds
 from ..images import FrameBudget
 from ..policy import Policy
 from ..progress import Prices
 from ..scale import DEFAULT_MIN_MASS
 from ..tracker import DEFAULT_EXTRACT_BUDGET_S, DEFAULT_REPEATS
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
+from ..wire._limits import (
+    MAX_CRITERIA,
+    MAX_CRITERION_BYTES,
+    MAX_JUDGE_CALLS_PER_RUN_MINUTE,
+    MAX_JUDGE_CALLS_PER_STEP,
+    MAX_RUBRIC_BYTES,
+)
 from ._state import RunLimits
 
 Protocol = Literal["auto", "5", "3.1.1"]
@@ -144,6 +152,47 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
+class WorkLimits:
+    """The work one event may cause: rubric size on a start, judge calls per step and per run per minute."""
+
+    max_criteria: int = field(
+        default=MAX_CRITERIA,
+        metadata={"help": "criteria in a start's rubric; a start with more is refused (each is a judge call per step)"},
+    )
+    max_criterion_bytes: int = field(
+        default=MAX_CRITERION_BYTES, metadata={"help": "bytes of one criterion of a start's rubric, as JSON"}
+    )
+    max_rubric_bytes: int = field(
+        default=MAX_RUBRIC_BYTES, metadata={"help": "bytes of a start's whole rubric (start.criteria), as JSON"}
+    )
+    max_judge_calls_per_step: int = field(
+        default=MAX_JUDGE_CALLS_PER_STEP,
+        metadata={
+            "help": "judge calls one scoring of a run may make (judged criteria x repeats); a start over it is refused"
+        },
+    )
+    max_judge_calls_per_run_minute: int = field(
+        default=MAX_JUDGE_CALLS_PER_RUN_MINUTE,
+        metadata={"help": "judge calls one run may make in any 60 s; past it the run waits and its steps coalesce"},
+    )
+
+    def __post_init__(self) -> None:
+        small = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) < 1}
+        if small:
+            raise ValueError(f"work limits {small} must be >= 1")
+        if self.max_judge_calls_per_run_minute < self.max_judge_calls_per_step:
+            raise ValueError(
+                f"max_judge_calls_per_run_minute={self.max_judge_calls_per_run_minute} is below "
+                f"max_judge_calls_per_step={self.max_judge_calls_per_step}: one scoring would never fit in a minute"
+            )
+
+    @property
+    def rubric(self) -> RubricBounds:
+        """The bounds a start's rubric is checked against on decode."""
+        return RubricBounds(self.max_criteria, self.max_criterion_bytes, self.max_rubric_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class MonitorConfig:
     """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`."""
 
@@ -206,6 +255,7 @@ class MonitorConfig:
         },
     )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
+    work: WorkLimits = field(default_factory=WorkLimits, metadata={"help": "work per event"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
     cluster: ClusterSettings = field(default_factory=ClusterSettings, metadata={"help": "cluster"})
     image_dirs: tuple[str, ...] = field(
@@ -341,4 +391,4 @@ class MonitorConfig:
         return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
-__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "Protocol"]
+__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "Protocol", "WorkLimits"]

@@ -86,6 +86,7 @@ from ._state import (
     Stepped,
 )
 from ._store import NoStore, RunStore, SqliteStore
+from ._work import CallRate, calls_per_scoring, check_start
 
 if TYPE_CHECKING:
     from ._cluster import Cluster
@@ -335,7 +336,10 @@ class Monitor:
             "max_image_bytes": c.max_image_bytes,
             "image_dirs": self.image_dirs,
             "image_hosts": c.image_hosts,
+            "rubric_bounds": c.work.rubric,  # harden hook: bounded work per start
         }
+        # harden hook: judge calls per run per minute (a run past it waits; its steps coalesce).
+        self._rate = CallRate(c.work.max_judge_calls_per_run_minute, clock=clock)
         self.registry.register(
             RunCollector(self._series, label_names=c.metrics.labels, max_series=c.metrics.max_series)
         )
@@ -488,6 +492,7 @@ class Monitor:
             "queued": len(self.outbox),
             "scorings": self.scorings,
             "degraded": self.circuit.degraded,
+            "judge_rate": self._rate.statistics(),
             "connected": bool(self.link and self.link.connected.is_set()),
             **(self.cluster.status() if self.cluster is not None else {}),
             **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
@@ -703,6 +708,7 @@ class Monitor:
     def _new_scoring(self, run_id: str, start: RunStart) -> _Scoring:
         c = self.config
         rubric = start.rubric() if start.criteria is not None else self.criteria
+        check_start(rubric, c.repeats, c.work.max_judge_calls_per_step)  # harden hook: WorkRefused names the bound
         # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
         # thresholds, then the defaults. A start naming neither criteria nor policy (most) gets the same one:
         # resolved once (dataclasses.asdict per start was a third of a start's cost in a burst).
@@ -860,6 +866,7 @@ class Monitor:
         run_id = effect.run_id
         scoring = self._scoring.pop(run_id, None)
         self.scheduler.discard(run_id)
+        self._rate.forget(run_id)  # harden hook
         group = self.groups.of_run.get(run_id)
         update = self.groups.end(run_id, effect.outcome, effect.at)
         if group is not None and update is not None:
@@ -933,6 +940,13 @@ class Monitor:
         if scoring is None:
             return
         if scoring.wants_scoring:
+            # harden hook: a run that spent its judge calls for the minute waits (its steps coalesce meanwhile).
+            calls = calls_per_scoring(scoring.tracker.rubric, self.config.repeats)
+            wait = self._rate.wait(run_id, calls)
+            if wait > 0:
+                self._rate.defer(run_id, wait)
+                return
+            self._rate.spend(run_id, calls)
             # While the judge is down, wait for its next probe instead of spending this run's steps on certain
             # failures; steps arriving meanwhile fold into the one scoring made when it is back.
             async with self.circuit.ready():
@@ -1022,6 +1036,8 @@ class Monitor:
             for record in self.book.due(self.clock()):
                 await self.store.journal(record)
                 await self._apply(record)
+            for run_id in self._rate.due():  # harden hook: deferred scorings whose minute has room again
+                self.scheduler.wake(run_id)
             cleared = self.groups.due(self.clock())
             for group in cleared:
                 self._group_series.pop(group, None)

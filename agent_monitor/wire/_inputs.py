@@ -28,17 +28,20 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from ..criteria import CriteriaError, Rubric, bundled_criteria, load_criteria
+from ..criteria import CriteriaError, Rubric, RubricBounds, bundled_criteria, check_bounds, load_criteria
 from ..images import sniff_mime
 from ..policy import Policy, PolicyError
 from ._common import JSON_TYPES, check_json_value, clip, err, none_to
 from ._limits import (
+    MAX_CRITERIA,
+    MAX_CRITERION_BYTES,
     MAX_IMAGE_BYTES,
     MAX_IMAGES,
     MAX_LABEL_KEY_CHARS,
     MAX_LABEL_VALUE_CHARS,
     MAX_LABELS,
     MAX_META_BYTES,
+    MAX_RUBRIC_BYTES,
     MAX_STEP_CHARS,
     MAX_STEP_INDEX,
     MAX_TASK_CHARS,
@@ -53,6 +56,10 @@ _LABEL_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _MIME = re.compile(r"image/[a-z0-9][a-z0-9.+-]{0,62}", re.IGNORECASE)
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]{0,100})(?P<b64>;base64)?,", re.IGNORECASE)
 _URL = re.compile(r"[a-z][a-z0-9+.-]{0,30}://", re.IGNORECASE)
+
+
+DEFAULT_RUBRIC_BOUNDS = RubricBounds(MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES)
+"""The rubric bounds a start is checked against when the decoder is given none (context `rubric_bounds`)."""
 
 
 class _In(BaseModel):
@@ -264,9 +271,15 @@ class RunStart(_In):
 
     @field_validator("criteria")
     @classmethod
-    def _criteria_loads(cls, spec: JsonValue) -> JsonValue:
+    def _criteria_loads(cls, spec: JsonValue, info: ValidationInfo) -> JsonValue:
         if spec is None:
             return None
+        ctx = info.context or {}
+        bounds = ctx.get("rubric_bounds") or DEFAULT_RUBRIC_BOUNDS
+        try:
+            check_bounds(spec, bounds)  # before anything is built from it: the work one start causes is bounded
+        except CriteriaError as e:
+            raise err("criteria_too_large", str(e)) from None
         if isinstance(spec, str):
             names = bundled_criteria()
             if "/" in spec or "\\" in spec or spec.startswith((".", "~")) or re.search(r"\.(md|json|ya?ml)$", spec):
