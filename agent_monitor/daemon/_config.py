@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from ..calibration import DEFAULT_SUCCESS_AT
+from ..calibration import DEFAULT_STRATA, DEFAULT_SUCCESS_AT
 from ..criteria import RubricBounds
 from ..images import FrameBudget
 from ..policy import Policy
@@ -254,6 +254,29 @@ class MonitorConfig:
             "help": "a numeric end.outcome at or above this counts as a success when calibrating abort_below auto"
         },
     )
+    calibration_strata: int = field(
+        default=DEFAULT_STRATA,
+        metadata={
+            "help": "length strata of abort_below auto (1: none; 2-3 when a harness's scoring rate varies, e.g. "
+            "steps coalescing under load): a run is judged against runs of its own length (docs/calibration.md)"
+        },
+    )
+    calibration_rate: int = field(
+        default=60,
+        metadata={
+            "help": "outcomes one calibration family learns per minute at most (outcomes come from the network); "
+            "the rest teach nothing and are counted in agent_monitor_outcomes_refused_total"
+        },
+    )
+    outcome_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "shared secret: only run outcomes whose end carries auth = HMAC-SHA256(secret, run id, "
+            "start.started_at, outcome) teach abort_below auto (MonitorClient(outcome_secret=...) adds it); none: "
+            "anyone who may publish ends teaches. Prefer the environment variable to the flag (ps shows flags)"
+        },
+    )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
     work: WorkLimits = field(default_factory=WorkLimits, metadata={"help": "work per event"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
@@ -358,6 +381,13 @@ class MonitorConfig:
                 f"calibration_success_at={self.calibration_success_at!r}; use a number (outcomes at or above it "
                 "are successes)"
             )
+        if not 1 <= self.calibration_strata <= 8 or self.calibration_rate < 1:
+            raise ValueError(
+                f"calibration_strata={self.calibration_strata} (use 1..8), calibration_rate={self.calibration_rate} "
+                "(use 1 or more outcomes per family per minute)"
+            )
+        if self.outcome_secret is not None and len(self.outcome_secret) < 16:
+            raise ValueError("outcome_secret is shorter than 16 characters; use a long random secret")
         unknown = sorted(set(self.policy_given) - {f.name for f in dataclasses.fields(Policy)})
         if unknown:
             raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")

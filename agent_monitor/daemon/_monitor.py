@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ..calibration import Calibration, Sample
+from ..calibration import Calibration, Sample, outcome_authentic
 from ..criteria import CriteriaError, Rubric, load_criteria
 from ..groups import GroupState
 from ..judges.base import Judge
@@ -357,7 +357,13 @@ class Monitor:
                 max_groups=c.metrics.max_group_series,
             )
         )
-        self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=self._learned, clock=clock)
+        self.calibration = Calibration(
+            success_at=c.calibration_success_at,
+            on_sample=self._learned,
+            clock=clock,
+            strata=c.calibration_strata,  # harden hook: length strata, per-family teaching rate
+            max_rate=c.calibration_rate,
+        )
         self._families = CalibrationCollector(
             self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
         )
@@ -914,9 +920,23 @@ class Monitor:
         tracker = scoring.tracker
         # A run id may be used again for a new run once its run ended: the start time tells the two apart.
         key = f"{run_id}@{state.started_at!r}"
+        secret = self.config.outcome_secret
+        outcome = state.ended.outcome
+        # harden hook: with --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
+        if (
+            secret
+            and outcome is not None
+            and not outcome_authentic(secret, run_id, state.start.started_at, outcome, state.ended.auth)
+        ):
+            self.metrics.outcomes_refused.labels("unauthenticated").inc()
+            log.warning("outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing")
+            return
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
-            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.points, exposed=exposed)
+            limited = self.calibration.rate_limited
+            self.calibration.record(tracker.family, key, outcome, tracker.points, exposed=exposed)
+            if self.calibration.rate_limited > limited:  # harden hook
+                self.metrics.outcomes_refused.labels("rate").inc()
         except Exception:
             log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
 

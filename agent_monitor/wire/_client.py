@@ -30,6 +30,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
+from ..calibration import outcome_mac
 from ..progress import Signal
 from ._decode import summarise
 from ._inputs import ImageIn, RunEnd, RunStart, StepIn
@@ -82,6 +83,8 @@ class Run:
         on_progress: Callable[[ProgressOut], None] | None,
     ) -> None:
         self.run_id = run_id
+        self.started_at: float | None = None
+        """The start's `started_at` (UNIX seconds): part of the outcome's HMAC."""
         self._client = client
         self._on_signal = on_signal
         self._on_progress = on_progress
@@ -129,6 +132,9 @@ class Run:
             if self._ended:
                 return
             payload: dict[str, Any] = {} if outcome is None else {"outcome": outcome}
+            secret = self._client._outcome_secret
+            if secret is not None and outcome is not None:
+                payload["auth"] = outcome_mac(secret, self.run_id, self.started_at, outcome)
             _validated(RunEnd, payload, "end")
             self._ended = True
             try:
@@ -265,6 +271,7 @@ class MonitorClient:
         key_file: str | None = None,
         connect_timeout: float = 10.0,
         ack_timeout: float = 10.0,
+        outcome_secret: str | None = None,
     ) -> None:
         settings = BrokerSettings.from_url(
             broker_url, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file
@@ -273,6 +280,8 @@ class MonitorClient:
         self.prefix = prefix
         self.url = settings.url
         self.ack_timeout = ack_timeout
+        # The monitor's --outcome-secret: each end's outcome is signed with it (never sent, never logged).
+        self._outcome_secret = outcome_secret
         self._cond = threading.Condition()
         self._runs: dict[str, Run] = {}
         self._sub_acks: dict[int, list[ReasonCode]] = {}
@@ -359,13 +368,15 @@ class MonitorClient:
         `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when far behind them.
         """
         filters = [topic(self.prefix, run_id, k) for k in OUTPUT_KINDS]  # raises TopicError for a bad run id
-        payload: dict[str, Any] = {"task": task}
+        started_at = round(time.time(), 3)
+        payload: dict[str, Any] = {"task": task, "started_at": started_at}
         optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family, "group": group}
         payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs
         _validated(RunStart, payload, "start")
         run = Run(self, run_id, on_signal, on_progress)
+        run.started_at = started_at
         with self._cond:
             if self._closed:
                 raise RuntimeError("the MonitorClient is closed")

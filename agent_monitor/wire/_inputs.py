@@ -233,6 +233,13 @@ class RunStart(_In):
         "family, judge model and rubric); default: the task text.",
     )
 
+    started_at: float | None = Field(
+        default=None,
+        ge=0,
+        description="When the harness started the run (UNIX seconds): part of the outcome's HMAC (end.auth), so an "
+        "end signed for one run cannot be replayed on a later run with the same id.",
+    )
+
     @field_validator("task")
     @classmethod
     def _task_not_blank(cls, task: str) -> str:
@@ -415,6 +422,12 @@ class RunEnd(_In):
     """`{prefix}/{run_id}/end`: the run is over; its outcome, when known."""
 
     outcome: Outcome = None
+    auth: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        description="Hex HMAC-SHA256 of run id, start.started_at and outcome (see agent_monitor.calibration."
+        "outcome_mac); with the monitor's --outcome-secret, only outcomes carrying it teach the calibration.",
+    )
 
     @field_validator("outcome", mode="before")
     @classmethod
