@@ -20,6 +20,13 @@ from .scale import LETTERS, phi
 
 DEFAULT_RUBRIC = "progress"
 
+MAX_CRITERIA = 16
+"""Criteria one rubric from the network may have: each judged one costs a judge call per step and repeat."""
+MAX_CRITERION_BYTES = 4 * 1024
+"""One criterion of a network rubric, as compact JSON (name, description, rules)."""
+MAX_RUBRIC_BYTES = 32 * 1024
+"""A whole network rubric (`start.criteria`) as compact JSON (criteria, extractors, thresholds)."""
+
 
 class CriteriaError(ValueError):
     """Criteria that cannot be loaded or parsed."""

@@ -36,6 +36,8 @@ API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,25 @@ RunState = Literal["live", "pruned", "ended"]
 
 GROUP_NAME_MAX = 128
 """The longest group name (characters): a name becomes a topic level and a metric label value."""
+
+
+GROUP_SETTINGS = ("keep_top", "prune_margin", "min_steps", "patience", "max_uncertainty", "compare")
+"""The policy settings a group acts on: one value per group, fixed by its first run (or the monitor's flags)."""
+
+
+def group_settings(policy: Policy) -> dict[str, Any]:
+    """The group's part of a run policy."""
+    return {k: getattr(policy, k) for k in GROUP_SETTINGS}
+
+
+def group_mac(secret: str | bytes, run_id: str, started_at: float | None, group: str) -> str:
+    """The hex HMAC-SHA256 a harness puts in `start.auth` to join `group` when the monitor has a group secret.
+
+    Signed: `"{run_id}\n{started_at:.3f}\n{group}"` (started_at empty when the start gives none).
+    """
+    key = secret.encode() if isinstance(secret, str) else secret
+    started = "" if started_at is None else f"{float(started_at):.3f}"
+    return hmac.new(key, f"{run_id}\n{started}\n{group}".encode(), hashlib.sha256).hexdigest()
 
 
 class GroupFull(ValueError):

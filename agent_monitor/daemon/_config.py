@@ -15,21 +15,15 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from ..calibration import DEFAULT_STRATA, DEFAULT_SUCCESS_AT
-from ..criteria import RubricBounds
+from ..criteria import MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES, RubricBounds
 from ..images import FrameBudget
 from ..policy import Policy
 from ..progress import Prices
 from ..scale import DEFAULT_MIN_MASS
 from ..tracker import DEFAULT_EXTRACT_BUDGET_S, DEFAULT_REPEATS
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
-from ..wire._limits import (
-    MAX_CRITERIA,
-    MAX_CRITERION_BYTES,
-    MAX_JUDGE_CALLS_PER_RUN_MINUTE,
-    MAX_JUDGE_CALLS_PER_STEP,
-    MAX_RUBRIC_BYTES,
-)
 from ._state import RunLimits
+from ._work import MAX_JUDGE_CALLS_PER_RUN_MINUTE, MAX_JUDGE_CALLS_PER_STEP
 
 Protocol = Literal["auto", "5", "3.1.1"]
 
@@ -277,6 +271,23 @@ class MonitorConfig:
             "anyone who may publish ends teaches. Prefer the environment variable to the flag (ps shows flags)"
         },
     )
+    group_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "shared secret: a start joins a group only with auth = HMAC-SHA256(secret, run id, started_at, "
+            "group) (MonitorClient(group_secret=...) adds it); none: any publisher may join a group whose first "
+            "run's task and rubric it shares"
+        },
+    )
+    group_policy_fixed: bool = field(
+        default=False,
+        metadata={
+            "help": "groups use the monitor's group settings (keep_top, prune_margin, min_steps, patience, "
+            "max_uncertainty, compare); a grouped start asking for others is refused. Off: a group's first run fixes "
+            "them, and a later run asking for others is refused"
+        },
+    )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
     work: WorkLimits = field(default_factory=WorkLimits, metadata={"help": "work per event"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
@@ -386,8 +397,10 @@ class MonitorConfig:
                 f"calibration_strata={self.calibration_strata} (use 1..8), calibration_rate={self.calibration_rate} "
                 "(use 1 or more outcomes per family per minute)"
             )
-        if self.outcome_secret is not None and len(self.outcome_secret) < 16:
-            raise ValueError("outcome_secret is shorter than 16 characters; use a long random secret")
+        for name in ("outcome_secret", "group_secret"):
+            secret = getattr(self, name)
+            if secret is not None and len(secret) < 16:
+                raise ValueError(f"{name} is shorter than 16 characters; use a long random secret")
         unknown = sorted(set(self.policy_given) - {f.name for f in dataclasses.fields(Policy)})
         if unknown:
             raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")

@@ -36,7 +36,7 @@ from ..selection import Comparison, compare, tournament
 from ..tracker import AsyncProgressTracker
 from ..wire import EventError, RunStart, StepIn, Topics, decode_event
 from ._config import MonitorConfig
-from ._groups import GroupBook, GroupLimitError, GroupSeries
+from ._groups import GroupBook, GroupLimitError, GroupSeries, Joiner
 from ._metrics import (
     CalibrationCollector,
     CostCollector,
@@ -172,6 +172,12 @@ class _Batch:
         self.victims.clear()
         self.starts = 0
         self.order = None
+
+
+def joiner_of(start: RunStart, scoring: _Scoring) -> Joiner:
+    """What a start brings to its group (harden hook: membership by family, rubric and group settings)."""
+    family = scoring.tracker.family
+    return Joiner(family.name, family.rubric, scoring.policy, start.started_at, start.auth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +352,13 @@ class Monitor:
         if self.prices is not None:
             self.registry.register(CostCollector(metered, self.prices))
         lim = c.limits
-        self.groups = GroupBook(max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s)
+        self.groups = GroupBook(
+            max_groups=lim.max_groups,
+            max_group_runs=lim.max_group_runs,
+            grace_s=lim.group_grace_s,
+            secret=c.group_secret,  # harden hook: group membership rules
+            policy=c.policy if c.group_policy_fixed else None,
+        )
         """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
         # Kept current one group at a time on the event loop; the scrape thread reads a copy, most recent first.
         self._group_series: dict[str, GroupSeries] = {}
@@ -600,20 +612,21 @@ class Monitor:
                         continue
                     joins = b.take(verdict, self.book)
                 if isinstance(verdict, Started):
-                    if verdict.start.group is not None:
-                        try:
-                            self.groups.check(run_id, verdict.start.group)
-                        except GroupLimitError as e:
-                            self.metrics.groups_refused.inc()
-                            self._emit(Refused(run_id, "run_rejected", str(e), topic))
-                            continue
                     try:
-                        self._prepared[run_id] = self._new_scoring(run_id, verdict.start)
+                        self._prepared[run_id] = prepared = self._new_scoring(run_id, verdict.start)
                     except Exception as e:  # validated on decode; still the run's problem, never the daemon's
                         self._emit(
                             Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic)
                         )
                         continue
+                    if verdict.start.group is not None:
+                        try:  # harden hook: checked with what the run is graded on (after its scoring is built)
+                            self.groups.check(run_id, verdict.start.group, joiner_of(verdict.start, prepared))
+                        except GroupLimitError as e:
+                            self._prepared.pop(run_id, None)
+                            self.metrics.groups_refused.inc()
+                            self._emit(Refused(run_id, "run_rejected", str(e), topic))
+                            continue
                 b.records.append((i, verdict))
                 b.runs.add(run_id)
                 if not joins or grouped:  # it reads state beyond its run: alone, decided on the state now
@@ -753,7 +766,9 @@ class Monitor:
             self._emit(RunOpened(run_id, start, len(self.book.live)))
         if start.group is not None:
             try:
-                update = self.groups.join(run_id, start.group, scoring.policy, self.clock())
+                update = self.groups.join(
+                    run_id, start.group, scoring.policy, self.clock(), joiner_of(start, scoring)
+                )  # harden hook: the group's first run is what later ones must match
             except GroupLimitError:
                 # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
                 log.warning("group_refused_on_replay", run_id=run_id, group=start.group)

@@ -19,6 +19,11 @@ from ..criteria import Rubric
 
 WINDOW_S = 60.0
 
+MAX_JUDGE_CALLS_PER_STEP = 64
+"""Judge calls one scoring of one run may make (judged criteria x repeats); a start over it is refused."""
+MAX_JUDGE_CALLS_PER_RUN_MINUTE = 600
+"""Judge calls one run may make in any 60 s; past it the run's newest prefix waits (steps coalesce)."""
+
 
 class WorkRefused(ValueError):
     """A start whose judge work per step is over the monitor's bound; the message names the bound."""
@@ -125,4 +130,12 @@ class CallRate:
         }
 
 
-__all__ = ["WINDOW_S", "CallRate", "WorkRefused", "calls_per_scoring", "check_start"]
+__all__ = [
+    "MAX_JUDGE_CALLS_PER_RUN_MINUTE",
+    "MAX_JUDGE_CALLS_PER_STEP",
+    "WINDOW_S",
+    "CallRate",
+    "WorkRefused",
+    "calls_per_scoring",
+    "check_start",
+]

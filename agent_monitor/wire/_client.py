@@ -31,6 +31,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
 from ..calibration import outcome_mac
+from ..groups import group_mac
 from ..progress import Signal
 from ._decode import summarise
 from ._inputs import ImageIn, RunEnd, RunStart, StepIn
@@ -272,6 +273,7 @@ class MonitorClient:
         connect_timeout: float = 10.0,
         ack_timeout: float = 10.0,
         outcome_secret: str | None = None,
+        group_secret: str | None = None,
     ) -> None:
         settings = BrokerSettings.from_url(
             broker_url, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file
@@ -282,6 +284,7 @@ class MonitorClient:
         self.ack_timeout = ack_timeout
         # The monitor's --outcome-secret: each end's outcome is signed with it (never sent, never logged).
         self._outcome_secret = outcome_secret
+        self._group_secret = group_secret  # likewise for joining groups (--group-secret)
         self._cond = threading.Condition()
         self._runs: dict[str, Run] = {}
         self._sub_acks: dict[int, list[ReasonCode]] = {}
@@ -374,6 +377,8 @@ class MonitorClient:
         payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs
+        if group is not None and self._group_secret is not None:
+            payload["auth"] = group_mac(self._group_secret, run_id, started_at, group)
         _validated(RunStart, payload, "start")
         run = Run(self, run_id, on_signal, on_progress)
         run.started_at = started_at

@@ -240,6 +240,13 @@ class RunStart(_In):
         "end signed for one run cannot be replayed on a later run with the same id.",
     )
 
+    auth: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        description="Hex HMAC-SHA256 of run id, started_at and group (agent_monitor.groups.group_mac): needed to join "
+        "a group when the monitor runs with --group-secret.",
+    )
+
     @field_validator("task")
     @classmethod
     def _task_not_blank(cls, task: str) -> str:

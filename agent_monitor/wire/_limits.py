@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..criteria import MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES
+
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 """Default cap on one MQTT payload, checked before any parsing."""
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -16,13 +18,21 @@ MAX_LABEL_VALUE_CHARS = 256
 MAX_META_BYTES = 64 * 1024
 MAX_META_DEPTH = 16
 MAX_RUN_ID_CHARS = 128
-MAX_CRITERIA = 16
-"""Criteria one rubric from the network may have: each judged one costs a judge call per step and repeat."""
-MAX_CRITERION_BYTES = 4 * 1024
-"""One criterion of a network rubric, as compact JSON (name, description, rules)."""
-MAX_RUBRIC_BYTES = 32 * 1024
-"""A whole network rubric (`start.criteria`) as compact JSON (criteria, extractors, thresholds)."""
-MAX_JUDGE_CALLS_PER_STEP = 64
-"""Judge calls one scoring of one run may make (judged criteria x repeats); a start over it is refused."""
-MAX_JUDGE_CALLS_PER_RUN_MINUTE = 600
-"""Judge calls one run may make in any 60 s; past it the run's newest prefix waits (steps coalesce)."""
+
+__all__ = [
+    "MAX_CRITERIA",
+    "MAX_CRITERION_BYTES",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_CHARS",
+    "MAX_LABEL_VALUE_CHARS",
+    "MAX_META_BYTES",
+    "MAX_META_DEPTH",
+    "MAX_PAYLOAD_BYTES",
+    "MAX_RUBRIC_BYTES",
+    "MAX_RUN_ID_CHARS",
+    "MAX_STEP_CHARS",
+    "MAX_STEP_INDEX",
+    "MAX_TASK_CHARS",
+]
