@@ -395,8 +395,14 @@ class GroupState:
 
     def _update(self, prunes: tuple[Prune, ...] = ()) -> GroupUpdate:
         ranking = self.ranking()
-        # What a subscriber sees change: the order and the states (scores move every step; they ride along).
-        shape = tuple((r["run_id"], r["state"], r.get("outcome")) for r in ranking["runs"])
+        # What a subscriber sees change: the order, the states and the scores (to 3 decimals). The ranking is
+        # retained: a late subscriber reads the last one published, so a score that only rode along on an
+        # order change stayed stale there (`score: null` long after every run was scored). At most one
+        # publication per scoring of a member.
+        shape = tuple(
+            (r["run_id"], r["state"], r.get("outcome"), None if r["score"] is None else round(r["score"], 3))
+            for r in ranking["runs"]
+        )
         changed = shape != self._published
         self._published = shape
         return GroupUpdate(changed=changed, prunes=prunes, ranking=ranking)

@@ -101,3 +101,31 @@ async def test_with_a_group_secret_only_signed_starts_join() -> None:
             assert "needs start.auth" in e["error"]
             assert mon.run(r) is None
         assert mon.run("a") is not None and mon.run("d") is not None
+
+
+async def test_the_retained_ranking_carries_the_scores_when_only_scores_change() -> None:
+    judge = FakeJudge(lambda p: "P" if "a step" in p.text() else "K")
+    async with Monitor(MonitorConfig(policy=Policy(min_steps=1)), judge=judge, store=MemoryStore()) as mon:
+        for r in ("a", "b"):
+            await mon.handle(f"agents/{r}/start", j(task="t", group="g"))
+        for i in (1, 2):  # one run at a time: the order a, b (join order, then a ahead) never changes
+            for r in ("a", "b"):
+                await mon.handle(f"agents/{r}/step", j(index=i, text=f"{r} step {i}"))
+                await mon.drain()
+        rankings = [b for t, b in outputs(mon) if t == "agents/_groups/g/ranking"]
+        last = rankings[-1]
+        assert [r["run_id"] for r in last["runs"]] == ["a", "b"]
+        assert all(r["score"] is not None for r in last["runs"]), last  # before: null, published at the join
+
+
+def test_labels_group_is_validated_like_start_group() -> None:
+    from agent_monitor.wire import EventError, decode_event
+
+    for bad in ("_hidden", "a/b", "x" * 129, "", "a b"):
+        try:
+            decode_event("agents/r/start", j(task="t", labels={"group": bad}))
+        except EventError as e:
+            assert "label group" in e.message
+        else:
+            raise AssertionError(f"labels.group {bad!r} was accepted")
+    decode_event("agents/r/start", j(task="t", labels={"group": "swe-bench.v2:1"}))

@@ -52,6 +52,7 @@ from ._topics import GroupName
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy))
 """The keys `start.policy` may set (the fields of `agent_monitor.policy.Policy`)."""
 
+_GROUP = re.compile(r"[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}")
 _LABEL_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _MIME = re.compile(r"image/[a-z0-9][a-z0-9.+-]{0,62}", re.IGNORECASE)
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]{0,100})(?P<b64>;base64)?,", re.IGNORECASE)
@@ -281,6 +282,13 @@ class RunStart(_In):
                 raise err("labels", f"label {k!r} has a {JSON_TYPES.get(type(v), 'non-string')} value; use a string")
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise err("labels", f"label {k!r} is {len(v)} characters, over the limit of {MAX_LABEL_VALUE_CHARS}")
+            if k == "group" and not _GROUP.fullmatch(v):
+                # It becomes a metric label and a board filter, like start.group: the same rule.
+                raise err(
+                    "labels",
+                    f"label group {clip(v, 40)!r} is not a group name; use 1-128 characters from A-Z a-z 0-9 . _ : -, "
+                    "not starting with '_' (as start.group)",
+                )
         return value
 
     @field_validator("criteria")
