@@ -23,6 +23,7 @@ from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
 from agent_monitor.policy import PolicyState, held_out
 from agent_monitor.progress import Progress
 from agent_monitor.testing import FakeJudge
+from tests.brokers import Mosquitto
 
 FAM = Family("fam", "m", "r")
 AUTO: dict[str, Any] = {"abort_below": "auto", "holdout": 0.0}
@@ -215,3 +216,35 @@ def test_strata_are_doubling_ranges_of_counted_scores() -> None:
         cal.record(FAM, f"long-{i}", "success", _curve([0.6] * 8))
     assert cal.threshold(FAM, policy, counted=2).value == pytest.approx(0.6)  # min(0.8, 0.6)
     assert cal.threshold(FAM, policy, counted=5).value == pytest.approx(0.6)
+
+
+async def test_monitor_client_signs_outcomes_over_a_real_broker(broker: Mosquitto) -> None:
+    import asyncio
+
+    from agent_monitor.wire import BrokerSettings, MonitorClient
+
+    reg = CollectorRegistry()
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        outcome_secret=SECRET,
+        policy=Policy(min_steps=1, patience=1),
+    )
+
+    def harness(secret: str | None, run_id: str) -> None:
+        with MonitorClient(broker.url, outcome_secret=secret) as client:
+            run = client.start_run(run_id, task="fix it", family="signed")
+            run.step("did it")
+            run.wait_progress(1)
+            run.end("success")
+
+    async with Monitor(config, judge=FakeJudge(["P"]), registry=reg) as mon:
+        await asyncio.to_thread(harness, SECRET, "signed-1")
+        await asyncio.to_thread(harness, None, "unsigned-1")
+        refused = {"reason": "unauthenticated"}
+        for _ in range(200):
+            if len(mon.calibration) and reg.get_sample_value("agent_monitor_outcomes_refused_total", refused):
+                break
+            await asyncio.sleep(0.05)
+        assert [s.run_id.split("@")[0] for s in mon.calibration.samples()] == ["signed-1"]
+        assert reg.get_sample_value("agent_monitor_outcomes_refused_total", refused) == 1
