@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from ._metrics import (
     series_of,
 )
 from ._mqtt import MqttLink
-from ._outbox import Outbox
+from ._outbox import Message, Outbox
 from ._sinks import (
     Accepted,
     Duplicated,
@@ -1073,6 +1074,10 @@ class Monitor:
                 await self._apply(record)
             for run_id in self._rate.due():  # harden hook: deferred scorings whose minute has room again
                 self.scheduler.wake(run_id)
+            for run_id, first in self.book.resends_due(self.clock()):  # harden hook: ask the harness to resend
+                self.outbox.put(
+                    Message(self.topics.of(run_id, "resend"), json.dumps({"from": first}).encode(), run_id=run_id)
+                )
             cleared = self.groups.due(self.clock())
             for group in cleared:
                 self._group_series.pop(group, None)
