@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import hmac
 import json
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,9 @@ DEFAULT_MAX_SAMPLES = 2000
 
 DEFAULT_MAX_TOTAL = 50_000
 """Finished runs kept over all families; past it, the family that learnt least recently is forgotten."""
+
+DEFAULT_STRATA = 1
+"""Length strata of the calibration (1: none; runs of a family are taken to be alike in length)."""
 
 _EPS = 1e-9  # alpha * (n + 1) in floating point: 0.29 * 100 must give 29, not 28
 
@@ -68,6 +73,32 @@ def min_successes(alpha: float) -> int:
     while math.floor(alpha * (n + 1) + _EPS) < 1:  # guards the rounding of ceil(1/alpha)
         n += 1
     return n
+
+
+def outcome_message(run_id: str, started_at: float | None, outcome: object) -> bytes:
+    """What an outcome's HMAC signs: the run id, the start's `started_at` and the outcome, one per line.
+
+    `started_at` is written with 3 decimals (empty when the start gave none); a string outcome as is, a
+    number with 17 significant digits (`%.17g`), so harnesses in any language can compute the same text.
+    """
+    started = "" if started_at is None else f"{float(started_at):.3f}"
+    text = outcome if isinstance(outcome, str) else f"{float(outcome):.17g}"  # type: ignore[arg-type]
+    return f"{run_id}\n{started}\n{text}".encode()
+
+
+def outcome_mac(secret: str | bytes, run_id: str, started_at: float | None, outcome: object) -> str:
+    """The hex HMAC-SHA256 a harness puts in `end.auth` when the monitor runs with `--outcome-secret`."""
+    key = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(key, outcome_message(run_id, started_at, outcome), hashlib.sha256).hexdigest()
+
+
+def outcome_authentic(
+    secret: str | bytes, run_id: str, started_at: float | None, outcome: object, auth: str | None
+) -> bool:
+    """Whether `auth` is the outcome's HMAC under `secret` (compared in constant time)."""
+    if not auth or outcome is None:
+        return False
+    return hmac.compare_digest(auth.lower(), outcome_mac(secret, run_id, started_at, outcome))
 
 
 class Point(NamedTuple):
@@ -114,6 +145,19 @@ def margin(curve: Iterable[Point], policy: Policy) -> float:
         if i >= w - 1:
             best = min(best, scores[window[head]])
     return best
+
+
+def stratum(length: int, patience: int, strata: int) -> int:
+    """The length stratum of a run with `length` counted scores: [p, 2p) is 0, [2p, 4p) is 1, ..., the last open."""
+    if strata <= 1 or length < 2 * patience:
+        return 0
+    return min(strata - 1, (length // patience).bit_length() - 1)
+
+
+def stratum_range(j: int, patience: int, strata: int) -> str:
+    """Stratum `j`'s counted-score range, for reasons and docs."""
+    lo = patience << j
+    return f"{lo}+" if j >= strata - 1 else f"{lo}-{(patience << (j + 1)) - 1}"
 
 
 def conformal_threshold(margins: Sequence[float], alpha: float, *, presorted: bool = False) -> float | None:
@@ -208,6 +252,8 @@ class Threshold:
     successes: int
     failures: int
     alpha: float
+    detail: str = ""
+    """Why there is no threshold although the family has enough successes (a length stratum still short)."""
 
     @property
     def needed(self) -> int:
@@ -217,6 +263,8 @@ class Threshold:
     @property
     def reason(self) -> str:
         """Where the threshold comes from, for signals and logs."""
+        if self.value is None and self.detail:
+            return self.detail
         if self.successes < self.needed:
             return (
                 f"not calibrated yet: {self.successes} of {self.needed} successful runs needed at alpha "
@@ -255,6 +303,9 @@ class Calibration:
         max_samples: int = DEFAULT_MAX_SAMPLES,
         max_total: int = DEFAULT_MAX_TOTAL,
         clock: Callable[[], float] = time.time,
+        strata: int = DEFAULT_STRATA,
+        max_rate: int | None = None,
+        rate_window_s: float = 60.0,
     ) -> None:
         if not (isinstance(success_at, (int, float)) and math.isfinite(success_at)):
             raise CalibrationError(f"success_at={success_at!r}: use a number (outcomes at or above it are successes)")
@@ -264,6 +315,19 @@ class Calibration:
             raise CalibrationError(
                 f"max_total={max_total!r}: use an integer >= max_samples ({max_samples}): runs kept over all families"
             )
+        if not (isinstance(strata, int) and 1 <= strata <= 8):
+            raise CalibrationError(f"strata={strata!r}: use an integer from 1 (no length strata) to 8")
+        if max_rate is not None and not (isinstance(max_rate, int) and max_rate >= 1):
+            raise CalibrationError(
+                f"max_rate={max_rate!r}: use an integer >= 1 (runs a family learns per window), or None"
+            )
+        self.strata = strata
+        self.max_rate = max_rate
+        self.rate_window_s = rate_window_s
+        self._taught: dict[Family, deque[float]] = {}
+        self._failures: dict[Family, int] = {}
+        self.rate_limited = 0
+        """Outcomes not learnt because their family had learnt `max_rate` runs in the last `rate_window_s`."""
         self.success_at = float(success_at)
         self.max_samples = max_samples
         self.max_total = max_total
@@ -271,8 +335,9 @@ class Calibration:
         self.on_sample = on_sample
         self.clock = clock
         self._runs: dict[Family, dict[str, Sample]] = {}
-        # Sorted success margins per (family, min_steps, patience, max_uncertainty), kept current by `add`.
-        self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[float]]] = {}
+        # Sorted finite success margins per (family, min_steps, patience, max_uncertainty), one list per length
+        # stratum, kept current by `add`.
+        self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[list[float]]]] = {}
         for s in samples:
             self.add(s)
 
@@ -283,11 +348,15 @@ class Calibration:
             return False
         runs[sample.run_id] = sample
         self._total += 1
+        if not sample.success:
+            self._failures[sample.family] = self._failures.get(sample.family, 0) + 1
         self._cached(sample, bisect.insort)
         if len(runs) > self.max_samples:
             # The oldest goes: a bounded window of the family's most recent runs (dicts keep insertion order).
             oldest = runs.pop(next(iter(runs)))
             self._total -= 1
+            if not oldest.success:
+                self._failures[oldest.family] -= 1
             self._cached(oldest, _remove)
         # Families come from the network (start.family, task texts): over the total, whole families go, the one
         # that learnt least recently first (moved to the end of the dict on every new sample).
@@ -295,6 +364,7 @@ class Calibration:
         while self._total > self.max_total:
             stale = next(iter(self._runs))
             self._total -= len(self._runs.pop(stale))
+            self._failures.pop(stale, None)
             self._margins = {k: v for k, v in self._margins.items() if k[0] != stale}
         return True
 
@@ -302,8 +372,15 @@ class Calibration:
         # Keep the cached margins current (one change each) rather than recomputing a family's on next use.
         if sample.success:
             for key, (policy, ms) in self._margins.items():
-                if key[0] == sample.family:
-                    change(ms, margin(sample.curve, policy))
+                if key[0] == sample.family and (got := self._placed(sample, policy)) is not None:
+                    change(ms[got[0]], got[1])
+
+    def _placed(self, sample: Sample, policy: Policy) -> tuple[int, float] | None:
+        """A success's (stratum, margin) under `policy`; None when its margin is infinite (it says nothing)."""
+        n = len(counted(sample.curve, policy))
+        if n < policy.patience:
+            return None  # fewer counted scores than patience: no window, margin +inf, nothing learnt about the rule
+        return stratum(n, policy.patience, self.strata), margin(sample.curve, policy)
 
     def record(
         self,
@@ -324,6 +401,18 @@ class Calibration:
         success = is_success(outcome, self.success_at)
         if success is None or exposed:
             return None
+        if self.max_rate is not None:
+            # Outcomes come from the network: however fast they come, a family learns at most max_rate per window.
+            now = self.clock()
+            recent = self._taught.setdefault(family, deque())
+            while recent and recent[0] <= now - self.rate_window_s:
+                recent.popleft()
+            if len(recent) >= self.max_rate:
+                self.rate_limited += 1
+                return None
+            recent.append(now)
+            if len(self._taught) > self.max_total:
+                self._taught.pop(next(iter(self._taught)))
         pts = tuple(p if isinstance(p, Point) else points([p])[0] for p in curve)
         stored = outcome if isinstance(outcome, (int, float, str)) and not isinstance(outcome, bool) else success
         sample = Sample(run_id, family, success, pts, outcome=stored, at=self.clock())
@@ -333,21 +422,50 @@ class Calibration:
             self.on_sample(sample)
         return sample
 
-    def margins(self, family: Family, policy: Policy) -> list[float]:
-        """The family's successful runs' margins under `policy`, sorted."""
+    def _strata(self, family: Family, policy: Policy) -> list[list[float]]:
         key = (family, policy.min_steps, policy.patience, policy.max_uncertainty)
         got = self._margins.get(key)
         if got is None:
-            ms = sorted(margin(s.curve, policy) for s in self._runs.get(family, {}).values() if s.success)
-            got = self._margins[key] = (policy, ms)
+            per: list[list[float]] = [[] for _ in range(self.strata)]
+            for s in self._runs.get(family, {}).values():
+                if s.success and (placed := self._placed(s, policy)) is not None:
+                    per[placed[0]].append(placed[1])
+            got = self._margins[key] = (policy, [sorted(ms) for ms in per])
         return got[1]
 
-    def threshold(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
-        """The abort threshold for a live run of `family` under `policy` (alpha: the policy's, unless given)."""
+    def margins(self, family: Family, policy: Policy) -> list[float]:
+        """The family's successful runs' finite margins under `policy`, sorted (every stratum)."""
+        return sorted(m for ms in self._strata(family, policy) for m in ms)
+
+    def threshold(
+        self, family: Family, policy: Policy, alpha: float | None = None, *, counted: int | None = None
+    ) -> Threshold:
+        """The abort threshold for a live run of `family` under `policy` (alpha: the policy's, unless given).
+
+        `counted`: the live run's counted scores at the decision (None: its first possible decision). The
+        threshold is the smallest of the thresholds of the length strata the run can still end in (its own
+        and every longer one); None while any of them has too few successes. Only finite margins teach.
+        """
         a = check_alpha(policy.alpha if alpha is None else alpha)
-        ms = self.margins(family, policy)
-        failures = len(self._runs.get(family, {})) - len(ms)
-        return Threshold(conformal_threshold(ms, a, presorted=True), len(ms), failures, a)
+        per = self._strata(family, policy)
+        successes = sum(len(ms) for ms in per)
+        failures = self._failures.get(family, 0)
+        first = stratum(max(counted or 0, policy.patience), policy.patience, self.strata)
+        value: float | None = None
+        detail = ""
+        for j in range(first, self.strata):
+            t = conformal_threshold(per[j], a, presorted=True)
+            if t is None:
+                value = None
+                if self.strata > 1:
+                    detail = (
+                        f"not calibrated yet: {len(per[j])} of {min_successes(a)} successful runs with "
+                        f"{stratum_range(j, policy.patience, self.strata)} counted scores needed at alpha {a:g}; "
+                        "never aborts"
+                    )
+                break
+            value = t if value is None else min(value, t)
+        return Threshold(value, successes, failures, a, detail)
 
     def families(self) -> list[FamilySummary]:
         """Every family with evidence, most recent first."""
@@ -368,10 +486,16 @@ class Calibration:
             if family is None or f == family:
                 yield from runs.values()
 
+    def statistics(self) -> dict[str, int]:
+        """Samples kept, families, and outcomes refused by the per-family rate."""
+        return {"samples": self._total, "families": len(self._runs), "rate_limited": self.rate_limited}
+
     def reset(self, name: str) -> int:
         """Forget every family called `name` (any model or rubric); how many samples were dropped."""
         gone = [f for f in self._runs if f.name == name]
         dropped = sum(len(self._runs.pop(f)) for f in gone)
+        for f in gone:
+            self._failures.pop(f, None)
         self._total -= dropped
         self._margins = {k: v for k, v in self._margins.items() if k[0].name != name}
         return dropped

@@ -21,6 +21,13 @@ from .scale import LETTERS, phi
 
 DEFAULT_RUBRIC = "progress"
 
+MAX_CRITERIA = 16
+"""Criteria one rubric from the network may have: each judged one costs a judge call per step and repeat."""
+MAX_CRITERION_BYTES = 4 * 1024
+"""One criterion of a network rubric, as compact JSON (name, description, rules)."""
+MAX_RUBRIC_BYTES = 32 * 1024
+"""A whole network rubric (`start.criteria`) as compact JSON (criteria, extractors, thresholds)."""
+
 
 class CriteriaError(ValueError):
     """Criteria that cannot be loaded or parsed."""
@@ -114,6 +121,61 @@ class Rubric:
             separators=(",", ":"),
         )
         return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class RubricBounds:
+    """How large a rubric from the network may be; each judged criterion costs judge calls on every step."""
+
+    max_criteria: int
+    """Criteria in the rubric (rule-only ones included: their rules run on every step too)."""
+    max_criterion_bytes: int
+    """One criterion as compact JSON (its name, description, rules)."""
+    max_rubric_bytes: int
+    """The whole rubric as compact JSON (criteria, extractors, thresholds, title)."""
+
+
+def check_bounds(spec: object, bounds: RubricBounds) -> None:
+    """Refuse (CriteriaError naming the bound) a rubric spec over `bounds`, before anything is built from it.
+
+    Cheap on purpose: the item count first (no copy), then one serialisation, so a start with 10,000
+    criteria is refused in the time it takes to count them. Bundled names (trusted files) pass.
+    """
+    if spec is None or isinstance(spec, str):
+        return
+    if isinstance(spec, Mapping) and isinstance(spec.get("criteria"), list):
+        items: list[object] = list(spec["criteria"])
+    elif isinstance(spec, Mapping):
+        items = [{k: v} for k, v in spec.items()]
+    elif isinstance(spec, Sequence):
+        items = list(spec)
+    else:
+        return  # the loader says what shape is wanted
+    if len(items) > bounds.max_criteria:
+        raise CriteriaError(
+            f"{len(items)} criteria, over the limit of {bounds.max_criteria} (max_criteria): each judged criterion "
+            "is a judge call on every step; merge criteria or ask the operator to raise the bound"
+        )
+    size = _json_size(spec)
+    if size > bounds.max_rubric_bytes:
+        raise CriteriaError(
+            f"the rubric is {size} bytes as JSON, over the limit of {bounds.max_rubric_bytes} (max_rubric_bytes); "
+            "send shorter criteria"
+        )
+    for i, item in enumerate(items, 1):
+        size = _json_size(item)
+        if size > bounds.max_criterion_bytes:
+            raise CriteriaError(
+                f"criterion {i} is {size} bytes as JSON, over the limit of {bounds.max_criterion_bytes} "
+                "(max_criterion_bytes); say it in fewer words"
+            )
+
+
+def _json_size(value: object) -> int:
+    try:
+        return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=repr).encode())
+    except (TypeError, ValueError, RecursionError):
+        return 1 << 62  # not plain JSON: over any bound
 
 
 CriteriaSpec: TypeAlias = (

@@ -36,6 +36,8 @@ API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,25 @@ RunState = Literal["live", "pruned", "ended"]
 
 GROUP_NAME_MAX = 128
 """The longest group name (characters): a name becomes a topic level and a metric label value."""
+
+
+GROUP_SETTINGS = ("keep_top", "prune_margin", "min_steps", "patience", "max_uncertainty", "compare")
+"""The policy settings a group acts on: one value per group, fixed by its first run (or the monitor's flags)."""
+
+
+def group_settings(policy: Policy) -> dict[str, Any]:
+    """The group's part of a run policy."""
+    return {k: getattr(policy, k) for k in GROUP_SETTINGS}
+
+
+def group_mac(secret: str | bytes, run_id: str, started_at: float | None, group: str) -> str:
+    """The hex HMAC-SHA256 a harness puts in `start.auth` to join `group` when the monitor has a group secret.
+
+    Signed: `"{run_id}\n{started_at:.3f}\n{group}"` (started_at empty when the start gives none).
+    """
+    key = secret.encode() if isinstance(secret, str) else secret
+    started = "" if started_at is None else f"{float(started_at):.3f}"
+    return hmac.new(key, f"{run_id}\n{started}\n{group}".encode(), hashlib.sha256).hexdigest()
 
 
 class GroupFull(ValueError):
@@ -374,8 +395,14 @@ class GroupState:
 
     def _update(self, prunes: tuple[Prune, ...] = ()) -> GroupUpdate:
         ranking = self.ranking()
-        # What a subscriber sees change: the order and the states (scores move every step; they ride along).
-        shape = tuple((r["run_id"], r["state"], r.get("outcome")) for r in ranking["runs"])
+        # What a subscriber sees change: the order, the states and the scores (to 3 decimals). The ranking is
+        # retained: a late subscriber reads the last one published, so a score that only rode along on an
+        # order change stayed stale there (`score: null` long after every run was scored). At most one
+        # publication per scoring of a member.
+        shape = tuple(
+            (r["run_id"], r["state"], r.get("outcome"), None if r["score"] is None else round(r["score"], 3))
+            for r in ranking["runs"]
+        )
         changed = shape != self._published
         self._published = shape
         return GroupUpdate(changed=changed, prunes=prunes, ranking=ranking)

@@ -213,6 +213,8 @@ class PolicyState:
         # The last `patience` scores the streak counts: abort when all are below the threshold in force. With a
         # fixed threshold that is exactly "a streak of `patience`"; with a moving one it uses today's threshold.
         self.recent: deque[float] = deque(maxlen=policy.patience)
+        self.counted = 0
+        """Scores the streak counted so far (a calibrated threshold depends on the run's length stratum)."""
         fixed = policy.abort_below
         self.abort_below: float | None = float(fixed) if isinstance(fixed, (int, float)) else None
         """The abort threshold in force at the last observation (None: this rule aborts nothing)."""
@@ -265,6 +267,7 @@ class PolicyState:
                 self.reason = f"score {score:.2f} too uncertain (±{p.uncertainty:.2f}); keeping {self.signal}"
             else:
                 self.recent.append(score)
+                self.counted += 1
                 self.signal, self.reason = self._decide(score)
         return Decision(
             signal=self.signal,

@@ -158,16 +158,19 @@ def render_text(instructions: str, parts: Sequence[Part], image: Callable[[Frame
 
 
 def _criteria_text(rubric: Rubric) -> str:
-    """The criteria section, made once per rubric (fencing its text is most of a prompt's regex work)."""
+    """The head's rubric section, made once per rubric: its title only.
+
+    The criteria's names and descriptions are not listed here: the one criterion asked about is in the
+    tail. A prompt then costs the same however many criteria the rubric has (listing them all made each
+    of n calls per step carry n descriptions: O(n^2) text per step), and the head stays shared by every
+    criterion's call, so a prefix cache still reads each step once.
+    """
     text = rubric.prompt_text.get("")
     if text is None:
-        # Titles, names and descriptions may come from a run's start: each stays inside its one line.
-        lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
-        for c in rubric.judged:
-            lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
-        if rubric.note:
-            lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
-        text = rubric.prompt_text[""] = "\n" + "".join(lines) + "\n## Trajectory so far\n"
+        # The title and note may come from a run's start: each stays inside its one line. The note is for every
+        # criterion, so it stays in the shared head.
+        note = f"Note for every criterion: {fence_inline(rubric.note)}\n" if rubric.note else ""
+        text = rubric.prompt_text[""] = f"\n## Rubric: {fence_inline(rubric.title)}\n{note}\n## Trajectory so far\n"
     return text
 
 
@@ -240,7 +243,7 @@ def build_prompt(
 ) -> Prompt:
     """Build the prompt grading `criterion` after `steps`.
 
-    Layout: instructions -> task (and its images) -> all criteria -> step 1..n,
+    Layout: instructions -> task (and its images) -> rubric title -> step 1..n,
     each step's anchor frames right after its text -> tail (recent frames, the
     step count and the criterion asked about). So the prompt for n steps, less
     its tail, is a prefix of the prompt for n + 1 steps.

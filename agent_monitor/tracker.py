@@ -595,7 +595,9 @@ class AsyncProgressTracker:
 
     def _threshold(self) -> Threshold:
         assert self.calibration is not None and self.policy_state is not None
-        return self.calibration.threshold(self.family, self.policy_state.policy)
+        # At the decision a counted score makes: the length stratum the run is in then.
+        state = self.policy_state
+        return self.calibration.threshold(self.family, state.policy, counted=state.counted + 1)
 
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome ("success", "failure" or a number); the sample it kept, if any.

@@ -426,14 +426,20 @@ def panels() -> list[dict[str, Any]]:
             "zero unless it is on).",
         ),
         stat(
-            "Groups not exported / refused",
+            "Groups not exported / refused, outcomes refused",
             [
                 target("A", f"sum(agent_monitor_group_series_capped{{{INST}}})", "not exported"),
                 target("B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts refused"),
+                target(
+                    "C",
+                    f"sum by (reason) (agent_monitor_outcomes_refused_total{{{INST}}})",
+                    "outcomes refused {{reason}}",
+                ),
             ],
             description="Groups without gauges (not on --metric-groups, or past --max-group-series; still ranked and "
-            "pruned), and starts refused because their group was full (--max-group-runs) or the monitor had "
-            "--max-groups groups.",
+            "pruned), starts refused because their group was full (--max-group-runs), the monitor had --max-groups "
+            "groups, or the start may not join (another task or rubric, other group settings, no group auth); and "
+            "run outcomes that taught nothing (unauthenticated with --outcome-secret, or over --calibration-rate).",
             thresholds=[(None, "green"), (1, "orange")],
             w=4,
             h=8,

@@ -150,8 +150,8 @@ def test_family_key_isolates_judge_model_and_rubric() -> None:
 
 def test_a_run_counts_once_and_unknown_outcomes_teach_nothing() -> None:
     cal = Calibration()
-    assert cal.record(FAM, "r1", "success", _curve([0.5] * 4)) is not None
-    assert cal.record(FAM, "r1", "success", _curve([0.5] * 4)) is None  # redelivered end
+    assert cal.record(FAM, "r1", "success", _curve([0.5] * 5)) is not None
+    assert cal.record(FAM, "r1", "success", _curve([0.5] * 5)) is None  # redelivered end
     for outcome in (None, "aborted", "evicted", "stalled", float("nan")):
         assert cal.record(FAM, f"x-{outcome}", outcome, _curve([0.5] * 4)) is None
     assert cal.threshold(FAM, Policy(alpha=0.5)).successes == 1

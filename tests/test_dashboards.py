@@ -211,10 +211,11 @@ async def exercised_monitor() -> str:
     async with mon:
         await mon.handle(
             "agents/good/start",
-            b'{"task": "a good task", "group": "best-of-2", "labels": {"group": "g1", "model": "m1"}}',
+            b'{"task": "a good task", "family": "two", "group": "best-of-2", "labels": {"group": "g1", "model": "m1"}}',
         )
         await mon.handle(
-            "agents/doomed/start", b'{"task": "a doomed task", "group": "best-of-2", "labels": {"group": "g2"}}'
+            "agents/doomed/start",
+            b'{"task": "a doomed task", "family": "two", "group": "best-of-2", "labels": {"group": "g2"}}',
         )
         await mon.handle(
             "agents/dip/start", b'{"task": "wobbly", "policy": {"resample_below": 0.5, "abort_below": null}}'

@@ -20,6 +20,7 @@ from agent_monitor.daemon import (
     OtlpReceiverSettings,
     RunLimits,
 )
+from agent_monitor.daemon._config import WorkLimits
 
 # Every flag `serve` had before the flags were generated: users' scripts use these names.
 OLD_FLAGS = [
@@ -115,7 +116,16 @@ def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None
             # Each field's help text is on the page (written once, on the field).
             f = next(
                 f
-                for c in (cls, Policy, RunLimits, MetricsSettings, BoardSettings, ClusterSettings, OtlpReceiverSettings)
+                for c in (
+                    cls,
+                    Policy,
+                    RunLimits,
+                    MetricsSettings,
+                    BoardSettings,
+                    ClusterSettings,
+                    OtlpReceiverSettings,
+                    WorkLimits,
+                )
                 for f in dataclasses.fields(c)
                 if f.name == name
             )

@@ -75,13 +75,15 @@ def test_a_judge_outage_prunes_nothing_and_breaks_no_streak() -> None:
     assert g.observe("r1", step=20, score=0.1).prunes[0].run_id == "r1"
 
 
-def test_changed_says_when_the_order_or_a_state_moved() -> None:
+def test_changed_says_when_the_order_a_state_or_a_score_moved() -> None:
     g = GroupState("g", Policy())
     assert g.join("a").changed
     assert g.join("b").changed
     assert not g.join("b").changed
-    assert not g.observe("a", step=1, score=0.5).changed  # a scored, b not: a stays first
-    assert not g.observe("a", step=2, score=0.6).changed  # score moves, order does not
+    # The retained ranking must not keep stale scores (issue 27): a score change alone republishes.
+    assert g.observe("a", step=1, score=0.5).changed  # a scored, b not: a stays first
+    assert g.observe("a", step=2, score=0.6).changed  # score moves, order does not
+    assert not g.observe("a", step=3, score=0.6001).changed  # below the published precision
     assert g.observe("b", step=1, score=0.9).changed  # b overtakes
     assert g.end("b", "success").changed
     assert g.ranking()["runs"][0] == {

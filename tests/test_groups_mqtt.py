@@ -122,7 +122,7 @@ async def test_two_laggards_of_four_are_pruned_while_the_leaders_continue(broker
     runs = list(LETTERS)
     async with Monitor(config, judge=FakeJudge(by_run), registry=registry), harness(broker.port, "h") as h:
         for r in runs:
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "best-of-4"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "best-of-4"})
         await _steps(h, runs, 6)
         await h.until(lambda: all(h.last_step(r) == 6 for r in ("lead-a", "lead-b")))
         await h.until(lambda: all(h.signals(r) for r in ("lag-c", "lag-d")))
@@ -173,7 +173,7 @@ async def test_keep_top_three_prunes_only_one_of_four(broker: Mosquitto) -> None
     runs = list(LETTERS)
     async with Monitor(config, judge=FakeJudge(by_run), registry=CollectorRegistry()), harness(broker.port, "h") as h:
         for r in runs:
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
         await _steps(h, runs, 5)
         await h.until(lambda: all(h.last_step(r) == 5 for r in ("lead-a", "lead-b", "lag-c")))
         await h.until(lambda: bool(h.signals("lag-d")))
@@ -192,7 +192,7 @@ async def test_a_judge_outage_prunes_nothing(broker: Mosquitto) -> None:
     runs = list(LETTERS)
     async with monitor(broker, FakeJudge(answer), policy), harness(broker.port, "h") as h:
         for r in runs:
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
         await _steps(h, runs, 5)
         await h.until(lambda: all(h.last_step(r) == 5 for r in runs))
         assert not any(h.signals(r) for r in runs)
@@ -221,7 +221,7 @@ async def test_the_ranking_is_right_after_a_restart_and_cleared_after_the_last_r
         store = SqliteStore(db)
         async with make(store):
             for r in runs:
-                await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+                await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
             await _steps(h, runs, 4)
             await h.until(lambda: all(h.last_step(r) == 4 for r in ("lead-a", "lead-b")))
             await h.until(lambda: all(h.signals(r) for r in ("lag-c", "lag-d")))
@@ -324,7 +324,7 @@ async def test_compare_orders_leaders_pointwise_scores_cannot_separate(broker: M
     runs = list(pointwise)
     async with Monitor(config, judge=FakeJudge(answer), registry=registry), harness(broker.port, "h") as h:
         for r in runs:
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
         await _steps(h, runs, 1)
         await h.until(lambda: h.ranking("g") is not None and h.ranking("g")["leader"] == "lead-b")
         assert shape(h.ranking("g")) == [("lead-b", 1, "live"), ("lead-a", 2, "live"), ("lag-c", 3, "live"),
@@ -340,7 +340,7 @@ async def test_compare_is_off_by_default(broker: Mosquitto) -> None:
     judge = FakeJudge(lambda p: {"L": 0.5, "T": 0.5})
     async with monitor(broker, judge, Policy(), registry=registry), harness(broker.port, "h") as h:
         for r in ("x", "y"):
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
             await h.publish(r, "step", {"index": 1, "text": "s"})
         await h.until(lambda: all(h.last_step(r) == 1 for r in ("x", "y")))
         assert not any("## Trajectory 2" in p.prefix_text() for p in judge.prompts)
@@ -350,8 +350,10 @@ async def test_compare_is_off_by_default(broker: Mosquitto) -> None:
 async def test_a_harness_on_monitor_client_is_told_it_was_pruned(broker: Mosquitto) -> None:
     def harness_side() -> tuple[bool, bool, str | None]:
         with MonitorClient(broker.url, client_id="harness-client") as client:
-            lead = client.start_run("lead-a", task="task of lead-a", group="pair", policy={"keep_top": 1})
-            lag = client.start_run("lag-c", task="task of lag-c", group="pair")
+            lead = client.start_run(
+                "lead-a", task="task of lead-a", family="pair", group="pair", policy={"keep_top": 1}
+            )
+            lag = client.start_run("lag-c", task="task of lag-c", family="pair", group="pair")
             lead.step("lead-a did step 1")
             lead.wait_progress(1)
             for i in (1, 2):
@@ -380,7 +382,7 @@ async def test_a_failed_comparison_leaves_the_pointwise_order(broker: Mosquitto)
     mon = monitor(broker, FakeJudge(answer), Policy(compare=True), registry=registry)
     async with mon, harness(broker.port, "h") as h:
         for r in pointwise:
-            await h.publish(r, "start", {"task": f"task of {r}", "group": "g"})
+            await h.publish(r, "start", {"task": f"task of {r}", "family": "siblings", "group": "g"})
         await _steps(h, list(pointwise), 1)
 
         def failed() -> float:

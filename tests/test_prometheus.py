@@ -247,9 +247,15 @@ LIVE: dict[
     "run-a1": {
         "task": "Make the failing test pass",
         "group": "best-of-2",  # siblings: the group panels' series
+        "family": "siblings",  # siblings share a family (or task) and rubric: a group refuses others
         "labels": {"group": "alpha", "model": "m-large", "user": "x"},
     },
-    "run-a2": {"task": "Refactor the parser", "group": "best-of-2", "labels": {"group": "beta", "model": "m-small"}},
+    "run-a2": {
+        "task": "Refactor the parser",
+        "family": "siblings",
+        "group": "best-of-2",
+        "labels": {"group": "beta", "model": "m-small"},
+    },
     "run-flaky": {"task": "flaky", "labels": {"group": "beta"}},
     "run-wobbly": {
         "task": "wobbly",

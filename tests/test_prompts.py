@@ -89,12 +89,14 @@ def test_layout_order_and_images_follow_their_step() -> None:
         "Put the cup on the shelf.", rubric, steps, rubric.criteria[1], budget=FrameBudget(every=2, recent=2)
     )
     text = p.text(image=lambda f: f"<{f.data.decode()}>")
-    order = ["## Task", "Put the cup", "## Grading criteria", "done", "safe", "### Step 1", "moved arm", "<a>",
+    order = ["## Task", "Put the cup", "## Rubric", "### Step 1", "moved arm", "<a>",
              "### Step 2", "### Step 3", "lifted cup", "<c>", "## Most recent camera frames", "Step 3:", "<b>",
              "## Question", "3 steps so far", "'safe'", ANSWER_CUE]  # fmt: skip
     at = text.index("## Task")
     for s in order:  # each piece appears after the one before it
         at = text.index(s, at)
+    # Only the criterion asked about is in the prompt (in the tail): the other's text is not.
+    assert "is it done" not in text and "is it safe" in p.tail[-1].text  # type: ignore[union-attr]
     # Anchors are frames 0 and 2 (a, c): inline after their step; b is recent and goes in the tail.
     assert [p.frame.data for p in p.prefix if isinstance(p, ImagePart)] == [b"a", b"c"]
     assert [p.frame.data for p in p.tail if isinstance(p, ImagePart)] == [b"b"]

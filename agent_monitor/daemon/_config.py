@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from ..calibration import DEFAULT_SUCCESS_AT
+from ..calibration import DEFAULT_STRATA, DEFAULT_SUCCESS_AT
+from ..criteria import MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES, RubricBounds
 from ..options import ScoringOptions
 from ..policy import Policy
 from ..progress import Prices
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
 from ._state import RunLimits
+from ._work import MAX_JUDGE_CALLS_PER_RUN_MINUTE, MAX_JUDGE_CALLS_PER_STEP
 
 Protocol = Literal["auto", "5", "3.1.1"]
 
@@ -332,6 +334,47 @@ _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True)
+class WorkLimits:
+    """The work one event may cause: rubric size on a start, judge calls per step and per run per minute."""
+
+    max_criteria: int = field(
+        default=MAX_CRITERIA,
+        metadata={"help": "criteria in a start's rubric; a start with more is refused (each is a judge call per step)"},
+    )
+    max_criterion_bytes: int = field(
+        default=MAX_CRITERION_BYTES, metadata={"help": "bytes of one criterion of a start's rubric, as JSON"}
+    )
+    max_rubric_bytes: int = field(
+        default=MAX_RUBRIC_BYTES, metadata={"help": "bytes of a start's whole rubric (start.criteria), as JSON"}
+    )
+    max_judge_calls_per_step: int = field(
+        default=MAX_JUDGE_CALLS_PER_STEP,
+        metadata={
+            "help": "judge calls one scoring of a run may make (judged criteria x repeats); a start over it is refused"
+        },
+    )
+    max_judge_calls_per_run_minute: int = field(
+        default=MAX_JUDGE_CALLS_PER_RUN_MINUTE,
+        metadata={"help": "judge calls one run may make in any 60 s; past it the run waits and its steps coalesce"},
+    )
+
+    def __post_init__(self) -> None:
+        small = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) < 1}
+        if small:
+            raise ValueError(f"work limits {small} must be >= 1")
+        if self.max_judge_calls_per_run_minute < self.max_judge_calls_per_step:
+            raise ValueError(
+                f"max_judge_calls_per_run_minute={self.max_judge_calls_per_run_minute} is below "
+                f"max_judge_calls_per_step={self.max_judge_calls_per_step}: one scoring would never fit in a minute"
+            )
+
+    @property
+    def rubric(self) -> RubricBounds:
+        """The bounds a start's rubric is checked against on decode."""
+        return RubricBounds(self.max_criteria, self.max_criterion_bytes, self.max_rubric_bytes)
+
+
+@dataclass(frozen=True, slots=True)
 class MonitorConfig(ScoringOptions):
     """Everything a Monitor needs besides its judge, run store and registry: `Monitor(config, judge=...)`.
 
@@ -382,7 +425,48 @@ class MonitorConfig(ScoringOptions):
             "help": "a numeric end.outcome at or above this counts as a success when calibrating abort_below auto"
         },
     )
+    calibration_strata: int = field(
+        default=DEFAULT_STRATA,
+        metadata={
+            "help": "length strata of abort_below auto (1: none; 2-3 when a harness's scoring rate varies, e.g. "
+            "steps coalescing under load): a run is judged against runs of its own length (docs/calibration.md)"
+        },
+    )
+    calibration_rate: int = field(
+        default=60,
+        metadata={
+            "help": "outcomes one calibration family learns per minute at most (outcomes come from the network); "
+            "the rest teach nothing and are counted in agent_monitor_outcomes_refused_total"
+        },
+    )
+    outcome_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "shared secret: only run outcomes whose end carries auth = HMAC-SHA256(secret, run id, "
+            "start.started_at, outcome) teach abort_below auto (MonitorClient(outcome_secret=...) adds it); none: "
+            "anyone who may publish ends teaches. Prefer the environment variable to the flag (ps shows flags)"
+        },
+    )
+    group_secret: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "shared secret: a start joins a group only with auth = HMAC-SHA256(secret, run id, started_at, "
+            "group) (MonitorClient(group_secret=...) adds it); none: any publisher may join a group whose first "
+            "run's task and rubric it shares"
+        },
+    )
+    group_policy_fixed: bool = field(
+        default=False,
+        metadata={
+            "help": "groups use the monitor's group settings (keep_top, prune_margin, min_steps, patience, "
+            "max_uncertainty, compare); a grouped start asking for others is refused. Off: a group's first run fixes "
+            "them, and a later run asking for others is refused"
+        },
+    )
     limits: RunLimits = field(default_factory=RunLimits, metadata={"help": "runs"})
+    work: WorkLimits = field(default_factory=WorkLimits, metadata={"help": "work per event"})
     metrics: MetricsSettings = field(default_factory=MetricsSettings, metadata={"help": "observability"})
     cluster: ClusterSettings = field(default_factory=ClusterSettings, metadata={"help": "cluster"})
     otlp_receiver: OtlpReceiverSettings = field(
@@ -476,6 +560,15 @@ class MonitorConfig(ScoringOptions):
                 f"calibration_success_at={self.calibration_success_at!r}; use a number (outcomes at or above it "
                 "are successes)"
             )
+        if not 1 <= self.calibration_strata <= 8 or self.calibration_rate < 1:
+            raise ValueError(
+                f"calibration_strata={self.calibration_strata} (use 1..8), calibration_rate={self.calibration_rate} "
+                "(use 1 or more outcomes per family per minute)"
+            )
+        for name in ("outcome_secret", "group_secret"):
+            secret = getattr(self, name)
+            if secret is not None and len(secret) < 16:
+                raise ValueError(f"{name} is shorter than 16 characters; use a long random secret")
         unknown = sorted(set(self.policy_given) - {f.name for f in dataclasses.fields(Policy)})
         if unknown:
             raise ValueError(f"policy_given names {unknown}, which are not policy settings; use Policy's field names")
@@ -507,4 +600,12 @@ class MonitorConfig(ScoringOptions):
         return Prices(input=self.price_input, output=self.price_output, cached_input=self.price_cached_input)
 
 
-__all__ = ["ClusterSettings", "MetricsSettings", "MonitorConfig", "OtlpReceiverSettings", "Protocol", "ProxySettings"]
+__all__ = [
+    "ClusterSettings",
+    "MetricsSettings",
+    "MonitorConfig",
+    "OtlpReceiverSettings",
+    "Protocol",
+    "ProxySettings",
+    "WorkLimits",
+]

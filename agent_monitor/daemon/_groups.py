@@ -9,6 +9,7 @@ a start beyond either is refused (`run_rejected`), never an unbounded table.
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from ..groups import GroupFull, GroupState, GroupUpdate
+from ..groups import GroupFull, GroupState, GroupUpdate, group_mac, group_settings
 from ..judges.base import Judge
 from ..policy import Policy
 from ..progress import Decision, Progress
@@ -41,6 +42,23 @@ class GroupLimitError(ValueError):
     """A start that would take the monitor past its group limits; the message says which and what to do."""
 
 
+class GroupRefused(GroupLimitError):
+    """A start that may not join its group: another task or rubric, another group policy, or no valid group auth."""
+
+
+@dataclass(frozen=True, slots=True)
+class Joiner:
+    """What a start brings to its group: what it is graded on, its group settings, and its group auth."""
+
+    family: str
+    """The run's calibration family name (start.family, else its task text)."""
+    rubric: str
+    """The rubric's hash."""
+    policy: Policy
+    started_at: float | None = None
+    auth: str | None = None
+
+
 @dataclass(slots=True)
 class GroupBook:
     """Every live group: its state, its runs, and when a group whose runs all ended is cleared."""
@@ -56,9 +74,22 @@ class GroupBook:
     last_at: dict[str, float] = field(default_factory=dict)
     refused: int = 0
     """Starts refused for the group limits."""
+    secret: str | None = field(default=None, repr=False)
+    """With it, a start joins a group only with `start.auth` = `groups.group_mac(secret, ...)`."""
+    policy: Policy | None = None
+    """The group settings every group uses (the monitor's policy flags); None: each group's first run's."""
+    first: dict[str, Joiner] = field(default_factory=dict)
+    """Each group's first run: a later one joins only with the same family, rubric and group settings."""
 
-    def check(self, run_id: str, group: str) -> None:
-        """Raise GroupLimitError if `run_id` cannot join `group` (checked before its start is journaled)."""
+    def check(self, run_id: str, group: str, joiner: Joiner | None = None) -> None:
+        """Raise GroupLimitError if `run_id` cannot join `group` (checked before its start is journaled).
+
+        With `joiner`, also GroupRefused when the run is graded otherwise than the group's first run
+        (another family or rubric: its scores do not compare), asks for other group settings, or lacks
+        the group auth the monitor's group secret requires.
+        """
+        if joiner is not None:
+            self._check_joiner(run_id, group, joiner)
         g = self.groups.get(group)
         if g is None:
             if len(self.groups) >= self.max_groups:
@@ -74,13 +105,46 @@ class GroupBook:
                 "start this run in another group or raise the limit"
             )
 
-    def join(self, run_id: str, group: str, policy: Policy, at: float) -> GroupUpdate:
+    def _check_joiner(self, run_id: str, group: str, joiner: Joiner) -> None:
+        if self.secret is not None:
+            want = group_mac(self.secret, run_id, joiner.started_at, group)
+            if not joiner.auth or not hmac.compare_digest(joiner.auth.lower(), want):
+                self.refused += 1
+                raise GroupRefused(
+                    f"group {group!r} needs start.auth, the HMAC of run id, started_at and group with the monitor's "
+                    "group secret (MonitorClient(group_secret=...) adds it); this start has none or a wrong one"
+                )
+        mine = group_settings(joiner.policy)
+        if self.policy is not None and mine != (fixed := group_settings(self.policy)):
+            self.refused += 1
+            diff = ", ".join(f"{k}={mine[k]!r} (the monitor's: {fixed[k]!r})" for k in mine if mine[k] != fixed[k])
+            raise GroupRefused(f"group {group!r} uses the monitor's group settings; this start asks for {diff}")
+        first = self.first.get(group)
+        if first is None or group not in self.groups:
+            return
+        if (joiner.family, joiner.rubric) != (first.family, first.rubric):
+            self.refused += 1
+            what = "task or family" if joiner.family != first.family else "rubric"
+            raise GroupRefused(
+                f"group {group!r} is for runs of the {what} of its first run ({first.family!r}, rubric "
+                f"{first.rubric}); this run's is ({joiner.family!r}, rubric {joiner.rubric}): scores of different "
+                "tasks or rubrics do not rank; use another group"
+            )
+        theirs = group_settings(first.policy)
+        if mine != theirs:
+            self.refused += 1
+            diff = ", ".join(f"{k}={mine[k]!r} (the group's: {theirs[k]!r})" for k in mine if mine[k] != theirs[k])
+            raise GroupRefused(f"group {group!r} has the group settings of its first run; this start asks for {diff}")
+
+    def join(self, run_id: str, group: str, policy: Policy, at: float, joiner: Joiner | None = None) -> GroupUpdate:
         """A run joins its group (made with this run's policy when it is the first); GroupLimitError past a limit."""
         self.check(run_id, group)
         g = self.groups.get(group)
         if g is None:
-            # The group's policy is its first run's: siblings share a task and, in practice, its settings.
-            g = self.groups[group] = GroupState(group, policy, max_runs=self.max_group_runs)
+            # The group's policy is its first run's (or the monitor's, when fixed): later runs must match it.
+            g = self.groups[group] = GroupState(group, self.policy or policy, max_runs=self.max_group_runs)
+            if joiner is not None:
+                self.first[group] = joiner
         try:
             update = g.join(run_id)
         except GroupFull as e:  # checked above; kept for a bound set below the members already there
@@ -120,6 +184,7 @@ class GroupBook:
         name = self.of_run.pop(run_id, None)
         if name is not None and not any(g == name for g in self.of_run.values()):
             self.groups.pop(name, None)
+            self.first.pop(name, None)
             self.done_at.pop(name, None)
             self.last_at.pop(name, None)
         return name
@@ -131,6 +196,7 @@ class GroupBook:
             self.done_at.pop(name, None)
             self.last_at.pop(name, None)
             g = self.groups.pop(name, None)
+            self.first.pop(name, None)
             for r in g.members if g is not None else ():
                 if self.of_run.get(r) == name:
                     del self.of_run[r]
@@ -192,10 +258,19 @@ class Groups:
         """The groups' gauges, most recently active first (called from the scrape thread: a copy)."""
         return sorted(dict(self.series).values(), key=lambda s: s.last_at, reverse=True)
 
-    def join(self, run_id: str, group: str, policy: Policy, tracker: AsyncProgressTracker, *, publish: bool) -> bool:
+    def join(
+        self,
+        run_id: str,
+        group: str,
+        policy: Policy,
+        tracker: AsyncProgressTracker,
+        joiner: Joiner | None = None,
+        *,
+        publish: bool,
+    ) -> bool:
         """A run opened in a group: join it, route its results through the group; False when it runs ungrouped."""
         try:
-            update = self.book.join(run_id, group, policy, self.clock())
+            update = self.book.join(run_id, group, policy, self.clock(), joiner)
         except GroupLimitError:
             # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
             log.warning("group_refused_on_replay", run_id=run_id, group=group)

@@ -18,7 +18,7 @@ import structlog
 
 from ..wire import EventError, RunStart, StepIn, Topics, decode_event
 from ._config import MonitorConfig
-from ._groups import GroupBook, GroupLimitError
+from ._groups import GroupBook, GroupLimitError, Joiner
 from ._sinks import Accepted, Duplicated, MonitorEvent, Refused
 from ._sources import fetch_images
 from ._state import (
@@ -113,7 +113,7 @@ class Intake:
         emit: Callable[[MonitorEvent], None],
         clock: Callable[[], float],
         act: Callable[[Effect, bool], Awaitable[None]],
-        prepare: Callable[[str, RunStart], None],
+        prepare: Callable[[str, RunStart], Joiner],
         unprepare: Callable[[str], object],
         on_group_refused: Callable[[], None] = lambda: None,
     ) -> None:
@@ -135,6 +135,7 @@ class Intake:
             "max_image_bytes": config.max_image_bytes,
             "image_dirs": image_dirs,
             "image_hosts": config.image_hosts,
+            "rubric_bounds": config.work.rubric,  # bounded work per start
         }
         # One writer of the run state at a time: decide, journal and apply happen as one step, so the
         # journal's order is the order the state saw (the sources and the sweeper both write).
@@ -205,19 +206,20 @@ class Intake:
         return verdict
 
     def _prepare(self, run_id: str, start: RunStart, topic: str) -> bool:
-        """Check a start against the group limits and build its tracker; False: refused (reported)."""
-        if start.group is not None:
-            try:
-                self.groups.check(run_id, start.group)
-            except GroupLimitError as e:
-                self.on_group_refused()
-                self.emit(Refused(run_id, "run_rejected", str(e), topic))
-                return False
+        """Build a start's tracker, then check it against its group; False: refused (reported, nothing kept)."""
         try:
-            self.prepare(run_id, start)
+            joiner = self.prepare(run_id, start)
         except Exception as e:  # validated on decode; still the run's problem, never the daemon's
             self.emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
             return False
+        if start.group is not None:
+            try:  # checked with what the run is graded on (known once its tracker is built)
+                self.groups.check(run_id, start.group, joiner)
+            except GroupLimitError as e:
+                self.unprepare(run_id)
+                self.on_group_refused()
+                self.emit(Refused(run_id, "run_rejected", str(e), topic))
+                return False
         return True
 
     async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:

@@ -106,6 +106,15 @@ class Metrics:
             "Starts refused because their group was full or the monitor had --max-groups groups.",
             registry=registry,
         )
+        self.outcomes_refused = Counter(
+            "agent_monitor_outcomes_refused",
+            "Run outcomes that taught the calibration nothing although they said success or failure, by reason "
+            "(unauthenticated: no valid HMAC with --outcome-secret set; rate: the family's teaching rate was spent).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("unauthenticated", "rate"):
+            self.outcomes_refused.labels(reason)
         self.scorings = Counter("agent_monitor_scorings", "Prefix scorings, by result.", ["outcome"], registry=registry)
         self.scoring_failures = Counter(
             "agent_monitor_scoring_failures",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -44,7 +45,7 @@ from ._metrics import (
 )
 from ._mode import Standalone, mode_of
 from ._mqtt import MqttLink
-from ._outbox import Outbox
+from ._outbox import Message, Outbox
 from ._restore import Restore
 from ._scoring import Scoring
 from ._sinks import Fanout, LogSink, MqttSink, Sink, StoreSink
@@ -123,7 +124,10 @@ class Monitor:
         m.outbox_depth.set_function(self.outbox.__len__)  # read at scrape time
         self._restore: Restore  # built below, once the parts it drives are
         learned = lambda sample: self._restore.learned(sample)  # noqa: E731
-        self.calibration = Calibration(success_at=c.calibration_success_at, on_sample=learned, clock=clock)
+        self.calibration = Calibration(
+            success_at=c.calibration_success_at, on_sample=learned, clock=clock,
+            strata=c.calibration_strata, max_rate=c.calibration_rate,  # length strata, per-family teaching rate
+        )  # fmt: skip
         self._families = CalibrationCollector(
             self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
         )
@@ -135,7 +139,10 @@ class Monitor:
         self.store: RunStore = self.mode.store
         self.book = RunBook(c.limits)
         lim = c.limits
-        self.groups = GroupBook(max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s)
+        self.groups = GroupBook(
+            max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s,
+            secret=c.group_secret, policy=c.policy if c.group_policy_fixed else None,  # who may join, on what terms
+        )  # fmt: skip
         """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
         self._groups = Groups(
             self.groups, emit=self._emit, trackers=self.tracker, judge=self.circuit, repeats=c.repeats, clock=clock,
@@ -145,6 +152,7 @@ class Monitor:
         self._scoring = Scoring(
             c, criteria=self.criteria, book=self.book, circuit=self.circuit, calibration=self.calibration,
             groups=self._groups, topics=self.topics, emit=self._emit, clock=clock, on_depth=m.queue_depth.set,
+            on_outcome_refused=lambda reason: m.outcomes_refused.labels(reason).inc(),
         )  # fmt: skip
         self.scheduler = self._scoring.scheduler
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
@@ -286,6 +294,7 @@ class Monitor:
             "queued": len(self.outbox),
             "scorings": self.scorings,
             "degraded": self.circuit.degraded,
+            "judge_rate": self._scoring.rate.statistics(),
             "connected": bool(self.link and self.link.connected.is_set()),
             **self.mode.status(),
             **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
@@ -354,6 +363,10 @@ class Monitor:
     async def sweep(self) -> None:
         """Act on what time made due: steps with no start, gaps nobody fills, idle runs; forget old series."""
         await self._intake.sweep()
+        self._scoring.due()  # deferred scorings whose minute has room again
+        for run_id, first in self.book.resends_due(self.clock()):  # a gap open half its --hold: ask for a resend
+            payload = json.dumps({"from": first}).encode()
+            self.outbox.put(Message(self.topics.of(run_id, "resend"), payload, run_id=run_id))
         self._groups.due(self.clock())
         self._metrics_sink.prune()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from ..calibration import Calibration
+from ..calibration import Calibration, outcome_authentic
 from ..criteria import Rubric
 from ..judges.circuit import CircuitJudge
 from ..policy import Policy, with_levels
@@ -24,9 +24,10 @@ from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
-from ._groups import Groups
+from ._groups import Groups, Joiner
 from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 from ._state import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
+from ._work import CallRate, calls_per_scoring, check_start
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -53,6 +54,12 @@ class RunScoring:
         return len(self.tracker.steps) > self.scored and self.signal != "abort"
 
 
+def joiner_of(start: RunStart, scoring: RunScoring) -> Joiner:
+    """What a start brings to its group: membership is by family, rubric and group settings (and the group auth)."""
+    family = scoring.tracker.family
+    return Joiner(family.name, family.rubric, scoring.policy, start.started_at, start.auth)
+
+
 class Scoring:
     """The live runs' trackers and the scorers' queue: score each run's newest prefix, emit what it gave."""
 
@@ -69,6 +76,7 @@ class Scoring:
         emit: Callable[[MonitorEvent], None],
         clock: Callable[[], float],
         on_depth: Callable[[int], None] | None = None,
+        on_outcome_refused: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.config = config
         self.criteria = criteria
@@ -79,7 +87,11 @@ class Scoring:
         self.topics = topics
         self.emit = emit
         self.clock = clock
+        self.on_outcome_refused = on_outcome_refused
+        """Told why an outcome teaches nothing ("unauthenticated", "rate"): the outcomes-refused counter."""
         self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=on_depth)
+        # Judge calls per run per minute: a run past it waits (its steps coalesce meanwhile).
+        self.rate = CallRate(config.work.max_judge_calls_per_run_minute, clock=clock)
         self.runs: dict[str, RunScoring] = {}
         self.prepared: dict[str, RunScoring] = {}
         self.scorings = 0
@@ -99,9 +111,13 @@ class Scoring:
 
     # -- what the ingest applied --
 
-    def prepare(self, run_id: str, start: RunStart) -> None:
-        """Build a start's tracker before it is journaled (a start that cannot be used is refused, not journaled)."""
-        self.prepared[run_id] = self._new(run_id, start)
+    def prepare(self, run_id: str, start: RunStart) -> Joiner:
+        """Build a start's tracker before it is journaled (a start that cannot be used is refused, not journaled).
+
+        Returns what the run brings to its group, checked against the group before the start is journaled.
+        """
+        self.prepared[run_id] = scoring = self._new(run_id, start)
+        return joiner_of(start, scoring)
 
     async def act(self, effect: Effect, replaying: bool) -> None:
         """Act on one effect of a journaled record (steps appended, a run opened, closing or closed)."""
@@ -121,6 +137,7 @@ class Scoring:
     def _new(self, run_id: str, start: RunStart) -> RunScoring:
         c = self.config
         rubric = start.rubric() if start.criteria is not None else self.criteria
+        check_start(rubric, c.repeats, c.work.max_judge_calls_per_step)  # WorkRefused names the bound
         # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
         # thresholds, then the defaults. A start naming neither criteria nor policy (most) gets the same one:
         # resolved once (dataclasses.asdict per start was a third of a start's cost in a burst).
@@ -154,8 +171,9 @@ class Scoring:
         self.runs[run_id] = scoring
         if not replaying:
             self.emit(RunOpened(run_id, start, len(self.book.live)))
+        # The group's first run is what later ones must match.
         if start.group is not None and not self.groups.join(
-            run_id, start.group, scoring.policy, scoring.tracker, publish=not replaying
+            run_id, start.group, scoring.policy, scoring.tracker, joiner_of(start, scoring), publish=not replaying
         ):
             scoring.group = None
 
@@ -183,6 +201,7 @@ class Scoring:
         run_id = effect.run_id
         scoring = self.runs.pop(run_id, None)
         self.scheduler.discard(run_id)
+        self.rate.forget(run_id)
         self.groups.ended(run_id, effect.outcome, effect.at, publish=not replaying)
         if replaying and effect.outcome != "evicted":
             return
@@ -209,9 +228,23 @@ class Scoring:
         tracker = scoring.tracker
         # A run id may be used again for a new run once its run ended: the start time tells the two apart.
         key = f"{run_id}@{state.started_at!r}"
+        secret = self.config.outcome_secret
+        outcome = state.ended.outcome
+        # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
+        if (
+            secret
+            and outcome is not None
+            and not outcome_authentic(secret, run_id, state.start.started_at, outcome, state.ended.auth)
+        ):
+            self.on_outcome_refused("unauthenticated")
+            log.warning("outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing")
+            return
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
-            self.calibration.record(tracker.family, key, state.ended.outcome, tracker.points, exposed=exposed)
+            limited = self.calibration.rate_limited
+            self.calibration.record(tracker.family, key, outcome, tracker.points, exposed=exposed)
+            if self.calibration.rate_limited > limited:  # the family's teaching rate was spent: counted
+                self.on_outcome_refused("rate")
         except Exception:
             log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
 
@@ -220,6 +253,7 @@ class Scoring:
         self.runs.pop(run_id, None)
         self.prepared.pop(run_id, None)
         self.scheduler.discard(run_id)
+        self.rate.forget(run_id)
         self.groups.forget(run_id)
 
     # -- scoring (the scheduler's callback) --
@@ -229,6 +263,13 @@ class Scoring:
         if scoring is None:
             return
         if scoring.wants_scoring:
+            # A run that spent its judge calls for the minute waits (its steps coalesce meanwhile; `due` wakes it).
+            calls = calls_per_scoring(scoring.tracker.rubric, self.config.repeats)
+            wait = self.rate.wait(run_id, calls)
+            if wait > 0:
+                self.rate.defer(run_id, wait)
+                return
+            self.rate.spend(run_id, calls)
             # While the judge is down, wait for its next probe instead of spending this run's steps on certain
             # failures; steps arriving meanwhile fold into the one scoring made when it is back.
             async with self.circuit.ready():
@@ -268,6 +309,11 @@ class Scoring:
             # Scored again at the judge's next probe: woken now (it is in flight, so it goes to the back of the
             # queue when this scoring ends) and it waits in `circuit.ready()` until the probe is due.
             _rewind(scoring)
+            self.scheduler.wake(run_id)
+
+    def due(self) -> None:
+        """Wake the deferred runs whose minute has room for a scoring again (the sweeper's)."""
+        for run_id in self.rate.due():
             self.scheduler.wake(run_id)
 
     def judge_back(self) -> None:

@@ -330,6 +330,7 @@ class RunBook:
         self.orphans: OrderedDict[str, Orphan] = OrderedDict()
         self.ended: OrderedDict[str, float] = OrderedDict()
         self._gapped: set[str] = set()
+        self._asked: dict[str, int] = {}  # runs asked to resend, and from which index
         self._recent: OrderedDict[tuple[int, str], str] = OrderedDict()
 
     # -- deciding: an event becomes a record, or a refusal or duplicate that changes nothing --
@@ -439,6 +440,28 @@ class RunBook:
             if now - run.last_event < self.limits.idle_timeout_s:
                 break
             out.append(Finished(run_id, "expired", now))
+        return out
+
+    def resends_due(self, now: float) -> list[tuple[str, int]]:
+        """(run, first missing index) for each gap open half its hold: ask the harness to send again from there.
+
+        Asked once per gap (a new first missing index asks again), half-way through `--hold`, so that steps
+        re-sent in answer fill the gap before it is given up. A step published while no monitor was subscribed
+        (a broker that restored sessions but not `$share` subscriptions) shows as a gap once a later step
+        arrives; MonitorClient keeps a bounded buffer of its unacknowledged steps and answers.
+        """
+        half = self.limits.hold_s / 2
+        out: list[tuple[str, int]] = []
+        for run_id in sorted(self._gapped):
+            run = self.live.get(run_id)
+            if run is None or run.gap_since is None or now - run.gap_since < half:
+                continue
+            first = run.next_index
+            if self._asked.get(run_id) != first:
+                self._asked[run_id] = first
+                out.append((run_id, first))
+        for run_id in [r for r in self._asked if r not in self._gapped]:
+            del self._asked[run_id]
         return out
 
     def forget(self, run_id: str) -> None:

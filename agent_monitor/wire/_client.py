@@ -19,6 +19,7 @@ import json
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
@@ -30,6 +31,8 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
+from ..calibration import outcome_mac
+from ..groups import group_mac
 from ..progress import Signal
 from ._decode import summarise
 from ._inputs import ImageIn, RunEnd, RunStart, StepIn
@@ -82,6 +85,8 @@ class Run:
         on_progress: Callable[[ProgressOut], None] | None,
     ) -> None:
         self.run_id = run_id
+        self.started_at: float | None = None
+        """The start's `started_at` (UNIX seconds): part of the outcome's HMAC."""
         self._client = client
         self._on_signal = on_signal
         self._on_progress = on_progress
@@ -93,6 +98,10 @@ class Run:
         self._progress: ProgressOut | None = None
         self._furthest: ProgressOut | None = None  # the progress with the highest step seen
         self._errors: list[ErrorOut] = []
+        # Steps sent and not yet scored (the monitor's progress acknowledges them), for `resend` requests.
+        self._unacked: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self.resent = 0
+        """Steps sent again because the monitor asked (`{prefix}/{run_id}/resend`)."""
 
     def __repr__(self) -> str:
         return f"Run({self.run_id!r}, next_index={self._next_index}, ended={self._ended})"
@@ -119,6 +128,10 @@ class Run:
                 payload["meta"] = dict(meta)
             _validated(StepIn, payload, "step")
             self._client._publish(topic(self._client.prefix, self.run_id, "step"), payload, wait=False)
+            with self._cond:
+                self._unacked[idx] = payload
+                while len(self._unacked) > self._client.resend_buffer:
+                    self._unacked.popitem(last=False)  # bounded: the oldest unacknowledged step cannot be re-sent
             # An explicit index (e.g. best_step + 1 after a rollback) restarts the numbering there.
             self._next_index = idx + 1
             return idx
@@ -129,6 +142,9 @@ class Run:
             if self._ended:
                 return
             payload: dict[str, Any] = {} if outcome is None else {"outcome": outcome}
+            secret = self._client._outcome_secret
+            if secret is not None and outcome is not None:
+                payload["auth"] = outcome_mac(secret, self.run_id, self.started_at, outcome)
             _validated(RunEnd, payload, "end")
             self._ended = True
             try:
@@ -207,8 +223,26 @@ class Run:
             assert self._signal is not None
             return self._signal
 
+    def _resend(self, payload: bytes) -> None:
+        """The monitor asks for the steps from index N again (a gap it cannot fill): re-publish the buffered ones."""
+        try:
+            first = json.loads(payload)["from"]
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise TypeError(first)
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring malformed resend request", run_id=self.run_id)
+            return
+        with self._cond:
+            again = [p for i, p in self._unacked.items() if i >= first]
+        for p in again:  # QoS 1 from paho's thread: queued, never waited for here
+            self._client._publish(topic(self._client.prefix, self.run_id, "step"), p, wait=False)
+        self.resent += len(again)
+
     def _deliver(self, kind: str, payload: bytes) -> None:
         """Take one message from the run's output topics (paho's thread); malformed ones are logged and dropped."""
+        if kind == "resend":
+            self._resend(payload)
+            return
         if kind == "signal" and not payload.strip():
             with self._cond:  # an empty retained payload: the monitor cleared the signal
                 self._signal = None
@@ -229,6 +263,8 @@ class Run:
             if isinstance(msg, SignalOut):
                 self._signal = msg
             elif isinstance(msg, ProgressOut):
+                for i in [i for i in self._unacked if i <= msg.step]:  # scored: the monitor has them
+                    del self._unacked[i]
                 self._progress = msg
                 if self._furthest is None or msg.step >= self._furthest.step:
                     self._furthest = msg
@@ -265,6 +301,9 @@ class MonitorClient:
         key_file: str | None = None,
         connect_timeout: float = 10.0,
         ack_timeout: float = 10.0,
+        outcome_secret: str | None = None,
+        group_secret: str | None = None,
+        resend_buffer: int = 1000,
     ) -> None:
         settings = BrokerSettings.from_url(
             broker_url, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file
@@ -273,6 +312,13 @@ class MonitorClient:
         self.prefix = prefix
         self.url = settings.url
         self.ack_timeout = ack_timeout
+        # The monitor's --outcome-secret: each end's outcome is signed with it (never sent, never logged).
+        self._outcome_secret = outcome_secret
+        self._group_secret = group_secret  # likewise for joining groups (--group-secret)
+        if resend_buffer < 0:
+            raise ValueError(f"resend_buffer={resend_buffer}; use 0 (none) or more steps kept per run")
+        self.resend_buffer = resend_buffer
+        """Unscored steps kept per run to answer the monitor's resend requests (the oldest go first)."""
         self._cond = threading.Condition()
         self._runs: dict[str, Run] = {}
         self._sub_acks: dict[int, list[ReasonCode]] = {}
@@ -359,13 +405,17 @@ class MonitorClient:
         `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when far behind them.
         """
         filters = [topic(self.prefix, run_id, k) for k in OUTPUT_KINDS]  # raises TopicError for a bad run id
-        payload: dict[str, Any] = {"task": task}
+        started_at = round(time.time(), 3)
+        payload: dict[str, Any] = {"task": task, "started_at": started_at}
         optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family, "group": group}
         payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs
+        if group is not None and self._group_secret is not None:
+            payload["auth"] = group_mac(self._group_secret, run_id, started_at, group)
         _validated(RunStart, payload, "start")
         run = Run(self, run_id, on_signal, on_progress)
+        run.started_at = started_at
         with self._cond:
             if self._closed:
                 raise RuntimeError("the MonitorClient is closed")

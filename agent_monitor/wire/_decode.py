@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from ..criteria import RubricBounds
 from ._common import JSON_TYPES, clip
 from ._inputs import INPUT_MODELS, InputEvent
 from ._limits import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES
@@ -96,6 +97,7 @@ def decode_event(
     max_image_bytes: int = MAX_IMAGE_BYTES,
     image_dirs: Sequence[str | Path] = (),
     image_hosts: Sequence[str] = (),
+    rubric_bounds: RubricBounds | None = None,
 ) -> tuple[str, InputEvent]:
     """Parse and validate one MQTT input message into (run_id, RunStart | StepIn | RunEnd); raise EventError.
 
@@ -138,6 +140,7 @@ def decode_event(
             "max_image_bytes": max_image_bytes,
             "image_dirs": tuple(image_dirs),
             "image_hosts": tuple(image_hosts),
+            "rubric_bounds": rubric_bounds,
         }
         model = INPUT_MODELS[kind].model_validate(data, context=context)
     except ValidationError as e:

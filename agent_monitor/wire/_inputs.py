@@ -28,17 +28,20 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from ..criteria import CriteriaError, Rubric, bundled_criteria, load_criteria
+from ..criteria import CriteriaError, Rubric, RubricBounds, bundled_criteria, check_bounds, load_criteria
 from ..images import sniff_mime
 from ..policy import Policy, PolicyError
 from ._common import JSON_TYPES, check_json_value, clip, err, none_to
 from ._limits import (
+    MAX_CRITERIA,
+    MAX_CRITERION_BYTES,
     MAX_IMAGE_BYTES,
     MAX_IMAGES,
     MAX_LABEL_KEY_CHARS,
     MAX_LABEL_VALUE_CHARS,
     MAX_LABELS,
     MAX_META_BYTES,
+    MAX_RUBRIC_BYTES,
     MAX_STEP_CHARS,
     MAX_STEP_INDEX,
     MAX_TASK_CHARS,
@@ -49,10 +52,15 @@ from ._topics import GroupName
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy))
 """The keys `start.policy` may set (the fields of `agent_monitor.policy.Policy`)."""
 
+_GROUP = re.compile(r"[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}")
 _LABEL_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 _MIME = re.compile(r"image/[a-z0-9][a-z0-9.+-]{0,62}", re.IGNORECASE)
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]{0,100})(?P<b64>;base64)?,", re.IGNORECASE)
 _URL = re.compile(r"[a-z][a-z0-9+.-]{0,30}://", re.IGNORECASE)
+
+
+DEFAULT_RUBRIC_BOUNDS = RubricBounds(MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES)
+"""The rubric bounds a start is checked against when the decoder is given none (context `rubric_bounds`)."""
 
 
 class _In(BaseModel):
@@ -226,6 +234,20 @@ class RunStart(_In):
         "family, judge model and rubric); default: the task text.",
     )
 
+    started_at: float | None = Field(
+        default=None,
+        ge=0,
+        description="When the harness started the run (UNIX seconds): part of the outcome's HMAC (end.auth), so an "
+        "end signed for one run cannot be replayed on a later run with the same id.",
+    )
+
+    auth: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        description="Hex HMAC-SHA256 of run id, started_at and group (agent_monitor.groups.group_mac): needed to join "
+        "a group when the monitor runs with --group-secret.",
+    )
+
     @field_validator("task")
     @classmethod
     def _task_not_blank(cls, task: str) -> str:
@@ -260,13 +282,26 @@ class RunStart(_In):
                 raise err("labels", f"label {k!r} has a {JSON_TYPES.get(type(v), 'non-string')} value; use a string")
             if len(v) > MAX_LABEL_VALUE_CHARS:
                 raise err("labels", f"label {k!r} is {len(v)} characters, over the limit of {MAX_LABEL_VALUE_CHARS}")
+            if k == "group" and not _GROUP.fullmatch(v):
+                # It becomes a metric label and a board filter, like start.group: the same rule.
+                raise err(
+                    "labels",
+                    f"label group {clip(v, 40)!r} is not a group name; use 1-128 characters from A-Z a-z 0-9 . _ : -, "
+                    "not starting with '_' (as start.group)",
+                )
         return value
 
     @field_validator("criteria")
     @classmethod
-    def _criteria_loads(cls, spec: JsonValue) -> JsonValue:
+    def _criteria_loads(cls, spec: JsonValue, info: ValidationInfo) -> JsonValue:
         if spec is None:
             return None
+        ctx = info.context or {}
+        bounds = ctx.get("rubric_bounds") or DEFAULT_RUBRIC_BOUNDS
+        try:
+            check_bounds(spec, bounds)  # before anything is built from it: the work one start causes is bounded
+        except CriteriaError as e:
+            raise err("criteria_too_large", str(e)) from None
         if isinstance(spec, str):
             names = bundled_criteria()
             if "/" in spec or "\\" in spec or spec.startswith((".", "~")) or re.search(r"\.(md|json|ya?ml)$", spec):
@@ -405,6 +440,12 @@ class RunEnd(_In):
     """`{prefix}/{run_id}/end`: the run is over; its outcome, when known."""
 
     outcome: Outcome = None
+    auth: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-fA-F]{64}$",
+        description="Hex HMAC-SHA256 of run id, start.started_at and outcome (see agent_monitor.calibration."
+        "outcome_mac); with the monitor's --outcome-secret, only outcomes carrying it teach the calibration.",
+    )
 
     @field_validator("outcome", mode="before")
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..criteria import MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES
+
 MAX_PAYLOAD_BYTES = 32 * 1024 * 1024
 """Default cap on one MQTT payload, checked before any parsing."""
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -16,3 +18,21 @@ MAX_LABEL_VALUE_CHARS = 256
 MAX_META_BYTES = 64 * 1024
 MAX_META_DEPTH = 16
 MAX_RUN_ID_CHARS = 128
+
+__all__ = [
+    "MAX_CRITERIA",
+    "MAX_CRITERION_BYTES",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_LABELS",
+    "MAX_LABEL_KEY_CHARS",
+    "MAX_LABEL_VALUE_CHARS",
+    "MAX_META_BYTES",
+    "MAX_META_DEPTH",
+    "MAX_PAYLOAD_BYTES",
+    "MAX_RUBRIC_BYTES",
+    "MAX_RUN_ID_CHARS",
+    "MAX_STEP_CHARS",
+    "MAX_STEP_INDEX",
+    "MAX_TASK_CHARS",
+]

@@ -1,0 +1,131 @@
+"""Groups belong to their harness: same task (or family) and rubric as the first run, one group policy (issue 27, 3)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
+from agent_monitor.daemon._outbox import Message
+from agent_monitor.groups import group_mac
+from agent_monitor.policy import Policy
+from agent_monitor.prompts import Prompt
+from agent_monitor.testing import FakeJudge
+
+SECRET = "group-secret-long-enough"
+POLICY = Policy(min_steps=1, patience=2, prune_margin=0.2)
+
+
+def j(**kw: Any) -> bytes:
+    return json.dumps(kw).encode()
+
+
+def answer(p: Prompt) -> str:
+    return "T" if "trivially done" in p.text() else "K"
+
+
+def outputs(mon: Monitor) -> list[tuple[str, dict[str, Any]]]:
+    msgs: list[Message] = []
+    while (m := mon.outbox.get_nowait()) is not None:
+        msgs.append(m)
+    return [(m.topic, json.loads(m.payload)) for m in msgs if m.payload]
+
+
+def errors_of(out: list[tuple[str, dict[str, Any]]], run_id: str) -> list[dict[str, Any]]:
+    return [b for t, b in out if t == f"agents/{run_id}/error"]
+
+
+async def _steps(mon: Monitor, runs: list[str], n: int) -> None:
+    for i in range(1, n + 1):
+        for r in runs:
+            await mon.handle(f"agents/{r}/step", j(index=i, text=f"{r} step {i}"))
+        await mon.drain()
+
+
+async def test_a_run_with_another_task_or_rubric_cannot_join_and_prune_the_siblings() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), registry=reg, store=MemoryStore()) as mon:
+        honest = ["h1", "h2", "h3"]
+        for r in honest:
+            await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
+        # Another task and a trivial rubric that scores 1.0: before, it joined and pruned all three.
+        await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
+        # The same task with another rubric: its scores do not rank against theirs either.
+        await mon.handle("agents/evil2/start", j(task="fix the bug", criteria={"done": "trivially done"}, group="g"))
+        out = outputs(mon)
+        (e1,) = errors_of(out, "evil")
+        assert e1["reason"] == "run_rejected" and "task or family of its first run" in e1["error"]
+        (e2,) = errors_of(out, "evil2")
+        assert e2["reason"] == "run_rejected" and "rubric of its first run" in e2["error"]
+        assert mon.run("evil") is None and mon.run("evil2") is None
+        await _steps(mon, honest, 4)
+        for r in honest:
+            view = mon.run(r)
+            assert view is not None and view.signal == "continue"
+        assert reg.get_sample_value("agent_monitor_groups_refused_total") == 2
+
+
+async def test_the_group_policy_is_the_first_runs_and_another_is_refused() -> None:
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=MemoryStore()) as mon:
+        await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+        await mon.handle("agents/b/start", j(task="t", group="g"))
+        await mon.handle("agents/c/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+        out = outputs(mon)
+        (e,) = errors_of(out, "b")
+        assert "group settings of its first run" in e["error"] and "prune_margin=0.2 (the group's: 0.0)" in e["error"]
+        assert mon.run("b") is None and mon.run("c") is not None
+    # Fixed by the monitor: the first run cannot choose, a start asking for other settings is refused.
+    config = MonitorConfig(policy=POLICY, group_policy_fixed=True)
+    async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore()) as mon:
+        await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+        await mon.handle("agents/b/start", j(task="t", group="g"))
+        out = outputs(mon)
+        (e,) = errors_of(out, "a")
+        assert "uses the monitor's group settings" in e["error"]
+        assert mon.run("a") is None and mon.run("b") is not None
+
+
+async def test_with_a_group_secret_only_signed_starts_join() -> None:
+    config = MonitorConfig(policy=POLICY, group_secret=SECRET)
+    async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore()) as mon:
+        mac = group_mac(SECRET, "a", 100.0, "g")
+        await mon.handle("agents/a/start", j(task="t", group="g", started_at=100.0, auth=mac))
+        await mon.handle("agents/b/start", j(task="t", group="g"))
+        await mon.handle("agents/c/start", j(task="t", group="g", started_at=100.0, auth=mac))  # a's MAC, replayed
+        await mon.handle("agents/d/start", j(task="t"))  # ungrouped runs need nothing
+        out = outputs(mon)
+        for r in ("b", "c"):
+            (e,) = errors_of(out, r)
+            assert "needs start.auth" in e["error"]
+            assert mon.run(r) is None
+        assert mon.run("a") is not None and mon.run("d") is not None
+
+
+async def test_the_retained_ranking_carries_the_scores_when_only_scores_change() -> None:
+    judge = FakeJudge(lambda p: "P" if "a step" in p.text() else "K")
+    async with Monitor(MonitorConfig(policy=Policy(min_steps=1)), judge=judge, store=MemoryStore()) as mon:
+        for r in ("a", "b"):
+            await mon.handle(f"agents/{r}/start", j(task="t", group="g"))
+        for i in (1, 2):  # one run at a time: the order a, b (join order, then a ahead) never changes
+            for r in ("a", "b"):
+                await mon.handle(f"agents/{r}/step", j(index=i, text=f"{r} step {i}"))
+                await mon.drain()
+        rankings = [b for t, b in outputs(mon) if t == "agents/_groups/g/ranking"]
+        last = rankings[-1]
+        assert [r["run_id"] for r in last["runs"]] == ["a", "b"]
+        assert all(r["score"] is not None for r in last["runs"]), last  # before: null, published at the join
+
+
+def test_labels_group_is_validated_like_start_group() -> None:
+    from agent_monitor.wire import EventError, decode_event
+
+    for bad in ("_hidden", "a/b", "x" * 129, "", "a b"):
+        try:
+            decode_event("agents/r/start", j(task="t", labels={"group": bad}))
+        except EventError as e:
+            assert "label group" in e.message
+        else:
+            raise AssertionError(f"labels.group {bad!r} was accepted")
+    decode_event("agents/r/start", j(task="t", labels={"group": "swe-bench.v2:1"}))
