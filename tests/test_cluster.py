@@ -311,6 +311,37 @@ async def test_a_redis_restart_loses_nothing(broker: Mosquitto, tmp_path: Any) -
             assert steps == sorted(steps)
 
 
+async def test_a_score_the_old_owner_never_got_out_is_published_by_the_new_one(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
+    """A score journaled by a replica that lost the run before publishing it reaches the harness from the new owner.
+
+    The old owner journals a score, then publishes it; a run it no longer owns has its queued messages dropped
+    as they leave (the outbox's gate). Here a's gate drops everything from step 2 on: without the takeover
+    republishing the run's latest stored score, the harness never sees step 2's progress.
+    """
+    async with harness(broker.port) as h, AsyncExitStack() as stack:
+        a = await stack.enter_async_context(replica(broker, redis, "a"))
+        await h.publish("lost-1", "start", {"task": "count"})
+        await h.publish("lost-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("lost-1") == 1)
+        a.outbox.gate = lambda run: False  # what a queues from here on is dropped as it leaves
+        await h.publish("lost-1", "step", {"index": 2, "text": "two"})
+        for _ in range(250):
+            scoring = a._scoring.runs.get("lost-1")
+            if scoring is not None and scoring.scored == 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        assert h.last_step("lost-1") == 1  # scored and journaled by a, never published
+        async with replica(broker, redis, "b") as b:
+            await stack.aclose()  # a leaves: its journal (step 2 scored) goes to b
+            await h.until(lambda: h.last_step("lost-1") == 2)
+            assert [p["step"] for p in h.progress("lost-1")] == [1, 2]
+            # Published again, not scored again: b's judge was not asked and its scorings counter did not move.
+            assert metric(b, "agent_monitor_scorings_total", outcome="ok") == 0.0
+
+
 async def test_what_one_replica_learns_every_replica_uses(broker: Mosquitto, redis: RedisServer) -> None:
     """A calibration sample (a run that ended with an outcome) reaches every replica's "auto" thresholds at once."""
     async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:

@@ -333,7 +333,7 @@ class MetricsSink:
         m = self.metrics
         if isinstance(event, Accepted):
             self._events[event.kind].inc()
-        elif isinstance(event, Scored):
+        elif isinstance(event, Scored) and not event.republished:
             p = event.progress
             self._scorings[p.ok].inc()
             if not p.ok and p.reason:

@@ -138,7 +138,7 @@ class OtelSink:
     def __call__(self, event: MonitorEvent) -> None:
         """Queue the evaluation events of one score (never blocks: the SDK's worker thread exports them)."""
         emitter = self._emitter
-        if not isinstance(event, Scored) or emitter is None:
+        if not isinstance(event, Scored) or event.republished or emitter is None:
             return
         events = evaluation_attributes(event.progress, self.criteria(event.run_id))
         with self._lock:

@@ -107,7 +107,9 @@ class Restore:
             if scoring is not None:
                 changes = [d["step"] for d in progress if (d.get("decision") or {}).get("changed")]
                 lost = bool(changes) and changes[-1] != signal_sent
-                self.scoring.restore(run_id, progress, republish=lost)
+                # The latest score goes out again: the previous owner journals a score before publishing it, and
+                # drops what it queued for a run it lost, so the harness may never have seen the run's last score.
+                self.scoring.restore(run_id, progress, republish=lost, republish_score=True)
                 if scoring.group is not None:
                     self.groups.changed(scoring.group, False)
 

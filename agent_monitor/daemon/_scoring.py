@@ -324,8 +324,19 @@ class Scoring:
                 _rewind(scoring)
                 self.scheduler.wake(run_id)
 
-    def restore(self, run_id: str, progress: Sequence[Mapping[str, Any]], *, republish: bool = True) -> None:
-        """Give a replayed run its stored scores; schedule what is left to score (or to finish); republish its signal."""
+    def restore(
+        self,
+        run_id: str,
+        progress: Sequence[Mapping[str, Any]],
+        *,
+        republish: bool = True,
+        republish_score: bool = False,
+    ) -> None:
+        """Give a replayed run its stored scores; schedule what is left to score (or to finish); republish its signal.
+
+        `republish_score`: publish the latest stored score again when it covers every step (a takeover: the
+        previous owner may have journaled it without getting it out).
+        """
         scoring = self.runs.get(run_id)
         if scoring is None:
             return
@@ -339,6 +350,10 @@ class Scoring:
         for i in range(1, scoring.scored + 1):
             scoring.arrived.pop(i, None)
         latest = tracker.latest
+        if latest is not None and republish_score and not scoring.wants_scoring:
+            # Only when nothing is left to score: otherwise the next scoring publishes a later score anyway, and
+            # a republished older one would follow a later one the previous owner got out before journaling it.
+            self.emit(Scored(run_id, latest, latest.to_json(), (), self.clock(), republished=True))
         if latest is not None and latest.signal is not None:
             scoring.signal = latest.signal.signal
             if tracker.summary.signal_changes and republish:

@@ -77,6 +77,9 @@ class Scored:
     arrived: tuple[float, ...]
     """When each step this score newly covers arrived (for step-to-score latency)."""
     at: float
+    republished: bool = False
+    """Published again by a replica that took the run over: the previous owner journaled the score but may not
+    have got its message out (its outbox drops what a run it no longer owns queued). Not a new scoring."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +209,7 @@ class StoreSink:
 
     def __call__(self, event: MonitorEvent) -> None:
         """Record a score or a ranking."""
-        if isinstance(event, Scored):
+        if isinstance(event, Scored) and not event.republished:
             self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
         elif isinstance(event, GroupRanked) and not event.republished:
             self.store.record_ranking(event.group, event.ranking)
