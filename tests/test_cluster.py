@@ -318,13 +318,17 @@ async def test_a_score_the_old_owner_never_got_out_is_published_by_the_new_one(
 
     The old owner journals a score, then publishes it; a run it no longer owns has its queued messages dropped
     as they leave (the outbox's gate). Here a's gate drops everything from step 2 on: without the takeover
-    republishing the run's latest stored score, the harness never sees step 2's progress.
+    republishing the run's latest stored score, the harness never sees step 2's progress. A score the broker
+    acknowledged (noted in the run's listing, as its signal is) is not published again.
     """
     async with harness(broker.port) as h, AsyncExitStack() as stack:
         a = await stack.enter_async_context(replica(broker, redis, "a"))
         await h.publish("lost-1", "start", {"task": "count"})
         await h.publish("lost-1", "step", {"index": 1, "text": "one"})
-        await h.until(lambda: h.last_step("lost-1") == 1)
+        await h.publish("seen-1", "start", {"task": "count"})
+        await h.publish("seen-1", "step", {"index": 1, "text": "one"})
+        await h.until(lambda: h.last_step("lost-1") == 1 and h.last_step("seen-1") == 1)
+        await asyncio.sleep(0.3)  # the broker's acknowledgements of those progress messages are noted
         a.outbox.gate = lambda run: False  # what a queues from here on is dropped as it leaves
         await h.publish("lost-1", "step", {"index": 2, "text": "two"})
         for _ in range(250):
@@ -338,6 +342,9 @@ async def test_a_score_the_old_owner_never_got_out_is_published_by_the_new_one(
             await stack.aclose()  # a leaves: its journal (step 2 scored) goes to b
             await h.until(lambda: h.last_step("lost-1") == 2)
             assert [p["step"] for p in h.progress("lost-1")] == [1, 2]
+            await asyncio.sleep(0.5)
+            # A score the broker acknowledged is not published twice: b took seen-1 over without a word.
+            assert [p["step"] for p in h.progress("seen-1")] == [1]
             # Published again, not scored again: b's judge was not asked and its scorings counter did not move.
             assert metric(b, "agent_monitor_scorings_total", outcome="ok") == 0.0
 

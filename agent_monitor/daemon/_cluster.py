@@ -158,6 +158,11 @@ class Cluster:
         """Told once a run's signal is out: a new owner publishes it again only if it was not."""
         return self.store.mark_signal
 
+    @property
+    def progress_sent(self) -> Callable[[str, int], None]:
+        """Told once a run's progress message is out: a new owner publishes the latest score again only if it was not."""
+        return self.store.mark_progress
+
     def receiver(self, own: Receive) -> Receive:
         """Where the sources' events go: the runs' shared inboxes (the owner feeds them to its host)."""
         return self.inboxes.receive
@@ -416,12 +421,16 @@ class Cluster:
             for run_id, tok in got.items():
                 o = Lease(tok, sent + self.settings.lease_s - _PUBLISH_MARGIN_S)
                 try:
-                    replay, cursor, signal_out = journals[run_id]
+                    replay, cursor, signal_out, progress_out = journals[run_id]
                     o.cursor = o.fed = cursor
                     self.leases.hold(run_id, o)
                     assert self.host is not None, "taken over only once joined"
                     await self.host.adopt(
-                        run_id, replay.records, replay.progress.get(run_id, ()), signal_sent=signal_out
+                        run_id,
+                        replay.records,
+                        replay.progress.get(run_id, ()),
+                        signal_sent=signal_out,
+                        progress_sent=progress_out,
                     )
                     o.ready = True
                 except Exception:

@@ -229,10 +229,10 @@ return 1
 """
 
 _MARK = """
--- Note in a run's listing which signal the broker acknowledged (its decision's step), if the token is still the
--- run's. ARGV: prefix, run, token, step
+-- Note in a run's listing which signal or progress message the broker acknowledged (its step), if the token is
+-- still the run's. ARGV: prefix, run, token, step, field ('signal_sent' or 'progress_sent')
 if redis.call('GET', ARGV[1] .. 'fence:' .. ARGV[2]) ~= ARGV[3] then return 0 end
-redis.call('HSET', ARGV[1] .. 'meta:' .. ARGV[2], 'signal_sent', ARGV[4])
+redis.call('HSET', ARGV[1] .. 'meta:' .. ARGV[2], ARGV[5], ARGV[4])
 return 1
 """
 

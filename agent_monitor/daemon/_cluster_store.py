@@ -181,7 +181,13 @@ class ClusterStore:
         """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
         token = self.leases.last_token(run_id)
         if token:
-            self.later(self.scripts["mark"], [self.prefix, run_id, token, step])
+            self.later(self.scripts["mark"], [self.prefix, run_id, token, step, "signal_sent"])
+
+    def mark_progress(self, run_id: str, step: int) -> None:
+        """The broker acknowledged a run's progress message: note its step (a new owner republishes only a later one)."""
+        token = self.leases.last_token(run_id)
+        if token:
+            self.later(self.scripts["mark"], [self.prefix, run_id, token, step, "progress_sent"])
 
     def release(self, run_id: str, token: int) -> None:
         """Free a run's lease once the writes queued before are written (the writer keeps order)."""
@@ -249,23 +255,28 @@ class ClusterStore:
             async with asyncio.timeout(5):
                 await self._idle.wait()
 
-    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str, int | None]]:
-        """Runs' records, scores, inbox cursors and last signal out, as a new owner takes them over (one round trip)."""
+    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str, int | None, int | None]]:
+        """Runs' records, scores, inbox cursors and last signal and progress out, as a new owner takes them over."""
         c = self
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id in runs:
                 pipe.lrange(c.key("rec", run_id), 0, -1)
                 pipe.hgetall(c.key("prog", run_id))
                 pipe.get(c.key("cur", run_id))
-                pipe.hget(c.key("meta", run_id), "signal_sent")
+                pipe.hmget(c.key("meta", run_id), ["signal_sent", "progress_sent"])
             got = await pipe.execute()
-        out: dict[str, tuple[Replay, str, int | None]] = {}
+        out: dict[str, tuple[Replay, str, int | None, int | None]] = {}
         for k, run_id in enumerate(runs):
-            recs, prog, cur, sent = got[4 * k : 4 * k + 4]
+            recs, prog, cur, (sent, shown) = got[4 * k : 4 * k + 4]
             replay = Replay(records=[_record_of(run_id, _text(b)) for b in recs])
             if prog:
                 replay.progress[run_id] = [json.loads(prog[i]) for i in sorted(prog, key=lambda i: int(i))]
-            out[run_id] = (replay, _text(cur) if cur else "", int(sent) if sent else None)
+            out[run_id] = (
+                replay,
+                _text(cur) if cur else "",
+                int(sent) if sent else None,
+                int(shown) if shown else None,
+            )
         return out
 
     async def replay(self) -> Replay:

@@ -52,6 +52,11 @@ class Mode(Protocol):
         """Told (run id, step) once the broker acknowledged a run's signal; None: nobody needs to know."""
         ...
 
+    @property
+    def progress_sent(self) -> Callable[[str, int], None] | None:
+        """Told (run id, step) once the broker acknowledged a run's progress message; None: nobody needs to know."""
+        ...
+
     def client_id(self, base: str) -> str:
         """The MQTT client id this monitor connects with."""
         ...
@@ -87,6 +92,7 @@ class Standalone:
     share: str | None = None
     gate: Callable[[str], bool] | None = None
     signal_sent: Callable[[str, int], None] | None = None
+    progress_sent: Callable[[str, int], None] | None = None
 
     def __init__(self, store: RunStore | None, *, retention_s: float) -> None:
         self.store: RunStore = store if store is not None else NoStore()

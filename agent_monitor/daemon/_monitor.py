@@ -180,7 +180,12 @@ class Monitor:
         self.sources: tuple[Source, ...] = tuple(sources)
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         self._emit.sinks = self.sinks = (
-            MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent),
+            MqttSink(
+                self.outbox,
+                self.topics,
+                on_signal_sent=self.mode.signal_sent,
+                on_progress_sent=self.mode.progress_sent,
+            ),
             StoreSink(self.store),
             self._metrics_sink,
             LogSink(log),
@@ -341,9 +346,10 @@ class Monitor:
         progress: Sequence[Mapping[str, Any]],
         *,
         signal_sent: int | None = None,
+        progress_sent: int | None = None,
     ) -> None:
         """Take over one run from its shared journal (cluster mode: this replica became its owner)."""
-        await self._restore.adopt(run_id, records, progress, signal_sent=signal_sent)
+        await self._restore.adopt(run_id, records, progress, signal_sent=signal_sent, progress_sent=progress_sent)
         self.metrics.runs_active.set(len(self.book.live))
 
     async def release(self, run_id: str) -> None:

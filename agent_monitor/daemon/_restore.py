@@ -92,12 +92,14 @@ class Restore:
         progress: Sequence[Mapping[str, Any]],
         *,
         signal_sent: int | None = None,
+        progress_sent: int | None = None,
     ) -> None:
         """Take over one run from its shared journal: replay its records, take its stored scores, score what is left.
 
         As on a restart, nothing is judged again that was scored. The run's signal is published again only
         when the previous owner may not have got it out: `signal_sent` is the step of the last signal the
-        broker acknowledged, and a harness sees each abort once.
+        broker acknowledged, and a harness sees each abort once. Likewise the latest score, with
+        `progress_sent` (the step of the last progress message acknowledged).
         """
         async with self.intake.lock:
             self._forget(run_id)
@@ -107,9 +109,11 @@ class Restore:
             if scoring is not None:
                 changes = [d["step"] for d in progress if (d.get("decision") or {}).get("changed")]
                 lost = bool(changes) and changes[-1] != signal_sent
-                # The latest score goes out again: the previous owner journals a score before publishing it, and
-                # drops what it queued for a run it lost, so the harness may never have seen the run's last score.
-                self.scoring.restore(run_id, progress, republish=lost, republish_score=True)
+                # The previous owner journals a score before publishing it, and drops what it queued for a run it
+                # lost: the latest score goes out again unless the broker acknowledged it.
+                last = progress[-1].get("step") if progress else None
+                unseen = last is not None and last != progress_sent
+                self.scoring.restore(run_id, progress, republish=lost, republish_score=unseen)
                 if scoring.group is not None:
                     self.groups.changed(scoring.group, False)
 

@@ -133,12 +133,19 @@ class MqttSink:
     events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
 
     def __init__(
-        self, outbox: Outbox, topics: Topics, *, on_signal_sent: Callable[[str, int], None] | None = None
+        self,
+        outbox: Outbox,
+        topics: Topics,
+        *,
+        on_signal_sent: Callable[[str, int], None] | None = None,
+        on_progress_sent: Callable[[str, int], None] | None = None,
     ) -> None:
         self.outbox = outbox
         self.topics = topics
         self.on_signal_sent = on_signal_sent
         """Told (run id, the decision's step) once a signal is out: cluster mode remembers which one is."""
+        self.on_progress_sent = on_progress_sent
+        """Told (run id, step) once a progress message is out: cluster mode remembers the last one."""
         self._progress_topics: dict[str, str] = {}
 
     def __call__(self, event: MonitorEvent) -> None:
@@ -149,7 +156,9 @@ class MqttSink:
             where = self._progress_topics.get(event.run_id)
             if where is None:
                 where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
-            self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id))
+            shown = self.on_progress_sent
+            sent = None if shown is None else partial(shown, event.run_id, event.progress.step)
+            self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id, sent=sent))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
             sent = (

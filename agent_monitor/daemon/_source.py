@@ -140,6 +140,7 @@ class Host(Protocol):
         progress: Sequence[Mapping[str, Any]],
         *,
         signal_sent: int | None = None,
+        progress_sent: int | None = None,
     ) -> None:
         """Take one run over from its journal (records and stored scores)."""
         ...
