@@ -25,9 +25,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.calibration import Calibration, Family, Point, Sample
-from agent_monitor.daemon import HttpServer, MemoryStore, Monitor, MonitorConfig
-from agent_monitor.daemon._config import RewardApiSettings
-from agent_monitor.daemon._reward_api import RewardSource, pass_probability
+from agent_monitor.daemon import HttpServer, MemoryStore, Monitor, MonitorConfig, RewardApiSettings, RewardSource
+from agent_monitor.daemon._reward_api import pass_probability
 from agent_monitor.daemon._reward_steps import from_messages, from_text
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
@@ -84,7 +83,7 @@ async def openrlhf_fetch(url: str, queries: list[str], prompts: list[str], label
     async def _post_request(url: str, data: dict[str, Any], try_max_times: int = 5) -> Any:
         for _ in range(try_max_times):
             try:
-                async with aiohttp.ClientSession(timeout=timeout) as session:
+                async with aiohttp.ClientSession(timeout=timeout) as session:  # noqa: SIM117 (as OpenRLHF wrote it)
                     async with session.post(url, json=data) as response:
                         response.raise_for_status()
                         return await response.json()
@@ -100,21 +99,21 @@ async def slime_remote_rm(rm_url: str, prompt: Any, response: str, label: Any) -
     """slime's `remote_rm`, one try (slime/rollout/rm_hub/__init__.py@624b824)."""
     payload = {"prompt": prompt, "response": response, "label": label}
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout) as session:  # noqa: SIM117
         async with session.post(rm_url, json=payload) as resp:
             resp.raise_for_status()
             return await resp.json()
 
 
 async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url, data=body, headers=headers or {"Content-Type": "application/json"}) as r:
-            text = await r.text()
-            try:
-                data = json.loads(text)
-            except ValueError:
-                data = text
-            return r.status, data, dict(r.headers)
+    kind = headers or {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=kind) as r:
+        text = await r.text()
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = text
+        return r.status, data, dict(r.headers)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -191,7 +190,7 @@ async def test_native_dense_scores_every_prefix_and_gives_each_steps_delta() -> 
             f"{url}/v1/score",
             json.dumps(
                 {"task": "Sort the list", "steps": ["read it", {"text": "sorted it"}, "checked"], "shape": "dense"}
-            ).encode(),  # fmt: skip
+            ).encode(),
         )
     assert status == 200, a
     assert [s["step"] for s in a["steps"]] == [1, 2, 3] and judge.calls_made == 3

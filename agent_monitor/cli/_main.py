@@ -616,6 +616,13 @@ async def _serve(args: argparse.Namespace) -> int:
         web = None
         if serve.metrics_port:
             web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
+        reward = None
+        if config.reward_api.reward_api:
+            if web is None:
+                return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
+            from ..daemon import RewardSource
+
+            reward = RewardSource(web, config.reward_api, registry=registry)
         try:
             sources = await _proxy_source(stack, proxy_settings, judge, config, registry)
             monitor = Monitor(
@@ -624,7 +631,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 store=store,
                 registry=registry,
                 sinks=[board] if board else [],
-                sources=[*([receiver] if receiver else []), *sources],
+                sources=[*([receiver] if receiver else []), *([reward] if reward else []), *sources],
                 http=web,
             )
         except ImportError as e:  # --otlp-endpoint, --cluster or the proxy without their extra: the message names it
@@ -633,6 +640,8 @@ async def _serve(args: argparse.Namespace) -> int:
             return _fail(
                 f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
             )
+        if reward is not None:
+            reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
         if receiver is not None and monitor.otel is not None:
             monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
         if web is not None:
@@ -667,7 +676,7 @@ async def _serve(args: argparse.Namespace) -> int:
             )
         else:
             where = f"run store {store.path if store else 'off (in memory)'}"
-        for src in monitor.sources:
+        for src in sources:
             print(
                 f"agent-monitor: proxy on {getattr(src, 'url', '?')} -> {getattr(src, 'upstream', '?')}",
                 file=sys.stderr,
@@ -677,6 +686,7 @@ async def _serve(args: argparse.Namespace) -> int:
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
             f"{where}"
             + (f"; OTLP traces on {receiver.url}" if receiver else "")
+            + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if reward and web else "")
             + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,
             flush=True,

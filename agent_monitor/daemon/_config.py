@@ -152,7 +152,7 @@ class RewardApiSettings:
         default=False,
         metadata={
             "help": "serve the reward endpoints on the metrics port: POST /get_reward (OpenRLHF --remote_rm_url), "
-            "/slime/reward (slime --rm-url), /v1/score; each rollout is scored as a run. Off by default"
+            "/slime/reward (slime --rm-url), /v1/score; each rollout is scored as a run"
         },
     )
     shape: RewardShape = field(
