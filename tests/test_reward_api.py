@@ -205,6 +205,7 @@ async def test_a_judged_abort_says_judged_in_the_answer() -> None:
     async with daemon(FakeJudge(lambda p: "B"), policy=policy) as (_, _, url, _):
         status, a, _ = await post(f"{url}/v1/score", json.dumps({"task": "t", "steps": ["a", "b"]}).encode())
     assert status == 200 and a["verdict"] == "abort" and a["stop_kind"] == "judged"
+    assert a["progress"]["decision"]["stop_kind"] == "judged"  # the progress message says it too
 
 
 # -- failures --
@@ -299,14 +300,21 @@ def test_the_pass_probability_comes_from_the_familys_ended_runs() -> None:
     assert high is not None and low is not None and high > 0.8 > 0.2 > low and "40 ended runs" in why
 
 
-async def test_calibrated_without_calibration_falls_back_to_the_final_score_and_says_so() -> None:
-    async with daemon(FakeJudge(by_steps)) as (_, _, url, registry):
-        status, a, _ = await post(
-            f"{url}/v1/score", json.dumps({"task": "t", "steps": ["a"], "shape": "calibrated"}).encode()
-        )
-    assert status == 200 and a["shape"] == "final" and "not calibrated" in a["note"]
-    assert a["reward"] == a["score"]
-    assert sample(registry, "agent_monitor_reward_calibration_fallbacks_total") == 1
+async def test_calibrated_rewards_fall_back_to_the_final_score_until_the_family_is_calibrated() -> None:
+    body = json.dumps({"task": "t", "family": "sorting", "steps": ["a"], "shape": "calibrated"}).encode()
+    async with daemon(FakeJudge(lambda p: "S")) as (mon, _, url, registry):
+        status, a, _ = await post(f"{url}/v1/score", body)
+        assert status == 200 and a["shape"] == "final" and "not calibrated" in a["note"]
+        assert a["reward"] == a["score"] == pytest.approx(18 / 19)
+        assert sample(registry, "agent_monitor_reward_calibration_fallbacks_total") == 1
+        # The family's ended runs: those that ended near 0.95 passed.
+        family = Family("sorting", a["progress"]["model"], a["progress"]["rubric"])
+        for i in range(30):
+            final = i / 30
+            mon.calibration.add(Sample(f"old-{i}", family, final > 0.6, (Point(1, final, 0.01),)))
+        status, a, _ = await post(f"{url}/v1/score", body.replace(b'["a"]', b'["b"]'))  # not the cached answer
+    assert status == 200 and a["shape"] == "calibrated" and "30 ended runs" in a["note"]
+    assert a["reward"] > 0.8 and a["score"] == pytest.approx(18 / 19)
 
 
 # -- a live run over MQTT --

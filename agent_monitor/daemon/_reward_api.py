@@ -94,6 +94,8 @@ class _Wait:
     scored: dict[int, Progress] = field(default_factory=dict)
     closed: RunClosed | None = None
     refused: Refused | None = None
+    family: Family | None = None
+    """The run's calibration key, read at its first score (the run may have closed by the answer)."""
     ended: bool = False
     """The run's end was sent (or it closed): nothing more is sent for it."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -211,6 +213,8 @@ class _Scorer:
             return
         if isinstance(event, Scored):
             w.scored[event.progress.step] = event.progress
+            if w.family is None and self.runs is not None:
+                w.family = self.runs.family(event.run_id)
         elif isinstance(event, RunClosed):
             w.closed = event
         elif isinstance(event, Refused) and event.invalid and w.refused is None:
@@ -278,7 +282,9 @@ class _Scorer:
                         break
                     await self._send([step[i]])
             else:
-                await self._send([Inbound(run_id, "start", dict(start)), *step])
+                # The end goes with the steps (one journal commit): the run closes once its newest prefix is scored.
+                w.ended = True
+                await self._send([Inbound(run_id, "start", dict(start)), *step, Inbound(run_id, "end", {})])
                 p = await self._until(w, n)
                 if isinstance(p, Answer):
                     return p
@@ -313,7 +319,7 @@ class _Scorer:
             prev = next((sc for s, sc, _ in reversed(points[:-1]) if sc is not None), None)
             reward = None if p.score is None else p.score - (prev if prev is not None else 0.0)
         elif shape == "calibrated":
-            family = self.runs.family(run_id) if self.runs is not None else None
+            family = w.family
             prob, note = (None, "no calibration attached") if self.calibration is None or family is None else (
                 pass_probability(self.calibration, family, p.score or 0.0)
             )  # fmt: skip
