@@ -81,8 +81,7 @@ async def main(args: argparse.Namespace) -> None:
     config = MonitorConfig(max_concurrency=8)
     url = f"{http.url}get_reward"
     async with Monitor(config, judge=judge, store=MemoryStore(), registry=registry, sources=[source], http=http):
-        while "/get_reward" not in http.routes:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(source.ready.wait(), 10)
 
         async def via_api(i: int) -> None:
             prompt, query = rollout(i, args.steps)

@@ -68,10 +68,7 @@ async def daemon(
                   http=http)  # fmt: skip
     source.calibration = mon.calibration
     async with mon:
-        for _ in range(100):  # the source mounts its routes when its task starts
-            if "/get_reward" in http.routes:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(source.ready.wait(), 10)  # the source mounts its routes when its task starts
         yield mon, source, http.url.rstrip("/"), registry
 
 
@@ -332,6 +329,7 @@ async def test_a_live_mqtt_run_is_scored_by_id_and_its_signal_says_judged(broker
         Monitor(config, judge=FakeJudge(lambda p: "B"), registry=registry, sources=[source], http=http),
         harness(broker.port) as h,
     ):
+        await asyncio.wait_for(source.ready.wait(), 10)
         await h.publish("live-1", "start", {"task": "Make the test pass"})
         await h.publish("live-1", "step", {"index": 1, "text": "ran pytest"})
         await h.until(lambda: bool(h.seen[("live-1", "signal")]))

@@ -353,6 +353,8 @@ class RewardSource:
         self.metrics = _Metrics(registry)
         self.scorer = _Scorer(s, self.metrics, clock)
         self.sink: Sink | None = self.scorer.on_event
+        self.ready = asyncio.Event()
+        """Set once the routes are mounted (the source's task started)."""
 
     @property
     def calibration(self) -> Calibration | None:
@@ -371,9 +373,11 @@ class RewardSource:
             self.http.mount(path, Route(self._timed(path, handler), max_body_bytes=self.settings.max_body_bytes,
                                         on_refused=self._refused_by(path)))  # fmt: skip
         log.info("reward_api_serving", url=self.http.url, paths=list(handlers), shape=self.settings.shape)
+        self.ready.set()
         try:
             await asyncio.Event().wait()
         finally:
+            self.ready.clear()
             for path in handlers:
                 self.http.unmount(path)
 
