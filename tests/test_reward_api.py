@@ -238,6 +238,25 @@ async def test_a_failed_judge_is_a_retryable_503_never_a_score_and_the_retry_res
         assert status == 503 and a["stop_kind"] == "infra"
 
 
+async def test_one_infra_failure_in_a_group_stops_only_that_rollout() -> None:
+    def judge_fn(prompt: Prompt) -> Any:
+        text = "".join(getattr(p, "text", "") for p in prompt.parts)
+        return FakeJudge.failure("timeout") if "flaky" in text else ("R" if "good" in text else "M")
+
+    policy = {"keep_top": 1, "prune_margin": 0.05, "min_steps": 1, "patience": 1}
+    async with daemon(FakeJudge(judge_fn)) as (_, _, url, _):
+        bodies = [
+            {"task": "Sort", "group": "g1", "policy": policy, "steps": [f"{kind} attempt"], "shape": "dense"}
+            for kind in ("good", "flaky", "fine")
+        ]
+        answers = await asyncio.gather(*(post(f"{url}/v1/score", json.dumps(b).encode()) for b in bodies))
+    (s1, good, _), (s2, flaky, _), (s3, fine, _) = answers
+    assert s2 == 503 and flaky["stop_kind"] == "infra"
+    assert s1 == s3 == 200 and good["stop_kind"] is None and good["reward"] == pytest.approx(17 / 19)
+    assert fine["score"] == pytest.approx(12 / 19) and fine["stop_kind"] in (None, "judged")
+    assert good["verdict"] != "abort"  # the failed sibling counted nothing against the leader
+
+
 async def test_bad_bodies_are_4xx_with_a_reason_and_counted() -> None:
     settings = RewardApiSettings(reward_api=True, max_body_bytes=4096, max_batch=2)
     async with daemon(FakeJudge(by_steps), settings) as (_, _, url, registry):
@@ -338,3 +357,27 @@ async def test_a_live_mqtt_run_is_scored_by_id_and_its_signal_says_judged(broker
     assert signal["signal"] == "abort" and signal["stop_kind"] == "judged"
     assert status == 200 and a["live"] is True and a["score"] == pytest.approx(1 / 19)
     assert a["verdict"] == "abort" and a["stop_kind"] == "judged" and [s["step"] for s in a["steps"]] == [1]
+
+
+# -- as a user runs it --
+
+
+def test_serve_reward_api_answers_openrlhf_with_the_real_http_judge(broker: Mosquitto) -> None:
+    from tests.brokers import free_port
+    from tests.openai_server import chat_choice, chat_reply, scripted_server
+    from tests.test_serve_cli import serve, serve_once, wait_serving
+
+    done = serve_once("--judge", "openai", "--judge-url", "http://127.0.0.1:1/v1", "--broker", broker.url,
+                      "--reward-api")  # fmt: skip
+    assert done.returncode == 2 and "--reward-api serves the reward endpoints on the metrics port" in done.stderr
+    port = free_port()
+    with scripted_server() as judge:
+        judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
+        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port)]
+        with serve(*args, "--reward-api") as proc:
+            lines = wait_serving(proc)
+            assert f"reward endpoints http://127.0.0.1:{port}/get_reward" in lines[-1]
+            (answer,) = asyncio.run(
+                openrlhf_fetch(f"http://127.0.0.1:{port}/get_reward", [CHATML + RESPONSE], [CHATML], [None])
+            )
+    assert answer["rewards"] == answer["scores"] == [pytest.approx((0.8 * 10 + 0.2 * 11) / 19)]

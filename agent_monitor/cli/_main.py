@@ -568,6 +568,8 @@ async def _serve(args: argparse.Namespace) -> int:
     proxy_settings = build(ProxySettings, args) if args.command == "proxy" or args.upstream else None
     if proxy_settings is not None and proxy_settings.upstream is None:
         return _fail("agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1")
+    if config.reward_api.reward_api and not serve.metrics_port:
+        return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
     try:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
@@ -617,9 +619,7 @@ async def _serve(args: argparse.Namespace) -> int:
         if serve.metrics_port:
             web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
         reward = None
-        if config.reward_api.reward_api:
-            if web is None:
-                return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
+        if config.reward_api.reward_api and web is not None:
             from ..daemon import RewardSource
 
             reward = RewardSource(web, config.reward_api, registry=registry)

@@ -313,13 +313,26 @@ class _Scorer:
 
     def _answer(self, run_id: str, w: _Wait, p: Progress, shape: RewardShape, rule: str, n: int) -> Answer:
         points = tuple((s, q.score, q.uncertainty) for s, q in sorted(w.scored.items()) if s <= p.step)
+        return self.answer(run_id, p, points, shape, w.family, rule=rule, steps=n)
+
+    def answer(
+        self,
+        run_id: str,
+        p: Progress,
+        points: tuple[tuple[int, float | None, float | None], ...],
+        shape: RewardShape,
+        family: Family | None,
+        *,
+        rule: str,
+        steps: int,
+    ) -> Answer:
+        """The answer for a run's final result `p`, its reward shaped; calibrated falls back to final, saying why."""
         note = None
         reward = p.score
         if shape == "dense":
-            prev = next((sc for s, sc, _ in reversed(points[:-1]) if sc is not None), None)
+            prev = next((sc for s, sc, _ in reversed(points) if sc is not None and s < p.step), None)
             reward = None if p.score is None else p.score - (prev if prev is not None else 0.0)
         elif shape == "calibrated":
-            family = w.family
             prob, note = (None, "no calibration attached") if self.calibration is None or family is None else (
                 pass_probability(self.calibration, family, p.score or 0.0)
             )  # fmt: skip
@@ -328,7 +341,7 @@ class _Scorer:
                 shape, note = "final", f"{note}: the reward is the final score"
             else:
                 reward = prob
-        return Answer(200, run_id, p, points, reward, shape, note, rule=rule, steps=n)
+        return Answer(200, run_id, p, points, reward, shape, note, rule=rule, steps=steps)
 
 
 class RewardSource:
@@ -466,7 +479,7 @@ class RewardSource:
         if shape not in SHAPES:
             raise _Refusal(400, "bad_shape", f"shape {str(shape)[:40]!r} is not one of {', '.join(SHAPES)}")
         if "run_id" in body:
-            return self._live(body["run_id"])
+            return self._live(body["run_id"], shape)
         start: dict[str, Any] = {
             k: body[k] for k in ("criteria", "expected", "group", "family", "labels", "policy") if k in body
         }
@@ -490,7 +503,7 @@ class RewardSource:
         a = await self.scorer.score({**start, "task": task}, steps, shape, rule)
         return _ok(a.to_json()) if a.ok else _error(a.status, a.error or "", stop_kind=a.stop_kind)
 
-    def _live(self, run_id: object) -> HttpResponse:
+    def _live(self, run_id: object, shape: RewardShape) -> HttpResponse:
         runs = self.scorer.runs
         assert runs is not None
         if not isinstance(run_id, str) or not runs.is_live(run_id):
@@ -499,10 +512,11 @@ class RewardSource:
         p = runs.latest(run_id)
         if p is None:
             return _error(409, f"run {run_id!r} has no score yet; ask again after its first step is scored")
+        if not p.ok:
+            return _error(503, f"the run's newest scoring failed ({p.reason}: {p.error})", stop_kind="infra")
         points = tuple((s.step, s.score, s.uncertainty) for s in runs.points(run_id) or ())
-        a = Answer(200 if p.ok else 503, run_id, p, points, p.score, error=p.error, rule="live")
-        return _ok({**a.to_json(), "live": True}) if a.ok else _error(503, f"the judge failed ({p.reason})",
-                                                                          stop_kind="infra")  # fmt: skip
+        a = self.scorer.answer(run_id, p, points, shape, runs.family(run_id), rule="live", steps=p.step)
+        return _ok({**a.to_json(), "live": True})
 
     async def _score(self, r: Rollout, label: Any, shape: RewardShape) -> Answer:
         start: dict[str, Any] = {"task": r.task, "labels": {"source": "reward"}}
