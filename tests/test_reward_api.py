@@ -290,6 +290,22 @@ async def test_bad_bodies_are_4xx_with_a_reason_and_counted() -> None:
                 assert r.status == 200 and "agent_monitor_reward_refused_total" in await r.text()
 
 
+async def test_with_a_token_a_request_without_it_is_401_and_the_url_can_carry_it() -> None:
+    settings = RewardApiSettings(reward_api=True, token="s3cret")
+    async with daemon(FakeJudge(by_steps), settings) as (_, _, url, registry):
+        body = json.dumps({"prompt": "p", "response": "r", "label": None}).encode()
+        status, a, _ = await post(f"{url}/slime/reward", body)
+        assert status == 401 and "--reward-token" in a["error"]
+        assert (await post(f"{url}/slime/reward?token=wrong", body))[0] == 401
+        assert (
+            sample(registry, "agent_monitor_reward_refused_total", endpoint="/slime/reward", reason="unauthorized") == 2
+        )
+        # As the trainers send it: the token in --rm-url's query; or a bearer header.
+        assert await slime_remote_rm(f"{url}/slime/reward?token=s3cret", "p", "r", None) == pytest.approx(1 / 19)
+        status, _, _ = await post(f"{url}/slime/reward", body, {"Authorization": "Bearer s3cret"})
+        assert status == 200
+
+
 async def _chunks() -> AsyncIterator[bytes]:
     yield b'{"prompt": "p", '
     yield b'"response": "r"}'

@@ -617,7 +617,11 @@ async def _serve(args: argparse.Namespace) -> int:
                 return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
         web = None
         if serve.metrics_port:
-            web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
+            # Every trainer worker asking for a reward holds a connection until its rollout is scored.
+            most = max(64, config.reward_api.max_inflight) if config.reward_api.reward_api else 64
+            web = HttpServer(
+                registry, board=board, host=serve.metrics_host, port=serve.metrics_port, max_connections=most
+            )
         reward = None
         if config.reward_api.reward_api and web is not None:
             from ..daemon import RewardSource

@@ -164,6 +164,16 @@ class RewardApiSettings:
             "outcomes, where the family is calibrated; else the final score, said in the answer)",
         },
     )
+    token: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged or printed config
+        metadata={
+            "flag": "--reward-token",
+            "help": "require this token on every reward request, as 'Authorization: Bearer TOKEN' or in the URL's "
+            "query (?token=TOKEN: the trainers send no headers, so put it in --remote_rm_url / --rm-url); 401 "
+            "without it. Prefer the environment twin. none: anyone who reaches the metrics port may spend judge calls",
+        },
+    )
     timeout_s: float = field(
         default=100.0,
         metadata={

@@ -34,9 +34,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import math
 import time
+import urllib.parse
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +51,7 @@ from prometheus_client import Counter as PromCounter
 
 from ..calibration import Calibration, Family
 from ..progress import Progress, Signal, StopKind
+from ..wire import MAX_TASK_CHARS
 from ._config import RewardApiSettings, RewardShape
 from ._http import HttpRequest, HttpResponse, HttpServer, Route
 from ._reward_steps import Rollout, RolloutError, from_messages, from_text
@@ -402,10 +405,25 @@ class RewardSource:
         """Rollouts being scored, answers cached, requests by endpoint and status."""
         return {"inflight": len(self.scorer.waits), "cached": len(self.scorer.cache), **self.scorer.counts}
 
+    def _authorized(self, req: HttpRequest) -> bool:
+        """Whether the request carries the token (`--reward-token`), as a bearer header or `?token=`."""
+        want = self.settings.token
+        if want is None:
+            return True
+        auth = req.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else None
+        for part in req.query.split("&"):
+            if given is None and part.startswith("token="):
+                given = urllib.parse.unquote(part[6:])
+        return given is not None and hmac.compare_digest(given.encode(), want.encode())
+
     def _timed(self, path: str, handler: Callable[[HttpRequest], Any]) -> Callable[[HttpRequest], Any]:
         async def timed(req: HttpRequest) -> HttpResponse:
             t0 = time.perf_counter()
             try:
+                if not self._authorized(req):
+                    raise _Refusal(401, "unauthorized", "a reward request needs the token (--reward-token): send "
+                                   "'Authorization: Bearer TOKEN' or add ?token=TOKEN to the URL")  # fmt: skip
                 answer: HttpResponse = await handler(req)
             except _Refusal as e:
                 self.metrics.refused.labels(path, e.reason).inc()
@@ -521,7 +539,8 @@ class RewardSource:
     async def _score(self, r: Rollout, label: Any, shape: RewardShape) -> Answer:
         start: dict[str, Any] = {"task": r.task, "labels": {"source": "reward"}}
         if label is not None:
-            start["expected"] = label if isinstance(label, str) else json.dumps(label, ensure_ascii=False)
+            text = label if isinstance(label, str) else json.dumps(label, ensure_ascii=False, default=str)
+            start["expected"] = text[:MAX_TASK_CHARS]  # a label is the judge's known answer, never a refusal
         return await self.scorer.score(start, [{"text": t} for t in r.steps], shape, r.rule)
 
 
