@@ -16,7 +16,10 @@ Figures:
 
 The client runs in the daemon's loop, so its CPU counts against the daemon: the API figures are a floor.
 
-    .venv/bin/python bench/reward_api.py [--workers 64] [--requests 2000] [--steps 4]
+    .venv/bin/python bench/reward_api.py [--workers 64] [--requests 2000] [--steps 4] [--shape final|dense]
+
+With `--shape dense` each rollout's steps are sent one at a time, each prefix scored (4 judge calls a
+rollout); the in-process baseline stays the one-call final scoring.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
     judge = FakeJudge(lambda p: "K", record=False)
     registry = CollectorRegistry()
     http = HttpServer(registry, port=0, max_connections=4 * args.workers)
-    settings = RewardApiSettings(reward_api=True, max_inflight=4 * args.workers)
+    settings = RewardApiSettings(reward_api=True, max_inflight=4 * args.workers, shape=args.shape)
     source = RewardSource(http, settings, registry=registry)
     await http.bind()
     config = MonitorConfig(max_concurrency=8)
@@ -111,6 +114,7 @@ async def main(args: argparse.Namespace) -> None:
             workers=args.workers,
             requests=args.requests,
             steps=args.steps,
+            shape=args.shape,
             api_rps=args.requests / api_s,
             api_p50_ms=percentile(api_lat, 50) * 1000,
             api_p99_ms=percentile(api_lat, 99) * 1000,
@@ -128,4 +132,7 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--shape", choices=("final", "dense"), default="final", help="dense: every prefix scored, a step at a time"
+    )
     asyncio.run(main(parser.parse_args()))

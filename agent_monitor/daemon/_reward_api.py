@@ -220,7 +220,7 @@ class _Scorer:
                 w.family = self.runs.family(event.run_id)
         elif isinstance(event, RunClosed):
             w.closed = event
-        elif isinstance(event, Refused) and event.invalid and w.refused is None:
+        elif isinstance(event, Refused) and event.invalid and event.reason != "step_gap" and w.refused is None:
             w.refused = event
         w.changed.set()
 
@@ -305,7 +305,9 @@ class _Scorer:
             if p := max((q for s, q in w.scored.items() if s >= step), key=lambda q: q.step, default=None):
                 return p
             if w.refused is not None:
-                return Answer(422, error=f"the rollout was refused: {w.refused.message}")
+                # The monitor's capacity is the plumbing's (retry later); anything else is the rollout's own.
+                status = 503 if w.refused.reason == "too_many_held" else 422
+                return Answer(status, error=f"the rollout was refused ({w.refused.reason}): {w.refused.message}")
             if w.closed is not None:
                 c = w.closed
                 if c.latest is not None and c.latest.signal is not None and c.latest.signal.signal == "abort":
