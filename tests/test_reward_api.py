@@ -25,7 +25,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.calibration import Calibration, Family, Point, Sample
-from agent_monitor.daemon import HttpServer, MemoryStore, Monitor, MonitorConfig, RewardApiSettings, RewardSource
+from agent_monitor.daemon import (
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    RewardApiSettings,
+    RewardSource,
+    Route,
+)
 from agent_monitor.daemon._reward_api import pass_probability
 from agent_monitor.daemon._reward_steps import from_messages, from_text
 from agent_monitor.policy import Policy
@@ -315,6 +325,30 @@ async def test_refused_input_in_native_steps_is_422_naming_what_was_wrong() -> N
     async with daemon(FakeJudge(by_steps)) as (_, _, url, _):
         status, a, _ = await post(f"{url}/v1/score", json.dumps({"task": "t", "steps": [{"txt": "typo"}]}).encode())
     assert status == 422 and "refused" in a["error"]
+
+
+async def test_the_route_seam_mounts_unmounts_and_survives_a_failing_handler() -> None:
+    seen: list[HttpRequest] = []
+    refused: list[str] = []
+
+    async def echo(req: HttpRequest) -> HttpResponse:
+        seen.append(req)
+        if req.body == b"boom":
+            raise RuntimeError("a bug in a handler")
+        return HttpResponse(201, req.body, "text/plain")
+
+    async with HttpServer(CollectorRegistry(), port=0) as http:
+        http.mount("/echo", Route(echo, max_body_bytes=16, on_refused=refused.append))
+        with pytest.raises(ValueError, match="served already"):
+            http.mount("/metrics", Route(echo))
+        url = http.url + "echo"
+        assert (await post(f"{url}?a=1", b"hello", {"X-Test": "yes"}))[:2] == (201, "hello")
+        assert (seen[0].method, seen[0].query, seen[0].headers["x-test"]) == ("POST", "a=1", "yes")
+        assert (await post(url, b"boom"))[0] == 500  # logged; the server goes on
+        assert (await post(url, b"x" * 17))[0] == 413 and refused == ["body_too_large"]
+        http.unmount("/echo")
+        assert (await post(url, b"hello"))[0] == 405  # a plain GET-only path again
+        assert http.statistics()["refused"] == {"body_too_large": 1, "method": 1}
 
 
 # -- calibrated rewards --
