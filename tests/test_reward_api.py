@@ -420,6 +420,9 @@ def test_serve_reward_api_answers_openrlhf_with_the_real_http_judge(broker: Mosq
     done = serve_once("--judge", "openai", "--judge-url", "http://127.0.0.1:1/v1", "--broker", broker.url,
                       "--reward-api")  # fmt: skip
     assert done.returncode == 2 and "--reward-api serves the reward endpoints on the metrics port" in done.stderr
+    done = serve_once("--judge", "openai", "--judge-url", "http://127.0.0.1:1/v1", "--broker", broker.url,
+                      "--metrics-port", "9", "--cluster", "redis://127.0.0.1:1", "--reward-api")  # fmt: skip
+    assert done.returncode == 2 and "--reward-api runs on one monitor, not in --cluster mode" in done.stderr
     port = free_port()
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))

@@ -570,6 +570,9 @@ async def _serve(args: argparse.Namespace) -> int:
         return _fail("agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1")
     if config.reward_api.reward_api and not serve.metrics_port:
         return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
+    if config.reward_api.reward_api and config.cluster.url is not None:
+        # A rollout's run may be owned (and scored) by another replica, whose scores this one never sees.
+        return _fail("--reward-api runs on one monitor, not in --cluster mode: serve it from a monitor of its own")
     try:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
