@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..wire import MAX_STEP_CHARS, MAX_TASK_CHARS
-from ._turns import Item, parse_request
+from ._turns import Item, Role, parse_request
 
 __all__ = ["Rollout", "RolloutError", "from_messages", "from_text", "split_response"]
 
@@ -41,8 +41,11 @@ _END = re.compile(r"<\|im_end\|>|<\|eot_id\|>|<end_of_turn>|<\|endoftext\|>|<\|e
 _BOS = re.compile(r"<\|begin_of_text\|>|<bos>|<s>")
 _CALL = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 _RESULT = re.compile(r"\s*<(tool_response|tool_result|observation)>.*?</\1>", re.S)
-_ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user", "assistant": "assistant",
-          "model": "assistant", "gpt": "assistant", "tool": "tool", "ipython": "tool", "function": "tool"}  # fmt: skip
+# A template's role names as the proxy's roles; None: the system prompt, which is not the trajectory.
+_ROLES: dict[str, Role | None] = {
+    "system": None, "developer": None, "user": "user", "human": "user", "assistant": "assistant", "model": "assistant",
+    "gpt": "assistant", "tool": "tool", "ipython": "tool", "function": "tool",
+}  # fmt: skip
 
 
 class RolloutError(ValueError):
@@ -85,8 +88,8 @@ def _turns(text: str) -> list[Item] | None:
         role = _ROLES.get(m.group("a") or m.group("b") or m.group("c") or "", "user")
         if role == "user" and body.startswith("<tool_response>"):
             role = "tool"  # Qwen's template sends tool results back in a user turn
-        if role != "system":
-            items.append(Item(role, body if role != "tool" else f"[tool result] {body}"))  # type: ignore[arg-type]
+        if role is not None:  # the system prompt is not the trajectory
+            items.append(Item(role, body if role != "tool" else f"[tool result] {body}"))
     return items
 
 
