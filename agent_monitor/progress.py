@@ -19,6 +19,9 @@ from .scale import CriterionScore
 Signal = Literal["continue", "abort", "resample"]
 """What the harness should do with a run now."""
 SIGNALS: tuple[Signal, ...] = get_args(Signal)
+StopKind = Literal["judged", "infra"]
+"""Why a run was stopped: the judge's scores said so ("judged"), or the judge or the plumbing failed ("infra").
+A trainer drops an infra-stopped rollout without penalising the policy; a judged stop is a verdict on it."""
 
 OUTAGE_REASONS = frozenset(
     {"timeout", "connection", "server_error", "rate_limited", "judge_unavailable", "judge_exception", "inference"}
@@ -178,6 +181,7 @@ class DecisionJSON(TypedDict):
     calibration: str | None
     pruned: bool
     leader: str | None
+    stop_kind: StopKind | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +204,15 @@ class Decision:
     leader: str | None = None
     """For a pruned run: the group's leading run at the time."""
 
+    @property
+    def stop_kind(self) -> StopKind | None:
+        """ "judged" for an abort (the policy decides only on scores: a judge failure keeps the signal), else None.
+
+        The daemon fails open, so a signal is never an infra stop; reward answers say "infra" for a rollout
+        the judge or the plumbing could not score (docs/rl.md).
+        """
+        return "judged" if self.signal == "abort" else None
+
     def to_json(self) -> DecisionJSON:
         """The JSON form."""
         return {
@@ -214,6 +227,7 @@ class Decision:
             "calibration": self.calibration,
             "pruned": self.pruned,
             "leader": self.leader,
+            "stop_kind": self.stop_kind,
         }
 
     @classmethod
@@ -517,6 +531,7 @@ __all__ = [
     "ProgressJSON",
     "ScoringFailed",
     "Signal",
+    "StopKind",
     "TokensJSON",
     "TotalsJSON",
     "Usage",

@@ -18,6 +18,7 @@ from agent_monitor.daemon import (
     MetricsSettings,
     MonitorConfig,
     OtlpReceiverSettings,
+    RewardApiSettings,
     RunLimits,
 )
 from agent_monitor.daemon._config import WorkLimits
@@ -124,6 +125,7 @@ def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None
                     BoardSettings,
                     ClusterSettings,
                     OtlpReceiverSettings,
+                    RewardApiSettings,
                     WorkLimits,
                 )
                 for f in dataclasses.fields(c)

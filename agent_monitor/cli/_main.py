@@ -568,6 +568,11 @@ async def _serve(args: argparse.Namespace) -> int:
     proxy_settings = build(ProxySettings, args) if args.command == "proxy" or args.upstream else None
     if proxy_settings is not None and proxy_settings.upstream is None:
         return _fail("agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1")
+    if config.reward_api.reward_api and not serve.metrics_port:
+        return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
+    if config.reward_api.reward_api and config.cluster.url is not None:
+        # A rollout's run may be owned (and scored) by another replica, whose scores this one never sees.
+        return _fail("--reward-api runs on one monitor, not in --cluster mode: serve it from a monitor of its own")
     try:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
@@ -615,7 +620,16 @@ async def _serve(args: argparse.Namespace) -> int:
                 return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
         web = None
         if serve.metrics_port:
-            web = HttpServer(registry, board=board, host=serve.metrics_host, port=serve.metrics_port)
+            # Every trainer worker asking for a reward holds a connection until its rollout is scored.
+            most = max(64, config.reward_api.max_inflight) if config.reward_api.reward_api else 64
+            web = HttpServer(
+                registry, board=board, host=serve.metrics_host, port=serve.metrics_port, max_connections=most
+            )
+        reward = None
+        if config.reward_api.reward_api and web is not None:
+            from ..daemon import RewardSource
+
+            reward = RewardSource(web, config.reward_api, registry=registry)
         try:
             sources = await _proxy_source(stack, proxy_settings, judge, config, registry)
             monitor = Monitor(
@@ -624,7 +638,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 store=store,
                 registry=registry,
                 sinks=[board] if board else [],
-                sources=[*([receiver] if receiver else []), *sources],
+                sources=[*([receiver] if receiver else []), *([reward] if reward else []), *sources],
                 http=web,
             )
         except ImportError as e:  # --otlp-endpoint, --cluster or the proxy without their extra: the message names it
@@ -633,6 +647,8 @@ async def _serve(args: argparse.Namespace) -> int:
             return _fail(
                 f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
             )
+        if reward is not None:
+            reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
         if receiver is not None and monitor.otel is not None:
             monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
         if web is not None:
@@ -667,7 +683,7 @@ async def _serve(args: argparse.Namespace) -> int:
             )
         else:
             where = f"run store {store.path if store else 'off (in memory)'}"
-        for src in monitor.sources:
+        for src in sources:
             print(
                 f"agent-monitor: proxy on {getattr(src, 'url', '?')} -> {getattr(src, 'upstream', '?')}",
                 file=sys.stderr,
@@ -677,6 +693,7 @@ async def _serve(args: argparse.Namespace) -> int:
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
             f"{where}"
             + (f"; OTLP traces on {receiver.url}" if receiver else "")
+            + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if reward and web else "")
             + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,
             flush=True,

@@ -10,12 +10,22 @@ from typing import TYPE_CHECKING, Any
 from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._cluster_store import ClusterJournal, ClusterUnavailable
-from ._config import ClusterSettings, MetricsSettings, MonitorConfig, OtlpReceiverSettings, Protocol, ProxySettings
+from ._config import (
+    ClusterSettings,
+    MetricsSettings,
+    MonitorConfig,
+    OtlpReceiverSettings,
+    Protocol,
+    ProxySettings,
+    RewardApiSettings,
+    RewardShape,
+)
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
-from ._http import HttpServer
+from ._http import HttpRequest, HttpResponse, HttpServer, Route
 from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
+from ._reward_api import RewardSource
 from ._sinks import (
     Accepted,
     Duplicated,
@@ -57,6 +67,8 @@ __all__ = [
     "ClusterUnavailable",
     "Duplicated",
     "EmbeddedBroker",
+    "HttpRequest",
+    "HttpResponse",
     "HttpServer",
     "Inbound",
     "Ingest",
@@ -72,6 +84,10 @@ __all__ = [
     "ProxySource",
     "Refused",
     "Replay",
+    "RewardApiSettings",
+    "RewardShape",
+    "RewardSource",
+    "Route",
     "RunClosed",
     "RunLimits",
     "RunOpened",

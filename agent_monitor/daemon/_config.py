@@ -140,6 +140,88 @@ class ClusterSettings:
             )
 
 
+RewardShape = Literal["final", "dense", "calibrated"]
+"""What a reward answer's reward is: the final score, its change over the step before, or a pass probability."""
+
+
+@dataclass(frozen=True, slots=True)
+class RewardApiSettings:
+    """The reward endpoints on the metrics port: RL trainers ask for rewards over HTTP (docs/rl.md)."""
+
+    reward_api: bool = field(
+        default=False,
+        metadata={
+            "help": "serve the reward endpoints on the metrics port: POST /get_reward (OpenRLHF --remote_rm_url), "
+            "/slime/reward (slime --rm-url), /v1/score; each rollout is scored as a run"
+        },
+    )
+    shape: RewardShape = field(
+        default="final",
+        metadata={
+            "flag": "--reward-shape",
+            "help": "the reward: final (the whole rollout's score, 0-1), dense (the last step's score minus the "
+            "step before's; /v1/score gives every step's), calibrated (the pass probability from ended runs' "
+            "outcomes, where the family is calibrated; else the final score, said in the answer)",
+        },
+    )
+    token: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged or printed config
+        metadata={
+            "flag": "--reward-token",
+            "help": "require this token on every reward request, as 'Authorization: Bearer TOKEN' or in the URL's "
+            "query (?token=TOKEN: the trainers send no headers, so put it in --remote_rm_url / --rm-url); 401 "
+            "without it. Prefer the environment twin. none: anyone who reaches the metrics port may spend judge calls",
+        },
+    )
+    timeout_s: float = field(
+        default=100.0,
+        metadata={
+            "flag": "--reward-timeout",
+            "help": "seconds a reward request may take; past it the answer is 503 (both trainers retry it). Under "
+            "slime's 120 s and OpenRLHF's 180 s client timeouts",
+        },
+    )
+    max_body_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata={"flag": "--reward-max-body-bytes", "help": "largest reward request body (413 beyond it)"},
+    )
+    max_batch: int = field(
+        default=256,
+        metadata={"flag": "--reward-max-batch", "help": "rollouts in one /get_reward request at most (413 beyond)"},
+    )
+    max_steps: int = field(
+        default=64,
+        metadata={
+            "flag": "--reward-max-steps",
+            "help": "steps a rollout is split into at most; the ones past it are joined into the last",
+        },
+    )
+    max_inflight: int = field(
+        default=1024,
+        metadata={
+            "flag": "--reward-max-inflight",
+            "help": "rollouts being scored at once; a request beyond it is answered 503 with Retry-After",
+        },
+    )
+    cache: int = field(
+        default=10_000,
+        metadata={
+            "flag": "--reward-cache",
+            "help": "answers kept by the rollout's digest: a retried batch re-scores only the rollouts that failed",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.max_body_bytes < 1024 or self.max_batch < 1 or self.max_steps < 1:
+            raise ValueError(
+                "reward API: --reward-timeout must be > 0, --reward-max-body-bytes >= 1024, --reward-max-batch and "
+                "--reward-max-steps >= 1"
+            )
+        if self.max_inflight < 1 or self.cache < 0:
+            raise ValueError("reward API: --reward-max-inflight must be >= 1 and --reward-cache >= 0")
+
+
 @dataclass(frozen=True, slots=True)
 class OtlpReceiverSettings:
     """The OTLP traces receiver: agents that export OpenTelemetry spans become runs (docs/opentelemetry.md)."""
@@ -472,6 +554,9 @@ class MonitorConfig(ScoringOptions):
     otlp_receiver: OtlpReceiverSettings = field(
         default_factory=OtlpReceiverSettings, metadata={"help": "OpenTelemetry traces receiver"}
     )
+    reward_api: RewardApiSettings = field(
+        default_factory=RewardApiSettings, metadata={"help": "reward endpoints for RL trainers (docs/rl.md)"}
+    )
     image_dirs: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -607,5 +692,7 @@ __all__ = [
     "OtlpReceiverSettings",
     "Protocol",
     "ProxySettings",
+    "RewardApiSettings",
+    "RewardShape",
     "WorkLimits",
 ]

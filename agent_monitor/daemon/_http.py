@@ -10,8 +10,13 @@ bound is in plain sight). Paths:
 - `/events`: server-sent events, a snapshot of the board on connect, then one event per change;
 - `/api/runs`: the board's snapshot as JSON.
 
-Protections: only GET and HEAD; no request bodies; a request head of at most 8 KiB read within a
-deadline; a cap on connections and on board clients; each board client's queue bounded (a slow
+Routes a source mounts (`mount`: the reward endpoints, `POST /get_reward` and the like) take a POST
+with a body of at most the route's `max_body_bytes` (a `Content-Length` is required: 411 without one,
+413 beyond the bound, both counted in `statistics()["refused"]` by reason and told to the route's
+`on_refused`); the handler gets the method, path, query, headers and body and returns a response.
+
+Protections: only GET and HEAD besides the mounted routes; no request bodies elsewhere; a request head of
+at most 8 KiB read within a deadline; a cap on connections and on board clients; each board client's queue bounded (a slow
 browser is dropped, never waited for: see `Board`); every response says `Connection: close`. Every
 connection is a task in the server's own TaskGroup; leaving the server closes them all.
 """
@@ -26,7 +31,9 @@ import hashlib
 import importlib.resources
 import json
 import re
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Self
 
@@ -67,14 +74,55 @@ def _page() -> tuple[bytes, str]:
     return html, csp
 
 
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """A request to a mounted route, its body read whole (bounded by the route's `max_body_bytes`)."""
+
+    method: str
+    path: str
+    query: str
+    headers: Mapping[str, str]
+    """Lower-case names."""
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    """What a mounted route answers."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+"""A mounted route: answers one request (it must not raise; the server answers 500 and logs if it does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A mounted route: its handler, the methods it takes, its body bound and who is told of refusals."""
+
+    handler: Handler
+    methods: tuple[str, ...] = ("POST",)
+    max_body_bytes: int = 1024 * 1024
+    on_refused: Callable[[str], None] = lambda reason: None
+    """Told the reason of a request refused before the handler saw it (`body_too_large`, `no_length`, ..)."""
+
+
 class _Refused(Exception):
     """A request answered with an error status (and the connection closed)."""
 
-    def __init__(self, status: HTTPStatus, message: str, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, status: HTTPStatus, message: str, headers: Mapping[str, str] | None = None, *, reason: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
+        self.reason = reason
+        """Short code counted in the server's refusals (and told to the route's `on_refused`)."""
 
 
 class HttpServer:
@@ -116,6 +164,24 @@ class HttpServer:
         self._open = 0
         self.refused = 0
         """Connections closed unanswered because max_connections were open."""
+        self.routes: dict[str, Route] = {}
+        """The routes sources mounted (path to route): see `mount`."""
+        self.refusals: Counter[str] = Counter()
+        """Requests answered 4xx before any handler saw them, by reason."""
+
+    def mount(self, path: str, route: Route) -> None:
+        """Serve `path` with a source's handler (`POST` by default); a path taken already raises ValueError."""
+        if path in self.routes or path in ("/", "/index.html", "/metrics", "/events", "/api/runs"):
+            raise ValueError(f"{path} is served already")
+        self.routes[path] = route
+
+    def unmount(self, path: str) -> None:
+        """Stop serving a mounted path (its source stopped); a request to it is then 404."""
+        self.routes.pop(path, None)
+
+    def statistics(self) -> dict[str, Any]:
+        """Connections refused, requests refused by reason, routes mounted."""
+        return {"connections_refused": self.refused, "refused": dict(self.refusals), "routes": sorted(self.routes)}
 
     @property
     def url(self) -> str:
@@ -221,6 +287,8 @@ class HttpServer:
         try:
             await self._serve_one(reader, writer)
         except _Refused as e:
+            if e.reason:
+                self.refusals[e.reason] += 1
             with contextlib.suppress(ConnectionError):
                 await self._respond(
                     writer, e.status, e.message.encode() + b"\n", "text/plain; charset=utf-8", e.headers
@@ -241,7 +309,19 @@ class HttpServer:
                 writer.transport.abort()
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        method, path, headers = await self._read_head(reader)
+        method, path, headers, query = await self._read_head(reader)
+        if (route := self.routes.get(path)) is not None:
+            await self._routed(route, method, path, query, headers, reader, writer)
+            return
+        if method not in ("GET", "HEAD"):
+            raise _Refused(
+                HTTPStatus.METHOD_NOT_ALLOWED,
+                f"{method[:20]} is not allowed here: use GET or HEAD",
+                {"Allow": "GET, HEAD"},
+                reason="method",
+            )
+        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+            raise _Refused(HTTPStatus(413), "requests here have no body", reason="body")
         head = method == "HEAD"
         if path == "/metrics":
             await self._metrics(writer, headers, head)
@@ -265,7 +345,57 @@ class HttpServer:
         else:
             raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here: the board is at /, metrics at /metrics")
 
-    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
+    async def _routed(
+        self,
+        route: Route,
+        method: str,
+        path: str,
+        query: str,
+        headers: Mapping[str, str],
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """A mounted route's request: its method checked, its body bounded and read within the deadline."""
+        try:
+            body = await self._body(route, method, headers, reader)
+        except _Refused as e:
+            route.on_refused(e.reason)
+            raise
+        try:
+            answer = await route.handler(HttpRequest(method, path, query, dict(headers), body))
+        except Exception:
+            log.exception("http_route_failed", path=path)
+            answer = HttpResponse(500, b'{"error": "the handler failed; see the daemon log"}')
+        await self._respond(writer, HTTPStatus(answer.status), answer.body, answer.content_type, answer.headers)
+
+    async def _body(self, route: Route, method: str, headers: Mapping[str, str], reader: asyncio.StreamReader) -> bytes:
+        if method not in route.methods:
+            allow = ", ".join(route.methods)
+            raise _Refused(
+                HTTPStatus.METHOD_NOT_ALLOWED, f"{method[:20]} is not allowed here: use {allow}", {"Allow": allow},
+                reason="method",
+            )  # fmt: skip
+        if "transfer-encoding" in headers:
+            raise _Refused(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length", reason="no_length")
+        raw = headers.get("content-length")
+        if raw is None or not raw.isdigit():
+            raise _Refused(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length", reason="no_length")
+        if (length := int(raw)) > route.max_body_bytes:
+            raise _Refused(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"a body of {length} bytes is over this route's {route.max_body_bytes}; send fewer or smaller items",
+                reason="body_too_large",
+            )
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                return await reader.readexactly(length)
+        except TimeoutError:
+            raise _Refused(
+                HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {self.request_timeout_s:g} s",
+                reason="body_timeout",
+            ) from None  # fmt: skip
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], str]:
         """The request's method, path and headers (lower-case names); raises _Refused for anything else."""
         try:
             async with asyncio.timeout(self.request_timeout_s):
@@ -289,15 +419,8 @@ class HttpServer:
             if not sep or not name or name != name.strip():
                 raise _Refused(HTTPStatus.BAD_REQUEST, "a malformed header line")
             headers[name.lower()] = value.strip()
-        if method not in ("GET", "HEAD"):
-            raise _Refused(
-                HTTPStatus.METHOD_NOT_ALLOWED,
-                f"{method[:20]} is not allowed here: use GET or HEAD",
-                {"Allow": "GET, HEAD"},
-            )
-        if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
-            raise _Refused(HTTPStatus(413), "requests here have no body")
-        return method, target.split("?", 1)[0], headers
+        path, _, query = target.partition("?")
+        return method, path, headers, query
 
     async def _respond(
         self,
@@ -388,4 +511,4 @@ def _fields(fields: Mapping[str, str]) -> bytes:
     return "".join(f"{k}: {v}\r\n" for k, v in fields.items()).encode("latin-1") + b"\r\n"
 
 
-__all__ = ["MAX_HEAD_BYTES", "HttpServer"]
+__all__ = ["MAX_HEAD_BYTES", "Handler", "HttpRequest", "HttpResponse", "HttpServer", "Route"]

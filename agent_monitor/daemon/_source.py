@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ..calibration import Family, Point
 from ..progress import Progress, Signal
 from ..wire import Topics
 from ._sinks import Sink
@@ -104,6 +105,14 @@ class RunsView(Protocol):
 
     def step_meta(self, run_id: str) -> tuple[Mapping[str, Any], ...] | None:
         """The `meta` of each step of a live run, in index order (what a source put there), or None when not live."""
+        ...
+
+    def points(self, run_id: str) -> tuple[Point, ...] | None:
+        """Every result of a live run as (step, score, uncertainty) in step order (None where none), or None."""
+        ...
+
+    def family(self, run_id: str) -> Family | None:
+        """A live run's calibration key (its family, the judge's model, the rubric's hash), or None."""
         ...
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..calibration import Family, Point
 from ..progress import Progress, Signal
 from ._metrics import RunSeries, series_of
 from ._scoring import RunScoring
@@ -89,6 +90,16 @@ class LiveRuns:
         """The `meta` of each step of the run, in order (a source recovering what it sent), or None."""
         s = self.runs.get(run_id)
         return tuple(t.meta for t in s.tracker.steps) if s is not None else None
+
+    def points(self, run_id: str) -> tuple[Point, ...] | None:
+        """Every result of the run as (step, score, uncertainty), in step order, or None when not live."""
+        s = self.runs.get(run_id)
+        return s.tracker.points if s is not None else None
+
+    def family(self, run_id: str) -> Family | None:
+        """The run's calibration key (family, judge model, rubric hash), or None when not live."""
+        s = self.runs.get(run_id)
+        return s.tracker.family if s is not None else None
 
 
 def run_series(

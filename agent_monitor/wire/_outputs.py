@@ -83,6 +83,9 @@ class DecisionOut(_Out):
         default=False, description="An abort decided by the group policy: the run fell behind its siblings."
     )
     leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
+    stop_kind: Literal["judged", "infra"] | None = Field(
+        default=None, description='"judged" for an abort (decided on the scores); null when the run is not stopped.'
+    )
 
 
 class ProgressOut(_Out):
@@ -161,6 +164,11 @@ class SignalOut(_Out):
         default=False, description="An abort decided by the group policy: the run fell behind its siblings."
     )
     leader: str | None = Field(default=None, description="For a pruned run: the group's leading run at the time.")
+    stop_kind: Literal["judged", "infra"] | None = Field(
+        default=None,
+        description='Why the run is stopped: "judged" (an abort decided on the scores); "infra" (the judge or the '
+        "plumbing failed: drop the rollout, do not penalise it). Null when it is not stopped.",
+    )
     policy: dict[str, bool | float | int | str | None] = Field(default_factory=dict)
 
     @classmethod
