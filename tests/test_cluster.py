@@ -289,7 +289,7 @@ async def test_a_redis_restart_loses_nothing(broker: Mosquitto, tmp_path: Any) -
     """Redis with its append-only file (what docs/cluster.md asks for) restarts mid-run: the runs go on, whole."""
     runs = ["rr-1", "rr-2", "rr-3", "rr-4"]
     with redis_server(tmp_path / "aof", appendonly=True) as redis:
-        async with harness(broker.port) as h, replicas(broker, redis, "a", "b"):
+        async with harness(broker.port) as h, replicas(broker, redis, "a", "b") as ms:
             for r in runs:
                 await h.publish(r, "start", {"task": "count"})
             for i in (1, 2, 3):
@@ -304,6 +304,8 @@ async def test_a_redis_restart_loses_nothing(broker: Mosquitto, tmp_path: Any) -
             for i in (6, 7):
                 await step_all(h, runs, i)
             await h.until(lambda: all(h.last_step(r) == 7 for r in runs), wait_s=40)
+            # Its data came back with it (append-only file): no replica says Redis was emptied.
+            assert [metric(m, "agent_monitor_cluster_redis_emptied_total") for m in ms.values()] == [0.0, 0.0]
         for r in runs:
             run = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
             assert run is not None and [s["index"] for s in run["steps"]] == list(range(1, 8)), run
@@ -347,6 +349,45 @@ async def test_a_score_the_old_owner_never_got_out_is_published_by_the_new_one(
             assert [p["step"] for p in h.progress("seen-1")] == [1]
             # Published again, not scored again: b's judge was not asked and its scorings counter did not move.
             assert metric(b, "agent_monitor_scorings_total", outcome="ok") == 0.0
+
+
+async def test_a_redis_that_comes_back_empty_is_said_in_the_log_the_metrics_and_healthz(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
+    """Redis restarted without persistence forgets every live run: each replica says so once, not per run."""
+    from agent_monitor.daemon import HttpServer
+    from tests.test_board import get
+
+    registry = CollectorRegistry()
+    web = HttpServer(registry, port=0)
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url),
+        client_id="cl",
+        cluster=ClusterSettings(url=redis.url, name="t", replica_id="a", lease_s=LEASE, heartbeat_s=BEAT),
+    )
+    a = Monitor(config, judge=FakeJudge(latency_s=0.01), registry=registry, http=web)
+    await web.bind()
+    try:
+        async with harness(broker.port) as h, a:
+            await h.publish("e-1", "start", {"task": "count"})
+            await h.publish("e-1", "step", {"index": 1, "text": "one"})
+            await h.until(lambda: h.last_step("e-1") == 1)
+            healthy = await get(web.port, "/healthz")
+            assert healthy.status == 200 and json.loads(healthy.body)["status"] == "ok"
+            redis.restart()  # no append-only file: it comes back empty
+            for _ in range(100):
+                if metric(a, "agent_monitor_cluster_redis_emptied_total") == 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert metric(a, "agent_monitor_cluster_redis_emptied_total") == 1
+            reply = await get(web.port, "/healthz")
+            body = json.loads(reply.body)
+            assert reply.status == 503 and body["status"] == "unhealthy"
+            assert any("came back without the cluster's data" in p for p in body["problems"]), body
+            await asyncio.sleep(4 * BEAT)
+            assert metric(a, "agent_monitor_cluster_redis_emptied_total") == 1  # said once, not every heartbeat
+    finally:
+        await web.aclose()
 
 
 async def test_what_one_replica_learns_every_replica_uses(broker: Mosquitto, redis: RedisServer) -> None:

@@ -140,6 +140,10 @@ class Cluster:
         self._aside = False
         """Stepped aside (cut off from the broker past a lease): no heartbeats, no runs, until the broker is back."""
         self._beats = 0
+        self._epoch: str | None = None
+        """The cluster's epoch in Redis when this replica joined (another, or none, later: Redis lost its data)."""
+        self.emptied_at: float | None = None
+        """When this replica last found the cluster's Redis emptied (wall clock), for `status()` and /healthz."""
 
     # -- the monitor's mode (`_mode.Mode`) --
 
@@ -180,7 +184,10 @@ class Cluster:
 
     def status(self) -> dict[str, Any]:
         """The replica's part of `Monitor.status()`."""
-        return {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned)}
+        out: dict[str, Any] = {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned)}
+        if self.emptied_at is not None:
+            out["redis_emptied_at"] = self.emptied_at
+        return out
 
     def key(self, what: str, run_id: str = "") -> str:
         """A cluster key: `am:{name}:{what}` or, per run, `am:{name}:{what}:{run}`."""
@@ -259,9 +266,22 @@ class Cluster:
     async def _heartbeat(self) -> None:
         info = json.dumps({"client_id": self._client_id, "pid": os.getpid(), "host": socket.gethostname()})
         sent = time.monotonic()
-        live, dead, rejoined = await self._scripts["heartbeat"](
-            args=[self.prefix, self.replica_id, self.lease_ms, info, "1" if self._joined else "0"]
+        live, dead, rejoined, epoch = await self._scripts["heartbeat"](
+            args=[self.prefix, self.replica_id, self.lease_ms, info, "1" if self._joined else "0", uuid.uuid4().hex]
         )
+        epoch = _text(epoch)
+        if self._epoch is not None and epoch != self._epoch:
+            self.emptied_at = time.time()
+            self.metrics.cluster_redis_emptied.inc()
+            log.error(
+                "cluster_redis_emptied",
+                replica=self.replica_id,
+                owned=len(self.owned),
+                note="Redis came back without the cluster's data: the live runs' journals, inboxes and calibration "
+                "samples are gone (their next steps are refused as no_start). Run Redis with appendonly yes and "
+                "keep its data directory (docs/cluster.md)",
+            )
+        self._epoch = epoch
         self.live = tuple(sorted(_text(r) for r in live))
         self.metrics.cluster_replicas.set(len(self.live))
         if rejoined and self._joined:

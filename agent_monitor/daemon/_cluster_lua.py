@@ -38,6 +38,13 @@ _HEARTBEAT = (
     _NOW
     + """
 local P, me, lease, info = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+-- The cluster's epoch: set once by the first replica to join an empty Redis. A replica that finds another
+-- epoch than the one it joined (or none) knows Redis lost the cluster's data meanwhile.
+local epoch = redis.call('GET', P .. 'epoch')
+if not epoch then
+  redis.call('SET', P .. 'epoch', ARGV[6])
+  epoch = ARGV[6]
+end
 local before = redis.call('ZSCORE', P .. 'replicas', me)
 local rejoined = 0
 if before and tonumber(before) < now then rejoined = 1 end
@@ -45,7 +52,7 @@ if not before and ARGV[5] == '1' then rejoined = 1 end
 redis.call('ZADD', P .. 'replicas', now + lease, me)
 redis.call('HSET', P .. 'replicas:info', me, info)
 return {redis.call('ZRANGEBYSCORE', P .. 'replicas', now, '+inf'),
-        redis.call('ZRANGEBYSCORE', P .. 'replicas', '-inf', '(' .. now), rejoined}
+        redis.call('ZRANGEBYSCORE', P .. 'replicas', '-inf', '(' .. now), rejoined, epoch}
 """
 )
 

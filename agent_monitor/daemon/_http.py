@@ -168,10 +168,12 @@ class HttpServer:
         """The routes sources mounted (path to route): see `mount`."""
         self.refusals: Counter[str] = Counter()
         """Requests answered 4xx before any handler saw them, by reason."""
+        self.health: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None
+        """What GET /healthz answers (the monitor sets it): healthy or not, and why; None: always healthy."""
 
     def mount(self, path: str, route: Route) -> None:
         """Serve `path` with a source's handler (`POST` by default); a path taken already raises ValueError."""
-        if path in self.routes or path in ("/", "/index.html", "/metrics", "/events", "/api/runs"):
+        if path in self.routes or path in ("/", "/index.html", "/metrics", "/healthz", "/events", "/api/runs"):
             raise ValueError(f"{path} is served already")
         self.routes[path] = route
 
@@ -325,6 +327,14 @@ class HttpServer:
         head = method == "HEAD"
         if path == "/metrics":
             await self._metrics(writer, headers, head)
+            return
+        if path == "/healthz":
+            # 503 when the monitor cannot do its job (an orchestrator's readiness probe takes it out), with why.
+            ok, why = self.health() if self.health is not None else (True, {"status": "ok"})
+            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
+            await self._respond(
+                writer, status, _json(why), "application/json", {"Cache-Control": "no-store"}, head=head
+            )
             return
         if self.board is None:
             raise _Refused(HTTPStatus.NOT_FOUND, f"no {path} here: the board is off (serve --no-board); see /metrics")

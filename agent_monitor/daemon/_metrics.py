@@ -177,6 +177,12 @@ class Metrics:
             "MQTT sessions of departed replicas this replica took over (and emptied, then deleted).",
             registry=registry,
         )
+        self.cluster_redis_emptied = Counter(
+            "agent_monitor_cluster_redis_emptied",
+            "Times the cluster's Redis came back without the cluster's data (restarted without persistence, or "
+            "flushed): the live runs' journals, inboxes and calibration samples were lost.",
+            registry=registry,
+        )
         self.cluster_fenced = Counter(
             "agent_monitor_cluster_fenced",
             "Writes and publications refused because this replica no longer owned the run (fencing), by what.",

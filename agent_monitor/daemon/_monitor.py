@@ -63,6 +63,10 @@ __all__ = ["Monitor", "RunView", "StepView"]
 
 log = structlog.get_logger("agent_monitor.daemon")
 
+_EMPTIED_UNHEALTHY_S = 600.0
+"""How long /healthz says unhealthy after the cluster's Redis came back empty (the runs it lost do not come back;
+the warning stays in the log and in agent_monitor_cluster_redis_emptied_total)."""
+
 # How long leaving the monitor waits for queued OpenTelemetry events to reach the collector.
 _OTLP_CLOSE_S = 5.0
 
@@ -177,6 +181,8 @@ class Monitor:
             self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._scoring.criteria_of)
         self.http = http
         """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
+        if http is not None:
+            http.health = self.health
         self.sources: tuple[Source, ...] = tuple(sources)
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         self._emit.sinks = self.sinks = (
@@ -304,6 +310,21 @@ class Monitor:
             **self.mode.status(),
             **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
         }
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """What /healthz answers: unhealthy (503) while the monitor cannot do its job, with each problem named."""
+        status = self.status()
+        problems = []
+        if self.config.broker is not None and not status["connected"]:
+            problems.append("not connected to the MQTT broker: inputs wait there, nothing is scored or published")
+        if (emptied := status.get("redis_emptied_at")) is not None and time.time() - emptied < _EMPTIED_UNHEALTHY_S:
+            problems.append(
+                "the cluster's Redis came back without the cluster's data: the live runs' journals were lost "
+                "(run Redis with appendonly yes; docs/cluster.md)"
+            )
+        warnings = ["the judge is failing: scorings wait for its next probe"] if status["degraded"] else []
+        body = {"status": "unhealthy" if problems else "ok", "problems": problems, "warnings": warnings, **status}
+        return not problems, body
 
     def run(self, run_id: str) -> RunView | None:
         """A copy of a live run's state and scores, or None when the run is not live."""
