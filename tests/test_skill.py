@@ -120,3 +120,45 @@ def test_a_progress_template_lays_out_the_prompt_and_stays_prefix_stable() -> No
         ProgressTracker("t", judge=FakeJudge(), prompt=str(SKILL / "prompt.md"))
     with pytest.raises(TemplateError, match="before"):
         ProgressTracker("t", judge=FakeJudge(), prompt="{question}\n{task}\n{criteria}\n{trajectory}")
+
+
+async def test_serve_prompt_lays_out_every_runs_prompts_and_its_own_rubric_too(tmp_path: Path) -> None:
+    from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
+
+    path = tmp_path / "prompt.md"
+    path.write_text(TEMPLATE)
+    judge = FakeJudge()
+    async with Monitor(MonitorConfig(prompt=str(path)), judge=judge, store=MemoryStore()) as monitor:
+        await monitor.handle("agents/r1/start", json.dumps({"task": "reverse a string"}).encode())
+        own = {"task": "sort a list", "criteria": [{"name": "tests_pass", "description": "the tests pass"}]}
+        await monitor.handle("agents/r2/start", json.dumps(own).encode())
+        for run in ("r1", "r2"):
+            await monitor.handle(f"agents/{run}/step", json.dumps({"index": 1, "text": "wrote it"}).encode())
+        await monitor.drain()
+    assert len(judge.prompts) == 2
+    for prompt in judge.prompts:
+        assert prompt.instructions == "You grade a coding agent for the team. Be strict.\n\n# The task"
+        assert "# What the agent did" in prompt.prefix_text()
+    # The run with its own rubric: its criteria in the operator's layout.
+    mine = next(p for p in judge.prompts if "sort a list" in p.text())
+    assert "the tests pass" in mine.prefix_text()
+
+
+def test_serve_prompt_is_checked_at_start_up_before_the_judge_or_broker(tmp_path: Path) -> None:
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agent_monitor", "serve", "--judge", "openai", "--judge-url", "http://127.0.0.1:9",
+             "--broker", "mqtt://127.0.0.1:9", *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    swapped = tmp_path / "swapped.md"
+    swapped.write_text("{task}\n{criteria}\n{question}\n{trajectory}")
+    out = serve("--prompt", str(swapped))
+    assert out.returncode != 0
+    assert "--prompt" in out.stderr and "put {question} after {trajectory}" in out.stderr
+    out = serve("--prompt", str(SKILL / "prompt.md"))
+    assert out.returncode != 0 and "use it with compare/select" in out.stderr
+    out = serve("--prompt", str(tmp_path / "missing.md"))
+    assert out.returncode != 0 and "cannot read prompt template" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -528,6 +528,15 @@ class MonitorConfig(ScoringOptions):
     price_output: float | None = field(
         default=None, metadata={"help": "USD per million judge output tokens (needed with --price-input; 0 is fine)"}
     )
+    prompt: str | None = field(
+        default=None,
+        metadata={
+            "flag_type": str | None,
+            "help": "a progress prompt template file ({task}, {criteria}, {trajectory}, {question}, the question after "
+            "the trajectory; docs/coming-from.md) laying out every run's judge prompts; checked at start-up; none: "
+            "ours",
+        },
+    )
     otlp_endpoint: str | None = field(
         default=None,
         metadata={
