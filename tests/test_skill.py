@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor.templates import TemplateError, check_template, load_template
 from agent_monitor.testing import FakeJudge
+from tests.brokers import Mosquitto
 
 SKILL = Path(__file__).parent / "fixtures" / "skill"
 
@@ -162,3 +164,50 @@ def test_serve_prompt_is_checked_at_start_up_before_the_judge_or_broker(tmp_path
     out = serve("--prompt", str(tmp_path / "missing.md"))
     assert out.returncode != 0 and "cannot read prompt template" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_a_run_ending_under_a_rubric_with_thresholds_gets_its_verdict_on_mqtt_and_in_export(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
+    from agent_monitor.wire import BrokerSettings, ProgressOut
+    from tests.test_daemon_mqtt import harness
+
+    def answer(prompt: Any) -> str:
+        # The skill scale runs A = best: A is 1.0 (pass), G 0.684 (review).
+        return "A" if "the good task" in prompt.prefix_text() else "G"
+
+    store = SqliteStore(tmp_path / "runs.db")
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id="mon-verdict", criteria=str(SKILL / "rubric.json")
+    )
+    async with Monitor(config, judge=FakeJudge(answer), store=store), harness(broker.port) as h:
+        for run, task in (("good", "the good task"), ("shaky", "the shaky task")):
+            await h.publish(run, "start", {"task": task})
+            await h.publish(run, "step", {"index": 1, "text": "did it"})
+        await h.until(lambda: h.last_step("good") == 1 and h.last_step("shaky") == 1)
+        assert all("verdict" not in p or p["verdict"] is None for r in ("good", "shaky") for p in h.progress(r))
+        for run in ("good", "shaky"):
+            await h.publish(run, "end", {"outcome": "success"})
+        await h.until(lambda: all(h.progress(r)[-1].get("final") for r in ("good", "shaky")))
+        finals = {r: ProgressOut.model_validate(h.progress(r)[-1]) for r in ("good", "shaky")}
+    assert (finals["good"].verdict, finals["good"].step, finals["good"].score) == ("pass", 1, 1.0)
+    assert finals["shaky"].verdict == "review"
+    exported = await store.export("good")
+    assert exported is not None and exported["verdict"] == "pass" and exported["curve"][-1]["final"] is True
+    await store.aclose()
+
+
+async def test_a_rubric_without_thresholds_sends_no_final_message(broker: Mosquitto) -> None:
+    from agent_monitor.daemon import Monitor, MonitorConfig
+    from agent_monitor.wire import BrokerSettings
+    from tests.test_daemon_mqtt import harness
+
+    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id="mon-plain")
+    async with Monitor(config, judge=FakeJudge(), store=None), harness(broker.port) as h:
+        await h.publish("r", "start", {"task": "t"})
+        await h.publish("r", "step", {"index": 1, "text": "did it"})
+        await h.until(lambda: h.last_step("r") == 1)
+        await h.publish("r", "end", {"outcome": "success"})
+        await h.until(lambda: h.seen[("r", "signal")][-1:] == [None])  # the retained signal cleared: closed
+    assert len(h.progress("r")) == 1 and not h.progress("r")[0].get("final")

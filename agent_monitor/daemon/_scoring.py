@@ -211,6 +211,8 @@ class Scoring:
         if replaying and effect.outcome != "evicted":
             return
         latest = scoring.tracker.latest if scoring else None
+        verdict = scoring.tracker.rubric.verdict(latest.score) if scoring and latest else None
+        final = {**latest.to_json(), "verdict": verdict, "final": True} if latest and verdict else None
         self.emit(
             RunClosed(
                 run_id,
@@ -222,6 +224,7 @@ class Scoring:
                 scoring.labels if scoring else {},
                 effect.at,
                 len(self.book.live),
+                final,
             )
         )
 

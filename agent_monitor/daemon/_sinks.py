@@ -103,6 +103,9 @@ class RunClosed:
     labels: Mapping[str, str]
     at: float
     live: int
+    final: Mapping[str, Any] | None = None
+    """The final result's progress JSON with its rubric `verdict` (pass / review / fail), when the run's rubric has
+    thresholds and its last scoring gave a score; published and kept once more, so the verdict reaches both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +169,9 @@ class MqttSink:
             ranking = b"" if event.ranking is None else _payload(event.ranking)
             self.outbox.put(Message(t.ranking(event.group), ranking, retain=True, droppable=False))
         elif isinstance(event, RunClosed):
-            self._progress_topics.pop(event.run_id, None)
+            where = self._progress_topics.pop(event.run_id, None) or t.of(event.run_id, "progress")
+            if event.final is not None:
+                self.outbox.put(Message(where, _payload(event.final), droppable=False, run_id=event.run_id))
             # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
             self.outbox.put(
                 Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False, run_id=event.run_id)
@@ -199,15 +204,17 @@ class Fanout:
 class StoreSink:
     """Keep every published score and group ranking in the run store (a restart takes them up again)."""
 
-    events = (Scored, GroupRanked)
+    events = (Scored, GroupRanked, RunClosed)
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
 
     def __call__(self, event: MonitorEvent) -> None:
-        """Record a score or a ranking."""
+        """Record a score (a run's final one again, with its verdict) or a ranking."""
         if isinstance(event, Scored):
             self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
+        elif isinstance(event, RunClosed) and event.final is not None:
+            self.store.record_progress(event.run_id, int(event.final["step"]), dict(event.final))
         elif isinstance(event, GroupRanked) and not event.republished:
             self.store.record_ranking(event.group, event.ranking)
 

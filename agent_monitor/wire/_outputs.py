@@ -126,6 +126,15 @@ class ProgressOut(_Out):
     signal: Signal | None = None
     decision: DecisionOut | None = None
     degraded: bool = Field(default=False, description="The judge is failing and the monitor is backing off.")
+    final: bool = Field(
+        default=False,
+        description="The run's final result, sent once more when the run ends (only when its rubric has "
+        "pass/review thresholds and the result has a score), with its verdict.",
+    )
+    verdict: Literal["pass", "review", "fail"] | None = Field(
+        default=None,
+        description="On the final result: the rubric's verdict on its score (its pass and review thresholds).",
+    )
 
     @classmethod
     def from_progress(cls, progress: Progress, *, run_id: str | None = None) -> ProgressOut:
