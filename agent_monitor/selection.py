@@ -557,14 +557,19 @@ class Selection:
     """The best of N candidates: the pick, the ranking, and what it rests on.
 
     `scores` are each candidate's pointwise final score (`method` "pointwise") or its win mass in
-    the tournament ("pairwise"); None: it has none (its judge calls failed). `pointwise` holds the
-    pointwise results, `tournament` the pairwise one. `winner` is None when nothing could be scored.
+    the tournament ("pairwise"; 1 for the majority, 0 for the others: "majority"); None: it has none
+    (its judge calls failed). They and `ranking` take the candidates' own form: named candidates
+    (a mapping) give a dict by name and a list of names, best first; a list of candidates gives a
+    list in the candidates' order and a list of positions, best first, as the reference library's
+    `VerifierResult`. `winner` is the winner's name (a list's: its position as a string; `index` is the
+    position); None when nothing could be scored. `pointwise` holds the pointwise results and
+    `tournament` the pairwise one, both by name.
     """
 
     method: Literal["pointwise", "pairwise", "majority"]
     winner: str | None
-    ranking: list[str]
-    scores: dict[str, float | None]
+    ranking: list[str] | list[int]
+    scores: dict[str, float | None] | list[float | None]
     calls: int
     usage: Usage
     failed: int = 0
@@ -629,7 +634,7 @@ async def aselect(
     named = _named(candidates)
     rubric = load_criteria(criteria)
     if majority and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None:
-        return shortcut
+        return _as_given(shortcut, candidates)
     frames = await _frames(images)
     if not pairwise:
         results = await asyncio.gather(
@@ -655,10 +660,10 @@ async def aselect(
         usage = sum((p.usage for p in done.values()), Usage())
         winner = ranking[0] if scores[ranking[0]] is not None else None
         index, best = indexed(candidates, winner)
-        return Selection(
+        return _as_given(Selection(
             "pointwise", winner, ranking, scores, sum(p.calls for p in done.values()), usage, len(failures),
             failures[0].reason if failures else None, pointwise=done, index=index, best=best,
-        )  # fmt: skip
+        ), candidates)  # fmt: skip
 
     async def judged(x: str, y: str) -> Comparison:
         return await compare(task, named[x], named[y], judge=judge, criteria=rubric, repeats=repeats,
@@ -668,8 +673,19 @@ async def aselect(
     usage = sum((r.usage for r in t.results.values()), Usage())
     calls = sum(r.calls for r in t.results.values())
     index, best = indexed(candidates, t.winner)
-    return Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason, tournament=t,
-                     index=index, best=best)  # fmt: skip
+    return _as_given(Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason,
+                               tournament=t, index=index, best=best), candidates)  # fmt: skip
+
+
+def _as_given(s: Selection, candidates: Mapping[str, Any] | Sequence[Any]) -> Selection:
+    """A list of candidates' selection in its own form: `scores` by position, `ranking` as positions (as upstream)."""
+    if isinstance(candidates, Mapping):
+        return s
+    by_name = s.scores
+    assert isinstance(by_name, dict)
+    s.scores = [by_name[str(i)] for i in range(len(candidates))]
+    s.ranking = [int(k) for k in s.ranking]
+    return s
 
 
 def _answer(steps: Sequence[Step]) -> str:

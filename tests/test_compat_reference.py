@@ -172,7 +172,10 @@ def test_the_readme_quickstart_select_compare_and_track_run_unchanged(server: Sc
     result = ns["result"]
     assert result.index == 0 and result.best == "def rev(s): return s[::-1]"
     assert result.method == "pairwise" and result.n_comparisons > 0  # the pivot tournament, as upstream
-    assert result.ranking[0] == "0" and result.scores["0"] > result.scores["1"]
+    # As upstream's VerifierResult: scores a list in the candidates' order, the ranking their positions.
+    assert isinstance(result.scores, list) and len(result.scores) == 3 and result.scores[0] > result.scores[1]
+    assert result.ranking[0] == 0 and sorted(result.ranking) == [0, 1, 2]
+    assert ns["candidates"][result.ranking[0]] == result.best
     prompts = _pairwise_prompts(server)
     # Each candidate is one whole step, never a step per character.
     assert prompts and all("Trajectory 1 has 1 step so far and trajectory 2 has 1" in p for p in prompts)
