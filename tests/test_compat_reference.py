@@ -344,7 +344,9 @@ def test_criteria_in_every_reference_form(tmp_path: Path) -> None:
     prompt = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[0])
     text = "".join(getattr(p, "text", "") for p in prompt.parts)
     assert "Do NOT trust the agent's self-assessment." in text and "author's comment" not in text
-    assert "Empirical Verification: Look at the commands" in text
+    # Each criterion's prompt shows that criterion (per-criterion prompts, issue 27): the second one's, in its own.
+    second = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[1])
+    assert "Empirical Verification: Look at the commands" in "".join(getattr(p, "text", "") for p in second.parts)
     for name in ("terminal_bench", "swe_bench", "medagentbench"):
         bundled = agent_monitor.load_criteria(name)
         assert bundled.note and len(bundled.criteria) >= 2
