@@ -693,6 +693,25 @@ def _answer(steps: Sequence[Step]) -> str:
     return " ".join(steps[-1].text.casefold().split()).rstrip(".!;") if steps else ""
 
 
+def tournament_calls(n: int, per: int, *, pivots: int = DEFAULT_PIVOTS, rings: int = 1) -> int:
+    """The most judge calls a pivot tournament of `n` candidates can make, `per` calls an order (2 orders a pair)."""
+    return 2 * per * (rings * n + min(pivots, n) * (n - 1))
+
+
+def majority_of(named: Mapping[K, Sequence[Step]]) -> list[K] | None:
+    """The candidates sharing the answer more than half of 3+ give (last step, normalised), in order; else None.
+
+    TurboAgent's majority-voting shortcut: that answer wins, and no comparison is needed among them.
+    """
+    if len(named) < 3:
+        return None
+    groups: dict[str, list[K]] = {}
+    for name, steps in named.items():
+        groups.setdefault(_answer(steps), []).append(name)
+    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
+    return members if answer and 2 * len(members) > len(named) else None
+
+
 def _majority(
     named: Mapping[str, Sequence[Step]],
     candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
@@ -703,17 +722,12 @@ def _majority(
 ) -> Selection | None:
     """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins unjudged."""
     n = len(named)
-    if n < 3:
-        return None
-    groups: dict[str, list[str]] = {}
-    for name, steps in named.items():
-        groups.setdefault(_answer(steps), []).append(name)
-    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
-    if not answer or 2 * len(members) <= n:
+    members = majority_of(named)
+    if members is None:
         return None
     per = len(rubric.judged) or 1
     # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or one call a candidate.
-    saved = 2 * per * (rings * n + min(pivots, n) * (n - 1)) if pairwise else per * n
+    saved = tournament_calls(n, per, pivots=pivots, rings=rings) if pairwise else per * n
     winner = members[0]
     ranking = members + [k for k in named if k not in members]
     scores: dict[str, float | None] = {k: (1.0 if k in members else 0.0) for k in named}
@@ -741,6 +755,8 @@ __all__ = [
     "aselect",
     "build_pair_prompt",
     "compare",
+    "majority_of",
     "select",
     "tournament",
+    "tournament_calls",
 ]

@@ -159,6 +159,7 @@ class Monitor:
         self._groups = Groups(
             self.groups, emit=self._emit, trackers=self.tracker, judge=self.circuit, repeats=c.repeats, clock=clock,
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
+            on_majority=m.compare_calls_saved.inc,
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(
