@@ -193,7 +193,9 @@ class Monitor:
         self.sources: tuple[Source, ...] = tuple(sources)
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         self._emit.sinks = self.sinks = (
-            MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent),
+            MqttSink(
+                self.outbox, self.topics, on_signal_sent=self.mode.signal_sent, compact=c.progress_form == "compact"
+            ),
             StoreSink(self.store),
             self._metrics_sink,
             LogSink(log),

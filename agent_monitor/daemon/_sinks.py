@@ -127,16 +127,52 @@ def _payload(data: Mapping[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+_COMPACT_KEYS = ("run_id", "step", "score", "delta", "uncertainty", "criteria", "ok", "error", "reason", "mass",
+                 "signal", "decision", "degraded", "final", "verdict")  # fmt: skip
+_REQUIRED = frozenset(("run_id", "step", "score", "ok"))
+_CRITERION_KEYS = ("score", "weight", "uncertainty", "mass")
+
+
+def _rounded(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def compact_form(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A progress message for terminals (`mosquitto_sub -v`): what a person reads, numbers to 4 decimals.
+
+    Each criterion keeps its score, weight, uncertainty and mass (no letter distribution); the
+    bookkeeping (tokens, totals, judge, latency, ...) and empty values are left out. It is still a
+    progress message: `ProgressOut` reads it, with defaults for what is left out.
+    """
+    out: dict[str, Any] = {}
+    for k in _COMPACT_KEYS:
+        v = data.get(k)
+        if k == "criteria":
+            out[k] = {n: {f: _rounded(c.get(f)) for f in _CRITERION_KEYS} for n, c in (v or {}).items()}
+        elif k == "decision" and isinstance(v, Mapping):
+            out[k] = {f: _rounded(x) for f, x in v.items() if x is not None and x is not False}
+        elif k in _REQUIRED or (v is not None and v is not False):
+            out[k] = _rounded(v)
+    return out
+
+
 class MqttSink:
     """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
 
     events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
 
     def __init__(
-        self, outbox: Outbox, topics: Topics, *, on_signal_sent: Callable[[str, int], None] | None = None
+        self,
+        outbox: Outbox,
+        topics: Topics,
+        *,
+        on_signal_sent: Callable[[str, int], None] | None = None,
+        compact: bool = False,
     ) -> None:
         self.outbox = outbox
         self.topics = topics
+        self.compact = compact
+        """Progress in the compact form (`serve --progress-form compact`): no letter distributions, rounded."""
         self.on_signal_sent = on_signal_sent
         """Told (run id, the decision's step) once a signal is out: cluster mode remembers which one is."""
         self._progress_topics: dict[str, str] = {}
@@ -149,7 +185,8 @@ class MqttSink:
             where = self._progress_topics.get(event.run_id)
             if where is None:
                 where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
-            self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id))
+            data = compact_form(event.data) if self.compact else event.data
+            self.outbox.put(Message(where, _payload(data), run_id=event.run_id))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
             sent = (
@@ -171,7 +208,8 @@ class MqttSink:
         elif isinstance(event, RunClosed):
             where = self._progress_topics.pop(event.run_id, None) or t.of(event.run_id, "progress")
             if event.final is not None:
-                self.outbox.put(Message(where, _payload(event.final), droppable=False, run_id=event.run_id))
+                final = compact_form(event.final) if self.compact else event.final
+                self.outbox.put(Message(where, _payload(final), droppable=False, run_id=event.run_id))
             # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
             self.outbox.put(
                 Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False, run_id=event.run_id)
