@@ -157,9 +157,9 @@ def compact_form(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MqttSink:
-    """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
+    """Publish progress, signals and run states (both retained; cleared when the run closes) and errors."""
 
-    events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
+    events = (Scored, SignalChanged, Refused, RunOpened, RunClosed, GroupRanked)
 
     def __init__(
         self,
@@ -205,7 +205,19 @@ class MqttSink:
             # Retained, so a late subscriber sees the ranking now; an empty payload clears it.
             ranking = b"" if event.ranking is None else _payload(event.ranking)
             self.outbox.put(Message(t.ranking(event.group), ranking, retain=True, droppable=False))
+        elif isinstance(event, RunOpened):
+            # Retained while the run lives: a viewer subscribing later (`top`) lists it at once. The signal topic
+            # stays the policy's alone (its first message is the first decision).
+            s = event.start
+            state = {"run_id": event.run_id, "state": "live", "task": s.task[:200], "group": s.group,
+                     "labels": dict(s.labels), "started_at": s.started_at}  # fmt: skip
+            self.outbox.put(
+                Message(t.of(event.run_id, "state"), _payload(state), retain=True, droppable=False, run_id=event.run_id)
+            )
         elif isinstance(event, RunClosed):
+            self.outbox.put(
+                Message(t.of(event.run_id, "state"), b"", retain=True, droppable=False, run_id=event.run_id)
+            )
             where = self._progress_topics.pop(event.run_id, None) or t.of(event.run_id, "progress")
             if event.final is not None:
                 final = compact_form(event.final) if self.compact else event.final

@@ -207,6 +207,22 @@ class RankingOut(_Out):
     runs: list[RankedRunOut] = Field(description="Sorted by rank.")
 
 
+class StateOut(_Out):
+    """`{prefix}/{run_id}/state` (retained while the run lives): the run is live on a monitor.
+
+    Published when the monitor opens the run (a refused start gets none) and cleared (an empty
+    retained payload) when the run leaves its live set, so a viewer that subscribes late (`top`)
+    lists every live run at once.
+    """
+
+    run_id: RunId
+    state: Literal["live"] = "live"
+    task: str = Field(default="", description="The run's task, its first 200 characters.")
+    group: GroupName | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    started_at: float | None = Field(default=None, description="The start's own started_at, if it gave one.")
+
+
 class ErrorOut(_Out):
     """`{prefix}/{run_id}/error` or `{prefix}/_errors`: an event that was refused, and why."""
 
