@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -211,3 +212,57 @@ async def test_a_rubric_without_thresholds_sends_no_final_message(broker: Mosqui
         await h.publish("r", "end", {"outcome": "success"})
         await h.until(lambda: h.seen[("r", "signal")][-1:] == [None])  # the retained signal cleared: closed
     assert len(h.progress("r")) == 1 and not h.progress("r")[0].get("final")
+
+
+def _skill_judge(prompt: Any) -> str:
+    """A letter per tag on the skill's scale (A = best): the trajectory that ran the tests is near the best."""
+    text, tail = prompt.prefix_text(), prompt.tail[-1].text
+    slot_a = text.split("**Trajectory A:**", 1)[1].split("**Trajectory B:**", 1)[0]
+    good_in_a = "3 passed" in slot_a
+    asks_a = "<score_A>" in tail
+    return "B" if asks_a == good_in_a else "R"
+
+
+def test_compare_with_the_skill_pairwise_template_reads_a_letter_per_tag_in_both_orders() -> None:
+    from agent_monitor import compare
+
+    good, bad = ["wrote rev", "ran the tests: 3 passed"], ["wrote rev", "gave up"]
+    judge = FakeJudge(_skill_judge)
+    rubric = str(SKILL / "rubric.json")  # the skill's scale (A = best), as its template tells the judge
+    c = asyncio.run(
+        compare("reverse a string", good, bad, judge=judge, criteria=rubric, prompt=str(SKILL / "prompt.md"))
+    )
+    # Two orders x two tags: 4 calls for each of the 3 judged criteria; e(B) = 1/19, e(R) = 17/19.
+    assert c.ok and c.calls == 12 == len(judge.prompts)
+    assert c.preference == pytest.approx(35 / 38) and c.forward == pytest.approx(3 / 38)
+    reward_a, reward_b = c
+    assert reward_a > 0.9 > 0.1 > reward_b
+    tags = sorted("<score_A>" in p.tail[-1].text for p in judge.prompts)
+    assert tags == [False] * 6 + [True] * 6
+    # The template's own layout: its head before {task} is the instructions; the tags' prompts share their head.
+    first = judge.prompts[0]
+    assert first.instructions.startswith("# Verifier Prompt Template (directed pairwise scoring)")
+    assert first.instructions.endswith("**Task:**") and "{criterion_name}" not in first.instructions
+    assert first.criterion in first.instructions  # its criterion named where the template puts it
+    assert first.prefix[0].text.startswith("reverse a string\n\n**Trajectory A:**")  # type: ignore[union-attr]
+    assert "{a}" not in first.prefix_text() and "### Step 2\n" in first.prefix_text()
+    heads = {p.prefix_text() for p in judge.prompts}
+    assert len(heads) == 6  # one per criterion and order, shared by its two tags
+    # The letter is read right after the question: the template's own closing lines come before it.
+    assert all(p.tail[-1].text.strip().startswith("Give only the letter of <score_") for p in judge.prompts)
+
+
+def test_select_takes_the_skill_pairwise_template_and_a_progress_template_is_refused_for_compare() -> None:
+    from agent_monitor import compare, select
+
+    cands = [["wrote rev", "gave up"], ["wrote rev", "ran the tests: 3 passed"], ["looked around"]]
+    prompt, rubric = str(SKILL / "prompt.md"), str(SKILL / "rubric.json")
+    s = select("reverse a string", cands, judge=FakeJudge(_skill_judge), criteria=rubric, prompt=prompt)
+    assert s.method == "pairwise" and s.index == 1 and s.ranking[0] == 1
+    # Our bundled rubric describes its letters the other way (A = worst): refused with the template, not misread.
+    with pytest.raises(ValueError, match="A = worst, T = best"):
+        select("reverse a string", cands, judge=FakeJudge(_skill_judge), prompt=prompt)
+    with pytest.raises(TemplateError, match="compare/select need a pairwise one"):
+        asyncio.run(compare("t", ["a"], ["b"], judge=FakeJudge(), prompt=TEMPLATE))
+    with pytest.raises(ValueError, match="needs pairwise=True"):
+        select("t", cands, judge=FakeJudge(), prompt=str(SKILL / "prompt.md"), pairwise=False)
