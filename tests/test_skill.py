@@ -266,3 +266,29 @@ def test_select_takes_the_skill_pairwise_template_and_a_progress_template_is_ref
         asyncio.run(compare("t", ["a"], ["b"], judge=FakeJudge(), prompt=TEMPLATE))
     with pytest.raises(ValueError, match="needs pairwise=True"):
         select("t", cands, judge=FakeJudge(), prompt=str(SKILL / "prompt.md"), pairwise=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning")
+def test_the_skill_pairwise_template_on_a_real_model_reads_each_tag_s_letter() -> None:
+    """The packaged tiny judge, in process: every tag's prompt gives a letter distribution at the answer position."""
+    pytest.importorskip("llama_cpp")
+    from agent_monitor import LlamaCppJudge, compare
+    from tests.llama_models import gemma_path
+
+    judge = LlamaCppJudge(gemma_path(), n_ctx=4096)
+    try:
+        good, bad = ["wrote def rev(s): return s[::-1]", "ran the tests: 3 passed"], ["wrote rev", "gave up"]
+        c = asyncio.run(
+            compare(
+                "Write a function that reverses a string.", good, bad, judge=judge,
+                criteria=str(SKILL / "rubric.json"), prompt=str(SKILL / "prompt.md"),
+            )
+        )  # fmt: skip
+    finally:
+        judge.close()
+    # A score or a reason, never a made-up one: with the whole vocabulary read, the letters hold the mass.
+    assert c.ok, (c.reason, c.error)
+    assert c.calls == 12 and c.preference is not None and 0.0 <= c.preference <= 1.0
+    assert c.forward is not None and c.backward is not None and set(c.criteria) == {"specification", "output", "errors"}
