@@ -207,13 +207,12 @@ class MqttSink:
             self.outbox.put(Message(t.ranking(event.group), ranking, retain=True, droppable=False))
         elif isinstance(event, RunOpened):
             # Retained while the run lives: a viewer subscribing later (`top`) lists it at once. The signal topic
-            # stays the policy's alone (its first message is the first decision).
+            # stays the policy's alone (its first message is the first decision). Droppable, as progress is: in a
+            # burst of starts a full outbox loses a viewer's row, never a signal; its clearing is not droppable.
             s = event.start
             state = {"run_id": event.run_id, "state": "live", "task": s.task[:200], "group": s.group,
                      "labels": dict(s.labels), "started_at": s.started_at}  # fmt: skip
-            self.outbox.put(
-                Message(t.of(event.run_id, "state"), _payload(state), retain=True, droppable=False, run_id=event.run_id)
-            )
+            self.outbox.put(Message(t.of(event.run_id, "state"), _payload(state), retain=True, run_id=event.run_id))
         elif isinstance(event, RunClosed):
             self.outbox.put(
                 Message(t.of(event.run_id, "state"), b"", retain=True, droppable=False, run_id=event.run_id)
