@@ -54,6 +54,7 @@ from .judges.base import Judge, JudgeError, JudgeRequest, JudgeResponse, recomme
 from .progress import Progress, Usage
 from .prompts import INSTRUCTIONS, ImagePart, Prompt, Step, TextPart, fence_inline
 from .scale import LETTERS, CriterionScore, ScoreError, score_samples
+from .templates import PromptTemplate, fill, load_template
 from .tracker import DEFAULT_MAX_SIDE, score_prefix
 
 DEFAULT_PIVOTS = 2
@@ -136,9 +137,9 @@ def _window(steps: Sequence[Step], limit: int) -> tuple[int, list[str]]:
     return start, kept
 
 
-def _trajectory(label: int, steps: Sequence[Step], limit: int) -> str:
+def _trajectory(label: int | str, steps: Sequence[Step], limit: int) -> str:
     cut, kept = _window(steps, limit)
-    out = [f"\n## Trajectory {label}\n"]
+    out = [f"\n## Trajectory {label}\n"] if label else []
     if cut:
         first, last = steps[0].index, steps[cut - 1].index
         out.append(f"(steps {first}-{last} are left out: only the newest steps fit the judge's budget)\n")
@@ -193,6 +194,62 @@ def build_pair_prompt(
         criterion=criterion.name,
         step=max(n1, n2),
     )
+
+
+_SLOT_TAGS: tuple[Literal["A", "B"], ...] = ("A", "B")
+
+
+def build_template_pair_prompt(
+    template: PromptTemplate,
+    task: str,
+    rubric: Rubric,
+    first: Sequence[PairStep],
+    second: Sequence[PairStep],
+    criterion: Criterion,
+    tag: Literal["A", "B"],
+    *,
+    max_chars: int = DEFAULT_PAIR_CHARS,
+) -> Prompt:
+    """A directed pairwise template (the llm-as-verifier skill's `prompt.md`) filled in, asking one tag's letter.
+
+    `first` is trajectory A (`{a}`), `second` trajectory B (`{b}`); the text before `{task}` is the
+    instructions, the rest the shared head, and the tail asks for the letter of `<score_{tag}>` alone:
+    one letter is read at the answer position, as for every prompt here (no free text before it), and
+    both tags' prompts share their head. Inserted text is fenced as in our own pairwise prompt; the
+    template's own lines are not escaped in it (keep them distinctive).
+    """
+    one, two = _steps(first), _steps(second)
+    half = max_chars // 2
+    values = {
+        "task": _pair_fence(Step(0, task).shown),
+        "a": _trajectory("", one, half).strip("\n"),
+        "b": _trajectory("", two, half).strip("\n"),
+        "criterion_name": fence_inline(criterion.name),
+        "criterion_description": fence_inline(criterion.description),
+        "note": fence_inline(rubric.note) if rubric.note else "",
+    }
+    head, _, rest = template.text.partition("{task}")
+    n1, n2 = (s[-1].index if s else 0 for s in (one, two))
+    tail = (
+        f"\n\nGive only the letter of <score_{tag}> now (trajectory {tag}), one capital letter from "
+        f"{LETTERS[0]} to {LETTERS[-1]} and nothing else.\n"
+    )
+    return Prompt(
+        instructions=fill(head, values).rstrip(),
+        prefix=(TextPart(fill("{task}" + rest, values)),),
+        tail=(TextPart(tail),),
+        criterion=criterion.name,
+        step=max(n1, n2),
+    )
+
+
+def _pairwise_template(prompt: str | PromptTemplate | None) -> PromptTemplate | None:
+    """`compare`'s `prompt=`: a directed pairwise template (a file, its text, or a checked one), else TemplateError."""
+    if prompt is None:
+        return None
+    t = prompt if isinstance(prompt, PromptTemplate) else load_template(prompt)
+    t.check_for("pairwise")
+    return t
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,16 +371,22 @@ async def compare(
     min_mass: float | None = None,
     max_chars: int = DEFAULT_PAIR_CHARS,
     images: ImageInput | Sequence[ImageInput] = (),
+    prompt: str | PromptTemplate | None = None,
 ) -> Comparison:
     """Compare trajectory `a` with `b` on every judged criterion, in both orders (2 calls per criterion).
 
     `min_mass` None is the judge's recommendation, as for pointwise scores. Rule-only criteria
     are left out (rules grade one trajectory, not a pair); a rubric with no judged criterion is
     a `no_opinion` failure. `images` (one or a list) are the task's, shown after it in both orders.
+    `prompt`: a directed pairwise template (the llm-as-verifier skill's `templates/prompt.md`; a
+    file or its text) instead of ours: each order then reads a letter per tag, `<score_A>` and
+    `<score_B>` (4 calls per criterion), on the skill's scale (A = best, T = worst), and the order's
+    preference for its second slot is `(1 + R_B - R_A) / 2`, both orders averaged as ours are.
     Without `judge=`, this is the reference library's synchronous call (see `agent_monitor._compat`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; use 1 or more")
+    template = _pairwise_template(prompt)
     rubric = load_criteria(criteria)
     if min_mass is None:
         min_mass = recommended_min_mass(judge)
@@ -332,9 +395,19 @@ async def compare(
         return Comparison(ok=False, preference=None, reason="no_opinion", error="the rubric has no judged criterion")
 
     frames = await _frames(images)
+    if template is not None and frames:
+        raise ValueError("a pairwise template has no place for the task's images; compare with our prompt for them")
+    if template is not None:
+        _check_scale(rubric, asked)
+    tags: tuple[Literal["A", "B"] | None, ...] = _SLOT_TAGS if template is not None else (None,)
 
-    async def one(c: Criterion, first: Sequence[PairStep], second: Sequence[PairStep]) -> JudgeResponse | JudgeError:
-        prompt = build_pair_prompt(task, rubric, first, second, c, max_chars=max_chars, task_frames=frames)
+    async def one(
+        c: Criterion, first: Sequence[PairStep], second: Sequence[PairStep], tag: Literal["A", "B"] | None
+    ) -> JudgeResponse | JudgeError:
+        if template is not None and tag is not None:
+            prompt = build_template_pair_prompt(template, task, rubric, first, second, c, tag, max_chars=max_chars)
+        else:
+            prompt = build_pair_prompt(task, rubric, first, second, c, max_chars=max_chars, task_frames=frames)
         try:
             return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats))
         except JudgeError as e:
@@ -343,14 +416,17 @@ async def compare(
             # A third-party judge's bug is a failed comparison, never a crash or a made-up preference.
             return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    answers = await asyncio.gather(*(one(c, *order) for c in asked for order in ((a, b), (b, a))))
+    answers = await asyncio.gather(*(one(c, *order, tag) for c in asked for order in ((a, b), (b, a)) for tag in tags))
     usage = Usage()
     model = ""
     failure: tuple[str, str] | None = None
     scores: list[CriterionScore | None] = []
+    per = 2 * len(tags)  # calls per criterion
     for i, answer in enumerate(answers):
-        c = asked[i // 2]
-        side = "a first" if i % 2 == 0 else "b first"
+        c = asked[i // per]
+        side = ("a first" if i % per < len(tags) else "b first") + (
+            f", <score_{tags[i % len(tags)]}>" if template else ""
+        )
         if isinstance(answer, JudgeError):
             failure = failure or (answer.reason, f"criterion {c.name!r} ({side}): judge call failed: {answer}")
             scores.append(None)
@@ -370,15 +446,16 @@ async def compare(
     prefs: dict[str, float] = {}
     pref = fwd = bwd = var = 0.0
     for j, c in enumerate(asked):
-        f, bk = scores[2 * j], scores[2 * j + 1]
-        assert f is not None and bk is not None
+        (f, fu), (bk, bku) = (
+            _second_slot(scores[per * j + k * len(tags) : per * j + (k + 1) * len(tags)]) for k in (0, 1)
+        )
         w = c.weight / total if total > 0 else 1.0 / len(asked)
-        prefs[c.name] = (1.0 - f.score + bk.score) / 2.0
+        prefs[c.name] = (1.0 - f + bk) / 2.0
         pref += w * prefs[c.name]
-        fwd += w * f.score
-        bwd += w * bk.score
+        fwd += w * f
+        bwd += w * bk
         # The mean of two independent readings; criteria combined as the pointwise aggregate does (weighted).
-        var += w * (f.uncertainty**2 + bk.uncertainty**2) / 4.0
+        var += w * (fu**2 + bku**2) / 4.0
     return Comparison(
         ok=True,
         preference=pref,
@@ -389,6 +466,37 @@ async def compare(
         criteria=prefs,
         **common,
     )
+
+
+_LETTER_WORDS = (re.compile(r"\bA\b"), re.compile(r"\bT\b"))
+
+
+def _check_scale(rubric: Rubric, asked: Sequence[Criterion]) -> None:
+    """A pairwise template tells the judge A = best: refuse criteria whose descriptions grade on ours (A = worst)."""
+    if rubric.reversed_scale:
+        return  # the skill's own scale (its rubric.json): the same direction as the template's
+    for c in asked:
+        if all(w.search(c.description) for w in _LETTER_WORDS):
+            raise ValueError(
+                f"criterion {c.name!r} describes its letters on agent-monitor's scale (A = worst, T = best), and a "
+                "directed pairwise template tells the judge A = best: use criteria on the skill's scale (its "
+                "templates/rubric.json), or descriptions that name no letters"
+            )
+
+
+def _second_slot(read: Sequence[CriterionScore | None]) -> tuple[float, float]:
+    """One order's preference for its second slot and its standard deviation, from our letter or the two tags'.
+
+    Ours: the letter's expectation (A = slot 1 far ahead .. T = slot 2). A template's tags are on the
+    skill's scale, A = best: R = 1 - expectation each, and `(1 + R_B - R_A) / 2 = (1 + e_A - e_B) / 2`.
+    """
+    assert all(r is not None for r in read)
+    if len(read) == 1:
+        assert read[0] is not None
+        return read[0].score, read[0].uncertainty
+    ra, rb = read
+    assert ra is not None and rb is not None
+    return (1.0 + ra.score - rb.score) / 2.0, math.sqrt(ra.uncertainty**2 + rb.uncertainty**2) / 2.0
 
 
 async def _frames(images: ImageInput | Sequence[ImageInput]) -> list[Frame]:
@@ -557,14 +665,19 @@ class Selection:
     """The best of N candidates: the pick, the ranking, and what it rests on.
 
     `scores` are each candidate's pointwise final score (`method` "pointwise") or its win mass in
-    the tournament ("pairwise"); None: it has none (its judge calls failed). `pointwise` holds the
-    pointwise results, `tournament` the pairwise one. `winner` is None when nothing could be scored.
+    the tournament ("pairwise"; 1 for the majority, 0 for the others: "majority"); None: it has none
+    (its judge calls failed). They and `ranking` take the candidates' own form: named candidates
+    (a mapping) give a dict by name and a list of names, best first; a list of candidates gives a
+    list in the candidates' order and a list of positions, best first, as the reference library's
+    `VerifierResult`. `winner` is the winner's name (a list's: its position as a string; `index` is the
+    position); None when nothing could be scored. `pointwise` holds the pointwise results and
+    `tournament` the pairwise one, both by name.
     """
 
     method: Literal["pointwise", "pairwise", "majority"]
     winner: str | None
-    ranking: list[str]
-    scores: dict[str, float | None]
+    ranking: list[str] | list[int]
+    scores: dict[str, float | None] | list[float | None]
     calls: int
     usage: Usage
     failed: int = 0
@@ -615,6 +728,7 @@ async def aselect(
     compare_fn: CompareFn[str] | None = None,
     images: ImageInput | Sequence[ImageInput] = (),
     majority: bool = True,
+    prompt: str | PromptTemplate | None = None,
 ) -> Selection:
     """Pick the best of `candidates` (name -> steps, or a list: named "0", "1", ..) for `task`.
 
@@ -624,12 +738,17 @@ async def aselect(
     (`pivots` k, `rings` ring passes, `seed`), or of `compare_fn(a, b)` over candidate names when
     given (e.g. a cached compare). `pairwise=False`: each candidate's whole trajectory is scored
     once, as the tracker would score its last step, and the highest score wins. `repeats` is the judge's repeats
-    per call, as for trackers.
+    per call, as for trackers. `prompt`: a directed pairwise template for `compare` (see there).
     """
     named = _named(candidates)
+    template = _pairwise_template(prompt)
+    if template is not None and (not pairwise or compare_fn is not None):
+        raise ValueError("prompt= is a pairwise template: it needs pairwise=True and no compare_fn (which compares)")
     rubric = load_criteria(criteria)
+    if template is not None:
+        _check_scale(rubric, rubric.judged)  # before any call, not at the first comparison
     if majority and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None:
-        return shortcut
+        return _as_given(shortcut, candidates)
     frames = await _frames(images)
     if not pairwise:
         results = await asyncio.gather(
@@ -655,26 +774,56 @@ async def aselect(
         usage = sum((p.usage for p in done.values()), Usage())
         winner = ranking[0] if scores[ranking[0]] is not None else None
         index, best = indexed(candidates, winner)
-        return Selection(
+        return _as_given(Selection(
             "pointwise", winner, ranking, scores, sum(p.calls for p in done.values()), usage, len(failures),
             failures[0].reason if failures else None, pointwise=done, index=index, best=best,
-        )  # fmt: skip
+        ), candidates)  # fmt: skip
 
     async def judged(x: str, y: str) -> Comparison:
         return await compare(task, named[x], named[y], judge=judge, criteria=rubric, repeats=repeats,
-                             min_mass=min_mass, max_chars=max_chars, images=frames)  # fmt: skip
+                             min_mass=min_mass, max_chars=max_chars, images=frames, prompt=template)  # fmt: skip
 
     t = await tournament(list(named), compare_fn or judged, pivots=pivots, repeats=rings, seed=seed)
     usage = sum((r.usage for r in t.results.values()), Usage())
     calls = sum(r.calls for r in t.results.values())
     index, best = indexed(candidates, t.winner)
-    return Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason, tournament=t,
-                     index=index, best=best)  # fmt: skip
+    return _as_given(Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason,
+                               tournament=t, index=index, best=best), candidates)  # fmt: skip
+
+
+def _as_given(s: Selection, candidates: Mapping[str, Any] | Sequence[Any]) -> Selection:
+    """A list of candidates' selection in its own form: `scores` by position, `ranking` as positions (as upstream)."""
+    if isinstance(candidates, Mapping):
+        return s
+    by_name = s.scores
+    assert isinstance(by_name, dict)
+    s.scores = [by_name[str(i)] for i in range(len(candidates))]
+    s.ranking = [int(k) for k in s.ranking]
+    return s
 
 
 def _answer(steps: Sequence[Step]) -> str:
     """A candidate's answer, normalised: its last step's text, case-folded, whitespace collapsed, end punctuation off."""
     return " ".join(steps[-1].text.casefold().split()).rstrip(".!;") if steps else ""
+
+
+def tournament_calls(n: int, per: int, *, pivots: int = DEFAULT_PIVOTS, rings: int = 1) -> int:
+    """The most judge calls a pivot tournament of `n` candidates can make, `per` calls an order (2 orders a pair)."""
+    return 2 * per * (rings * n + min(pivots, n) * (n - 1))
+
+
+def majority_of(named: Mapping[K, Sequence[Step]]) -> list[K] | None:
+    """The candidates sharing the answer more than half of 3+ give (last step, normalised), in order; else None.
+
+    TurboAgent's majority-voting shortcut: that answer wins, and no comparison is needed among them.
+    """
+    if len(named) < 3:
+        return None
+    groups: dict[str, list[K]] = {}
+    for name, steps in named.items():
+        groups.setdefault(_answer(steps), []).append(name)
+    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
+    return members if answer and 2 * len(members) > len(named) else None
 
 
 def _majority(
@@ -687,17 +836,12 @@ def _majority(
 ) -> Selection | None:
     """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins unjudged."""
     n = len(named)
-    if n < 3:
-        return None
-    groups: dict[str, list[str]] = {}
-    for name, steps in named.items():
-        groups.setdefault(_answer(steps), []).append(name)
-    answer, members = max(groups.items(), key=lambda kv: len(kv[1]))
-    if not answer or 2 * len(members) <= n:
+    members = majority_of(named)
+    if members is None:
         return None
     per = len(rubric.judged) or 1
     # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or one call a candidate.
-    saved = 2 * per * (rings * n + min(pivots, n) * (n - 1)) if pairwise else per * n
+    saved = tournament_calls(n, per, pivots=pivots, rings=rings) if pairwise else per * n
     winner = members[0]
     ranking = members + [k for k in named if k not in members]
     scores: dict[str, float | None] = {k: (1.0 if k in members else 0.0) for k in named}
@@ -724,7 +868,10 @@ __all__ = [
     "Tournament",
     "aselect",
     "build_pair_prompt",
+    "build_template_pair_prompt",
     "compare",
+    "majority_of",
     "select",
     "tournament",
+    "tournament_calls",
 ]

@@ -11,6 +11,7 @@ trajectories: it is for `compare` / `select`, and refused for progress with the 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -59,6 +60,11 @@ class PromptTemplate:
             f"{self.source}: a progress template grades one trajectory; compare/select need a pairwise one with "
             "{task}, {a}, {b} and <score_A>/<score_B> tags"
         )
+
+
+def fill(text: str, values: Mapping[str, str]) -> str:
+    """A template's text with each `{name}` of `values` replaced (other braces, and names not given, left as they are)."""
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
 
 
 def load_template(spec: str | Path) -> PromptTemplate:
@@ -139,5 +145,6 @@ __all__ = [
     "PromptTemplate",
     "TemplateError",
     "check_template",
+    "fill",
     "load_template",
 ]

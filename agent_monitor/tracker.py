@@ -7,6 +7,7 @@ import bisect
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import math
 import time
 import uuid
@@ -66,6 +67,31 @@ def _step_text(step: StepInput) -> str:
     if isinstance(step, Mapping):
         return "\n".join(f"{k}: {v}" for k, v in step.items())
     raise TypeError(f"a step is text or a mapping, not {type(step).__name__}")
+
+
+def placed(steps: Sequence[Step]) -> Sequence[Step]:
+    """The steps in the order the judge reads them: by end time where the source gave one, renumbered 1..n.
+
+    A source that knows when each step ended (the OTLP receiver, as `meta["otel"]["end_ns"]`) may report a step
+    after later ones were scored: it is judged in its place, not at the end. A step without an end time keeps its
+    place after the steps before it. Steps in order (every MQTT run) come back as they are, with no copy.
+    """
+    keys: list[int] = []
+    top = 0
+    for s in steps:
+        otel = s.meta.get("otel")
+        end = otel.get("end_ns") if isinstance(otel, Mapping) else None
+        if isinstance(end, int) and not isinstance(end, bool):
+            keys.append(end)
+            top = max(top, end)
+        else:
+            keys.append(top)
+    if all(a <= b for a, b in itertools.pairwise(keys)):
+        return steps
+    order = sorted(range(len(steps)), key=keys.__getitem__)
+    return [
+        steps[i] if steps[i].index == at else dataclasses.replace(steps[i], index=at) for at, i in enumerate(order, 1)
+    ]
 
 
 @dataclass(slots=True)
@@ -496,7 +522,7 @@ class AsyncProgressTracker:
         withheld = next((s.withheld for s in self.steps[self._scored : n] if s.withheld), None)
         p = await score_prefix(
             self.task,
-            self.steps[:n],
+            placed(self.steps[:n]),
             judge=self.judge,
             rubric=self.rubric,
             repeats=self.repeats,

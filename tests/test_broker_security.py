@@ -374,6 +374,8 @@ topic read agents/+/end
 topic write agents/+/progress
 topic write agents/+/signal
 topic write agents/+/error
+topic write agents/+/resend
+topic write agents/+/state
 topic write agents/_errors
 topic write agents/_groups/+/ranking
 """

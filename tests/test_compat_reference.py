@@ -172,7 +172,10 @@ def test_the_readme_quickstart_select_compare_and_track_run_unchanged(server: Sc
     result = ns["result"]
     assert result.index == 0 and result.best == "def rev(s): return s[::-1]"
     assert result.method == "pairwise" and result.n_comparisons > 0  # the pivot tournament, as upstream
-    assert result.ranking[0] == "0" and result.scores["0"] > result.scores["1"]
+    # As upstream's VerifierResult: scores a list in the candidates' order, the ranking their positions.
+    assert isinstance(result.scores, list) and len(result.scores) == 3 and result.scores[0] > result.scores[1]
+    assert result.ranking[0] == 0 and sorted(result.ranking) == [0, 1, 2]
+    assert ns["candidates"][result.ranking[0]] == result.best
     prompts = _pairwise_prompts(server)
     # Each candidate is one whole step, never a step per character.
     assert prompts and all("Trajectory 1 has 1 step so far and trajectory 2 has 1" in p for p in prompts)
@@ -341,7 +344,9 @@ def test_criteria_in_every_reference_form(tmp_path: Path) -> None:
     prompt = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[0])
     text = "".join(getattr(p, "text", "") for p in prompt.parts)
     assert "Do NOT trust the agent's self-assessment." in text and "author's comment" not in text
-    assert "Empirical Verification: Look at the commands" in text
+    # Each criterion's prompt shows that criterion (per-criterion prompts, issue 27): the second one's, in its own.
+    second = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[1])
+    assert "Empirical Verification: Look at the commands" in "".join(getattr(p, "text", "") for p in second.parts)
     for name in ("terminal_bench", "swe_bench", "medagentbench"):
         bundled = agent_monitor.load_criteria(name)
         assert bundled.note and len(bundled.criteria) >= 2

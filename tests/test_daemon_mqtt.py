@@ -281,3 +281,38 @@ async def test_broker_down_is_one_clear_error() -> None:
         async with mon:
             pass
     assert f"mqtt://127.0.0.1:{port}" in str(e.value) and "\n" not in str(e.value)
+
+
+async def test_the_compact_progress_form_is_a_line_a_terminal_can_read(broker: Mosquitto) -> None:
+    from agent_monitor.daemon import MemoryStore
+    from agent_monitor.wire import ProgressOut
+
+    def size(p: dict[str, Any]) -> int:
+        return len(json.dumps(p, separators=(",", ":")).encode())
+
+    sizes: dict[str, int] = {}
+    for form in ("full", "compact"):
+        store = MemoryStore()
+        config = MonitorConfig(
+            broker=BrokerSettings.from_url(broker.url),
+            client_id=f"mon-{form}",
+            progress_form=form,  # type: ignore[arg-type]
+        )
+        judge = FakeJudge(lambda p: {"J": 0.6, "K": 0.3, "A": 0.1})
+        async with Monitor(config, judge=judge, store=store), harness(broker.port, f"h-{form}") as h:
+            await h.publish(form, "start", {"task": "t"})
+            await h.publish(form, "step", {"index": 1, "text": "$ pytest -q\n3 failed, 7 passed"})
+            await h.until(lambda form=form: h.last_step(form) == 1)
+        p = h.progress(form)[-1]
+        sizes[form] = size(p)
+        out = ProgressOut.model_validate(p)  # still a progress message any client reads
+        assert out.ok and out.step == 1
+        letters = out.criteria["task_progress"].letters
+        kept = store.progress[form][1]["criteria"]["task_progress"]["letters"]
+        assert kept and kept["J"] == pytest.approx(0.6)  # the store keeps the full form either way
+        if form == "compact":
+            assert letters == {} and "letters" not in json.dumps(p) and "tokens" not in p
+            assert p["score"] == round(p["score"], 4) and len(str(p["score"])) <= 6
+        else:
+            assert letters["J"] == pytest.approx(0.6)
+    assert sizes["compact"] < 400 < sizes["full"] / 2, sizes

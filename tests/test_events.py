@@ -631,7 +631,8 @@ async def test_progress_out_from_a_real_progress() -> None:
     ):
         assert wire[key] == form[key], key
     assert wire["criteria"]["done"] == form["criteria"]["done"]
-    assert wire == {**form, "run_id": "r1"}
+    # A result that is not a run's final one, sent again with its verdict when the run ends (those two fields).
+    assert wire == {**form, "run_id": "r1", "final": False, "verdict": None}
     assert ProgressOut.model_validate_json(out.to_payload()) == out
 
 

@@ -395,3 +395,33 @@ async def test_a_failed_comparison_leaves_the_pointwise_order(broker: Mosquitto)
         assert h.ranking("g")["leader"] == "lead-a"  # pointwise, as if no comparison had been asked
         assert mon.groups.groups["g"].leader == "lead-a"
         assert not any(h.signals(r) for r in pointwise)
+
+
+async def test_tied_leaders_most_of_whom_give_the_same_answer_are_ordered_without_a_tournament(
+    broker: Mosquitto,
+) -> None:
+    # Leaders pointwise cannot separate; two of three end with the same answer (case, spaces, a full stop aside).
+    # Pairwise, the judge prefers whichever trajectory is shown first: a tie it would settle for x at first.
+    answers = {"x": "Answer: 7", "y": "answer:  42", "z": "Answer: 42."}
+
+    def answer(p: Prompt) -> Any:
+        return "A" if "## Trajectory 2" in p.prefix_text() else {"L": 0.5, "T": 0.5}
+
+    def calls(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    registry = CollectorRegistry()
+    policy = Policy(compare=True)
+    async with monitor(broker, FakeJudge(answer), policy, registry, max_concurrency=1), harness(broker.port, "h") as h:
+        for r in answers:
+            await h.publish(r, "start", {"task": "the same task", "family": "siblings", "group": "g"})
+        for r in ("x", "y"):
+            await h.publish(r, "step", {"index": 1, "text": answers[r]})
+        # Two leaders: no majority to find (it needs three or more), so they are compared: both orders, 2 calls.
+        await h.until(lambda: calls("agent_monitor_compare_calls_total", outcome="ok") == 2)
+        await h.publish("z", "step", {"index": 1, "text": answers["z"]})
+        await h.until(lambda: calls("agent_monitor_compare_calls_saved_total") == 14)
+        await h.until(lambda: (g := h.ranking("g")) is not None and {x["run_id"] for x in g["runs"][:2]} == {"y", "z"})
+        assert h.ranking("g")["runs"][2]["run_id"] == "x"  # type: ignore[index]
+    # The three were not compared: the skipped tournament of 3 (ring + 2 pivots, both orders) is what was saved.
+    assert calls("agent_monitor_compare_calls_total", outcome="ok") == 2

@@ -11,6 +11,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -298,15 +299,14 @@ async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_
         assert (status, headers["content-type"], json.loads(reply)) == (200, "application/json", {})
         await until(lambda: len(texts(monitor, TRACE)) == 2)
         assert texts(monitor, TRACE) == ["Assistant: Let me look.", "Tool call: search()\nResult: sunny"]
-        # A span that ended between the two: too late to move step 2, it is the next step and says where it belongs.
+        # A span that ended between the two, reported after both were scored: judged in its place, re-scored.
         late = tool("00000000000000a2", 2_000, "weather", "20 C")
         assert (await apost(receiver.url, body(late)))[0] == 200
         await until(lambda: len(texts(monitor, TRACE)) == 3)
-        assert texts(monitor, TRACE)[2] == (
-            "(reported late: this action ended before step 2)\nTool call: weather()\nResult: 20 C"
-        )
+        assert texts(monitor, TRACE)[2] == "Tool call: weather()\nResult: 20 C"
         await monitor.drain()
         assert monitor.run(TRACE).latest.step == 3  # type: ignore[union-attr]  # re-scored with it
+        assert judged_order(judge) == ["Assistant: Let me look.", "Tool call: weather()", "Tool call: search()"]
         # The same span again is a duplicate (200, nothing new); a span that is no action is ignored.
         other = jspan("00000000000000a4", 4_000, {"http.method": "GET"})
         assert (await apost(receiver.url, body(late, other)))[0] == 200
@@ -320,6 +320,65 @@ async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_
     assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "not_an_action"}) == 1
     assert reg.get_sample_value("agent_monitor_otlp_spans_received_total") == 6
     assert reg.get_sample_value("agent_monitor_otlp_final_score_seconds_count") == 1
+
+
+def judged_order(judge: FakeJudge) -> list[str]:
+    """The first line of each step the newest prompt shows, in the order shown."""
+    prompt = judge.requests[-1].prompt.text()
+    return [s.splitlines()[1] for s in prompt.split("\n### Step ")[1:]]
+
+
+async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_place_over_protobuf() -> None:
+    """The SDK's protobuf exporter: a tool span ending between two scored steps, exported after them."""
+    judge = FakeJudge(by_step)
+    reg = CollectorRegistry()
+    async with receiving(judge, registry=reg) as (monitor, receiver, events):
+        with sdk(receiver.url) as tracer:
+            agent = Agent(tracer)
+            await asyncio.to_thread(agent.begin)
+            run_id = agent.trace_id
+            t0 = time.time_ns()
+            # The tool span starts first but its exporter is slow: it ends (and is exported) after the answer.
+            slow = await asyncio.to_thread(
+                agent.child,
+                "execute_tool get_weather",
+                {
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": "get_weather",
+                    "gen_ai.tool.call.result": '{"temp_f": 68}',
+                },
+                end=False,
+            )
+            await asyncio.to_thread(agent.chat_calls_tool)
+            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 1)
+            final = agent.child(
+                "chat gpt-x final",
+                {"gen_ai.operation.name": "chat", "gen_ai.completion": "It is 20 C in Paris."},
+                end=False,
+            )
+            await asyncio.to_thread(final.end, t0 + 3_000_000_000)
+            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 2)
+            answer_first = ['Tool call: get_weather({"city":"Paris"})', "Assistant: It is 20 C in Paris."]
+            assert judged_order(judge) == answer_first
+            # Ends before the answer did, arrives after it was scored: placed by its end time, and re-scored.
+            await asyncio.to_thread(slow.end, t0 + 2_000_000_000)
+            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 3)
+            assert judged_order(judge) == [answer_first[0], "Tool call: get_weather()", answer_first[1]]
+            # The steps as received keep their index (the journal's order); nothing is marked late in the text.
+            assert [t.splitlines()[0] for t in texts(monitor, run_id)] == [
+                'Tool call: get_weather({"city":"Paris"})',
+                "Assistant: It is 20 C in Paris.",
+                "Tool call: get_weather()",
+            ]
+            # The third result judged a trajectory whose last span is the answer: its evaluation events name that.
+            answer = f"{final.get_span_context().span_id:016x}"
+            assert receiver.span_of(run_id, 3) == (run_id, answer)
+            assert receiver.span_of(run_id, 2) == (run_id, answer)
+            await asyncio.to_thread(agent.end, outcome="success")
+            await until(lambda: closed(events, run_id) is not None)
+    end = closed(events, run_id)
+    assert end is not None and end.steps == 3
+    assert reg.get_sample_value("agent_monitor_otlp_late_spans_total") == 1
 
 
 async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_invalid_one_is_rejected() -> None:
@@ -598,3 +657,17 @@ async def test_a_span_after_the_root_ended_is_ignored_not_refused() -> None:
     assert end is not None and end.steps == 1
     assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "run_ended"}) == 1
     assert not [e for e in events if type(e).__name__ == "Refused"]
+
+
+def test_the_judge_reads_steps_by_end_time_and_steps_without_one_keep_their_place() -> None:
+    from agent_monitor.prompts import Step
+    from agent_monitor.tracker import placed
+
+    def at(i: int, end: int | None) -> Step:
+        return Step(index=i, text=f"s{i}", meta={"otel": {"end_ns": end}} if end is not None else {})
+
+    plain = [at(1, None), at(2, None)]
+    assert placed(plain) is plain  # MQTT steps: as they are, no copy
+    steps = [at(1, 10), at(2, 30), at(3, None), at(4, 20)]
+    out = placed(steps)
+    assert [(s.index, s.text) for s in out] == [(1, "s1"), (2, "s4"), (3, "s2"), (4, "s3")]

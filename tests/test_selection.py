@@ -378,7 +378,8 @@ def test_a_majority_answer_wins_without_the_tournament_and_counts_the_calls_save
     s = run(aselect(TASK, cands, judge=judge, pivots=2))
     assert s.method == "majority" and s.winner == "0" and s.index == 0 and s.calls == 0
     assert judge.calls_made == 0 and s.calls_saved == 2 * (5 + 2 * 4)
-    assert s.ranking[:3] == ["0", "1", "3"] and s.scores["2"] == 0.0
+    # A list of candidates: scores in its order, the ranking as positions (the reference library's VerifierResult).
+    assert s.ranking[:3] == [0, 1, 3] and s.scores == [1.0, 1.0, 0.0, 1.0, 0.0]
     # No majority (2 of 4), or the shortcut turned off: the tournament runs.
     split = run(aselect(TASK, [["a"], ["a"], ["b"], ["c"]], judge=FakeJudge()))
     assert split.method == "pairwise" and split.calls_saved == 0

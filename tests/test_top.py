@@ -7,6 +7,7 @@ reads are the ones monitors publish, and read the screen tmux renders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -500,18 +501,15 @@ async def test_top_once_sees_the_retained_signals_of_runs_already_there(broker: 
         returncode, out = await top_once(broker.url)
     assert returncode == 0, out
     stuck = row(out, "stuck")
-    assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-1] == "-", out
+    # Its age is "-" (a retained signal says nothing of when); its task came with its retained state.
+    assert stuck[2:5] == [score(1), "3", "abort"] and stuck[-3:] == ["-", "stuck", "task"], out
 
 
-@pytest.mark.skip(
-    reason="needs the monitor's retained opened state (MqttSink on RunOpened, commit 8e1709a, reverted): "
-    "the signal tests that expect an abort as a run's first signal must be updated with it"
-)
 async def test_top_started_after_three_runs_began_lists_all_three_and_not_the_refused_one(broker: Mosquitto) -> None:
     """No step scored yet: the runs' retained state (published when each opened) is all a late `top` has to go on."""
     async with live_monitor(broker) as publish:
         async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch") as c:
-            await c.subscribe("agents/+/signal", qos=1)
+            await c.subscribe("agents/+/state", qos=1)
             for name in ("one", "two", "three"):
                 await publish(name, "start", {"task": f"task {name}"})
             await publish("refused", "start", {"no_task": True})  # refused: no task
@@ -523,10 +521,25 @@ async def test_top_started_after_three_runs_began_lists_all_three_and_not_the_re
                         break
         assert opened == {"one", "two", "three"}
         returncode, out = await top_once(broker.url)
+        assert returncode == 0, out
+        for name in ("one", "two", "three"):
+            assert row(out, name)[-3:] == ["-", "task", name], out  # age (retained), task
+        assert "refused" not in out, out
+        # The run ends: its state is cleared, so a `top` started now lists it no more.
+        await publish("one", "end", {"outcome": "success"})
+        async with aiomqtt.Client("127.0.0.1", broker.port, identifier="watch2") as c:
+            await c.subscribe("agents/one/state", qos=1)
+            cleared = False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3):  # a retained state still there arrives at once; then the clear
+                    async for m in c.messages:
+                        cleared = not bytes(m.payload)  # type: ignore[arg-type]
+                        if cleared:
+                            break
+        returncode, out = await top_once(broker.url)
     assert returncode == 0, out
-    for name in ("one", "two", "three"):
-        assert row(out, name)[-4:] == ["continue", "run", "started", "-"], out  # signal, reason, age (retained)
-    assert "refused" not in out, out
+    assert "one" not in [line.split()[0] for line in out.splitlines()[2:] if line.split()], out
+    assert row(out, "two")[-2:] == ["task", "two"], out
 
 
 async def test_top_reads_a_broker_that_speaks_only_mqtt_3_1_1() -> None:

@@ -577,6 +577,13 @@ async def _serve(args: argparse.Namespace) -> int:
         load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
     except CriteriaError as e:
         return _fail(f"--criteria {config.criteria}: {e}")
+    if config.prompt is not None:
+        from ..templates import TemplateError, load_template
+
+        try:  # before the judge is probed, as --criteria
+            load_template(Path(config.prompt)).check_for("progress")
+        except TemplateError as e:
+            return _fail(f"--prompt: {e}")
     if broker_options.embedded_broker and config.cluster.url is not None:
         return _fail(
             "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "

@@ -2,7 +2,9 @@
 
 A read-only subscriber (random client id, clean session) of `{prefix}/+/progress`,
 `{prefix}/+/signal` (retained, so a new `top` sees the signals in force at once),
-`{prefix}/+/start`, `{prefix}/+/end` and `{prefix}/_groups/+/ranking`. It needs nothing from
+`{prefix}/+/state` (retained while a run lives: a new `top` lists every live run at once, and a
+start the monitor refused never shows as live), `{prefix}/+/start`, `{prefix}/+/end` and
+`{prefix}/_groups/+/ranking`. It needs nothing from
 the monitors but their messages, so it works with any broker and any number of replicas.
 
 Everything it shows came from the network: payloads are validated with the wire models (unknown
@@ -30,7 +32,16 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from ..wire import MAX_LABEL_VALUE_CHARS, MAX_PAYLOAD_BYTES, BrokerSettings, ProgressOut, RunEnd, SignalOut, TopicError
+from ..wire import (
+    MAX_LABEL_VALUE_CHARS,
+    MAX_PAYLOAD_BYTES,
+    BrokerSettings,
+    ProgressOut,
+    RunEnd,
+    SignalOut,
+    StateOut,
+    TopicError,
+)
 from ..wire import check_run_id as _check_run_id
 
 if TYPE_CHECKING:
@@ -168,8 +179,8 @@ class RunView:
     ended_at: float | None = None
 
 
-Kind = Literal["progress", "signal", "start", "end"]
-_KINDS: tuple[Kind, ...] = ("progress", "signal", "start", "end")
+Kind = Literal["progress", "signal", "state", "start", "end"]
+_KINDS: tuple[Kind, ...] = ("progress", "signal", "state", "start", "end")
 
 
 class Board:
@@ -206,6 +217,7 @@ class Board:
         return [
             (f"{p}/+/progress", 0),
             (f"{p}/+/signal", 1),
+            (f"{p}/+/state", 1),
             (f"{p}/+/start", 1),
             (f"{p}/+/end", 1),
             (f"{p}/_groups/+/ranking", 1),
@@ -236,6 +248,8 @@ class Board:
             self._signal(run_id, payload, retained)
         elif kind == "progress":
             self._progress(run_id, payload, retained)
+        elif kind == "state":
+            self._state(run_id, payload, retained)
         elif kind == "start":
             self._start(run_id, payload, retained)
         else:
@@ -278,9 +292,27 @@ class Board:
         if v.score is None and s.score is not None and math.isfinite(s.score):
             v.score = min(max(s.score, 0.0), 1.0)
 
+    def _state(self, run_id: str, payload: bytes, retained: bool) -> None:
+        if not payload:
+            # Cleared: the run left the monitor's live set (as for an empty signal).
+            if run_id in self.runs:
+                v = self._touch(run_id, retained)
+                if not v.ended:
+                    self._close(v, "closed")
+            return
+        s = StateOut.model_validate_json(payload)
+        v = self._touch(run_id, retained)
+        self._starts.pop(run_id, None)
+        if v.ended:  # a run id used again: a new run
+            v.ended, v.outcome, v.ended_at = False, None, None
+        v.task = clean(s.task, 200) or v.task
+        group = s.group or s.labels.get("group")
+        if group:
+            v.group = clean(group, 64)
+
     def _start(self, run_id: str, payload: bytes, retained: bool) -> None:
         # A start is what a harness asked for, not a live run: the monitor may refuse it. A run is live once the
-        # monitor says so (its retained signal, published when the run opens); until then its task and group wait.
+        # monitor says so (its retained state, published when the run opens); until then its task and group wait.
         s = StartSeen.model_validate_json(payload or b"{}")
         group = s.group or s.labels.get("group")
         seen = (clean(s.task, 200), clean(group, 64) if group else None)

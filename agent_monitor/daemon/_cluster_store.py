@@ -487,6 +487,8 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         "labels": json.loads(meta.get("labels") or "{}"),
         "steps": [steps[i] for i in sorted(steps)],
         "curve": curve,
+        # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that ended scored).
+        "verdict": curve[-1].get("verdict") if curve else None,
         "totals": _totals([_totals_row(p) for p in curve]),
     }
 

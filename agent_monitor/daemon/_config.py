@@ -613,6 +613,23 @@ class MonitorConfig(ScoringOptions):
     price_output: float | None = field(
         default=None, metadata={"help": "USD per million judge output tokens (needed with --price-input; 0 is fine)"}
     )
+    progress_form: Literal["full", "compact"] = field(
+        default="full",
+        metadata={
+            "help": "progress messages on MQTT: full (every criterion's letter distribution, numbers at full "
+            "precision) or compact (no letter distributions, numbers to 4 decimals: a line a terminal can read, "
+            "e.g. mosquitto_sub -v); the run store and export keep the full form either way"
+        },
+    )
+    prompt: str | None = field(
+        default=None,
+        metadata={
+            "flag_type": str | None,
+            "help": "a progress prompt template file ({task}, {criteria}, {trajectory}, {question}, the question after "
+            "the trajectory; docs/coming-from.md) laying out every run's judge prompts; checked at start-up; none: "
+            "ours",
+        },
+    )
     otlp_endpoint: str | None = field(
         default=None,
         metadata={

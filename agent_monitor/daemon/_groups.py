@@ -21,7 +21,7 @@ from ..groups import GroupFull, GroupState, GroupUpdate, group_mac, group_settin
 from ..judges.base import Judge
 from ..policy import Policy
 from ..progress import Decision, Progress
-from ..selection import Comparison, compare, tournament
+from ..selection import Comparison, compare, majority_of, tournament, tournament_calls
 from ..tracker import AsyncProgressTracker
 from ._sinks import GroupRanked, MonitorEvent
 
@@ -236,6 +236,7 @@ class Groups:
         repeats: int,
         clock: Callable[[], float],
         on_compared: Callable[[bool, int], None] = lambda ok, calls: None,
+        on_majority: Callable[[int], None] = lambda saved: None,
     ) -> None:
         self.book = book
         self.emit = emit
@@ -245,6 +246,8 @@ class Groups:
         self.clock = clock
         self.on_compared = on_compared
         """Told (ok, judge calls) after each pairwise comparison (the compare-calls counter)."""
+        self.on_majority = on_majority
+        """Told the judge calls a tournament could have made when the majority shortcut skipped it (a counter)."""
         self.series: dict[str, GroupSeries] = {}
         """Kept current one group at a time on the event loop; the scrape thread reads a copy."""
         self.tasks: asyncio.TaskGroup | None = None
@@ -362,15 +365,23 @@ class Groups:
                 self.on_compared(c.ok, c.calls)
                 return c
 
-            result = await tournament(list(trackers), pair)
-            g = self.book.groups.get(group)
-            if g is not None:
-                update = g.set_order(result.ranking if result.ok else ())
-                self.changed(group, update.changed)
+            members = majority_of({r: t.steps for r, t in trackers.items()})
+            if members is not None:
+                # TurboAgent's shortcut: most leaders give the same answer, so it leads with no comparison.
+                self.on_majority(tournament_calls(len(trackers), len(first.rubric.judged) or 1))
+                ranking = members + [r for r in trackers if r not in members]
+                log.info("group_majority", group=group, leaders=tied, majority=members)
+            else:
+                result = await tournament(list(trackers), pair)
+                ranking = result.ranking if result.ok else []
                 log.info(
                     "group_compared", group=group, leaders=tied, winner=result.winner,
                     comparisons=result.comparisons, failed=result.failed,
                 )  # fmt: skip
+            g = self.book.groups.get(group)
+            if g is not None:
+                update = g.set_order(ranking)
+                self.changed(group, update.changed)
         except Exception:
             log.exception("group_compare_failed", group=group)  # the pointwise ranking stands
         finally:

@@ -101,6 +101,12 @@ class Metrics:
         )
         for outcome in ("ok", "failed"):
             self.compare_calls.labels(outcome)
+        self.compare_calls_saved = Counter(
+            "agent_monitor_compare_calls_saved",
+            "Pairwise judge calls not made because most tied group leaders gave the same answer (the majority "
+            "shortcut ordered them): the most the skipped tournament could have made.",
+            registry=registry,
+        )
         self.groups_refused = Counter(
             "agent_monitor_groups_refused",
             "Starts refused because their group was full or the monitor had --max-groups groups.",

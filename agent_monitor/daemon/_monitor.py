@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ from ..calibration import Calibration
 from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
+from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
 from ..wire import Topics
 from ._config import MonitorConfig
@@ -110,6 +112,16 @@ class Monitor:
         except CriteriaError as e:
             raise CriteriaError(f"default criteria {c.criteria!r} (serve --criteria): {e}") from None
         """The rubric of runs whose start names none."""
+        self.template = ""
+        """The operator's prompt template (serve --prompt), for every run; "" = ours."""
+        if c.prompt is not None:
+            try:
+                t = load_template(Path(c.prompt))
+                t.check_for("progress")
+            except TemplateError as e:
+                raise TemplateError(f"serve --prompt: {e}") from None
+            self.template = t.text
+            self.criteria = dataclasses.replace(self.criteria, template=self.template)
         if len(names := [src.name for src in sources]) != len(set(names)):
             raise ValueError(f"sources need distinct names, got {names}")
         self._emit = Fanout((), log)
@@ -151,10 +163,11 @@ class Monitor:
         self._groups = Groups(
             self.groups, emit=self._emit, trackers=self.tracker, judge=self.circuit, repeats=c.repeats, clock=clock,
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
+            on_majority=m.compare_calls_saved.inc,
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(
-            c, criteria=self.criteria, book=self.book, circuit=self.circuit, calibration=self.calibration,
+            c, criteria=self.criteria, template=self.template, book=self.book, circuit=self.circuit, calibration=self.calibration,
             groups=self._groups, topics=self.topics, emit=self._emit, clock=clock, on_depth=m.queue_depth.set,
             on_outcome_refused=lambda reason: m.outcomes_refused.labels(reason).inc(),
         )  # fmt: skip
@@ -191,6 +204,7 @@ class Monitor:
                 self.topics,
                 on_signal_sent=self.mode.signal_sent,
                 on_progress_sent=self.mode.progress_sent,
+                compact=c.progress_form == "compact",
             ),
             StoreSink(self.store),
             self._metrics_sink,

@@ -13,9 +13,10 @@ events a harness would publish:
   evaluation events can name the judged span);
 - `end` when the root span ends (a trace's run), or after `idle_s` without spans.
 
-A span that ends before steps already sent ("late") cannot move them (the run state appends
-steps by index; the monitor scores each prefix once): it is appended as the next step, its text
-saying where it belongs, so the next score judges the whole trajectory with it. Over a limit the
+A span that ends before steps already sent ("late") is sent as the next step (the run state
+appends steps by index, and the journal keeps them so), its meta carrying its end time; the
+tracker judges every prefix in end-time order (`tracker.placed`), so the late span takes its
+place and the newest prefix, scored next as for MQTT, judges the trajectory with it there. Over a limit the
 answer is the spec's (413, partial success, 503 with Retry-After) and a counter; nothing else is lost.
 """
 
@@ -82,6 +83,8 @@ class _Run:
     seen: set[str] = field(default_factory=set)
     steps: list[tuple[int, str]] = field(default_factory=list)
     """(end time, span id) of each step sent, in index order."""
+    last_end: int = 0
+    """The latest end time among the steps sent: a step ending before it is late."""
     waiting: list[tuple[Span, str]] = field(default_factory=list)
     """Action spans (with their step text) waiting for the run's start."""
     task: str | None = None
@@ -159,7 +162,7 @@ class OtlpReceiver:
         )
         self.late = Counter(
             "agent_monitor_otlp_late_spans",
-            "Action spans that ended before steps already sent: appended as the next step, marked late.",
+            "Action spans that ended before steps already sent: judged in their place by end time, re-scored.",
             registry=r,
         )
         self.truncated = Counter(
@@ -243,15 +246,26 @@ class OtlpReceiver:
         return {**self._stats, "live": len(self._runs), "connections": self._connections}
 
     def span_of(self, run_id: str, step: int) -> tuple[str, str] | None:
-        """The (trace id, span id) of a trace-fed run's step, for its evaluation events; None for other runs."""
+        """The (trace id, span id) a trace-fed run's result judged, for its evaluation events; None for other runs.
+
+        That is the span ending last among the prefix's steps (the judge reads them in end-time order): a late
+        span's own result names the span it was placed before, not itself.
+        """
         view = self._view
         metas = view.step_meta(run_id) if view is not None else None
         if not metas or not 1 <= step <= len(metas):
             return None
-        otel = metas[step - 1].get("otel")
-        if isinstance(otel, Mapping) and isinstance(otel.get("trace_id"), str) and isinstance(otel.get("span_id"), str):
-            return otel["trace_id"], otel["span_id"]
-        return None
+        best: tuple[int, str, str] | None = None
+        for m in metas[:step]:
+            otel = m.get("otel")
+            if not isinstance(otel, Mapping):
+                continue
+            trace_id, span_id, end = otel.get("trace_id"), otel.get("span_id"), otel.get("end_ns", 0)
+            if not (isinstance(trace_id, str) and isinstance(span_id, str) and isinstance(end, int)):
+                continue
+            if best is None or end >= best[0]:
+                best = (end, trace_id, span_id)
+        return (best[1], best[2]) if best is not None else None
 
     # -- spans to events --
 
@@ -328,6 +342,7 @@ class OtlpReceiver:
             if isinstance(otel, Mapping) and isinstance(otel.get("span_id"), str):
                 run.seen.add(otel["span_id"])
                 run.steps.append((int(otel.get("end_ns", 0)), otel["span_id"]))
+                run.last_end = max(run.last_end, run.steps[-1][0])
             else:
                 run.steps.append((0, ""))
         log.info("otlp_run_recovered", run_id=run_id, steps=len(run.steps))
@@ -396,14 +411,12 @@ class OtlpReceiver:
         run.started = True
 
     def _step(self, run: _Run, s: Span, text: str, events: list[Inbound]) -> None:
-        last = run.steps[-1][0] if run.steps else 0
-        if s.end_ns < last:
-            # Steps already sent cannot move: the late span is the next step, and says where it belongs.
-            before = next(i for i, (end, _) in enumerate(run.steps, 1) if end > s.end_ns)
-            text = f"(reported late: this action ended before step {before})\n{text}"
+        if s.end_ns < run.last_end:
+            # Placed by its end time when judged (the meta below): the next score judges the trajectory with it there.
             self.late.inc()
             self._stats["late"] += 1
-        run.steps.append((max(s.end_ns, last), s.span_id))
+        run.steps.append((s.end_ns, s.span_id))
+        run.last_end = max(run.last_end, s.end_ns)
         meta = {"otel": {"trace_id": s.trace_id, "span_id": s.span_id, "end_ns": s.end_ns}}
         data = {"index": len(run.steps), "text": text, "ts": s.end_ns / 1e9, "meta": meta}
         events.append(Inbound(run.run_id, "step", data, key=s.span_id))

@@ -68,6 +68,7 @@ class Scoring:
         config: MonitorConfig,
         *,
         criteria: Rubric,
+        template: str = "",
         book: RunBook,
         circuit: CircuitJudge,
         calibration: Calibration,
@@ -80,6 +81,8 @@ class Scoring:
     ) -> None:
         self.config = config
         self.criteria = criteria
+        self.template = template
+        """The operator's prompt template (serve --prompt): a start's own rubric is laid out by it too."""
         self.book = book
         self.circuit = circuit
         self.calibration = calibration
@@ -137,6 +140,8 @@ class Scoring:
     def _new(self, run_id: str, start: RunStart) -> RunScoring:
         c = self.config
         rubric = start.rubric() if start.criteria is not None else self.criteria
+        if self.template and not rubric.template:
+            rubric = dataclasses.replace(rubric, template=self.template)
         check_start(rubric, c.repeats, c.work.max_judge_calls_per_step)  # WorkRefused names the bound
         # Precedence: start.policy, then the policy flags given (or not at their default), then the rubric's
         # thresholds, then the defaults. A start naming neither criteria nor policy (most) gets the same one:
@@ -206,6 +211,8 @@ class Scoring:
         if replaying and effect.outcome != "evicted":
             return
         latest = scoring.tracker.latest if scoring else None
+        verdict = scoring.tracker.rubric.verdict(latest.score) if scoring and latest else None
+        final = {**latest.to_json(), "verdict": verdict, "final": True} if latest and verdict else None
         self.emit(
             RunClosed(
                 run_id,
@@ -217,6 +224,7 @@ class Scoring:
                 scoring.labels if scoring else {},
                 effect.at,
                 len(self.book.live),
+                final,
             )
         )
 

@@ -106,6 +106,9 @@ class RunClosed:
     labels: Mapping[str, str]
     at: float
     live: int
+    final: Mapping[str, Any] | None = None
+    """The final result's progress JSON with its rubric `verdict` (pass / review / fail), when the run's rubric has
+    thresholds and its last scoring gave a score; published and kept once more, so the verdict reaches both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +130,39 @@ def _payload(data: Mapping[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
-class MqttSink:
-    """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
+_COMPACT_KEYS = ("run_id", "step", "score", "delta", "uncertainty", "criteria", "ok", "error", "reason", "mass",
+                 "signal", "decision", "degraded", "final", "verdict")  # fmt: skip
+_REQUIRED = frozenset(("run_id", "step", "score", "ok"))
+_CRITERION_KEYS = ("score", "weight", "uncertainty", "mass")
 
-    events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
+
+def _rounded(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def compact_form(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A progress message for terminals (`mosquitto_sub -v`): what a person reads, numbers to 4 decimals.
+
+    Each criterion keeps its score, weight, uncertainty and mass (no letter distribution); the
+    bookkeeping (tokens, totals, judge, latency, ...) and empty values are left out. It is still a
+    progress message: `ProgressOut` reads it, with defaults for what is left out.
+    """
+    out: dict[str, Any] = {}
+    for k in _COMPACT_KEYS:
+        v = data.get(k)
+        if k == "criteria":
+            out[k] = {n: {f: _rounded(c.get(f)) for f in _CRITERION_KEYS} for n, c in (v or {}).items()}
+        elif k == "decision" and isinstance(v, Mapping):
+            out[k] = {f: _rounded(x) for f, x in v.items() if x is not None and x is not False}
+        elif k in _REQUIRED or (v is not None and v is not False):
+            out[k] = _rounded(v)
+    return out
+
+
+class MqttSink:
+    """Publish progress, signals and run states (both retained; cleared when the run closes) and errors."""
+
+    events = (Scored, SignalChanged, Refused, RunOpened, RunClosed, GroupRanked)
 
     def __init__(
         self,
@@ -139,9 +171,12 @@ class MqttSink:
         *,
         on_signal_sent: Callable[[str, int], None] | None = None,
         on_progress_sent: Callable[[str, int], None] | None = None,
+        compact: bool = False,
     ) -> None:
         self.outbox = outbox
         self.topics = topics
+        self.compact = compact
+        """Progress in the compact form (`serve --progress-form compact`): no letter distributions, rounded."""
         self.on_signal_sent = on_signal_sent
         """Told (run id, the decision's step) once a signal is out: cluster mode remembers which one is."""
         self.on_progress_sent = on_progress_sent
@@ -158,7 +193,8 @@ class MqttSink:
                 where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
             shown = self.on_progress_sent
             sent = None if shown is None else partial(shown, event.run_id, event.progress.step)
-            self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id, sent=sent))
+            data = compact_form(event.data) if self.compact else event.data
+            self.outbox.put(Message(where, _payload(data), run_id=event.run_id, sent=sent))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
             sent = (
@@ -177,8 +213,22 @@ class MqttSink:
             # Retained, so a late subscriber sees the ranking now; an empty payload clears it.
             ranking = b"" if event.ranking is None else _payload(event.ranking)
             self.outbox.put(Message(t.ranking(event.group), ranking, retain=True, droppable=False))
+        elif isinstance(event, RunOpened):
+            # Retained while the run lives: a viewer subscribing later (`top`) lists it at once. The signal topic
+            # stays the policy's alone (its first message is the first decision). Droppable, as progress is: in a
+            # burst of starts a full outbox loses a viewer's row, never a signal; its clearing is not droppable.
+            s = event.start
+            state = {"run_id": event.run_id, "state": "live", "task": s.task[:200], "group": s.group,
+                     "labels": dict(s.labels), "started_at": s.started_at}  # fmt: skip
+            self.outbox.put(Message(t.of(event.run_id, "state"), _payload(state), retain=True, run_id=event.run_id))
         elif isinstance(event, RunClosed):
-            self._progress_topics.pop(event.run_id, None)
+            self.outbox.put(
+                Message(t.of(event.run_id, "state"), b"", retain=True, droppable=False, run_id=event.run_id)
+            )
+            where = self._progress_topics.pop(event.run_id, None) or t.of(event.run_id, "progress")
+            if event.final is not None:
+                final = compact_form(event.final) if self.compact else event.final
+                self.outbox.put(Message(where, _payload(final), droppable=False, run_id=event.run_id))
             # An empty retained payload deletes the retained signal: a later subscriber sees no stale abort.
             self.outbox.put(
                 Message(t.of(event.run_id, "signal"), b"", retain=True, droppable=False, run_id=event.run_id)
@@ -211,15 +261,17 @@ class Fanout:
 class StoreSink:
     """Keep every published score and group ranking in the run store (a restart takes them up again)."""
 
-    events = (Scored, GroupRanked)
+    events = (Scored, GroupRanked, RunClosed)
 
     def __init__(self, store: RunStore) -> None:
         self.store = store
 
     def __call__(self, event: MonitorEvent) -> None:
-        """Record a score or a ranking."""
+        """Record a score (a run's final one again, with its verdict) or a ranking."""
         if isinstance(event, Scored) and not event.republished:
             self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
+        elif isinstance(event, RunClosed) and event.final is not None:
+            self.store.record_progress(event.run_id, int(event.final["step"]), dict(event.final))
         elif isinstance(event, GroupRanked) and not event.republished:
             self.store.record_ranking(event.group, event.ranking)
 

@@ -542,6 +542,8 @@ class SqliteStore:
                 "labels": json.loads(row[4] or "{}"),
                 "steps": [steps[i] for i in sorted(steps)],
                 "curve": curve,
+                # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that ended scored).
+                "verdict": curve[-1].get("verdict") if curve else None,
                 "totals": totals,
             }
 

@@ -3,7 +3,8 @@
 Topics (prefix `agents` by default, configurable, may have several levels):
 
 - inputs: `{prefix}/{run_id}/start` (RunStart), `.../step` (StepIn), `.../end` (RunEnd);
-- outputs: `.../progress` (ProgressOut), `.../signal` (SignalOut, retained), `.../error` (ErrorOut);
+- outputs: `.../progress` (ProgressOut), `.../signal` (SignalOut, retained), `.../error` (ErrorOut),
+  `.../state` (StateOut, retained while the run lives);
   `{prefix}/_groups/{group}/ranking` (RankingOut, retained) for runs started with `start.group`;
   events whose topic or run id cannot be parsed (`bad_topic`), or whose kind is none of start,
   step, end (`unknown_topic`: a typo such as `steps`), are reported on `{prefix}/_errors`.
@@ -54,6 +55,7 @@ from ._outputs import (
     RankedRunOut,
     RankingOut,
     SignalOut,
+    StateOut,
     Tokens,
     Totals,
     signal_json,
@@ -108,6 +110,7 @@ __all__ = [
     "SettingsError",
     "SignalName",
     "SignalOut",
+    "StateOut",
     "StepIn",
     "Tokens",
     "TopicError",

@@ -40,6 +40,9 @@ from ._outputs import ErrorOut, ProgressOut, SignalOut
 from ._settings import DEFAULT_BROKER, BrokerSettings
 from ._topics import OUTPUT_KINDS, errors_topic, topic
 
+# What a run's client reads: every output kind but `state` (a viewer's: `top` lists live runs from it).
+_READS = tuple(k for k in OUTPUT_KINDS if k != "state")
+
 log = structlog.get_logger("agent_monitor.client")
 
 ImageArg: TypeAlias = bytes | bytearray | str | ImageIn
@@ -404,7 +407,7 @@ class MonitorClient:
         `group` makes the run a sibling of the runs started with the same group (best of N): ranked together on
         `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when far behind them.
         """
-        filters = [topic(self.prefix, run_id, k) for k in OUTPUT_KINDS]  # raises TopicError for a bad run id
+        filters = [topic(self.prefix, run_id, k) for k in _READS]  # raises TopicError for a bad run id
         started_at = round(time.time(), 3)
         payload: dict[str, Any] = {"task": task, "started_at": started_at}
         optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family, "group": group}
@@ -504,7 +507,7 @@ class MonitorClient:
             del self._runs[run.run_id]
             closed = self._closed
         if not closed:  # best effort: a failed unsubscribe only costs a few late messages, which are dropped
-            self._client.unsubscribe([topic(self.prefix, run.run_id, k) for k in OUTPUT_KINDS])
+            self._client.unsubscribe([topic(self.prefix, run.run_id, k) for k in _READS])
 
     def _in_network_thread(self) -> bool:
         return threading.get_ident() == self._net_thread
@@ -539,7 +542,7 @@ class MonitorClient:
             # clean_session: the broker forgot our subscriptions. Queued publishes are re-sent after this
             # callback returns, so the subscriptions precede them on the wire. Their SUBACK cannot be read
             # before this callback returns either (same thread), so registering the mid afterwards is safe.
-            rc, mid = client.subscribe([(topic(self.prefix, r.run_id, k), 1) for r in runs for k in OUTPUT_KINDS])
+            rc, mid = client.subscribe([(topic(self.prefix, r.run_id, k), 1) for r in runs for k in _READS])
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
                 with self._cond:
                     self._ignored_subs.add(mid)

@@ -129,6 +129,15 @@ class ProgressOut(_Out):
     signal: Signal | None = None
     decision: DecisionOut | None = None
     degraded: bool = Field(default=False, description="The judge is failing and the monitor is backing off.")
+    final: bool = Field(
+        default=False,
+        description="The run's final result, sent once more when the run ends (only when its rubric has "
+        "pass/review thresholds and the result has a score), with its verdict.",
+    )
+    verdict: Literal["pass", "review", "fail"] | None = Field(
+        default=None,
+        description="On the final result: the rubric's verdict on its score (its pass and review thresholds).",
+    )
 
     @classmethod
     def from_progress(cls, progress: Progress, *, run_id: str | None = None) -> ProgressOut:
@@ -204,6 +213,22 @@ class RankingOut(_Out):
     group: GroupName
     leader: RunId | None = Field(description="The rank-1 run.")
     runs: list[RankedRunOut] = Field(description="Sorted by rank.")
+
+
+class StateOut(_Out):
+    """`{prefix}/{run_id}/state` (retained while the run lives): the run is live on a monitor.
+
+    Published when the monitor opens the run (a refused start gets none) and cleared (an empty
+    retained payload) when the run leaves its live set, so a viewer that subscribes late (`top`)
+    lists every live run at once.
+    """
+
+    run_id: RunId
+    state: Literal["live"] = "live"
+    task: str = Field(default="", description="The run's task, its first 200 characters.")
+    group: GroupName | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    started_at: float | None = Field(default=None, description="The start's own started_at, if it gave one.")
 
 
 class ErrorOut(_Out):

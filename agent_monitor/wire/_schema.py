@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from ._inputs import RunEnd, RunStart, StepIn
-from ._outputs import ErrorOut, ProgressOut, RankingOut, SignalOut
+from ._outputs import ErrorOut, ProgressOut, RankingOut, SignalOut, StateOut
 
 SCHEMA_MODELS: dict[str, tuple[type[BaseModel], Literal["validation", "serialization"]]] = {
     "start": (RunStart, "validation"),
@@ -19,6 +19,7 @@ SCHEMA_MODELS: dict[str, tuple[type[BaseModel], Literal["validation", "serializa
     "signal": (SignalOut, "serialization"),
     "error": (ErrorOut, "serialization"),
     "ranking": (RankingOut, "serialization"),
+    "state": (StateOut, "serialization"),
 }
 """Each topic kind's model, and whether its schema describes what is accepted or what is sent."""
 

@@ -12,7 +12,7 @@ from ._common import clip
 from ._limits import MAX_RUN_ID_CHARS
 
 INPUT_KINDS = ("start", "step", "end")
-OUTPUT_KINDS = ("progress", "signal", "error", "resend")
+OUTPUT_KINDS = ("progress", "signal", "error", "resend", "state")
 ERRORS_LEVEL = "_errors"
 GROUPS_LEVEL = "_groups"
 
