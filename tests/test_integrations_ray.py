@@ -13,7 +13,9 @@ from agent_monitor.integrations.ray import MonitorActor, MonitorService
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge
 
-ray = pytest.importorskip("ray", reason="ray is not installed (pip install agent-monitor[ray]); its contract test needs it")
+ray = pytest.importorskip(
+    "ray", reason="ray is not installed (pip install agent-monitor[ray]); its contract test needs it"
+)
 
 
 def _grade(prompt: Any) -> Any:
@@ -37,7 +39,8 @@ def local_ray() -> Iterator[Any]:
 
 def test_two_rollout_workers_share_one_monitor_actor(local_ray: Any) -> None:
     monitor = MonitorActor.options(num_cpus=0).remote(
-        judge=functools.partial(FakeJudge, _grade), policy={"abort_below": 0.1, "min_steps": 2, "patience": 2, "holdout": 0.0}
+        judge=functools.partial(FakeJudge, _grade),
+        policy={"abort_below": 0.1, "min_steps": 2, "patience": 2, "holdout": 0.0},
     )
 
     @ray.remote(num_cpus=0)
