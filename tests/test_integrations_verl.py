@@ -184,6 +184,17 @@ async def test_pkg_path_and_float_form() -> None:
     assert out == {"reward_score": pytest.approx(10 / 19), "reward_extra_info": {"acc": pytest.approx(10 / 19)}}
 
 
+async def test_blocking_form_for_the_legacy_reward_managers() -> None:
+    # use_reward_loop=False: verl/workers/reward_manager/naive.py calls compute_score(...) and uses the result.
+    fn = make_compute_score(judge=FakeJudge(["K"]), blocking=True)
+    assert not inspect.iscoroutinefunction(fn)
+    out = await run_single(fn, False, "gsm8k", "step one", None, {"question": "What is 6*7?"})
+    assert out["reward_score"] == pytest.approx(10 / 19)
+    assert fn(data_source="gsm8k", solution_str="x", ground_truth=None, extra_info={"task": "t"})["score"] == (
+        pytest.approx(10 / 19)
+    )
+
+
 async def test_no_task_is_a_clear_error() -> None:
     fn = make_compute_score(judge=FakeJudge(["K"]))
     with pytest.raises(ValueError, match=r"extra_info\['task'\]"):

@@ -25,8 +25,10 @@ compute_score = make_compute_score(judge=OpenAIJudge(base_url="http://judge:8000
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal, Protocol
+from functools import partial
+from typing import Any, Literal, Protocol, cast
 
+from .._sync import Blocking
 from ..judges.base import Judge
 from ..options import TrackerOptions
 from ..tracker import AsyncProgressTracker
@@ -59,6 +61,7 @@ def make_compute_score(
     split: Callable[[str], list[str]] | None = None,
     max_steps: int = DEFAULT_MAX_STEPS,
     max_chars: int = DEFAULT_MAX_CHARS,
+    blocking: bool = False,
     **tracker_options: Any,
 ) -> ComputeScore:
     """An `async def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)` for verl.
@@ -73,6 +76,10 @@ def make_compute_score(
     keys every time, as verl's batching needs); `"float"` the score alone. A failed judge call is no
     reward: `RewardUnavailable` is raised, unless `infra_reward` is given, which is then answered with
     `stop_kind="infra"` so a trainer can drop the sample instead of learning from it.
+
+    `blocking=True` gives a plain `def` instead, for verl's legacy reward managers
+    (`reward_model.use_reward_loop=False`: `verl/workers/reward_manager/naive.py` calls the function
+    without awaiting it); it runs the scoring on the judge's own loop (or a private one) and blocks.
     """
     if form not in ("dict", "float"):
         raise ValueError(f"form={form!r}; use 'dict' (verl's dict form, with stop_kind) or 'float'")
@@ -118,7 +125,30 @@ def make_compute_score(
             "reason": reason,
         }
 
-    return compute_score
+    if not blocking:
+        return compute_score
+    loop = Blocking(judge, "verl-reward")
+
+    def compute_score_blocking(
+        *,
+        data_source: str,
+        solution_str: str,
+        ground_truth: Any,
+        extra_info: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> float | dict[str, Any]:
+        call = partial(
+            compute_score,
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **kwargs,
+        )
+        result: float | dict[str, Any] = loop.call(call)
+        return result
+
+    return cast(ComputeScore, compute_score_blocking)
 
 
 __all__ = ["ComputeScore", "RewardForm", "make_compute_score"]
