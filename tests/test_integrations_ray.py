@@ -98,5 +98,5 @@ async def test_the_service_in_process_bounds_its_runs() -> None:
     assert await service.status("r1") is None
     with pytest.raises(TypeError, match="zero-argument factory"):
         MonitorService(FakeJudge(["K"]))  # type: ignore[arg-type]
-    for run in ("r2", "r3"):
-        await service.finish(run)
+    await service.close()
+    assert (await service.statistics())["live_runs"] == 0

@@ -58,7 +58,7 @@ PUBLIC = {
         "DEFAULT_MAX_CHARS", "DEFAULT_MAX_STEPS", "RewardUnavailable", "StopKind", "Verdict", "split_turns", "verdict",
     ],
     "agent_monitor.integrations.verl": ["ComputeScore", "RewardForm", "make_compute_score"],
-    "agent_monitor.integrations.verifiers": ["DEFAULT_MAX_ROLLOUTS", "INFO_KEY", "MonitorHooks", "monitor_hooks"],
+    "agent_monitor.integrations.verifiers": ["DEFAULT_MAX_ROLLOUTS", "DEFAULT_MAX_STEP_CHARS", "INFO_KEY", "MonitorHooks", "monitor_hooks"],
     "agent_monitor.integrations.ray": ["DEFAULT_MAX_RUNS", "MonitorActor", "MonitorService"],
 }  # fmt: skip
 

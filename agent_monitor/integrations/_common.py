@@ -55,9 +55,10 @@ class Verdict:
     reason: str
     """Why: the policy's reason, or the judge failure's code."""
     stop: bool
-    """Stop the rollout now: the policy says abort on a judged score (never on a judge failure)."""
+    """Stop the rollout now: the policy (or the group) aborted it, on judged scores; never because a judge failed."""
     stop_kind: StopKind
-    """"judged": the latest result is a score; "infra": the judge failed, so nothing here may penalise the run."""
+    """"judged": the answer rests on scores (an abort, or a scored latest result); "infra": the latest judge call
+    failed and nothing was aborted, so nothing here may stop or penalise the run."""
 
     def to_json(self) -> dict[str, Any]:
         """A plain mapping (what crosses a Ray boundary and lands in a trace's info)."""
@@ -79,11 +80,15 @@ def verdict(latest: Progress | None, last_ok: Progress | None) -> Verdict:
         return Verdict(0, None, reward, None, "nothing scored yet", False, "judged")
     decision = latest.signal
     signal = decision.signal if decision is not None else None
+    if signal == "abort" and decision is not None:
+        # An abort is final and only judged scores reach one (the policy fails open), or the group's ranking
+        # prunes the run: judged, even when the newest call, made after it, failed.
+        return Verdict(latest.step, latest.score, reward, signal, decision.reason, True, "judged")
     if not latest.ok:
-        # A failed judge is no evidence about the policy: never a stop, never a penalty (fail open).
+        # A failed judge is no evidence about the run: never a stop, never a penalty (fail open).
         return Verdict(latest.step, None, reward, signal, latest.reason or "scoring_failed", False, "infra")
     reason = decision.reason if decision is not None else "scored"
-    return Verdict(latest.step, latest.score, reward, signal, reason, signal == "abort", "judged")
+    return Verdict(latest.step, latest.score, reward, signal, reason, False, "judged")
 
 
 # Chat-template turn openers (ChatML/Qwen, Llama 3, Gemma, Mistral), then tool blocks: the first rule that

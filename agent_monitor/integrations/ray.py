@@ -157,6 +157,12 @@ class MonitorService:
             tracker.finish(outcome)
         return self._answer(run_id, tracker)
 
+    async def close(self) -> None:
+        """Forget every run and release the judge (call it before `ray.kill`, or at the end of training)."""
+        for run_id in list(self._runs):
+            await self.finish(run_id)
+        await self.judge.aclose()
+
     async def statistics(self) -> dict[str, int]:
         """Counters: live runs, calls by method, judged and infra results, stops, evicted and refused runs."""
         c = self._counts

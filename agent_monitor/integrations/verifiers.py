@@ -43,6 +43,8 @@ INFO_KEY = "agent_monitor"
 """The key of `trace.info` the verdict is written under."""
 DEFAULT_MAX_ROLLOUTS = 4096
 """Rollouts followed at once at most; the one idle the longest is dropped beyond it (counted in `statistics`)."""
+DEFAULT_MAX_STEP_CHARS = 20_000
+"""Characters of one turn shown to the judge at most (its head; tool outputs can be any size): bounds a turn's work."""
 
 
 def _text(content: Any) -> str:
@@ -76,6 +78,7 @@ class _Counts:
     stops: int = 0
     infra: int = 0
     evicted: int = 0
+    truncated: int = 0
 
 
 class MonitorHooks:
@@ -88,10 +91,12 @@ class MonitorHooks:
         *,
         name: str = INFO_KEY,
         max_rollouts: int = DEFAULT_MAX_ROLLOUTS,
+        max_step_chars: int = DEFAULT_MAX_STEP_CHARS,
         **tracker_options: Any,
     ) -> None:
-        if max_rollouts < 1:
-            raise ValueError(f"max_rollouts={max_rollouts}; use 1 or more")
+        if max_rollouts < 1 or max_step_chars < 1:
+            raise ValueError(f"max_rollouts={max_rollouts}, max_step_chars={max_step_chars}; use 1 or more")
+        self.max_step_chars = max_step_chars
         self.judge = judge
         self.options = TrackerOptions.of("monitor_hooks", options, **tracker_options)
         self.max_rollouts = max_rollouts
@@ -131,6 +136,9 @@ class MonitorHooks:
             if end is None:
                 return
             step = "\n".join(_message_text(m) for m in messages[r.seen : end + 1])
+            if len(step) > self.max_step_chars:
+                self._counts.truncated += 1
+                step = f"{step[: self.max_step_chars]}\n(turn cut at {self.max_step_chars} of {len(step)} characters)"
             r.seen = end + 1
             self._counts.turns += 1
             await r.tracker.update(step)
@@ -180,7 +188,7 @@ class MonitorHooks:
         return fn
 
     def statistics(self) -> dict[str, int]:
-        """Counters: rollouts followed now, turns scored, stops, infra results, rollouts evicted."""
+        """Counters: rollouts followed now, turns scored, stops, infra results, rollouts evicted, turns cut."""
         c = self._counts
         return {
             "rollouts": len(self._rollouts),
@@ -188,12 +196,16 @@ class MonitorHooks:
             "stops": c.stops,
             "infra": c.infra,
             "evicted": c.evicted,
+            "truncated": c.truncated,
         }
 
 
 def monitor_hooks(*, judge: Judge, options: TrackerOptions | None = None, **keywords: Any) -> MonitorHooks:
-    """The stop and reward hooks for verifiers 0.4 over `judge` (keywords: `name`, `max_rollouts`, tracker options)."""
+    """The stop and reward hooks for verifiers 0.4 over `judge`.
+
+    Keywords: `name` (the stop's and reward's name), `max_rollouts`, `max_step_chars`, and tracker options.
+    """
     return MonitorHooks(judge, options, **keywords)
 
 
-__all__ = ["DEFAULT_MAX_ROLLOUTS", "INFO_KEY", "MonitorHooks", "monitor_hooks"]
+__all__ = ["DEFAULT_MAX_ROLLOUTS", "DEFAULT_MAX_STEP_CHARS", "INFO_KEY", "MonitorHooks", "monitor_hooks"]
