@@ -19,7 +19,9 @@ import pytest
 from agent_monitor.scale import LETTERS
 from tests.openai_server import Reply, ScriptedServer, scripted_server
 
-vf = pytest.importorskip("verifiers.v1", reason="verifiers 0.4 is not installed (pip install agent-monitor[verifiers])")
+vf = pytest.importorskip(
+    "verifiers.v1", reason="verifiers 0.4 is not installed: `make test-verifiers` runs this test in a venv of its own"
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "verifiers_env"
 TASKSET = "am-monitor-taskset"
