@@ -54,6 +54,12 @@ PUBLIC = {
         "OPTION_NAMES", "ProgressCallback", "ScoringOptions", "TrackerOptions",
     ],
     "agent_monitor.cli": ["main"],
+    "agent_monitor.integrations": [
+        "DEFAULT_MAX_CHARS", "DEFAULT_MAX_STEPS", "RewardUnavailable", "StopKind", "Verdict", "split_turns", "verdict",
+    ],
+    "agent_monitor.integrations.verl": ["ComputeScore", "RewardForm", "make_compute_score"],
+    "agent_monitor.integrations.verifiers": ["DEFAULT_MAX_ROLLOUTS", "DEFAULT_MAX_STEP_CHARS", "INFO_KEY", "MonitorHooks", "monitor_hooks"],
+    "agent_monitor.integrations.ray": ["DEFAULT_MAX_RUNS", "MonitorActor", "MonitorService"],
 }  # fmt: skip
 
 # The packages around the concepts keep their modules private: their public face is their __all__.
@@ -80,6 +86,18 @@ def test_import_agent_monitor_loads_no_daemon_wire_or_mqtt_module() -> None:
         "import json, sys, agent_monitor\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
         "('aiomqtt', 'paho', 'prometheus_client', 'pydantic', 'sqlite3', 'amqtt') "
+        "or m.startswith(('agent_monitor.daemon', 'agent_monitor.wire', 'agent_monitor.cli')))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(out.stdout) == []
+
+
+def test_the_trainer_integrations_load_no_framework() -> None:
+    # Each is import-light: verifiers and ray are imported when a hook or an actor is made, never at import.
+    code = (
+        "import json, sys\n"
+        "import agent_monitor.integrations.verl, agent_monitor.integrations.verifiers, agent_monitor.integrations.ray\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('verifiers', 'ray', 'verl', 'torch') "
         "or m.startswith(('agent_monitor.daemon', 'agent_monitor.wire', 'agent_monitor.cli')))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
