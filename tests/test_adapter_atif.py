@@ -269,7 +269,10 @@ def test_publish_replays_a_run_with_its_outcome(broker: Mosquitto) -> None:
         assert sent == 3 and live.run_id == "fizzbuzz__AbC1234"
         msgs = rec.wait_end("fizzbuzz__AbC1234")
         assert [k for k, _ in msgs] == ["start", "step", "step", "step", "end"]
-        assert msgs[0][1] == {"task": run.task, "policy": {"abort_below": 0.2}}
+        start = dict(msgs[0][1])
+        # MonitorClient stamps every start (what an outcome's or a group's HMAC signs with the run id).
+        assert isinstance(start.pop("started_at"), float)
+        assert start == {"task": run.task, "policy": {"abort_below": 0.2}}
         assert [b["text"] for k, b in msgs if k == "step"] == run.texts
         assert [b["index"] for k, b in msgs if k == "step"] == [1, 2, 3]
         assert msgs[-1][1] == {"outcome": "success"}
