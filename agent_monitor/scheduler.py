@@ -59,6 +59,10 @@ class Scheduler(Generic[K]):
         self._again.discard(key)
         self._check_idle()
 
+    def idle_for(self, key: K) -> bool:
+        """`key` is neither queued nor being scored."""
+        return key not in self._queued and key not in self._inflight
+
     def idle(self) -> bool:
         """Nothing is queued or being scored."""
         return not self._queued and not self._inflight

@@ -53,3 +53,20 @@ async def test_the_store_queue_is_bounded_and_reports_its_depth(tmp_path: Path) 
         assert len(await store.rankings()) == 20
     finally:
         await store.aclose()
+
+
+async def test_runs_with_nothing_to_score_end_without_taking_a_scorers_slot() -> None:
+    """A burst of empty runs (start, then end) ends while the only scorer waits on a slow judge, in few commits."""
+    judge = FakeJudge(latency_s=30.0)
+    async with Monitor(MonitorConfig(max_concurrency=1), judge=judge, registry=CollectorRegistry()) as mon:
+        await mon.handle("agents/busy/start", b'{"task": "count"}')
+        await mon.handle("agents/busy/step", b'{"index": 1, "text": "one"}')
+        await asyncio.sleep(0.05)  # the one scorer is in the judge now, for 30 s
+        empty = [f"empty-{i}" for i in range(300)]
+        for run_id in empty:
+            await mon.handle(f"agents/{run_id}/start", b'{"task": "count"}')
+            await mon.handle(f"agents/{run_id}/end", b'{"outcome": "failure"}')
+        async with asyncio.timeout(10):
+            while any(r in mon.book.live for r in empty):
+                await asyncio.sleep(0.01)
+        assert "busy" in mon.book.live and judge.calls_made == 1  # still scoring its step: nothing waited on it

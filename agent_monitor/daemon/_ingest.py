@@ -322,6 +322,16 @@ class Intake:
                 await self.store.journal(record)
                 await self.apply(record)
 
+    async def finish_many(self, ends: Sequence[tuple[str, str]], teach: Callable[[str], None]) -> None:
+        """Journal many runs' ends in one commit (runs with nothing left to score); `teach` learns from each first."""
+        async with self.lock:
+            records = [r for run_id, outcome in ends if (r := self.book.finish(run_id, outcome, self.clock()))]
+            for record in records:
+                teach(record.run_id)
+            await self._journal(list(records))
+            for record in records:
+                await self.apply(record)
+
     async def sweep(self) -> None:
         """Act on what time made due: steps with no start, gaps nobody fills, idle runs."""
         async with self.lock:

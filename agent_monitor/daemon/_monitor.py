@@ -180,6 +180,7 @@ class Monitor:
             unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None), on_group_refused=m.groups_refused.inc,
         )  # fmt: skip
         self._scoring.finish = lambda run_id, outcome: self._intake.finish(run_id, outcome, self._scoring.teach)
+        self._scoring.finish_many = lambda ends: self._intake.finish_many(ends, self._scoring.teach)
         self._restore = Restore(
             store=self.store, intake=self._intake, scoring=self._scoring, groups=self._groups,
             calibration=self.calibration, policy=c.policy, on_family=self._families.update,
@@ -262,7 +263,11 @@ class Monitor:
             ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
-            loops += [("sweeper", self._sweeper()), *((("http", http.serve()),) if (http := self.http) else ())]
+            loops += [
+                ("finisher", self._scoring.finisher()),
+                ("sweeper", self._sweeper()),
+                *((("http", http.serve()),) if (http := self.http) else ()),
+            ]
             self._tasks = [tg.create_task(loop, name=name) for name, loop in loops]
             self._groups.tasks = tg
         except BaseException:
@@ -301,6 +306,7 @@ class Monitor:
     async def drain(self) -> None:
         """Wait until every step received so far is scored (tests, shutdown; bound it with asyncio.timeout)."""
         await self.scheduler.drain()
+        await self._scoring.ended()
 
     @property
     def cluster(self) -> Cluster | None:

@@ -8,6 +8,7 @@ newest prefix is scored.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from ._groups import Groups, Joiner
 from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
 from ._state import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
 from ._work import CallRate, calls_per_scoring, check_start
+
+_FINISH_BATCH = 1000
+"""Runs ended per commit by the finisher (one journal transaction, one hold of the ingest lock)."""
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -99,6 +103,14 @@ class Scoring:
         self.prepared: dict[str, RunScoring] = {}
         self.scorings = 0
         self.finish: Callable[[str, str], Awaitable[None]] | None = None
+        self.finish_many: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None
+        """Journal many runs' ends at once (wired by the monitor): what the `finisher` task calls."""
+        self._closing: dict[str, str] = {}
+        """Runs whose end came with nothing left to score: ended by the `finisher`, not in a scorer's slot."""
+        self._closing_wake = asyncio.Event()
+        self._closed_all = asyncio.Event()
+        """Set while the finisher has nothing queued or in hand."""
+        self._closed_all.set()
         """Finish a run (journal its end) once its newest prefix is scored: the ingest's, wired by the monitor."""
         self._default_policy: tuple[Policy, dict[str, Any]] | None = None
 
@@ -132,7 +144,15 @@ class Scoring:
             scoring = self.runs.get(effect.run_id)
             if scoring is not None:
                 scoring.closing = effect.outcome
-                if not replaying:
+                if replaying:
+                    pass
+                elif not scoring.wants_scoring and self.scheduler.idle_for(effect.run_id):
+                    # Nothing to score (a run with no step, or all scored): a scorer's slot is for the judge; a
+                    # burst of such ends (50,000 empty runs) would hold every slot for minutes, one commit apiece.
+                    self._closing[effect.run_id] = effect.outcome
+                    self._closed_all.clear()
+                    self._closing_wake.set()
+                else:
                     self.scheduler.wake(effect.run_id)  # finishes the run once its newest prefix is scored
         elif isinstance(effect, Closed):
             self._closed(effect, replaying)
@@ -256,10 +276,40 @@ class Scoring:
         except Exception:
             log.exception("calibration_failed", run_id=run_id)  # one run's evidence lost, never the daemon
 
+    async def finisher(self) -> None:
+        """End the runs that have nothing left to score, many per commit (the `finisher` task)."""
+        while True:
+            await self._closing_wake.wait()
+            self._closing_wake.clear()
+            while self._closing:
+                batch = list(self._closing.items())[:_FINISH_BATCH]
+                for run_id, _ in batch:
+                    del self._closing[run_id]
+                live = [(r, o) for r, o in batch if (s := self.runs.get(r)) is not None and not s.wants_scoring]
+                if live:
+                    assert self.finish_many is not None, "Scoring.finish_many is wired by the monitor"
+                    try:
+                        await self.finish_many(live)
+                    except Exception:
+                        # Not journaled (the store failed): each is ended again, one by one, by a scorer.
+                        log.exception("finish_failed", runs=len(live))
+                        for run_id, _ in live:
+                            self.scheduler.wake(run_id)
+            self._closed_all.set()
+
+    def closing(self) -> int:
+        """Runs waiting for the finisher."""
+        return len(self._closing)
+
+    async def ended(self) -> None:
+        """Wait until the finisher ended every run it was given."""
+        await self._closed_all.wait()
+
     def forget(self, run_id: str) -> None:
         """Drop a run without ending it (cluster mode: another replica owns it now)."""
         self.runs.pop(run_id, None)
         self.prepared.pop(run_id, None)
+        self._closing.pop(run_id, None)
         self.scheduler.discard(run_id)
         self.rate.forget(run_id)
         self.groups.forget(run_id)
