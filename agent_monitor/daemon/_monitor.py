@@ -28,6 +28,7 @@ from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..tracker import AsyncProgressTracker
+from ..uniform import Caller
 from ..wire import Topics
 from ._config import MonitorConfig
 from ._groups import GroupBook, Groups
@@ -147,6 +148,7 @@ class Monitor:
         self._groups = Groups(
             self.groups, emit=self._emit, trackers=self.tracker, judge=self.circuit, repeats=c.repeats, clock=clock,
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
+            caller=Caller(self.calibration), on_uniform=lambda call, what: m.groups_uniform.labels(call, what).inc(),
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(

@@ -56,6 +56,7 @@ from ._outputs import (
     SignalOut,
     Tokens,
     Totals,
+    UniformOut,
     signal_json,
 )
 from ._schema import schemas, stale_schemas, write_schemas
@@ -113,6 +114,7 @@ __all__ = [
     "TopicError",
     "Topics",
     "Totals",
+    "UniformOut",
     "check_run_id",
     "decode_event",
     "errors_topic",
