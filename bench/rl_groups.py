@@ -364,7 +364,6 @@ async def main() -> None:
             inner = LlamaCppJudge(gemma_path())
         await inner.load()
         judges.append(("local (Gemma 3 270M)", Recording(inner, "llamacpp", inner.model)))
-    out: list[str] = []
     for label, judge in judges:
         start = time.perf_counter()
         seq, samples, scorings = await sequential(judge, groups, policy)
@@ -372,15 +371,15 @@ async def main() -> None:
         judge.replay = True  # the other modes read the same scores again (see the module docs)
         loo = await logo(judge, groups, samples, policy)
         built = await logo(judge, built_groups(groups), samples, policy, built=True)
-        out += [f"## Judge: {label}", f"live sequential pass: {live_s:.1f} s wall, {judge.seconds:.1f} s in the judge, "
-                f"{len(judge.answers)} judge answers; scorings by result {scorings}; load average now {load1()}",
-                ""]  # fmt: skip
+        out = [f"## Judge: {label}", f"live sequential pass: {live_s:.1f} s wall, {judge.seconds:.1f} s in the judge, "
+               f"{len(judge.answers)} judge answers; scorings by result {scorings}; load average now {load1()}",
+               ""]  # fmt: skip
         out += report(
             "The six recorded groups, calibration learnt group by group (sequential)", seq, levels, min(levels)
         )
         out += report("The six recorded groups, calibration on the other five (LOGO)", loo, levels, min(levels))
         out += report("Built uniform groups (same-outcome rollouts across tasks; LOGO)", built, levels, min(levels))
-    print("\n".join(out))
+        print("\n".join(out), flush=True)  # each judge's figures as soon as they are in
     print(f"load average at end: {load1()}")
 
 
