@@ -316,11 +316,12 @@ def report(title: str, results: list[GroupResult], levels: Sequence[float], daem
         gen = sum(r.generated for r in results)
         saved = 1 - sum(r.with_signal(lv) for r in results) / gen
         lo, hi = clopper_pearson(wrong, len(flags))
+        glo, ghi = clopper_pearson(wrong, len(results))
         slo, shi = bootstrap_saved(results, lv)
         lines.append(
-            f"- level {lv:g}: {len(flags)} of {len(results)} groups flagged, {wrong} wrong "
-            f"(wrong share {wrong}/{len(flags)}, 95% CI {lo:.2f}-{hi:.2f}); steps saved {saved:.1%} "
-            f"(bootstrap over groups 95% CI {slo:.1%}-{shi:.1%})"
+            f"- level {lv:g}: {len(flags)} of {len(results)} groups flagged; wrong early calls {wrong} "
+            f"(of the groups: {wrong}/{len(results)}, 95% CI {glo:.2f}-{ghi:.2f}; of the flags: {wrong}/{len(flags)}, "
+            f"95% CI {lo:.2f}-{hi:.2f}); steps saved {saved:.1%} (bootstrap over groups, 95% CI {slo:.1%}-{shi:.1%})"
         )
     # The daemon's own published flag agrees with the per-round confidences at its level.
     for r in results:
