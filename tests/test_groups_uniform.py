@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from agent_monitor.calibration import Calibration, Family, Point, Sample
+from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon._groups import GroupBook
 from agent_monitor.groups import GroupState
 from agent_monitor.policy import Policy, PolicyError
+from agent_monitor.testing import FakeJudge
 from agent_monitor.uniform import NO_CALL, Caller, p_fail, p_pass, pass_margin
 
 FAM = Family("tasks", "judge", "rubric")
@@ -194,3 +198,29 @@ def test_uniform_confidence_is_checked() -> None:
         with pytest.raises(PolicyError, match="uniform_confidence"):
             Policy(uniform_confidence=bad)  # type: ignore[arg-type]
     assert Policy().uniform_confidence == 0.9
+
+
+async def test_a_flagged_group_is_flagged_again_after_a_restart(tmp_path: Path) -> None:
+    """The calls come back from the journal and the stored calibration: the flag is what it was before."""
+    db = tmp_path / "runs.sqlite3"
+    config = MonitorConfig(policy=POL, circuit_threshold=1000)
+
+    async def send(mon: Monitor, run: str, kind: str, body: dict[str, object]) -> None:
+        await mon.handle(f"agents/{run}/{kind}", json.dumps(body).encode())
+
+    async with Monitor(config, judge=FakeJudge(["C"]), store=SqliteStore(db)) as mon:
+        for r in ("a", "b"):
+            await send(mon, r, "start", {"task": "t", "family": "fam", "group": "g"})
+        tracker = mon.tracker("a")
+        assert tracker is not None
+        for i in range(19):  # stored evidence (record, as an ended run teaches): it survives the restart
+            mon.calibration.record(tracker.family, f"old-s{i}", "success", curve(0.8, 0.8, 0.8))
+            mon.calibration.record(tracker.family, f"old-f{i}", "failure", curve(0.2, 0.2, 0.2))
+        for k in (1, 2):
+            for r in ("a", "b"):
+                await send(mon, r, "step", {"index": k, "text": f"{r} step {k}"})
+            await mon.drain()
+        before = mon.groups.uniform("g")
+        assert before is not None and before["call"] == "all_fail"
+    async with Monitor(config, judge=FakeJudge(["C"]), store=SqliteStore(db)) as mon:
+        assert mon.groups.uniform("g") == before
