@@ -49,7 +49,7 @@ from _common import REPO, configure_logs, gemma_path, load1
 
 from agent_monitor.calibration import Sample
 from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.judges.base import BaseJudge, JudgeRequest, JudgeResponse
+from agent_monitor.judges.base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 from agent_monitor.policy import Policy
 from agent_monitor.progress import Usage
 from agent_monitor.recorded import RecordedRun, load_recorded
@@ -121,18 +121,26 @@ class Recording(BaseJudge):
         super().__init__(max_retries=0, timeout_s=600.0, concurrency=1)
         self.inner, self.name, self.model = inner, name, model
         self.min_mass = getattr(inner, "min_mass", None)  # the judge's recommendation (Gemma 270M: 0.05)
-        self.answers: dict[tuple[str | None, int], JudgeResponse] = {}
+        self.answers: dict[tuple[str | None, int], JudgeResponse | JudgeError] = {}
         self.replay = False
         self.seconds = 0.0
 
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         key = (request.run_key, request.prompt.step)
         if self.replay:
-            return self.answers[key]
+            got = self.answers[key]
+            if isinstance(got, JudgeError):
+                raise got  # a failure replays as the same failure
+            return got
         assert self.inner is not None
         start = time.perf_counter()
-        got = await self.inner.grade(request)
-        self.seconds += time.perf_counter() - start
+        try:
+            got = await self.inner.grade(request)
+        except JudgeError as e:
+            self.answers[key] = e
+            raise
+        finally:
+            self.seconds += time.perf_counter() - start
         self.answers[key] = got
         return got
 
@@ -297,10 +305,9 @@ def bootstrap_saved(results: list[GroupResult], level: float, reps: int = 2000) 
 
 def report(title: str, results: list[GroupResult], levels: Sequence[float], daemon_level: float) -> list[str]:
     lines = [f"### {title}", ""]
-    head = "| group | runs (pass) | steps generated | " + " | ".join(
-        f"with signal @{lv:g} (call, round)" for lv in levels
-    )
-    lines += [head + " |", "|" + "---|" * (3 + len(levels))]
+    head = "| group | runs (pass) | steps generated | highest confidence (all_fail / all_pass) | "
+    head += " | ".join(f"with signal @{lv:g} (call, round)" for lv in levels)
+    lines += [head + " |", "|" + "---|" * (4 + len(levels))]
     for r in results:
         cells = []
         for lv in levels:
@@ -308,7 +315,9 @@ def report(title: str, results: list[GroupResult], levels: Sequence[float], daem
             what = "no flag" if got is None else f"{got[0]} r{got[1]}{' WRONG' if r.wrong(lv) else ''}"
             cells.append(f"{r.with_signal(lv)} ({what})")
         passes = sum(x.success for x in r.rollouts)
-        lines.append(f"| {r.name} | {len(r.rollouts)} ({passes}) | {r.generated} | " + " | ".join(cells) + " |")
+        # 1 - N * max p is below 0 while some member has no call: shown as 0.
+        top = f"{max(0.0, *(f for f, _ in r.rounds)):.2f} / {max(0.0, *(p for _, p in r.rounds)):.2f}"
+        lines.append(f"| {r.name} | {len(r.rollouts)} ({passes}) | {r.generated} | {top} | " + " | ".join(cells) + " |")
     lines.append("")
     for lv in levels:
         flags = [r for r in results if r.flag(lv) is not None]
