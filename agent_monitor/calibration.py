@@ -335,6 +335,9 @@ class Calibration:
         self.on_sample = on_sample
         self.clock = clock
         self._runs: dict[Family, dict[str, Sample]] = {}
+        self.revision = 0
+        """Bumped whenever the samples change (a cache of anything computed from them keys on it)."""
+        self._revisions: dict[Family, int] = {}
         # Sorted finite success margins per (family, min_steps, patience, max_uncertainty), one list per length
         # stratum, kept current by `add`.
         self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[list[float]]]] = {}
@@ -348,6 +351,8 @@ class Calibration:
             return False
         runs[sample.run_id] = sample
         self._total += 1
+        self.revision += 1
+        self._revisions[sample.family] = self.revision
         if not sample.success:
             self._failures[sample.family] = self._failures.get(sample.family, 0) + 1
         self._cached(sample, bisect.insort)
@@ -365,6 +370,7 @@ class Calibration:
             stale = next(iter(self._runs))
             self._total -= len(self._runs.pop(stale))
             self._failures.pop(stale, None)
+            self._revisions.pop(stale, None)
             self._margins = {k: v for k, v in self._margins.items() if k[0] != stale}
         return True
 
@@ -433,6 +439,10 @@ class Calibration:
             got = self._margins[key] = (policy, [sorted(ms) for ms in per])
         return got[1]
 
+    def revision_of(self, family: Family) -> int:
+        """The revision at which `family`'s samples last changed (-1: it has none): a per-family cache key."""
+        return self._revisions.get(family, -1)
+
     def margins(self, family: Family, policy: Policy) -> list[float]:
         """The family's successful runs' finite margins under `policy`, sorted (every stratum)."""
         return sorted(m for ms in self._strata(family, policy) for m in ms)
@@ -496,7 +506,9 @@ class Calibration:
         dropped = sum(len(self._runs.pop(f)) for f in gone)
         for f in gone:
             self._failures.pop(f, None)
+            self._revisions.pop(f, None)
         self._total -= dropped
+        self.revision += 1
         self._margins = {k: v for k, v in self._margins.items() if k[0].name != name}
         return dropped
 

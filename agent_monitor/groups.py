@@ -53,7 +53,9 @@ GROUP_NAME_MAX = 128
 """The longest group name (characters): a name becomes a topic level and a metric label value."""
 
 
-GROUP_SETTINGS = ("keep_top", "prune_margin", "min_steps", "patience", "max_uncertainty", "compare")
+GROUP_SETTINGS = (
+    "keep_top", "prune_margin", "min_steps", "patience", "max_uncertainty", "compare", "uniform_confidence",
+)  # fmt: skip
 """The policy settings a group acts on: one value per group, fixed by its first run (or the monitor's flags)."""
 
 
@@ -88,12 +90,29 @@ class RankedRunJSON(TypedDict):
     outcome: NotRequired[str]
 
 
+UniformCall = Literal["all_fail", "all_pass"]
+"""A group's early dynamic-sampling call: every member will fail, or every member will pass."""
+
+
+class UniformJSON(TypedDict):
+    """A group flagged early: its runs' outcomes will be all alike (no variance, no gradient), with this confidence."""
+
+    call: UniformCall
+    confidence: float
+    """1 - N * (the largest member p-value): the rule's lower bound on P(the call is right); see docs/groups.md."""
+    at_step: int
+    """The newest step any member had reached when the group first got this call."""
+    runs: int
+    """The members the call covers (a run joining later withdraws it until that run is called too)."""
+
+
 class RankingJSON(TypedDict):
     """The JSON form of a group's ranking: the retained `{prefix}/_groups/{group}/ranking` message."""
 
     group: str
     leader: str | None
     runs: list[RankedRunJSON]
+    uniform: NotRequired[UniformJSON]
 
 
 @dataclass(slots=True)
@@ -110,6 +129,10 @@ class Member:
     behind: int = 0
     last_step: int = -1
     """The newest step observed (scored or not): older results do not move the group backwards."""
+    fail_p: float = 1.0
+    """The conformal p-value of "this run will fail" (small: the calibrated rule calls it a failure; 1: no call)."""
+    pass_p: float = 1.0
+    """The conformal p-value of "this run will pass"."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +193,9 @@ class GroupState:
     _members: dict[str, Member] = field(default_factory=dict)
     _pairwise: dict[str, int] = field(default_factory=dict)
     _published: tuple[Any, ...] | None = None
+    _uniform: UniformJSON | None = None
+    contradicted: UniformCall | None = None
+    """A call an outcome proved wrong (a success in an "all_fail" group, a failure in an "all_pass" one)."""
 
     @property
     def members(self) -> Mapping[str, Member]:
@@ -276,9 +302,50 @@ class GroupState:
         m = self._member(run_id)
         if outcome is not None:
             m.outcome = str(outcome)
+            # A known outcome is certain: the member's call is settled (an unknown one, e.g. an infra
+            # failure, settles nothing and keeps whatever the scores said).
+            if m.outcome == "success":
+                m.fail_p, m.pass_p = 1.0, 0.0
+            elif m.outcome == "failure":
+                m.fail_p, m.pass_p = 0.0, 1.0
         if m.state == "live":
             m.state = "ended"
         return self._update()
+
+    @property
+    def called(self) -> UniformJSON | None:
+        """The early call in force (the ranking's `uniform`), as last updated; None: none."""
+        return self._uniform
+
+    def call(self, run_id: str, *, fail_p: float, pass_p: float) -> GroupUpdate:
+        """Set a live member's calls: the p-values of "it will fail" and "it will pass" (see `agent_monitor.uniform`)."""
+        m = self._member(run_id)
+        if m.state == "live":
+            m.fail_p, m.pass_p = _p(fail_p), _p(pass_p)
+        return self._update()
+
+    def uniform(self) -> UniformJSON | None:
+        """The group's early call, if the policy's `uniform_confidence` is met (None: no call, or the flag is off).
+
+        A group of N members is called all-fail when 1 - N * max(fail p-values) >= uniform_confidence
+        (all-pass likewise): a union bound, valid however the members' outcomes depend on each other.
+        A member with no call (no counted scores, a failing judge, an unknown end) has p = 1: no flag.
+        """
+        need = self.policy.uniform_confidence
+        n = len(self._members)
+        if need is None or n == 0:
+            return None
+        calls: tuple[tuple[UniformCall, list[float]], ...] = (
+            ("all_fail", [m.fail_p for m in self._members.values()]),
+            ("all_pass", [m.pass_p for m in self._members.values()]),
+        )
+        for call, ps in calls:
+            confidence = 1.0 - n * max(ps)
+            if confidence >= need:
+                prev = self._uniform
+                at = prev["at_step"] if prev is not None and prev["call"] == call else self._newest_step()
+                return {"call": call, "confidence": round(confidence, 6), "at_step": at, "runs": n}
+        return None
 
     def prune(self, run_id: str, *, step: int | None = None) -> None:
         """Mark a run pruned without deciding (restoring a prune decided before a restart)."""
@@ -305,6 +372,9 @@ class GroupState:
             outcome=run.get("outcome"),
             last_step=step if isinstance(step, int) else -1,
         )
+        m = self._members[run_id]
+        if m.outcome in ("success", "failure"):
+            m.fail_p, m.pass_p = (1.0, 0.0) if m.outcome == "success" else (0.0, 1.0)
 
     def set_order(self, run_ids: Sequence[str]) -> GroupUpdate:
         """A pairwise order of some runs (best first): the tie-break among scores that cannot be separated."""
@@ -374,7 +444,10 @@ class GroupState:
             if m.outcome is not None:
                 r["outcome"] = m.outcome
             runs.append(r)
-        return {"group": self.group, "leader": runs[0]["run_id"] if runs else None, "runs": runs}
+        out: RankingJSON = {"group": self.group, "leader": runs[0]["run_id"] if runs else None, "runs": runs}
+        if self._uniform is not None:
+            out["uniform"] = self._uniform
+        return out
 
     # -- internals --
 
@@ -393,19 +466,38 @@ class GroupState:
         )
         return siblings[k - 1] if len(siblings) >= k else None
 
+    def _newest_step(self) -> int:
+        return max((m.last_step for m in self._members.values()), default=-1)
+
+    def _refresh_uniform(self) -> None:
+        before, now = self._uniform, self.uniform()
+        if before is not None and (now is None or now["call"] != before["call"]):
+            settled = [m for m in self._members.values() if m.outcome in ("success", "failure")]
+            wrong = "success" if before["call"] == "all_fail" else "failure"
+            if any(m.outcome == wrong for m in settled):
+                self.contradicted = before["call"]
+        self._uniform = now
+
     def _update(self, prunes: tuple[Prune, ...] = ()) -> GroupUpdate:
+        self._refresh_uniform()
         ranking = self.ranking()
         # What a subscriber sees change: the order, the states and the scores (to 3 decimals). The ranking is
         # retained: a late subscriber reads the last one published, so a score that only rode along on an
         # order change stayed stale there (`score: null` long after every run was scored). At most one
         # publication per scoring of a member.
-        shape = tuple(
+        shape: tuple[Any, ...] = tuple(
             (r["run_id"], r["state"], r.get("outcome"), None if r["score"] is None else round(r["score"], 3))
             for r in ranking["runs"]
         )
+        shape += (None if self._uniform is None else (self._uniform["call"], self._uniform["runs"]),)
         changed = shape != self._published
         self._published = shape
         return GroupUpdate(changed=changed, prunes=prunes, ranking=ranking)
+
+
+def _p(x: float) -> float:
+    """A p-value kept in [0, 1] (NaN or junk: 1, no call)."""
+    return min(1.0, max(0.0, float(x))) if isinstance(x, (int, float)) and math.isfinite(x) else 1.0
 
 
 def _nth(k: int) -> str:
@@ -443,6 +535,8 @@ __all__ = [
     "RankedRunJSON",
     "RankingJSON",
     "RunState",
+    "UniformCall",
+    "UniformJSON",
     "combined_uncertainty",
     "replay",
 ]

@@ -56,7 +56,8 @@ class Policy:
       score stays more than `prune_margin` below the `keep_top`-th best live sibling for
       `patience` scored steps after `min_steps` (beyond both runs' uncertainty); never below
       `keep_top` live runs. `compare` orders leaders pointwise scores cannot separate by pairwise
-      judge calls. See `agent_monitor.groups`.
+      judge calls. A group whose runs' calibrated calls all say fail (or all say pass) with
+      `uniform_confidence` is flagged on its ranking (`agent_monitor.uniform`, docs/groups.md).
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     """
 
@@ -104,6 +105,13 @@ class Policy:
             "judge comparisons (pivot tournament; costs judge calls)"
         },
     )
+    uniform_confidence: float | None = field(
+        default=0.9,
+        metadata={
+            "help": "in a group: flag it on its ranking as all_fail or all_pass (no outcome variance: an RL trainer "
+            "can cancel it) once the calibrated calls of all its runs give this confidence; none: never flag"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("abort_below", "resample_below", "regression", "prune_margin"):
@@ -136,6 +144,11 @@ class Policy:
         k = self.keep_top
         if isinstance(k, bool) or not (isinstance(k, int) and k >= 1):
             raise PolicyError(f"policy keep_top={k!r}: use an integer >= 1 (the live runs a group always keeps)")
+        u = self.uniform_confidence
+        if u is not None and (isinstance(u, bool) or not (isinstance(u, (int, float)) and 0.0 < u < 1.0)):
+            raise PolicyError(
+                f"policy uniform_confidence={u!r}: use a number between 0 and 1 (exclusive), e.g. 0.9, or none"
+            )
         if not isinstance(self.compare, bool):
             raise PolicyError(f"policy compare={self.compare!r}: use true or false")
 

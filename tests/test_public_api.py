@@ -32,7 +32,7 @@ PUBLIC = {
         "MAX_LABEL_VALUE_CHARS", "MAX_META_BYTES", "MAX_META_DEPTH", "MAX_PAYLOAD_BYTES", "MAX_RUN_ID_CHARS",
         "MAX_STEP_CHARS", "MAX_STEP_INDEX", "MAX_TASK_CHARS", "MonitorClient", "OUTPUT_KINDS", "POLICY_KEYS",
         "ProgressOut", "RankedRunOut", "RankingOut", "Run", "RunEnd", "RunStart", "SettingsError", "SignalName", "SignalOut", "StateOut", "StepIn", "Tokens",
-        "TopicError", "Topics", "Totals", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
+        "TopicError", "Topics", "Totals", "UniformOut", "check_run_id", "decode_event", "errors_topic", "input_filters", "parse_topic",
         "ranking_topic", "schemas", "signal_json", "stale_schemas", "summarise", "topic", "write_schemas",
     ],
     "agent_monitor.daemon": [

@@ -17,12 +17,14 @@ from typing import Any
 
 import structlog
 
-from ..groups import GroupFull, GroupState, GroupUpdate, group_mac, group_settings
+from ..calibration import points
+from ..groups import GroupFull, GroupState, GroupUpdate, UniformJSON, group_mac, group_settings
 from ..judges.base import Judge
 from ..policy import Policy
 from ..progress import Decision, Progress
 from ..selection import Comparison, compare, majority_of, tournament, tournament_calls
 from ..tracker import AsyncProgressTracker
+from ..uniform import Caller
 from ._sinks import GroupRanked, MonitorEvent
 
 log = structlog.get_logger("agent_monitor.daemon")
@@ -154,6 +156,19 @@ class GroupBook:
         self.last_at[group] = at
         return update
 
+    def uniform(self, group: str) -> UniformJSON | None:
+        """A group's early dynamic-sampling call (all_fail / all_pass, its confidence), or None: no call, no group.
+
+        Pure: what the retained ranking's `uniform` says now. For the reward endpoints, per run: `uniform_of`.
+        """
+        g = self.groups.get(group)
+        return None if g is None else g.called
+
+    def uniform_of(self, run_id: str) -> UniformJSON | None:
+        """The early call of a live run's group (None: ungrouped, not live, or no call)."""
+        name = self.of_run.get(run_id)
+        return None if name is None else self.uniform(name)
+
     def group_of(self, run_id: str) -> GroupState | None:
         """The live group of a run (None: ungrouped, or not live)."""
         name = self.of_run.get(run_id)
@@ -237,6 +252,8 @@ class Groups:
         clock: Callable[[], float],
         on_compared: Callable[[bool, int], None] = lambda ok, calls: None,
         on_majority: Callable[[int], None] = lambda saved: None,
+        caller: Caller | None = None,
+        on_uniform: Callable[[str, str], None] = lambda call, what: None,
     ) -> None:
         self.book = book
         self.emit = emit
@@ -248,6 +265,11 @@ class Groups:
         """Told (ok, judge calls) after each pairwise comparison (the compare-calls counter)."""
         self.on_majority = on_majority
         """Told the judge calls a tournament could have made when the majority shortcut skipped it (a counter)."""
+        self.caller = caller
+        """Each member's calibrated pass / fail call (None: groups are never flagged all_fail / all_pass)."""
+        self.on_uniform = on_uniform
+        """Told (call, "flagged" | "withdrawn" | "contradicted") when a group's early call changes (the counters)."""
+        self._flagged: dict[str, str] = {}
         self.series: dict[str, GroupSeries] = {}
         """Kept current one group at a time on the event loop; the scrape thread reads a copy."""
         self.tasks: asyncio.TaskGroup | None = None
@@ -284,15 +306,27 @@ class Groups:
 
     def verdict(self, run_id: str, p: Progress) -> Decision | None:
         """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""
+        called = self._call(run_id, p)
         update = self.book.observe(run_id, p, self.clock())
         if update is None:
             return None
         group = self.book.of_run[run_id]
-        self.changed(group, update.changed)
+        self.changed(group, update.changed or called)
         self.maybe_compare(group)
         if not update.prunes:
             return None
         return update.prunes[0].decision(p)
+
+    def _call(self, run_id: str, p: Progress) -> bool:
+        """Update a member's calls from its curve and this result; whether the ranking changed by it."""
+        g, tracker = self.book.group_of(run_id), self.trackers(run_id)
+        if self.caller is None or g is None or tracker is None or g.policy.uniform_confidence is None:
+            return False
+        curve = tracker.points
+        if not curve or p.step > curve[-1].step:  # the tracker keeps this result only after the group saw it
+            curve = (*curve, *points([p]))
+        calls = self.caller.calls(tracker.family, g.policy, curve)
+        return g.call(run_id, fail_p=calls.fail_p, pass_p=calls.pass_p).changed
 
     def ended(self, run_id: str, outcome: str | None, at: float, *, publish: bool) -> None:
         """A grouped run left the live set."""
@@ -306,11 +340,13 @@ class Groups:
         group = self.book.forget(run_id)
         if group is not None and group not in self.book.groups:
             self.series.pop(group, None)
+            self._flagged.pop(group, None)
 
     def due(self, now: float) -> None:
         """Clear the groups whose grace period passed (an empty retained payload clears a ranking)."""
         for group in self.book.due(now):
             self.series.pop(group, None)
+            self._flagged.pop(group, None)
             self.emit(GroupRanked(group, None))
 
     def changed(self, group: str, publish: bool, *, republished: bool = False) -> None:
@@ -321,8 +357,24 @@ class Groups:
         else:
             self.series[group] = series
         g = self.book.groups.get(group)
+        if g is not None:
+            self._count_uniform(group, g)
         if publish and g is not None:
             self.emit(GroupRanked(group, g.ranking(), republished=republished))
+
+    def _count_uniform(self, group: str, g: GroupState) -> None:
+        now, before = g.called, self._flagged.get(group)
+        if g.contradicted is not None:
+            self.on_uniform(g.contradicted, "contradicted")
+            log.warning("group_uniform_contradicted", group=group, call=g.contradicted)
+            g.contradicted = None
+        if now is not None and now["call"] != before:
+            self._flagged[group] = now["call"]
+            self.on_uniform(now["call"], "flagged")
+            log.info("group_uniform", group=group, **now)
+        elif now is None and before is not None:
+            del self._flagged[group]
+            self.on_uniform(before, "withdrawn")
 
     def maybe_compare(self, group: str) -> None:
         """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
@@ -420,4 +472,7 @@ class Groups:
                         g.observe_progress(run_id, p, decide=False)
                         if p.signal is not None and p.signal.pruned:
                             g.prune(run_id)
+            for run_id, curve in curves.items():
+                if curve:  # the calls of the restored curves: a flagged group is flagged again, as it was
+                    self._call(run_id, curve[-1])
             self.changed(name, True, republished=True)

@@ -107,6 +107,17 @@ class Metrics:
             "shortcut ordered them): the most the skipped tournament could have made.",
             registry=registry,
         )
+        self.groups_uniform = Counter(
+            "agent_monitor_groups_uniform",
+            "Groups flagged early as all_fail or all_pass (no outcome variance: an RL trainer may cancel them), "
+            "by call and event: flagged; withdrawn (a run joined, or a call lost its confidence); contradicted "
+            "(an outcome proved the call wrong: a wrong early call).",
+            ["call", "event"],
+            registry=registry,
+        )
+        for call in ("all_fail", "all_pass"):
+            for event in ("flagged", "withdrawn", "contradicted"):
+                self.groups_uniform.labels(call, event)
         self.groups_refused = Counter(
             "agent_monitor_groups_refused",
             "Starts refused because their group was full or the monitor had --max-groups groups.",

@@ -30,6 +30,7 @@ from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
+from ..uniform import Caller
 from ..wire import Topics
 from ._config import MonitorConfig
 from ._groups import GroupBook, Groups
@@ -164,6 +165,7 @@ class Monitor:
             self.groups, emit=self._emit, trackers=self.tracker, judge=self.circuit, repeats=c.repeats, clock=clock,
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
             on_majority=m.compare_calls_saved.inc,
+            caller=Caller(self.calibration), on_uniform=lambda call, what: m.groups_uniform.labels(call, what).inc(),
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(

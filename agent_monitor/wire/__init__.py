@@ -58,6 +58,7 @@ from ._outputs import (
     StateOut,
     Tokens,
     Totals,
+    UniformOut,
     signal_json,
 )
 from ._schema import schemas, stale_schemas, write_schemas
@@ -116,6 +117,7 @@ __all__ = [
     "TopicError",
     "Topics",
     "Totals",
+    "UniformOut",
     "check_run_id",
     "decode_event",
     "errors_topic",

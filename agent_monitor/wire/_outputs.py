@@ -203,6 +203,19 @@ class RankedRunOut(_Out):
     outcome: str | None = Field(default=None, description="The run's end outcome, once it ended with one.")
 
 
+class UniformOut(_Out):
+    """A group flagged early: the calibrated calls of all its runs say they will all fail (or all pass)."""
+
+    call: Literal["all_fail", "all_pass"] = Field(
+        description="all_fail / all_pass: no variance in outcome, so no gradient (DAPO dynamic sampling drops it)."
+    )
+    confidence: float = Field(
+        ge=0.0, le=1.0, description="1 - N x the largest member p-value: a lower bound on P(the call is right)."
+    )
+    at_step: int = Field(description="The newest step any member had reached when the group got this call.")
+    runs: int = Field(ge=1, description="The members the call covers.")
+
+
 class RankingOut(_Out):
     """`{prefix}/_groups/{group}/ranking` (retained): a group's sibling runs, best first; empty when it is cleared.
 
@@ -213,6 +226,10 @@ class RankingOut(_Out):
     group: GroupName
     leader: RunId | None = Field(description="The rank-1 run.")
     runs: list[RankedRunOut] = Field(description="Sorted by rank.")
+    uniform: UniformOut | None = Field(
+        default=None,
+        description="Present while the group is flagged early as all_fail or all_pass (docs/groups.md).",
+    )
 
 
 class StateOut(_Out):
