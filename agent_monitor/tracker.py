@@ -38,7 +38,7 @@ from .options import (
     ScoringOptions,
     TrackerOptions,
 )
-from .policy import PolicyState, held_out, resolve
+from .policy import EVERY, Plan, PolicyState, held_out, plan, resolve
 from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -331,9 +331,14 @@ class AsyncProgressTracker:
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(
-            family=o.family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
+            family=o.family,
+            task=task,
+            model=str(getattr(judge, "model", "") or ""),
+            rubric=self.rubric.hash,
+            schedule=policy.schedule if policy is not None else "every",
         )
-        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
+        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash (and the
+        policy's schedule when it is not "every")."""
         self.policy_state = (
             PolicyState(
                 policy,
@@ -486,8 +491,25 @@ class AsyncProgressTracker:
         n = await self._add(step, images, meta, context)
         return await self.score(n)
 
-    async def score(self, n: int | None = None, *, coalesced: int = 1) -> Progress:
-        """Score the prefix of `n` steps (default: all steps so far) and record the result."""
+    def plan(self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, float | None] | None = None) -> Plan:
+        """Whether the policy's schedule scores the prefix of `n` steps now (see `policy.plan`); no policy: always.
+
+        `extra` adds thresholds the run's policy state does not hold (a group's pruning line, as `prune`).
+        """
+        state = self.policy_state
+        if state is None:
+            return EVERY
+        n = len(self.steps) if n is None else n
+        return plan(state, n, last=self.latest, last_step=self._scored, ending=ending, extra=extra)
+
+    async def score(
+        self, n: int | None = None, *, coalesced: int = 1, plan: Plan | None = None, skipped: str | None = None
+    ) -> Progress:
+        """Score the prefix of `n` steps (default: all steps so far) and record the result.
+
+        `plan` (from `plan()`) says why it is scored and whether the repeats are spent (else: one repeat);
+        `skipped` why the steps folded into it were not scored alone.
+        """
         await self._materialise()
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
@@ -499,7 +521,7 @@ class AsyncProgressTracker:
             self.steps[:n],
             judge=self.judge,
             rubric=self.rubric,
-            repeats=self.repeats,
+            repeats=self.repeats if plan is None or plan.full else 1,
             min_mass=self.min_mass,
             frame_budget=self.frame_budget,
             task_frames=self._task_frames or (),
@@ -511,6 +533,8 @@ class AsyncProgressTracker:
             rule_budget_s=self.extract_budget_s,
         )
         self.calls_saved += p.calls_saved
+        if plan is not None and plan is not EVERY:
+            p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
         return self._record(p)
 
     @property

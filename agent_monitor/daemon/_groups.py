@@ -291,6 +291,11 @@ class Groups:
             return None
         return update.prunes[0].decision(p)
 
+    def prune_line(self, run_id: str) -> float | None:
+        """The pruning line a grouped run's next score could cross (None: ungrouped, or no line yet)."""
+        g = self.book.group_of(run_id)
+        return None if g is None else g.prune_line(run_id)
+
     def ended(self, run_id: str, outcome: str | None, at: float, *, publish: bool) -> None:
         """A grouped run left the live set."""
         group = self.book.of_run.get(run_id)

@@ -80,6 +80,18 @@ class Scored:
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """The schedule did not score a run's newest step now (it folds into the run's next scoring)."""
+
+    run_id: str
+    step: int
+    reason: str
+    """Why not: `policy.FAR` ("far from thresholds")."""
+    heartbeat: Mapping[str, Any] | None = None
+    """With `--heartbeat`: the run's last score again (its progress message, marked heartbeat, with its age)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SignalChanged:
     """The run policy's decision changed (or is published again after a restart)."""
 
@@ -115,7 +127,9 @@ class GroupRanked:
     """Published again after a restart (retained messages may have been lost with the crash)."""
 
 
-MonitorEvent: TypeAlias = Accepted | Duplicated | Refused | RunOpened | Scored | SignalChanged | RunClosed | GroupRanked
+MonitorEvent: TypeAlias = (
+    Accepted | Duplicated | Refused | RunOpened | Scored | Skipped | SignalChanged | RunClosed | GroupRanked
+)
 Sink: TypeAlias = Callable[[MonitorEvent], object]
 
 
@@ -127,7 +141,7 @@ def _payload(data: Mapping[str, Any]) -> bytes:
 class MqttSink:
     """Publish progress, signals (retained; cleared when the run closes) and errors through the outbox."""
 
-    events = (Scored, SignalChanged, Refused, RunClosed, GroupRanked)
+    events = (Scored, Skipped, SignalChanged, Refused, RunClosed, GroupRanked)
 
     def __init__(
         self, outbox: Outbox, topics: Topics, *, on_signal_sent: Callable[[str, int], None] | None = None
@@ -147,6 +161,9 @@ class MqttSink:
             if where is None:
                 where = self._progress_topics[event.run_id] = t.of(event.run_id, "progress")
             self.outbox.put(Message(where, _payload(event.data), run_id=event.run_id))
+        elif isinstance(event, Skipped):
+            if event.heartbeat is not None:
+                self.outbox.put(Message(t.of(event.run_id, "progress"), _payload(event.heartbeat), run_id=event.run_id))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
             sent = (
@@ -260,5 +277,6 @@ __all__ = [
     "Scored",
     "SignalChanged",
     "Sink",
+    "Skipped",
     "StoreSink",
 ]
