@@ -179,11 +179,20 @@ class ReplayJudge(FakeJudge):
 
     name = "replay"
 
-    def __init__(self, answers: Mapping[str, Mapping[str, Any]], *, model: str = "replay", record: bool = False):
+    def __init__(
+        self,
+        answers: Mapping[str, Mapping[str, Any]],
+        *,
+        model: str = "replay",
+        min_mass: float | None = None,
+        record: bool = False,
+    ) -> None:
         self.answers = dict(answers)
         self.missing = 0
         """Prompts asked that were never recorded (each failed)."""
         super().__init__(self._replay, model=model, record=record, usage=self._usage_of)
+        self.min_mass = min_mass
+        """The recorded judge's recommended minimum letter mass (a tiny local model's is low)."""
 
     @classmethod
     def load(cls, path: str | Path, **options: Any) -> ReplayJudge:
@@ -191,7 +200,11 @@ class ReplayJudge(FakeJudge):
         p = Path(path)
         raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
         data = json.loads(raw)
-        return cls(data["answers"], model=str(data.get("model", "replay")), **options)
+        mass = data.get("min_mass")
+        return cls(
+            data["answers"], model=str(data.get("model") or "replay"), min_mass=None if mass is None else float(mass),
+            **options,
+        )  # fmt: skip
 
     def _replay(self, prompt: Prompt) -> Answer:
         got = self.answers.get(prompt_key(prompt))
@@ -241,10 +254,13 @@ def record_answer(prompt: Prompt, response: JudgeResponse, *, digits: int = 4) -
     }  # fmt: skip
 
 
-def save_answers(path: str | Path, answers: Mapping[str, Mapping[str, Any]], *, model: str) -> Path:
-    """Write recorded answers for `ReplayJudge.load` (gzipped when the name ends in .gz)."""
+def save_answers(
+    path: str | Path, answers: Mapping[str, Mapping[str, Any]], *, model: str, min_mass: float | None = None
+) -> Path:
+    """Write recorded answers for `ReplayJudge.load` (gzipped when the name ends in .gz), with the judge's model."""
     p = Path(path)
-    raw = json.dumps({"model": model, "answers": dict(sorted(answers.items()))}, separators=(",", ":")).encode()
+    body = {"model": model, "min_mass": min_mass, "answers": dict(sorted(answers.items()))}
+    raw = json.dumps(body, separators=(",", ":")).encode()
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_bytes(gzip.compress(raw, mtime=0) if p.suffix == ".gz" else raw)
     return p

@@ -63,13 +63,13 @@ async def main() -> int:
         done[0] += 1
         print(f"{time.monotonic() - t0:7.1f}s {done[0]} {run.name} step {p.step} score {p.score}", flush=True)
         if done[0] % 20 == 0:
-            save_answers(a.out, judge.answers, model=str(judge.model))
+            save_answers(a.out, judge.answers, model=str(judge.inner.model), min_mass=judge.inner.min_mass)
 
     try:
         await score_runs(runs, judge=judge, max_steps=a.max_steps, cache=cache, on_step=step)  # type: ignore[arg-type]
     finally:
         cache.close()
-        save_answers(a.out, judge.answers, model=str(judge.model))
+        save_answers(a.out, judge.answers, model=str(judge.inner.model), min_mass=judge.inner.min_mass)
         await judge.aclose()
     print(f"recorded {len(judge.answers)} answers in {time.monotonic() - t0:.0f}s to {a.out}", file=sys.stderr)
     return 0
