@@ -362,6 +362,7 @@ class Plan:
 
 
 EVERY = Plan(True, "every step")
+TEACHING = Plan(True, "teaching: calibration learns from every step")
 
 
 def lines_in_force(state: PolicyState, extra: Mapping[str, float | None] | None = None) -> dict[str, float]:
@@ -399,7 +400,9 @@ def plan(
     force (`lines_in_force`; at or below an abort threshold always, while a streak may be building), when
     `max_gap` steps passed since the last scoring, at the run's end, at its first step and after a failed
     scoring (fail-open: a failure is never a reason to wait); otherwise not (`FAR`). A skipped step is
-    not lost: the next scoring reads the prefix that includes it.
+    not lost: the next scoring reads the prefix that includes it. An "auto" run whose outcome will teach
+    the calibration (none armed yet, or held out) is scored at every step: the calibrated bound is about
+    the every-step rule, and an adaptive abort is always an every-step abort at the same step.
     """
     pol = state.policy
     if pol.schedule == "every":
@@ -407,6 +410,11 @@ def plan(
     state.refresh()
     if ending:
         return Plan(True, "end", _full(pol, state, last, extra))
+    if pol.auto and not state.exposed:
+        # Its outcome will teach the calibration (no threshold armed yet, or held out): the bound is about the
+        # every-step rule (an adaptive abort is an every-step abort at the same step, see docs/calibration.md), so
+        # the runs that teach are scored at every step, with every repeat.
+        return TEACHING
     if last is None or last_step == 0:
         return Plan(True, "first", True)
     if not last.ok or last.score is None:
