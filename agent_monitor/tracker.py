@@ -491,7 +491,9 @@ class AsyncProgressTracker:
         n = await self._add(step, images, meta, context)
         return await self.score(n)
 
-    def plan(self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, float | None] | None = None) -> Plan:
+    def plan(
+        self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, float | None] | None = None
+    ) -> Plan:
         """Whether the policy's schedule scores the prefix of `n` steps now (see `policy.plan`); no policy: always.
 
         `extra` adds thresholds the run's policy state does not hold (a group's pruning line, as `prune`).

@@ -27,7 +27,7 @@ def _answer(p: Any) -> Any:
 
 async def _step(h: Harness, run: str, i: int) -> None:
     await h.publish(run, "step", {"index": i, "text": f"{run} step {i}"})
-    await h.until(lambda: any(p["step"] == i or p.get("age_steps") is not None and p["step"] + p["age_steps"] == i
+    await h.until(lambda: any(p["step"] == i or (p.get("age_steps") is not None and p["step"] + p["age_steps"] == i)
                               for p in h.progress(run)))  # fmt: skip
 
 
@@ -59,7 +59,11 @@ async def test_adaptive_schedule_over_mqtt(broker: Mosquitto) -> None:
 
         bad = [p for p in h.progress("bad") if not p.get("heartbeat")]
         # Step 4 (max_gap) finds it below the abort threshold: every step counts from there, abort at 5 as "every".
-        assert [(p["step"], p["scheduled"]) for p in bad] == [(1, "first"), (4, "max_gap 3"), (5, "near abort_below 0.3")]
+        assert [(p["step"], p["scheduled"]) for p in bad] == [
+            (1, "first"),
+            (4, "max_gap 3"),
+            (5, "near abort_below 0.3"),
+        ]
         sig = h.seen[("bad", "signal")]
         assert [s["signal"] for s in sig] == ["abort"] and sig[0]["step"] == 5
 
@@ -73,7 +77,7 @@ async def test_adaptive_schedule_over_mqtt(broker: Mosquitto) -> None:
         await h.until(lambda: any(p.get("age_steps") == 1 and p["step"] == 7 for p in h.progress("good")))
         await h.publish("good", "end", {"outcome": "success"})
         await h.until(lambda: any(p["step"] == 8 and not p.get("heartbeat") for p in h.progress("good")))
-        last = [p for p in h.progress("good") if p["step"] == 8][0]
+        last = next(p for p in h.progress("good") if p["step"] == 8 and not p.get("heartbeat"))
         assert last["scheduled"] == "end" and last["coalesced"] == 1 and "skipped" not in last
 
         skipped = registry.get_sample_value("agent_monitor_scorings_skipped_total", {"reason": FAR})

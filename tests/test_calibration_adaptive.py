@@ -60,7 +60,9 @@ def _simulate(alpha: float, gap: float, families: int = 150) -> tuple[float, flo
         for i, (ok, scores) in enumerate(_runs(rng, 120, gap)):
             run_id = f"fam-{f}-r{i}"
             state = PolicyState(
-                policy, threshold=lambda: cal.threshold(fam, policy), held_out=held_out(run_id, policy.holdout)
+                policy,
+                threshold=lambda cal=cal, fam=fam: cal.threshold(fam, policy),  # type: ignore[misc]
+                held_out=held_out(run_id, policy.holdout),
             )
             armed = cal.threshold(fam, policy).value is not None and not state.held_out
             at, points, n = _live(state, scores)
@@ -97,9 +99,7 @@ def test_an_every_family_does_not_arm_adaptive_runs() -> None:
     """Same task, judge and rubric: the schedule splits the family, so 30 successes under every arm nothing adaptive."""
     judge = FakeJudge(["C"])
     every = AsyncProgressTracker("fix the test", judge=judge, policy=Policy(abort_below="auto"))
-    adaptive = AsyncProgressTracker(
-        "fix the test", judge=judge, policy=Policy(abort_below="auto", schedule="adaptive")
-    )
+    adaptive = AsyncProgressTracker("fix the test", judge=judge, policy=Policy(abort_below="auto", schedule="adaptive"))
     assert every.family != adaptive.family
     assert every.family.rubric == every.rubric.hash  # the "every" key is as it always was (stored families stay)
     cal = Calibration()

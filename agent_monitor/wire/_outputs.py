@@ -133,7 +133,7 @@ class ProgressOut(_Out):
     )
     skipped: str | None = Field(
         default=None,
-        description='Why the coalesced - 1 steps folded into this score were not scored alone, when the adaptive '
+        description="Why the coalesced - 1 steps folded into this score were not scored alone, when the adaptive "
         'schedule chose it ("far from thresholds"); absent when they only arrived during a scoring.',
     )
     heartbeat: bool = Field(
