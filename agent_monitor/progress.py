@@ -297,8 +297,12 @@ class ProgressJSON(TypedDict):
     signal: Signal | None
     decision: DecisionJSON | None
     degraded: bool
-    scheduled: NotRequired[str | None]
-    skipped: NotRequired[str | None]
+    scheduled: str | None
+    skipped: str | None
+    # Only in a heartbeat (serve --heartbeat): the last score published again for a step the schedule skipped.
+    heartbeat: NotRequired[bool]
+    age_steps: NotRequired[int | None]
+    age_s: NotRequired[float | None]
 
 
 class ScoringFailed(ValueError):
@@ -422,12 +426,9 @@ class Progress:
             "signal": self.signal.signal if self.signal else None,
             "decision": self.signal.to_json() if self.signal else None,
             "degraded": self.degraded,
+            "scheduled": self.scheduled,
+            "skipped": self.skipped,
         }
-        # Only under the adaptive schedule: a result scored at every step keeps the form it always had.
-        if self.scheduled is not None:
-            out["scheduled"] = self.scheduled
-        if self.skipped is not None:
-            out["skipped"] = self.skipped
         return out
 
     @classmethod

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_monitor.evaluate import ScoreCache, score_runs
-from agent_monitor.judges.base import JudgeRequest, JudgeResponse
+from agent_monitor.judges import JudgeRequest, JudgeResponse
 from agent_monitor.judges.llamacpp import LlamaCppJudge
 from agent_monitor.recorded import iter_recorded
 from agent_monitor.testing import record_answer, save_answers

@@ -25,6 +25,7 @@ from ._sinks import (
     RunOpened,
     Scored,
     SignalChanged,
+    Skipped,
     Sink,
 )
 from ._source import Inbound, Ingest, RunsView, Source
@@ -80,6 +81,7 @@ __all__ = [
     "RunsView",
     "Scored",
     "SignalChanged",
+    "Skipped",
     "Sink",
     "Source",
     "SqliteStore",
