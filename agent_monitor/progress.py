@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal, NotRequired, TypedDict, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 from .scale import CriterionScore
 
@@ -299,10 +299,6 @@ class ProgressJSON(TypedDict):
     degraded: bool
     scheduled: str | None
     skipped: str | None
-    # Only in a heartbeat (serve --heartbeat): the last score published again for a step the schedule skipped.
-    heartbeat: NotRequired[bool]
-    age_steps: NotRequired[int | None]
-    age_s: NotRequired[float | None]
 
 
 class ScoringFailed(ValueError):

@@ -129,20 +129,16 @@ class ProgressOut(_Out):
     scheduled: str | None = Field(
         default=None,
         description='Under policy schedule "adaptive": why this step was scored ("near abort_below 0.4", '
-        '"max_gap 4", "end", "first", "after a failure"); absent under "every".',
+        '"max_gap 4", "end", "first", "after a failure"); null under "every".',
     )
     skipped: str | None = Field(
         default=None,
         description="Why the coalesced - 1 steps folded into this score were not scored alone, when the adaptive "
-        'schedule chose it ("far from thresholds"); absent when they only arrived during a scoring.',
+        'schedule chose it ("far from thresholds"); null when they only arrived during a scoring. With serve '
+        "--heartbeat, a step the schedule skips gets the run's last score again with three more keys: "
+        '"heartbeat": true, "age_steps" (steps since it was made) and "age_s" (seconds since it was published); '
+        "a heartbeat is not a new scoring.",
     )
-    heartbeat: bool = Field(
-        default=False,
-        description="A republished score (serve --heartbeat): the run's last score again, for a step the adaptive "
-        "schedule did not score; `age_steps` and `age_s` say how old it is. Not a new scoring.",
-    )
-    age_steps: int | None = Field(default=None, description="With heartbeat: steps since the score was made.")
-    age_s: float | None = Field(default=None, description="With heartbeat: seconds since the score was published.")
 
     @classmethod
     def from_progress(cls, progress: Progress, *, run_id: str | None = None) -> ProgressOut:
