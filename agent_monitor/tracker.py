@@ -38,7 +38,7 @@ from .options import (
     ScoringOptions,
     TrackerOptions,
 )
-from .policy import EVERY, Plan, PolicyState, held_out, plan, resolve
+from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
 from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -367,6 +367,7 @@ class AsyncProgressTracker:
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
         self._scored = 0
+        self._skipped = 0
         # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not their own.
         self._scheduler: Scheduler[int] | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -670,12 +671,26 @@ class AsyncProgressTracker:
                 self._log.error("step_rejected", error=str(e))
         n = len(self.steps)
         if n > self._scored:
-            await self.score(n, coalesced=n - self._scored)
+            plan = self.plan(n)
+            if not plan.score:
+                self._skipped = n  # the schedule waits: a later submit (or drain, the run's end) scores it
+                return
+            skipped = FAR if self._skipped > self._scored else None
+            await self.score(n, coalesced=n - self._scored, plan=plan, skipped=skipped)
 
     async def drain(self) -> Progress | None:
-        """Wait until every submitted step is folded into a score; return the latest result."""
+        """Wait until every submitted step is folded into a score; return the latest result.
+
+        Under the adaptive schedule this is the run's end as far as the tracker knows: steps it skipped are
+        scored now (`scheduled: "end"`).
+        """
         if self._scheduler is not None:
             await self._scheduler.drain()
+        n = len(self.steps)
+        state = self.policy_state
+        if n > self._scored and state is not None and state.policy.schedule != "every" and state.signal != "abort":
+            skipped = FAR if self._skipped > self._scored else None
+            await self.score(n, coalesced=n - self._scored, plan=self.plan(n, ending=True), skipped=skipped)
         return self.latest
 
 
