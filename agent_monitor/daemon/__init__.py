@@ -25,8 +25,8 @@ from ._sinks import (
     RunOpened,
     Scored,
     SignalChanged,
-    Skipped,
     Sink,
+    Skipped,
 )
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import RunLimits
@@ -81,8 +81,8 @@ __all__ = [
     "RunsView",
     "Scored",
     "SignalChanged",
-    "Skipped",
     "Sink",
+    "Skipped",
     "Source",
     "SqliteStore",
     "StepView",
