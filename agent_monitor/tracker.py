@@ -492,27 +492,16 @@ class AsyncProgressTracker:
         n = await self._add(step, images, meta, context)
         return await self.score(n)
 
-    def plan(
-        self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, float | None] | None = None
-    ) -> Plan:
-        """Whether the policy's schedule scores the prefix of `n` steps now (see `policy.plan`); no policy: always.
-
-        `extra` adds thresholds the run's policy state does not hold (a group's pruning line, as `prune`).
-        """
-        state = self.policy_state
-        if state is None:
-            return EVERY
-        n = len(self.steps) if n is None else n
-        return plan(state, n, last=self.latest, last_step=self._scored, ending=ending, extra=extra)
+    def plan(self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, Any] | None = None) -> Plan:
+        """Whether the schedule scores the prefix of `n` steps now (`policy.plan`; `extra`: e.g. a `prune` line)."""
+        return _plan_of(self, len(self.steps) if n is None else n, ending, extra)
 
     async def score(
         self, n: int | None = None, *, coalesced: int = 1, plan: Plan | None = None, skipped: str | None = None
     ) -> Progress:
         """Score the prefix of `n` steps (default: all steps so far) and record the result.
 
-        `plan` (from `plan()`) says why it is scored and whether the repeats are spent (else: one repeat);
-        `skipped` why the steps folded into it were not scored alone.
-        """
+        `plan()`'s plan says why, and if the repeats are spent; `skipped` why the folded steps were not scored."""
         await self._materialise()
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
@@ -669,29 +658,34 @@ class AsyncProgressTracker:
             except Exception as e:
                 # An undecodable image fails that step's submission (it was popped), not the run.
                 self._log.error("step_rejected", error=str(e))
-        n = len(self.steps)
-        if n > self._scored:
-            plan = self.plan(n)
-            if not plan.score:
-                self._skipped = n  # the schedule waits: a later submit (or drain, the run's end) scores it
-                return
-            skipped = FAR if self._skipped > self._scored else None
-            await self.score(n, coalesced=n - self._scored, plan=plan, skipped=skipped)
+        await _follow_schedule(self, ending=False)
 
     async def drain(self) -> Progress | None:
         """Wait until every submitted step is folded into a score; return the latest result.
 
-        Under the adaptive schedule this is the run's end as far as the tracker knows: steps it skipped are
-        scored now (`scheduled: "end"`).
-        """
+        Under "adaptive" the run's end as far as the tracker knows: the steps it skipped are scored now."""
         if self._scheduler is not None:
             await self._scheduler.drain()
-        n = len(self.steps)
-        state = self.policy_state
-        if n > self._scored and state is not None and state.policy.schedule != "every" and state.signal != "abort":
-            skipped = FAR if self._skipped > self._scored else None
-            await self.score(n, coalesced=n - self._scored, plan=self.plan(n, ending=True), skipped=skipped)
+        await _follow_schedule(self, ending=True)
         return self.latest
+
+
+def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None) -> Plan:
+    state = t.policy_state
+    return EVERY if state is None else plan(state, n, last=t.latest, last_step=t._scored, ending=ending, extra=extra)
+
+
+async def _follow_schedule(t: AsyncProgressTracker, *, ending: bool) -> None:
+    """Score a tracker's newest prefix when its schedule says so (`ending`: the run's end, as far as it knows)."""
+    n, state = len(t.steps), t.policy_state
+    if n <= t._scored or (ending and (state is None or state.policy.schedule == "every" or state.signal == "abort")):
+        return
+    plan = t.plan(n, ending=ending)
+    if not plan.score:
+        t._skipped = n  # the schedule waits: a later submit, or drain (the run's end), scores it
+        return
+    skipped = FAR if t._skipped > t._scored else None
+    await t.score(n, coalesced=n - t._scored, plan=plan, skipped=skipped)
 
 
 async def score_prefix(
