@@ -21,7 +21,7 @@ from agent_monitor.evaluate import ScoreCache, score_runs
 from agent_monitor.judges import JudgeRequest, JudgeResponse
 from agent_monitor.judges.llamacpp import LlamaCppJudge
 from agent_monitor.recorded import iter_recorded
-from agent_monitor.testing import record_answer, save_answers
+from agent_monitor.testing import ReplayJudge, record_answer, save_answers
 
 
 class Recording:
@@ -52,9 +52,13 @@ async def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--max-steps", type=int, default=12)
     ap.add_argument("--cache", default="/tmp/adaptive/record-cache.sqlite3")
+    ap.add_argument("--n-ctx", type=int, default=8192, help="the local judge's context (long prefixes overflow 8192)")
+    ap.add_argument("--merge", help="answers recorded before (their prefixes are cache hits: only the rest is asked)")
     a = ap.parse_args()
     runs = list(iter_recorded(a.data))
-    judge = Recording(LlamaCppJudge(), Path(a.out))
+    judge = Recording(LlamaCppJudge(n_ctx=a.n_ctx, timeout_s=600.0), Path(a.out))
+    if a.merge:
+        judge.answers.update(ReplayJudge.load(a.merge).answers)
     cache = ScoreCache(a.cache)
     t0 = time.monotonic()
     done = [0]
