@@ -35,7 +35,9 @@ from agent_monitor.wire import BrokerSettings
 FIXTURE = REPO / "tests" / "fixtures" / "adaptive" / "answers.json.gz"
 
 
-async def one(broker_url: str, port: int, runs: list[Any], policy: Policy, answers: Path) -> dict[str, Any]:
+async def one(
+    broker_url: str, port: int, runs: list[Any], policy: Policy, answers: Path, dump: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Every run through a fresh monitor under `policy`: tokens, calls, scorings, aborts (run -> step)."""
     judge = ReplayJudge.load(answers)
     config = MonitorConfig(
@@ -56,6 +58,8 @@ async def one(broker_url: str, port: int, runs: list[Any], policy: Policy, answe
                 if not body:
                     continue
                 data = json.loads(body)
+                if m.retain:
+                    continue  # an earlier monitor's retained signal: not this pass's
                 if kind == "progress":
                     seen[run].append(data)
                 elif data.get("signal") == "abort":
@@ -63,7 +67,8 @@ async def one(broker_url: str, port: int, runs: list[Any], policy: Policy, answe
                 changed.set()
 
         task = asyncio.create_task(collect())
-        names = [f"r{i}" for i in range(len(runs))]
+        tag = policy.schedule[0] + str(time.monotonic_ns() % 10**6)  # run ids of their own per pass
+        names = [f"{tag}-r{i}" for i in range(len(runs))]
 
         def reached(run: str, i: int) -> bool:
             return any(p["step"] + (p.get("age_steps") or 0) >= i for p in seen[run]) or run in aborts
@@ -88,13 +93,15 @@ async def one(broker_url: str, port: int, runs: list[Any], policy: Policy, answe
                                                   for p in seen[n]) for n, r in zip(names, runs, strict=True)))  # fmt: skip
         wall = time.monotonic() - t0
         task.cancel()
+    if dump is not None:
+        dump.update({n.split("-", 1)[1]: seen[n] for n in names})
     scored = [p for n in names for p in seen[n] if not p.get("heartbeat")]
     return {
         "tokens": sum(p["tokens"]["input"] + p["tokens"]["output"] for p in scored),
         "calls": sum(p["calls"] for p in scored),
         "scorings": len(scored),
         "heartbeats": sum(bool(p.get("heartbeat")) for n in names for p in seen[n]),
-        "aborts": {n: aborts[n] for n in names if n in aborts},
+        "aborts": {n.split("-", 1)[1]: aborts[n] for n in names if n in aborts},
         "wall_s": wall,
     }
 
