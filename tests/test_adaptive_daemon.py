@@ -45,6 +45,7 @@ async def test_adaptive_schedule_over_mqtt(broker: Mosquitto) -> None:
 
         good = h.progress("good")
         scored = [p for p in good if not p.get("heartbeat")]
+        assert registry.get_sample_value("agent_monitor_decision_judge_tokens_count") == 1  # bad's abort
         beats = [p for p in good if p.get("heartbeat")]
         # Far above the only threshold: step 1 (first), then every max_gap steps; the rest fold in.
         assert [(p["step"], p["scheduled"], p["coalesced"]) for p in scored] == [
@@ -79,6 +80,10 @@ async def test_adaptive_schedule_over_mqtt(broker: Mosquitto) -> None:
         await h.until(lambda: any(p["step"] == 8 and not p.get("heartbeat") for p in h.progress("good")))
         last = next(p for p in h.progress("good") if p["step"] == 8 and not p.get("heartbeat"))
         assert last["scheduled"] == "end" and last["coalesced"] == 1 and last["skipped"] is None
+        # What the run cost, observed when it closed: its totals as its last score carries them.
+        assert registry.get_sample_value("agent_monitor_run_judge_tokens_count") == 1
+        spent = last["totals"]["input"] + last["totals"]["output"]
+        assert registry.get_sample_value("agent_monitor_run_judge_tokens_sum") == spent
 
         skipped = registry.get_sample_value("agent_monitor_scorings_skipped_total", {"reason": FAR})
         # Counted when the step arrived (step 8 was then scored at the end). good: 2, 3, 5, 6, 8; bad: 2, 3; flaky: 3, 4, 6, 7 (after its failure at 1, step 2 was scored).

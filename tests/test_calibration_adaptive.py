@@ -130,3 +130,21 @@ def test_plan_scores_near_and_below_thresholds_and_skips_far() -> None:
     failed = Progress(step=1, score=None, uncertainty=None, criteria={}, ok=False, reason="timeout")
     assert plan(state, 2, last=failed, last_step=1).reason == "after a failure"
     assert plan(PolicyState(Policy(abort_below=0.4)), 2, last=None, last_step=1).reason == "every step"
+
+
+def test_a_groups_pruning_line_is_a_threshold_in_force() -> None:
+    """In a group, the pruning line (k-th best sibling less prune_margin) makes a step near it scored."""
+    from agent_monitor.groups import GroupState
+
+    g = GroupState("g", Policy(min_steps=1, patience=2, keep_top=1, prune_margin=0.2))
+    for r in ("a", "b"):
+        g.join(r)
+    g.observe("a", step=1, score=0.8, uncertainty=0.05)
+    g.observe("b", step=1, score=0.62, uncertainty=0.05)
+    line = g.prune_line("b")
+    assert line == pytest.approx(0.6)
+    assert g.prune_line("nobody") is None and GroupState("h", Policy()).prune_line("a") is None
+    state = PolicyState(Policy(schedule="adaptive", margin=2.0))
+    last = Progress(step=1, score=0.62, uncertainty=0.05, criteria={}, ok=True)
+    assert plan(state, 2, last=last, last_step=1, extra={"prune": line}).reason == "near prune 0.6"
+    assert plan(state, 2, last=last, last_step=1).reason == FAR  # no line in force: far from everything
