@@ -171,8 +171,8 @@ class ReplayJudge(FakeJudge):
     """A scripted judge that replays a real judge's recorded letter distributions and token counts, by prompt.
 
     `answers` maps `prompt_key(prompt)` to `{"p": {letter: probability}, "in": input tokens, "cached": cached
-    input tokens, "out": output tokens}` (what `record_answer` writes); `load` reads a (gzipped) JSON file of
-    them. Every repeat gets the recorded distribution (the recording judge was deterministic); each call
+    input tokens, "out": output tokens}` (what `record_answer` writes), or to `{"error": reason}` for a prompt
+    the recorded judge failed on (replayed as that failure); `load` reads a (gzipped) JSON file of them. Every repeat gets the recorded distribution (the recording judge was deterministic); each call
     reports the recorded usage times `request.repeats` (a server without a prefix cache reads the prompt once
     per repeat). A prompt that was never recorded fails as `bad_response`: a replay never makes up a score.
     """
@@ -211,11 +211,13 @@ class ReplayJudge(FakeJudge):
         if got is None:
             self.missing += 1
             return FakeJudge.failure("bad_response", f"no recorded answer for this prompt (step {prompt.step})")
+        if "error" in got:  # the recorded judge failed on this prompt (e.g. context_overflow): so does the replay
+            return FakeJudge.failure(str(got["error"]), f"recorded failure (step {prompt.step})")
         return {k: float(v) for k, v in got["p"].items()}
 
     def _usage_of(self, prompt: Prompt) -> Usage:
         got = self.answers.get(prompt_key(prompt))
-        if got is None:
+        if got is None or "error" in got:
             return Usage()
         return Usage(int(got["in"]), int(got.get("cached", 0)), int(got.get("out", 1)))
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from agent_monitor.evaluate import ScoreCache, score_runs
-from agent_monitor.judges import JudgeRequest, JudgeResponse
+from agent_monitor.judges import JudgeError, JudgeRequest, JudgeResponse
 from agent_monitor.judges.llamacpp import LlamaCppJudge
 from agent_monitor.recorded import iter_recorded
-from agent_monitor.testing import ReplayJudge, record_answer, save_answers
+from agent_monitor.testing import ReplayJudge, prompt_key, record_answer, save_answers
 
 
 class Recording:
@@ -35,8 +35,12 @@ class Recording:
         self.answers: dict[str, dict[str, Any]] = {}
 
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
-        """Ask the inner judge; keep its answer."""
-        r = await self.inner.grade(request)
+        """Ask the inner judge; keep its answer (or the reason it failed: the replay fails alike)."""
+        try:
+            r = await self.inner.grade(request)
+        except JudgeError as e:
+            self.answers[prompt_key(request.prompt)] = {"error": e.reason}
+            raise
         key, value = record_answer(request.prompt, r)
         self.answers[key] = value
         return r
