@@ -69,6 +69,10 @@ class Policy:
       `keep_top` live runs. `compare` orders leaders pointwise scores cannot separate by pairwise
       judge calls. See `agent_monitor.groups`.
     - A failed judge call changes nothing (fail-open): no abort from an outage.
+    - schedule: "every" scores each step (coalescing aside); "adaptive" only where a decision could
+      change (`plan`: within `margin` uncertainties of a threshold in force, or below an abort
+      threshold; every `max_gap` steps; at the end), the other steps folding into the next scoring;
+      with `repeats_near`, the repeats only near a threshold. See docs/schedule.md.
     """
 
     abort_below: float | Literal["auto"] | None = field(
