@@ -178,9 +178,15 @@ class Family:
     rubric: str
 
     @classmethod
-    def of(cls, *, family: str | None, task: str, model: str, rubric: str) -> Family:
-        """A run's family: its `family` when given, else its task text (long texts by their hash)."""
-        return cls(family if family else task_family(task), model, rubric)
+    def of(cls, *, family: str | None, task: str, model: str, rubric: str, schedule: str = "every") -> Family:
+        """A run's family: its `family` when given, else its task text (long texts by their hash).
+
+        A schedule other than "every" is part of the key (in its rubric part, so the keys of runs scored at
+        every step stay as they were): the bound holds when calibration runs and live runs follow the same
+        rule, so a family learnt under "every" does not arm runs scored under "adaptive", nor the reverse.
+        """
+        key = rubric if schedule == "every" else f"{rubric} schedule={schedule}"
+        return cls(family if family else task_family(task), model, key)
 
 
 def task_family(task: str) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from .calibration import Calibration, Family, Threshold, min_successes, task_family
 from .criteria import CriteriaSpec
 from .judges.base import Judge
-from .policy import AUTO, Policy, PolicyState, held_out
+from .policy import AUTO, FAR, Policy, PolicyState, Schedule, held_out
 from .progress import Progress
 from .recorded import RecordedRun
 from .selection import Comparison
@@ -452,6 +452,194 @@ def report_json(report: Report) -> dict[str, Any]:
         "sweep": [dataclasses.asdict(r) for r in report.sweep],
         "recommended": dataclasses.asdict(report.recommended) if report.recommended else None,
     }
+
+
+@dataclass(slots=True)
+class ScheduledRun:
+    """One recorded run scored live under one schedule: which steps were scored (and why), what it cost, its abort."""
+
+    name: str
+    outcome: float | None
+    steps: int
+    scored: dict[int, str] = field(default_factory=dict)
+    """Step -> why it was scored ("every step", "near abort_below 0.4", "max_gap 4", "end", ...)."""
+    skipped: dict[int, str] = field(default_factory=dict)
+    """Step -> why it was not scored alone (`FAR`): it folded into the next scoring."""
+    calls: int = 0
+    tokens: int = 0
+    """Judge tokens, input and output, over every scoring (failed ones too: they were spent)."""
+    abort_step: int | None = None
+    abort_tokens: int | None = None
+    """The run's judge tokens up to its abort decision (None: not aborted)."""
+    failed: int = 0
+
+
+@dataclass(slots=True)
+class ScheduleReport:
+    """Every run under each schedule, for `eval --schedule every,adaptive`."""
+
+    policy: Policy
+    runs: dict[str, list[ScheduledRun]]
+    """Schedule -> its runs, in the recorded order."""
+
+    def totals(self, schedule: str) -> dict[str, Any]:
+        """Judge calls and tokens, scorings made and skipped, and aborts under one schedule."""
+        rs = self.runs[schedule]
+        aborts = {r.name: r.abort_step for r in rs if r.abort_step is not None}
+        spent = [r.abort_tokens for r in rs if r.abort_tokens is not None]
+        return {
+            "runs": len(rs),
+            "steps": sum(r.steps for r in rs),
+            "scorings": sum(len(r.scored) for r in rs),
+            "skipped": sum(len(r.skipped) for r in rs),
+            "failed": sum(r.failed for r in rs),
+            "calls": sum(r.calls for r in rs),
+            "tokens": sum(r.tokens for r in rs),
+            "tokens_per_run": sum(r.tokens for r in rs) / len(rs) if rs else None,
+            "tokens_per_decision": sum(spent) / len(spent) if spent else None,
+            "aborts": aborts,
+        }
+
+    def compare(self, base: str = "every", other: str = "adaptive") -> dict[str, Any]:
+        """Whether `other` made `base`'s abort decisions (same runs, abort step within max_gap), and its token saving."""
+        a, b = self.totals(base), self.totals(other)
+        gap = self.policy.max_gap
+        same_runs = set(a["aborts"]) == set(b["aborts"])
+        late = {n: b["aborts"][n] - s for n, s in a["aborts"].items() if n in b["aborts"]}
+        within = same_runs and all(0 <= d <= gap for d in late.values())
+        saved = 1.0 - b["tokens"] / a["tokens"] if a["tokens"] else None
+        return {
+            "same_runs": same_runs,
+            "within_max_gap": within,
+            "abort_delay": late,
+            "only_" + base: sorted(set(a["aborts"]) - set(b["aborts"])),
+            "only_" + other: sorted(set(b["aborts"]) - set(a["aborts"])),
+            "tokens_saved": saved,
+            "calls_saved": 1.0 - b["calls"] / a["calls"] if a["calls"] else None,
+        }
+
+
+async def score_scheduled(
+    runs: Sequence[RecordedRun],
+    *,
+    judge: Judge,
+    policy: Policy,
+    schedule: Schedule,
+    criteria: CriteriaSpec = None,
+    min_mass: float | None = None,
+    repeats: int = DEFAULT_REPEATS,
+    max_steps: int | None = None,
+    cache: ScoreCache | None = None,
+) -> list[ScheduledRun]:
+    """Every run stepped through live under `schedule`: each step planned as the monitor plans it, scored or skipped.
+
+    The run's policy decides as live (a fixed `abort_below`: "auto" needs `calibrate`'s online replay), so
+    the schedule sees the thresholds in force, the best score and the streak. A cache hit counts the tokens
+    the recorded scoring spent: the figures are what the judge would be paid, whatever was cached.
+    """
+    pol = dataclasses.replace(policy, schedule=schedule)
+    out = []
+    for run in runs:
+        steps = run.steps[:max_steps] if max_steps else run.steps
+        tracker = AsyncProgressTracker(
+            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
+            policy=pol,
+        )  # fmt: skip
+        r = ScheduledRun(run.name, run.outcome, len(steps))
+        texts: list[str] = [run.task]
+        last = 0
+        for i, step in enumerate(steps, 1):
+            await tracker.add(step.text)
+            texts.append(step.text)
+            if r.abort_step is not None:
+                continue  # the harness was told to stop: nothing more is scored
+            plan = tracker.plan(i, ending=i == len(steps))
+            if not plan.score:
+                r.skipped[i] = plan.reason
+                continue
+            k = repeats if plan.full else 1
+            key = _key([*_setting(judge, tracker, k), *texts])
+            hit = cache.get(key) if cache else None
+            skipped = FAR if i - last > 1 else None
+            if hit is not None:
+                hit = dataclasses.replace(hit, coalesced=i - last, scheduled=plan.reason, skipped=skipped)
+                tracker.restore([hit])
+                p = tracker.latest
+                assert p is not None
+            else:
+                p = await tracker.score(i, coalesced=i - last, plan=plan, skipped=skipped)
+                if cache:
+                    cache.put(key, dataclasses.replace(p, signal=None, totals=p.usage, delta=None))
+            last = i
+            r.scored[i] = plan.reason if schedule != "every" else "every step"
+            r.calls += p.calls
+            r.tokens += p.usage.input_tokens + p.usage.output_tokens
+            r.failed += not p.ok
+            if p.signal is not None and p.signal.signal == "abort":
+                r.abort_step, r.abort_tokens = i, r.tokens
+        out.append(r)
+    return out
+
+
+def schedule_summary(report: ScheduleReport) -> str:
+    """The schedules side by side: judge calls and tokens, scorings skipped, abort decisions and their steps."""
+    pol = report.policy
+    lines = [
+        f"schedules (abort_below {pol.abort_below}, min_steps {pol.min_steps}, patience {pol.patience}; adaptive: "
+        f"max_gap {pol.max_gap}, margin {pol.margin:g}, repeats_near {str(pol.repeats_near).lower()})",
+        f"{'schedule':<10} {'scorings':>8} {'skipped':>7} {'calls':>6} {'judge tokens':>12} {'per run':>9} "
+        f"{'per abort':>9}  aborts (run@step)",
+    ]
+    for name in report.runs:
+        t = report.totals(name)
+        per_run = "n/a" if t["tokens_per_run"] is None else f"{t['tokens_per_run']:.0f}"
+        per_dec = "n/a" if t["tokens_per_decision"] is None else f"{t['tokens_per_decision']:.0f}"
+        aborts = ", ".join(f"{_short(n, 32)}@{s}" for n, s in t["aborts"].items()) or "none"
+        lines.append(
+            f"{name:<10} {t['scorings']:>8} {t['skipped']:>7} {t['calls']:>6} {t['tokens']:>12} {per_run:>9} "
+            f"{per_dec:>9}  {len(t['aborts'])}: {aborts}"
+        )
+    if "every" in report.runs and "adaptive" in report.runs:
+        c = report.compare()
+        same = "the same runs" if c["same_runs"] else "different runs"
+        lines.append(
+            f"adaptive vs every: {same} aborted"
+            + (f", each within max_gap {pol.max_gap} steps" if c["within_max_gap"] else "")
+            + f"; judge tokens {_signed(c['tokens_saved'])} fewer, calls {_signed(c['calls_saved'])} fewer"
+        )
+        if c["only_every"] or c["only_adaptive"]:
+            lines.append(f"  aborted only under every: {c['only_every']}; only under adaptive: {c['only_adaptive']}")
+        if not c["within_max_gap"] and c["abort_delay"]:
+            lines.append(f"  abort step adaptive minus every: {c['abort_delay']}")
+    return "\n".join(lines)
+
+
+def _signed(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def schedule_json(report: ScheduleReport) -> dict[str, Any]:
+    """The schedules' report as JSON-ready data: totals, the comparison, and per run which steps were scored and why."""
+    out: dict[str, Any] = {"policy": report.policy.as_dict(), "schedules": {}}
+    for name, rs in report.runs.items():
+        out["schedules"][name] = {
+            "totals": report.totals(name),
+            "runs": [
+                {
+                    "name": r.name, "outcome": r.outcome, "steps": r.steps, "calls": r.calls, "tokens": r.tokens,
+                    "abort_step": r.abort_step, "abort_tokens": r.abort_tokens,
+                    "curve": [
+                        {"step": i, "scored": r.scored[i]} if i in r.scored else {"step": i, "skipped": r.skipped[i]}
+                        for i in range(1, r.steps + 1)
+                        if i in r.scored or i in r.skipped
+                    ],
+                }
+                for r in rs
+            ],
+        }  # fmt: skip
+    if "every" in report.runs and "adaptive" in report.runs:
+        out["compare"] = report.compare()
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -457,6 +457,17 @@ class GroupState:
         except KeyError:
             raise KeyError(f"run {run_id!r} is not in group {self.group!r}; join it first") from None
 
+    def prune_line(self, run_id: str) -> float | None:
+        """The score below which a live member falls behind (the `keep_top`-th best sibling's less `prune_margin`).
+
+        None: no pruning in this group, the run is not live in it, or it has too few scored siblings.
+        """
+        m = self._members.get(run_id)
+        if self.policy.prune_margin is None or m is None or m.state != "live":
+            return None
+        kth = self._kth_sibling(m)
+        return None if kth is None or kth.score is None else kth.score - self.policy.prune_margin
+
     def _kth_sibling(self, m: Member) -> Member | None:
         """The `keep_top`-th best scored live sibling of `m` (None: fewer than `keep_top` of them)."""
         k = self.policy.keep_top

@@ -18,6 +18,17 @@ DEFAULT_ALPHA = 0.05
 """The default bound on the share of successful runs an "auto" threshold may abort."""
 DEFAULT_HOLDOUT = 0.1
 """The default share of "auto" runs never aborted by the calibrated rule, so that they keep teaching it."""
+Schedule = Literal["every", "adaptive"]
+"""When a run's steps are scored: every step (coalescing aside), or where a decision could change (see `plan`)."""
+SCHEDULES: tuple[Schedule, ...] = ("every", "adaptive")
+DEFAULT_MAX_GAP = 4
+"""Under the adaptive schedule: the most steps a run goes without a scoring."""
+DEFAULT_MARGIN = 2.0
+"""Under the adaptive schedule: how near a threshold (in units of the last score's uncertainty) a run is scored."""
+MIN_UNCERTAINTY = 0.05
+"""The least uncertainty the margin is measured in: a judge sure of this step's letter is not sure of the next."""
+FAR = "far from thresholds"
+"""Why the adaptive schedule skipped a step (the one reason: a decision could not change there)."""
 
 
 class PolicyError(ValueError):
@@ -59,6 +70,10 @@ class Policy:
       judge calls. A group whose runs' calibrated calls all say fail (or all say pass) with
       `uniform_confidence` is flagged on its ranking (`agent_monitor.uniform`, docs/groups.md).
     - A failed judge call changes nothing (fail-open): no abort from an outage.
+    - schedule: "every" scores each step (coalescing aside); "adaptive" only where a decision could
+      change (`plan`: within `margin` uncertainties of a threshold in force, or below an abort
+      threshold; every `max_gap` steps; at the end), the other steps folding into the next scoring;
+      with `repeats_near`, the repeats only near a threshold. See docs/schedule.md.
     """
 
     abort_below: float | Literal["auto"] | None = field(
@@ -112,6 +127,31 @@ class Policy:
             "can cancel it) once the calibrated calls of all its runs give this confidence; none: never flag"
         },
     )
+    schedule: Schedule = field(
+        default="every",
+        metadata={
+            "help": "when to score a step: every (each step, coalescing aside) or adaptive (only where a decision "
+            "could change: near a threshold, every max-gap steps, at the end; the rest fold into the next scoring)"
+        },
+    )
+    max_gap: int = field(
+        default=DEFAULT_MAX_GAP,
+        metadata={"help": "with schedule adaptive: the most steps a run goes without a scoring"},
+    )
+    margin: float = field(
+        default=DEFAULT_MARGIN,
+        metadata={
+            "help": "with schedule adaptive: score when the last score is within this many uncertainties of a "
+            "threshold in force (below an abort threshold: always)"
+        },
+    )
+    repeats_near: bool = field(
+        default=True,
+        metadata={
+            "help": "with schedule adaptive: spend the repeats only near a threshold (one repeat elsewhere); "
+            "false: every scoring gets them"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("abort_below", "resample_below", "regression", "prune_margin"):
@@ -151,6 +191,16 @@ class Policy:
             )
         if not isinstance(self.compare, bool):
             raise PolicyError(f"policy compare={self.compare!r}: use true or false")
+        if self.schedule not in SCHEDULES:
+            raise PolicyError(f"policy schedule={self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        g = self.max_gap
+        if isinstance(g, bool) or not (isinstance(g, int) and 1 <= g <= 1000):
+            raise PolicyError(f"policy max_gap={g!r}: use an integer from 1 to 1000 (steps between scorings)")
+        m = self.margin
+        if isinstance(m, bool) or not (isinstance(m, (int, float)) and math.isfinite(m) and m >= 0.0):
+            raise PolicyError(f"policy margin={m!r}: use a finite number >= 0 (uncertainties), e.g. {DEFAULT_MARGIN}")
+        if not isinstance(self.repeats_near, bool):
+            raise PolicyError(f"policy repeats_near={self.repeats_near!r}: use true or false")
 
     @property
     def auto(self) -> bool:
@@ -166,7 +216,7 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy setting(s) {unknown}; known: {sorted(known)}")
         values = dict(overrides)
-        for key in ("min_steps", "patience", "keep_top"):
+        for key in ("min_steps", "patience", "keep_top", "max_gap"):
             if isinstance(values.get(key), float) and values[key].is_integer():
                 values[key] = int(values[key])
         return dataclasses.replace(self, **values)
@@ -249,6 +299,10 @@ class PolicyState:
             n += 1
         return n
 
+    def refresh(self) -> None:
+        """Read the calibrated threshold in force now (a fixed threshold: nothing to read)."""
+        self._refresh()
+
     def _refresh(self) -> None:
         if not self.policy.auto:
             return
@@ -310,6 +364,103 @@ class PolicyState:
         if pol.regression is not None and self.best_score is not None and self.best_score - score >= pol.regression:
             return "resample", f"score fell {self.best_score - score:.2f} from its best at step {self.best_step}"
         return "continue", "on track"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Whether to score a run's newest step now, why (or why not), and whether to spend the repeats."""
+
+    score: bool
+    reason: str
+    """Why it is scored ("every step", "near abort_below 0.40", "max_gap 4", "end", "first", "after a failure")
+    or why not (`FAR`)."""
+    full: bool = True
+    """Spend the repeats (near a threshold, or schedule every); False: one cheap repeat."""
+
+
+EVERY = Plan(True, "every step")
+TEACHING = Plan(True, "teaching: calibration learns from every step")
+
+
+def lines_in_force(state: PolicyState, extra: Mapping[str, float | None] | None = None) -> dict[str, float]:
+    """The thresholds a run's next score could cross, by name: abort, resample, regression from best, and `extra`.
+
+    `extra` holds lines the policy state does not know: a group's pruning line (`prune`), for one.
+    """
+    pol = state.policy
+    out: dict[str, float] = {}
+    if state.abort_below is not None:
+        out["abort_below"] = state.abort_below
+    if pol.resample_below is not None:
+        out["resample_below"] = pol.resample_below
+    if pol.regression is not None and state.best_score is not None:
+        out["regression"] = state.best_score - pol.regression
+    for k, v in (extra or {}).items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def plan(
+    state: PolicyState,
+    step: int,
+    *,
+    last: Progress | None,
+    last_step: int,
+    ending: bool = False,
+    extra: Mapping[str, float | None] | None = None,
+) -> Plan:
+    """Under `policy.schedule`, whether step `step` is scored or folded into a later scoring (as coalescing folds).
+
+    `last` is the run's newest in-order result and `last_step` the newest step scored (0: none). Under
+    "adaptive" a step is scored when the last score is within `margin` uncertainties of a threshold in
+    force (`lines_in_force`; at or below an abort threshold always, while a streak may be building), when
+    `max_gap` steps passed since the last scoring, at the run's end, at its first step and after a failed
+    scoring (fail-open: a failure is never a reason to wait); otherwise not (`FAR`). A skipped step is
+    not lost: the next scoring reads the prefix that includes it. An "auto" run whose outcome will teach
+    the calibration (none armed yet, or held out) is scored at every step: the calibrated bound is about
+    the every-step rule, and an adaptive abort is always an every-step abort at the same step.
+    """
+    pol = state.policy
+    if pol.schedule == "every":
+        return EVERY
+    state.refresh()
+    if ending:
+        return Plan(True, "end", _full(pol, state, last, extra))
+    if pol.auto and not state.exposed:
+        # Its outcome will teach the calibration (no threshold armed yet, or held out): the bound is about the
+        # every-step rule (an adaptive abort is an every-step abort at the same step, see docs/calibration.md), so
+        # the runs that teach are scored at every step, with every repeat.
+        return TEACHING
+    if last is None or last_step == 0:
+        return Plan(True, "first", True)
+    if not last.ok or last.score is None:
+        return Plan(True, "after a failure", True)
+    near = _near(pol, state, last, extra)
+    if near is not None:
+        return Plan(True, near, True)
+    if step - last_step >= pol.max_gap:
+        return Plan(True, f"max_gap {pol.max_gap}", not pol.repeats_near)
+    return Plan(False, FAR, False)
+
+
+def _near(pol: Policy, state: PolicyState, last: Progress, extra: Mapping[str, float | None] | None) -> str | None:
+    """The threshold the last score is near (or, for an abort threshold, below), or None."""
+    assert last.score is not None
+    s = last.score
+    band = pol.margin * max(last.uncertainty or 0.0, MIN_UNCERTAINTY)
+    for name, line in lines_in_force(state, extra).items():
+        # Below an abort threshold (or a pruning line) the streak is building: every step counts toward it.
+        one_sided = name in ("abort_below", "prune")
+        if (s < line + band) if one_sided else abs(s - line) <= band:
+            return f"near {name} {line:.3g}"
+    return None
+
+
+def _full(pol: Policy, state: PolicyState, last: Progress | None, extra: Mapping[str, float | None] | None) -> bool:
+    if not pol.repeats_near or last is None or not last.ok or last.score is None:
+        return True
+    return _near(pol, state, last, extra) is not None
 
 
 def held_out(run_key: str, share: float) -> bool:

@@ -311,6 +311,8 @@ class ProgressJSON(TypedDict):
     signal: Signal | None
     decision: DecisionJSON | None
     degraded: bool
+    scheduled: str | None
+    skipped: str | None
 
 
 class ScoringFailed(ValueError):
@@ -368,7 +370,13 @@ class Progress:
     degraded: bool = False
     delta: float | None = None
     """The score's change since the run's previous scored step (None at the first, or when either has no score):
-    a shaped reward an RL trainer can use without keeping state."""
+    a shaped reward an RL trainer can use without keeping state. Per scoring: under the adaptive schedule the
+    previous scored step may be several steps back (`coalesced` says how many steps this one covers)."""
+    scheduled: str | None = None
+    """Under the adaptive schedule: why this step was scored ("near abort_below 0.4", "max_gap 4", "end", ...)."""
+    skipped: str | None = None
+    """Why the `coalesced - 1` steps folded into this one were not scored alone, when the schedule chose it
+    ("far from thresholds"); None: they only arrived while a scoring ran (coalescing)."""
 
     def __float__(self) -> float:
         """The score, as the reference library's `update` returns it; a failed scoring raises with its reason."""
@@ -396,7 +404,7 @@ class Progress:
     def to_json(self) -> ProgressJSON:
         """The one JSON form (the MQTT progress message; what the run store keeps)."""
         u, t = self.usage, self.totals
-        return {
+        out: ProgressJSON = {
             "run_id": self.run_id,
             "step": self.step,
             "score": _finite(self.score),
@@ -428,7 +436,10 @@ class Progress:
             "signal": self.signal.signal if self.signal else None,
             "decision": self.signal.to_json() if self.signal else None,
             "degraded": self.degraded,
+            "scheduled": self.scheduled,
+            "skipped": self.skipped,
         }
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Progress:
@@ -463,6 +474,8 @@ class Progress:
             run_id=data.get("run_id"),
             degraded=bool(data.get("degraded", False)),
             delta=data.get("delta"),
+            scheduled=data.get("scheduled"),
+            skipped=data.get("skipped"),
         )
 
 

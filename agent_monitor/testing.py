@@ -37,9 +37,13 @@ tracker.close()
 from __future__ import annotations
 
 import asyncio
+import gzip
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeAlias
+from pathlib import Path
+from typing import Any, TypeAlias
 
 from .judges.base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 from .progress import FAILURES, OUTAGE_REASONS, Usage
@@ -154,4 +158,114 @@ def _logprobs(answer: str | Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Answer", "FakeJudge", "letter_at"]
+def prompt_key(prompt: Prompt) -> str:
+    """A prompt's identity for a recorded answer: its instructions, text parts and criterion, hashed."""
+    h = hashlib.sha256()
+    for text in (prompt.instructions, prompt.criterion, *(p.text for p in prompt.parts if isinstance(p, TextPart))):
+        h.update(text.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:24]
+
+
+class ReplayJudge(FakeJudge):
+    """A scripted judge that replays a real judge's recorded letter distributions and token counts, by prompt.
+
+    `answers` maps `prompt_key(prompt)` to `{"p": {letter: probability}, "in": input tokens, "cached": cached
+    input tokens, "out": output tokens}` (what `record_answer` writes), or to `{"error": reason}` for a prompt
+    the recorded judge failed on (replayed as that failure); `load` reads a (gzipped) JSON file of them. Every repeat gets the recorded distribution (the recording judge was deterministic); each call
+    reports the recorded usage times `request.repeats` (a server without a prefix cache reads the prompt once
+    per repeat). A prompt that was never recorded fails as `bad_response`: a replay never makes up a score.
+    """
+
+    name = "replay"
+
+    def __init__(
+        self,
+        answers: Mapping[str, Mapping[str, Any]],
+        *,
+        model: str = "replay",
+        min_mass: float | None = None,
+        record: bool = False,
+    ) -> None:
+        self.answers = dict(answers)
+        self.missing = 0
+        """Prompts asked that were never recorded (each failed)."""
+        super().__init__(self._replay, model=model, record=record, usage=self._usage_of)
+        self.min_mass = min_mass
+        """The recorded judge's recommended minimum letter mass (a tiny local model's is low)."""
+
+    @classmethod
+    def load(cls, path: str | Path, **options: Any) -> ReplayJudge:
+        """A replay judge from a JSON file (gzipped when its name ends in .gz) written by `save_answers`."""
+        p = Path(path)
+        raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+        data = json.loads(raw)
+        mass = data.get("min_mass")
+        return cls(
+            data["answers"], model=str(data.get("model") or "replay"), min_mass=None if mass is None else float(mass),
+            **options,
+        )  # fmt: skip
+
+    def _replay(self, prompt: Prompt) -> Answer:
+        got = self.answers.get(prompt_key(prompt))
+        if got is None:
+            self.missing += 1
+            return FakeJudge.failure("bad_response", f"no recorded answer for this prompt (step {prompt.step})")
+        if "error" in got:  # the recorded judge failed on this prompt (e.g. context_overflow): so does the replay
+            return FakeJudge.failure(str(got["error"]), f"recorded failure (step {prompt.step})")
+        return {k: float(v) for k, v in got["p"].items()}
+
+    def _usage_of(self, prompt: Prompt) -> Usage:
+        got = self.answers.get(prompt_key(prompt))
+        if got is None or "error" in got:
+            return Usage()
+        return Usage(int(got["in"]), int(got.get("cached", 0)), int(got.get("out", 1)))
+
+    async def _call(self, request: JudgeRequest) -> JudgeResponse:
+        r = await super()._call(request)
+        return JudgeResponse(
+            samples=r.samples, model=r.model, usage=_times(r.usage, request.repeats), latency_s=r.latency_s
+        )
+
+
+def _times(u: Usage, k: int) -> Usage:
+    return Usage(u.input_tokens * k, u.cached_input_tokens * k, u.output_tokens * k)
+
+
+def record_answer(prompt: Prompt, response: JudgeResponse, *, digits: int = 4) -> tuple[str, dict[str, Any]]:
+    """One real answer as `ReplayJudge` replays it: the first repeat's letter probabilities, rounded, and its usage.
+
+    Tokens that are not scale letters are kept as one `"other"` entry, so the letter mass replays too.
+    """
+    sample = response.samples[0] if response.samples else None
+    probs: dict[str, float] = {}
+    if sample is not None:
+        letters: dict[str, float] = {}
+        for token, lp in sample.items():
+            t = token.strip()
+            if len(t) == 1 and t in LETTERS:
+                letters[t] = letters.get(t, 0.0) + math.exp(lp)
+        probs = {k: round(v, digits) for k, v in sorted(letters.items()) if round(v, digits) > 0}
+        rest = round(max(0.0, 1.0 - sum(probs.values())), digits)
+        if rest > 0:
+            probs["other"] = rest
+    k = max(1, len(response.samples))
+    u = response.usage
+    return prompt_key(prompt), {
+        "p": probs, "in": u.input_tokens // k, "cached": u.cached_input_tokens // k, "out": max(1, u.output_tokens // k)
+    }  # fmt: skip
+
+
+def save_answers(
+    path: str | Path, answers: Mapping[str, Mapping[str, Any]], *, model: str, min_mass: float | None = None
+) -> Path:
+    """Write recorded answers for `ReplayJudge.load` (gzipped when the name ends in .gz), with the judge's model."""
+    p = Path(path)
+    body = {"model": model, "min_mass": min_mass, "answers": dict(sorted(answers.items()))}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(gzip.compress(raw, mtime=0) if p.suffix == ".gz" else raw)
+    return p
+
+
+__all__ = ["Answer", "FakeJudge", "ReplayJudge", "letter_at", "prompt_key", "record_answer", "save_answers"]

@@ -39,7 +39,7 @@ from .options import (
     ScoringOptions,
     TrackerOptions,
 )
-from .policy import PolicyState, held_out, resolve
+from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
 from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
@@ -357,9 +357,14 @@ class AsyncProgressTracker:
         self.calibration = calibration
         self._anon_id = f"anonymous-{uuid.uuid4().hex}"
         self.family = Family.of(
-            family=o.family, task=task, model=str(getattr(judge, "model", "") or ""), rubric=self.rubric.hash
+            family=o.family,
+            task=task,
+            model=str(getattr(judge, "model", "") or ""),
+            rubric=self.rubric.hash,
+            schedule=policy.schedule if policy is not None else "every",
         )
-        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash."""
+        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash (and the
+        policy's schedule when it is not "every")."""
         self.policy_state = (
             PolicyState(
                 policy,
@@ -388,6 +393,7 @@ class AsyncProgressTracker:
         self._pending: deque[_Pending] = deque()
         self._append_lock = asyncio.Lock()
         self._scored = 0
+        self._skipped = 0
         # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not their own.
         self._scheduler: Scheduler[int] | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -512,8 +518,16 @@ class AsyncProgressTracker:
         n = await self._add(step, images, meta, context)
         return await self.score(n)
 
-    async def score(self, n: int | None = None, *, coalesced: int = 1) -> Progress:
-        """Score the prefix of `n` steps (default: all steps so far) and record the result."""
+    def plan(self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, Any] | None = None) -> Plan:
+        """Whether the schedule scores the prefix of `n` steps now (`policy.plan`; `extra`: e.g. a `prune` line)."""
+        return _plan_of(self, len(self.steps) if n is None else n, ending, extra)
+
+    async def score(
+        self, n: int | None = None, *, coalesced: int = 1, plan: Plan | None = None, skipped: str | None = None
+    ) -> Progress:
+        """Score the prefix of `n` steps (default: all steps so far) and record the result.
+
+        `plan()`'s plan says why, and if the repeats are spent; `skipped` why the folded steps were not scored."""
         await self._materialise()
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
@@ -525,7 +539,7 @@ class AsyncProgressTracker:
             placed(self.steps[:n]),
             judge=self.judge,
             rubric=self.rubric,
-            repeats=self.repeats,
+            repeats=self.repeats if plan is None or plan.full else 1,
             min_mass=self.min_mass,
             frame_budget=self.frame_budget,
             task_frames=self._task_frames or (),
@@ -537,6 +551,8 @@ class AsyncProgressTracker:
             rule_budget_s=self.extract_budget_s,
         )
         self.calls_saved += p.calls_saved
+        if plan is not None and plan is not EVERY:
+            p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
         return self._record(p)
 
     @property
@@ -668,15 +684,34 @@ class AsyncProgressTracker:
             except Exception as e:
                 # An undecodable image fails that step's submission (it was popped), not the run.
                 self._log.error("step_rejected", error=str(e))
-        n = len(self.steps)
-        if n > self._scored:
-            await self.score(n, coalesced=n - self._scored)
+        await _follow_schedule(self, ending=False)
 
     async def drain(self) -> Progress | None:
-        """Wait until every submitted step is folded into a score; return the latest result."""
+        """Wait until every submitted step is folded into a score; return the latest result.
+
+        Under "adaptive" the run's end as far as the tracker knows: the steps it skipped are scored now."""
         if self._scheduler is not None:
             await self._scheduler.drain()
+        await _follow_schedule(self, ending=True)
         return self.latest
+
+
+def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None) -> Plan:
+    state = t.policy_state
+    return EVERY if state is None else plan(state, n, last=t.latest, last_step=t._scored, ending=ending, extra=extra)
+
+
+async def _follow_schedule(t: AsyncProgressTracker, *, ending: bool) -> None:
+    """Score a tracker's newest prefix when its schedule says so (`ending`: the run's end, as far as it knows)."""
+    n, state = len(t.steps), t.policy_state
+    if n <= t._scored or (ending and (state is None or state.policy.schedule == "every" or state.signal == "abort")):
+        return
+    plan = t.plan(n, ending=ending)
+    if not plan.score:
+        t._skipped = n  # the schedule waits: a later submit, or drain (the run's end), scores it
+        return
+    skipped = FAR if t._skipped > t._scored else None
+    await t.score(n, coalesced=n - t._scored, plan=plan, skipped=skipped)
 
 
 async def score_prefix(

@@ -76,6 +76,8 @@ def progress(draw: st.DrawFn) -> Progress:
         signal=draw(st.none() | decision),
         run_id=draw(st.none() | st.from_regex(r"[a-z0-9][a-z0-9._:-]{0,20}", fullmatch=True)),
         degraded=draw(st.booleans()),
+        scheduled=draw(st.none() | st.sampled_from(["first", "max_gap 4", "near abort_below 0.3", "end"])),
+        skipped=draw(st.none() | st.just("far from thresholds")),
     )
 
 

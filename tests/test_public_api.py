@@ -39,10 +39,10 @@ PUBLIC = {
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
         "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpRequest", "HttpResponse", "HttpServer", "Inbound", "Ingest", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "Protocol", "ProxySettings", "ProxySource", "Refused", "Replay", "RewardApiSettings", "RewardShape", "RewardSource", "Route", "RunClosed",
-        "RunLimits", "RunOpened", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Source", "SqliteStore",
+        "RunLimits", "RunOpened", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Skipped", "Source", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],
-    "agent_monitor.testing": ["Answer", "FakeJudge", "letter_at"],
+    "agent_monitor.testing": ["Answer", "FakeJudge", "ReplayJudge", "letter_at", "prompt_key", "record_answer", "save_answers"],
     "agent_monitor.verifiers": [
         "CompositeVerifier", "ContainsVerifier", "EXTRACTOR_REGISTRY", "ExactMatchVerifier", "Extractor", "GeminiVerifier",
         "MCQExtractor", "MCQMatchVerifier", "NumberExtractor", "NumericToleranceVerifier", "OpenAIVerifier",

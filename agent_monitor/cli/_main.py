@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from ..daemon import MonitorConfig, Source, SqliteStore
 
-JudgeKind = Literal["openai", "gemini", "local"]
+JudgeKind = Literal["openai", "gemini", "local", "replay"]
 T = TypeVar("T")
 
 
@@ -56,7 +56,11 @@ class JudgeOptions:
         default=None, metadata={"help": "OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1"}
     )
     judge_model: str | None = field(
-        default=None, metadata={"help": "model id (openai, gemini) or GGUF path (local); none: the server's"}
+        default=None,
+        metadata={
+            "help": "model id (openai, gemini), GGUF path (local), or a file of recorded answers (replay, see "
+            "agent_monitor.testing.ReplayJudge); none: the server's"
+        },
     )
     judge_api: Literal["chat", "completions"] = field(default="chat", metadata={"help": "OpenAI-compatible API to use"})
     judge_timeout: float | None = field(
@@ -151,7 +155,13 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
         from ..judges.llamacpp import LlamaCppJudge
 
         return LlamaCppJudge(model_path=options.judge_model, kv_budget_mb=options.judge_kv_budget, **extra)
-    raise CliError(f"unknown judge {kind!r}; choose openai, gemini or local")
+    if kind == "replay":
+        from ..testing import ReplayJudge
+
+        if not options.judge_model:
+            raise CliError("--judge replay replays recorded answers: name their file with --judge-model FILE")
+        return ReplayJudge.load(options.judge_model)
+    raise CliError(f"unknown judge {kind!r}; choose openai, gemini, local or replay")
 
 
 def _command(
@@ -253,8 +263,17 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         ev,
         Policy,
         environ,
-        only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha", "holdout"],
+        only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha", "holdout", "max_gap", "margin",
+              "repeats_near"],
         title="policy",
+    )  # fmt: skip
+    ev.add_argument(
+        "--schedule",
+        dest="schedules",  # not `schedule`: that is the policy setting's name, read from the namespace by build()
+        metavar="LIST",
+        help="also step the runs through these schedules (comma-separated: every,adaptive) with --abort-below's "
+        "threshold in force, and print each one's judge calls and tokens and its abort decisions side by side "
+        "(eval_schedule.json)",
     )
     ev.add_argument(
         "--max-false-abort", type=float, default=0.05, metavar="X", help="false-abort rate the recommendation must keep"
@@ -803,6 +822,7 @@ async def _eval(args: argparse.Namespace) -> int:
         cache.close()
         await judge.aclose()
     report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
+    scheduled = await _eval_schedules(args, runs, policy, out) if args.schedules else None
     robot = robot_metrics(curves, seed=args.seed)
     files = ev.write_csv(report, out)
     (out / "eval.json").write_text(json.dumps({**ev.report_json(report), "robot": robot_json(robot)}, indent=2))
@@ -829,6 +849,9 @@ async def _eval(args: argparse.Namespace) -> int:
         print("\n" + ev.calibrate_summary(calibrated))
     if grouped is not None:
         print("\n" + grouped)
+    if scheduled is not None:
+        print("\n" + ev.schedule_summary(scheduled))
+        files.append(out / "eval_schedule.json")
     print(
         f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
         + ", ".join(map(str, files))
@@ -872,6 +895,33 @@ async def _select(args: argparse.Namespace) -> int:
 def _write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2))
+
+
+async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy: Policy, out: Path) -> Any:
+    """eval --schedule: the runs stepped through each schedule live, with the policy's thresholds in force."""
+    from .. import evaluate as ev
+    from ..policy import SCHEDULES
+
+    names = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEDULES]
+    if bad or not names:
+        raise CliError(f"--schedule {args.schedules}: use a comma-separated list of {', '.join(SCHEDULES)}")
+    judge = await _ready_judge(args, 8)
+    cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
+    try:
+        results = {
+            name: await ev.score_scheduled(
+                runs, judge=judge, policy=policy, schedule=name, criteria=args.criteria,
+                min_mass=args.min_mass, repeats=args.repeats, max_steps=args.max_steps, cache=cache,
+            )
+            for name in dict.fromkeys(names)
+        }  # fmt: skip
+    finally:
+        cache.close()
+        await judge.aclose()
+    report = ev.ScheduleReport(policy, results)
+    _write_json(out / "eval_schedule.json", ev.schedule_json(report))
+    return report
 
 
 def _eval_groups(args: argparse.Namespace, curves: Sequence[Any], policy: Policy) -> tuple[str, dict[str, Any]]:

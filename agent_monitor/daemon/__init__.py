@@ -36,6 +36,7 @@ from ._sinks import (
     Scored,
     SignalChanged,
     Sink,
+    Skipped,
 )
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import RunLimits
@@ -97,6 +98,7 @@ __all__ = [
     "Scored",
     "SignalChanged",
     "Sink",
+    "Skipped",
     "Source",
     "SqliteStore",
     "StepView",

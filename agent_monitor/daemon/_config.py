@@ -583,6 +583,13 @@ class MonitorConfig(ScoringOptions):
         default=False,
         metadata={"help": "on start, score restored runs afresh instead of keeping their stored scores (a new judge)"},
     )
+    heartbeat: bool = field(
+        default=False,
+        metadata={
+            "help": "for a step the adaptive schedule does not score, publish the run's last score again on its "
+            "progress topic (heartbeat: true, with age_steps and age_s): progress keeps one message per step"
+        },
+    )
     outbox_size: int = field(
         default=10_000, metadata={"help": "messages waiting for the broker; past it the oldest progress is dropped"}
     )

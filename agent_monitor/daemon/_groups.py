@@ -328,6 +328,11 @@ class Groups:
         calls = self.caller.calls(tracker.family, g.policy, curve)
         return g.call(run_id, fail_p=calls.fail_p, pass_p=calls.pass_p).changed
 
+    def prune_line(self, run_id: str) -> float | None:
+        """The pruning line a grouped run's next score could cross (None: ungrouped, or no line yet)."""
+        g = self.book.group_of(run_id)
+        return None if g is None else g.prune_line(run_id)
+
     def ended(self, run_id: str, outcome: str | None, at: float, *, publish: bool) -> None:
         """A grouped run left the live set."""
         group = self.book.of_run.get(run_id)

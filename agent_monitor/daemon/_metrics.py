@@ -14,17 +14,18 @@ from prometheus_client.registry import Collector
 
 from ..calibration import Calibration, Family, min_successes
 from ..judges.base import Judge, JudgeRequest, JudgeResponse
-from ..policy import Policy
+from ..policy import FAR, Policy
 from ..progress import FAILURES, REFUSALS, SIGNALS, Prices, Progress, Usage
 from ..wire import INPUT_KINDS
 from ._groups import GroupSeries
-from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
+from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
 CLUSTER_OPS = ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress")
 """The Redis operations cluster mode counts failures of (agent_monitor_cluster_errors_total{op})."""
 # Judge latencies run from tens of milliseconds (a warm local model) to a minute (a loaded hosted API).
+TOKEN_BUCKETS = (1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
 
 
@@ -142,6 +143,27 @@ class Metrics:
         self.coalesced_steps = Counter(
             "agent_monitor_coalesced_steps",
             "Steps folded into a later step's scoring instead of being scored alone.",
+            registry=registry,
+        )
+        self.scorings_skipped = Counter(
+            "agent_monitor_scorings_skipped",
+            'Steps the adaptive schedule did not score alone, by reason ("far from thresholds"); each folds into '
+            "the run's next scoring.",
+            ["reason"],
+            registry=registry,
+        )
+        self.scorings_skipped.labels(FAR)
+        self.run_judge_tokens = Histogram(
+            "agent_monitor_run_judge_tokens",
+            "Judge tokens (input and output) a run's scorings spent over its life, observed when it closes.",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.decision_judge_tokens = Histogram(
+            "agent_monitor_decision_judge_tokens",
+            "Judge tokens (input and output) a run spent up to each change of its signal (abort, resample, back to "
+            "continue): what a decision cost.",
+            buckets=TOKEN_BUCKETS,
             registry=registry,
         )
         self.step_to_score = Histogram(
@@ -337,7 +359,7 @@ def series_of(
 class MetricsSink:
     """Count what the monitor publishes; keep ended runs' per-run series for a grace period."""
 
-    events = (Accepted, Duplicated, Refused, RunOpened, Scored, SignalChanged, RunClosed)
+    events = (Accepted, Duplicated, Refused, RunOpened, Scored, Skipped, SignalChanged, RunClosed)
 
     def __init__(
         self, metrics: Metrics, *, grace_s: float = 60.0, memory: int = 10_000, clock: Callable[[], float] = time.time
@@ -369,6 +391,10 @@ class MetricsSink:
                 m.images_dropped.inc(p.images_dropped)
             for t in event.arrived:
                 m.step_to_score.observe(max(0.0, event.at - t))
+            if p.signal is not None and p.signal.changed:
+                m.decision_judge_tokens.observe(p.totals.input_tokens + p.totals.output_tokens)
+        elif isinstance(event, Skipped):
+            m.scorings_skipped.labels(event.reason).inc()
         elif isinstance(event, SignalChanged):
             if event.decision.changed and not event.republished:
                 m.signals.labels(event.decision.signal).inc()
@@ -385,6 +411,8 @@ class MetricsSink:
             self._finished.pop(event.run_id, None)
         elif isinstance(event, RunClosed):
             m.runs.labels(event.outcome).inc()
+            if event.latest is not None:
+                m.run_judge_tokens.observe(event.latest.totals.input_tokens + event.latest.totals.output_tokens)
             m.runs_active.set(event.live)
             if self.grace_s > 0:
                 series = series_of(event.run_id, event.labels, event.latest, event.last_ok, event.signal, event.at)

@@ -19,14 +19,14 @@ import structlog
 from ..calibration import Calibration, outcome_authentic
 from ..criteria import Rubric
 from ..judges.circuit import CircuitJudge
-from ..policy import Policy, with_levels
+from ..policy import FAR, Plan, Policy, with_levels
 from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
 from ._groups import Groups, Joiner
-from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged
+from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
 from ._state import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
 from ._work import CallRate, calls_per_scoring, check_start
 
@@ -51,6 +51,10 @@ class RunScoring:
     """The run's group (`start.group`), while it is in one."""
     closing: str | None = None
     """The outcome to finish with once the newest prefix is scored (set when the end is accepted)."""
+    planned: int = 0
+    """The newest step the schedule decided not to score (each step is decided once)."""
+    published_at: float | None = None
+    """When the run's last score was published (a heartbeat says how old it is)."""
 
     @property
     def wants_scoring(self) -> bool:
@@ -102,6 +106,8 @@ class Scoring:
         self.runs: dict[str, RunScoring] = {}
         self.prepared: dict[str, RunScoring] = {}
         self.scorings = 0
+        self.skipped: dict[str, int] = {}
+        """Steps the schedule did not score alone, by reason (they folded into a later scoring)."""
         self.finish: Callable[[str, str], Awaitable[None]] | None = None
         self.finish_many: Callable[[Sequence[tuple[str, str]]], Awaitable[None]] | None = None
         """Journal many runs' ends at once (wired by the monitor): what the `finisher` task calls."""
@@ -321,8 +327,11 @@ class Scoring:
         if scoring is None:
             return
         if scoring.wants_scoring:
+            plan = self._plan(run_id, scoring)
+            if plan is None:
+                return
             # A run that spent its judge calls for the minute waits (its steps coalesce meanwhile; `due` wakes it).
-            calls = calls_per_scoring(scoring.tracker.rubric, self.config.repeats)
+            calls = calls_per_scoring(scoring.tracker.rubric, self.config.repeats if plan.full else 1)
             wait = self.rate.wait(run_id, calls)
             if wait > 0:
                 self.rate.defer(run_id, wait)
@@ -334,7 +343,10 @@ class Scoring:
                 n = len(scoring.tracker.steps)
                 first = scoring.scored + 1
                 try:
-                    p: Progress | None = await scoring.tracker.score(n, coalesced=n - scoring.scored)
+                    skipped = FAR if scoring.planned > scoring.scored else None
+                    p: Progress | None = await scoring.tracker.score(
+                        n, coalesced=n - scoring.scored, plan=plan, skipped=skipped
+                    )
                 except Exception as e:
                     # The tracker turns judge failures into results; anything else is a bug, reported, never a score.
                     log.exception("scoring_crashed", run_id=run_id, step=n)
@@ -351,10 +363,37 @@ class Scoring:
             assert self.finish is not None, "Scoring.finish is wired by the monitor"
             await self.finish(run_id, scoring.closing)
 
+    def _plan(self, run_id: str, scoring: RunScoring) -> Plan | None:
+        """The schedule's plan for the run's newest step; None when it is not scored now (counted, once per step)."""
+        tracker = scoring.tracker
+        n = len(tracker.steps)
+        extra = {"prune": self.groups.prune_line(run_id)} if scoring.group is not None else None
+        plan = tracker.plan(n, ending=scoring.closing is not None, extra=extra)
+        if plan.score:
+            return plan
+        if n > scoring.planned:
+            scoring.planned = n
+            self.skipped[plan.reason] = self.skipped.get(plan.reason, 0) + 1
+            self.emit(Skipped(run_id, n, plan.reason, self._heartbeat(scoring, n)))
+        return None
+
+    def _heartbeat(self, scoring: RunScoring, step: int) -> dict[str, Any] | None:
+        """The run's last score again, marked as a heartbeat with its age (with --heartbeat; None otherwise)."""
+        last = scoring.last_ok
+        if not self.config.heartbeat or last is None:
+            return None
+        age_s = None if scoring.published_at is None else max(0.0, self.clock() - scoring.published_at)
+        return {**last.to_json(), "heartbeat": True, "age_steps": step - last.step, "age_s": age_s}
+
+    def statistics(self) -> dict[str, Any]:
+        """Scorings made and steps the schedule skipped, by reason."""
+        return {"scorings": self.scorings, "skipped": dict(self.skipped)}
+
     def _scored(self, run_id: str, scoring: RunScoring, p: Progress, first: int) -> None:
         degraded = self.circuit.degraded
         if degraded:
             p = dataclasses.replace(p, degraded=True)
+        scoring.published_at = self.clock()
         if p.ok:
             scoring.last_ok = p
         arrived = tuple(t for i in range(first, p.step + 1) if (t := scoring.arrived.pop(i, None)) is not None)

@@ -83,6 +83,18 @@ class Scored:
 
 
 @dataclass(frozen=True, slots=True)
+class Skipped:
+    """The schedule did not score a run's newest step now (it folds into the run's next scoring)."""
+
+    run_id: str
+    step: int
+    reason: str
+    """Why not: `policy.FAR` ("far from thresholds")."""
+    heartbeat: Mapping[str, Any] | None = None
+    """With `--heartbeat`: the run's last score again (its progress message, marked heartbeat, with its age)."""
+
+
+@dataclass(frozen=True, slots=True)
 class SignalChanged:
     """The run policy's decision changed (or is published again after a restart)."""
 
@@ -121,7 +133,9 @@ class GroupRanked:
     """Published again after a restart (retained messages may have been lost with the crash)."""
 
 
-MonitorEvent: TypeAlias = Accepted | Duplicated | Refused | RunOpened | Scored | SignalChanged | RunClosed | GroupRanked
+MonitorEvent: TypeAlias = (
+    Accepted | Duplicated | Refused | RunOpened | Scored | Skipped | SignalChanged | RunClosed | GroupRanked
+)
 Sink: TypeAlias = Callable[[MonitorEvent], object]
 
 
@@ -135,34 +149,7 @@ _COMPACT_KEYS = ("run_id", "step", "score", "delta", "uncertainty", "criteria", 
 _REQUIRED = frozenset(("run_id", "step", "score", "ok"))
 _CRITERION_KEYS = ("score", "weight", "uncertainty", "mass")
 
-
-def _rounded(v: Any) -> Any:
-    return round(v, 4) if isinstance(v, float) else v
-
-
-def compact_form(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A progress message for terminals (`mosquitto_sub -v`): what a person reads, numbers to 4 decimals.
-
-    Each criterion keeps its score, weight, uncertainty and mass (no letter distribution); the
-    bookkeeping (tokens, totals, judge, latency, ...) and empty values are left out. It is still a
-    progress message: `ProgressOut` reads it, with defaults for what is left out.
-    """
-    out: dict[str, Any] = {}
-    for k in _COMPACT_KEYS:
-        v = data.get(k)
-        if k == "criteria":
-            out[k] = {n: {f: _rounded(c.get(f)) for f in _CRITERION_KEYS} for n, c in (v or {}).items()}
-        elif k == "decision" and isinstance(v, Mapping):
-            out[k] = {f: _rounded(x) for f, x in v.items() if x is not None and x is not False}
-        elif k in _REQUIRED or (v is not None and v is not False):
-            out[k] = _rounded(v)
-    return out
-
-
-class MqttSink:
-    """Publish progress, signals and run states (both retained; cleared when the run closes) and errors."""
-
-    events = (Scored, SignalChanged, Refused, RunOpened, RunClosed, GroupRanked)
+    events = (Scored, Skipped, SignalChanged, Refused, RunOpened, RunClosed, GroupRanked)
 
     def __init__(
         self,
@@ -195,6 +182,9 @@ class MqttSink:
             sent = None if shown is None else partial(shown, event.run_id, event.progress.step)
             data = compact_form(event.data) if self.compact else event.data
             self.outbox.put(Message(where, _payload(data), run_id=event.run_id, sent=sent))
+        elif isinstance(event, Skipped):
+            if event.heartbeat is not None:
+                self.outbox.put(Message(t.of(event.run_id, "progress"), _payload(event.heartbeat), run_id=event.run_id))
         elif isinstance(event, SignalChanged):
             payload = _payload(signal_json(event.run_id, event.decision, event.policy))
             sent = (
@@ -324,5 +314,6 @@ __all__ = [
     "Scored",
     "SignalChanged",
     "Sink",
+    "Skipped",
     "StoreSink",
 ]

@@ -138,6 +138,19 @@ class ProgressOut(_Out):
         default=None,
         description="On the final result: the rubric's verdict on its score (its pass and review thresholds).",
     )
+    scheduled: str | None = Field(
+        default=None,
+        description='Under policy schedule "adaptive": why this step was scored ("near abort_below 0.4", '
+        '"max_gap 4", "end", "first", "after a failure"); null under "every".',
+    )
+    skipped: str | None = Field(
+        default=None,
+        description="Why the coalesced - 1 steps folded into this score were not scored alone, when the adaptive "
+        'schedule chose it ("far from thresholds"); null when they only arrived during a scoring. With serve '
+        "--heartbeat, a step the schedule skips gets the run's last score again with three more keys: "
+        '"heartbeat": true, "age_steps" (steps since it was made) and "age_s" (seconds since it was published); '
+        "a heartbeat is not a new scoring.",
+    )
 
     @classmethod
     def from_progress(cls, progress: Progress, *, run_id: str | None = None) -> ProgressOut:
