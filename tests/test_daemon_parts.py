@@ -67,6 +67,6 @@ async def test_runs_with_nothing_to_score_end_without_taking_a_scorers_slot() ->
             await mon.handle(f"agents/{run_id}/start", b'{"task": "count"}')
             await mon.handle(f"agents/{run_id}/end", b'{"outcome": "failure"}')
         async with asyncio.timeout(10):
-            while any(r in mon.book.live for r in empty):
+            while any(r in mon.book.live for r in empty):  # noqa: ASYNC110 - the monitor's tasks end them
                 await asyncio.sleep(0.01)
         assert "busy" in mon.book.live and judge.calls_made == 1  # still scoring its step: nothing waited on it

@@ -149,6 +149,33 @@ _COMPACT_KEYS = ("run_id", "step", "score", "delta", "uncertainty", "criteria", 
 _REQUIRED = frozenset(("run_id", "step", "score", "ok"))
 _CRITERION_KEYS = ("score", "weight", "uncertainty", "mass")
 
+
+def _rounded(v: Any) -> Any:
+    return round(v, 4) if isinstance(v, float) else v
+
+
+def compact_form(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A progress message for terminals (`mosquitto_sub -v`): what a person reads, numbers to 4 decimals.
+
+    Each criterion keeps its score, weight, uncertainty and mass (no letter distribution); the
+    bookkeeping (tokens, totals, judge, latency, ...) and empty values are left out. It is still a
+    progress message: `ProgressOut` reads it, with defaults for what is left out.
+    """
+    out: dict[str, Any] = {}
+    for k in _COMPACT_KEYS:
+        v = data.get(k)
+        if k == "criteria":
+            out[k] = {n: {f: _rounded(c.get(f)) for f in _CRITERION_KEYS} for n, c in (v or {}).items()}
+        elif k == "decision" and isinstance(v, Mapping):
+            out[k] = {f: _rounded(x) for f, x in v.items() if x is not None and x is not False}
+        elif k in _REQUIRED or (v is not None and v is not False):
+            out[k] = _rounded(v)
+    return out
+
+
+class MqttSink:
+    """Publish progress, signals and run states (both retained; cleared when the run closes) and errors."""
+
     events = (Scored, Skipped, SignalChanged, Refused, RunOpened, RunClosed, GroupRanked)
 
     def __init__(
