@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 from .scale import CriterionScore
 
@@ -313,6 +313,10 @@ class ProgressJSON(TypedDict):
     degraded: bool
     scheduled: str | None
     skipped: str | None
+    final: NotRequired[bool]
+    """Only on a run's final result, sent once more at its end when its rubric has pass/review thresholds."""
+    verdict: NotRequired[Literal["pass", "review", "fail"] | None]
+    """With `final`: the rubric's verdict on the score."""
 
 
 class ScoringFailed(ValueError):

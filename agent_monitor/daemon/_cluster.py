@@ -45,7 +45,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -75,6 +75,32 @@ _PUBLISH_MARGIN_S = 0.5
 """A replica stops publishing about a run this long before its lease would expire (clocks and delays)."""
 _CHECK_EVERY = 5
 """Heartbeats between checks of the owned runs' inboxes for events no note announced."""
+
+
+class Epoch:
+    """The cluster's epoch in Redis, as this replica last saw it: another (or none) means Redis lost its data."""
+
+    def __init__(self, replica_id: str, metrics: Metrics) -> None:
+        self.replica_id = replica_id
+        self.metrics = metrics
+        self.value: str | None = None
+        self.emptied_at: float | None = None
+        """When this replica last found the cluster's Redis emptied (wall clock), for `status()` and /healthz."""
+
+    def seen(self, epoch: str, *, owned: int) -> None:
+        """One heartbeat's epoch: a change is said once, loudly (a log error, a counter, /healthz)."""
+        if self.value is not None and epoch != self.value:
+            self.emptied_at = time.time()
+            self.metrics.cluster_redis_emptied.inc()
+            log.error(
+                "cluster_redis_emptied",
+                replica=self.replica_id,
+                owned=owned,
+                note="Redis came back without the cluster's data: the live runs' journals, inboxes and calibration "
+                "samples are gone (their next steps are refused as no_start). Run Redis with appendonly yes and "
+                "keep its data directory (docs/cluster.md)",
+            )
+        self.value = epoch
 
 
 class Cluster:
@@ -123,7 +149,8 @@ class Cluster:
             metrics=metrics, retention_ms=self.retention_ms, max_payload_bytes=max_payload_bytes, drop=self._drop,
         )  # fmt: skip
         self.notes = Notes(
-            redis, key=f"{self.prefix}note", leases=self.leases, inboxes=self.inboxes, placed=self._placed,
+            redis, key=f"{self.prefix}note", leases=self.leases, inboxes=self.inboxes,
+            placed=lambda runs: [] if self._leaving else runs,  # taken now, unless this replica is leaving
             take=self._take, on_sample=on_sample, metrics=metrics, retry_s=settings.heartbeat_s,
         )  # fmt: skip
         self.sessions = SessionTaker(
@@ -140,10 +167,7 @@ class Cluster:
         self._aside = False
         """Stepped aside (cut off from the broker past a lease): no heartbeats, no runs, until the broker is back."""
         self._beats = 0
-        self._epoch: str | None = None
-        """The cluster's epoch in Redis when this replica joined (another, or none, later: Redis lost its data)."""
-        self.emptied_at: float | None = None
-        """When this replica last found the cluster's Redis emptied (wall clock), for `status()` and /healthz."""
+        self.epoch = Epoch(self.replica_id, metrics)
 
     # -- the monitor's mode (`_mode.Mode`) --
 
@@ -184,10 +208,8 @@ class Cluster:
 
     def status(self) -> dict[str, Any]:
         """The replica's part of `Monitor.status()`."""
-        out: dict[str, Any] = {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned)}
-        if self.emptied_at is not None:
-            out["redis_emptied_at"] = self.emptied_at
-        return out
+        emptied = {} if self.epoch.emptied_at is None else {"redis_emptied_at": self.epoch.emptied_at}
+        return {"replica": self.replica_id, "replicas": len(self.live), "owned": len(self.owned), **emptied}
 
     def key(self, what: str, run_id: str = "") -> str:
         """A cluster key: `am:{name}:{what}` or, per run, `am:{name}:{what}:{run}`."""
@@ -269,19 +291,7 @@ class Cluster:
         live, dead, rejoined, epoch = await self._scripts["heartbeat"](
             args=[self.prefix, self.replica_id, self.lease_ms, info, "1" if self._joined else "0", uuid.uuid4().hex]
         )
-        epoch = _text(epoch)
-        if self._epoch is not None and epoch != self._epoch:
-            self.emptied_at = time.time()
-            self.metrics.cluster_redis_emptied.inc()
-            log.error(
-                "cluster_redis_emptied",
-                replica=self.replica_id,
-                owned=len(self.owned),
-                note="Redis came back without the cluster's data: the live runs' journals, inboxes and calibration "
-                "samples are gone (their next steps are refused as no_start). Run Redis with appendonly yes and "
-                "keep its data directory (docs/cluster.md)",
-            )
-        self._epoch = epoch
+        self.epoch.seen(_text(epoch), owned=len(self.owned))
         self.live = tuple(sorted(_text(r) for r in live))
         self.metrics.cluster_replicas.set(len(self.live))
         if rejoined and self._joined:
@@ -489,14 +499,14 @@ class Cluster:
             # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
             self.store.release(run_id, o.token)
 
-    def _placed(self, runs: list[str]) -> list[str]:
-        """Runs the notes placed here: taken now, unless this replica is leaving."""
-        return [] if self._leaving else runs
+    def _alive(self, replica: str) -> Awaitable[bool]:
+        return alive(self.redis, self.key("replicas"), replica)
 
-    async def _alive(self, replica: str) -> bool:
-        """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""
-        with contextlib.suppress(Exception):
-            score = await self.redis.zscore(self.key("replicas"), replica)
-            secs, micros = await self.redis.time()
-            return score is not None and float(score) >= secs * 1000 + micros // 1000
-        return False
+
+async def alive(redis: Any, replicas_key: str, replica: str) -> bool:
+    """Whether a replica's heartbeat is current (by Redis' clock); False when Redis cannot say."""
+    with contextlib.suppress(Exception):
+        score = await redis.zscore(replicas_key, replica)
+        secs, micros = await redis.time()
+        return score is not None and float(score) >= secs * 1000 + micros // 1000
+    return False
