@@ -419,11 +419,22 @@ def panels() -> list[dict[str, Any]]:
                     f"sum by (outcome) (rate(agent_monitor_compare_calls_total{{{INST}}}[{RATE}])) * 60",
                     "compare calls {{outcome}}",
                 ),
+                target(
+                    "C",
+                    f"sum(rate(agent_monitor_compare_calls_saved_total{{{INST}}}[{RATE}])) * 60",
+                    "compare calls saved (majority)",
+                ),
+                target(
+                    "D",
+                    f"sum by (call, event) (rate(agent_monitor_groups_uniform_total{{{INST}}}[{RATE}])) * 60",
+                    "groups {{event}} {{call}}",
+                ),
             ],
             w=6,
             description="Runs pruned by the group policy (aborted with pruned: true, behind their siblings by more "
-            "than prune_margin), and the judge calls spent comparing leaders pairwise (policy compare: true; "
-            "zero unless it is on).",
+            "than prune_margin), the judge calls spent comparing leaders pairwise (policy compare: true; "
+            "zero unless it is on) and those the majority shortcut saved, and groups flagged early as all_fail or "
+            "all_pass (flagged, withdrawn, contradicted: a wrong early call; docs/groups.md).",
         ),
         stat(
             "Groups not exported / refused, outcomes refused",
@@ -471,9 +482,30 @@ def panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Judge tokens per second, by kind",
-            [target("A", f"sum by (kind) (rate(agent_monitor_judge_tokens_total{{{INST}}}[{RATE}]))", "{{kind}}")],
+            [
+                target("A", f"sum by (kind) (rate(agent_monitor_judge_tokens_total{{{INST}}}[{RATE}]))", "{{kind}}"),
+                target(
+                    "B",
+                    f"sum(rate(agent_monitor_run_judge_tokens_sum{{{INST}}}[{RATE}])) / "
+                    f"sum(rate(agent_monitor_run_judge_tokens_count{{{INST}}}[{RATE}]))",
+                    "per closed run",
+                ),
+                target(
+                    "C",
+                    f"sum(rate(agent_monitor_decision_judge_tokens_sum{{{INST}}}[{RATE}])) / "
+                    f"sum(rate(agent_monitor_decision_judge_tokens_count{{{INST}}}[{RATE}]))",
+                    "per decision",
+                ),
+                target(
+                    "D",
+                    f"sum by (reason) (rate(agent_monitor_scorings_skipped_total{{{INST}}}[{RATE}]))",
+                    "steps skipped/s ({{reason}})",
+                ),
+            ],
             w=12,
-            description="input includes cached_input (the share of the prompt the provider served from its cache).",
+            description="input includes cached_input (the share of the prompt the provider served from its cache). "
+            "Per closed run and per decision (a change of signal): the tokens a run spent, on average; with "
+            "policy schedule adaptive, the steps it did not score alone (docs/schedule.md).",
         ),
         timeseries(
             "Prompt cache-hit share",
@@ -753,6 +785,11 @@ def panels() -> list[dict[str, Any]]:
                     f"sum by (instance, op) (increase(agent_monitor_cluster_errors_total{{{INST}}}[{RATE}]))",
                     "redis {{op}} failed {{instance}}",
                 ),
+                target(
+                    "C",
+                    f"sum by (instance) (increase(agent_monitor_cluster_redis_emptied_total{{{INST}}}[{RATE}]))",
+                    "redis came back EMPTY {{instance}}",
+                ),
             ],
             w=4,
             no_value="not in cluster mode",
@@ -760,7 +797,8 @@ def panels() -> list[dict[str, Any]]:
             "(write), and publications dropped after its lease deadline (publish): an owner that was paused or cut "
             "off past its lease, whose runs another replica now owns. A few around a failover are expected; a "
             "steady rise is not. Redis operations that failed, by operation: inputs stay unacknowledged (the "
-            "broker delivers them again) while Redis is unreachable.",
+            "broker delivers them again) while Redis is unreachable. Redis came back empty: it restarted without "
+            "persistence (or was flushed) and the live runs' journals are gone (run it with appendonly yes).",
         ),
     ]
 

@@ -127,7 +127,7 @@ class Metrics:
         self.outcomes_refused = Counter(
             "agent_monitor_outcomes_refused",
             "Run outcomes that taught the calibration nothing although they said success or failure, by reason "
-            "(unauthenticated: no valid HMAC with --outcome-secret set; rate: the family's teaching rate was spent).",
+            "(unauthenticated: no valid HMAC while outcomes must be signed; rate: the family's teaching rate was spent).",
             ["reason"],
             registry=registry,
         )
