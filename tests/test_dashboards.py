@@ -420,6 +420,21 @@ def _alerts(name: str, *instances: str, **labels: str) -> list[dict[str, Any]]:
 RULE_TESTS: list[dict[str, Any]] = [
     {
         "input_series": [
+            _series("agent_monitor_cluster_redis_emptied_total", "a:9464", "0 0 1x20"),
+            _series("agent_monitor_cluster_redis_emptied_total", "b:9464", "0x22"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "1m", "alertname": "AgentMonitorClusterRedisEmptied", "exp_alerts": []},
+            {
+                "eval_time": "3m",
+                "alertname": "AgentMonitorClusterRedisEmptied",
+                "exp_alerts": _alerts("AgentMonitorClusterRedisEmptied", "a:9464"),
+            },
+            {"eval_time": "15m", "alertname": "AgentMonitorClusterRedisEmptied", "exp_alerts": []},  # said, then quiet
+        ],
+    },
+    {
+        "input_series": [
             _series("up", "dead:9464", "1 1 0x10"),
             _series("up", "alive:9464", "1x12"),
         ],
