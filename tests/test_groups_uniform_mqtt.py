@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import jsonschema
@@ -9,13 +10,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.calibration import Point, Sample
-from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.daemon import HttpServer, Monitor, MonitorConfig, RewardApiSettings, RewardSource
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, RankingOut, schemas
 from tests.brokers import Mosquitto
 from tests.test_groups_mqtt import _steps, harness
+from tests.test_reward_api import post
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +45,10 @@ async def test_a_group_of_scripted_failing_runs_is_flagged_all_fail_on_its_ranki
         circuit_threshold=1000,
     )  # fmt: skip
     runs = list(LETTERS)
-    async with Monitor(config, judge=FakeJudge(by_run), registry=registry) as mon, harness(broker.port, "h") as h:
+    http = HttpServer(registry, port=0)
+    source = RewardSource(http, RewardApiSettings(reward_api=True), registry=registry)
+    monitor = Monitor(config, judge=FakeJudge(by_run), registry=registry, sources=[source], http=http)
+    async with monitor as mon, harness(broker.port, "h") as h:
         for r in runs:
             group = r.split("-")[0]
             await h.publish(r, "start", {"task": f"task of {r}", "family": "rl-task", "group": group})
@@ -70,6 +75,12 @@ async def test_a_group_of_scripted_failing_runs_is_flagged_all_fail_on_its_ranki
         assert all(not h.signals(r) for r in runs)  # the flag itself stops nothing
         assert mon.groups.uniform("doomed") == flagged["uniform"]
         assert mon.groups.uniform_of("doomed-b") == flagged["uniform"]
+        # And in the reward answer for a live member (the native endpoint, by run id).
+        await asyncio.wait_for(source.ready.wait(), 10)
+        status, answer, _ = await post(f"{http.url}v1/score", json.dumps({"run_id": "doomed-b"}).encode())
+        assert status == 200 and answer["uniform"] == flagged["uniform"]
+        status, answer, _ = await post(f"{http.url}v1/score", json.dumps({"run_id": "mixed-a"}).encode())
+        assert status == 200 and answer["uniform"] is None
         # The mixed group has variance (one run does well): never flagged.
         assert all(m.get("uniform") is None for m in h.seen["agents/_groups/mixed/ranking"] if m)
         assert mon.groups.uniform("mixed") is None

@@ -262,7 +262,7 @@ class Monitor:
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
             loops += self.mode.loops()
             # Every door hands its events to the same receive as MQTT: in cluster mode the runs' shared inboxes.
-            ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs)
+            ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
             loops += [

@@ -536,7 +536,8 @@ class RewardSource:
             return _error(503, f"the run's newest scoring failed ({p.reason}: {p.error})", stop_kind="infra")
         points = tuple((s.step, s.score, s.uncertainty) for s in runs.points(run_id) or ())
         a = self.scorer.answer(run_id, p, points, shape, runs.family(run_id), rule="live", steps=p.step)
-        return _ok({**a.to_json(), "live": True})
+        # A grouped run: its group's early call (all_fail / all_pass: no outcome variance, no gradient), if any.
+        return _ok({**a.to_json(), "live": True, "uniform": runs.uniform(run_id)})
 
     async def _score(self, r: Rollout, label: Any, shape: RewardShape) -> Answer:
         start: dict[str, Any] = {"task": r.task, "labels": {"source": "reward"}}

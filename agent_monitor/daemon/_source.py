@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from ..calibration import Family, Point
+from ..groups import UniformJSON
 from ..progress import Progress, Signal
 from ..wire import Topics
 from ._sinks import Sink
@@ -113,6 +114,10 @@ class RunsView(Protocol):
 
     def family(self, run_id: str) -> Family | None:
         """A live run's calibration key (its family, the judge's model, the rubric's hash), or None."""
+        ...
+
+    def uniform(self, run_id: str) -> UniformJSON | None:
+        """The early all_fail / all_pass call of a live run's group (docs/groups.md), or None."""
         ...
 
 

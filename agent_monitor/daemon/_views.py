@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..calibration import Family, Point
+from ..groups import UniformJSON
 from ..progress import Progress, Signal
 from ._metrics import RunSeries, series_of
 from ._scoring import RunScoring
@@ -71,6 +72,12 @@ class LiveRuns:
     """The `RunsView` a source reads: a live run's signal and newest result."""
 
     runs: Mapping[str, RunScoring]
+    uniform_of: Callable[[str], UniformJSON | None] = lambda run_id: None
+    """The early call of a run's group (the group book's `uniform_of`)."""
+
+    def uniform(self, run_id: str) -> UniformJSON | None:
+        """The early all_fail / all_pass call of a live run's group, or None (ungrouped, or no call)."""
+        return self.uniform_of(run_id)
 
     def is_live(self, run_id: str) -> bool:
         """Whether the run is live here."""
