@@ -333,8 +333,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="score cache file (default: OUT/score-cache.sqlite3; eval's cache serves the pointwise scores)",
     )
 
-    rp = _command(sub, "replay", "publish recorded runs to a broker as live runs (to watch the monitor)")
-    rp.add_argument("path", help="a recorded run (.json) or a folder of them")
+    rp = _command(
+        sub,
+        "replay",
+        "publish recorded runs to a broker as live runs (to watch the monitor)",
+        "PATH may also be robot data (the robot extra): a LeRobot v3 dataset directory or a ROS 2 bag (.mcap), "
+        "replayed episode by episode at its own pace with its camera frames (docs/robots.md).",
+    )
+    rp.add_argument("path", help="a recorded run (.json), a folder of them, a LeRobot v3 dataset or an .mcap file")
     add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)")
     add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)")
     rp.add_argument(
@@ -358,6 +364,45 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--criteria",
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
+    )
+    robot = rp.add_argument_group("robot data (LeRobot v3 datasets, .mcap bags)")
+    robot.add_argument(
+        "--every", type=int, default=1, metavar="N", help="one step per N control ticks (frames), the Nth's text"
+    )
+    robot.add_argument(
+        "--episodes", metavar="LIST", help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)"
+    )
+    robot.add_argument(
+        "--task",
+        metavar="TEXT",
+        help="the task text (replaces the recorded one; needed for a bag without a task topic)",
+    )
+    robot.add_argument("--task-topic", default="/task", metavar="TOPIC", help="the bag's std_msgs/String task topic")
+    robot.add_argument(
+        "--outcome-topic",
+        default="/outcome",
+        metavar="TOPIC",
+        help="the bag's outcome topic ('success'/'failure' or a Bool)",
+    )
+    robot.add_argument(
+        "--camera",
+        action="append",
+        metavar="TOPIC",
+        help="a bag's camera topic (repeat for several; the first sets the ticks; default: every image topic)",
+    )
+    robot.add_argument(
+        "--max-side",
+        type=int,
+        default=320,
+        metavar="PIXELS",
+        help="downscale frames to this longer side (0: as recorded)",
+    )
+    robot.add_argument(
+        "--frames",
+        choices=("all", "budget"),
+        default="all",
+        help="all: every step carries its frames (the monitor's budget chooses); budget: only the frames the default "
+        "frame budget shows at the episode's end are encoded and sent",
     )
 
     tp = _command(

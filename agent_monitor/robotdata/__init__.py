@@ -10,23 +10,31 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ._episode import Episode, EpisodeStep, ReadOptions, RobotDataError, prefetch
+from ._episode import DEFAULT_MAX_STEPS, Episode, EpisodeStep, ReadOptions, RobotDataError, prefetch
 from ._lerobot import LeRobotDataset, VideoCursor, is_lerobot
 from ._mcap import McapBag, is_mcap
+from ._replay import ReplayStats, StartRun, StepSink, TrackerSink, episode_run_id, replay_episodes
 
 __all__ = [
+    "DEFAULT_MAX_STEPS",
     "Episode",
     "EpisodeStep",
     "LeRobotDataset",
     "McapBag",
     "ReadOptions",
+    "ReplayStats",
     "RobotDataError",
+    "StartRun",
+    "StepSink",
+    "TrackerSink",
     "VideoCursor",
+    "episode_run_id",
     "is_lerobot",
     "is_mcap",
     "is_robot_data",
     "prefetch",
     "read_episodes",
+    "replay_episodes",
 ]
 
 

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
 INSTALL_HINT = "install the robot extra: pip install 'agent-monitor[robot]'"
+DEFAULT_MAX_STEPS = 10_000
+"""Steps read from one episode at most, unless told otherwise (at 10 Hz, 16 minutes)."""
 MAX_VALUES = 32
 """Values of one vector feature written into a step's text; the rest are counted, not shown."""
 
@@ -37,7 +39,7 @@ class ReadOptions:
     """
 
     every: int = 1
-    max_steps: int = 10_000
+    max_steps: int = DEFAULT_MAX_STEPS
     max_side: int | None = 320
     jpeg_quality: int = 85
     frame_budget: FrameBudget | None = None

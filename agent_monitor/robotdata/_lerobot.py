@@ -20,6 +20,7 @@ Read with pyarrow and PyAV only (no lerobot, no torch). The layout, as lerobot w
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -156,13 +157,17 @@ class LeRobotDataset:
                 outcome=outcome,
                 planned_steps=planned,
                 truncated=planned * options.every < length,
-                _read=lambda row=row: self._steps(row, options),
+                _read=functools.partial(self._steps, row, options),
             )
 
     def _task_of(self, row: Mapping[str, Any]) -> str:
         tasks = row.get("tasks")
         if isinstance(tasks, list) and (texts := [t for t in tasks if isinstance(t, str) and t.strip()]):
             return "; ".join(texts)
+        if self.tasks:  # no task list on the episode row: the first frame's task_index in meta/tasks.parquet
+            _path, table = self._rows(row)
+            if "task_index" in table.column_names and table.num_rows:
+                return self.tasks.get(int(table.column("task_index")[0].as_py()), "")
         return ""
 
     def _episode_outcome(self, row: Mapping[str, Any]) -> float | None:
@@ -202,8 +207,7 @@ class LeRobotDataset:
         ]
         cursors = [self._cursor(row, key) for key in self.video_keys]
         try:
-            ordinal = 0
-            for i in range(0, length, options.every):
+            for ordinal, i in enumerate(range(0, length, options.every)):
                 if ordinal >= planned:
                     break
                 # One step per `every` ticks, at the window's last tick (what the robot had done by then).
@@ -212,7 +216,7 @@ class LeRobotDataset:
                 ts = float(rec["timestamp"])
                 images: tuple[bytes, ...] = ()
                 if cursors or self.image_keys:
-                    frames = [c.at(ts) for c in cursors]  # decode always: the video is coded frame to frame
+                    frames = [c.at(ts) for c in cursors]  # decoded always: the video is coded frame to frame
                     if keep(ordinal):
                         images = tuple(encode_jpeg(f, options) for f in frames) + tuple(
                             self._image(rec[k], path, k, options) for k in self.image_keys
@@ -224,9 +228,8 @@ class LeRobotDataset:
                         parts.append(vector_text(k, v, self.names(k)))
                     elif v is not None:
                         parts.append(f"{k} {v}")
-                ordinal += 1
                 yield EpisodeStep(
-                    index=ordinal,
+                    index=ordinal + 1,
                     frame_index=int(rec.get("frame_index", at)),
                     timestamp=ts,
                     text="; ".join(parts),
@@ -238,7 +241,7 @@ class LeRobotDataset:
 
     def outcome_from_frames(self, row: Mapping[str, Any]) -> float | None:
         """Success from a per-frame column (`next.success`) at the episode's last frame, when the dataset has one."""
-        path, table = self._rows(row)
+        _path, table = self._rows(row)
         for key in SUCCESS_COLUMNS:
             if key in table.column_names and table.num_rows:
                 v = table.column(key)[table.num_rows - 1].as_py()
@@ -284,8 +287,10 @@ class VideoCursor:
             raise RobotDataError(f"decoding LeRobot videos needs PyAV: {INSTALL_HINT}") from None
         self.path = path
         self.start = start
-        self.tolerance = 1.0 / fps  # a frame further than one period from its timestamp is an error, not a match
+        # The frame shown at t is the last one at or before t + half a period; further than that (plus lerobot's
+        # own tolerance, 1e-4 s) from t means the video ran out or its clock differs: an error, not a match.
         self._half = 0.5 / fps
+        self.tolerance = self._half + 1e-4
         try:
             self._container = av.open(str(path))
         except FileNotFoundError:

@@ -18,8 +18,8 @@ The mapping, one bag = one episode:
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +95,8 @@ def _frame(msg: Any, schema: str, topic: str, options: ReadOptions) -> bytes:
         raise RobotDataError(
             f"{topic}: image {width}x{height} with step {step} needs {step * height} bytes, has {len(data)}"
         )
-    img = Image.frombuffer(mode, (width, height), data, "raw", raw, step, 1)
-    return encode_jpeg(img, options)
+    pic = Image.frombuffer(mode, (width, height), data, "raw", raw, step, 1)
+    return encode_jpeg(pic, options)
 
 
 class McapBag:
