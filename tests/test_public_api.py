@@ -54,10 +54,15 @@ PUBLIC = {
         "OPTION_NAMES", "ProgressCallback", "ScoringOptions", "TrackerOptions",
     ],
     "agent_monitor.cli": ["main"],
+    "agent_monitor.robotdata": [
+        "DEFAULT_MAX_STEPS", "Episode", "EpisodeStep", "LeRobotDataset", "McapBag", "ReadOptions", "ReplayStats",
+        "RobotDataError", "StartRun", "StepSink", "TrackerSink", "VideoCursor", "episode_run_id", "is_lerobot", "is_mcap",
+        "is_robot_data", "prefetch", "read_episodes", "replay_episodes",
+    ],
 }  # fmt: skip
 
 # The packages around the concepts keep their modules private: their public face is their __all__.
-PACKAGES = ("agent_monitor.wire", "agent_monitor.daemon", "agent_monitor.cli")
+PACKAGES = ("agent_monitor.wire", "agent_monitor.daemon", "agent_monitor.cli", "agent_monitor.robotdata")
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC))
