@@ -42,7 +42,7 @@ from .policy import PolicyState, held_out, resolve
 from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
-from .scale import CriterionScore, ScoreError, aggregate, mirrored, rule_score, score_samples
+from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -738,8 +738,11 @@ async def score_prefix(
         model = a.model or model
         dropped += a.images_dropped
         try:
-            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours.
+            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours; a binary
+            # rubric's True / False, placed on T / A (the same rules of mass and renormalisation then apply).
             samples = tuple(mirrored(x) for x in a.samples) if rubric.reversed_scale else a.samples
+            if rubric.binary:
+                samples = tuple(binary_as_letters(x) for x in samples)
             scored[c.name] = score_samples(c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws)
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
