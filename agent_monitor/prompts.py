@@ -300,6 +300,11 @@ def build_prompt(
         tail.append(TextPart("\n## Most recent camera frames\n"))
         for i in recent:
             idx, f = ordinal[i]
+            if not f.data:
+                # A tracker drops the pixels no prompt of its newest scored prefix or longer shows; an older prefix
+                # scored after that (a slow concurrent update) says so instead of sending an empty image.
+                tail.append(TextPart(f"Step {idx}: [frame no longer held]\n"))
+                continue
             tail.append(TextPart(f"Step {idx}:\n"))
             tail.append(ImagePart(f))
     n = steps[-1].index if steps else 0

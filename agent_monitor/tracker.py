@@ -68,6 +68,50 @@ def _step_text(step: StepInput) -> str:
     raise TypeError(f"a step is text or a mapping, not {type(step).__name__}")
 
 
+class _FrameKeeper:
+    """Drops the pixels of the frames the frame budget will never show again: neither an anchor nor among the newest.
+
+    Once a prefix of `n` steps is scored, a frame that is not an anchor and has `recent` newer frames within that
+    prefix is shown by no later prompt (anchors depend on the ordinal alone, and prompts only grow), so its pixels
+    go: a run holds those of its anchors and of its newest frames only, and memory per run grows with the anchors
+    (logarithmically in the run's length), not with its frames. A dropped frame keeps its type, size and digest
+    (`data` empty), so frame ordinals and the prompt's layout stay as they were.
+    """
+
+    def __init__(self, budget: FrameBudget) -> None:
+        self.budget = budget
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self._ends = array("q")  # frames in the first k + 1 steps
+        self._open: deque[tuple[int, int, int]] = deque()  # (step position, frame position, ordinal) still held
+
+    def add(self, steps: Sequence[Step]) -> None:
+        """Account for the steps appended since the last call."""
+        for pos in range(len(self._ends), len(steps)):
+            total = self._ends[-1] if self._ends else 0
+            for i in range(len(steps[pos].frames)):
+                if not self.budget.is_anchor(total + i):
+                    self._open.append((pos, i, total + i))
+            self._ends.append(total + len(steps[pos].frames))
+
+    def settle(self, steps: list[Step], n: int) -> None:
+        """After scoring the first `n` steps: drop the pixels no prompt of `n` or more steps shows."""
+        self.add(steps)
+        if not 1 <= n <= len(self._ends):
+            return
+        shown_from = self._ends[n - 1] - self.budget.recent
+        changed: dict[int, list[Frame]] = {}
+        while self._open and self._open[0][2] < shown_from:
+            at, i, _ordinal = self._open.popleft()
+            frames = changed.setdefault(at, list(steps[at].frames))
+            f = frames[i]
+            frames[i] = Frame(data=b"", mime=f.mime, width=f.width, height=f.height, digest=f.digest)
+            self.dropped += 1
+            self.dropped_bytes += len(f.data)
+        for at, frames in changed.items():
+            steps[at] = dataclasses.replace(steps[at], frames=tuple(frames))
+
+
 @dataclass(slots=True)
 class CurveSummary:
     """A run's whole curve in a few numbers, however few results `tracker.curve` still holds."""
@@ -350,6 +394,7 @@ class AsyncProgressTracker:
         self.run_id = run_id
         self.on_progress = o.on_progress
         self.steps: list[Step] = []
+        self._frames = _FrameKeeper(self.frame_budget)
         self.curve_window = o.curve_window
         self._history = _History(o.curve_window)
         self.curve: list[Progress] = self._history.curve
@@ -510,6 +555,8 @@ class AsyncProgressTracker:
             withheld=withheld,
             rule_budget_s=self.extract_budget_s,
         )
+        # No later prompt of n or more steps shows the frames settled now (prompts in flight hold their own copies).
+        self._frames.settle(self.steps, n)
         self.calls_saved += p.calls_saved
         return self._record(p)
 
