@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 
 from PIL import Image
 
@@ -35,7 +36,7 @@ def test_frames_no_prompt_will_show_lose_their_pixels_and_prompts_stay_whole() -
             assert "no longer held" not in p.text()
         # Prefix-stable as before: each prompt's head is a prefix of the next one's.
         heads = [p.prefix_text() for p in judge.prompts]
-        assert all(b.startswith(a) for a, b in zip(heads, heads[1:], strict=False))
+        assert all(b.startswith(a) for a, b in itertools.pairwise(heads))
     finally:
         t.close()
 
