@@ -112,3 +112,54 @@ def test_replay_in_process_into_a_tracker(tmp_path: Path) -> None:
     finally:
         for t in trackers.values():
             t.close()
+
+
+def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_auroc(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import base64
+    import json
+    from typing import Any
+
+    from agent_monitor.scale import LETTERS
+    from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server
+
+    dataset = make_lerobot(tmp_path / "toy")
+    seen: list[tuple[int, int]] = []
+
+    def vision(body: dict[str, Any]) -> Reply:
+        # The judge looks at the newest frame: brighter is further along; the drawer episode never gets anywhere.
+        urls = [
+            p["image_url"]["url"]
+            for m in body["messages"]
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p.get("type") == "image_url"
+        ]
+        img = Image.open(io.BytesIO(base64.b64decode(urls[-1].split(",", 1)[1]))).convert("L")
+        gray = int(img.getpixel((img.size[0] // 2, img.size[1] // 2)))  # type: ignore[arg-type]
+        seen.append((len(urls), gray))
+        letter = "B" if "Open the drawer" in json.dumps(body) else LETTERS[min(19, round(gray / 20))]
+        return chat_reply(chat_choice([(letter, {letter: 1.0})]))
+
+    with scripted_server() as server:
+        server.default = vision
+        rc = main(
+            ["eval", str(dataset), "--judge", "openai", "--judge-url", server.url, "--out", str(tmp_path / "out")]
+        )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert len(server.requests) == 6 + 8  # every prefix of both episodes, each with its frames
+    assert [g for _, g in seen[:6]] == pytest.approx([level(i) for i in range(6)], abs=4)
+    assert "Robot metrics: VOC 1.00" in out and "success AUROC at episode end 1.00" in out
+    robot = json.loads((tmp_path / "out" / "eval.json").read_text())["robot"]
+    assert robot["voc"]["n"] == 1 and robot["end_auroc"]["n"] == 2
+    spec = LeRobotSpec()
+    assert spec.success == (True, False)
+
+
+def test_eval_of_a_bad_dataset_is_exit_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dataset = make_lerobot(tmp_path / "toy")
+    (dataset / "meta" / "info.json").write_text("{not json")
+    rc = main(["eval", str(dataset), "--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1"])
+    assert rc == 2 and "info.json: not valid JSON" in capsys.readouterr().err

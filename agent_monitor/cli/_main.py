@@ -154,6 +154,49 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     raise CliError(f"unknown judge {kind!r}; choose openai, gemini or local")
 
 
+def _robot_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how robot data (a LeRobot dataset, an .mcap bag) becomes runs: replay's and eval's."""
+    robot = parser.add_argument_group("robot data (LeRobot v3 datasets, .mcap bags)")
+    robot.add_argument(
+        "--every", type=int, default=1, metavar="N", help="one step per N control ticks (frames), the Nth's text"
+    )
+    robot.add_argument(
+        "--episodes", metavar="LIST", help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)"
+    )
+    robot.add_argument(
+        "--task",
+        metavar="TEXT",
+        help="the task text (replaces the recorded one; needed for a bag without a task topic)",
+    )
+    robot.add_argument("--task-topic", default="/task", metavar="TOPIC", help="the bag's std_msgs/String task topic")
+    robot.add_argument(
+        "--outcome-topic",
+        default="/outcome",
+        metavar="TOPIC",
+        help="the bag's outcome topic ('success'/'failure' or a Bool)",
+    )
+    robot.add_argument(
+        "--camera",
+        action="append",
+        metavar="TOPIC",
+        help="a bag's camera topic (repeat for several; the first sets the ticks; default: every image topic)",
+    )
+    robot.add_argument(
+        "--max-side",
+        type=int,
+        default=320,
+        metavar="PIXELS",
+        help="downscale frames to this longer side (0: as recorded)",
+    )
+    robot.add_argument(
+        "--frames",
+        choices=("all", "budget"),
+        default="all",
+        help="all: every step carries its frames (the monitor's budget chooses); budget: only the frames the default "
+        "frame budget shows at the episode's end are encoded and sent",
+    )
+
+
 def _command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
 ) -> argparse.ArgumentParser:
@@ -244,7 +287,9 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ev = _command(
         sub, "eval", "score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
     )
-    ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
+    ev.add_argument(
+        "path", help="a recorded run (.json), a folder of them (ATIF or plain), a LeRobot v3 dataset or an .mcap file"
+    )
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
     add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
@@ -289,6 +334,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "(eval_groups.json)",
     )
     _group_flags(groups)
+    _robot_flags(ev)
     ev.add_argument(
         "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
     )
@@ -365,45 +411,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
     )
-    robot = rp.add_argument_group("robot data (LeRobot v3 datasets, .mcap bags)")
-    robot.add_argument(
-        "--every", type=int, default=1, metavar="N", help="one step per N control ticks (frames), the Nth's text"
-    )
-    robot.add_argument(
-        "--episodes", metavar="LIST", help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)"
-    )
-    robot.add_argument(
-        "--task",
-        metavar="TEXT",
-        help="the task text (replaces the recorded one; needed for a bag without a task topic)",
-    )
-    robot.add_argument("--task-topic", default="/task", metavar="TOPIC", help="the bag's std_msgs/String task topic")
-    robot.add_argument(
-        "--outcome-topic",
-        default="/outcome",
-        metavar="TOPIC",
-        help="the bag's outcome topic ('success'/'failure' or a Bool)",
-    )
-    robot.add_argument(
-        "--camera",
-        action="append",
-        metavar="TOPIC",
-        help="a bag's camera topic (repeat for several; the first sets the ticks; default: every image topic)",
-    )
-    robot.add_argument(
-        "--max-side",
-        type=int,
-        default=320,
-        metavar="PIXELS",
-        help="downscale frames to this longer side (0: as recorded)",
-    )
-    robot.add_argument(
-        "--frames",
-        choices=("all", "budget"),
-        default="all",
-        help="all: every step carries its frames (the monitor's budget chooses); budget: only the frames the default "
-        "frame budget shows at the episode's end are encoded and sent",
-    )
+    _robot_flags(rp)
 
     tp = _command(
         sub,
@@ -801,7 +809,18 @@ async def _eval(args: argparse.Namespace) -> int:
     if not args.judge:
         return _fail(_NO_JUDGE)
     policy = _eval_policy(args)
-    runs = list(iter_recorded(args.path))
+    from ..robotdata import is_robot_data
+
+    if is_robot_data(args.path):
+        from ..robotdata import RobotDataError
+        from ._robot_replay import recorded_episodes
+
+        try:
+            runs = await asyncio.to_thread(recorded_episodes, args)  # decoding: a worker thread, never the loop
+        except RobotDataError as e:
+            return _fail(str(e))
+    else:
+        runs = list(iter_recorded(args.path))
     if not runs:
         return _fail(f"no recorded runs in {args.path}")
     judge = await _ready_judge(args, 8)

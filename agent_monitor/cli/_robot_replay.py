@@ -7,6 +7,7 @@ import itertools
 import sys
 
 from ..images import FrameBudget
+from ..recorded import RecordedRun
 from ..robotdata import (
     DEFAULT_MAX_STEPS,
     Episode,
@@ -36,6 +37,20 @@ def options_from(args: argparse.Namespace) -> ReadOptions:
         max_side=args.max_side or None,
         frame_budget=FrameBudget() if args.frames == "budget" else None,
     )
+
+
+def recorded_episodes(args: argparse.Namespace) -> list[RecordedRun]:
+    """`eval`'s runs from robot data: each episode read whole (frames held in memory; `--frames budget` keeps fewer)."""
+    episodes = read_episodes(
+        args.path,
+        options_from(args),
+        episodes=_episodes(args.episodes),
+        task=args.task,
+        task_topic=args.task_topic,
+        outcome_topic=args.outcome_topic,
+        cameras=args.camera,
+    )
+    return [ep.recorded() for ep in episodes]
 
 
 def robot_replay_cli(args: argparse.Namespace) -> int:

@@ -8,9 +8,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..images import FrameBudget
+from ..recorded import RecordedRun, RecordedStep
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
@@ -103,6 +105,14 @@ class Episode:
     def steps(self) -> Iterator[EpisodeStep]:
         """The steps, decoded as they are read (blocking: run it in a worker thread, or use `prefetch`)."""
         return self._read()
+
+    def recorded(self) -> RecordedRun:
+        """The episode read whole, as a recorded run for `agent-monitor eval` (its frames held in memory)."""
+        start = datetime(2000, 1, 1, tzinfo=UTC)  # only the gaps between steps matter
+        steps = tuple(
+            RecordedStep(s.text, start + timedelta(seconds=s.timestamp), images=s.images) for s in self.steps()
+        )
+        return RecordedRun(self.name, self.task, steps, self.outcome)
 
 
 def encode_jpeg(img: PILImage, options: ReadOptions) -> bytes:
