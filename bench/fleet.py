@@ -14,9 +14,10 @@ Figures (the monitor's own clock):
 - `gap_p99_s` / `gap_max_s`: the longest wait between two progress messages of one robot (the claim: every robot
   is scored at least once a second);
 - `step_to_progress_p50_s` / `_p99_s`: from a step's arrival at the monitor to the progress that first covers it;
-- `lost`: steps published and not in a run (the runs' last scored step against the steps sent) plus steps
-  published and never accepted;
-- `rss_per_robot_kb`: the monitor process's RSS after the fleet, less before it, per robot;
+- `lost`: steps published and never accepted (journaled) by the monitor, plus steps published and not covered by
+  the run's last score (`accepted` and `scored up to` are printed beside it);
+- `rss_per_robot_kb`: the monitor process's RSS after the fleet, less before it, per robot; `rss_second_half_kb`:
+  what the second half of the publishing added, per robot (a bounded run state adds little there);
 - `cpu_ms_per_step`: the monitor process's CPU time (all its threads) per step; `cpu_ms_per_frame`: the same less
   the baseline's, per frame;
 - `loop_lag_p99_ms`: how late a 50 ms timer on the monitor's event loop fired (frames decoded in worker threads
@@ -200,7 +201,10 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
                 t0 = time.monotonic()
                 for parent, _ in pipes:
                     parent.send("go")
+                await asyncio.sleep(args.seconds / 2)
+                rss_mid = proc_status_kb()  # halfway: what the second half adds is what a longer episode would
                 sent = [await _answer(parent, args.seconds * 4 + 120) for parent, _ in pipes]
+                rss_end_of_publishing = proc_status_kb()
                 published = sum(s[1] for s in sent)
                 # Wait until the last steps are scored (or a generous while), then measure.
                 deadline = time.monotonic() + 60
@@ -236,6 +240,8 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
         "published": published,
         "late_ticks": sum(s[2] for s in sent),
         "lost": lost,
+        "accepted": record.steps,
+        "scored_to": sum(record.last_step.values()),
         "updates_per_robot_s": sum(rates) / max(1, len(rates)),
         "min_robot": min(rates, default=0.0),
         "gap_p99_s": percentile(gaps, 99),
@@ -243,6 +249,7 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
         "step_to_progress_p50_s": percentile(record.latency, 50),
         "step_to_progress_p99_s": percentile(record.latency, 99),
         "rss_per_robot_kb": (rss - rss0) / args.robots,
+        "rss_second_half_kb": (rss_end_of_publishing - rss_mid) / args.robots,
         "cpu_ms_per_step": 1000 * cpu / max(1, published),
         "cpu_s": cpu,
         "elapsed_s": elapsed,
@@ -260,10 +267,12 @@ async def main_async(args: argparse.Namespace) -> None:
     for r in (base, full):
         print(
             f"{'with a 320x240 JPEG' if r['frames'] else 'baseline, text only'}: {r['robots']} robots x {args.hz:g} Hz x "
-            f"{args.seconds:g} s = {r['published']} steps, lost {r['lost']}, late publisher ticks {r['late_ticks']}; "
+            f"{args.seconds:g} s = {r['published']} steps, accepted {r['accepted']}, scored up to {r['scored_to']} "
+            f"(lost {r['lost']}), late publisher ticks {r['late_ticks']}; "
             f"{r['updates_per_robot_s']:.2f} updates/robot/s (slowest robot {r['min_robot']:.2f}), gap between updates "
             f"p99 {r['gap_p99_s']:.2f} s max {r['gap_max_s']:.2f} s; step to progress p50 {r['step_to_progress_p50_s']:.3f} s "
-            f"p99 {r['step_to_progress_p99_s']:.3f} s; RSS +{r['rss_per_robot_kb']:.0f} KiB/robot; CPU "
+            f"p99 {r['step_to_progress_p99_s']:.3f} s; RSS +{r['rss_per_robot_kb']:.0f} KiB/robot "
+            f"(+{r['rss_second_half_kb']:.0f} in the second half); CPU "
             f"{r['cpu_ms_per_step']:.2f} ms/step; loop lag p99 {r['loop_lag_p99_ms']:.1f} ms"
         )
     print(f"frames: {full['cpu_ms_per_frame']:.2f} ms of monitor CPU per frame over the baseline")
@@ -279,6 +288,7 @@ async def main_async(args: argparse.Namespace) -> None:
             gap_p99_s=full["gap_p99_s"],
             step_to_progress_p99_s=full["step_to_progress_p99_s"],
             rss_per_robot_kb=full["rss_per_robot_kb"],
+            rss_second_half_kb=full["rss_second_half_kb"],
             cpu_ms_per_frame=full["cpu_ms_per_frame"],
             loop_lag_p99_ms=full["loop_lag_p99_ms"],
             load1_start=load_start,
