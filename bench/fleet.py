@@ -17,7 +17,9 @@ Figures (the monitor's own clock):
 - `lost`: steps published and never accepted (journaled) by the monitor, plus steps published and not covered by
   the run's last score (`accepted` and `scored up to` are printed beside it);
 - `rss_per_robot_kb`: the monitor process's RSS after the fleet, less before it, per robot; `rss_second_half_kb`:
-  what the second half of the publishing added, per robot (a bounded run state adds little there);
+  what the second half of the publishing added, per robot (RSS also holds the allocator's free lists and any
+  backlog of unscored messages); `frames_held_per_robot` / `frame_kb_held_per_robot`: the frames whose pixels a
+  run still holds at the end (its anchors and newest frames: the rest are dropped once scored past);
 - `cpu_ms_per_step`: the monitor process's CPU time (all its threads) per step; `cpu_ms_per_frame`: the same less
   the baseline's, per frame;
 - `loop_lag_p99_ms`: how late a 50 ms timer on the monitor's event loop fired (frames decoded in worker threads
@@ -194,7 +196,7 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
         lag: list[float] = []
         stop = asyncio.Event()
         try:
-            async with Monitor(config, judge=judge, store=SqliteStore(Path(tmp) / "runs.db"), sinks=[record]):
+            async with Monitor(config, judge=judge, store=SqliteStore(Path(tmp) / "runs.db"), sinks=[record]) as mon:
                 lagger = asyncio.create_task(_lag(lag, stop))
                 rss0 = proc_status_kb()
                 cpu0 = time.process_time()
@@ -217,6 +219,13 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
                 elapsed = time.monotonic() - t0
                 cpu = time.process_time() - cpu0
                 rss = proc_status_kb()
+                held = [0, 0]  # frames whose pixels the runs still hold, and their bytes
+                for r in range(args.robots):
+                    t = mon.tracker(run_id(r, tag))
+                    for step in t.steps if t is not None else ():
+                        for f in step.frames:
+                            held[0] += bool(f.data)
+                            held[1] += len(f.data)
                 for parent, _ in pipes:
                     parent.send("end")
                 for parent, _ in pipes:
@@ -250,6 +259,8 @@ async def fleet(args: argparse.Namespace, port: int, url: str, tag: str, images:
         "step_to_progress_p99_s": percentile(record.latency, 99),
         "rss_per_robot_kb": (rss - rss0) / args.robots,
         "rss_second_half_kb": (rss_end_of_publishing - rss_mid) / args.robots,
+        "frames_held_per_robot": held[0] / args.robots,
+        "frame_kb_held_per_robot": held[1] / 1024 / args.robots,
         "cpu_ms_per_step": 1000 * cpu / max(1, published),
         "cpu_s": cpu,
         "elapsed_s": elapsed,
@@ -272,7 +283,8 @@ async def main_async(args: argparse.Namespace) -> None:
             f"{r['updates_per_robot_s']:.2f} updates/robot/s (slowest robot {r['min_robot']:.2f}), gap between updates "
             f"p99 {r['gap_p99_s']:.2f} s max {r['gap_max_s']:.2f} s; step to progress p50 {r['step_to_progress_p50_s']:.3f} s "
             f"p99 {r['step_to_progress_p99_s']:.3f} s; RSS +{r['rss_per_robot_kb']:.0f} KiB/robot "
-            f"(+{r['rss_second_half_kb']:.0f} in the second half); CPU "
+            f"(+{r['rss_second_half_kb']:.0f} in the second half), frames held {r['frames_held_per_robot']:.0f}/robot "
+            f"({r['frame_kb_held_per_robot']:.0f} KiB); CPU "
             f"{r['cpu_ms_per_step']:.2f} ms/step; loop lag p99 {r['loop_lag_p99_ms']:.1f} ms"
         )
     print(f"frames: {full['cpu_ms_per_frame']:.2f} ms of monitor CPU per frame over the baseline")
@@ -289,6 +301,8 @@ async def main_async(args: argparse.Namespace) -> None:
             step_to_progress_p99_s=full["step_to_progress_p99_s"],
             rss_per_robot_kb=full["rss_per_robot_kb"],
             rss_second_half_kb=full["rss_second_half_kb"],
+            frames_held_per_robot=full["frames_held_per_robot"],
+            frame_kb_held_per_robot=full["frame_kb_held_per_robot"],
             cpu_ms_per_frame=full["cpu_ms_per_frame"],
             loop_lag_p99_ms=full["loop_lag_p99_ms"],
             load1_start=load_start,
