@@ -1,8 +1,8 @@
 """A robot fleet on one monitor: N robots publishing 10 Hz steps, each with a 320x240 JPEG, one vision judge.
 
 The fleet: `--robots` runs (default 100), each publishing one step per tick at `--hz` (default 10) for `--seconds`
-(default 20), the step's text an action and a state, with one 320x240 JPEG camera frame (a moving dot on noise,
-about 10-15 KB; each robot cycles through 20 pre-encoded frames, so the publishers measure publishing, not JPEG
+(default 20), the step's text an action and a state, with one 320x240 JPEG camera frame (a moving dot over a
+textured table, quality 75, about 9 KB; each robot cycles through 20 pre-encoded frames, so the publishers measure publishing, not JPEG
 encoding). `--publishers` processes (default 4) publish on a fixed schedule (paho, MQTT 3.1.1, QoS 1), through
 a private Mosquitto with stock limits, to a `Monitor` in this process (SQLite run store in a temporary directory,
 the default frame budget) whose judge is a scripted vision judge (`FakeJudge`) with a fixed latency (`--latency`,
@@ -61,18 +61,24 @@ def run_id(i: int, tag: str) -> str:
 
 
 def frames(seed: int, n: int = 20) -> list[str]:
-    """`n` 320x240 JPEGs (base64) of a dot moving over noise."""
-    from PIL import Image, ImageDraw
+    """`n` 320x240 JPEGs (base64, quality 75) of a gripper-like dot moving over a textured table: about 9 KB each."""
+    from PIL import Image, ImageDraw, ImageFilter
 
     rng = random.Random(seed)
-    noise = Image.frombytes("RGB", (320, 240), bytes(rng.randrange(256) for _ in range(320 * 240 * 3)))
+    # A table with some texture (sensor noise, blurred), lit from one side: a camera frame's size, not noise's.
+    noise = Image.frombytes("L", (320, 240), bytes(rng.randrange(256) for _ in range(320 * 240)))
+    texture = noise.filter(ImageFilter.GaussianBlur(1.2))
+    light = Image.linear_gradient("L").resize((320, 240)).rotate(90)
+    table = Image.merge("RGB", (Image.blend(texture, light, 0.7), Image.blend(texture, light, 0.6), light))
     out = []
     for i in range(n):
-        img = noise.copy()
-        x, y = 20 + 14 * i, 40 + 8 * i
-        ImageDraw.Draw(img).ellipse((x - 10, y - 10, x + 10, y + 10), fill=(220, 30, 30))
+        img = table.copy()
+        draw = ImageDraw.Draw(img)
+        draw.rectangle((200, 150, 260, 200), fill=(40, 60, 200))  # the bin
+        x, y = 20 + 9 * i, 40 + 6 * i
+        draw.ellipse((x - 10, y - 10, x + 10, y + 10), fill=(220, 30, 30))  # the block in the gripper
         buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=60)
+        img.save(buf, format="JPEG", quality=75)
         out.append(base64.b64encode(buf.getvalue()).decode())
     return out
 
