@@ -390,7 +390,11 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)")
     add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)")
     rp.add_argument(
-        "--speed", type=float, default=1.0, metavar="X", help="time scale: 10 replays ten times faster than recorded"
+        "--speed",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="time scale: 10 replays ten times faster than recorded (robot data: 0 sends as fast as frames decode)",
     )
     rp.add_argument(
         "--interval",
