@@ -82,6 +82,9 @@ class Rubric:
     """The rubric's scale puts the best letter first (A = best .. T = worst, as the skill's rubric.json): the
     judge is told so, and its letters are mirrored onto ours before the expectation (a score means the same)."""
     verdicts: tuple[float, float] | None = None
+    binary: bool = False
+    """The binary scale (config `"scale": "binary"`): the judge answers True or False to "is it complete?", and the
+    score is P(True) renormalised over the two answers (TOPReward's reading for vision judges); see scale.binary_as_letters."""
     template: str = ""
     """A checked progress prompt template (`agent_monitor.templates`) the judge's prompts are laid out by; "" = ours."""
     """(pass, review) levels: a final score >= pass is "pass", >= review "review", else "fail" (see `verdict`)."""
@@ -117,6 +120,7 @@ class Rubric:
                 *([self.note] if self.note else []),
                 *([self.scale, self.reversed_scale] if self.scale else []),
                 *([self.template] if self.template else []),
+                *(["binary"] if self.binary else []),
             ],
             separators=(",", ":"),
         )
@@ -403,6 +407,9 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
             f"{source}: 'verifier' makes this an lmms-eval verification pipeline config, not a rubric; build it with "
             "agent_monitor.verifiers.build_verification_pipeline(config), or give a rubric with a 'criteria' list"
         )
+    binary = data.get("scale") == "binary"
+    if binary or data.get("scale") == "letters":
+        data = {k: v for k, v in data.items() if k != "scale"}
     skill = _skill_format(data, source)
     items = data.get("criteria")
     if skill is not None and isinstance(items, list):
@@ -419,6 +426,8 @@ def _from_config(data: Mapping[str, Any], source: str) -> Rubric:
     criteria = [_item(x, i) for i, x in enumerate(items, 1)]
     thresholds = map_thresholds(data.get("thresholds"), [c.name for c in criteria], source)
     rubric = _normalised(str(data.get("title") or "custom"), criteria, source, extractors, thresholds)
+    if binary:
+        rubric = dataclasses.replace(rubric, binary=True)
     if skill is None:
         return rubric
     total = sum(c.weight for c in criteria)

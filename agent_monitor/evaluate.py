@@ -158,8 +158,10 @@ async def score_runs(
         setting = _setting(judge, tracker, repeats)
         texts: list[str] = [run.task]
         for step in steps:
-            await tracker.add(step.text)
+            await tracker.add(step.text, images=step.images)
             texts.append(step.text)
+            # A frame changes the prompt as much as text does: the cache key holds each frame's digest.
+            texts.extend(hashlib.sha256(i).hexdigest() for i in step.images)
             key = _key([*setting, *texts])
             hit = cache.get(key) if cache else None
             if hit is not None:

@@ -24,6 +24,8 @@ class RecordedStep:
 
     text: str
     timestamp: datetime | None = None
+    images: tuple[bytes, ...] = ()
+    """Encoded camera frames that go with the step (robot episodes); the judge sees them by the frame budget."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 LETTERS = "ABCDEFGHIJKLMNOPQRST"
 """The progress scale, worst to best: A = nothing useful done .. T = verifiably complete."""
 
+BINARY_TOKENS = ("True", "False")
+"""The answers of the binary scale (`scale: binary` in a rubric): is the task complete?"""
+
 _INDEX = {letter: i for i, letter in enumerate(LETTERS)}
 _STEP = 1.0 / (len(LETTERS) - 1)
 
@@ -43,6 +46,38 @@ def read_letter(token: str) -> str | None:
         return None
     up = t.upper()
     return up if up in _INDEX else None
+
+
+def read_binary(token: str) -> bool | None:
+    """The answer a token is on the binary scale ("True" / "False", either case, spaces stripped), or None."""
+    t = token.strip().lower()
+    return True if t == "true" else False if t == "false" else None
+
+
+def binary_as_letters(sample: Mapping[str, float] | None) -> dict[str, float] | None:
+    """A binary judge's answer on the letter scale: False's probability on A (0), True's on T (1).
+
+    So the expectation is P(True) / (P(True) + P(False)) and the mass is P(True) + P(False): the letter scale's
+    rules (`distribution`: minimum mass, renormalisation) apply unchanged. Raises ScoreError("no_letter") when no
+    candidate token is True or False.
+    """
+    if sample is None:
+        return None
+    p = {True: 0.0, False: 0.0}
+    for token, lp in sample.items():
+        answer = read_binary(token)
+        if answer is not None and not math.isnan(lp):
+            p[answer] += math.exp(min(lp, 0.0))
+    if p[True] + p[False] <= 0.0:
+        raise ScoreError(
+            "no_letter", f"none of the judge's {len(sample)} candidate tokens is True or False (binary scale)"
+        )
+    out: dict[str, float] = {}
+    if p[False] > 0.0:
+        out["A"] = math.log(p[False])
+    if p[True] > 0.0:
+        out["T"] = math.log(p[True])
+    return out
 
 
 def mirrored(sample: Mapping[str, float] | None) -> dict[str, float] | None:

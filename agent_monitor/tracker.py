@@ -43,7 +43,7 @@ from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
 from .progress import Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
-from .scale import CriterionScore, ScoreError, aggregate, mirrored, rule_score, score_samples
+from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -92,6 +92,50 @@ def placed(steps: Sequence[Step]) -> Sequence[Step]:
     return [
         steps[i] if steps[i].index == at else dataclasses.replace(steps[i], index=at) for at, i in enumerate(order, 1)
     ]
+
+
+class _FrameKeeper:
+    """Drops the pixels of the frames the frame budget will never show again: neither an anchor nor among the newest.
+
+    Once a prefix of `n` steps is scored, a frame that is not an anchor and has `recent` newer frames within that
+    prefix is shown by no later prompt (anchors depend on the ordinal alone, and prompts only grow), so its pixels
+    go: a run holds those of its anchors and of its newest frames only, and memory per run grows with the anchors
+    (logarithmically in the run's length), not with its frames. A dropped frame keeps its type, size and digest
+    (`data` empty), so frame ordinals and the prompt's layout stay as they were.
+    """
+
+    def __init__(self, budget: FrameBudget) -> None:
+        self.budget = budget
+        self.dropped = 0
+        self.dropped_bytes = 0
+        self._ends = array("q")  # frames in the first k + 1 steps
+        self._open: deque[tuple[int, int, int]] = deque()  # (step position, frame position, ordinal) still held
+
+    def add(self, steps: Sequence[Step]) -> None:
+        """Account for the steps appended since the last call."""
+        for pos in range(len(self._ends), len(steps)):
+            total = self._ends[-1] if self._ends else 0
+            for i in range(len(steps[pos].frames)):
+                if not self.budget.is_anchor(total + i):
+                    self._open.append((pos, i, total + i))
+            self._ends.append(total + len(steps[pos].frames))
+
+    def settle(self, steps: list[Step], n: int) -> None:
+        """After scoring the first `n` steps: drop the pixels no prompt of `n` or more steps shows."""
+        self.add(steps)
+        if not 1 <= n <= len(self._ends):
+            return
+        shown_from = self._ends[n - 1] - self.budget.recent
+        changed: dict[int, list[Frame]] = {}
+        while self._open and self._open[0][2] < shown_from:
+            at, i, _ordinal = self._open.popleft()
+            frames = changed.setdefault(at, list(steps[at].frames))
+            f = frames[i]
+            frames[i] = Frame(data=b"", mime=f.mime, width=f.width, height=f.height, digest=f.digest)
+            self.dropped += 1
+            self.dropped_bytes += len(f.data)
+        for at, frames in changed.items():
+            steps[at] = dataclasses.replace(steps[at], frames=tuple(frames))
 
 
 @dataclass(slots=True)
@@ -381,6 +425,7 @@ class AsyncProgressTracker:
         self.run_id = run_id
         self.on_progress = o.on_progress
         self.steps: list[Step] = []
+        self._frames = _FrameKeeper(self.frame_budget)
         self.curve_window = o.curve_window
         self._history = _History(o.curve_window)
         self.curve: list[Progress] = self._history.curve
@@ -550,6 +595,8 @@ class AsyncProgressTracker:
             withheld=withheld,
             rule_budget_s=self.extract_budget_s,
         )
+        # No later prompt of n or more steps shows the frames settled now (prompts in flight hold their own copies).
+        self._frames.settle(self.steps, n)
         self.calls_saved += p.calls_saved
         if plan is not None and plan is not EVERY:
             p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
@@ -799,8 +846,11 @@ async def score_prefix(
         model = a.model or model
         dropped += a.images_dropped
         try:
-            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours.
+            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours; a binary
+            # rubric's True / False, placed on T / A (the same rules of mass and renormalisation then apply).
             samples = tuple(mirrored(x) for x in a.samples) if rubric.reversed_scale else a.samples
+            if rubric.binary:
+                samples = tuple(binary_as_letters(x) for x in samples)
             scored[c.name] = score_samples(c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws)
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")

@@ -227,7 +227,10 @@ def test_help_shows_the_default_of_every_option_that_has_one() -> None:
                 lacking.append(f"{name} {a.option_strings[-1]}")
     assert lacking == []
     replay = " ".join(commands()["replay"].format_help().split())
-    assert "--speed X time scale: 10 replays ten times faster than recorded (default: 1)" in replay
+    assert (
+        "--speed X time scale: 10 replays ten times faster than recorded (robot data: 0 sends as fast as frames "
+        "decode) (default: 1)"
+    ) in replay
     assert "--max-steps N publish at most this many steps per run (default: all)" in replay
     runs = " ".join(commands()["runs"].format_help().split())
     assert "--limit N at most this many runs, newest first (default: 50)" in runs

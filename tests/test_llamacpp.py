@@ -449,3 +449,18 @@ async def test_lean_and_sdk_transports_read_the_same_answer_from_the_real_server
     assert set(lean.samples[0]) == set(sdk.samples[0])
     for token, lp in lean.samples[0].items():
         assert math.isclose(lp, sdk.samples[0][token], abs_tol=1e-4), token
+
+
+async def test_inprocess_binary_rubric_reads_the_true_and_false_tokens(gemma: LlamaCppJudge) -> None:
+    from agent_monitor.scale import binary_as_letters, read_binary
+
+    rubric = load_criteria({"scale": "binary", "criteria": [{"name": "done", "description": "All tests pass."}]})
+    steps = [Step(i + 1, ACTIONS[i]) for i in range(5)]
+    p = build_prompt(TASK, rubric, steps, rubric.criteria[0])
+    assert p.scale == "binary"
+    resp = await gemma.grade(JudgeRequest(p))
+    sample = resp.samples[0]
+    assert sample and all(read_binary(t) is not None for t in sample)  # True/False spellings, no letters
+    d = distribution(binary_as_letters(sample) or {}, min_mass=0.0)
+    assert 0.0 < d.mass <= 1.0 + 1e-9 and 0.0 <= d.expectation <= 1.0
+    print(f"\ngemma binary: P(True)+P(False) {d.mass:.4f}, P(True) renormalised {d.expectation:.3f}")

@@ -60,10 +60,15 @@ PUBLIC = {
     "agent_monitor.integrations.verl": ["ComputeScore", "RewardForm", "make_compute_score"],
     "agent_monitor.integrations.verifiers": ["DEFAULT_MAX_ROLLOUTS", "DEFAULT_MAX_STEP_CHARS", "INFO_KEY", "MonitorHooks", "monitor_hooks"],
     "agent_monitor.integrations.ray": ["DEFAULT_MAX_RUNS", "MonitorActor", "MonitorService"],
+    "agent_monitor.robotdata": [
+        "DEFAULT_MAX_STEPS", "Episode", "EpisodeStep", "LeRobotDataset", "McapBag", "ReadOptions", "ReplayStats",
+        "RobotDataError", "StartRun", "StepSink", "TrackerSink", "VideoCursor", "episode_run_id", "is_lerobot", "is_mcap",
+        "is_robot_data", "prefetch", "read_episodes", "replay_episodes",
+    ],
 }  # fmt: skip
 
 # The packages around the concepts keep their modules private: their public face is their __all__.
-PACKAGES = ("agent_monitor.wire", "agent_monitor.daemon", "agent_monitor.cli")
+PACKAGES = ("agent_monitor.wire", "agent_monitor.daemon", "agent_monitor.cli", "agent_monitor.robotdata")
 
 
 @pytest.mark.parametrize("module", sorted(PUBLIC))

@@ -164,6 +164,49 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     raise CliError(f"unknown judge {kind!r}; choose openai, gemini, local or replay")
 
 
+def _robot_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how robot data (a LeRobot dataset, an .mcap bag) becomes runs: replay's and eval's."""
+    robot = parser.add_argument_group("robot data (LeRobot v3 datasets, .mcap bags)")
+    robot.add_argument(
+        "--every", type=int, default=1, metavar="N", help="one step per N control ticks (frames), the Nth's text"
+    )
+    robot.add_argument(
+        "--episodes", metavar="LIST", help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)"
+    )
+    robot.add_argument(
+        "--task",
+        metavar="TEXT",
+        help="the task text (replaces the recorded one; needed for a bag without a task topic)",
+    )
+    robot.add_argument("--task-topic", default="/task", metavar="TOPIC", help="the bag's std_msgs/String task topic")
+    robot.add_argument(
+        "--outcome-topic",
+        default="/outcome",
+        metavar="TOPIC",
+        help="the bag's outcome topic ('success'/'failure' or a Bool)",
+    )
+    robot.add_argument(
+        "--camera",
+        action="append",
+        metavar="TOPIC",
+        help="a bag's camera topic (repeat for several; the first sets the ticks; default: every image topic)",
+    )
+    robot.add_argument(
+        "--max-side",
+        type=int,
+        default=320,
+        metavar="PIXELS",
+        help="downscale frames to this longer side (0: as recorded)",
+    )
+    robot.add_argument(
+        "--frames",
+        choices=("all", "budget"),
+        default="all",
+        help="all: every step carries its frames (the monitor's budget chooses); budget: only the frames the default "
+        "frame budget shows at the episode's end are encoded and sent",
+    )
+
+
 def _command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
 ) -> argparse.ArgumentParser:
@@ -254,7 +297,9 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ev = _command(
         sub, "eval", "score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
     )
-    ev.add_argument("path", help="a recorded run (.json) or a folder of them (ATIF or plain)")
+    ev.add_argument(
+        "path", help="a recorded run (.json), a folder of them (ATIF or plain), a LeRobot v3 dataset or an .mcap file"
+    )
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
     add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
@@ -308,6 +353,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "(eval_groups.json)",
     )
     _group_flags(groups)
+    _robot_flags(ev)
     ev.add_argument(
         "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
     )
@@ -352,12 +398,22 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="score cache file (default: OUT/score-cache.sqlite3; eval's cache serves the pointwise scores)",
     )
 
-    rp = _command(sub, "replay", "publish recorded runs to a broker as live runs (to watch the monitor)")
-    rp.add_argument("path", help="a recorded run (.json) or a folder of them")
+    rp = _command(
+        sub,
+        "replay",
+        "publish recorded runs to a broker as live runs (to watch the monitor)",
+        "PATH may also be robot data (the robot extra): a LeRobot v3 dataset directory or a ROS 2 bag (.mcap), "
+        "replayed episode by episode at its own pace with its camera frames (docs/robots.md).",
+    )
+    rp.add_argument("path", help="a recorded run (.json), a folder of them, a LeRobot v3 dataset or an .mcap file")
     add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)")
     add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)")
     rp.add_argument(
-        "--speed", type=float, default=1.0, metavar="X", help="time scale: 10 replays ten times faster than recorded"
+        "--speed",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="time scale: 10 replays ten times faster than recorded (robot data: 0 sends as fast as frames decode)",
     )
     rp.add_argument(
         "--interval",
@@ -378,6 +434,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
     )
+    _robot_flags(rp)
 
     tp = _command(
         sub,
@@ -799,7 +856,18 @@ async def _eval(args: argparse.Namespace) -> int:
     if not args.judge:
         return _fail(_NO_JUDGE)
     policy = _eval_policy(args)
-    runs = list(iter_recorded(args.path))
+    from ..robotdata import is_robot_data
+
+    if is_robot_data(args.path):
+        from ..robotdata import RobotDataError
+        from ._robot_replay import recorded_episodes
+
+        try:
+            runs = await asyncio.to_thread(recorded_episodes, args)  # decoding: a worker thread, never the loop
+        except RobotDataError as e:
+            return _fail(str(e))
+    else:
+        runs = list(iter_recorded(args.path))
     if not runs:
         return _fail(f"no recorded runs in {args.path}")
     judge = await _ready_judge(args, 8)

@@ -96,6 +96,12 @@ def replay(
 
 def replay_cli(args: argparse.Namespace) -> int:
     """`agent-monitor replay PATH`."""
+    from ..robotdata import is_robot_data
+
+    if is_robot_data(args.path):
+        from ._robot_replay import robot_replay_cli
+
+        return robot_replay_cli(args)
     runs = list(iter_recorded(args.path))
     if args.max_steps:
         runs = [RecordedRun(r.name, r.task, r.steps[: args.max_steps], r.outcome) for r in runs]
@@ -105,7 +111,7 @@ def replay_cli(args: argparse.Namespace) -> int:
     steps = sum(len(r.steps) for r in runs)
     print(f"replaying {len(runs)} runs ({steps} steps) to {args.broker} at {args.speed:g}x", file=sys.stderr)
     try:
-        with MonitorClient(args.broker, prefix=args.topic_prefix) as client:
+        with MonitorClient(args.broker, prefix=args.prefix) as client:
 
             def show(rid: str, kind: str, step: int) -> None:
                 if kind != "step":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from .._loop import LoopThread
 from ..progress import Usage
 from ..prompts import Prompt
-from ..scale import DEFAULT_MIN_MASS, read_letter
+from ..scale import DEFAULT_MIN_MASS, read_binary, read_letter
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
@@ -260,7 +260,8 @@ def answer_sample(
     """
     if not generated:
         return None
-    pos = next((i for i, (t, _) in enumerate(generated) if read_letter(t) is not None), 0)
+    # The first generated token that is an answer: a letter, or True / False for a binary rubric.
+    pos = next((i for i, (t, _) in enumerate(generated) if read_letter(t) is not None or read_binary(t) is not None), 0)
     cands: dict[str, float] = {}
     if pos < len(alternatives):
         for token, lp in alternatives[pos]:
@@ -277,8 +278,12 @@ def drawn_letter(text: str) -> dict[str, float]:
 
     Trailing punctuation is allowed ("K." is K); "The answer is K" is not a letter.
     """
-    letter = read_letter(text.strip().rstrip(".,;:!)"))
-    return {letter: 0.0} if letter else {}
+    answer = text.strip().rstrip(".,;:!)")
+    letter = read_letter(answer)
+    if letter:
+        return {letter: 0.0}
+    binary = read_binary(answer)
+    return {} if binary is None else {"True" if binary else "False": 0.0}
 
 
 def tally(draws: Sequence[Sample], repeats: int, samples: int) -> tuple[Sample, ...]:

@@ -11,7 +11,7 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import Prompt, TextPart
-from ..scale import LETTERS
+from ..scale import BINARY_TOKENS, LETTERS
 from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 
 _INSTALL_HINT = "install the optional extra: pip install 'agent-monitor[local]'"
@@ -184,6 +184,7 @@ class LlamaCppJudge(BaseJudge):
         self._llm: Any = None
         self._text: _PromptTokens | None = None  # how prompts become tokens, made with the model
         self._letter_ids: dict[int, str] = {}
+        self._binary_ids: dict[int, str] = {}  # "True" / "False" spellings, for a binary rubric's prompts
         self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
         self._active: str | None = None  # the run key whose prefix the context holds
         self._kept: OrderedDict[str | None, _Kept] = OrderedDict()  # other runs' saved states, oldest use first
@@ -292,6 +293,7 @@ class LlamaCppJudge(BaseJudge):
             raise
         self.chat_template = self._text.template
         self._letter_ids = _letter_ids(llm)
+        self._binary_ids = _letter_ids(llm, BINARY_TOKENS)
         if not self._letter_ids:
             llm.close()
             raise ValueError("no scale letter A-T is a single token in this model's vocabulary")
@@ -328,7 +330,8 @@ class LlamaCppJudge(BaseJudge):
                 raise JudgeError("inference", f"llama.cpp failed to evaluate the prompt: {e}") from e
             self.tokens_prompted += len(tokens)
             self.tokens_evaluated += len(tokens) - reused
-        return _letter_logprobs(logits, self._letter_ids), Usage(
+        answers = self._binary_ids if prompt.scale == "binary" else self._letter_ids
+        return _letter_logprobs(logits, answers), Usage(
             input_tokens=len(tokens), cached_input_tokens=reused, output_tokens=0
         )
 
@@ -677,10 +680,10 @@ def _piece(llm: Any, token: int) -> str:
     return "" if token < 0 else bytes(llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
 
 
-def _letter_ids(llm: Any) -> dict[int, str]:
-    """Token id -> a distinct spelling, for every letter spelling that is one token ("A", " A", "a", " a")."""
+def _letter_ids(llm: Any, answers: Sequence[str] = LETTERS) -> dict[int, str]:
+    """Token id -> a distinct spelling, for every answer spelling that is one token ("A", " A", "a", " a")."""
     ids: dict[int, str] = {}
-    for letter in LETTERS:
+    for letter in answers:
         for text in (letter, " " + letter, letter.lower(), " " + letter.lower()):
             toks = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
             # Several pieces are not one answer token; one id reached by two spellings counts once.

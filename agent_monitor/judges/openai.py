@@ -19,7 +19,7 @@ from openai import AsyncOpenAI
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
-from ..scale import LETTERS
+from ..scale import BINARY_TOKENS, LETTERS
 from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
 from .base import (
     BaseJudge,
@@ -361,7 +361,7 @@ class OpenAIJudge(BaseJudge):
                 if self.prefill is not None:
                     extra.update(continue_final_message=True, add_generation_prompt=False)
                 if self.constrain:
-                    extra["guided_choice"] = list(LETTERS)
+                    extra["guided_choice"] = list(BINARY_TOKENS if prompt.scale == "binary" else LETTERS)
                 resp = await self._create(
                     self.client.chat.completions,
                     messages=cast(Any, messages),
@@ -444,7 +444,7 @@ class OpenAIJudge(BaseJudge):
                 if self.prefill is not None:
                     extra.update(continue_final_message=True, add_generation_prompt=False)
                 if self.constrain:
-                    extra["guided_choice"] = list(LETTERS)
+                    extra["guided_choice"] = list(BINARY_TOKENS if prompt.scale == "binary" else LETTERS)
         body.update(extra)  # as the SDK's extra_body: merged into the body, a caller's field wins
         try:
             reply = await self._fetch("POST", path, json.dumps(body, ensure_ascii=False).encode())
