@@ -24,7 +24,7 @@ from agent_monitor.daemon._cluster import Fenced
 from agent_monitor.daemon._outbox import Message
 from agent_monitor.daemon._state import Stepped
 from agent_monitor.testing import FakeJudge
-from agent_monitor.wire import BrokerSettings, StepIn
+from agent_monitor.wire import BrokerSettings, MonitorClient, StepIn
 from tests.brokers import Mosquitto, free_port
 from tests.redis_server import RedisServer, redis_server
 from tests.test_daemon_mqtt import Harness, harness
@@ -593,3 +593,54 @@ async def test_a_new_owner_publishes_an_abort_again_only_if_it_may_not_be_out(
             await asyncio.sleep(1.0)
     aborts = {r: [s for s in h.seen[(r, "signal")] if s and s["signal"] == "abort"] for r in ("out", "lost")}
     assert (len(aborts["out"]), len(aborts["lost"])) == (1, 1), aborts
+
+
+async def test_steps_published_while_no_replica_is_subscribed_are_sent_again_after_a_broker_restart(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
+    """The broker restarts (persistence on) and the harness is back before any replica: what it publishes then
+    reaches no subscriber (Mosquitto 2.0.11 restores sessions but not their $share subscriptions), yet every run's
+    journal ends exact. The monitor asks for each gap again (`resend`) and MonitorClient re-sends its unscored steps.
+    """
+    runs = [f"rs-{i}" for i in range(3)]
+    limits = RunLimits(hold_s=4.0)
+    async with Cut(broker.port, "mqtt", "") as cut, AsyncExitStack() as stack:
+        ms = [
+            await stack.enter_async_context(replica(broker, redis, name, via=(cut.url, None), limits=limits))
+            for name in ("a", "b")
+        ]
+        client = MonitorClient(broker.url, connect_timeout=10, ack_timeout=10)
+        await asyncio.to_thread(client.__enter__)
+        stack.callback(client.__exit__, None, None, None)
+        handles = [await asyncio.to_thread(client.start_run, r, task="count") for r in runs]
+        for i in (1, 2):
+            for run in handles:
+                await asyncio.to_thread(run.step, f"did {i}")
+        for run in handles:
+            await asyncio.to_thread(run.wait_progress, 2, 30)
+        cut.cut = True  # the replicas cannot reach the broker until the harness has published
+        cut.sever()
+        await asyncio.to_thread(broker.restart)
+        for _ in range(200):
+            if client.connected:
+                break
+            await asyncio.sleep(0.05)
+        assert client.connected
+        for i in (3, 4):  # acknowledged by the broker, delivered to no replica
+            for run in handles:
+                await asyncio.to_thread(run.step, f"did {i}")
+        cut.cut = False
+        async with harness(broker.port) as h:
+            for _ in range(300):  # the replicas reconnect and subscribe again
+                if all(m.link is not None and m.link.connected.is_set() for m in ms):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            for run in handles:  # the next step shows the gap: the monitor asks, the client sends 3 and 4 again
+                await asyncio.to_thread(run.step, "did 5")
+            await h.until(lambda: all(h.last_step(r) == 5 for r in runs), wait_s=40)
+        assert sum(run.resent for run in handles) >= 2 * len(runs)
+    for r in runs:
+        journal = await cluster_export(ClusterSettings(url=redis.url, name="t"), r)
+        assert journal is not None
+        assert [(s["index"], s["text"]) for s in journal["steps"]] == [(i, f"did {i}") for i in range(1, 6)], journal
