@@ -373,7 +373,8 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     # One trace through a's OTLP receiver, to its end: the row's final-score latency has an observation.
     receiver = next(s for s in a.sources if isinstance(s, OtlpReceiver))
     now = time.time_ns()
-    trace = body(tool("00f067aa0ba902b7", now, "run_tests", "2 passed"), root(now + 1000))  # no outcome: it teaches nothing
+    # No outcome: the trace's run teaches calibration nothing (the counts below are the waves' own).
+    trace = body(tool("00f067aa0ba902b7", now, "run_tests", "2 passed"), root(now + 1000))
     status, _, _ = await apost(receiver.url, trace)
     assert status == 200
 
