@@ -538,9 +538,8 @@ def refuses_images(status: int, message: str) -> bool:
     return _NO_IMAGES.search(message) is not None
 
 
-def _server_message(e: openai.APIStatusError) -> str:
-    """The error message the server wrote (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form), else the SDK's."""
-    body = e.body
+def _message_in(body: object) -> str | None:
+    """The error message a server wrote in its JSON body (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form)."""
     if isinstance(body, Mapping):
         inner = body.get("error")
         for where in (body, inner if isinstance(inner, Mapping) else {}):
@@ -548,7 +547,12 @@ def _server_message(e: openai.APIStatusError) -> str:
                 return msg
         if isinstance(inner, str) and inner:
             return inner
-    return e.message
+    return None
+
+
+def _server_message(e: openai.APIStatusError) -> str:
+    """The error message the server wrote, else the SDK's."""
+    return _message_in(e.body) or e.message
 
 
 def _part(p: TextPart | ImagePart) -> dict[str, Any]:
@@ -596,11 +600,20 @@ def _json_object(response: Any, where: str) -> dict[str, Any]:
 
 
 def _not_openai(response: Any, where: str, what: str) -> JudgeError:
-    kind = response.headers.get("content-type", "no content type").split(";")[0].strip()
-    start = response.content[:60].decode("utf-8", errors="replace")
+    return _not_openai_at(
+        str(response.request.url), response.status_code, response.headers, response.content, where, what
+    )
+
+
+def _not_openai_at(
+    url: str, status: int, headers: Mapping[str, str], content: bytes, where: str, what: str
+) -> JudgeError:
+    """`bad_response` for a reply that is no OpenAI API answer (both transports): what came back, and from where."""
+    kind = headers.get("content-type", "no content type").split(";")[0].strip()
+    start = content[:60].decode("utf-8", errors="replace")
     return JudgeError(
         "bad_response",
-        f"{response.request.url} answered HTTP {response.status_code} {kind} {start!r} ({what}): {where} does not "
+        f"{url} answered HTTP {status} {kind} {start!r} ({what}): {where} does not "
         "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
     )
 
@@ -624,13 +637,8 @@ def _reply_message(reply: WireReply) -> str:
         body = json.loads(reply.body)
     except ValueError:
         body = None
-    if isinstance(body, Mapping):
-        inner = body.get("error")
-        for where in (body, inner if isinstance(inner, Mapping) else {}):
-            if isinstance(msg := where.get("message"), str) and msg:
-                return msg
-        if isinstance(inner, str) and inner:
-            return inner
+    if (msg := _message_in(body)) is not None:
+        return msg
     text = reply.body[:300].decode("utf-8", errors="replace").strip()
     return text or f"no message ({reply.url})"
 
@@ -647,13 +655,7 @@ def _reply_object(reply: WireReply, where: str) -> dict[str, Any]:
 
 
 def _not_openai_reply(reply: WireReply, where: str, what: str) -> JudgeError:
-    kind = reply.headers.get("content-type", "no content type").split(";")[0].strip()
-    start = reply.body[:60].decode("utf-8", errors="replace")
-    return JudgeError(
-        "bad_response",
-        f"{reply.url} answered HTTP {reply.status} {kind} {start!r} ({what}): {where} does not "
-        "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
-    )
+    return _not_openai_at(reply.url, reply.status, reply.headers, reply.body, where, what)
 
 
 def _chat_sample(choice: Mapping[str, Any]) -> Sample:
