@@ -70,3 +70,17 @@ async def test_runs_with_nothing_to_score_end_without_taking_a_scorers_slot() ->
             while any(r in mon.book.live for r in empty):  # noqa: ASYNC110 - the monitor's tasks end them
                 await asyncio.sleep(0.01)
         assert "busy" in mon.book.live and judge.calls_made == 1  # still scoring its step: nothing waited on it
+
+
+async def test_the_monitor_statistics_are_its_status_and_each_parts_counters() -> None:
+    """One pull for everything a part counts (scoring, the finisher, the early group calls, the HTTP server)."""
+    web = HttpServer(CollectorRegistry(), port=0)
+    async with Monitor(MonitorConfig(), judge=FakeJudge(), registry=CollectorRegistry(), http=web) as mon:
+        await mon.handle("agents/r1/start", b'{"task": "count"}')
+        await mon.handle("agents/r1/step", b'{"index": 1, "text": "one"}')
+        await mon.drain()
+        stats = mon.statistics()
+    assert stats["live_runs"] == 1 and stats["scoring"]["scorings"] == 1 and stats["scoring"]["closing"] == 0
+    assert set(stats["uniform"]) and stats["http"]["routes"] == []
+    healthy, body = mon.health()
+    assert healthy and body["status"] == "ok" and body["problems"] == [] and body["live_runs"] == 1

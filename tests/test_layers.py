@@ -199,3 +199,11 @@ def test_no_class_over_400_lines() -> None:
     assert new == {}, f"classes over {MAX_CLASS_LINES} lines (split them by responsibility): {new}"
     gone = sorted(EXPECTED_LONG_CLASSES - set(long))
     assert gone == [], f"expected long daemon classes are short now: drop them from EXPECTED_LONG_CLASSES: {gone}"
+
+
+def test_the_monitor_is_a_composition_root_of_at_most_300_lines() -> None:
+    """`Monitor` wires the owned parts and runs their tasks; what it grows goes into a part, not into it."""
+    tree = ast.parse((PACKAGE / "daemon" / "_monitor.py").read_text())
+    (monitor,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Monitor"]
+    start = min([monitor.lineno, *(d.lineno for d in monitor.decorator_list)])
+    assert (monitor.end_lineno or monitor.lineno) - start + 1 <= 300

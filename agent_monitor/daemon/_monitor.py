@@ -46,7 +46,7 @@ from ._metrics import (
     RunCollector,
     StatisticsCollector,
 )
-from ._mode import Standalone, mode_of
+from ._mode import Mode, Standalone, mode_of
 from ._mqtt import MqttLink
 from ._outbox import Message, Outbox
 from ._restore import Restore
@@ -107,22 +107,8 @@ class Monitor:
     ) -> None:
         c = self.config = config if config is not None else MonitorConfig()
         self.clock = clock
-        # Read once, here: a bad name or file fails the start-up, not each run. The operator's file, never an event's.
-        try:
-            self.criteria: Rubric = load_criteria(c.criteria)
-        except CriteriaError as e:
-            raise CriteriaError(f"default criteria {c.criteria!r} (serve --criteria): {e}") from None
-        """The rubric of runs whose start names none."""
-        self.template = ""
-        """The operator's prompt template (serve --prompt), for every run; "" = ours."""
-        if c.prompt is not None:
-            try:
-                t = load_template(Path(c.prompt))
-                t.check_for("progress")
-            except TemplateError as e:
-                raise TemplateError(f"serve --prompt: {e}") from None
-            self.template = t.text
-            self.criteria = dataclasses.replace(self.criteria, template=self.template)
+        self.criteria, self.template = _operator_rubric(c)
+        """The rubric of runs whose start names none; the operator's prompt template (serve --prompt), "" = ours."""
         if len(names := [src.name for src in sources]) != len(set(names)):
             raise ValueError(f"sources need distinct names, got {names}")
         self._emit = Fanout((), log)
@@ -132,9 +118,8 @@ class Monitor:
         # it refuses while the judge is down are not counted as judge calls. It reads the judge's timeout
         # through MeteredJudge and reports a hanging judge degraded after two timeouts of silence.
         metered = MeteredJudge(judge, m)
-        self.circuit = CircuitJudge(
-            metered, threshold=c.circuit_threshold, cooldown_s=c.circuit_cooldown_s, on_change=self._judge_state
-        )
+        self.circuit = CircuitJudge(metered, threshold=c.circuit_threshold, cooldown_s=c.circuit_cooldown_s,
+                                    on_change=self._judge_state)  # fmt: skip
         self.topics = Topics(c.prefix)
         fenced = m.cluster_fenced.labels("publish").inc
         self.outbox = Outbox(c.outbox_size, on_dropped=m.outbox_dropped.inc, on_fenced=fenced)
@@ -145,12 +130,9 @@ class Monitor:
             success_at=c.calibration_success_at, on_sample=learned, clock=clock,
             strata=c.calibration_strata, max_rate=c.calibration_rate,  # length strata, per-family teaching rate
         )  # fmt: skip
-        self._families = CalibrationCollector(
-            self.calibration, c.policy, allow=c.metrics.families, max_families=c.metrics.max_families
-        )
-        self.mode = mode_of(
-            c, store, metrics=m, outbox=self.outbox, on_sample=lambda sample: self._restore.shared(sample)
-        )
+        self._families = CalibrationCollector(self.calibration, c.policy, allow=c.metrics.families,
+                                              max_families=c.metrics.max_families)  # fmt: skip
+        self.mode = mode_of(c, store, metrics=m, outbox=self.outbox, on_sample=lambda s: self._restore.shared(s))
         """One monitor, or (`config.cluster.url`) a replica of a cluster: its store, gate, client id and loops."""
         self.outbox.gate = self.mode.gate
         self.store: RunStore = self.mode.store
@@ -188,49 +170,29 @@ class Monitor:
             calibration=self.calibration, policy=c.policy, on_family=self._families.update,
         )  # fmt: skip
         self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
-        self.otel: OtelSink | None = None
+        self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of) if c.otlp_endpoint else None
         """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
-        if c.otlp_endpoint is not None:
-            # Imported here: without an endpoint no OpenTelemetry package is loaded (ImportError names the extra).
-            from ._otel import OtelSink
-
-            self.otel = OtelSink(c.otlp_endpoint, registry=self.registry, criteria=self._scoring.criteria_of)
         self.http = http
         """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
         if http is not None:
             http.health = self.health
         self.sources: tuple[Source, ...] = tuple(sources)
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
-        self._emit.sinks = self.sinks = (
-            MqttSink(
-                self.outbox,
-                self.topics,
-                on_signal_sent=self.mode.signal_sent,
-                on_progress_sent=self.mode.progress_sent,
-                compact=c.progress_form == "compact",
-            ),
-            StoreSink(self.store),
-            self._metrics_sink,
-            LogSink(log),
-            *((self.otel,) if self.otel is not None else ()),
-            *sinks,
-            *(src.sink for src in sources if src.sink is not None),
-        )
+        mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
+                        on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
+        own = (mqtt, StoreSink(self.store), self._metrics_sink, LogSink(log), *((self.otel,) if self.otel else ()))
+        self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
-        self.registry.register(RunCollector(series, label_names=c.metrics.labels, max_series=c.metrics.max_series))
-        if c.prices is not None:
-            self.registry.register(CostCollector(metered, c.prices))
-        self.registry.register(
-            GroupCollector(self._groups.gauges, allow=c.metrics.groups, max_groups=c.metrics.max_group_series)
-        )
-        self.registry.register(self._families)
-        self.registry.register(StatisticsCollector(self.store, STORE_GAUGES, prefix="agent_monitor_store_"))
-        self.link: MqttLink | None = None
-        if c.broker is not None:
-            self.link = MqttLink(
-                c.broker, topics=self.topics, client_id=self.mode.client_id(c.client_id), share=self.mode.share,
-                protocol=c.protocol, session_expiry_s=c.session_expiry_s, receive_window=c.receive_window, metrics=m,
-            )  # fmt: skip
+        collectors = [
+            RunCollector(series, label_names=c.metrics.labels, max_series=c.metrics.max_series),
+            *((CostCollector(metered, c.prices),) if c.prices is not None else ()),
+            GroupCollector(self._groups.gauges, allow=c.metrics.groups, max_groups=c.metrics.max_group_series),
+            self._families,
+            StatisticsCollector(self.store, STORE_GAUGES, prefix="agent_monitor_store_"),
+        ]
+        for collector in collectors:  # read at scrape time
+            self.registry.register(collector)
+        self.link = _link(c, self.topics, self.mode, m) if c.broker is not None else None
         self.restored: tuple[str, ...] = ()
         """The live runs rebuilt from the store on entering, least recently active first."""
         self._stack: contextlib.AsyncExitStack | None = None
@@ -265,25 +227,17 @@ class Monitor:
             ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
-            loops += [
-                ("finisher", self._scoring.finisher()),
-                ("sweeper", self._sweeper()),
-                *((("http", http.serve()),) if (http := self.http) else ()),
-            ]
+            loops += [("finisher", self._scoring.finisher()), ("sweeper", self._sweeper())]
+            loops += [("http", self.http.serve())] if self.http is not None else []
             self._tasks = [tg.create_task(loop, name=name) for name, loop in loops]
             self._groups.tasks = tg
         except BaseException:
             await stack.aclose()
             raise
         self._stack = stack
-        log.info(
-            "monitor_started",
-            prefix=self.config.prefix,
-            judge=self.circuit.name,
-            max_concurrency=self.config.max_concurrency,
-            broker=self.link.broker.url if self.link else None,
-            protocol=self.link.negotiated if self.link else None,
-        )
+        log.info("monitor_started", prefix=self.config.prefix, judge=self.circuit.name,
+                 max_concurrency=self.config.max_concurrency, broker=self.link.broker.url if self.link else None,
+                 protocol=self.link.negotiated if self.link else None)  # fmt: skip
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -333,20 +287,17 @@ class Monitor:
             **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
         }
 
+    def statistics(self) -> dict[str, Any]:
+        """`status()` and every part's counters (scoring, the early group calls, the HTTP server)."""
+        caller = self._groups.caller
+        parts = {"scoring": {**self._scoring.statistics(), "closing": self._scoring.closing()},
+                 **({"uniform": caller.statistics()} if caller is not None else {}),
+                 **({"http": self.http.statistics()} if self.http is not None else {})}  # fmt: skip
+        return {**self.status(), **parts}
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         """What /healthz answers: unhealthy (503) while the monitor cannot do its job, with each problem named."""
-        status = self.status()
-        problems = []
-        if self.config.broker is not None and not status["connected"]:
-            problems.append("not connected to the MQTT broker: inputs wait there, nothing is scored or published")
-        if (emptied := status.get("redis_emptied_at")) is not None and time.time() - emptied < _EMPTIED_UNHEALTHY_S:
-            problems.append(
-                "the cluster's Redis came back without the cluster's data: the live runs' journals were lost "
-                "(run Redis with appendonly yes; docs/cluster.md)"
-            )
-        warnings = ["the judge is failing: scorings wait for its next probe"] if status["degraded"] else []
-        body = {"status": "unhealthy" if problems else "ok", "problems": problems, "warnings": warnings, **status}
-        return not problems, body
+        return health_of(self.status(), broker=self.config.broker is not None)
 
     def run(self, run_id: str) -> RunView | None:
         """A copy of a live run's state and scores, or None when the run is not live."""
@@ -383,16 +334,13 @@ class Monitor:
         return await self._intake.handle_batch(messages)
 
     async def adopt(
-        self,
-        run_id: str,
-        records: Sequence[Record],
-        progress: Sequence[Mapping[str, Any]],
-        *,
-        signal_sent: int | None = None,
-        progress_sent: int | None = None,
+        self, run_id: str, records: Sequence[Record], progress: Sequence[Mapping[str, Any]], **sent: int | None
     ) -> None:
-        """Take over one run from its shared journal (cluster mode: this replica became its owner)."""
-        await self._restore.adopt(run_id, records, progress, signal_sent=signal_sent, progress_sent=progress_sent)
+        """Take over one run from its shared journal (cluster mode: this replica became its owner).
+
+        `sent`: `signal_sent` and `progress_sent`, the steps of the run's last signal and progress out.
+        """
+        await self._restore.adopt(run_id, records, progress, **sent)
         self.metrics.runs_active.set(len(self.book.live))
 
     async def release(self, run_id: str) -> None:
@@ -439,3 +387,57 @@ async def _cancel(tasks: Sequence[asyncio.Task[None]]) -> None:
         _, pending = await asyncio.wait(pending, timeout=0.5)
         for task in pending:
             task.cancel()
+
+
+def _operator_rubric(c: MonitorConfig) -> tuple[Rubric, str]:
+    """The default rubric and the operator's prompt template, read once: a bad name or file fails the start-up.
+
+    The operator's files, never an event's.
+    """
+    try:
+        rubric = load_criteria(c.criteria)
+    except CriteriaError as e:
+        raise CriteriaError(f"default criteria {c.criteria!r} (serve --criteria): {e}") from None
+    if c.prompt is None:
+        return rubric, ""
+    try:
+        t = load_template(Path(c.prompt))
+        t.check_for("progress")
+    except TemplateError as e:
+        raise TemplateError(f"serve --prompt: {e}") from None
+    return dataclasses.replace(rubric, template=t.text), t.text
+
+
+def health_of(status: Mapping[str, Any], *, broker: bool) -> tuple[bool, dict[str, Any]]:
+    """Healthy or not from a monitor's `status()`, each problem named (what /healthz answers, 200 or 503)."""
+    problems = []
+    if broker and not status["connected"]:
+        problems.append("not connected to the MQTT broker: inputs wait there, nothing is scored or published")
+    if (emptied := status.get("redis_emptied_at")) is not None and time.time() - emptied < _EMPTIED_UNHEALTHY_S:
+        problems.append(
+            "the cluster's Redis came back without the cluster's data: the live runs' journals were lost "
+            "(run Redis with appendonly yes; docs/cluster.md)"
+        )
+    warnings = ["the judge is failing: scorings wait for its next probe"] if status["degraded"] else []
+    return not problems, {
+        "status": "unhealthy" if problems else "ok",
+        "problems": problems,
+        "warnings": warnings,
+        **status,
+    }
+
+
+def _otel_sink(endpoint: str, registry: CollectorRegistry, criteria: Callable[[str], Sequence[str]]) -> OtelSink:
+    """The OpenTelemetry sink; imported here: without an endpoint no OpenTelemetry package is loaded."""
+    from ._otel import OtelSink  # ImportError names the extra
+
+    return OtelSink(endpoint, registry=registry, criteria=criteria)
+
+
+def _link(c: MonitorConfig, topics: Topics, mode: Mode, m: Metrics) -> MqttLink:
+    """The monitor's MQTT link: its client id and shared subscription are the mode's (a replica's are its own)."""
+    assert c.broker is not None
+    return MqttLink(
+        c.broker, topics=topics, client_id=mode.client_id(c.client_id), share=mode.share, protocol=c.protocol,
+        session_expiry_s=c.session_expiry_s, receive_window=c.receive_window, metrics=m,
+    )  # fmt: skip
