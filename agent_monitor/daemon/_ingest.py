@@ -313,19 +313,16 @@ class Intake:
 
     async def finish(self, run_id: str, outcome: str, teach: Callable[[str], None]) -> None:
         """Journal a run's end once its newest prefix is scored; `teach` learns from it first."""
-        async with self.lock:
-            record = self.book.finish(run_id, outcome, self.clock())
-            if record is not None:
-                # Learnt before the run's end is journaled: the sample's write is queued first, so a crash in
-                # between replays a run that teaches again, and the calibration keeps the sample once.
-                teach(run_id)
-                await self.store.journal(record)
-                await self.apply(record)
+        await self.finish_many([(run_id, outcome)], teach)
 
     async def finish_many(self, ends: Sequence[tuple[str, str]], teach: Callable[[str], None]) -> None:
-        """Journal many runs' ends in one commit (runs with nothing left to score); `teach` learns from each first."""
+        """Journal runs' ends in one commit once their newest prefixes are scored; `teach` learns from each first."""
         async with self.lock:
             records = [r for run_id, outcome in ends if (r := self.book.finish(run_id, outcome, self.clock()))]
+            if not records:
+                return
+            # Learnt before the runs' ends are journaled: the samples' writes are queued first, so a crash in
+            # between replays runs that teach again, and the calibration keeps each sample once.
             for record in records:
                 teach(record.run_id)
             await self._journal(list(records))

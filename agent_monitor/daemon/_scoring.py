@@ -151,8 +151,8 @@ class Scoring:
             if scoring is not None:
                 scoring.closing = effect.outcome
                 if replaying:
-                    pass
-                elif not scoring.wants_scoring and self.scheduler.idle_for(effect.run_id):
+                    return  # a restored run is finished by `restore` (it wakes the scheduler)
+                if not scoring.wants_scoring and self.scheduler.idle_for(effect.run_id):
                     # Nothing to score (a run with no step, or all scored): a scorer's slot is for the judge; a
                     # burst of such ends (50,000 empty runs) would hold every slot for minutes, one commit apiece.
                     self._closing[effect.run_id] = effect.outcome
