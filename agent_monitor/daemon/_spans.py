@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -455,35 +455,40 @@ def _model_text(span: Span) -> str | None:
 
 def _input_messages(span: Span) -> Iterator[Any]:
     """The input messages a span records, in each form the conventions have used, most current first."""
-    a = span.attributes
-    for key in ("gen_ai.input.messages", "gen_ai.prompt"):
-        v = a.get(key)
-        if v is not None:
-            yield _maybe_json(v) if isinstance(v, str) else v
-    yield _indexed(a, "gen_ai.prompt")
-    yield _openinference_messages(a, "llm.input_messages")
-    for name, attrs in span.events:
-        if name == "gen_ai.content.prompt" and "gen_ai.prompt" in attrs:
-            v = attrs["gen_ai.prompt"]
-            yield _maybe_json(v) if isinstance(v, str) else v
-        elif name == "gen_ai.user.message":
-            yield [{"role": "user", "content": attrs.get("content")}]
+
+    def user(name: str, attrs: Mapping[str, Any]) -> Any:
+        return [{"role": "user", "content": attrs.get("content")}] if name == "gen_ai.user.message" else None
+
+    return _messages(span, "gen_ai.input.messages", "prompt", "llm.input_messages", user)
 
 
 def _output_messages(span: Span) -> Iterator[Any]:
-    a = span.attributes
-    for key in ("gen_ai.output.messages", "gen_ai.completion"):
+    """The output messages a span records, in each form the conventions have used, most current first."""
+
+    def choice(name: str, attrs: Mapping[str, Any]) -> Any:
+        return [attrs.get("message", attrs)] if name == "gen_ai.choice" else None
+
+    return _messages(span, "gen_ai.output.messages", "completion", "llm.output_messages", choice)
+
+
+def _messages(
+    span: Span, current: str, legacy: str, openinference: str, event: Callable[[str, Mapping[str, Any]], Any]
+) -> Iterator[Any]:
+    """One side's messages: the current attribute, the legacy `gen_ai.{legacy}` (whole, indexed, or in a
+    `gen_ai.content.{legacy}` event), OpenInference's flattened list, and the side's own event (`event`)."""
+    a, old = span.attributes, f"gen_ai.{legacy}"
+    for key in (current, old):
         v = a.get(key)
         if v is not None:
             yield _maybe_json(v) if isinstance(v, str) else v
-    yield _indexed(a, "gen_ai.completion")
-    yield _openinference_messages(a, "llm.output_messages")
+    yield _indexed(a, old)
+    yield _openinference_messages(a, openinference)
     for name, attrs in span.events:
-        if name == "gen_ai.content.completion" and "gen_ai.completion" in attrs:
-            v = attrs["gen_ai.completion"]
+        if name == f"gen_ai.content.{legacy}" and old in attrs:
+            v = attrs[old]
             yield _maybe_json(v) if isinstance(v, str) else v
-        elif name == "gen_ai.choice":
-            yield [attrs.get("message", attrs)]
+        elif (own := event(name, attrs)) is not None:
+            yield own
 
 
 def _maybe_json(value: str) -> Any:
