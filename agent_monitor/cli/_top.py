@@ -275,14 +275,17 @@ class Board:
         elif p.signal is not None:
             v.signal = p.signal
 
+    def _cleared(self, run_id: str, retained: bool) -> None:
+        """The monitor cleared a run's retained signal or state: the run left its live set (ended and scored,
+        expired, evicted), so it is over, whether or not its end came by. Its last signal stays shown."""
+        if run_id in self.runs:
+            v = self._touch(run_id, retained)
+            if not v.ended:
+                self._close(v, "closed")
+
     def _signal(self, run_id: str, payload: bytes, retained: bool) -> None:
         if not payload:
-            # The monitor clears a run's retained signal when the run leaves its live set (ended and scored,
-            # expired, evicted): the run is over, whether or not its end came by. Its last signal stays shown.
-            if run_id in self.runs:
-                v = self._touch(run_id, retained)
-                if not v.ended:
-                    self._close(v, "closed")
+            self._cleared(run_id, retained)
             return
         s = SignalOut.model_validate_json(payload)
         v = self._touch(run_id, retained)
@@ -294,11 +297,7 @@ class Board:
 
     def _state(self, run_id: str, payload: bytes, retained: bool) -> None:
         if not payload:
-            # Cleared: the run left the monitor's live set (as for an empty signal).
-            if run_id in self.runs:
-                v = self._touch(run_id, retained)
-                if not v.ended:
-                    self._close(v, "closed")
+            self._cleared(run_id, retained)
             return
         s = StateOut.model_validate_json(payload)
         v = self._touch(run_id, retained)
