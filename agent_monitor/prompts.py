@@ -281,7 +281,8 @@ def build_prompt(
         text.append(pieces[1] + "".join(_criterion_lines(rubric)) + pieces[2])
 
     ordinal: list[tuple[int, Frame]] = [(s.index, f) for s in steps for f in s.frames]
-    anchors, recent = budget.select(len(ordinal))
+    # A text-only run has no frame to budget (the common case: no call into the frame budget at all).
+    anchors, recent = budget.select(len(ordinal)) if ordinal else ([], [])
     anchor_set = set(anchors)
     k = 0
     for s in steps:

@@ -480,7 +480,8 @@ class AsyncProgressTracker:
 
         `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge never sees it.
         """
-        return await self._add(step, as_images(images), meta, self._context())
+        shown = as_images(images) if images or not isinstance(images, list | tuple) else ()  # a text step: nothing
+        return await self._add(step, shown, meta, self._context())
 
     async def _add(
         self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None

@@ -17,8 +17,7 @@ from paho.mqtt.exception import MQTTException
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._outbox import Message, Outbox
-from agent_monitor.daemon._paho import SharedTableProperties, share_property_tables
+from agent_monitor.daemon._mqtt import Message, Outbox, SharedTableProperties, share_property_tables
 from agent_monitor.daemon._state import Record, Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings

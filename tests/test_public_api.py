@@ -27,7 +27,7 @@ PUBLIC = {
         "load_criteria", "load_image", "read_letter", "register_extractor", "register_rule", "score_prefix", "select", "tournament", "track",
     ],
     "agent_monitor.wire": [
-        "BrokerSettings", "CriterionOut", "DEFAULT_BROKER", "DecisionOut", "ErrorOut", "EventError", "INPUT_KINDS",
+        "BrokerSettings", "CriterionOut", "DEFAULT_BROKER", "DecisionOut", "Decoder", "ErrorOut", "EventError", "INPUT_KINDS",
         "ImageArg", "ImageIn", "InputEvent", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_LABELS", "MAX_LABEL_KEY_CHARS",
         "MAX_LABEL_VALUE_CHARS", "MAX_META_BYTES", "MAX_META_DEPTH", "MAX_PAYLOAD_BYTES", "MAX_RUN_ID_CHARS",
         "MAX_STEP_CHARS", "MAX_STEP_INDEX", "MAX_TASK_CHARS", "MonitorClient", "OUTPUT_KINDS", "POLICY_KEYS",

@@ -26,15 +26,14 @@ from agent_monitor.daemon._state import (
     Closed,
     Closing,
     Delivery,
-    Duplicate,
+    Duplicated,
     Ended,
     Finished,
     GapFilled,
-    Notice,
     Opened,
     Orphaned,
     OrphansDropped,
-    Refusal,
+    Refused,
     RunBook,
     Started,
     Stepped,
@@ -69,7 +68,7 @@ def apply(book: RunBook, record: Any) -> list[Any]:
 def run(book: RunBook, run_id: str, event: Any, now: float, d: Delivery | None = None) -> list[Any]:
     """What the daemon does with an event: decide, then apply the record (the journal is elided)."""
     verdict = book.decide(run_id, event, now, d)
-    if isinstance(verdict, (Refusal, Duplicate)):
+    if isinstance(verdict, (Refused, Duplicated)):
         return [verdict]
     return apply(book, verdict)
 
@@ -92,9 +91,9 @@ def test_steps_are_put_in_order_duplicates_and_too_far_refused() -> None:
         run(book, "r", step(f"s{i}", i), 1)
     assert texts(book, "r") == [(1, "s1", False), (2, "s2", False), (3, "s3", False)]
     (dup,) = run(book, "r", step("s2", 2), 2)
-    assert isinstance(dup, Duplicate) and dup.counted
+    assert isinstance(dup, Duplicated) and dup.counted
     (far,) = run(book, "r", step("far", 8), 2)
-    assert isinstance(far, Refusal) and far.reason == "index_too_far" and "8 is 4 ahead" in far.message
+    assert isinstance(far, Refused) and far.reason == "index_too_far" and "8 is 4 ahead" in far.message
     assert not book.live["r"].held  # a refusal leaves nothing behind
 
 
@@ -105,11 +104,11 @@ def test_a_resend_with_other_content_is_a_conflict_and_the_first_stays() -> None
     run(book, "r", step("three", 3), 1)  # held, waiting for 2
     for index, text in ((1, "one, rewritten"), (3, "three, rewritten")):
         (verdict,) = run(book, "r", step(text, index), 2)
-        assert isinstance(verdict, Refusal) and verdict.reason == "conflict", verdict
+        assert isinstance(verdict, Refused) and verdict.reason == "conflict", verdict
         assert f"step {index} was sent again with different content; the first one stays" in verdict.message
     for index, text in ((1, "one"), (3, "three")):  # the same content again: a plain re-delivery
         (verdict,) = run(book, "r", step(text, index), 2)
-        assert isinstance(verdict, Duplicate)
+        assert isinstance(verdict, Duplicated)
     run(book, "r", step("two", 2), 3)
     assert texts(book, "r") == [(1, "one", False), (2, "two", False), (3, "three", False)]
     # A step given up for missing and scored as a placeholder cannot come in late under its index either.
@@ -117,7 +116,7 @@ def test_a_resend_with_other_content_is_a_conflict_and_the_first_stays() -> None
     for record in book.due(4 + LIMITS.hold_s + 1):
         apply(book, record)
     (late,) = run(book, "r", step("four, at last", 4), 20)
-    assert isinstance(late, Refusal) and late.reason == "conflict" and "given up for missing" in late.message
+    assert isinstance(late, Refused) and late.reason == "conflict" and "given up for missing" in late.message
 
 
 def test_unindexed_steps_take_the_next_free_index_after_held_ones() -> None:
@@ -137,7 +136,7 @@ def test_a_gap_is_filled_only_when_its_hold_is_due_and_the_decision_is_a_record(
     (gap,) = book.due(7.0)
     assert gap == GapFilled("r", 3, 7.0)  # the steps before 3 are given up on
     effects = apply(book, gap)
-    assert [e.reason for e in effects if isinstance(e, Notice)] == ["step_gap"]
+    assert [e.reason for e in effects if isinstance(e, Refused)] == ["step_gap"]
     assert texts(book, "r")[1][2] is True and texts(book, "r")[2] == (3, "three", False)
     assert [s.index for e in effects if isinstance(e, Appended) for s in e.steps] == [2, 3]
 
@@ -153,7 +152,7 @@ def test_orphans_wait_for_their_start_and_expire_as_no_start() -> None:
     (dropped,) = book.due(15)
     assert dropped == OrphansDropped("ghost", 15)
     (notice,) = book.apply(dropped)
-    assert isinstance(notice, Notice) and notice.reason == "no_start" and "ghost" not in book.orphans
+    assert isinstance(notice, Refused) and notice.reason == "no_start" and "ghost" not in book.orphans
 
 
 def test_orphans_and_held_steps_are_bounded() -> None:
@@ -161,11 +160,11 @@ def test_orphans_and_held_steps_are_bounded() -> None:
     for rid in ("a", "b"):
         book.apply(book.decide(rid, step("x"), 0))  # type: ignore[arg-type]
     (refused,) = run(book, "c", step("x"), 0)
-    assert isinstance(refused, Refusal) and refused.reason == "too_many_held"
+    assert isinstance(refused, Refused) and refused.reason == "too_many_held"
     for i in range(3):
         book.apply(book.decide("a", step(f"x{i}"), 0))  # type: ignore[arg-type]
     (refused,) = run(book, "a", step("one too many"), 0)
-    assert isinstance(refused, Refusal) and refused.reason == "too_many_held"
+    assert isinstance(refused, Refused) and refused.reason == "too_many_held"
 
 
 def test_eviction_takes_the_least_recently_active_run_not_the_earliest_started() -> None:
@@ -192,10 +191,10 @@ def test_end_fills_gaps_and_a_step_after_it_is_refused() -> None:
     effects = run(book, "r", RunEnd.model_validate({"outcome": "success"}), 2)
     assert Closing("r", "success") in effects and texts(book, "r")[0][2] is True
     (late,) = run(book, "r", step("late"), 3)
-    assert isinstance(late, Refusal) and late.reason == "run_ended"
+    assert isinstance(late, Refused) and late.reason == "run_ended"
     book.apply(book.finish("r", "success", 4))  # type: ignore[arg-type]
     (after,) = run(book, "r", step("later"), 5)
-    assert isinstance(after, Refusal) and after.reason == "run_ended"
+    assert isinstance(after, Refused) and after.reason == "run_ended"
 
 
 def test_a_redelivery_is_recognised_by_packet_id_and_digest_only_when_marked_dup() -> None:
@@ -205,7 +204,7 @@ def test_a_redelivery_is_recognised_by_packet_id_and_digest_only_when_marked_dup
     run(book, "r", step("x"), 1, d)
     again = Delivery.of(7, "agents/r/step", b'{"text":"x"}', dup=True)
     (dup,) = run(book, "r", step("x"), 2, again)
-    assert isinstance(dup, Duplicate)
+    assert isinstance(dup, Duplicated)
     # The same packet id and payload without DUP is a new message (brokers reuse packet ids).
     run(book, "r", step("x"), 3, d)
     assert [t for _, t, _ in texts(book, "r")] == ["x", "x"]
@@ -214,9 +213,9 @@ def test_a_redelivery_is_recognised_by_packet_id_and_digest_only_when_marked_dup
 def test_a_different_second_start_is_refused_and_the_same_one_is_a_duplicate() -> None:
     book = RunBook(LIMITS)
     run(book, "r", start("a"), 0)
-    assert isinstance(run(book, "r", start("a"), 1)[0], Duplicate)
+    assert isinstance(run(book, "r", start("a"), 1)[0], Duplicated)
     (refused,) = run(book, "r", start("b"), 1)
-    assert isinstance(refused, Refusal) and refused.reason == "duplicate_start"
+    assert isinstance(refused, Refused) and refused.reason == "duplicate_start"
 
 
 def test_orphan_end_is_applied_when_the_start_comes() -> None:

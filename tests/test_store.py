@@ -14,8 +14,8 @@ from PIL import Image
 
 from agent_monitor.calibration import Family, Point, Sample
 from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.daemon._outbox import Message
-from agent_monitor.daemon._state import Duplicate, Ended, Finished, Orphaned, Refusal, RunBook, Started, Stepped
+from agent_monitor.daemon._mqtt import Message
+from agent_monitor.daemon._state import Duplicated, Ended, Finished, Orphaned, Refused, RunBook, Started, Stepped
 from agent_monitor.daemon._store import PLACEHOLDER_PNG, MemoryStore, NoStore, SqliteStore
 from agent_monitor.images import FrameBudget
 from agent_monitor.policy import Policy
@@ -43,7 +43,7 @@ async def journal_events(store: SqliteStore, events: list[tuple[str, dict[str, A
     for topic, payload in events:
         run_id, event = ev(topic, **payload)
         verdict = book.decide(run_id, event, now)
-        if isinstance(verdict, (Refusal, Duplicate)):
+        if isinstance(verdict, (Refused, Duplicated)):
             continue
         await store.journal(verdict)
         book.apply(verdict)

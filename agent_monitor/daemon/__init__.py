@@ -26,20 +26,20 @@ from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
 from ._reward_api import RewardSource
-from ._sinks import (
+from ._source import Inbound, Ingest, RunsView, Source
+from ._state import (
     Accepted,
     Duplicated,
     MonitorEvent,
     Refused,
     RunClosed,
+    RunLimits,
     RunOpened,
     Scored,
     SignalChanged,
     Sink,
     Skipped,
 )
-from ._source import Inbound, Ingest, RunsView, Source
-from ._state import RunLimits
 from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
 from ._views import RunView, StepView
 

@@ -59,7 +59,7 @@ from ._cluster_store import NOTES_MAXLEN, ClusterStore, ClusterUnavailable, _tex
 from ._config import ClusterSettings
 from ._leases import Fenced, Lease, Leases, _id
 from ._metrics import Metrics
-from ._outbox import Outbox
+from ._mqtt import Outbox
 from ._source import Host, Receive
 
 if TYPE_CHECKING:

@@ -21,7 +21,12 @@ from ..policy import Policy
 from ..progress import Prices
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
 from ._state import RunLimits
-from ._work import MAX_JUDGE_CALLS_PER_RUN_MINUTE, MAX_JUDGE_CALLS_PER_STEP
+
+MAX_JUDGE_CALLS_PER_STEP = 64
+"""Judge calls one scoring of one run may make (judged criteria x repeats); a start over it is refused."""
+MAX_JUDGE_CALLS_PER_RUN_MINUTE = 600
+"""Judge calls one run may make in any 60 s; past it the run's newest prefix waits (steps coalesce)."""
+
 
 Protocol = Literal["auto", "5", "3.1.1"]
 

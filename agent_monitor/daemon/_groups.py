@@ -25,7 +25,7 @@ from ..progress import Decision, Progress
 from ..selection import Comparison, compare, majority_of, tournament, tournament_calls
 from ..tracker import AsyncProgressTracker
 from ..uniform import Caller
-from ._sinks import GroupRanked, MonitorEvent
+from ._state import GroupRanked, MonitorEvent
 
 log = structlog.get_logger("agent_monitor.daemon")
 

@@ -16,22 +16,22 @@ from typing import Any
 
 import structlog
 
-from ..wire import EventError, RunStart, StepIn, Topics, decode_event
+from ..wire import Decoder, EventError, RunStart, StepIn, Topics
 from ._config import MonitorConfig
 from ._groups import GroupBook, GroupLimitError, Joiner
-from ._sinks import Accepted, Duplicated, MonitorEvent, Refused
 from ._sources import fetch_images
 from ._state import (
+    Accepted,
     Closed,
     Delivery,
-    Duplicate,
+    Duplicated,
     Effect,
     Ended,
     Finished,
-    Notice,
+    MonitorEvent,
     Orphaned,
     Record,
-    Refusal,
+    Refused,
     RunBook,
     Started,
     Stepped,
@@ -129,19 +129,21 @@ class Intake:
         self.on_group_refused = on_group_refused
         self.image_dirs = image_dirs
         self.max_image_bytes = config.max_image_bytes
-        self._decode_args: dict[str, Any] = {
-            "prefix": config.prefix,
-            "max_payload": config.max_payload_bytes,
-            "max_image_bytes": config.max_image_bytes,
-            "image_dirs": image_dirs,
-            "image_hosts": config.image_hosts,
-            "rubric_bounds": config.work.rubric,  # bounded work per start
-        }
+        self.decoder = Decoder(
+            topics, max_payload=config.max_payload_bytes, max_image_bytes=config.max_image_bytes,
+            image_dirs=image_dirs, image_hosts=config.image_hosts, rubric_bounds=config.work.rubric,  # bounded work per start
+        )  # fmt: skip
         # One writer of the run state at a time: decide, journal and apply happen as one step, so the
         # journal's order is the order the state saw (the sources and the sweeper both write).
         self.lock = asyncio.Lock()
         self._evicted: list[Record] | None = None
         """While a batch is applied: the evictions it made, journaled together after it."""
+        self.accepted = {kind: 0 for kind in _KINDS.values()}
+        """Input events journaled and applied, by kind (read at scrape time: agent_monitor_events_total)."""
+
+    def statistics(self) -> dict[str, Any]:
+        """Input events accepted so far, by kind."""
+        return {"accepted": dict(self.accepted)}
 
     async def handle_batch(self, messages: Sequence[Message]) -> list[BaseException | None]:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
@@ -175,13 +177,13 @@ class Intake:
                 grouped = isinstance(event, RunStart) and event.group is not None
                 if run_id in b.runs or run_id in b.victims or ((orphan or grouped) and b.records):
                     await flush()
-                verdict = self._decide(run_id, event, topic, delivery)
+                verdict = self._decide(run_id, event, delivery)
                 if verdict is None:
                     continue
                 joins = b.take(verdict, self.book)
                 if not joins and b.records:
                     await flush()
-                    verdict = self._decide(run_id, event, topic, delivery)  # against the state now
+                    verdict = self._decide(run_id, event, delivery)  # against the state now
                     if verdict is None:
                         continue
                     joins = b.take(verdict, self.book)
@@ -194,14 +196,11 @@ class Intake:
             await flush()
         return errors
 
-    def _decide(self, run_id: str, event: Any, topic: str, delivery: Delivery | None) -> Record | None:
+    def _decide(self, run_id: str, event: Any, delivery: Delivery | None) -> Record | None:
         """The record an event makes, or None (refused or a duplicate: reported here)."""
         verdict = self.book.decide(run_id, event, self.clock(), delivery)
-        if isinstance(verdict, Refusal):
-            self.emit(Refused(run_id, verdict.reason, verdict.message, topic, verdict.count))
-            return None
-        if isinstance(verdict, Duplicate):
-            self.emit(Duplicated(run_id, verdict.kind, verdict.counted))
+        if isinstance(verdict, (Refused, Duplicated)):
+            self.emit(verdict)  # what deciding says is the sinks' event itself
             return None
         return verdict
 
@@ -224,13 +223,12 @@ class Intake:
 
     async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:
         """The run id and event of one input message; None for the monitor's own outputs and refused input."""
-        if self.topics.is_output(topic):
-            return None
         try:
-            if len(payload) > _INLINE_DECODE_BYTES:
-                run_id, event = await asyncio.to_thread(decode_event, topic, payload, **self._decode_args)
-            else:
-                run_id, event = decode_event(topic, payload, **self._decode_args)
+            big = len(payload) > _INLINE_DECODE_BYTES
+            decoded = await asyncio.to_thread(self.decoder, topic, payload) if big else self.decoder(topic, payload)
+            if decoded is None:
+                return None  # one of the monitor's own outputs
+            run_id, event = decoded
             if any(i.remote for i in getattr(event, "images", ())):
                 await asyncio.to_thread(
                     fetch_images, run_id, event, image_dirs=self.image_dirs, max_bytes=self.max_image_bytes
@@ -266,7 +264,9 @@ class Intake:
         self._evicted = []
         try:
             for _, r in batch[:committed]:
-                self.emit(Accepted(r.run_id, _KINDS[type(r)]))
+                kind = _KINDS[type(r)]
+                self.accepted[kind] += 1
+                self.emit(Accepted(r.run_id, kind))
                 await self.apply(r)
             evicted, self._evicted = self._evicted, None
             if evicted:
@@ -291,12 +291,9 @@ class Intake:
         """Apply a journaled record to the run state and act on what it changed (the caller holds `lock`)."""
         for effect in self.book.apply(record, replaying=replaying):
             try:
-                if isinstance(effect, Notice):
+                if isinstance(effect, Refused):
                     if not replaying:
-                        where = self.topics.of(effect.run_id, effect.kind) if effect.run_id else self.topics.errors
-                        self.emit(
-                            Refused(effect.run_id, effect.reason, effect.message, where, effect.count, effect.invalid)
-                        )
+                        self.emit(effect)
                     continue
                 if isinstance(effect, Closed) and effect.outcome == "evicted":
                     # Derived from a start, not journaled by itself: the store learns the run is over here (with

@@ -6,27 +6,24 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..calibration import Calibration, Family, min_successes
-from ..judges.base import Judge, JudgeRequest, JudgeResponse
 from ..policy import FAR, Policy
 from ..progress import FAILURES, REFUSALS, SIGNALS, Prices, Progress, Usage
 from ..wire import INPUT_KINDS
 from ._groups import GroupSeries
-from ._sinks import Accepted, Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
+from ._scoring import TOKEN_BUCKETS
+from ._state import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
 CLUSTER_OPS = ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress")
 """The Redis operations cluster mode counts failures of (agent_monitor_cluster_errors_total{op})."""
-# Judge latencies run from tens of milliseconds (a warm local model) to a minute (a loaded hosted API).
-TOKEN_BUCKETS = (1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7)
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
 
 
 class Metrics:
@@ -38,38 +35,11 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         Info("agent_monitor_build", "The monitor's version.", registry=registry).info({"version": _version()})
-        self.judge_calls = Counter(
-            "agent_monitor_judge_calls", "Judge calls, by backend and outcome.", ["judge", "outcome"], registry=registry
-        )
-        self.judge_latency = Histogram(
-            "agent_monitor_judge_latency_seconds",
-            "Wall time of one judge call, retries included.",
-            ["judge"],
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
         self.judge_degraded = Gauge(
             "agent_monitor_judge_degraded",
             "1 while the judge's circuit breaker is open (the judge keeps failing; scoring waits, never aborts).",
             registry=registry,
         )
-        self.judge_tokens = Counter(
-            "agent_monitor_judge_tokens", "Tokens the judge read and wrote, by kind.", ["kind"], registry=registry
-        )
-        for kind in TOKEN_KINDS:
-            self.judge_tokens.labels(kind)
-        self.judge_calls_saved = Counter(
-            "agent_monitor_judge_calls_saved",
-            "Judge calls not made because confident rules answered the criterion.",
-            registry=registry,
-        )
-        self.images_dropped = Counter(
-            "agent_monitor_images_dropped",
-            "Image parts the judge got as text placeholders instead of pixels (a text-only judge, or a model "
-            "that refused images; the log's judge_refuses_images says which).",
-            registry=registry,
-        )
-        self.events = Counter("agent_monitor_events", "Input events accepted, by type.", ["type"], registry=registry)
         self.invalid_events = Counter(
             "agent_monitor_invalid_events", "Input events refused, by reason.", ["reason"], registry=registry
         )
@@ -133,18 +103,6 @@ class Metrics:
         )
         for reason in ("unauthenticated", "rate"):
             self.outcomes_refused.labels(reason)
-        self.scorings = Counter("agent_monitor_scorings", "Prefix scorings, by result.", ["outcome"], registry=registry)
-        self.scoring_failures = Counter(
-            "agent_monitor_scoring_failures",
-            "Prefix scorings that gave no score, by reason (judge failures, extractor_timeout, ...).",
-            ["reason"],
-            registry=registry,
-        )
-        self.coalesced_steps = Counter(
-            "agent_monitor_coalesced_steps",
-            "Steps folded into a later step's scoring instead of being scored alone.",
-            registry=registry,
-        )
         self.scorings_skipped = Counter(
             "agent_monitor_scorings_skipped",
             'Steps the adaptive schedule did not score alone, by reason ("far from thresholds"); each folds into '
@@ -157,19 +115,6 @@ class Metrics:
             "agent_monitor_run_judge_tokens",
             "Judge tokens (input and output) a run's scorings spent over its life, observed when it closes.",
             buckets=TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.decision_judge_tokens = Histogram(
-            "agent_monitor_decision_judge_tokens",
-            "Judge tokens (input and output) a run spent up to each change of its signal (abort, resample, back to "
-            "continue): what a decision cost.",
-            buckets=TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.step_to_score = Histogram(
-            "agent_monitor_step_to_score_seconds",
-            "Time from a step's arrival to the publication of the score that includes it.",
-            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.queue_depth = Gauge(
@@ -244,14 +189,8 @@ class Metrics:
             self.signals.labels(s)
         for o in RUN_OUTCOMES:
             self.runs.labels(o)
-        for t in INPUT_KINDS:
-            self.events.labels(t)
         for r in REFUSALS:
             self.invalid_events.labels(r)
-        for o in ("ok", "failed"):
-            self.scorings.labels(o)
-        for f in FAILURES:
-            self.scoring_failures.labels(f)
 
 
 def _version() -> str:
@@ -261,63 +200,6 @@ def _version() -> str:
         return version("agent-monitor")
     except PackageNotFoundError:  # running from a checkout that was never installed
         return "unknown"
-
-
-class MeteredJudge:
-    """A judge whose calls, latency and tokens are counted into Metrics; everything else is the wrapped judge's."""
-
-    def __init__(self, judge: Judge, metrics: Metrics) -> None:
-        self.inner = judge
-        self.name = judge.name
-        self.metrics = metrics
-        # Children looked up once (labels() costs a lock and a dict lookup per call); they exist at 0 from here,
-        # so rate() sees the first call.
-        self._ok = metrics.judge_calls.labels(judge.name, "ok")
-        self._error = metrics.judge_calls.labels(judge.name, "error")
-        self._latency = metrics.judge_latency.labels(judge.name)
-        self._tokens = [metrics.judge_tokens.labels(k) for k in ("input", "cached_input", "output")]
-        self.usage = Usage()
-        """Every token the judge reported, summed as integers (what `CostCollector` prices)."""
-
-    @property
-    def model(self) -> str:
-        """The wrapped judge's model id."""
-        return str(getattr(self.inner, "model", "") or "")
-
-    @property
-    def min_mass(self) -> float | None:
-        """The minimum letter mass the wrapped judge recommends, if it has one."""
-        value = getattr(self.inner, "min_mass", None)
-        return None if value is None else float(value)
-
-    @property
-    def timeout_s(self) -> float | None:
-        """The wrapped judge's timeout per attempt, if it has one (the circuit breaker's silence rule reads it)."""
-        timeout = getattr(self.inner, "timeout_s", None)
-        return float(timeout) if isinstance(timeout, (int, float)) else None
-
-    async def grade(self, request: JudgeRequest) -> JudgeResponse:
-        """Grade through the wrapped judge, counting the call."""
-        start = time.perf_counter()
-        try:
-            response = await self.inner.grade(request)
-        except Exception:  # JudgeError or a backend's bug: either way a failed call
-            self._error.inc()
-            self._latency.observe(time.perf_counter() - start)
-            raise
-        self._ok.inc()
-        self._latency.observe(time.perf_counter() - start)
-        u = response.usage
-        self.usage += u
-        tokens_in, cached, out = self._tokens
-        tokens_in.inc(u.input_tokens)
-        cached.inc(u.cached_input_tokens)
-        out.inc(u.output_tokens)
-        return response
-
-    async def aclose(self) -> None:
-        """Close the wrapped judge."""
-        await self.inner.aclose()
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,9 +239,13 @@ def series_of(
 
 
 class MetricsSink:
-    """Count what the monitor publishes; keep ended runs' per-run series for a grace period."""
+    """Count the monitor's rarer events (refusals, duplicates, signals, runs ending); keep ended runs' series a while.
 
-    events = (Accepted, Duplicated, Refused, RunOpened, Scored, Skipped, SignalChanged, RunClosed)
+    A step's own path is not counted here: the ingest, the scoring part and the judge's circuit keep those
+    counts themselves, and `FlowCollector` reads them at scrape time.
+    """
+
+    events = (Duplicated, Refused, Skipped, SignalChanged, RunOpened, RunClosed)
 
     def __init__(
         self, metrics: Metrics, *, grace_s: float = 60.0, memory: int = 10_000, clock: Callable[[], float] = time.time
@@ -369,31 +255,11 @@ class MetricsSink:
         self.memory = memory
         self.clock = clock
         self._finished: OrderedDict[str, tuple[float, RunSeries]] = OrderedDict()
-        # The children counted on every step, looked up once.
-        self._events = {k: metrics.events.labels(k) for k in INPUT_KINDS}
-        self._scorings = {True: metrics.scorings.labels("ok"), False: metrics.scorings.labels("failed")}
 
     def __call__(self, event: MonitorEvent) -> None:
         """Count one event."""
         m = self.metrics
-        if isinstance(event, Accepted):
-            self._events[event.kind].inc()
-        elif isinstance(event, Scored) and not event.republished:
-            p = event.progress
-            self._scorings[p.ok].inc()
-            if not p.ok and p.reason:
-                m.scoring_failures.labels(p.reason).inc()
-            if p.coalesced > 1:
-                m.coalesced_steps.inc(p.coalesced - 1)
-            if p.calls_saved:
-                m.judge_calls_saved.inc(p.calls_saved)
-            if p.images_dropped:
-                m.images_dropped.inc(p.images_dropped)
-            for t in event.arrived:
-                m.step_to_score.observe(max(0.0, event.at - t))
-            if p.signal is not None and p.signal.changed:
-                m.decision_judge_tokens.observe(p.totals.input_tokens + p.totals.output_tokens)
-        elif isinstance(event, Skipped):
+        if isinstance(event, Skipped):
             m.scorings_skipped.labels(event.reason).inc()
         elif isinstance(event, SignalChanged):
             if event.decision.changed and not event.republished:
@@ -407,13 +273,11 @@ class MetricsSink:
             if event.counted:
                 m.duplicate_steps.inc()
         elif isinstance(event, RunOpened):
-            m.runs_active.set(event.live)
             self._finished.pop(event.run_id, None)
         elif isinstance(event, RunClosed):
             m.runs.labels(event.outcome).inc()
             if event.latest is not None:
                 m.run_judge_tokens.observe(event.latest.totals.input_tokens + event.latest.totals.output_tokens)
-            m.runs_active.set(event.live)
             if self.grace_s > 0:
                 series = series_of(event.run_id, event.labels, event.latest, event.last_ok, event.signal, event.at)
                 self._finished.pop(event.run_id, None)
@@ -516,19 +380,126 @@ class RunCollector(Collector):
         return iter(())
 
 
+class Counted(Protocol):
+    """A part that keeps its own counts (`statistics()`), read at scrape time."""
+
+    def statistics(self) -> Mapping[str, Any]:
+        """The part's counts now."""
+        ...
+
+
+def _histogram(
+    name: str, doc: str, stats: Mapping[str, Any], key: str, labels: Sequence[str] = (), values: Sequence[str] = ()
+) -> HistogramMetricFamily:
+    """A histogram family from a part's bucket counts (`{key}_buckets`, `{key}_counts`, `{key}_sum`)."""
+    family = HistogramMetricFamily(name, doc, labels=list(labels))
+    cumulative, buckets = 0, []
+    bounds, counts = stats[f"{key}_buckets"], stats[f"{key}_counts"]
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    family.add_metric(list(values), buckets, sum_value=stats[f"{key}_sum"])
+    return family
+
+
+class FlowCollector(Collector):
+    """A step's path in numbers, read at scrape time from the parts that count it: ingest, scoring, the judge.
+
+    Nothing on that path calls into the metrics: the ingest counts what it accepted, the scoring part what
+    its scorings gave, the circuit in front of the judge the calls that reached it (refused calls while the
+    judge is down are not judge calls), each as plain numbers in its `statistics()`.
+    """
+
+    def __init__(self, judge: str, *, intake: Counted, scoring: Counted, circuit: Counted) -> None:
+        self.judge = judge
+        self.intake = intake
+        self.scoring = scoring
+        self.circuit = circuit
+
+    def collect(self) -> Iterator[Metric]:
+        """The counters and histograms of the step path (called by the registry on every scrape)."""
+        accepted, s, c = self.intake.statistics()["accepted"], self.scoring.statistics(), self.circuit.statistics()
+        events = CounterMetricFamily("agent_monitor_events", "Input events accepted, by type.", labels=["type"])
+        for kind in INPUT_KINDS:
+            events.add_metric([kind], accepted.get(kind, 0))
+        calls = CounterMetricFamily(
+            "agent_monitor_judge_calls", "Judge calls, by backend and outcome.", labels=["judge", "outcome"]
+        )
+        calls.add_metric([self.judge, "ok"], c["calls_ok"])
+        calls.add_metric([self.judge, "error"], c["calls_failed"])
+        tokens = CounterMetricFamily(
+            "agent_monitor_judge_tokens", "Tokens the judge read and wrote, by kind.", labels=["kind"]
+        )
+        for kind, key in (
+            ("input", "input_tokens"),
+            ("cached_input", "cached_input_tokens"),
+            ("output", "output_tokens"),
+        ):
+            tokens.add_metric([kind], c[key])
+        scorings = CounterMetricFamily("agent_monitor_scorings", "Prefix scorings, by result.", labels=["outcome"])
+        scorings.add_metric(["ok"], s["scored_ok"])
+        scorings.add_metric(["failed"], s["scored_failed"])
+        failures = CounterMetricFamily(
+            "agent_monitor_scoring_failures",
+            "Prefix scorings that gave no score, by reason (judge failures, extractor_timeout, ...).",
+            labels=["reason"],
+        )
+        seen = dict(s["failures"])
+        for reason in (*FAILURES, *sorted(set(seen) - set(FAILURES))):
+            failures.add_metric([reason], seen.get(reason, 0))
+        yield from (events, calls, tokens, scorings, failures)
+        yield _histogram(
+            "agent_monitor_judge_latency_seconds", "Wall time of one judge call, retries included.", c, "latency",
+            ["judge"], [self.judge],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "agent_monitor_judge_calls_saved",
+            "Judge calls not made because confident rules answered the criterion.",
+            value=s["calls_saved"],
+        )
+        yield CounterMetricFamily(
+            "agent_monitor_images_dropped",
+            "Image parts the judge got as text placeholders instead of pixels (a text-only judge, or a model "
+            "that refused images; the log's judge_refuses_images says which).",
+            value=s["images_dropped"],
+        )
+        yield CounterMetricFamily(
+            "agent_monitor_coalesced_steps",
+            "Steps folded into a later step's scoring instead of being scored alone.",
+            value=s["coalesced"],
+        )
+        yield _histogram(
+            "agent_monitor_step_to_score_seconds",
+            "Time from a step's arrival to the publication of the score that includes it.", s, "step_to_score",
+        )  # fmt: skip
+        yield _histogram(
+            "agent_monitor_decision_judge_tokens",
+            "Judge tokens (input and output) a run spent up to each change of its signal (abort, resample, back to "
+            "continue): what a decision cost.",
+            s,
+            "decision_tokens",
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: the families are built at scrape time."""
+        return iter(())
+
+
 class CostCollector(Collector):
     """`agent_monitor_judge_cost_usd`: what every judge token so far cost, priced once from the integer totals."""
 
-    def __init__(self, judge: MeteredJudge, prices: Prices) -> None:
-        self.judge = judge
+    def __init__(self, circuit: Counted, prices: Prices) -> None:
+        self.circuit = circuit
         self.prices = prices
 
     def collect(self) -> Iterator[Metric]:
         """The cost counter (called by the registry on every scrape)."""
+        c = self.circuit.statistics()
+        usage = Usage(c["input_tokens"], c["cached_input_tokens"], c["output_tokens"])
         yield CounterMetricFamily(
             "agent_monitor_judge_cost_usd",
             "What the judge's tokens (agent_monitor_judge_tokens_total) cost, in USD at the --price-* flags.",
-            value=self.prices.cost(self.judge.usage),
+            value=self.prices.cost(usage),
         )
 
     def describe(self) -> Iterator[Metric]:

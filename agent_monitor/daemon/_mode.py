@@ -17,7 +17,7 @@ import structlog
 from ..calibration import Sample
 from ._config import MonitorConfig
 from ._metrics import Metrics
-from ._outbox import Outbox
+from ._mqtt import Outbox
 from ._source import Host, Receive
 from ._store import NoStore, RunStore, SqliteStore
 

@@ -39,22 +39,20 @@ from ._metrics import (
     STORE_GAUGES,
     CalibrationCollector,
     CostCollector,
+    FlowCollector,
     GroupCollector,
-    MeteredJudge,
     Metrics,
     MetricsSink,
     RunCollector,
     StatisticsCollector,
 )
 from ._mode import Mode, Standalone, mode_of
-from ._mqtt import MqttLink
-from ._outbox import Message, Outbox
+from ._mqtt import Message, MqttLink, MqttSink, Outbox
 from ._restore import Restore
 from ._scoring import Scoring
-from ._sinks import Fanout, LogSink, MqttSink, Sink, StoreSink
 from ._source import Ingest, Source
-from ._state import Delivery, Record, RunBook
-from ._store import RunStore
+from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
+from ._store import RunStore, StoreSink
 from ._views import LiveRuns, RunView, StepView, run_series
 
 if TYPE_CHECKING:
@@ -114,11 +112,9 @@ class Monitor:
         self._emit = Fanout((), log)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = m = Metrics(self.registry)
-        # Every judge call is counted on its way through; the circuit breaker sits in front, so the calls
-        # it refuses while the judge is down are not counted as judge calls. It reads the judge's timeout
-        # through MeteredJudge and reports a hanging judge degraded after two timeouts of silence.
-        metered = MeteredJudge(judge, m)
-        self.circuit = CircuitJudge(metered, threshold=c.circuit_threshold, cooldown_s=c.circuit_cooldown_s,
+        # The circuit breaker counts the calls that reach the judge (not those it refuses while the judge is down)
+        # and reports a hanging judge degraded after two of its timeouts of silence.
+        self.circuit = CircuitJudge(judge, threshold=c.circuit_threshold, cooldown_s=c.circuit_cooldown_s,
                                     on_change=self._judge_state)  # fmt: skip
         self.topics = Topics(c.prefix)
         fenced = m.cluster_fenced.labels("publish").inc
@@ -136,7 +132,8 @@ class Monitor:
         """One monitor, or (`config.cluster.url`) a replica of a cluster: its store, gate, client id and loops."""
         self.outbox.gate = self.mode.gate
         self.store: RunStore = self.mode.store
-        self.book = RunBook(c.limits)
+        self.book = RunBook(c.limits, self.topics)
+        m.runs_active.set_function(self.book.live.__len__)  # read at scrape time
         lim = c.limits
         self.groups = GroupBook(
             max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s,
@@ -185,7 +182,8 @@ class Monitor:
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
             RunCollector(series, label_names=c.metrics.labels, max_series=c.metrics.max_series),
-            *((CostCollector(metered, c.prices),) if c.prices is not None else ()),
+            FlowCollector(judge.name, intake=self._intake, scoring=self._scoring, circuit=self.circuit),
+            *((CostCollector(self.circuit, c.prices),) if c.prices is not None else ()),
             GroupCollector(self._groups.gauges, allow=c.metrics.groups, max_groups=c.metrics.max_group_series),
             self._families,
             StatisticsCollector(self.store, STORE_GAUGES, prefix="agent_monitor_store_"),
@@ -211,7 +209,6 @@ class Monitor:
             stack.push_async_callback(self.mode.aclose)
             # Rebuilt before connecting: steps the broker redelivers then meet the runs they belong to.
             self.restored = await self._restore.restore()
-            self.metrics.runs_active.set(len(self.book.live))
             if self.restored:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
             first = await self.link.connect() if self.link is not None else None
@@ -341,12 +338,10 @@ class Monitor:
         `sent`: `signal_sent` and `progress_sent`, the steps of the run's last signal and progress out.
         """
         await self._restore.adopt(run_id, records, progress, **sent)
-        self.metrics.runs_active.set(len(self.book.live))
 
     async def release(self, run_id: str) -> None:
         """Forget one run without ending it (cluster mode: another replica owns it now); nothing is published."""
         await self._restore.release(run_id)
-        self.metrics.runs_active.set(len(self.book.live))
 
     # -- what the parts report --
 

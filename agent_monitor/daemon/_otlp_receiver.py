@@ -40,11 +40,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..otel import INSTALL_HINT
 from ..wire import TopicError, check_run_id
 from ._config import OtlpReceiverSettings
-from ._sinks import MonitorEvent, RunClosed, Sink
 from ._source import Inbound, Ingest, RunsView
 from ._spans import Decoded, Span, SpanError, TooManySpans, classify, decode_json, decode_protobuf, outcome_of, run_key
 from ._spans import step_text as span_step_text
 from ._spans import task_of as span_task_of
+from ._state import MonitorEvent, RunClosed, Sink
 
 __all__ = ["REFUSE_REASONS", "OtlpReceiver"]
 

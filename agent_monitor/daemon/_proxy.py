@@ -32,8 +32,8 @@ from ..judges.base import Judge
 from ..progress import Usage
 from ..selection import compare, tournament
 from ._config import ProxySettings
-from ._sinks import Sink
 from ._source import Inbound, Ingest, RunsView
+from ._state import Sink
 from ._turns import (
     API_OF_PATH,
     Api,

@@ -55,8 +55,8 @@ from ..wire import MAX_TASK_CHARS
 from ._config import RewardApiSettings, RewardShape
 from ._http import HttpRequest, HttpResponse, HttpServer, Route
 from ._reward_steps import Rollout, RolloutError, from_messages, from_text
-from ._sinks import MonitorEvent, Refused, RunClosed, Scored, Sink
 from ._source import Inbound, Ingest, RunsView
+from ._state import MonitorEvent, Refused, RunClosed, Scored, Sink
 
 __all__ = ["PATHS", "RewardSource", "pass_probability"]
 

@@ -9,7 +9,10 @@ newest prefix is scored.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +21,7 @@ import structlog
 
 from ..calibration import Calibration, outcome_authentic
 from ..criteria import Rubric
-from ..judges.circuit import CircuitJudge
+from ..judges.circuit import LATENCY_BUCKETS, CircuitJudge
 from ..policy import FAR, Plan, Policy, with_levels
 from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
@@ -26,10 +29,27 @@ from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
 from ._groups import Groups, Joiner
-from ._sinks import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
-from ._state import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
-from ._work import CallRate, calls_per_scoring, check_start
+from ._state import (
+    AcceptedStep,
+    Appended,
+    Closed,
+    Closing,
+    Effect,
+    MonitorEvent,
+    Opened,
+    Refused,
+    RunBook,
+    RunClosed,
+    RunOpened,
+    Scored,
+    SignalChanged,
+    Skipped,
+)
 
+WINDOW_S = 60.0
+"""The window a run's judge calls are counted over (`max_judge_calls_per_run_minute`)."""
+TOKEN_BUCKETS = (1e3, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7)
+"""Upper bounds the judge tokens a run spent (over its life, or up to a decision) are counted in."""
 _FINISH_BATCH = 1000
 """Runs ended per commit by the finisher (one journal transaction, one hold of the ingest lock)."""
 
@@ -60,6 +80,63 @@ class RunScoring:
     def wants_scoring(self) -> bool:
         """Steps wait to be scored, and the run was not told to abort (abort is final)."""
         return len(self.tracker.steps) > self.scored and self.signal != "abort"
+
+
+@dataclass(eq=False, slots=True)
+class ScoringCounts:
+    """What the scorings gave, as plain numbers: counted on the scorer's path, exported at scrape time."""
+
+    ok: int = 0
+    failed: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    coalesced: int = 0
+    """Steps folded into a later step's scoring instead of being scored alone."""
+    calls_saved: int = 0
+    images_dropped: int = 0
+    to_score: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    """Steps by time from arrival to the publication of the score that covers them (per bound, then over)."""
+    to_score_sum: float = 0.0
+    decision_tokens: list[int] = field(default_factory=lambda: [0] * (len(TOKEN_BUCKETS) + 1))
+    """Changes of signal by the judge tokens the run had spent up to them."""
+    decision_tokens_sum: float = 0.0
+
+    def scored(self, p: Progress, arrived: Sequence[float], at: float) -> None:
+        """Count one scoring's result (`arrived`: when each step it newly covers arrived)."""
+        if p.ok:
+            self.ok += 1
+        else:
+            self.failed += 1
+            if p.reason:
+                self.failures[p.reason] = self.failures.get(p.reason, 0) + 1
+        if p.coalesced > 1:
+            self.coalesced += p.coalesced - 1
+        self.calls_saved += p.calls_saved
+        self.images_dropped += p.images_dropped
+        for t in arrived:
+            took = max(0.0, at - t)
+            self.to_score[bisect.bisect_left(LATENCY_BUCKETS, took)] += 1
+            self.to_score_sum += took
+        if p.signal is not None and p.signal.changed:
+            spent = p.totals.input_tokens + p.totals.output_tokens
+            self.decision_tokens[bisect.bisect_left(TOKEN_BUCKETS, spent)] += 1
+            self.decision_tokens_sum += spent
+
+    def statistics(self) -> dict[str, Any]:
+        """The counts, and each histogram as `{name}_buckets` (bounds), `{name}_counts` and `{name}_sum`."""
+        return {
+            "scored_ok": self.ok,
+            "scored_failed": self.failed,
+            "failures": dict(self.failures),
+            "coalesced": self.coalesced,
+            "calls_saved": self.calls_saved,
+            "images_dropped": self.images_dropped,
+            "step_to_score_buckets": LATENCY_BUCKETS,
+            "step_to_score_counts": tuple(self.to_score),
+            "step_to_score_sum": self.to_score_sum,
+            "decision_tokens_buckets": TOKEN_BUCKETS,
+            "decision_tokens_counts": tuple(self.decision_tokens),
+            "decision_tokens_sum": self.decision_tokens_sum,
+        }
 
 
 def joiner_of(start: RunStart, scoring: RunScoring) -> Joiner:
@@ -106,6 +183,7 @@ class Scoring:
         self.runs: dict[str, RunScoring] = {}
         self.prepared: dict[str, RunScoring] = {}
         self.scorings = 0
+        self.counts = ScoringCounts()
         self.skipped: dict[str, int] = {}
         """Steps the schedule did not score alone, by reason (they folded into a later scoring)."""
         self.finish: Callable[[str, str], Awaitable[None]] | None = None
@@ -386,8 +464,8 @@ class Scoring:
         return {**last.to_json(), "heartbeat": True, "age_steps": step - last.step, "age_s": age_s}
 
     def statistics(self) -> dict[str, Any]:
-        """Scorings made and steps the schedule skipped, by reason."""
-        return {"scorings": self.scorings, "skipped": dict(self.skipped)}
+        """Scorings made, what they gave (`ScoringCounts`) and steps the schedule skipped, by reason."""
+        return {"scorings": self.scorings, "skipped": dict(self.skipped), **self.counts.statistics()}
 
     def _scored(self, run_id: str, scoring: RunScoring, p: Progress, first: int) -> None:
         degraded = self.circuit.degraded
@@ -397,7 +475,9 @@ class Scoring:
         if p.ok:
             scoring.last_ok = p
         arrived = tuple(t for i in range(first, p.step + 1) if (t := scoring.arrived.pop(i, None)) is not None)
-        self.emit(Scored(run_id, p, p.to_json(), arrived, self.clock()))
+        now = self.clock()
+        self.counts.scored(p, arrived, now)
+        self.emit(Scored(run_id, p, p.to_json(), arrived, now))
         d = p.signal
         if d is not None and d.changed:
             scoring.signal = d.signal
@@ -463,3 +543,118 @@ def _rewind(scoring: RunScoring) -> None:
     """Mark steps whose scoring was lost to an outage as unscored: the next scoring covers them again."""
     last_ok = scoring.tracker.summary.last_ok
     scoring.scored = last_ok.step if last_ok is not None else 0
+
+
+# -- bounded work per event --
+#
+# A start's rubric is bounded on decode (`criteria.check_bounds`: criteria, bytes per criterion, rubric
+# bytes). What it costs the judge is bounded here: one scoring of a run makes at most
+# `judged criteria x repeats` calls (a start over `max_judge_calls_per_step` is refused), and a run
+# makes at most `max_judge_calls_per_run_minute` calls in any 60 s; past it the run waits, and the
+# steps arriving meanwhile fold into its next scoring (newest prefix wins), so a chatty or hostile run
+# costs a bounded judge budget however fast it publishes.
+
+
+class WorkRefused(ValueError):
+    """A start whose judge work per step is over the monitor's bound; the message names the bound."""
+
+
+def calls_per_scoring(rubric: Rubric, repeats: int) -> int:
+    """Judge calls one scoring of a run with `rubric` makes at most (rules may answer some of them)."""
+    return len(rubric.judged) * repeats
+
+
+def check_start(rubric: Rubric, repeats: int, max_calls_per_step: int) -> int:
+    """The calls one scoring makes; WorkRefused when that is over `max_calls_per_step`."""
+    calls = calls_per_scoring(rubric, repeats)
+    if calls > max_calls_per_step:
+        raise WorkRefused(
+            f"{len(rubric.judged)} judged criteria x {repeats} repeats = {calls} judge calls per step, over the "
+            f"limit of {max_calls_per_step} (max_judge_calls_per_step); use fewer criteria"
+        )
+    return calls
+
+
+class CallRate:
+    """Judge calls per run in any `window_s` seconds, at most `limit`: a sliding window of spent calls.
+
+    Memory is bounded by the live runs times the scorings that fit in a window (each entry spends
+    at least one call, so at most `limit` entries per run); `forget` drops an ended run's window.
+    """
+
+    def __init__(self, limit: int, *, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        if limit < 1:
+            raise ValueError(f"limit={limit}; use 1 or more judge calls per window")
+        self.limit = limit
+        self.window_s = window_s
+        self.clock = clock
+        self._spent: dict[str, deque[tuple[float, int]]] = {}
+        self._sums: dict[str, int] = {}
+        self.delayed = 0
+        """Scorings put off because their run had spent its calls for the window."""
+        self._due: dict[str, float] = {}
+
+    def _trim(self, run_id: str, now: float) -> deque[tuple[float, int]] | None:
+        q = self._spent.get(run_id)
+        if q is None:
+            return None
+        while q and q[0][0] <= now - self.window_s:
+            _, n = q.popleft()
+            self._sums[run_id] -= n
+        if not q:
+            del self._spent[run_id], self._sums[run_id]
+            return None
+        return q
+
+    def wait(self, run_id: str, calls: int) -> float:
+        """Seconds until `calls` more fit in the run's window (0: now); counts a delay when not 0."""
+        now = self.clock()
+        q = self._trim(run_id, now)
+        if q is None:
+            return 0.0
+        spent = self._sums[run_id]
+        if spent + calls <= self.limit:
+            return 0.0
+        # The oldest entries leave the window first: wait until enough of them have.
+        free = self.limit - calls
+        for at, n in q:
+            spent -= n
+            if spent <= free:
+                self.delayed += 1
+                return max(at + self.window_s - now, 0.001)
+        self.delayed += 1
+        return self.window_s  # unreachable while calls <= limit (checked at start)
+
+    def defer(self, run_id: str, wait_s: float) -> None:
+        """Remember that the run's scoring waits `wait_s`; `due` hands it back when that passed."""
+        self._due[run_id] = self.clock() + wait_s
+
+    def due(self) -> list[str]:
+        """Runs whose deferred scoring may go now (each handed back once)."""
+        now = self.clock()
+        ready = [r for r, at in self._due.items() if at <= now]
+        for r in ready:
+            del self._due[r]
+        return ready
+
+    def spend(self, run_id: str, calls: int) -> None:
+        """Count `calls` judge calls made for the run now."""
+        if calls <= 0:
+            return
+        self._spent.setdefault(run_id, deque()).append((self.clock(), calls))
+        self._sums[run_id] = self._sums.get(run_id, 0) + calls
+
+    def forget(self, run_id: str) -> None:
+        """Drop an ended run's window."""
+        self._spent.pop(run_id, None)
+        self._sums.pop(run_id, None)
+        self._due.pop(run_id, None)
+
+    def statistics(self) -> dict[str, Any]:
+        """Runs with calls in their window, and scorings delayed so far."""
+        return {
+            "runs": len(self._spent),
+            "waiting": len(self._due),
+            "delayed": self.delayed,
+            "limit_per_window": self.limit,
+        }

@@ -35,8 +35,7 @@ from ..calibration import Family, Point
 from ..groups import UniformJSON
 from ..progress import Progress, Signal
 from ..wire import Topics
-from ._sinks import Sink
-from ._state import Delivery
+from ._state import Delivery, Sink
 
 __all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source"]
 

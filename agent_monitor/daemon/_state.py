@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from ..wire import RunEnd, RunStart, StepIn
+import structlog
+
+from ..groups import RankingJSON
+from ..policy import Policy
+from ..progress import Decision, Progress, ProgressJSON, Signal
+from ..wire import RunEnd, RunStart, StepIn, Topics
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,28 +184,185 @@ class Finished:
 Record: TypeAlias = Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished
 
 
-# -- what deciding can say instead of a record --
+# -- the events: what the monitor says about runs, handed to the sinks (structlog's pipeline style) --
+#
+# One vocabulary from the run state to the sinks: deciding an event that changes nothing gives the event
+# the sinks get (`Refused`, `Duplicated`), and so does a notice of applying a record. A sink is any
+# callable taking one `MonitorEvent`; it must not block and must not raise (the `Fanout` logs and ignores a
+# sink that does, and the other sinks still run). A sink with an `events` attribute (a tuple of event
+# classes) is given only those. Adding a sink (OpenTelemetry, a web board) is appending a callable:
+# `Monitor(config, judge=..., sinks=[my_sink])`.
 
 
 @dataclass(frozen=True, slots=True)
-class Refusal:
-    """An event the run does not accept: it changes nothing and is never journaled."""
+class Accepted:
+    """An input event was accepted (journaled) for a run."""
 
-    run_id: str | None
-    reason: str
-    message: str
-    kind: str = "step"
-    count: int = 1
+    run_id: str
+    kind: str
 
 
 @dataclass(frozen=True, slots=True)
-class Duplicate:
-    """A redelivery of something already accepted: it changes nothing."""
+class Duplicated:
+    """A redelivered input event was recognised and ignored."""
 
     run_id: str
     kind: str
     counted: bool = True
     """Counted as a duplicate step (re-delivered steps are; a re-delivered start or end is not)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """An input event was refused, or something about a run's events needs saying (a gap, an eviction)."""
+
+    run_id: str | None
+    reason: str
+    message: str
+    topic: str
+    """The topic the event came on (for a notice not tied to one event: the run's topic of `kind`)."""
+    count: int = 1
+    invalid: bool = True
+    """The harness's doing (counted as invalid input), not the monitor's own (an eviction)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunOpened:
+    """A run became live."""
+
+    run_id: str
+    start: RunStart
+    live: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A run's newest prefix was scored (or failed to be)."""
+
+    run_id: str
+    progress: Progress
+    data: ProgressJSON
+    """`progress.to_json()`, made once for every sink."""
+    arrived: tuple[float, ...]
+    """When each step this score newly covers arrived (for step-to-score latency)."""
+    at: float
+    republished: bool = False
+    """Published again by a replica that took the run over: the previous owner journaled the score but may not
+    have got its message out (its outbox drops what a run it no longer owns queued). Not a new scoring."""
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """The schedule did not score a run's newest step now (it folds into the run's next scoring)."""
+
+    run_id: str
+    step: int
+    reason: str
+    """Why not: `policy.FAR` ("far from thresholds")."""
+    heartbeat: Mapping[str, Any] | None = None
+    """With `--heartbeat`: the run's last score again (its progress message, marked heartbeat, with its age)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignalChanged:
+    """The run policy's decision changed (or is published again after a restart)."""
+
+    run_id: str
+    decision: Decision
+    policy: Policy
+    republished: bool = False
+    """Published again after a restart (it may have been lost with the crash); not a new change."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunClosed:
+    """A run left the live set: ended and scored, expired, evicted or rejected."""
+
+    run_id: str
+    outcome: str
+    steps: int
+    latest: Progress | None
+    last_ok: Progress | None
+    signal: Signal
+    labels: Mapping[str, str]
+    at: float
+    live: int
+    final: Mapping[str, Any] | None = None
+    """The final result's progress JSON with its rubric `verdict` (pass / review / fail), when the run's rubric has
+    thresholds and its last scoring gave a score; published and kept once more, so the verdict reaches both."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRanked:
+    """A group's ranking changed (order or a state), or the group was cleared (`ranking` None)."""
+
+    group: str
+    ranking: RankingJSON | None
+    republished: bool = False
+    """Published again after a restart (retained messages may have been lost with the crash)."""
+
+
+MonitorEvent: TypeAlias = (
+    Accepted | Duplicated | Refused | RunOpened | Scored | Skipped | SignalChanged | RunClosed | GroupRanked
+)
+Sink: TypeAlias = Callable[[MonitorEvent], object]
+
+
+class Fanout:
+    """Hand each event to the sinks that take its kind, in order; a sink that raises is logged, never fatal."""
+
+    def __init__(self, sinks: Sequence[Sink], logger: Any = None) -> None:
+        self.sinks = tuple(sinks)
+        self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
+        self._routes: dict[type, list[Sink]] = {}
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Emit one event."""
+        kind = type(event)
+        route = self._routes.get(kind)
+        if route is None:
+            # The sinks that take this kind of event (all of them, unless a sink lists its `events`).
+            route = self._routes[kind] = [s for s in self.sinks if kind in getattr(s, "events", (kind,))]
+        for sink in route:
+            try:
+                sink(event)
+            except Exception:
+                # One broken sink (a user's, or a full disk under the store) must not silence the others.
+                self.log.exception("sink_failed", sink=getattr(sink, "__qualname__", type(sink).__name__))
+
+
+class LogSink:
+    """One structured log line per thing worth a line: runs opened and closed, signals, refusals.
+
+    (A failed score is logged by the run's tracker, with the run id bound.)
+    """
+
+    events = (SignalChanged, Refused, RunOpened, RunClosed)
+
+    def __init__(self, logger: Any = None) -> None:
+        self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
+
+    def __call__(self, event: MonitorEvent) -> None:
+        """Log one event."""
+        log = self.log
+        if isinstance(event, SignalChanged):
+            d = event.decision
+            log.info(
+                "signal", run_id=event.run_id, signal=d.signal, reason=d.reason, step=d.step, score=d.score,
+                best_step=d.best_step,
+            )  # fmt: skip
+        elif isinstance(event, Refused):
+            log.warning(
+                "event_refused", run_id=event.run_id, reason=event.reason, error=event.message, topic=event.topic
+            )
+        elif isinstance(event, RunOpened):
+            s = event.start
+            log.info("run_started", run_id=event.run_id, task=s.task[:200], labels=s.labels)
+        elif isinstance(event, RunClosed):
+            log.info(
+                "run_finished", run_id=event.run_id, outcome=event.outcome, steps=event.steps,
+                score=event.latest.score if event.latest else None, signal=event.signal,
+            )  # fmt: skip
 
 
 # -- effects: what applying a record asks the daemon to do --
@@ -239,20 +402,8 @@ class Closed:
     at: float
 
 
-@dataclass(frozen=True, slots=True)
-class Notice:
-    """Something to report about a run's events (a gap, an eviction, orphan steps that never got a start)."""
-
-    run_id: str | None
-    reason: str
-    message: str
-    kind: str = "step"
-    count: int = 1
-    invalid: bool = True
-    """Counted as invalid input (the harness's doing); False for the monitor's own (an eviction)."""
-
-
-Effect: TypeAlias = Opened | Appended | Closing | Closed | Notice
+Effect: TypeAlias = Opened | Appended | Closing | Closed | Refused
+"""`Refused`: something to report about a run's events (a gap, an eviction, orphan steps that never got a start)."""
 
 
 # -- the state --
@@ -324,8 +475,10 @@ def same_start(a: RunStart, b: RunStart) -> bool:
 class RunBook:
     """Every run one daemon follows: live runs in least-recently-active order, orphans, recently ended ids."""
 
-    def __init__(self, limits: RunLimits | None = None) -> None:
+    def __init__(self, limits: RunLimits | None = None, topics: Topics | None = None) -> None:
         self.limits = limits or RunLimits()
+        self.topics = topics or Topics()
+        """The topic names a refusal or notice says it is about."""
         self.live: OrderedDict[str, RunState] = OrderedDict()
         self.orphans: OrderedDict[str, Orphan] = OrderedDict()
         self.ended: OrderedDict[str, float] = OrderedDict()
@@ -335,12 +488,25 @@ class RunBook:
 
     # -- deciding: an event becomes a record, or a refusal or duplicate that changes nothing --
 
+    def _refused(
+        self, run_id: str, reason: str, message: str, kind: str = "step", *, count: int = 1, invalid: bool = True
+    ) -> Refused:
+        """The event a refusal (or a notice, `invalid=False` for the monitor's own) is, on the run's topic of `kind`."""
+        return Refused(run_id, reason, message, self.topics.of(run_id, kind), count, invalid)
+
+    def _conflict(self, run_id: str, index: int) -> Refused:
+        return self._refused(
+            run_id,
+            "conflict",
+            f"step {index} was sent again with different content; the first one stays (a new step needs a new index)",
+        )
+
     def decide(
         self, run_id: str, event: RunStart | StepIn | RunEnd, now: float, delivery: Delivery | None = None
-    ) -> Record | Refusal | Duplicate:
+    ) -> Record | Refused | Duplicated:
         """What the event means for its run now; nothing changes until the record is applied."""
         if delivery is not None and delivery.dup and delivery.key in self._recent:
-            return Duplicate(run_id, kind_of(event), counted=isinstance(event, StepIn))
+            return Duplicated(run_id, kind_of(event), counted=isinstance(event, StepIn))
         if isinstance(event, RunStart):
             return self._decide_start(run_id, event, now, delivery)
         if isinstance(event, StepIn):
@@ -349,28 +515,32 @@ class RunBook:
 
     def _decide_start(
         self, run_id: str, start: RunStart, now: float, d: Delivery | None
-    ) -> Started | Refusal | Duplicate:
+    ) -> Started | Refused | Duplicated:
         run = self.live.get(run_id)
         if run is None:
             return Started(run_id, start, now, d)
         if same_start(run.start, start):
-            return Duplicate(run_id, "start", counted=False)
-        return Refusal(
+            return Duplicated(run_id, "start", counted=False)
+        return self._refused(
             run_id, "duplicate_start", "the run has already started with another start; use a new run id", "start"
         )
 
     def _decide_step(
         self, run_id: str, step: StepIn, now: float, d: Delivery | None
-    ) -> Stepped | Orphaned | Refusal | Duplicate:
+    ) -> Stepped | Orphaned | Refused | Duplicated:
         run = self.live.get(run_id)
         if run is None:
             if run_id in self.ended:
-                return Refusal(run_id, "run_ended", "a step came for a run that has ended; it was ignored")
+                return self._refused(run_id, "run_ended", "a step came for a run that has ended; it was ignored")
             orphan = self.orphans.get(run_id)
             if orphan is None and len(self.orphans) >= self.limits.max_orphan_runs:
-                return Refusal(run_id, "too_many_held", "too many runs have steps but no start; publish start first")
+                return self._refused(
+                    run_id, "too_many_held", "too many runs have steps but no start; publish start first"
+                )
             if orphan is not None and len(orphan.steps) >= self.limits.max_held_steps:
-                return Refusal(run_id, "too_many_held", "too many steps before the run's start; publish start first")
+                return self._refused(
+                    run_id, "too_many_held", "too many steps before the run's start; publish start first"
+                )
             return Orphaned(run_id, step, now, d)
         verdict = self._place(run, step)
         if isinstance(verdict, int):
@@ -379,16 +549,16 @@ class RunBook:
             )
         return verdict
 
-    def _place(self, run: RunState, step: StepIn) -> int | Refusal | Duplicate:
+    def _place(self, run: RunState, step: StepIn) -> int | Refused | Duplicated:
         """The index a step takes in a live run, or why it takes none."""
         if run.ended is not None:
-            return Refusal(run.run_id, "run_ended", "a step came after the run's end; it was ignored")
+            return self._refused(run.run_id, "run_ended", "a step came after the run's end; it was ignored")
         index = step.index
         if index is None:  # no index: the next free position
             index = max(run.next_index, max(run.held, default=0) + 1)
         if index < run.next_index:
             if index in run.placeholders:
-                return Refusal(
+                return self._refused(
                     run.run_id,
                     "conflict",
                     f"step {index} came after it was given up for missing (--hold {self.limits.hold_s:g}s) and "
@@ -396,14 +566,14 @@ class RunBook:
                 )
             k = (index - 1) * _CONTENT
             if run.contents[k : k + _CONTENT] != content_digest(step):
-                return _conflict(run.run_id, index)
-            return Duplicate(run.run_id, "step")
+                return self._conflict(run.run_id, index)
+            return Duplicated(run.run_id, "step")
         if index in run.held:
             if content_digest(run.held[index][0]) != content_digest(step):
-                return _conflict(run.run_id, index)
-            return Duplicate(run.run_id, "step")
+                return self._conflict(run.run_id, index)
+            return Duplicated(run.run_id, "step")
         if index - run.next_index >= self.limits.max_held_steps:
-            return Refusal(
+            return self._refused(
                 run.run_id,
                 "index_too_far",
                 f"step index {index} is {index - run.next_index} ahead of the next expected ({run.next_index}); "
@@ -411,16 +581,16 @@ class RunBook:
             )
         return index
 
-    def _decide_end(self, run_id: str, end: RunEnd, now: float, d: Delivery | None) -> Ended | Refusal | Duplicate:
+    def _decide_end(self, run_id: str, end: RunEnd, now: float, d: Delivery | None) -> Ended | Refused | Duplicated:
         run = self.live.get(run_id)
         if run is not None:
-            return Duplicate(run_id, "end", counted=False) if run.ended is not None else Ended(run_id, end, now, d)
+            return Duplicated(run_id, "end", counted=False) if run.ended is not None else Ended(run_id, end, now, d)
         if run_id in self.ended:
-            return Duplicate(run_id, "end", counted=False)  # a re-delivered end
+            return Duplicated(run_id, "end", counted=False)  # a re-delivered end
         orphan = self.orphans.get(run_id)
         if orphan is not None:
-            return Duplicate(run_id, "end", counted=False) if orphan.end is not None else Ended(run_id, end, now, d)
-        return Refusal(
+            return Duplicated(run_id, "end", counted=False) if orphan.end is not None else Ended(run_id, end, now, d)
+        return self._refused(
             run_id, "unknown_run", "end for a run that never started (or has expired); it was ignored", kind="end"
         )
 
@@ -506,7 +676,7 @@ class RunBook:
             if orphan is not None:
                 n = len(orphan.steps)
                 effects.append(
-                    Notice(
+                    self._refused(
                         record.run_id,
                         "no_start",
                         f"{n} step(s) came but no start within {self.limits.hold_s:g}s; publish the run's start "
@@ -535,7 +705,7 @@ class RunBook:
         while len(self.live) >= self.limits.max_runs:
             victim = next(iter(self.live))  # the least recently active
             effects.append(
-                Notice(
+                self._refused(
                     victim,
                     "evicted",
                     f"the monitor follows at most {self.limits.max_runs} runs; this one was idle longest and was "
@@ -556,8 +726,8 @@ class RunBook:
                 if isinstance(verdict, int):
                     placed = step if step.index == verdict else step.model_copy(update={"index": verdict})
                     self._step(run, placed, at, effects)
-                elif isinstance(verdict, Refusal):
-                    effects.append(Notice(run_id, verdict.reason, verdict.message, verdict.kind))
+                elif isinstance(verdict, Refused):
+                    effects.append(verdict)
             if orphan.end is not None:
                 self._end(Ended(run_id, orphan.end, record.at), effects)
 
@@ -593,7 +763,7 @@ class RunBook:
         if missing:
             span = f"{missing[0]}" if len(missing) == 1 else f"{missing[0]}..{missing[-1]}"
             effects.append(
-                Notice(
+                self._refused(
                     run.run_id,
                     "step_gap",
                     f"step(s) {span} never arrived within {self.limits.hold_s:g}s; later steps are scored without them",
@@ -690,14 +860,6 @@ def content_digest(step: StepIn) -> bytes:
     h = hashlib.blake2b(step.text.encode("utf-8", "surrogatepass"), digest_size=_CONTENT)
     h.update(len(step.images).to_bytes(4, "little"))
     return h.digest()
-
-
-def _conflict(run_id: str, index: int) -> Refusal:
-    return Refusal(
-        run_id,
-        "conflict",
-        f"step {index} was sent again with different content; the first one stays (a new step needs a new index)",
-    )
 
 
 def _digests(step: StepIn) -> list[str]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -16,6 +17,10 @@ from .base import Judge, JudgeError, JudgeRequest, JudgeResponse
 log = structlog.get_logger("agent_monitor.judges.circuit")
 
 State = Literal["closed", "open"]
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+"""Upper bounds (seconds) the calls' wall times are counted in: judge latencies run from tens of milliseconds (a
+warm local model) to a minute (a loaded hosted API)."""
 
 
 class CircuitJudge:
@@ -82,6 +87,30 @@ class CircuitJudge:
         self._busy_since = 0.0  # when the current stretch with calls in flight began (or the last answer in it)
         self._silent_for = 0.0  # waiting time without an answer before that stretch
         self._watchdog: asyncio.TimerHandle | None = None
+        # What the wrapped judge was asked and answered, counted here (plain numbers on the call path) and read by
+        # whoever exports them (`statistics()`: the daemon's metrics collector, at scrape time).
+        self.calls_ok = 0
+        self.calls_failed = 0
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        """Calls by wall time: one count per bound of `LATENCY_BUCKETS`, then the ones over the last."""
+        self.latency_sum = 0.0
+        self.tokens = [0, 0, 0]
+        """Every token the judge reported: input (cached included), cached input, output."""
+
+    def statistics(self) -> dict[str, Any]:
+        """The calls that reached the judge (ok, failed), their wall times, its tokens, and the circuit's state."""
+        return {
+            "calls_ok": self.calls_ok,
+            "calls_failed": self.calls_failed,
+            "latency_buckets": LATENCY_BUCKETS,
+            "latency_counts": tuple(self.latency_counts),
+            "latency_sum": self.latency_sum,
+            "input_tokens": self.tokens[0],
+            "cached_input_tokens": self.tokens[1],
+            "output_tokens": self.tokens[2],
+            "degraded": self.degraded,
+            "trips": self.trips,
+        }
 
     @property
     def model(self) -> str:
@@ -93,6 +122,12 @@ class CircuitJudge:
         """The minimum letter mass the wrapped judge recommends, if it has one."""
         value = getattr(self.inner, "min_mass", None)
         return None if value is None else float(value)
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The wrapped judge's timeout per attempt, if it has one."""
+        timeout = getattr(self.inner, "timeout_s", None)
+        return float(timeout) if isinstance(timeout, (int, float)) else None
 
     async def wait_ready(self) -> bool:
         """Wait until a call would go through; True when the caller now holds the probe and must `release()` it.
@@ -138,20 +173,31 @@ class CircuitJudge:
             self._probing = own_probe = True  # a caller that did not wait_ready(): this call is the probe
         heard = False
         self._started()
+        start = time.perf_counter()
         try:
             response = await self.inner.grade(request)
             heard = True
         except JudgeError as e:
             heard = not _outage(e)  # a 400 is an answer: the judge is up
+            self.calls_failed += 1
             self._failed(e)
             raise
-        except Exception as e:
+        except Exception as e:  # a backend's bug: a failed call as well
+            self.calls_failed += 1
             self._failed(JudgeError("judge_exception", f"{type(e).__name__}: {e}"))
             raise
         finally:
+            took = time.perf_counter() - start
+            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, took)] += 1
+            self.latency_sum += took
             self._ended(heard)
             if own_probe:
                 self.release()
+        self.calls_ok += 1
+        u, t = response.usage, self.tokens
+        t[0] += u.input_tokens
+        t[1] += u.cached_input_tokens
+        t[2] += u.output_tokens
         self._succeeded()
         return response
 

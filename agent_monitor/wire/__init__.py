@@ -31,8 +31,28 @@ This package imports only the top level of `agent_monitor`, never the daemon.
 """
 
 from ._client import ImageArg, MonitorClient, Run, SignalName
-from ._decode import EventError, decode_event, summarise
-from ._inputs import POLICY_KEYS, ImageIn, InputEvent, RunEnd, RunStart, StepIn
+from ._inputs import (
+    INPUT_KINDS,
+    OUTPUT_KINDS,
+    POLICY_KEYS,
+    Decoder,
+    EventError,
+    ImageIn,
+    InputEvent,
+    RunEnd,
+    RunStart,
+    StepIn,
+    TopicError,
+    Topics,
+    check_run_id,
+    decode_event,
+    errors_topic,
+    input_filters,
+    parse_topic,
+    ranking_topic,
+    summarise,
+    topic,
+)
 from ._limits import (
     MAX_IMAGE_BYTES,
     MAX_IMAGES,
@@ -63,18 +83,6 @@ from ._outputs import (
 )
 from ._schema import schemas, stale_schemas, write_schemas
 from ._settings import DEFAULT_BROKER, BrokerSettings, SettingsError
-from ._topics import (
-    INPUT_KINDS,
-    OUTPUT_KINDS,
-    TopicError,
-    Topics,
-    check_run_id,
-    errors_topic,
-    input_filters,
-    parse_topic,
-    ranking_topic,
-    topic,
-)
 
 __all__ = [
     "DEFAULT_BROKER",
@@ -96,6 +104,7 @@ __all__ = [
     "BrokerSettings",
     "CriterionOut",
     "DecisionOut",
+    "Decoder",
     "ErrorOut",
     "EventError",
     "ImageArg",

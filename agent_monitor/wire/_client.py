@@ -34,11 +34,9 @@ from pydantic import BaseModel, ValidationError
 from ..calibration import outcome_mac
 from ..groups import group_mac
 from ..progress import Signal
-from ._decode import summarise
-from ._inputs import ImageIn, RunEnd, RunStart, StepIn
+from ._inputs import OUTPUT_KINDS, ImageIn, RunEnd, RunStart, StepIn, errors_topic, summarise, topic
 from ._outputs import ErrorOut, ProgressOut, SignalOut
 from ._settings import DEFAULT_BROKER, BrokerSettings
-from ._topics import OUTPUT_KINDS, errors_topic, topic
 
 # What a run's client reads: every output kind but `state` (a viewer's: `top` lists live runs from it).
 _READS = tuple(k for k in OUTPUT_KINDS if k != "state")

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Annotated
 
+from pydantic import StringConstraints
 from pydantic_core import PydanticCustomError
 
-from ._limits import MAX_META_DEPTH
+from ._limits import MAX_META_DEPTH, MAX_RUN_ID_CHARS
+
+RUN_ID_PATTERN = r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}$"
+"""A run id's grammar: one safe topic level of 1 to 128 characters, not starting with `_`."""
+RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
+GroupName = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
+"""A group name has a run id's grammar: it becomes one topic level (`{prefix}/_groups/{group}/ranking`)."""
 
 
 def clip(s: str, n: int = 80) -> str:

@@ -1,16 +1,24 @@
-"""Input payloads (start, step, end): strict pydantic models with every field bounded; unknown fields ignored."""
+"""The input side of the wire in one place: the topic grammar, the payloads, and decoding a message into an event.
+
+Topics are `{prefix}/{run_id}/{kind}` with run ids that are one safe topic level (`Topics` precomputes the
+names). Input payloads (start, step, end) are strict pydantic models with every field bounded; unknown fields
+are ignored. `decode_event` turns one MQTT message into an input event, or an `EventError` with a reason and a
+one-line message.
+"""
 
 from __future__ import annotations
 
 import base64
 import binascii
 import dataclasses
+import difflib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Literal, TypeAlias
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
     BaseModel,
@@ -20,6 +28,7 @@ from pydantic import (
     JsonValue,
     PrivateAttr,
     StringConstraints,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -31,7 +40,7 @@ from pydantic_core import CoreSchema
 from ..criteria import CriteriaError, Rubric, RubricBounds, bundled_criteria, check_bounds, load_criteria
 from ..images import sniff_mime
 from ..policy import Policy, PolicyError
-from ._common import JSON_TYPES, check_json_value, clip, err, none_to
+from ._common import JSON_TYPES, GroupName, check_json_value, clip, err, none_to
 from ._limits import (
     MAX_CRITERIA,
     MAX_CRITERION_BYTES,
@@ -41,13 +50,164 @@ from ._limits import (
     MAX_LABEL_VALUE_CHARS,
     MAX_LABELS,
     MAX_META_BYTES,
+    MAX_PAYLOAD_BYTES,
     MAX_RUBRIC_BYTES,
+    MAX_RUN_ID_CHARS,
     MAX_STEP_CHARS,
     MAX_STEP_INDEX,
     MAX_TASK_CHARS,
 )
+from ._outputs import ErrorOut
 from ._refs import check_image_path, check_image_url, looks_like_path
-from ._topics import GroupName
+
+# -- the topic grammar --
+
+INPUT_KINDS = ("start", "step", "end")
+OUTPUT_KINDS = ("progress", "signal", "error", "resend", "state")
+ERRORS_LEVEL = "_errors"
+GROUPS_LEVEL = "_groups"
+
+Kind = Literal["start", "step", "end"]
+
+_RUN_ID = re.compile(r"[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}")
+
+
+class TopicError(ValueError):
+    """A topic that is not `{prefix}/{run_id}/{kind}`, or a run id that is not a valid topic level.
+
+    `reason` is `unknown_topic` for a well-formed topic whose kind is none of start, step, end (a
+    typo such as `steps`), else `bad_topic`.
+    """
+
+    def __init__(self, message: str, *, reason: Literal["bad_topic", "unknown_topic"] = "bad_topic") -> None:
+        super().__init__(message)
+        self.reason: Literal["bad_topic", "unknown_topic"] = reason
+
+
+def check_run_id(run_id: object) -> str:
+    """Return `run_id` if it is a valid run id (one safe topic level); raise TopicError saying why not."""
+    if not isinstance(run_id, str):
+        raise TopicError(f"run id must be a string, got {type(run_id).__name__}")
+    if not run_id:
+        raise TopicError("run id is empty; use 1-128 characters from A-Z a-z 0-9 . _ : -")
+    if len(run_id) > MAX_RUN_ID_CHARS:
+        raise TopicError(f"run id has {len(run_id)} characters, over the limit of {MAX_RUN_ID_CHARS}")
+    if any(c in run_id for c in "/+#\x00"):
+        raise TopicError(f"run id {clip(run_id)!r} contains '/', '+', '#' or NUL; it must be one topic level")
+    if run_id.startswith("_"):
+        raise TopicError(f"run id {clip(run_id)!r} starts with '_', which is reserved for the monitor's topics")
+    if run_id in (".", "..") or not _RUN_ID.fullmatch(run_id):
+        raise TopicError(f"run id {clip(run_id)!r} is not allowed; use 1-128 characters from A-Z a-z 0-9 . _ : -")
+    return run_id
+
+
+def check_prefix(prefix: str) -> str:
+    levels = prefix.split("/")
+    if not prefix or any(not lv for lv in levels) or any(c in prefix for c in "+#\x00"):
+        raise TopicError(f"topic prefix {clip(prefix)!r} is invalid; use levels without '+', '#', NUL or empty parts")
+    return prefix
+
+
+def parse_topic(topic: str, prefix: str = "agents") -> tuple[str, Kind]:
+    """Split an input topic `{prefix}/{run_id}/{start|step|end}` into (run_id, kind); raise TopicError."""
+    check_prefix(prefix)
+    if not topic.startswith(prefix + "/"):
+        raise TopicError(
+            f"topic {clip(topic)!r} is not under {prefix!r}; publish to {prefix}/<run_id>/<start|step|end>"
+        )
+    parts = topic[len(prefix) + 1 :].split("/")
+    if len(parts) != 2:
+        raise TopicError(f"topic {clip(topic)!r} has the wrong depth; publish to {prefix}/<run_id>/<start|step|end>")
+    run_id, kind = parts
+    check_run_id(run_id)
+    if kind == "start":
+        return run_id, "start"
+    if kind == "step":
+        return run_id, "step"
+    if kind == "end":
+        return run_id, "end"
+    if kind in OUTPUT_KINDS:
+        raise TopicError(
+            f"topic {clip(topic)!r} is one of the monitor's outputs, not an input; "
+            f"publish to {prefix}/{run_id}/<start|step|end>"
+        )
+    guess = difflib.get_close_matches(kind.lower(), INPUT_KINDS, n=1, cutoff=0.6)
+    hint = f"{prefix}/{run_id}/{guess[0]}" if guess else f"{prefix}/{run_id}/<start|step|end>"
+    raise TopicError(
+        f"unknown topic {clip(topic)!r}: the monitor reads only {prefix}/<run_id>/start, step and end, "
+        f"not {clip(kind, 40)!r}; publish to {hint}",
+        reason="unknown_topic",
+    )
+
+
+def topic(prefix: str, run_id: str, kind: str) -> str:
+    """The topic `{prefix}/{run_id}/{kind}` for an input or output kind (progress, signal, error, ...)."""
+    check_prefix(prefix)
+    check_run_id(run_id)
+    if kind not in INPUT_KINDS + OUTPUT_KINDS:
+        raise TopicError(f"unknown topic kind {kind!r}; use one of {', '.join(INPUT_KINDS + OUTPUT_KINDS)}")
+    return f"{prefix}/{run_id}/{kind}"
+
+
+def ranking_topic(prefix: str, group: str) -> str:
+    """The retained ranking topic of a group: `{prefix}/_groups/{group}/ranking` (a group name is a run id's grammar)."""
+    check_prefix(prefix)
+    try:
+        check_run_id(group)
+    except TopicError as e:
+        raise TopicError(str(e).replace("run id", "group name")) from None
+    return f"{prefix}/{GROUPS_LEVEL}/{group}/ranking"
+
+
+def errors_topic(prefix: str = "agents") -> str:
+    """The topic for events whose run cannot be told (bad topic): `{prefix}/_errors`."""
+    return f"{check_prefix(prefix)}/{ERRORS_LEVEL}"
+
+
+def input_filters(prefix: str = "agents") -> list[str]:
+    """The subscription filters for every input topic under `prefix`."""
+    return [f"{check_prefix(prefix)}/+/{k}" for k in INPUT_KINDS]
+
+
+class Topics:
+    """The topic names under one prefix, checked once: building a name for a run id already checked costs a join.
+
+    The daemon builds every output topic from run ids that decoding validated, so nothing is
+    validated again on the way out.
+    """
+
+    def __init__(self, prefix: str = "agents") -> None:
+        self.prefix = check_prefix(prefix)
+        self.errors = f"{prefix}/{ERRORS_LEVEL}"
+        self.subscription = f"{prefix}/+/+"
+        """What the daemon subscribes to: every input, and every misspelt one (reported as unknown_topic)."""
+        self.inputs = [f"{prefix}/+/{k}" for k in INPUT_KINDS]
+        """The exact input filters (where a broker refuses the wider subscription)."""
+        self._under = prefix + "/"
+
+    def ranking(self, group: str) -> str:
+        """`{prefix}/_groups/{group}/ranking` (retained) for a group name that is already known valid."""
+        return f"{self.prefix}/{GROUPS_LEVEL}/{group}/ranking"
+
+    def of(self, run_id: str, kind: str) -> str:
+        """`{prefix}/{run_id}/{kind}` for a run id that is already known valid."""
+        return f"{self.prefix}/{run_id}/{kind}"
+
+    def is_output(self, topic: str) -> bool:
+        """Whether `topic` is one the monitor publishes (progress, signal, error, `_errors`, other `_` levels).
+
+        The daemon's subscription also matches these (its own messages and other monitors'); they are
+        ignored, not reported. A `_` level followed by an input kind is not one of them: it is a bad run id.
+        """
+        if not topic.startswith(self._under):
+            return False
+        levels = topic[len(self._under) :].split("/")
+        if levels[0].startswith("_"):
+            return levels[-1] not in INPUT_KINDS
+        return len(levels) == 2 and levels[1] in OUTPUT_KINDS
+
+
+# -- the payloads --
 
 POLICY_KEYS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Policy))
 """The keys `start.policy` may set (the fields of `agent_monitor.policy.Policy`)."""
@@ -463,3 +623,175 @@ INPUT_MODELS: dict[str, type[RunStart] | type[StepIn] | type[RunEnd]] = {
     "step": StepIn,
     "end": RunEnd,
 }
+
+
+# -- decoding one message --
+
+
+ErrorReason = Literal["payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image"]
+"""The refusals decoding can give (a subset of `agent_monitor.progress.REFUSALS`)."""
+
+
+class EventError(ValueError):
+    """An MQTT event that cannot be accepted: `reason` is a short code, the message says what to fix."""
+
+    def __init__(self, reason: ErrorReason, message: str, *, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.reason: ErrorReason = reason
+        self.message = message
+        self.run_id = run_id
+
+    def to_out(self, topic: str) -> ErrorOut:
+        """The error message to publish for this event."""
+        return ErrorOut(run_id=self.run_id, topic=clip(topic, 512), reason=self.reason, error=self.message)
+
+
+def _loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("function-after", "function-before"):
+            continue  # union / validator tags, not fields
+        else:
+            out += f".{part}" if out else part
+    return out or "payload"
+
+
+_LISTED = 5
+"""Problems one error message spells out; more are counted (a hostile payload can have thousands)."""
+
+
+def _problem(error: Any) -> str:
+    where = _loc(error["loc"])
+    if error["type"] == "missing":
+        return f"{where} is required"
+    text = f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+    if error["type"].endswith("_type") or error["type"] in ("model_type", "dict_type", "list_type"):
+        text += f" (got {JSON_TYPES.get(type(error['input']), type(error['input']).__name__)})"
+    return text
+
+
+def summarise(error: ValidationError) -> tuple[ErrorReason, str]:
+    """One readable line (and a reason code) for a pydantic error: every problem with its field, up to a few."""
+    errors = error.errors(include_url=False, include_context=False)
+    text = "; ".join(_problem(e) for e in errors[:_LISTED])
+    if len(errors) > _LISTED:
+        rest = len(errors) - _LISTED
+        text += f" (and {rest} more problem{'s' if rest > 1 else ''})"
+    reason: ErrorReason = "bad_image" if errors[0]["type"] == "bad_image" else "invalid"
+    return reason, clip(text, 600)
+
+
+def _json_problem(e: json.JSONDecodeError) -> str:
+    """The decoder's message with its position (`Invalid control character at line 1 column 28`) and what to do.
+
+    Some of the decoder's messages end in "at" already ("Invalid control character at", "Unterminated
+    string starting at"), others do not ("Expecting value").
+    """
+    where = f"line {e.lineno} column {e.colno}"
+    problem = f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
+    if e.msg.startswith("Invalid control character"):
+        return f"{problem}; write a tab or line break inside a string as \\t or \\n"
+    return f"{problem}; send one JSON object (e.g. from json.dumps)"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number in JSON")
+
+
+def decode_event(
+    topic: str,
+    payload: bytes | bytearray | memoryview | str,
+    *,
+    prefix: str = "agents",
+    max_payload: int = MAX_PAYLOAD_BYTES,
+    max_image_bytes: int = MAX_IMAGE_BYTES,
+    image_dirs: Sequence[str | Path] = (),
+    image_hosts: Sequence[str] = (),
+    rubric_bounds: RubricBounds | None = None,
+) -> tuple[str, InputEvent]:
+    """Parse and validate one MQTT input message into (run_id, RunStart | StepIn | RunEnd); raise EventError.
+
+    CPU-bound for large images (base64 and JSON): call it off the event loop. Image paths and URLs are
+    refused unless `image_dirs` / `image_hosts` allow them; allowed ones are checked here but read or
+    fetched later (`agent_monitor.sources.fetch_images`), never by this function.
+    """
+    try:
+        run_id, kind = parse_topic(topic, prefix)
+    except TopicError as e:
+        raise EventError(e.reason, str(e)) from None
+    raw = payload.encode() if isinstance(payload, str) else bytes(payload)
+    if len(raw) > max_payload:
+        raise EventError(
+            "payload_too_large",
+            f"payload is {len(raw)} bytes, over the limit of {max_payload}; send smaller or fewer images",
+            run_id=run_id,
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EventError("bad_json", f"payload is not UTF-8 text (byte {e.start}); send JSON", run_id=run_id) from None
+    if not text.strip():
+        text = "{}"
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise EventError("bad_json", f"payload is not valid JSON: {_json_problem(e)}", run_id=run_id) from None
+    except (ValueError, RecursionError) as e:
+        detail = "nested too deeply" if isinstance(e, RecursionError) else clip(str(e), 120)
+        raise EventError("bad_json", f"payload is not acceptable JSON: {detail}", run_id=run_id) from None
+    if not isinstance(data, dict):
+        raise EventError(
+            "invalid",
+            f"{kind} payload must be a JSON object, got {JSON_TYPES.get(type(data), 'a value')}",
+            run_id=run_id,
+        )
+    try:
+        context = {
+            "max_image_bytes": max_image_bytes,
+            "image_dirs": tuple(image_dirs),
+            "image_hosts": tuple(image_hosts),
+            "rubric_bounds": rubric_bounds,
+        }
+        model = INPUT_MODELS[kind].model_validate(data, context=context)
+    except ValidationError as e:
+        reason, message = summarise(e)
+        raise EventError(reason, f"{kind}: {message}", run_id=run_id) from None
+    except RecursionError:
+        raise EventError("invalid", f"{kind}: payload is nested too deeply", run_id=run_id) from None
+    return run_id, model
+
+
+class Decoder:
+    """`decode_event` with a daemon's settings bound once; the monitor's own outputs decode to None, not an error.
+
+    A daemon subscribed to `{prefix}/+/+` receives its own progress, signals and errors back (and other
+    monitors'): those are ignored, not reported.
+    """
+
+    def __init__(
+        self,
+        topics: Topics,
+        *,
+        max_payload: int = MAX_PAYLOAD_BYTES,
+        max_image_bytes: int = MAX_IMAGE_BYTES,
+        image_dirs: Sequence[str | Path] = (),
+        image_hosts: Sequence[str] = (),
+        rubric_bounds: RubricBounds | None = None,
+    ) -> None:
+        self.topics = topics
+        self._settings: dict[str, Any] = {
+            "prefix": topics.prefix,
+            "max_payload": max_payload,
+            "max_image_bytes": max_image_bytes,
+            "image_dirs": tuple(image_dirs),
+            "image_hosts": tuple(image_hosts),
+            "rubric_bounds": rubric_bounds,
+        }
+
+    def __call__(self, topic: str, payload: bytes | bytearray | memoryview | str) -> tuple[str, InputEvent] | None:
+        """The run id and event of one message, or None for one of the monitor's outputs; raise EventError."""
+        if self.topics.is_output(topic):
+            return None
+        return decode_event(topic, payload, **self._settings)

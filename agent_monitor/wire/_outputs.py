@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..policy import Policy
 from ..progress import ERROR_REASONS, Decision, Progress, Signal
-from ._topics import GroupName, RunId
+from ._common import GroupName, RunId
 
 
 class _Out(BaseModel):
