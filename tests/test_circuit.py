@@ -231,3 +231,30 @@ async def test_a_storm_of_bad_requests_never_degrades_but_the_same_storm_of_outa
 
     assert not (await storm(JudgeError("bad_request", "HTTP 400: bad prompt"))).degraded  # each 400 is an answer
     assert (await storm(JudgeError("server_error", "HTTP 503", retryable=True))).degraded
+
+
+async def test_the_circuit_counts_only_the_calls_that_reach_the_judge_with_their_wall_time_and_tokens() -> None:
+    clock = Clock()
+    down = {"on": False}
+    judge = FakeJudge(
+        lambda p: JudgeError("connection", "refused", retryable=True) if down["on"] else "K",
+        max_retries=0,
+        latency_s=0.03,
+    )
+    c = CircuitJudge(judge, threshold=2, cooldown_s=10, clock=clock)
+    await c.grade(request())
+    down["on"] = True
+    for _ in range(2):
+        with contextlib.suppress(JudgeError):
+            await c.grade(request())
+    assert c.degraded
+    for _ in range(3):  # refused while open: not judge calls
+        with contextlib.suppress(JudgeError):
+            await c.grade(request())
+    stats = c.statistics()
+    assert (stats["calls_ok"], stats["calls_failed"]) == (1, 2)
+    counts, bounds = stats["latency_counts"], stats["latency_buckets"]
+    assert sum(counts) == 3 and len(counts) == len(bounds) + 1
+    # 30 ms a call: every one over 0.025 s and within 0.05 s.
+    assert counts[bounds.index(0.05)] == 3 and 0.09 <= stats["latency_sum"] < 1.0
+    assert stats["input_tokens"] == judge.usage.input_tokens > 0 and stats["output_tokens"] == 1

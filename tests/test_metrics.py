@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent_monitor.criteria import load_criteria
-from agent_monitor.daemon import MetricsSettings, Monitor, MonitorConfig
+from agent_monitor.daemon import Accepted, MetricsSettings, Monitor, MonitorConfig, Scored
 from agent_monitor.daemon._metrics import RunCollector
 from agent_monitor.judges.base import JudgeError
 from agent_monitor.policy import Policy
@@ -211,3 +211,24 @@ def test_calibration_gauges_forget_families_the_calibration_forgot() -> None:
     text = generate_latest(reg).decode()
     shown = {line.split('family="')[1].split('"')[0] for line in text.splitlines() if "calibration_successes{" in line}
     assert shown == {"f2", "f3"}
+
+
+async def test_a_step_s_path_reaches_the_metrics_only_through_the_collectors_at_scrape_time() -> None:
+    reg = CollectorRegistry()
+    async with Monitor(MonitorConfig(), judge=FakeJudge(latency_s=0.03), registry=reg) as mon:
+        # No sink on a scored step's way counts it: the metrics sink takes only the rarer events.
+        takes = [getattr(s, "events", ()) for s in mon.sinks if type(s).__name__ == "MetricsSink"]
+        assert takes and all(Scored not in t and Accepted not in t for t in takes)
+        await mon.handle("agents/r/start", j(task="t"))
+        for i in (1, 2, 3):
+            await mon.handle("agents/r/step", j(index=i, text=f"s{i}"))
+            await mon.drain()
+    # Histograms built from the parts' bucket counts are cumulative, as Prometheus reads them.
+    assert value(reg, "agent_monitor_judge_latency_seconds_bucket", judge="fake", le="0.025") == 0
+    assert value(reg, "agent_monitor_judge_latency_seconds_bucket", judge="fake", le="0.05") == 3
+    assert value(reg, "agent_monitor_judge_latency_seconds_bucket", judge="fake", le="+Inf") == 3
+    assert value(reg, "agent_monitor_step_to_score_seconds_count") == 3
+    assert value(reg, "agent_monitor_step_to_score_seconds_bucket", le="0.025") == 0
+    assert value(reg, "agent_monitor_events_total", type="start") == 1
+    assert value(reg, "agent_monitor_events_total", type="step") == 3
+    assert value(reg, "agent_monitor_scoring_failures_total", reason="timeout") == 0

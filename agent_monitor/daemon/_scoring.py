@@ -3,7 +3,8 @@
 Handed what it needs, never the monitor: the run state (`RunBook`, read), the judge behind its circuit
 breaker, the calibration, the groups part, the sink to `emit` to and the clock. What the ingest
 applies reaches it as effects (`act`); a run whose end is accepted finishes through `finish` once its
-newest prefix is scored.
+newest prefix is scored. It bounds the judge work of each run (calls per scoring, calls per run-minute)
+and counts what its scorings gave (`ScoringCounts`, read by the metrics at scrape time).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Run state: ordering, idempotency, gaps, orphans and liveness of every run. Pure: no I/O, no event loop, no clock.
+"""Run state and the monitor's events: ordering, idempotency, gaps, orphans and liveness of every run; what sinks get.
+
+Pure: no I/O, no event loop, no clock. The bottom of `daemon/`: every other part speaks its vocabulary.
 
 The state changes only by applying a *record*: what a run accepted (a start, a step at its
 resolved index, an end), or a decision the monitor took (a gap filled with placeholders,
-orphan steps dropped, a run finished). `decide` turns an input event into a record, or into a
-refusal or a duplicate that change nothing; `due` gives the decisions that time has made
-due. The daemon journals each record before it applies it, so the journal is exactly what each
+orphan steps dropped, a run finished). `decide` turns an input event into a record, or into the
+event a sink gets for a refusal or a duplicate (`Refused`, `Duplicated`), which change nothing;
+`due` gives the decisions that time has made due. The daemon journals each record before it applies it, so the journal is exactly what each
 run accepted, and replaying it through `apply` rebuilds exactly the state the daemon had:
 the same steps under the same indexes (placeholders included), the same activity times and
 eviction order, the same held steps and orphans. Everything `apply` derives (index order,
