@@ -3,7 +3,7 @@
 A scripted OpenAI-compatible server in a process of its own answers every chat completion with a
 realistic reply (one generated token with 20 `top_logprobs`, usage with cached tokens) after
 `--latency` seconds. This process grades the same prompts through `OpenAIJudge(transport="sdk")`
-(the `openai` SDK: request options, httpx, a pydantic model of the reply) and
+(the `openai` SDK: request options, headers, httpx; the raw reply read as a dict) and
 `OpenAIJudge(transport="lean")` (one JSON body over pooled keep-alive HTTP/1.1, the reply read as
 a dict), alternating rounds so both see the same machine. The prompt is built by the real prompt
 builder from a 12-step trajectory of ~400 characters a step (what a mid-run scoring sends).

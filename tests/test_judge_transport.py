@@ -131,7 +131,7 @@ async def test_lean_keeps_connections_alive_and_bounds_them() -> None:
         server.default = chat_reply(chat_choice([("K", DIST)]))
         async with OpenAIJudge(server.url, model="m", concurrency=3) as judge:
             await asyncio.gather(*(judge.grade(JudgeRequest(prompt())) for _ in range(30)))
-            pool = judge._pool
+            pool = judge._transport.pool
             assert pool is not None and pool.requests == 30
             assert pool.opened <= 6  # at most 2 x concurrency, reused for the rest
 
@@ -197,3 +197,31 @@ async def test_lean_timeout_and_refused_connection_are_judge_errors() -> None:
             await judge.grade(JudgeRequest(prompt()))
     assert e.value.reason == "connection" and "cannot reach the judge server at http://127.0.0.1:9/v1 " in str(e.value)
     assert str(e.value).count("127.0.0.1:9") == 1  # the server named once
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_error_status_on_models_is_a_judge_error_on_both_transports(transport: str) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NoModels(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"error": {"message": "no models here"}}'
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NoModels)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}/v1"
+        async with OpenAIJudge(url, transport=transport, max_retries=0) as judge:  # type: ignore[arg-type]
+            with pytest.raises(JudgeError) as e:
+                await judge.resolve_model()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert e.value.reason == "not_found" and "no models here" in str(e.value) and not e.value.retryable

@@ -10,7 +10,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar
 
 import openai
 import structlog
@@ -20,7 +20,8 @@ from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
-from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
+from ._openai_transport import LeanTransport, SdkTransport, StatusError, Transport, sdk_error
+from ._wire import WireReply
 from .base import (
     BaseJudge,
     JudgeError,
@@ -30,7 +31,6 @@ from .base import (
     answer_sample,
     batches,
     drawn_letter,
-    retry_after_seconds,
     tally,
 )
 
@@ -81,12 +81,13 @@ class OpenAIJudge(BaseJudge):
       there; None never sends it.
 
     - `transport`: "lean" (the default, unless a `client` is given) sends each
-      request as one JSON body over pooled keep-alive HTTP/1.1 connections
-      and reads the reply as plain JSON, the fields it needs and no others;
-      "sdk" goes through the `openai` SDK (`client`, or one made from
-      `base_url`/`api_key`), which builds a pydantic model of every reply:
-      measured with `bench/judge_cpu.py`, several times the CPU per call.
-      Both send the same request body and read the same answer.
+      request as one JSON body over pooled keep-alive HTTP/1.1 connections;
+      "sdk" goes through the `openai` SDK's endpoints (`client`, or one made
+      from `base_url`/`api_key`), for what only it does (Azure clients, custom
+      HTTP settings): measured with `bench/judge_cpu.py`, several times the CPU
+      per call. Both send the same request body, and the reply is read by one
+      reader, as plain JSON, the fields it needs and no others (the transports
+      are in `_openai_transport`; this class decides what to ask and reads it).
 
     The model is read from `/v1/models` when not given. K repeats go as one
     request with `n=K`; a server that returns fewer choices gets the rest as
@@ -146,8 +147,12 @@ class OpenAIJudge(BaseJudge):
             # Our own retry loop handles 429/5xx with backoff and Retry-After; SDK retries would multiply it.
             client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
         self.client = client
-        self._pool: WirePool | None = None
-        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        """The SDK client: the server's URL and key, the reachability check, and the SDK transport's requests."""
+        self._transport: Transport = (
+            SdkTransport(client, self.base_url)
+            if self.transport == "sdk"
+            else LeanTransport(self.base_url, client.api_key, self)
+        )
         self.model = model or ""
         self.api = api
         self.max_tokens = max_tokens
@@ -176,10 +181,8 @@ class OpenAIJudge(BaseJudge):
         self._model_lock = asyncio.Lock()
 
     async def aclose(self) -> None:
-        """Close the HTTP client if this judge created it (a client passed in stays with its owner)."""
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            await pool.aclose()
+        """Close the transport's connections, and the SDK client if this judge made it (a client passed in stays)."""
+        await self._transport.aclose()
         if self._owns_client:
             await self.client.close()
 
@@ -197,7 +200,7 @@ class OpenAIJudge(BaseJudge):
         try:
             await self.client.models.with_raw_response.list()
         except openai.APIConnectionError as e:
-            raise _judge_error(e, self.base_url) from None
+            raise sdk_error(e, self.base_url) from None
         except openai.OpenAIError:
             pass
 
@@ -207,36 +210,19 @@ class OpenAIJudge(BaseJudge):
             return self.model
         async with self._model_lock:
             if not self.model:
-                if self.transport == "lean":
-                    reply = await self._fetch("GET", "/models", None)
-                    data = _reply_object(reply, self.base_url).get("data")
-                    if not isinstance(data, list):
-                        raise _not_openai_reply(reply, self.base_url, "a JSON object without a `data` list")
-                else:
-                    try:
-                        raw = await self.client.models.with_raw_response.list()
-                    except openai.OpenAIError as e:
-                        raise _judge_error(e, self.base_url) from None
-                    # Read by hand, not by the SDK: it crashes on a reply that is not a JSON list of models.
-                    data = _json_object(raw.http_response, self.base_url).get("data")
-                    if not isinstance(data, list):
-                        raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `data` list")
+                try:
+                    reply = await self._transport.send("/models", None)
+                except StatusError as e:
+                    raise e.judge_error() from None
+                # Read as plain JSON on both transports: the SDK's model list crashes on a reply of another shape.
+                data = _reply_object(reply, self.base_url).get("data")
+                if not isinstance(data, list):
+                    raise _not_openai(reply, self.base_url, "a JSON object without a `data` list")
                 ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
                 if not ids:
                     raise JudgeError("no_model", f"{self.base_url}/models lists no model; pass model=")
                 self.model = ids[0]
         return self.model
-
-    async def _create(self, endpoint: Any, **kwargs: Any) -> Any:
-        """`endpoint.create(**kwargs)`, its reply checked to be a completion object before the SDK parses it.
-
-        A server that is not OpenAI-compatible (a web page, another API) would otherwise hand back a
-        string or an empty object that fails later as an AttributeError.
-        """
-        raw = await endpoint.with_raw_response.create(**kwargs)
-        if not isinstance(_json_object(raw.http_response, self.base_url).get("choices"), list):
-            raise _not_openai(raw.http_response, self.base_url, "a JSON object without a `choices` list")
-        return raw.parse()
 
     def _read(self, read: Callable[[], _T]) -> _T:
         """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
@@ -335,6 +321,31 @@ class OpenAIJudge(BaseJudge):
     async def _send(
         self, prompt: Prompt, model: str, n: int, *, images: bool, run_key: str | None = None
     ) -> tuple[list[Sample], Usage]:
+        """One request for `n` answers: its body built, sent by the transport, its reply read as plain JSON."""
+        path, body = self._body(prompt, model, n, images=images, run_key=run_key)
+        try:
+            reply = await self._transport.send(path, body)
+        except StatusError as e:
+            if images and refuses_images(e.status, e.server_message):
+                raise ImagesRefused(e.status, e.server_message) from None
+            raise e.judge_error() from None
+        data = _reply_object(reply, self.base_url)
+        choices = data.get("choices")
+        if not isinstance(choices, list):
+            raise _not_openai(reply, self.base_url, "a JSON object without a `choices` list")
+        if not self.logprobs:  # each draw is {letter: 0.0}, or {} when it is not a letter
+            if self.api == "completions":
+                texts = self._read(lambda: [str(c.get("text") or "") for c in choices])
+            else:
+                texts = self._read(lambda: [str((c.get("message") or {}).get("content") or "") for c in choices])
+            return [drawn_letter(t) for t in texts], self._read(lambda: _usage_of(data))
+        read = _completion_sample if self.api == "completions" else _chat_sample
+        return self._read(lambda: [read(c) for c in choices]), self._read(lambda: _usage_of(data))
+
+    def _body(
+        self, prompt: Prompt, model: str, n: int, *, images: bool, run_key: str | None
+    ) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of one request (the same on both transports)."""
         extra = dict(self.extra_body)
         if self.run_key_field is not None and run_key is not None:
             extra.setdefault(self.run_key_field, run_hint(run_key))  # a field the caller set in extra_body wins
@@ -342,96 +353,6 @@ class OpenAIJudge(BaseJudge):
         common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature}
         if n > 1:
             common["n"] = n
-        if self.transport == "lean":
-            return await self._send_lean(prompt, common, extra, images=images)
-        try:
-            if not self.logprobs:
-                return await self._send_sampled(prompt, common, extra, images=images)
-            if self.api == "completions":
-                resp: Any = await self._create(
-                    self.client.completions,
-                    prompt=prompt.text(),
-                    logprobs=self.top_logprobs,
-                    extra_body=extra or None,
-                    **common,
-                )
-                samples = self._read(lambda: [_from_completion(c) for c in resp.choices])
-            else:
-                messages = self._messages(prompt, images=images)
-                if self.prefill is not None:
-                    extra.update(continue_final_message=True, add_generation_prompt=False)
-                if self.constrain:
-                    extra["guided_choice"] = list(BINARY_TOKENS if prompt.scale == "binary" else LETTERS)
-                resp = await self._create(
-                    self.client.chat.completions,
-                    messages=cast(Any, messages),
-                    logprobs=True,
-                    top_logprobs=self.top_logprobs,
-                    extra_body=extra or None,
-                    **common,
-                )
-                samples = self._read(lambda: [_from_chat(c) for c in resp.choices])
-        except openai.APIStatusError as e:
-            message = _server_message(e)
-            if images and refuses_images(e.status_code, message):
-                raise ImagesRefused(e.status_code, message) from None
-            raise _judge_error(e, self.base_url) from None
-        except openai.OpenAIError as e:
-            raise _judge_error(e, self.base_url) from None
-        return samples, self._read(lambda: _usage(resp))
-
-    async def _send_sampled(
-        self, prompt: Prompt, common: dict[str, Any], extra: dict[str, Any], *, images: bool
-    ) -> tuple[list[Sample], Usage]:
-        """Draw answers without logprobs; each draw is {letter: 0.0}, or {} when it is not a letter."""
-        resp: Any
-        if self.api == "completions":
-            resp = await self._create(self.client.completions, prompt=prompt.text(), extra_body=extra or None, **common)
-            texts = self._read(lambda: [str(c.text or "") for c in resp.choices])
-        else:
-            resp = await self._create(
-                self.client.chat.completions,
-                messages=cast(Any, self._messages(prompt, images=images)),
-                extra_body=extra or None,
-                **common,
-            )
-            texts = self._read(lambda: [str(c.message.content or "") for c in resp.choices])
-        return [drawn_letter(t) for t in texts], self._read(lambda: _usage(resp))
-
-    def _wire(self) -> WirePool:
-        """The keep-alive connections of this event loop (a judge serves one loop at a time: see BaseJudge)."""
-        loop = asyncio.get_running_loop()
-        if self._pool is None or self._pool_loop is not loop:
-            headers = {"Content-Type": "application/json", "Accept": "application/json", "User-Agent": "agent-monitor"}
-            if self.client.api_key:
-                headers["Authorization"] = f"Bearer {self.client.api_key}"
-            # Twice the judge's concurrency: repeats fall back to single requests side by side.
-            self._pool = WirePool(self.base_url, headers=headers, max_connections=2 * self.concurrency)
-            self._pool_loop = loop
-        return self._pool
-
-    async def _fetch(self, method: str, path: str, body: bytes | None) -> WireReply:
-        """One request on the lean path; a transport failure or an error status is a JudgeError (_StatusError)."""
-        try:
-            reply = await self._wire().request(method, path, body, timeout_s=self.timeout_s)
-        except WireTimeout:
-            raise JudgeError(
-                "timeout", f"the judge server at {self.base_url} did not answer in time", retryable=True
-            ) from None
-        except WireConnectionError as e:
-            raise JudgeError(
-                "connection",
-                f"cannot reach the judge server at {self.base_url} ({e}); is it running there?",
-                retryable=True,
-            ) from None
-        if reply.status >= 400:
-            raise _StatusError(reply.status, _reply_message(reply), reply.headers)
-        return reply
-
-    async def _send_lean(
-        self, prompt: Prompt, common: dict[str, Any], extra: dict[str, Any], *, images: bool
-    ) -> tuple[list[Sample], Usage]:
-        """`_send` over the lean transport: the SDK path's request body, the reply read as plain JSON."""
         body: dict[str, Any]
         if self.api == "completions":
             path, body = "/completions", {"prompt": prompt.text(), **common}
@@ -446,24 +367,7 @@ class OpenAIJudge(BaseJudge):
                 if self.constrain:
                     extra["guided_choice"] = list(BINARY_TOKENS if prompt.scale == "binary" else LETTERS)
         body.update(extra)  # as the SDK's extra_body: merged into the body, a caller's field wins
-        try:
-            reply = await self._fetch("POST", path, json.dumps(body, ensure_ascii=False).encode())
-        except _StatusError as e:
-            if images and refuses_images(e.status, e.server_message):
-                raise ImagesRefused(e.status, e.server_message) from None
-            raise e.judge_error(self.base_url) from None
-        data = _reply_object(reply, self.base_url)
-        choices = data.get("choices")
-        if not isinstance(choices, list):
-            raise _not_openai_reply(reply, self.base_url, "a JSON object without a `choices` list")
-        if not self.logprobs:
-            if self.api == "completions":
-                texts = self._read(lambda: [str(c.get("text") or "") for c in choices])
-            else:
-                texts = self._read(lambda: [str((c.get("message") or {}).get("content") or "") for c in choices])
-            return [drawn_letter(t) for t in texts], self._read(lambda: _usage_of(data))
-        read = _completion_sample if self.api == "completions" else _chat_sample
-        return self._read(lambda: [read(c) for c in choices]), self._read(lambda: _usage_of(data))
+        return path, body
 
     def _messages(self, prompt: Prompt, *, images: bool) -> list[dict[str, Any]]:
         content: str | list[dict[str, Any]]
@@ -538,128 +442,36 @@ def refuses_images(status: int, message: str) -> bool:
     return _NO_IMAGES.search(message) is not None
 
 
-def _message_in(body: object) -> str | None:
-    """The error message a server wrote in its JSON body (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form)."""
-    if isinstance(body, Mapping):
-        inner = body.get("error")
-        for where in (body, inner if isinstance(inner, Mapping) else {}):
-            if isinstance(msg := where.get("message"), str) and msg:
-                return msg
-        if isinstance(inner, str) and inner:
-            return inner
-    return None
-
-
-def _server_message(e: openai.APIStatusError) -> str:
-    """The error message the server wrote, else the SDK's."""
-    return _message_in(e.body) or e.message
-
-
 def _part(p: TextPart | ImagePart) -> dict[str, Any]:
     if isinstance(p, TextPart):
         return {"type": "text", "text": p.text}
     return {"type": "image_url", "image_url": {"url": p.frame.data_url()}}
 
 
-def _from_chat(choice: Any) -> Sample:
-    content = getattr(choice.logprobs, "content", None) if choice.logprobs is not None else None
-    return answer_sample(
-        [(c.token, c.logprob) for c in content or []],
-        [[(t.token, t.logprob) for t in c.top_logprobs or []] for c in content or []],
-    )
-
-
-def _from_completion(choice: Any) -> Sample:
-    lp = choice.logprobs
-    if lp is None or not lp.tokens:
-        return None
-    chosen = lp.token_logprobs or [None] * len(lp.tokens)
-    return answer_sample(
-        list(zip(lp.tokens, chosen, strict=False)), [list((d or {}).items()) for d in lp.top_logprobs or []]
-    )
-
-
-def _usage(resp: Any) -> Usage:
-    u = getattr(resp, "usage", None)
-    if u is None:
-        return Usage()
-    details = getattr(u, "prompt_tokens_details", None)
-    cached = getattr(details, "cached_tokens", None) or 0
-    return Usage(input_tokens=u.prompt_tokens or 0, cached_input_tokens=cached, output_tokens=u.completion_tokens or 0)
-
-
-def _json_object(response: Any, where: str) -> dict[str, Any]:
-    """The body of an HTTP response (the SDK's) as a JSON object; `bad_response` when it is anything else (HTML, a list)."""
+def _reply_object(reply: WireReply, where: str) -> dict[str, Any]:
+    """A reply's body as a JSON object; `bad_response` when it is anything else (HTML, a list)."""
     try:
-        body = response.json()
+        body = json.loads(reply.body)
     except ValueError:  # not JSON at all (JSONDecodeError, or undecodable bytes)
         body = None
     if not isinstance(body, dict):
-        raise _not_openai(response, where, "not a JSON object")
+        raise _not_openai(reply, where, "not a JSON object")
     return body
 
 
-def _not_openai(response: Any, where: str, what: str) -> JudgeError:
-    return _not_openai_at(
-        str(response.request.url), response.status_code, response.headers, response.content, where, what
-    )
-
-
-def _not_openai_at(
-    url: str, status: int, headers: Mapping[str, str], content: bytes, where: str, what: str
-) -> JudgeError:
-    """`bad_response` for a reply that is no OpenAI API answer (both transports): what came back, and from where."""
-    kind = headers.get("content-type", "no content type").split(";")[0].strip()
-    start = content[:60].decode("utf-8", errors="replace")
+def _not_openai(reply: WireReply, where: str, what: str) -> JudgeError:
+    """`bad_response` for a reply that is no OpenAI API answer: what came back, and from where."""
+    kind = reply.headers.get("content-type", "no content type").split(";")[0].strip()
+    start = reply.body[:60].decode("utf-8", errors="replace")
     return JudgeError(
         "bad_response",
-        f"{url} answered HTTP {status} {kind} {start!r} ({what}): {where} does not "
+        f"{reply.url} answered HTTP {reply.status} {kind} {start!r} ({what}): {where} does not "
         "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
     )
 
 
-class _StatusError(Exception):
-    """An HTTP error status on the lean path, before it is known whether it is an image refusal."""
-
-    def __init__(self, status: int, server_message: str, headers: Mapping[str, str]) -> None:
-        super().__init__(f"HTTP {status}: {server_message}")
-        self.status = status
-        self.server_message = server_message
-        self.headers = headers
-
-    def judge_error(self, where: str) -> JudgeError:
-        return _status_error(self.status, self.server_message, self.headers)
-
-
-def _reply_message(reply: WireReply) -> str:
-    """The error message a server wrote (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form), else its body."""
-    try:
-        body = json.loads(reply.body)
-    except ValueError:
-        body = None
-    if (msg := _message_in(body)) is not None:
-        return msg
-    text = reply.body[:300].decode("utf-8", errors="replace").strip()
-    return text or f"no message ({reply.url})"
-
-
-def _reply_object(reply: WireReply, where: str) -> dict[str, Any]:
-    """A lean reply's body as a JSON object; `bad_response` when it is anything else (HTML, a list)."""
-    try:
-        body = json.loads(reply.body)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        raise _not_openai_reply(reply, where, "not a JSON object")
-    return body
-
-
-def _not_openai_reply(reply: WireReply, where: str, what: str) -> JudgeError:
-    return _not_openai_at(reply.url, reply.status, reply.headers, reply.body, where, what)
-
-
 def _chat_sample(choice: Mapping[str, Any]) -> Sample:
-    """A chat choice's answer, read from the reply's JSON as it is (the lean path's `_from_chat`)."""
+    """A chat choice's answer, read from the reply's JSON as it is: the top logprobs of each generated token."""
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, Mapping) else None
     content = content or []
@@ -670,7 +482,7 @@ def _chat_sample(choice: Mapping[str, Any]) -> Sample:
 
 
 def _completion_sample(choice: Mapping[str, Any]) -> Sample:
-    """A completion choice's answer, read from the reply's JSON as it is (the lean path's `_from_completion`)."""
+    """A completion choice's answer, read from the reply's JSON as it is (integer `logprobs`' token lists)."""
     lp = choice.get("logprobs")
     if not isinstance(lp, Mapping) or not lp.get("tokens"):
         return None
@@ -682,7 +494,7 @@ def _completion_sample(choice: Mapping[str, Any]) -> Sample:
 
 
 def _usage_of(body: Mapping[str, Any]) -> Usage:
-    """A reply's usage, read from its JSON (the lean path's `_usage`)."""
+    """A reply's usage (prompt, cached and completion tokens), read from its JSON."""
     u = body.get("usage")
     if not isinstance(u, Mapping):
         return Usage()
@@ -693,33 +505,3 @@ def _usage_of(body: Mapping[str, Any]) -> Usage:
         cached_input_tokens=int(cached),
         output_tokens=int(u.get("completion_tokens") or 0),
     )
-
-
-def _status_error(status: int, message: str, headers: Mapping[str, str]) -> JudgeError:
-    """The JudgeError for an HTTP error status, with the server's message (both transports)."""
-    hint = retry_after_seconds(headers)
-    if status == 429:
-        return JudgeError("rate_limited", f"HTTP 429: {message}", retryable=True, retry_after=hint)
-    if status >= 500 or status == 408:
-        return JudgeError("server_error", f"HTTP {status}: {message}", retryable=True, retry_after=hint)
-    if status in (401, 403):
-        return JudgeError(
-            "auth", f"HTTP {status}: the judge server refused the API key; check api_key / OPENAI_API_KEY"
-        )
-    if status == 404:
-        return JudgeError("not_found", f"HTTP 404: {message}; check base_url (it usually ends in /v1) and model")
-    return JudgeError("bad_request", f"HTTP {status}: {message}")
-
-
-def _judge_error(e: openai.OpenAIError, where: str) -> JudgeError:
-    if isinstance(e, openai.APITimeoutError):
-        return JudgeError("timeout", f"the judge server at {where} did not answer in time", retryable=True)
-    if isinstance(e, openai.APIConnectionError):
-        return JudgeError(
-            "connection",
-            f"cannot reach the judge server at {where} ({str(e).rstrip('.')}); is it running there?",
-            retryable=True,
-        )
-    if isinstance(e, openai.APIStatusError):
-        return _status_error(e.status_code, e.message, e.response.headers)
-    return JudgeError("client_error", str(e))
