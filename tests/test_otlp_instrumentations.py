@@ -63,7 +63,7 @@ def model_server() -> Iterator[ScriptedServer]:
 
 
 def run_ids(receiver: Any) -> list[str]:
-    return list(receiver._runs)
+    return list(receiver.traces.runs)
 
 
 async def test_openinference_on_an_agents_sdk_agent_with_two_function_tools() -> None:

@@ -209,7 +209,7 @@ async def test_a_genai_trace_from_the_sdk_exporter_is_a_run_scored_step_by_step(
 
 
 def receiver_latest(receiver: OtlpReceiver, run_id: str) -> Any:
-    view = receiver._view
+    view = receiver.traces.view
     return view.latest(run_id) if view is not None else None
 
 

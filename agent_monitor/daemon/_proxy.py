@@ -10,9 +10,10 @@ like any other source's events. With `enforce`, a run whose signal is abort gets
 API's own error format at its next request; with `best_of` N, the judge's pivot tournament picks
 the returned turn from N candidates.
 
-One task (`source-proxy`) owns everything: the HTTP/1.1 server (asyncio streams and h11, keep-alive,
-chunked responses), a TaskGroup of connections, the feeder that hands events to ingest (a bounded
-queue: a request never waits for the journal) and the sweeper that ends idle conversations.
+One task (`source-proxy`) owns everything: the HTTP/1.1 server (the sources' `_h11` door: keep-alive,
+chunked responses, its connections its own tasks), the feeder that hands events to ingest (a bounded
+queue: a request never waits for the journal) and the sweeper that ends idle conversations. Best of N
+is `_BestOf`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..judges.base import Judge
 from ..progress import Usage
 from ..selection import compare, tournament
 from ._config import ProxySettings
+from ._h11 import H11Conn, H11Server
 from ._source import Inbound, Ingest, RunsView
 from ._state import Sink
 from ._turns import (
@@ -130,11 +132,19 @@ class ProxySource:
         self.conversations = Conversations(settings.max_conversations, settings.conversation_idle_s)
         self.counts: Counter[str] = Counter()
         self.inflight = 0
-        self.connections = 0
         self._queue: asyncio.Queue[Inbound] = asyncio.Queue(QUEUE_SIZE)
-        self._server: asyncio.Server | None = None
+        self.http = H11Server(
+            "proxy",
+            self._handle,
+            max_head=_READ,
+            max_connections=MAX_CONNECTIONS,
+            head_timeout_s=KEEPALIVE_S,
+            on_refused=lambda: self.counts.update(("connections_refused",)),
+            bad_request=self._bad_http,
+            failed=self._failed,
+        )
         self._client: httpx2.AsyncClient | None = None
-        self._tg: asyncio.TaskGroup | None = None
+        self._best = _BestOf(settings.best_of, judge, criteria, self.counts) if settings.best_of > 1 else None
         self._runs: RunsView | None = None
         self._owned = False
         if registry is not None:
@@ -152,16 +162,14 @@ class ProxySource:
             follow_redirects=False,
         )
         try:
-            self._server = await asyncio.start_server(self._accept, host, port, start_serving=False, limit=_READ)
+            await self.http.open(host, port, start_serving=False)
         except BaseException:
             await self._client.aclose()
             raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        await self.http.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -169,29 +177,23 @@ class ProxySource:
     @property
     def url(self) -> str:
         """The proxy's base URL (bound: the real port when listening on port 0)."""
-        if self._server is None or not self._server.sockets:
-            host, port = self.settings.address
-        else:
-            host, port = self._server.sockets[0].getsockname()[:2]
+        host, port = self.http.sockname or self.settings.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     async def run(self, ingest: Ingest, runs: RunsView) -> None:
         """Serve until cancelled: connections, the feeder to ingest, the sweeper of idle conversations."""
         self._runs = runs
-        if self._server is None:
+        if not self.http.bound:
             await self.__aenter__()
             self._owned = True
-        assert self._server is not None
         try:
             async with asyncio.TaskGroup() as tg:
-                self._tg = tg
                 tg.create_task(self._feed(ingest), name="proxy-feed")
                 tg.create_task(self._sweep(), name="proxy-sweep")
-                await self._server.start_serving()
-                log.info("proxy_listening", url=self.url, upstream=self.upstream)
-                await asyncio.Event().wait()
+                async with self.http.serving():
+                    log.info("proxy_listening", url=self.url, upstream=self.upstream)
+                    await asyncio.Event().wait()
         finally:
-            self._tg = None
             if self._owned:
                 await self.__aexit__()
 
@@ -201,7 +203,7 @@ class ProxySource:
             **dict(self.counts),
             "live_conversations": len(self.conversations.live),
             "inflight": self.inflight,
-            "connections": self.connections,
+            "connections": self.http.connections,
             "queued_events": self._queue.qsize(),
             "splits": self.conversations.splits,
         }
@@ -247,60 +249,26 @@ class ProxySource:
 
     # HTTP.
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._tg is None or self.connections >= MAX_CONNECTIONS:
-            self.counts["connections_refused"] += 1
-            writer.close()
+    async def _handle(self, conn: H11Conn, request: h11.Request) -> None:
+        """One request: its body read (bounded, each part within the upstream timeout), then forwarded or watched."""
+        body = await conn.body(MAX_REQUEST_BYTES, timeout_s=self.settings.upstream_timeout_s)
+        if body is None:
+            self.counts["too_large"] += 1
+            await _respond(conn, 413, b'{"error":{"message":"request body too large"}}')
             return
-        self._tg.create_task(self._connection(reader, writer), name="proxy-connection")
+        await self._request(conn, request, body)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_READ)
-        self.connections += 1
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(KEEPALIVE_S):
-                        event = await _next(conn, reader)
-                except TimeoutError:
-                    return  # an idle keep-alive connection: the client opens another when it needs one
-                if not isinstance(event, h11.Request):
-                    return
-                body = bytearray()
-                while True:
-                    async with asyncio.timeout(self.settings.upstream_timeout_s):  # a body that never ends
-                        part = await _next(conn, reader)
-                    if isinstance(part, h11.Data):
-                        body += part.data
-                        if len(body) > MAX_REQUEST_BYTES:
-                            self.counts["too_large"] += 1
-                            await _respond(conn, writer, 413, b'{"error":{"message":"request body too large"}}')
-                            return
-                    elif isinstance(part, h11.EndOfMessage):
-                        break
-                    else:
-                        return
-                await self._request(conn, writer, event, bytes(body))
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return
-                conn.start_next_cycle()
-        except h11.RemoteProtocolError as e:
-            self.counts["bad_http"] += 1
-            with contextlib.suppress(Exception):
-                if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                    await _respond(conn, writer, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}')
-        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError, TimeoutError):
-            pass  # the client (or the upstream) went away mid-message, or a body never ended
-        except Exception as e:
-            self.counts["proxy_errors"] += 1
-            log.error("proxy_connection_failed", error=f"{type(e).__name__}: {e}")
-        finally:
-            self.connections -= 1
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    async def _bad_http(self, conn: H11Conn, e: h11.RemoteProtocolError) -> None:
+        self.counts["bad_http"] += 1
+        with contextlib.suppress(Exception):
+            if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                await _respond(conn, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}')
 
-    async def _request(self, conn: h11.Connection, writer: asyncio.StreamWriter, req: h11.Request, body: bytes) -> None:
+    def _failed(self, e: Exception) -> None:
+        self.counts["proxy_errors"] += 1
+        log.error("proxy_connection_failed", error=f"{type(e).__name__}: {e}")
+
+    async def _request(self, conn: H11Conn, req: h11.Request, body: bytes) -> None:
         self.counts["requests"] += 1
         method, target = req.method.decode(), req.target.decode("latin-1")
         path = target.split("?", 1)[0].rstrip("/")
@@ -308,21 +276,25 @@ class ProxySource:
         header = next((v.decode("latin-1") for k, v in req.headers if k.lower() == _RUN_HEADER), None)
         watch, parsed = (await self._watch(api, body, header)) if api is not None else (None, None)
         if watch is None:
-            await self._forward(conn, writer, method, target, req.headers, body, api, None)
+            await self._forward(conn, method, target, req.headers, body, api, None)
             return
         assert api is not None and parsed is not None
         refusal = self._refusal(watch.conv) if self.settings.enforce else None
         if refusal is not None:
             self.counts["refused"] += 1
             log.info("proxy_refused", run_id=watch.conv.run_id, api=api)
-            await _respond(conn, writer, 409, error_body(api, refusal), extra=[(b"x-should-retry", b"false")])
+            await _respond(conn, 409, error_body(api, refusal), extra=[(b"x-should-retry", b"false")])
             return
         self.inflight += 1
         try:
-            if self.settings.best_of > 1 and watch.req.n == 1:
-                await self._best_of(conn, writer, target, req.headers, parsed, watch)
+            if self._best is not None and watch.req.n == 1:
+                assert self._client is not None
+                url, hdrs = self._url(target), self._headers(req.headers)
+                answered = await self._best.answer(conn, self._client, url, hdrs, parsed, watch.req)
+                if answered is not None:
+                    self._answered(watch, answered[0])
             else:
-                await self._forward(conn, writer, method, target, req.headers, body, api, watch)
+                await self._forward(conn, method, target, req.headers, body, api, watch)
         finally:
             self.inflight -= 1
 
@@ -389,8 +361,7 @@ class ProxySource:
 
     async def _forward(
         self,
-        conn: h11.Connection,
-        writer: asyncio.StreamWriter,
+        conn: H11Conn,
         method: str,
         target: str,
         headers: Sequence[tuple[bytes, bytes]],
@@ -407,7 +378,7 @@ class ProxySource:
             self.counts["upstream_unreachable"] += 1
             log.warning("proxy_upstream_failed", path=target.split("?", 1)[0], error=type(e).__name__)
             message = f"agent-monitor proxy: the upstream API did not answer ({type(e).__name__})"
-            await _respond(conn, writer, 502, error_body(api or "chat", message, "upstream"))
+            await _respond(conn, 502, error_body(api or "chat", message, "upstream"))
             return
         try:
             if resp.status_code >= 400:
@@ -421,14 +392,12 @@ class ProxySource:
                 else None
             )
             kept: bytearray | None = bytearray() if reading and not streamed else None
-            writer.write(
-                conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
-            )
+            conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
             try:
                 async for chunk in resp.aiter_bytes():
                     # The client first; reading the turn comes after, off the chunk's path.
-                    writer.write(conn.send(h11.Data(data=chunk)))
-                    await writer.drain()
+                    conn.send(h11.Data(data=chunk))
+                    await conn.drain()
                     if turn is not None:
                         turn.feed(chunk)
                     elif kept is not None:
@@ -440,8 +409,8 @@ class ProxySource:
                 self.counts["upstream_broken"] += 1
                 log.warning("proxy_upstream_broke_off", path=target.split("?", 1)[0], error=type(e).__name__)
                 raise ConnectionAbortedError from None
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
+            conn.send(h11.EndOfMessage())
+            await conn.drain()
         finally:
             await resp.aclose()
         if watch is not None and reading:
@@ -460,27 +429,33 @@ class ProxySource:
         if turn.final:
             self._emit(self.conversations.events(watch.conv, watch.req, turn))
 
-    # Best of N.
 
-    async def _best_of(
+class _BestOf:
+    """Best of N: N candidate turns from the upstream, the judge's pick returned; `counts` are the proxy's."""
+
+    def __init__(self, n: int, judge: Judge | None, criteria: CriteriaSpec, counts: Counter[str]) -> None:
+        self.n = n
+        self.judge = judge
+        self.criteria = criteria
+        self.counts = counts
+
+    async def answer(
         self,
-        conn: h11.Connection,
-        writer: asyncio.StreamWriter,
-        target: str,
-        headers: Sequence[tuple[bytes, bytes]],
+        conn: H11Conn,
+        client: httpx2.AsyncClient,
+        url: str,
+        hdrs: Sequence[tuple[bytes, bytes]],
         data: dict[str, Any],
-        watch: _Watch,
-    ) -> None:
-        assert self._client is not None
-        api, n = watch.req.api, self.settings.best_of
+        req: Request,
+    ) -> tuple[Turn | None] | None:
+        """Answer the request with the picked candidate: (its turn, None if unreadable); None when every one failed."""
+        api, n = req.api, self.n
         self.counts["best_of_requests"] += 1
         body = {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
-        hdrs = self._headers(headers)
 
         async def post(payload: dict[str, Any]) -> httpx2.Response | httpx2.HTTPError:
-            assert self._client is not None
             try:
-                return await self._client.post(self._url(target), headers=hdrs, content=json.dumps(payload).encode())
+                return await client.post(url, headers=hdrs, content=json.dumps(payload).encode())
             except httpx2.HTTPError as e:
                 return e
 
@@ -512,25 +487,25 @@ class ProxySource:
             self.counts["best_of_failed"] += 1
             if answers and isinstance(a := answers[0], httpx2.Response):
                 out = [(k, v) for k, v in a.headers.raw if k.lower() not in _RESPONSE_DROP]
-                await _respond(conn, writer, a.status_code, a.content, headers=out)
+                await _respond(conn, a.status_code, a.content, headers=out)
             else:
                 message = "agent-monitor proxy: the upstream API did not answer"
-                await _respond(conn, writer, 502, error_body(api, message, "upstream"))
-            return
+                await _respond(conn, 502, error_body(api, message, "upstream"))
+            return None
         turns = [turn_of_response(api, got, i) for got, i in cands]
-        winner = await self._pick(watch.req, turns)
+        winner = await self._pick(req, turns)
         chosen_body, chosen = cands[winner]
         result = with_turn(api, [chosen_body], chosen) if api == "chat" else chosen_body
-        if watch.req.stream:
+        if req.stream:
             hdr = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-            writer.write(conn.send(h11.Response(status_code=200, headers=hdr)))
+            conn.send(h11.Response(status_code=200, headers=hdr))
             for event in sse_of(api, result):
-                writer.write(conn.send(h11.Data(data=event)))
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
+                conn.send(h11.Data(data=event))
+            conn.send(h11.EndOfMessage())
+            await conn.drain()
         else:
-            await _respond(conn, writer, 200, json.dumps(result).encode())
-        self._answered(watch, turns[winner])
+            await _respond(conn, 200, json.dumps(result).encode())
+        return (turns[winner],)
 
     async def _pick(self, req: Request, turns: Sequence[Turn | None]) -> int:
         """The winning candidate: a strict majority's, else the pivot tournament's; 0 when the judge fails."""
@@ -569,31 +544,18 @@ class ProxySource:
         return t.winner
 
 
-async def _next(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
-    """The connection's next h11 event, reading from the socket as h11 needs."""
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await reader.read(_READ))
-            continue
-        return event
-
-
 async def _respond(
-    conn: h11.Connection,
-    writer: asyncio.StreamWriter,
+    conn: H11Conn,
     status: int,
     body: bytes,
     *,
     headers: Sequence[tuple[bytes, bytes]] | None = None,
     extra: Sequence[tuple[bytes, bytes]] = (),
 ) -> None:
-    hdrs = list(headers) if headers is not None else [(b"content-type", b"application/json")]
-    hdrs += [*extra, (b"content-length", str(len(body)).encode())]
-    writer.write(conn.send(h11.Response(status_code=status, headers=hdrs)))
-    writer.write(conn.send(h11.Data(data=body)))
-    writer.write(conn.send(h11.EndOfMessage()))
-    await writer.drain()
+    """A whole response: `headers` (a JSON content type without), then `extra`, then its length."""
+    await conn.respond(
+        status, body, [*(headers if headers is not None else [(b"content-type", b"application/json")]), *extra]
+    )
 
 
 class _ProxyCollector:

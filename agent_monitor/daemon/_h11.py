@@ -1,0 +1,249 @@
+"""The sources' HTTP/1.1 door: one small server on asyncio streams and h11 (the OTLP receiver's and the proxy's).
+
+`H11Server` binds, accepts and counts the connections (one more than its bound is answered by the
+source's `busy`, or closed at once), runs each connection's keep-alive loop (a request's head,
+the source's handler, the next request once both sides are done) as a task of its own, and cancels
+and awaits every one of them when the source stops serving. What a connection meets that is not
+the source's protocol ends it quietly: the client gone, a deadline passed, bad HTTP (told to the
+source's `bad_request` when it has one); anything else is the source's `failed`.
+
+`H11Conn` is one connection as a handler sees it: the next event read within its deadlines, the body
+read up to a bound, a whole response or a streamed one, and a lingering close. The protocols (paths,
+bodies, answers, counters) stay in the sources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import h11
+
+__all__ = ["ClientGone", "H11Conn", "H11Server"]
+
+_READ = 65_536
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+class ClientGone(ConnectionError):
+    """The request's body ended other than with its end (the client closed, or paused, mid-message)."""
+
+
+class H11Conn:
+    """One client connection: its h11 state and streams, reads within deadlines, responses."""
+
+    __slots__ = ("h11", "read_timeout_s", "reader", "writer")
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        max_head: int,
+        read_timeout_s: float | None,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head)
+        self.read_timeout_s = read_timeout_s
+        """The deadline of each socket read and of each drain (None: none)."""
+
+    async def next_event(self, timeout_s: float | None = None) -> Any:
+        """The connection's next h11 event, reading as h11 needs: each read within `read_timeout_s`, all in `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                event = self.h11.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                read = self.reader.read(_READ)
+                data = await (read if self.read_timeout_s is None else asyncio.wait_for(read, self.read_timeout_s))
+                self.h11.receive_data(data)
+
+    async def body(self, limit: int, *, timeout_s: float | None = None) -> bytes | None:
+        """The request's body, or None once it grows past `limit` bytes (the rest unread); ClientGone if it stops short.
+
+        `timeout_s` bounds the wait for each part of it (a body that never ends).
+        """
+        body = bytearray()
+        while True:
+            event = await self.next_event(timeout_s)
+            if isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > limit:
+                    return None
+            elif isinstance(event, h11.EndOfMessage):
+                return bytes(body)
+            else:
+                raise ClientGone
+
+    def send(self, event: h11.Event) -> None:
+        """Write one h11 event of a response (its head, a chunk of its body, its end); `drain` sends them."""
+        self.writer.write(self.h11.send(event) or b"")
+
+    async def drain(self) -> None:
+        """Wait until what was written is sent (within `read_timeout_s`)."""
+        if self.read_timeout_s is None:
+            await self.writer.drain()
+        else:
+            await asyncio.wait_for(self.writer.drain(), self.read_timeout_s)
+
+    async def respond(self, status: int, body: bytes, headers: Headers, *, close: bool = False) -> None:
+        """Send a whole response, its `content-length` added after `headers` (and `connection: close` with `close`)."""
+        fields = [*headers, (b"content-length", str(len(body)).encode())]
+        if close:
+            fields.append((b"connection", b"close"))
+        data = self.h11.send(h11.Response(status_code=status, headers=fields)) or b""
+        data += (self.h11.send(h11.Data(data=body)) or b"") + (self.h11.send(h11.EndOfMessage()) or b"")
+        self.writer.write(data)
+        await self.drain()
+
+    async def linger(self, max_bytes: int, timeout_s: float) -> None:
+        """A lingering close: what the client still sends is read and dropped (at most `max_bytes`, in `timeout_s`).
+
+        So closing with unread bytes does not reset the connection before the client has read the answer.
+        """
+        with contextlib.suppress(OSError, RuntimeError):
+            self.writer.write_eof()
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            async with asyncio.timeout(timeout_s):
+                left = max_bytes
+                while left > 0 and (chunk := await self.reader.read(_READ)):
+                    left -= len(chunk)
+
+    def next_cycle(self) -> bool:
+        """Ready the connection for its next request (keep-alive); False when it must close."""
+        if self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+            return False
+        self.h11.start_next_cycle()
+        return True
+
+
+class H11Server:
+    """A source's HTTP/1.1 server: `open` binds, `serving()` runs the connections, `close` unbinds.
+
+    `handle(conn, request)` answers one request (reading its body as it needs); `head_timeout_s` bounds the
+    wait for each request's head, `read_timeout_s` each read and drain. Past `max_connections`, `busy(conn)`
+    answers the connection (it counts while it does) or, without one, it is closed at once (`on_refused`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        handle: Callable[[H11Conn, h11.Request], Awaitable[None]],
+        *,
+        max_head: int,
+        max_connections: int,
+        read_timeout_s: float | None = None,
+        head_timeout_s: float | None = None,
+        busy: Callable[[H11Conn], Awaitable[None]] | None = None,
+        on_refused: Callable[[], None] | None = None,
+        bad_request: Callable[[H11Conn, h11.RemoteProtocolError], Awaitable[None]] | None = None,
+        failed: Callable[[Exception], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.handle = handle
+        self.max_head = max_head
+        self.max_connections = max_connections
+        self.read_timeout_s = read_timeout_s
+        self.head_timeout_s = head_timeout_s
+        self.busy = busy
+        self.on_refused = on_refused
+        self.bad_request = bad_request
+        self.failed = failed
+        self.connections = 0
+        """Connections open now."""
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    @property
+    def bound(self) -> bool:
+        """Whether the address is bound."""
+        return self._server is not None
+
+    @property
+    def sockname(self) -> tuple[str, int] | None:
+        """The bound (host, port), or None when not bound."""
+        if self._server is None or not self._server.sockets:
+            return None
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def open(self, host: str, port: int, *, start_serving: bool) -> None:
+        """Bind the address (once); with `start_serving`, connections are taken before `serving()` too."""
+        if self._server is None:
+            self._stopped = False
+            self._server = await asyncio.start_server(
+                self._accept, host, port, limit=self.max_head, start_serving=start_serving
+            )
+
+    async def close(self) -> None:
+        """Unbind (the connections are `serving()`'s)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[None]:
+        """Take connections while inside; on the way out none outlives it (each cancelled and awaited)."""
+        assert self._server is not None
+        self._stopped = False
+        await self._server.start_serving()
+        try:
+            yield
+        finally:
+            self._stopped = True
+            tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopped or (self.busy is None and self.connections >= self.max_connections):
+            if self.on_refused is not None:
+                self.on_refused()
+            writer.close()
+            return
+        task = asyncio.get_running_loop().create_task(self._connection(reader, writer), name=f"{self.name}-connection")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = H11Conn(reader, writer, max_head=self.max_head, read_timeout_s=self.read_timeout_s)
+        self.connections += 1
+        try:
+            if self.busy is not None and self.connections > self.max_connections:
+                await self.busy(conn)
+            else:
+                await self._serve(conn)
+        except asyncio.CancelledError:
+            pass  # the source is stopping: a cancelled connection ends quietly
+        except h11.RemoteProtocolError as e:
+            if self.bad_request is not None:
+                await self.bad_request(conn, e)
+        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, h11.ProtocolError):
+            pass  # the client went away mid-message, a deadline passed, or h11 refused what was sent
+        except Exception as e:
+            if self.failed is not None:
+                self.failed(e)
+        finally:
+            self.connections -= 1
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _serve(self, conn: H11Conn) -> None:
+        while True:
+            try:
+                request = await conn.next_event(self.head_timeout_s)
+            except TimeoutError:
+                return  # an idle keep-alive connection: the client opens another when it needs one
+            if not isinstance(request, h11.Request):
+                return
+            await self.handle(conn, request)
+            if not conn.next_cycle():
+                return
