@@ -53,7 +53,7 @@ import structlog
 from ..calibration import Sample
 from ..wire import Topics
 from ._cluster_inbox import Inboxes, Notes
-from ._cluster_lua import SCRIPTS
+from ._cluster_lua import SCRIPTS, piped
 from ._cluster_session import SessionTaker
 from ._cluster_store import NOTES_MAXLEN, ClusterStore, ClusterUnavailable, _text, cluster_redis
 from ._config import ClusterSettings
@@ -411,10 +411,10 @@ class Cluster:
         if not owned:
             return
         sent = time.monotonic()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id, _ in owned:
-                await self._scripts["acquire"](args=[self.prefix, run_id, self.replica_id, self.lease_ms], client=pipe)
-            tokens = await pipe.execute()
+        acquire = self._scripts["acquire"]
+        tokens = await piped(
+            self.redis, [(acquire, [self.prefix, run_id, self.replica_id, self.lease_ms]) for run_id, _ in owned]
+        )
         for (run_id, o), tok in zip(owned, tokens, strict=True):
             if self.owned.get(run_id) is not o:
                 continue
@@ -438,12 +438,10 @@ class Cluster:
             if not runs or self._leaving or self._aside:
                 return
             sent = time.monotonic()
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for run_id in runs:
-                    await self._scripts["acquire"](
-                        args=[self.prefix, run_id, self.replica_id, self.lease_ms], client=pipe
-                    )
-                tokens = await pipe.execute()
+            acquire = self._scripts["acquire"]
+            tokens = await piped(
+                self.redis, [(acquire, [self.prefix, run_id, self.replica_id, self.lease_ms]) for run_id in runs]
+            )
             got = {r: int(t) for r, t in zip(runs, tokens, strict=True) if int(t) > 0}
             if not got:
                 return

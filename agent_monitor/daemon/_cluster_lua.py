@@ -6,6 +6,9 @@ Redis Cluster, where a script may touch only the keys it is given; docs/cluster.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
 
 _LEAST_LOADED = """
@@ -60,22 +63,45 @@ _RECEIVE = (
     _NOW
     + _LEAST_LOADED
     + """
--- KEYS[1]: the run's inbox. ARGV: prefix, run, kind, payload, group ('' if none), retention ms
-local P, run, group = ARGV[1], ARGV[2], ARGV[5]
-local id = redis.call('XADD', KEYS[1], '*', 't', ARGV[3], 'p', ARGV[4], 'at', now)
-redis.call('PEXPIRE', KEYS[1], ARGV[6])
-local a = redis.call('HGET', P .. 'assign', run)
-local want
-if group ~= '' then
-  local g = redis.call('HGET', P .. 'gassign', group)
-  if alive(P, g, now) then want = g elseif alive(P, a, now) then want = a else want = least_loaded(P, now, nil) end
-  redis.call('HSET', P .. 'gassign', group, want)
-  redis.call('HSET', P .. 'grun', run, group)
-elseif alive(P, a, now) then want = a
-else want = least_loaded(P, now, nil) end
-if want then place(P, run, want) else want = '' end
-redis.call('XADD', P .. 'note', 'MAXLEN', '~', ARGV[7], '*', 'r', run, 'a', want)
-return {id, want}
+-- A batch of received inputs, each appended to its run's inbox and its run placed. ARGV: prefix, receiver,
+-- retention ms, notes kept, then per message: run, kind, payload, group ('' if none), held ('1': the receiver holds
+-- the run's lease and feeds it itself). Returns per message its inbox id and its run's assignee, or {false, error}
+-- for a message not appended (each message's append is its own: one that fails does not fail the others).
+-- One note per assignee names the batch's runs placed there ('\0'-joined: an MQTT topic has no NUL), except runs
+-- their receiver holds and that stay where they are: it feeds them without a note.
+local P, me, retention, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local out, notes, order, noted = {}, {}, {}, {}
+for i = 5, #ARGV, 5 do
+  local run, group = ARGV[i], ARGV[i + 3]
+  local inbox = P .. 'in:' .. run
+  local id = redis.pcall('XADD', inbox, '*', 't', ARGV[i + 1], 'p', ARGV[i + 2], 'at', now)
+  if type(id) == 'table' and id.err then
+    table.insert(out, {false, id.err})
+  else
+    redis.call('PEXPIRE', inbox, retention)
+    local a = redis.call('HGET', P .. 'assign', run)
+    local want
+    if group ~= '' then
+      local g = redis.call('HGET', P .. 'gassign', group)
+      if alive(P, g, now) then want = g elseif alive(P, a, now) then want = a else want = least_loaded(P, now, nil) end
+      if want then redis.call('HSET', P .. 'gassign', group, want) end
+      redis.call('HSET', P .. 'grun', run, group)
+    elseif alive(P, a, now) then want = a
+    else want = least_loaded(P, now, nil) end
+    local moved = false
+    if want then moved = place(P, run, want) else want = '' end
+    if (moved or want ~= me or ARGV[i + 4] ~= '1') and not noted[want .. ' ' .. run] then
+      noted[want .. ' ' .. run] = true
+      if not notes[want] then notes[want] = {}; table.insert(order, want) end
+      table.insert(notes[want], run)
+    end
+    table.insert(out, {id, want})
+  end
+end
+for _, to in ipairs(order) do
+  redis.call('XADD', P .. 'note', 'MAXLEN', '~', maxlen, '*', 'r', table.concat(notes[to], '\0'), 'a', to)
+end
+return out
 """
 )
 
@@ -290,3 +316,34 @@ SCRIPTS = {
     "retire": _RETIRE,
 }
 """The scripts by name: each replica registers them at start (EVALSHA, loaded again after a Redis restart)."""
+
+
+async def piped(redis: Any, calls: Sequence[tuple[Any, Sequence[Any]]], *, raise_on_error: bool = True) -> list[Any]:
+    """Run script calls (a registered script and its ARGV) in one pipeline, one round trip; their results in order.
+
+    redis-py's own way (`script(args, client=pipe)`) sends SCRIPT EXISTS before every such pipeline: a second
+    round trip for each batch received, fed or written. Here the calls go as EVALSHA; a script Redis does not
+    have (it restarted) is loaded and only the calls it refused run again (a refused call did nothing). With
+    `raise_on_error` False a failed call's result is its exception.
+    """
+    from redis.exceptions import NoScriptError
+
+    async with redis.pipeline(transaction=False) as pipe:
+        for script, args in calls:
+            pipe.evalsha(script.sha, 0, *args)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+    again = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+    if again:
+        for script in {id(calls[i][0]): calls[i][0] for i in again}.values():
+            script.sha = await redis.script_load(script.script)
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in again:
+                script, args = calls[i]
+                pipe.evalsha(script.sha, 0, *args)
+            for i, r in zip(again, await pipe.execute(raise_on_error=False), strict=True):
+                results[i] = r
+    if raise_on_error:
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+    return results

@@ -19,6 +19,7 @@ import structlog
 
 from ..calibration import Sample
 from ..wire import RunEnd, RunStart
+from ._cluster_lua import piped
 from ._config import ClusterSettings
 from ._leases import Fenced, Leases
 from ._leases import later as _later
@@ -233,12 +234,8 @@ class ClusterStore:
                         assert callable(call)
                         await call()
                         continue
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for item in batch:
-                            assert isinstance(item, tuple)
-                            script, args = item
-                            await script(args=args, client=pipe)
-                        await pipe.execute(raise_on_error=False)
+                    calls = [item for item in batch if isinstance(item, tuple)]
+                    await piped(self.redis, calls, raise_on_error=False)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
