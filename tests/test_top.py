@@ -423,7 +423,9 @@ async def test_top_shows_two_live_runs_under_a_terminal_and_updates_them(broker:
                 "start",
                 {"task": "climb task", "labels": {"group": "sweep-7"}, "policy": {"abort_below": None}},
             )
-            await publish("stuck", "start", {"task": "stuck task"})
+            # Aborted by its step 3's scoring whatever was scored before: under load steps 1-3 may arrive in one
+            # batch and be scored once (coalesced), which the monitor's policy here (patience 2) would not abort.
+            await publish("stuck", "start", {"task": "stuck task", "policy": {"min_steps": 3, "patience": 1}})
             for i in (1, 2):
                 await publish("climb", "step", {"index": i, "text": f"climb step {i}"})
             for i in (1, 2, 3):
