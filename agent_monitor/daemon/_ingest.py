@@ -120,7 +120,6 @@ class Intake:
         self.book = book
         self.store = store
         self.groups = groups
-        self.topics = topics
         self.emit = emit
         self.clock = clock
         self.act = act
