@@ -119,6 +119,9 @@ class Usage:
         )
 
 
+NO_USAGE = Usage()
+"""No tokens spent (immutable: one instance serves every result that spent none)."""
+
 _PER_TOKENS = 1_000_000
 
 

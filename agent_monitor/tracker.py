@@ -40,7 +40,7 @@ from .options import (
     TrackerOptions,
 )
 from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
-from .progress import Decision, Progress, Usage, run_totals
+from .progress import NO_USAGE, Decision, Progress, Usage, run_totals
 from .prompts import Step, build_prompt
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
@@ -835,7 +835,7 @@ async def score_prefix(
     # without yielding: ingest starves, steps stop coalescing, and bench/overhead.py's flood fell from 8,841 to
     # 740 steps/s.
     answers = await asyncio.gather(*(one(c) for c in ask))
-    usage = Usage()
+    usage = NO_USAGE  # replaced by the first answer's (most scorings have one): nothing to add up
     model = ""
     dropped = 0
     for c, a in zip(ask, answers, strict=True):
@@ -843,7 +843,7 @@ async def score_prefix(
             failure = failure or (a.reason, f"criterion {c.name!r}: judge call failed: {a}")
             continue
         assert isinstance(a, JudgeResponse)
-        usage += a.usage
+        usage = a.usage if usage is NO_USAGE else usage + a.usage
         model = a.model or model
         dropped += a.images_dropped
         try:

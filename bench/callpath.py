@@ -8,7 +8,10 @@ stands in for a model). Measured the same way on the first shape (commit 9fa90ce
 suite's scripted judge in place of FakeJudge): 15 modules, 34 cross-module calls, 33 distinct. Prints the modules touched, the distinct
 cross-module call edges, and the total cross-module calls; last line `key=value`.
 
-    python bench/callpath.py [--edges]
+    python bench/callpath.py [--edges] [--store]
+
+Without `--store` the monitor keeps no journal (the path measured on every shape); with it, a SQLite run
+store journals each record and keeps each score: two calls more (the journal's commit and the store sink).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import argparse
 import asyncio
 import inspect
 import json
+import os
 import sys
+import tempfile
 import threading
 import types
 from collections import Counter
@@ -69,7 +74,7 @@ class CallTrace:
         sys.setprofile(None)
 
 
-async def measure(url: str, port: int) -> CallTrace:
+async def measure(url: str, port: int, store_path: str | None = None) -> CallTrace:
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
@@ -82,7 +87,12 @@ async def measure(url: str, port: int) -> CallTrace:
         from agent_monitor.wire import BrokerSettings
 
         config = MonitorConfig(broker=BrokerSettings.from_url(url), client_id="callpath", sweep_interval_s=3600)
-        monitor = Monitor(config, judge=FakeJudge())
+        store = None
+        if store_path is not None:
+            from agent_monitor.daemon import SqliteStore
+
+            store = SqliteStore(store_path)
+        monitor = Monitor(config, judge=FakeJudge(), store=store)
     except ImportError:  # the first shape (before the re-layout), for the baseline
         from agent_monitor.daemon import Monitor  # type: ignore[no-redef]
         from agent_monitor.wire import BrokerSettings  # type: ignore[no-redef]
@@ -128,9 +138,15 @@ async def measure(url: str, port: int) -> CallTrace:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--edges", action="store_true", help="print every edge with its count")
+    ap.add_argument(
+        "--store",
+        action="store_true",
+        help="journal into a SQLite run store (the default measures a monitor without one)",
+    )
     args = ap.parse_args()
-    with mosquitto() as broker:
-        trace = asyncio.run(measure(broker.url, broker.port))
+    with mosquitto() as broker, tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "runs.db") if args.store else None
+        trace = asyncio.run(measure(broker.url, broker.port, store_path))
     modules = sorted(trace.modules)
     print(f"modules on the path ({len(modules)}): {', '.join(m.removeprefix('agent_monitor.') for m in modules)}")
     if args.edges:

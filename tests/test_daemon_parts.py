@@ -84,3 +84,41 @@ async def test_the_monitor_statistics_are_its_status_and_each_parts_counters() -
     assert set(stats["uniform"]) and stats["http"]["routes"] == []
     healthy, body = mon.health()
     assert healthy and body["status"] == "ok" and body["problems"] == [] and body["live_runs"] == 1
+
+
+async def test_an_event_no_sink_takes_is_not_built_and_no_store_means_no_store_calls() -> None:
+    """The step's path skips what nothing receives: `Accepted` without a sink for it, the journal without a store."""
+    from agent_monitor.daemon import Accepted, MemoryStore, Refused, Scored
+    from agent_monitor.daemon._state import Fanout
+    from agent_monitor.daemon._store import StoreSink
+
+    def scores_only(event: object) -> None:
+        """A sink that takes scores."""
+
+    scores_only.events = (Scored,)  # type: ignore[attr-defined]
+    got: list[object] = []
+    fan = Fanout([scores_only])
+    assert fan.taken == {Scored}
+    fan.sinks = [scores_only, got.append]  # a sink naming no `events` takes every kind
+    assert Accepted in fan.taken and Refused in fan.taken
+    fan(Accepted("r1", "step"))
+    assert got == [Accepted("r1", "step")]
+
+    step = b'{"index": 1, "text": "one"}'
+    async with Monitor(MonitorConfig(), judge=FakeJudge(), registry=CollectorRegistry()) as mon:
+        assert Accepted not in mon._emit.taken  # none of the monitor's own sinks takes it
+        assert not any(isinstance(s, StoreSink) for s in mon.sinks) and not mon._intake.keeps
+        await mon.handle("agents/r1/start", b'{"task": "count"}')
+        await mon.handle("agents/r1/step", step)
+        await mon.drain()
+        assert mon._intake.statistics()["accepted"] == {"start": 1, "step": 1, "end": 0}  # counted all the same
+        assert mon._scoring.tracker("r1") is not None and mon._scoring.runs["r1"].scored == 1
+    store, seen = MemoryStore(), []
+    async with Monitor(MonitorConfig(), judge=FakeJudge(), store=store, sinks=[seen.append]) as mon:
+        assert any(isinstance(s, StoreSink) for s in mon.sinks) and mon._intake.keeps
+        await mon.handle("agents/r1/start", b'{"task": "count"}')
+        await mon.handle("agents/r1/step", step)
+        await mon.drain()
+    assert [type(r).__name__ for r in store.records] == ["Started", "Stepped"]
+    assert [e for e in seen if isinstance(e, Accepted)] == [Accepted("r1", "start"), Accepted("r1", "step")]
+    assert (await store.replay()).progress.get("r1")  # the store sink kept the score

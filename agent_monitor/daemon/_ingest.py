@@ -27,8 +27,8 @@ from ._state import (
     Duplicated,
     Effect,
     Ended,
+    Fanout,
     Finished,
-    MonitorEvent,
     Orphaned,
     Record,
     Refused,
@@ -36,7 +36,7 @@ from ._state import (
     Started,
     Stepped,
 )
-from ._store import RunStore
+from ._store import NoStore, RunStore
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -110,7 +110,7 @@ class Intake:
         groups: GroupBook,
         topics: Topics,
         image_dirs: tuple[str, ...],
-        emit: Callable[[MonitorEvent], None],
+        emit: Fanout,
         clock: Callable[[], float],
         act: Callable[[Effect, bool], Awaitable[None]],
         prepare: Callable[[str, RunStart], Joiner],
@@ -119,6 +119,8 @@ class Intake:
     ) -> None:
         self.book = book
         self.store = store
+        self.keeps = not isinstance(store, NoStore)
+        """Whether the store keeps records (without a store, a record commits as it is decided: nothing to call)."""
         self.groups = groups
         self.emit = emit
         self.clock = clock
@@ -246,8 +248,9 @@ class Intake:
         try:
             # Journaled before they count, and before the broker is told they arrived (the link acks once the
             # batch is handled): a crash in between makes the broker redeliver them.
-            group = getattr(self.store, "journal_batch", None)
-            if group is not None:
+            if not self.keeps:
+                committed = len(records)
+            elif (group := getattr(self.store, "journal_batch", None)) is not None:
                 await group(records)
                 committed = len(records)
             else:  # a store of the user's without group commits: one by one, the committed ones count
@@ -265,7 +268,8 @@ class Intake:
             for _, r in batch[:committed]:
                 kind = _KINDS[type(r)]
                 self.accepted[kind] += 1
-                self.emit(Accepted(r.run_id, kind))
+                if Accepted in self.emit.taken:  # no sink of the monitor's own takes it: a user's may
+                    self.emit(Accepted(r.run_id, kind))
                 await self.apply(r)
             evicted, self._evicted = self._evicted, None
             if evicted:

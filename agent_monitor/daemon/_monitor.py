@@ -177,7 +177,8 @@ class Monitor:
         """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
         mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
                         on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
-        own = (mqtt, StoreSink(self.store), self._metrics_sink, LogSink(log), *((self.otel,) if self.otel else ()))
+        kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *((self.otel,) if self.otel else ()))
         self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [

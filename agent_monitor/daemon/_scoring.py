@@ -23,7 +23,7 @@ import structlog
 from ..calibration import Calibration, outcome_authentic
 from ..criteria import Rubric
 from ..judges.circuit import LATENCY_BUCKETS, CircuitJudge
-from ..policy import FAR, Plan, Policy, with_levels
+from ..policy import EVERY, FAR, Plan, Policy, with_levels
 from ..progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ..scheduler import Scheduler
 from ..tracker import AsyncProgressTracker
@@ -445,6 +445,9 @@ class Scoring:
     def _plan(self, run_id: str, scoring: RunScoring) -> Plan | None:
         """The schedule's plan for the run's newest step; None when it is not scored now (counted, once per step)."""
         tracker = scoring.tracker
+        state = tracker.policy_state
+        if state is None or state.policy.schedule == "every":
+            return EVERY  # what `policy.plan` says of it: no schedule to ask, nor a group's pruning line to read
         n = len(tracker.steps)
         extra = {"prune": self.groups.prune_line(run_id)} if scoring.group is not None else None
         plan = tracker.plan(n, ending=scoring.closing is not None, extra=extra)

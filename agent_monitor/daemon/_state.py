@@ -23,7 +23,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, get_args
 
 import structlog
 
@@ -314,17 +314,31 @@ class Fanout:
     """Hand each event to the sinks that take its kind, in order; a sink that raises is logged, never fatal."""
 
     def __init__(self, sinks: Sequence[Sink], logger: Any = None) -> None:
-        self.sinks = tuple(sinks)
         self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
-        self._routes: dict[type, list[Sink]] = {}
+        self.sinks = sinks
+
+    @property
+    def sinks(self) -> tuple[Sink, ...]:
+        """The sinks, in the order they are handed each event."""
+        return self._sinks
+
+    @sinks.setter
+    def sinks(self, sinks: Sequence[Sink]) -> None:
+        self._sinks = tuple(sinks)
+        self._routes: dict[type, tuple[Sink, ...]] = {kind: self._route(kind) for kind in get_args(MonitorEvent)}
+        self.taken: frozenset[type] = frozenset(kind for kind, route in self._routes.items() if route)
+        """The kinds of event some sink takes: an event of another kind need not even be built."""
+
+    def _route(self, kind: type) -> tuple[Sink, ...]:
+        """The sinks that take one kind of event (all of them, unless a sink lists its `events`)."""
+        return tuple(s for s in self._sinks if kind in getattr(s, "events", (kind,)))
 
     def __call__(self, event: MonitorEvent) -> None:
         """Emit one event."""
         kind = type(event)
         route = self._routes.get(kind)
-        if route is None:
-            # The sinks that take this kind of event (all of them, unless a sink lists its `events`).
-            route = self._routes[kind] = [s for s in self.sinks if kind in getattr(s, "events", (kind,))]
+        if route is None:  # a kind outside MonitorEvent (a subclass of one): routed on first sight
+            route = self._routes[kind] = self._route(kind)
         for sink in route:
             try:
                 sink(event)

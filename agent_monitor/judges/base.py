@@ -132,9 +132,15 @@ class BaseJudge(abc.ABC):
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._loop: LoopThread | None = None
         self._portal_lock = threading.Lock()
-        self.usage = Usage()
+        self._spent = [0, 0, 0]
+        """Input, cached input and output tokens of the calls that succeeded (`usage`), counted as plain numbers."""
         self.calls = 0
         self.failures = 0
+
+    @property
+    def usage(self) -> Usage:
+        """Tokens the calls that succeeded spent, summed over this judge's life."""
+        return Usage(*self._spent)
 
     @abc.abstractmethod
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
@@ -167,7 +173,10 @@ class BaseJudge(abc.ABC):
                     err = e
                 else:
                     self.calls += 1
-                    self.usage += resp.usage
+                    u, t = resp.usage, self._spent
+                    t[0] += u.input_tokens
+                    t[1] += u.cached_input_tokens
+                    t[2] += u.output_tokens
                     return replace(resp, latency_s=time.perf_counter() - start, attempts=attempt)
                 if not err.retryable or attempt > self.max_retries:
                     self.calls += 1
