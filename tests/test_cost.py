@@ -120,6 +120,19 @@ def test_totals_are_the_sum_of_every_scorings_usage_failures_included() -> None:
         assert tracker.cost == curve[-1].cost == (3000 * 2.5 + 4000 * 1.25 + 3 * 10.0) / 1e6 == 0.01253
 
 
+def test_a_scorings_usage_sums_its_criteria_calls_and_the_judge_counts_its_own() -> None:
+    from agent_monitor.criteria import Criterion
+
+    judge = FakeJudge(["C"], usage=Usage(100, 40, 1))
+    rubric = [Criterion("progress", "How far along is the task?"), Criterion("safety", "Is it safe?", weight=0.5)]
+    with ProgressTracker("count", judge=judge, criteria=rubric) as tracker:
+        p = tracker.update("step 1")
+        assert p.calls == 2 and p.usage == Usage(200, 80, 2) == p.totals == judge.usage
+        judge.usage = Usage()  # a reset, as when `usage` was a plain attribute
+        q = tracker.update("step 2")
+    assert q.usage == Usage(200, 80, 2) == judge.usage and q.totals == Usage(400, 160, 4)
+
+
 async def test_coalesced_steps_count_once_per_scoring_and_every_token_spent() -> None:
     judge = FakeJudge(usage=per_step, latency_s=0.01)
     async with AsyncProgressTracker("count", judge=judge) as tracker:

@@ -142,6 +142,11 @@ class BaseJudge(abc.ABC):
         """Tokens the calls that succeeded spent, summed over this judge's life."""
         return Usage(*self._spent)
 
+    @usage.setter
+    def usage(self, usage: Usage) -> None:
+        # A subclass (or a caller resetting the count) may still assign it, as when it was a plain attribute.
+        self._spent = [usage.input_tokens, usage.cached_input_tokens, usage.output_tokens]
+
     @abc.abstractmethod
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         """One attempt at grading, without limits or retries; raise JudgeError on failure."""
