@@ -283,6 +283,9 @@ class Intake:
         batch.clear()
 
     async def _journal(self, records: list[Record]) -> None:
+        """Journal records in one commit (one by one for a store without group commits; without a store, nothing)."""
+        if not self.keeps:
+            return
         group = getattr(self.store, "journal_batch", None)
         if group is not None:
             await group(records)
