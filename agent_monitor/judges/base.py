@@ -30,11 +30,21 @@ class JudgeError(Exception):
     connection errors); `retry_after` is the server's hint in seconds, if any.
     """
 
-    def __init__(self, reason: str, message: str, *, retryable: bool = False, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        limit: int | None = None,
+    ) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.retryable = retryable
         self.retry_after = retry_after
+        self.limit = limit
+        """With reason `context_overflow`: the judge's context in tokens, when the refusal said it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +129,7 @@ class BaseJudge(abc.ABC):
         backoff_s: float = 0.5,
         max_backoff_s: float = 20.0,
         concurrency: int = 8,
+        context_tokens: int | None = None,
     ) -> None:
         if timeout_s <= 0 or max_retries < 0 or concurrency < 1:
             raise ValueError("judge needs timeout_s > 0, max_retries >= 0 and concurrency >= 1")
@@ -127,6 +138,9 @@ class BaseJudge(abc.ABC):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.concurrency = concurrency
+        self.context_tokens = context_tokens
+        """The judge's context window in tokens (prompt and answer), None while unknown: set by the user, read from
+        the server or model, or learned from a context-length refusal; prompt budgets are taken from it."""
         self.model = ""
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
