@@ -73,6 +73,7 @@ REFUSALS: Mapping[str, str] = {
     "conflict": "a step re-sent under an index already taken, with different content; the first one stays",
     "too_many_held": "too many steps waiting for their start or for missing steps",
     "run_rejected": "a start the monitor cannot use",
+    "retained": "an input came with the MQTT retain flag (a stored copy replayed on every subscription); ignored",
 }
 """Why the monitor refused (or could not fully use) an input event: the `reason` of an error message."""
 

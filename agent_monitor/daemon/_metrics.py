@@ -94,6 +94,15 @@ class Metrics:
             "Starts refused because their group was full or the monitor had --max-groups groups.",
             registry=registry,
         )
+        self.retained_inputs = Counter(
+            "agent_monitor_retained_inputs",
+            "Input messages (start, step, end; other: a bad topic) that came with the MQTT retain flag, by kind: "
+            "a stored copy the broker replays on every subscription, ignored (the run is told once on its error topic).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("start", "step", "end", "other"):
+            self.retained_inputs.labels(kind)
         self.outcomes_refused = Counter(
             "agent_monitor_outcomes_refused",
             "Run outcomes that taught the calibration nothing although they said success or failure, by reason "

@@ -158,7 +158,8 @@ class Monitor:
         self._intake = Intake(
             c, book=self.book, store=self.store, groups=self.groups, topics=self.topics, image_dirs=self.image_dirs,
             emit=self._emit, clock=clock, act=self._scoring.act, prepare=self._scoring.prepare,
-            unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None), on_group_refused=m.groups_refused.inc,
+            unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None),
+            on_retained=lambda kind: m.retained_inputs.labels(kind).inc(),
         )  # fmt: skip
         self._scoring.finish = lambda run_id, outcome: self._intake.finish(run_id, outcome, self._scoring.teach)
         self._scoring.finish_many = lambda ends: self._intake.finish_many(ends, self._scoring.teach)
@@ -192,6 +193,8 @@ class Monitor:
         for collector in collectors:  # read at scrape time
             self.registry.register(collector)
         self.link = _link(c, self.topics, self.mode, m) if c.broker is not None else None
+        if self.link is not None:
+            self.link.on_retained = self._intake.retained  # a retained input is a stored copy: ignored, told once
         self.restored: tuple[str, ...] = ()
         """The live runs rebuilt from the store on entering, least recently active first."""
         self._stack: contextlib.AsyncExitStack | None = None
