@@ -19,7 +19,7 @@ import structlog
 
 from ..wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, parse_topic
 from ._config import MonitorConfig
-from ._groups import GroupBook, GroupLimitError, Joiner
+from ._groups import GroupBook, Joiner
 from ._sources import fetch_images
 from ._state import (
     Accepted,
@@ -247,17 +247,11 @@ class Intake:
     def _prepare(self, run_id: str, start: RunStart, topic: str) -> bool:
         """Build a start's tracker, then check it against its group; False: refused (reported, nothing kept)."""
         try:
-            joiner = self.prepare(run_id, start)
+            self.prepare(run_id, start)
         except Exception as e:  # validated on decode; still the run's problem, never the daemon's
             self.emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
             return False
-        if start.group is not None:
-            try:  # checked with what the run is graded on (known once its tracker is built)
-                self.groups.check(run_id, start.group, joiner)
-            except GroupLimitError as e:
-                self.unprepare(run_id)
-                self.emit(Refused(run_id, "run_rejected", str(e), topic))
-                return False
+        # A start naming a group it may not join is still a run: it is placed when applied (`Groups.join`).
         return True
 
     async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:

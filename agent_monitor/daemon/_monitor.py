@@ -145,6 +145,7 @@ class Monitor:
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
             on_majority=m.compare_calls_saved.inc,
             caller=Caller(self.calibration), on_uniform=lambda call, what: m.groups_uniform.labels(call, what).inc(),
+            on_placed=lambda reason: (m.groups_refused if reason == "group_refused" else m.groups_split).inc(),
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(

@@ -281,11 +281,15 @@ class Scoring:
         self.runs[run_id] = scoring
         if not replaying:
             self.emit(RunOpened(run_id, start, len(self.book.live)))
-        # The group's first run is what later ones must match.
-        if start.group is not None and not self.groups.join(
-            run_id, start.group, scoring.policy, scoring.tracker, joiner_of(start, scoring), publish=not replaying
-        ):
-            scoring.group = None
+        if start.group is not None:
+            # Placed by what it is graded on: the group it named, one split off it, or none; scored whichever.
+            placed = self.groups.join(
+                run_id, start.group, scoring.policy, scoring.tracker, joiner_of(start, scoring), publish=not replaying
+            )
+            scoring.group = placed.group
+            if placed.reason is not None and not replaying:
+                where = self.topics.of(run_id, "start")
+                self.emit(Refused(run_id, placed.reason, placed.message, where, invalid=False))
 
     async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
         scoring = self.runs.get(run_id)
