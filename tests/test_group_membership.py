@@ -147,3 +147,20 @@ def test_labels_group_is_validated_like_start_group() -> None:
         else:
             raise AssertionError(f"labels.group {bad!r} was accepted")
     decode_event("agents/r/start", j(task="t", labels={"group": "swe-bench.v2:1"}))
+
+
+async def test_a_restart_places_each_run_where_it_was_and_tells_nobody_again() -> None:
+    store = MemoryStore()
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store) as mon:
+        await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
+        for r in ("h1", "h2"):
+            await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
+        placed = dict(mon.groups.of_run)
+        assert placed["evil"] == "g" and placed["h1"] == placed["h2"] != "g"
+    reg = CollectorRegistry()
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store, registry=reg) as again:
+        assert again.groups.of_run == placed
+        assert not [t for t, _ in outputs(again) if t.endswith("/error")]
+        assert reg.get_sample_value("agent_monitor_groups_split_total") == 0
+        await again.handle("agents/h3/start", j(task="fix the bug", group="g"))  # joins its siblings, not evil
+        assert again.groups.of_run["h3"] == placed["h1"]
