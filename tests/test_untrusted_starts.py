@@ -14,7 +14,7 @@ from agent_monitor.groups import group_mac
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import FakeJudge
-from agent_monitor.wire import BrokerSettings
+from agent_monitor.wire import BrokerSettings, RankingOut
 from tests.brokers import Mosquitto
 from tests.test_daemon_mqtt import Harness, harness
 from tests.test_groups_mqtt import Harness as GroupHarness
@@ -123,6 +123,7 @@ async def test_a_stranger_first_in_a_group_decides_nothing_for_the_honest_runs(b
             assert h.last_step(r) >= 2, r
         await h.until(lambda: h.ranking(name) is not None and len(h.ranking(name)["runs"]) == 3)
         ranking = h.ranking(name)
+        assert RankingOut.model_validate(ranking).group == name  # a split group's ranking is a valid ranking
         assert [x["run_id"] for x in ranking["runs"]] == ["h1", "h2", "h3"], ranking
         assert [x["state"] for x in ranking["runs"]] == ["live", "live", "pruned"]
         assert all(not h.signals(r) for r in ("h1", "h2"))  # the stranger's 1.0 never pruned them
