@@ -209,6 +209,11 @@ class Monitor:
             raise RuntimeError("the monitor is already running")
         stack = contextlib.AsyncExitStack()
         try:
+            wait, began = self.config.broker_wait, time.monotonic()
+            if self.link is not None and wait > 0:
+                # A broker restarting with the monitor (a host restart, a cluster and its broker together): waited
+                # for before joining, so a replica never counts as live while it cannot receive.
+                await self.link.wait_reachable(wait)
             # Joined before the broker is: a replica assigns the runs it receives to live replicas, itself included.
             await self.mode.open(self, self.link)
             stack.push_async_callback(self.mode.aclose)
@@ -216,7 +221,8 @@ class Monitor:
             self.restored = await self._restore.restore()
             if self.restored:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
-            first = await self.link.connect() if self.link is not None else None
+            left = max(0.0, wait - (time.monotonic() - began))
+            first = await self.link.connect_within(left) if self.link is not None else None
             if self.otel is not None:
                 # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
                 self.otel.open()

@@ -324,6 +324,44 @@ class MqttLink:
 
         paho.on_message = keep_dup
 
+    async def wait_reachable(self, wait_s: float) -> None:
+        """Wait up to `wait_s` seconds for the broker to accept TCP connections (one that starts with the monitor)."""
+        loop = asyncio.get_running_loop()
+        deadline, said = loop.time() + wait_s, False
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.broker.host, self.broker.port), max(0.1, min(2.0, wait_s))
+                )
+            except (OSError, TimeoutError) as e:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return  # connect() says why, in its words
+                if not said:
+                    said = True
+                    log.warning("broker_waiting", broker=self.broker.url, error=str(e), wait_s=round(left, 1))
+                await asyncio.sleep(min(0.25, left))
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+
+    async def connect_within(self, wait_s: float) -> aiomqtt.Client:
+        """`connect()`, tried again for up to `wait_s` seconds (a broker still starting); BrokerUnavailable after."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + wait_s, 0.25
+        while True:
+            try:
+                return await self.connect()
+            except BrokerUnavailable as e:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                log.warning("broker_waiting", broker=self.broker.url, error=str(e), wait_s=round(left, 1))
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+
     async def connect(self) -> aiomqtt.Client:
         """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
         versions: list[Literal["5", "3.1.1"]]
