@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_monitor.daemon import ClusterUnavailable
 from agent_monitor.wire import MonitorClient
 from tests.brokers import Mosquitto
 from tests.openai_server import chat_choice, chat_reply, scripted_server
@@ -46,7 +47,9 @@ def wait_serving(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path
             time.sleep(0.05)
 
 
-def test_replicas_and_broker_restarted_together_all_serve(broker: Mosquitto, redis: RedisServer, tmp_path: Path) -> None:
+def test_replicas_and_broker_restarted_together_all_serve(
+    broker: Mosquitto, redis: RedisServer, tmp_path: Path
+) -> None:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs = {rid: tmp_path / f"{rid}.log" for rid in ("a", "b")}
     lives = {"a": 1, "b": 1}
@@ -94,3 +97,16 @@ def test_replicas_and_broker_restarted_together_all_serve(broker: Mosquitto, red
                     p.wait(30)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+async def test_a_live_replicas_id_is_still_refused_after_a_lease(broker: Mosquitto, redis: RedisServer) -> None:
+    """The wait is for a dead incarnation only: a live replica renews its heartbeat, so its id stays refused."""
+    from tests.test_cluster import LEASE as SHORT
+    from tests.test_cluster import replica
+
+    async with replica(broker, redis, "x"):
+        began = time.monotonic()
+        with pytest.raises(ClusterUnavailable, match="replica id 'x' is in use by a live replica"):
+            async with replica(broker, redis, "x"):
+                pass
+        assert time.monotonic() - began >= SHORT  # it waited a lease for the id to lapse first

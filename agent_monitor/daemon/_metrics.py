@@ -92,7 +92,7 @@ class Metrics:
         self.groups_refused = Counter(
             "agent_monitor_groups_refused",
             "Starts that named a group they may not join (the group was full, the monitor had --max-groups groups, "
-            "no valid start.auth under --group-secret, other settings than --group-policy-fixed's): each scored as "
+            "no valid start.auth where groups are signed, other settings than --group-policy-fixed's): each scored as "
             "a run of its own, in no group.",
             registry=registry,
         )
