@@ -71,6 +71,13 @@ async def test_retained_start_steps_and_end_survive_a_restart_without_a_judge_ca
             assert judge.calls_made == calls  # no judge call
             assert len(mon.calibration) == 1  # no second calibration sample
             assert len(await store.samples()) == 1
+            # Sent again without the flag: the end is a duplicate (its run's end is journaled), the step refused.
+            await h.publish("r", "end", {"outcome": "success"})
+            await h.publish("r", "step", {"index": 4, "text": "step 4"})
+            await h.until(lambda: len(h.seen[("r", "error")]) == 2)
+            assert h.seen[("r", "error")][1]["reason"] == "run_ended"
+            await mon.drain()
+            assert judge.calls_made == calls and len(mon.calibration) == 1 and mon.run("r") is None
             # A run published the ordinary way is still monitored.
             await h.publish("fresh", "start", {"task": "t"})
             await h.publish("fresh", "step", {"index": 1, "text": "x"})

@@ -573,6 +573,7 @@ class MqttLink:
                         # made (a live message to an existing subscription has it cleared, MQTT 3.1.1 and 5 alike):
                         # one more replay of an old input on every restart, never a new event. Acknowledged, ignored.
                         self.on_retained(topic)
+                        dups.pop(message.mid, None)
                         taken.append((message, None))
                         continue
                     batch.append((topic, data, Delivery.of(message.mid, topic, data, dup=dups.pop(message.mid, False))))
