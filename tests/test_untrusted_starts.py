@@ -169,3 +169,16 @@ async def test_with_a_group_secret_an_unsigned_stranger_first_does_not_own_the_g
         assert h.last_step("stranger") >= 2  # monitored all the same
         assert not any(h.seen[f"agents/{r}/error"] for r in honest)
         assert registry.get_sample_value("agent_monitor_groups_refused_total") == 1
+
+
+async def test_the_same_start_run_again_after_its_end_teaches_once() -> None:
+    from agent_monitor.daemon import MemoryStore
+
+    judge = FakeJudge(["P"])
+    async with Monitor(MonitorConfig(policy=Policy(min_steps=1, patience=1)), judge=judge, store=MemoryStore()) as mon:
+        for started_at in (100.0, 100.0, 200.0):  # the same start re-sent after its end, then a new run of the id
+            await mon.handle("agents/r/start", json.dumps({"task": "t", "started_at": started_at}).encode())
+            await mon.handle("agents/r/step", b'{"index": 1, "text": "x"}')
+            await mon.handle("agents/r/end", b'{"outcome": "success"}')
+            await mon.drain()
+        assert sorted(s.run_id for s in mon.calibration.samples()) == ["r@100.0", "r@200.0"]

@@ -343,8 +343,11 @@ class Scoring:
         if state is None or state.ended is None or scoring is None:
             return
         tracker = scoring.tracker
-        # A run id may be used again for a new run once its run ended: the start time tells the two apart.
-        key = f"{run_id}@{state.started_at!r}"
+        # A run id may be used again for a new run once its run ended: the start time tells the two apart. The
+        # start's own started_at when it gives one: the same start run again (re-sent after its end) is the same
+        # run and teaches once, even across restarts (the samples are stored); else when the monitor opened it.
+        when = state.start.started_at if state.start.started_at is not None else state.started_at
+        key = f"{run_id}@{when!r}"
         secret = self.config.outcome_secret
         outcome = state.ended.outcome
         # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
