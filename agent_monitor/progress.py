@@ -73,6 +73,11 @@ REFUSALS: Mapping[str, str] = {
     "conflict": "a step re-sent under an index already taken, with different content; the first one stays",
     "too_many_held": "too many steps waiting for their start or for missing steps",
     "run_rejected": "a start the monitor cannot use",
+    "group_refused": "the start may not join the group it names (no valid group auth, other group settings, a group "
+    "limit); the run is scored on its own, in no group",
+    "group_split": "the group's name is in use by runs of another task, rubric or group settings; the run ranks with "
+    "the runs like it in {group}~{key}",
+    "retained": "an input came with the MQTT retain flag (a stored copy replayed on every subscription); ignored",
 }
 """Why the monitor refused (or could not fully use) an input event: the `reason` of an error message."""
 

@@ -1,4 +1,7 @@
-"""Groups belong to their harness: same task (or family) and rubric as the first run, one group policy (issue 27, 3)."""
+"""Groups belong to their harness: runs rank only with runs of their task (or family), rubric and group policy.
+
+Issue 27 (3) refused a start unlike the group's first run; issue 48 scores it, ranked apart.
+"""
 
 from __future__ import annotations
 
@@ -44,52 +47,66 @@ async def _steps(mon: Monitor, runs: list[str], n: int) -> None:
         await mon.drain()
 
 
-async def test_a_run_with_another_task_or_rubric_cannot_join_and_prune_the_siblings() -> None:
+async def test_a_run_with_another_task_or_rubric_ranks_apart_and_cannot_prune_the_siblings() -> None:
+    # Issue 27 refused such a start (run_rejected: no monitoring at all); issue 48: it is scored, in a group of
+    # its own key, and told so on its error topic.
     reg = CollectorRegistry()
     async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), registry=reg, store=MemoryStore()) as mon:
         honest = ["h1", "h2", "h3"]
         for r in honest:
             await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
-        # Another task and a trivial rubric that scores 1.0: before, it joined and pruned all three.
+        # Another task and a trivial rubric that scores 1.0: before issue 27, it joined and pruned all three.
         await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
         # The same task with another rubric: its scores do not rank against theirs either.
         await mon.handle("agents/evil2/start", j(task="fix the bug", criteria={"done": "trivially done"}, group="g"))
         out = outputs(mon)
         (e1,) = errors_of(out, "evil")
-        assert e1["reason"] == "run_rejected" and "task or family of its first run" in e1["error"]
         (e2,) = errors_of(out, "evil2")
-        assert e2["reason"] == "run_rejected" and "rubric of its first run" in e2["error"]
-        assert mon.run("evil") is None and mon.run("evil2") is None
-        await _steps(mon, honest, 4)
+        for e in (e1, e2):
+            assert e["reason"] == "group_split" and "in use by runs of another task, rubric" in e["error"], e
+        g1, g2 = mon.groups.of_run["evil"], mon.groups.of_run["evil2"]
+        assert g1.startswith("g~") and g2.startswith("g~") and g1 != g2  # one group per task and rubric
+        assert not any(errors_of(out, r) for r in honest)
+        await _steps(mon, [*honest, "evil", "evil2"], 4)
         for r in honest:
             view = mon.run(r)
-            assert view is not None and view.signal == "continue"
-        assert reg.get_sample_value("agent_monitor_groups_refused_total") == 2
+            assert view is not None and view.signal == "continue" and view.latest is not None
+        for r in ("evil", "evil2"):  # monitored: scored like any run
+            view = mon.run(r)
+            assert view is not None and view.latest is not None and view.latest.ok
+        assert sorted(mon.groups.groups["g"].members) == honest
+        assert reg.get_sample_value("agent_monitor_groups_split_total") == 2
+        assert reg.get_sample_value("agent_monitor_groups_refused_total") == 0
 
 
-async def test_the_group_policy_is_the_first_runs_and_another_is_refused() -> None:
+async def test_another_group_policy_ranks_apart_and_a_fixed_one_is_not_the_first_runs_choice() -> None:
     async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=MemoryStore()) as mon:
         await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
         await mon.handle("agents/b/start", j(task="t", group="g"))
         await mon.handle("agents/c/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
         out = outputs(mon)
         (e,) = errors_of(out, "b")
-        assert "group settings of its first run" in e["error"] and "prune_margin=0.2 (the group's: 0.0)" in e["error"]
-        assert mon.run("b") is None and mon.run("c") is not None
-    # Fixed by the monitor: the first run cannot choose, a start asking for other settings is refused.
+        assert e["reason"] == "group_split"
+        assert mon.groups.of_run["a"] == mon.groups.of_run["c"] == "g" and mon.groups.of_run["b"].startswith("g~")
+        assert mon.groups.groups[mon.groups.of_run["b"]].policy.prune_margin == 0.2  # b's own settings
+        assert all(mon.run(r) is not None for r in "abc")
+    # Fixed by the monitor: the first run cannot choose; a start asking for other settings is scored in no group.
     config = MonitorConfig(policy=POLICY, group_policy_fixed=True)
     async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore()) as mon:
         await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
         await mon.handle("agents/b/start", j(task="t", group="g"))
         out = outputs(mon)
         (e,) = errors_of(out, "a")
-        assert "uses the monitor's group settings" in e["error"]
-        assert mon.run("a") is None and mon.run("b") is not None
+        assert e["reason"] == "group_refused" and "uses the monitor's group settings" in e["error"]
+        assert "scored on its own" in e["error"]
+        assert mon.run("a") is not None and "a" not in mon.groups.of_run
+        assert mon.groups.of_run["b"] == "g"
 
 
 async def test_with_a_group_secret_only_signed_starts_join() -> None:
+    reg = CollectorRegistry()
     config = MonitorConfig(policy=POLICY, group_secret=SECRET)
-    async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore()) as mon:
+    async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore(), registry=reg) as mon:
         mac = group_mac(SECRET, "a", 100.0, "g")
         await mon.handle("agents/a/start", j(task="t", group="g", started_at=100.0, auth=mac))
         await mon.handle("agents/b/start", j(task="t", group="g"))
@@ -98,9 +115,10 @@ async def test_with_a_group_secret_only_signed_starts_join() -> None:
         out = outputs(mon)
         for r in ("b", "c"):
             (e,) = errors_of(out, r)
-            assert "needs start.auth" in e["error"]
-            assert mon.run(r) is None
-        assert mon.run("a") is not None and mon.run("d") is not None
+            assert e["reason"] == "group_refused" and "needs start.auth" in e["error"]
+            assert mon.run(r) is not None and r not in mon.groups.of_run  # monitored, in no group
+        assert mon.groups.of_run == {"a": "g"} and mon.run("d") is not None
+        assert reg.get_sample_value("agent_monitor_groups_refused_total") == 2
 
 
 async def test_the_retained_ranking_carries_the_scores_when_only_scores_change() -> None:
@@ -129,3 +147,20 @@ def test_labels_group_is_validated_like_start_group() -> None:
         else:
             raise AssertionError(f"labels.group {bad!r} was accepted")
     decode_event("agents/r/start", j(task="t", labels={"group": "swe-bench.v2:1"}))
+
+
+async def test_a_restart_places_each_run_where_it_was_and_tells_nobody_again() -> None:
+    store = MemoryStore()
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store) as mon:
+        await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
+        for r in ("h1", "h2"):
+            await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
+        placed = dict(mon.groups.of_run)
+        assert placed["evil"] == "g" and placed["h1"] == placed["h2"] != "g"
+    reg = CollectorRegistry()
+    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store, registry=reg) as again:
+        assert again.groups.of_run == placed
+        assert not [t for t, _ in outputs(again) if t.endswith("/error")]
+        assert reg.get_sample_value("agent_monitor_groups_split_total") == 0
+        await again.handle("agents/h3/start", j(task="fix the bug", group="g"))  # joins its siblings, not evil
+        assert again.groups.of_run["h3"] == placed["h1"]

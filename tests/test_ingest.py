@@ -259,5 +259,7 @@ async def test_a_batch_of_starts_never_grows_a_group_past_its_limit() -> None:
         errors = await mon.handle_batch(starts)
         assert errors == [None] * 8  # refusals are handled (and acknowledged), not errors
         assert sorted(mon.groups.groups["g"].members) == ["r0", "r1", "r2"]
-        assert sorted(mon.book.live) == ["r0", "r1", "r2"]
+        # Issue 48: a start past the group's limit is still a run, scored in no group (it was refused before).
+        assert sorted(mon.book.live) == [f"r{i}" for i in range(8)]
+        assert sorted(mon.groups.of_run) == ["r0", "r1", "r2"]
         assert registry.get_sample_value("agent_monitor_groups_refused_total") == 5

@@ -608,15 +608,32 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
     return judge
 
 
-async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0) -> str | None:
-    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is checked later)."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(broker.host, broker.port), wait_s)
-    except (OSError, TimeoutError) as e:
-        return (
-            f"cannot connect to the MQTT broker at {broker.url} ({getattr(e, 'strerror', None) or type(e).__name__}): "
-            "is the broker running there? Start one (apt-get install mosquitto), or pass --embedded-broker"
-        )
+async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0, *, within: float = 0.0) -> str | None:
+    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is checked later).
+
+    `within`: seconds to keep trying (--broker-wait: a broker that starts with the monitor).
+    """
+    import structlog
+
+    deadline, said = time.monotonic() + within, False
+    while True:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(broker.host, broker.port), wait_s)
+            break
+        except (OSError, TimeoutError) as e:
+            if time.monotonic() < deadline:
+                if not said:
+                    said = True
+                    left = round(deadline - time.monotonic(), 1)
+                    structlog.get_logger("agent_monitor.cli").warning("broker_waiting", broker=broker.url, wait_s=left)
+                await asyncio.sleep(0.25)
+                continue
+            waited = f" for {within:g}s" if within > 0 else ""
+            return (
+                f"cannot connect to the MQTT broker at {broker.url}{waited} "
+                f"({getattr(e, 'strerror', None) or type(e).__name__}): is the broker running there? Start one "
+                "(apt-get install mosquitto), or pass --embedded-broker"
+            )
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
@@ -683,7 +700,9 @@ async def _serve(args: argparse.Namespace) -> int:
             log.info("embedded_broker_started", url=embedded.url)
         if store is not None:
             stack.push_async_callback(store.aclose)
-        if not broker_options.embedded_broker and (problem := await _broker_unreachable(broker)):
+        if not broker_options.embedded_broker and (
+            problem := await _broker_unreachable(broker, within=config.broker_wait)
+        ):
             return _fail(problem)  # before the judge loads: a missing broker is said in a second, not after it
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)

@@ -223,7 +223,7 @@ class Cluster:
         self.link = self.sessions.link = link
         try:
             await self.redis.ping()
-            if self.settings.replica_id is not None and await self._alive(self.replica_id):
+            if self.settings.replica_id is not None and not await self._lapsed(self.replica_id):
                 raise ClusterUnavailable(
                     f"replica id {self.replica_id!r} is in use by a live replica of cluster {self.settings.name!r}; "
                     "give each replica its own --replica-id (or none: a fresh one each start)"
@@ -496,6 +496,25 @@ class Cluster:
             self.leases.closed(run_id)
             # Queued behind the run's score writes (the writer keeps order): its scores so far go with it.
             self.store.release(run_id, o.token)
+
+    async def _lapsed(self, replica: str) -> bool:
+        """Whether a replica id is free: its heartbeat is not current, or stops being so within one lease.
+
+        A replica restarted with its fixed id (a host restart, its peer and broker with it) finds its dead
+        incarnation's heartbeat current until the lease runs out; a live replica renews it every heartbeat.
+        So the id is waited for, a lease and two heartbeats at most, rather than refused at once.
+        """
+        deadline = time.monotonic() + self.settings.lease_s + 2 * self.settings.heartbeat_s
+        waited = False
+        while await self._alive(replica):
+            if time.monotonic() >= deadline:
+                return False
+            if not waited:
+                waited = True
+                log.warning("cluster_replica_id_busy", replica=replica, wait_s=round(deadline - time.monotonic(), 2),
+                            note="a previous run of this replica id may still hold its lease; waiting for it to lapse")  # fmt: skip
+            await asyncio.sleep(self.settings.heartbeat_s / 2)
+        return True
 
     def _alive(self, replica: str) -> Awaitable[bool]:
         return alive(self.redis, self.key("replicas"), replica)

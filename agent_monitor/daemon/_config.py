@@ -484,6 +484,13 @@ class MonitorConfig(ScoringOptions):
     session_expiry_s: int = field(
         default=3600, metadata={"help": "seconds the broker keeps queueing steps while the monitor is down"}
     )
+    broker_wait_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds to wait at start-up for the broker to accept connections; none: 0 for one monitor "
+            "(a missing broker is said at once), 60 for a cluster replica (replicas restart with their broker)"
+        },
+    )
     receive_window: int = field(
         default=65_535,
         metadata={
@@ -659,6 +666,8 @@ class MonitorConfig(ScoringOptions):
                 "cluster mode needs MQTT 5 (shared subscriptions, taking a departed replica's session over); "
                 "use --mqtt-protocol 5 or auto, and a broker that speaks it (Mosquitto 2, EMQX, HiveMQ)"
             )
+        if self.broker_wait_s is not None and not self.broker_wait_s >= 0:
+            raise ValueError(f"broker_wait_s={self.broker_wait_s}; use seconds >= 0 (0: do not wait)")
         if not 1 <= self.receive_window <= 65_535:
             raise ValueError(f"receive_window={self.receive_window}; MQTT allows 1..65535")
         for name in ("max_concurrency", "outbox_size", "circuit_threshold"):
@@ -694,6 +703,13 @@ class MonitorConfig(ScoringOptions):
                     "http://host:4318 (the collector's OTLP/HTTP port; /v1/logs is appended)"
                 )
         self.prices  # noqa: B018 - raises ValueError for prices that cannot be used
+
+    @property
+    def broker_wait(self) -> float:
+        """Seconds to wait at start-up for the broker: `broker_wait_s`, else 60 for a cluster replica and 0 for one."""
+        if self.broker_wait_s is not None:
+            return self.broker_wait_s
+        return 60.0 if self.cluster.url is not None else 0.0
 
     @property
     def prices(self) -> Prices | None:

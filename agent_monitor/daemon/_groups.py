@@ -3,17 +3,20 @@
 Pure bookkeeping around `agent_monitor.groups.GroupState` (no I/O, no clock of its own): the
 monitor asks it what a start, a score or an end does to a group, and publishes what it says.
 Group names come from the network: at most `max_groups` groups of `max_group_runs` runs each;
-a start beyond either is refused (`run_rejected`), never an unbounded table.
+a start beyond either is scored as a run of its own, in no group, never an unbounded table. Who
+ranks with whom is the book's membership rule (`GroupBook.join`): never the first publisher's say.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -45,7 +48,14 @@ class GroupLimitError(ValueError):
 
 
 class GroupRefused(GroupLimitError):
-    """A start that may not join its group: another task or rubric, another group policy, or no valid group auth."""
+    """A start that may not join its group: no valid group auth, or other group settings than the monitor's."""
+
+
+SPLIT = "~"
+"""Between a group's name and a membership key in the name of a group split off (`{group}~{key}`).
+
+Not in a group name's grammar (a run id's), so no harness can name a group that looks like a split one.
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +69,24 @@ class Joiner:
     policy: Policy
     started_at: float | None = None
     auth: str | None = None
+
+    def key(self, *, settings: bool = True) -> str:
+        """The membership key: runs rank together only with the same family, rubric (and group settings)."""
+        what = [self.family, self.rubric, group_settings(self.policy) if settings else None]
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a start went: a group (the one it named, or one split off it), or none (scored as a run of its own)."""
+
+    group: str | None
+    """The group the run ranks in (`start.group`, or `{group}~{key}`); None: in none, scored on its own."""
+    update: GroupUpdate | None = None
+    reason: Literal["group_refused", "group_split"] | None = None
+    """Why the run is not in the group it named: refused (auth, settings, limits) or split (another key)."""
+    message: str = ""
+    """What the run's error topic says (with `reason`)."""
 
 
 @dataclass(slots=True)
@@ -75,33 +103,26 @@ class GroupBook:
     """When each group's last run ended (cleared `grace_s` later unless a run joins again)."""
     last_at: dict[str, float] = field(default_factory=dict)
     refused: int = 0
-    """Starts refused for the group limits."""
+    """Starts that named a group they may not join (auth, settings, limits): scored as runs of their own."""
+    split: int = 0
+    """Starts ranked in a group split off the one they named (its name taken by runs of another key)."""
     secret: str | None = field(default=None, repr=False)
     """With it, a start joins a group only with `start.auth` = `groups.group_mac(secret, ...)`."""
     policy: Policy | None = None
     """The group settings every group uses (the monitor's policy flags); None: each group's first run's."""
-    first: dict[str, Joiner] = field(default_factory=dict)
-    """Each group's first run: a later one joins only with the same family, rubric and group settings."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """Each group's membership key (`Joiner.key`): only runs of that family, rubric and settings join it."""
 
-    def check(self, run_id: str, group: str, joiner: Joiner | None = None) -> None:
-        """Raise GroupLimitError if `run_id` cannot join `group` (checked before its start is journaled).
-
-        With `joiner`, also GroupRefused when the run is graded otherwise than the group's first run
-        (another family or rubric: its scores do not compare), asks for other group settings, or lacks
-        the group auth the monitor's group secret requires.
-        """
-        if joiner is not None:
-            self._check_joiner(run_id, group, joiner)
+    def check(self, run_id: str, group: str) -> None:
+        """Raise GroupLimitError if `run_id` cannot join `group` for the group limits."""
         g = self.groups.get(group)
         if g is None:
             if len(self.groups) >= self.max_groups:
-                self.refused += 1
                 raise GroupLimitError(
                     f"the monitor follows at most {self.max_groups} groups (--max-groups) and has that many; "
                     f"group {group!r} is refused: end the groups' runs or raise --max-groups"
                 )
         elif run_id not in g.members and len(g.members) >= self.max_group_runs:
-            self.refused += 1
             raise GroupLimitError(
                 f"group {group!r} already has {len(g.members)} runs, the most allowed (--max-group-runs); "
                 "start this run in another group or raise the limit"
@@ -111,50 +132,64 @@ class GroupBook:
         if self.secret is not None:
             want = group_mac(self.secret, run_id, joiner.started_at, group)
             if not joiner.auth or not hmac.compare_digest(joiner.auth.lower(), want):
-                self.refused += 1
                 raise GroupRefused(
                     f"group {group!r} needs start.auth, the HMAC of run id, started_at and group with the monitor's "
                     "group secret (MonitorClient(group_secret=...) adds it); this start has none or a wrong one"
                 )
         mine = group_settings(joiner.policy)
         if self.policy is not None and mine != (fixed := group_settings(self.policy)):
-            self.refused += 1
             diff = ", ".join(f"{k}={mine[k]!r} (the monitor's: {fixed[k]!r})" for k in mine if mine[k] != fixed[k])
             raise GroupRefused(f"group {group!r} uses the monitor's group settings; this start asks for {diff}")
-        first = self.first.get(group)
-        if first is None or group not in self.groups:
-            return
-        if (joiner.family, joiner.rubric) != (first.family, first.rubric):
-            self.refused += 1
-            what = "task or family" if joiner.family != first.family else "rubric"
-            raise GroupRefused(
-                f"group {group!r} is for runs of the {what} of its first run ({first.family!r}, rubric "
-                f"{first.rubric}); this run's is ({joiner.family!r}, rubric {joiner.rubric}): scores of different "
-                "tasks or rubrics do not rank; use another group"
-            )
-        theirs = group_settings(first.policy)
-        if mine != theirs:
-            self.refused += 1
-            diff = ", ".join(f"{k}={mine[k]!r} (the group's: {theirs[k]!r})" for k in mine if mine[k] != theirs[k])
-            raise GroupRefused(f"group {group!r} has the group settings of its first run; this start asks for {diff}")
 
-    def join(self, run_id: str, group: str, policy: Policy, at: float, joiner: Joiner | None = None) -> GroupUpdate:
-        """A run joins its group (made with this run's policy when it is the first); GroupLimitError past a limit."""
-        self.check(run_id, group)
-        g = self.groups.get(group)
-        if g is None:
-            # The group's policy is its first run's (or the monitor's, when fixed): later runs must match it.
-            g = self.groups[group] = GroupState(group, self.policy or policy, max_runs=self.max_group_runs)
-            if joiner is not None:
-                self.first[group] = joiner
+    def _name(self, group: str, key: str) -> str | None:
+        """The group a run of membership `key` ranks in: the name asked for, unless runs of another key hold it."""
+        for name in (group, f"{group}{SPLIT}{key}"):
+            if self.keys.get(name, key) == key:  # free, made without a key (a restored ranking), or this key's
+                return name
+        return None  # 48 bits collide: no group rather than another key's
+
+    def join(self, run_id: str, group: str, policy: Policy, at: float, joiner: Joiner | None = None) -> Placed:
+        """A run joins a group: the one it names, one split off it for its key, or none (limits, auth, settings).
+
+        With `joiner`, a run ranks only with runs of the same family, rubric and group settings (its key):
+        the first key to use a group's name keeps it while the group lives, a run of another key ranks in
+        `{group}~{key}` with the runs like it, so whoever starts first decides nothing for the others. A
+        start lacking the group auth the group secret requires, or asking for other settings than the
+        monitor's fixed ones, is in no group. Never raises: every run is scored.
+        """
+        name, key = group, None
         try:
+            if joiner is not None:
+                self._check_joiner(run_id, group, joiner)
+                key = joiner.key(settings=self.policy is None)
+                found = self._name(group, key)
+                if found is None:
+                    raise GroupRefused(f"group {group!r}: the names for this run's task and rubric are taken")
+                name = found
+            self.check(run_id, name)
+            g = self.groups.get(name)
+            if g is None:
+                # The group's policy is its first run's (or the monitor's, when fixed): its key keeps it one.
+                g = self.groups[name] = GroupState(name, self.policy or policy, max_runs=self.max_group_runs)
             update = g.join(run_id)
-        except GroupFull as e:  # checked above; kept for a bound set below the members already there
-            raise GroupLimitError(str(e)) from None
-        self.of_run[run_id] = group
-        self.done_at.pop(group, None)
-        self.last_at[group] = at
-        return update
+        except (GroupLimitError, GroupFull) as e:
+            self.refused += 1
+            return Placed(None, reason="group_refused", message=f"{e}; the run is scored on its own, in no group")
+        if key is not None:
+            self.keys.setdefault(name, key)
+        self.of_run[run_id] = name
+        self.done_at.pop(name, None)
+        self.last_at[name] = at
+        if name == group:
+            return Placed(name, update)
+        self.split += 1
+        return Placed(
+            name,
+            update,
+            "group_split",
+            f"group {group!r} is in use by runs of another task, rubric or group settings; this run ranks with the "
+            f"runs like it in group {name!r} (its ranking: _groups/{name}/ranking); use a group name of its own",
+        )
 
     def uniform(self, group: str) -> UniformJSON | None:
         """A group's early dynamic-sampling call (all_fail / all_pass, its confidence), or None: no call, no group.
@@ -199,7 +234,7 @@ class GroupBook:
         name = self.of_run.pop(run_id, None)
         if name is not None and not any(g == name for g in self.of_run.values()):
             self.groups.pop(name, None)
-            self.first.pop(name, None)
+            self.keys.pop(name, None)
             self.done_at.pop(name, None)
             self.last_at.pop(name, None)
         return name
@@ -211,7 +246,7 @@ class GroupBook:
             self.done_at.pop(name, None)
             self.last_at.pop(name, None)
             g = self.groups.pop(name, None)
-            self.first.pop(name, None)
+            self.keys.pop(name, None)
             for r in g.members if g is not None else ():
                 if self.of_run.get(r) == name:
                     del self.of_run[r]
@@ -254,6 +289,7 @@ class Groups:
         on_majority: Callable[[int], None] = lambda saved: None,
         caller: Caller | None = None,
         on_uniform: Callable[[str, str], None] = lambda call, what: None,
+        on_placed: Callable[[str], None] = lambda reason: None,
     ) -> None:
         self.book = book
         self.emit = emit
@@ -269,6 +305,8 @@ class Groups:
         """Each member's calibrated pass / fail call (None: groups are never flagged all_fail / all_pass)."""
         self.on_uniform = on_uniform
         """Told (call, "flagged" | "withdrawn" | "contradicted") when a group's early call changes (the counters)."""
+        self.on_placed = on_placed
+        """Told "group_refused" or "group_split" when a live start is not placed in the group it named (the counters)."""
         self._flagged: dict[str, str] = {}
         self.series: dict[str, GroupSeries] = {}
         """Kept current one group at a time on the event loop; the scrape thread reads a copy."""
@@ -292,17 +330,18 @@ class Groups:
         joiner: Joiner | None = None,
         *,
         publish: bool,
-    ) -> bool:
-        """A run opened in a group: join it, route its results through the group; False when it runs ungrouped."""
-        try:
-            update = self.book.join(run_id, group, policy, self.clock(), joiner)
-        except GroupLimitError:
-            # Checked before the start was journaled; a replay under lower limits runs it ungrouped.
-            log.warning("group_refused_on_replay", run_id=run_id, group=group)
-            return False
+    ) -> Placed:
+        """A run opened naming a group: place it (its group, one split off it, or none), route its results there."""
+        placed = self.book.join(run_id, group, policy, self.clock(), joiner)
+        if placed.reason is not None:
+            if publish:  # counted live, once (a replay places the run again the same way)
+                self.on_placed(placed.reason)
+            log.warning(placed.reason, run_id=run_id, group=group, placed=placed.group, replaying=not publish)
+        if placed.group is None or placed.update is None:
+            return placed
         tracker.on_group = partial(self.verdict, run_id)
-        self.changed(group, update.changed and publish)
-        return True
+        self.changed(placed.group, placed.update.changed and publish)
+        return placed
 
     def verdict(self, run_id: str, p: Progress) -> Decision | None:
         """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""

@@ -10,15 +10,16 @@ to `emit` to, and `act`, which takes each effect of an applied record (the scori
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from ..wire import Decoder, EventError, RunStart, StepIn, Topics
+from ..wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, parse_topic
 from ._config import MonitorConfig
-from ._groups import GroupBook, GroupLimitError, Joiner
+from ._groups import GroupBook, Joiner
 from ._sources import fetch_images
 from ._state import (
     Accepted,
@@ -115,7 +116,7 @@ class Intake:
         act: Callable[[Effect, bool], Awaitable[None]],
         prepare: Callable[[str, RunStart], Joiner],
         unprepare: Callable[[str], object],
-        on_group_refused: Callable[[], None] = lambda: None,
+        on_retained: Callable[[str], None] = lambda kind: None,
     ) -> None:
         self.book = book
         self.store = store
@@ -127,7 +128,12 @@ class Intake:
         self.act = act
         self.prepare = prepare
         self.unprepare = unprepare
-        self.on_group_refused = on_group_refused
+        self.topics = topics
+        self.on_retained = on_retained
+        """Told the kind (start, step, end, other) of each retained input message ignored (the counter)."""
+        self.retained_told: OrderedDict[str, None] = OrderedDict()
+        """Runs told their input came retained (once each; the `ended_memory` most recent)."""
+        self.retained_memory = config.limits.ended_memory
         self.image_dirs = image_dirs
         self.max_image_bytes = config.max_image_bytes
         self.decoder = Decoder(
@@ -197,6 +203,39 @@ class Intake:
             await flush()
         return errors
 
+    def retained(self, topic: str) -> None:
+        """An input message came with the retain flag: ignore it, count it, tell its run once.
+
+        A retained input is a stored copy the broker sends again on every subscription, so on every
+        restart: handled, it would start an ended run again, score it again and teach its outcome again.
+        The monitor does not clear it (publishing an empty retained message on an input topic): its
+        broker account need not be allowed to write there, the empty message would reach every other
+        subscriber of the inputs, and the harness that sets the flag would only set it again.
+        """
+        if self.topics.is_output(topic):
+            return  # the monitor's own retained outputs (signal, state, ranking), back on MQTT 3.1.1
+        try:
+            run_id, kind = parse_topic(topic, self.topics.prefix)
+        except TopicError:
+            self.on_retained("other")
+            return
+        self.on_retained(kind)
+        if run_id in self.retained_told:
+            return
+        self.retained_told[run_id] = None
+        while len(self.retained_told) > self.retained_memory:
+            self.retained_told.popitem(last=False)
+        self.emit(
+            Refused(
+                run_id,
+                "retained",
+                f"a {kind} came with the MQTT retain flag: the broker replays a retained message on every "
+                "subscription (so on every monitor restart), so retained inputs are ignored; publish start, step "
+                "and end without retain, and clear this one (an empty retained message on the topic)",
+                topic,
+            )
+        )
+
     def _decide(self, run_id: str, event: Any, delivery: Delivery | None) -> Record | None:
         """The record an event makes, or None (refused or a duplicate: reported here)."""
         verdict = self.book.decide(run_id, event, self.clock(), delivery)
@@ -208,18 +247,11 @@ class Intake:
     def _prepare(self, run_id: str, start: RunStart, topic: str) -> bool:
         """Build a start's tracker, then check it against its group; False: refused (reported, nothing kept)."""
         try:
-            joiner = self.prepare(run_id, start)
+            self.prepare(run_id, start)
         except Exception as e:  # validated on decode; still the run's problem, never the daemon's
             self.emit(Refused(run_id, "run_rejected", f"start cannot be used: {type(e).__name__}: {e}", topic))
             return False
-        if start.group is not None:
-            try:  # checked with what the run is graded on (known once its tracker is built)
-                self.groups.check(run_id, start.group, joiner)
-            except GroupLimitError as e:
-                self.unprepare(run_id)
-                self.on_group_refused()
-                self.emit(Refused(run_id, "run_rejected", str(e), topic))
-                return False
+        # A start naming a group it may not join is still a run: it is placed when applied (`Groups.join`).
         return True
 
     async def _decode(self, topic: str, payload: bytes) -> tuple[str, Any] | None:

@@ -91,9 +91,26 @@ class Metrics:
                 self.groups_uniform.labels(call, event)
         self.groups_refused = Counter(
             "agent_monitor_groups_refused",
-            "Starts refused because their group was full or the monitor had --max-groups groups.",
+            "Starts that named a group they may not join (the group was full, the monitor had --max-groups groups, "
+            "no valid start.auth where groups are signed, other settings than --group-policy-fixed's): each scored as "
+            "a run of its own, in no group.",
             registry=registry,
         )
+        self.groups_split = Counter(
+            "agent_monitor_groups_split",
+            "Starts ranked in a group split off the one they named ({group}~{key}), because runs of another task, "
+            "rubric or group settings held the name: they rank only with the runs like them.",
+            registry=registry,
+        )
+        self.retained_inputs = Counter(
+            "agent_monitor_retained_inputs",
+            "Input messages (start, step, end; other: a bad topic) that came with the MQTT retain flag, by kind: "
+            "a stored copy the broker replays on every subscription, ignored (the run is told once on its error topic).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("start", "step", "end", "other"):
+            self.retained_inputs.labels(kind)
         self.outcomes_refused = Counter(
             "agent_monitor_outcomes_refused",
             "Run outcomes that taught the calibration nothing although they said success or failure, by reason "

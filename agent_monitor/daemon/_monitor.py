@@ -145,6 +145,7 @@ class Monitor:
             on_compared=lambda ok, calls: m.compare_calls.labels("ok" if ok else "failed").inc(calls),
             on_majority=m.compare_calls_saved.inc,
             caller=Caller(self.calibration), on_uniform=lambda call, what: m.groups_uniform.labels(call, what).inc(),
+            on_placed=lambda reason: (m.groups_refused if reason == "group_refused" else m.groups_split).inc(),
         )  # fmt: skip
         self._comparing = self._groups.comparing
         self._scoring = Scoring(
@@ -158,7 +159,8 @@ class Monitor:
         self._intake = Intake(
             c, book=self.book, store=self.store, groups=self.groups, topics=self.topics, image_dirs=self.image_dirs,
             emit=self._emit, clock=clock, act=self._scoring.act, prepare=self._scoring.prepare,
-            unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None), on_group_refused=m.groups_refused.inc,
+            unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None),
+            on_retained=lambda kind: m.retained_inputs.labels(kind).inc(),
         )  # fmt: skip
         self._scoring.finish = lambda run_id, outcome: self._intake.finish(run_id, outcome, self._scoring.teach)
         self._scoring.finish_many = lambda ends: self._intake.finish_many(ends, self._scoring.teach)
@@ -192,6 +194,8 @@ class Monitor:
         for collector in collectors:  # read at scrape time
             self.registry.register(collector)
         self.link = _link(c, self.topics, self.mode, m) if c.broker is not None else None
+        if self.link is not None:
+            self.link.on_retained = self._intake.retained  # a retained input is a stored copy: ignored, told once
         self.restored: tuple[str, ...] = ()
         """The live runs rebuilt from the store on entering, least recently active first."""
         self._stack: contextlib.AsyncExitStack | None = None
@@ -205,6 +209,11 @@ class Monitor:
             raise RuntimeError("the monitor is already running")
         stack = contextlib.AsyncExitStack()
         try:
+            wait, began = self.config.broker_wait, time.monotonic()
+            if self.link is not None and wait > 0:
+                # A broker restarting with the monitor (a host restart, a cluster and its broker together): waited
+                # for before joining, so a replica never counts as live while it cannot receive.
+                await self.link.wait_reachable(wait)
             # Joined before the broker is: a replica assigns the runs it receives to live replicas, itself included.
             await self.mode.open(self, self.link)
             stack.push_async_callback(self.mode.aclose)
@@ -212,7 +221,8 @@ class Monitor:
             self.restored = await self._restore.restore()
             if self.restored:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
-            first = await self.link.connect() if self.link is not None else None
+            left = max(0.0, wait - (time.monotonic() - began))
+            first = await self.link.connect_within(left) if self.link is not None else None
             if self.otel is not None:
                 # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
                 self.otel.open()

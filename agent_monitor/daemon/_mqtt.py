@@ -273,6 +273,8 @@ class MqttLink:
         self.negotiated: Literal["5", "3.1.1"] | None = None
         self._dups: dict[int, bool] = {}
         self._dropped_seen = 0.0
+        self.on_retained: Callable[[str], None] | None = None
+        """Told the topic of each message that came with the retain flag (not handled: a stored copy, see `_serve`)."""
 
     def _client(self, version: Literal["5", "3.1.1"]) -> aiomqtt.Client:
         b = self.broker
@@ -321,6 +323,44 @@ class MqttLink:
                 deliver(c, userdata, msg)
 
         paho.on_message = keep_dup
+
+    async def wait_reachable(self, wait_s: float) -> None:
+        """Wait up to `wait_s` seconds for the broker to accept TCP connections (one that starts with the monitor)."""
+        loop = asyncio.get_running_loop()
+        deadline, said = loop.time() + wait_s, False
+        while True:
+            try:
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(self.broker.host, self.broker.port), max(0.1, min(2.0, wait_s))
+                )
+            except (OSError, TimeoutError) as e:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return  # connect() says why, in its words
+                if not said:
+                    said = True
+                    log.warning("broker_waiting", broker=self.broker.url, error=str(e), wait_s=round(left, 1))
+                await asyncio.sleep(min(0.25, left))
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+
+    async def connect_within(self, wait_s: float) -> aiomqtt.Client:
+        """`connect()`, tried again for up to `wait_s` seconds (a broker still starting); BrokerUnavailable after."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + wait_s, 0.25
+        while True:
+            try:
+                return await self.connect()
+            except BrokerUnavailable as e:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                log.warning("broker_waiting", broker=self.broker.url, error=str(e), wait_s=round(left, 1))
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
 
     async def connect(self) -> aiomqtt.Client:
         """Open one connection (v5, or 3.1.1 where the broker refuses v5); raise BrokerUnavailable."""
@@ -518,7 +558,9 @@ class MqttLink:
                 while len(messages) < _BATCH_MAX and not waiting.empty():
                     messages.append(waiting.get_nowait())
                 batch: list[tuple[str, bytes, Delivery | None]] = []
-                taken: list[aiomqtt.Message] = []
+                # Each message to acknowledge, in arrival order (MQTT acknowledges in order), with its place in
+                # `batch` (None: ignored, acknowledged as handled).
+                taken: list[tuple[aiomqtt.Message, int | None]] = []
                 for message in messages:
                     payload = message.payload
                     data = payload if isinstance(payload, bytes) else str(payload or "").encode()
@@ -526,18 +568,26 @@ class MqttLink:
                     if topic.startswith("$SYS/"):
                         self._broker_stat(topic, data)
                         continue
+                    if message.retain and self.on_retained is not None:
+                        # A broker sets the retain flag only on a stored copy it sends because a subscription was
+                        # made (a live message to an existing subscription has it cleared, MQTT 3.1.1 and 5 alike):
+                        # one more replay of an old input on every restart, never a new event. Acknowledged, ignored.
+                        self.on_retained(topic)
+                        dups.pop(message.mid, None)
+                        taken.append((message, None))
+                        continue
                     batch.append((topic, data, Delivery.of(message.mid, topic, data, dup=dups.pop(message.mid, False))))
-                    taken.append(message)
-                if not batch:
-                    continue
-                try:
-                    errors = await on_message(batch)
-                except Exception:
-                    # Not acknowledged: the broker redelivers them on the next connection.
-                    log.exception("messages_not_acknowledged", messages=len(batch))
-                    continue
+                    taken.append((message, len(batch) - 1))
+                errors: list[BaseException | None] = []
+                if batch:
+                    try:
+                        errors = await on_message(batch)
+                    except Exception:
+                        # Not acknowledged: the broker redelivers them on the next connection.
+                        log.exception("messages_not_acknowledged", messages=len(batch))
+                        continue
                 failed = 0
-                for message, error in zip(taken, errors, strict=True):
+                for message, error in ((m, None if at is None else errors[at]) for m, at in taken):
                     if error is not None:
                         failed += 1
                         log.error(

@@ -281,11 +281,15 @@ class Scoring:
         self.runs[run_id] = scoring
         if not replaying:
             self.emit(RunOpened(run_id, start, len(self.book.live)))
-        # The group's first run is what later ones must match.
-        if start.group is not None and not self.groups.join(
-            run_id, start.group, scoring.policy, scoring.tracker, joiner_of(start, scoring), publish=not replaying
-        ):
-            scoring.group = None
+        if start.group is not None:
+            # Placed by what it is graded on: the group it named, one split off it, or none; scored whichever.
+            placed = self.groups.join(
+                run_id, start.group, scoring.policy, scoring.tracker, joiner_of(start, scoring), publish=not replaying
+            )
+            scoring.group = placed.group
+            if placed.reason is not None and not replaying:
+                where = self.topics.of(run_id, "start")
+                self.emit(Refused(run_id, placed.reason, placed.message, where, invalid=False))
 
     async def _append(self, run_id: str, steps: tuple[AcceptedStep, ...], replaying: bool) -> None:
         scoring = self.runs.get(run_id)
@@ -339,8 +343,11 @@ class Scoring:
         if state is None or state.ended is None or scoring is None:
             return
         tracker = scoring.tracker
-        # A run id may be used again for a new run once its run ended: the start time tells the two apart.
-        key = f"{run_id}@{state.started_at!r}"
+        # A run id may be used again for a new run once its run ended: the start time tells the two apart. The
+        # start's own started_at when it gives one: the same start run again (re-sent after its end) is the same
+        # run and teaches once, even across restarts (the samples are stored); else when the monitor opened it.
+        when = state.start.started_at if state.start.started_at is not None else state.started_at
+        key = f"{run_id}@{when!r}"
         secret = self.config.outcome_secret
         outcome = state.ended.outcome
         # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.

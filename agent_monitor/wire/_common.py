@@ -16,6 +16,13 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
 GroupName = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
 """A group name has a run id's grammar: it becomes one topic level (`{prefix}/_groups/{group}/ranking`)."""
+RankedGroup = Annotated[
+    str,
+    StringConstraints(
+        pattern=r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}(~[0-9a-f]{12})?$", max_length=MAX_RUN_ID_CHARS + 13
+    ),
+]
+"""The group a ranking is of: a group name, or one split off it, `{group}~{key}` (the runs of another task or rubric)."""
 
 
 def clip(s: str, n: int = 80) -> str:

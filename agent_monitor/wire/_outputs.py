@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..policy import Policy
 from ..progress import ERROR_REASONS, Decision, Progress, Signal
-from ._common import GroupName, RunId
+from ._common import GroupName, RankedGroup, RunId
 
 
 class _Out(BaseModel):
@@ -236,7 +236,10 @@ class RankingOut(_Out):
     grace period passed. Runs not pruned come before pruned ones; within each, higher score first.
     """
 
-    group: GroupName
+    group: RankedGroup = Field(
+        description="The group: its name, or `{group}~{key}` for the runs of another task, rubric or group settings "
+        "that named it while its name was in use (docs/best-of-n.md, Who ranks with whom)."
+    )
     leader: RunId | None = Field(description="The rank-1 run.")
     runs: list[RankedRunOut] = Field(description="Sorted by rank.")
     uniform: UniformOut | None = Field(
