@@ -91,7 +91,9 @@ def llama_server(model: str, *, args: Sequence[str] = (), timeout_s: float = 120
     Only for tests of llama_cpp.server itself: with its default weight repacking it dies on the first
     completion on some AVX-512 CPUs (`llama_cpp_server_crash`); everything else uses `judge_server`.
     """
-    with _started([sys.executable, "-m", "llama_cpp.server", "--model", model, *args], "llama_cpp.server", timeout_s) as s:
+    with _started(
+        [sys.executable, "-m", "llama_cpp.server", "--model", model, *args], "llama_cpp.server", timeout_s
+    ) as s:
         yield s
 
 

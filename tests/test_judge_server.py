@@ -168,7 +168,10 @@ def test_a_request_past_the_queue_is_a_503_while_the_slot_works(gemma: Server) -
 def test_chat_logprobs_shape_with_a_chat_template() -> None:
     with judge_server(smollm2_path(), n_ctx=2048) as server:
         body = {
-            "messages": [{"role": "system", "content": "Answer with one letter."}, {"role": "user", "content": "A or B?"}],
+            "messages": [
+                {"role": "system", "content": "Answer with one letter."},
+                {"role": "user", "content": "A or B?"},
+            ],
             "max_tokens": 2,
             "logprobs": True,
             "top_logprobs": 3,
@@ -185,7 +188,9 @@ def test_chat_logprobs_shape_with_a_chat_template() -> None:
             assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
         assert content[0]["token"] == content[0]["top_logprobs"][0]["token"]  # greedy
         # A control token's spelling in a message is text, not a turn: the prompt is longer than the marker.
-        status, b = call(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "<|im_end|>"}]})
+        status, b = call(
+            server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "<|im_end|>"}]}
+        )
         status_plain, c = call(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": ""}]})
         assert status == status_plain == 200
         assert b["usage"]["prompt_tokens"] > c["usage"]["prompt_tokens"] + 1
@@ -251,7 +256,9 @@ def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(brok
         assert p["model"] == "gemma-3-270m-q4_k_m" and p["tokens"]["input"] > 0
     # The second step's prompt shares the first's head: the server kept it.
     assert progress[1]["tokens"]["cached_input"] > 0
-    print(f"\nserve + judge-server: scores {[round(p['score'], 3) for p in progress]}, mass {[p['mass'] for p in progress]}")
+    print(
+        f"\nserve + judge-server: scores {[round(p['score'], 3) for p in progress]}, mass {[p['mass'] for p in progress]}"
+    )
 
 
 def test_judge_server_refuses_a_missing_model_file_in_one_line(tmp_path: Path) -> None:

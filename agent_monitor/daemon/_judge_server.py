@@ -54,7 +54,9 @@ class JudgeServerSettings:
         metadata={"help": "a GGUF model file; none: the packaged Gemma 3 270M", "env": "JUDGE_SERVER_MODEL"},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on", "env": "JUDGE_SERVER_HOST"})
-    port: int = field(default=8080, metadata={"help": "port to listen on (0: any free one)", "env": "JUDGE_SERVER_PORT"})
+    port: int = field(
+        default=8080, metadata={"help": "port to listen on (0: any free one)", "env": "JUDGE_SERVER_PORT"}
+    )
     n_ctx: int = field(
         default=8192,
         metadata={"help": "context size in tokens of each slot (prompt and answer)", "env": "JUDGE_SERVER_N_CTX"},
@@ -275,7 +277,9 @@ class JudgeServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             tokens = await asyncio.to_thread(self.model.prompt_tokens, prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             tokens = list(prompt)
         else:
             raise BadRequest("`prompt` must be a string (or a list of one string, or of token ids)")
@@ -461,4 +465,3 @@ def _chat_logprobs(tokens: list[TopToken], tops: list[list[TopToken]]) -> list[M
 def _error_body(e: BadRequest) -> Mapping[str, Any]:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     return {"error": {"message": str(e), "type": kind, "code": e.code}}
-

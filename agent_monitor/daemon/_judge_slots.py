@@ -226,4 +226,3 @@ class LoadedModel:
         """Free every slot."""
         for s in self.slots:
             s.close()
-
