@@ -263,8 +263,16 @@ def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(brok
 
 def test_judge_server_refuses_a_missing_model_file_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "agent_monitor", "judge-server", "--model", str(tmp_path / "none.gguf")]
-        + ["--port", str(free_port())],
+        [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "judge-server",
+            "--model",
+            str(tmp_path / "none.gguf"),
+            "--port",
+            str(free_port()),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -24,7 +24,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,14 +228,18 @@ class JudgeServer:
         await conn.respond(status, json.dumps(answer, ensure_ascii=False).encode(), headers, close=close)
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Mapping[str, Any]]:
-        gets = {"/v1/models": self._models, "/props": self._props, "/health": lambda: {"status": "ok"}}
-        posts = {
+        gets: dict[str, Callable[[], Mapping[str, Any]]] = {
+            "/v1/models": self._models,
+            "/props": self._props,
+            "/health": lambda: {"status": "ok"},
+        }
+        posts: dict[str, Callable[[Mapping[str, Any]], Awaitable[Mapping[str, Any]]]] = {
             "/v1/completions": self._completions,
             "/v1/chat/completions": self._chat,
             "/tokenize": self._tokenize,
         }
         if path in gets:
-            if method not in ("GET", "HEAD"):
+            if method != "GET":
                 raise BadRequest(f"use GET {path}", 405)
             return 200, gets[path]()
         if path in posts:

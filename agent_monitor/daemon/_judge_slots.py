@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..prompts import ANSWER_CUE
 from ..judges.llamacpp import PromptTokens, clear_kv, evaluate_after_prefix, last_logits, load_llama
+from ..prompts import ANSWER_CUE
 
 __all__ = ["Ask", "Choice", "Completion", "LoadedModel", "Slot", "TopToken"]
 
