@@ -177,7 +177,7 @@ class JudgeServer:
         self.model.close()
 
     def statistics(self) -> Mapping[str, int]:
-        """Requests answered, refused (400s and 503s), prompt tokens and the prompt tokens slots kept."""
+        """Requests answered, refused (4xx and 503), failed (500), prompt tokens and the prompt tokens slots kept."""
         return dict(self._stats)
 
     @property
@@ -221,6 +221,13 @@ class JudgeServer:
         except BadRequest as e:
             self._stats["refused"] += 1
             status, answer = e.status, _error_body(e)
+        except Exception as e:  # a bug or a llama.cpp failure: one 500 that names it, and the server goes on
+            log.exception("judge_server_request_failed", path=path)
+            self._stats["failed"] += 1
+            status, answer = (
+                500,
+                _error_body(BadRequest(f"judge-server failed: {type(e).__name__}: {e}", 500, "server_error")),
+            )
         await self._answer(conn, status, answer, close=body is None)
 
     async def _answer(self, conn: H11Conn, status: int, answer: Mapping[str, Any], *, close: bool = False) -> None:
