@@ -401,12 +401,13 @@ async def test_llama_cpp_server_itself_serves_logprobs_and_reuses_the_prefix() -
     with llama_server(gemma_path(), args=["--n_ctx", "2048", "--verbose", "true"]) as server:
         start = len(server.log())
         async with OpenAIJudge(base_url=server.url + "/v1", api="completions", timeout_s=240) as judge:
-            for n in (1, 2, 3):
+            # Two calls (its logprobs cost O(prompt x vocabulary) each): the second extends the first.
+            for n in (1, 2):
                 resp = await judge.grade(JudgeRequest(prompt_at(n)))
                 assert resp.usage.input_tokens > 0 and isinstance(resp.samples[0], dict) and resp.samples[0]
         # llama_cpp.server reports no cached tokens in `usage`; its verbose log says what it reused.
         hits = [(int(a), int(b)) for a, b in PREFIX_HIT.findall(server.log()[start:])]
-    assert len(hits) >= 2 and all(kept > 0 for kept, _ in hits[-2:]), hits
+    assert hits and hits[-1][0] > 0, hits
 
 
 async def test_server_chat_logprobs_with_a_chat_template(smollm_server: Server) -> None:
