@@ -222,6 +222,7 @@ def test_a_model_process_killed_by_a_signal_is_reported_with_its_cause() -> None
     assert f"agent-monitor: agent-monitor judge-server (pid {child}) died from SIGSEGV (signal 11)" in message
 
 
+@pytest.mark.timeout(600)  # two steps, each given up to 240 s on a loaded machine
 def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(broker: Mosquitto) -> None:
     from tests.test_serve_cli import Watch, pub, serve, wait_serving
 
