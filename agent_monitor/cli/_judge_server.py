@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import subprocess
@@ -72,6 +73,7 @@ def _supervise(settings: JudgeServerSettings) -> int:
 
 
 def _serve(settings: JudgeServerSettings) -> int:
+    _die_with_parent()
     try:
         server = JudgeServer.load(settings)
     except (OSError, ImportError, ValueError) as e:
@@ -81,6 +83,20 @@ def _serve(settings: JudgeServerSettings) -> int:
         return asyncio.run(_run(server))
     finally:
         server.close()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel stop this child when its supervisor dies (Linux), so a killed supervisor leaves no server."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() == 1:  # the supervisor was gone before the request took effect
+        raise SystemExit(0)
 
 
 async def _run(server: JudgeServer) -> int:
