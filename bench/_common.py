@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: free ports, a private Mosquitto, a throwaway llama_cpp.server, RSS, stats.
+"""Shared helpers for the benchmarks: free ports, a private Mosquitto, a throwaway judge-server, RSS, stats.
 
 Kept free of test-suite imports so the benchmarks run from a checkout or a copy of `bench/` alone.
 """
@@ -118,52 +118,12 @@ def mosquitto(extra: Sequence[str] = ()) -> Iterator[Broker]:
                 proc.wait()
 
 
-# -- llama_cpp.server ----------------------------------------------------------------------------------------
-
-# llama-cpp-python's completion path computes a log-softmax over *every* prompt position
-# (`Llama.logits_to_logprobs(self._scores)[token_offset:]`, n_tokens x n_vocab floats, several
-# temporaries) and then keeps only the last row or two. With Gemma's 262k vocabulary that is
-# ~1 MB per prompt token per temporary, on every request, cached prefix or not. This launcher
-# makes the log-softmax lazy, so only the sliced rows are computed; nothing else changes.
-LAZY_LOGPROBS_LAUNCHER = """
-import sys
-import numpy as np
-from llama_cpp import Llama
-
-_full = Llama.logits_to_logprobs
-
-
-class _LazyRows:
-    def __init__(self, logits):
-        self.logits = logits
-
-    def __getitem__(self, key):
-        return _full(self.logits[key])
-
-    def __len__(self):
-        return len(self.logits)
-
-    def __iter__(self):
-        return iter(_full(self.logits))
-
-
-def _lazy(logits, axis=-1):
-    if isinstance(logits, np.ndarray) and logits.ndim == 2 and axis == -1:
-        return _LazyRows(logits)
-    return _full(logits, axis)
-
-
-Llama.logits_to_logprobs = staticmethod(_lazy)
-from llama_cpp.server.__main__ import main
-
-sys.argv[0] = "llama_cpp.server"
-main()
-"""
+# -- agent-monitor judge-server ------------------------------------------------------------------------------
 
 
 @dataclass
-class LlamaServer:
-    """A running llama_cpp.server: base URL (no /v1), its process and log file."""
+class JudgeServer:
+    """A running `agent-monitor judge-server`: base URL (no /v1), its process (the supervisor) and log file."""
 
     url: str
     process: subprocess.Popen[bytes]
@@ -172,8 +132,17 @@ class LlamaServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def crash(self) -> str | None:
+        """Why it died, when a signal killed its model (the known llama.cpp cause named); else None."""
+        from agent_monitor.judges.llamacpp import crash_explanation
+
+        return crash_explanation(self.process.poll(), f"agent-monitor judge-server (pid {self.process.pid})")
+
     def peak_rss_kb(self) -> int:
-        return proc_status_kb("VmHWM", self.process.pid)
+        """Peak RSS of the process that holds the model (the supervisor's child)."""
+        pid = self.process.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return proc_status_kb("VmHWM", children[0] if children else pid)
 
 
 def gemma_path() -> str:
@@ -184,24 +153,28 @@ def gemma_path() -> str:
 
 
 @contextlib.contextmanager
-def llama_server(
-    model: str, *, args: Sequence[str] = (), lazy_logprobs: bool = True, timeout_s: float = 180.0
-) -> Iterator[LlamaServer]:
-    """Run llama_cpp.server on a free port until the block exits; wait until /v1/models answers."""
+def judge_server(
+    model: str | None = None, *, args: Sequence[str] = (), timeout_s: float = 180.0
+) -> Iterator[JudgeServer]:
+    """Run `agent-monitor judge-server` (None: the packaged Gemma 3 270M) on a free port; wait for /v1/models.
+
+    A crash of its model (a signal in llama.cpp's native code) is reported as such, with its known cause,
+    instead of as the connection error the benchmark's client sees.
+    """
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="bench-llama-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-judge-server-") as tmp:
         log_path = Path(tmp) / "server.log"
-        head = [sys.executable, "-c", LAZY_LOGPROBS_LAUNCHER] if lazy_logprobs else [sys.executable, "-m"]
-        cmd = [*head, *([] if lazy_logprobs else ["llama_cpp.server"])]
-        cmd += ["--model", model, "--host", "127.0.0.1", "--port", str(port), *args]
+        cmd = [sys.executable, "-m", "agent_monitor", "judge-server", "--host", "127.0.0.1", "--port", str(port)]
+        cmd += [*(["--model", model] if model else []), *args]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        server = LlamaServer(f"http://127.0.0.1:{port}", proc, log_path)
+        server = JudgeServer(f"http://127.0.0.1:{port}", proc, log_path)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"llama_cpp.server exited with {proc.returncode}:\n{server.log()[-3000:]}")
+                    why = server.crash() or f"judge-server exited with {proc.returncode}"
+                    raise RuntimeError(f"{why}:\n{server.log()[-3000:]}")
                 try:
                     with urllib.request.urlopen(server.url + "/v1/models", timeout=2) as resp:
                         if resp.status == 200:
@@ -209,9 +182,15 @@ def llama_server(
                 except (urllib.error.URLError, OSError):
                     pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"llama_cpp.server not ready in {timeout_s:g}s:\n{server.log()[-3000:]}")
+                    raise TimeoutError(f"judge-server not ready in {timeout_s:g}s:\n{server.log()[-3000:]}")
                 time.sleep(0.2)
-            yield server
+            try:
+                yield server
+            except Exception as e:
+                crash = server.crash()
+                if crash is not None:
+                    raise RuntimeError(f"{crash}\n{server.log()[-2000:]}") from e
+                raise
         finally:
             proc.terminate()
             try:

@@ -1,6 +1,6 @@
 """Judge cost with a real prefix cache: our prefix-stable prompt layout against the reference library's own.
 
-Starts `llama_cpp.server` with the packaged Gemma 3 270M, replays a recorded run
+Starts `agent-monitor judge-server` with the packaged Gemma 3 270M, replays a recorded run
 step by step through `AsyncProgressTracker` + `OpenAIJudge`, once with our
 layout (instructions, task, criteria, steps; "n steps so far" and the criterion
 last) and once with the BASELINE a user of the reference library runs: its
@@ -17,17 +17,16 @@ read at one token after the answer cue, as ours (upstream generates the
 `<c1>` tag first: that only adds output tokens to its cost).
 
 Reported: per-update latency at the first and last step for both, prompt tokens
-sent, tokens the server actually evaluated (its verbose log says how much of
-each prompt it kept in the KV cache), and the share of each prompt that is a
-prefix of the next one, on the server's own token ids (`/extras/tokenize`).
+sent, tokens the server actually evaluated (each answer's
+`usage.prompt_tokens_details.cached_tokens` says how much of the prompt its slot
+kept in the KV cache), and the share of each prompt that is a prefix of the next
+one, on the server's own token ids (`POST /tokenize`).
 
-    .venv/bin/python bench/prefix_cache.py [--run FILE] [--max-steps 30] [--stock-server] [--server-cache]
+    .venv/bin/python bench/prefix_cache.py [--run FILE] [--max-steps 30]
 
-By default the server runs with one fix applied at launch (see `_common.LAZY_LOGPROBS_LAUNCHER`):
-stock llama-cpp-python computes a log-softmax over every prompt position on every request that asks
-for logprobs, which costs O(prompt length x vocabulary) time and memory per call regardless of the
-cache and runs this 24 GiB machine out of memory at ~5k-token prompts with Gemma's 262k vocabulary.
-`--stock-server` runs it unmodified (use a small `--max-steps`).
+The server is judge-server (one slot, weight repacking off), not `llama_cpp.server`: the latter
+repacks weights, which crashes some AVX-512 CPUs, and computes a log-softmax over every prompt
+position of every logprobs request (O(prompt length x vocabulary) per call, cached prefix or not).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import re
 import statistics
 import sys
 import time
@@ -46,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import REPO, cleanup_on_sigterm, configure_logs, gemma_path, kv_line, llama_server, load1, mem_available_kb
+from _common import REPO, cleanup_on_sigterm, configure_logs, judge_server, kv_line, load1
 
 from agent_monitor import AsyncProgressTracker, JudgeRequest, JudgeResponse, Prompt, build_prompt, load_criteria
 from agent_monitor.judges.openai import OpenAIJudge
@@ -55,11 +53,6 @@ from agent_monitor.recorded import RecordedRun, load_recorded
 
 DEFAULT_RUN = REPO.parent / "shared" / "data" / "atif" / "pytorch-model-cli" / "success_trajectory.json"
 FALLBACK_RUN = REPO / "tests" / "fixtures" / "atif_reverse_string.json"
-
-# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose llama_cpp.server).
-PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
-NO_REUSE = re.compile(r"Llama\.generate: (\d+) prefix-match found but partial kv removal not supported")
-
 
 # The reference library's online prompt, by layout (llm_verifier/progress.py, build_progress_prompt, commit
 # 115de30): the parts in its order and about its lengths, in our own words (its text is not copied here).
@@ -163,7 +156,7 @@ def post_json(url: str, body: dict[str, Any]) -> Any:
 
 
 def tokenize(base: str, text: str) -> list[int]:
-    return list(post_json(base + "/extras/tokenize", {"input": text})["tokens"])
+    return list(post_json(base + "/tokenize", {"content": text})["tokens"])
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -195,21 +188,6 @@ async def warm_up(judge: LayoutJudge) -> None:
     await judge.client.completions.create(model=model, prompt="Warm-up: say A.", max_tokens=1, temperature=0.0)
 
 
-def prefault(base: str, tokens: int) -> float:
-    """Evaluate one unrelated prompt of `tokens` tokens; return its latency.
-
-    llama_cpp.server keeps an n_ctx x n_vocab float array of logits (logits_all, which logprobs
-    need) and touches a row per evaluated token for the first time; with Gemma's 262k vocabulary
-    that is 1 MB of page faults per new position. Doing it once up front keeps that one-off cost out
-    of whichever layout happens to run first.
-    """
-    unit = len(tokenize(base, " ".join(["lorem"] * 1000))) / 1000
-    words = " ".join(["lorem"] * int(tokens / unit))
-    t0 = time.perf_counter()
-    post_json(base + "/v1/completions", {"prompt": words, "max_tokens": 1, "temperature": 0.0})
-    return time.perf_counter() - t0
-
-
 async def replay(
     layout: str, run: RecordedRun, n: int, server: Any, args: argparse.Namespace, score_at: set[int]
 ) -> Phase:
@@ -225,15 +203,12 @@ async def replay(
             await tracker.add(s.text)
             if i not in score_at:
                 continue
-            log_at = len(server.log())
             t0 = time.perf_counter()
             p = await tracker.score(i)
             latency = time.perf_counter() - t0
-            fresh = server.log()[log_at:]
-            hits = PREFIX_HIT.findall(fresh)
-            kept, evaluated = (int(hits[-1][0]), int(hits[-1][1])) if hits else (None, None)
-            if kept is None and NO_REUSE.search(fresh):
-                kept, evaluated = 0, p.usage.input_tokens
+            # What the server's slot kept of the prompt(s), as each answer's usage says.
+            kept = p.usage.cached_input_tokens
+            evaluated = p.usage.input_tokens - kept
             phase.updates.append(Update(i, latency, p.usage.input_tokens, kept, evaluated, p.ok, p.score, p.reason))
             tag = f"{p.score:.3f}" if p.score is not None else f"failed ({p.reason})"
             print(
@@ -261,30 +236,19 @@ async def main_async(args: argparse.Namespace) -> int:
     run = load_recorded(path)
     n = min(args.max_steps, len(run.steps))
     load0 = load1()
-    server_args = ["--n_ctx", str(args.n_ctx), "--verbose", "true"]
-    if args.server_cache:
-        server_args += ["--cache", "true"]
     print(
         f"run {path.name} ({run.name}): {len(run.steps)} agent steps, replaying {n}; "
-        f"llama_cpp.server {'stock' if args.stock_server else 'with lazy logprobs'}, "
-        f"--n_ctx {args.n_ctx}, prompt cache (--cache) {'on' if args.server_cache else 'off'}, api={args.api}",
+        f"agent-monitor judge-server, one slot, --n-ctx {args.n_ctx}, api={args.api}",
         file=sys.stderr,
         flush=True,
     )
-    with llama_server(gemma_path(), args=server_args, lazy_logprobs=not args.stock_server) as server:
+    with judge_server(args=["--n-ctx", str(args.n_ctx)]) as server:
         # Prefix shares on the server's token ids, for every step of both layouts (nothing is generated).
         texts = await asyncio.to_thread(all_prompts, run, n)
         tokens = {k: [await asyncio.to_thread(tokenize, server.url, t) for t in v] for k, v in texts.items()}
         longest = max(len(t) for v in tokens.values() for t in v)
         if longest >= args.n_ctx:
             raise SystemExit(f"the longest prompt is {longest} tokens, over --n-ctx {args.n_ctx}: lower --max-steps")
-        # Stock llama-cpp-python holds ~4 n_tokens x n_vocab float32 arrays at once per logprobs request.
-        need_kb = 4 * longest * 262_144 * 4 // 1024
-        if args.stock_server and need_kb > 0.8 * mem_available_kb():
-            raise SystemExit(
-                f"the stock server would need ~{need_kb // 1024**2} GiB for a {longest}-token prompt's logprobs; "
-                f"{mem_available_kb() // 1024**2} GiB are available: lower --max-steps"
-            )
         shares = {k: [common_prefix(a, b) / len(a) for a, b in itertools.pairwise(v)] for k, v in tokens.items()}
         totals = {k: sum(len(t) for t in v) for k, v in tokens.items()}
         # What a prefix-caching server evaluates when every step is scored in order: each prompt less
@@ -293,14 +257,12 @@ async def main_async(args: argparse.Namespace) -> int:
             k: len(v[0]) + sum(len(b) - common_prefix(a, b) for a, b in itertools.pairwise(v))
             for k, v in tokens.items()
         }
-        print(f"pre-faulting the server's logits array with a {longest}-token filler prompt ..", file=sys.stderr)
-        took = await asyncio.to_thread(prefault, server.url, longest)
         # One untimed cold call of each layout's step-1 prompt: the first real request after start-up
         # runs ~1 s slower than later cold ones, which would flatter whichever layout goes first.
         for layout in ("ours", "baseline"):
             body = {"prompt": texts[layout][0], "max_tokens": 1, "temperature": 0.0, "logprobs": 20}
             await asyncio.to_thread(post_json, server.url + "/v1/completions", body)
-        print(f"  {took:.1f} s, plus one untimed step-1 call per layout", file=sys.stderr, flush=True)
+        print("one untimed step-1 call per layout done", file=sys.stderr, flush=True)
         phases = {
             "ours": await replay("ours", run, n, server, args, set(range(1, n + 1))),
             "baseline": await replay("baseline", run, n, server, args, parse_steps(args.baseline_steps, n)),
@@ -308,14 +270,19 @@ async def main_async(args: argparse.Namespace) -> int:
         died = server.process.poll() is not None
         peak_rss_mb = 0.0 if died else server.peak_rss_kb() / 1024
         if died:
-            print(f"llama_cpp.server died during the benchmark:\n{server.log()[-2000:]}", file=sys.stderr)
+            print(
+                f"{server.crash() or 'judge-server died'} during the benchmark:\n{server.log()[-2000:]}",
+                file=sys.stderr,
+            )
 
     ours, base = phases["ours"], phases["baseline"]
     # Gemma 270M often puts little mass on the letters (low_mass): a score failure, not a failed call.
     errors = [u for ph in phases.values() for u in ph.updates if not u.ok and u.reason not in ("low_mass", "no_letter")]
     if errors:
         print(f"WARNING: {len(errors)} judge calls failed ({errors[0].reason}); latencies are not comparable")
-    print(f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on llama_cpp.server (2 cores); baseline: the")
+    print(
+        f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on agent-monitor judge-server (2 cores); baseline: the"
+    )
     print("reference library's own online prompt layout (llm_verifier/progress.py at 115de30, ported by layout)")
     print(
         f"{'step':>4} {'prompt tok':>10} | {'ours s':>7} {'evaluated':>9} {'kept':>6} | "
@@ -395,8 +362,7 @@ async def main_async(args: argparse.Namespace) -> int:
             baseline_tokens_every_step=totals["baseline"],
             ours_tokens_to_evaluate=to_eval["ours"],
             baseline_tokens_to_evaluate=to_eval["baseline"],
-            server="stock" if args.stock_server else "lazy_logprobs",
-            server_cache="on" if args.server_cache else "off",
+            server="judge-server",
             failed_calls=len(errors),
             server_peak_rss_mb=round(peak_rss_mb),
         )
@@ -419,8 +385,6 @@ def main() -> int:
     )
     ap.add_argument("--min-mass", type=float, default=0.05, help="letter mass floor (Gemma 270M puts ~0.1 on letters)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-call judge timeout in seconds")
-    ap.add_argument("--server-cache", action="store_true", help="start the server with --cache true (RAM state cache)")
-    ap.add_argument("--stock-server", action="store_true", help="unmodified llama_cpp.server (no lazy logprobs)")
     args = ap.parse_args()
     cleanup_on_sigterm()
     configure_logs("error")  # the per-step lines on stderr already say which calls failed, and why

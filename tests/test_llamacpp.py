@@ -1,4 +1,4 @@
-"""LlamaCppJudge on the real Gemma 3 270M and SmolLM2 135M, and OpenAIJudge against a real llama_cpp.server.
+"""LlamaCppJudge on the real Gemma 3 270M and SmolLM2 135M, and OpenAIJudge against real local servers.
 
 All slow: each model or server loads once per module. The models are tiny and weak
 judges, so the assertions are on the protocol and on exactness, not on grades.
@@ -16,11 +16,11 @@ import pytest
 
 from agent_monitor.criteria import load_criteria
 from agent_monitor.judges.base import JudgeError, JudgeRequest
-from agent_monitor.judges.llamacpp import _MIN_BATCH, LlamaCppJudge, _batches, _common_prefix
+from agent_monitor.judges.llamacpp import _MIN_BATCH, LlamaCppJudge, _batches, common_prefix
 from agent_monitor.judges.openai import OpenAIJudge
 from agent_monitor.prompts import Prompt, Step, build_prompt
 from agent_monitor.scale import LETTERS, LetterDistribution, ScoreError, distribution, read_letter
-from tests.llama_models import Server, gemma_path, llama_server, smollm2_path
+from tests.llama_models import Server, gemma_path, judge_server, llama_cpp_server_crash, llama_server, smollm2_path
 
 pytest.importorskip("llama_cpp")
 
@@ -205,7 +205,7 @@ def run_prompt(run: str, n: int) -> Prompt:
 def reusable(judge: LlamaCppJudge, before: Prompt, after: Prompt) -> int:
     """How many tokens of `after` a context holding `before` can reuse (its common prefix, less _MIN_BATCH)."""
     a, b = judge.tokenize(before), judge.tokenize(after)
-    return min(_common_prefix(a, b), len(b) - _MIN_BATCH)
+    return min(common_prefix(a, b), len(b) - _MIN_BATCH)
 
 
 async def cold_scores(prompts: list[Prompt]) -> list[LetterDistribution]:
@@ -339,28 +339,28 @@ async def test_chat_template_in_process_keeps_control_tokens_out_of_the_content(
     print(f"\nsmollm2 in-process chat template: letter mass {d.mass:.4f}, top {d.top}")
 
 
-# -- llama_cpp.server -------------------------------------------------------------------
+# -- agent-monitor judge-server (and one test of llama_cpp.server itself) ----------------
 
-# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose server).
+# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose llama_cpp.server).
 PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
 
 
 @pytest.fixture(scope="module")
 def gemma_server() -> Iterator[Server]:
-    with llama_server(gemma_path(), args=["--n_ctx", "2048", "--verbose", "true"]) as server:
+    with judge_server(gemma_path(), n_ctx=2048) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def smollm_server() -> Iterator[Server]:
-    with llama_server(smollm2_path(), args=["--n_ctx", "2048"]) as server:
+    with judge_server(smollm2_path(), n_ctx=2048) as server:
         yield server
 
 
 async def test_server_completions_return_real_logprobs(gemma_server: Server) -> None:
     async with OpenAIJudge(base_url=gemma_server.url + "/v1", api="completions", timeout_s=120) as judge:
         resp = await judge.grade(JudgeRequest(prompt_at(2)))
-    assert resp.model  # read from /v1/models (llama_cpp.server names the model by its --model path)
+    assert resp.model  # read from /v1/models (judge-server names the model by its file name)
     assert resp.usage.input_tokens > 0 and resp.usage.output_tokens == 1
     sample = resp.samples[0]
     assert sample and 0 < len(sample) <= 21
@@ -373,8 +373,8 @@ async def test_server_completions_return_real_logprobs(gemma_server: Server) -> 
 
 
 async def test_server_reuses_the_prompt_prefix(gemma_server: Server) -> None:
-    start = len(gemma_server.log())
     lengths: list[int] = []
+    kept: list[int] = []
     latencies: list[float] = []
     async with OpenAIJudge(base_url=gemma_server.url + "/v1", api="completions", timeout_s=120) as judge:
         for n in range(1, 9):
@@ -382,16 +382,32 @@ async def test_server_reuses_the_prompt_prefix(gemma_server: Server) -> None:
             resp = await judge.grade(JudgeRequest(prompt_at(n)))
             latencies.append(time.perf_counter() - t0)
             lengths.append(resp.usage.input_tokens)
-    # llama_cpp.server reports no cached tokens in `usage`; its verbose log says what it reused.
-    hits = [(int(a), int(b)) for a, b in PREFIX_HIT.findall(gemma_server.log()[start:])]
-    assert len(hits) >= 7, gemma_server.log()[start:][-2000:]
-    evaluated = sum(b for _, b in hits[-7:])
+            kept.append(resp.usage.cached_input_tokens)  # the server's usage.prompt_tokens_details.cached_tokens
+    evaluated = sum(n - k for n, k in zip(lengths[1:], kept[1:], strict=True))
     assert evaluated < 0.5 * sum(lengths[1:])
-    assert all(kept > 0 for kept, _ in hits[-7:])
+    assert all(k > 0 for k in kept[1:])
     print(
-        f"\ngemma via server, steps 2..8: {evaluated} of {sum(lengths[1:])} prompt tokens evaluated; "
+        f"\ngemma via judge-server, steps 2..8: {evaluated} of {sum(lengths[1:])} prompt tokens evaluated; "
         f"latency step 1 {latencies[0]:.2f}s, step 8 {latencies[-1]:.2f}s"
     )
+
+
+async def test_llama_cpp_server_itself_serves_logprobs_and_reuses_the_prefix() -> None:
+    # The one test of `python -m llama_cpp.server` (llama-cpp-python's own server, default settings: weight
+    # repacking on). Everything else runs judge-server. Where repacking crashes the CPU, a probe says so once.
+    crash = llama_cpp_server_crash()
+    if crash is not None:
+        pytest.skip(f"llama_cpp.server with default settings crashes on this CPU: {crash}")
+    with llama_server(gemma_path(), args=["--n_ctx", "2048", "--verbose", "true"]) as server:
+        start = len(server.log())
+        async with OpenAIJudge(base_url=server.url + "/v1", api="completions", timeout_s=240) as judge:
+            # Two calls (its logprobs cost O(prompt x vocabulary) each): the second extends the first.
+            for n in (1, 2):
+                resp = await judge.grade(JudgeRequest(prompt_at(n)))
+                assert resp.usage.input_tokens > 0 and isinstance(resp.samples[0], dict) and resp.samples[0]
+        # llama_cpp.server reports no cached tokens in `usage`; its verbose log says what it reused.
+        hits = [(int(a), int(b)) for a, b in PREFIX_HIT.findall(server.log()[start:])]
+    assert hits and hits[-1][0] > 0, hits
 
 
 async def test_server_chat_logprobs_with_a_chat_template(smollm_server: Server) -> None:
@@ -436,7 +452,7 @@ async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_se
 async def test_lean_and_sdk_transports_read_the_same_answer_from_the_real_server(
     smollm_server: Server, gemma_server: Server, api: str
 ) -> None:
-    # The same prompt through both transports against a real llama_cpp.server (temperature 0): the same tokens.
+    # The same prompt through both transports against a real judge-server (temperature 0): the same tokens.
     url = (smollm_server if api == "chat" else gemma_server).url + "/v1"
     got = {}
     for transport in ("lean", "sdk"):

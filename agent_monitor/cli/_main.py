@@ -525,6 +525,9 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from ._selfcheck import add_parser as _self_check_parser
 
     _self_check_parser(sub, _command)
+    from ._judge_server import add_parser as _judge_server_parser
+
+    _judge_server_parser(sub, _command, environ)
     return parser
 
 
@@ -1311,6 +1314,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return _export(args)
         if args.command == "calibration":
             return asyncio.run(_calibration(args))
+        if args.command == "judge-server":
+            from ._judge_server import run as _judge_server
+
+            return _judge_server(args)
         if args.command == "self-check":
             from ._selfcheck import run as _self_check
 

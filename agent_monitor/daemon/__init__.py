@@ -22,6 +22,7 @@ from ._config import (
 )
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
 from ._http import HttpRequest, HttpResponse, HttpServer, Route
+from ._judge_server import JudgeServer, JudgeServerSettings
 from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
@@ -73,6 +74,8 @@ __all__ = [
     "HttpServer",
     "Inbound",
     "Ingest",
+    "JudgeServer",
+    "JudgeServerSettings",
     "MemoryStore",
     "MetricsSettings",
     "Monitor",

@@ -7,6 +7,7 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -182,7 +183,7 @@ class LlamaCppJudge(BaseJudge):
         self.chat_template: str | None = None
         """The chat template in use, once loaded (None: plain-text prompts)."""
         self._llm: Any = None
-        self._text: _PromptTokens | None = None  # how prompts become tokens, made with the model
+        self._text: PromptTokens | None = None  # how prompts become tokens, made with the model
         self._letter_ids: dict[int, str] = {}
         self._binary_ids: dict[int, str] = {}  # "True" / "False" spellings, for a binary rubric's prompts
         self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
@@ -271,23 +272,16 @@ class LlamaCppJudge(BaseJudge):
             # which Llama() does not accept (it calls .encode on the path).
             self.model_path = os.fspath(assemble())
             self.model = _model_id(self.model_path)
-        kwargs: dict[str, Any] = {
-            "n_ctx": self.n_ctx,
-            "logits_all": False,
-            "verbose": self.verbose,
-        }
-        if self.n_threads is not None:
-            kwargs.update(n_threads=self.n_threads, n_threads_batch=self.n_threads)
-        kwargs.update(self.llama_kwargs)
-        # A full-size sliding-window cache keeps every position, so the KV tail can be
-        # cut anywhere (Gemma 3 has 512-token windows). Not overridable: with the small
-        # cache, Gemma 3 270M's letter mass moved by up to 0.03, reused prefix or not.
-        kwargs["swa_full"] = True
-        # Note: verbose=False makes llama-cpp-python point file descriptors 1 and 2
-        # at /dev/null while the model loads, which silences every thread briefly.
-        llm = _new_llama(self.model_path, kwargs, repack=self.repack)
+        llm = load_llama(
+            self.model_path,
+            n_ctx=self.n_ctx,
+            n_threads=self.n_threads,
+            verbose=self.verbose,
+            repack=self.repack,
+            llama_kwargs=self.llama_kwargs,
+        )
         try:
-            self._text = _PromptTokens(llm, self.chat)
+            self._text = PromptTokens(llm, self.chat)
         except ValueError:
             llm.close()
             raise
@@ -344,43 +338,13 @@ class LlamaCppJudge(BaseJudge):
         cached = llm.input_ids[: llm.n_tokens].tolist()
         if cached == tokens and self._logits is not None:
             return len(tokens), self._logits
-        common = _common_prefix(cached, tokens)
-        # Re-run a few cached tokens rather than decode a tiny batch: see _MIN_BATCH.
-        keep = max(0, min(common, len(tokens) - _MIN_BATCH))
-        if not self._trim(llm, keep):
-            keep = 0
         self._logits = None
-        size = min(int(llm.n_batch), int(llm.context_params.n_ubatch))
-        start = keep
-        for n in _batches(len(tokens) - keep, size):
-            llm.eval(tokens[start : start + n])
-            start += n
-        self._logits = _last_logits(llm)
+        keep = evaluate_after_prefix(llm, tokens)
+        self._logits = last_logits(llm)
         return keep, self._logits
 
-    def _trim(self, llm: Any, keep: int) -> bool:
-        """Cut the KV cache to its first `keep` positions; False if it had to be cleared instead."""
-        import llama_cpp
-
-        if keep <= 0:
-            self._clear_kv(llm)
-            return False
-        ok = bool(llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm.ctx), 0, keep, -1))
-        # A sliding-window cache that is not full-size forgets old positions; if
-        # position 0 is gone the kept prefix is not what a cold run would see.
-        if ok and llama_cpp.llama_memory_seq_pos_min(llama_cpp.llama_get_memory(llm.ctx), 0) > 0:
-            ok = False
-        if not ok:
-            self._clear_kv(llm)
-            return False
-        llm.n_tokens = keep
-        return True
-
     def _clear_kv(self, llm: Any) -> None:
-        import llama_cpp
-
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
-        llm.n_tokens = 0
+        clear_kv(llm)
         self._logits = None
 
     def _switch(self, llm: Any, run_key: str | None, tokens: list[int]) -> None:
@@ -397,7 +361,7 @@ class LlamaCppJudge(BaseJudge):
             return  # a new run: it starts from the context's prefix (the shared instructions, at least)
         cached = llm.input_ids[: llm.n_tokens].tolist()
         # The run's own state, unless the context already shares more with this prompt (a reused key).
-        if _common_prefix(kept.tokens, tokens) > _common_prefix(cached, tokens):
+        if common_prefix(kept.tokens, tokens) > common_prefix(cached, tokens):
             self._restore(llm, kept)
 
     def _keep(self, llm: Any, key: str | None, budget: int) -> None:
@@ -475,7 +439,7 @@ class _Kept:
         return len(self.state) + (0 if self.logits is None else int(self.logits.nbytes))
 
 
-class _PromptTokens:
+class PromptTokens:
     """How a prompt becomes the token ids the model evaluates: its chat template when it has one, else plain text."""
 
     def __init__(self, llm: Any, chat: bool | None) -> None:
@@ -530,20 +494,45 @@ class _PromptTokens:
             except Exception as e:
                 raise JudgeError("chat_template", f"the model's chat template failed: {e}; use chat=False") from e
             texts = {_USER_MARK: system + "\n\n" + user}
-        if any(rendered.count(mark) != 1 for mark in texts):
-            raise JudgeError(
-                "chat_template", "the model's chat template drops or repeats message content; use chat=False"
-            )
-        pieces: list[tuple[str, bool]] = []
-        rest = rendered
-        for mark in sorted(texts, key=rendered.index):
-            head, rest = rest.split(mark, 1)
-            pieces += [(head, True), (texts[mark], False)]
-        pieces.append((rest, True))
-        return [(t, markup) for t, markup in pieces if t]
+        return _split(rendered, texts)
+
+    def chat_tokens(self, llm: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """The token ids of a chat (role, content) list through the template, the assistant turn left open.
+
+        Content is tokenised as plain text, the template's markup with special tokens (as for a Prompt).
+        ValueError without a template; JudgeError when the template fails on these messages.
+        """
+        if self.formatter is None:
+            raise ValueError("the model has no chat template; use /v1/completions with a plain-text prompt")
+        marks = {f"\x00agent-monitor:m{i}\x00": content for i, (_, content) in enumerate(messages)}
+        try:
+            rendered = self.formatter(
+                messages=[{"role": role, "content": mark} for mark, (role, _) in zip(marks, messages, strict=True)]
+            ).prompt
+        except Exception as e:
+            raise JudgeError("chat_template", f"the model's chat template failed on these messages: {e}") from e
+        tokens: list[int] = []
+        for text, is_markup in _split(rendered, marks):
+            tokens.extend(llm.tokenize(text.encode("utf-8"), add_bos=False, special=is_markup))
+        if self.bos is not None and (not tokens or tokens[0] != self.bos):
+            tokens.insert(0, self.bos)
+        return tokens
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _split(rendered: str, texts: Mapping[str, str]) -> list[tuple[str, bool]]:
+    """A rendered template with each mark replaced by its text, as (text, is_markup) pieces."""
+    if any(rendered.count(mark) != 1 for mark in texts):
+        raise JudgeError("chat_template", "the model's chat template drops or repeats message content; use chat=False")
+    pieces: list[tuple[str, bool]] = []
+    rest = rendered
+    for mark in sorted(texts, key=rendered.index):
+        head, rest = rest.split(mark, 1)
+        pieces += [(head, True), (texts[mark], False)]
+    pieces.append((rest, True))
+    return [(t, markup) for t, markup in pieces if t]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -577,6 +566,80 @@ def _batches(total: int, size: int) -> list[int]:
     return sizes
 
 
+def load_llama(
+    model_path: str,
+    *,
+    n_ctx: int,
+    n_threads: int | None = None,
+    verbose: bool = False,
+    repack: bool = False,
+    llama_kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    """A `llama_cpp.Llama` built as every local judge builds one: repacking off, a full-size sliding-window cache.
+
+    Both choices keep a reused KV prefix exact (see LlamaCppJudge); repacking off also keeps llama.cpp
+    off the repacked-weight kernels that crash on some AVX-512 CPUs (see docs/judges.md).
+    """
+    kwargs: dict[str, Any] = {"n_ctx": n_ctx, "logits_all": False, "verbose": verbose}
+    if n_threads is not None:
+        kwargs.update(n_threads=n_threads, n_threads_batch=n_threads)
+    kwargs.update(llama_kwargs or {})
+    # A full-size sliding-window cache keeps every position, so the KV tail can be
+    # cut anywhere (Gemma 3 has 512-token windows). Not overridable: with the small
+    # cache, Gemma 3 270M's letter mass moved by up to 0.03, reused prefix or not.
+    kwargs["swa_full"] = True
+    # Note: verbose=False makes llama-cpp-python point file descriptors 1 and 2
+    # at /dev/null while the model loads, which silences every thread briefly.
+    return _new_llama(model_path, kwargs, repack=repack)
+
+
+def evaluate_after_prefix(llm: Any, tokens: list[int]) -> int:
+    """Decode `tokens` into `llm`'s context, keeping the cached prefix they share; return how many were kept.
+
+    The old tail is cut from the KV cache; a few cached tokens are re-run rather than decode a tiny
+    batch (see _MIN_BATCH). The last position's logits are then `last_logits(llm)`.
+    """
+    cached = llm.input_ids[: llm.n_tokens].tolist()
+    common = common_prefix(cached, tokens)
+    keep = max(0, min(common, len(tokens) - _MIN_BATCH))
+    if not _trim(llm, keep):
+        keep = 0
+    size = min(int(llm.n_batch), int(llm.context_params.n_ubatch))
+    start = keep
+    for n in _batches(len(tokens) - keep, size):
+        llm.eval(tokens[start : start + n])
+        start += n
+    return keep
+
+
+def clear_kv(llm: Any) -> None:
+    """Empty `llm`'s KV cache: its next evaluation starts cold."""
+    import llama_cpp
+
+    llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(llm.ctx), True)
+    llm.n_tokens = 0
+
+
+def _trim(llm: Any, keep: int) -> bool:
+    """Cut the KV cache to its first `keep` positions; False if it had to be cleared instead."""
+    import llama_cpp
+
+    if keep <= 0:
+        clear_kv(llm)
+        return False
+    memory = llama_cpp.llama_get_memory(llm.ctx)
+    ok = bool(llama_cpp.llama_memory_seq_rm(memory, 0, keep, -1))
+    # A sliding-window cache that is not full-size forgets old positions; if
+    # position 0 is gone the kept prefix is not what a cold run would see.
+    if ok and llama_cpp.llama_memory_seq_pos_min(memory, 0) > 0:
+        ok = False
+    if not ok:
+        clear_kv(llm)
+        return False
+    llm.n_tokens = keep
+    return True
+
+
 # Serialises loads that swap llama-cpp-python's model defaults (see `_new_llama`) across judges.
 _DEFAULTS_LOCK = threading.Lock()
 
@@ -605,6 +668,30 @@ def _new_llama(path: str, kwargs: Mapping[str, Any], *, repack: bool) -> Any:
             return Llama(model_path=path, **kwargs)
         finally:
             setattr(lib, "llama_model_default_params", original)  # noqa: B010
+
+
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL)
+"""The signals a crash inside llama.cpp's native code kills a process with."""
+
+
+def crash_explanation(returncode: int | None, what: str) -> str | None:
+    """What a local judge process's exit status says when a signal killed it, with the known cause; else None.
+
+    Takes a `subprocess` return code (-N) or a shell-style status (128 + N, as `judge-server` exits).
+    """
+    if returncode is None or returncode == 0:
+        return None
+    number = -returncode if returncode < 0 else returncode - 128
+    if number not in CRASH_SIGNALS:
+        return None
+    name = signal.Signals(number).name
+    return (
+        f"{what} died from {name} (signal {number}), a crash in llama.cpp's native code, not a network error. "
+        "The known cause: llama.cpp's CPU weight repacking (Q4_0 / Q4_K weights on x86) faults on some AVX-512 "
+        "CPUs at the first prompt, and `python -m llama_cpp.server` always repacks. The way around: "
+        "`agent-monitor judge-server` (the same OpenAI-compatible API) or `--judge local`, which load the model "
+        "with repacking off; if that is what crashed, report it with the model file and `lscpu` (docs/judges.md)"
+    )
 
 
 def _packaged_tiny(path: str | None) -> str | None:
@@ -692,7 +779,8 @@ def _letter_ids(llm: Any, answers: Sequence[str] = LETTERS) -> dict[int, str]:
     return ids
 
 
-def _last_logits(llm: Any) -> Any:
+def last_logits(llm: Any) -> Any:
+    """The logits of the last evaluated position, as float64 (a copy: the next decode overwrites llama.cpp's)."""
     import numpy as np
 
     ptr = llm._ctx.get_logits_ith(-1)
