@@ -58,8 +58,11 @@ class StatusError(Exception):
         self.message = server_message if message is None else message
 
     def judge_error(self) -> JudgeError:
-        """The JudgeError for this status: its reason, whether it is retried, and the server's hint."""
-        return _status_error(self.status, self.message, self.headers)
+        """The JudgeError for this status: its reason, whether it is retried, and the server's hint.
+
+        A context-length refusal is read from what the server wrote (with its fields, which the SDK's wording lacks).
+        """
+        return context_refusal(self.status, self.server_message) or _status_error(self.status, self.message, self.headers)
 
 
 class LeanTransport:

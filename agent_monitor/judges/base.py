@@ -251,7 +251,10 @@ class BaseJudge(abc.ABC):
             self.calls += 1
             self.failures += 1
             self.context_refused += 1
-            raise over
+            try:
+                raise over
+            finally:
+                del over  # see below: no local may hold the error this frame raises
         async with self._limit():
             while True:
                 attempt += 1
@@ -269,16 +272,21 @@ class BaseJudge(abc.ABC):
                     t[1] += u.cached_input_tokens
                     t[2] += u.output_tokens
                     return replace(resp, latency_s=time.perf_counter() - start, attempts=attempt)
-                if err.reason == "context_overflow":
-                    self.learn_context(request, err)
-                    self.calls += 1
-                    self.failures += 1
-                    raise err
-                if not err.retryable or attempt > self.max_retries:
-                    self.calls += 1
-                    self.failures += 1
-                    raise err
+                if err.reason == "context_overflow" or not err.retryable or attempt > self.max_retries:
+                    break
                 await asyncio.sleep(self._delay(attempt, err.retry_after))
+        if err.reason == "context_overflow":
+            self.learn_context(request, err)
+        self.calls += 1
+        self.failures += 1
+        # Raised without the failed attempt's traceback, whose frames hold the request body (megabytes of prompt
+        # on a long run), and with no local left holding it: `err` -> traceback -> this frame -> `err` is a cycle
+        # only the cyclic GC frees, late (the daemon runs it seldom). Kept, every failed call left its prompt
+        # behind a while, and the daemon's RSS grew with each one (issue 42: 78 -> 420 MB over 472 failed calls).
+        try:
+            raise err.with_traceback(None)
+        finally:
+            del err
 
     async def _repeats(
         self, k: int, ask: int, request: Callable[[int], Awaitable[tuple[list[Sample], Usage]]]
