@@ -338,3 +338,59 @@ def test_memory_stays_flat_over_500_failed_calls(refusal: str) -> None:
     # A failed call that left its request behind would hold 200 KB or more; bounded state holds nothing per call.
     assert per_call < 1_000, f"{per_call:.0f} bytes retained per failed call"
     assert math.isfinite(per_call)
+
+
+# -- Gemini, and the in-process llama.cpp judge --
+
+
+async def test_gemini_takes_the_model_s_input_token_limit_and_learns_from_its_refusal() -> None:
+    from agent_monitor.judges.gemini import GeminiJudge
+    from tests.gemini_server import GeminiServer, error, letter_reply
+
+    info = {"name": "models/gemini-2.5-flash", "inputTokenLimit": 1048576, "outputTokenLimit": 65536}
+    server = GeminiServer(model_info=info).start()
+    judge = GeminiJudge("gemini-2.5-flash", api_key="test", base_url=server.url, backoff_s=0.001, max_retries=3)
+    try:
+        server.queue(letter_reply({"K": 1.0}))
+        await judge.grade(JudgeRequest(prompt(100)))
+        assert judge.context_tokens == 1048576 and len(server.gets) == 1
+        server.queue(error(400, "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576)."))
+        with pytest.raises(JudgeError) as err:
+            await judge.grade(JudgeRequest(prompt(40_000)))
+        assert err.value.reason == "context_overflow" and (err.value.limit, err.value.requested) == (1048576, 1200000)
+        assert len(server.requests) == 2  # not retried
+    finally:
+        await judge.aclose()
+        server.stop()
+    unknown = GeminiServer().start()  # a proxy without the models endpoint: the context stays unknown
+    judge = GeminiJudge("gemini-2.5-flash", api_key="test", base_url=unknown.url)
+    try:
+        unknown.queue(letter_reply({"K": 1.0}))
+        await judge.grade(JudgeRequest(prompt(100)))
+        assert judge.context_tokens is None
+    finally:
+        await judge.aclose()
+        unknown.stop()
+
+
+@pytest.mark.slow
+async def test_the_in_process_llama_judge_knows_its_n_ctx_and_learns_from_its_own_refusal() -> None:
+    from agent_monitor.judges.llamacpp import LlamaCppJudge
+    from tests.llama_models import gemma_path
+
+    assert LlamaCppJudge(gemma_path()).context_tokens == 8192  # its default n_ctx, the packaged judge's
+    assert LlamaCppJudge(gemma_path(), n_ctx=4096, context_tokens=2048).context_tokens == 2048  # a setting narrows
+    judge = LlamaCppJudge(gemma_path(), n_ctx=512)
+    try:
+        assert judge.context_tokens == 512
+        with pytest.raises(JudgeError) as err:
+            await judge.grade(JudgeRequest(prompt(8_000)))
+        assert err.value.reason == "context_overflow" and err.value.limit == 512
+        evaluated = judge.tokens_evaluated
+        with pytest.raises(JudgeError, match="not sent"):
+            await judge.grade(JudgeRequest(prompt(8_000)))  # refused before tokenizing, the second time
+        assert judge.context_refused == 1 and judge.tokens_evaluated == evaluated
+        resp = await judge.grade(JudgeRequest(prompt(100)))  # a prompt that fits is still graded
+        assert resp.samples[0]
+    finally:
+        await judge.aclose()
