@@ -6,6 +6,7 @@ OpenAI and Anthropic answer; requests are counted on the server's side.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import math
@@ -297,7 +298,6 @@ async def test_context_overflow_is_counted_under_its_reason_in_the_metrics(serve
 
 def _retained_growth(server: ScriptedServer, calls: int) -> tuple[float, int]:
     """Bytes still allocated per failed call after `calls` failed scorings (the first 100 excluded), and the calls."""
-    import asyncio
 
     async def run() -> tuple[float, int]:
         judge = OpenAIJudge(base_url=server.url, model="scripted-model", max_retries=0)
@@ -354,7 +354,9 @@ async def test_gemini_takes_the_model_s_input_token_limit_and_learns_from_its_re
         server.queue(letter_reply({"K": 1.0}))
         await judge.grade(JudgeRequest(prompt(100)))
         assert judge.context_tokens == 1048576 and len(server.gets) == 1
-        server.queue(error(400, "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576)."))
+        server.queue(
+            error(400, "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).")
+        )
         with pytest.raises(JudgeError) as err:
             await judge.grade(JudgeRequest(prompt(40_000)))
         assert err.value.reason == "context_overflow" and (err.value.limit, err.value.requested) == (1048576, 1200000)
@@ -394,3 +396,26 @@ async def test_the_in_process_llama_judge_knows_its_n_ctx_and_learns_from_its_ow
         assert resp.samples[0]
     finally:
         await judge.aclose()
+
+
+# -- judge calls nobody reads --
+
+
+async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_superseded_in_flight_is_counted() -> None:
+    from agent_monitor.testing import FakeJudge
+
+    reg = CollectorRegistry()
+    judge = FakeJudge(lambda p: "K", latency_s=0.3)
+    async with Monitor(MonitorConfig(max_concurrency=4), judge=judge, registry=reg) as mon:
+        await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
+        await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "s1"}).encode())
+        await asyncio.sleep(0.1)  # the prefix of step 1 is with the judge now
+        for i in (2, 3):  # they supersede it in flight; 2 is superseded by 3 before its scoring starts
+            await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
+        await mon.drain()
+        scoring = mon.statistics()["scoring"]
+    assert len(judge.requests) == 2  # steps 1 and 3: no call was ever made for the prefix of 2
+    assert [r.prompt.step for r in judge.requests] == [1, 3]
+    assert scoring["superseded"] == 1 and scoring["coalesced"] == 1 and scoring["scorings"] == 2
+    assert reg.get_sample_value("agent_monitor_scorings_superseded_total") == 1
+    assert reg.get_sample_value("agent_monitor_coalesced_steps_total") == 1

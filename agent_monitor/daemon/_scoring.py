@@ -92,6 +92,8 @@ class ScoringCounts:
     failures: dict[str, int] = field(default_factory=dict)
     coalesced: int = 0
     """Steps folded into a later step's scoring instead of being scored alone."""
+    superseded: int = 0
+    """Scorings whose run got newer steps while they were in flight: published, soon replaced by the next one."""
     calls_saved: int = 0
     images_dropped: int = 0
     to_score: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
@@ -129,6 +131,7 @@ class ScoringCounts:
             "scored_failed": self.failed,
             "failures": dict(self.failures),
             "coalesced": self.coalesced,
+            "superseded": self.superseded,
             "calls_saved": self.calls_saved,
             "images_dropped": self.images_dropped,
             "step_to_score_buckets": LATENCY_BUCKETS,
@@ -434,6 +437,10 @@ class Scoring:
                     p = None
             scoring.scored = max(scoring.scored, n)
             self.scorings += 1
+            if len(scoring.tracker.steps) > n:
+                # Steps came while the judge read this prefix (one that came before it started would have been in
+                # it: the prefix is taken when the scoring starts, newest prefix wins): published, then replaced.
+                self.counts.superseded += 1
             if self.runs.get(run_id) is not scoring:
                 return  # the run moved to another replica meanwhile (cluster mode): its owner publishes, not this one
             if p is not None:

@@ -62,7 +62,9 @@ class StatusError(Exception):
 
         A context-length refusal is read from what the server wrote (with its fields, which the SDK's wording lacks).
         """
-        return context_refusal(self.status, self.server_message) or _status_error(self.status, self.message, self.headers)
+        return context_refusal(self.status, self.server_message) or _status_error(
+            self.status, self.message, self.headers
+        )
 
 
 class LeanTransport:
