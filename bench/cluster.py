@@ -404,6 +404,7 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
     head += f"{'redis B/step':>12} {'runs owned':<16}"
     print(head)
     base = next((r.progress_per_s for r in results if r.label == "cluster-1"), results[0].progress_per_s)
+    base = base or float("nan")  # nothing scored in the window (a starved machine): no ratio, not a crash
     for r in results:
         owned = "/".join(str(o) for o in r.owned)
         print(

@@ -419,3 +419,37 @@ async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_supers
     assert scoring["superseded"] == 1 and scoring["coalesced"] == 1 and scoring["scorings"] == 2
     assert reg.get_sample_value("agent_monitor_scorings_superseded_total") == 1
     assert reg.get_sample_value("agent_monitor_coalesced_steps_total") == 1
+
+
+async def test_the_judge_context_flag_its_environment_twin_and_the_hook_s_judge() -> None:
+    import argparse
+
+    from agent_monitor._compat import judge_from_env
+    from agent_monitor.cli._flags import add_flags, build
+    from agent_monitor.cli._main import CliError, JudgeOptions, build_judge
+
+    given = ["--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"]
+    for environ, argv, expected in [
+        ({}, given, None),
+        ({"AGENT_MONITOR_JUDGE_CONTEXT": "4096"}, given, 4096),
+        ({"AGENT_MONITOR_JUDGE_CONTEXT": "4096"}, [*given, "--judge-context", "2048"], 2048),  # the flag wins
+    ]:
+        parser = argparse.ArgumentParser()
+        add_flags(parser, JudgeOptions, environ, title="judge")
+        judge = build_judge(build(JudgeOptions, parser.parse_args(argv)))
+        try:
+            assert judge.context_tokens == expected
+        finally:
+            await judge.aclose()
+    parser = argparse.ArgumentParser()
+    add_flags(parser, JudgeOptions, {}, title="judge")
+    with pytest.raises(CliError, match="--judge-context"):
+        build_judge(build(JudgeOptions, parser.parse_args([*given, "--judge-context", "0"])))
+    env = {"AGENT_MONITOR_JUDGE_URL": "http://127.0.0.1:9/v1", "AGENT_MONITOR_JUDGE_CONTEXT": "1024"}
+    hook_judge = judge_from_env("m", environ=env)
+    try:
+        assert hook_judge.context_tokens == 1024
+    finally:
+        await hook_judge.aclose()
+    with pytest.raises(ValueError, match="AGENT_MONITOR_JUDGE_CONTEXT"):
+        judge_from_env("m", environ={**env, "AGENT_MONITOR_JUDGE_CONTEXT": "lots"})
