@@ -453,3 +453,33 @@ async def test_the_judge_context_flag_its_environment_twin_and_the_hook_s_judge(
         await hook_judge.aclose()
     with pytest.raises(ValueError, match="AGENT_MONITOR_JUDGE_CONTEXT"):
         judge_from_env("m", environ={**env, "AGENT_MONITOR_JUDGE_CONTEXT": "lots"})
+
+
+async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_published(broker: Any) -> None:
+    from agent_monitor.testing import FakeJudge
+    from agent_monitor.wire import BrokerSettings
+
+    judge = FakeJudge(lambda p: "K")
+    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}")
+    async with Monitor(config, judge=judge) as mon:
+        await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
+        await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "s1"}).encode())
+        await asyncio.wait_for(mon.drain(), 10)
+        assert len(judge.requests) == 1 and len(mon.outbox) == 0  # scored and published
+        broker.stop()  # nobody can read a score now
+        await mon.handle("agents/r/step", json.dumps({"index": 2, "text": "s2"}).encode())
+        for _ in range(200):  # step 2 is scored; its score waits in the outbox
+            if mon.outbox.pending("r"):
+                break
+            await asyncio.sleep(0.01)
+        assert len(judge.requests) == 2 and mon.outbox.pending("r")
+        for i in (3, 4, 5):
+            await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
+            await asyncio.sleep(0.05)
+        assert len(judge.requests) == 2  # held: a score for 3, 4 or 5 would only queue behind 2's, unread
+        held = mon.statistics()["scoring"]["held"]
+        assert held >= 1
+        broker.start()  # the link reconnects, 2's score goes out, and one scoring covers 3-5
+        await asyncio.wait_for(mon.drain(), 60)
+        assert [r.prompt.step for r in judge.requests] == [1, 2, 5]
+        assert mon.tracker("r") is not None and mon.tracker("r").latest.coalesced == 3  # type: ignore[union-attr]
