@@ -13,7 +13,10 @@ score, so the judge slots stay busy and each scoring covers the steps that arriv
 a subscriber on `agents/+/progress` receives (scored steps/s) and the steps they cover (their `coalesced`),
 and the CPU each process used (/proc/<pid>/stat: replicas, judge, Mosquitto, Redis, publisher). A progress
 message published twice for the same step of a run would mean two owners: it is counted (`duplicates`).
-Each replica count gets a fresh broker and Redis. `--plain` adds a row for one `serve` without `--cluster`
+What became of the judge calls is read from the replicas' metrics over the same window: scorings made, scorings
+superseded in flight (newer steps came while the judge read them), scorings held while the run's last score waited
+to be published, steps folded into a later scoring, progress messages dropped for room; "unread" is the share of
+judge calls without a progress message at the subscriber. Each replica count gets a fresh broker and Redis. `--plain` adds a row for one `serve` without `--cluster`
 (SQLite journal): what cluster mode costs a single daemon. `--equal-slots` (on) adds the baseline a user
 would try before adding replicas: one plain `serve` and one cluster replica with all the judge slots of
 the largest cluster (`--max-concurrency` x replicas); against a judge with free parallel slots and a fixed
@@ -371,6 +374,7 @@ def measure(
 FLOW = {
     "scorings": "agent_monitor_scorings_total",
     "superseded": "agent_monitor_scorings_superseded_total",
+    "held": "agent_monitor_scorings_held_total",
     "coalesced": "agent_monitor_coalesced_steps_total",
     "outbox_dropped": "agent_monitor_outbox_dropped_total",
 }
@@ -423,14 +427,15 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
         print(f"{r.label:<10} {cells} {sum(r.cpu.values()):>7.2f} {per_scoring:>18.2f}")
     print("\nwhat became of the judge calls over the window (per second; unread: calls without a progress message):")
     head = f"{'config':<10} {'judge':>7} {'scorings':>9} {'received':>9} {'unread':>7} {'superseded':>11} "
-    print(head + f"{'folded':>7} {'dropped':>8}")
+    print(head + f"{'held':>7} {'folded':>7} {'dropped':>8}")
     for r in results:
         received = r.progress_per_s + r.failed / args.window_s
         unread = 1 - received / r.judge_calls_per_s if r.judge_calls_per_s else 0.0
         f = r.flow
         print(
             f"{r.label:<10} {r.judge_calls_per_s:>7.1f} {f.get('scorings', 0):>9.1f} {received:>9.1f} {unread:>7.1%} "
-            f"{f.get('superseded', 0):>11.1f} {f.get('coalesced', 0):>7.1f} {f.get('outbox_dropped', 0):>8.1f}"
+            f"{f.get('superseded', 0):>11.1f} {f.get('held', 0):>7.1f} {f.get('coalesced', 0):>7.1f} "
+            f"{f.get('outbox_dropped', 0):>8.1f}"
         )
     print("\nscored progress messages per 5 s of the window:")
     for r in results:
