@@ -268,10 +268,12 @@ async def test_a_context_refusal_does_not_open_the_circuit(server: ScriptedServe
     server.default = Reply(400, REFUSALS["vllm"][0])
     circuit = CircuitJudge(OpenAIJudge(base_url=server.url, model="scripted-model"), threshold=2)
     try:
+        assert circuit.context_tokens is None  # what a prompt budget reads through the daemon's circuit
         for _ in range(5):
             with pytest.raises(JudgeError, match="context_overflow"):
                 await circuit.grade(JudgeRequest(prompt(40_000)))
         assert not circuit.degraded and circuit.trips == 0 and circuit.calls_failed == 5
+        assert circuit.context_tokens == 8192  # learned by the judge behind it
     finally:
         await circuit.aclose()
 
