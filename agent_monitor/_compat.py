@@ -30,6 +30,8 @@ Kind = Literal["select", "compare", "track", "tracker"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 JUDGE_URL_ENV = "AGENT_MONITOR_JUDGE_URL"
+JUDGE_CONTEXT_ENV = "AGENT_MONITOR_JUDGE_CONTEXT"
+"""The judge's context window in tokens (the environment twin of `--judge-context`); unset: the server's, or learned."""
 """An OpenAI-compatible judge server's base URL; `model=` then names the model on it (default: the one it lists)."""
 
 # The reference library's defaults for K where they are not ours (its select repeats 4 times, the rest once).
@@ -92,6 +94,8 @@ def judge_from_env(
     env = settings(environ)
     # Only when given: each judge's own default stays the one default.
     concurrency: dict[str, Any] = {} if max_workers is None else {"concurrency": _workers(max_workers)}
+    if context := env.get(JUDGE_CONTEXT_ENV):
+        concurrency["context_tokens"] = _context_tokens(context)
     url = env.get(JUDGE_URL_ENV)
     if url:
         from .judges.openai import OpenAIJudge
@@ -125,6 +129,16 @@ def judge_from_env(
         "OpenAI-compatible server (model= names the model), or pass model= (gemini-* with GEMINI_API_KEY or "
         "GOOGLE_API_KEY; others with OPENAI_API_KEY / OPENAI_BASE_URL), in the environment or .env"
     )
+
+
+def _context_tokens(value: str) -> int:
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise ValueError(f"{JUDGE_CONTEXT_ENV}={value!r}; use the judge's context window in tokens (>= 1), or unset it")
+    return tokens
 
 
 def _workers(max_workers: object) -> int:

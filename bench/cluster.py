@@ -13,7 +13,10 @@ score, so the judge slots stay busy and each scoring covers the steps that arriv
 a subscriber on `agents/+/progress` receives (scored steps/s) and the steps they cover (their `coalesced`),
 and the CPU each process used (/proc/<pid>/stat: replicas, judge, Mosquitto, Redis, publisher). A progress
 message published twice for the same step of a run would mean two owners: it is counted (`duplicates`).
-Each replica count gets a fresh broker and Redis. `--plain` adds a row for one `serve` without `--cluster`
+What became of the judge calls is read from the replicas' metrics over the same window: scorings made, scorings
+superseded in flight (newer steps came while the judge read them), scorings held while the run's last score waited
+to be published, steps folded into a later scoring, progress messages dropped for room; "unread" is the share of
+judge calls without a progress message at the subscriber. Each replica count gets a fresh broker and Redis. `--plain` adds a row for one `serve` without `--cluster`
 (SQLite journal): what cluster mode costs a single daemon. `--equal-slots` (on) adds the baseline a user
 would try before adding replicas: one plain `serve` and one cluster replica with all the judge slots of
 the largest cluster (`--max-concurrency` x replicas); against a judge with free parallel slots and a fixed
@@ -287,6 +290,7 @@ class Outcome:
     fenced: int = 0
     timeline: list[int] = field(default_factory=list)  # progress messages per 5 s of the window
     redis_bytes_per_step: float = 0.0  # Redis' used memory at the end over the steps published (cluster only)
+    flow: dict[str, float] = field(default_factory=dict)  # the replicas' scoring counters over the window, per second
 
 
 def measure(
@@ -316,9 +320,11 @@ def measure(
                 if redis is not None and redis.proc is not None:
                     procs["redis"] = redis.proc.pid
                 cpu0 = {k: cpu_seconds(pid) for k, pid in procs.items()}
+                flow0 = flow_counts(replicas)
                 calls0, t0 = judge.calls, time.time()
                 time.sleep(args.window_s)
                 calls1, t1 = judge.calls, time.time()
+                flow1 = flow_counts(replicas)
                 cpu = {k: (cpu_seconds(pid) - cpu0[k]) / (t1 - t0) for k, pid in procs.items()}
                 parent.send("stop")
                 _, sent, pub_s = parent.recv()
@@ -354,6 +360,7 @@ def measure(
                     fenced=int(sum(s.get("agent_monitor_cluster_fenced_total", 0) for s in stats)),
                     timeline=slices,
                     redis_bytes_per_step=memory / max(1, sent),
+                    flow={k: (flow1[k] - flow0[k]) / span for k in flow1},
                 )
             finally:
                 if progress is not None:
@@ -362,6 +369,23 @@ def measure(
                 pub.join(10)
                 if pub.is_alive():
                     pub.kill()
+
+
+FLOW = {
+    "scorings": "agent_monitor_scorings_total",
+    "superseded": "agent_monitor_scorings_superseded_total",
+    "held": "agent_monitor_scorings_held_total",
+    "coalesced": "agent_monitor_coalesced_steps_total",
+    "outbox_dropped": "agent_monitor_outbox_dropped_total",
+}
+"""The replicas' counters that say what became of the judge calls: scorings made, superseded in flight (published,
+then replaced), steps folded into a later scoring before it started, progress messages dropped for room."""
+
+
+def flow_counts(replicas: list[Replica]) -> dict[str, float]:
+    """The FLOW counters now, summed over the replicas."""
+    stats = [r.metrics() for r in replicas]
+    return {k: sum(s.get(name, 0.0) for s in stats) for k, name in FLOW.items()}
 
 
 # -- report ------------------------------------------------------------------------------------------------------
@@ -384,6 +408,7 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
     head += f"{'redis B/step':>12} {'runs owned':<16}"
     print(head)
     base = next((r.progress_per_s for r in results if r.label == "cluster-1"), results[0].progress_per_s)
+    base = base or float("nan")  # nothing scored in the window (a starved machine): no ratio, not a crash
     for r in results:
         owned = "/".join(str(o) for o in r.owned)
         print(
@@ -400,6 +425,18 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
         per_scoring = 1000 * sum(reps) / max(1e-9, r.progress_per_s)
         cells = " ".join(f"{r.cpu[k]:>9.2f}" if k in r.cpu else f"{'':>9}" for k in names)
         print(f"{r.label:<10} {cells} {sum(r.cpu.values()):>7.2f} {per_scoring:>18.2f}")
+    print("\nwhat became of the judge calls over the window (per second; unread: calls without a progress message):")
+    head = f"{'config':<10} {'judge':>7} {'scorings':>9} {'received':>9} {'unread':>7} {'superseded':>11} "
+    print(head + f"{'held':>7} {'folded':>7} {'dropped':>8}")
+    for r in results:
+        received = r.progress_per_s + r.failed / args.window_s
+        unread = 1 - received / r.judge_calls_per_s if r.judge_calls_per_s else 0.0
+        f = r.flow
+        print(
+            f"{r.label:<10} {r.judge_calls_per_s:>7.1f} {f.get('scorings', 0):>9.1f} {received:>9.1f} {unread:>7.1%} "
+            f"{f.get('superseded', 0):>11.1f} {f.get('held', 0):>7.1f} {f.get('coalesced', 0):>7.1f} "
+            f"{f.get('outbox_dropped', 0):>8.1f}"
+        )
     print("\nscored progress messages per 5 s of the window:")
     for r in results:
         print(f"{r.label:<10} " + " ".join(str(x) for x in r.timeline))
@@ -413,6 +450,9 @@ def report(results: list[Outcome], args: argparse.Namespace, load_start: str) ->
     for r in results:
         key = _key(r)
         pairs[f"{key}_steps"] = r.steps_per_s
+        received = r.progress_per_s + r.failed / args.window_s
+        pairs[f"{key}_unread"] = 1 - received / r.judge_calls_per_s if r.judge_calls_per_s else 0.0
+        pairs[f"{key}_superseded"] = r.flow.get("superseded", 0.0) / max(1e-9, r.flow.get("scorings", 0.0))
         reps = [r.cpu[k] for k in r.names]
         pairs[f"{key}_cpu"] = sum(reps) / max(1, len(reps))
         if r.label.startswith("cluster"):

@@ -529,12 +529,18 @@ def panels() -> list[dict[str, Any]]:
                 target("A", f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))", "calls saved"),
                 target("B", f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))", "steps coalesced"),
                 target("C", f"sum(rate(agent_monitor_images_dropped_total{{{INST}}}[{RATE}]))", "frames unseen"),
+                target("D", f"sum(rate(agent_monitor_scorings_held_total{{{INST}}}[{RATE}]))", "scorings held"),
+                target(
+                    "E", f"sum(rate(agent_monitor_scorings_superseded_total{{{INST}}}[{RATE}]))", "scorings superseded"
+                ),
             ],
             unit="ops",
             w=6,
             description="Judge calls not made because confident rules answered, steps folded into a later "
             "step's scoring while the judge was busy, and frames the judge got as text placeholders (a text-only "
-            "judge, or a model that refused images: see the judge_refuses_images warning).",
+            "judge, or a model that refused images: see the judge_refuses_images warning). Scorings held: not "
+            "started while the run's last score still waited to be published (the publisher is behind); "
+            "superseded: newer steps came while the judge read the prefix.",
         ),
         row("Cost"),
         timeseries(

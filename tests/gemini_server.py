@@ -43,7 +43,10 @@ class GeminiServer:
     recorded in `requests`, in arrival order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, model_info: Mapping[str, Any] | None = None) -> None:
+        """`model_info`: what `GET .../models/{model}` answers (the model's `inputTokenLimit`...); None: 404."""
+        self.model_info = None if model_info is None else dict(model_info)
+        self.gets: list[str] = []
         self.requests: list[Received] = []
         self.default: Reply | Callable[[Any], Reply] = error(500, "the test server has no scripted reply left")
         self._replies: deque[Reply] = deque()
@@ -89,6 +92,18 @@ class GeminiServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                with server._lock:
+                    server.gets.append(self.path)
+                found = server.model_info is not None and "/models/" in self.path
+                reply = Reply(server.model_info) if found else error(404, f"no route {self.path}")
+                payload = json.dumps(reply.body).encode()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)

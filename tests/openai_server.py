@@ -99,14 +99,33 @@ def completion_reply(dists: list[Mapping[str, float]], chosen: list[str] | None 
 class ScriptedServer:
     """Serves scripted replies in order on /v1/chat/completions and /v1/completions; lists models."""
 
-    def __init__(self, models: tuple[str, ...] = ("scripted-model",), port: int = 0) -> None:
-        """`port` 0 takes a free one; a given port lets a test start a server again where its judge expects it."""
+    def __init__(
+        self,
+        models: tuple[str, ...] = ("scripted-model",),
+        port: int = 0,
+        *,
+        model_info: Mapping[str, Any] | None = None,
+        props: Any = None,
+        record: bool = True,
+    ) -> None:
+        """`port` 0 takes a free one; a given port lets a test start a server again where its judge expects it.
+
+        `model_info`: more fields of every `/v1/models` entry (vLLM's `max_model_len`); `props`: what `GET /props`
+        answers, as llama.cpp's llama-server does (None: 404); `record=False` keeps no request, only the count.
+        """
         self.models = models
+        self.model_info = dict(model_info or {})
+        self.props = props
+        self.record = record
         self.script: deque[Script] = deque()
         self.default: Script | None = None
         self.requests: list[dict[str, Any]] = []
         self.paths: list[str] = []
         self.times: list[float] = []
+        self.posts = 0
+        """POST requests received (recorded or not)."""
+        self.gets: list[str] = []
+        """The paths of the GET requests received."""
         self._lock = threading.Lock()
         server = self
 
@@ -132,27 +151,33 @@ class ScriptedServer:
                     pass  # the client gave up (timeout tests)
 
             def do_GET(self) -> None:
+                with server._lock:
+                    server.gets.append(self.path)
                 if self.path.rstrip("/").endswith("/models"):
                     self._send(
                         Reply(
                             body={
                                 "object": "list",
                                 "data": [
-                                    {"id": m, "object": "model", "created": 0, "owned_by": "test"}
+                                    {"id": m, "object": "model", "created": 0, "owned_by": "test", **server.model_info}
                                     for m in server.models
                                 ],
                             }
                         )
                     )
+                elif self.path == "/props" and server.props is not None:
+                    self._send(Reply(body=server.props))
                 else:
                     self._send(Reply(404, {"error": {"message": "no such path"}}))
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
                 with server._lock:
-                    server.requests.append(body)
-                    server.paths.append(self.path)
-                    server.times.append(time.monotonic())
+                    server.posts += 1
+                    if server.record:
+                        server.requests.append(body)
+                        server.paths.append(self.path)
+                        server.times.append(time.monotonic())
                     item = server.script.popleft() if server.script else server.default
                 if item is None:
                     self._send(Reply(500, {"error": {"message": "script exhausted"}}))

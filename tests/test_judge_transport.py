@@ -132,7 +132,7 @@ async def test_lean_keeps_connections_alive_and_bounds_them() -> None:
         async with OpenAIJudge(server.url, model="m", concurrency=3) as judge:
             await asyncio.gather(*(judge.grade(JudgeRequest(prompt())) for _ in range(30)))
             pool = judge._transport.pool
-            assert pool is not None and pool.requests == 30
+            assert pool is not None and pool.requests == 31  # the 30 grades, and /v1/models asked for the context
             assert pool.opened <= 6  # at most 2 x concurrency, reused for the rest
 
 
@@ -177,7 +177,8 @@ def closing_server() -> Iterator[tuple[str, list[int]]]:
 
 async def test_lean_retries_a_request_on_a_fresh_connection_when_an_idle_one_was_closed() -> None:
     with closing_server() as (url, accepted):
-        async with OpenAIJudge(url, model="m", max_retries=0) as judge:
+        # The context set: the server is not asked for it (this one answers every request with a completion).
+        async with OpenAIJudge(url, model="m", max_retries=0, context_tokens=8192) as judge:
             for _ in range(3):
                 await asyncio.sleep(0.05)  # the server has closed the previous connection by now
                 resp = await judge.grade(JudgeRequest(prompt()))

@@ -66,6 +66,14 @@ class JudgeOptions:
     judge_timeout: float | None = field(
         default=None, metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"}
     )
+    judge_context: int | None = field(
+        default=None,
+        metadata={
+            "help": "the judge's context window in tokens (prompt and answer); none: read from the server (vLLM's "
+            "/v1/models max_model_len, llama.cpp's /props n_ctx, Gemini's model limit; local: its n_ctx) or "
+            "learned from its first context-length refusal. Set, it wins over what the server says"
+        },
+    )
     judge_kv_budget: float = field(
         default=DEFAULT_KV_BUDGET_MB,
         metadata={
@@ -143,6 +151,10 @@ def build_judge(options: JudgeOptions) -> BaseJudge:
 def _new_judge(options: JudgeOptions) -> BaseJudge:
     kind, timeout = options.judge, options.judge_timeout
     extra: dict[str, Any] = {} if timeout is None else {"timeout_s": timeout}
+    if options.judge_context is not None:
+        if options.judge_context < 1:
+            raise CliError(f"--judge-context {options.judge_context}: give the judge's context in tokens (>= 1)")
+        extra["context_tokens"] = options.judge_context
     if kind == "openai":
         from ..judges.openai import OpenAIJudge
 
@@ -160,7 +172,9 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
 
         if not options.judge_model:
             raise CliError("--judge replay replays recorded answers: name their file with --judge-model FILE")
-        return ReplayJudge.load(options.judge_model)
+        replay = ReplayJudge.load(options.judge_model)
+        replay.context_tokens = extra.get("context_tokens")
+        return replay
     raise CliError(f"unknown judge {kind!r}; choose openai, gemini, local or replay")
 
 
@@ -597,6 +611,7 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
             assert isinstance(judge, OpenAIJudge)
             # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
             await (judge.check_reachable() if options.judge_model else judge.resolve_model())
+            await judge.resolve_model()  # with the model given: its context, where the server says it
         elif options.judge == "local":
             from ..judges.llamacpp import LlamaCppJudge
 

@@ -485,6 +485,18 @@ class FlowCollector(Collector):
             "Steps folded into a later step's scoring instead of being scored alone.",
             value=s["coalesced"],
         )
+        yield CounterMetricFamily(
+            "agent_monitor_scorings_superseded",
+            "Scorings whose run got newer steps while they were in flight: published, then replaced by the next one "
+            "(a scoring is never started for a prefix a newer one already replaced: agent_monitor_coalesced_steps).",
+            value=s["superseded"],
+        )
+        yield CounterMetricFamily(
+            "agent_monitor_scorings_held",
+            "Scorings not started while their run's last score still waited to be published (it would have queued "
+            "behind it, unread); each starts once that message is out, with the steps that came meanwhile.",
+            value=s["held"],
+        )
         yield _histogram(
             "agent_monitor_step_to_score_seconds",
             "Time from a step's arrival to the publication of the score that includes it.", s, "step_to_score",

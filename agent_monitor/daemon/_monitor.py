@@ -196,6 +196,9 @@ class Monitor:
         self.link = _link(c, self.topics, self.mode, m) if c.broker is not None else None
         if self.link is not None:
             self.link.on_retained = self._intake.retained  # a retained input is a stored copy: ignored, told once
+            # a run's scoring waits while its last score is still to be published
+            self._scoring.unpublished = self.outbox.pending
+            self.outbox.on_run_out = self._scoring.published
         self.restored: tuple[str, ...] = ()
         """The live runs rebuilt from the store on entering, least recently active first."""
         self._stack: contextlib.AsyncExitStack | None = None
@@ -270,6 +273,9 @@ class Monitor:
     async def drain(self) -> None:
         """Wait until every step received so far is scored (tests, shutdown; bound it with asyncio.timeout)."""
         await self.scheduler.drain()
+        while self._scoring.holding():  # runs whose last score is being published: scored once it is out
+            await asyncio.sleep(0.005)
+            await self.scheduler.drain()
         await self._scoring.ended()
 
     @property

@@ -108,6 +108,8 @@ class Outbox:
         """Cluster mode: whether this replica may still publish about a run; a message it may not is dropped."""
         self._by_run: dict[str, int] = {}
         """Messages waiting per run (those that name one): a replica handing a run over waits for them to leave."""
+        self.on_run_out: Callable[[str], None] | None = None
+        """Told when a run's last waiting message left (published, dropped or fenced): the scoring held for it."""
 
     def put(self, m: Message) -> None:
         """Queue a message (never blocks: a scorer must not wait on a slow broker)."""
@@ -180,6 +182,8 @@ class Outbox:
             n = self._by_run.pop(m.run_id, 1) - 1
             if n > 0:
                 self._by_run[m.run_id] = n
+            elif self.on_run_out is not None:
+                self.on_run_out(m.run_id)
 
     def __len__(self) -> int:
         return len(self._droppable) + len(self._kept)

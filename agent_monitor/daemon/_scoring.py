@@ -92,6 +92,10 @@ class ScoringCounts:
     failures: dict[str, int] = field(default_factory=dict)
     coalesced: int = 0
     """Steps folded into a later step's scoring instead of being scored alone."""
+    superseded: int = 0
+    """Scorings whose run got newer steps while they were in flight: published, soon replaced by the next one."""
+    held: int = 0
+    """Scorings not started while their run's previous message still waited to be published (they fold later)."""
     calls_saved: int = 0
     images_dropped: int = 0
     to_score: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
@@ -129,6 +133,8 @@ class ScoringCounts:
             "scored_failed": self.failed,
             "failures": dict(self.failures),
             "coalesced": self.coalesced,
+            "superseded": self.superseded,
+            "held": self.held,
             "calls_saved": self.calls_saved,
             "images_dropped": self.images_dropped,
             "step_to_score_buckets": LATENCY_BUCKETS,
@@ -198,6 +204,20 @@ class Scoring:
         self._closed_all.set()
         """Finish a run (journal its end) once its newest prefix is scored: the ingest's, wired by the monitor."""
         self._default_policy: tuple[Policy, dict[str, Any]] | None = None
+        self.unpublished: Callable[[str], int] | None = None
+        """Messages about a run still waiting to be published (wired by a monitor that publishes; None: not held)."""
+        self._held: set[str] = set()
+        """Runs whose scoring waits for their previous messages to leave the outbox (`published` wakes them)."""
+
+    def holding(self) -> int:
+        """Runs whose scoring waits for their previous messages to be published."""
+        return len(self._held)
+
+    def published(self, run_id: str) -> None:
+        """A run's waiting messages have left the outbox: score it now if its scoring was held for them."""
+        if run_id in self._held:
+            self._held.discard(run_id)
+            self.scheduler.wake(run_id)
 
     def tracker(self, run_id: str) -> AsyncProgressTracker | None:
         """The tracker scoring a live run, or None."""
@@ -314,6 +334,7 @@ class Scoring:
     def _closed(self, effect: Closed, replaying: bool) -> None:
         run_id = effect.run_id
         scoring = self.runs.pop(run_id, None)
+        self._held.discard(run_id)
         self.scheduler.discard(run_id)
         self.rate.forget(run_id)
         self.groups.ended(run_id, effect.outcome, effect.at, publish=not replaying)
@@ -399,6 +420,7 @@ class Scoring:
 
     def forget(self, run_id: str) -> None:
         """Drop a run without ending it (cluster mode: another replica owns it now)."""
+        self._held.discard(run_id)
         self.runs.pop(run_id, None)
         self.prepared.pop(run_id, None)
         self._closing.pop(run_id, None)
@@ -413,6 +435,12 @@ class Scoring:
         if scoring is None:
             return
         if scoring.wants_scoring:
+            if self.unpublished is not None and self.unpublished(run_id):
+                # Its last score is not out yet: a new one would queue behind it, superseded before anyone read
+                # it. Held until that message leaves (`published`); the steps arriving meanwhile fold into it.
+                self._held.add(run_id)
+                self.counts.held += 1
+                return
             plan = self._plan(run_id, scoring)
             if plan is None:
                 return
@@ -441,6 +469,10 @@ class Scoring:
                     p = None
             scoring.scored = max(scoring.scored, n)
             self.scorings += 1
+            if len(scoring.tracker.steps) > n:
+                # Steps came while the judge read this prefix (one that came before it started would have been in
+                # it: the prefix is taken when the scoring starts, newest prefix wins): published, then replaced.
+                self.counts.superseded += 1
             if self.runs.get(run_id) is not scoring:
                 return  # the run moved to another replica meanwhile (cluster mode): its owner publishes, not this one
             if p is not None:

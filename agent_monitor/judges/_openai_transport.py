@@ -17,7 +17,7 @@ import openai
 from openai import AsyncOpenAI
 
 from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
-from .base import JudgeError, retry_after_seconds
+from .base import JudgeError, context_refusal, retry_after_seconds
 
 __all__ = ["LeanTransport", "Limits", "SdkTransport", "StatusError", "Transport", "sdk_error"]
 
@@ -58,8 +58,13 @@ class StatusError(Exception):
         self.message = server_message if message is None else message
 
     def judge_error(self) -> JudgeError:
-        """The JudgeError for this status: its reason, whether it is retried, and the server's hint."""
-        return _status_error(self.status, self.message, self.headers)
+        """The JudgeError for this status: its reason, whether it is retried, and the server's hint.
+
+        A context-length refusal is read from what the server wrote (with its fields, which the SDK's wording lacks).
+        """
+        return context_refusal(self.status, self.server_message) or _status_error(
+            self.status, self.message, self.headers
+        )
 
 
 class LeanTransport:
@@ -150,7 +155,10 @@ class SdkTransport:
                 else:
                     raise ValueError(f"the SDK transport posts to /completions or /chat/completions, not {path}")
         except openai.APIStatusError as e:
-            raise StatusError(e.status_code, _message_in(e.body) or e.message, e.response.headers, e.message) from None
+            said = _message_in(e.body)
+            raise StatusError(
+                e.status_code, said or _bounded(e.message), e.response.headers, _bounded(e.message)
+            ) from None
         except openai.OpenAIError as e:
             raise sdk_error(e, self.base_url) from None
         response = raw.http_response
@@ -182,6 +190,8 @@ def _status_error(status: int, message: str, headers: Mapping[str, str]) -> Judg
         return JudgeError("rate_limited", f"HTTP 429: {message}", retryable=True, retry_after=hint)
     if status >= 500 or status == 408:
         return JudgeError("server_error", f"HTTP {status}: {message}", retryable=True, retry_after=hint)
+    if (overflow := context_refusal(status, message)) is not None:
+        return overflow
     if status in (401, 403):
         return JudgeError(
             "auth", f"HTTP {status}: the judge server refused the API key; check api_key / OPENAI_API_KEY"
@@ -191,16 +201,44 @@ def _status_error(status: int, message: str, headers: Mapping[str, str]) -> Judg
     return JudgeError("bad_request", f"HTTP {status}: {message}")
 
 
+MAX_MESSAGE_CHARS = 1000
+"""The most of a server's error message kept: some servers echo the request (the whole prompt) in it, and the
+message lives on in the failed result, its log line and the run store."""
+
+
 def _message_in(body: object) -> str | None:
-    """The error message a server wrote in its JSON body (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form)."""
+    """The error message a server wrote in its JSON body (OpenAI's `{"error": {"message": ...}}`, vLLM's flat form).
+
+    A context-length refusal's fields beside the message (OpenAI's `code`, llama-server's `n_prompt_tokens` and
+    `n_ctx`) are added to it, so the refusal is told from any other 400 and its numbers are read. At most
+    `MAX_MESSAGE_CHARS`.
+    """
     if isinstance(body, Mapping):
         inner = body.get("error")
         for where in (body, inner if isinstance(inner, Mapping) else {}):
             if isinstance(msg := where.get("message"), str) and msg:
-                return msg
+                return _bounded(msg + _context_fields(where))
         if isinstance(inner, str) and inner:
-            return inner
+            return _bounded(inner)
     return None
+
+
+def _context_fields(error: Mapping[str, Any]) -> str:
+    """A context refusal's machine-readable fields, as text to add to its message ("" for other errors)."""
+    said = [
+        str(error[k])
+        for k in ("code", "type")
+        if error.get(k) in ("context_length_exceeded", "exceed_context_size_error")
+    ]
+    said += [f"{k}={error[k]}" for k in ("n_prompt_tokens", "n_ctx") if isinstance(error.get(k), int)]
+    return f" ({', '.join(said)})" if said else ""
+
+
+def _bounded(message: str) -> str:
+    """At most `MAX_MESSAGE_CHARS` of a server's message, saying how much was cut."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
 
 
 def _reply_message(reply: WireReply) -> str:

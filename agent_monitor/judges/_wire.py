@@ -57,7 +57,14 @@ class _Conn:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.writer.close()
+            transport = self.writer.transport
+            if transport.get_write_buffer_size():
+                # Bytes not yet written (a server that answered, or stopped reading, before taking the whole
+                # request body): a graceful close would keep them, megabytes of prompt, until the server reads
+                # them, which it may never do. Dropped with the connection instead.
+                transport.abort()
+            else:
+                self.writer.close()
 
 
 class WirePool:

@@ -8,19 +8,25 @@ import contextlib
 import email.utils
 import math
 import random
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import structlog
+
 from .._loop import LoopThread
+from .._tokens import estimate_tokens
 from ..progress import Usage
 from ..prompts import Prompt
 from ..scale import DEFAULT_MIN_MASS, read_binary, read_letter
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
+
+log = structlog.get_logger("agent_monitor.judges")
 
 
 class JudgeError(Exception):
@@ -38,6 +44,7 @@ class JudgeError(Exception):
         retryable: bool = False,
         retry_after: float | None = None,
         limit: int | None = None,
+        requested: int | None = None,
     ) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
@@ -45,6 +52,8 @@ class JudgeError(Exception):
         self.retry_after = retry_after
         self.limit = limit
         """With reason `context_overflow`: the judge's context in tokens, when the refusal said it."""
+        self.requested = requested
+        """With reason `context_overflow`: the tokens the refused request needed, when the refusal said it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +151,11 @@ class BaseJudge(abc.ABC):
         """The judge's context window in tokens (prompt and answer), None while unknown: set by the user, read from
         the server or model, or learned from a context-length refusal; prompt budgets are taken from it."""
         self.model = ""
+        self._fits_below: int | None = None
+        """Learned from context-length refusals: a request whose estimated tokens (`request_tokens`) are over this
+        is refused here, never sent (None: no refusal yet)."""
+        self.context_refused = 0
+        """Requests refused here, without a network call, as over the context the judge learned from a refusal."""
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._loop: LoopThread | None = None
@@ -176,10 +190,71 @@ class BaseJudge(abc.ABC):
             self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
         return self._sem
 
+    @property
+    def answer_tokens(self) -> int:
+        """Tokens an answer may take (the request's max tokens); a request needs its prompt's and these."""
+        return 1
+
+    def request_tokens(self, request: JudgeRequest) -> int:
+        """A request's tokens as `estimate_tokens` counts them (an upper estimate): its prompt's text and its answer."""
+        return estimate_tokens(request.prompt.text()) + self.answer_tokens
+
+    def learn_context(self, request: JudgeRequest, error: JudgeError) -> None:
+        """Learn from a context-length refusal of `request`: lower `context_tokens`, and refuse such sizes from now on.
+
+        The refusal's numbers, when it gives them (the limit N, the tokens M the request needed), calibrate
+        the estimate: a request estimated at E tokens needed M, so one estimated over E x N / M would not fit.
+        Without them, any request estimated at E or more is refused, and the context is taken as below E.
+        """
+        size = self.request_tokens(request)
+        limit, needed = error.limit, error.requested
+        fits_below = size * limit // needed if limit and needed and needed > limit else size - 1
+        self._fits_below = fits_below if self._fits_below is None else min(self._fits_below, fits_below)
+        learned = limit if limit else max(1, size - 1)
+        was = self.context_tokens
+        if was is None or learned < was:
+            self.context_tokens = learned
+        log.warning(
+            "judge_context_learned",
+            judge=self.name,
+            context_tokens=self.context_tokens,
+            was=was,
+            refused_tokens_estimated=size,
+            hint="requests estimated over the learned size are refused without being sent (context_overflow); "
+            "set --judge-context to the judge's real context if this is wrong",
+        )
+
+    def _over_context(self, request: JudgeRequest) -> JudgeError | None:
+        """A `context_overflow` for a request a context-length refusal showed too long, without sending it."""
+        if self._fits_below is None:
+            return None  # nothing refused yet: no estimate is spent on the prompt
+        size = self.request_tokens(request)
+        if size <= self._fits_below:
+            return None
+        return JudgeError(
+            "context_overflow",
+            f"the request is about {size} tokens (estimated), over the {self.context_tokens}-token context the "
+            f"judge learned from an earlier refusal; not sent. Give the judge fewer steps, or a judge with a "
+            "larger context",
+            limit=self.context_tokens,
+        )
+
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
-        """Grade with the concurrency limit, a timeout per attempt, and bounded retries."""
+        """Grade with the concurrency limit, a timeout per attempt, and bounded retries.
+
+        A request a context-length refusal showed too long is refused (`context_overflow`) without being sent;
+        a refusal for length is never retried and teaches the judge its context (`learn_context`).
+        """
         start = time.perf_counter()
         attempt = 0
+        if (over := self._over_context(request)) is not None:
+            self.calls += 1
+            self.failures += 1
+            self.context_refused += 1
+            try:
+                raise over
+            finally:
+                del over  # see below: no local may hold the error this frame raises
         async with self._limit():
             while True:
                 attempt += 1
@@ -197,11 +272,21 @@ class BaseJudge(abc.ABC):
                     t[1] += u.cached_input_tokens
                     t[2] += u.output_tokens
                     return replace(resp, latency_s=time.perf_counter() - start, attempts=attempt)
-                if not err.retryable or attempt > self.max_retries:
-                    self.calls += 1
-                    self.failures += 1
-                    raise err
+                if err.reason == "context_overflow" or not err.retryable or attempt > self.max_retries:
+                    break
                 await asyncio.sleep(self._delay(attempt, err.retry_after))
+        if err.reason == "context_overflow":
+            self.learn_context(request, err)
+        self.calls += 1
+        self.failures += 1
+        # Raised without the failed attempt's traceback, whose frames hold the request body (megabytes of prompt
+        # on a long run), and with no local left holding it: `err` -> traceback -> this frame -> `err` is a cycle
+        # only the cyclic GC frees, late (the daemon runs it seldom). Kept, every failed call left its prompt
+        # behind a while, and the daemon's RSS grew with each one (issue 42: 78 -> 420 MB over 472 failed calls).
+        try:
+            raise err.with_traceback(None)
+        finally:
+            del err
 
     async def _repeats(
         self, k: int, ask: int, request: Callable[[int], Awaitable[tuple[list[Sample], Usage]]]
@@ -333,6 +418,59 @@ def tally(draws: Sequence[Sample], repeats: int, samples: int) -> tuple[Sample, 
 def batches(total: int, size: int) -> list[int]:
     """`total` split into requests of at most `size`."""
     return [size] * (total // size) + ([total % size] if total % size else [])
+
+
+# What servers answer when a request is over the model's context (a 400), as their code or their users' reports
+# show it; the numbers are read where given (N: the context, M: what the request needed).
+# - OpenAI: code `context_length_exceeded`, "This model's maximum context length is N tokens. However, your
+#   messages resulted in M tokens..." (or "you requested M tokens (... in the messages, ... in the completion)").
+# - vLLM: "This model's maximum context length is N tokens. However, you requested M tokens (...)", newer
+#   "The prompt (total length M) is longer than the maximum model length of N." and "Input prompt (M tokens) is
+#   too long and exceeds limit of N".
+# - llama.cpp's llama-server: "the request exceeds the available context size, try increasing it", type
+#   `exceed_context_size_error` with fields n_prompt_tokens (M) and n_ctx (N) beside the message.
+# - Anthropic: "prompt is too long: M tokens > N maximum".
+# - Gemini: "The input token count (M) exceeds the maximum number of tokens allowed (N)."
+# - SGLang: "The input (M tokens) is longer than the model's context length (N tokens)."
+_CONTEXT_REFUSAL = re.compile(
+    r"context_length_exceeded|exceed_context_size_error|maximum context length|maximum model length"
+    r"|exceeds the available context size|prompt is too long|exceeds limit of \d+"
+    r"|exceeds the maximum number of tokens|longer than the model's context length",
+    re.IGNORECASE,
+)
+_CONTEXT_LIMIT = re.compile(
+    r"maximum context length is (\d+)|maximum model length of (\d+)|exceeds limit of (\d+)|tokens > (\d+) maximum"
+    r"|maximum number of tokens allowed \((\d+)\)|model's context length \((\d+) tokens\)|\bn_ctx\W{1,3}(\d+)",
+    re.IGNORECASE,
+)
+_CONTEXT_NEEDED = re.compile(
+    r"you requested (\d+) tokens|resulted in (\d+) tokens|total length (\d+)\)|prompt \((\d+) tokens\)"
+    r"|prompt is too long: (\d+) tokens|input token count \((\d+)\)|input \((\d+) tokens\)"
+    r"|\bn_prompt_tokens\W{1,3}(\d+)",
+    re.IGNORECASE,
+)
+
+
+def context_refusal(status: int, message: str) -> JudgeError | None:
+    """The `context_overflow` error for an HTTP refusal whose message says the request is over the context, else None.
+
+    Only a 4xx counts (servers answer 400, some 413 or 422); the context (N) and what the request needed (M)
+    are read from the message where it says them (`JudgeError.limit`, `.requested`). Never retried.
+    """
+    if not 400 <= status < 500 or _CONTEXT_REFUSAL.search(message) is None:
+        return None
+
+    def number(pattern: re.Pattern[str]) -> int | None:
+        m = pattern.search(message)
+        return int(next(g for g in m.groups() if g is not None)) if m else None
+
+    return JudgeError(
+        "context_overflow",
+        f"HTTP {status}: {message}; the prompt is over the judge's context: give it fewer steps, set "
+        "--judge-context, or use a judge with a larger context",
+        limit=number(_CONTEXT_LIMIT),
+        requested=number(_CONTEXT_NEEDED),
+    )
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:

@@ -124,6 +124,12 @@ class CircuitJudge:
         return None if value is None else float(value)
 
     @property
+    def context_tokens(self) -> int | None:
+        """The wrapped judge's context window in tokens (read each time: it may learn a smaller one), if known."""
+        value = getattr(self.inner, "context_tokens", None)
+        return value if isinstance(value, int) else None
+
+    @property
     def timeout_s(self) -> float | None:
         """The wrapped judge's timeout per attempt, if it has one."""
         timeout = getattr(self.inner, "timeout_s", None)

@@ -23,6 +23,7 @@ from .base import (
     Sample,
     answer_sample,
     batches,
+    context_refusal,
     drawn_letter,
     retry_after_seconds,
     tally,
@@ -90,8 +91,15 @@ class GeminiJudge(BaseJudge):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         concurrency: int = 8,
+        context_tokens: int | None = None,
     ) -> None:
-        super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        super().__init__(
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            concurrency=concurrency,
+            context_tokens=context_tokens,
+        )
         if not model:
             raise ValueError("GeminiJudge needs a model name, e.g. model='gemini-2.5-flash'")
         if max_output_tokens < 1 or not 1 <= top_logprobs <= 20:
@@ -121,6 +129,8 @@ class GeminiJudge(BaseJudge):
         self.samples = samples
         self.sample_temperature = sample_temperature
         self.supports_candidates = supports_candidates
+        self._context_asked = context_tokens is not None
+        """Whether the API was asked for the model's input token limit (a setting wins: then it is not asked)."""
 
     async def aclose(self) -> None:
         """Close the async HTTP client, if this judge created it (an injected client stays its owner's)."""
@@ -130,7 +140,29 @@ class GeminiJudge(BaseJudge):
         if close is not None:
             await close()
 
+    @property
+    def answer_tokens(self) -> int:
+        """Tokens an answer may take: `max_output_tokens`."""
+        return self.max_output_tokens
+
+    async def ask_context(self) -> None:
+        """Take the model's input token limit (`models.get`) as the judge's context, once; unknown when not said.
+
+        A setting wins; an API that does not answer (a proxy without the models endpoint) is not an error.
+        """
+        if self._context_asked:
+            return
+        self._context_asked = True
+        try:
+            info = await self.client.aio.models.get(model=self.model)
+        except Exception:  # any failure: the context stays unknown (learned from a refusal, if one comes)
+            return
+        limit = info.input_token_limit
+        if isinstance(limit, int) and limit > 0 and self.context_tokens is None:
+            self.context_tokens = limit
+
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
+        await self.ask_context()
         if not self.logprobs:
             return await self._sampled(request)
         samples, usage = await self._chunk(request.prompt, request.repeats)
@@ -311,7 +343,7 @@ def _api_error(e: errors.APIError) -> JudgeError:
         return JudgeError("auth", f"HTTP {status}: {message}; check api_key / GEMINI_API_KEY or the Google credentials")
     if status == 404:
         return JudgeError("not_found", f"HTTP 404: {message}; check the model name and base_url")
-    return JudgeError("bad_request", f"HTTP {status}: {message}")
+    return context_refusal(status, message) or JudgeError("bad_request", f"HTTP {status}: {message}")
 
 
 def _retry_after(headers: Mapping[str, str], details: Any) -> float | None:

@@ -131,8 +131,16 @@ class LlamaCppJudge(BaseJudge):
         backoff_s: float = 0.5,
         concurrency: int = 1,
         kv_budget_mb: float = DEFAULT_KV_BUDGET_MB,
+        context_tokens: int | None = None,
     ) -> None:
-        super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        # The model's context is n_ctx; `context_tokens` (a setting) may only narrow it (prompt budgets).
+        super().__init__(
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            concurrency=concurrency,
+            context_tokens=n_ctx if context_tokens is None else min(context_tokens, n_ctx),
+        )
         if n_ctx < 2 * _MIN_BATCH:
             raise ValueError(f"n_ctx={n_ctx} is too small; a judge prompt needs a few hundred tokens at least")
         if not kv_budget_mb >= 0:
@@ -313,6 +321,8 @@ class LlamaCppJudge(BaseJudge):
                     "context_overflow",
                     f"the prompt is {len(tokens)} tokens but the judge's context holds {n_ctx}; "
                     "raise n_ctx (memory permitting) or give the judge fewer steps or frames",
+                    limit=n_ctx,
+                    requested=len(tokens) + 1,
                 )
             try:
                 if run_key != self._active:

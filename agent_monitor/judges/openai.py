@@ -21,7 +21,7 @@ from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
 from ._openai_transport import LeanTransport, SdkTransport, StatusError, Transport, sdk_error
-from ._wire import WireReply
+from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
 from .base import (
     BaseJudge,
     JudgeError,
@@ -123,9 +123,16 @@ class OpenAIJudge(BaseJudge):
         max_retries: int = 3,
         backoff_s: float = 0.5,
         concurrency: int = 8,
+        context_tokens: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, concurrency=concurrency)
+        super().__init__(
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            concurrency=concurrency,
+            context_tokens=_context_setting(context_tokens),
+        )
         if vision_retry_s <= 0:
             raise ValueError(f"vision_retry_s={vision_retry_s}; use a number of seconds > 0")
         if api not in ("chat", "completions"):
@@ -179,6 +186,8 @@ class OpenAIJudge(BaseJudge):
         self.run_key_field = run_key_field
         """The body field that carries each request's run key (None: not sent)."""
         self._model_lock = asyncio.Lock()
+        self._context_asked = context_tokens is not None
+        """Whether the server was asked for its context (a setting wins: then it is not asked)."""
 
     async def aclose(self) -> None:
         """Close the transport's connections, and the SDK client if this judge made it (a client passed in stays)."""
@@ -204,9 +213,19 @@ class OpenAIJudge(BaseJudge):
         except openai.OpenAIError:
             pass
 
+    @property
+    def answer_tokens(self) -> int:
+        """Tokens an answer may take: `max_tokens`."""
+        return self.max_tokens
+
     async def resolve_model(self) -> str:
-        """The model id, read from `/v1/models` when it was not given."""
-        if self.model:
+        """The model id, read from `/v1/models` when it was not given; the judge's context too, where the server says.
+
+        The context (`context_tokens`, unless set) is vLLM's `max_model_len` in the model's `/v1/models` entry,
+        else llama.cpp's llama-server `/props` (`n_ctx`); asked once, and a server that says neither (or fails
+        to answer) leaves it unknown, never an error when the model is given.
+        """
+        if self.model and self._context_asked:
             return self.model
         async with self._model_lock:
             if not self.model:
@@ -222,7 +241,48 @@ class OpenAIJudge(BaseJudge):
                 if not ids:
                     raise JudgeError("no_model", f"{self.base_url}/models lists no model; pass model=")
                 self.model = ids[0]
+                if not self._context_asked:
+                    self._context_asked = True
+                    await self._ask_context(data)
+            if not self._context_asked:
+                self._context_asked = True
+                await self._ask_context(None)
         return self.model
+
+    async def _ask_context(self, models: list[Any] | None) -> None:
+        """Read the server's context from `/v1/models` (`models`: its entries, None to ask), else `/props`.
+
+        A server that says nothing, or fails to answer, leaves it unknown: never an error.
+        """
+        if models is None:
+            try:
+                body = json.loads((await self._transport.send("/models", None)).body)
+            except (JudgeError, StatusError, ValueError):
+                body = None
+            data = body.get("data") if isinstance(body, dict) else None
+            models = data if isinstance(data, list) else []
+        if self._context_from(models):
+            return
+        if urllib.parse.urlsplit(self.base_url).hostname == "api.openai.com":
+            return  # hosted OpenAI says no context anywhere: nothing more to ask
+        tokens = await _props_context(self.base_url, self.client.api_key, self.timeout_s)
+        if tokens is not None and self.context_tokens is None:
+            self.context_tokens = tokens
+            log.info("judge_context", judge=self.name, model=self.model, context_tokens=tokens, source="/props")
+
+    def _context_from(self, entries: list[Any]) -> bool:
+        """Take the context from the model's `/v1/models` entry (vLLM's `max_model_len`); whether it said one."""
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("id") == self.model:
+                tokens = _positive(entry.get("max_model_len"))
+                if tokens is not None:
+                    if self.context_tokens is None:  # a setting, or a learned refusal, wins
+                        self.context_tokens = tokens
+                        log.info(
+                            "judge_context", judge=self.name, model=self.model, context_tokens=tokens, source="/models"
+                        )
+                    return True
+        return False
 
     def _read(self, read: Callable[[], _T]) -> _T:
         """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
@@ -423,6 +483,41 @@ _NO_IMAGES = re.compile(
     r"|(?:image|vision|multi-?modal)(?:s| inputs?)? (?:is|are) not (?:supported|enabled)",
     re.IGNORECASE,
 )
+
+
+async def _props_context(base_url: str, api_key: str | None, timeout_s: float) -> int | None:
+    """llama.cpp llama-server's context (`n_ctx` of `/props`, at the server's root), or None when it says none."""
+    parts = urllib.parse.urlsplit(base_url)
+    path = parts.path.rstrip("/").removesuffix("/v1")
+    root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    headers = {"Accept": "application/json", "User-Agent": "agent-monitor"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    pool = WirePool(root, headers=headers, max_connections=1)
+    try:
+        reply = await pool.request("GET", "/props", None, timeout_s=min(timeout_s, 10.0))
+        body = json.loads(reply.body) if reply.status == 200 else None
+    except (WireTimeout, WireConnectionError, ValueError):
+        return None  # not a llama-server, or it did not answer: the context stays unknown
+    finally:
+        await pool.aclose()
+    if not isinstance(body, dict):
+        return None
+    settings = body.get("default_generation_settings")
+    nested = settings.get("n_ctx") if isinstance(settings, dict) else None
+    return _positive(body.get("n_ctx")) or _positive(nested)
+
+
+def _positive(value: object) -> int | None:
+    """A count a server reported: a positive integer, else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _context_setting(tokens: int | None) -> int | None:
+    """A context set by the user, checked."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"context_tokens={tokens!r}; use the judge's context window in tokens (>= 1), or None")
+    return tokens
 
 
 def run_hint(run_key: str) -> str:
