@@ -288,7 +288,8 @@ def prompt_budget(context_tokens: int | None, setting: int | None = None) -> int
 # -- the digest: one deterministic line per folded step --
 
 _ERROR_LINE = re.compile(
-    r"\b(?:error|exception|traceback|fatal|panic|failed|failure|denied|no such file|not found|segmentation fault)\b",
+    # No word boundary before: `AssertionError`, `ValueError` are error lines too.
+    r"(?:error|exception|traceback|fatal|panic|failed|failure|denied|no such file|not found|segmentation fault)\b",
     re.IGNORECASE,
 )
 _EXIT_CODE = re.compile(r"\[exit code (-?\d{1,6})\]")

@@ -1035,6 +1035,11 @@ class ProgressTracker:
         return self._core.usage
 
     @property
+    def window(self) -> PromptWindow:
+        """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
+        return self._core.window
+
+    @property
     def cost(self) -> float | None:
         """What `usage` cost in USD at the tracker's `prices` (None without prices)."""
         return self._core.cost
