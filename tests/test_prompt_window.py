@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor._tokens import estimate_tokens
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
 from agent_monitor.prompts import DigestEntry, Prompt, PromptWindow, Step, build_prompt, prompt_budget
+from agent_monitor.recorded import load_recorded
 from agent_monitor.testing import FakeJudge
 
 TASK = "Make the failing tests in tests/test_core.py pass without changing the tests."
@@ -150,3 +154,47 @@ async def test_a_restarted_monitor_sends_the_same_prompts_as_one_that_ran_throug
     assert [p.step for p in again.prompts] == list(range(26, 61))
     assert all(p.text() == by_step[p.step] for p in again.prompts)
     assert any(p.digested for p in again.prompts)
+
+
+# A Terminal-Bench 2.1 run (mini-swe-agent, DeepSeek V4 Flash) copied unchanged from the public llm-verifier
+# repository (llm-as-a-verifier/llm-as-a-verifier, data/, MIT License, Copyright (c) 2026 llm-as-a-verifier).
+TB21_RUN = Path(__file__).parent / "fixtures" / "tb21_cancel-async-tasks__C7uk5jh.json"
+
+
+def test_the_recorded_long_run_outgrows_8k_whole_but_every_bounded_prompt_fits() -> None:
+    run = load_recorded(TB21_RUN)
+    rubric = load_criteria(None)
+    steps = [Step(i, s.text) for i, s in enumerate(run.steps, 1)]
+    whole = build_prompt(run.task, rubric, steps, rubric.criteria[0])
+    assert estimate_tokens(whole.text()) > 3 * 8192  # the whole run: about 26K real tokens (Gemma's tokenizer)
+    window = PromptWindow(run.task, rubric)
+    for n in range(1, len(steps) + 1):
+        assert estimate_tokens(window.build(steps, rubric.criteria[0], n=n, budget=8192 - 128).text()) <= 8064
+
+
+@pytest.mark.slow
+def test_a_real_llama_cpp_judge_with_an_8k_context_scores_a_long_recorded_run_at_every_step() -> None:
+    # The packaged Gemma 3 270M in process, n_ctx 8192. The first 16 steps of the run (about 9,500 real tokens as
+    # a whole-run prompt: past the context from about step 12) are scored at every step, each one a score; the
+    # whole run's 45 steps take minutes on two shared cores, so the test stops at 16.
+    from agent_monitor.judges.llamacpp import LlamaCppJudge
+    from tests.llama_models import gemma_path
+
+    run = load_recorded(TB21_RUN)
+    judge = LlamaCppJudge(gemma_path(), n_ctx=8192)
+    if judge.context_tokens is None:
+        judge.context_tokens = 8192  # the judge's own n_ctx (set by the judge itself once it reports it)
+    try:
+        with ProgressTracker(run.task, judge=judge) as t:
+            results = [t.update(s.text) for s in run.steps[:16]]
+            from llama_cpp import Llama
+
+            tok = Llama(model_path=gemma_path(), vocab_only=True, verbose=False)
+            steps = t.steps
+            whole = build_prompt(run.task, t.rubric, steps, t.rubric.criteria[0]).text()
+            assert len(tok.tokenize(whole.encode(), add_bos=True, special=False)) > 8192
+            assert t.window.compactions > 0
+    finally:
+        judge.close()
+    failed = [(p.step, p.reason, p.error) for p in results if not p.ok]
+    assert failed == [] and [p.step for p in results] == list(range(1, 17))
