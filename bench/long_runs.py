@@ -75,7 +75,9 @@ def _serve(port: int, context: int, ready: Any) -> None:
                 self._send(400, {"error": {"message": msg, "type": "invalid_request_error", "code": None}})
                 return
             usage = {"prompt_tokens": tokens, "completion_tokens": 1, "total_tokens": tokens + 1}
-            self._send(200, {"id": "c", "object": "chat.completion", "model": "scripted", "choices": [choice], "usage": usage})
+            self._send(
+                200, {"id": "c", "object": "chat.completion", "model": "scripted", "choices": [choice], "usage": usage}
+            )
 
     httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     httpd.daemon_threads = True
@@ -100,8 +102,12 @@ def step_text(i: int, size: int, rng: random.Random) -> str:
     head = f"$ python -m pytest -q tests/test_part_{i % 17}.py\nObservation:\n"
     lines = []
     while sum(len(x) + 1 for x in lines) < size - len(head) - 60:
-        lines.append(f"tests/test_part_{i % 17}.py::test_case_{rng.randrange(10**6)} {rng.choice(['PASSED', 'FAILED'])}")
-    return head + "\n".join(lines) + f"\n{i % 9} failed, {9 - i % 9} passed in 0.{i % 10}s\n[exit code {int(i % 9 > 0)}]"
+        lines.append(
+            f"tests/test_part_{i % 17}.py::test_case_{rng.randrange(10**6)} {rng.choice(['PASSED', 'FAILED'])}"
+        )
+    return (
+        head + "\n".join(lines) + f"\n{i % 9} failed, {9 - i % 9} passed in 0.{i % 10}s\n[exit code {int(i % 9 > 0)}]"
+    )
 
 
 class Recorder:
@@ -189,9 +195,9 @@ def live(args: argparse.Namespace) -> None:
 
 
 def recorded(args: argparse.Namespace) -> None:
+    from _common import gemma_path
     from llama_cpp import Llama
 
-    from _common import gemma_path
     from agent_monitor.recorded import iter_recorded
 
     tok = Llama(model_path=gemma_path(), vocab_only=True, verbose=False)
@@ -226,7 +232,18 @@ def recorded(args: argparse.Namespace) -> None:
             real = count(b)
             fit_bounded += real <= context
             over = max(over, real)
-        rows.append((run.name, len(steps), total, reread / len(prev), fit_whole / len(steps), fit_bounded / len(steps), over, bounded.compactions))
+        rows.append(
+            (
+                run.name,
+                len(steps),
+                total,
+                reread / len(prev),
+                fit_whole / len(steps),
+                fit_bounded / len(steps),
+                over,
+                bounded.compactions,
+            )
+        )
         print(
             f"{run.name}: {len(steps)} steps, whole-run prompt {total:,} tokens at the end; re-read {reread / len(prev):.3f}x the "
             f"final prompt (whole layout); steps an 8,192-token judge can score: whole {fit_whole / len(steps):.0%}, bounded "
@@ -248,7 +265,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--step-bytes", type=int, default=4096)
     ap.add_argument("--layouts", default="bounded,whole")
-    ap.add_argument("--recorded", metavar="DIR", help="report on recorded runs instead (e.g. ../shared/data/terminal-bench-2.1)")
+    ap.add_argument(
+        "--recorded", metavar="DIR", help="report on recorded runs instead (e.g. ../shared/data/terminal-bench-2.1)"
+    )
     args = ap.parse_args()
     configure_logs("error")
     recorded(args) if args.recorded else live(args)

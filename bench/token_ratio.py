@@ -42,7 +42,9 @@ def main() -> None:
         tok = Llama(model_path=path, vocab_only=True, verbose=False)
         ratios = []
         for run in runs:
-            text = fence(run.task) + "".join(f"\n### Step {i}\n{fence(s.text.strip())}\n" for i, s in enumerate(run.steps, 1))
+            text = fence(run.task) + "".join(
+                f"\n### Step {i}\n{fence(s.text.strip())}\n" for i, s in enumerate(run.steps, 1)
+            )
             data_bytes = text.encode("utf-8", "surrogatepass")
             n = len(tok.tokenize(data_bytes, add_bos=False, special=False))
             ratios.append((len(data_bytes) / n, run.name, len(data_bytes), n))
@@ -50,8 +52,10 @@ def main() -> None:
         lowest = min(lowest, ratios[0][0])
         total_b = sum(r[2] for r in ratios)
         total_t = sum(r[3] for r in ratios)
-        print(f"{name}: {len(ratios)} runs, {total_b:,} bytes, {total_t:,} tokens, {total_b / total_t:.2f} bytes/token overall; "
-              f"per run min {ratios[0][0]:.2f} ({ratios[0][1]}), median {ratios[len(ratios) // 2][0]:.2f}, max {ratios[-1][0]:.2f}")
+        print(
+            f"{name}: {len(ratios)} runs, {total_b:,} bytes, {total_t:,} tokens, {total_b / total_t:.2f} bytes/token overall; "
+            f"per run min {ratios[0][0]:.2f} ({ratios[0][1]}), median {ratios[len(ratios) // 2][0]:.2f}, max {ratios[-1][0]:.2f}"
+        )
     # agent_monitor._tokens.CHARS_PER_TOKEN must stay under this for the estimate to over-count every run.
     print(f"lowest bytes/token over every run and tokenizer: {lowest:.2f}")
 
