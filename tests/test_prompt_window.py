@@ -16,6 +16,10 @@ from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
 from agent_monitor.prompts import DigestEntry, Prompt, PromptWindow, Step, build_prompt, prompt_budget
 from agent_monitor.recorded import load_recorded
 from agent_monitor.testing import FakeJudge
+from tests.brokers import Mosquitto
+from tests.redis_server import RedisServer
+from tests.test_cluster import replica
+from tests.test_daemon_mqtt import harness
 
 TASK = "Make the failing tests in tests/test_core.py pass without changing the tests."
 
@@ -200,3 +204,29 @@ def test_a_real_llama_cpp_judge_with_an_8k_context_scores_a_long_recorded_run_at
         judge.close()
     failed = [(p.step, p.reason, p.error) for p in results if not p.ok]
     assert failed == [] and [p.step for p in results] == list(range(1, 15))
+
+
+async def test_a_new_cluster_owner_rebuilds_the_same_digest_and_prompts(broker: Mosquitto, redis: RedisServer) -> None:
+    # Replica a scores steps 1-20 and leaves; b takes the run over (replaying it from the shared journal) and scores
+    # 21-40. Every prompt either sent is the one a tracker that saw the whole run builds for that step.
+    steps = run_steps(40, seed=9)
+    budget = 4000
+    ja, jb = FakeJudge(), FakeJudge()
+    async with harness(broker.port) as h, replica(broker, redis, "b", judge=jb, prompt_budget=budget):
+        async with replica(broker, redis, "a", judge=ja, prompt_budget=budget) as a:
+            await h.publish("r", "start", {"task": TASK})
+            for s in steps[:20]:
+                await h.publish("r", "step", {"index": s.index, "text": s.text})
+            await h.until(lambda: h.last_step("r") == 20)
+            assert a.cluster is not None and "r" in a.cluster.owned
+        for s in steps[20:]:  # a left: b owns the run now
+            await h.publish("r", "step", {"index": s.index, "text": s.text})
+        await h.until(lambda: h.last_step("r") == 40)
+    reference = FakeJudge()
+    with ProgressTracker(TASK, judge=reference, prompt_budget=budget) as t:
+        for s in steps:
+            t.update(s.text)
+    expected = {p.step: p.text() for p in reference.prompts}
+    mine_b = [p for p in jb.prompts if p.step > 20]
+    assert mine_b and mine_b[-1].step == 40 and any(p.digested for p in mine_b)
+    assert all(p.text() == expected[p.step] for p in [*ja.prompts, *mine_b])
