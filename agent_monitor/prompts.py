@@ -423,7 +423,8 @@ class PromptWindow:
         self._head: tuple[Part, ...] | None = None
         self._head_tokens = 0
         self._tail_tokens = max(
-            (estimate_tokens(self._question(10**9, c)) for c in rubric.judged or rubric.criteria), default=0
+            (estimate_tokens(self._question(10**9, c) + ANSWER_CUE) for c in rubric.judged or rubric.criteria),
+            default=0,
         )
         self._reset(None)
 
@@ -483,7 +484,9 @@ class PromptWindow:
                 if self.frame_budget.is_anchor(first + i):
                     tokens += image_tokens(f)
                 elif self.frame_budget.recent:
-                    self._frame_reserve = max(self._frame_reserve, self.frame_budget.recent * image_tokens(f))
+                    # Each recent frame with its "Step n:" label, and the section's heading.
+                    reserve = self.frame_budget.recent * (image_tokens(f) + 8) + 16
+                    self._frame_reserve = max(self._frame_reserve, reserve)
             self._texts.append(s.text)
             self._tokens.append(tokens)
             self._ends.append(first + len(s.frames))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -13,7 +14,17 @@ import pytest
 from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor._tokens import estimate_tokens
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
-from agent_monitor.prompts import DigestEntry, Prompt, PromptWindow, Step, build_prompt, prompt_budget
+from agent_monitor.images import Frame, FrameBudget
+from agent_monitor.prompts import (
+    DigestEntry,
+    ImagePart,
+    Prompt,
+    PromptWindow,
+    Step,
+    build_prompt,
+    image_tokens,
+    prompt_budget,
+)
 from agent_monitor.recorded import load_recorded
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
@@ -230,3 +241,24 @@ async def test_a_new_cluster_owner_rebuilds_the_same_digest_and_prompts(broker: 
     mine_b = [p for p in jb.prompts if p.step > 20]
     assert mine_b and mine_b[-1].step == 40 and any(p.digested for p in mine_b)
     assert all(p.text() == expected[p.step] for p in [*ja.prompts, *mine_b])
+
+
+def test_frames_count_against_the_budget_anchors_in_their_step_and_recent_ones_in_the_tail() -> None:
+    def frame(i: int) -> Frame:
+        data = f"frame {i}".encode()
+        return Frame(data=data, mime="image/png", width=224, height=224, digest=hashlib.sha256(data).hexdigest())
+
+    rubric = load_criteria(None)
+    frames = FrameBudget(every=2, recent=2, per_stride=4)
+    steps = [Step(i, f"moved the arm to waypoint {i}", (frame(2 * i), frame(2 * i + 1))) for i in range(1, 121)]
+    window = PromptWindow("Stack the red block on the blue one.", rubric, frame_budget=frames)
+    budget = 2500
+    assert image_tokens(steps[0].frames[0]) == 64 + 16  # 224 x 224 pixels: 64 tiles of 28 x 28
+    for n in range(1, len(steps) + 1):
+        p = window.build(steps, rubric.criteria[0], n=n, budget=budget)
+        images = [x for x in p.parts if isinstance(x, ImagePart)]
+        text = p.text(image=lambda _f: "")
+        assert estimate_tokens(text) + sum(image_tokens(x.frame) for x in images) <= budget, n
+        assert p.frames == len(images)
+    assert window.compactions > 0 and p.digested > 0
+    assert "2 frames" in p.text()  # a folded step's digest line says how many frames it had
