@@ -621,7 +621,7 @@ class AsyncProgressTracker:
     def prompt_budget(self) -> int | None:
         """The most tokens a prompt may hold now: the judge's context (read per scoring: a refusal may lower it) less
         room for the answer, and at most the `prompt_budget` option; None (no limit) when neither is known."""
-        return prompt_budget(getattr(self.judge, "context_tokens", None), self.options.prompt_budget)
+        return prompt_budget(_context_tokens(self.judge), self.options.prompt_budget)
 
     @property
     def window(self) -> PromptWindow:
@@ -762,6 +762,16 @@ class AsyncProgressTracker:
             await self._scheduler.drain()
         await _follow_schedule(self, ending=True)
         return self.latest
+
+
+def _context_tokens(judge: object) -> int | None:
+    """The judge's context window, looked up through wrappers (the daemon's circuit breaker holds it as `inner`)."""
+    for _ in range(4):
+        found = getattr(judge, "context_tokens", None)
+        if found is not None or not hasattr(judge, "inner"):
+            return found if isinstance(found, int) else None
+        judge = judge.inner
+    return None
 
 
 def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None) -> Plan:

@@ -262,3 +262,14 @@ def test_frames_count_against_the_budget_anchors_in_their_step_and_recent_ones_i
         assert p.frames == len(images)
     assert window.compactions > 0 and p.digested > 0
     assert "2 frames" in p.text()  # a folded step's digest line says how many frames it had
+
+
+async def test_the_monitor_bounds_prompts_by_its_judges_context_through_the_circuit_breaker() -> None:
+    judge = FakeJudge(context_tokens=3000)
+    async with Monitor(MonitorConfig(), judge=judge, store=MemoryStore()) as mon:
+        await mon.handle("agents/r/start", j(task=TASK))
+        for s in run_steps(40, seed=2):
+            await mon.handle("agents/r/step", j(index=s.index, text=s.text))
+            await asyncio.wait_for(mon.drain(), 10)
+    assert len(judge.prompts) == 40 and any(p.digested for p in judge.prompts)
+    assert all(estimate_tokens(p.text()) <= 3000 - 128 for p in judge.prompts)
