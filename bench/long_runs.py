@@ -260,6 +260,51 @@ def recorded(args: argparse.Namespace) -> None:
     )
 
 
+def compare(args: argparse.Namespace) -> None:
+    """The packaged judge's scores with the whole prompt vs the bounded one (an 8,192-token judge's budget)."""
+    from _common import gemma_path
+
+    from agent_monitor.evaluate import spearman
+    from agent_monitor.judges.llamacpp import LlamaCppJudge
+    from agent_monitor.recorded import load_recorded
+
+    print(f"load average (1 min) at start: {load1()}")
+    # A 16K context: the whole prompts of these runs (under 8,192 real tokens) are never folded under its budget.
+    judge = LlamaCppJudge(gemma_path(), n_ctx=16384)
+    judge.context_tokens = 16384
+    diffs: list[float] = []
+    whole_all: list[float] = []
+    bounded_all: list[float] = []
+    start = time.perf_counter()
+    for path in args.compare:
+        run = load_recorded(path)
+        scores: dict[str, list[float | None]] = {}
+        for layout, budget in (("whole", None), ("bounded", 8192 - 128)):
+            t = AsyncProgressTracker(run.task, judge=judge, prompt_budget=budget, run_id=f"{run.name}-{layout}")
+
+            async def go(t: AsyncProgressTracker = t) -> list[float | None]:
+                return [(await t.update(s.text)).score for s in run.steps]
+
+            scores[layout] = asyncio.run(go())
+            if layout == "bounded":
+                folds = t.window.compactions
+        pairs = [(a, b) for a, b in zip(scores["whole"], scores["bounded"], strict=True) if a is not None and b is not None]
+        diffs.extend(abs(a - b) for a, b in pairs)
+        whole_all.extend(a for a, _ in pairs)
+        bounded_all.extend(b for _, b in pairs)
+        print(
+            f"{run.name}: {len(run.steps)} steps, {folds} compactions under the 8K budget; mean |whole - bounded| "
+            f"{statistics.mean(abs(a - b) for a, b in pairs):.3f} over {len(pairs)} steps; rank agreement "
+            f"(Spearman) {spearman([a for a, _ in pairs], [b for _, b in pairs])}",
+            flush=True,
+        )
+    judge.close()
+    print(
+        f"all: mean absolute difference {statistics.mean(diffs):.3f} over {len(diffs)} steps, Spearman "
+        f"{spearman(whole_all, bounded_all)}; {time.perf_counter() - start:.0f} s; load at end {load1()}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
@@ -268,9 +313,15 @@ def main() -> None:
     ap.add_argument(
         "--recorded", metavar="DIR", help="report on recorded runs instead (e.g. ../shared/data/terminal-bench-2.1)"
     )
+    ap.add_argument("--compare", nargs="+", metavar="RUN", help="recorded runs to score whole and bounded (Gemma)")
     args = ap.parse_args()
     configure_logs("error")
-    recorded(args) if args.recorded else live(args)
+    if args.compare:
+        compare(args)
+    elif args.recorded:
+        recorded(args)
+    else:
+        live(args)
 
 
 if __name__ == "__main__":

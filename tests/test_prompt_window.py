@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import random
@@ -273,3 +274,24 @@ async def test_the_monitor_bounds_prompts_by_its_judges_context_through_the_circ
             await asyncio.wait_for(mon.drain(), 10)
     assert len(judge.prompts) == 40 and any(p.digested for p in judge.prompts)
     assert all(estimate_tokens(p.text()) <= 3000 - 128 for p in judge.prompts)
+
+
+def test_a_rubric_template_frames_the_digest_and_steps_and_keeps_its_tail() -> None:
+    template = "Judge this run.\n\nTASK: {task}\nCRITERIA:\n{criteria}\nRUN:\n{trajectory}\nQUESTION: {question}END\n"
+    rubric = dataclasses.replace(load_criteria({"tests": "do the tests pass"}), template=template)
+    steps = run_steps(120, seed=4)
+    window = PromptWindow(TASK, rubric)
+    prev: Prompt | None = None
+    for n in range(1, len(steps) + 1):
+        p = window.build(steps, rubric.criteria[0], n=n, budget=3000)
+        text = p.text()
+        assert p.instructions == "Judge this run.\n\nTASK:" and estimate_tokens(text) <= 3000
+        assert text.index("CRITERIA:\n- tests (weight 1.00): do the tests pass") < text.index("RUN:\n")
+        tail = text[len(p.prefix_text()) :]
+        assert tail.startswith("\nQUESTION: The trajectory above has") and tail.endswith("END\nAnswer:")
+        assert "do the tests pass" not in tail
+        if prev is not None and p.digested == prev.digested:
+            assert text.startswith(prev.prefix_text())
+        prev = p
+    assert prev is not None and prev.digested > 0
+    assert prev.text().index("RUN:\n") < prev.text().index("digested") < prev.text().index("QUESTION:")
