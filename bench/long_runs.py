@@ -276,19 +276,24 @@ def compare(args: argparse.Namespace) -> None:
     whole_all: list[float] = []
     bounded_all: list[float] = []
     start = time.perf_counter()
+    loop = asyncio.new_event_loop()  # one loop for every scoring: the in-process judge is bound to its first
     for path in args.compare:
         run = load_recorded(path)
         scores: dict[str, list[float | None]] = {}
-        for layout, budget in (("whole", None), ("bounded", 8192 - 128)):
-            t = AsyncProgressTracker(run.task, judge=judge, prompt_budget=budget, run_id=f"{run.name}-{layout}")
+        trackers = {
+            layout: AsyncProgressTracker(run.task, judge=judge, prompt_budget=budget, run_id=f"{run.name}-{layout}")
+            for layout, budget in (("whole", None), ("bounded", 8192 - 128))
+        }
 
-            async def go(t: AsyncProgressTracker = t) -> list[float | None]:
-                return [(await t.update(s.text)).score for s in run.steps]
+        async def go(t: AsyncProgressTracker, texts: list[str]) -> list[float | None]:
+            return [(await t.update(text)).score for text in texts]
 
-            scores[layout] = asyncio.run(go())
-            if layout == "bounded":
-                folds = t.window.compactions
-        pairs = [(a, b) for a, b in zip(scores["whole"], scores["bounded"], strict=True) if a is not None and b is not None]
+        for layout, t in trackers.items():
+            scores[layout] = loop.run_until_complete(go(t, [s.text for s in run.steps]))
+        folds = trackers["bounded"].window.compactions
+        pairs = [
+            (a, b) for a, b in zip(scores["whole"], scores["bounded"], strict=True) if a is not None and b is not None
+        ]
         diffs.extend(abs(a - b) for a, b in pairs)
         whole_all.extend(a for a, _ in pairs)
         bounded_all.extend(b for _, b in pairs)
@@ -299,6 +304,7 @@ def compare(args: argparse.Namespace) -> None:
             flush=True,
         )
     judge.close()
+    loop.close()
     print(
         f"all: mean absolute difference {statistics.mean(diffs):.3f} over {len(diffs)} steps, Spearman "
         f"{spearman(whole_all, bounded_all)}; {time.perf_counter() - start:.0f} s; load at end {load1()}"
