@@ -255,11 +255,12 @@ def _question(rubric: Rubric, criterion: Criterion) -> str:
 ANSWER_RESERVE_TOKENS = 128
 """Tokens a prompt budget leaves free in the judge's context: the answer, the chat template's markers, a margin."""
 FOLD_TO = 0.5
-"""A compaction folds the oldest verbatim steps into the digest until the prompt is at most this share of the budget."""
+"""A compaction folds the oldest verbatim steps into the digest until the trajectory takes at most this share of the
+budget's room for it (the budget less the head and the tail)."""
 DIGEST_SHARE = 0.25
-"""The digest's most tokens, as a share of the budget: past it, its oldest lines are condensed into one."""
+"""The digest's most tokens, as a share of that room: past it, its oldest lines are condensed into one."""
 STEP_SHARE = 0.25
-"""The most tokens one verbatim step may take, as a share of the budget (a longer one is cut in its middle)."""
+"""The most tokens one verbatim step may take, as a share of that room (a longer one is cut in its middle)."""
 DIGEST_LINE_CHARS = 320
 """The longest line of the digest, in characters (one step's action, exit status, errors and tests)."""
 _KEPT_CUTS = 8  # compactions remembered for scoring an older prefix; older ones are replayed from the steps
@@ -391,9 +392,10 @@ class PromptWindow:
     """One run's judge prompts under a token budget: head | digest | recent steps verbatim | tail.
 
     The head (instructions, task, rubric, every judged criterion's full text) never changes. When a prompt would pass
-    the budget, the oldest verbatim steps are folded into the digest in one chunk, down to `FOLD_TO` of the budget,
-    so between two compactions every prompt less its tail extends the previous one (a prefix cache reads each token
-    once); the digest only grows by appending, and past `DIGEST_SHARE` of the budget its oldest lines are condensed
+    the budget, the oldest verbatim steps are folded into the digest in one chunk, until the trajectory takes at most
+    `FOLD_TO` of its room (the budget less the head and the tail), so between two compactions every prompt less its
+    tail extends the previous one (a prefix cache reads each token about once); the digest only grows by appending,
+    and past `DIGEST_SHARE` of the room its oldest lines are condensed
     into one. Where the folds fall is a function of the steps and the budget alone (decided step by step, whichever
     prefixes are scored), so a restarted monitor or a new cluster owner builds exactly the same prompts. Building
     is incremental: a prompt extends the last one rendered, and costs what the prompt holds, not the run. Tokens
@@ -458,12 +460,16 @@ class PromptWindow:
         )
         return tuple(parts)
 
+    def _room(self) -> int:
+        """The budget's tokens left for the trajectory (digest and verbatim steps) beside the head and the tail."""
+        assert self.budget is not None
+        return max(0, self.budget - self._head_tokens - self._tail_tokens)
+
     def _step_cap(self) -> int | None:
         """The most characters of one step shown verbatim under the budget."""
         if self.budget is None:
             return None
-        room = self.budget - self._head_tokens - self._tail_tokens - int(DIGEST_SHARE * self.budget)
-        return int(max(64, min(STEP_SHARE * self.budget, room)) * CHARS_PER_TOKEN)
+        return int(max(64, STEP_SHARE * self._room()) * CHARS_PER_TOKEN)
 
     def _block(self, s: Step) -> str:
         shown = s.shown
@@ -499,10 +505,10 @@ class PromptWindow:
         return self._head_tokens + digest + recent + self._tail_tokens + self._frame_reserve
 
     def _fold(self, steps: Sequence[Step], n: int) -> None:
-        """Fold the oldest verbatim steps into the digest, one chunk, down to `FOLD_TO` of the budget."""
+        """Fold the oldest verbatim steps into the digest, one chunk, down to `FOLD_TO` of the trajectory's room."""
         assert self.budget is not None
         cut = self._cuts[-1]
-        target = FOLD_TO * self.budget
+        target = self.budget - (1 - FOLD_TO) * self._room()
         start, recent, added = cut.start, self._recent, 0
         new: list[DigestEntry] = []
         while start < n - 1 and self._size(cut.tokens + added, recent) > target:
@@ -512,7 +518,7 @@ class PromptWindow:
             recent -= self._tokens[start]
             start += 1
         entries = cut.entries + tuple(new)
-        limit = int(DIGEST_SHARE * self.budget)
+        limit = int(DIGEST_SHARE * self._room())
         text = _digest_text(entries)
         if estimate_tokens(text) > limit:
             entries = _condensed(entries, limit // 2)

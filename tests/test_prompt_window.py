@@ -15,6 +15,7 @@ import pytest
 from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor._tokens import estimate_tokens
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
+from agent_monitor.evaluate import score_runs
 from agent_monitor.images import Frame, FrameBudget
 from agent_monitor.prompts import (
     DigestEntry,
@@ -295,3 +296,12 @@ def test_a_rubric_template_frames_the_digest_and_steps_and_keeps_its_tail() -> N
         prev = p
     assert prev is not None and prev.digested > 0
     assert prev.text().index("RUN:\n") < prev.text().index("digested") < prev.text().index("QUESTION:")
+
+
+async def test_eval_scores_a_long_recorded_run_at_every_step_under_a_budget() -> None:
+    run = load_recorded(TB21_RUN)
+    judge = FakeJudge()
+    (curve,) = await score_runs([run], judge=judge, prompt_budget=4000)
+    assert len(curve.scores) == len(run.steps) and all(x is not None for x in curve.scores)
+    assert all(estimate_tokens(p.text()) <= 4000 for p in judge.prompts)
+    assert judge.prompts[-1].digested > 0
