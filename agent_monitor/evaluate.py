@@ -125,6 +125,8 @@ def _setting(judge: Judge, tracker: AsyncProgressTracker, repeats: int) -> list[
         tracker.rubric.hash,
         f"{tracker.min_mass}",
         f"{repeats}",
+        # A bounded prompt is another prompt: scores cached for the whole run are not the bounded one's.
+        f"budget={tracker.prompt_budget}",
     ]
 
 
@@ -145,6 +147,7 @@ async def score_runs(
     repeats: int = DEFAULT_REPEATS,
     max_steps: int | None = None,
     cache: ScoreCache | None = None,
+    prompt_budget: int | None = None,
     on_step: Callable[[RecordedRun, Progress], object] | None = None,
 ) -> list[RunCurve]:
     """Score every prefix of every run, in order, as a live monitor would; cached prefixes are not judged."""
@@ -152,8 +155,9 @@ async def score_runs(
     for run in runs:
         steps = run.steps[:max_steps] if max_steps else run.steps
         tracker = AsyncProgressTracker(
-            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name
-        )
+            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
+            prompt_budget=prompt_budget,
+        )  # fmt: skip
         curve = RunCurve(run.name, run.outcome, [], family=tracker.family)
         setting = _setting(judge, tracker, repeats)
         texts: list[str] = [run.task]
@@ -532,6 +536,7 @@ async def score_scheduled(
     repeats: int = DEFAULT_REPEATS,
     max_steps: int | None = None,
     cache: ScoreCache | None = None,
+    prompt_budget: int | None = None,
 ) -> list[ScheduledRun]:
     """Every run stepped through live under `schedule`: each step planned as the monitor plans it, scored or skipped.
 
@@ -545,7 +550,7 @@ async def score_scheduled(
         steps = run.steps[:max_steps] if max_steps else run.steps
         tracker = AsyncProgressTracker(
             run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
-            policy=pol,
+            policy=pol, prompt_budget=prompt_budget,
         )  # fmt: skip
         r = ScheduledRun(run.name, run.outcome, len(steps))
         texts: list[str] = [run.task]

@@ -82,6 +82,15 @@ class ScoringOptions:
         },
     )
 
+    prompt_budget: int | None = field(
+        default=None,
+        metadata={
+            "flag": "--prompt-budget",
+            "help": "most tokens a judge prompt may hold: older steps are folded into a digest to stay under it; "
+            "none: the judge's context (when known) less room for the answer, else no limit (the whole run)",
+        },
+    )
+
     def __post_init__(self) -> None:
         """Check the settings (every form that takes them checks them here, once)."""
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
@@ -90,6 +99,10 @@ class ScoringOptions:
             raise ValueError(
                 f"min_mass={self.min_mass}; use a number in [0, 1], or None for the judge's recommendation"
             )
+        if self.prompt_budget is not None and (
+            isinstance(self.prompt_budget, bool) or not isinstance(self.prompt_budget, int) or self.prompt_budget < 1
+        ):
+            raise ValueError(f"prompt_budget={self.prompt_budget!r}; use a number of tokens >= 1, or None")
         if not self.extract_budget_s > 0:
             raise ValueError(
                 f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0 "

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import re
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._tokens import CHARS_PER_TOKEN, estimate_tokens
 from .criteria import Criterion, Rubric
 from .images import Frame, FrameBudget
+from .rules import RuleInput, TestRatio
 from .scale import LETTERS
 
 INSTRUCTIONS = f"""You are a strict, calibrated judge of progress. An agent (software or robot) is working on a task; you see the task, the grading criteria, and the agent's trajectory so far (each step's action and observation, sometimes camera frames). The trajectory may be unfinished: grade how complete the task is *now*, from the evidence shown, not how it might end.
@@ -137,6 +141,8 @@ class Prompt:
     scale: str = "letters"
     """What the judge answers: "letters" (A..T) or "binary" (True / False); judges that constrain or read the
     answer tokens themselves (guided choice, llama.cpp's logits) read it."""
+    digested: int = 0
+    """How many of the oldest steps the prompt shows as digest lines rather than verbatim (under a prompt budget)."""
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -166,19 +172,17 @@ def render_text(instructions: str, parts: Sequence[Part], image: Callable[[Frame
 
 
 def _criteria_text(rubric: Rubric) -> str:
-    """The head's rubric section, made once per rubric: its title only.
+    """The head's rubric section, made once per rubric: its title, note and every judged criterion's full text.
 
-    The criteria's names and descriptions are not listed here: the one criterion asked about is in the
-    tail. A prompt then costs the same however many criteria the rubric has (listing them all made each
-    of n calls per step carry n descriptions: O(n^2) text per step), and the head stays shared by every
-    criterion's call, so a prefix cache still reads each step once.
+    In the shared head, read once per run by a prefix cache; the tail only names the criterion asked about, so a
+    call costs a line per criterion, not its description (674 characters per criterion and scoring before).
     """
     text = rubric.prompt_text.get("")
     if text is None:
-        # The title and note may come from a run's start: each stays inside its one line. The note is for every
-        # criterion, so it stays in the shared head.
-        note = f"Note for every criterion: {fence_inline(rubric.note)}\n" if rubric.note else ""
-        text = rubric.prompt_text[""] = f"\n## Rubric: {fence_inline(rubric.title)}\n{note}\n## Trajectory so far\n"
+        # The title, names and descriptions may come from a run's start: each stays inside its one line.
+        text = rubric.prompt_text[""] = (
+            f"\n## Rubric: {fence_inline(rubric.title)}\n{''.join(_criterion_lines(rubric))}\n## Trajectory so far\n"
+        )
     return text
 
 
@@ -237,16 +241,397 @@ def _reply_line(rubric: Rubric) -> str:
 
 
 def _question(rubric: Rubric, criterion: Criterion) -> str:
-    """The fenced criterion line of the question, made once per rubric and criterion."""
-    key = f"criterion:{criterion.name}\0{criterion.description}"
+    """The fenced line of the question naming the criterion (its text is in the head), made once per criterion."""
+    key = f"criterion:{criterion.name}"
     text = rubric.prompt_text.get(key)
     if text is None:
-        if len(rubric.prompt_text) > 2 * len(rubric.criteria) + 1:
+        if len(rubric.prompt_text) > 2 * len(rubric.criteria) + 2:
             rubric.prompt_text.clear()  # criteria from elsewhere asked about with this rubric: keep the memo bounded
-            rubric.prompt_text[""] = _criteria_text(rubric)
-        text = f"Grade only the criterion '{fence_inline(criterion.name)}': {fence_inline(criterion.description)}\n"
+        text = f"Grade only the criterion '{fence_inline(criterion.name)}' (described above).\n"
         rubric.prompt_text[key] = text
     return text
+
+
+ANSWER_RESERVE_TOKENS = 128
+"""Tokens a prompt budget leaves free in the judge's context: the answer, the chat template's markers, a margin."""
+FOLD_TO = 0.5
+"""A compaction folds the oldest verbatim steps into the digest until the trajectory takes at most this share of the
+budget's room for it (the budget less the head and the tail)."""
+DIGEST_SHARE = 0.25
+"""The digest's most tokens, as a share of that room: past it, its oldest lines are condensed into one."""
+STEP_SHARE = 0.25
+"""The most tokens one verbatim step may take, as a share of that room (a longer one is cut in its middle)."""
+DIGEST_LINE_CHARS = 320
+"""The longest line of the digest, in characters (one step's action, exit status, errors and tests)."""
+_KEPT_CUTS = 8  # compactions remembered for scoring an older prefix; older ones are replayed from the steps
+
+
+def image_tokens(frame: Frame) -> int:
+    """A conservative token count for an image: one per 28x28 pixels, plus 16.
+
+    28x28 pixels per token is Qwen2-VL's merged patch, the most tokens per pixel of the common vision judges
+    (OpenAI's high detail is 765 tokens for 1024x1024, Gemini's 258 and Gemma 3's 256 for any size; this counts 1,354).
+    """
+    return -(-frame.width * frame.height // 784) + 16
+
+
+def prompt_budget(context_tokens: int | None, setting: int | None = None) -> int | None:
+    """The most tokens a prompt may hold: the judge's context less `ANSWER_RESERVE_TOKENS`, and at most `setting`.
+
+    None when neither is known: no limit (the whole run is sent, as before budgets).
+    """
+    limits = [setting] if setting is not None else []
+    if isinstance(context_tokens, int) and not isinstance(context_tokens, bool) and context_tokens > 0:
+        limits.append(max(1, context_tokens - ANSWER_RESERVE_TOKENS))
+    return min(limits) if limits else None
+
+
+# -- the digest: one deterministic line per folded step --
+
+_ERROR_LINE = re.compile(
+    # No word boundary before: `AssertionError`, `ValueError` are error lines too.
+    r"(?:error|exception|traceback|fatal|panic|failed|failure|denied|no such file|not found|segmentation fault)\b",
+    re.IGNORECASE,
+)
+_EXIT_CODE = re.compile(r"\[exit code (-?\d{1,6})\]")
+_TESTS = TestRatio(lookback=1)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _action(lines: Sequence[str]) -> str:
+    """The step's action: its commands (`$ ...` lines), else a tool call's line, else its first line."""
+    commands = [ln[2:].strip() for ln in lines if ln.startswith("$ ")]
+    if commands:
+        return "$ " + _clip(" && ".join(commands), 140)
+    return _clip(next((ln.strip() for ln in lines if ln.strip()), ""), 100)
+
+
+@dataclass(frozen=True, slots=True)
+class DigestEntry:
+    """One line of a run's digest: a folded step, or a run of them condensed into one line."""
+
+    first: int
+    last: int
+    text: str
+    errors: int = 0
+    """Steps with an error line among those this entry covers."""
+    tests: tuple[str, str] | None = None
+    """The first and the last test summary among them (passed/total), if any."""
+
+    @staticmethod
+    def of(step: Step) -> DigestEntry:
+        """The digest line of one step: action, exit status, first error lines, test summary, size (all fenced)."""
+        text = step.text
+        lines = text.split("\n")
+        pieces = [_action(lines)]
+        codes = _EXIT_CODE.findall(text[-4000:])
+        if codes:
+            pieces.append(f"exit {codes[-1]}")
+        errors = [_clip(ln.strip(), 90) for ln in lines if not ln.startswith("$ ") and _ERROR_LINE.search(ln)]
+        pieces.extend(f"error: {e}" for e in errors[:2])
+        tests = None
+        verdict = _TESTS(RuleInput(task="", steps=[text]))
+        if verdict is not None:
+            ratio = verdict.detail.rsplit("-> ", 1)[-1]
+            tests = (ratio, ratio)
+            pieces.append(f"tests {ratio} passed")
+        pieces.append(f"{len(text):,} chars" + (f", {len(step.frames)} frames" if step.frames else ""))
+        line = _clip(f"Step {step.index}: " + "; ".join(fence_inline(p) for p in pieces), DIGEST_LINE_CHARS)
+        return DigestEntry(step.index, step.index, line + "\n", errors=1 if errors else 0, tests=tests)
+
+    @staticmethod
+    def merged(entries: Sequence[DigestEntry]) -> DigestEntry:
+        """One line for a run of entries: their steps, how many had errors, the tests' first and last summary."""
+        errors = sum(e.errors for e in entries)
+        summaries = [e.tests for e in entries if e.tests is not None]
+        tests = (summaries[0][0], summaries[-1][1]) if summaries else None
+        a, b = entries[0].first, entries[-1].last
+        line = f"Steps {a}-{b}: {b - a + 1} steps condensed, {errors} with error lines"
+        if tests is not None:
+            line += f", tests {tests[0]} -> {tests[1]} passed"
+        return DigestEntry(a, b, line + "\n", errors=errors, tests=tests)
+
+
+def _condensed(entries: tuple[DigestEntry, ...], limit: int) -> tuple[DigestEntry, ...]:
+    """The entries with the oldest merged into one line, so that the rest (newest first) fit in `limit` tokens."""
+    kept = 0
+    used = estimate_tokens(DigestEntry.merged(entries).text)
+    for e in reversed(entries[1:]):
+        used += estimate_tokens(e.text)
+        if used > limit:
+            break
+        kept += 1
+    cut = len(entries) - kept
+    return (DigestEntry.merged(entries[:cut]), *entries[cut:]) if cut > 1 else entries
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """The layout of prefixes of `at` or more steps (until the next cut): steps before `start` are digested."""
+
+    at: int
+    start: int
+    entries: tuple[DigestEntry, ...] = ()
+    text: str = ""
+    tokens: int = 0
+
+
+def _digest_text(entries: Sequence[DigestEntry]) -> str:
+    if not entries:
+        return ""
+    return (
+        f"\n### Steps {entries[0].first}-{entries[-1].last}, digested (one line each: the action, its exit status, "
+        f"error and test-summary lines; their full text is no longer shown)\n{''.join(e.text for e in entries)}"
+    )
+
+
+class PromptWindow:
+    """One run's judge prompts under a token budget: head | digest | recent steps verbatim | tail.
+
+    The head (instructions, task, rubric, every judged criterion's full text) never changes. When a prompt would pass
+    the budget, the oldest verbatim steps are folded into the digest in one chunk, until the trajectory takes at most
+    `FOLD_TO` of its room (the budget less the head and the tail), so between two compactions every prompt less its
+    tail extends the previous one (a prefix cache reads each token about once); the digest only grows by appending,
+    and past `DIGEST_SHARE` of the room its oldest lines are condensed
+    into one. Where the folds fall is a function of the steps and the budget alone (decided step by step, whichever
+    prefixes are scored), so a restarted monitor or a new cluster owner builds exactly the same prompts. Building
+    is incremental: a prompt extends the last one rendered, and costs what the prompt holds, not the run. Tokens
+    are counted with `estimate_tokens` (text) and `image_tokens` (frames), both over-counting.
+    With no budget (`None`: the judge's context unknown and none set) nothing is folded: the whole run, as before.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        rubric: Rubric,
+        *,
+        frame_budget: FrameBudget | None = None,
+        task_frames: Sequence[Frame] = (),
+    ) -> None:
+        self.task = task
+        self.rubric = rubric
+        self.frame_budget = frame_budget or FrameBudget()
+        self.task_frames = tuple(task_frames)
+        self.budget: int | None = None
+        """The budget the layout was made for (a new one lays the run out again, from its first step)."""
+        self.compactions = 0
+        """Folds of verbatim steps into the digest, over the window's life (rebuilds after a new budget included)."""
+        # A rubric's own template: its head before {task} is the instructions, its pieces frame ours (checked at
+        # load: {question} after {trajectory}, so prefix stability holds).
+        self._pieces = _pieces(rubric.template) if rubric.template else None
+        self._head: tuple[Part, ...] | None = None
+        self._head_tokens = 0
+        self._tail_tokens = max(
+            (estimate_tokens(self._question(10**9, c) + ANSWER_CUE) for c in rubric.judged or rubric.criteria),
+            default=0,
+        )
+        self._reset(None)
+
+    def _reset(self, budget: int | None) -> None:
+        self.budget = budget
+        self._texts: list[str] = []  # each laid-out step's text object: a step put in another place is seen
+        self._tokens = array("q")  # each laid-out step's tokens in the prompt (its anchor frames included)
+        self._ends = array("q")  # frames in the first k + 1 steps (frame ordinals count over the whole run)
+        self._recent = 0  # tokens of the verbatim steps after the newest cut
+        self._frame_reserve = 0  # tokens the tail's recent frames may take, once the run has frames
+        self._cuts: list[_Cut] = [_Cut(0, 0)]
+        self._complete = True  # whether _cuts still starts at the run's first step (older cuts are dropped)
+        self._rendered: tuple[_Cut, int, list[Part], int] | None = None  # (cut, steps, prefix parts, frames shown)
+
+    # -- layout --
+
+    def _build_head(self) -> tuple[Part, ...]:
+        pieces = self._pieces
+        text = f"## Task\n{fence(self.task.strip())}\n" if pieces is None else fence(self.task.strip())
+        parts: list[Part] = []
+        if self.task_frames:
+            parts.append(TextPart(text))
+            parts.extend(ImagePart(f) for f in self.task_frames)
+            text = ""
+        text += _criteria_text(self.rubric) if pieces is None else pieces[1] + "".join(_criterion_lines(self.rubric))
+        text += "" if pieces is None else pieces[2]
+        parts.append(TextPart(text))
+        instructions = _instructions(self.rubric) if pieces is None else pieces[0]
+        self._head_tokens = estimate_tokens(instructions + "\n\n") + sum(
+            estimate_tokens(p.text) if isinstance(p, TextPart) else image_tokens(p.frame) for p in parts
+        )
+        return tuple(parts)
+
+    def _room(self) -> int:
+        """The budget's tokens left for the trajectory (digest and verbatim steps) beside the head and the tail."""
+        assert self.budget is not None
+        return max(0, self.budget - self._head_tokens - self._tail_tokens)
+
+    def _step_cap(self) -> int | None:
+        """The most characters of one step shown verbatim under the budget."""
+        if self.budget is None:
+            return None
+        return int(max(64, STEP_SHARE * self._room()) * CHARS_PER_TOKEN)
+
+    def _block(self, s: Step) -> str:
+        shown = s.shown
+        cap = self._step_cap()
+        if cap is not None and len(shown) > cap:
+            half = cap // 2
+            shown = f"{shown[:half]}\n[... {len(shown) - 2 * half:,} characters cut ...]\n{shown[-half:]}"
+        return f"\n### Step {s.index}\n{shown}\n"
+
+    def _lay_out(self, steps: Sequence[Step], n: int) -> None:
+        """Extend the layout to the first `n` steps: each step's tokens, and a fold wherever the budget says."""
+        budget = self.budget
+        for k in range(len(self._tokens), n):
+            s = steps[k]
+            first = self._ends[-1] if self._ends else 0
+            tokens = estimate_tokens(self._block(s))
+            for i, f in enumerate(s.frames):
+                if self.frame_budget.is_anchor(first + i):
+                    tokens += image_tokens(f)
+                elif self.frame_budget.recent:
+                    # Each recent frame with its "Step n:" label, and the section's heading.
+                    reserve = self.frame_budget.recent * (image_tokens(f) + 8) + 16
+                    self._frame_reserve = max(self._frame_reserve, reserve)
+            self._texts.append(s.text)
+            self._tokens.append(tokens)
+            self._ends.append(first + len(s.frames))
+            self._recent += tokens
+            cut = self._cuts[-1]
+            if budget is not None and k > cut.start and self._size(cut.tokens, self._recent) > budget:
+                self._fold(steps, k + 1)
+
+    def _size(self, digest: int, recent: int) -> int:
+        return self._head_tokens + digest + recent + self._tail_tokens + self._frame_reserve
+
+    def _fold(self, steps: Sequence[Step], n: int) -> None:
+        """Fold the oldest verbatim steps into the digest, one chunk, down to `FOLD_TO` of the trajectory's room."""
+        assert self.budget is not None
+        cut = self._cuts[-1]
+        target = self.budget - (1 - FOLD_TO) * self._room()
+        start, recent, added = cut.start, self._recent, 0
+        new: list[DigestEntry] = []
+        while start < n - 1 and self._size(cut.tokens + added, recent) > target:
+            e = DigestEntry.of(steps[start])
+            new.append(e)
+            added += estimate_tokens(e.text)
+            recent -= self._tokens[start]
+            start += 1
+        entries = cut.entries + tuple(new)
+        limit = int(DIGEST_SHARE * self._room())
+        text = _digest_text(entries)
+        if estimate_tokens(text) > limit:
+            entries = _condensed(entries, limit // 2)
+            text = _digest_text(entries)
+        self._recent = recent
+        self._cuts.append(_Cut(n, start, entries, text, estimate_tokens(text)))
+        self.compactions += 1
+        if len(self._cuts) > _KEPT_CUTS:
+            del self._cuts[0]
+            self._complete = False
+
+    def _cut_for(self, steps: Sequence[Step], n: int) -> _Cut:
+        if n >= self._cuts[0].at or self._complete:
+            return self._cuts[bisect.bisect_right(self._cuts, n, key=lambda c: c.at) - 1]
+        # An old prefix whose cut was forgotten: lay the run out again up to it (deterministic, so the same cut).
+        again = PromptWindow(self.task, self.rubric, frame_budget=self.frame_budget, task_frames=self.task_frames)
+        again._head, again._head_tokens = self._head, self._head_tokens
+        again._reset(self.budget)
+        again._lay_out(steps, n)
+        return again._cuts[-1]
+
+    # -- prompts --
+
+    def _question(self, n: int, criterion: Criterion) -> str:
+        text = f"The trajectory above has {n} step{'s' if n != 1 else ''} so far. {_question(self.rubric, criterion)}"
+        text += _reply_line(self.rubric)
+        return f"\n## Question\n{text}" if self._pieces is None else self._pieces[3] + text + self._pieces[4]
+
+    def build(
+        self, steps: Sequence[Step], criterion: Criterion, *, n: int | None = None, budget: int | None = None
+    ) -> Prompt:
+        """The prompt grading `criterion` after the first `n` steps (default: all), under `budget` tokens (None: none).
+
+        `steps` is the run so far, in order (the same list as it grows: steps already laid out are not read again).
+        """
+        n = len(steps) if n is None else n
+        if self._head is None:
+            self._head = self._build_head()
+        if budget != self.budget:
+            self._reset(budget)
+        upto = min(n, len(self._tokens))
+        cut = self._cuts[-1]
+        # A step put in another place (a late step placed by its end time) lays the run out again.
+        if any(steps[k].text is not self._texts[k] for k in range(min(cut.start, upto), upto)) or (
+            cut.start and cut.start <= upto and steps[cut.start - 1].text is not self._texts[cut.start - 1]
+        ):
+            self._reset(budget)
+        self._lay_out(steps, n)
+        cut = self._cut_for(steps, n)
+        prefix, frames = self._prefix(steps, cut, n)
+        tail: list[Part] = []
+        first = self._ends[cut.start - 1] if cut.start else 0
+        total = self._ends[n - 1] if n else 0
+        recent = [
+            i for i in range(max(first, total - self.frame_budget.recent), total) if not self.frame_budget.is_anchor(i)
+        ]
+        if recent:
+            tail.append(TextPart("\n## Most recent camera frames\n"))
+            for i in recent:
+                k = bisect.bisect_right(self._ends, i)
+                f = steps[k].frames[i - (self._ends[k - 1] if k else 0)]
+                idx = steps[k].index
+                if not f.data:
+                    # A tracker drops the pixels no prompt of its newest scored prefix or longer shows; an older
+                    # prefix scored after that (a slow concurrent update) says so instead of sending an empty image.
+                    tail.append(TextPart(f"Step {idx}: [frame no longer held]\n"))
+                    continue
+                tail.append(TextPart(f"Step {idx}:\n"))
+                tail.append(ImagePart(f))
+        step = steps[n - 1].index if n else 0
+        tail.append(TextPart(self._question(step, criterion)))
+        return Prompt(
+            instructions=_instructions(self.rubric) if self._pieces is None else self._pieces[0],
+            prefix=tuple(prefix),
+            tail=tuple(tail),
+            criterion=criterion.name,
+            step=step,
+            frames=frames + len(recent),
+            scale="binary" if self.rubric.binary else "letters",
+            digested=cut.start,
+        )
+
+    def _prefix(self, steps: Sequence[Step], cut: _Cut, n: int) -> tuple[list[Part], int]:
+        """Head, digest and the verbatim steps up to `n`: the last one rendered, extended where it can be."""
+        done = self._rendered
+        if done is not None and done[0] is cut and done[1] <= n:
+            parts, frames, k = list(done[2]), done[3], done[1]
+        else:
+            assert self._head is not None
+            parts, frames, k = list(self._head), 0, cut.start
+            parts[-1] = TextPart(parts[-1].text + cut.text) if isinstance(parts[-1], TextPart) else parts[-1]
+        text: list[str] = []
+        for pos in range(k, n):
+            s = steps[pos]
+            text.append(self._block(s))
+            first = self._ends[pos - 1] if pos else 0
+            for i, f in enumerate(s.frames):
+                if self.frame_budget.is_anchor(first + i):
+                    _extend(parts, "".join(text))
+                    text.clear()
+                    parts.append(ImagePart(f))
+                    frames += 1
+        if text:
+            _extend(parts, "".join(text))
+        self._rendered = (cut, n, parts, frames)
+        return parts, frames
+
+
+def _extend(parts: list[Part], text: str) -> None:
+    if parts and isinstance(parts[-1], TextPart):
+        parts[-1] = TextPart(parts[-1].text + text)
+    else:
+        parts.append(TextPart(text))
 
 
 def build_prompt(
@@ -257,92 +642,14 @@ def build_prompt(
     *,
     budget: FrameBudget | None = None,
     task_frames: Sequence[Frame] = (),
+    prompt_budget: int | None = None,
 ) -> Prompt:
-    """Build the prompt grading `criterion` after `steps`.
+    """Build the prompt grading `criterion` after `steps` (a run's `PromptWindow`, used once).
 
-    Layout: instructions -> task (and its images) -> rubric title -> step 1..n,
-    each step's anchor frames right after its text -> tail (recent frames, the
-    step count and the criterion asked about). So the prompt for n steps, less
-    its tail, is a prefix of the prompt for n + 1 steps.
+    Layout: instructions -> task (and its images) -> rubric and every criterion's text -> digest of folded steps
+    (under `prompt_budget` tokens only) -> the steps verbatim, each step's anchor frames right after its text ->
+    tail (recent frames, the step count and the name of the criterion asked about). So the prompt for n steps, less
+    its tail, is a prefix of the prompt for n + 1 steps (between two compactions, under a budget).
     """
-    budget = budget or FrameBudget()
-    # A rubric's own template: its head before {task} is the instructions, its pieces frame ours (checked at load:
-    # {question} after {trajectory}, so prefix stability holds).
-    pieces = _pieces(rubric.template) if rubric.template else None
-    # One text block between images, joined once (the steps' text is most of the prompt).
-    text: list[str] = [f"## Task\n{fence(task.strip())}\n" if pieces is None else fence(task.strip())]
-    prefix: list[Part] = []
-    if task_frames:
-        prefix.append(TextPart(text.pop()))
-        prefix.extend(ImagePart(f) for f in task_frames)
-    if pieces is None:
-        text.append(_criteria_text(rubric))
-    else:
-        text.append(pieces[1] + "".join(_criterion_lines(rubric)) + pieces[2])
-
-    ordinal: list[tuple[int, Frame]] = [(s.index, f) for s in steps for f in s.frames]
-    # A text-only run has no frame to budget (the common case: no call into the frame budget at all).
-    anchors, recent = budget.select(len(ordinal)) if ordinal else ([], [])
-    anchor_set = set(anchors)
-    k = 0
-    for s in steps:
-        text.append(f"\n### Step {s.index}\n{s.shown}\n")
-        for f in s.frames:
-            if k in anchor_set:
-                prefix.append(TextPart("".join(text)))
-                text.clear()
-                prefix.append(ImagePart(f))
-            k += 1
-    if text:
-        prefix.append(TextPart("".join(text)))
-
-    tail: list[Part] = []
-    if recent:
-        tail.append(TextPart("\n## Most recent camera frames\n"))
-        for i in recent:
-            idx, f = ordinal[i]
-            if not f.data:
-                # A tracker drops the pixels no prompt of its newest scored prefix or longer shows; an older prefix
-                # scored after that (a slow concurrent update) says so instead of sending an empty image.
-                tail.append(TextPart(f"Step {idx}: [frame no longer held]\n"))
-                continue
-            tail.append(TextPart(f"Step {idx}:\n"))
-            tail.append(ImagePart(f))
-    n = steps[-1].index if steps else 0
-    question = (
-        f"The trajectory above has {n} step{'s' if n != 1 else ''} so far. "
-        f"{_question(rubric, criterion)}"
-        f"{_reply_line(rubric)}"
-    )
-    if pieces is not None:
-        tail.append(TextPart(pieces[3] + question + pieces[4]))
-        return Prompt(
-            instructions=pieces[0],
-            prefix=_merge(prefix),
-            tail=tuple(tail),
-            criterion=criterion.name,
-            step=n,
-            frames=len(anchors) + len(recent),
-            scale="binary" if rubric.binary else "letters",
-        )
-    tail.append(TextPart(f"\n## Question\n{question}"))
-    return Prompt(
-        instructions=_instructions(rubric),
-        prefix=_merge(prefix),
-        tail=tuple(tail),
-        criterion=criterion.name,
-        step=n,
-        frames=len(anchors) + len(recent),
-        scale="binary" if rubric.binary else "letters",
-    )
-
-
-def _merge(parts: Sequence[Part]) -> tuple[Part, ...]:
-    """Join adjacent text parts, so the head is one text block between images."""
-    out: list[Part] = []
-    for p in parts:
-        if isinstance(p, TextPart) and out and isinstance(out[-1], TextPart):
-            out[-1] = TextPart(out[-1].text + p.text)
-        elif not (isinstance(p, TextPart) and not p.text):
-            out.append(p)
-    return tuple(out)
+    window = PromptWindow(task, rubric, frame_budget=budget, task_frames=task_frames)
+    return window.build(steps, criterion, budget=prompt_budget)

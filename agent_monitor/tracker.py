@@ -41,7 +41,7 @@ from .options import (
 )
 from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
 from .progress import NO_USAGE, Decision, Progress, Usage, run_totals
-from .prompts import Step, build_prompt
+from .prompts import PromptWindow, Step, prompt_budget
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
 from .scheduler import Scheduler
@@ -426,6 +426,8 @@ class AsyncProgressTracker:
         self.on_progress = o.on_progress
         self.steps: list[Step] = []
         self._frames = _FrameKeeper(self.frame_budget)
+        self._window = PromptWindow(task, self.rubric, frame_budget=self.frame_budget)
+        self._timed = False  # whether a step carries an end time (then `placed` may reorder the steps)
         self.curve_window = o.curve_window
         self._history = _History(o.curve_window)
         self.curve: list[Progress] = self._history.curve
@@ -528,6 +530,7 @@ class AsyncProgressTracker:
                     self.steps.append(await asyncio.to_thread(self._prepare, p, index))
                 else:
                     self.steps.append(Step(index=index, text=p.text, meta=p.meta))
+                self._timed = self._timed or "otel" in p.meta
 
     def _prepare(self, p: _Pending, index: int) -> Step:
         """A step made ready in a worker thread: images decoded, extractors run once under the time budget."""
@@ -580,9 +583,13 @@ class AsyncProgressTracker:
             raise ValueError(f"cannot score {n} steps: the tracker has {len(self.steps)}")
         # A step withheld since the last score fails this one (once): the run learns why that step has no score.
         withheld = next((s.withheld for s in self.steps[self._scored : n] if s.withheld), None)
+        # The whole list when it is the prefix (the usual case): no copy of the run per scoring.
+        prefix = placed(self.steps[:n]) if self._timed or n < len(self.steps) else self.steps
+        if not self._window.task_frames and self._task_frames:
+            self._window.task_frames = self._task_frames
         p = await score_prefix(
             self.task,
-            placed(self.steps[:n]),
+            prefix,
             judge=self.judge,
             rubric=self.rubric,
             repeats=self.repeats if plan is None or plan.full else 1,
@@ -595,6 +602,8 @@ class AsyncProgressTracker:
             run_id=self.run_id,
             withheld=withheld,
             rule_budget_s=self.extract_budget_s,
+            window=self._window,
+            prompt_budget=self.prompt_budget,
         )
         # No later prompt of n or more steps shows the frames settled now (prompts in flight hold their own copies).
         self._frames.settle(self.steps, n)
@@ -607,6 +616,17 @@ class AsyncProgressTracker:
     def cost(self) -> float | None:
         """What `usage` cost in USD at `prices` (None without prices)."""
         return self.prices.cost(self.usage) if self.prices is not None else None
+
+    @property
+    def prompt_budget(self) -> int | None:
+        """The most tokens a prompt may hold now: the judge's context (read per scoring: a refusal may lower it) less
+        room for the answer, and at most the `prompt_budget` option; None (no limit) when neither is known."""
+        return prompt_budget(_context_tokens(self.judge), self.options.prompt_budget)
+
+    @property
+    def window(self) -> PromptWindow:
+        """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
+        return self._window
 
     def _record(self, p: Progress) -> Progress:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
@@ -744,6 +764,16 @@ class AsyncProgressTracker:
         return self.latest
 
 
+def _context_tokens(judge: object) -> int | None:
+    """The judge's context window, looked up through wrappers (the daemon's circuit breaker holds it as `inner`)."""
+    for _ in range(4):
+        found = getattr(judge, "context_tokens", None)
+        if found is not None or not hasattr(judge, "inner"):
+            return found if isinstance(found, int) else None
+        judge = judge.inner
+    return None
+
+
 def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None) -> Plan:
     state = t.policy_state
     return EVERY if state is None else plan(state, n, last=t.latest, last_step=t._scored, ending=ending, extra=extra)
@@ -778,6 +808,8 @@ async def score_prefix(
     run_id: str | None = None,
     withheld: str | None = None,
     rule_budget_s: float = DEFAULT_EXTRACT_BUDGET_S,
+    window: PromptWindow | None = None,
+    prompt_budget: int | None = None,
 ) -> Progress:
     """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then aggregate.
 
@@ -788,11 +820,16 @@ async def score_prefix(
     over it, or a `withheld` step, fails the result with `extractor_timeout`.
     `min_mass` None is the judge's recommendation (see `recommended_min_mass`).
     `run_key` goes to the judge with every call (see `JudgeRequest.run_key`).
+    `window` is the run's prompt layout, kept between scorings (a tracker's: prompts then extend each other and
+    cost what they hold, not the run); `prompt_budget` the most tokens a prompt may hold (None: no limit).
     """
     start = time.perf_counter()
     if min_mass is None:
         min_mass = recommended_min_mass(judge)
     n = steps[-1].index if steps else 0
+    count = len(steps)  # `steps` may be a tracker's own list, which grows while the judge is awaited
+    if window is None:
+        window = PromptWindow(task, rubric, frame_budget=frame_budget, task_frames=task_frames)
     scored: dict[str, CriterionScore] = {}
     silent: list[str] = []
     saved = 0
@@ -819,7 +856,7 @@ async def score_prefix(
         ask = []  # the result is a failure whatever the judge says: do not pay for its calls
 
     async def one(c: Criterion) -> JudgeResponse | Exception:
-        prompt = build_prompt(task, rubric, steps, c, budget=frame_budget, task_frames=task_frames)
+        prompt = window.build(steps, c, n=count, budget=prompt_budget)
         try:
             return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key))
         except JudgeError as e:
@@ -1006,6 +1043,11 @@ class ProgressTracker:
     def usage(self) -> Usage:
         """The run's judge tokens over every scoring so far (failed and coalesced ones included)."""
         return self._core.usage
+
+    @property
+    def window(self) -> PromptWindow:
+        """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
+        return self._core.window
 
     @property
     def cost(self) -> float | None:

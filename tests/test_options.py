@@ -135,13 +135,15 @@ def test_the_generated_flags_of_the_scoring_settings_are_the_options_fields() ->
     add_flags(parser, MonitorConfig, {})
     actions = {a.dest: a for a in parser._actions}
     flagged = [f for f in dataclasses.fields(ScoringOptions) if f.metadata.get("cli") is not False]
-    assert {f.name for f in flagged} == {"repeats", "min_mass", "criteria", "extract_budget_s"}
+    assert {f.name for f in flagged} == {"repeats", "min_mass", "criteria", "extract_budget_s", "prompt_budget"}
     for f in flagged:
         action = actions[f.name]
         assert action.option_strings == [flag_name(f)]
         assert action.help is not None and action.help.startswith(f.metadata["help"])
     config = build(MonitorConfig, parser.parse_args(["--repeats", "3", "--criteria", "progress", "--min-mass", "none"]))
     assert (config.repeats, config.criteria, config.min_mass) == (3, "progress", None)
+    assert config.prompt_budget is None
+    assert build(MonitorConfig, parser.parse_args(["--prompt-budget", "6000"])).prompt_budget == 6000
     # A subcommand's scoring flags come from the same fields, without MonitorConfig.
     sub = argparse.ArgumentParser()
     add_flags(sub, ScoringOptions, {"AGENT_MONITOR_REPEATS": "4"}, only=["repeats", "min_mass"])

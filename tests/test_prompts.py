@@ -95,8 +95,11 @@ def test_layout_order_and_images_follow_their_step() -> None:
     at = text.index("## Task")
     for s in order:  # each piece appears after the one before it
         at = text.index(s, at)
-    # Only the criterion asked about is in the prompt (in the tail): the other's text is not.
-    assert "is it done" not in text and "is it safe" in p.tail[-1].text  # type: ignore[union-attr]
+    # Every criterion's text is in the shared head, read once per run; the tail names the one asked about only.
+    head = p.prefix_text()
+    assert "- done (weight 0.50): is it done" in head and "- safe (weight 0.50): is it safe" in head
+    question = p.tail[-1].text  # type: ignore[union-attr]
+    assert "'safe'" in question and "is it safe" not in question and "is it done" not in question
     # Anchors are frames 0 and 2 (a, c): inline after their step; b is recent and goes in the tail.
     assert [p.frame.data for p in p.prefix if isinstance(p, ImagePart)] == [b"a", b"c"]
     assert [p.frame.data for p in p.tail if isinstance(p, ImagePart)] == [b"b"]

@@ -279,7 +279,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     score.add_argument(
         "--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)"
     )
-    add_flags(score, ScoringOptions, environ, only=["min_mass"], title="scoring")
+    add_flags(score, ScoringOptions, environ, only=["min_mass", "prompt_budget"], title="scoring")
     score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
 
     serve = _command(
@@ -316,7 +316,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
-    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
+    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats", "prompt_budget"], title="scoring")
     ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
     add_flags(
         ev,
@@ -577,7 +577,12 @@ async def _score(args: argparse.Namespace) -> int:
         for run in runs:
             steps = run.steps[: args.max_steps] if args.max_steps else run.steps
             tracker = AsyncProgressTracker(
-                run.task, judge=judge, criteria=args.criteria, min_mass=args.min_mass, run_id=run.name
+                run.task,
+                judge=judge,
+                criteria=args.criteria,
+                min_mass=args.min_mass,
+                run_id=run.name,
+                prompt_budget=getattr(args, "prompt_budget", None),
             )
             if not args.json:
                 print(f"\n{run.name}  ({len(steps)} steps, outcome {run.outcome})")
@@ -921,6 +926,7 @@ async def _eval(args: argparse.Namespace) -> int:
                 repeats=args.repeats,
                 max_steps=args.max_steps,
                 cache=cache,
+                prompt_budget=getattr(args, "prompt_budget", None),
                 on_step=lambda run, p: advance(f"{run.name} step {p.step}"),
             )
     finally:
@@ -1018,6 +1024,7 @@ async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy:
             name: await ev.score_scheduled(
                 runs, judge=judge, policy=policy, schedule=name, criteria=args.criteria,
                 min_mass=args.min_mass, repeats=args.repeats, max_steps=args.max_steps, cache=cache,
+                prompt_budget=getattr(args, "prompt_budget", None),
             )
             for name in dict.fromkeys(names)
         }  # fmt: skip
