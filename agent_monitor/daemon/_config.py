@@ -391,6 +391,35 @@ class ProxySettings:
         default=600.0,
         metadata={"help": "seconds the upstream may stay silent (connecting, or between two chunks of a stream)"},
     )
+    max_connections: int = field(
+        default=4096,
+        metadata={
+            "flag": "--proxy-max-connections",
+            "help": "client connections open at once; when full the longest-idle (or slowest to send its head) "
+            "is closed for a new one, and a new one is refused only when every one is working (counted)",
+        },
+    )
+    max_connections_per_peer: int = field(
+        default=1024,
+        metadata={
+            "flag": "--proxy-max-connections-per-peer",
+            "help": "client connections open at once from one address (shed and refused as --proxy-max-connections)",
+        },
+    )
+    head_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "flag": "--proxy-head-timeout",
+            "help": "seconds a request's head (request line and headers) may take from its first byte",
+        },
+    )
+    read_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "flag": "--proxy-read-timeout",
+            "help": "seconds each read of a request's body, and each write of its answer, may wait on the client",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.upstream is not None:
@@ -407,6 +436,13 @@ class ProxySettings:
             )
         if self.max_conversation_bytes < 0 or not self.conversation_idle_s > 0 or not self.upstream_timeout_s > 0:
             raise ValueError("max_conversation_bytes must be >= 0, conversation_idle_s and upstream_timeout_s > 0")
+        if self.max_connections < 1 or self.max_connections_per_peer < 1:
+            raise ValueError(
+                f"max_connections={self.max_connections}, max_connections_per_peer={self.max_connections_per_peer}: "
+                "use 1 or more"
+            )
+        if not self.head_timeout_s > 0 or not self.read_timeout_s > 0:
+            raise ValueError(f"head_timeout_s={self.head_timeout_s}, read_timeout_s={self.read_timeout_s}: use > 0")
 
     @property
     def address(self) -> tuple[str, int]:

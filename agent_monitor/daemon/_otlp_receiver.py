@@ -78,6 +78,7 @@ class OtlpReceiver:
             max_head=_MAX_HEAD,
             max_connections=settings.max_connections,
             read_timeout_s=settings.read_timeout_s,
+            head_timeout_s=settings.read_timeout_s,
             busy=self._busy,
             failed=lambda _: log.exception("otlp_connection_failed"),
         )
