@@ -117,6 +117,12 @@ class OtlpMetrics:
         self.truncated = Counter(
             "agent_monitor_otlp_attributes_truncated", "Attribute values cut to --otlp-max-attribute-bytes.", registry=r
         )
+        self.dropped = Counter(
+            "agent_monitor_otlp_span_items_dropped",
+            "A span's events, links or attributes over their per-span cap (128, 128, 256), dropped unread, by kind.",
+            ["kind"],
+            registry=r,
+        )
         self.final_latency = Histogram(
             "agent_monitor_otlp_final_score_seconds",
             "Seconds from a trace-fed run's last span to its final score (the run closed).",
@@ -129,6 +135,8 @@ class OtlpMetrics:
             self.requests.labels(code)
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
+        for kind in ("events", "links", "attributes"):
+            self.dropped.labels(kind)
         for reason in REFUSE_REASONS:
             self.refused.labels(reason)
 
