@@ -580,6 +580,15 @@ class MonitorConfig(ScoringOptions):
             "run's task and rubric it shares"
         },
     )
+    signature_max_age_s: float = field(
+        default=7 * 86_400.0,
+        metadata={
+            "flag": "--signature-max-age",
+            "help": "seconds a signed start stays fresh: with --outcome-secret or --group-secret, an outcome or "
+            "group join whose start.started_at is older (or over 5 minutes ahead) is refused, and each "
+            "(run id, started_at) is used once (a replayed signature is refused and counted)",
+        },
+    )
     group_policy_fixed: bool = field(
         default=False,
         metadata={

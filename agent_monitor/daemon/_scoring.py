@@ -30,6 +30,7 @@ from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
 from ._groups import Groups, Joiner
+from ._replay import Replays, sample_key
 from ._state import (
     AcceptedStep,
     Appended,
@@ -177,7 +178,9 @@ class Scoring:
         self.emit = emit
         self.clock = clock
         self.on_outcome_refused = on_outcome_refused
-        """Told why an outcome teaches nothing ("unauthenticated", "rate"): the outcomes-refused counter."""
+        """Told why an outcome teaches nothing ("unauthenticated", "replayed", "stale", "rate"): a counter."""
+        self.replays = Replays(config.signature_max_age_s, calibration.max_total, clock=clock)
+        """The signed outcomes already used (`--outcome-secret`): a replayed one teaches nothing."""
         self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=on_depth)
         # Judge calls per run per minute: a run past it waits (its steps coalesce meanwhile).
         self.rate = CallRate(config.work.max_judge_calls_per_run_minute, clock=clock)
@@ -344,14 +347,23 @@ class Scoring:
         secret = self.config.outcome_secret
         outcome = state.ended.outcome
         # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
-        if (
-            secret
-            and outcome is not None
-            and not outcome_authentic(secret, run_id, state.start.started_at, outcome, state.ended.auth)
-        ):
-            self.on_outcome_refused("unauthenticated")
-            log.warning("outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing")
-            return
+        if secret and outcome is not None:
+            signed_at = state.start.started_at
+            if not outcome_authentic(secret, run_id, signed_at, outcome, state.ended.auth):
+                self.on_outcome_refused("unauthenticated")
+                log.warning(
+                    "outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing"
+                )
+                return
+            # The MAC binds what the publisher chose: each (run id, started_at) teaches once, and only while fresh.
+            why = self.replays.check(run_id, signed_at)
+            if why is not None:
+                self.on_outcome_refused("replayed" if why == "replayed" else "stale")
+                log.warning("outcome_replayed", run_id=run_id, why=why, hint="a signed outcome teaches once")
+                return
+            assert signed_at is not None
+            self.replays.used(run_id, signed_at)
+            key = sample_key(run_id, signed_at)
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
             limited = self.calibration.rate_limited
