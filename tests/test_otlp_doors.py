@@ -128,3 +128,44 @@ async def test_the_sdk_exporters_span_with_thousands_of_events_keeps_its_step_an
         # The span is still the run's step (its events past the cap dropped, not the span).
         await until(lambda: receiver.statistics()["steps"] == 1)
         assert trace_id and reg.get_sample_value("agent_monitor_otlp_spans_accepted_total") == 2
+
+
+async def test_a_run_id_set_only_on_the_root_span_names_the_run() -> None:
+    """The root ends (and is exported) last: the trace's steps sent so far move to the run the root names."""
+    from opentelemetry import trace
+
+    from tests.test_otlp_receiver import closed, sdk, texts
+
+    async with receiving() as (monitor, receiver, events):
+        with sdk(receiver.url) as tracer:
+            root = tracer.start_span(
+                "invoke_agent a",
+                attributes={"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": user("fix it")},
+            )
+            trace_id = f"{root.get_span_context().trace_id:032x}"
+
+            def children() -> None:
+                ctx = trace.set_span_in_context(root)
+                chat = {
+                    "gen_ai.operation.name": "chat",
+                    "gen_ai.input.messages": user("fix it"),
+                    "gen_ai.completion": "Let me grep for the bug.",
+                }
+                tracer.start_span("chat m", context=ctx, attributes=chat).end()
+                attributes = {
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": "grep",
+                    "gen_ai.tool.call.result": "3 matches",
+                }
+                tracer.start_span("execute_tool grep", context=ctx, attributes=attributes).end()
+
+            await asyncio.to_thread(children)
+            # The children arrived first: a run of the trace id holds their steps.
+            await until(lambda: len(texts(monitor, trace_id)) == 2)
+            before = texts(monitor, trace_id)
+            root.set_attribute("agent_monitor.run_id", "job-7")  # only on the root, as the docs allow
+            await asyncio.to_thread(root.end)
+        # The named run holds the trace's steps, in order; the trace id's run ended with no outcome.
+        await until(lambda: texts(monitor, "job-7") == before and closed(events, trace_id) is not None)
+        assert monitor.run(trace_id) is None and len(before) == 2 and "3 matches" in before[1]
+        assert receiver.traces.span_of("job-7", 2) is not None  # the steps keep their spans
