@@ -11,7 +11,8 @@ instant judge, an in-memory store); the hostile clients and the probes run in th
 - `proxy`: `--conns` connections (4,200, over the proxy's 4,096 bound) each send a request line and
   then one header line every 5 s, forever (reconnecting when closed), for `--seconds` (40); meanwhile
   a legitimate chat completion (urllib, 10 s timeout) every second through the proxy to a local
-  upstream: `legit_ok`/`legit_sent`, `legit_p50_ms`/`legit_max_ms`, and the peak of the proxy's
+  upstream: `legit_ok`/`legit_sent`, `legit_p50_ms`/`legit_max_ms` (beside `base_p50_ms`, the same
+  request before the attack), and the peak of the proxy's
   connection gauge (`conn_peak`, bounded by 4,096), connections shed and refused. Every client here
   is one address, so the per-address bound is set to 4,096 (`--per-peer`) to test the global one. `ulimit -n` must
   allow twice `--conns` plus some (this process holds one end, the child the other).
@@ -252,6 +253,12 @@ async def _proxy_attack(args: argparse.Namespace, port: int, mport: int) -> dict
             return None
         return time.perf_counter() - t0 if body["choices"][0]["message"]["content"] == "fine" else None
 
+    # The baseline: the same legitimate request before any trickling connection.
+    base: list[float] = []
+    for _ in range(5):
+        got = await asyncio.to_thread(legit)
+        if got is not None:
+            base.append(got)
     tasks = []
     for i in range(args.conns):
         tasks.append(asyncio.create_task(trickle()))
@@ -274,6 +281,7 @@ async def _proxy_attack(args: argparse.Namespace, port: int, mport: int) -> dict
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return {
+        "base_p50_ms": percentile(base, 50) * 1000 if base else float("nan"),
         "legit_ok": len(lat),
         "legit_sent": sent,
         "legit_p50_ms": percentile(lat, 50) * 1000 if lat else float("nan"),

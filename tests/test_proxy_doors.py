@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.brokers import Mosquitto
 from tests.llm_upstream import Answer
+from agent_monitor.testing import FakeJudge
 from tests.test_proxy import rig
 
 pytestmark = pytest.mark.timeout(120)
@@ -159,3 +161,54 @@ async def test_a_path_never_leaves_the_upstreams_base(broker: Mosquitto, tmp_pat
         assert ok.startswith(b"HTTP/1.1 200")
         assert [s.path for s in r.up.seen] == ["/v1/models"]
         assert r.proxy.statistics()["bad_path"] == 1
+
+
+# Finding 4: a text-only (ReAct) agent's observations reach the judge.
+
+REACT = [
+    Answer("THOUGHT: read the file.\n```bash\ncat a.py\n```"),
+    Answer("THOUGHT: run the tests.\n```bash\npytest -q\n```"),
+    Answer("The fix is in. COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"),
+]
+OBSERVATIONS = ["<output>def f(): return 1</output>", "<output>1 passed in 0.01s</output>"]
+
+
+async def _react_agent(client: Any, *, pause_s: float = 0.0) -> None:
+    """mini-swe-agent's loop: no tools; each command's output comes back as the next user message."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a helpful assistant that can interact with a computer."},
+        {"role": "user", "content": "Fix the failing test in a.py"},
+    ]
+    for i in range(3):
+        res = await client.chat.completions.create(model="m", messages=messages)
+        messages.append({"role": "assistant", "content": res.choices[0].message.content})
+        if i < 2:
+            await asyncio.sleep(pause_s)  # the command runs
+            messages.append({"role": "user", "content": OBSERVATIONS[i]})
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 1.0], ids=["within-grace", "after-grace"])
+async def test_a_text_only_agents_observations_reach_the_judge(
+    broker: Mosquitto, tmp_path: Path, pause_s: float
+) -> None:
+    """Each answer looks final (no tool call); the observation comes in the next request, in time or late.
+
+    In time (within --final-grace): the step is the answer with its observation, sent once. Late: the
+    answer went out as it was, and its observation heads the next step. Either way the judge reads
+    every observation, and the run has one step per turn, none sent twice.
+    """
+    judge = FakeJudge(lambda p: "P")
+    async with rig(broker, tmp_path, judge=judge, final_grace_s=0.5) as r:
+        r.up.add(*REACT)
+        await _react_agent(r.openai(), pause_s=pause_s)
+        rid = r.run_id()
+        await r.settle(rid, 3)
+        view = r.monitor.run(rid)
+        assert view is not None
+        texts = [s.text for s in view.steps]
+        assert len(texts) == 3, texts
+        assert all(obs in "\n".join(texts) for obs in OBSERVATIONS)
+        assert OBSERVATIONS[0] in texts[0 if pause_s == 0 else 1]
+        last = judge.prompts[-1].text()
+        assert all(obs in last for obs in OBSERVATIONS), last
+        assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in last

@@ -391,6 +391,14 @@ class ProxySettings:
         default=600.0,
         metadata={"help": "seconds the upstream may stay silent (connecting, or between two chunks of a stream)"},
     )
+    final_grace_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "--final-grace",
+            "help": "seconds an answer without tool calls is held before it is sent as a step: a text-only agent's "
+            "next request brings what its words did (a ReAct loop), sent with it; 0: at once",
+        },
+    )
     max_connections: int = field(
         default=4096,
         metadata={
@@ -441,6 +449,8 @@ class ProxySettings:
                 f"max_connections={self.max_connections}, max_connections_per_peer={self.max_connections_per_peer}: "
                 "use 1 or more"
             )
+        if self.final_grace_s < 0:
+            raise ValueError(f"final_grace_s={self.final_grace_s}: use 0 or more")
         if not self.head_timeout_s > 0 or not self.read_timeout_s > 0:
             raise ValueError(f"head_timeout_s={self.head_timeout_s}, read_timeout_s={self.read_timeout_s}: use > 0")
 

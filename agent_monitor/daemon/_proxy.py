@@ -196,6 +196,7 @@ class ProxySource:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._feed(ingest), name="proxy-feed")
                 tg.create_task(self._sweep(), name="proxy-sweep")
+                tg.create_task(self._provisional(), name="proxy-provisional")
                 async with self.http.serving():
                     log.info("proxy_listening", url=self.url, upstream=self.upstream)
                     await asyncio.Event().wait()
@@ -250,8 +251,16 @@ class ProxySource:
             await asyncio.sleep(every)
             for conv in self.conversations.expire(self.clock()):
                 self.counts["conversations_ended"] += 1
+                self._emit(self.conversations.flush(conv))
                 if conv.started:
                     self._emit([Inbound(conv.run_id, "end", {}, key=f"{conv.run_id}:end")])
+
+    async def _provisional(self) -> None:
+        """Send the held final answers whose conversation did not go on within --final-grace."""
+        every = min(1.0, max(0.05, self.settings.final_grace_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            self._emit(self.conversations.due(self.clock()))
 
     # HTTP.
 
@@ -342,7 +351,7 @@ class ProxySource:
         if conv is None:
             return self._unwatched("conversations")
         self.counts["watched"] += 1
-        self._emit(self.conversations.events(conv, req))
+        self._emit(self.conversations.events(conv, req, now=self.clock()))
         return _Watch(conv, req), data
 
     def _unwatched(self, reason: str) -> tuple[None, None]:
@@ -445,7 +454,9 @@ class ProxySource:
             self.counts["unreadable_responses"] += 1
             return
         if turn.final:
-            self._emit(self.conversations.events(watch.conv, watch.req, turn))
+            # Held back a moment: a text-only agent's next request may bring what its words did (a ReAct loop).
+            grace = self.settings.final_grace_s
+            self._emit(self.conversations.events(watch.conv, watch.req, turn, now=self.clock(), grace_s=grace))
 
 
 class _BestOf:
