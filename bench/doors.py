@@ -47,8 +47,15 @@ def _serve(kind: str, port: int, metrics_port: int, upstream: str, per_peer: int
     configure_logs("error")
     from prometheus_client import CollectorRegistry
 
-    from agent_monitor.daemon import Monitor, MonitorConfig, OtlpReceiver, OtlpReceiverSettings
-    from agent_monitor.daemon import MemoryStore, ProxySettings, ProxySource
+    from agent_monitor.daemon import (
+        MemoryStore,
+        Monitor,
+        MonitorConfig,
+        OtlpReceiver,
+        OtlpReceiverSettings,
+        ProxySettings,
+        ProxySource,
+    )
     from agent_monitor.daemon._http import HttpServer
     from agent_monitor.policy import Policy
     from agent_monitor.testing import FakeJudge
@@ -61,7 +68,10 @@ def _serve(kind: str, port: int, metrics_port: int, upstream: str, per_peer: int
         if kind == "otlp":
             source = OtlpReceiver(OtlpReceiverSettings(address=f"127.0.0.1:{port}"), registry=reg)
         else:
-            source = ProxySource(ProxySettings(upstream=upstream, listen=f"127.0.0.1:{port}", max_connections_per_peer=per_peer), registry=reg)
+            source = ProxySource(
+                ProxySettings(upstream=upstream, listen=f"127.0.0.1:{port}", max_connections_per_peer=per_peer),
+                registry=reg,
+            )
         judge = FakeJudge(lambda p: "K", record=False)
         config = MonitorConfig(policy=Policy())
         async with Monitor(config, judge=judge, store=MemoryStore(), registry=reg, sources=[source], http=http):
@@ -179,7 +189,7 @@ class _Upstream(BaseHTTPRequestHandler):
 
 
 def proxy(args: argparse.Namespace) -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < args.conns + 200:
         raise SystemExit(f"ulimit -n is {soft}: {args.conns} connections need at least {args.conns + 200}")
     load_start = load1()
@@ -188,13 +198,19 @@ def proxy(args: argparse.Namespace) -> None:
     threading.Thread(target=up.serve_forever, daemon=True).start()
     port, mport = free_port(), free_port()
     upstream = f"http://127.0.0.1:{up.server_address[1]}/v1"
-    child = mp.get_context("spawn").Process(target=_serve, args=("proxy", port, mport, upstream, args.per_peer), daemon=True)
+    child = mp.get_context("spawn").Process(
+        target=_serve, args=("proxy", port, mport, upstream, args.per_peer), daemon=True
+    )
     child.start()
     try:
         wait_port(port, 30)
         wait_port(mport, 30)
         result = asyncio.run(_proxy_attack(args, port, mport))
-        print(kv_line(door="proxy", conns=args.conns, seconds=args.seconds, **result, load_start=load_start, load_end=load1()))
+        print(
+            kv_line(
+                door="proxy", conns=args.conns, seconds=args.seconds, **result, load_start=load_start, load_end=load1()
+            )
+        )
     finally:
         child.kill()
         child.join()
@@ -300,7 +316,10 @@ if __name__ == "__main__":
     parser.add_argument("--conns", type=int, default=4200)
     parser.add_argument("--seconds", type=float, default=None)
     parser.add_argument(
-        "--per-peer", type=int, default=4096, help="the proxy's per-address bound (4096: the global bound is what holds)"
+        "--per-peer",
+        type=int,
+        default=4096,
+        help="the proxy's per-address bound (4096: the global bound is what holds)",
     )
     a = parser.parse_args()
     if a.seconds is None:

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
 from tests.llm_upstream import Answer
-from agent_monitor.testing import FakeJudge
 from tests.test_proxy import rig
 
 pytestmark = pytest.mark.timeout(120)

@@ -422,10 +422,14 @@ class Conversations:
         steps = [_clip("\n".join(p), MAX_STEP_CHARS) for p in parts if len(p) > 1]
         if conv.provisional is not None and conv.provisional[0] <= len(steps):
             conv.provisional = None  # the conversation went on: the turn is a complete step below
-        if conv.short and len(parts) >= conv.short and not conv.carry:
-            # A step went out without what followed it: that now known comes at the head of the next step.
-            if after := "\n".join(parts[conv.short - 1][1:]):
-                conv.carry = f"[after step {conv.short}]\n{after}\n[step {conv.short + 1}]\n"
+        # A step went out without what followed it: that, once known, comes at the head of the next step.
+        if (
+            conv.short
+            and len(parts) >= conv.short
+            and not conv.carry
+            and (after := "\n".join(parts[conv.short - 1][1:]))
+        ):
+            conv.carry = f"[after step {conv.short}]\n{after}\n[step {conv.short + 1}]\n"
         for index in range(conv.sent + 1, len(steps) + 1):
             self._send(conv, req, index, steps[index - 1], out)
         if final is not None and len(steps) == req.turns and conv.sent == req.turns:

@@ -67,9 +67,9 @@ def fill(template: str, source: Path, **fields: object) -> str:
                 f"{source}: path template {template[:200]!r} names {{{name[:50]}}}; only "
                 f"{', '.join(sorted(_FIELDS))} may appear (no attributes, indexes or conversions)"
             )
-        value = fields[name]
+        value, spec = fields[name], spec or ""
         if isinstance(value, int):
-            if not _INT_SPEC.fullmatch(spec or ""):
+            if not _INT_SPEC.fullmatch(spec):
                 raise RobotDataError(
                     f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}; use e.g. 03d"
                 )
