@@ -72,7 +72,7 @@ async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop()
         reader, writer = await asyncio.open_connection("127.0.0.1", bound[1])
         writer.write(b"POST /e HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n12")
         await writer.drain()
-        await _until(lambda: server.connections == 1 and not server.gate._waiting)
+        await _until(lambda: server.connections == 1 and server.gate.waiting_count == 0)
         assert await asyncio.wait_for(_exchange(bound[1], _post("/f", b"")), 5) == b"" and refused == [1]
     # Leaving `serving()` ended the open connection.
     assert server.connections == 0 and await asyncio.wait_for(reader.read(), 5) == b""

@@ -569,7 +569,7 @@ async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
                 b"POST /v1/traces HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n{"
             )
             await slow_writer.drain()
-            await until(lambda: receiver.http.connections == 1 and not receiver.http.gate._waiting)
+            await until(lambda: receiver.http.connections == 1 and receiver.http.gate.waiting_count == 0)
             status, headers, _ = await apost(receiver.url, body())
             assert (status, headers["retry-after"]) == (503, "5")
             # The silent one is closed after the read timeout.

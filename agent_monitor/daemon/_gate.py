@@ -2,11 +2,12 @@
 
 A `Gate` admits each accepted connection before the next one is looked at (so the cap holds: the
 count never runs ahead of it), at most `max_per_peer` from one address. A connection is *waiting*
-(sheddable) while it is idle between requests or still sending its request's head, *working* while
-a request is being answered. When the server is full, or the new connection's peer is, the waiting
-connection that has waited longest (the oldest idle one, or the slowest head) is closed to make room;
-only when every connection is working is the new one refused. So a client holding connections open
-by trickling bytes cannot keep a legitimate request out: its connections go first.
+(sheddable) while it is still sending its request's head (*slow*) or idle between requests, *working*
+while a request is being answered. When the server is full, or the new connection's peer is, a
+waiting connection is closed to make room: the slowest head first (the one that began longest ago),
+then the longest-idle one; only when every connection is working is the new one refused. So a client
+holding connections open by trickling bytes cannot keep a legitimate request out: its connections go
+first, before even the idle keep-alive connections legitimate clients will reuse.
 
 Written once for both servers (the sources' `_h11` door and the metrics port's `_http`).
 """
@@ -51,8 +52,10 @@ class Gate:
         self.max_connections = max_connections
         self.max_per_peer = max_per_peer if max_per_peer is not None else max_connections
         self._slots: set[Slot] = set()
-        self._waiting: OrderedDict[Slot, None] = OrderedDict()
-        """The sheddable connections, the one that has waited longest first."""
+        self._slow: OrderedDict[Slot, None] = OrderedDict()
+        """The connections sending a head, the one that began longest ago first: shed first."""
+        self._idle: OrderedDict[Slot, None] = OrderedDict()
+        """The idle connections, the longest-idle first: shed when no head is being sent."""
         self._peers: dict[str, int] = {}
         self.shed = 0
         self.refused = 0
@@ -67,16 +70,23 @@ class Gate:
         """Open, shed, refused (full) and refused (the peer full) connections."""
         return GateStatistics(len(self._slots), self.shed, self.refused, self.refused_peer)
 
-    def admit(self, peer: str, close: Callable[[], None]) -> Slot | None:
-        """Admit a new connection (waiting), shedding the longest-waiting one when full; None: refused (counted)."""
+    @property
+    def waiting_count(self) -> int:
+        """Connections that may be shed now (sending a head, or idle)."""
+        return len(self._slow) + len(self._idle)
+
+    def admit(self, peer: str, close: Callable[[], None], *, idle: bool = False) -> Slot | None:
+        """Admit a new connection (a head to come; `idle`: a keep-alive wait), shedding when full; None: refused."""
         if self._peers.get(peer, 0) >= self.max_per_peer:
-            victim = next((s for s in self._waiting if s.peer == peer), None)
+            victim = next((s for s in self._slow if s.peer == peer), None) or next(
+                (s for s in self._idle if s.peer == peer), None
+            )
             if victim is None:
                 self.refused_peer += 1
                 return None
             self._shed(victim)
         if len(self._slots) >= self.max_connections:
-            victim = next(iter(self._waiting), None)
+            victim = next(iter(self._slow), None) or next(iter(self._idle), None)
             if victim is None:
                 self.refused += 1
                 return None
@@ -84,18 +94,27 @@ class Gate:
         slot = Slot(peer, close)
         self._slots.add(slot)
         self._peers[peer] = self._peers.get(peer, 0) + 1
-        self._waiting[slot] = None
+        (self._idle if idle else self._slow)[slot] = None
         return slot
 
-    def waiting(self, slot: Slot) -> None:
-        """The connection waits (idle, or reading a head): sheddable, as the newest waiting one."""
+    def heading(self, slot: Slot) -> None:
+        """The connection is sending a request's head: sheddable first, as the newest such."""
         if not slot.released:
-            self._waiting[slot] = None
-            self._waiting.move_to_end(slot)
+            self._idle.pop(slot, None)
+            self._slow.pop(slot, None)
+            self._slow[slot] = None
+
+    def idle(self, slot: Slot) -> None:
+        """The connection waits between requests: sheddable when no head is being sent, as the newest idle one."""
+        if not slot.released:
+            self._slow.pop(slot, None)
+            self._idle.pop(slot, None)
+            self._idle[slot] = None
 
     def working(self, slot: Slot) -> None:
         """The connection's request is being answered: never shed."""
-        self._waiting.pop(slot, None)
+        self._slow.pop(slot, None)
+        self._idle.pop(slot, None)
 
     def release(self, slot: Slot) -> None:
         """The connection closed (idempotent)."""
@@ -103,7 +122,8 @@ class Gate:
             return
         slot.released = True
         self._slots.discard(slot)
-        self._waiting.pop(slot, None)
+        self._slow.pop(slot, None)
+        self._idle.pop(slot, None)
         left = self._peers.get(slot.peer, 0) - 1
         if left > 0:
             self._peers[slot.peer] = left

@@ -248,7 +248,7 @@ class H11Server:
             if task is not None:
                 task.cancel()
 
-        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), close)
+        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), close, idle=True)
         if slot is None:
             if self.busy is None or self._busy_now >= _MAX_BUSY:
                 if self.on_refused is not None:
@@ -291,7 +291,7 @@ class H11Server:
 
     async def _serve(self, conn: H11Conn, slot: Slot) -> None:
         while True:
-            self.gate.waiting(slot)
+            self.gate.idle(slot)
             if not conn.h11.trailing_data[0]:
                 # Idle: the first byte of the next request within keepalive_s (or the client opens another).
                 try:
@@ -302,7 +302,7 @@ class H11Server:
                 if not data:
                     return
                 conn.h11.receive_data(data)
-                self.gate.waiting(slot)  # its head began: it waits from now, behind the idle ones
+            self.gate.heading(slot)  # its head began: shed first if it is slow to come whole
             try:
                 request = await conn.next_event(self.head_timeout_s)
             except TimeoutError:
