@@ -4,8 +4,11 @@ Three wire formats are read: OpenAI chat completions (`/v1/chat/completions`), O
 (`/v1/responses`) and Anthropic messages (`/v1/messages`). A request's history becomes a list of
 `Item`s (user, assistant, tool; the system prompt aside), with consecutive assistant items merged
 into one turn. Each assistant turn and everything the next request brings back after it (the tool
-results, a user's follow-up) is a step; a turn is complete when a later item follows it, and a
-final answer (a turn without tool calls) is a step as soon as it is returned.
+results, a user's follow-up) is a step; a turn is complete when a later item follows it. A turn
+without tool calls looks final but, from a text-only (ReAct) agent, is followed by its observation
+in the next request: it is held for a grace time and sent complete when that request comes, or
+sent as it is after the grace, what followed it then heading the next step (a step once sent never
+changes: the judge's prefixes stay stable).
 
 Run keys (no `X-Agent-Monitor-Run` header): `px-` and 16 hex digits of the BLAKE2b digest of the
 system prompt and the first user message, so every request of one conversation (and a proxy
