@@ -2,9 +2,10 @@
 
 A `Gate` admits each accepted connection before the next one is looked at (so the cap holds: the
 count never runs ahead of it), at most `max_per_peer` from one address. A connection is *waiting*
-(sheddable) while it is still sending its request's head (*slow*) or idle between requests, *working*
+(sheddable) while it owes a request's head (*slow*: a new connection, or a head begun and not
+whole) or is idle between requests (keep-alive), *working*
 while a request is being answered. When the server is full, or the new connection's peer is, a
-waiting connection is closed to make room: the slowest head first (the one that began longest ago),
+waiting connection is closed to make room: the slowest head first (the one waited for longest),
 then the longest-idle one; only when every connection is working is the new one refused. So a client
 holding connections open by trickling bytes cannot keep a legitimate request out: its connections go
 first, before even the idle keep-alive connections legitimate clients will reuse.
@@ -75,8 +76,8 @@ class Gate:
         """Connections that may be shed now (sending a head, or idle)."""
         return len(self._slow) + len(self._idle)
 
-    def admit(self, peer: str, close: Callable[[], None], *, idle: bool = False) -> Slot | None:
-        """Admit a new connection (a head to come; `idle`: a keep-alive wait), shedding when full; None: refused."""
+    def admit(self, peer: str, close: Callable[[], None]) -> Slot | None:
+        """Admit a new connection (its first head to come: slow), shedding when full; None: refused (counted)."""
         if self._peers.get(peer, 0) >= self.max_per_peer:
             victim = next((s for s in self._slow if s.peer == peer), None) or next(
                 (s for s in self._idle if s.peer == peer), None
@@ -94,7 +95,7 @@ class Gate:
         slot = Slot(peer, close)
         self._slots.add(slot)
         self._peers[peer] = self._peers.get(peer, 0) + 1
-        (self._idle if idle else self._slow)[slot] = None
+        self._slow[slot] = None
         return slot
 
     def heading(self, slot: Slot) -> None:

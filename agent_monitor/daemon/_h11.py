@@ -139,9 +139,10 @@ class H11Conn:
 class H11Server:
     """A source's HTTP/1.1 server: `open` binds, `serving()` runs the connections, `close` unbinds.
 
-    `handle(conn, request)` answers one request (reading its body as it needs). A connection waits idle
-    for its next request at most `keepalive_s` (None: `read_timeout_s`), then the request's head must be
-    whole within `head_timeout_s` of its first byte; `read_timeout_s` bounds each read and drain. At most
+    `handle(conn, request)` answers one request (reading its body as it needs). A new connection's first
+    request must begin within `head_timeout_s`, a later one within `keepalive_s` (None: `read_timeout_s`)
+    of the connection going idle, and a request's head must be whole within `head_timeout_s` of its first
+    byte; `read_timeout_s` bounds each read and drain. At most
     `max_connections` are open (`max_per_peer` from one address); when full, the longest-waiting one is
     shed (`on_shed`). When every one is working, `busy(conn)` answers the new one (at most `_MAX_BUSY` at
     once) or, without one, it is closed at once (`on_refused`).
@@ -248,7 +249,7 @@ class H11Server:
             if task is not None:
                 task.cancel()
 
-        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), close, idle=True)
+        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), close)
         if slot is None:
             if self.busy is None or self._busy_now >= _MAX_BUSY:
                 if self.on_refused is not None:
@@ -290,13 +291,14 @@ class H11Server:
                 await writer.wait_closed()
 
     async def _serve(self, conn: H11Conn, slot: Slot) -> None:
+        # A new connection owes its first request (it waits like a slow head); between requests it is idle.
+        wait_s = self.head_timeout_s
         while True:
-            self.gate.idle(slot)
             if not conn.h11.trailing_data[0]:
-                # Idle: the first byte of the next request within keepalive_s (or the client opens another).
+                # The first byte of the next request within its wait (or the client opens another when it needs one).
                 try:
                     read = conn.reader.read(_READ)
-                    data = await (read if self.keepalive_s is None else asyncio.wait_for(read, self.keepalive_s))
+                    data = await (read if wait_s is None else asyncio.wait_for(read, wait_s))
                 except TimeoutError:
                     return
                 if not data:
@@ -313,3 +315,5 @@ class H11Server:
             await self.handle(conn, request)
             if not conn.next_cycle():
                 return
+            self.gate.idle(slot)
+            wait_s = self.keepalive_s
