@@ -59,6 +59,8 @@ class Restore:
         """A sample another replica learnt (cluster mode): every replica's "auto" thresholds use the same evidence."""
         if self.calibration.add(sample):
             self.on_family(sample.family, sample.at)
+        if self.scoring.config.outcome_secret:
+            self.scoring.replays.restore([sample.run_id])  # its signature is spent on every replica
 
     async def restore(self) -> tuple[str, ...]:
         """Rebuild the live runs by replaying the journal; take their stored scores; the runs live.
