@@ -48,6 +48,7 @@ def _serve(kind: str, port: int, metrics_port: int, upstream: str, per_peer: int
     from prometheus_client import CollectorRegistry
 
     from agent_monitor.daemon import (
+        HttpServer,
         MemoryStore,
         Monitor,
         MonitorConfig,
@@ -56,7 +57,6 @@ def _serve(kind: str, port: int, metrics_port: int, upstream: str, per_peer: int
         ProxySettings,
         ProxySource,
     )
-    from agent_monitor.daemon._http import HttpServer
     from agent_monitor.policy import Policy
     from agent_monitor.testing import FakeJudge
 

@@ -3,8 +3,8 @@
 A `Gate` admits each accepted connection before the next one is looked at (so the cap holds: the
 count never runs ahead of it), at most `max_per_peer` from one address. A connection is *waiting*
 (sheddable) while it owes a request's head (*slow*: a new connection, or a head begun and not
-whole) or is idle between requests (keep-alive), *working*
-while a request is being answered. When the server is full, or the new connection's peer is, a
+whole) or is idle between requests (keep-alive), *working* while a request is being answered.
+When the server is full, or the new connection's peer is, a
 waiting connection is closed to make room: the slowest head first (the one waited for longest),
 then the longest-idle one; only when every connection is working is the new one refused. So a client
 holding connections open by trickling bytes cannot keep a legitimate request out: its connections go

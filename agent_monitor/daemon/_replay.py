@@ -16,7 +16,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-__all__ = ["Replays", "sample_key"]
+from ..calibration import outcome_authentic
+
+__all__ = ["Replays", "sample_key", "spend_signed"]
 
 _SKEW_S = 300.0
 """How far in the future a `started_at` may be (clocks of publishers and the monitor differ)."""
@@ -77,3 +79,21 @@ class Replays:
                 continue
             if sep and run_id:
                 self.used(run_id, at)
+
+
+def spend_signed(
+    secret: str, replays: Replays, run_id: str, started_at: float | None, outcome: object, auth: str | None
+) -> str | None:
+    """Check a signed outcome and spend its signature; None: it may teach, else why not (a refusal reason).
+
+    `unauthenticated`: no valid HMAC; `replayed`: its (run id, started_at) was used already; `stale`: its
+    started_at is missing or outside the freshness window.
+    """
+    if not outcome_authentic(secret, run_id, started_at, outcome, auth):
+        return "unauthenticated"
+    why = replays.check(run_id, started_at)
+    if why is not None:
+        return "replayed" if why == "replayed" else "stale"
+    assert started_at is not None
+    replays.used(run_id, started_at)
+    return None

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from ..calibration import Calibration, outcome_authentic
+from ..calibration import Calibration
 from ..criteria import Rubric
 from ..judges.circuit import LATENCY_BUCKETS, CircuitJudge
 from ..policy import EVERY, FAR, Plan, Policy, with_levels
@@ -30,7 +30,7 @@ from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
 from ._groups import Groups, Joiner
-from ._replay import Replays, sample_key
+from ._replay import Replays, sample_key, spend_signed
 from ._state import (
     AcceptedStep,
     Appended,
@@ -346,23 +346,14 @@ class Scoring:
         key = f"{run_id}@{state.started_at!r}"
         secret = self.config.outcome_secret
         outcome = state.ended.outcome
-        # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
+        # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC, once, while fresh.
         if secret and outcome is not None:
             signed_at = state.start.started_at
-            if not outcome_authentic(secret, run_id, signed_at, outcome, state.ended.auth):
-                self.on_outcome_refused("unauthenticated")
-                log.warning(
-                    "outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing"
-                )
+            why = spend_signed(secret, self.replays, run_id, signed_at, outcome, state.ended.auth)
+            if why is not None or signed_at is None:
+                self.on_outcome_refused(why or "stale")
+                log.warning("outcome_refused", run_id=run_id, why=why, hint="a signed outcome teaches once, fresh")
                 return
-            # The MAC binds what the publisher chose: each (run id, started_at) teaches once, and only while fresh.
-            why = self.replays.check(run_id, signed_at)
-            if why is not None:
-                self.on_outcome_refused("replayed" if why == "replayed" else "stale")
-                log.warning("outcome_replayed", run_id=run_id, why=why, hint="a signed outcome teaches once")
-                return
-            assert signed_at is not None
-            self.replays.used(run_id, signed_at)
             key = sample_key(run_id, signed_at)
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
