@@ -2,13 +2,15 @@
 
 The real SDK exporter sends a span with thousands of events (its own limit raised); a hand-built
 protobuf body carries 1.5 million empty events under the 4 MiB cap, as the issue's attacker did.
-Timing is left to bench/otlp_doors.py: here the caps and the worker-thread decode are asserted.
+Timing is left to bench/doors.py: here the caps, the worker-thread decode and /metrics answering
+while a bomb is decoded (by order, not by time) are asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.request
 from typing import Any
 
 import pytest
@@ -18,7 +20,7 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import _otlp_receiver
+from agent_monitor.daemon import HttpServer, _otlp_receiver
 from agent_monitor.daemon._spans import MAX_EVENTS, decode_protobuf
 from tests.test_otlp_receiver import apost, receiving, until, user
 
@@ -48,35 +50,41 @@ def _dropped(reg: CollectorRegistry, kind: str) -> float:
 async def test_an_event_bomb_is_decoded_in_a_worker_thread_with_its_events_and_links_capped(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """While a bomb is being decoded, /metrics (the same process's metrics port) is answered.
+
+    The decode is held until /metrics has answered: were it on the event loop, /metrics could not
+    answer and the hold would run out (no timing is asserted, only the order).
+    """
     threads: list[str] = []
+    released: list[bool] = []
+    answered = threading.Event()
 
     def spying(body: bytes, **kw: Any) -> Any:
         threads.append(threading.current_thread().name)
+        if len(body) > 1_000_000:
+            released.append(answered.wait(30))
         return decode_protobuf(body, **kw)
 
     monkeypatch.setattr(_otlp_receiver, "decode_protobuf", spying)
     reg = CollectorRegistry()
-    async with receiving(registry=reg) as (_, receiver, _):
+    async with receiving(registry=reg) as (_, receiver, _), HttpServer(reg, port=0) as web:
         data = _bomb(1_500_000, links=1_000)
         assert 2_000_000 < len(data) < receiver.settings.max_body_bytes  # under the body cap, as the attacker's
-        ticks = 0
+        bomb = asyncio.create_task(apost(receiver.url, data, ctype="application/x-protobuf"))
+        await until(lambda: bool(threads))  # the decode began (and holds)
 
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
+        def scrape() -> bytes:
+            with urllib.request.urlopen(f"{web.url}metrics", timeout=30) as r:
+                return bytes(r.read())
 
-        ticker = asyncio.create_task(tick())
-        try:
-            status, _, _ = await apost(receiver.url, data, ctype="application/x-protobuf")
-        finally:
-            ticker.cancel()
-        assert status == 200
-        assert threads and threads[0] != threading.main_thread().name  # decoded off the event loop's thread
+        text = await asyncio.to_thread(scrape)
+        answered.set()
+        assert b"agent_monitor_otlp_span_items_dropped_total" in text
+        status, _, _ = await bomb
+        assert status == 200 and released == [True]  # /metrics answered while the bomb was being decoded
+        assert threads[0] != threading.main_thread().name  # decoded off the event loop's thread
         assert receiver.statistics()["decoded_off_loop"] == 1
         assert _dropped(reg, "events") == 1_500_000 - MAX_EVENTS and _dropped(reg, "links") == 1_000 - 128
-        assert ticks > 0  # the loop went on while the request was decoded
         # A small body is decoded on the loop (a thread hop costs more than it saves).
         status, _, _ = await apost(receiver.url, _bomb(10), ctype="application/x-protobuf")
         assert status == 200 and receiver.statistics()["decoded_off_loop"] == 1
