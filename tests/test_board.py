@@ -497,18 +497,36 @@ async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests
         assert (await get(port, "/api/runs")).status == 200
 
 
-async def test_connections_beyond_the_cap_are_closed_unanswered() -> None:
+async def test_connections_beyond_the_cap_shed_the_slowest_head_and_are_refused_when_all_work() -> None:
     async with served(max_connections=2) as s:
+        gate = s.web.gate
         held = [await asyncio.open_connection("127.0.0.1", s.web.port) for _ in range(2)]
-        await asyncio.wait_for(_until(lambda: s.web._open == 2), 10)
+        await asyncio.wait_for(_until(lambda: gate.connections == 2), 10)
+        # Two connections that never send their head: a third, with a request, sheds the older and is answered.
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.web.port)
+        writer.write(b"GET /api/runs HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
+        assert gate.shed == 1 and s.web.refused == 0
+        assert await asyncio.wait_for(held[0][0].read(), 10) == b""
+        writer.close()
+        for _, w in held:
+            w.close()
+        await asyncio.wait_for(_until(lambda: gate.connections == 0), 15)
+        # Two board clients streaming /events (both working): a third connection is closed unanswered.
+        streams = []
+        for _ in range(2):
+            r, w = await asyncio.open_connection("127.0.0.1", s.web.port)
+            w.write(b"GET /events HTTP/1.1\r\nhost: x\r\n\r\n")
+            streams.append((r, w))
+        await asyncio.wait_for(_until(lambda: gate.connections == 2 and gate.waiting_count == 0), 10)
         reader, writer = await asyncio.open_connection("127.0.0.1", s.web.port)
         with contextlib.suppress(ConnectionResetError):
             assert await asyncio.wait_for(reader.read(), 10) == b""
         assert s.web.refused == 1
         writer.close()
-        for _, w in held:
+        for _, w in streams:
             w.close()
-        await asyncio.wait_for(_until(lambda: s.web._open == 0), 15)
+        await asyncio.wait_for(_until(lambda: gate.connections == 0), 15)
         assert (await get(s.web.port, "/api/runs")).status == 200
 
 
@@ -533,8 +551,8 @@ async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
         try:
             await loop.sock_connect(sock, ("127.0.0.1", web.port))
             await loop.sock_sendall(sock, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            await asyncio.wait_for(_until(lambda: web._open == 1), 10)
-            await asyncio.wait_for(_until(lambda: web._open == 0), 30)  # let go, though nothing was read
+            await asyncio.wait_for(_until(lambda: web.gate.connections == 1), 10)
+            await asyncio.wait_for(_until(lambda: web.gate.connections == 0), 30)  # let go, though nothing was read
         finally:
             sock.close()
 

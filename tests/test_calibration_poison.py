@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from typing import Any
 
 import pytest
@@ -88,8 +89,9 @@ async def test_with_an_outcome_secret_400_unauthenticated_successes_do_not_move_
     )
     async with Monitor(config, judge=judge, store=MemoryStore(), registry=reg) as mon:
         # Runs with no abort rule teach (nothing could have stopped them): the attacker's would too.
+        now = time.time()
         for i in range(20):
-            started = 1000.0 + i
+            started = now - 100 + i  # fresh: within --signature-max-age
             mac = outcome_mac(SECRET, f"g{i}", started, "success")
             await mon.handle(f"agents/g{i}/start", j(task="genuine", family="f", started_at=started))
             await mon.handle(f"agents/g{i}/step", j(index=1, text="genuine work"))
@@ -102,7 +104,7 @@ async def test_with_an_outcome_secret_400_unauthenticated_successes_do_not_move_
         assert before.successes == 20 and before.value == pytest.approx(10 / 19)
         for i in range(400):
             # Fake successes scoring T (1.0): each would raise the threshold; half carry a wrong or replayed MAC.
-            auth = None if i % 2 else outcome_mac(SECRET, "g0", 1000.0, "success")
+            auth = None if i % 2 else outcome_mac(SECRET, "g0", now - 100, "success")
             await mon.handle(f"agents/x{i}/start", j(task="genuine", family="f", started_at=5.0))
             await mon.handle(f"agents/x{i}/step", j(index=1, text="fake"))
             await mon.drain()

@@ -6,6 +6,7 @@ Issue 27 (3) refused a start unlike the group's first run; issue 48 scores it, r
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -107,10 +108,11 @@ async def test_with_a_group_secret_only_signed_starts_join() -> None:
     reg = CollectorRegistry()
     config = MonitorConfig(policy=POLICY, group_secret=SECRET)
     async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore(), registry=reg) as mon:
-        mac = group_mac(SECRET, "a", 100.0, "g")
-        await mon.handle("agents/a/start", j(task="t", group="g", started_at=100.0, auth=mac))
+        started = round(time.time(), 3)  # fresh: within --signature-max-age
+        mac = group_mac(SECRET, "a", started, "g")
+        await mon.handle("agents/a/start", j(task="t", group="g", started_at=started, auth=mac))
         await mon.handle("agents/b/start", j(task="t", group="g"))
-        await mon.handle("agents/c/start", j(task="t", group="g", started_at=100.0, auth=mac))  # a's MAC, replayed
+        await mon.handle("agents/c/start", j(task="t", group="g", started_at=started, auth=mac))  # a's MAC, replayed
         await mon.handle("agents/d/start", j(task="t"))  # ungrouped runs need nothing
         out = outputs(mon)
         for r in ("b", "c"):

@@ -552,16 +552,30 @@ async def test_each_limit_is_answered_as_the_spec_says_and_counted() -> None:
 async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
     async with receiving(max_connections=1, read_timeout_s=0.5) as (_, receiver, _):
         assert receiver.port is not None
+        # An idle connection holds the only place: a new request sheds it and is answered.
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", receiver.port)
         try:
             await until(lambda: receiver.statistics()["connections"] == 1)
-            # One too many: answered 503 at once.
-            status, headers, _ = await apost(receiver.url, body())
-            assert (status, headers["retry-after"]) == (503, "5")
-            # The silent one is closed after the read timeout.
+            status, _, reply = await apost(receiver.url, body())
+            assert (status, json.loads(reply)) == (200, {})
             assert await asyncio.wait_for(idle_reader.read(), 10) == b""
         finally:
             idle_writer.close()
+        await until(lambda: receiver.statistics()["connections"] == 0)
+        # A connection whose request is being read (its body still coming) is working: one too many gets 503.
+        slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", receiver.port)
+        try:
+            slow_writer.write(
+                b"POST /v1/traces HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n{"
+            )
+            await slow_writer.drain()
+            await until(lambda: receiver.http.connections == 1 and receiver.http.gate.waiting_count == 0)
+            status, headers, _ = await apost(receiver.url, body())
+            assert (status, headers["retry-after"]) == (503, "5")
+            # The silent one is closed after the read timeout.
+            assert await asyncio.wait_for(slow_reader.read(), 10) == b""
+        finally:
+            slow_writer.close()
         status, _, reply = await apost(receiver.url, body())
         assert (status, json.loads(reply)) == (200, {})
 

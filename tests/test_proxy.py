@@ -226,6 +226,7 @@ async def rig(
     store = SqliteStore(store_path)
     try:
         with upstream() as up:
+            settings.setdefault("final_grace_s", 0.3)  # an answer without tool calls is held this long
             proxy = ProxySource(ProxySettings(upstream=up.url, listen="127.0.0.1:0", **settings), judge=judge)
             async with (
                 proxy,

@@ -391,6 +391,43 @@ class ProxySettings:
         default=600.0,
         metadata={"help": "seconds the upstream may stay silent (connecting, or between two chunks of a stream)"},
     )
+    final_grace_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "--final-grace",
+            "help": "seconds an answer without tool calls is held before it is sent as a step: a text-only agent's "
+            "next request brings what its words did (a ReAct loop), sent with it; 0: at once",
+        },
+    )
+    max_connections: int = field(
+        default=4096,
+        metadata={
+            "flag": "--proxy-max-connections",
+            "help": "client connections open at once; when full the longest-idle (or slowest to send its head) "
+            "is closed for a new one, and a new one is refused only when every one is working (counted)",
+        },
+    )
+    max_connections_per_peer: int = field(
+        default=1024,
+        metadata={
+            "flag": "--proxy-max-connections-per-peer",
+            "help": "client connections open at once from one address (shed and refused as --proxy-max-connections)",
+        },
+    )
+    head_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "flag": "--proxy-head-timeout",
+            "help": "seconds a request's head (request line and headers) may take from its first byte",
+        },
+    )
+    read_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "flag": "--proxy-read-timeout",
+            "help": "seconds each read of a request's body, and each write of its answer, may wait on the client",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.upstream is not None:
@@ -407,6 +444,15 @@ class ProxySettings:
             )
         if self.max_conversation_bytes < 0 or not self.conversation_idle_s > 0 or not self.upstream_timeout_s > 0:
             raise ValueError("max_conversation_bytes must be >= 0, conversation_idle_s and upstream_timeout_s > 0")
+        if self.max_connections < 1 or self.max_connections_per_peer < 1:
+            raise ValueError(
+                f"max_connections={self.max_connections}, max_connections_per_peer={self.max_connections_per_peer}: "
+                "use 1 or more"
+            )
+        if self.final_grace_s < 0:
+            raise ValueError(f"final_grace_s={self.final_grace_s}: use 0 or more")
+        if not self.head_timeout_s > 0 or not self.read_timeout_s > 0:
+            raise ValueError(f"head_timeout_s={self.head_timeout_s}, read_timeout_s={self.read_timeout_s}: use > 0")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -549,6 +595,15 @@ class MonitorConfig(ScoringOptions):
             "help": "shared secret: a start joins a group only with auth = HMAC-SHA256(secret, run id, started_at, "
             "group) (MonitorClient(group_secret=...) adds it); none: any publisher may join a group whose first "
             "run's task and rubric it shares"
+        },
+    )
+    signature_max_age_s: float = field(
+        default=7 * 86_400.0,
+        metadata={
+            "flag": "--signature-max-age",
+            "help": "seconds a signed start stays fresh: with --outcome-secret or --group-secret, an outcome or "
+            "group join whose start.started_at is older (or over 5 minutes ahead) is refused, and each "
+            "(run id, started_at) is used once (a replayed signature is refused and counted)",
         },
     )
     group_policy_fixed: bool = field(

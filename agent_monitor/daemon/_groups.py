@@ -28,6 +28,7 @@ from ..progress import Decision, Progress
 from ..selection import Comparison, compare, majority_of, tournament, tournament_calls
 from ..tracker import AsyncProgressTracker
 from ..uniform import Caller
+from ._replay import Replays
 from ._state import GroupRanked, MonitorEvent
 
 log = structlog.get_logger("agent_monitor.daemon")
@@ -112,6 +113,8 @@ class GroupBook:
     """The group settings every group uses (the monitor's policy flags); None: each group's first run's."""
     keys: dict[str, str] = field(default_factory=dict)
     """Each group's membership key (`Joiner.key`): only runs of that family, rubric and settings join it."""
+    replays: Replays | None = None
+    """With the secret: the signed (run id, started_at) that joined already; a replayed or stale one is refused."""
 
     def check(self, run_id: str, group: str) -> None:
         """Raise GroupLimitError if `run_id` cannot join `group` for the group limits."""
@@ -135,6 +138,13 @@ class GroupBook:
                 raise GroupRefused(
                     f"group {group!r} needs start.auth, the HMAC of run id, started_at and group with the monitor's "
                     "group secret (MonitorClient(group_secret=...) adds it); this start has none or a wrong one"
+                )
+            # The MAC binds what the publisher chose: a signed start joins once (a member's redelivery aside).
+            why = self.replays.check(run_id, joiner.started_at) if self.replays is not None else None
+            if why is not None and self.of_run.get(run_id, "").split(SPLIT)[0] != group:
+                raise GroupRefused(
+                    f"group {group!r}: this start's signature is {why.replace('_', ' ')} (a signed start joins once, "
+                    "with a started_at within --signature-max-age); start a new run with a new started_at"
                 )
         mine = group_settings(joiner.policy)
         if self.policy is not None and mine != (fixed := group_settings(self.policy)):
@@ -178,6 +188,8 @@ class GroupBook:
         if key is not None:
             self.keys.setdefault(name, key)
         self.of_run[run_id] = name
+        if self.replays is not None and joiner is not None and joiner.started_at is not None:
+            self.replays.used(run_id, joiner.started_at)
         self.done_at.pop(name, None)
         self.last_at[name] = at
         if name == group:

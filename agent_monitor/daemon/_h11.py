@@ -1,11 +1,14 @@
 """The sources' HTTP/1.1 door: one small server on asyncio streams and h11 (the OTLP receiver's and the proxy's).
 
-`H11Server` binds, accepts and counts the connections (one more than its bound is answered by the
-source's `busy`, or closed at once), runs each connection's keep-alive loop (a request's head,
-the source's handler, the next request once both sides are done) as a task of its own, and cancels
-and awaits every one of them when the source stops serving. What a connection meets that is not
-the source's protocol ends it quietly: the client gone, a deadline passed, bad HTTP (told to the
-source's `bad_request` when it has one); anything else is the source's `failed`.
+`H11Server` binds, accepts and admits the connections through a `Gate` (the cap counted at accept,
+a per-peer cap; when full the longest-waiting connection, idle or slow to send its head, is shed
+for the new one, and only when every connection is working is the new one answered by the
+source's `busy` or closed at once), runs each connection's keep-alive loop (idle up to
+`keepalive_s`, then the request's head within `head_timeout_s` of its first byte, the source's
+handler, the next request once both sides are done) as a task of its own, and cancels and awaits
+every one of them when the source stops serving. What a connection meets that is not the source's
+protocol ends it quietly: the client gone, a deadline passed, bad HTTP (told to the source's
+`bad_request` when it has one); anything else is the source's `failed`.
 
 `H11Conn` is one connection as a handler sees it: the next event read within its deadlines, the body
 read up to a bound, a whole response or a streamed one, and a lingering close. The protocols (paths,
@@ -21,11 +24,23 @@ from typing import Any
 
 import h11
 
-__all__ = ["ClientGone", "H11Conn", "H11Server"]
+from ._gate import Gate, Slot, peer_of
+
+__all__ = ["ClientGone", "H11Conn", "H11Server", "declared_length"]
 
 _READ = 65_536
+_MAX_BUSY = 64
+"""Connections being answered `busy` at once; more are closed at once."""
 
 Headers = Sequence[tuple[bytes, bytes]]
+
+
+def declared_length(request: h11.Request) -> int | None:
+    """The request's `Content-Length` (h11 checked it is one number), or None without one."""
+    for k, v in request.headers:
+        if k == b"content-length":
+            return int(v)
+    return None
 
 
 class ClientGone(ConnectionError):
@@ -124,9 +139,13 @@ class H11Conn:
 class H11Server:
     """A source's HTTP/1.1 server: `open` binds, `serving()` runs the connections, `close` unbinds.
 
-    `handle(conn, request)` answers one request (reading its body as it needs); `head_timeout_s` bounds the
-    wait for each request's head, `read_timeout_s` each read and drain. Past `max_connections`, `busy(conn)`
-    answers the connection (it counts while it does) or, without one, it is closed at once (`on_refused`).
+    `handle(conn, request)` answers one request (reading its body as it needs). A new connection's first
+    request must begin within `head_timeout_s`, a later one within `keepalive_s` (None: `read_timeout_s`)
+    of the connection going idle, and a request's head must be whole within `head_timeout_s` of its first
+    byte; `read_timeout_s` bounds each read and drain. At most
+    `max_connections` are open (`max_per_peer` from one address); when full, the longest-waiting one is
+    shed (`on_shed`). When every one is working, `busy(conn)` answers the new one (at most `_MAX_BUSY` at
+    once) or, without one, it is closed at once (`on_refused`).
     """
 
     def __init__(
@@ -136,28 +155,42 @@ class H11Server:
         *,
         max_head: int,
         max_connections: int,
+        max_per_peer: int | None = None,
         read_timeout_s: float | None = None,
         head_timeout_s: float | None = None,
+        keepalive_s: float | None = None,
         busy: Callable[[H11Conn], Awaitable[None]] | None = None,
         on_refused: Callable[[], None] | None = None,
+        on_shed: Callable[[], None] | None = None,
         bad_request: Callable[[H11Conn, h11.RemoteProtocolError], Awaitable[None]] | None = None,
         failed: Callable[[Exception], None] | None = None,
     ) -> None:
         self.name = name
         self.handle = handle
         self.max_head = max_head
-        self.max_connections = max_connections
+        self.gate = Gate(max_connections, max_per_peer)
         self.read_timeout_s = read_timeout_s
         self.head_timeout_s = head_timeout_s
+        self.keepalive_s = keepalive_s if keepalive_s is not None else read_timeout_s
         self.busy = busy
         self.on_refused = on_refused
+        self.on_shed = on_shed
         self.bad_request = bad_request
         self.failed = failed
-        self.connections = 0
-        """Connections open now."""
+        self._busy_now = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+
+    @property
+    def max_connections(self) -> int:
+        """Connections open at once at most."""
+        return self.gate.max_connections
+
+    @property
+    def connections(self) -> int:
+        """Connections open now (counted from their accept)."""
+        return self.gate.connections
 
     @property
     def bound(self) -> bool:
@@ -177,7 +210,7 @@ class H11Server:
         if self._server is None:
             self._stopped = False
             self._server = await asyncio.start_server(
-                self._accept, host, port, limit=self.max_head, start_serving=start_serving
+                self._accept, host, port, limit=self.max_head, start_serving=start_serving, backlog=1024
             )
 
     async def close(self) -> None:
@@ -203,25 +236,43 @@ class H11Server:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._stopped or (self.busy is None and self.connections >= self.max_connections):
-            if self.on_refused is not None:
-                self.on_refused()
-            writer.close()
+        # Admitted (and counted) here, before the loop accepts another: the cap cannot be overrun.
+        if self._stopped:
+            writer.transport.abort()
             return
-        task = asyncio.get_running_loop().create_task(self._connection(reader, writer), name=f"{self.name}-connection")
+        task: asyncio.Task[None] | None = None
+
+        def close() -> None:
+            if self.on_shed is not None:
+                self.on_shed()
+            writer.transport.abort()
+            if task is not None:
+                task.cancel()
+
+        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), close)
+        if slot is None:
+            if self.busy is None or self._busy_now >= _MAX_BUSY:
+                if self.on_refused is not None:
+                    self.on_refused()
+                writer.transport.abort()
+                return
+            self._busy_now += 1
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._connection(reader, writer, slot), name=f"{self.name}-connection")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot | None) -> None:
         conn = H11Conn(reader, writer, max_head=self.max_head, read_timeout_s=self.read_timeout_s)
-        self.connections += 1
         try:
-            if self.busy is not None and self.connections > self.max_connections:
-                await self.busy(conn)
+            if slot is None:
+                assert self.busy is not None
+                async with asyncio.timeout(self.head_timeout_s or self.read_timeout_s):
+                    await self.busy(conn)
             else:
-                await self._serve(conn)
+                await self._serve(conn, slot)
         except asyncio.CancelledError:
-            pass  # the source is stopping: a cancelled connection ends quietly
+            pass  # the source is stopping, or the connection was shed: it ends quietly
         except h11.RemoteProtocolError as e:
             if self.bad_request is not None:
                 await self.bad_request(conn, e)
@@ -231,19 +282,38 @@ class H11Server:
             if self.failed is not None:
                 self.failed(e)
         finally:
-            self.connections -= 1
+            if slot is None:
+                self._busy_now -= 1
+            else:
+                self.gate.release(slot)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _serve(self, conn: H11Conn) -> None:
+    async def _serve(self, conn: H11Conn, slot: Slot) -> None:
+        # A new connection owes its first request (it waits like a slow head); between requests it is idle.
+        wait_s = self.head_timeout_s
         while True:
+            if not conn.h11.trailing_data[0]:
+                # The first byte of the next request within its wait (or the client opens another when it needs one).
+                try:
+                    read = conn.reader.read(_READ)
+                    data = await (read if wait_s is None else asyncio.wait_for(read, wait_s))
+                except TimeoutError:
+                    return
+                if not data:
+                    return
+                conn.h11.receive_data(data)
+            self.gate.heading(slot)  # its head began: shed first if it is slow to come whole
             try:
                 request = await conn.next_event(self.head_timeout_s)
             except TimeoutError:
-                return  # an idle keep-alive connection: the client opens another when it needs one
+                return  # a head that never ends (a trickling client)
             if not isinstance(request, h11.Request):
                 return
+            self.gate.working(slot)
             await self.handle(conn, request)
             if not conn.next_cycle():
                 return
+            self.gate.idle(slot)
+            wait_s = self.keepalive_s

@@ -16,7 +16,8 @@ with a body of at most the route's `max_body_bytes` (a `Content-Length` is requi
 `on_refused`); the handler gets the method, path, query, headers and body and returns a response.
 
 Protections: only GET and HEAD besides the mounted routes; no request bodies elsewhere; a request head of
-at most 8 KiB read within a deadline; a cap on connections and on board clients; each board client's queue bounded (a slow
+at most 8 KiB read within a deadline; a cap on connections (counted at accept, per address too, the
+slowest head shed first when full) and on board clients; each board client's queue bounded (a slow
 browser is dropped, never waited for: see `Board`); every response says `Connection: close`. Every
 connection is a task in the server's own TaskGroup; leaving the server closes them all.
 """
@@ -42,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from ._board import Board, BoardClient, sse
+from ._gate import Gate, Slot, peer_of
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -135,7 +137,10 @@ class HttpServer:
     Entering binds the port (raising OSError when it is taken) and starts the named task `board-prune`;
     leaving stops listening, drops the board's browsers and closes every connection. `port=0` binds a
     free port (`server.port` says which). A request head must arrive within `request_timeout_s`, a
-    response be read within `write_timeout_s`; at most `max_connections` are open at once.
+    response be read within `write_timeout_s`; at most `max_connections` are open at once (and
+    `max_connections_per_peer` from one address, None: no bound of its own); when full, the connection
+    waiting longest for its head is closed for the new one (`_gate`), and a new one is refused only
+    when every open one is being answered.
     """
 
     def __init__(
@@ -146,6 +151,7 @@ class HttpServer:
         host: str = "127.0.0.1",
         port: int = 9464,
         max_connections: int = 64,
+        max_connections_per_peer: int | None = None,
         request_timeout_s: float = 10.0,
         write_timeout_s: float = 30.0,
     ) -> None:
@@ -161,9 +167,9 @@ class HttpServer:
         self._stack: contextlib.AsyncExitStack | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._open = 0
-        self.refused = 0
-        """Connections closed unanswered because max_connections were open."""
+        self.gate = Gate(max_connections, max_connections_per_peer)
+        """Admits connections: counted at accept, at most `max_connections_per_peer` from one address; when
+        full, the one waiting longest for its request head is shed for the new one."""
         self.routes: dict[str, Route] = {}
         """The routes sources mounted (path to route): see `mount`."""
         self.refusals: Counter[str] = Counter()
@@ -183,7 +189,17 @@ class HttpServer:
 
     def statistics(self) -> dict[str, Any]:
         """Connections refused, requests refused by reason, routes mounted."""
-        return {"connections_refused": self.refused, "refused": dict(self.refusals), "routes": sorted(self.routes)}
+        return {
+            "connections_refused": self.refused,
+            "connections_shed": self.gate.shed,
+            "refused": dict(self.refusals),
+            "routes": sorted(self.routes),
+        }
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unanswered: every one open was being answered (or their peer's were)."""
+        return self.gate.refused + self.gate.refused_peer
 
     @property
     def url(self) -> str:
@@ -270,12 +286,14 @@ class HttpServer:
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A new connection becomes a task in the server's TaskGroup (or is closed when too many are open)."""
-        if self._tg is None or self._open >= self.max_connections:
-            self.refused += 1
+        if self._tg is None:
             writer.transport.abort()
             return
-        self._open += 1
-        self._spawn(self._connection(reader, writer), "http-connection")
+        slot = self.gate.admit(peer_of(writer.get_extra_info("peername")), writer.transport.abort)
+        if slot is None:
+            writer.transport.abort()
+            return
+        self._spawn(self._connection(reader, writer, slot), "http-connection")
 
     async def _prune(self, board: Board) -> None:
         while True:
@@ -285,9 +303,9 @@ class HttpServer:
             except Exception:
                 log.exception("board_prune_failed")
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
         try:
-            await self._serve_one(reader, writer)
+            await self._serve_one(reader, writer, slot)
         except _Refused as e:
             if e.reason:
                 self.refusals[e.reason] += 1
@@ -301,7 +319,7 @@ class HttpServer:
             # A bug in answering one request must not end the server (a TaskGroup child that raises would).
             log.exception("http_request_failed")
         finally:
-            self._open -= 1
+            self.gate.release(slot)
             writer.close()
             try:
                 # What was written goes out first; a peer that reads nothing more is not waited for long.
@@ -310,8 +328,9 @@ class HttpServer:
             except (TimeoutError, ConnectionError):
                 writer.transport.abort()
 
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot) -> None:
         method, path, headers, query = await self._read_head(reader)
+        self.gate.working(slot)  # its head is in: no longer sheddable
         if (route := self.routes.get(path)) is not None:
             await self._routed(route, method, path, query, headers, reader, writer)
             return

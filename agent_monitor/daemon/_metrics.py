@@ -114,11 +114,13 @@ class Metrics:
         self.outcomes_refused = Counter(
             "agent_monitor_outcomes_refused",
             "Run outcomes that taught the calibration nothing although they said success or failure, by reason "
-            "(unauthenticated: no valid HMAC while outcomes must be signed; rate: the family's teaching rate was spent).",
+            "(unauthenticated: no valid HMAC while outcomes must be signed; replayed: a signed (run id, started_at) "
+            "already taught; stale: its started_at outside --signature-max-age, or none; rate: the family's "
+            "teaching rate was spent).",
             ["reason"],
             registry=registry,
         )
-        for reason in ("unauthenticated", "rate"):
+        for reason in ("unauthenticated", "replayed", "stale", "rate"):
             self.outcomes_refused.labels(reason)
         self.scorings_skipped = Counter(
             "agent_monitor_scorings_skipped",

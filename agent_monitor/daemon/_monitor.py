@@ -48,6 +48,7 @@ from ._metrics import (
 )
 from ._mode import Mode, Standalone, mode_of
 from ._mqtt import Message, MqttLink, MqttSink, Outbox
+from ._replay import Replays
 from ._restore import Restore
 from ._scoring import Scoring
 from ._source import Ingest, Source
@@ -65,6 +66,8 @@ __all__ = ["Monitor", "RunView", "StepView"]
 log = structlog.get_logger("agent_monitor.daemon")
 
 _EMPTIED_UNHEALTHY_S = 600.0
+_MAX_SIGNED_JOINS = 50_000
+"""Signed group joins remembered (with --group-secret): past it the oldest becomes the freshness floor."""
 """How long /healthz says unhealthy after the cluster's Redis came back empty (the runs it lost do not come back;
 the warning stays in the log and in agent_monitor_cluster_redis_emptied_total)."""
 
@@ -138,6 +141,7 @@ class Monitor:
         self.groups = GroupBook(
             max_groups=lim.max_groups, max_group_runs=lim.max_group_runs, grace_s=lim.group_grace_s,
             secret=c.group_secret, policy=c.policy if c.group_policy_fixed else None,  # who may join, on what terms
+            replays=Replays(c.signature_max_age_s, _MAX_SIGNED_JOINS, clock=clock) if c.group_secret else None,
         )  # fmt: skip
         """Sibling runs (`start.group`) ranked together; their rankings are retained on `{prefix}/_groups/{group}/ranking`."""
         self._groups = Groups(

@@ -16,6 +16,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ _JSON = "application/json"
 _MAX_HEAD = 16 * 1024
 _SWEEP_S = 1.0
 _LINGER_S = 2.0
+_OFF_LOOP_BYTES = 64 * 1024
+"""A body (as sent) from this size on is unzipped and decoded in a worker thread."""
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class OtlpReceiver:
             max_head=_MAX_HEAD,
             max_connections=settings.max_connections,
             read_timeout_s=settings.read_timeout_s,
+            head_timeout_s=settings.read_timeout_s,
             busy=self._busy,
             failed=lambda _: log.exception("otlp_connection_failed"),
         )
@@ -86,7 +90,9 @@ class OtlpReceiver:
         )
         self.traces = Traces(settings, self.metrics, clock=clock)
         self.sink: Sink | None = self.traces.on_event
-        self._stats: dict[str, int] = {"requests": 0, "received": 0, "accepted": 0}
+        self._stats: dict[str, int] = {"requests": 0, "received": 0, "accepted": 0, "decoded_off_loop": 0}
+        self._decoding = asyncio.Semaphore(1)
+        self._decoder: ThreadPoolExecutor | None = None
 
     # -- the source protocol --
 
@@ -127,6 +133,9 @@ class OtlpReceiver:
                     await self.sweep()
         finally:
             await self.http.close()
+            decoder, self._decoder = self._decoder, None
+            if decoder is not None:
+                decoder.shutdown(wait=False)
 
     def statistics(self) -> Mapping[str, Any]:
         """Requests, spans received, accepted, steps sent, late steps, live runs and open connections."""
@@ -202,6 +211,40 @@ class OtlpReceiver:
         await self._write(conn, answer)
 
     async def _export(self, body: bytes, ctype: str, gzipped: bool) -> _Answer:
+        if len(body) < _OFF_LOOP_BYTES:
+            got = self._decode(body, ctype, gzipped)
+        else:
+            # A large body can take long to unzip and decode (millions of tiny events fit under the cap): in the
+            # receiver's one decoding thread, one at a time (each holds a decoded copy, ~25x its bytes), so the
+            # loop answers /metrics meanwhile. One thread, not the default pool: the memory a decode frees is
+            # reused by the next instead of held in each pool thread's own malloc arena.
+            async with self._decoding:
+                self._stats["decoded_off_loop"] += 1
+                if self._decoder is None:
+                    self._decoder = ThreadPoolExecutor(1, thread_name_prefix="otlp-decode")
+                loop = asyncio.get_running_loop()
+                got = await loop.run_in_executor(self._decoder, self._decode, body, ctype, gzipped)
+        if isinstance(got, _Answer):
+            return got
+        decoded = got
+        s = self.settings
+        for kind, n in decoded.dropped.items():
+            self.metrics.dropped.labels(kind).inc(n)
+        n = len(decoded.spans) + decoded.rejected
+        self.metrics.received.inc(n)
+        self._stats["received"] += n
+        if decoded.truncated:
+            self.metrics.truncated.inc(decoded.truncated)
+        rejected, reason, retry = await self.take(decoded)
+        self._stats["accepted"] += n - rejected
+        if retry:
+            return self._error(
+                503, "the monitor cannot take these spans now; retry", ctype, retry_after=s.retry_after_s
+            )
+        return _Answer(200, _success(rejected, reason, ctype), ctype)
+
+    def _decode(self, body: bytes, ctype: str, gzipped: bool) -> Decoded | _Answer:
+        """The request's spans (unzipped, decoded, every repeated field capped), or the error answer; thread-safe."""
         s = self.settings
         if gzipped:
             d = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -216,25 +259,13 @@ class OtlpReceiver:
             body = raw
         decode = decode_json if ctype == _JSON else decode_protobuf
         try:
-            decoded = decode(body, max_spans=s.max_spans_per_batch, max_attribute_bytes=s.max_attribute_bytes)
+            return decode(body, max_spans=s.max_spans_per_batch, max_attribute_bytes=s.max_attribute_bytes)
         except TooManySpans as e:
             self.metrics.refused.labels("batch_too_large").inc(e.n)
             return self._error(413, f"{e.n} spans in one request, over the limit of {s.max_spans_per_batch}", ctype)
         except SpanError as e:
             self.metrics.refused.labels("bad_body").inc()
             return self._error(400, str(e), ctype)
-        n = len(decoded.spans) + decoded.rejected
-        self.metrics.received.inc(n)
-        self._stats["received"] += n
-        if decoded.truncated:
-            self.metrics.truncated.inc(decoded.truncated)
-        rejected, reason, retry = await self.take(decoded)
-        self._stats["accepted"] += n - rejected
-        if retry:
-            return self._error(
-                503, "the monitor cannot take these spans now; retry", ctype, retry_after=s.retry_after_s
-            )
-        return _Answer(200, _success(rejected, reason, ctype), ctype)
 
     def _error(self, status: int, message: str, ctype: str, *, retry_after: int | None = None) -> _Answer:
         code = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)  # google.rpc.Code

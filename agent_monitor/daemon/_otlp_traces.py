@@ -117,6 +117,12 @@ class OtlpMetrics:
         self.truncated = Counter(
             "agent_monitor_otlp_attributes_truncated", "Attribute values cut to --otlp-max-attribute-bytes.", registry=r
         )
+        self.dropped = Counter(
+            "agent_monitor_otlp_span_items_dropped",
+            "A span's events, links or attributes over their per-span cap (128, 128, 256), dropped unread, by kind.",
+            ["kind"],
+            registry=r,
+        )
         self.final_latency = Histogram(
             "agent_monitor_otlp_final_score_seconds",
             "Seconds from a trace-fed run's last span to its final score (the run closed).",
@@ -129,6 +135,8 @@ class OtlpMetrics:
             self.requests.labels(code)
         for reason in IGNORE_REASONS:
             self.ignored.labels(reason)
+        for kind in ("events", "links", "attributes"):
+            self.dropped.labels(kind)
         for reason in REFUSE_REASONS:
             self.refused.labels(reason)
 
@@ -221,6 +229,8 @@ class Traces:
                     reason = reason or f"trace {trace_id}: {e}"
                     self.metrics.refused.labels("bad_run_id").inc(len(spans))
                     continue
+            else:
+                run_id = self._renamed(run_id, spans, events)
             if run_id in self._ended:
                 self.metrics.ignored.labels("run_ended").inc(len(spans))
                 self.metrics.accepted.inc(len(spans))
@@ -251,6 +261,49 @@ class Traces:
         if events and not await self._send(events, touched):
             retry = True
         return rejected, reason, retry
+
+    def _renamed(self, run_id: str, spans: list[Span], events: list[Inbound]) -> str:
+        """The run a trace's root names (`agent_monitor.run_id` on the root alone), its trace's run moved there.
+
+        The root ends last, so the trace's earlier spans made a run of the trace id: its steps sent so far
+        are sent again under the named run (same texts, same order), and the trace id's run is ended with
+        no outcome. A name that is not a valid run id, or belongs to another run here, keeps the trace id.
+        """
+        run = self.runs.get(run_id)
+        if run is None or not run.by_trace or run.ended:
+            return run_id
+        key = next((k for s in spans if s.is_root and (k := run_key(s)) is not None), None)
+        if key is None or key[1] == run_id:
+            return run_id
+        new_id = key[1]
+        try:
+            check_run_id(new_id)
+        except TopicError as e:
+            log.warning("otlp_root_run_id_refused", trace_run=run_id, error=str(e))
+            return run_id
+        view = self.view
+        if new_id in self.runs or new_id in self._ended or (view is not None and view.is_live(new_id)):
+            log.warning("otlp_root_run_id_taken", trace_run=run_id, run_id=new_id)
+            return run_id
+        del self.runs[run_id]
+        run.run_id, run.by_trace = new_id, False
+        self.runs[new_id] = run
+        for t in run.traces:
+            self._traces[t] = new_id
+        if run.started:
+            texts = view.step_texts(run_id) if view is not None else None
+            metas = view.step_meta(run_id) if view is not None else None
+            self._start(run, events)
+            for i, (text, meta) in enumerate(zip(texts or (), metas or (), strict=False), 1):
+                otel = meta.get("otel") if isinstance(meta, Mapping) else None
+                end = otel.get("end_ns", 0) if isinstance(otel, Mapping) else 0
+                data = {"index": i, "text": text, "ts": end / 1e9 if isinstance(end, int) else 0.0, "meta": dict(meta)}
+                span_id = otel.get("span_id") if isinstance(otel, Mapping) else None
+                events.append(Inbound(new_id, "step", data, key=str(span_id or f"{run_id}:{i}")))
+            events.append(Inbound(run_id, "end", {"outcome": None}, key=f"renamed:{run_id}"))
+            self._remember_ended(run_id)
+        log.info("otlp_run_renamed", trace_run=run_id, run_id=new_id, steps=len(run.steps))
+        return new_id
 
     def _recover(self, run_id: str, by_trace: bool, now: float) -> _Run | None:
         """A run the monitor has live but this receiver does not know (it restarted): what it sent, from the steps."""

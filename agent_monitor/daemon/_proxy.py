@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 import structlog
 
@@ -33,7 +34,7 @@ from ..judges.base import Judge
 from ..progress import Usage
 from ..selection import compare, tournament
 from ._config import ProxySettings
-from ._h11 import H11Conn, H11Server
+from ._h11 import H11Conn, H11Server, declared_length
 from ._source import Inbound, Ingest, RunsView
 from ._state import Sink
 from ._turns import (
@@ -69,8 +70,6 @@ log = structlog.get_logger("agent_monitor.proxy")
 
 MAX_REQUEST_BYTES = 64 * 1024 * 1024
 """A request body past this is refused (413): nothing an LLM API takes is larger."""
-MAX_CONNECTIONS = 4096
-"""Client connections open at once; one more is closed at once (counted in connections_refused)."""
 KEEPALIVE_S = 300.0
 """Seconds an idle keep-alive connection stays open between two requests."""
 QUEUE_SIZE = 10_000
@@ -86,6 +85,9 @@ _REQUEST_DROP = _HOP | {b"accept-encoding"}
 _RESPONSE_DROP = _HOP | {b"content-encoding"}
 _RUN_HEADER = b"x-agent-monitor-run"
 _READ = 65_536
+# A refused body still on its way is read and dropped this long, so the client reads its 413 (not a reset).
+_LINGER_BYTES = 1024 * 1024
+_LINGER_S = 2.0
 
 
 class _Watch:
@@ -137,9 +139,13 @@ class ProxySource:
             "proxy",
             self._handle,
             max_head=_READ,
-            max_connections=MAX_CONNECTIONS,
-            head_timeout_s=KEEPALIVE_S,
+            max_connections=settings.max_connections,
+            max_per_peer=settings.max_connections_per_peer,
+            head_timeout_s=settings.head_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            keepalive_s=KEEPALIVE_S,
             on_refused=lambda: self.counts.update(("connections_refused",)),
+            on_shed=lambda: self.counts.update(("connections_shed",)),
             bad_request=self._bad_http,
             failed=self._failed,
         )
@@ -190,6 +196,7 @@ class ProxySource:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._feed(ingest), name="proxy-feed")
                 tg.create_task(self._sweep(), name="proxy-sweep")
+                tg.create_task(self._provisional(), name="proxy-provisional")
                 async with self.http.serving():
                     log.info("proxy_listening", url=self.url, upstream=self.upstream)
                     await asyncio.Event().wait()
@@ -244,17 +251,37 @@ class ProxySource:
             await asyncio.sleep(every)
             for conv in self.conversations.expire(self.clock()):
                 self.counts["conversations_ended"] += 1
+                self._emit(self.conversations.flush(conv))
                 if conv.started:
                     self._emit([Inbound(conv.run_id, "end", {}, key=f"{conv.run_id}:end")])
+
+    async def _provisional(self) -> None:
+        """Send the held final answers whose conversation did not go on within --final-grace."""
+        every = min(1.0, max(0.05, self.settings.final_grace_s / 4))
+        while True:
+            await asyncio.sleep(every)
+            self._emit(self.conversations.due(self.clock()))
 
     # HTTP.
 
     async def _handle(self, conn: H11Conn, request: h11.Request) -> None:
-        """One request: its body read (bounded, each part within the upstream timeout), then forwarded or watched."""
+        """One request: its path checked, its body read (bounded, each part within the deadlines), then forwarded."""
+        if (why := _bad_target(request.target)) is not None:
+            # Dot segments would be resolved once joined to the upstream's base: refused, never sent.
+            self.counts["bad_path"] += 1
+            await _respond(conn, 400, json.dumps({"error": {"message": f"agent-monitor proxy: {why}"}}).encode())
+            return
+        length = declared_length(request)
+        if length is not None and length > MAX_REQUEST_BYTES:
+            # Answered at once, the body unread: the connection closes (the client may be sending it still).
+            self.counts["too_large"] += 1
+            await _respond(conn, 413, b'{"error":{"message":"request body too large"}}', close=True)
+            await conn.linger(_LINGER_BYTES, _LINGER_S)
+            return
         body = await conn.body(MAX_REQUEST_BYTES, timeout_s=self.settings.upstream_timeout_s)
         if body is None:
             self.counts["too_large"] += 1
-            await _respond(conn, 413, b'{"error":{"message":"request body too large"}}')
+            await _respond(conn, 413, b'{"error":{"message":"request body too large"}}', close=True)
             return
         await self._request(conn, request, body)
 
@@ -324,7 +351,7 @@ class ProxySource:
         if conv is None:
             return self._unwatched("conversations")
         self.counts["watched"] += 1
-        self._emit(self.conversations.events(conv, req))
+        self._emit(self.conversations.events(conv, req, now=self.clock()))
         return _Watch(conv, req), data
 
     def _unwatched(self, reason: str) -> tuple[None, None]:
@@ -427,7 +454,9 @@ class ProxySource:
             self.counts["unreadable_responses"] += 1
             return
         if turn.final:
-            self._emit(self.conversations.events(watch.conv, watch.req, turn))
+            # Held back a moment: a text-only agent's next request may bring what its words did (a ReAct loop).
+            grace = self.settings.final_grace_s
+            self._emit(self.conversations.events(watch.conv, watch.req, turn, now=self.clock(), grace_s=grace))
 
 
 class _BestOf:
@@ -551,11 +580,27 @@ async def _respond(
     *,
     headers: Sequence[tuple[bytes, bytes]] | None = None,
     extra: Sequence[tuple[bytes, bytes]] = (),
+    close: bool = False,
 ) -> None:
     """A whole response: `headers` (a JSON content type without), then `extra`, then its length."""
     await conn.respond(
-        status, body, [*(headers if headers is not None else [(b"content-type", b"application/json")]), *extra]
+        status,
+        body,
+        [*(headers if headers is not None else [(b"content-type", b"application/json")]), *extra],
+        close=close,
     )
+
+
+def _bad_target(target: bytes) -> str | None:
+    """Why a request target may not be joined to the upstream's base (a dot segment, plain or encoded), or None."""
+    path = target.split(b"?", 1)[0].decode("latin-1")
+    if not path.startswith("/"):
+        return "the request target must be a path starting with /"
+    # Decoded twice: an upstream (or a server behind it) that decodes %2e or %252e must not see a dot segment.
+    decoded = unquote(unquote(path))
+    if any(seg in (".", "..") for seg in decoded.replace("\\", "/").split("/")):
+        return "the request path has a . or .. segment; send a normalised path"
+    return None
 
 
 class _ProxyCollector:

@@ -59,6 +59,8 @@ class Restore:
         """A sample another replica learnt (cluster mode): every replica's "auto" thresholds use the same evidence."""
         if self.calibration.add(sample):
             self.on_family(sample.family, sample.at)
+        if self.scoring.config.outcome_secret:
+            self.scoring.replays.restore([sample.run_id])  # its signature is spent on every replica
 
     async def restore(self) -> tuple[str, ...]:
         """Rebuild the live runs by replaying the journal; take their stored scores; the runs live.
@@ -69,8 +71,12 @@ class Restore:
         With `rescore`, stored scores are ignored and each run's newest prefix is scored afresh.
         """
         # Samples first: the runs replayed below are scored against the calibration they had before.
-        for sample in await self.store.samples():
+        samples = await self.store.samples()
+        for sample in samples:
             self.calibration.add(sample)
+        if self.scoring.config.outcome_secret:
+            # The signed outcomes taught before the restart stay spent (their sample key holds run and started_at).
+            self.scoring.replays.restore(s.run_id for s in samples)
         for f in self.calibration.families():
             self.on_family(f.family, f.last_at)
         replay = await self.store.replay()

@@ -552,6 +552,8 @@ def _body(req: HttpRequest) -> dict[str, Any]:
         body = json.loads(req.body)
     except (ValueError, UnicodeDecodeError) as e:
         raise _Refusal(400, "bad_json", f"the body is not JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise _Refusal(400, "bad_json", "the body nests too deeply to read; send a flatter JSON object") from None
     if not isinstance(body, dict):
         raise _Refusal(400, "bad_body", f"the body is a JSON {type(body).__name__}; send a JSON object")
     return body

@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from ..calibration import Calibration, outcome_authentic
+from ..calibration import Calibration
 from ..criteria import Rubric
 from ..judges.circuit import LATENCY_BUCKETS, CircuitJudge
 from ..policy import EVERY, FAR, Plan, Policy, with_levels
@@ -30,6 +30,7 @@ from ..tracker import AsyncProgressTracker
 from ..wire import RunStart, Topics
 from ._config import MonitorConfig
 from ._groups import Groups, Joiner
+from ._replay import Replays, sample_key, spend_signed
 from ._state import (
     AcceptedStep,
     Appended,
@@ -183,7 +184,9 @@ class Scoring:
         self.emit = emit
         self.clock = clock
         self.on_outcome_refused = on_outcome_refused
-        """Told why an outcome teaches nothing ("unauthenticated", "rate"): the outcomes-refused counter."""
+        """Told why an outcome teaches nothing ("unauthenticated", "replayed", "stale", "rate"): a counter."""
+        self.replays = Replays(config.signature_max_age_s, calibration.max_total, clock=clock)
+        """The signed outcomes already used (`--outcome-secret`): a replayed one teaches nothing."""
         self.scheduler: Scheduler[str] = Scheduler(self._score, on_depth=on_depth)
         # Judge calls per run per minute: a run past it waits (its steps coalesce meanwhile).
         self.rate = CallRate(config.work.max_judge_calls_per_run_minute, clock=clock)
@@ -371,15 +374,15 @@ class Scoring:
         key = f"{run_id}@{when!r}"
         secret = self.config.outcome_secret
         outcome = state.ended.outcome
-        # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC.
-        if (
-            secret
-            and outcome is not None
-            and not outcome_authentic(secret, run_id, state.start.started_at, outcome, state.ended.auth)
-        ):
-            self.on_outcome_refused("unauthenticated")
-            log.warning("outcome_unauthenticated", run_id=run_id, hint="end.auth missing or wrong; it teaches nothing")
-            return
+        # With --outcome-secret, an outcome teaches only when its end carries the run's HMAC, once, while fresh.
+        if secret and outcome is not None:
+            signed_at = state.start.started_at
+            why = spend_signed(secret, self.replays, run_id, signed_at, outcome, state.ended.auth)
+            if why is not None or signed_at is None:
+                self.on_outcome_refused(why or "stale")
+                log.warning("outcome_refused", run_id=run_id, why=why, hint="a signed outcome teaches once, fresh")
+                return
+            key = sample_key(run_id, signed_at)
         try:
             exposed = tracker.policy_state is not None and tracker.policy_state.exposed
             limited = self.calibration.rate_limited

@@ -107,6 +107,10 @@ class RunsView(Protocol):
         """The `meta` of each step of a live run, in index order (what a source put there), or None when not live."""
         ...
 
+    def step_texts(self, run_id: str) -> tuple[str, ...] | None:
+        """The text of each step of a live run, in index order, or None when it is not live."""
+        ...
+
     def points(self, run_id: str) -> tuple[Point, ...] | None:
         """Every result of a live run as (step, score, uncertainty) in step order (None where none), or None."""
         ...

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
+    "MAX_EVENTS",
+    "MAX_LINKS",
     "Decoded",
     "Span",
     "SpanError",
@@ -41,6 +43,9 @@ OUTCOME_ATTR = "agent_monitor.outcome"
 CONVERSATION_ATTR = "gen_ai.conversation.id"
 # Attributes kept per span at most (the SDK's own default limit is 128): the rest are dropped, not read.
 MAX_ATTRIBUTES = 256
+# Events and links of one span read at most (the SDK's defaults are 128 each); the rest are dropped, counted.
+MAX_EVENTS = 128
+MAX_LINKS = 128
 _MAX_DEPTH = 8
 
 
@@ -79,6 +84,13 @@ class Decoded:
     rejected: int = 0
     reason: str = ""
     truncated: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Items over their per-span cap, not read, by kind: `events`, `links`, `attributes`."""
+
+    def drop(self, kind: str, n: int) -> None:
+        """Count `n` items of a kind dropped over their cap."""
+        if n > 0:
+            self.dropped[kind] = self.dropped.get(kind, 0) + n
 
     def reject(self, why: str) -> None:
         """Count one span that could not be read."""
@@ -121,6 +133,9 @@ def decode_protobuf(body: bytes, *, max_spans: int, max_attribute_bytes: int) ->
         resource = _pb_attributes(rs.resource.attributes, bound)
         for ss in rs.scope_spans:
             for s in ss.spans:
+                out.drop("events", len(s.events) - MAX_EVENTS)
+                out.drop("links", len(s.links) - MAX_LINKS)
+                out.drop("attributes", len(s.attributes) - MAX_ATTRIBUTES)
                 trace_id, span_id = s.trace_id.hex(), s.span_id.hex()
                 if len(trace_id) != 32 or trace_id == "0" * 32 or len(span_id) != 16 or span_id == "0" * 16:
                     out.reject("a span has no valid trace_id (16 bytes) or span_id (8 bytes)")
@@ -139,7 +154,9 @@ def decode_protobuf(body: bytes, *, max_spans: int, max_attribute_bytes: int) ->
                         status=int(s.status.code),
                         status_message=bound.text(s.status.message),
                         attributes=_pb_attributes(s.attributes, bound),
-                        events=tuple((bound.text(e.name), _pb_attributes(e.attributes, bound)) for e in s.events),
+                        events=tuple(
+                            (bound.text(e.name), _pb_attributes(e.attributes, bound)) for e in s.events[:MAX_EVENTS]
+                        ),
                         resource=resource,
                     )
                 )
@@ -214,6 +231,10 @@ def decode_json(body: bytes, *, max_spans: int, max_attribute_bytes: int) -> Dec
                 res.get("attributes") if isinstance(res, dict) else None, bound
             )
         for s in _list(ss.get("spans"), "spans"):
+            if isinstance(s, dict):
+                for kind, cap in (("events", MAX_EVENTS), ("links", MAX_LINKS), ("attributes", MAX_ATTRIBUTES)):
+                    items = s.get(kind)
+                    out.drop(kind, len(items) - cap if isinstance(items, list) else 0)
             try:
                 out.spans.append(_json_span(s, resource, bound))
             except (TypeError, ValueError) as e:
@@ -263,7 +284,7 @@ def _json_span(s: object, resource: dict[str, Any], bound: _Bound) -> Span:
     code = status.get("code", 0)
     code = {"STATUS_CODE_UNSET": 0, "STATUS_CODE_OK": 1, "STATUS_CODE_ERROR": 2}.get(code, code)
     events = []
-    for e in _list(s.get("events"), "events")[:MAX_ATTRIBUTES]:
+    for e in _list(s.get("events"), "events")[:MAX_EVENTS]:
         if isinstance(e, dict):
             events.append((bound.text(str(e.get("name", ""))), _json_attributes(e.get("attributes"), bound)))
     return Span(

@@ -4,8 +4,11 @@ Three wire formats are read: OpenAI chat completions (`/v1/chat/completions`), O
 (`/v1/responses`) and Anthropic messages (`/v1/messages`). A request's history becomes a list of
 `Item`s (user, assistant, tool; the system prompt aside), with consecutive assistant items merged
 into one turn. Each assistant turn and everything the next request brings back after it (the tool
-results, a user's follow-up) is a step; a turn is complete when a later item follows it, and a
-final answer (a turn without tool calls) is a step as soon as it is returned.
+results, a user's follow-up) is a step; a turn is complete when a later item follows it. A turn
+without tool calls looks final but, from a text-only (ReAct) agent, is followed by its observation
+in the next request: it is held for a grace time and sent complete when that request comes, or
+sent as it is after the grace, what followed it then heading the next step (a step once sent never
+changes: the judge's prefixes stay stable).
 
 Run keys (no `X-Agent-Monitor-Run` header): `px-` and 16 hex digits of the BLAKE2b digest of the
 system prompt and the first user message, so every request of one conversation (and a proxy
@@ -284,15 +287,20 @@ def _clip(text: str, limit: int) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
-def steps_of(items: Sequence[Item]) -> list[tuple[str, bool]]:
-    """Each assistant turn with what follows it: (the step's text, complete: something followed it)."""
+def _parts_of(items: Sequence[Item]) -> list[list[str]]:
+    """Each assistant turn's text, then what followed it (tool results; a user's follow-up marked `[user]`)."""
     steps: list[list[str]] = []
     for it in items:
         if it.role == "assistant":
             steps.append([it.text])
         elif steps:
             steps[-1].append(it.text if it.role == "tool" else f"[user] {it.text}")
-    return [(_clip("\n".join(s), MAX_STEP_CHARS), len(s) > 1) for s in steps]
+    return steps
+
+
+def steps_of(items: Sequence[Item]) -> list[tuple[str, bool]]:
+    """Each assistant turn with what follows it: (the step's text, complete: something followed it)."""
+    return [(_clip("\n".join(s), MAX_STEP_CHARS), len(s) > 1) for s in _parts_of(items)]
 
 
 @dataclass(slots=True)
@@ -309,6 +317,16 @@ class Conversation:
     stopped: str | None = None
     """Why the proxy refuses this run's requests (--enforce), once it did."""
     size: int = 0
+    task: str = ""
+    """The run's task and start labels (for a provisional answer sent on its own)."""
+    labels: dict[str, str] = field(default_factory=dict)
+    provisional: tuple[int, str, float] | None = None
+    """A final-looking answer held back: (its step index, its text, when it is sent as it is)."""
+    short: int = 0
+    """The index of a step sent without what followed it (sent when its grace ran out): what follows it
+    once the conversation goes on is carried at the head of the next step."""
+    carry: str = ""
+    """What followed step `short`, once a request brought it: the head of the next step."""
 
 
 @dataclass(slots=True)
@@ -389,29 +407,95 @@ class Conversations:
             gone.append(conv)
         return gone
 
-    def events(self, conv: Conversation, req: Request, final: Turn | None = None) -> list[Inbound]:
+    def events(
+        self, conv: Conversation, req: Request, final: Turn | None = None, *, now: float = 0.0, grace_s: float = 0.0
+    ) -> list[Inbound]:
         """The start (once, with the first step) and the steps of `req`'s history not yet sent.
 
-        `final`: the response's turn when it is a final answer (a step at once); its index is the
-        history's turns + 1, so the same answer to a retried request is the same step.
+        A step is an assistant turn with what followed it, sent once it is complete (something followed
+        it). `final`, the response's turn when it has no tool call, looks like a final answer, but a
+        text-only agent (ReAct) gets its observation in the next request: it is held back (provisional)
+        for `grace_s` seconds from `now`, and sent then as it is (`due`) unless the next request has
+        made it a complete step first. Its index is the history's turns + 1, so a retried request's
+        answer is the same step. A step sent as it is never changes (the judge's prefixes stay
+        stable): what follows it comes at the head of the next step instead.
         """
         out: list[Inbound] = []
-        steps = [t for t, done in steps_of(req.items) if done]
-        if final is not None and len(steps) == req.turns:
-            steps.append(_clip(final.render(), MAX_STEP_CHARS))
+        parts = _parts_of(req.items)
+        steps = [_clip("\n".join(p), MAX_STEP_CHARS) for p in parts if len(p) > 1]
+        if conv.provisional is not None and conv.provisional[0] <= len(steps):
+            conv.provisional = None  # the conversation went on: the turn is a complete step below
+        # A step went out without what followed it: that, once known, comes at the head of the next step.
+        if (
+            conv.short
+            and len(parts) >= conv.short
+            and not conv.carry
+            and (after := "\n".join(parts[conv.short - 1][1:]))
+        ):
+            conv.carry = f"[after step {conv.short}]\n{after}\n[step {conv.short + 1}]\n"
         for index in range(conv.sent + 1, len(steps) + 1):
-            if not conv.started:
-                task = _clip(req.task, MAX_TASK_CHARS) or "(no user message)"
-                labels = {"source": "proxy", "api": req.api}
-                if req.model:
-                    labels["model"] = req.model
-                out.append(Inbound(conv.run_id, "start", {"task": task, "labels": labels}, key=f"{conv.run_id}:start"))
-                conv.started = True
-            out.append(
-                Inbound(conv.run_id, "step", {"index": index, "text": steps[index - 1]}, key=f"{conv.run_id}:{index}")
-            )
-            conv.sent = index
+            self._send(conv, req, index, steps[index - 1], out)
+        if final is not None and len(steps) == req.turns and conv.sent == req.turns:
+            text = _clip(final.render(), MAX_STEP_CHARS)
+            if grace_s <= 0:
+                self._send(conv, req, req.turns + 1, text, out)
+                conv.short, conv.carry = req.turns + 1, ""
+            else:
+                conv.provisional = (req.turns + 1, text, now + grace_s)
+                conv.task = conv.task or _clip(req.task, MAX_TASK_CHARS) or "(no user message)"
+                conv.labels = conv.labels or _labels(req)
         return out
+
+    def due(self, now: float) -> list[Inbound]:
+        """The provisional answers whose grace ran out, sent as they are (the conversation did not go on)."""
+        out: list[Inbound] = []
+        for conv in self.live.values():
+            held = conv.provisional
+            if held is not None and held[2] <= now:
+                conv.provisional = None
+                self._send_held(conv, held[0], held[1], out)
+        return out
+
+    def flush(self, conv: Conversation) -> list[Inbound]:
+        """A conversation's provisional answer, sent now (its run is ending)."""
+        out: list[Inbound] = []
+        held, conv.provisional = conv.provisional, None
+        if held is not None:
+            self._send_held(conv, held[0], held[1], out)
+        return out
+
+    def _send_held(self, conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
+        if index == conv.sent + 1:
+            self._open(conv, conv.task, conv.labels, out)
+            self._step(conv, index, text, out)
+            conv.short = index
+
+    def _send(self, conv: Conversation, req: Request, index: int, text: str, out: list[Inbound]) -> None:
+        self._open(conv, _clip(req.task, MAX_TASK_CHARS) or "(no user message)", _labels(req), out)
+        self._step(conv, index, text, out)
+
+    @staticmethod
+    def _step(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
+        if conv.short and index == conv.short + 1:
+            text = _clip(conv.carry + text, MAX_STEP_CHARS)
+            conv.short, conv.carry = 0, ""
+        out.append(Inbound(conv.run_id, "step", {"index": index, "text": text}, key=f"{conv.run_id}:{index}"))
+        conv.sent = index
+
+    @staticmethod
+    def _open(conv: Conversation, task: str, labels: Mapping[str, str], out: list[Inbound]) -> None:
+        if not conv.started:
+            out.append(
+                Inbound(conv.run_id, "start", {"task": task, "labels": dict(labels)}, key=f"{conv.run_id}:start")
+            )
+            conv.started = True
+
+
+def _labels(req: Request) -> dict[str, str]:
+    labels = {"source": "proxy", "api": req.api}
+    if req.model:
+        labels["model"] = req.model
+    return labels
 
 
 # Responses.

@@ -98,6 +98,11 @@ class LiveRuns:
         s = self.runs.get(run_id)
         return tuple(t.meta for t in s.tracker.steps) if s is not None else None
 
+    def step_texts(self, run_id: str) -> tuple[str, ...] | None:
+        """The text of each step of the run, in order (a source moving its steps to another run), or None."""
+        s = self.runs.get(run_id)
+        return tuple(t.text for t in s.tracker.steps) if s is not None else None
+
     def points(self, run_id: str) -> tuple[Point, ...] | None:
         """Every result of the run as (step, score, uncertainty), in step order, or None when not live."""
         s = self.runs.get(run_id)

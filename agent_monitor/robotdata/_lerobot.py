@@ -23,6 +23,10 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import re
+import stat
+import string
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,63 @@ DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index", "task_
 SUCCESS_COLUMNS = ("next.success", "success", "is_success")
 """Where a dataset records success: a per-frame column (the episode succeeded if its last frame says so) or an
 episode column."""
+
+
+MAX_INFO_BYTES = 4 * 1024 * 1024
+"""The largest meta/info.json read (a real one is a few kilobytes)."""
+_FIELDS = frozenset({"chunk_index", "file_index", "video_key", "episode_index", "episode_chunk"})
+_INT_SPEC = re.compile(r"0?[1-9]?\dd|d|")
+"""What a template may say of an integer field: lerobot's `03d`, at most two digits of width."""
+
+
+def fill(template: str, source: Path, **fields: object) -> str:
+    """A metadata path template filled safely: named fields only, integer widths of two digits at most.
+
+    `str.format` would evaluate `{chunk_index.__class__.__mro__}` and build a billion-character path for
+    `{chunk_index:0999999999d}`: a template from a downloaded dataset is data, filled field by field here.
+    """
+    out: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise RobotDataError(f"{source}: path template {template[:200]!r} does not parse ({e})") from None
+    for literal, name, spec, conversion in parsed:
+        out.append(literal)
+        if name is None:
+            continue
+        if name not in _FIELDS or name not in fields or conversion is not None:
+            raise RobotDataError(
+                f"{source}: path template {template[:200]!r} names {{{name[:50]}}}; only "
+                f"{', '.join(sorted(_FIELDS))} may appear (no attributes, indexes or conversions)"
+            )
+        value, spec = fields[name], spec or ""
+        if isinstance(value, int):
+            if not _INT_SPEC.fullmatch(spec):
+                raise RobotDataError(
+                    f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}; use e.g. 03d"
+                )
+            out.append(format(value, spec or "d"))
+        elif spec:
+            raise RobotDataError(f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}")
+        else:
+            out.append(str(value))
+    return "".join(out)
+
+
+def regular_file(path: Path, root: Path) -> Path:
+    """`path` resolved, checked to be inside the dataset `root` and a regular file (not a FIFO, device, directory)."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise RobotDataError(f"{path}: outside the dataset {root} (its metadata may only name files inside it)")
+    try:
+        st = os.stat(resolved)
+    except FileNotFoundError:
+        raise RobotDataError(f"{path}: missing (the dataset's metadata names it; is the download complete?)") from None
+    except OSError as e:
+        raise RobotDataError(f"{path}: cannot be read ({e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise RobotDataError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+    return resolved
 
 
 def _pyarrow() -> Any:
@@ -69,10 +130,17 @@ class LeRobotDataset:
         info_path = self.root / "meta" / "info.json"
         if not info_path.is_file():
             raise RobotDataError(f"{self.root}: not a LeRobot dataset (no meta/info.json)")
+        regular_file(info_path, self.root)
         try:
-            info = json.loads(info_path.read_text(encoding="utf-8"))
+            with info_path.open("rb") as f:
+                raw = f.read(MAX_INFO_BYTES + 1)
+            if len(raw) > MAX_INFO_BYTES:
+                raise RobotDataError(f"{info_path}: over {MAX_INFO_BYTES} bytes; not a LeRobot info.json")
+            info = json.loads(raw.decode("utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise RobotDataError(f"{info_path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise RobotDataError(f"{info_path}: nests too deeply to be a LeRobot info.json") from None
         if not isinstance(info, dict):
             raise RobotDataError(f"{info_path}: expected a JSON object")
         version = str(info.get("codebase_version", ""))
@@ -103,7 +171,7 @@ class LeRobotDataset:
             raise RobotDataError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet (not a v3 dataset?)")
         rows: list[dict[str, Any]] = []
         for f in files:
-            table = _read_table(f)
+            table = _read_table(regular_file(f, self.root))
             cols = [c for c in table.column_names if not c.startswith("stats/")]
             rows.extend(table.select(cols).to_pylist())
         for r in rows:
@@ -116,7 +184,7 @@ class LeRobotDataset:
         path = self.root / "meta" / "tasks.parquet"
         if not path.is_file():
             return {}
-        rows = _read_table(path).to_pylist()
+        rows = _read_table(regular_file(path, self.root)).to_pylist()
         out: dict[int, str] = {}
         for r in rows:
             if isinstance(r.get("task_index"), int) and isinstance(r.get("task"), str):
@@ -178,9 +246,14 @@ class LeRobotDataset:
         return None
 
     def _rows(self, row: Mapping[str, Any]) -> Any:
-        path = self.root / self.data_path.format(
-            chunk_index=int(row["data/chunk_index"]), file_index=int(row["data/file_index"])
+        path = self.root / fill(
+            self.data_path,
+            self.root / "meta" / "info.json",
+            chunk_index=int(row["data/chunk_index"]),
+            file_index=int(row["data/file_index"]),
+            episode_index=int(row["episode_index"]),
         )
+        regular_file(path, self.root)
         import pyarrow.compute as pc
 
         table = _read_table(path, filters=pc.field("episode_index") == int(row["episode_index"]))
@@ -259,7 +332,15 @@ class LeRobotDataset:
                 f"{self.root}: episode {row['episode_index']} lacks videos/{key}/chunk_index, file_index or "
                 "from_timestamp in meta/episodes"
             ) from None
-        path = self.root / self.video_path.format(video_key=key, chunk_index=chunk, file_index=file)
+        path = self.root / fill(
+            self.video_path,
+            self.root / "meta" / "info.json",
+            video_key=key,
+            chunk_index=chunk,
+            file_index=file,
+            episode_index=int(row["episode_index"]),
+        )
+        regular_file(path, self.root)
         return VideoCursor(path, start, self.fps)
 
     def _image(self, value: Any, path: Path, key: str, options: ReadOptions) -> bytes:
@@ -267,13 +348,19 @@ class LeRobotDataset:
         if not isinstance(data, (bytes, bytearray)):
             raise RobotDataError(f"{path}: image column {key!r} holds no image bytes")
         import io
+        import warnings
 
         from PIL import Image, UnidentifiedImageError
 
         try:
-            with Image.open(io.BytesIO(bytes(data))) as img:
-                return encode_jpeg(img, options)
-        except (UnidentifiedImageError, OSError) as e:
+            with warnings.catch_warnings():
+                # Past Pillow's decompression-bomb size a warning, twice past it an error: both refused here.
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(io.BytesIO(bytes(data))) as img:
+                    return encode_jpeg(img, options)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise RobotDataError(f"{path}: image column {key!r} holds an image too large to decode ({e})") from None
+        except (UnidentifiedImageError, OSError, ValueError) as e:
             raise RobotDataError(f"{path}: image column {key!r} holds an undecodable image ({e})") from None
 
 
@@ -295,8 +382,8 @@ class VideoCursor:
             self._container = av.open(str(path))
         except FileNotFoundError:
             raise RobotDataError(f"{path}: missing (meta/episodes names it)") from None
-        except (av.FFmpegError, OSError) as e:
-            raise RobotDataError(f"{path}: not a readable video ({e})") from None
+        except (av.FFmpegError, OSError, ValueError) as e:  # a corrupt header's text: UnicodeDecodeError
+            raise RobotDataError(f"{path}: not a readable video ({type(e).__name__}: {e})") from None
         try:
             if not self._container.streams.video:
                 raise RobotDataError(f"{path}: no video stream")
@@ -311,6 +398,9 @@ class VideoCursor:
             self._cur: Any = None
             self._cur_t = -math.inf
             self._next, self._next_t = self._pull()
+        except (av.FFmpegError, OSError, ValueError) as e:
+            self._container.close()
+            raise RobotDataError(f"{path}: not a readable video ({type(e).__name__}: {e})") from None
         except BaseException:
             self._container.close()
             raise
@@ -326,8 +416,8 @@ class VideoCursor:
                 return frame, float(frame.time) - self.start
         except StopIteration:
             return None, math.inf
-        except av.FFmpegError as e:
-            raise RobotDataError(f"{self.path}: the video does not decode ({e})") from None
+        except (av.FFmpegError, ValueError) as e:  # ValueError: UnicodeDecodeError of a corrupt stream's text
+            raise RobotDataError(f"{self.path}: the video does not decode ({type(e).__name__}: {e})") from None
 
     def at(self, t: float) -> Any:
         """The frame shown at `t` seconds into the episode, as a PIL image."""
@@ -339,7 +429,10 @@ class VideoCursor:
                 f"{self.path}: no frame within {self.tolerance:.3f} s of {self.start + t:.3f} s "
                 "(the video is shorter than the episode's data, or its timestamps differ)"
             )
-        return self._cur.to_image()
+        try:
+            return self._cur.to_image()
+        except (ValueError, OSError) as e:
+            raise RobotDataError(f"{self.path}: a frame does not convert to an image ({e})") from None
 
     def close(self) -> None:
         """Close the video file."""
