@@ -191,13 +191,12 @@ def pr_points(values: Sequence[float], labels: Sequence[bool]) -> list[tuple[flo
     out: list[tuple[float, float]] = []
     if not pos:
         return out
-    tp = seen = 0
+    tp = 0
     pairs = sorted(zip(values, labels, strict=True), key=lambda t: -t[0])
     for i, (v, y) in enumerate(pairs):
         tp += y
-        seen += 1
         if i + 1 == len(pairs) or pairs[i + 1][0] != v:
-            out.append((tp / pos, tp / seen))
+            out.append((tp / pos, tp / (i + 1)))
     return out
 
 
@@ -607,7 +606,9 @@ def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
         f"{report.clusters}; p: permutation test against chance)"
     ]
     for v in report.views:
-        label = v.name + ("  <- uses the run's final length, which a live monitor does not know" if v.uses_final_length else "")
+        label = v.name + (
+            "  <- uses the run's final length, which a live monitor does not know" if v.uses_final_length else ""
+        )
         lines.append(f"  {label}")
         for s, fig in v.figures.items():
             p = "n/a" if fig.p_value is None else f"{fig.p_value:.3f}"
@@ -622,9 +623,8 @@ def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
         fa = r.false_aborts
         ci = fa.ci
         what = "false done (failures called done)" if r.rule == "done" else "false aborts (successes aborted)"
-        row = (
-            f"  {r.rule:<18} alpha {r.alpha:g}: {what} {fa.k}/{fa.n} = {_pct(fa.rate)}"
-            + (f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else "")
+        row = f"  {r.rule:<18} alpha {r.alpha:g}: {what} {fa.k}/{fa.n} = {_pct(fa.rate)}" + (
+            f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else ""
         )
         if r.rule == "done":
             row += f"; fired on {len(r.first_alert)} successes, {_num2(r.earlier)} steps before their end on average"

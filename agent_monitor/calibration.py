@@ -328,7 +328,9 @@ class Threshold:
         if self.value is None and self.detail:
             return self.detail
         n, kind, never = (
-            (self.failures, "failing", "never done") if self.on_failures else (self.successes, "successful", "never aborts")
+            (self.failures, "failing", "never done")
+            if self.on_failures
+            else (self.successes, "successful", "never aborts")
         )
         if n < self.needed:
             return f"not calibrated yet: {n} of {self.needed} {kind} runs needed at alpha {self.alpha:g}; {never}"

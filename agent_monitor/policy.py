@@ -183,7 +183,9 @@ class Policy:
                 isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0)
             ):
                 raise PolicyError(
-                    f"policy {name}={v!r}: use a number in [0, 1]" + (', or "auto"' if auto else "") + ", or leave it out"
+                    f"policy {name}={v!r}: use a number in [0, 1]"
+                    + (', or "auto"' if auto else "")
+                    + ", or leave it out"
                 )
         b = self.max_steps
         if b is not None and b != AUTO and (isinstance(b, bool) or not (isinstance(b, int) and b >= 1)):

@@ -38,9 +38,7 @@ def made_runs(n: int = 8) -> list[RecordedRun]:
     for i in range(n):
         task = f"task {i % 4}"
         ok = tuple(RecordedStep(f"ok {i} step {k}: [exit code 0]") for k in range(SHORT))
-        bad = tuple(
-            RecordedStep(f"bad {i} step {k}: " + "x" * (200 + 10 * i) + "\n[exit code 1]") for k in range(LONG)
-        )
+        bad = tuple(RecordedStep(f"bad {i} step {k}: " + "x" * (200 + 10 * i) + "\n[exit code 1]") for k in range(LONG))
         out.append(RecordedRun(f"good-{i}", task, ok, 1.0))
         out.append(RecordedRun(f"bad-{i}", task, bad, 0.0))
     return out

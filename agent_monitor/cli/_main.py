@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from ..baselines import DEFAULT_RESAMPLES
 from ..criteria import CriteriaError, load_criteria
 from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
-from ..baselines import DEFAULT_RESAMPLES
 from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
