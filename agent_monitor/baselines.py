@@ -336,7 +336,15 @@ def signal_report(
         }
         for s in signals
     }
-    verdict = _verdict(known, views[len(ks)], pooled, rs, judged)
+    if judged:
+        # The difference is measured on the same run-steps: those the judge gave a score (a failed call has none).
+        def scored_by_judge(c: RunCurve) -> list[int]:
+            return [k for k in scored(c) if value_at(c, "judge", k) is not None]
+
+        paired = {s: _samples(known, s, scored_by_judge) for s in signals}
+    else:
+        paired = pooled
+    verdict = _verdict(known, views[len(ks)], paired, rs, judged)
     return SignalReport(len(known), rs.clusters, views, verdict, curves_)
 
 
@@ -365,15 +373,20 @@ def _verdict(
         )  # fmt: skip
     fj = figs["judge"]
     assert fj.auroc is not None and fb.auroc is not None
-    d = fj.auroc - fb.auroc
+    ja = auroc_of([v for _, v, _ in samples["judge"]], [y for _, _, y in samples["judge"]])
+    ba = auroc_of([v for _, v, _ in samples[best]], [y for _, _, y in samples[best]])
+    d = (ja or 0.5) - (ba or 0.5)
+    # The interval of the difference pairs the two on the run-steps the judge scored (the same draws for both).
     dci = rs.difference(samples["judge"], samples[best])
     pair = f"AUROC {_ci(fj.auroc, fj.auroc_ci)} vs {_ci(fb.auroc, fb.auroc_ci)} ({POOLED}, failure positive)"
     needed: int | None = None
     if dci is not None and (dci[0] > 0 or dci[1] < 0):
         word = "beats" if d > 0 else "is worse than"
-        text = f"on these {n} runs the judge {word} {_PLAIN[best]} ({best}): {pair}"
+        text = f"on these {n} runs the judge {word} {_PLAIN[best]} ({best}): {pair}; difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}]"
     else:
         text = f"on these {n} runs the judge is not distinguishable from {_PLAIN[best]} ({best}): {pair}"
+        if dci is not None:
+            text += f"; difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}] on the run-steps the judge scored"
         if dci is not None and abs(d) > 1e-9:
             # The interval's half-width shrinks as 1/sqrt(n): the runs at which it would stop straddling 0.
             half = (dci[1] - dci[0]) / 2
