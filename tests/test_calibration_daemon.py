@@ -240,6 +240,9 @@ def test_the_calibration_command_lists_families_and_resets_one(
     assert (fix["successes"], fix["failures"], fix["needed"], fix["rubric"]) == (5, 2, 4, RUBRIC)
     assert fix["threshold"] == pytest.approx(0.6) and fix["reason"] == "calibrated on 5 successful runs, alpha 0.2"
     assert got[("docs", "fake-1")]["threshold"] is None
+    # The step budget (every success is 6 steps long) and done (2 failures: 4 needed) from the same samples.
+    assert fix["step_budget"] == 6 and fix["done_above"] is None
+    assert fix["done_reason"] == "not calibrated yet: 2 of 4 failing runs needed at alpha 0.2; never done"
     # The thresholds are the policy's: from step 2 on with patience 1, the dip at step 2 alone would abort.
     code, out, _ = cli(capsys, "--state-dir", d, "--alpha", "0.2", "--patience", "1", "--min-steps", "2", "--json")
     assert {r["family"]: r["threshold"] for r in map(json.loads, out.splitlines()) if r["model"] == "fake-1"} == {

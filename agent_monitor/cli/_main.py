@@ -1195,7 +1195,11 @@ async def _calibration(args: argparse.Namespace) -> int:
             fam = f.family
             data = {"family": fam.name, "model": fam.model, "rubric": fam.rubric, "successes": f.successes}
             data |= {"failures": f.failures, "last_at": f.last_at, "alpha": th.alpha, "needed": th.needed}
-            print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
+            data |= {"threshold": th.value, "reason": th.reason}
+            # The other calibrated decisions of the same rule: the step budget (successes) and done (failures).
+            budget, done = cal.budget(fam, policy, policy.alpha), cal.done(fam, policy)
+            data |= {"step_budget": budget.value, "done_above": done.value, "done_reason": done.reason}
+            print(json.dumps(data))
         return 0
     if not rows:
         print(
