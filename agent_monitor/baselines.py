@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .calibration import (
+    Point,
     budget_threshold,
     conformal_threshold,
     done_margin,
@@ -473,7 +474,7 @@ def _folds(curves: Sequence[RunCurve]) -> list[int]:
     return [i % 2 for i in range(len(curves))]  # one task: alternate runs (exchangeable within it)
 
 
-def _points(c: RunCurve) -> Any:
+def _points(c: RunCurve) -> tuple[Point, ...]:
     return points(progress(c))
 
 
