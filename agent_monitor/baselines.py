@@ -49,6 +49,7 @@ DEFAULT_RESAMPLES = 1000
 """Bootstrap resamples and label permutations per figure."""
 LEVEL = 0.95
 POOLED = "every scored step"
+WHOLE = "every step of the whole runs (baselines only: past what was scored)"
 _PLAIN = {"step_index": "counting steps", "chars": "the text size", "errors": "counting errors"}
 MIN_TASKS = 5
 """Tasks needed (with some sharing runs) before the bootstrap resamples tasks rather than runs."""
@@ -322,6 +323,13 @@ def signal_report(
 
     pooled = {s: _samples(known, s, scored) for s in signals}
     views.append(View(POOLED, False, {s: rs.figure(s, pooled[s]) for s in signals}))
+    if any(min(len(c.scores) if judged else (max_steps or c.steps), c.steps) < c.steps for c in known):
+        # Scoring stopped before some runs ended: the baselines are free over whole runs, where counting steps
+        # has its signal (failing runs go on longer); the judge has no score there to stand beside them.
+        every: dict[str, Figure] = {
+            s: rs.figure(s, _samples(known, s, lambda c: list(range(1, c.steps + 1)))) for s in BASELINES
+        }
+        views.append(View(WHOLE, False, every))
     for q in FRACTIONS:
         views.append(
             View(
@@ -345,7 +353,7 @@ def signal_report(
         paired = {s: _samples(known, s, scored_by_judge) for s in signals}
     else:
         paired = pooled
-    verdict = _verdict(known, views[len(ks)], paired, rs, judged)
+    verdict = _verdict(known, next(v for v in views if v.name == POOLED), paired, rs, judged)
     return SignalReport(len(known), rs.clusters, views, verdict, curves_)
 
 
