@@ -685,7 +685,7 @@ def _num2(x: float | None) -> str:
 def report_json(report: SignalReport, rules: Sequence[RuleResult]) -> dict[str, Any]:
     """Every figure: per view and signal `auroc`, `auprc` and their intervals; the simulated rules; the verdict."""
     return {
-        "runs": report.runs,
+        "runs_with_outcome": report.runs,  # not "runs": eval.json's "runs" lists the runs themselves
         "bootstrap_over": report.clusters,
         "views": [
             {

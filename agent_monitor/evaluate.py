@@ -23,6 +23,7 @@ import json
 import math
 import random
 import sqlite3
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -477,7 +478,7 @@ def plot(
     auc = report.auroc.get(0.5)
     fig.suptitle(
         f"{len(report.runs)} runs ({good} success, {bad} failure); AUROC at half-run "
-        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{note}" if note else ""),
+        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{textwrap.fill(note, 150)}" if note else ""),
         fontsize=11,
     )
     fig.tight_layout()

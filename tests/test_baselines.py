@@ -236,6 +236,7 @@ def test_eval_baselines_only_writes_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "verdict: on these 8 runs (no judge)" in done.stdout
     report = json.loads((out / "eval.json").read_text())
+    assert len(report["runs"]) == 8 and report["runs_with_outcome"] == 8  # the run list is not overwritten
     views = {v["view"]: v for v in report["views"]}
     assert {"step 2", "step 3", "step 4", "step 8", "step 16", bl.POOLED} <= set(views)
     chars = views["step 3"]["signals"]["chars"]
