@@ -729,5 +729,6 @@ def plot_curves(report: SignalReport, axes: Any) -> None:
     pr.set(xlabel="recall (failures)", ylabel="precision", ylim=(0, 1.02))
     pr.set_title(f"Precision-recall, {POOLED}")
     for ax in axes:
-        ax.legend(loc="lower right", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # runs of one outcome have no curve to name
+            ax.legend(loc="lower right", fontsize=8)
         ax.grid(alpha=0.3)
