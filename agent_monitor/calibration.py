@@ -147,6 +147,48 @@ def margin(curve: Iterable[Point], policy: Policy) -> float:
     return best
 
 
+def run_length(curve: Iterable[Point]) -> int:
+    """A finished run's length in steps: its last scored step (the end is always scored)."""
+    return max((p.step for p in curve), default=0)
+
+
+def budget_threshold(lengths: Sequence[int], alpha: float) -> int | None:
+    """The step budget: the k-th longest success, k = floor(alpha (n+1)); None when k < 1 (no budget).
+
+    A run is stopped once it passes the budget (a step beyond it). A new success exchangeable with the
+    n is longer than the k-th longest of them only when it is among the k longest of the n + 1:
+    probability <= alpha. The same rank as `conformal_threshold`, on the lengths turned around.
+    """
+    k = conformal_rank(len(lengths), alpha)
+    if k is None:
+        return None
+    return sorted(lengths, reverse=True)[k - 1]
+
+
+def done_margin(curve: Iterable[Point], policy: Policy) -> float:
+    """The lowest `done` threshold a failing run never held above for `patience` counted scores (-inf: none).
+
+    The mirror of `margin`: `done` fires at threshold t when `patience` counted scores in a row are all
+    above t, so for a run that is the largest window minimum; a failure is wrongly called done at t
+    exactly when t is below it.
+    """
+    flipped = [Point(p.step, None if p.score is None else -p.score, p.uncertainty) for p in curve]
+    return -margin(flipped, policy)
+
+
+def done_threshold(margins: Sequence[float], alpha: float) -> float | None:
+    """The `done` threshold from failing runs' `done_margin`s: the k-th largest (k = floor(alpha (n+1))).
+
+    `done` fires when `patience` counted scores in a row lie strictly above it; a new failure
+    exchangeable with the n does so only when its margin is among the k largest of the n + 1:
+    probability <= alpha. None: too few failures (never done).
+    """
+    # As for aborts, only finite margins teach (a failure with fewer counted scores than patience says nothing).
+    finite = sorted((m for m in margins if math.isfinite(m)), reverse=True)
+    k = conformal_rank(len(finite), alpha)
+    return None if k is None else min(max(finite[k - 1], 0.0), 1.0)
+
+
 def stratum(length: int, patience: int, strata: int) -> int:
     """The length stratum of a run with `length` counted scores: [p, 2p) is 0, [2p, 4p) is 1, ..., the last open."""
     if strata <= 1 or length < 2 * patience:
@@ -160,10 +202,21 @@ def stratum_range(j: int, patience: int, strata: int) -> str:
     return f"{lo}+" if j >= strata - 1 else f"{lo}-{(patience << (j + 1)) - 1}"
 
 
+def conformal_rank(n: int, alpha: float) -> int | None:
+    """The split-conformal rank k = floor(alpha (n+1)) of n calibration samples; None when k < 1 (too few).
+
+    The one rule every calibrated decision shares (`abort_below`, the step budget, `done`): a new
+    sample exchangeable with the n is among the k most extreme of the n + 1 with probability
+    k / (n + 1) <= alpha.
+    """
+    k = math.floor(check_alpha(alpha) * (n + 1) + _EPS)
+    return k if k >= 1 else None
+
+
 def conformal_threshold(margins: Sequence[float], alpha: float, *, presorted: bool = False) -> float | None:
     """The k-th smallest margin, k = floor(alpha (n+1)), capped at 1; None when k < 1 (never abort)."""
-    k = math.floor(check_alpha(alpha) * (len(margins) + 1) + _EPS)
-    if k < 1:
+    k = conformal_rank(len(margins), alpha)
+    if k is None:
         return None
     # A cap lowers the threshold, so it can only abort fewer runs: the bound still holds.
     return min((margins if presorted else sorted(margins))[k - 1], 1.0)
@@ -266,17 +319,22 @@ class Threshold:
         """Successful runs needed before `alpha` gives a threshold."""
         return min_successes(self.alpha)
 
+    on_failures: bool = False
+    """Calibrated on failing runs (the `done` threshold), not on successful ones."""
+
     @property
     def reason(self) -> str:
         """Where the threshold comes from, for signals and logs."""
         if self.value is None and self.detail:
             return self.detail
-        if self.successes < self.needed:
-            return (
-                f"not calibrated yet: {self.successes} of {self.needed} successful runs needed at alpha "
-                f"{self.alpha:g}; never aborts"
-            )
-        return f"calibrated on {self.successes} successful runs, alpha {self.alpha:g}"
+        n, kind, never = (
+            (self.failures, "failing", "never done")
+            if self.on_failures
+            else (self.successes, "successful", "never aborts")
+        )
+        if n < self.needed:
+            return f"not calibrated yet: {n} of {self.needed} {kind} runs needed at alpha {self.alpha:g}; {never}"
+        return f"calibrated on {n} {kind} runs, alpha {self.alpha:g}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +405,7 @@ class Calibration:
         # Sorted finite success margins per (family, min_steps, patience, max_uncertainty), one list per length
         # stratum, kept current by `add`.
         self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[list[float]]]] = {}
+        self._memos: dict[tuple[Any, ...], tuple[int, Threshold]] = {}
         for s in samples:
             self.add(s)
 
@@ -462,7 +521,7 @@ class Calibration:
         threshold is the smallest of the thresholds of the length strata the run can still end in (its own
         and every longer one); None while any of them has too few successes. Only finite margins teach.
         """
-        a = check_alpha(policy.alpha if alpha is None else alpha)
+        a = check_alpha(policy.alphas().abort if alpha is None else alpha)
         per = self._strata(family, policy)
         successes = sum(len(ms) for ms in per)
         failures = self._failures.get(family, 0)
@@ -482,6 +541,47 @@ class Calibration:
                 break
             value = t if value is None else min(value, t)
         return Threshold(value, successes, failures, a, detail)
+
+    def budget(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
+        """The step budget for a live run of `family` (`max_steps="auto"`): `budget_threshold` of its successes' lengths.
+
+        The same rule and minimum of successes as `threshold`; alpha: the policy's share for the budget
+        (`policy.alphas`) unless given.
+        """
+        a = check_alpha(policy.alphas().budget if alpha is None else alpha)
+        key = (family, "budget", a)
+
+        def value() -> float | None:
+            lengths = [run_length(s.curve) for s in self._runs.get(family, {}).values() if s.success]
+            return budget_threshold([n for n in lengths if n > 0], a)
+
+        return self._memo(key, family, value, a)
+
+    def done(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
+        """The `done` threshold for a live run of `family` (`done_above="auto"`), from its failing runs' curves."""
+        a = check_alpha(policy.alpha if alpha is None else alpha)
+        key = (family, "done", a, policy.min_steps, policy.patience, policy.max_uncertainty)
+
+        def value() -> float | None:
+            fails = [s for s in self._runs.get(family, {}).values() if not s.success]
+            return done_threshold([done_margin(s.curve, policy) for s in fails], a)
+
+        return self._memo(key, family, value, a, on_failures=True)
+
+    def _memo(
+        self, key: tuple[Any, ...], family: Family, value: Callable[[], float | None], alpha: float, **kw: Any
+    ) -> Threshold:
+        # Asked at every observation of every live run: recomputed only when the family's samples changed.
+        rev = self.revision_of(family)
+        got = self._memos.get(key)
+        if got is None or got[0] != rev:
+            runs = self._runs.get(family, {}).values()
+            successes = sum(s.success for s in runs)
+            got = (rev, Threshold(value(), successes, self._failures.get(family, 0), alpha, **kw))
+            if len(self._memos) > 4 * self.max_total:  # families come from the network: bounded like the samples
+                self._memos.clear()
+            self._memos[key] = got
+        return got[1]
 
     def families(self) -> list[FamilySummary]:
         """Every family with evidence, most recent first."""

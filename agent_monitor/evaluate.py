@@ -23,6 +23,7 @@ import json
 import math
 import random
 import sqlite3
+import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any, Literal
 
 from .calibration import Calibration, Family, Threshold, min_successes, task_family
 from .criteria import CriteriaSpec
+from .extractors import ErrorLines
 from .judges.base import Judge
 from .policy import AUTO, FAR, Policy, PolicyState, Schedule, held_out
 from .progress import Progress
@@ -57,6 +59,19 @@ class RunCurve:
     cached: int = 0
     family: Family | None = None
     """The calibration key a live run of this task would have (None: its name is its task)."""
+    length: int = 0
+    """The whole run's steps, however many were scored (`--max-steps` limits scoring, never this); 0: as scored."""
+    chars: list[int] = field(default_factory=list)
+    """The run's text size after each of its steps (the whole run): a baseline a live monitor has for free."""
+    errors: list[int] = field(default_factory=list)
+    """Errors seen after each step (non-zero exits, tracebacks, failed tests; the whole run): another baseline."""
+    tokens: list[int] = field(default_factory=list)
+    """Judge tokens (input and output) each scored step cost."""
+
+    @property
+    def steps(self) -> int:
+        """The run's length in steps: the whole run, not the scored part."""
+        return self.length or len(self.scores)
 
     @property
     def success(self) -> bool | None:
@@ -64,11 +79,16 @@ class RunCurve:
         return None if self.outcome is None else self.outcome >= 0.5
 
     def score_at(self, q: float) -> float | None:
-        """The latest good score at fraction `q` of the run (step ceil(q * n))."""
-        n = len(self.scores)
+        """The latest good score at fraction `q` of the whole run (step ceil(q * n)); None when not scored that far.
+
+        This uses the run's final length, which a live monitor does not know: reports label it so.
+        """
+        n = self.steps
         if n == 0:
             return None
         upto = max(1, math.ceil(q * n))
+        if upto > len(self.scores):
+            return None  # --max-steps stopped scoring before this point: no score, rather than an earlier one
         good = [s for s in self.scores[:upto] if s is not None]
         return good[-1] if good else None
 
@@ -155,10 +175,16 @@ async def score_runs(
     for run in runs:
         steps = run.steps[:max_steps] if max_steps else run.steps
         tracker = AsyncProgressTracker(
-            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
+            run.task,
+            judge=judge,
+            criteria=criteria,
+            min_mass=min_mass,
+            repeats=repeats,
+            run_id=run.name,
             prompt_budget=prompt_budget,
-        )  # fmt: skip
-        curve = RunCurve(run.name, run.outcome, [], family=tracker.family)
+        )
+        curve = baseline_curve(run)
+        curve.family = tracker.family
         setting = _setting(judge, tracker, repeats)
         texts: list[str] = [run.task]
         for step in steps:
@@ -178,10 +204,25 @@ async def score_runs(
                     cache.put(key, p)
             curve.scores.append(p.score if p.ok else None)
             curve.uncertainties.append(p.uncertainty if p.ok else None)
+            curve.tokens.append(p.usage.input_tokens + p.usage.output_tokens)
             if on_step:
                 on_step(run, p)
         curves.append(curve)
     return curves
+
+
+def baseline_curve(run: RecordedRun) -> RunCurve:
+    """A run's curve before any judge: its whole length, text size and error count after each step, no scores."""
+    chars, errors = [], []
+    size = found = 0
+    count = ErrorLines()
+    for step in run.steps:
+        size += len(step.text)
+        found += len(count(step.text).splitlines())
+        chars.append(size)
+        errors.append(found)
+    family = Family(task_family(run.task), "", "")  # the judge's model and rubric join it when scored
+    return RunCurve(run.name, run.outcome, [], family=family, length=len(run.steps), chars=chars, errors=errors)
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
@@ -287,7 +328,7 @@ def evaluate(curves: Sequence[RunCurve], *, policy: Policy | None = None, max_fa
         saved = total = 0
         bad_aborts = 0
         for c in bad:
-            n = len(c.scores)
+            n = c.steps  # the whole run: --max-steps limits scoring, never what a run's length is
             total += n
             at = abort_step(c, pol)
             if at is not None:
@@ -323,7 +364,7 @@ def write_csv(report: Report, directory: str | Path) -> list[Path]:
         w.writerow(["run", "outcome", "step", "steps", "score", "uncertainty", "abort_step"])
         for c in report.runs:
             for i, (s, u) in enumerate(zip(c.scores, c.uncertainties, strict=False), 1):
-                w.writerow([c.name, c.outcome, i, len(c.scores), _fmt(s), _fmt(u), report.decisions.get(c.name, "")])
+                w.writerow([c.name, c.outcome, i, c.steps, _fmt(s), _fmt(u), report.decisions.get(c.name, "")])
     with sweep.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["abort_below", "false_abort_rate", "failing_steps_saved", "aborted_failures", "aborted_successes"])
@@ -394,16 +435,26 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.0%}"
 
 
-def plot(report: Report, path: str | Path, *, note: str | None = None) -> Path:
-    """A PNG: every run's curve coloured by outcome, and the threshold sweep (`note`: a line under the title)."""
+def plot(
+    report: Report, path: str | Path, *, note: str | None = None, more: Callable[[Any], None] | None = None
+) -> Path:
+    """A PNG: every run's curve coloured by outcome, and the threshold sweep (`note`: a line under the title).
+
+    `more` draws a second row on a pair of axes (eval: the ROC and PR curves of the judge and the baselines).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    if more is None:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, grid = plt.subplots(2, 2, figsize=(13, 10), gridspec_kw={"width_ratios": [3, 2]})
+        (ax1, ax2), below = grid
+        more(below)
     for c in report.runs:
-        xs = [i / max(1, len(c.scores)) for i, s in enumerate(c.scores, 1) if s is not None]
+        xs = [i / max(1, c.steps) for i, s in enumerate(c.scores, 1) if s is not None]
         ys = [s for s in c.scores if s is not None]
         color = "#2a9d8f" if c.success else "#e76f51" if c.success is False else "#888888"
         ax1.plot(xs, ys, color=color, alpha=0.55, linewidth=1.4)
@@ -436,7 +487,7 @@ def plot(report: Report, path: str | Path, *, note: str | None = None) -> Path:
     auc = report.auroc.get(0.5)
     fig.suptitle(
         f"{len(report.runs)} runs ({good} success, {bad} failure); AUROC at half-run "
-        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{note}" if note else ""),
+        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{textwrap.fill(note, 150)}" if note else ""),
         fontsize=11,
     )
     fig.tight_layout()
@@ -899,7 +950,7 @@ def replay_online(
         )
         judged.append(
             Judged(
-                curve.name, family.name, curve.success, len(curve.scores), in_force, at, state.held_out,
+                curve.name, family.name, curve.success, curve.steps, in_force, at, state.held_out,
                 sample is not None,
             )
         )  # fmt: skip

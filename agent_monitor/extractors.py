@@ -279,3 +279,31 @@ def build_extractors(spec: Sequence[ExtractorSpec] | None) -> Pipeline:
         except ValueError as e:
             raise ValueError(f"extractors[{i}]: {e}") from None
     return Pipeline(tuple(out))
+
+
+_ERRORS = (
+    # A shell's or harness's non-zero exit: "[exit code 1]", "exit code: 2", "returncode=1", "exit status 127".
+    r"(?i)(?:exit[ _]code|returncode|exit status)\W{0,3}(-?0*[1-9]\d*)",
+    # A Python traceback (one per traceback, whatever its depth).
+    r"(Traceback \(most recent call last\))",
+    # Failed tests: pytest's "3 failed" summary and per-test "FAILED" lines, unittest's "FAILED (failures=2)".
+    r"(?m)(\d+ failed\b|^FAILED\b.*$|FAILED \((?:failures|errors)=\d+\))",
+)
+
+
+@register_extractor("errors")
+@dataclass(frozen=True, slots=True)
+class ErrorLines:
+    """One line per error the text shows: non-zero exit codes, Python tracebacks, failed-test reports.
+
+    `eval` counts them as a baseline a live monitor has without a judge (the `errors` signal); as an
+    extractor it hands a criterion only the errors of a step.
+    """
+
+    _captures: tuple[RegexCapture, ...] = field(
+        default=tuple(RegexCapture(p, all=True) for p in _ERRORS), init=False, repr=False, compare=False
+    )
+
+    def __call__(self, text: str) -> str:
+        """The errors found, one a line, or ""."""
+        return "\n".join(found for c in self._captures if (found := c(text)))

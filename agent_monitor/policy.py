@@ -8,7 +8,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from .progress import Decision, Progress, Signal
 
@@ -27,6 +27,10 @@ DEFAULT_MARGIN = 2.0
 """Under the adaptive schedule: how near a threshold (in units of the last score's uncertainty) a run is scored."""
 MIN_UNCERTAINTY = 0.05
 """The least uncertainty the margin is measured in: a judge sure of this step's letter is not sure of the next."""
+STEP_BUDGET = "step_budget"
+"""How an abort by the step budget (`max_steps`) begins its reason."""
+DONE = "done"
+"""How a `done` signal begins its reason."""
 FAR = "far from thresholds"
 """Why the adaptive schedule skipped a step (the one reason: a decision could not change there)."""
 
@@ -94,6 +98,22 @@ class Policy:
         metadata={"help": "with abort-below auto: the most successful runs of a family it may abort (a share)"},
     )
 
+    max_steps: int | Literal["auto"] | None = field(
+        default=None,
+        metadata={
+            "flag": "--step-budget",
+            "help": "abort a run past this many steps (reason step_budget); 'auto': per family, the step count a "
+            "new success passes with probability <= alpha (split conformal on the successes' lengths)",
+        },
+    )
+    done_above: float | Literal["auto"] | None = field(
+        default=None,
+        metadata={
+            "help": "signal done when the score stays above this for patience scored steps; 'auto': the threshold "
+            "a new failing run passes with probability <= alpha (calibrated on the family's failures)"
+        },
+    )
+
     holdout: float = field(
         default=DEFAULT_HOLDOUT,
         metadata={
@@ -154,18 +174,22 @@ class Policy:
     )
 
     def __post_init__(self) -> None:
-        for name in ("abort_below", "resample_below", "regression", "prune_margin"):
+        for name in ("abort_below", "resample_below", "regression", "prune_margin", "done_above"):
             v = getattr(self, name)
-            if name == "abort_below" and v == AUTO:
+            auto = name in ("abort_below", "done_above")
+            if auto and v == AUTO:
                 continue
             if v is not None and (
                 isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and 0.0 <= v <= 1.0)
             ):
                 raise PolicyError(
                     f"policy {name}={v!r}: use a number in [0, 1]"
-                    + (', or "auto"' if name == "abort_below" else "")
+                    + (', or "auto"' if auto else "")
                     + ", or leave it out"
                 )
+        b = self.max_steps
+        if b is not None and b != AUTO and (isinstance(b, bool) or not (isinstance(b, int) and b >= 1)):
+            raise PolicyError(f'policy max_steps={b!r}: use an integer >= 1 (steps), "auto", or leave it out')
         if isinstance(self.min_steps, bool) or not (isinstance(self.min_steps, int) and self.min_steps >= 0):
             raise PolicyError(f"policy min_steps={self.min_steps!r}: use an integer >= 0")
         if isinstance(self.patience, bool) or not (isinstance(self.patience, int) and self.patience >= 1):
@@ -207,6 +231,15 @@ class Policy:
         """The abort threshold comes from calibration."""
         return self.abort_below == AUTO
 
+    def alphas(self) -> Alphas:
+        """The share of successes each calibrated abort rule may stop: alpha, split evenly when both are "auto".
+
+        Two rules each at alpha/2 stop a success with probability <= alpha together (a union bound).
+        """
+        both = self.auto and self.max_steps == AUTO
+        share = self.alpha / 2 if both else self.alpha
+        return Alphas(abort=share, budget=share)
+
     def with_overrides(self, overrides: Mapping[str, Any] | None) -> Policy:
         """This policy with some settings replaced (e.g. a run's `start.policy`); unknown keys are an error."""
         if not overrides:
@@ -216,7 +249,7 @@ class Policy:
         if unknown:
             raise PolicyError(f"unknown policy setting(s) {unknown}; known: {sorted(known)}")
         values = dict(overrides)
-        for key in ("min_steps", "patience", "keep_top", "max_gap"):
+        for key in ("min_steps", "patience", "keep_top", "max_gap", "max_steps"):
             if isinstance(values.get(key), float) and values[key].is_integer():
                 values[key] = int(values[key])
         return dataclasses.replace(self, **values)
@@ -224,6 +257,13 @@ class Policy:
     def as_dict(self) -> dict[str, Any]:
         """The settings, for signal messages."""
         return dataclasses.asdict(self)
+
+
+class Alphas(NamedTuple):
+    """The alpha each calibrated abort rule of a policy uses (see `Policy.alphas`)."""
+
+    abort: float
+    budget: float
 
 
 def with_levels(policy: Policy, levels: Mapping[str, Any], *, keep: Iterable[str] = ()) -> Policy:
@@ -264,11 +304,21 @@ class PolicyState:
     """
 
     def __init__(
-        self, policy: Policy, *, threshold: Callable[[], AbortThreshold] | None = None, held_out: bool = False
+        self,
+        policy: Policy,
+        *,
+        threshold: Callable[[], AbortThreshold] | None = None,
+        held_out: bool = False,
+        budget: Callable[[], AbortThreshold] | None = None,
+        done: Callable[[], AbortThreshold] | None = None,
     ) -> None:
         self.policy = policy
         self.threshold = threshold
-        self.held_out = held_out and policy.auto
+        self.budget = budget
+        """With `max_steps="auto"`: the calibrated step budget in force (None: an "auto" budget stops nothing)."""
+        self.done = done
+        """With `done_above="auto"`: the calibrated done threshold in force (None: never done)."""
+        self.held_out = held_out and (policy.auto or policy.max_steps == AUTO)
         self.signal: Signal = "continue"
         self.reason = "start"
         self.best_score: float | None = None
@@ -283,7 +333,16 @@ class PolicyState:
         """The abort threshold in force at the last observation (None: this rule aborts nothing)."""
         self.calibration: str | None = None
         """Where an "auto" threshold came from ("calibrated on 23 successful runs, alpha 0.05"), else None."""
-        self.exposed = self.abort_below is not None
+        cap = policy.max_steps
+        self.max_steps: int | None = cap if isinstance(cap, int) else None
+        """The step budget in force at the last observation (None: no budget)."""
+        self.budget_reason: str | None = None
+        """Where an "auto" budget came from, else None."""
+        done_at = policy.done_above
+        self.done_above: float | None = float(done_at) if isinstance(done_at, (int, float)) else None
+        """The done threshold in force at the last observation (None: never done)."""
+        self.done_reason: str | None = None
+        self.exposed = self.abort_below is not None or self.max_steps is not None
         """An abort rule could have stopped this run: its outcome is censored, so it must not teach calibration."""
 
     @property
@@ -304,7 +363,23 @@ class PolicyState:
         self._refresh()
 
     def _refresh(self) -> None:
-        if not self.policy.auto:
+        pol = self.policy
+        if pol.max_steps == AUTO:
+            if self.budget is None:
+                self.max_steps, self.budget_reason = None, "no calibration attached; no step budget"
+            else:
+                b = self.budget()
+                self.max_steps = None if b.value is None else int(b.value)
+                self.budget_reason = b.reason
+                if b.value is not None and not self.held_out:
+                    self.exposed = True
+        if pol.done_above == AUTO:
+            if self.done is None:
+                self.done_above, self.done_reason = None, "no calibration attached; never done"
+            else:
+                d = self.done()
+                self.done_above, self.done_reason = d.value, d.reason
+        if not pol.auto:
             return
         if self.threshold is None:
             self.abort_below, self.calibration = None, "no calibration attached; never aborts"
@@ -319,8 +394,18 @@ class PolicyState:
         before = self.signal
         pol = self.policy
         self._refresh()
+        cap = self.max_steps
         if self.signal == "abort":
             pass  # final: the harness has been told to stop
+        elif cap is not None and p.step > cap:
+            # A step count needs no judge: the budget stops a run even while the judge fails.
+            why = f"step {p.step} past the step budget of {cap}" + (
+                f" ({self.budget_reason})" if self.budget_reason else ""
+            )
+            if self.held_out:
+                self.reason = f"held out: would abort ({STEP_BUDGET}: {why}); keeping {self.signal}"
+            else:
+                self.signal, self.reason = "abort", f"{STEP_BUDGET}: {why}"
         elif not p.ok or p.score is None:
             self.reason = f"judge failed ({p.reason}); keeping {self.signal}"
         else:
@@ -359,6 +444,10 @@ class PolicyState:
                     "left running so their outcomes keep the calibration unbiased"
                 )
             return "abort", f"{why} ({self.calibration})" if self.calibration else why
+        d = self.done_above
+        if d is not None and len(self.recent) == pol.patience and min(self.recent) > d:
+            why = f"score above {d:.4g} for {pol.patience} scored steps"
+            return "done", f"{DONE}: {why} ({self.done_reason})" if self.done_reason else f"{DONE}: {why}"
         if pol.resample_below is not None and score < pol.resample_below:
             return "resample", f"score {score:.2f} below {pol.resample_below}"
         if pol.regression is not None and self.best_score is not None and self.best_score - score >= pol.regression:
@@ -425,6 +514,8 @@ def plan(
     if pol.schedule == "every":
         return EVERY
     state.refresh()
+    if state.max_steps is not None and step > state.max_steps and state.signal != "abort":
+        return Plan(True, f"past {STEP_BUDGET} {state.max_steps}", False)  # the budget's abort needs an observation
     if ending:
         return Plan(True, "end", _full(pol, state, last, extra))
     if pol.auto and not state.exposed:

@@ -16,7 +16,7 @@ from typing import Any, Literal, NotRequired, TypedDict, get_args
 
 from .scale import CriterionScore
 
-Signal = Literal["continue", "abort", "resample"]
+Signal = Literal["continue", "abort", "resample", "done"]
 """What the harness should do with a run now."""
 SIGNALS: tuple[Signal, ...] = get_args(Signal)
 StopKind = Literal["judged", "infra"]

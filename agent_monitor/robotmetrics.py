@@ -53,6 +53,8 @@ def voc(curves: Sequence[RunCurve]) -> float | None:
 
 
 def _last_score(curve: RunCurve) -> float | None:
+    if len(curve.scores) < curve.steps:
+        return None  # scored only up to --max-steps: its last score is not the run's end
     return next((s for s in reversed(curve.scores) if s is not None), None)
 
 
@@ -103,8 +105,11 @@ def _fmt(iv: Interval) -> str:
 
 
 def robot_summary(m: RobotMetrics) -> str:
-    """One line: VOC over successful episodes and AUROC at the end, with their 95% bootstrap intervals."""
-    return f"Robot metrics: VOC {_fmt(m.voc)}; success AUROC at episode end {_fmt(m.end_auroc)}"
+    """One line: VOC over successful runs and AUROC at the end, with their 95% bootstrap intervals (over runs)."""
+    return (
+        f"Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC {_fmt(m.voc)}; success "
+        f"AUROC at the run's end {_fmt(m.end_auroc)} (runs scored to their end only)"
+    )
 
 
 def robot_json(m: RobotMetrics) -> dict[str, Any]:

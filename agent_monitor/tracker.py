@@ -414,6 +414,8 @@ class AsyncProgressTracker:
                 policy,
                 threshold=self._threshold if calibration is not None else None,
                 held_out=held_out(run_id or self._anon_id, policy.holdout),
+                budget=self._budget if calibration is not None else None,
+                done=self._done if calibration is not None else None,
             )
             if policy is not None
             else None
@@ -708,6 +710,14 @@ class AsyncProgressTracker:
         # At the decision a counted score makes: the length stratum the run is in then.
         state = self.policy_state
         return self.calibration.threshold(self.family, state.policy, counted=state.counted + 1)
+
+    def _budget(self) -> Threshold:
+        assert self.calibration is not None and self.policy_state is not None
+        return self.calibration.budget(self.family, self.policy_state.policy)
+
+    def _done(self) -> Threshold:
+        assert self.calibration is not None and self.policy_state is not None
+        return self.calibration.done(self.family, self.policy_state.policy)
 
     def finish(self, outcome: object) -> Sample | None:
         """Teach the calibration this run's outcome ("success", "failure" or a number); the sample it kept, if any.

@@ -9,7 +9,12 @@ told to abort gets no more steps; each run ends with its outcome. Per schedule a
 prints judge calls and tokens (from the progress messages), the aborts and their steps, and adaptive's
 saving beside "every" in the same process, with the load average.
 
-    python bench/adaptive.py [--abort-below 0.12,0.13] [--margin 2] [--max-gap 4]
+Two judges, both shown by default (`--judges recorded,decisive`): the recorded tiny judge, whose scores sit
+at the threshold (the unfavourable case for "adaptive": nearly every step is near a line), and a decisive
+judge (a `FakeJudge` that knows each run's outcome: failing runs score 0, successful ones 0.9), whose scores
+sit far from it (the favourable case: only failing runs need scoring at every step).
+
+    python bench/adaptive.py [--abort-below 0.12,0.13] [--margin 2] [--max-gap 4] [--judges recorded,decisive]
 """
 
 from __future__ import annotations
@@ -28,21 +33,43 @@ from _common import REPO, cleanup_on_sigterm, configure_logs, load1, mosquitto
 
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.policy import Policy
+from agent_monitor.prompts import Prompt
 from agent_monitor.recorded import iter_recorded
-from agent_monitor.testing import ReplayJudge
+from agent_monitor.scale import LETTERS
+from agent_monitor.testing import FakeJudge, ReplayJudge
 from agent_monitor.wire import BrokerSettings
 
 FIXTURE = REPO / "tests" / "fixtures" / "adaptive" / "answers.json.gz"
 
 
+def decisive(runs: list[Any]) -> FakeJudge:
+    """A judge that knows each run's outcome (by its first step's text): failures score 0, successes 0.9."""
+    marks = [(r.steps[0].text[:300], (r.outcome or 0) >= 0.5) for r in runs if r.steps]
+
+    def answer(prompt: Prompt) -> str:
+        text = prompt.prefix_text()
+        ok = next((good for mark, good in marks if mark in text), True)
+        return LETTERS[round(0.9 * (len(LETTERS) - 1))] if ok else LETTERS[0]
+
+    return FakeJudge(answer, record=False)
+
+
 async def one(
-    broker_url: str, port: int, runs: list[Any], policy: Policy, answers: Path, dump: dict[str, Any] | None = None
+    broker_url: str,
+    port: int,
+    runs: list[Any],
+    policy: Policy,
+    answers: Path,
+    dump: dict[str, Any] | None = None,
+    *,
+    judge_kind: str = "recorded",
 ) -> dict[str, Any]:
     """Every run through a fresh monitor under `policy`: tokens, calls, scorings, aborts (run -> step)."""
-    judge = ReplayJudge.load(answers)
+    judge: ReplayJudge | FakeJudge = ReplayJudge.load(answers) if judge_kind == "recorded" else decisive(runs)
+    min_mass = judge.min_mass if isinstance(judge, ReplayJudge) else None
     config = MonitorConfig(
         broker=BrokerSettings.from_url(broker_url), client_id=f"bench-adaptive-{time.monotonic_ns()}",
-        policy=policy, heartbeat=True, max_concurrency=4, min_mass=judge.min_mass,
+        policy=policy, heartbeat=True, max_concurrency=4, min_mass=min_mass,
     )  # fmt: skip
     seen: dict[str, list[dict[str, Any]]] = defaultdict(list)
     aborts: dict[str, int] = {}
@@ -122,29 +149,30 @@ async def main() -> int:
     ap.add_argument("--max-steps", type=int, default=16)
     ap.add_argument("--min-steps", type=int, default=3)
     ap.add_argument("--patience", type=int, default=3)
+    ap.add_argument("--judges", default="recorded,decisive", help="recorded (scores at the threshold), decisive")
     a = ap.parse_args()
     configure_logs("error")
     runs = _cut(list(iter_recorded(a.data)), a.max_steps)
     print(f"load average at start: {load1()}; {len(runs)} runs, {sum(len(r.steps) for r in runs)} steps")
-    print(f"{'abort_below':>11} {'schedule':<9} {'scorings':>8} {'beats':>5} {'calls':>5} {'tokens':>8} "
-          f"{'wall s':>6}  aborts (run@step)")  # fmt: skip
+    print(f"{'judge':<9} {'abort_below':>11} {'schedule':<9} {'scorings':>8} {'beats':>5} {'calls':>5} "
+          f"{'tokens':>8} {'wall s':>6}  aborts (run@step)")  # fmt: skip
     with mosquitto() as broker:
-        for t in (float(x) for x in a.abort_below.split(",")):
+        for kind, t in ((k, float(x)) for k in a.judges.split(",") for x in a.abort_below.split(",")):
             got = {}
             for schedule in ("every", "adaptive"):
                 pol = Policy(
                     abort_below=t, min_steps=a.min_steps, patience=a.patience, schedule=schedule,  # type: ignore[arg-type]
                     max_gap=a.max_gap, margin=a.margin,
                 )  # fmt: skip
-                r = got[schedule] = await one(broker.url, broker.port, runs, pol, Path(a.answers))
+                r = got[schedule] = await one(broker.url, broker.port, runs, pol, Path(a.answers), judge_kind=kind)
                 ab = ", ".join(f"{n}@{s}" for n, s in r["aborts"].items()) or "none"
-                print(f"{t:>11.3f} {schedule:<9} {r['scorings']:>8} {r['heartbeats']:>5} {r['calls']:>5} "
+                print(f"{kind:<9} {t:>11.3f} {schedule:<9} {r['scorings']:>8} {r['heartbeats']:>5} {r['calls']:>5} "
                       f"{r['tokens']:>8} {r['wall_s']:>6.1f}  {len(r['aborts'])}: {ab}", flush=True)  # fmt: skip
             e, d = got["every"], got["adaptive"]
             same = set(e["aborts"]) == set(d["aborts"])
             within = same and all(0 <= d["aborts"][n] - s <= a.max_gap for n, s in e["aborts"].items())
             saved = 1 - d["tokens"] / e["tokens"] if e["tokens"] else float("nan")
-            print(f"{'':>11} adaptive: {'same runs' if same else 'DIFFERENT runs'} aborted"
+            print(f"{kind:<9} {'':>11} adaptive: {'same runs' if same else 'DIFFERENT runs'} aborted"
                   f"{', within max_gap' if within else ''}; judge tokens {saved:.1%} fewer", flush=True)  # fmt: skip
     print(f"load average at end: {load1()}")
     return 0

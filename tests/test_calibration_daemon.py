@@ -240,6 +240,9 @@ def test_the_calibration_command_lists_families_and_resets_one(
     assert (fix["successes"], fix["failures"], fix["needed"], fix["rubric"]) == (5, 2, 4, RUBRIC)
     assert fix["threshold"] == pytest.approx(0.6) and fix["reason"] == "calibrated on 5 successful runs, alpha 0.2"
     assert got[("docs", "fake-1")]["threshold"] is None
+    # The step budget (every success is 6 steps long) and done (2 failures: 4 needed) from the same samples.
+    assert fix["step_budget"] == 6 and fix["done_above"] is None
+    assert fix["done_reason"] == "not calibrated yet: 2 of 4 failing runs needed at alpha 0.2; never done"
     # The thresholds are the policy's: from step 2 on with patience 1, the dip at step 2 alone would abort.
     code, out, _ = cli(capsys, "--state-dir", d, "--alpha", "0.2", "--patience", "1", "--min-steps", "2", "--json")
     assert {r["family"]: r["threshold"] for r in map(json.loads, out.splitlines()) if r["model"] == "fake-1"} == {
@@ -300,3 +303,29 @@ async def test_a_run_is_learnt_once_when_the_daemon_dies_between_learning_and_jo
         assert "r" not in mon.book.live
         assert [s.run_id.split("@")[0] for s in mon.calibration.samples()] == ["r"]
         assert [s.run_id.split("@")[0] for s in await store.samples()] == ["r"]
+
+
+async def test_the_daemon_applies_a_learnt_step_budget_and_publishes_done(broker: Mosquitto) -> None:
+    """max_steps and done_above "auto" over MQTT: outcomes teach both; a long good run gets done, then the budget."""
+    store = MemoryStore()
+    policy = {"max_steps": "auto", "done_above": "auto", "alpha": ALPHA, "min_steps": 1, "patience": 2, "holdout": 0.0}
+    async with monitor(broker, store), harness(broker.port) as h:
+        for i in range(NEEDED):  # runs with no rule in force teach: successes 3 steps long, failures scoring C
+            await finished_run(h, f"good-{i}", "good", "success")
+            await finished_run(h, f"bad-{i}", "bad", "failure")
+        run = "long"
+        await h.publish(run, "start", {"task": "a good attempt (long)", "family": "fix-tests", "policy": policy})
+        for i in range(1, STEPS + 3):
+            await h.publish(run, "step", {"index": i, "text": f"{run} step {i}"})
+        await h.until(lambda: any(s and s["signal"] == "abort" for s in h.seen[(run, "signal")]))
+        signals = [s for s in h.seen[(run, "signal")] if s]
+        assert [s["signal"] for s in signals] == ["done", "abort"]
+        done, stop = signals
+        assert done["step"] == 2 and done["reason"].startswith("done: score above")
+        assert f"calibrated on {NEEDED} failing runs, alpha 0.2" in done["reason"]
+        # The budget is the longest of 4 successes (3 steps) at alpha 0.2: step 4 is the first past it.
+        assert stop["step"] == STEPS + 1 and stop["reason"].startswith(
+            f"step_budget: step 4 past the step budget of {STEPS}"
+        )
+        assert f"calibrated on {NEEDED} successful runs, alpha 0.2" in stop["reason"]
+        assert SignalOut.model_validate(done).signal == "done"

@@ -120,7 +120,8 @@ def test_eval_command_end_to_end_with_an_http_judge(tmp_path: Path) -> None:
     assert {p.name for p in out.iterdir()} >= {"eval_curves.csv", "eval_sweep.csv", "eval.json", "eval.png"}
     assert json.loads((out / "eval.json").read_text())["recommended"]["threshold"] == 0.05
     # Robot metrics beside the agent ones: successes rise letter by letter, so VOC is 1.
-    assert "Robot metrics: VOC 1.00" in first.stdout and "success AUROC at episode end" in first.stdout
+    assert "Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC 1.00" in first.stdout
+    assert "success AUROC at the run's end" in first.stdout
     robot = json.loads((out / "eval.json").read_text())["robot"]
     assert robot["voc"]["value"] == pytest.approx(1.0) and robot["end_auroc"]["n"] == 4
 

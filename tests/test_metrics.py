@@ -116,7 +116,7 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     reg = CollectorRegistry()
     async with Monitor(judge=FakeJudge(), registry=reg):
         pass
-    for signal in ("continue", "abort", "resample"):
+    for signal in ("continue", "abort", "resample", "done"):
         assert value(reg, "agent_monitor_signals_total", signal=signal) == 0
     for outcome in ("success", "failure", "expired", "evicted"):
         assert value(reg, "agent_monitor_runs_total", outcome=outcome) == 0

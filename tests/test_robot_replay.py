@@ -151,7 +151,7 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
     assert rc == 0, out
     assert len(server.requests) == 6 + 8  # every prefix of both episodes, each with its frames
     assert [g for _, g in seen[:6]] == pytest.approx([level(i) for i in range(6)], abs=4)
-    assert "Robot metrics: VOC 1.00" in out and "success AUROC at episode end 1.00" in out
+    assert "VOC 1.00" in out and "success AUROC at the run's end 1.00" in out
     robot = json.loads((tmp_path / "out" / "eval.json").read_text())["robot"]
     assert robot["voc"]["n"] == 1 and robot["end_auroc"]["n"] == 2
     # A bag the same way: one successful episode whose frames brighten, so VOC is 1 again.
@@ -161,7 +161,7 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
         rc = main(["eval", str(bag), "--judge", "openai", "--judge-url", server.url, "--out", str(tmp_path / "bag")])
     out = capsys.readouterr().out
     assert rc == 0 and len(server.requests) == 12, out
-    assert "Robot metrics: VOC 1.00" in out
+    assert "VOC 1.00" in out
     spec = LeRobotSpec()
     assert spec.success == (True, False)
 

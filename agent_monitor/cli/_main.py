@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
+from ..baselines import DEFAULT_RESAMPLES
 from ..criteria import CriteriaError, load_criteria
 from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
 from ..evaluate import DEFAULT_ORDERS
@@ -317,7 +319,31 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
     add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats", "prompt_budget"], title="scoring")
-    ev.add_argument("--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)")
+    ev.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="score at most this many steps per run (default: all); runs keep their whole length for steps saved",
+    )
+    side = ev.add_argument_group("the judge beside baselines (step_index, chars, errors)")
+    side.add_argument(
+        "--at-steps",
+        metavar="LIST",
+        default="",
+        help="fixed steps (comma-separated) to compare the signals at, besides 2,4,8,16",
+    )
+    side.add_argument(
+        "--resamples",
+        type=int,
+        default=DEFAULT_RESAMPLES,
+        metavar="N",
+        help="bootstrap resamples and label permutations per figure",
+    )
+    side.add_argument(
+        "--baselines-only",
+        action="store_true",
+        help="no judge: the baselines, the calibrated step budget and the verdict from the runs' text alone",
+    )
     add_flags(
         ev,
         Policy,
@@ -893,10 +919,17 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _eval(args: argparse.Namespace) -> int:
+    from .. import baselines as bl
     from .. import evaluate as ev
 
-    if not args.judge:
-        return _fail(_NO_JUDGE)
+    if not args.judge and not args.baselines_only:
+        return _fail(_NO_JUDGE + "; or --baselines-only to measure the baselines without one")
+    try:
+        at_steps = [int(k) for k in args.at_steps.split(",") if k.strip()]
+    except ValueError:
+        return _fail(f"--at-steps {args.at_steps}: use a comma-separated list of step numbers, e.g. 3,12")
+    if any(k < 1 for k in at_steps) or args.resamples < 1 or (args.max_steps is not None and args.max_steps < 1):
+        return _fail("--at-steps, --resamples and --max-steps take numbers >= 1")
     policy = _eval_policy(args)
     from ..robotdata import is_robot_data
 
@@ -912,8 +945,66 @@ async def _eval(args: argparse.Namespace) -> int:
         runs = list(iter_recorded(args.path))
     if not runs:
         return _fail(f"no recorded runs in {args.path}")
-    judge = await _ready_judge(args, 8)
     out = Path(args.out)
+    if args.baselines_only:
+        if args.schedules or args.groups or args.calibrate:
+            return _fail("--baselines-only has no judge: drop --schedule, --groups and --calibrate")
+        curves, total = [ev.baseline_curve(r) for r in runs], 0
+    else:
+        curves, total = await _eval_scores(args, runs, out)
+    report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
+    judged = not args.baselines_only
+    sides = bl.signal_report(
+        curves, at_steps=at_steps, judged=judged, max_steps=args.max_steps, resamples=args.resamples, seed=args.seed
+    )
+    rules = bl.simulate(curves, policy=policy, judged=judged)
+    scheduled = await _eval_schedules(args, runs, policy, out) if args.schedules else None
+    robot = robot_metrics(curves, seed=args.seed)
+    files = ev.write_csv(report, out)
+    data = {**ev.report_json(report), "robot": robot_json(robot), **bl.report_json(sides, rules)}
+    (out / "eval.json").write_text(json.dumps(data, indent=2))
+    files.append(out / "eval.json")
+    calibrated = None
+    if args.calibrate:
+        calibrated = ev.calibrate(curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by)
+        (out / "eval_calibrate.json").write_text(json.dumps(ev.calibrate_json(calibrated), indent=2))
+        files.append(out / "eval_calibrate.json")
+    grouped = None
+    if args.groups:
+        grouped, data = _eval_groups(args, curves, policy)
+        (out / "eval_groups.json").write_text(json.dumps(data, indent=2))
+        files.append(out / "eval_groups.json")
+    try:
+        more = functools.partial(bl.plot_curves, sides)
+        files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot), more=more))
+    except ImportError:
+        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
+    failed = sum(s is None for c in curves for s in c.scores)
+    cached = sum(c.cached for c in curves)
+    if judged:
+        print(ev.summary(report))
+        print(robot_summary(robot))
+        print()
+    print(bl.report_text(sides, rules))
+    if calibrated is not None:
+        print("\n" + ev.calibrate_summary(calibrated))
+    if grouped is not None:
+        print("\n" + grouped)
+    if scheduled is not None:
+        print("\n" + ev.schedule_summary(scheduled))
+        files.append(out / "eval_schedule.json")
+    print(
+        f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
+        + ", ".join(map(str, files))
+    )
+    return 0
+
+
+async def _eval_scores(args: argparse.Namespace, runs: Sequence[Any], out: Path) -> tuple[list[Any], int]:
+    """eval's judge pass: every prefix of every run (up to --max-steps) scored as live, through the cache."""
+    from .. import evaluate as ev
+
+    judge = await _ready_judge(args, 8)
     cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
     total = sum(min(len(r.steps), args.max_steps or len(r.steps)) for r in runs)
     try:
@@ -932,42 +1023,7 @@ async def _eval(args: argparse.Namespace) -> int:
     finally:
         cache.close()
         await judge.aclose()
-    report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
-    scheduled = await _eval_schedules(args, runs, policy, out) if args.schedules else None
-    robot = robot_metrics(curves, seed=args.seed)
-    files = ev.write_csv(report, out)
-    (out / "eval.json").write_text(json.dumps({**ev.report_json(report), "robot": robot_json(robot)}, indent=2))
-    files.append(out / "eval.json")
-    calibrated = None
-    if args.calibrate:
-        calibrated = ev.calibrate(curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by)
-        (out / "eval_calibrate.json").write_text(json.dumps(ev.calibrate_json(calibrated), indent=2))
-        files.append(out / "eval_calibrate.json")
-    grouped = None
-    if args.groups:
-        grouped, data = _eval_groups(args, curves, policy)
-        (out / "eval_groups.json").write_text(json.dumps(data, indent=2))
-        files.append(out / "eval_groups.json")
-    try:
-        files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot)))
-    except ImportError:
-        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
-    failed = sum(s is None for c in curves for s in c.scores)
-    cached = sum(c.cached for c in curves)
-    print(ev.summary(report))
-    print(robot_summary(robot))
-    if calibrated is not None:
-        print("\n" + ev.calibrate_summary(calibrated))
-    if grouped is not None:
-        print("\n" + grouped)
-    if scheduled is not None:
-        print("\n" + ev.schedule_summary(scheduled))
-        files.append(out / "eval_schedule.json")
-    print(
-        f"\n{total} prefixes scored ({cached} from the cache, {failed} without a score); wrote "
-        + ", ".join(map(str, files))
-    )
-    return 0
+    return curves, total
 
 
 async def _select(args: argparse.Namespace) -> int:
@@ -1053,7 +1109,8 @@ def _eval_groups(args: argparse.Namespace, curves: Sequence[Any], policy: Policy
 
 def _eval_policy(args: argparse.Namespace) -> Policy:
     """The policy eval measures; with --calibrate the abort threshold is the one calibration learns."""
-    policy = build(Policy, args)
+    # eval's --max-steps limits scoring; the policy's step budget (max_steps) is simulated, never read from it.
+    policy = build(Policy, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "max_steps"}))
     if args.calibrate:
         if policy.abort_below is not None and not policy.auto:
             raise CliError(
@@ -1182,7 +1239,11 @@ async def _calibration(args: argparse.Namespace) -> int:
             fam = f.family
             data = {"family": fam.name, "model": fam.model, "rubric": fam.rubric, "successes": f.successes}
             data |= {"failures": f.failures, "last_at": f.last_at, "alpha": th.alpha, "needed": th.needed}
-            print(json.dumps(data | {"threshold": th.value, "reason": th.reason}))
+            data |= {"threshold": th.value, "reason": th.reason}
+            # The other calibrated decisions of the same rule: the step budget (successes) and done (failures).
+            budget, done = cal.budget(fam, policy, policy.alpha), cal.done(fam, policy)
+            data |= {"step_budget": budget.value, "done_above": done.value, "done_reason": done.reason}
+            print(json.dumps(data))
         return 0
     if not rows:
         print(

@@ -413,7 +413,7 @@ def _why(e: BaseException) -> str:
 
 # --- rendering ------------------------------------------------------------------------------------------
 
-_COLOURS = {"abort": "bold red", "resample": "yellow", "continue": "green"}
+_COLOURS = {"abort": "bold red", "resample": "yellow", "continue": "green", "done": "bold green"}
 CHROME_LINES = 3
 """Lines around the rows: the title, the table's header, the footer (each one line: cut, never wrapped)."""
 

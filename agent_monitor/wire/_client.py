@@ -185,6 +185,12 @@ class Run:
         return s is not None and s.signal == "resample"
 
     @property
+    def is_done(self) -> bool:
+        """Whether the latest signal says `done`: the score held above the threshold failing runs rarely pass."""
+        s = self.signal
+        return s is not None and s.signal == "done"
+
+    @property
     def best_step(self) -> int | None:
         """The step where progress peaked, per the latest signal (roll back there), or None."""
         s = self.signal
