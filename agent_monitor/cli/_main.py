@@ -730,6 +730,10 @@ async def _serve(args: argparse.Namespace) -> int:
             return _fail(
                 f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
             )
+        if web is not None and board is not None:
+            from ..daemon import RunPages
+
+            web.pages = RunPages(monitor.store, board)  # /runs/<id> and the history read the run store
         if reward is not None:
             reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
         if receiver is not None and monitor.otel is not None:
