@@ -31,7 +31,7 @@ from ..robotmetrics import robot_json, robot_metrics, robot_summary
 from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
-from ._flags import FlagError, HelpFormatter, add_flags, build, given
+from ._flags import CONFIG_ENV, FlagError, HelpFormatter, Settings, add_flags, build, given
 from ._top import TopOptions
 
 if TYPE_CHECKING:
@@ -211,12 +211,20 @@ def _command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
 ) -> argparse.ArgumentParser:
     """A subcommand whose one-line summary is its entry in `agent-monitor --help` and the top of its own --help."""
-    return sub.add_parser(
+    parser = sub.add_parser(
         name,
         help=summary,
         description=f"{summary[0].upper()}{summary[1:]}." + (f" {more}" if more else ""),
         formatter_class=HelpFormatter,
     )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML settings file: keys are serve's long flags with - as _ (metrics_port = 9464), at the top "
+        "level or in [serve]; a flag given wins, then its environment twin, then the file "
+        f"(`agent-monitor config` shows each setting and where it came from) [{CONFIG_ENV}]",
+    )
+    return parser
 
 
 def _group_flags(parser: argparse._ActionsContainer) -> None:
@@ -525,6 +533,19 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from ._selfcheck import add_parser as _self_check_parser
 
     _self_check_parser(sub, _command)
+
+    config = _command(
+        sub,
+        "config",
+        "print the effective settings of serve and where each came from (flag, env, file or default)",
+        "Takes every flag of serve: `agent-monitor config --config monitor.toml --metrics-port 9000`. Secrets "
+        "(tokens, keys, passwords) are masked.",
+    )
+    _serve_flags(config, environ)
+    add_flags(config, ProxySettings, environ, title="LLM API proxy")
+    config.add_argument("--json", action="store_true", help="one JSON object per setting instead of a table")
+    if isinstance(environ, Settings):
+        environ.check()  # every command's flags are known now: a file key none of them has is a mistake
     return parser
 
 
@@ -1254,11 +1275,26 @@ def _configure_logging(level: str, *, drop: Sequence[str] = ()) -> None:
     )
 
 
+def _config_path(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The settings file `--config FILE` names (read before the flags are built: it gives their defaults)."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise FlagError("--config needs a FILE: the TOML settings file to read")
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.partition("=")[2]
+    return environ.get(CONFIG_ENV) or None
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Entry point of the `agent-monitor` console script."""
     env = os.environ if environ is None else environ
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        parser = _parser(env)
+        parser = _parser(Settings.load(env, _config_path(argv, env)))
         args = parser.parse_args(argv)
     except (CliError, FlagError, ValueError) as e:
         return _fail(str(e))
@@ -1296,6 +1332,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return _export(args)
         if args.command == "calibration":
             return asyncio.run(_calibration(args))
+        if args.command == "config":
+            from ._config_cli import print_config
+
+            args.config = _config_path(argv, env)
+
+            return print_config(args, argv)
         if args.command == "self-check":
             from ._selfcheck import run as _self_check
 
