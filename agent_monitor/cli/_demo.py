@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..judges.base import FRAMES_NOT_SEEN, sees_frames
 from ..policy import Policy
 from ..recorded import RecordedRun, RecordedStep, parse_recorded
 
@@ -444,6 +445,11 @@ async def run_demo(
         )
     # Short mode keeps 4 steps: room for an abort (2 low scored steps from step 2 on) before a run's end.
     runs = example_runs(max_steps=4 if short else None) if runs is None else runs
+    if any(frames for _, frames in runs) and sees_frames(judge) is False:
+        console.print(
+            f"[yellow]Note: {FRAMES_NOT_SEEN} ({judge.name}, text-only): the robot run's camera frames reach it as "
+            "one-line placeholders, so that run is scored on its text alone.[/yellow]"
+        )
     views = {
         r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps)) for r, _ in runs
     }

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from ..criteria import CriteriaError, load_criteria
 from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
 from ..evaluate import DEFAULT_ORDERS
-from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
+from ..judges.base import FRAMES_NOT_SEEN, BaseJudge, JudgeError, recommended_min_mass, sees_frames
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
 from ..options import ScoringOptions
 from ..policy import Policy, PolicyError
@@ -65,6 +65,20 @@ class JudgeOptions:
     judge_api: Literal["chat", "completions"] = field(default="chat", metadata={"help": "OpenAI-compatible API to use"})
     judge_timeout: float | None = field(
         default=None, metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"}
+    )
+    judge_sampled: bool = field(
+        default=False,
+        metadata={
+            "help": "openai judge: score letters sampled from several answers a step, for a server that returns "
+            "no logprobs (slower and coarser than logprobs)"
+        },
+    )
+    judge_check: Literal["refuse", "warn"] = field(
+        default="refuse",
+        metadata={
+            "help": "when the start-up check finds the judge answering without logprobs (no score possible): "
+            "refuse to start (exit 2, the fix named) or warn and start"
+        },
     )
     judge_kv_budget: float = field(
         default=DEFAULT_KV_BUDGET_MB,
@@ -146,7 +160,13 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     if kind == "openai":
         from ..judges.openai import OpenAIJudge
 
-        return OpenAIJudge(base_url=options.judge_url, model=options.judge_model, api=options.judge_api, **extra)
+        return OpenAIJudge(
+            base_url=options.judge_url,
+            model=options.judge_model,
+            api=options.judge_api,
+            logprobs=not options.judge_sampled,
+            **extra,
+        )
     if kind == "gemini":
         from ..judges.gemini import GeminiJudge
 
@@ -615,11 +635,16 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
             assert isinstance(judge, OpenAIJudge)
             # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
             await (judge.check_reachable() if options.judge_model else judge.resolve_model())
+            if not options.judge_sampled:
+                await _check_scores(judge, options)
         elif options.judge == "local":
             from ..judges.llamacpp import LlamaCppJudge
 
             assert isinstance(judge, LlamaCppJudge)
             await judge.load()
+    except CliError:
+        await judge.aclose()
+        raise
     except (JudgeError, OSError, ValueError, RuntimeError) as e:
         await judge.aclose()
         # The OpenAI judge's errors name the URL they tried; said once, the line stays readable.
@@ -627,6 +652,71 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
         where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
+
+
+CHECK_TASK = "agent-monitor start-up check: can this judge score? (one scored answer; not a run)"
+"""The task of the start-up check's one judge call (a test server may tell it from the scoring calls by it)."""
+CHECK_WAIT_S = 20.0
+"""How long start-up waits for the check's answer; a slower judge starts unchecked (the log says so)."""
+
+
+async def _check_scores(judge: BaseJudge, options: JudgeOptions) -> None:
+    """Ask the judge for one scored answer: a server that answers without logprobs cannot score (refused or warned).
+
+    Other failures of this one call are left to the scoring path (retried, counted, the circuit): the URL
+    was reachable, and a judge busy at start is no reason to refuse.
+    """
+    import structlog
+
+    from ..judges.base import JudgeRequest
+    from ..judges.openai import no_logprobs_fix
+    from ..prompts import Step, build_prompt
+
+    rubric = load_criteria(None)
+    prompt = build_prompt(CHECK_TASK, rubric, [Step(1, "ran the test suite: 3 of 10 tests pass")], rubric.criteria[0])
+    log = structlog.get_logger("agent_monitor.cli")
+    # The check is not the user's work: the judge's counters (`score`'s summary) leave it out.
+    counted = (judge.calls, judge.failures, judge.usage)
+    try:
+        async with asyncio.timeout(CHECK_WAIT_S):
+            await judge.grade(JudgeRequest(prompt, run_key="agent-monitor-check"))
+    except TimeoutError:
+        log.warning("judge_check_slow", judge=judge.name, waited_s=CHECK_WAIT_S)
+    except JudgeError as e:
+        if e.reason != "no_logprobs":
+            log.warning("judge_check_failed", judge=judge.name, error=str(e))
+            return
+        fix = no_logprobs_fix(options.judge_url or "the judge server")
+        if options.judge_check == "refuse":
+            raise CliError(f"{fix} (--judge-check warn starts anyway; every scoring then fails)") from None
+        log.warning("judge_without_logprobs", judge=judge.name, fix=fix)
+        print(f"agent-monitor: warning: {fix}; starting anyway (--judge-check warn)", file=sys.stderr)
+    finally:
+        judge.calls, judge.failures, judge.usage = counted
+
+
+def announce_frames(judge: BaseJudge, registry: Any) -> bool | None:
+    """Say at start when frames will not reach the judge: stderr, the log and `agent_monitor_judge_sees_frames`."""
+    import structlog
+    from prometheus_client import Gauge
+
+    seen = sees_frames(judge)
+    gauge = Gauge(
+        "agent_monitor_judge_sees_frames",
+        "1 when camera frames reach the judge as pixels, 0 when it gets text placeholders instead (a text-only "
+        "judge); absent until known (an OpenAI-compatible server says at the first frame).",
+        registry=registry,
+    )
+    if seen is not None:
+        gauge.set(1 if seen else 0)
+    if seen is False:
+        structlog.get_logger("agent_monitor.cli").warning("judge_drops_frames", judge=judge.name)
+        print(
+            f"agent-monitor: {FRAMES_NOT_SEEN} ({judge.name}, text-only): a step's camera frames reach it as "
+            "one-line placeholders and robot runs are scored on their text; use a vision model to score frames",
+            file=sys.stderr,
+        )
+    return seen
 
 
 async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0) -> str | None:
@@ -709,6 +799,7 @@ async def _serve(args: argparse.Namespace) -> int:
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
+        announce_frames(judge, registry)
         board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
         receiver = None
         if config.otlp_receiver.address is not None:

@@ -22,6 +22,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..judges.base import FRAMES_NOT_SEEN
 from ._store import HistoryQuery
 
 if TYPE_CHECKING:
@@ -40,8 +41,6 @@ DETAIL_CHARS = 2_000
 """A criterion's detail (a rule's output, the judge's words) is cut to this many characters."""
 HISTORY_KEYS = ("outcome", "signal", "family", "label", "since", "until", "limit", "cursor")
 """The query keys of /api/runs?...: the history's filters and paging."""
-FRAMES_NOT_SEEN = "frames are not seen by this judge"
-"""What the run page (and the demo) say when the judge dropped a run's frames (a text-only judge)."""
 
 
 class QueryError(ValueError):
@@ -337,4 +336,4 @@ class RunPages:
         return {"runs": runs, "next": None if cursor is None else encode_cursor(cursor), "limit": q.limit}
 
 
-__all__ = ["FRAMES_NOT_SEEN", "QueryError", "RunPages", "parse_history", "run_json"]
+__all__ = ["QueryError", "RunPages", "parse_history", "run_json"]
