@@ -458,6 +458,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     rp.add_argument("--max-steps", type=int, metavar="N", help="publish at most this many steps per run (default: all)")
     rp.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="recorded runs: hold a run's end until the monitor scored its last step (or aborted it), at most this "
+        "long after the last event, so the summary shows each run's final score; 0: end on schedule",
+    )
+    rp.add_argument(
         "--criteria",
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
@@ -1024,7 +1032,10 @@ async def _eval(args: argparse.Namespace) -> int:
     try:
         files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot)))
     except ImportError:
-        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
+        print(
+            "agent-monitor: no PNG: pip install -e '.[plot]' in the agent-monitor checkout (matplotlib)",
+            file=sys.stderr,
+        )
     failed = sum(s is None for c in curves for s in c.scores)
     cached = sum(c.cached for c in curves)
     print(ev.summary(report))
