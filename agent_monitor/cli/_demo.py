@@ -188,33 +188,38 @@ def _publish(
 
 
 def _table(views: dict[str, _RunView], judge: str) -> Any:
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
+    # Fits a 100-column terminal: the reasons go under the table, each as long as it needs (wrapped there).
     table = Table(title=f"agent-monitor demo: live progress ({judge})", title_justify="left", expand=False)
-    table.add_column("run")
-    table.add_column("outcome")
-    table.add_column("progress", min_width=26)
+    table.add_column("run", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("progress", min_width=16)
     table.add_column("score", justify="right", no_wrap=True)
-    table.add_column("step", justify="right")
-    table.add_column("signal")
-    table.add_column("why", max_width=44)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("signal", no_wrap=True)
+    why = []
     for v in views.values():
         colour = {"abort": "bold red", "resample": "yellow"}.get(v.signal, "green")
         score = "…" if v.score is None else f"{v.score:.2f} ±{v.uncertainty or 0:.2f}"
         if v.score is not None and v.rule_part:
             score += f" (rules {v.rule_part:.2f})"
+        # The outcome is the harness's to tell at the run's end: before it, nobody (the monitor included) knows it.
+        outcome = Text(v.outcome, style="green" if v.outcome == "success" else "red") if v.ended else Text("…")
         table.add_row(
             v.run_id,
-            Text(v.outcome, style="green" if v.outcome == "success" else "red"),
-            ProgressBar(total=1.0, completed=v.score or 0.0, width=24, complete_style=colour),
+            outcome,
+            ProgressBar(total=1.0, completed=v.score or 0.0, width=16, complete_style=colour),
             score,
             f"{v.step}/{v.total}" + (" ended" if v.ended else ""),
             Text(v.signal, style=colour),
-            Text(v.reason, style="dim"),
         )
-    return table
+        if v.reason:
+            why.append(Text(f"  {v.run_id}: {v.reason}", style="dim"))
+    return Group(table, *why)
 
 
 def _caption(views: dict[str, _RunView], latency_s: float | None, paced: bool) -> str:
@@ -269,6 +274,15 @@ def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
                 f"not flagged: {v.run_id}: abort needs {policy.patience} scored steps in a row below {v.abort_rule} "
                 f"from step {policy.min_steps} on; its lowest score was {v.lowest:.2f}"
             )
+    low_successes = [v for v in views.values() if v.outcome == "success" and v.score is not None and v.score < 0.8]
+    if low_successes:
+        names = ", ".join(f"{v.run_id} {v.score or 0:.2f}" for v in low_successes)
+        lines.append(
+            f"why a success can end low ({names}): a score is the judge's estimate of how complete the task "
+            "looks from the steps it saw, not the outcome (only the harness knows that, at the end); a small "
+            "judge seldom grants the top letters, and a judge that does not see frames scores a robot run on "
+            "its text alone"
+        )
     if not any(v.flagged for v in views.values()):
         lines.append("no run was flagged")
     return lines
