@@ -40,7 +40,8 @@ class MetricsSettings:
         metadata={
             "flag": "--metric-labels",
             "comma": True,
-            "help": "start.labels that become labels of the per-run gauges (comma-separated; keep them few)",
+            "help": "start.labels that become labels of the per-run gauges (comma-separated; keep them few); a run "
+            "whose start names none of them (e.g. no labels.model) gets an empty label",
         },
     )
     max_series: int = field(
