@@ -261,3 +261,20 @@ async def test_a_batch_of_starts_never_grows_a_group_past_its_limit() -> None:
         assert sorted(mon.groups.groups["g"].members) == ["r0", "r1", "r2"]
         assert sorted(mon.book.live) == ["r0", "r1", "r2"]
         assert registry.get_sample_value("agent_monitor_groups_refused_total") == 5
+
+
+async def test_a_step_before_its_start_is_said_at_once_not_after_the_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    import json as _json
+
+    from agent_monitor.daemon import Monitor, MonitorConfig
+    from agent_monitor.testing import FakeJudge
+
+    async with Monitor(MonitorConfig(), judge=FakeJudge()) as monitor:
+        await monitor.handle("agents/early/step", _json.dumps({"index": 1, "text": "x"}).encode())
+        await monitor.handle("agents/early/step", _json.dumps({"index": 2, "text": "y"}).encode())
+        said = capsys.readouterr().out
+        assert said.count("step_before_start") == 1 and "run_id=early" in said and "publish the start first" in said
+        await monitor.handle("agents/early/start", _json.dumps({"task": "t"}).encode())
+        await monitor.drain()
+        view = monitor.run("early")
+        assert view is not None and len(view.steps) == 2  # both held steps joined the run
