@@ -230,3 +230,27 @@ async def test_without_a_store_the_page_falls_back_to_the_board_and_history_says
         assert run["decisions"][0]["reason"] == "score below 0.2 for 1 scored steps"
         status, body = await api(web.port, "/api/runs?outcome=failure")
         assert status == 404 and "keeps no run store" in body
+
+
+async def test_a_steps_frames_are_served_as_thumbnails_by_digest(tmp_path: Path) -> None:
+    import base64
+    import hashlib
+
+    from agent_monitor.daemon._store import PLACEHOLDER_PNG
+
+    async with daemon(tmp_path / "runs.sqlite3") as (monitor, web, _):
+        await monitor.handle("agents/robot/start", json.dumps({"task": "pick the cube"}).encode())
+        image = {"data": base64.b64encode(PLACEHOLDER_PNG).decode(), "mime": "image/png"}
+        step = {"index": 1, "text": "gripper closed", "images": [image]}
+        await monitor.handle("agents/robot/step", json.dumps(step).encode())
+        await asyncio.wait_for(monitor.drain(), 10)
+        run = await settled(web.port, "robot", lambda r: len(r["curve"]) == 1)
+        digest = hashlib.sha256(PLACEHOLDER_PNG).hexdigest()
+        assert run["steps"][0]["frames"] == 1 and run["steps"][0]["frame_digests"] == [digest]
+        r = await get(web.port, f"/api/frames/{digest}")
+        assert r.status == 200 and r.headers["content-type"] == "image/png" and r.body == PLACEHOLDER_PNG
+        assert r.headers["x-content-type-options"] == "nosniff"
+        for bad in ("0" * 64, "../../etc/passwd", digest.upper(), digest + "0"):
+            assert (await get(web.port, f"/api/frames/{bad}")).status == 404, bad
+        page = await get(web.port, "/runs/robot")
+        assert "img-src 'self' data:" in page.headers["content-security-policy"]

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
+from agent_monitor.daemon._store import PLACEHOLDER_PNG
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import Answer, FakeJudge, letter_at
@@ -136,9 +137,10 @@ async def test_a_live_run_s_page_shows_a_new_step_without_a_reload(broker: Mosqu
             assert await browser.evaluate("document.getElementById('live').textContent") == "live"
             assert await browser.evaluate("document.getElementById('outcome').textContent") == ""
             await browser.evaluate("window.sameDocument = true")
-            run.step("step two")
+            run.step("step two", images=[PLACEHOLDER_PNG])  # a camera frame: shown as a thumbnail
             await asyncio.to_thread(run.wait_progress, 2)
             await browser.wait_for("document.querySelectorAll('.step').length === 2")
+            await browser.wait_for("[...document.querySelectorAll('.step img.thumb')].some(i => i.naturalWidth > 0)")
             await browser.wait_for(f"{text_of('.step .head')}[1].includes('score {7 / 19:.3f}')")
             run.end("success")
             await browser.wait_for("document.getElementById('outcome').textContent === 'outcome: success'")

@@ -11,7 +11,7 @@ bound is in plain sight). Paths:
 - `/api/runs`: the board's snapshot as JSON; with a query (`?outcome=failure&limit=20`...), a page of the
   history of ended runs from the run store (`RunPages`);
 - `/runs/<run_id>` and `/api/runs/<run_id>`: a run's page (its task, steps, curve and decisions) and its JSON;
-  `/runs`: the history, browsable.
+  `/runs`: the history, browsable; `/api/frames/<sha256>`: a stored camera frame (the page's thumbnails).
 
 Routes a source mounts (`mount`: the reward endpoints, `POST /get_reward` and the like) take a POST
 with a body of at most the route's `max_body_bytes` (a `Content-Length` is required: 411 without one,
@@ -54,6 +54,7 @@ MAX_HEAD_BYTES = 8 * 1024
 """The largest request head (request line and headers) read; a bigger one is answered 431."""
 _GZIP_MIN_BYTES = 1024
 _OWN = ("/", "/index.html", "/metrics", "/healthz", "/events", "/api/runs", "/runs")
+_OWN_PREFIXES = ("/runs/", "/api/runs/", "/api/frames/")
 """The paths the server answers itself (GET and HEAD); /runs/<id> and /api/runs/<id> too."""
 # Security headers on every response; the board page gets its own Content-Security-Policy (see _page).
 _COMMON = {
@@ -65,7 +66,7 @@ _COMMON = {
 }
 
 
-def _page(name: str = "board.html") -> tuple[bytes, str]:
+def _page(name: str = "board.html", *, img: str = "data:") -> tuple[bytes, str]:
     """A page (the board, the run pages) and its Content-Security-Policy: only its own inline script and style run."""
     html = importlib.resources.files("agent_monitor.daemon").joinpath(name).read_bytes()
     text = html.decode()
@@ -76,7 +77,7 @@ def _page(name: str = "board.html") -> tuple[bytes, str]:
 
     csp = (
         f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        f"connect-src 'self'; img-src {img}; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
     return html, csp
 
@@ -164,7 +165,7 @@ class HttpServer:
         self.request_timeout_s = request_timeout_s
         self.write_timeout_s = write_timeout_s
         self._page, self._csp = _page() if board is not None else (b"", "")
-        self._runs_page, self._runs_csp = _page("runs.html") if board is not None else (b"", "")
+        self._runs_page, self._runs_csp = _page("runs.html", img="'self' data:") if board is not None else (b"", "")
         self.pages: RunPages | None = None
         """What answers /runs, /runs/<id> and their JSON (the serving command sets it, with the run store)."""
         self._server: asyncio.Server | None = None
@@ -183,7 +184,7 @@ class HttpServer:
 
     def mount(self, path: str, route: Route) -> None:
         """Serve `path` with a source's handler (`POST` by default); a path taken already raises ValueError."""
-        if path in self.routes or path in _OWN or path.startswith(("/runs/", "/api/runs/")):
+        if path in self.routes or path in _OWN or path.startswith(_OWN_PREFIXES):
             raise ValueError(f"{path} is served already")
         self.routes[path] = route
 
@@ -325,7 +326,7 @@ class HttpServer:
         if (route := self.routes.get(path)) is not None:
             await self._routed(route, method, path, query, headers, reader, writer)
             return
-        if method not in ("GET", "HEAD") and not (path in _OWN or path.startswith(("/runs/", "/api/runs/"))):
+        if method not in ("GET", "HEAD") and not (path in _OWN or path.startswith(_OWN_PREFIXES)):
             mounted = f"; POST routes here: {', '.join(sorted(self.routes))}" if self.routes else ""
             raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here{mounted}", reason="path")
         if method not in ("GET", "HEAD"):
@@ -363,7 +364,7 @@ class HttpServer:
         elif path == "/api/runs" and not query:
             body = await asyncio.to_thread(_json, self.board.snapshot())
             await self._respond(writer, HTTPStatus.OK, body, "application/json", head=head)
-        elif path in ("/runs", "/api/runs") or path.startswith(("/runs/", "/api/runs/")):
+        elif path in ("/runs", "/api/runs") or path.startswith(("/runs/", "/api/runs/", "/api/frames/")):
             await self._run_pages(writer, path, query, head)
         elif path == "/events":
             await self._events(self.board, reader, writer, head)
@@ -379,6 +380,15 @@ class HttpServer:
                 raise _Refused(HTTPStatus.NOT_FOUND, "no run id in the path: /runs lists the ended runs")
             headers = {"Content-Security-Policy": self._runs_csp, "X-Frame-Options": "DENY"}
             await self._respond(writer, HTTPStatus.OK, self._runs_page, "text/html; charset=utf-8", headers, head=head)
+            return
+        if path.startswith("/api/frames/"):
+            frame = await self.pages.frame(path[len("/api/frames/") :])
+            if frame is None:
+                raise _Refused(HTTPStatus.NOT_FOUND, "no such frame here (never stored, or pruned by the frame budget)")
+            # Content-addressed: a digest's bytes never change, so a browser may keep them.
+            await self._respond(
+                writer, HTTPStatus.OK, frame[1], frame[0], {"Cache-Control": "private, max-age=86400"}, head=head
+            )
             return
         if path == "/api/runs":
             try:

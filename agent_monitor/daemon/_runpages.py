@@ -18,6 +18,7 @@ import datetime
 import difflib
 import json
 import math
+import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,11 @@ RUN_ID_CHARS = 1024
 """A longer run id in a path is answered 404 without a look-up (no front door accepts one that long)."""
 DETAIL_CHARS = 2_000
 """A criterion's detail (a rule's output, the judge's words) is cut to this many characters."""
+_IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+"""What a frame is served as (what ingest accepts, by magic number): never anything a browser would run."""
+FRAMES_SHOWN = 4
+"""A step's newest frames the run page shows as thumbnails."""
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 HISTORY_KEYS = ("outcome", "signal", "family", "label", "since", "until", "limit", "cursor")
 """The query keys of /api/runs?...: the history's filters and paging."""
 
@@ -165,6 +171,8 @@ def run_json(
                 "chars": len(text) if isinstance(text, str) else 0,
                 "ts": s.get("ts"),
                 "frames": len(s.get("images") or []),
+                # Each frame's digest, for its thumbnail at /api/frames/<digest> (the newest few of a step).
+                "frame_digests": [d for d in (s.get("images") or [])[-FRAMES_SHOWN:] if _DIGEST.fullmatch(str(d))],
                 "placeholder": bool(s.get("placeholder", False)),
             }
         )
@@ -320,6 +328,14 @@ class RunPages:
             return run_json(data, ranking=ranking, max_steps=self.max_steps, step_chars=self.step_chars)
         shown = self.board.entry(run_id) if self.board is not None else None
         return board_json(shown) if shown is not None else None
+
+    async def frame(self, digest: str) -> tuple[str, bytes] | None:
+        """A stored frame (type and bytes) by its SHA-256 digest; None: not a digest, not stored, or pruned."""
+        read = getattr(self.store, "frame", None)
+        if not _DIGEST.fullmatch(digest) or not callable(read):
+            return None
+        found = await read(digest)
+        return found if found is not None and found[0] in _IMAGE_TYPES else None
 
     async def history(self, query: str) -> dict[str, Any]:
         """One page of ended runs matching a query string (QueryError for a bad one; LookupError without a store)."""

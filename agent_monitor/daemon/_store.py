@@ -449,6 +449,19 @@ class SqliteStore:
 
         return await self._run(read)
 
+    async def frame(self, digest: str) -> tuple[str, bytes] | None:
+        """A stored frame's type and bytes by its digest (None: never stored, or pruned by the frame budget)."""
+
+        def read(db: sqlite3.Connection) -> tuple[str, bytes] | None:
+            row = db.execute(
+                "SELECT ef.mime, f.data FROM event_frames ef JOIN frames f ON f.digest = ef.digest "
+                "WHERE ef.digest = ? AND ef.pruned = 0 LIMIT 1",
+                (digest,),
+            ).fetchone()
+            return None if row is None or not row[0] else (str(row[0]), bytes(row[1]))
+
+        return await self._run(read)
+
     async def ranking(self, group: str) -> dict[str, Any] | None:
         """One group's last published ranking (None: none kept)."""
 
