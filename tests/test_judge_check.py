@@ -117,12 +117,14 @@ def test_a_judge_that_drops_frames_is_announced_in_stderr_the_log_and_a_metric(
     assert sees_frames(LlamaCppJudge(model_path=str(gguf))) is False
     assert sees_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=True)) is True
     assert sees_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1")) is None  # the server says at the first frame
+    from structlog.testing import capture_logs
+
     registry = CollectorRegistry()
-    assert announce_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=False), registry) is False
+    with capture_logs() as logs:
+        assert announce_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=False), registry) is False
     assert registry.get_sample_value("agent_monitor_judge_sees_frames") == 0
-    captured = capsys.readouterr()
-    assert f"agent-monitor: {FRAMES_NOT_SEEN} (openai, text-only)" in captured.err
-    assert "judge_drops_frames" in captured.out + captured.err
+    assert f"agent-monitor: {FRAMES_NOT_SEEN} (openai, text-only)" in capsys.readouterr().err
+    assert [e["event"] for e in logs] == ["judge_drops_frames"]
     seeing = CollectorRegistry()
     announce_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=True), seeing)
     assert seeing.get_sample_value("agent_monitor_judge_sees_frames") == 1
