@@ -439,7 +439,7 @@ async def run_demo(
     from rich.live import Live
     from rich.text import Text
 
-    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, SqliteStore
+    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -532,8 +532,10 @@ async def run_demo(
                 registry=registry,
                 store=store,
                 sinks=[board] if board else [],
-            ),
+            ) as monitor,
         ):
+            if web is not None and board is not None:
+                web.pages = RunPages(monitor.store, board)  # each card links to its run's page, as with serve
             console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
             # Its own line: a console of 130 columns would wrap the URLs.
             console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)
