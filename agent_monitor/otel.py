@@ -5,7 +5,7 @@ in the Python SDK an event is a LogRecord with `event_name` set, emitted through
 `evaluation_attributes` is the one place a `Progress` becomes those events' attributes; the hook
 (`ProgressTracker(..., otel=True)`) and the daemon (`serve --otlp-endpoint`) both emit through
 `EvaluationEmitter`. Importing this module imports no OpenTelemetry package: they are loaded
-when an emitter is made (`pip install 'agent-monitor[otel]'`).
+when an emitter is made (`pip install -e '.[otel]'` in the agent-monitor checkout).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ EVENT_NAME = "gen_ai.evaluation.result"
 """The event name of the GenAI semantic conventions' evaluation result."""
 OVERALL = "agent_monitor.progress"
 """The evaluation name of a failed result's one event when the rubric's criteria are not known."""
-INSTALL_HINT = "pip install 'agent-monitor[otel]'"
+INSTALL_HINT = "pip install -e '.[otel]' (in the agent-monitor checkout)"
 # An explanation is a short why, never a copy of the step text or a judge's long error.
 _MAX_EXPLANATION = 300
 

@@ -40,6 +40,7 @@ FAILURES: Mapping[str, str] = {
     "no_model": "the judge server lists no model",
     "client_error": "the judge client failed before reaching the server",
     "bad_response": "the judge's answer could not be read",
+    "no_logprobs": "the judge server answered without logprobs (set it up to return them, or --judge-sampled)",
     "chat_template": "the local model's chat template failed",
     "context_overflow": "the prompt does not fit the judge's context",
     "inference": "the local model failed to evaluate the prompt",

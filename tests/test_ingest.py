@@ -263,3 +263,24 @@ async def test_a_batch_of_starts_never_grows_a_group_past_its_limit() -> None:
         assert sorted(mon.book.live) == [f"r{i}" for i in range(8)]
         assert sorted(mon.groups.of_run) == ["r0", "r1", "r2"]
         assert registry.get_sample_value("agent_monitor_groups_refused_total") == 5
+
+
+async def test_a_step_before_its_start_is_said_at_once_not_after_the_hold() -> None:
+    import json as _json
+
+    from structlog.testing import capture_logs
+
+    from agent_monitor.daemon import Monitor, MonitorConfig
+    from agent_monitor.testing import FakeJudge
+
+    async with Monitor(MonitorConfig(), judge=FakeJudge()) as monitor:
+        with capture_logs() as logs:
+            await monitor.handle("agents/early/step", _json.dumps({"index": 1, "text": "x"}).encode())
+            await monitor.handle("agents/early/step", _json.dumps({"index": 2, "text": "y"}).encode())
+        said = [e for e in logs if e["event"] == "step_before_start"]
+        assert len(said) == 1 and said[0]["run_id"] == "early" and said[0]["log_level"] == "warning"
+        assert "publish the start first" in said[0]["what"] and said[0]["hold_s"] == 10.0
+        await monitor.handle("agents/early/start", _json.dumps({"task": "t"}).encode())
+        await monitor.drain()
+        view = monitor.run("early")
+        assert view is not None and len(view.steps) == 2  # both held steps joined the run

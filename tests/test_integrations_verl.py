@@ -223,3 +223,13 @@ def test_split_turns_rules_and_bounds() -> None:
     assert split_turns("x" * 50, max_chars=10) == ["x" * 10]
     with pytest.raises(ValueError, match="max_steps"):
         split_turns("x", max_steps=0)
+
+
+async def test_compute_score_is_keyword_only_as_the_docs_show_it() -> None:
+    """verl calls it with keywords; a positional call fails at once, naming the problem (not a wrong score)."""
+    from agent_monitor.integrations.verl import make_compute_score
+    from agent_monitor.testing import FakeJudge
+
+    compute_score = make_compute_score(judge=FakeJudge(["P"]), infra_reward=0.0)
+    with pytest.raises(TypeError, match="positional"):
+        await compute_score("swe", "ran the tests", None)  # type: ignore[misc,call-arg]

@@ -104,7 +104,9 @@ async def test_missing_logprobs_is_a_failure(server: ScriptedServer) -> None:
     )
     t = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m"))
     p = await t.update("x")
-    assert not p.ok and p.reason == "no_answer" and p.score is None
+    # A failed judge call naming the fix (not a passing "no answer" the judge call counted as ok).
+    assert not p.ok and p.reason == "no_logprobs" and p.score is None
+    assert "--max-logprobs 20" in (p.error or "") and "--judge-sampled" in (p.error or "")
 
 
 async def test_429_then_success_honours_retry_after(server: ScriptedServer) -> None:

@@ -232,3 +232,25 @@ async def test_a_step_s_path_reaches_the_metrics_only_through_the_collectors_at_
     assert value(reg, "agent_monitor_events_total", type="start") == 1
     assert value(reg, "agent_monitor_events_total", type="step") == 3
     assert value(reg, "agent_monitor_scoring_failures_total", reason="timeout") == 0
+
+
+async def test_a_run_without_labels_has_an_empty_model_label_and_the_help_says_why() -> None:
+    import json as _json
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agent_monitor.daemon import Monitor, MonitorConfig
+    from agent_monitor.testing import FakeJudge
+
+    registry = CollectorRegistry()
+    async with Monitor(MonitorConfig(), judge=FakeJudge(), registry=registry) as monitor:
+        await monitor.handle("agents/bare/start", _json.dumps({"task": "t"}).encode())
+        await monitor.handle("agents/named/start", _json.dumps({"task": "t", "labels": {"model": "m1"}}).encode())
+        for rid in ("bare", "named"):
+            await monitor.handle(f"agents/{rid}/step", _json.dumps({"index": 1, "text": "x"}).encode())
+        await monitor.drain()
+        text = generate_latest(registry).decode()
+    assert 'agent_monitor_run_progress{group="",model="",run_id="bare"}' in text
+    assert 'agent_monitor_run_progress{group="",model="m1",run_id="named"}' in text
+    (help_line,) = [line for line in text.splitlines() if line.startswith("# HELP agent_monitor_run_progress ")]
+    assert "start.labels" in help_line and "empty when the start names none" in help_line

@@ -430,7 +430,7 @@ def test_importing_agent_monitor_loads_no_opentelemetry_and_a_missing_extra_is_n
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
     assert len(lines) == 2, out
-    assert all("pip install 'agent-monitor[otel]'" in line for line in lines), out
+    assert all("pip install -e '.[otel]' (in the agent-monitor checkout)" in line for line in lines), out
     assert lines[1].startswith("--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter")
 
 

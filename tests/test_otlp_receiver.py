@@ -200,6 +200,8 @@ async def test_a_genai_trace_from_the_sdk_exporter_is_a_run_scored_step_by_step(
                 "Assistant: It is 20 °C in Paris.",
             ]
             assert monitor.run(run_id).task == TASK  # type: ignore[union-attr]
+            # The run is its trace id; the resource's service.name names the agent on the board and in metrics.
+            assert monitor.run(run_id).labels == {"service": "weather-agent"}  # type: ignore[union-attr]
             await asyncio.to_thread(agent.end, outcome="success")
             await until(lambda: closed(events, run_id) is not None)
         stats = receiver.statistics()

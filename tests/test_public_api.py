@@ -37,9 +37,9 @@ PUBLIC = {
     ],
     "agent_monitor.daemon": [
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
-        "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HttpRequest", "HttpResponse", "HttpServer", "Inbound", "Ingest", "JudgeServer", "JudgeServerSettings", "MemoryStore",
+        "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HistoryQuery", "HttpRequest", "HttpResponse", "HttpServer", "Inbound", "Ingest", "JudgeServer", "JudgeServerSettings", "MemoryStore",
         "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "Protocol", "ProxySettings", "ProxySource", "Refused", "Replay", "RewardApiSettings", "RewardShape", "RewardSource", "Route", "RunClosed",
-        "RunLimits", "RunOpened", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Skipped", "Source", "SqliteStore",
+        "RunLimits", "RunOpened", "RunPages", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Skipped", "Source", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],
     "agent_monitor.testing": ["Answer", "FakeJudge", "ReplayJudge", "letter_at", "prompt_key", "record_answer", "save_answers"],

@@ -347,8 +347,8 @@ async def test_the_route_seam_mounts_unmounts_and_survives_a_failing_handler() -
         assert (await post(url, b"boom"))[0] == 500  # logged; the server goes on
         assert (await post(url, b"x" * 17))[0] == 413 and refused == ["body_too_large"]
         http.unmount("/echo")
-        assert (await post(url, b"hello"))[0] == 405  # a plain GET-only path again
-        assert http.statistics()["refused"] == {"body_too_large": 1, "method": 1}
+        assert (await post(url, b"hello"))[0] == 404  # a path nobody serves now: a wrong path, not a wrong method
+        assert http.statistics()["refused"] == {"body_too_large": 1, "path": 1}
 
 
 # -- calibrated rewards --

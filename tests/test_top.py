@@ -569,3 +569,27 @@ def test_top_says_what_to_check_when_the_broker_is_not_there(tmp_path: Path) -> 
     assert out.returncode == 2
     assert out.stderr.startswith("agent-monitor: cannot watch the MQTT broker at mqtt://127.0.0.1:")
     assert "check --broker" in out.stderr
+
+
+def test_in_100_columns_the_numbers_keep_their_columns_and_a_retained_only_run_says_why_it_has_no_score() -> None:
+    clock = Clock()
+    board = Board(clock=clock)
+    reason = "score below 0.3 for 2 scored steps; best 0.41 at step 1 " * 2
+    board.feed("agents/coding-failure/state", json.dumps({"run_id": "coding-failure", "task": "t " * 80}).encode())
+    board.feed(
+        "agents/coding-failure/progress",
+        progress(
+            "coding-failure", 3, 0.26, uncertainty=0.05, decision={"signal": "abort", "reason": reason, "step": 3}
+        ),
+    )
+    board.feed("agents/old/signal", signal("old", "continue", 4), retained=True)
+    clock.t += 75
+    console = Console(width=100, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(render(board, source="mqtt://127.0.0.1:1883", rows=None))
+    console.file.close()
+    screen = console.export_text()
+    assert max(len(line) for line in screen.splitlines()) <= 100
+    cells = row(screen, "coding-failu…")
+    assert cells[2:6] == ["0.260", "0.05", "3", "abort"] and "1m" in cells, screen
+    assert row(screen, "old")[1:3] == ["-", "4"], screen  # no score yet: only its retained signal was seen
+    assert "scored before top started (its score shows with its next step" in screen

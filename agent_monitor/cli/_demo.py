@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..judges.base import FRAMES_NOT_SEEN, sees_frames
 from ..policy import Policy
 from ..recorded import RecordedRun, RecordedStep, parse_recorded
 
@@ -187,33 +188,38 @@ def _publish(
 
 
 def _table(views: dict[str, _RunView], judge: str) -> Any:
+    from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
     from rich.text import Text
 
+    # Fits a 100-column terminal: the reasons go under the table, each as long as it needs (wrapped there).
     table = Table(title=f"agent-monitor demo: live progress ({judge})", title_justify="left", expand=False)
-    table.add_column("run")
-    table.add_column("outcome")
-    table.add_column("progress", min_width=26)
+    table.add_column("run", no_wrap=True)
+    table.add_column("outcome", no_wrap=True)
+    table.add_column("progress", min_width=16)
     table.add_column("score", justify="right", no_wrap=True)
-    table.add_column("step", justify="right")
-    table.add_column("signal")
-    table.add_column("why", max_width=44)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("signal", no_wrap=True)
+    why = []
     for v in views.values():
         colour = {"abort": "bold red", "resample": "yellow"}.get(v.signal, "green")
         score = "…" if v.score is None else f"{v.score:.2f} ±{v.uncertainty or 0:.2f}"
         if v.score is not None and v.rule_part:
             score += f" (rules {v.rule_part:.2f})"
+        # The outcome is the harness's to tell at the run's end: before it, nobody (the monitor included) knows it.
+        outcome = Text(v.outcome, style="green" if v.outcome == "success" else "red") if v.ended else Text("…")
         table.add_row(
             v.run_id,
-            Text(v.outcome, style="green" if v.outcome == "success" else "red"),
-            ProgressBar(total=1.0, completed=v.score or 0.0, width=24, complete_style=colour),
+            outcome,
+            ProgressBar(total=1.0, completed=v.score or 0.0, width=16, complete_style=colour),
             score,
             f"{v.step}/{v.total}" + (" ended" if v.ended else ""),
             Text(v.signal, style=colour),
-            Text(v.reason, style="dim"),
         )
-    return table
+        if v.reason:
+            why.append(Text(f"  {v.run_id}: {v.reason}", style="dim"))
+    return Group(table, *why)
 
 
 def _caption(views: dict[str, _RunView], latency_s: float | None, paced: bool) -> str:
@@ -268,6 +274,15 @@ def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
                 f"not flagged: {v.run_id}: abort needs {policy.patience} scored steps in a row below {v.abort_rule} "
                 f"from step {policy.min_steps} on; its lowest score was {v.lowest:.2f}"
             )
+    low_successes = [v for v in views.values() if v.outcome == "success" and v.score is not None and v.score < 0.8]
+    if low_successes:
+        names = ", ".join(f"{v.run_id} {v.score or 0:.2f}" for v in low_successes)
+        lines.append(
+            f"why a success can end low ({names}): a score is the judge's estimate of how complete the task "
+            "looks from the steps it saw, not the outcome (only the harness knows that, at the end); a small "
+            "judge seldom grants the top letters, and a judge that does not see frames scores a robot run on "
+            "its text alone"
+        )
     if not any(v.flagged for v in views.values()):
         lines.append("no run was flagged")
     return lines
@@ -424,7 +439,7 @@ async def run_demo(
     from rich.live import Live
     from rich.text import Text
 
-    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, SqliteStore
+    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -444,6 +459,11 @@ async def run_demo(
         )
     # Short mode keeps 4 steps: room for an abort (2 low scored steps from step 2 on) before a run's end.
     runs = example_runs(max_steps=4 if short else None) if runs is None else runs
+    if any(frames for _, frames in runs) and sees_frames(judge) is False:
+        console.print(
+            f"[yellow]Note: {FRAMES_NOT_SEEN} ({judge.name}, text-only): the robot run's camera frames reach it as "
+            "one-line placeholders, so that run is scored on its text alone.[/yellow]"
+        )
     views = {
         r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps)) for r, _ in runs
     }
@@ -512,8 +532,10 @@ async def run_demo(
                 registry=registry,
                 store=store,
                 sinks=[board] if board else [],
-            ),
+            ) as monitor,
         ):
+            if web is not None and board is not None:
+                web.pages = RunPages(monitor.store, board)  # each card links to its run's page, as with serve
             console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
             # Its own line: a console of 130 columns would wrap the URLs.
             console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)

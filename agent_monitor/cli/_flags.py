@@ -27,7 +27,128 @@ D = TypeVar("D")
 
 
 class FlagError(ValueError):
-    """An environment variable whose value the flag cannot take."""
+    """An environment variable (or a settings file's key) whose value the flag cannot take."""
+
+
+CONFIG_ENV = _ENV + "CONFIG"
+"""The environment twin of `--config FILE`."""
+_SECRET_WORDS = ("token", "key", "password", "secret", "auth")
+
+
+class Settings(Mapping[str, str]):
+    """Where flags take their defaults from: the environment, then a settings file (`--config monitor.toml`).
+
+    A Mapping of the environment (what `add_flags` always read) that also carries the file's values,
+    keyed as the file writes them: a flag's long name without its dashes, `-` as `_`
+    (`metrics_port = 9464` for `--metrics-port`), at the top level or in a `[serve]` table. Every
+    `add_flags` call registers the keys it knows; `check()` then refuses a key no flag has, naming
+    the nearest known one. Precedence: a flag given > its environment twin > the file > the default.
+    """
+
+    def __init__(self, environ: Mapping[str, str], file: Mapping[str, Any] | None = None, path: str = "") -> None:
+        self.environ = environ
+        self.file: dict[str, Any] = dict(file or {})
+        self.path = path
+        self.known: dict[str, str] = {}
+        """Each file key a flag reads, to its flag."""
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str], path: str | None) -> Settings:
+        """The environment with the settings file at `path` (None: no file); FlagError for a file it cannot read."""
+        if not path:
+            return cls(environ)
+        import tomllib
+
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise FlagError(f"--config {path}: {e.strerror or e}; pass the path of a TOML settings file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise FlagError(f"--config {path}: not TOML: {e}") from None
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            if isinstance(value, dict):
+                if key != "serve":
+                    raise FlagError(
+                        f"--config {path}: unknown table [{key}]; settings go at the top level or in [serve]"
+                    )
+                for k, v in value.items():
+                    if k in flat:
+                        raise FlagError(f"--config {path}: {k} is set twice (at the top level and in [serve])")
+                    flat[k] = v
+            elif key in flat:
+                raise FlagError(f"--config {path}: {key} is set twice (at the top level and in [serve])")
+            else:
+                flat[key] = value
+        return cls(environ, flat, path)
+
+    def __getitem__(self, key: str) -> str:
+        return self.environ[key]
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(self.environ)
+
+    def __len__(self) -> int:
+        return len(self.environ)
+
+    def value(self, leaf: _Leaf) -> tuple[Any, str]:
+        """A leaf's value before the command line, and where it came from: env, file or default."""
+        key = file_key(leaf.flag)
+        self.known.setdefault(key, leaf.flag)
+        raw = self.environ.get(leaf.env)
+        if raw is not None:
+            return _parse(leaf, raw), "env"
+        if key in self.file:
+            return _from_file(leaf, self.file[key], f"{self.path}: {key}"), "file"
+        return leaf.default, "default"
+
+    def check(self) -> None:
+        """Refuse a file key no flag reads, naming the nearest known key."""
+        import difflib
+
+        for key in self.file:
+            if key not in self.known:
+                near = difflib.get_close_matches(key, list(self.known), n=1)
+                hint = f"; did you mean {near[0]}?" if near else "; keys are serve's long flags with - as _"
+                raise FlagError(f"--config {self.path}: unknown key {key!r}{hint}")
+
+
+def file_key(flag: str) -> str:
+    """A flag's key in a settings file: `--metrics-port` is `metrics_port`."""
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def secret(flag: str) -> bool:
+    """Whether a flag holds a secret (its value is masked when settings are printed)."""
+    return any(w in flag for w in _SECRET_WORDS) and not flag.endswith(("-tokens", "-keys"))
+
+
+def _from_file(leaf: _Leaf, value: Any, where: str) -> Any:
+    """A settings file's TOML value as the leaf's flag would read it; FlagError naming the key for a wrong one."""
+    if leaf.many:
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, str | int | float) and not isinstance(i, bool) for i in items):
+            raise FlagError(f"{where} = {value!r}: give a string or a list of strings")
+        return tuple(str(i) for i in items)
+    if leaf.kind is bool:
+        if not isinstance(value, bool):
+            raise FlagError(f"{where} = {value!r}: give true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise FlagError(f"{where} = {value!r}: give {_what(leaf, none=leaf.optional)}")
+    if isinstance(value, str) and leaf.optional and value.strip().lower() in ("", "none", "off"):
+        return None
+    if isinstance(value, str) and (word := _word(leaf, value)) is not None:
+        return word
+    if leaf.kind in (int, float) and isinstance(value, str):
+        raise FlagError(f"{where} = {value!r}: give {_what(leaf, none=leaf.optional)} (a TOML number, unquoted)")
+    if leaf.kind is int and isinstance(value, float):
+        raise FlagError(f"{where} = {value!r}: give an integer")
+    converted = leaf.kind(value)
+    if leaf.choices and converted not in leaf.choices:
+        raise FlagError(f"{where} = {value!r}: use one of {', '.join(leaf.choices)}")
+    return converted
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,8 +366,12 @@ def add_flags(
         if group_title is not None or title is not None:
             target = parser.add_argument_group(group_title or title)
         for lf in chosen:
-            raw = environ.get(lf.env)
-            value = lf.default if raw is None else _parse(lf, raw)
+            if isinstance(environ, Settings):
+                value, origin = environ.value(lf)
+            else:
+                raw = environ.get(lf.env)
+                value, origin = (lf.default, "default") if raw is None else (_parse(lf, raw), "env")
+            parser.set_defaults(**{_SEP.join(lf.path) + _SEP + "origin": origin})
             dest = _SEP.join(lf.path)
             text = f"{lf.help} (default: {_shown(lf.default)}) [{lf.env}]".lstrip()
             if lf.kind is bool:
@@ -259,7 +384,7 @@ def add_flags(
                     lf.flag, dest=dest, type=functools.partial(_parse, lf), default=value, help=text, metavar="A,B"
                 )
             else:
-                parser.set_defaults(**{dest + _SEP + "given": raw is not None})
+                parser.set_defaults(**{dest + _SEP + "given": origin != "default"})
                 target.add_argument(
                     lf.flag,
                     dest=dest,
@@ -350,4 +475,40 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
     return dataclasses.replace(base, **values)
 
 
-__all__ = ["FlagError", "HelpFormatter", "add_flags", "build", "env_name", "flag_name", "given"]
+def leaves(cls: type, default: Any = None) -> list[_Leaf]:
+    """Every flag `cls` makes (nested settings included), for printing the effective settings."""
+    return [lf for _, group in _leaves(cls, default if default is not None else cls(), ()) for lf in group]
+
+
+def origin(args: argparse.Namespace, leaf: _Leaf, argv: Sequence[str]) -> str:
+    """Where a flag's value came from: flag (on the command line), env, file or default."""
+    if any(a == leaf.flag or a.startswith(leaf.flag + "=") for a in argv):
+        return "flag"
+    return str(getattr(args, _SEP.join(leaf.path) + _SEP + "origin", "default"))
+
+
+def value_of(args: argparse.Namespace, leaf: _Leaf) -> Any:
+    """A flag's parsed value in `args` (a repeatable flag not given: its environment's or file's)."""
+    dest = _SEP.join(leaf.path)
+    value = getattr(args, dest, leaf.default)
+    if value is None and hasattr(args, dest + _SEP + "env"):
+        value = getattr(args, dest + _SEP + "env")
+    return tuple(value) if isinstance(value, list) else value
+
+
+__all__ = [
+    "CONFIG_ENV",
+    "FlagError",
+    "HelpFormatter",
+    "Settings",
+    "add_flags",
+    "build",
+    "env_name",
+    "file_key",
+    "flag_name",
+    "given",
+    "leaves",
+    "origin",
+    "secret",
+    "value_of",
+]

@@ -23,7 +23,7 @@ from ..baselines import DEFAULT_RESAMPLES
 from ..criteria import CriteriaError, load_criteria
 from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
 from ..evaluate import DEFAULT_ORDERS
-from ..judges.base import BaseJudge, JudgeError, recommended_min_mass
+from ..judges.base import FRAMES_NOT_SEEN, BaseJudge, JudgeError, recommended_min_mass, sees_frames
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
 from ..options import ScoringOptions
 from ..policy import Policy, PolicyError
@@ -33,7 +33,7 @@ from ..robotmetrics import robot_json, robot_metrics, robot_summary
 from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
-from ._flags import FlagError, HelpFormatter, add_flags, build, given
+from ._flags import CONFIG_ENV, FlagError, HelpFormatter, Settings, add_flags, build, given
 from ._top import TopOptions
 
 if TYPE_CHECKING:
@@ -74,6 +74,20 @@ class JudgeOptions:
             "help": "the judge's context window in tokens (prompt and answer); none: read from the server (vLLM's "
             "/v1/models max_model_len, llama.cpp's /props n_ctx, Gemini's model limit; local: its n_ctx) or "
             "learned from its first context-length refusal. Set, it wins over what the server says"
+        },
+    )
+    judge_sampled: bool = field(
+        default=False,
+        metadata={
+            "help": "openai judge: score letters sampled from several answers a step, for a server that returns "
+            "no logprobs (slower and coarser than logprobs)"
+        },
+    )
+    judge_check: Literal["refuse", "warn"] = field(
+        default="refuse",
+        metadata={
+            "help": "when the start-up check finds the judge answering without logprobs (no score possible): "
+            "refuse to start (exit 2, the fix named) or warn and start"
         },
     )
     judge_kv_budget: float = field(
@@ -160,7 +174,13 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     if kind == "openai":
         from ..judges.openai import OpenAIJudge
 
-        return OpenAIJudge(base_url=options.judge_url, model=options.judge_model, api=options.judge_api, **extra)
+        return OpenAIJudge(
+            base_url=options.judge_url,
+            model=options.judge_model,
+            api=options.judge_api,
+            logprobs=not options.judge_sampled,
+            **extra,
+        )
     if kind == "gemini":
         from ..judges.gemini import GeminiJudge
 
@@ -227,12 +247,20 @@ def _command(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
 ) -> argparse.ArgumentParser:
     """A subcommand whose one-line summary is its entry in `agent-monitor --help` and the top of its own --help."""
-    return sub.add_parser(
+    parser = sub.add_parser(
         name,
         help=summary,
         description=f"{summary[0].upper()}{summary[1:]}." + (f" {more}" if more else ""),
         formatter_class=HelpFormatter,
     )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML settings file: keys are serve's long flags with - as _ (metrics_port = 9464), at the top "
+        "level or in [serve]; a flag given wins, then its environment twin, then the file "
+        f"(`agent-monitor config` shows each setting and where it came from) [{CONFIG_ENV}]",
+    )
+    return parser
 
 
 def _group_flags(parser: argparse._ActionsContainer) -> None:
@@ -470,6 +498,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     rp.add_argument("--max-steps", type=int, metavar="N", help="publish at most this many steps per run (default: all)")
     rp.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="recorded runs: hold a run's end until the monitor scored its last step (or aborted it), at most this "
+        "long after the last event, so the summary shows each run's final score; 0: end on schedule",
+    )
+    rp.add_argument(
         "--criteria",
         metavar="RUBRIC",
         help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
@@ -568,6 +604,19 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from ._judge_server import add_parser as _judge_server_parser
 
     _judge_server_parser(sub, _command, environ)
+
+    config = _command(
+        sub,
+        "config",
+        "print the effective settings of serve and where each came from (flag, env, file or default)",
+        "Takes every flag of serve: `agent-monitor config --config monitor.toml --metrics-port 9000`. Secrets "
+        "(tokens, keys, passwords) are masked.",
+    )
+    _serve_flags(config, environ)
+    add_flags(config, ProxySettings, environ, title="LLM API proxy")
+    config.add_argument("--json", action="store_true", help="one JSON object per setting instead of a table")
+    if isinstance(environ, Settings):
+        environ.check()  # every command's flags are known now: a file key none of them has is a mistake
     return parser
 
 
@@ -643,11 +692,16 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
             # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
             await (judge.check_reachable() if options.judge_model else judge.resolve_model())
             await judge.resolve_model()  # with the model given: its context, where the server says it
+            if not options.judge_sampled:
+                await _check_scores(judge, options)
         elif options.judge == "local":
             from ..judges.llamacpp import LlamaCppJudge
 
             assert isinstance(judge, LlamaCppJudge)
             await judge.load()
+    except CliError:
+        await judge.aclose()
+        raise
     except (JudgeError, OSError, ValueError, RuntimeError) as e:
         await judge.aclose()
         # The OpenAI judge's errors name the URL they tried; said once, the line stays readable.
@@ -655,6 +709,71 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
         where = f" at {url}" if url and url.rstrip("/") not in str(e) else ""
         raise CliError(f"the {options.judge} judge{where} is not usable: {e}") from None
     return judge
+
+
+CHECK_TASK = "agent-monitor start-up check: can this judge score? (one scored answer; not a run)"
+"""The task of the start-up check's one judge call (a test server may tell it from the scoring calls by it)."""
+CHECK_WAIT_S = 20.0
+"""How long start-up waits for the check's answer; a slower judge starts unchecked (the log says so)."""
+
+
+async def _check_scores(judge: BaseJudge, options: JudgeOptions) -> None:
+    """Ask the judge for one scored answer: a server that answers without logprobs cannot score (refused or warned).
+
+    Other failures of this one call are left to the scoring path (retried, counted, the circuit): the URL
+    was reachable, and a judge busy at start is no reason to refuse.
+    """
+    import structlog
+
+    from ..judges.base import JudgeRequest
+    from ..judges.openai import no_logprobs_fix
+    from ..prompts import Step, build_prompt
+
+    rubric = load_criteria(None)
+    prompt = build_prompt(CHECK_TASK, rubric, [Step(1, "ran the test suite: 3 of 10 tests pass")], rubric.criteria[0])
+    log = structlog.get_logger("agent_monitor.cli")
+    # The check is not the user's work: the judge's counters (`score`'s summary) leave it out.
+    counted = (judge.calls, judge.failures, judge.usage)
+    try:
+        async with asyncio.timeout(CHECK_WAIT_S):
+            await judge.grade(JudgeRequest(prompt, run_key="agent-monitor-check"))
+    except TimeoutError:
+        log.warning("judge_check_slow", judge=judge.name, waited_s=CHECK_WAIT_S)
+    except JudgeError as e:
+        if e.reason != "no_logprobs":
+            log.warning("judge_check_failed", judge=judge.name, error=str(e))
+            return
+        fix = no_logprobs_fix(options.judge_url or "the judge server")
+        if options.judge_check == "refuse":
+            raise CliError(f"{fix} (--judge-check warn starts anyway; every scoring then fails)") from None
+        log.warning("judge_without_logprobs", judge=judge.name, fix=fix)
+        print(f"agent-monitor: warning: {fix}; starting anyway (--judge-check warn)", file=sys.stderr)
+    finally:
+        judge.calls, judge.failures, judge.usage = counted
+
+
+def announce_frames(judge: BaseJudge, registry: Any) -> bool | None:
+    """Say at start when frames will not reach the judge: stderr, the log and `agent_monitor_judge_sees_frames`."""
+    import structlog
+    from prometheus_client import Gauge
+
+    seen = sees_frames(judge)
+    gauge = Gauge(
+        "agent_monitor_judge_sees_frames",
+        "1 when camera frames reach the judge as pixels, 0 when it gets text placeholders instead (a text-only "
+        "judge); absent until known (an OpenAI-compatible server says at the first frame).",
+        registry=registry,
+    )
+    if seen is not None:
+        gauge.set(1 if seen else 0)
+    if seen is False:
+        structlog.get_logger("agent_monitor.cli").warning("judge_drops_frames", judge=judge.name)
+        print(
+            f"agent-monitor: {FRAMES_NOT_SEEN} ({judge.name}, text-only): a step's camera frames reach it as "
+            "one-line placeholders and robot runs are scored on their text; use a vision model to score frames",
+            file=sys.stderr,
+        )
+    return seen
 
 
 async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0, *, within: float = 0.0) -> str | None:
@@ -756,6 +875,7 @@ async def _serve(args: argparse.Namespace) -> int:
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
+        announce_frames(judge, registry)
         board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
         receiver = None
         if config.otlp_receiver.address is not None:
@@ -798,6 +918,10 @@ async def _serve(args: argparse.Namespace) -> int:
             return _fail(
                 f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
             )
+        if web is not None and board is not None:
+            from ..daemon import RunPages
+
+            web.pages = RunPages(monitor.store, board)  # /runs/<id> and the history read the run store
         if reward is not None:
             reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
         if receiver is not None and monitor.otel is not None:
@@ -978,7 +1102,10 @@ async def _eval(args: argparse.Namespace) -> int:
         more = functools.partial(bl.plot_curves, sides)
         files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot), more=more))
     except ImportError:
-        print("agent-monitor: no PNG: pip install 'agent-monitor[plot]' (matplotlib)", file=sys.stderr)
+        print(
+            "agent-monitor: no PNG: pip install -e '.[plot]' in the agent-monitor checkout (matplotlib)",
+            file=sys.stderr,
+        )
     failed = sum(s is None for c in curves for s in c.scores)
     cached = sum(c.cached for c in curves)
     if judged:
@@ -1355,11 +1482,26 @@ def _configure_logging(level: str, *, drop: Sequence[str] = ()) -> None:
     )
 
 
+def _config_path(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The settings file `--config FILE` names (read before the flags are built: it gives their defaults)."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise FlagError("--config needs a FILE: the TOML settings file to read")
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.partition("=")[2]
+    return environ.get(CONFIG_ENV) or None
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Entry point of the `agent-monitor` console script."""
     env = os.environ if environ is None else environ
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        parser = _parser(env)
+        parser = _parser(Settings.load(env, _config_path(argv, env)))
         args = parser.parse_args(argv)
     except (CliError, FlagError, ValueError) as e:
         return _fail(str(e))
@@ -1401,6 +1543,12 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             from ._judge_server import run as _judge_server
 
             return _judge_server(args)
+        if args.command == "config":
+            from ._config_cli import print_config
+
+            args.config = _config_path(argv, env)
+
+            return print_config(args, argv)
         if args.command == "self-check":
             from ._selfcheck import run as _self_check
 

@@ -69,11 +69,25 @@ def replay(
     criteria: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     on_event: Callable[[str, str, int], object] | None = None,
+    settle_s: float = 0.0,
 ) -> dict[str, Run]:
-    """Publish every run as live (all runs at once, interleaved in recorded time); return the client runs."""
+    """Publish every run as live (all runs at once, interleaved in recorded time); return the client runs.
+
+    With `settle_s`, a run whose end comes before the monitor's score of its last step (or its abort)
+    ends after the others' events, once that score came or `settle_s` passed: the client stops
+    listening to a run it ended, so a fast replay would otherwise end every run before its last score.
+    """
     plan = schedule(runs, speed=speed, interval_s=interval_s, max_gap_s=max_gap_s)
     live: dict[int, Run] = {}
+    held: list[int] = []
     begin = time.monotonic()
+
+    def end(i: int) -> None:
+        outcome = runs[i].outcome
+        live[i].end(None if outcome is None else "success" if outcome >= 0.5 else "failure")
+        if on_event:
+            on_event(run_id_for(runs[i].name, run_prefix), "end", len(runs[i].steps))
+
     for d in plan:
         wait = begin + d.at - time.monotonic()
         if wait > 0:
@@ -84,14 +98,26 @@ def replay(
             live[d.run] = client.start_run(rid, task=run.task, criteria=criteria)
         elif d.kind == "step":
             live[d.run].step(run.steps[d.step - 1].text, index=d.step)
+        elif settle_s > 0 and not _settled(live[d.run], len(run.steps)):
+            held.append(d.run)
+            continue
         else:
-            if run.outcome is None:
-                live[d.run].end(None)
-            else:
-                live[d.run].end("success" if run.outcome >= 0.5 else "failure")
+            end(d.run)
+            continue
         if on_event:
             on_event(rid, d.kind, d.step)
+    deadline = time.monotonic() + settle_s
+    for i in held:
+        while not _settled(live[i], len(runs[i].steps)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        end(i)
     return {run_id_for(runs[i].name, run_prefix): r for i, r in live.items()}
+
+
+def _settled(run: Run, last: int) -> bool:
+    """Whether the monitor told a run all it will: its last step's score, or an abort (nothing scored after)."""
+    p = run.progress
+    return (p is not None and p.step >= last) or run.should_abort
 
 
 def replay_cli(args: argparse.Namespace) -> int:
@@ -126,11 +152,23 @@ def replay_cli(args: argparse.Namespace) -> int:
                 run_prefix=args.run_prefix,
                 criteria=args.criteria,
                 on_event=show,
+                settle_s=args.settle,
             )
+            heard = False
             for rid, run in done.items():
                 p = run.progress
-                last = f"step {p.step} score {p.score}" if p is not None else "no progress seen"
-                print(f"{rid}: {last}; signal {run.signal.signal if run.signal else 'none'}", file=sys.stderr)
+                heard = heard or p is not None
+                last = f"step {p.step} score {p.score:.3f}" if p is not None and p.score is not None else None
+                if last is None:
+                    last = f"step {p.step} not scored ({p.reason})" if p is not None else "no score received"
+                print(f"{rid}: {last}; signal {run.signal.signal if run.signal else 'continue'}", file=sys.stderr)
+            if not heard:
+                print(
+                    f"agent-monitor: no monitor answered within {args.settle:g} s of the last step: is "
+                    f"`agent-monitor serve` running on {args.broker} with --topic-prefix {args.prefix}? "
+                    "(a slow judge needs a longer --settle)",
+                    file=sys.stderr,
+                )
     except ConnectionError as e:
         print(f"agent-monitor: {e}", file=sys.stderr)
         return 2

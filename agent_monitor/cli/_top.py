@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -441,7 +441,32 @@ def count(n: int) -> str:
 def render(
     board: Board, *, source: str, rows: int | None, connected: str | None = None, expand: bool = False
 ) -> RenderableType:
-    """The table of the `rows` most recently active runs (all: None), a title and a footer; `expand`: full width."""
+    """The table of the `rows` most recently active runs (all: None), a title and a footer; `expand`: full width.
+
+    Laid out when printed, for the console's width: the numbers keep theirs, the reason and the task share the rest.
+    """
+    return _Fitted(
+        lambda width: _render(board, source=source, rows=rows, connected=connected, expand=expand, width=width)
+    )
+
+
+class _Fitted:
+    """A renderable built for the width it is printed in."""
+
+    def __init__(self, build: Callable[[int], RenderableType]) -> None:
+        self.build = build
+
+    def __rich_console__(self, console: Any, options: Any) -> Iterator[RenderableType]:
+        yield self.build(options.max_width)
+
+
+_FIXED = {"run": 14, "progress": 16, "score": 7, "±": 4, "step": 4, "signal": 8, "age": 4}
+"""Columns' widths when the terminal is narrow (what is left goes to the reason and the task)."""
+
+
+def _render(
+    board: Board, *, source: str, rows: int | None, connected: str | None, expand: bool, width: int
+) -> RenderableType:
     from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
@@ -452,20 +477,25 @@ def render(
     grouped = any(v.group for v in shown)
     priced = any(v.totals is not None for v in shown)
     table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold", expand=expand)
-    table.add_column("run", no_wrap=True, max_width=40, overflow="ellipsis")
+    # The numbers keep their width in a narrow terminal; the reason and the task share what is left (2:1).
+    fixed = sum(_FIXED.values()) + (16 if grouped else 0) + (22 if priced else 0)
+    columns = len(_FIXED) + 2 + (1 if grouped else 0) + (2 if priced else 0)
+    spare = max(12, width - fixed - (columns - 1))  # a space between columns
+    reason_w, task_w = max(6, spare * 2 // 3), max(4, spare - spare * 2 // 3)
+    table.add_column("run", no_wrap=True, max_width=max(_FIXED["run"], 40 if spare > 60 else 14), overflow="ellipsis")
     if grouped:
-        table.add_column("group", no_wrap=True, max_width=24, overflow="ellipsis")
+        table.add_column("group", no_wrap=True, max_width=16 if spare < 60 else 24, overflow="ellipsis")
     table.add_column("progress", no_wrap=True, width=16)
-    table.add_column("score", justify="right", no_wrap=True)
-    table.add_column("±", justify="right", no_wrap=True)
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("signal", no_wrap=True)
-    table.add_column("reason", no_wrap=True, overflow="ellipsis", ratio=2)
+    table.add_column("score", justify="right", no_wrap=True, min_width=5)
+    table.add_column("±", justify="right", no_wrap=True, min_width=4)
+    table.add_column("step", justify="right", no_wrap=True, min_width=4)
+    table.add_column("signal", no_wrap=True, min_width=8)
+    table.add_column("reason", no_wrap=True, overflow="ellipsis", ratio=2, max_width=reason_w)
     if priced:
         table.add_column("tokens in/out", justify="right", no_wrap=True)
         table.add_column("cost", justify="right", no_wrap=True)
-    table.add_column("age", justify="right", no_wrap=True)
-    table.add_column("task", no_wrap=True, overflow="ellipsis", ratio=1, style="dim")
+    table.add_column("age", justify="right", no_wrap=True, min_width=3)
+    table.add_column("task", no_wrap=True, overflow="ellipsis", ratio=1, style="dim", max_width=task_w)
     for v in shown:
         colour = _COLOURS.get(v.signal or "", "green")
         score = Text("-" if v.score is None else f"{v.score:.3f}")
@@ -507,6 +537,9 @@ def render(
         )
     if board.forgotten:
         foot.append(f"{board.forgotten} runs forgotten (over --keep-runs {board.keep_runs})  ")
+    if any(v.score is None and v.active_at is None for v in shown):
+        # Progress messages are not retained: a run known only from its retained signal shows its next score.
+        foot.append("-: scored before top started (its score shows with its next step; age - : no news since)  ")
     return Group(title, table, foot)
 
 

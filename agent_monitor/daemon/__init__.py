@@ -27,6 +27,7 @@ from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
 from ._reward_api import RewardSource
+from ._runpages import RunPages
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import (
     Accepted,
@@ -41,7 +42,7 @@ from ._state import (
     Sink,
     Skipped,
 )
-from ._store import MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
+from ._store import HistoryQuery, MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
 from ._views import RunView, StepView
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ __all__ = [
     "ClusterUnavailable",
     "Duplicated",
     "EmbeddedBroker",
+    "HistoryQuery",
     "HttpRequest",
     "HttpResponse",
     "HttpServer",
@@ -95,6 +97,7 @@ __all__ = [
     "RunClosed",
     "RunLimits",
     "RunOpened",
+    "RunPages",
     "RunStore",
     "RunView",
     "RunsView",

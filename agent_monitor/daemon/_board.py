@@ -380,6 +380,11 @@ class Board:
             "now": self.clock(),
         }
 
+    def entry(self, run_id: str) -> dict[str, Any] | None:
+        """One run as the board holds it, with its curve (None: not on the board)."""
+        run = self._runs.get(run_id)
+        return None if run is None else run.json(curve=True)
+
     def _counts(self) -> dict[str, int]:
         return {"live": self._live, "hidden": self.hidden}
 

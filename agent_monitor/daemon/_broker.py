@@ -39,7 +39,7 @@ import structlog
 
 __all__ = ["BrokerStartError", "EmbeddedBroker"]
 
-_INSTALL_HINT = "the embedded broker needs amqtt: pip install 'agent-monitor[embedded]'"
+_INSTALL_HINT = "the embedded broker needs amqtt: pip install -e '.[embedded]' (in the agent-monitor checkout)"
 # amqtt logs every connection at INFO; `transitions` runs its state machines and logs each callback.
 _NOISY_LOGGERS = ("amqtt", "transitions")
 _LISTENER = "default"

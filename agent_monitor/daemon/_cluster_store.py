@@ -401,7 +401,9 @@ def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
     try:
         import redis.asyncio as aioredis
     except ImportError as e:
-        raise ImportError(f"cluster mode needs the redis client ({e}); pip install 'agent-monitor[cluster]'") from None
+        raise ImportError(
+            f"cluster mode needs the redis client ({e}); pip install -e '.[cluster]' (in the agent-monitor checkout)"
+        ) from None
     if settings.url is None:
         raise ValueError("no cluster URL; pass --cluster redis://HOST:PORT/DB")
     # A reply slower than the lease is as good as none (the lease is gone by then): time out, say so, try again.

@@ -40,7 +40,8 @@ class MetricsSettings:
         metadata={
             "flag": "--metric-labels",
             "comma": True,
-            "help": "start.labels that become labels of the per-run gauges (comma-separated; keep them few)",
+            "help": "start.labels that become labels of the per-run gauges (comma-separated; keep them few); a run "
+            "whose start names none of them (e.g. no labels.model) gets an empty label",
         },
     )
     max_series: int = field(
@@ -107,7 +108,7 @@ class ClusterSettings:
         metadata={
             "flag": "--cluster",
             "help": "join the cluster kept in this Redis (redis://HOST:PORT/DB; rediss:// for TLS); none: one process "
-            "with its own run store. Needs pip install 'agent-monitor[cluster]'",
+            "with its own run store. Needs pip install -e '.[cluster]' (in the agent-monitor checkout)",
         },
     )
     name: str = field(
@@ -236,7 +237,7 @@ class OtlpReceiverSettings:
         metadata={
             "flag": "--otlp-receiver",
             "help": "receive OTLP/HTTP traces (POST /v1/traces, protobuf or JSON) on HOST:PORT (the conventional "
-            "port is 4318); each trace becomes a run; none: off. Needs pip install 'agent-monitor[otel]'",
+            "port is 4318); each trace becomes a run; none: off. Needs pip install -e '.[otel]' (in the agent-monitor checkout)",
         },
     )
     token: str | None = field(
@@ -347,7 +348,7 @@ class ProxySettings:
         metadata={
             "flag": "--proxy-upstream",
             "help": "the LLM API the proxy forwards to, e.g. https://api.openai.com/v1 or https://api.anthropic.com; "
-            "none: no proxy. Needs pip install 'agent-monitor[proxy]'",
+            "none: no proxy. Needs pip install -e '.[proxy]' (in the agent-monitor checkout)",
         },
     )
     listen: str = field(
@@ -709,7 +710,7 @@ class MonitorConfig(ScoringOptions):
         metadata={
             "help": "send OpenTelemetry gen_ai.evaluation.result events for every score to this OTLP/HTTP collector "
             "(protobuf; /v1/logs is appended, as for OTEL_EXPORTER_OTLP_ENDPOINT); none: off. Needs "
-            "pip install 'agent-monitor[otel]'"
+            "pip install -e '.[otel]' (in the agent-monitor checkout)"
         },
     )
 

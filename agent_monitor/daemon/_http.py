@@ -8,7 +8,10 @@ bound is in plain sight). Paths:
 - `/`: the board, one static HTML file with its CSS and script inline (no external resources: it works
   air-gapped), sent with a Content-Security-Policy that allows exactly that script and style;
 - `/events`: server-sent events, a snapshot of the board on connect, then one event per change;
-- `/api/runs`: the board's snapshot as JSON.
+- `/api/runs`: the board's snapshot as JSON; with a query (`?outcome=failure&limit=20`...), a page of the
+  history of ended runs from the run store (`RunPages`);
+- `/runs/<run_id>` and `/api/runs/<run_id>`: a run's page (its task, steps, curve and decisions) and its JSON;
+  `/runs`: the history, browsable; `/api/frames/<sha256>`: a stored camera frame (the page's thumbnails).
 
 Routes a source mounts (`mount`: the reward endpoints, `POST /get_reward` and the like) take a POST
 with a body of at most the route's `max_body_bytes` (a `Content-Length` is required: 411 without one,
@@ -37,6 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Self
+from urllib.parse import unquote
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -44,12 +48,16 @@ from prometheus_client.exposition import choose_encoder
 
 from ._board import Board, BoardClient, sse
 from ._gate import Gate, Slot, peer_of
+from ._runpages import QueryError, RunPages
 
 log = structlog.get_logger("agent_monitor.daemon")
 
 MAX_HEAD_BYTES = 8 * 1024
 """The largest request head (request line and headers) read; a bigger one is answered 431."""
 _GZIP_MIN_BYTES = 1024
+_OWN = ("/", "/index.html", "/metrics", "/healthz", "/events", "/api/runs", "/runs")
+_OWN_PREFIXES = ("/runs/", "/api/runs/", "/api/frames/")
+"""The paths the server answers itself (GET and HEAD); /runs/<id> and /api/runs/<id> too."""
 # Security headers on every response; the board page gets its own Content-Security-Policy (see _page).
 _COMMON = {
     "Cache-Control": "no-store",
@@ -60,9 +68,9 @@ _COMMON = {
 }
 
 
-def _page() -> tuple[bytes, str]:
-    """The board page and its Content-Security-Policy: only its own inline script and style run."""
-    html = importlib.resources.files("agent_monitor.daemon").joinpath("board.html").read_bytes()
+def _page(name: str = "board.html", *, img: str = "data:") -> tuple[bytes, str]:
+    """A page (the board, the run pages) and its Content-Security-Policy: only its own inline script and style run."""
+    html = importlib.resources.files("agent_monitor.daemon").joinpath(name).read_bytes()
     text = html.decode()
 
     def hashes(tag: str) -> str:
@@ -71,7 +79,7 @@ def _page() -> tuple[bytes, str]:
 
     csp = (
         f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        f"connect-src 'self'; img-src {img}; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
     return html, csp
 
@@ -163,6 +171,9 @@ class HttpServer:
         self.request_timeout_s = request_timeout_s
         self.write_timeout_s = write_timeout_s
         self._page, self._csp = _page() if board is not None else (b"", "")
+        self._runs_page, self._runs_csp = _page("runs.html", img="'self' data:") if board is not None else (b"", "")
+        self.pages: RunPages | None = None
+        """What answers /runs, /runs/<id> and their JSON (the serving command sets it, with the run store)."""
         self._server: asyncio.Server | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -179,7 +190,7 @@ class HttpServer:
 
     def mount(self, path: str, route: Route) -> None:
         """Serve `path` with a source's handler (`POST` by default); a path taken already raises ValueError."""
-        if path in self.routes or path in ("/", "/index.html", "/metrics", "/healthz", "/events", "/api/runs"):
+        if path in self.routes or path in _OWN or path.startswith(_OWN_PREFIXES):
             raise ValueError(f"{path} is served already")
         self.routes[path] = route
 
@@ -334,6 +345,9 @@ class HttpServer:
         if (route := self.routes.get(path)) is not None:
             await self._routed(route, method, path, query, headers, reader, writer)
             return
+        if method not in ("GET", "HEAD") and not (path in _OWN or path.startswith(_OWN_PREFIXES)):
+            mounted = f"; POST routes here: {', '.join(sorted(self.routes))}" if self.routes else ""
+            raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here{mounted}", reason="path")
         if method not in ("GET", "HEAD"):
             raise _Refused(
                 HTTPStatus.METHOD_NOT_ALLOWED,
@@ -366,13 +380,52 @@ class HttpServer:
                 {"Content-Security-Policy": self._csp, "X-Frame-Options": "DENY"},
                 head=head,
             )
-        elif path == "/api/runs":
+        elif path == "/api/runs" and not query:
             body = await asyncio.to_thread(_json, self.board.snapshot())
             await self._respond(writer, HTTPStatus.OK, body, "application/json", head=head)
+        elif path in ("/runs", "/api/runs") or path.startswith(("/runs/", "/api/runs/", "/api/frames/")):
+            await self._run_pages(writer, path, query, head)
         elif path == "/events":
             await self._events(self.board, reader, writer, head)
         else:
             raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here: the board is at /, metrics at /metrics")
+
+    async def _run_pages(self, writer: asyncio.StreamWriter, path: str, query: str, head: bool) -> None:
+        """A run's page or the history of ended runs (HTML, or JSON under /api)."""
+        if self.pages is None:
+            raise _Refused(HTTPStatus.NOT_FOUND, f"no {path[:100]} here: this server has no run pages; see /")
+        if path == "/runs" or path.startswith("/runs/"):
+            if path.startswith("/runs/") and not unquote(path[len("/runs/") :]):
+                raise _Refused(HTTPStatus.NOT_FOUND, "no run id in the path: /runs lists the ended runs")
+            headers = {"Content-Security-Policy": self._runs_csp, "X-Frame-Options": "DENY"}
+            await self._respond(writer, HTTPStatus.OK, self._runs_page, "text/html; charset=utf-8", headers, head=head)
+            return
+        if path.startswith("/api/frames/"):
+            frame = await self.pages.frame(path[len("/api/frames/") :])
+            if frame is None:
+                raise _Refused(HTTPStatus.NOT_FOUND, "no such frame here (never stored, or pruned by the frame budget)")
+            # Content-addressed: a digest's bytes never change, so a browser may keep them.
+            await self._respond(
+                writer, HTTPStatus.OK, frame[1], frame[0], {"Cache-Control": "private, max-age=86400"}, head=head
+            )
+            return
+        if path == "/api/runs":
+            try:
+                data = await self.pages.history(query)
+            except QueryError as e:
+                raise _Refused(HTTPStatus.BAD_REQUEST, f"/api/runs?{query[:100]}: {e}", reason="query") from None
+            except LookupError as e:
+                raise _Refused(HTTPStatus.NOT_FOUND, str(e)) from None
+        else:
+            run_id = unquote(path[len("/api/runs/") :])
+            found = await self.pages.run(run_id) if run_id else None
+            if found is None:
+                raise _Refused(
+                    HTTPStatus.NOT_FOUND, f"no run {run_id[:100]!r} here (never seen, or dropped by --retention)"
+                )
+            data = found
+        body = await asyncio.to_thread(_json, data)
+        await self._respond(writer, HTTPStatus.OK, body, "application/json", head=head)
 
     async def _routed(
         self,

@@ -242,6 +242,15 @@ class Intake:
         if isinstance(verdict, (Refused, Duplicated)):
             self.emit(verdict)  # what deciding says is the sinks' event itself
             return None
+        if isinstance(verdict, Orphaned) and run_id not in self.book.orphans:
+            # Said at once, not after --hold: the run's first step that came before its start (once per run id).
+            log.warning(
+                "step_before_start",
+                run_id=run_id,
+                hold_s=self.book.limits.hold_s,
+                what="the step waits for the run's start; publish the start first (it is refused as no_start if "
+                "none comes within hold_s)",
+            )
         return verdict
 
     def _prepare(self, run_id: str, start: RunStart, topic: str) -> bool:

@@ -349,7 +349,10 @@ class RunCollector(Collector):
         shown, capped = runs[: self.max_series], max(0, len(runs) - self.max_series)
         names = ["run_id", *self.label_names]
         progress = GaugeMetricFamily(
-            "agent_monitor_run_progress", "Latest progress score of each run, 0..1.", labels=names
+            "agent_monitor_run_progress",
+            "Latest progress score of each run, 0..1. Labels besides run_id are --metric-labels read from the run's "
+            "start.labels (model: the agent's model, as the harness names it); empty when the start names none.",
+            labels=names,
         )
         uncertainty = GaugeMetricFamily(
             "agent_monitor_run_uncertainty", "Uncertainty (std) of each run's latest score.", labels=names

@@ -22,11 +22,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..wire import TopicError, check_run_id
+from ..wire import MAX_LABEL_VALUE_CHARS, TopicError, check_run_id
 from ._config import OtlpReceiverSettings
 from ._source import Inbound, Ingest, RunsView
 from ._spans import Decoded, Span, classify, outcome_of, run_key
@@ -72,6 +73,8 @@ class _Run:
     task: str | None = None
     ended: bool = False
     traces: set[str] = field(default_factory=set)
+    service: str | None = None
+    """The resource's `service.name` (the agent's name): the run's `service` label, so the board names it."""
 
 
 class OtlpMetrics:
@@ -253,6 +256,8 @@ class Traces:
             self.runs.move_to_end(run_id)
             self._traces[trace_id] = run_id
             run.traces.add(trace_id)
+            if run.service is None:
+                run.service = next((str(v) for sp in spans if (v := sp.resource.get("service.name"))), None)
             n, why = self._spans(run, spans, now, events)
             if n:
                 rejected += n
@@ -382,7 +387,10 @@ class Traces:
 
     def _start(self, run: _Run, events: list[Inbound]) -> None:
         task = run.task or f"(the agent's task was not recorded in the spans of run {run.run_id})"
-        events.append(Inbound(run.run_id, "start", {"task": task[:100_000]}, key=f"start:{run.run_id}"))
+        start: dict[str, Any] = {"task": task[:100_000]}
+        if run.service:
+            start["labels"] = {"service": run.service[:MAX_LABEL_VALUE_CHARS]}
+        events.append(Inbound(run.run_id, "start", start, key=f"start:{run.run_id}"))
         run.started = True
 
     def _step(self, run: _Run, s: Span, text: str, events: list[Inbound]) -> None:

@@ -58,7 +58,9 @@ try:
     import h11
     import httpx2
 except ImportError as e:  # pragma: no cover - the extra names what to install
-    raise ImportError(f"the LLM API proxy needs pip install 'agent-monitor[proxy]' ({e})") from None
+    raise ImportError(
+        f"the LLM API proxy needs pip install -e '.[proxy]' in the agent-monitor checkout ({e})"
+    ) from None
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry

@@ -75,6 +75,24 @@ _DELIVERIES_KEPT = 65_536
 """Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HistoryQuery:
+    """Which ended runs `SqliteStore.history` lists: each filter given must match; `limit` runs a page."""
+
+    outcome: str | None = None
+    signal: str | None = None
+    family: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    """(key, value) pairs the run's labels must all hold."""
+    since: float | None = None
+    """Ended at or after this Unix time."""
+    until: float | None = None
+    """Ended before this Unix time."""
+    limit: int = 50
+    cursor: tuple[float, str] | None = None
+    """The (ended_at, run_id) of the previous page's last run: this page starts after it."""
+
+
 @dataclass(slots=True)
 class Replay:
     """What a store holds of the runs still live: their records in journal order, their scores, and ended ids."""
@@ -185,6 +203,7 @@ CREATE TABLE IF NOT EXISTS calibration (
 );
 CREATE INDEX IF NOT EXISTS calibration_by_family ON calibration (family, model, rubric, seq);
 CREATE TABLE IF NOT EXISTS group_rankings (group_name TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS runs_by_end ON runs (ended_at, run_id);
 """
 # Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them, and an older
 # agent-monitor still reads a newer store of the same format. A change to an existing table needs a new format.
@@ -430,6 +449,28 @@ class SqliteStore:
 
         return await self._run(read)
 
+    async def frame(self, digest: str) -> tuple[str, bytes] | None:
+        """A stored frame's type and bytes by its digest (None: never stored, or pruned by the frame budget)."""
+
+        def read(db: sqlite3.Connection) -> tuple[str, bytes] | None:
+            row = db.execute(
+                "SELECT ef.mime, f.data FROM event_frames ef JOIN frames f ON f.digest = ef.digest "
+                "WHERE ef.digest = ? AND ef.pruned = 0 LIMIT 1",
+                (digest,),
+            ).fetchone()
+            return None if row is None or not row[0] else (str(row[0]), bytes(row[1]))
+
+        return await self._run(read)
+
+    async def ranking(self, group: str) -> dict[str, Any] | None:
+        """One group's last published ranking (None: none kept)."""
+
+        def read(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute("SELECT body FROM group_rankings WHERE group_name = ?", (group,)).fetchone()
+            return None if row is None else dict(json.loads(row[0]))
+
+        return await self._run(read)
+
     async def prune(self, older_than_s: float) -> int:
         """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted.
 
@@ -517,6 +558,55 @@ class SqliteStore:
 
         return await self._run(read)
 
+    async def history(self, query: HistoryQuery) -> tuple[list[dict[str, Any]], tuple[float, str] | None]:
+        """Ended runs matching `query`, most recently ended first, and the cursor of the next page (None: the last).
+
+        A page is `query.limit` runs; the cursor is the last run's (ended_at, run_id), so paging is stable
+        while runs keep ending (the newer ones are before the first page, not in the next).
+        """
+
+        def read(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], tuple[float, str] | None]:
+            family = (
+                "COALESCE((SELECT json_extract(e.body, '$.family') FROM events e WHERE e.run_id = runs.run_id "
+                "AND e.kind = 'start' ORDER BY e.seq LIMIT 1), runs.task)"
+            )
+            where, args = ["ended_at IS NOT NULL"], list[Any]()
+            for column, value in (("outcome", query.outcome), ("signal", query.signal)):
+                if value is not None:
+                    where.append(f"{column} = ?")
+                    args.append(value)
+            if query.family is not None:
+                where.append(f"{family} = ?")
+                args.append(query.family)
+            for key, value in query.labels:
+                where.append("EXISTS (SELECT 1 FROM json_each(runs.labels) WHERE key = ? AND value = ?)")
+                args += [key, value]
+            if query.since is not None:
+                where.append("ended_at >= ?")
+                args.append(query.since)
+            if query.until is not None:
+                where.append("ended_at < ?")
+                args.append(query.until)
+            if query.cursor is not None:
+                where.append("(ended_at < ? OR (ended_at = ? AND run_id < ?))")
+                args += [query.cursor[0], query.cursor[0], query.cursor[1]]
+            cols = ["run_id", "task", "started_at", "ended_at", "outcome", "last_step", "last_score", "signal"]
+            rows = db.execute(
+                f"SELECT {', '.join(cols)}, labels, {family} FROM runs WHERE {' AND '.join(where)} "
+                "ORDER BY ended_at DESC, run_id DESC LIMIT ?",
+                (*args, query.limit + 1),
+            ).fetchall()
+            out = []
+            for r in rows[: query.limit]:
+                run = dict(zip(cols, r[: len(cols)], strict=True))
+                run["labels"] = json.loads(r[len(cols)] or "{}")
+                run["family"] = r[len(cols) + 1]
+                out.append(run)
+            more = len(rows) > query.limit
+            return out, (out[-1]["ended_at"], out[-1]["run_id"]) if more and out else None
+
+        return await self._run(read)
+
     async def export(self, run_id: str) -> dict[str, Any] | None:
         """A run's task, steps (in index order, placeholders marked, images as digests) and score curve, or None."""
 
@@ -555,9 +645,17 @@ class SqliteStore:
                 for (b,) in db.execute("SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,))
             ]
             totals = _totals([_totals_row(p) for p in curve])
+            first = db.execute(
+                "SELECT body FROM events WHERE run_id = ? AND kind = 'start' ORDER BY seq LIMIT 1", (run_id,)
+            ).fetchone()
+            start = json.loads(first[0]) if first else {}
             return {
                 "run_id": run_id,
                 "task": row[0],
+                # What the start asked for besides its task (never its `auth`: the run page shows this).
+                "group": start.get("group"),
+                "family": start.get("family"),
+                "policy": start.get("policy"),
                 "started_at": row[1],
                 "ended_at": row[2],
                 "outcome": row[3],

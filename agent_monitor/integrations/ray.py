@@ -14,7 +14,7 @@ The actor is an async actor (every method is a coroutine), so one judge's concur
 retries are shared by every worker, and a worker may `await monitor.update.remote(...)` from an async
 actor of its own. Answers are plain mappings (`Verdict.to_json` and a few more keys). The judge is given
 as a zero-argument factory, built inside the actor: judges hold connections and locks, which do not pickle.
-Ray is imported only when `MonitorActor.remote` or `.options` is called (`pip install agent-monitor[ray]`).
+Ray is imported only when `MonitorActor.remote` or `.options` is called (`pip install -e '.[ray]'` in the checkout).
 """
 
 from __future__ import annotations

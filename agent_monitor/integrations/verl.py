@@ -64,7 +64,9 @@ def make_compute_score(
     blocking: bool = False,
     **tracker_options: Any,
 ) -> ComputeScore:
-    """An `async def compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)` for verl.
+    """An `async def compute_score(*, data_source, solution_str, ground_truth, extra_info, **kwargs)` for verl.
+
+    Keyword-only, as verl calls it: `await compute_score(data_source=..., solution_str=..., ground_truth=...)`.
 
     The response is split into steps (`split`, default `split_turns`: chat-template turns, else tool-call
     blocks, else paragraphs, at most `max_steps` over `max_chars`) and its whole prefix scored once by

@@ -29,6 +29,23 @@ if TYPE_CHECKING:
 log = structlog.get_logger("agent_monitor.judges")
 
 
+FRAMES_NOT_SEEN = "frames are not seen by this judge"
+"""What serve, the demo and a run's page say when a judge gets camera frames as text placeholders."""
+
+
+def sees_frames(judge: object) -> bool | None:
+    """Whether camera frames reach a judge as pixels (False: as text placeholders; None: known at its first frame)."""
+    name = getattr(judge, "name", "")
+    if name == "llamacpp":
+        return False  # text-only: a frame is read as its one-line description
+    if name not in ("openai", "gemini"):
+        return None
+    vision = getattr(judge, "vision", None)
+    if vision is False or getattr(judge, "api", "chat") == "completions":
+        return False
+    return True if vision is True else None  # None: the server says at the first frame (judge_refuses_images)
+
+
 class JudgeError(Exception):
     """A judge call that failed; `reason` is a short machine-readable cause.
 

@@ -23,7 +23,7 @@ from ..prompts import Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
 from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 
-_INSTALL_HINT = "install the optional extra: pip install 'agent-monitor[local]'"
+_INSTALL_HINT = "install the optional extra: pip install -e '.[local]' (in the agent-monitor checkout)"
 
 # Stand-ins rendered through the chat template in place of the real texts, so the
 # template's own markup (tokenised with special tokens) and the untrusted content

@@ -400,6 +400,10 @@ class OpenAIJudge(BaseJudge):
                 texts = self._read(lambda: [str((c.get("message") or {}).get("content") or "") for c in choices])
             return [drawn_letter(t) for t in texts], self._read(lambda: _usage_of(data))
         read = _completion_sample if self.api == "completions" else _chat_sample
+        if choices and all(isinstance(c, Mapping) and _without_logprobs(c) for c in choices):
+            # An answer with text and no logprobs is no score, and no passing failure: the server is set up
+            # so (vLLM's --max-logprobs 0, llama.cpp's server without n_probs). A failed call, with the fix.
+            raise JudgeError("no_logprobs", no_logprobs_fix(self.base_url))
         return self._read(lambda: [read(c) for c in choices]), self._read(lambda: _usage_of(data))
 
     def _body(
@@ -563,6 +567,27 @@ def _not_openai(reply: WireReply, where: str, what: str) -> JudgeError:
         f"{reply.url} answered HTTP {reply.status} {kind} {start!r} ({what}): {where} does not "
         "look like an OpenAI-compatible server; check base_url (it usually ends in /v1)",
     )
+
+
+def no_logprobs_fix(url: str) -> str:
+    """What to do about a judge server that answers without logprobs: the message of `no_logprobs`."""
+    return (
+        f"{url} answered without logprobs, so its answers cannot be scored; let it return them (vLLM: "
+        "--max-logprobs 20; llama.cpp's server: it returns them when asked for n_probs / top_logprobs, so check "
+        "the server and any proxy in between), or pass --judge-sampled to score sampled letters instead "
+        "(slower, coarser: several answers a step)"
+    )
+
+
+def _without_logprobs(choice: Mapping[str, Any]) -> bool:
+    """Whether a choice carries generated text but no logprobs for it (the server did not return them)."""
+    lp = choice.get("logprobs")
+    text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
+    if not text:
+        return False  # nothing generated: `no_answer`, as before
+    if not isinstance(lp, Mapping):
+        return True
+    return not (lp.get("content") or lp.get("tokens"))
 
 
 def _chat_sample(choice: Mapping[str, Any]) -> Sample:

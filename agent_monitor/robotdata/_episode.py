@@ -17,7 +17,7 @@ from ..recorded import RecordedRun, RecordedStep
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
-INSTALL_HINT = "install the robot extra: pip install 'agent-monitor[robot]'"
+INSTALL_HINT = "install the robot extra: pip install -e '.[robot]' (in the agent-monitor checkout)"
 DEFAULT_MAX_STEPS = 10_000
 """Steps read from one episode at most, unless told otherwise (at 10 Hz, 16 minutes)."""
 MAX_VALUES = 32
