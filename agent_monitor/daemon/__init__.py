@@ -15,6 +15,7 @@ from ._config import (
     MetricsSettings,
     MonitorConfig,
     OtlpReceiverSettings,
+    PhoenixSettings,
     Protocol,
     ProxySettings,
     RewardApiSettings,
@@ -25,6 +26,7 @@ from ._http import HttpRequest, HttpResponse, HttpServer, Route
 from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
+from ._phoenix import PhoenixSink, PhoenixStatistics
 from ._reward_api import RewardSource
 from ._source import Inbound, Ingest, RunsView, Source
 from ._state import (
@@ -80,6 +82,9 @@ __all__ = [
     "MonitorEvent",
     "OtlpReceiver",
     "OtlpReceiverSettings",
+    "PhoenixSettings",
+    "PhoenixSink",
+    "PhoenixStatistics",
     "Protocol",
     "ProxySettings",
     "ProxySource",

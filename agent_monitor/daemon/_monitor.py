@@ -48,6 +48,7 @@ from ._metrics import (
 )
 from ._mode import Mode, Standalone, mode_of
 from ._mqtt import Message, MqttLink, MqttSink, Outbox
+from ._phoenix import PhoenixSink
 from ._restore import Restore
 from ._scoring import Scoring
 from ._source import Ingest, Source
@@ -82,7 +83,7 @@ class Monitor:
     ```
     Entering rebuilds the live runs from the store, connects to the broker (`BrokerUnavailable` with a
     one-line reason) and starts the named tasks `mqtt`, `source-{name}` per source, `scorer-1..N`, `sweeper`
-    (`retention` for a SQLite store, `http` with `http=`); leaving cancels and awaits them all. Without a broker nothing is
+    (`retention` for a SQLite store, `http` with `http=`, `phoenix` with `config.phoenix.url`); leaving cancels and awaits them all. Without a broker nothing is
     received: feed events with `handle()`. Without a store nothing is journaled; `SqliteStore` survives
     restarts, `MemoryStore` keeps the journal in this process. `sinks` get every `MonitorEvent` after the
     monitor's own (MQTT, store, metrics, log). With `config.cluster.url` the monitor is one replica of a
@@ -169,6 +170,10 @@ class Monitor:
         self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
         self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of) if c.otlp_endpoint else None
         """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
+        # A trace-fed run's scores name the span they judged: the OTLP receiver knows which (the first that does).
+        spans = next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
+        self.phoenix = PhoenixSink(c.phoenix, registry=self.registry, spans=spans) if c.phoenix.url else None
+        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
         self.http = http
         """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
         if http is not None:
@@ -178,7 +183,8 @@ class Monitor:
         mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
                         on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
         kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
-        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *((self.otel,) if self.otel else ()))
+        extra = tuple(sink for sink in (self.otel, self.phoenix) if sink is not None)
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *extra)
         self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
@@ -217,6 +223,9 @@ class Monitor:
                 # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
                 self.otel.open()
                 stack.push_async_callback(asyncio.to_thread, self.otel.close, _OTLP_CLOSE_S)
+            if self.phoenix is not None:
+                # Called once the TaskGroup (below) ended: the scorers stopped, what is still queued gets one try.
+                stack.push_async_callback(self.phoenix.close, _OTLP_CLOSE_S)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             receive = self.mode.receiver(self._intake.handle_batch)  # (no hop through handle_batch)
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
@@ -227,6 +236,7 @@ class Monitor:
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
             loops += [("finisher", self._scoring.finisher()), ("sweeper", self._sweeper())]
             loops += [("http", self.http.serve())] if self.http is not None else []
+            loops += [("phoenix", self.phoenix.run())] if self.phoenix is not None else []
             self._tasks = [tg.create_task(loop, name=name) for name, loop in loops]
             self._groups.tasks = tg
         except BaseException:
@@ -290,7 +300,8 @@ class Monitor:
         caller = self._groups.caller
         parts = {"scoring": {**self._scoring.statistics(), "closing": self._scoring.closing()},
                  **({"uniform": caller.statistics()} if caller is not None else {}),
-                 **({"http": self.http.statistics()} if self.http is not None else {})}  # fmt: skip
+                 **({"http": self.http.statistics()} if self.http is not None else {}),
+                 **({"phoenix": dataclasses.asdict(self.phoenix.statistics())} if self.phoenix else {})}  # fmt: skip
         return {**self.status(), **parts}
 
     def health(self) -> tuple[bool, dict[str, Any]]:
