@@ -1,0 +1,221 @@
+"""The Phoenix sink against a real Arize Phoenix server (its own virtualenv, tests/phoenix_server.py).
+
+An agent instrumented with the real OpenTelemetry SDK exports its trace twice, as the recipe in
+docs/phoenix.md deploys it: to Phoenix and to the monitor's OTLP receiver. The monitor scores each
+step and annotates the step's own span in Phoenix; what Phoenix's REST API lists is checked against
+the monitor's own scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from prometheus_client import CollectorRegistry
+
+from agent_monitor.daemon import (
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    MonitorEvent,
+    OtlpReceiver,
+    OtlpReceiverSettings,
+    PhoenixSettings,
+    RunClosed,
+    Scored,
+)
+from agent_monitor.policy import Policy
+from agent_monitor.testing import FakeJudge
+from tests.phoenix_server import Phoenix, phoenix_server
+
+pytestmark = pytest.mark.timeout(300)
+
+TASK = "Book the cheapest flight from Paris to Rome next Friday."
+TOOLS = [
+    ("search_flights", '{"from": "CDG", "to": "FCO"}', '[{"id": "AZ331", "eur": 89}, {"id": "AF1404", "eur": 121}]'),
+    ("hold_seat", '{"flight": "AZ331"}', '{"held": true, "until": "18:00"}'),
+    ("pay", '{"flight": "AZ331", "eur": 89}', '{"paid": true, "ticket": "057-2211"}'),
+]
+
+
+@pytest.fixture(scope="module")
+def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Phoenix]:
+    with phoenix_server(tmp_path_factory.mktemp("phoenix")) as server:
+        yield server
+
+
+@contextmanager
+def agent_sdk(*urls: str) -> Iterator[trace.Tracer]:
+    """The real SDK exporting each span as it ends to every URL (OTLP/HTTP protobuf): Phoenix and the monitor."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "travel-agent"}))
+    for url in urls:
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=10)))
+    try:
+        yield provider.get_tracer("travel-agent")
+    finally:
+        provider.shutdown()
+
+
+class Agent:
+    """A GenAI-conventions agent: invoke_agent, a chat turn that plans, then one execute_tool child per tool call."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self.tracer = tracer
+        user = [{"role": "user", "parts": [{"type": "text", "content": TASK}]}]
+        self.root = tracer.start_span(
+            "invoke_agent travel",
+            attributes={"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": json.dumps(user)},
+        )
+        self.spans: list[str] = []
+
+    def plan(self) -> None:
+        context = trace.set_span_in_context(self.root)
+        user = [{"role": "user", "parts": [{"type": "text", "content": TASK}]}]
+        calls = [{"role": "assistant", "parts": [{"type": "tool_call", "name": n, "arguments": a} for n, a, _ in TOOLS]}]
+        attributes = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.input.messages": json.dumps(user),
+            "gen_ai.output.messages": json.dumps(calls),
+        }
+        with self.tracer.start_as_current_span("chat gpt-x", context=context, attributes=attributes) as s:
+            self.spans.append(f"{s.get_span_context().span_id:016x}")
+
+    def tool(self, name: str, arguments: str, result: str) -> None:
+        context = trace.set_span_in_context(self.root)
+        attributes = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": name,
+            "gen_ai.tool.call.arguments": arguments,
+            "gen_ai.tool.call.result": result,
+        }
+        with self.tracer.start_as_current_span(f"execute_tool {name}", context=context, attributes=attributes) as s:
+            self.spans.append(f"{s.get_span_context().span_id:016x}")
+
+    def end(self) -> None:
+        self.root.set_attribute("agent_monitor.outcome", "success")
+        self.root.end()
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self.root.get_span_context().trace_id:032x}"
+
+
+@asynccontextmanager
+async def monitoring(
+    phoenix_url: str, judge: FakeJudge, registry: CollectorRegistry, **phoenix: Any
+) -> AsyncIterator[tuple[Monitor, OtlpReceiver, list[MonitorEvent]]]:
+    receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0"), registry=registry)
+    config = MonitorConfig(policy=Policy(), phoenix=PhoenixSettings(url=phoenix_url, **phoenix))
+    events: list[MonitorEvent] = []
+    async with Monitor(
+        config, judge=judge, store=MemoryStore(), registry=registry, sources=[receiver], sinks=[events.append]
+    ) as monitor:
+        await asyncio.wait_for(receiver.ready.wait(), 10)
+        yield monitor, receiver, events
+
+
+async def until(check: Any, wait_s: float = 60.0, every_s: float = 0.1) -> Any:
+    """Poll `check()` (run in a thread: it may do HTTP) until it returns something truthy; return that."""
+    async with asyncio.timeout(wait_s):
+        while not (got := await asyncio.to_thread(check)):
+            await asyncio.sleep(every_s)
+    return got
+
+
+def span_annotations(phoenix: Phoenix, span_ids: list[str]) -> list[dict[str, Any]]:
+    query = urllib.parse.urlencode([("span_ids", s) for s in span_ids])
+    try:
+        return list(phoenix.get(f"/v1/projects/default/span_annotations?{query}")["data"])
+    except OSError:  # 404 until Phoenix has the spans
+        return []
+
+
+def trace_annotations(phoenix: Phoenix, trace_id: str) -> list[dict[str, Any]]:
+    try:
+        return list(phoenix.get(f"/v1/projects/default/trace_annotations?trace_ids={trace_id}")["data"])
+    except OSError:
+        return []
+
+
+def scores(events: list[MonitorEvent], run_id: str) -> dict[int, float | None]:
+    return {e.progress.step: e.progress.score for e in events if isinstance(e, Scored) and e.run_id == run_id}
+
+
+LETTERS = {1: "K", 2: "F", 3: "M", 4: "T"}
+
+
+def by_step(prompt: Any) -> str:
+    return LETTERS.get(prompt.step, "K")
+
+
+async def test_each_scored_step_is_a_progress_annotation_on_its_span_and_the_run_a_trace_annotation(
+    phoenix: Phoenix,
+) -> None:
+    registry = CollectorRegistry()
+    async with monitoring(phoenix.url, FakeJudge(by_step), registry) as (monitor, receiver, events):
+        with agent_sdk(phoenix.traces_url, receiver.url) as tracer:
+            agent = await asyncio.to_thread(Agent, tracer)
+            run_id = agent.trace_id
+            await asyncio.to_thread(agent.plan)
+            for n, call in enumerate(TOOLS, 2):
+                await asyncio.to_thread(agent.tool, *call)
+                await until(lambda n=n: len(scores(events, run_id)) >= n)  # scored step by step, live
+            await asyncio.to_thread(agent.end)
+            await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
+        got = await until(lambda: len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, run_id))
+        stats = monitor.phoenix.statistics() if monitor.phoenix else None
+    monitor_scores = scores(events, run_id)
+    assert sorted(monitor_scores) == [1, 2, 3, 4] and all(s is not None for s in monitor_scores.values())
+    annotations = {a["span_id"]: a for a in span_annotations(phoenix, agent.spans)}
+    for step, span_id in enumerate(agent.spans, 1):
+        a = annotations[span_id]  # the step's own span: the tool call whose end made the step
+        assert a["name"] == "progress" and a["annotator_kind"] == "LLM"
+        assert a["result"]["score"] == pytest.approx(monitor_scores[step])
+        assert a["result"]["label"] == LETTERS[step]  # the most likely letter
+        assert "judge fake" in a["result"]["explanation"]
+        assert a["metadata"]["step"] == step and a["metadata"]["run_id"] == run_id and a["metadata"]["rubric"]
+        assert a["identifier"] == f"agent-monitor:{run_id}:{step}"
+    (final,) = got
+    closed = next(e for e in events if isinstance(e, RunClosed) and e.run_id == run_id)
+    assert closed.latest is not None
+    assert final["name"] == "progress" and final["result"]["score"] == pytest.approx(closed.latest.score)
+    assert final["result"]["label"] == "done" and "run success after 4 steps" in final["result"]["explanation"]
+    assert final["metadata"]["outcome"] == "success" and final["metadata"]["steps"] == 4
+    assert stats is not None and stats.sent == 5 and stats.failed == stats.dropped == stats.skipped == 0
+    assert registry.get_sample_value("agent_monitor_phoenix_annotations_sent_total", {"kind": "span"}) == 4
+    assert registry.get_sample_value("agent_monitor_phoenix_request_seconds_count")
+
+
+async def test_with_phoenix_stopped_mid_run_scoring_goes_on_and_the_failures_are_counted(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    with phoenix_server(tmp_path / "phoenix") as phoenix:
+        async with monitoring(phoenix.url, FakeJudge(by_step), registry, retries=1) as (monitor, receiver, events):
+            assert monitor.phoenix is not None
+            with agent_sdk(receiver.url) as tracer:
+                agent = await asyncio.to_thread(Agent, tracer)
+                run_id = agent.trace_id
+                await asyncio.to_thread(agent.plan)
+                await until(lambda: monitor.phoenix.statistics().sent == 1)  # type: ignore[union-attr]
+                await asyncio.to_thread(phoenix.stop)
+                for call in TOOLS:
+                    await asyncio.to_thread(agent.tool, *call)
+                await asyncio.to_thread(agent.end)
+                await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
+                # Every step scored while Phoenix was gone; its annotations failed, were retried once, then dropped.
+                assert sorted(scores(events, run_id)) == [1, 2, 3, 4]
+                assert all(s is not None for s in scores(events, run_id).values())
+                stats = await until(lambda: (s := monitor.phoenix.statistics()).dropped >= 4 and s)  # type: ignore[union-attr]
+    assert stats.sent == 1 and stats.failed == 2 * stats.dropped and stats.queued == 0
+    assert registry.get_sample_value("agent_monitor_phoenix_annotations_dropped_total", {"reason": "gave_up"}) == 4
+    assert registry.get_sample_value("agent_monitor_phoenix_annotations_failed_total") == stats.failed
