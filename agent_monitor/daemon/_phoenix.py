@@ -53,7 +53,7 @@ class PhoenixStatistics:
     """What the Phoenix sink did since it was made."""
 
     queued: int
-    """Annotations waiting to be sent now."""
+    """Annotations waiting to be sent now, the batch being sent included."""
     sent: int
     """Annotations Phoenix accepted."""
     failed: int
@@ -101,6 +101,7 @@ class PhoenixSink:
         self.clock = clock
         self.sleep = sleep
         self._queue: deque[_Item] = deque()
+        self._inflight = 0
         self._wake = asyncio.Event()
         self._traces: OrderedDict[str, str] = OrderedDict()
         self._failing = False
@@ -136,7 +137,7 @@ class PhoenixSink:
         )
         Gauge(
             "agent_monitor_phoenix_queue_depth", "Annotations waiting to be sent to Phoenix.", registry=registry
-        ).set_function(lambda: len(self._queue))
+        ).set_function(lambda: len(self._queue) + self._inflight)
         for kind in _PATHS:
             self.sent.labels(kind)
         for reason in DROP_REASONS:
@@ -246,7 +247,16 @@ class PhoenixSink:
             await self._wake.wait()
             await asyncio.sleep(_LINGER_S)  # let a burst of scores share one request
             while self._queue:
-                await self._send(self._take(), self.settings.retries)
+                batch = self._take()
+                self._inflight = len(batch)
+                try:
+                    await self._send(batch, self.settings.retries)
+                except asyncio.CancelledError:
+                    # The monitor is stopping: `close` sends the batch once more (Phoenix upserts what arrived).
+                    self._queue.extendleft(reversed(batch))
+                    raise
+                finally:
+                    self._inflight = 0
             self._wake.clear()
 
     def _take(self) -> list[_Item]:
@@ -333,7 +343,7 @@ class PhoenixSink:
 
     def statistics(self) -> PhoenixStatistics:
         """Queued, sent, failed, dropped and skipped annotations, and requests answered."""
-        return PhoenixStatistics(queued=len(self._queue), **self._stats)
+        return PhoenixStatistics(queued=len(self._queue) + self._inflight, **self._stats)
 
 
 def _num(x: float | None) -> str:
