@@ -18,7 +18,8 @@ The three run `--repeats` times, interleaved; each figure is the median of its r
 Figures per configuration: `spans_per_s` (spans / first span exported -> every run closed),
 `scorings_per_s` (scorings in that time), `cpu_us_per_span` (the monitor process's CPU per span: the
 sink's cost shows here first, bounded by the one core), `drain_ms` (the last span exported -> the last
-run closed: a sink in the scoring path would show here), and for the sink: annotations sent, failed,
+run closed: a sink in the scoring path would show here), `export_s` (the exporter's own time: Phoenix taking CPU on its core
+slows the agent, not the monitor), and for the sink: annotations sent, failed,
 dropped and the mean Phoenix request time.
 
     .venv/bin/python bench/phoenix.py [--traces 400] [--steps 10] [--rate 1000] [--repeats 3]
@@ -128,9 +129,8 @@ def phoenix_server(workdir: Path) -> Iterator[str]:
     try:
         deadline = time.monotonic() + 180
         while True:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{url}/healthz", timeout=2):
-                    break
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/healthz", timeout=2):
+                break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"phoenix serve did not start: {(workdir / 'phoenix.log').read_text()[-1500:]}")
             time.sleep(0.5)
@@ -178,8 +178,14 @@ async def one(name: str, phoenix_url: str | None, tmp: Path, args: argparse.Name
     """Score every trace with the sink configured so; the figures of that configuration, prefixed by `name`."""
     from prometheus_client import CollectorRegistry
 
-    from agent_monitor.daemon import Monitor, MonitorConfig, OtlpReceiver, OtlpReceiverSettings, PhoenixSettings
-    from agent_monitor.daemon import SqliteStore
+    from agent_monitor.daemon import (
+        Monitor,
+        MonitorConfig,
+        OtlpReceiver,
+        OtlpReceiverSettings,
+        PhoenixSettings,
+        SqliteStore,
+    )
     from agent_monitor.testing import FakeJudge
 
     registry = CollectorRegistry()
@@ -191,16 +197,13 @@ async def one(name: str, phoenix_url: str | None, tmp: Path, args: argparse.Name
     state.mkdir(parents=True)
     sink = Closed()
     ctx = mp.get_context("spawn")
-    monitor = Monitor(
-        config, judge=FakeJudge(record=False), store=SqliteStore(state / "runs.db"), registry=registry,
-        sinks=[sink], sources=[receiver],
-    )  # fmt: skip
+    store = SqliteStore(state / "runs.db")
+    judge = FakeJudge(record=False)
+    monitor = Monitor(config, judge=judge, store=store, registry=registry, sinks=[sink], sources=[receiver])
     async with monitor:
         await receiver.ready.wait()
         here, there = ctx.Pipe()
-        proc = ctx.Process(
-            target=exporter, args=(receiver.url, there, args.traces, args.steps, args.rate), daemon=True
-        )
+        proc = ctx.Process(target=exporter, args=(receiver.url, there, args.traces, args.steps, args.rate), daemon=True)
         proc.start()
         await asyncio.sleep(2.0)  # the exporter's imports
         cpu0, scorings0 = cpu_seconds(os.getpid()), monitor.scorings
@@ -220,6 +223,7 @@ async def one(name: str, phoenix_url: str | None, tmp: Path, args: argparse.Name
         "scorings_per_s": scorings / (sink.last - t0),
         "cpu_us_per_span": cpu / spans * 1e6,
         "drain_ms": max(0.0, sink.last - t1) * 1000,
+        "export_s": t1 - t0,
     }
     if monitor.phoenix is not None:
         s = monitor.phoenix.statistics()
@@ -233,17 +237,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     pin(0)
     out: dict[str, Any] = {"traces": args.traces, "steps": args.steps, "rate": args.rate, "repeats": args.repeats}
     rounds: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-phoenix-") as tmp:
-        with phoenix_server(Path(tmp)) as url:
-            out["load_before"] = load1()
-            # Interleaved (off, on, down, off, ...): a load change from the other processes on the machine
-            # spreads over every configuration instead of landing on one.
-            for r in range(args.repeats):
-                figures: dict[str, float] = {}
-                for name, target in (("off", None), ("on", url), ("down", f"http://127.0.0.1:{free_port()}")):
-                    figures |= await one(name, target, Path(tmp) / str(r), args)
-                rounds.append(figures)
-            out["load_after"] = load1()
+    with tempfile.TemporaryDirectory(prefix="bench-phoenix-") as tmp, phoenix_server(Path(tmp)) as url:
+        out["load_before"] = load1()
+        # Interleaved (off, on, down, off, ...): a load change from the other processes on the machine
+        # spreads over every configuration instead of landing on one.
+        for r in range(args.repeats):
+            figures: dict[str, float] = {}
+            for name, target in (("off", None), ("on", url), ("down", f"http://127.0.0.1:{free_port()}")):
+                figures |= await one(name, target, Path(tmp) / str(r), args)
+            rounds.append(figures)
+        out["load_after"] = load1()
     for key in rounds[0]:
         out[key] = statistics.median(f[key] for f in rounds)
     return out
@@ -268,7 +271,7 @@ def main() -> int:
         line = (
             f"  {name:>4}: {out[f'{name}_spans_per_s']:.0f} spans/s, {out[f'{name}_scorings_per_s']:.0f} scorings/s, "
             f"{out[f'{name}_cpu_us_per_span']:.0f} us CPU per span, last span -> last run closed "
-            f"{out[f'{name}_drain_ms']:.0f} ms"
+            f"{out[f'{name}_drain_ms']:.0f} ms (the agent exported in {out[f'{name}_export_s']:.1f} s)"
         )
         if f"{name}_sent" in out:
             line += (

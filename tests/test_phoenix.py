@@ -82,7 +82,9 @@ class Agent:
     def plan(self) -> None:
         context = trace.set_span_in_context(self.root)
         user = [{"role": "user", "parts": [{"type": "text", "content": TASK}]}]
-        calls = [{"role": "assistant", "parts": [{"type": "tool_call", "name": n, "arguments": a} for n, a, _ in TOOLS]}]
+        calls = [
+            {"role": "assistant", "parts": [{"type": "tool_call", "name": n, "arguments": a} for n, a, _ in TOOLS]}
+        ]
         attributes = {
             "gen_ai.operation.name": "chat",
             "gen_ai.input.messages": json.dumps(user),
@@ -128,22 +130,22 @@ async def monitoring(
 async def until(check: Any, wait_s: float = 60.0, every_s: float = 0.1) -> Any:
     """Poll `check()` (run in a thread: it may do HTTP) until it returns something truthy; return that."""
     async with asyncio.timeout(wait_s):
-        while not (got := await asyncio.to_thread(check)):
+        while not (got := await asyncio.to_thread(check)):  # noqa: ASYNC110 - polls another process (Phoenix)
             await asyncio.sleep(every_s)
     return got
 
 
-def span_annotations(phoenix: Phoenix, span_ids: list[str]) -> list[dict[str, Any]]:
+def span_annotations(phoenix: Phoenix, span_ids: list[str], project: str = "default") -> list[dict[str, Any]]:
     query = urllib.parse.urlencode([("span_ids", s) for s in span_ids])
     try:
-        return list(phoenix.get(f"/v1/projects/default/span_annotations?{query}")["data"])
+        return list(phoenix.get(f"/v1/projects/{project}/span_annotations?{query}")["data"])
     except OSError:  # 404 until Phoenix has the spans
         return []
 
 
-def trace_annotations(phoenix: Phoenix, trace_id: str) -> list[dict[str, Any]]:
+def trace_annotations(phoenix: Phoenix, trace_id: str, project: str = "default") -> list[dict[str, Any]]:
     try:
-        return list(phoenix.get(f"/v1/projects/default/trace_annotations?trace_ids={trace_id}")["data"])
+        return list(phoenix.get(f"/v1/projects/{project}/trace_annotations?trace_ids={trace_id}")["data"])
     except OSError:
         return []
 
@@ -173,7 +175,9 @@ async def test_each_scored_step_is_a_progress_annotation_on_its_span_and_the_run
                 await until(lambda n=n: len(scores(events, run_id)) >= n)  # scored step by step, live
             await asyncio.to_thread(agent.end)
             await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
-        got = await until(lambda: len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, run_id))
+        got = await until(
+            lambda: len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, run_id)
+        )
         stats = monitor.phoenix.statistics() if monitor.phoenix else None
     monitor_scores = scores(events, run_id)
     assert sorted(monitor_scores) == [1, 2, 3, 4] and all(s is not None for s in monitor_scores.values())
@@ -192,7 +196,7 @@ async def test_each_scored_step_is_a_progress_annotation_on_its_span_and_the_run
     assert final["name"] == "progress" and final["result"]["score"] == pytest.approx(closed.latest.score)
     assert final["result"]["label"] == "done" and "run success after 4 steps" in final["result"]["explanation"]
     assert final["metadata"]["outcome"] == "success" and final["metadata"]["steps"] == 4
-    assert stats is not None and stats.sent == 5 and stats.failed == stats.dropped == stats.skipped == 0
+    assert stats is not None and stats.sent == 5 and stats.failed == stats.dropped == stats.exported == 0
     assert registry.get_sample_value("agent_monitor_phoenix_annotations_sent_total", {"kind": "span"}) == 4
     assert registry.get_sample_value("agent_monitor_phoenix_request_seconds_count")
 
@@ -219,3 +223,70 @@ async def test_with_phoenix_stopped_mid_run_scoring_goes_on_and_the_failures_are
     assert stats.sent == 1 and stats.failed == 2 * stats.dropped and stats.queued == 0
     assert registry.get_sample_value("agent_monitor_phoenix_annotations_dropped_total", {"reason": "gave_up"}) == 4
     assert registry.get_sample_value("agent_monitor_phoenix_annotations_failed_total") == stats.failed
+
+
+async def test_a_run_from_another_door_gets_spans_of_its_own_in_the_project_and_annotations_on_them(
+    phoenix: Phoenix,
+) -> None:
+    registry = CollectorRegistry()
+    config = MonitorConfig(policy=Policy(), phoenix=PhoenixSettings(url=phoenix.url, project="agent-monitor-runs"))
+    events: list[MonitorEvent] = []
+    run_id = "mqtt-run-7"
+    async with Monitor(
+        config, judge=FakeJudge(by_step), store=MemoryStore(), registry=registry, sinks=[events.append]
+    ) as monitor:
+        # The MQTT door's wire form, handed in directly (no broker needed to be a run without spans).
+        await monitor.handle(f"agents/{run_id}/start", json.dumps({"task": TASK}).encode())
+        for i, (name, arguments, result) in enumerate(TOOLS, 1):
+            step = {"index": i, "text": f"Tool call: {name}({arguments})\nResult: {result}"}
+            await monitor.handle(f"agents/{run_id}/step", json.dumps(step).encode())
+            await until(lambda i=i: len(scores(events, run_id)) >= i)
+        await monitor.handle(f"agents/{run_id}/end", b'{"outcome": "failure"}')
+        await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
+        await until(lambda: monitor.phoenix is not None and monitor.phoenix.statistics().queued == 0)
+        stats = monitor.phoenix.statistics() if monitor.phoenix else None
+    assert stats is not None and stats.exported == 4 and stats.dropped == 0  # a root and three step spans
+    spans = await until(lambda: len(own_spans(phoenix, run_id)) == 4 and own_spans(phoenix, run_id))
+    by_name = {s["name"]: s for s in spans}
+    root = by_name[f"agent-monitor run {run_id}"]
+    trace_id = root["context"]["trace_id"]
+    step_ids = [by_name[f"agent-monitor step {i}"]["context"]["span_id"] for i in (1, 2, 3)]
+    assert all(by_name[f"agent-monitor step {i}"]["parent_id"] == root["context"]["span_id"] for i in (1, 2, 3))
+    got = await until(
+        lambda: (
+            len(span_annotations(phoenix, step_ids, "agent-monitor-runs")) == 3
+            and trace_annotations(phoenix, trace_id, "agent-monitor-runs")
+        )
+    )
+    monitor_scores = scores(events, run_id)
+    for a in span_annotations(phoenix, step_ids, "agent-monitor-runs"):
+        step = a["metadata"]["step"]
+        assert a["span_id"] == step_ids[step - 1] and a["result"]["score"] == pytest.approx(monitor_scores[step])
+    (final,) = got
+    assert final["metadata"]["outcome"] == "failure" and final["result"]["score"] == pytest.approx(monitor_scores[3])
+
+
+def own_spans(phoenix: Phoenix, run_id: str) -> list[dict[str, Any]]:
+    try:
+        spans = phoenix.get("/v1/projects/agent-monitor-runs/spans?limit=100")["data"]
+    except OSError:
+        return []
+    return [s for s in spans if s["attributes"].get("agent_monitor.run_id") == run_id]
+
+
+def test_a_full_queue_drops_and_counts_instead_of_waiting() -> None:
+    from agent_monitor.daemon import PhoenixSink
+    from agent_monitor.progress import Progress
+
+    registry = CollectorRegistry()
+    sink = PhoenixSink(
+        PhoenixSettings(url="http://127.0.0.1:9", max_queue=2),
+        registry=registry,
+        spans=lambda r, s: ("a" * 32, "b" * 16),
+    )
+    for step in range(1, 6):
+        progress = Progress(step=step, score=0.5, uncertainty=0.1, criteria={}, ok=True)
+        sink(Scored("run-1", progress, progress.to_json(), arrived=(), at=0.0))  # no sender running: nothing drains
+    stats = sink.statistics()
+    assert stats.queued == 2 and stats.dropped == 3
+    assert registry.get_sample_value("agent_monitor_phoenix_annotations_dropped_total", {"reason": "queue_full"}) == 3

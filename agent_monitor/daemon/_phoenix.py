@@ -9,12 +9,19 @@ and drops (counted) what Phoenix does not take in time. Each annotation's `ident
 run and step, so Phoenix upserts: sent again after a restart or a retry, it replaces itself.
 Phoenix accepts annotations for spans it has not ingested yet and applies them once the span arrives,
 so the agent's exporter and the monitor need not agree on who reaches Phoenix first.
+
+A run that came by another door (MQTT, the proxy, the reward API) has no span of its own: the sink
+exports one for it over OTLP (`POST /v1/traces`, protobuf, in the project `--phoenix-project`), a
+trace per run with a root span and a span per scored step, their ids derived from the run id and step
+(a restart exports the same ids again), and annotates those.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,12 +36,13 @@ from ..progress import Progress
 from ._config import PhoenixSettings
 from ._state import MonitorEvent, RunClosed, Scored
 
-__all__ = ["DROP_REASONS", "SKIP_REASONS", "PhoenixSink", "PhoenixStatistics"]
+__all__ = ["DROP_REASONS", "KINDS", "PhoenixSink", "PhoenixStatistics"]
 
 log = structlog.get_logger("agent_monitor.daemon.phoenix")
 
 DROP_REASONS = ("queue_full", "gave_up", "refused", "shutdown")
-SKIP_REASONS = ("no_span",)
+KINDS = ("span", "trace", "run_span")
+"""What the sink sends: span annotations, trace annotations, and the spans it exports for runs without a trace."""
 _BACKOFF_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _LINGER_S = 0.2
@@ -44,8 +52,14 @@ _TRACE_MEMORY = 100_000
 _MAX_TEXT = 4_000
 """Characters of an explanation at most (a judge's error can be long)."""
 
-Kind = Literal["span", "trace"]
-_PATHS: Mapping[Kind, str] = {"span": "/v1/span_annotations", "trace": "/v1/trace_annotations"}
+Kind = Literal["span", "trace", "run_span"]
+_PATHS: Mapping[Kind, str] = {
+    "run_span": "/v1/traces",  # first: a batch's spans go before the annotations on them
+    "span": "/v1/span_annotations",
+    "trace": "/v1/trace_annotations",
+}
+_JSON = "application/json"
+_PROTOBUF = "application/x-protobuf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +69,13 @@ class PhoenixStatistics:
     queued: int
     """Annotations waiting to be sent now, the batch being sent included."""
     sent: int
-    """Annotations Phoenix accepted."""
+    """Annotations (and spans exported for runs without a trace) Phoenix accepted."""
     failed: int
-    """Annotations in requests that failed (each attempt counts; a retried one may be sent later)."""
+    """Of those, sent in requests that failed (each attempt counts; a retried one may be sent later)."""
     dropped: int
-    """Annotations never delivered: the queue was full, Phoenix refused them, or retries ran out."""
-    skipped: int
-    """Scores with no span to annotate (a run that did not come in as a trace)."""
+    """Never delivered: the queue was full, Phoenix refused them, or retries ran out."""
+    exported: int
+    """Spans agent-monitor exported for runs that came by other doors (MQTT, proxy, reward API)."""
     requests: int
     """Requests that reached Phoenix and were answered 2xx."""
 
@@ -71,15 +85,30 @@ class _Item:
     kind: Kind
     key: tuple[str, str]
     """(span or trace id, identifier): what Phoenix upserts on; a later item with the same key replaces it."""
-    data: dict[str, Any]
+    data: Any
+    """An annotation's JSON, or (kind run_span) the `_RunSpan` to export."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RunSpan:
+    """A span agent-monitor exports for a run without one: the run's root, or one scored step."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    name: str
+    start: float
+    end: float
+    attributes: Mapping[str, str | int | float]
 
 
 class PhoenixSink:
     """Annotate runs in Arize Phoenix: a monitor sink (`__call__`) plus the task that sends (`run`).
 
     `spans(run_id, step)` names the (trace id, span id) a run's result judged (the OTLP receiver's
-    `span_of`); without it, or for a run it does not know, the score is counted as skipped. `registry`
-    takes the `agent_monitor_phoenix_*` metrics. `sleep` waits between retries (tests shorten it).
+    `span_of`); without it, or for a run it does not know, the sink exports a span of its own for the
+    step and annotates that. `registry` takes the `agent_monitor_phoenix_*` metrics. `sleep` waits
+    between retries (tests shorten it).
     """
 
     events = (Scored, RunClosed)
@@ -103,14 +132,18 @@ class PhoenixSink:
         self._queue: deque[_Item] = deque()
         self._inflight = 0
         self._wake = asyncio.Event()
-        self._traces: OrderedDict[str, str] = OrderedDict()
+        self._traces: OrderedDict[str, tuple[str, float, bool]] = OrderedDict()
+        """Per live run: its trace id, when its first score came, whether the trace is the sink's own."""
         self._failing = False
-        self._pool: WirePool | None = None
-        self._stats = {"sent": 0, "failed": 0, "dropped": 0, "skipped": 0, "requests": 0}
+        self._pools: dict[str, WirePool] = {}
+        self._stats = {"sent": 0, "failed": 0, "dropped": 0, "exported": 0, "requests": 0}
         self.sent = Counter(
-            "agent_monitor_phoenix_annotations_sent", "Annotations Phoenix accepted, by kind.", ["kind"],
+            "agent_monitor_phoenix_annotations_sent",
+            "Annotations Phoenix accepted, by kind: span, trace, and run_span (a span agent-monitor exported for a "
+            "run that came by another door than OTLP traces).",
+            ["kind"],
             registry=registry,
-        )  # fmt: skip
+        )
         self.failed = Counter(
             "agent_monitor_phoenix_annotations_failed",
             "Annotations in requests to Phoenix that failed (each attempt; a retry may still deliver them).",
@@ -123,12 +156,6 @@ class PhoenixSink:
             ["reason"],
             registry=registry,
         )
-        self.skipped = Counter(
-            "agent_monitor_phoenix_annotations_skipped",
-            "Scores not annotated, by reason: no_span (the run did not come in as a trace: no span to annotate).",
-            ["reason"],
-            registry=registry,
-        )
         self.latency = Histogram(
             "agent_monitor_phoenix_request_seconds",
             "Seconds one annotation request to Phoenix took, answered or not.",
@@ -138,12 +165,10 @@ class PhoenixSink:
         Gauge(
             "agent_monitor_phoenix_queue_depth", "Annotations waiting to be sent to Phoenix.", registry=registry
         ).set_function(lambda: len(self._queue) + self._inflight)
-        for kind in _PATHS:
+        for kind in KINDS:
             self.sent.labels(kind)
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
-        for reason in SKIP_REASONS:
-            self.skipped.labels(reason)
 
     # -- the sink: called on the event loop by the monitor, never blocks --
 
@@ -157,13 +182,12 @@ class PhoenixSink:
     def _scored(self, event: Scored) -> None:
         p = event.progress
         ref = self.spans(event.run_id, p.step) if self.spans is not None else None
-        if ref is None:
-            self.skipped.labels("no_span").inc()
-            self._stats["skipped"] += 1
-            return
-        trace_id, span_id = ref
-        self._remember(event.run_id, trace_id)
         label, explanation = _step_label(p)
+        if ref is None:
+            ref = self._own_span(event, label)
+        trace_id, span_id = ref
+        if event.run_id not in self._traces:
+            self._remember(event.run_id, (trace_id, min(event.arrived, default=event.at), False))
         data = {
             "span_id": span_id,
             "name": self.settings.annotation,
@@ -177,14 +201,46 @@ class PhoenixSink:
                 "judge": p.model or p.judge,
                 **({"error": p.reason} if not p.ok else {}),
             },
-            "identifier": f"agent-monitor:{event.run_id}:{p.step}",
+            "identifier": (identifier := f"agent-monitor:{event.run_id}:{p.step}"),
         }
-        self._put(_Item("span", (span_id, data["identifier"]), data))
+        self._put(_Item("span", (span_id, identifier), data))
+
+    def _own_span(self, event: Scored, label: str) -> tuple[str, str]:
+        """Export a span for a scored step of a run without spans of its own (its trace made on its first)."""
+        run_id, p = event.run_id, event.progress
+        trace_id, root_id = _ids(run_id, "run")
+        known = self._traces.get(run_id)
+        self._remember(run_id, (trace_id, known[1] if known else min(event.arrived, default=event.at), True))
+        span_id = _ids(run_id, str(p.step))[1]
+        attributes: dict[str, str | int | float] = {
+            "openinference.span.kind": "EVALUATOR",
+            "agent_monitor.run_id": run_id,
+            "agent_monitor.step": p.step,
+            "agent_monitor.label": label,
+        }
+        if p.score is not None:
+            attributes["agent_monitor.score"] = p.score
+        started = min(event.arrived, default=event.at)
+        span = _RunSpan(trace_id, span_id, root_id, f"agent-monitor step {p.step}", started, event.at, attributes)
+        self._put(_Item("run_span", (span_id, ""), span))
+        return trace_id, span_id
 
     def _closed(self, event: RunClosed) -> None:
-        trace_id = self._traces.pop(event.run_id, None)
-        if trace_id is None:
-            return  # no score named a span of this run (counted when skipped)
+        known = self._traces.pop(event.run_id, None)
+        if known is None:
+            return  # never scored: nothing of it in Phoenix
+        trace_id, started, own = known
+        if own:
+            # The root of the trace the sink made for this run, now that its end is known.
+            attributes: dict[str, str | int | float] = {
+                "openinference.span.kind": "AGENT",
+                "agent_monitor.run_id": event.run_id,
+                "agent_monitor.outcome": event.outcome,
+                "agent_monitor.steps": event.steps,
+            }
+            name = f"agent-monitor run {event.run_id}"
+            root = _RunSpan(trace_id, _ids(event.run_id, "run")[1], None, name, started, event.at, attributes)
+            self._put(_Item("run_span", (root.span_id, ""), root))
         final = event.final or {}
         last = event.latest if event.latest is not None and event.latest.ok else event.last_ok
         score = final.get("score", last.score if last is not None else None)
@@ -212,12 +268,12 @@ class PhoenixSink:
                 **({"verdict": verdict} if verdict else {}),
                 **({"rubric": last.rubric} if last is not None else {}),
             },
-            "identifier": f"agent-monitor:{event.run_id}",
+            "identifier": (identifier := f"agent-monitor:{event.run_id}"),
         }
-        self._put(_Item("trace", (trace_id, data["identifier"]), data))
+        self._put(_Item("trace", (trace_id, identifier), data))
 
-    def _remember(self, run_id: str, trace_id: str) -> None:
-        self._traces[run_id] = trace_id
+    def _remember(self, run_id: str, known: tuple[str, float, bool]) -> None:
+        self._traces[run_id] = known
         self._traces.move_to_end(run_id)
         while len(self._traces) > _TRACE_MEMORY:
             self._traces.popitem(last=False)
@@ -238,10 +294,9 @@ class PhoenixSink:
     async def run(self) -> None:
         """Send queued annotations in batches until cancelled (what is still queued then is `close`'s)."""
         s = self.settings
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if s.api_key is not None:
-            headers["Authorization"] = f"Bearer {s.api_key}"
-        self._pool = WirePool(self.url, headers=headers, max_connections=2)
+        auth = {"Authorization": f"Bearer {s.api_key}"} if s.api_key is not None else {}
+        for ctype in (_JSON, _PROTOBUF):
+            self._pools[ctype] = WirePool(self.url, headers={"Content-Type": ctype, **auth}, max_connections=2)
         log.info("phoenix_annotating", url=self.url, annotation=s.annotation)
         while True:
             await self._wake.wait()
@@ -273,16 +328,21 @@ class PhoenixSink:
             if latest:
                 await self._deliver(kind, list(latest.values()), retries)
 
-    async def _deliver(self, kind: Kind, data: list[dict[str, Any]], retries: int) -> None:
-        body = json.dumps({"data": data}, separators=(",", ":"), allow_nan=False).encode()
+    async def _deliver(self, kind: Kind, data: list[Any], retries: int) -> None:
+        if kind == "run_span":
+            ctype, body = _PROTOBUF, _export_request(self.settings.project, data)
+        else:
+            ctype, body = _JSON, json.dumps({"data": data}, separators=(",", ":"), allow_nan=False).encode()
         n = len(data)
         for attempt in range(retries + 1):
             if attempt:
                 await self.sleep(min(_BACKOFF_S * 2 ** (attempt - 1), _BACKOFF_MAX_S))
-            outcome, error = await self._post(_PATHS[kind], body)
+            outcome, error = await self._post(ctype, _PATHS[kind], body)
             if outcome == "ok":
                 self.sent.labels(kind).inc(n)
                 self._stats["sent"] += n
+                if kind == "run_span":
+                    self._stats["exported"] += n
                 self._stats["requests"] += 1
                 if self._failing:
                     self._failing = False
@@ -298,18 +358,17 @@ class PhoenixSink:
             if not self._failing:
                 self._failing = True
                 # Once per outage: the next line about Phoenix is the recovery.
-                log.warning(
-                    "phoenix_failing", url=self.url, annotations=n, error=error,
-                    hint="is Phoenix running there? scoring goes on; annotations are retried, then dropped and "
-                    "counted in agent_monitor_phoenix_annotations_dropped_total",
-                )  # fmt: skip
+                hint = (
+                    "is Phoenix running there? scoring goes on; annotations are retried, then dropped and counted "
+                    "in agent_monitor_phoenix_annotations_dropped_total"
+                )
+                log.warning("phoenix_failing", url=self.url, annotations=n, error=error, hint=hint)
         self._drop("gave_up", n)
 
-    async def _post(self, path: str, body: bytes) -> tuple[Literal["ok", "retry", "refused"], str | None]:
-        assert self._pool is not None
+    async def _post(self, ctype: str, path: str, body: bytes) -> tuple[Literal["ok", "retry", "refused"], str | None]:
         started = self.clock()
         try:
-            reply = await self._pool.request("POST", path, body, timeout_s=self.settings.timeout_s)
+            reply = await self._pools[ctype].request("POST", path, body, timeout_s=self.settings.timeout_s)
         except (WireTimeout, WireConnectionError) as e:
             return "retry", str(e)
         finally:
@@ -324,7 +383,7 @@ class PhoenixSink:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Send what is still queued for at most about `timeout_s` (one attempt per batch), then drop the rest."""
-        if self._pool is None:
+        if not self._pools:
             self._drop("shutdown", len(self._queue))
             self._queue.clear()
             return
@@ -339,10 +398,11 @@ class PhoenixSink:
                 log.warning("phoenix_annotations_unsent", url=self.url, annotations=len(self._queue))
                 self._drop("shutdown", len(self._queue))
                 self._queue.clear()
-            await self._pool.aclose()
+            for pool in self._pools.values():
+                await pool.aclose()
 
     def statistics(self) -> PhoenixStatistics:
-        """Queued, sent, failed, dropped and skipped annotations, and requests answered."""
+        """Queued, sent, failed, dropped and exported items, and requests answered."""
         return PhoenixStatistics(queued=len(self._queue) + self._inflight, **self._stats)
 
 
@@ -364,6 +424,7 @@ def _step_label(p: Progress) -> tuple[str, str]:
             parts.append(f"rule {name}: {c.detail}")  # a rule criterion fired: what it saw
     if d is not None and (d.changed or d.signal != "continue"):
         parts.append(f"decision {d.signal}: {d.reason}")
+    label: str
     if d is not None and d.changed and d.signal != "continue":
         label = d.signal
     elif not p.ok:
@@ -380,3 +441,67 @@ def _likely_letter(p: Progress) -> str | None:
         for letter, prob in c.letters.items():
             mass[letter] = mass.get(letter, 0.0) + c.weight * prob
     return max(mass, key=lambda k: mass[k]) if mass else None
+
+
+def _ids(run_id: str, part: str) -> tuple[str, str]:
+    """A run's own trace id and the span id of one of its parts ("run", or a step): the same after a restart."""
+    trace = hashlib.sha256(f"agent-monitor:{run_id}".encode()).hexdigest()[:32]
+    span = hashlib.sha256(f"agent-monitor:{run_id}:{part}".encode()).hexdigest()[:16]
+    return trace, span
+
+
+# -- OTLP/HTTP protobuf, written by hand: the few fields of ExportTraceServiceRequest a run's spans need --
+
+
+def _export_request(project: str, spans: list[_RunSpan]) -> bytes:
+    """An ExportTraceServiceRequest: one resource (service agent-monitor, the Phoenix project), one scope."""
+    resource = b"".join(
+        _len(1, _attribute(k, v))
+        for k, v in (("service.name", "agent-monitor"), ("openinference.project.name", project))
+    )
+    scope = _len(1, _str(1, "agent-monitor"))
+    scope_spans = _len(2, scope + b"".join(_len(2, _span(s)) for s in spans))
+    return _len(1, _len(1, resource) + scope_spans)
+
+
+def _span(s: _RunSpan) -> bytes:
+    out = _len(1, bytes.fromhex(s.trace_id)) + _len(2, bytes.fromhex(s.span_id))
+    if s.parent_id is not None:
+        out += _len(4, bytes.fromhex(s.parent_id))
+    out += _str(5, s.name) + _tag(6, 0) + _varint(1)  # kind INTERNAL
+    out += _tag(7, 1) + struct.pack("<Q", int(s.start * 1e9)) + _tag(8, 1) + struct.pack("<Q", int(s.end * 1e9))
+    return out + b"".join(_len(9, _attribute(k, v)) for k, v in s.attributes.items())
+
+
+def _attribute(key: str, value: str | int | float) -> bytes:
+    """A KeyValue: the key, and an AnyValue holding a string, an int64 or a double."""
+    if isinstance(value, str):
+        any_value = _str(1, value)
+    elif isinstance(value, int):
+        any_value = _tag(3, 0) + _varint(value & 0xFFFFFFFFFFFFFFFF)
+    else:
+        any_value = _tag(4, 1) + struct.pack("<d", value)
+    return _str(1, key) + _len(2, any_value)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if not n:
+            out.append(b)
+            return bytes(out)
+        out.append(b | 0x80)
+
+
+def _tag(number: int, wire: int) -> bytes:
+    return _varint(number << 3 | wire)
+
+
+def _len(number: int, value: bytes) -> bytes:
+    return _tag(number, 2) + _varint(len(value)) + value
+
+
+def _str(number: int, value: str) -> bytes:
+    return _len(number, value.encode())
