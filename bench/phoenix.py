@@ -20,7 +20,9 @@ Figures per configuration: `spans_per_s` (spans / first span exported -> every r
 sink's cost shows here first, bounded by the one core), `drain_ms` (the last span exported -> the last
 run closed: a sink in the scoring path would show here), `export_s` (the exporter's own time: Phoenix taking CPU on its core
 slows the agent, not the monitor), and for the sink: annotations sent, failed,
-dropped and the mean Phoenix request time.
+dropped and the mean Phoenix request time. Last, `sink_us_per_annotation`: the sink's own CPU per annotation
+in the monitor's process (taking 20,000 scores and encoding them in batches, no network), the bound on what
+the sink adds to scoring.
 
     .venv/bin/python bench/phoenix.py [--traces 400] [--steps 10] [--rate 1000] [--repeats 3]
 """
@@ -233,6 +235,32 @@ async def one(name: str, phoenix_url: str | None, tmp: Path, args: argparse.Name
     return {f"{name}_{k}": v for k, v in out.items()}
 
 
+def sink_cost(n: int = 20_000) -> float:
+    """CPU microseconds the sink spends per annotation in the monitor's process: taking the event, encoding it."""
+    from prometheus_client import CollectorRegistry
+
+    from agent_monitor.daemon import PhoenixSettings, PhoenixSink, Scored
+    from agent_monitor.progress import Progress
+    from agent_monitor.scale import CriterionScore
+
+    letters = {chr(65 + i): 1 / 20 for i in range(20)}
+    c = CriterionScore("progress", 1.0, 0.5, 0.1, 0.1, 0.1, 0.99, 1, letters)
+    settings = PhoenixSettings(url="http://127.0.0.1:9", max_queue=n)
+    sink = PhoenixSink(settings, registry=CollectorRegistry(), spans=lambda r, s: ("a" * 32, "b" * 16))
+    events = []
+    for i in range(n):
+        p = Progress(step=i + 1, score=0.5, uncertainty=0.1, criteria={"progress": c}, ok=True, model="judge-model")
+        events.append(Scored(f"run-{i % 100}", p, p.to_json(), arrived=(), at=0.0))
+    t0 = time.process_time()
+    for e in events:
+        sink(e)
+    batch = settings.max_batch
+    items = [item.data for item in sink._queue]
+    for k in range(0, n, batch):
+        json.dumps({"data": items[k : k + batch]}, separators=(",", ":"), allow_nan=False).encode()
+    return (time.process_time() - t0) / n * 1e6
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     pin(0)
     out: dict[str, Any] = {"traces": args.traces, "steps": args.steps, "rate": args.rate, "repeats": args.repeats}
@@ -249,6 +277,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         out["load_after"] = load1()
     for key in rounds[0]:
         out[key] = statistics.median(f[key] for f in rounds)
+    out["sink_us_per_annotation"] = sink_cost()
     return out
 
 
@@ -279,6 +308,10 @@ def main() -> int:
                 f"{out[f'{name}_dropped']}, mean request {out[f'{name}_request_ms']:.1f} ms"
             )
         print(line)
+    print(
+        f"  the sink's own CPU in the monitor per annotation (take the score, encode its JSON): "
+        f"{out['sink_us_per_annotation']:.1f} us"
+    )
     print(f"  load average before {out['load_before']}, after {out['load_after']}")
     print(kv_line(**out))
     return 0

@@ -37,6 +37,7 @@ from agent_monitor.daemon import (
 )
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
+from tests.brokers import Mosquitto, free_port
 from tests.phoenix_server import Phoenix, phoenix_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -290,3 +291,38 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting() -> None:
     stats = sink.statistics()
     assert stats.queued == 2 and stats.dropped == 3
     assert registry.get_sample_value("agent_monitor_phoenix_annotations_dropped_total", {"reason": "queue_full"}) == 3
+
+
+async def test_serve_with_phoenix_annotates_the_agents_spans_and_never_shows_the_api_key(
+    phoenix: Phoenix, broker: Mosquitto
+) -> None:
+    from tests.openai_server import chat_choice, chat_reply, scripted_server
+    from tests.test_serve_cli import serve, wait_serving
+
+    port, key = free_port(), "phx-secret-key-0123456789"
+    with scripted_server() as judge:
+        judge.default = chat_reply(chat_choice([("O", {"O": 0.7, "N": 0.2, "P": 0.1})]))
+        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0",
+                "--otlp-receiver", f"127.0.0.1:{port}", "--phoenix", phoenix.url]  # fmt: skip
+        with serve(*args, env={"AGENT_MONITOR_PHOENIX_API_KEY": key}) as proc:
+            await asyncio.to_thread(wait_serving, proc)
+            with agent_sdk(phoenix.traces_url, f"http://127.0.0.1:{port}/v1/traces") as tracer:
+                agent = await asyncio.to_thread(Agent, tracer)
+                await asyncio.to_thread(agent.plan)
+                for call in TOOLS:
+                    await asyncio.to_thread(agent.tool, *call)
+                await asyncio.to_thread(agent.end)
+            got = await until(
+                lambda: len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, agent.trace_id)
+            )
+            proc.terminate()
+            _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+    annotations = span_annotations(phoenix, agent.spans)
+    # The judge said O (0.7), N, P: the expectation on the 20-letter scale, on every step's own span.
+    expected = (0.7 * 14 + 0.2 * 13 + 0.1 * 15) / 19
+    assert {a["span_id"] for a in annotations} == set(agent.spans)
+    assert all(
+        a["result"]["score"] == pytest.approx(expected, abs=1e-3) and a["result"]["label"] == "O" for a in annotations
+    )
+    assert got[0]["result"]["score"] == pytest.approx(expected, abs=1e-3)
+    assert key not in stderr
