@@ -170,9 +170,7 @@ class Monitor:
         self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
         self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of) if c.otlp_endpoint else None
         """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
-        # A trace-fed run's scores name the span they judged: the OTLP receiver knows which (the first that does).
-        spans = next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
-        self.phoenix = PhoenixSink(c.phoenix, registry=self.registry, spans=spans) if c.phoenix.url else None
+        self.phoenix = _phoenix_sink(c, self.registry, sources) if c.phoenix.url else None
         """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
         self.http = http
         """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
@@ -183,8 +181,7 @@ class Monitor:
         mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
                         on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
         kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
-        extra = tuple(sink for sink in (self.otel, self.phoenix) if sink is not None)
-        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *extra)
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
         self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
@@ -219,13 +216,7 @@ class Monitor:
             if self.restored:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
             first = await self.link.connect() if self.link is not None else None
-            if self.otel is not None:
-                # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
-                self.otel.open()
-                stack.push_async_callback(asyncio.to_thread, self.otel.close, _OTLP_CLOSE_S)
-            if self.phoenix is not None:
-                # Called once the TaskGroup (below) ended: the scorers stopped, what is still queued gets one try.
-                stack.push_async_callback(self.phoenix.close, _OTLP_CLOSE_S)
+            _open_sinks(stack, self.otel, self.phoenix)  # before the scorers start; closed after they stopped
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             receive = self.mode.receiver(self._intake.handle_batch)  # (no hop through handle_batch)
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
@@ -439,6 +430,21 @@ def _otel_sink(endpoint: str, registry: CollectorRegistry, criteria: Callable[[s
     from ._otel import OtelSink  # ImportError names the extra
 
     return OtelSink(endpoint, registry=registry, criteria=criteria)
+
+
+def _open_sinks(stack: contextlib.AsyncExitStack, otel: OtelSink | None, phoenix: PhoenixSink | None) -> None:
+    """Open the sinks that send elsewhere and push their bounded flush onto `stack` (run once the scorers stopped)."""
+    if otel is not None:
+        otel.open()  # its first events come with the scorers' first scores
+        stack.push_async_callback(asyncio.to_thread, otel.close, _OTLP_CLOSE_S)  # blocks: off the loop
+    if phoenix is not None:
+        stack.push_async_callback(phoenix.close, _OTLP_CLOSE_S)  # what is still queued gets one try
+
+
+def _phoenix_sink(c: MonitorConfig, registry: CollectorRegistry, sources: Sequence[Source]) -> PhoenixSink:
+    """The Phoenix sink; a trace-fed run's scores name their span: the first source that knows it (the receiver)."""
+    spans = next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
+    return PhoenixSink(c.phoenix, registry=registry, spans=spans)
 
 
 def _link(c: MonitorConfig, topics: Topics, mode: Mode, m: Metrics) -> MqttLink:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..judges._wire import WireConnectionError, WirePool, WireTimeout
+from .._http_client import WireConnectionError, WirePool, WireTimeout
 from ..progress import Progress
 from ._config import PhoenixSettings
 from ._state import MonitorEvent, RunClosed, Scored

@@ -21,7 +21,7 @@ from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
 from ._openai_transport import LeanTransport, SdkTransport, StatusError, Transport, sdk_error
-from ._wire import WireReply
+from .._http_client import WireReply
 from .base import (
     BaseJudge,
     JudgeError,
