@@ -213,8 +213,9 @@ async def test_with_phoenix_stopped_mid_run_scoring_goes_on_and_the_failures_are
                 await asyncio.to_thread(agent.plan)
                 await until(lambda: monitor.phoenix.statistics().sent == 1)  # type: ignore[union-attr]
                 await asyncio.to_thread(phoenix.stop)
-                for call in TOOLS:
+                for n, call in enumerate(TOOLS, 2):
                     await asyncio.to_thread(agent.tool, *call)
+                    await until(lambda n=n: len(scores(events, run_id)) >= n)  # scored while Phoenix is gone
                 await asyncio.to_thread(agent.end)
                 await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
                 # Every step scored while Phoenix was gone; its annotations failed, were retried once, then dropped.
@@ -297,6 +298,7 @@ async def test_serve_with_phoenix_annotates_the_agents_spans_and_never_shows_the
     phoenix: Phoenix, broker: Mosquitto
 ) -> None:
     from tests.openai_server import chat_choice, chat_reply, scripted_server
+    from tests.test_daemon_mqtt import harness
     from tests.test_serve_cli import serve, wait_serving
 
     port, key = free_port(), "phx-secret-key-0123456789"
@@ -306,17 +308,25 @@ async def test_serve_with_phoenix_annotates_the_agents_spans_and_never_shows_the
                 "--otlp-receiver", f"127.0.0.1:{port}", "--phoenix", phoenix.url]  # fmt: skip
         with serve(*args, env={"AGENT_MONITOR_PHOENIX_API_KEY": key}) as proc:
             await asyncio.to_thread(wait_serving, proc)
-            with agent_sdk(phoenix.traces_url, f"http://127.0.0.1:{port}/v1/traces") as tracer:
-                agent = await asyncio.to_thread(Agent, tracer)
-                await asyncio.to_thread(agent.plan)
-                for call in TOOLS:
-                    await asyncio.to_thread(agent.tool, *call)
-                await asyncio.to_thread(agent.end)
-            got = await until(
-                lambda: len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, agent.trace_id)
-            )
-            proc.terminate()
-            _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+            async with harness(broker.port) as h:
+                with agent_sdk(phoenix.traces_url, f"http://127.0.0.1:{port}/v1/traces") as tracer:
+                    agent = await asyncio.to_thread(Agent, tracer)
+                    await asyncio.to_thread(agent.plan)
+                    await h.until(lambda: h.last_step(agent.trace_id) == 1)
+                    for i, call in enumerate(TOOLS, 2):
+                        await asyncio.to_thread(agent.tool, *call)
+                        await h.until(lambda i=i: h.last_step(agent.trace_id) == i)  # each step scored alone
+                    await asyncio.to_thread(agent.end)
+            try:
+                got = await until(
+                    lambda: (
+                        len(span_annotations(phoenix, agent.spans)) == 4 and trace_annotations(phoenix, agent.trace_id)
+                    )
+                )
+            finally:
+                proc.terminate()
+                _, stderr = await asyncio.to_thread(proc.communicate, timeout=30)
+                print(stderr[-3000:])  # the daemon's log, shown when the test fails
     annotations = span_annotations(phoenix, agent.spans)
     # The judge said O (0.7), N, P: the expectation on the 20-letter scale, on every step's own span.
     expected = (0.7 * 14 + 0.2 * 13 + 0.1 * 15) / 19
