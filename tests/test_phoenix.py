@@ -9,6 +9,7 @@ the monitor's own scores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
@@ -336,3 +337,26 @@ async def test_serve_with_phoenix_annotates_the_agents_spans_and_never_shows_the
     )
     assert got[0]["result"]["score"] == pytest.approx(expected, abs=1e-3)
     assert key not in stderr
+
+
+async def test_a_batch_that_cannot_be_encoded_is_dropped_and_the_sender_goes_on() -> None:
+    from agent_monitor.daemon import PhoenixSink
+    from agent_monitor.progress import Progress
+
+    settings = PhoenixSettings(url=f"http://127.0.0.1:{free_port()}", retries=0)
+    sink = PhoenixSink(settings, registry=CollectorRegistry(), spans=lambda r, s: ("a" * 32, "b" * 16))
+    task = asyncio.create_task(sink.run())
+    try:
+        bad = Progress(step=1, score=float("nan"), uncertainty=0.1, criteria={}, ok=True)  # JSON has no NaN
+        sink(Scored("run-1", bad, bad.to_json(), arrived=(), at=0.0))
+        await until(lambda: sink.statistics().dropped == 1)
+        good = Progress(step=2, score=0.5, uncertainty=0.1, criteria={}, ok=True)
+        sink(Scored("run-1", good, good.to_json(), arrived=(), at=0.0))
+        # Still sending: the next batch reaches the (absent) server, fails once and is dropped.
+        stats = await until(lambda: (s := sink.statistics()).failed == 1 and s.dropped == 2 and s)
+        assert not task.done() and stats.sent == 0 and stats.queued == 0
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await sink.close(1.0)

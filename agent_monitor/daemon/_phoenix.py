@@ -310,6 +310,10 @@ class PhoenixSink:
                     # The monitor is stopping: `close` sends the batch once more (Phoenix upserts what arrived).
                     self._queue.extendleft(reversed(batch))
                     raise
+                except Exception:
+                    # A batch that cannot even be encoded must not end the monitor's TaskGroup: dropped, counted.
+                    log.exception("phoenix_batch_failed", annotations=len(batch))
+                    self._drop("gave_up", len(batch))
                 finally:
                     self._inflight = 0
             self._wake.clear()
