@@ -360,3 +360,30 @@ async def test_a_batch_that_cannot_be_encoded_is_dropped_and_the_sender_goes_on(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await sink.close(1.0)
+
+
+async def test_a_restarted_monitor_sending_a_step_again_replaces_its_annotation_instead_of_adding_one(
+    phoenix: Phoenix,
+) -> None:
+    from agent_monitor.daemon import PhoenixSink
+    from agent_monitor.progress import Progress
+
+    with agent_sdk(phoenix.traces_url) as tracer:
+        agent = await asyncio.to_thread(Agent, tracer)
+        await asyncio.to_thread(agent.tool, *TOOLS[0])
+    ref = (agent.trace_id, agent.spans[0])
+    for score in (0.25, 0.75):  # the same run and step from two sink instances: before and after a restart
+        sink = PhoenixSink(PhoenixSettings(url=phoenix.url), registry=CollectorRegistry(), spans=lambda r, s: ref)
+        task = asyncio.create_task(sink.run())
+        progress = Progress(step=1, score=score, uncertainty=0.05, criteria={}, ok=True, model="judge-x")
+        sink(Scored("restarted-run", progress, progress.to_json(), arrived=(), at=0.0))
+        await until(lambda sink=sink: sink.statistics().sent == 1)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await sink.close(1.0)
+        await until(
+            lambda score=score: [a["result"]["score"] for a in span_annotations(phoenix, agent.spans)] == [score]
+        )
+    (annotation,) = span_annotations(phoenix, agent.spans)
+    assert annotation["identifier"] == "agent-monitor:restarted-run:1" and annotation["result"]["score"] == 0.75
