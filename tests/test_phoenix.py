@@ -308,7 +308,8 @@ async def test_serve_with_phoenix_annotates_the_agents_spans_and_never_shows_the
         args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0",
                 "--otlp-receiver", f"127.0.0.1:{port}", "--phoenix", phoenix.url]  # fmt: skip
         with serve(*args, env={"AGENT_MONITOR_PHOENIX_API_KEY": key}) as proc:
-            await asyncio.to_thread(wait_serving, proc)
+            lines = await asyncio.to_thread(wait_serving, proc)
+            assert f"progress annotations to Phoenix at {phoenix.url}" in lines[-1]
             async with harness(broker.port) as h:
                 with agent_sdk(phoenix.traces_url, f"http://127.0.0.1:{port}/v1/traces") as tracer:
                     agent = await asyncio.to_thread(Agent, tracer)
