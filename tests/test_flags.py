@@ -18,6 +18,7 @@ from agent_monitor.daemon import (
     MetricsSettings,
     MonitorConfig,
     OtlpReceiverSettings,
+    PhoenixSettings,
     RewardApiSettings,
     RunLimits,
 )
@@ -126,6 +127,7 @@ def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None
                     ClusterSettings,
                     OtlpReceiverSettings,
                     RewardApiSettings,
+                    PhoenixSettings,
                     WorkLimits,
                 )
                 for f in dataclasses.fields(c)

@@ -38,7 +38,7 @@ PUBLIC = {
     "agent_monitor.daemon": [
         "DEFAULT_GC_THRESHOLD", "Accepted", "Board", "BoardSettings", "BrokerStartError", "BrokerUnavailable", "Duplicated", "EmbeddedBroker",
         "ClusterJournal", "ClusterSettings", "ClusterUnavailable", "HistoryQuery", "HttpRequest", "HttpResponse", "HttpServer", "Inbound", "Ingest", "JudgeServer", "JudgeServerSettings", "MemoryStore",
-        "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "Protocol", "ProxySettings", "ProxySource", "Refused", "Replay", "RewardApiSettings", "RewardShape", "RewardSource", "Route", "RunClosed",
+        "MetricsSettings", "Monitor", "MonitorConfig", "MonitorEvent", "OtlpReceiver", "OtlpReceiverSettings", "PhoenixSettings", "PhoenixSink", "PhoenixStatistics", "Protocol", "ProxySettings", "ProxySource", "Refused", "Replay", "RewardApiSettings", "RewardShape", "RewardSource", "Route", "RunClosed",
         "RunLimits", "RunOpened", "RunPages", "RunStore", "RunView", "RunsView", "Scored", "SignalChanged", "Sink", "Skipped", "Source", "SqliteStore",
         "StepView", "StoreFormatError", "default_state_dir", "tune_gc",
     ],

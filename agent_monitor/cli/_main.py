@@ -968,6 +968,7 @@ async def _serve(args: argparse.Namespace) -> int:
             f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
             f"{where}"
             + (f"; OTLP traces on {receiver.url}" if receiver else "")
+            + (f"; progress annotations to Phoenix at {config.phoenix.url}" if config.phoenix.url else "")
             + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if reward and web else "")
             + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
             file=sys.stderr,

@@ -15,6 +15,7 @@ from ._config import (
     MetricsSettings,
     MonitorConfig,
     OtlpReceiverSettings,
+    PhoenixSettings,
     Protocol,
     ProxySettings,
     RewardApiSettings,
@@ -26,6 +27,7 @@ from ._judge_server import JudgeServer, JudgeServerSettings
 from ._monitor import Monitor
 from ._mqtt import BrokerUnavailable
 from ._otlp_receiver import OtlpReceiver
+from ._phoenix import PhoenixSink, PhoenixStatistics
 from ._reward_api import RewardSource
 from ._runpages import RunPages
 from ._source import Inbound, Ingest, RunsView, Source
@@ -85,6 +87,9 @@ __all__ = [
     "MonitorEvent",
     "OtlpReceiver",
     "OtlpReceiverSettings",
+    "PhoenixSettings",
+    "PhoenixSink",
+    "PhoenixStatistics",
     "Protocol",
     "ProxySettings",
     "ProxySource",

@@ -146,6 +146,77 @@ class ClusterSettings:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class PhoenixSettings:
+    """The Arize Phoenix sink: every score as a span annotation on the step's own span (docs/phoenix.md)."""
+
+    url: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--phoenix",
+            "help": "annotate runs in this Arize Phoenix server (http://HOST:6006): each scored step's span gets a "
+            "progress annotation, each run's trace its final score; trace-fed runs (--otlp-receiver) on the agent's "
+            "own spans; none: off",
+        },
+    )
+    api_key: str | None = field(
+        default=None,
+        repr=False,  # a secret: never in a logged or printed config
+        metadata={
+            "flag": "--phoenix-api-key",
+            "help": "Phoenix API key, sent as 'Authorization: Bearer KEY' (Phoenix with auth enabled). Prefer the "
+            "environment twin: a flag is visible in the process list. none: no header",
+        },
+    )
+    project: str = field(
+        default="default",
+        metadata={
+            "flag": "--phoenix-project",
+            "help": "the Phoenix project of the spans agent-monitor exports for runs that came by other doors",
+        },
+    )
+    annotation: str = field(
+        default="progress",
+        metadata={"flag": "--phoenix-annotation", "help": "the annotations' name in Phoenix"},
+    )
+    max_queue: int = field(
+        default=10_000,
+        metadata={
+            "flag": "--phoenix-queue",
+            "help": "annotations waiting to be sent at most; past it new ones are dropped and counted",
+        },
+    )
+    max_batch: int = field(
+        default=200, metadata={"flag": "--phoenix-batch", "help": "annotations in one request to Phoenix at most"}
+    )
+    retries: int = field(
+        default=5,
+        metadata={
+            "flag": "--phoenix-retries",
+            "help": "times a failed request is retried (with backoff, from 0.5 s up to 30 s) before its annotations "
+            "are dropped and counted",
+        },
+    )
+    timeout_s: float = field(
+        default=10.0, metadata={"flag": "--phoenix-timeout", "help": "seconds one request to Phoenix may take"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            url = urlsplit(self.url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError(f"phoenix url {self.url!r} is not an HTTP URL; use http://HOST:6006 (--phoenix)")
+        if self.max_queue < 1 or self.max_batch < 1 or self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError(
+                "phoenix: --phoenix-queue and --phoenix-batch must be >= 1, --phoenix-retries >= 0, "
+                "--phoenix-timeout > 0"
+            )
+        if not self.annotation.strip() or self.annotation == "note":
+            raise ValueError(f"phoenix annotation name {self.annotation!r}; use a non-empty name other than 'note'")
+        if not self.project.strip():
+            raise ValueError("phoenix project name is empty; use a project name (--phoenix-project)")
+
+
 RewardShape = Literal["final", "dense", "calibrated"]
 """What a reward answer's reward is: the final score, its change over the step before, or a pass probability."""
 
@@ -625,6 +696,9 @@ class MonitorConfig(ScoringOptions):
     reward_api: RewardApiSettings = field(
         default_factory=RewardApiSettings, metadata={"help": "reward endpoints for RL trainers (docs/rl.md)"}
     )
+    phoenix: PhoenixSettings = field(
+        default_factory=PhoenixSettings, metadata={"help": "Arize Phoenix annotations (docs/phoenix.md)"}
+    )
     image_dirs: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -791,6 +865,7 @@ __all__ = [
     "MetricsSettings",
     "MonitorConfig",
     "OtlpReceiverSettings",
+    "PhoenixSettings",
     "Protocol",
     "ProxySettings",
     "RewardApiSettings",

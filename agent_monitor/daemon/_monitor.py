@@ -49,6 +49,7 @@ from ._metrics import (
 from ._mode import Mode, Standalone, mode_of
 from ._mqtt import Message, MqttLink, MqttSink, Outbox
 from ._replay import Replays
+from ._phoenix import PhoenixSink
 from ._restore import Restore
 from ._scoring import Scoring
 from ._source import Ingest, Source
@@ -85,7 +86,7 @@ class Monitor:
     ```
     Entering rebuilds the live runs from the store, connects to the broker (`BrokerUnavailable` with a
     one-line reason) and starts the named tasks `mqtt`, `source-{name}` per source, `scorer-1..N`, `sweeper`
-    (`retention` for a SQLite store, `http` with `http=`); leaving cancels and awaits them all. Without a broker nothing is
+    (`retention` for a SQLite store, `http` with `http=`, `phoenix` with `config.phoenix.url`); leaving cancels and awaits them all. Without a broker nothing is
     received: feed events with `handle()`. Without a store nothing is journaled; `SqliteStore` survives
     restarts, `MemoryStore` keeps the journal in this process. `sinks` get every `MonitorEvent` after the
     monitor's own (MQTT, store, metrics, log). With `config.cluster.url` the monitor is one replica of a
@@ -175,6 +176,8 @@ class Monitor:
         self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
         self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of) if c.otlp_endpoint else None
         """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
+        self.phoenix = _phoenix_sink(c, self.registry, sources) if c.phoenix.url else None
+        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
         self.http = http
         """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
         if http is not None:
@@ -184,7 +187,7 @@ class Monitor:
         mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
                         on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
         kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
-        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *((self.otel,) if self.otel else ()))
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
         self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
@@ -230,10 +233,7 @@ class Monitor:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
             left = max(0.0, wait - (time.monotonic() - began))
             first = await self.link.connect_within(left) if self.link is not None else None
-            if self.otel is not None:
-                # Opened before the scorers start (their first scores are sent); closed after they stopped, off the loop.
-                self.otel.open()
-                stack.push_async_callback(asyncio.to_thread, self.otel.close, _OTLP_CLOSE_S)
+            _open_sinks(stack, self.otel, self.phoenix)  # before the scorers start; closed after they stopped
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             receive = self.mode.receiver(self._intake.handle_batch)  # (no hop through handle_batch)
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
@@ -244,6 +244,7 @@ class Monitor:
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
             loops += [("finisher", self._scoring.finisher()), ("sweeper", self._sweeper())]
             loops += [("http", self.http.serve())] if self.http is not None else []
+            loops += [("phoenix", self.phoenix.run())] if self.phoenix is not None else []
             self._tasks = [tg.create_task(loop, name=name) for name, loop in loops]
             self._groups.tasks = tg
         except BaseException:
@@ -310,7 +311,8 @@ class Monitor:
         caller = self._groups.caller
         parts = {"scoring": {**self._scoring.statistics(), "closing": self._scoring.closing()},
                  **({"uniform": caller.statistics()} if caller is not None else {}),
-                 **({"http": self.http.statistics()} if self.http is not None else {})}  # fmt: skip
+                 **({"http": self.http.statistics()} if self.http is not None else {}),
+                 **({"phoenix": dataclasses.asdict(self.phoenix.statistics())} if self.phoenix else {})}  # fmt: skip
         return {**self.status(), **parts}
 
     def health(self) -> tuple[bool, dict[str, Any]]:
@@ -448,6 +450,21 @@ def _otel_sink(endpoint: str, registry: CollectorRegistry, criteria: Callable[[s
     from ._otel import OtelSink  # ImportError names the extra
 
     return OtelSink(endpoint, registry=registry, criteria=criteria)
+
+
+def _open_sinks(stack: contextlib.AsyncExitStack, otel: OtelSink | None, phoenix: PhoenixSink | None) -> None:
+    """Open the sinks that send elsewhere and push their bounded flush onto `stack` (run once the scorers stopped)."""
+    if otel is not None:
+        otel.open()  # its first events come with the scorers' first scores
+        stack.push_async_callback(asyncio.to_thread, otel.close, _OTLP_CLOSE_S)  # blocks: off the loop
+    if phoenix is not None:
+        stack.push_async_callback(phoenix.close, _OTLP_CLOSE_S)  # what is still queued gets one try
+
+
+def _phoenix_sink(c: MonitorConfig, registry: CollectorRegistry, sources: Sequence[Source]) -> PhoenixSink:
+    """The Phoenix sink; a trace-fed run's scores name their span: the first source that knows it (the receiver)."""
+    spans = next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
+    return PhoenixSink(c.phoenix, registry=registry, spans=spans)
 
 
 def _link(c: MonitorConfig, topics: Topics, mode: Mode, m: Metrics) -> MqttLink:

@@ -16,12 +16,12 @@ import openai
 import structlog
 from openai import AsyncOpenAI
 
+from .._http_client import WireConnectionError, WirePool, WireReply, WireTimeout
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
 from ._openai_transport import LeanTransport, SdkTransport, StatusError, Transport, sdk_error
-from ._wire import WireConnectionError, WirePool, WireReply, WireTimeout
 from .base import (
     BaseJudge,
     JudgeError,

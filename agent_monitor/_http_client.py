@@ -1,4 +1,6 @@
-"""A lean HTTP/1.1 client for the judge's one request shape: POST JSON, read JSON, keep the connection.
+"""A lean HTTP/1.1 client for one request shape: POST a body, read the reply, keep the connection.
+
+Used by the judge's transport (judges/_openai_transport.py) and the Phoenix sink (daemon/_phoenix.py).
 
 The OpenAI SDK builds request options, headers and a pydantic model of every reply (for a
 20-way `top_logprobs` answer, hundreds of objects) on each call; a judge call needs none of
