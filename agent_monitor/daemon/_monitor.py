@@ -48,8 +48,8 @@ from ._metrics import (
 )
 from ._mode import Mode, Standalone, mode_of
 from ._mqtt import Message, MqttLink, MqttSink, Outbox
-from ._replay import Replays
 from ._phoenix import PhoenixSink
+from ._replay import Replays
 from ._restore import Restore
 from ._scoring import Scoring
 from ._source import Ingest, Source
