@@ -13,13 +13,13 @@ from ._flags import _shown, file_key, leaves, origin, secret, value_of
 MASK = "***"
 
 
-def settings(args: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, Any]]:
-    """Each of serve's settings: its flag, file key, environment twin, effective value (secrets masked), origin."""
-    from ..daemon import MonitorConfig, ProxySettings
-    from ._main import BrokerOptions, JudgeOptions, ServeOptions
+def settings(args: argparse.Namespace, argv: Sequence[str], options: Sequence[type]) -> list[dict[str, Any]]:
+    """Each of serve's settings: its flag, file key, environment twin, effective value (secrets masked), origin.
 
+    `options`: the settings classes serve's flags are made from (the command line's own, handed in by it).
+    """
     out = []
-    for cls in (BrokerOptions, JudgeOptions, MonitorConfig, ServeOptions, ProxySettings):
+    for cls in options:
         for leaf in leaves(cls):
             value = value_of(args, leaf)
             masked = secret(leaf.flag) and value not in (None, "", ())
@@ -35,9 +35,9 @@ def settings(args: argparse.Namespace, argv: Sequence[str]) -> list[dict[str, An
     return out
 
 
-def print_config(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def print_config(args: argparse.Namespace, argv: Sequence[str], options: Sequence[type]) -> int:
     """Print the effective settings, a table (or JSON lines with --json); those not at their default first."""
-    rows = settings(args, argv)
+    rows = settings(args, argv, options)
     rows.sort(key=lambda r: r["from"] == "default")  # stable: the file's order within each part
     if args.json:
         for r in rows:

@@ -1547,9 +1547,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         if args.command == "config":
             from ._config_cli import print_config
 
-            args.config = _config_path(argv, env)
+            from ..daemon import MonitorConfig
 
-            return print_config(args, argv)
+            args.config = _config_path(argv, env)
+            return print_config(args, argv, (BrokerOptions, JudgeOptions, MonitorConfig, ServeOptions, ProxySettings))
         if args.command == "self-check":
             from ._selfcheck import run as _self_check
 
