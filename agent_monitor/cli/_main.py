@@ -1545,9 +1545,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
             return _judge_server(args)
         if args.command == "config":
-            from ._config_cli import print_config
-
             from ..daemon import MonitorConfig
+            from ._config_cli import print_config
 
             args.config = _config_path(argv, env)
             return print_config(args, argv, (BrokerOptions, JudgeOptions, MonitorConfig, ServeOptions, ProxySettings))
