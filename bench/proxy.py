@@ -1,20 +1,31 @@
 """LLM API proxy overhead: added latency per streamed chunk and per request, against the upstream called directly.
 
-One process, one event loop: an upstream (asyncio + h11, as lean as a server gets in Python) that
-streams chat-completion chunks (OpenAI's SSE shape, ~200 bytes each, `--gap-ms` apart so the
-network does not merge them) or answers a plain chat completion; the proxy (`ProxySource`, the
-source of a `Monitor` with no broker, a memory journal and a judge that answers at once, so every
-turn is read, ingested and scored as in `serve`); and a pooled httpx client (the transport of the
-openai and anthropic SDKs). Each request carries a `--history`-message conversation (~100 bytes a
-message), so the proxy reads a real history each time.
+Two shapes, one after the other in one run (`--shapes`, both by default), each beside its own baseline:
+
+- in-process: one process, one event loop: an upstream (asyncio + h11, as lean as a server gets in
+  Python), the proxy (`ProxySource`, the source of a `Monitor` with no broker, a memory journal and a
+  FakeJudge that answers at once, so every turn is read, ingested and scored as in `serve`; `--bare`:
+  the proxy alone, its events taken by a no-op ingest) and the client.
+- deployed, the shape users run: the same upstream in a process of its own (this script with
+  `--serve-upstream PORT`); the real CLI, `agent-monitor proxy`, in its own (serve's defaults: a SQLite
+  journal, logs at info to a file, a private Mosquitto as its broker) judging through an
+  OpenAI-compatible HTTP judge in a third (scripted: one letter with logprob 0, at once); the client here.
+
+The upstream streams chat-completion chunks (OpenAI's SSE shape, ~200 bytes each, `--gap-ms` apart so
+the network does not merge them) or answers a plain chat completion. The client is a pooled httpx
+client (the transport of the openai and anthropic SDKs). Each request carries a `--history`-message
+conversation (~100 bytes a message) growing by a turn per request, so the proxy reads a real history.
 
 Baseline: the same client calling the upstream directly, interleaved request by request with the
-proxied calls, so both see the same machine load. Per chunk: time from the upstream's write
-(its timestamp inside the chunk) to the client's read of it. Per request: time from sending to
-the last byte of a non-streamed answer. Figures bound: loopback only (no network), one client at a
-time, so they are the proxy's own work per chunk and per request, not contention between agents.
+proxied calls, so both see the same machine load. Per chunk: time from the upstream's write (its
+`perf_counter` inside the chunk: CLOCK_MONOTONIC, one clock for all processes) to the client's read
+of it. Per request: time from sending to the last byte of a non-streamed answer. Figures bound:
+loopback only (no network), one client at a time, so they are the proxy's own work per chunk and per
+request (plus, deployed, its process's share of two cores with the scoring it triggers), not
+contention between agents; a judge that answers at once, so no judge latency is in them.
 
-    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20] [--turns 20] [--bare]
+    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20] [--turns 20]
+                                    [--shapes in-process,deployed] [--bare]
 """
 
 from __future__ import annotations
@@ -254,7 +265,7 @@ async def in_process(args: argparse.Namespace) -> tuple[Samples, str]:
     unwatched = sum(v for k, v in stats.items() if k.startswith("unwatched"))
     calls = "none (bare)" if args.bare else str(judge.calls_made)
     note = (
-        f"proxy: watched {stats.get('watched', 0)}, steps sent {stats.get('steps_sent', 0)}, unwatched {unwatched}; "
+        f"proxy: requests watched {stats.get('watched', 0)}, steps sent {stats.get('steps_sent', 0)}, unwatched {unwatched}; "
         f"judge calls {calls}"
     )
     return samples, note
