@@ -440,17 +440,25 @@ def panels() -> list[dict[str, Any]]:
             "Groups not exported / refused, outcomes refused",
             [
                 target("A", f"sum(agent_monitor_group_series_capped{{{INST}}})", "not exported"),
-                target("B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts refused"),
+                target("B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts in no group"),
                 target(
                     "C",
                     f"sum by (reason) (agent_monitor_outcomes_refused_total{{{INST}}})",
                     "outcomes refused {{reason}}",
                 ),
+                target("D", f"sum(agent_monitor_groups_split_total{{{INST}}})", "starts split off their group"),
+                target(
+                    "E",
+                    f"sum by (kind) (agent_monitor_retained_inputs_total{{{INST}}})",
+                    "retained {{kind}} ignored",
+                ),
             ],
             description="Groups without gauges (not on --metric-groups, or past --max-group-series; still ranked and "
-            "pruned), starts refused because their group was full (--max-group-runs), the monitor had --max-groups "
-            "groups, or the start may not join (another task or rubric, other group settings, no group auth); and "
-            "run outcomes that taught nothing (unauthenticated with --outcome-secret, or over --calibration-rate).",
+            "pruned), starts scored in no group because their group was full (--max-group-runs), the monitor had "
+            "--max-groups groups, or the start may not join (other group settings, no group auth); starts of another "
+            "task or rubric ranked apart in a group split off the name they gave; run outcomes that taught nothing "
+            "(unauthenticated with --outcome-secret, replayed, stale, or over --calibration-rate); and retained "
+            "input messages ignored (a stored copy re-delivered at a restart, never run again).",
             thresholds=[(None, "green"), (1, "orange")],
             w=4,
             h=8,
@@ -683,13 +691,19 @@ def panels() -> list[dict[str, Any]]:
                     f"sum by (instance, reason) (rate(agent_monitor_otlp_spans_refused_total{{{INST}}}[{RATE}]))",
                     "refused ({{reason}}) {{instance}}",
                 ),
+                target(
+                    "E",
+                    f"sum by (instance, kind) (rate(agent_monitor_otlp_span_items_dropped_total{{{INST}}}[{RATE}]))",
+                    "{{kind}} dropped past the cap {{instance}}",
+                ),
             ],
             unit="ops",
             w=10,
             no_value="no OTLP receiver",
             description="Spans per second in the trace export requests, taken into runs, taken but unused (no agent "
             "action, a model turn without recorded content, a duplicate, a span of an ended run), and refused by "
-            "reason (the exporter was told: partial success, 400, 413, or 503 to retry). Empty when no daemon has "
+            "reason (the exporter was told: partial success, 400, 413, or 503 to retry); and the span events, links "
+            "and attributes dropped past their per-span caps (a span bomb shows here). Empty when no daemon has "
             "--otlp-receiver.",
         ),
         timeseries(
