@@ -31,7 +31,8 @@ _START_S = 180.0  # ~12 s on a quiet machine, several times that when the suite 
 
 def phoenix_bin() -> Path:
     """The `phoenix` command of the Phoenix virtualenv; skips the test when it is not built."""
-    venv = Path(os.environ.get("AGENT_MONITOR_PHOENIX_VENV") or ROOT / ".venv-phoenix")
+    # Absolute: the server is started in a working folder of its own (make passes the venv relative to the checkout).
+    venv = Path(os.environ.get("AGENT_MONITOR_PHOENIX_VENV") or ROOT / ".venv-phoenix").resolve()
     exe = venv / "bin" / "phoenix"
     if not exe.exists():
         pytest.skip(f"no Phoenix virtualenv at {venv}: run `make phoenix-venv` (pip install arize-phoenix there)")

@@ -158,13 +158,13 @@ def test_a_replayed_or_stale_group_join_is_refused() -> None:
     def joiner(run_id: str, at: float) -> Joiner:
         return Joiner(family="f", rubric="r", policy=Policy(), started_at=at, auth=group_mac(SECRET, run_id, at, "g"))
 
-    book.check("run-1", "g", joiner("run-1", started))
+    book._check_joiner("run-1", "g", joiner("run-1", started))
     book.join("run-1", "g", Policy(), started, joiner("run-1", started))
-    book.check("run-1", "g", joiner("run-1", started))  # the member's own start again (a redelivery): fine
+    book._check_joiner("run-1", "g", joiner("run-1", started))  # the member's own start again (a redelivery): fine
     book.end("run-1", "success", started)
     book.forget("run-1")
     with pytest.raises(GroupRefused, match="replayed"):
-        book.check("run-1", "g", joiner("run-1", started))  # its captured start, once the run left the group
+        book._check_joiner("run-1", "g", joiner("run-1", started))  # its captured start, once the run left the group
     with pytest.raises(GroupRefused, match="stale"):
-        book.check("run-2", "g", joiner("run-2", started - 7200))
-    book.check("run-1", "g", joiner("run-1", started + 1))  # a new run under the same id: a new started_at
+        book._check_joiner("run-2", "g", joiner("run-2", started - 7200))
+    book._check_joiner("run-1", "g", joiner("run-1", started + 1))  # a new run under the same id: a new started_at

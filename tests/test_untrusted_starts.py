@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +160,9 @@ async def test_with_a_group_secret_an_unsigned_stranger_first_does_not_own_the_g
         assert e["reason"] == "group_refused" and "needs start.auth" in e["error"]
         assert mon.run("stranger") is not None and "stranger" not in mon.groups.of_run  # scored, in no group
         for r in honest:  # the honest harness signs its starts (as MonitorClient(group_secret=...) does)
-            auth = group_mac(SECRET, r, 100.0, "g")
-            await h.publish(r, "start", {"task": "fix the bug", "group": "g", "started_at": 100.0, "auth": auth})
+            started = round(time.time(), 3)  # fresh: a signed start older than --signature-max-age is stale
+            auth = group_mac(SECRET, r, started, "g")
+            await h.publish(r, "start", {"task": "fix the bug", "group": "g", "started_at": started, "auth": auth})
         await h.until(lambda: all(r in mon.groups.of_run for r in honest))
         assert all(mon.groups.of_run[r] == "g" for r in honest)  # the signed runs own g
         await _group_steps(h, [*honest, "stranger"], 4)
