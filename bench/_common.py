@@ -359,3 +359,24 @@ def cleanup_on_sigterm() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def batch_provider(url: str, spans: int) -> Any:
+    """An OpenTelemetry SDK tracer provider exporting OTLP/HTTP to `url` in batches, its queue room for `spans` spans.
+
+    The agent side of the OTLP benches: batches of 512 every 50 ms, nothing dropped (the queue holds every span).
+    """
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider()
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=url, timeout=60),
+            max_queue_size=spans + 1,
+            max_export_batch_size=512,
+            schedule_delay_millis=50,
+        )
+    )
+    return provider

@@ -36,7 +36,17 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from _common import cleanup_on_sigterm, configure_logs, cpu_seconds, free_port, kv_line, load1, mosquitto, percentile
+from _common import (
+    batch_provider,
+    cleanup_on_sigterm,
+    configure_logs,
+    cpu_seconds,
+    free_port,
+    kv_line,
+    load1,
+    mosquitto,
+    percentile,
+)
 
 TASK = "Find the failing test in the repository, fix the parser and run the test suite until it passes."
 
@@ -52,19 +62,8 @@ def exporter(url: str, conn: Connection, traces: int, steps: int) -> None:
     """On command, export every trace through the SDK's batch processor; report when it started and finished."""
     pin(1)
     from opentelemetry import trace
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider()
-    provider.add_span_processor(
-        BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=url, timeout=60),
-            max_queue_size=traces * (steps + 1) + 1,
-            max_export_batch_size=512,
-            schedule_delay_millis=50,
-        )
-    )
+    provider = batch_provider(url, traces * (steps + 1))
     tracer = provider.get_tracer("bench-agent")
     user = json.dumps([{"role": "user", "parts": [{"type": "text", "content": TASK}]}])
     conn.recv()
