@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from ._sync import run_blocking
+from ._runtime.sync import run_blocking
 from .criteria import CriteriaSpec, Rubric, load_criteria
 from .judges.base import BaseJudge, JudgeError
 from .options import OPTION_NAMES

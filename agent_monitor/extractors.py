@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from ._budget import DOTALL, IGNORECASE, MULTILINE, Pattern
-from ._config import check_number, compile_pattern, instantiate, known, registrar
+from ._runtime.budget import DOTALL, IGNORECASE, MULTILINE, Pattern
+from ._runtime.config import check_number, compile_pattern, instantiate, known, registrar
 
 # Every pattern here reads untrusted step text: each is a budgeted `Pattern` (see _budget), ours included,
 # since a lazy `.*?` before a backreference or a `[ \t]*$` is quadratic on a crafted step.

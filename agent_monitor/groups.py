@@ -318,7 +318,7 @@ class GroupState:
         return self._uniform
 
     def call(self, run_id: str, *, fail_p: float, pass_p: float) -> GroupUpdate:
-        """Set a live member's calls: the p-values of "it will fail" and "it will pass" (see `agent_monitor.uniform`)."""
+        """Set a live member's calls: the p-values of "it will fail" and "it will pass" (see `agent_monitor.calibration`)."""
         m = self._member(run_id)
         if m.state == "live":
             m.fail_p, m.pass_p = _p(fail_p), _p(pass_p)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Self
 
-from ._budget import DEFAULT_BUDGET_S
+from ._runtime.budget import DEFAULT_BUDGET_S
 from .images import FrameBudget
 from .scale import DEFAULT_MIN_MASS
 

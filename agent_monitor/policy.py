@@ -72,7 +72,7 @@ class Policy:
       `patience` scored steps after `min_steps` (beyond both runs' uncertainty); never below
       `keep_top` live runs. `compare` orders leaders pointwise scores cannot separate by pairwise
       judge calls. A group whose runs' calibrated calls all say fail (or all say pass) with
-      `uniform_confidence` is flagged on its ranking (`agent_monitor.uniform`, docs/groups.md).
+      `uniform_confidence` is flagged on its ranking (`agent_monitor.calibration`, docs/groups.md).
     - A failed judge call changes nothing (fail-open): no abort from an outage.
     - schedule: "every" scores each step (coalescing aside); "adaptive" only where a decision could
       change (`plan`: within `margin` uncertainties of a threshold in force, or below an abort

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._tokens import CHARS_PER_TOKEN, estimate_tokens
+from ._runtime.tokens import CHARS_PER_TOKEN, estimate_tokens
 from .criteria import Criterion, Rubric
 from .images import Frame, FrameBudget
 from .rules import RuleInput, TestRatio

@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
-from ._budget import IGNORECASE, MULTILINE, Pattern
-from ._config import check_number, compile_pattern, instantiate, known, registrar
+from ._runtime.budget import IGNORECASE, MULTILINE, Pattern
+from ._runtime.config import check_number, compile_pattern, instantiate, known, registrar
 from .extractors import Extractor, LastNumber, build_extractors
 
 

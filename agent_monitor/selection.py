@@ -47,7 +47,7 @@ from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
 from ._compat import as_images, as_trajectory, indexed, reference_form
-from ._sync import run_blocking, twin_of
+from ._runtime.sync import run_blocking, twin_of
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
 from .images import Frame, ImageInput, load_image
 from .judges.base import Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Self, TypeVar
 
 import structlog
 
-from ._budget import BudgetExceeded, within
 from ._compat import TrackResult, as_images, as_steps, reference_form
-from ._sync import Blocking, run_blocking
+from ._runtime.budget import BudgetExceeded, within
+from ._runtime.scheduler import Scheduler
+from ._runtime.sync import Blocking, run_blocking
 from .calibration import Family, Point, Sample, Threshold
 from .criteria import Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
@@ -44,7 +45,6 @@ from .progress import NO_USAGE, Decision, Progress, Usage, run_totals
 from .prompts import PromptWindow, Step, prompt_budget
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
-from .scheduler import Scheduler
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

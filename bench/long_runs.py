@@ -198,7 +198,7 @@ def recorded(args: argparse.Namespace) -> None:
     from _common import gemma_path
     from llama_cpp import Llama
 
-    from agent_monitor.recorded import iter_recorded
+    from agent_monitor.offline.recorded import iter_recorded
 
     tok = Llama(model_path=gemma_path(), vocab_only=True, verbose=False)
 
@@ -264,9 +264,9 @@ def compare(args: argparse.Namespace) -> None:
     """The packaged judge's scores with the whole prompt vs the bounded one (an 8,192-token judge's budget)."""
     from _common import gemma_path
 
-    from agent_monitor.evaluate import spearman
+    from agent_monitor.offline.evaluate import spearman
     from agent_monitor.judges.llamacpp import LlamaCppJudge
-    from agent_monitor.recorded import load_recorded
+    from agent_monitor.offline.recorded import load_recorded
 
     print(f"load average (1 min) at start: {load1()}")
     # A 16K context: the whole prompts of these runs (under 8,192 real tokens) are never folded under its budget.

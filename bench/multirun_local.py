@@ -33,7 +33,7 @@ from _common import REPO, configure_logs, gemma_path, kv_line, load1
 
 from agent_monitor import AsyncProgressTracker
 from agent_monitor.judges.llamacpp import DEFAULT_KV_BUDGET_MB, LlamaCppJudge, TinyJudgeWarning
-from agent_monitor.recorded import RecordedRun, load_recorded
+from agent_monitor.offline.recorded import RecordedRun, load_recorded
 
 # ../shared/data from the main checkout; a worktree one level deeper finds it further up.
 DATA = next((p / "shared" / "data" for p in REPO.parents if (p / "shared" / "data").is_dir()), REPO / "data")

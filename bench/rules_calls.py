@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from agent_monitor import AsyncProgressTracker
-from agent_monitor.recorded import iter_recorded
+from agent_monitor.offline.recorded import iter_recorded
 from agent_monitor.testing import FakeJudge
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from _common import REPO, load1
 
 from agent_monitor.prompts import fence
-from agent_monitor.recorded import iter_recorded
+from agent_monitor.offline.recorded import iter_recorded
 
 
 def _paths() -> dict[str, str]:
@@ -56,7 +56,7 @@ def main() -> None:
             f"{name}: {len(ratios)} runs, {total_b:,} bytes, {total_t:,} tokens, {total_b / total_t:.2f} bytes/token overall; "
             f"per run min {ratios[0][0]:.2f} ({ratios[0][1]}), median {ratios[len(ratios) // 2][0]:.2f}, max {ratios[-1][0]:.2f}"
         )
-    # agent_monitor._tokens.CHARS_PER_TOKEN must stay under this for the estimate to over-count every run.
+    # agent_monitor._runtime.tokens.CHARS_PER_TOKEN must stay under this for the estimate to over-count every run.
     print(f"lowest bytes/token over every run and tokenizer: {lowest:.2f}")
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent_monitor import AsyncProgressTracker, ProgressTracker
-from agent_monitor._budget import BudgetExceeded, Pattern, budget, within
+from agent_monitor._runtime.budget import BudgetExceeded, Pattern, budget, within
 from agent_monitor.extractors import Boxed, RegexCapture, register_extractor
 from agent_monitor.testing import FakeJudge
 

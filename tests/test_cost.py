@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_monitor import AsyncProgressTracker, Prices, Progress, ProgressTracker, Usage, atrack, track
 from agent_monitor.cli import main
 from agent_monitor.daemon import MemoryStore, MetricsSettings, Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._metrics import RunCollector, RunSeries
+from agent_monitor.daemon.runs._views import RunSeries
+from agent_monitor.daemon.sinks._metrics import RunCollector
 from agent_monitor.progress import run_totals
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import FakeJudge

@@ -11,7 +11,7 @@ import pytest
 from agent_monitor import AsyncProgressTracker, Calibration, Policy, Progress, ProgressTracker
 from agent_monitor.calibration import margin, points
 from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.daemon._store import SqliteStore
+from agent_monitor.daemon.stores._store import SqliteStore
 from agent_monitor.testing import Answer, FakeJudge
 from agent_monitor.tracker import DEFAULT_CURVE_WINDOW
 from agent_monitor.wire import Topics

@@ -132,7 +132,7 @@ async def test_the_failing_coding_run_is_aborted_before_its_end_and_the_successf
 async def test_another_judge_or_other_runs_come_out_otherwise(tmp_path: Path) -> None:
     """Nothing in the demo knows an outcome in advance: the abort comes from the scores, whoever gives them."""
     from agent_monitor.cli._demo import example_runs
-    from agent_monitor.recorded import RecordedRun
+    from agent_monitor.offline.recorded import RecordedRun
     from agent_monitor.testing import FakeJudge
 
     # A judge that rates every step T lifts the failing run over the floor: 0.6 x 2/6 + 0.4 x 1 = 0.6.

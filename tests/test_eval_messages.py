@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor.evaluate import RunCurve, evaluate, summary
+from agent_monitor.offline.evaluate import RunCurve, evaluate, summary
 from agent_monitor.policy import Policy
-from agent_monitor.recorded import iter_recorded
+from agent_monitor.offline.recorded import iter_recorded
 
 
 def curves(n: int, steps: int) -> list[RunCurve]:

@@ -18,7 +18,7 @@ from agent_monitor.calibration import Calibration, Family, margin, min_successes
 from agent_monitor.cli import main
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.recorded import RecordedRun, RecordedStep
+from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge
 from agent_monitor.tracker import AsyncProgressTracker

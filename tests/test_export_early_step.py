@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent_monitor.daemon import ClusterSettings
-from agent_monitor.daemon._store import SqliteStore
+from agent_monitor.daemon.stores._store import SqliteStore
 from tests.brokers import Mosquitto
 from tests.redis_server import RedisServer
 from tests.test_cluster import cluster_export, replica

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import h11
 
-from agent_monitor.daemon._h11 import H11Conn, H11Server
+from agent_monitor.daemon.http._h11 import H11Conn, H11Server
 
 
 async def _echo(conn: H11Conn, request: h11.Request) -> None:

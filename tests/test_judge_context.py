@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor import AsyncProgressTracker, JudgeError, JudgeRequest, OpenAIJudge, load_criteria
-from agent_monitor._tokens import estimate_tokens
+from agent_monitor._runtime.tokens import estimate_tokens
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.judges.circuit import CircuitJudge
 from agent_monitor.prompts import Prompt, Step, build_prompt

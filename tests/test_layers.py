@@ -27,10 +27,10 @@ MAX_CLASS_LINES = 400
 # Grown past 400 lines this round by the features merged side by side (prompt windows, judge context, door
 # bounds, run pages, the Phoenix sink); each is to be split by role in the house issue (43), which drops it here.
 EXPECTED_LONG_CLASSES: set[str] = {
-    "agent_monitor.daemon._cluster.Cluster",
-    "agent_monitor.daemon._http.HttpServer",
-    "agent_monitor.daemon._scoring.Scoring",
-    "agent_monitor.daemon._store.SqliteStore",
+    "agent_monitor.daemon.cluster._cluster.Cluster",
+    "agent_monitor.daemon.http._server.HttpServer",
+    "agent_monitor.daemon.runs._scoring.Scoring",
+    "agent_monitor.daemon.stores._store.SqliteStore",
     "agent_monitor.judges.openai.OpenAIJudge",
     "agent_monitor.tracker.AsyncProgressTracker",
 }

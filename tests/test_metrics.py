@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent_monitor.criteria import load_criteria
 from agent_monitor.daemon import Accepted, MetricsSettings, Monitor, MonitorConfig, Scored
-from agent_monitor.daemon._metrics import RunCollector
+from agent_monitor.daemon.sinks._metrics import RunCollector
 from agent_monitor.judges.base import JudgeError
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -135,7 +135,7 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
 def test_every_cluster_operation_counted_is_there_from_start_up() -> None:
     """The op names cluster mode counts failures under are all pre-initialised (a new one must join CLUSTER_OPS)."""
     from agent_monitor.daemon import _cluster, _cluster_inbox, _cluster_session, _cluster_store
-    from agent_monitor.daemon._metrics import CLUSTER_OPS
+    from agent_monitor.daemon.sinks._metrics import CLUSTER_OPS
 
     modules = (_cluster, _cluster_inbox, _cluster_session, _cluster_store)
     source = "".join(Path(m.__file__).read_text() for m in modules)  # type: ignore[arg-type]
@@ -198,7 +198,7 @@ async def test_calibration_gauges_per_family_threshold_only_once_calibrated() ->
 def test_calibration_gauges_forget_families_the_calibration_forgot() -> None:
     """Family names come from the network: the gauge table stays as bounded as the calibration it shows."""
     from agent_monitor.calibration import Calibration, Family, Point
-    from agent_monitor.daemon._metrics import CalibrationCollector
+    from agent_monitor.daemon.sinks._metrics import CalibrationCollector
 
     cal = Calibration(max_samples=1, max_total=2)
     gauges = CalibrationCollector(cal, Policy(alpha=0.5))

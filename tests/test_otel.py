@@ -28,7 +28,7 @@ from structlog.testing import capture_logs
 
 from agent_monitor import AsyncProgressTracker, Policy, ProgressTracker, atrack, track
 from agent_monitor.daemon import Monitor, MonitorConfig, Scored
-from agent_monitor.daemon._otel import OtelSink, logs_url
+from agent_monitor.daemon.sinks._otel import OtelSink, logs_url
 from agent_monitor.otel import EVENT_NAME, OVERALL, evaluation_attributes
 from agent_monitor.progress import Decision, Progress
 from agent_monitor.scale import CriterionScore, rule_score

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import HttpServer, _otlp_receiver
-from agent_monitor.daemon._spans import MAX_EVENTS, decode_protobuf
+from agent_monitor.daemon.sources.otlp._spans import MAX_EVENTS, decode_protobuf
 from tests.test_otlp_receiver import apost, receiving, until, user
 
 pytestmark = pytest.mark.timeout(120)

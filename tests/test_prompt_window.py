@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from agent_monitor import ProgressTracker, load_criteria
-from agent_monitor._tokens import estimate_tokens
+from agent_monitor._runtime.tokens import estimate_tokens
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
-from agent_monitor.evaluate import score_runs
+from agent_monitor.offline.evaluate import score_runs
 from agent_monitor.images import Frame, FrameBudget
 from agent_monitor.prompts import (
     DigestEntry,
@@ -27,7 +27,7 @@ from agent_monitor.prompts import (
     image_tokens,
     prompt_budget,
 )
-from agent_monitor.recorded import load_recorded
+from agent_monitor.offline.recorded import load_recorded
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
 from tests.redis_server import RedisServer

@@ -23,7 +23,7 @@ import pytest
 import structlog
 
 from agent_monitor.daemon import Monitor, MonitorConfig, ProxySettings, ProxySource, SqliteStore
-from agent_monitor.daemon._turns import Conversations, Item, Turn, majority, parse_request, run_key, steps_of
+from agent_monitor.daemon.sources.proxy._turns import Conversations, Item, Turn, majority, parse_request, run_key, steps_of
 from agent_monitor.judges.base import JudgeError
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
@@ -745,7 +745,7 @@ async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Pa
 
 
 def test_a_stream_past_the_byte_bound_is_not_read() -> None:
-    from agent_monitor.daemon._turns import StreamTurn
+    from agent_monitor.daemon.sources.proxy._turns import StreamTurn
 
     chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "abcdefghij"}}]}\n\n'
     small = StreamTurn("chat", max_bytes=10 * len(chunk))

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize("command", ["proxy", "serve"])
 def test_the_proxy_command_watches_an_unmodified_agent(broker: Mosquitto, tmp_path: Path, command: str) -> None:
-    from agent_monitor.daemon._turns import run_key
+    from agent_monitor.daemon.sources.proxy._turns import run_key
 
     port = free_port()
     with scripted_server() as judge, upstream() as up:

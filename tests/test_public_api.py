@@ -81,9 +81,26 @@ def test_all_is_locked_and_every_name_resolves(module: str) -> None:
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_packages_have_no_public_modules(package: str) -> None:
+    # Subpackages (the daemon's parts: sources, runs, sinks, ...) are folders, not API: their modules are
+    # private too, and each exports its face in __all__ for the other parts.
     mod = importlib.import_module(package)
-    public = [m.name for m in pkgutil.iter_modules(mod.__path__) if not m.name.startswith("_")]
+    public = [
+        f"{prefix}{m.name}"
+        for prefix, path in _packages_under(package, mod.__path__)
+        for m in pkgutil.iter_modules(path)
+        if not m.ispkg and not m.name.startswith("_")
+    ]
     assert public == [], f"{package} has public modules {public}; make them private and export names in __all__"
+
+
+def _packages_under(name: str, path: list[str]) -> list[tuple[str, list[str]]]:
+    found = [("", path)]
+    for m in pkgutil.iter_modules(path):
+        if m.ispkg and not m.name.startswith("_"):
+            sub = importlib.import_module(f"{name}.{m.name}")
+            assert hasattr(sub, "__all__"), f"{name}.{m.name} exports no __all__: list its face there"
+            found += [(f"{m.name}.{p}", q) for p, q in _packages_under(f"{name}.{m.name}", list(sub.__path__))]
+    return found
 
 
 def test_import_agent_monitor_loads_no_daemon_wire_or_mqtt_module() -> None:

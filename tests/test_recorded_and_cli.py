@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent_monitor.cli import main
-from agent_monitor.recorded import RecordedRunError, iter_recorded, load_recorded, parse_recorded
+from agent_monitor.offline.recorded import RecordedRunError, iter_recorded, load_recorded, parse_recorded
 from tests.brokers import free_port
 from tests.openai_server import chat_choice, chat_reply, html_server, scripted_server
 

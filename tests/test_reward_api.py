@@ -36,8 +36,8 @@ from agent_monitor.daemon import (
     RewardSource,
     Route,
 )
-from agent_monitor.daemon._reward_api import pass_probability
-from agent_monitor.daemon._reward_steps import from_messages, from_text
+from agent_monitor.daemon.sources.reward._api import pass_probability
+from agent_monitor.daemon.sources.reward._steps import from_messages, from_text
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.scale import LETTERS

@@ -2,8 +2,8 @@
 
 import pytest
 
-from agent_monitor.evaluate import RunCurve
-from agent_monitor.robotmetrics import end_auroc, robot_metrics, voc
+from agent_monitor.offline.evaluate import RunCurve
+from agent_monitor.offline.robotmetrics import end_auroc, robot_metrics, voc
 
 
 def ep(name: str, outcome: float | None, scores: list[float | None]) -> RunCurve:

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
-from agent_monitor.daemon._runpages import QueryError, parse_history
+from agent_monitor.daemon.sinks._runpages import QueryError, parse_history
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 from tests.test_board import get
@@ -236,7 +236,7 @@ async def test_a_steps_frames_are_served_as_thumbnails_by_digest(tmp_path: Path)
     import base64
     import hashlib
 
-    from agent_monitor.daemon._store import PLACEHOLDER_PNG
+    from agent_monitor.daemon.stores._store import PLACEHOLDER_PNG
 
     async with daemon(tmp_path / "runs.sqlite3") as (monitor, web, _):
         await monitor.handle("agents/robot/start", json.dumps({"task": "pick the cube"}).encode())

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
-from agent_monitor.daemon._store import PLACEHOLDER_PNG
+from agent_monitor.daemon.stores._store import PLACEHOLDER_PNG
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import Answer, FakeJudge, letter_at

@@ -21,8 +21,8 @@ from prometheus_client import CollectorRegistry
 from agent_monitor import Policy
 from agent_monitor.calibration import outcome_mac
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._groups import GroupBook, GroupRefused, Joiner
-from agent_monitor.daemon._replay import Replays
+from agent_monitor.daemon.runs._groups import GroupBook, GroupRefused, Joiner
+from agent_monitor.daemon.runs._replay import Replays
 from agent_monitor.groups import group_mac
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, MonitorClient

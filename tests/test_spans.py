@@ -11,7 +11,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
-from agent_monitor.daemon._spans import (
+from agent_monitor.daemon.sources.otlp._spans import (
     Span,
     SpanError,
     TooManySpans,

@@ -1,4 +1,4 @@
-"""One sync helper over the async objects (agent_monitor._sync): every synchronous form goes through it."""
+"""One sync helper over the async objects (agent_monitor._runtime.sync): every synchronous form goes through it."""
 
 from __future__ import annotations
 

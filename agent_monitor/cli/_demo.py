@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ..judges.base import FRAMES_NOT_SEEN, sees_frames
+from ..offline.recorded import RecordedRun, RecordedStep, parse_recorded
 from ..policy import Policy
-from ..recorded import RecordedRun, RecordedStep, parse_recorded
 
 ROBOT_TASK = "Pick up the red cube and place it in the blue bin. The camera frame shows the gripper (grey) from above."
 

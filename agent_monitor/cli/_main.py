@@ -19,17 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from ..baselines import DEFAULT_RESAMPLES
 from ..criteria import CriteriaError, load_criteria
 from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
-from ..evaluate import DEFAULT_ORDERS
 from ..judges.base import FRAMES_NOT_SEEN, BaseJudge, JudgeError, recommended_min_mass, sees_frames
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
+from ..offline.baselines import DEFAULT_RESAMPLES
+from ..offline.evaluate import DEFAULT_ORDERS
+from ..offline.recorded import RecordedRunError, iter_recorded
+from ..offline.robotmetrics import robot_json, robot_metrics, robot_summary
 from ..options import ScoringOptions
 from ..policy import Policy, PolicyError
 from ..progress import Progress
-from ..recorded import RecordedRunError, iter_recorded
-from ..robotmetrics import robot_json, robot_metrics, robot_summary
 from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS
 from ..tracker import AsyncProgressTracker
 from ..wire import DEFAULT_BROKER, BrokerSettings, SettingsError
@@ -1044,8 +1044,8 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _eval(args: argparse.Namespace) -> int:
-    from .. import baselines as bl
-    from .. import evaluate as ev
+    from ..offline import baselines as bl
+    from ..offline import evaluate as ev
 
     if not args.judge and not args.baselines_only:
         return _fail(_NO_JUDGE + "; or --baselines-only to measure the baselines without one")
@@ -1130,7 +1130,7 @@ async def _eval(args: argparse.Namespace) -> int:
 
 async def _eval_scores(args: argparse.Namespace, runs: Sequence[Any], out: Path) -> tuple[list[Any], int]:
     """eval's judge pass: every prefix of every run (up to --max-steps) scored as live, through the cache."""
-    from .. import evaluate as ev
+    from ..offline import evaluate as ev
 
     judge = await _ready_judge(args, 8)
     cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
@@ -1155,8 +1155,8 @@ async def _eval_scores(args: argparse.Namespace, runs: Sequence[Any], out: Path)
 
 
 async def _select(args: argparse.Namespace) -> int:
-    from .. import evaluate as ev
-    from .. import groupeval as ge
+    from ..offline import evaluate as ev
+    from ..offline import groupeval as ge
 
     if not args.judge:
         return _fail(_NO_JUDGE)
@@ -1194,7 +1194,7 @@ def _write_json(path: Path, data: object) -> None:
 
 async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy: Policy, out: Path) -> Any:
     """eval --schedule: the runs stepped through each schedule live, with the policy's thresholds in force."""
-    from .. import evaluate as ev
+    from ..offline import evaluate as ev
     from ..policy import SCHEDULES
 
     names = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -1222,7 +1222,7 @@ async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy:
 
 def _eval_groups(args: argparse.Namespace, curves: Sequence[Any], policy: Policy) -> tuple[str, dict[str, Any]]:
     """eval --groups: the curves, grouped into siblings, replayed through the live group policy."""
-    from .. import groupeval as ge
+    from ..offline import groupeval as ge
 
     loaded = ge.load_runs(args.path)  # the files eval scored, in the same (sorted) order, with their folders
     if [r.name for r, _ in loaded] != [c.name for c in curves]:

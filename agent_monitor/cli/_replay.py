@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..recorded import RecordedRun, iter_recorded
+from ..offline.recorded import RecordedRun, iter_recorded
 from ..wire import MonitorClient, Run
 
 

@@ -7,7 +7,7 @@ import itertools
 import sys
 
 from ..images import FrameBudget
-from ..recorded import RecordedRun
+from ..offline.recorded import RecordedRun
 from ..robotdata import (
     DEFAULT_MAX_STEPS,
     Episode,

@@ -7,9 +7,7 @@ the top level of `agent_monitor`, never `cli/`.
 
 from typing import TYPE_CHECKING, Any
 
-from ._board import Board, BoardSettings
 from ._broker import BrokerStartError, EmbeddedBroker
-from ._cluster_store import ClusterJournal, ClusterUnavailable
 from ._config import (
     ClusterSettings,
     MetricsSettings,
@@ -22,15 +20,7 @@ from ._config import (
     RewardShape,
 )
 from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
-from ._http import HttpRequest, HttpResponse, HttpServer, Route
-from ._judge_server import JudgeServer, JudgeServerSettings
 from ._monitor import Monitor
-from ._mqtt import BrokerUnavailable
-from ._otlp_receiver import OtlpReceiver
-from ._phoenix import PhoenixSink, PhoenixStatistics
-from ._reward_api import RewardSource
-from ._runpages import RunPages
-from ._source import Inbound, Ingest, RunsView, Source
 from ._state import (
     Accepted,
     Duplicated,
@@ -44,17 +34,24 @@ from ._state import (
     Sink,
     Skipped,
 )
-from ._store import HistoryQuery, MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
-from ._views import RunView, StepView
+from .cluster import ClusterJournal, ClusterUnavailable
+from .http import HttpRequest, HttpResponse, HttpServer, Route
+from .judge_server import JudgeServer, JudgeServerSettings
+from .runs import RunView, StepView
+from .sinks import Board, BoardSettings, PhoenixSink, PhoenixStatistics, RunPages
+from .sources import BrokerUnavailable, Inbound, Ingest, RunsView, Source
+from .sources.otlp import OtlpReceiver
+from .sources.reward import RewardSource
+from .stores import HistoryQuery, MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
 
 if TYPE_CHECKING:
-    from ._proxy import ProxySource
+    from .sources.proxy import ProxySource
 
 
 def __getattr__(name: str) -> Any:
     # Loaded on first use: without the proxy nothing imports h11 or httpx2 (ImportError names the extra).
     if name == "ProxySource":
-        from ._proxy import ProxySource
+        from .sources.proxy import ProxySource
 
         return ProxySource
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,13 +16,12 @@ import structlog
 
 from ..calibration import Sample
 from ._config import MonitorConfig
-from ._metrics import Metrics
-from ._mqtt import Outbox
-from ._source import Host, Receive
-from ._store import NoStore, RunStore, SqliteStore
+from .sinks import Metrics
+from .sources import Host, Outbox, Receive
+from .stores import NoStore, RunStore, SqliteStore
 
 if TYPE_CHECKING:
-    from ._mqtt import MqttLink
+    from .sources import MqttLink
 
 log = structlog.get_logger("agent_monitor.daemon")
 
@@ -149,7 +148,7 @@ def mode_of(
     if store is not None:
         raise ValueError("a Monitor in cluster mode keeps its journal in Redis: pass no store")
     # Imported here: without a cluster nothing loads redis (ImportError names the extra).
-    from ._cluster import Cluster
+    from .cluster import Cluster
 
     return Cluster(
         config.cluster,

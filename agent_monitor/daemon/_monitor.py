@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ..calibration import Calibration
+from ..calibration import Calibration, Caller
 from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
 from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
-from ..uniform import Caller
 from ..wire import Topics
 from ._config import MonitorConfig
-from ._groups import GroupBook, Groups
-from ._ingest import Intake
-from ._metrics import (
+from ._mode import Mode, Standalone, mode_of
+from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
+from .runs import GroupBook, Groups, Intake, LiveRuns, Replays, Restore, RunView, Scoring, StepView, run_series
+from .sinks import (
     STORE_GAUGES,
     CalibrationCollector,
     CostCollector,
@@ -43,24 +43,17 @@ from ._metrics import (
     GroupCollector,
     Metrics,
     MetricsSink,
+    PhoenixSink,
     RunCollector,
     StatisticsCollector,
 )
-from ._mode import Mode, Standalone, mode_of
-from ._mqtt import Message, MqttLink, MqttSink, Outbox
-from ._phoenix import PhoenixSink
-from ._replay import Replays
-from ._restore import Restore
-from ._scoring import Scoring
-from ._source import Ingest, Source
-from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
-from ._store import RunStore, StoreSink
-from ._views import LiveRuns, RunView, StepView, run_series
+from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source
+from .stores import RunStore, StoreSink
 
 if TYPE_CHECKING:
-    from ._cluster import Cluster
-    from ._http import HttpServer
-    from ._otel import OtelSink
+    from .cluster import Cluster
+    from .http import HttpServer
+    from .sinks import OtelSink
 
 __all__ = ["Monitor", "RunView", "StepView"]
 
@@ -447,7 +440,7 @@ def health_of(status: Mapping[str, Any], *, broker: bool) -> tuple[bool, dict[st
 
 def _otel_sink(endpoint: str, registry: CollectorRegistry, criteria: Callable[[str], Sequence[str]]) -> OtelSink:
     """The OpenTelemetry sink; imported here: without an endpoint no OpenTelemetry package is loaded."""
-    from ._otel import OtelSink  # ImportError names the extra
+    from .sinks import OtelSink  # ImportError names the extra
 
     return OtelSink(endpoint, registry=registry, criteria=criteria)
 

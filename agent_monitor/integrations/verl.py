@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any, Literal, Protocol, cast
 
-from .._sync import Blocking
+from .._runtime.sync import Blocking
 from ..judges.base import Judge
 from ..options import TrackerOptions
 from ..tracker import AsyncProgressTracker

@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 import openai
 from openai import AsyncOpenAI
 
-from .._http_client import WireConnectionError, WirePool, WireReply, WireTimeout
+from .._runtime.http_client import WireConnectionError, WirePool, WireReply, WireTimeout
 from .base import JudgeError, context_refusal, retry_after_seconds
 
 __all__ = ["LeanTransport", "Limits", "SdkTransport", "StatusError", "Transport", "sdk_error"]

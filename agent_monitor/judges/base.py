@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import structlog
 
-from .._loop import LoopThread
-from .._tokens import estimate_tokens
+from .._runtime.loop import LoopThread
+from .._runtime.tokens import estimate_tokens
 from ..progress import Usage
 from ..prompts import Prompt
 from ..scale import DEFAULT_MIN_MASS, read_binary, read_letter

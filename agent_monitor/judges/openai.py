@@ -16,7 +16,7 @@ import openai
 import structlog
 from openai import AsyncOpenAI
 
-from .._http_client import WireConnectionError, WirePool, WireReply, WireTimeout
+from .._runtime.http_client import WireConnectionError, WirePool, WireReply, WireTimeout
 from ..images import Frame
 from ..progress import Usage
 from ..prompts import ImagePart, Prompt, TextPart

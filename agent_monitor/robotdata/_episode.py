@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..images import FrameBudget
-from ..recorded import RecordedRun, RecordedStep
+from ..offline.recorded import RecordedRun, RecordedStep
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage

@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
-from .._sync import run_blocking
+from .._runtime.sync import run_blocking
 from ..judges.base import Judge, JudgeError, JudgeRequest, recommended_min_mass
 from ..prompts import Prompt, TextPart, fence, fence_inline
 from ..scale import LETTERS, ScoreError, score_samples

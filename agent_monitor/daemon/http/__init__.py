@@ -1,0 +1,14 @@
+"""The daemon's one HTTP server (h11 on asyncio streams) and its connection admission."""
+
+from ._h11 import H11Conn, H11Server, declared_length
+from ._server import HttpRequest, HttpResponse, HttpServer, Route
+
+__all__ = [
+    "H11Conn",
+    "H11Server",
+    "HttpRequest",
+    "HttpResponse",
+    "HttpServer",
+    "Route",
+    "declared_length",
+]

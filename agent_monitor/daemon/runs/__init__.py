@@ -1,0 +1,26 @@
+"""The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and its sinks."""
+
+from ._groups import GroupBook, Groups, GroupSeries
+from ._ingest import Intake
+from ._replay import Replays
+from ._restore import Restore
+from ._scoring import TOKEN_BUCKETS, Scoring
+from ._views import FamilySeries, LiveRuns, RunSeries, RunView, StepView, run_series, series_of
+
+__all__ = [
+    "TOKEN_BUCKETS",
+    "FamilySeries",
+    "GroupBook",
+    "GroupSeries",
+    "Groups",
+    "Intake",
+    "LiveRuns",
+    "Replays",
+    "Restore",
+    "RunSeries",
+    "RunView",
+    "Scoring",
+    "StepView",
+    "run_series",
+    "series_of",
+]

@@ -1,0 +1,18 @@
+"""The front doors: each source hands a run's start, step and end events to ingest."""
+
+from ._mqtt import BrokerUnavailable, Message, MqttLink, MqttSink, Outbox
+from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source
+
+__all__ = [
+    "BrokerUnavailable",
+    "Host",
+    "Inbound",
+    "Ingest",
+    "Message",
+    "MqttLink",
+    "MqttSink",
+    "Outbox",
+    "Receive",
+    "RunsView",
+    "Source",
+]
