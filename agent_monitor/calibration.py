@@ -774,5 +774,3 @@ class Caller:
     def statistics(self) -> dict[str, int]:
         """Evidence sets cached and computed."""
         return {"cached": len(self._cache), "recomputed": self.recomputed}
-
-

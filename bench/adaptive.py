@@ -32,9 +32,9 @@ import aiomqtt
 from _common import REPO, cleanup_on_sigterm, configure_logs, load1, mosquitto
 
 from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.offline.recorded import iter_recorded
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.offline.recorded import iter_recorded
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge, ReplayJudge
 from agent_monitor.wire import BrokerSettings

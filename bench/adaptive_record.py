@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent_monitor.offline.evaluate import ScoreCache, score_runs
 from agent_monitor.judges import JudgeError, JudgeRequest, JudgeResponse
 from agent_monitor.judges.llamacpp import LlamaCppJudge
+from agent_monitor.offline.evaluate import ScoreCache, score_runs
 from agent_monitor.offline.recorded import iter_recorded
 from agent_monitor.testing import ReplayJudge, prompt_key, record_answer, save_answers
 

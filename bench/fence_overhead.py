@@ -22,8 +22,8 @@ from pathlib import Path
 from _common import REPO, gemma_path, kv_line
 
 from agent_monitor import build_prompt, load_criteria
-from agent_monitor.prompts import INSTRUCTIONS, Step, fence
 from agent_monitor.offline.recorded import iter_recorded
+from agent_monitor.prompts import INSTRUCTIONS, Step, fence
 
 DATA = REPO.parent / "shared" / "data"
 FALLBACK = REPO / "tests" / "fixtures"

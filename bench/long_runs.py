@@ -264,8 +264,8 @@ def compare(args: argparse.Namespace) -> None:
     """The packaged judge's scores with the whole prompt vs the bounded one (an 8,192-token judge's budget)."""
     from _common import gemma_path
 
-    from agent_monitor.offline.evaluate import spearman
     from agent_monitor.judges.llamacpp import LlamaCppJudge
+    from agent_monitor.offline.evaluate import spearman
     from agent_monitor.offline.recorded import load_recorded
 
     print(f"load average (1 min) at start: {load1()}")

@@ -48,8 +48,8 @@ from _common import REPO, cleanup_on_sigterm, configure_logs, judge_server, kv_l
 
 from agent_monitor import AsyncProgressTracker, JudgeRequest, JudgeResponse, Prompt, build_prompt, load_criteria
 from agent_monitor.judges.openai import OpenAIJudge
-from agent_monitor.prompts import Step, TextPart
 from agent_monitor.offline.recorded import RecordedRun, load_recorded
+from agent_monitor.prompts import Step, TextPart
 
 DEFAULT_RUN = REPO.parent / "shared" / "data" / "atif" / "pytorch-model-cli" / "success_trajectory.json"
 FALLBACK_RUN = REPO / "tests" / "fixtures" / "atif_reverse_string.json"

@@ -50,9 +50,9 @@ from _common import REPO, configure_logs, gemma_path, load1
 from agent_monitor.calibration import Sample
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.judges.base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
+from agent_monitor.offline.recorded import RecordedRun, load_recorded
 from agent_monitor.policy import Policy
 from agent_monitor.progress import Usage
-from agent_monitor.offline.recorded import RecordedRun, load_recorded
 from agent_monitor.scale import LETTERS
 
 DATA = next((p / "shared" / "data" for p in REPO.parents if (p / "shared" / "data").is_dir()), REPO / "data")

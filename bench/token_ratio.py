@@ -14,8 +14,8 @@ from pathlib import Path
 
 from _common import REPO, load1
 
-from agent_monitor.prompts import fence
 from agent_monitor.offline.recorded import iter_recorded
+from agent_monitor.prompts import fence
 
 
 def _paths() -> dict[str, str]:

@@ -23,9 +23,9 @@ from agent_monitor.calibration import (
     min_successes,
 )
 from agent_monitor.extractors import ErrorLines
+from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy, PolicyError, PolicyState
 from agent_monitor.progress import Decision, Progress
-from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.testing import FakeJudge
 from agent_monitor.tracker import ProgressTracker
 

@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_monitor.daemon import Board, BoardSettings, HttpServer, MemoryStore, Monitor, MonitorConfig
-from agent_monitor.daemon.sinks._board import TASK_CHARS
 from agent_monitor.daemon.http._server import MAX_HEAD_BYTES
+from agent_monitor.daemon.sinks._board import TASK_CHARS
 from agent_monitor.policy import Policy
 from agent_monitor.progress import Usage
 from agent_monitor.testing import FakeJudge

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
 from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, RunLimits
+from agent_monitor.daemon._state import Stepped
 from agent_monitor.daemon.cluster._cluster import Fenced
 from agent_monitor.daemon.sources._mqtt import Message
-from agent_monitor.daemon._state import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, MonitorClient, StepIn
 from tests.brokers import Mosquitto, free_port

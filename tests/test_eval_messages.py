@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent_monitor.offline.evaluate import RunCurve, evaluate, summary
-from agent_monitor.policy import Policy
 from agent_monitor.offline.recorded import iter_recorded
+from agent_monitor.policy import Policy
 
 
 def curves(n: int, steps: int) -> list[RunCurve]:

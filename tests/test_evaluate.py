@@ -17,9 +17,9 @@ import pytest
 from agent_monitor import evaluate as ev
 from agent_monitor.cli._replay import replay, run_id_for, schedule
 from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, MonitorClient

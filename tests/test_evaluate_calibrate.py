@@ -16,9 +16,9 @@ import pytest
 from agent_monitor import evaluate as ev
 from agent_monitor.calibration import Calibration, Family, margin, min_successes, points
 from agent_monitor.cli import main
+from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge
 from agent_monitor.tracker import AsyncProgressTracker

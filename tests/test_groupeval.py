@@ -13,9 +13,9 @@ import pytest
 
 from agent_monitor import evaluate as ev
 from agent_monitor import groupeval as ge
+from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
-from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.scale import LETTERS
 from agent_monitor.testing import FakeJudge
 from tests.openai_server import Reply, chat_choice, chat_reply, scripted_server

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor.calibration import Calibration, Family, Point, Sample
+from agent_monitor.calibration import NO_CALL, Calibration, Caller, Family, Point, Sample, p_fail, p_pass, pass_margin
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon.runs._groups import GroupBook
 from agent_monitor.groups import GroupState
 from agent_monitor.policy import Policy, PolicyError
 from agent_monitor.testing import FakeJudge
-from agent_monitor.calibration import NO_CALL, Caller, p_fail, p_pass, pass_margin
 
 FAM = Family("tasks", "judge", "rubric")
 POL = Policy(min_steps=1, patience=2, max_uncertainty=1.0, uniform_confidence=0.8)

@@ -17,9 +17,9 @@ from agent_monitor import AsyncProgressTracker, ProgressTracker, atrack, track
 from agent_monitor.cli._flags import build
 from agent_monitor.cli._main import _parser
 from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.offline.evaluate import score_runs
 from agent_monitor.judges.base import recommended_min_mass
 from agent_monitor.judges.circuit import CircuitJudge
+from agent_monitor.offline.evaluate import score_runs
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.scale import DEFAULT_MIN_MASS, ScoreError, distribution
 from agent_monitor.testing import FakeJudge

@@ -11,7 +11,13 @@ import signal
 
 import pytest
 
-from agent_monitor.daemon.judge_server._server import BadRequest, _chat_logprobs, _completion_logprobs, _messages, _Slots
+from agent_monitor.daemon.judge_server._server import (
+    BadRequest,
+    _chat_logprobs,
+    _completion_logprobs,
+    _messages,
+    _Slots,
+)
 from agent_monitor.daemon.judge_server._slots import TopToken
 from agent_monitor.judges.llamacpp import crash_explanation
 from agent_monitor.judges.openai import _chat_sample, _completion_sample

@@ -15,8 +15,9 @@ import pytest
 from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor._runtime.tokens import estimate_tokens
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
-from agent_monitor.offline.evaluate import score_runs
 from agent_monitor.images import Frame, FrameBudget
+from agent_monitor.offline.evaluate import score_runs
+from agent_monitor.offline.recorded import load_recorded
 from agent_monitor.prompts import (
     DigestEntry,
     ImagePart,
@@ -27,7 +28,6 @@ from agent_monitor.prompts import (
     image_tokens,
     prompt_budget,
 )
-from agent_monitor.offline.recorded import load_recorded
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
 from tests.redis_server import RedisServer
