@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor import baselines as bl
-from agent_monitor import evaluate as ev
+from agent_monitor.offline import baselines as bl
+from agent_monitor.offline import evaluate as ev
 from agent_monitor.calibration import (
     Calibration,
     Family,

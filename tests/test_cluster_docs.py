@@ -13,7 +13,10 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent_monitor.cli._flags import env_name, flag_name
-from agent_monitor.daemon import ClusterSettings, Monitor, _cluster, _cluster_lua, _cluster_store
+from agent_monitor.daemon import ClusterSettings, Monitor
+from agent_monitor.daemon.cluster import _cluster
+from agent_monitor.daemon.cluster import _lua as _cluster_lua
+from agent_monitor.daemon.cluster import _store as _cluster_store
 from agent_monitor.testing import FakeJudge
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from agent_monitor import evaluate as ev
+from agent_monitor.offline import evaluate as ev
 from agent_monitor.cli._replay import replay, run_id_for, schedule
 from agent_monitor.daemon import Monitor, MonitorConfig
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep

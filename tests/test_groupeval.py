@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from agent_monitor import evaluate as ev
-from agent_monitor import groupeval as ge
+from agent_monitor.offline import evaluate as ev
+from agent_monitor.offline import groupeval as ge
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt

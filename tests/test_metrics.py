@@ -134,10 +134,10 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
 
 def test_every_cluster_operation_counted_is_there_from_start_up() -> None:
     """The op names cluster mode counts failures under are all pre-initialised (a new one must join CLUSTER_OPS)."""
-    from agent_monitor.daemon import _cluster, _cluster_inbox, _cluster_session, _cluster_store
+    from agent_monitor.daemon.cluster import _cluster, _inbox, _session, _store
     from agent_monitor.daemon.sinks._metrics import CLUSTER_OPS
 
-    modules = (_cluster, _cluster_inbox, _cluster_session, _cluster_store)
+    modules = (_cluster, _inbox, _session, _store)
     source = "".join(Path(m.__file__).read_text() for m in modules)  # type: ignore[arg-type]
     ops = set(re.findall(r'cluster_errors\.labels\("(\w+)"\)', source)) | set(re.findall(r'_run\(\s*"(\w+)"', source))
     assert {"receive", "journal", "heartbeat", "feed"} <= ops, ops
