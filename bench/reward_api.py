@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.criteria import load_criteria
 from agent_monitor.daemon import HttpServer, MemoryStore, Monitor, MonitorConfig, RewardApiSettings, RewardSource
+from agent_monitor.daemon.http import HttpSettings
 from agent_monitor.prompts import Step
 from agent_monitor.testing import FakeJudge
 from agent_monitor.tracker import score_prefix
@@ -77,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
     load_start = load1()
     judge = FakeJudge(lambda p: "K", record=False)
     registry = CollectorRegistry()
-    http = HttpServer(registry, port=0, max_connections=4 * args.workers)
+    http = HttpServer(registry, port=0, settings=HttpSettings(max_connections=4 * args.workers))
     settings = RewardApiSettings(reward_api=True, max_inflight=4 * args.workers, shape=args.shape)
     source = RewardSource(http, settings, registry=registry)
     await http.bind()

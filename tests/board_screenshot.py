@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.policy import Policy
 from agent_monitor.progress import Usage
 from agent_monitor.testing import FakeJudge
@@ -50,7 +51,7 @@ async def main(out: Path) -> None:
         price_cached_input=0.075,
     )
     async with (
-        HttpServer(registry, board=board, port=0) as web,
+        HttpServer(registry, port=0, site=BoardSite(board)) as web,
         Monitor(
             config, judge=FakeJudge(answer, usage=Usage(2400, 2000, 1)), registry=registry, sinks=[board]
         ) as monitor,

@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_monitor.daemon import Board, BoardSettings, HttpServer, MemoryStore, Monitor, MonitorConfig
-from agent_monitor.daemon.http._server import MAX_HEAD_BYTES
+from agent_monitor.daemon.http import BOARD_PORT, HttpSettings
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.daemon.sinks._board import TASK_CHARS
 from agent_monitor.policy import Policy
 from agent_monitor.progress import Usage
@@ -80,7 +81,7 @@ async def served(
     board = Board(settings, registry=registry, clock=clock)
     config = config or MonitorConfig(policy=policy or Policy())
     monitor = Monitor(config, judge=judge or FakeJudge(), registry=registry, sinks=[board], clock=clock)
-    async with HttpServer(registry, board=board, port=0, **kw) as web, monitor:
+    async with HttpServer(registry, port=0, settings=HttpSettings(**kw), site=BoardSite(board)) as web, monitor:
         yield Served(monitor, board, web, registry, clock)
 
 
@@ -477,16 +478,18 @@ async def _until(check: Any) -> None:
 
 
 async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests_are_refused() -> None:
-    async with served(request_timeout_s=0.2) as s:
+    async with served(head_timeout_s=0.2) as s:
         port = s.web.port
         r = await get(port, "/nope")
         assert r.status == 404 and b"the board is at /, metrics at /metrics" in r.body
         for method in ("POST", "PUT", "DELETE", "OPTIONS"):
             r = await get(port, "/", method=method)
             assert r.status == 405 and r.headers["allow"] == "GET, HEAD", method
-        r = await exchange(port, b"GET / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello")
+        r = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
         assert r.status == 413
-        r = await exchange(port, b"GET / HTTP/1.1\r\nX-Big: " + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n")
+        r = await exchange(
+            port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * BOARD_PORT.max_head_bytes + b"\r\n\r\n"
+        )
         assert r.status == 431
         r = await exchange(port, b"HELLO\r\n\r\n")
         assert r.status == 400
@@ -545,7 +548,7 @@ async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
 
     registry = CollectorRegistry()
     registry.register(Big())  # type: ignore[arg-type]
-    async with HttpServer(registry, port=0, write_timeout_s=0.5) as web:
+    async with HttpServer(registry, port=0, settings=HttpSettings(write_timeout_s=0.5)) as web:
         loop = asyncio.get_running_loop()
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import Answer, FakeJudge, letter_at
 from agent_monitor.wire import BrokerSettings, MonitorClient
@@ -46,7 +47,7 @@ async def test_the_board_shows_live_runs_and_a_new_score_without_a_reload(broker
     board = Board(registry=registry)
     config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id="board-browser-test")
     async with (
-        HttpServer(registry, board=board, port=0) as web,
+        HttpServer(registry, port=0, site=BoardSite(board)) as web,
         Monitor(config, judge=FakeJudge(judge), registry=registry, sinks=[board]) as monitor,
     ):
         client = await asyncio.to_thread(MonitorClient, broker.url, connect_timeout=5)
@@ -118,7 +119,7 @@ async def test_a_browser_turned_away_at_the_cap_connects_once_a_place_is_free() 
     registry = CollectorRegistry()
     board = Board(BoardSettings(max_clients=1), registry=registry)
     async with (
-        HttpServer(registry, board=board, port=0) as web,
+        HttpServer(registry, port=0, site=BoardSite(board)) as web,
         Monitor(MonitorConfig(), judge=FakeJudge(), registry=registry, sinks=[board]) as monitor,
     ):
         await monitor.handle("agents/r1/start", json.dumps({"task": "t"}).encode())

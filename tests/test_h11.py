@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import h11
 
-from agent_monitor.daemon.http._h11 import H11Conn, H11Server
+from agent_monitor.daemon.http import H11Conn, H11Server, HttpSettings
 
 
 async def _echo(conn: H11Conn, request: h11.Request) -> None:
@@ -41,13 +42,18 @@ async def _until(check: Callable[[], bool]) -> None:
     raise AssertionError("timed out")
 
 
+def _bounds(**kw: Any) -> HttpSettings:
+    """A test server's bounds: no deadline but those the test sets."""
+    return HttpSettings(**{"max_head_bytes": 4096, "head_timeout_s": None, "read_timeout_s": None, **kw})
+
+
 def _post(path: str, body: bytes) -> bytes:
     return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
 
 
 async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop() -> None:
     refused: list[int] = []
-    server = H11Server("t", _echo, max_head=4096, max_connections=1, on_refused=lambda: refused.append(1))
+    server = H11Server("t", _echo, _bounds(max_connections=1), on_refused=lambda: refused.append(1))
     await server.open("127.0.0.1", 0, start_serving=False)
     bound = server.sockname
     assert bound is not None
@@ -84,7 +90,7 @@ async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop()
 async def test_the_cap_holds_under_a_burst_and_a_trickling_head_is_cut_at_its_deadline() -> None:
     """Connections are counted at accept (a burst never overruns the cap); a head that trickles is closed."""
     peak = 0
-    server = H11Server("t", _echo, max_head=4096, max_connections=8, head_timeout_s=0.5, keepalive_s=30)
+    server = H11Server("t", _echo, _bounds(max_connections=8, head_timeout_s=0.5, keepalive_s=30))
     await server.open("127.0.0.1", 0, start_serving=False)
     bound = server.sockname
     assert bound is not None
@@ -114,7 +120,7 @@ async def test_the_cap_holds_under_a_burst_and_a_trickling_head_is_cut_at_its_de
 
 
 async def test_one_peer_over_its_bound_sheds_its_own_oldest_connection() -> None:
-    server = H11Server("t", _echo, max_head=4096, max_connections=100, max_per_peer=3, keepalive_s=30)
+    server = H11Server("t", _echo, _bounds(max_connections=100, max_connections_per_peer=3, keepalive_s=30))
     await server.open("127.0.0.1", 0, start_serving=False)
     bound = server.sockname
     assert bound is not None

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import HttpServer, RewardApiSettings
+from agent_monitor.daemon.http import HttpSettings
 from agent_monitor.testing import FakeJudge
 from tests.test_reward_api import daemon, sample
 
@@ -35,7 +36,7 @@ async def test_a_deeply_nested_body_on_v1_score_is_400_not_500() -> None:
 
 async def test_trickling_heads_cannot_keep_metrics_from_being_served() -> None:
     registry = CollectorRegistry()
-    async with HttpServer(registry, port=0, max_connections=8, request_timeout_s=30) as server:
+    async with HttpServer(registry, port=0, settings=HttpSettings(max_connections=8, head_timeout_s=30)) as server:
         held = []
         for _ in range(20):  # more than the bound, each sending a head that never ends
             r, w = await asyncio.open_connection("127.0.0.1", server.port)
@@ -55,7 +56,9 @@ async def test_trickling_heads_cannot_keep_metrics_from_being_served() -> None:
 
 
 async def test_one_peer_past_its_bound_sheds_its_own_slowest_head() -> None:
-    async with HttpServer(CollectorRegistry(), port=0, max_connections=100, max_connections_per_peer=4) as server:
+    async with HttpServer(
+        CollectorRegistry(), port=0, settings=HttpSettings(max_connections=100, max_connections_per_peer=4)
+    ) as server:
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(6)]
         await asyncio.sleep(0.2)
         assert server.gate.connections == 4 and server.gate.shed == 2

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.daemon.sinks._runpages import QueryError, parse_history
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
@@ -43,9 +44,8 @@ async def daemon(path: Path, *, pages: bool = True) -> AsyncIterator[tuple[Monit
     store = SqliteStore(path)
     monitor = Monitor(MonitorConfig(policy=POLICY), judge=judge(), store=store, registry=registry, sinks=[board])
     try:
-        async with HttpServer(registry, board=board, port=0) as web, monitor:
-            if pages:
-                web.pages = RunPages(monitor.store, board)
+        site = BoardSite(board, RunPages(monitor.store, board) if pages else None)
+        async with HttpServer(registry, port=0, site=site) as web, monitor:
             yield monitor, web, store
     finally:
         await store.aclose()
@@ -222,8 +222,7 @@ async def test_without_a_store_the_page_falls_back_to_the_board_and_history_says
     registry = CollectorRegistry()
     board = Board(registry=registry)
     monitor = Monitor(MonitorConfig(policy=POLICY), judge=judge(), registry=registry, sinks=[board])
-    async with HttpServer(registry, board=board, port=0) as web, monitor:
-        web.pages = RunPages(monitor.store, board)
+    async with HttpServer(registry, port=0, site=BoardSite(board, RunPages(monitor.store, board))) as web, monitor:
         await feed(monitor, "doomed-1", ["x"])
         status, run = await api(web.port, "/api/runs/doomed-1")
         assert status == 200 and run["source"] == "board" and run["signal"] == "abort"

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Board, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.daemon.stores._store import PLACEHOLDER_PNG
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
@@ -45,6 +46,7 @@ def judge(prompt: Prompt) -> Answer:
 async def daemon(broker: Mosquitto, path: Path, name: str) -> AsyncIterator[HttpServer]:
     registry = CollectorRegistry()
     board = Board(registry=registry)
+    site = BoardSite(board)
     store = SqliteStore(path)
     config = MonitorConfig(
         broker=BrokerSettings.from_url(broker.url),
@@ -53,10 +55,10 @@ async def daemon(broker: Mosquitto, path: Path, name: str) -> AsyncIterator[Http
     )
     try:
         async with (
-            HttpServer(registry, board=board, port=0) as web,
+            HttpServer(registry, port=0, site=site) as web,
             Monitor(config, judge=FakeJudge(judge), store=store, registry=registry, sinks=[board]) as monitor,
         ):
-            web.pages = RunPages(monitor.store, board)
+            site.pages = RunPages(monitor.store, board)
             yield web
     finally:
         await store.aclose()

@@ -440,6 +440,7 @@ async def run_demo(
     from rich.text import Text
 
     from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
+    from ..daemon.sinks import BoardSite
     from ..wire import BrokerSettings
 
     # A terminal keeps its width; piped output (CI, logs) gets one wide enough for the table.
@@ -489,11 +490,12 @@ async def run_demo(
     board = Board(registry=registry) if metrics_port else None  # 0 turns /metrics off, as for serve
     served = contextlib.AsyncExitStack()
     web = None
-    if board is not None:
+    site = BoardSite(board) if board is not None else None
+    if site is not None:
         try:
-            web = await served.enter_async_context(HttpServer(registry, board=board, port=metrics_port))
+            web = await served.enter_async_context(HttpServer(registry, port=metrics_port, site=site))
         except OSError:  # taken (a serve running?): any free port, shown below
-            web = await served.enter_async_context(HttpServer(registry, board=board, port=0))
+            web = await served.enter_async_context(HttpServer(registry, port=0, site=site))
     metrics = f"board {web.url}   metrics {web.url}metrics" if web else "metrics off"
     if judge_only:
         # The tiny judge alone scores every demo run between 0.13 and 0.27 (measured: the robot run, a success,
@@ -534,8 +536,8 @@ async def run_demo(
                 sinks=[board] if board else [],
             ) as monitor,
         ):
-            if web is not None and board is not None:
-                web.pages = RunPages(monitor.store, board)  # each card links to its run's page, as with serve
+            if site is not None and board is not None:
+                site.pages = RunPages(monitor.store, board)  # each card links to its run's page, as with serve
             console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
             # Its own line: a console of 130 columns would wrap the URLs.
             console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)

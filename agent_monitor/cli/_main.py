@@ -815,6 +815,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from ..daemon import Board, BrokerUnavailable, ClusterUnavailable, HttpServer, Monitor, MonitorConfig, tune_gc
+    from ..daemon.http import board_port
+    from ..daemon.sinks import BoardSite
 
     if not args.judge:
         return _fail(_NO_JUDGE)
@@ -890,12 +892,10 @@ async def _serve(args: argparse.Namespace) -> int:
             except OSError as e:
                 return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
         web = None
+        site = BoardSite(board) if board is not None else None  # its run pages read the monitor's store (below)
         if serve.metrics_port:
-            # Every trainer worker asking for a reward holds a connection until its rollout is scored.
-            most = max(64, config.reward_api.max_inflight) if config.reward_api.reward_api else 64
-            web = HttpServer(
-                registry, board=board, host=serve.metrics_host, port=serve.metrics_port, max_connections=most
-            )
+            bounds = board_port(config.reward_api)
+            web = HttpServer(registry, host=serve.metrics_host, port=serve.metrics_port, settings=bounds, site=site)
         reward = None
         if config.reward_api.reward_api and web is not None:
             from ..daemon import RewardSource
@@ -918,10 +918,10 @@ async def _serve(args: argparse.Namespace) -> int:
             return _fail(
                 f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
             )
-        if web is not None and board is not None:
+        if site is not None and board is not None:
             from ..daemon import RunPages
 
-            web.pages = RunPages(monitor.store, board)  # /runs/<id> and the history read the run store
+            site.pages = RunPages(monitor.store, board)  # /runs/<id> and the history read the run store
         if reward is not None:
             reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
         if receiver is not None and monitor.otel is not None:

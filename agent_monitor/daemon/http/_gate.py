@@ -10,7 +10,7 @@ then the longest-idle one; only when every connection is working is the new one 
 holding connections open by trickling bytes cannot keep a legitimate request out: its connections go
 first, before even the idle keep-alive connections legitimate clients will reuse.
 
-Written once for both servers (the sources' `_h11` door and the metrics port's `_http`).
+Written once, for the one server every door runs (`_h11`).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import structlog
 
 from ...judges.base import JudgeError
 from ...judges.llamacpp import common_prefix
-from ..http import H11Conn, H11Server
+from ..http import H11Conn, H11Server, judge_server_door
 from ._slots import Ask, Completion, LoadedModel, Slot, TopToken
 
 __all__ = ["JudgeServer", "JudgeServerSettings"]
@@ -41,7 +41,6 @@ __all__ = ["JudgeServer", "JudgeServerSettings"]
 log = structlog.get_logger("agent_monitor.judge_server")
 
 _JSON = [(b"content-type", b"application/json")]
-_MAX_HEAD = 16 * 1024
 _MAX_LOGPROBS = 20
 
 
@@ -156,10 +155,7 @@ class JudgeServer:
         self.http = H11Server(
             "judge-server",
             self._request,
-            max_head=_MAX_HEAD,
-            max_connections=settings.max_connections,
-            read_timeout_s=60.0,
-            head_timeout_s=120.0,
+            judge_server_door(max_connections=settings.max_connections, max_body_bytes=settings.max_body_bytes),
             busy=self._busy,
             failed=lambda _: log.exception("judge_server_connection_failed"),
         )
@@ -212,8 +208,8 @@ class JudgeServer:
     async def _request(self, conn: H11Conn, request: h11.Request) -> None:
         method = request.method.decode()
         path = request.target.decode("latin-1").split("?")[0].rstrip("/")
-        limit = self.settings.max_body_bytes
-        body = await conn.body(limit, timeout_s=60.0)
+        limit = self.http.settings.max_body_bytes
+        body = await conn.body(limit, timeout_s=self.http.settings.body_timeout_s)
         try:
             if body is None:
                 raise BadRequest(f"the request body is over {limit} bytes (--max-body-bytes)", 413)

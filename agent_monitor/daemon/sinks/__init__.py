@@ -15,12 +15,14 @@ from ._metrics import (
 from ._otel import OtelSink
 from ._phoenix import PhoenixSink, PhoenixStatistics
 from ._runpages import QueryError, RunPages
+from ._site import BoardSite
 
 __all__ = [
     "STORE_GAUGES",
     "Board",
     "BoardClient",
     "BoardSettings",
+    "BoardSite",
     "CalibrationCollector",
     "CostCollector",
     "FlowCollector",

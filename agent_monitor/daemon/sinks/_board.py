@@ -248,7 +248,7 @@ class Board:
     ```python
     board = Board(BoardSettings(), registry=registry)
     async with Monitor(config, judge=judge, registry=registry, sinks=[board]) as monitor:
-        ...  # HttpServer(registry, board=board, port=9464) serves it at /
+        ...  # HttpServer(registry, site=BoardSite(board), port=9464) serves it at /
     ```
     """
 

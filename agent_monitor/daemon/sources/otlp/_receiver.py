@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 from ....otel import INSTALL_HINT
 from ..._config import OtlpReceiverSettings
 from ..._state import Sink
-from ...http import H11Conn, H11Server
+from ...http import H11Conn, H11Server, otlp_door
 from .._protocol import Ingest, RunsView
 from ._spans import Decoded, Span, SpanError, TooManySpans, decode_json, decode_protobuf
 from ._traces import REFUSE_REASONS, OtlpMetrics, Traces
@@ -39,7 +39,6 @@ log = structlog.get_logger("agent_monitor.daemon.otlp")
 _PATH = "/v1/traces"
 _PROTOBUF = "application/x-protobuf"
 _JSON = "application/json"
-_MAX_HEAD = 16 * 1024
 _SWEEP_S = 1.0
 _LINGER_S = 2.0
 _OFF_LOOP_BYTES = 64 * 1024
@@ -78,10 +77,7 @@ class OtlpReceiver:
         self.http = H11Server(
             "otlp",
             self._request,
-            max_head=_MAX_HEAD,
-            max_connections=settings.max_connections,
-            read_timeout_s=settings.read_timeout_s,
-            head_timeout_s=settings.read_timeout_s,
+            otlp_door(settings),
             busy=self._busy,
             failed=lambda _: log.exception("otlp_connection_failed"),
         )
@@ -171,7 +167,7 @@ class OtlpReceiver:
 
     async def _request(self, conn: H11Conn, request: h11.Request) -> None:
         """Answer one request: its head checked (token, path, method, types, length) before its body is read."""
-        limit = self.settings.max_body_bytes
+        limit = self.http.settings.max_body_bytes
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in request.headers}
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         reply_type = _JSON if ctype == _JSON else _PROTOBUF
@@ -283,7 +279,10 @@ class OtlpReceiver:
         except h11.LocalProtocolError:
             return
         if close:
-            await conn.linger(self.settings.max_body_bytes + _MAX_HEAD, min(self.settings.read_timeout_s, _LINGER_S))
+            bounds = self.http.settings
+            await conn.linger(
+                bounds.max_body_bytes + bounds.max_head_bytes, min(self.settings.read_timeout_s, _LINGER_S)
+            )
 
 
 def _success(rejected: int, message: str, ctype: str) -> bytes:

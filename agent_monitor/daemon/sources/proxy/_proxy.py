@@ -35,7 +35,7 @@ from ....progress import Usage
 from ....selection import compare, tournament
 from ..._config import ProxySettings
 from ..._state import Sink
-from ...http import H11Conn, H11Server, declared_length
+from ...http import H11Conn, H11Server, declared_length, proxy_door
 from .._protocol import Inbound, Ingest, RunsView
 from ._turns import (
     API_OF_PATH,
@@ -70,10 +70,6 @@ __all__ = ["ProxySource"]
 
 log = structlog.get_logger("agent_monitor.proxy")
 
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
-"""A request body past this is refused (413): nothing an LLM API takes is larger."""
-KEEPALIVE_S = 300.0
-"""Seconds an idle keep-alive connection stays open between two requests."""
 QUEUE_SIZE = 10_000
 """Events waiting for ingest; past it new ones are dropped (counted in events_dropped)."""
 _HOP = frozenset(
@@ -86,7 +82,6 @@ _HOP = frozenset(
 _REQUEST_DROP = _HOP | {b"accept-encoding"}
 _RESPONSE_DROP = _HOP | {b"content-encoding"}
 _RUN_HEADER = b"x-agent-monitor-run"
-_READ = 65_536
 # A refused body still on its way is read and dropped this long, so the client reads its 413 (not a reset).
 _LINGER_BYTES = 1024 * 1024
 _LINGER_S = 2.0
@@ -140,12 +135,7 @@ class ProxySource:
         self.http = H11Server(
             "proxy",
             self._handle,
-            max_head=_READ,
-            max_connections=settings.max_connections,
-            max_per_peer=settings.max_connections_per_peer,
-            head_timeout_s=settings.head_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            keepalive_s=KEEPALIVE_S,
+            proxy_door(settings),
             on_refused=lambda: self.counts.update(("connections_refused",)),
             on_shed=lambda: self.counts.update(("connections_shed",)),
             bad_request=self._bad_http,
@@ -273,14 +263,15 @@ class ProxySource:
             self.counts["bad_path"] += 1
             await _respond(conn, 400, json.dumps({"error": {"message": f"agent-monitor proxy: {why}"}}).encode())
             return
+        bounds = self.http.settings
         length = declared_length(request)
-        if length is not None and length > MAX_REQUEST_BYTES:
+        if length is not None and length > bounds.max_body_bytes:
             # Answered at once, the body unread: the connection closes (the client may be sending it still).
             self.counts["too_large"] += 1
             await _respond(conn, 413, b'{"error":{"message":"request body too large"}}', close=True)
             await conn.linger(_LINGER_BYTES, _LINGER_S)
             return
-        body = await conn.body(MAX_REQUEST_BYTES, timeout_s=self.settings.upstream_timeout_s)
+        body = await conn.body(bounds.max_body_bytes, timeout_s=bounds.body_timeout_s)
         if body is None:
             self.counts["too_large"] += 1
             await _respond(conn, 413, b'{"error":{"message":"request body too large"}}', close=True)
