@@ -1,7 +1,7 @@
 """The daemon's one HTTP server (h11 on asyncio streams) and its connection admission."""
 
 from ._h11 import H11Conn, H11Server, declared_length
-from ._server import HttpRequest, HttpResponse, HttpServer, Route
+from ._server import HttpRequest, HttpResponse, HttpServer, HttpServerStatistics, Route
 
 __all__ = [
     "H11Conn",
@@ -9,6 +9,7 @@ __all__ = [
     "HttpRequest",
     "HttpResponse",
     "HttpServer",
+    "HttpServerStatistics",
     "Route",
     "declared_length",
 ]

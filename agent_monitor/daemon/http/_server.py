@@ -15,7 +15,7 @@ bound is in plain sight). Paths:
 
 Routes a source mounts (`mount`: the reward endpoints, `POST /get_reward` and the like) take a POST
 with a body of at most the route's `max_body_bytes` (a `Content-Length` is required: 411 without one,
-413 beyond the bound, both counted in `statistics()["refused"]` by reason and told to the route's
+413 beyond the bound, both counted in `statistics().refused` by reason and told to the route's
 `on_refused`); the handler gets the method, path, query, headers and body and returns a response.
 
 Protections: only GET and HEAD besides the mounted routes; no request bodies elsewhere; a request head of
@@ -134,6 +134,20 @@ class _Refused(Exception):
         """Short code counted in the server's refusals (and told to the route's `on_refused`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HttpServerStatistics:
+    """What the HTTP server refused, and the routes mounted on it now."""
+
+    connections_refused: int
+    """Connections closed unanswered: every one open was being answered (or their peer's were)."""
+    connections_shed: int
+    """Waiting connections (sending a head, or idle) closed to make room for a new one."""
+    refused: Mapping[str, int]
+    """Requests answered 4xx before any handler saw them, by reason (`body_too_large`, `path`, ..)."""
+    routes: tuple[str, ...]
+    """The paths sources mounted, sorted."""
+
+
 class HttpServer:
     """Serve /metrics of `registry` and, with a `board`, the web board (/, /events, /api/runs) on host:port.
 
@@ -197,14 +211,14 @@ class HttpServer:
         """Stop serving a mounted path (its source stopped); a request to it is then 404."""
         self.routes.pop(path, None)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> HttpServerStatistics:
         """Connections refused, requests refused by reason, routes mounted."""
-        return {
-            "connections_refused": self.refused,
-            "connections_shed": self.gate.shed,
-            "refused": dict(self.refusals),
-            "routes": sorted(self.routes),
-        }
+        return HttpServerStatistics(
+            connections_refused=self.refused,
+            connections_shed=self.gate.shed,
+            refused=dict(self.refusals),
+            routes=tuple(sorted(self.routes)),
+        )
 
     @property
     def refused(self) -> int:
