@@ -347,6 +347,17 @@ class FamilySummary:
     last_at: float
 
 
+@dataclass(frozen=True, slots=True)
+class CalibrationStatistics:
+    """What a calibration holds, and the outcomes its per-family rate refused."""
+
+    samples: int
+    """Samples kept, every family's."""
+    families: int
+    rate_limited: int
+    """Outcomes not learnt because their family had learnt `max_rate` runs in the last `rate_window_s`."""
+
+
 class Calibration:
     """Per-family evidence from finished runs, and the abort thresholds it supports.
 
@@ -602,9 +613,9 @@ class Calibration:
             if family is None or f == family:
                 yield from runs.values()
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> CalibrationStatistics:
         """Samples kept, families, and outcomes refused by the per-family rate."""
-        return {"samples": self._total, "families": len(self._runs), "rate_limited": self.rate_limited}
+        return CalibrationStatistics(self._total, len(self._runs), self.rate_limited)
 
     def reset(self, name: str) -> int:
         """Forget every family called `name` (any model or rubric); how many samples were dropped."""
@@ -734,6 +745,14 @@ def p_pass(pass_margins: Sequence[float], m: float) -> float:
     return (1 + len(pass_margins) - bisect.bisect_left(pass_margins, m)) / (len(pass_margins) + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class CallerStatistics:
+    """A caller's evidence sets: cached now, and computed so far (cache misses)."""
+
+    cached: int
+    recomputed: int
+
+
 class Caller:
     """Live runs' calls from a calibration's evidence; the family's margins are recomputed only when it learns."""
 
@@ -771,6 +790,6 @@ class Caller:
         self.recomputed += 1
         return fails, passes
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> CallerStatistics:
         """Evidence sets cached and computed."""
-        return {"cached": len(self._cache), "recomputed": self.recomputed}
+        return CallerStatistics(len(self._cache), self.recomputed)

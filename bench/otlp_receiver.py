@@ -208,7 +208,7 @@ async def otlp_throughput(broker_url: str, tmp: Path, traces: int, steps: int) -
         cpu = cpu_seconds(os.getpid()) - cpu0
         proc.join(10)
         stats = rec.source.statistics()
-        assert stats["steps"] == traces * steps, stats
+        assert stats.steps == traces * steps, stats
     spans = traces * (steps + 1)
     return {"otlp_spans_per_s": spans / (sink.last - t0), "otlp_cpu_us_per_span": cpu / spans * 1e6}
 

@@ -258,7 +258,7 @@ async def in_process(args: argparse.Namespace) -> tuple[Samples, str]:
         samples = await measure(url, f"{proxy.url}/v1", args)
         if monitor is not None:
             await monitor.drain()
-        stats = dict(proxy.statistics())
+        stats = dict(proxy.statistics().counts)
     assert up.server is not None
     up.server.close()
     await asyncio.sleep(0.2)  # the upstream's connections see their clients close

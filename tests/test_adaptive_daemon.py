@@ -87,4 +87,4 @@ async def test_adaptive_schedule_over_mqtt(broker: Mosquitto) -> None:
 
         skipped = registry.get_sample_value("agent_monitor_scorings_skipped_total", {"reason": FAR})
         # Counted when the step arrived (step 8 was then scored at the end). good: 2, 3, 5, 6, 8; bad: 2, 3; flaky: 3, 4, 6, 7 (after its failure at 1, step 2 was scored).
-        assert skipped == mon._scoring.statistics()["skipped"][FAR] == 11
+        assert skipped == mon._scoring.statistics().skipped[FAR] == 11

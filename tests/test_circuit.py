@@ -252,9 +252,9 @@ async def test_the_circuit_counts_only_the_calls_that_reach_the_judge_with_their
         with contextlib.suppress(JudgeError):
             await c.grade(request())
     stats = c.statistics()
-    assert (stats["calls_ok"], stats["calls_failed"]) == (1, 2)
-    counts, bounds = stats["latency_counts"], stats["latency_buckets"]
+    assert (stats.calls_ok, stats.calls_failed) == (1, 2)
+    counts, bounds = stats.latency_counts, stats.latency_buckets
     assert sum(counts) == 3 and len(counts) == len(bounds) + 1
     # 30 ms a call: every one over 0.025 s and within 0.05 s.
-    assert counts[bounds.index(0.05)] == 3 and 0.09 <= stats["latency_sum"] < 1.0
-    assert stats["input_tokens"] == judge.usage.input_tokens > 0 and stats["output_tokens"] == 1
+    assert counts[bounds.index(0.05)] == 3 and 0.09 <= stats.latency_sum < 1.0
+    assert stats.input_tokens == judge.usage.input_tokens > 0 and stats.output_tokens == 1

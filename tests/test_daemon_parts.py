@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import HttpServer, Monitor, MonitorConfig, SqliteStore
+from agent_monitor.daemon.stores._store import SqliteStoreStatistics
 from agent_monitor.testing import FakeJudge
 
 
@@ -45,11 +46,11 @@ async def test_the_store_queue_is_bounded_and_reports_its_depth(tmp_path: Path) 
         SqliteStore(tmp_path / "bad.db", max_queue=0)
     store = SqliteStore(tmp_path / "runs.db", max_queue=2)
     try:
-        assert store.statistics() == {"queue_depth": 0, "queue_max": 2}
+        assert store.statistics() == SqliteStoreStatistics(queue_depth=0, queue_max=2)
         # More writes than the queue holds: the writer applies back-pressure, none is lost.
         for i in range(20):
             store.record_ranking(f"g{i}", {"runs": []})
-        assert store.statistics()["queue_depth"] <= 2
+        assert store.statistics().queue_depth <= 2
         assert len(await store.rankings()) == 20
     finally:
         await store.aclose()
@@ -80,8 +81,8 @@ async def test_the_monitor_statistics_are_its_status_and_each_parts_counters() -
         await mon.handle("agents/r1/step", b'{"index": 1, "text": "one"}')
         await mon.drain()
         stats = mon.statistics()
-    assert stats["live_runs"] == 1 and stats["scoring"]["scorings"] == 1 and stats["scoring"]["closing"] == 0
-    assert set(stats["uniform"]) and stats["http"]["routes"] == []
+    assert stats.status["live_runs"] == 1 and stats.scoring.scorings == 1 and stats.scoring.closing == 0
+    assert stats.uniform is not None and stats.http is not None and stats.http.routes == ()
     healthy, body = mon.health()
     assert healthy and body["status"] == "ok" and body["problems"] == [] and body["live_runs"] == 1
 
@@ -111,7 +112,7 @@ async def test_an_event_no_sink_takes_is_not_built_and_no_store_means_no_store_c
         await mon.handle("agents/r1/start", b'{"task": "count"}')
         await mon.handle("agents/r1/step", step)
         await mon.drain()
-        assert mon._intake.statistics()["accepted"] == {"start": 1, "step": 1, "end": 0}  # counted all the same
+        assert mon._intake.statistics().accepted == {"start": 1, "step": 1, "end": 0}  # counted all the same
         assert mon._scoring.tracker("r1") is not None and mon._scoring.runs["r1"].scored == 1
     store, seen = MemoryStore(), []
     async with Monitor(MonitorConfig(), judge=FakeJudge(), store=store, sinks=[seen.append]) as mon:

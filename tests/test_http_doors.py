@@ -49,7 +49,7 @@ async def test_trickling_heads_cannot_keep_metrics_from_being_served() -> None:
             for _ in range(3):
                 async with s.get(f"{server.url}metrics") as resp:
                     assert resp.status == 200
-        assert server.statistics()["connections_refused"] == 0
+        assert server.statistics().connections_refused == 0
         for _, w in held:
             with contextlib.suppress(Exception):
                 w.close()

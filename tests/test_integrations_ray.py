@@ -74,7 +74,7 @@ def test_two_rollout_workers_share_one_monitor_actor(local_ray: Any) -> None:
 
     # One actor, one judge: both workers' steps went through it.
     stats = ray.get(monitor.statistics.remote())
-    assert stats["updates"] == 7 and stats["live_runs"] == 2 and stats["infra"] == 1 and stats["stops"] == 1
+    assert stats.updates == 7 and stats.live_runs == 2 and stats.infra == 1 and stats.stops == 1
 
     # ray.get from the driver: submit, status after the background scoring, a one-shot reward, finish.
     index = ray.get(monitor.submit.remote("third", "read the test", task="Fix the failing test"))
@@ -94,9 +94,9 @@ async def test_the_service_in_process_bounds_its_runs() -> None:
     for run in ("r1", "r2", "r3"):
         await service.update(run, "a step", task="Do it")
     stats = await service.statistics()
-    assert stats["live_runs"] == 2 and stats["evicted"] == 1
+    assert stats.live_runs == 2 and stats.evicted == 1
     assert await service.status("r1") is None
     with pytest.raises(TypeError, match="zero-argument factory"):
         MonitorService(FakeJudge(["K"]))  # type: ignore[arg-type]
     await service.close()
-    assert (await service.statistics())["live_runs"] == 0
+    assert (await service.statistics()).live_runs == 0

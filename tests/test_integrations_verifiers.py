@@ -104,7 +104,7 @@ async def test_a_judged_abort_ends_the_rollout_with_the_reward_earned(
     assert len(server.requests) == 3, "the model was never asked for a 4th turn"
     reward = trace.rewards["agent_monitor"]
     assert reward is not None and reward.score == pytest.approx(LETTERS.index("B") / 19)
-    assert taskset_module.hooks.statistics()["rollouts"] == 0, "the rollout's tracker is freed when it is scored"
+    assert taskset_module.hooks.statistics().rollouts == 0, "the rollout's tracker is freed when it is scored"
 
 
 async def test_a_judge_outage_never_stops_the_rollout(
@@ -121,7 +121,7 @@ async def test_a_judge_outage_never_stops_the_rollout(
     assert trace.rewards["agent_monitor"].score == pytest.approx(LETTERS.index("K") / 19)
     assert json.dumps(info)  # plain JSON in the trace's info
     stats = taskset_module.hooks.statistics()
-    assert stats["turns"] == 8 and stats["infra"] == 2 and stats["stops"] == 0
+    assert stats.turns == 8 and stats.infra == 2 and stats.stops == 0
 
 
 async def test_a_failed_last_judgement_is_no_reward(

@@ -43,7 +43,7 @@ async def test_an_answer_without_logprobs_is_a_failed_call_naming_the_fix() -> N
         await judge.aclose()
     assert e.value.reason == "no_logprobs" and all(f in str(e.value) for f in FIX)
     stats = judge.statistics()
-    assert stats["calls_ok"] == 0 and stats["calls_failed"] == 1  # agent_monitor_judge_calls_total{outcome="error"}
+    assert stats.calls_ok == 0 and stats.calls_failed == 1  # agent_monitor_judge_calls_total{outcome="error"}
     assert judge.state == "closed"  # the server is up: a setup to fix, not an outage to back off from
 
 

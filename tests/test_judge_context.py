@@ -417,10 +417,10 @@ async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_supers
         for i in (2, 3):  # they supersede it in flight; 2 is superseded by 3 before its scoring starts
             await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
         await mon.drain()
-        scoring = mon.statistics()["scoring"]
+        scoring = mon.statistics().scoring
     assert len(judge.requests) == 2  # steps 1 and 3: no call was ever made for the prefix of 2
     assert [r.prompt.step for r in judge.requests] == [1, 3]
-    assert scoring["superseded"] == 1 and scoring["coalesced"] == 1 and scoring["scorings"] == 2
+    assert scoring.superseded == 1 and scoring.coalesced == 1 and scoring.scorings == 2
     assert reg.get_sample_value("agent_monitor_scorings_superseded_total") == 1
     assert reg.get_sample_value("agent_monitor_coalesced_steps_total") == 1
 
@@ -481,7 +481,7 @@ async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_publishe
             await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
             await asyncio.sleep(0.05)
         assert len(judge.requests) == 2  # held: a score for 3, 4 or 5 would only queue behind 2's, unread
-        held = mon.statistics()["scoring"]["held"]
+        held = mon.statistics().scoring.held
         assert held >= 1
         broker.start()  # the link reconnects, 2's score goes out, and one scoring covers 3-5
         await asyncio.wait_for(mon.drain(), 60)

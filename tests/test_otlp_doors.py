@@ -84,11 +84,11 @@ async def test_an_event_bomb_is_decoded_in_a_worker_thread_with_its_events_and_l
         status, _, _ = await bomb
         assert status == 200 and released == [True]  # /metrics answered while the bomb was being decoded
         assert threads[0] != threading.main_thread().name  # decoded off the event loop's thread
-        assert receiver.statistics()["decoded_off_loop"] == 1
+        assert receiver.statistics().decoded_off_loop == 1
         assert _dropped(reg, "events") == 1_500_000 - MAX_EVENTS and _dropped(reg, "links") == 1_000 - 128
         # A small body is decoded on the loop (a thread hop costs more than it saves).
         status, _, _ = await apost(receiver.url, _bomb(10), ctype="application/x-protobuf")
-        assert status == 200 and receiver.statistics()["decoded_off_loop"] == 1
+        assert status == 200 and receiver.statistics().decoded_off_loop == 1
 
 
 def test_decoding_reads_no_more_than_the_cap_of_events() -> None:
@@ -135,7 +135,7 @@ async def test_the_sdk_exporters_span_with_thousands_of_events_keeps_its_step_an
             await asyncio.to_thread(provider.shutdown)
         await until(lambda: _dropped(reg, "events") == 3_000 - MAX_EVENTS)
         # The span is still the run's step (its events past the cap dropped, not the span).
-        await until(lambda: receiver.statistics()["steps"] == 1)
+        await until(lambda: receiver.statistics().steps == 1)
         assert trace_id and reg.get_sample_value("agent_monitor_otlp_spans_accepted_total") == 2
 
 

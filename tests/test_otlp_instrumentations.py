@@ -128,7 +128,7 @@ async def test_openinference_on_an_agents_sdk_agent_with_two_function_tools() ->
         "### Step 5\nAssistant: It is 20 C and sunny in Paris.\n"
     )
     stats = receiver.statistics()
-    assert stats["steps"] == 5 and stats["late"] == 0
+    assert stats.steps == 5 and stats.late == 0
 
 
 async def test_openinference_on_plain_chat_calls_inside_an_agent_span() -> None:

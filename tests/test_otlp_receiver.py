@@ -207,7 +207,7 @@ async def test_a_genai_trace_from_the_sdk_exporter_is_a_run_scored_step_by_step(
         stats = receiver.statistics()
     end = closed(events, run_id)
     assert end is not None and end.outcome == "success" and end.steps == 3
-    assert stats["steps"] == 3 and stats["late"] == 0
+    assert stats.steps == 3 and stats.late == 0
 
 
 def receiver_latest(receiver: OtlpReceiver, run_id: str) -> Any:
@@ -442,7 +442,7 @@ async def test_a_trace_that_never_ends_is_closed_after_the_idle_time() -> None:
     end = closed(events, TRACE)
     assert end is not None and end.outcome == "unknown" and end.steps == 1
     # A span of the ended run is ignored, not a new run.
-    assert receiver.statistics()["live"] == 0
+    assert receiver.statistics().live == 0
 
 
 async def test_a_restart_mid_trace_picks_up_where_the_journal_left(tmp_path: Path) -> None:
@@ -470,7 +470,7 @@ async def test_a_restart_mid_trace_picks_up_where_the_journal_left(tmp_path: Pat
             await until(lambda: closed(events, TRACE) is not None)
             end = closed(events, TRACE)
             assert end is not None and end.outcome == "success" and end.steps == 3
-            assert receiver.statistics()["late"] == 0
+            assert receiver.statistics().late == 0
     finally:
         await store.aclose()
 
@@ -557,13 +557,13 @@ async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
         # An idle connection holds the only place: a new request sheds it and is answered.
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", receiver.port)
         try:
-            await until(lambda: receiver.statistics()["connections"] == 1)
+            await until(lambda: receiver.statistics().connections == 1)
             status, _, reply = await apost(receiver.url, body())
             assert (status, json.loads(reply)) == (200, {})
             assert await asyncio.wait_for(idle_reader.read(), 10) == b""
         finally:
             idle_writer.close()
-        await until(lambda: receiver.statistics()["connections"] == 0)
+        await until(lambda: receiver.statistics().connections == 0)
         # A connection whose request is being read (its body still coming) is working: one too many gets 503.
         slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", receiver.port)
         try:
@@ -652,13 +652,13 @@ async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another
         now[0] = 11.0
         await receiver.sweep()  # idle: started with a stand-in task and ended
         await until(lambda: monitor.run(TRACE) is None)
-        assert receiver.statistics()["live"] == 1
+        assert receiver.statistics().live == 1
         now[0] = 21.0
         await receiver.sweep()
-        assert receiver.statistics()["live"] == 0
+        assert receiver.statistics().live == 0
         # A span of it now is ignored (the run ended), not a new run.
         assert (await apost(receiver.url, body(tool("00000000000000e2", 2_000, "ls", "b"))))[0] == 200
-        assert receiver.statistics()["live"] == 0
+        assert receiver.statistics().live == 0
 
 
 async def test_a_span_after_the_root_ended_is_ignored_not_refused() -> None:

@@ -300,7 +300,7 @@ async def test_a_tool_using_conversation_is_one_run_with_a_step_per_turn_on_mqtt
         # The upstream got each request as the agent sent it (its own model, messages, stream flag).
         posts = r.up.posts()
         assert len(posts) == 3 and all(bool(p.body.get("stream")) == stream for p in posts)
-        stats = r.proxy.statistics()
+        stats = r.proxy.statistics().counts
         assert stats["watched"] == 3 and stats["steps_sent"] == 3 and stats["starts_sent"] == 1
         secret_nowhere(r, caplog)
 
@@ -340,7 +340,7 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
         view = r.monitor.run(rid)
         assert view is not None and [s.index for s in view.steps] == [1, 2, 3]
         assert len(r.up.posts()) == 2 + 4  # the two errors, then the retried first request and two more
-        assert r.proxy.statistics()["upstream_status_500"] == 1
+        assert r.proxy.statistics().counts["upstream_status_500"] == 1
         secret_nowhere(r, caplog)
 
 
@@ -405,7 +405,7 @@ async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(brok
             )
         base = run_key(SYSTEM, TASK)
         assert set(r.proxy.conversations.live) == {base, f"{base}-2"}
-        assert r.proxy.statistics()["splits"] == 1
+        assert r.proxy.statistics().splits == 1
         await r.settle(base, 2)
         await r.settle(f"{base}-2", 2)
         one, two = r.monitor.run(base), r.monitor.run(f"{base}-2")
@@ -459,7 +459,7 @@ async def test_enforce_refuses_a_low_scoring_run_at_its_next_request_in_the_apis
         assert e.value.response.headers["x-should-retry"] == "false"
         # Step 1 (turn 1 and its tool result, brought by request 2) scored low: request 3 was refused, once.
         assert len(r.up.posts()) == 2
-        assert r.proxy.statistics()["refused"] == 1
+        assert r.proxy.statistics().counts["refused"] == 1
 
 
 @pytest.mark.parametrize("api", sorted(AGENTS))
@@ -473,7 +473,7 @@ async def test_enforce_never_refuses_a_run_that_scores_well(broker: Mosquitto, t
                 await r.settle(r.run_id(), turn - 1)
 
         assert await AGENTS[api](r, True, between=between) == "All tests pass now."
-        assert r.proxy.statistics().get("refused", 0) == 0
+        assert r.proxy.statistics().counts.get("refused", 0) == 0
         assert r.monitor.run(r.run_id()) is not None
 
 
@@ -517,7 +517,7 @@ async def test_best_of_3_returns_the_judged_best_with_chats_n(broker: Mosquitto,
         (post,) = r.up.posts()
         assert post.body["n"] == 3 and "stream" not in post.body
         assert calls, "the judge compared the candidates"
-        stats = r.proxy.statistics()
+        stats = r.proxy.statistics().counts
         assert (
             stats["best_of_judged"] == 1
             and stats["best_of_candidates"] == 3
@@ -548,7 +548,7 @@ async def test_best_of_3_in_parallel_requests_for_anthropic(broker: Mosquitto, t
         (block,) = final.content
         assert block.type == "tool_use" and block.input == {"path": "BEST.py"}
         assert len(r.up.posts()) == 3 and not any(p.body.get("stream") for p in r.up.posts())
-        assert calls and r.proxy.statistics()["best_of_judged"] == 1
+        assert calls and r.proxy.statistics().counts["best_of_judged"] == 1
 
 
 async def test_best_of_majority_skips_the_judge(broker: Mosquitto, tmp_path: Path) -> None:
@@ -557,7 +557,7 @@ async def test_best_of_majority_skips_the_judge(broker: Mosquitto, tmp_path: Pat
         r.up.add(Answer("the BEST answer"), Answer("same  answer"), Answer("same answer"))
         res = await r.openai().responses.create(model="m", instructions=SYSTEM, input=TASK)
         assert " ".join(res.output_text.split()) == "same answer"  # one of the two that agree (arrival order)
-        assert calls == [] and r.proxy.statistics()["best_of_majority"] == 1
+        assert calls == [] and r.proxy.statistics().counts["best_of_majority"] == 1
         assert len(r.up.posts()) == 3
 
 
@@ -569,7 +569,7 @@ async def test_best_of_with_the_judge_down_returns_the_first_candidate(broker: M
         r.up.add([Answer("one"), Answer("two"), Answer("three")])
         res = await r.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": TASK}])
         assert res.choices[0].message.content == "one"
-        assert r.proxy.statistics()["best_of_judge_failed"] == 1
+        assert r.proxy.statistics().counts["best_of_judge_failed"] == 1
 
 
 # The pure half: reading the formats, keying runs, steps, majority.
@@ -693,7 +693,7 @@ async def test_over_a_bound_requests_are_forwarded_unwatched_and_counted(broker:
         assert await ask("first task") == "fine"
         r.up.chunk_delay_s = 0.0
         await slow
-        stats = r.proxy.statistics()
+        stats = r.proxy.statistics().counts
         assert stats["unwatched_conversations"] >= 1 and stats["unwatched_too_large"] == 1
         assert stats["unwatched_busy"] == 1
         assert list(r.proxy.conversations.live) == [run_key("", "first task")]
@@ -709,7 +709,7 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
                 "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
             )
             assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error"  # the upstream's
-            assert r.proxy.statistics()["unwatched_unreadable"] == 1
+            assert r.proxy.statistics().counts["unwatched_unreadable"] == 1
             r.up.chunk_delay_s = 0.05
             async with raw.stream(
                 "POST",
@@ -731,15 +731,15 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
                 model="m", messages=[{"role": "user", "content": "x"}], stream=True
             ):
                 pass
-        assert r.proxy.statistics()["upstream_broken"] == 1
+        assert r.proxy.statistics().counts["upstream_broken"] == 1
         # A responses conversation kept by the provider (previous_response_id) has no history to read: not watched.
         follow = await r.openai().responses.create(model="m", previous_response_id="resp_0", input="more")
-        assert follow.output_text == "fine" and r.proxy.statistics()["unwatched_server_history"] == 1
+        assert follow.output_text == "fine" and r.proxy.statistics().counts["unwatched_server_history"] == 1
         res2 = await r.openai().chat.completions.create(
             model="m", messages=[{"role": "user", "content": "still there?"}]
         )
         assert res2.choices[0].message.content == "fine"
-        assert r.proxy.statistics()["bad_http"] == 1 and r.proxy.statistics().get("proxy_errors", 0) == 0
+        assert r.proxy.statistics().counts["bad_http"] == 1 and r.proxy.statistics().counts.get("proxy_errors", 0) == 0
 
 
 async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Path) -> None:
@@ -749,7 +749,7 @@ async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Pa
         rid = run_key(SYSTEM, TASK)
         await r.mqtt.until(lambda: r.mqtt.last_step(rid) == 3)
         await r.mqtt.until(lambda: rid not in r.proxy.conversations.live and r.monitor.run(rid) is None)
-        assert r.proxy.statistics()["ends_sent"] == 1
+        assert r.proxy.statistics().counts["ends_sent"] == 1
 
 
 def test_a_stream_past_the_byte_bound_is_not_read() -> None:
@@ -782,7 +782,7 @@ async def test_a_whole_tool_loop_through_best_of_3(broker: Mosquitto, tmp_path: 
         await r.settle(rid, 3)
         view = r.monitor.run(rid)
         assert view is not None and len(view.steps) == 3 and TOOL["run_tests"] in view.steps[1].text
-        assert calls == [] and r.proxy.statistics()["best_of_majority"] == 3
+        assert calls == [] and r.proxy.statistics().counts["best_of_majority"] == 3
 
 
 def test_the_proxys_statistics_are_prometheus_metrics() -> None:

@@ -177,7 +177,7 @@ async def test_openrlhf_gets_rewards_scores_and_numeric_extra_logs() -> None:
     text = "".join(p.text for p in prompt.parts if hasattr(p, "text")) + prompt.instructions
     assert "Make the failing test in calc.py pass." in text and "Fixed: add returns a + b" in text
     assert sample(registry, "agent_monitor_reward_requests_total", endpoint="/get_reward", status="200") == 1
-    assert source.statistics()["inflight"] == 0
+    assert source.statistics().inflight == 0
 
 
 async def test_slime_gets_a_bare_number_or_a_dict_and_chat_message_prompts_work() -> None:
@@ -348,7 +348,7 @@ async def test_the_route_seam_mounts_unmounts_and_survives_a_failing_handler() -
         assert (await post(url, b"x" * 17))[0] == 413 and refused == ["body_too_large"]
         http.unmount("/echo")
         assert (await post(url, b"hello"))[0] == 404  # a path nobody serves now: a wrong path, not a wrong method
-        assert http.statistics()["refused"] == {"body_too_large": 1, "path": 1}
+        assert http.statistics().refused == {"body_too_large": 1, "path": 1}
 
 
 # -- calibrated rewards --

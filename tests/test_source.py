@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import pytest
 
@@ -24,6 +23,11 @@ from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedStatistics:
+    batches: int
 
 
 class ScriptedSource:
@@ -48,8 +52,8 @@ class ScriptedSource:
         self.done.set()
         await asyncio.Event().wait()
 
-    def statistics(self) -> Mapping[str, Any]:
-        return {"batches": len(self.results)}
+    def statistics(self) -> ScriptedStatistics:
+        return ScriptedStatistics(batches=len(self.results))
 
 
 async def test_a_source_feeds_runs_that_are_scored_and_signalled_like_mqtt_ones() -> None:

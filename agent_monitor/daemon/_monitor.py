@@ -17,6 +17,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self, cast
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 import structlog
 from prometheus_client import CollectorRegistry
 
-from ..calibration import Calibration, Caller
+from ..calibration import Calibration, Caller, CallerStatistics
 from ..criteria import CriteriaError, Rubric, load_criteria
 from ..judges.base import Judge
 from ..judges.circuit import CircuitJudge
@@ -34,7 +35,19 @@ from ..wire import Topics
 from ._config import MonitorConfig
 from ._mode import Mode, Standalone, mode_of
 from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
-from .runs import GroupBook, Groups, Intake, LiveRuns, Replays, Restore, RunView, Scoring, StepView, run_series
+from .runs import (
+    GroupBook,
+    Groups,
+    Intake,
+    LiveRuns,
+    Replays,
+    Restore,
+    RunView,
+    Scoring,
+    ScoringStatistics,
+    StepView,
+    run_series,
+)
 from .sinks import (
     STORE_GAUGES,
     CalibrationCollector,
@@ -44,15 +57,16 @@ from .sinks import (
     Metrics,
     MetricsSink,
     PhoenixSink,
+    PhoenixStatistics,
     RunCollector,
     StatisticsCollector,
 )
-from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source
+from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source, statistics_json
 from .stores import RunStore, StoreSink
 
 if TYPE_CHECKING:
     from .cluster import Cluster
-    from .http import HttpServer
+    from .http import HttpServer, HttpServerStatistics
     from .sinks import OtelSink
 
 __all__ = ["Monitor", "RunView", "StepView"]
@@ -67,6 +81,21 @@ the warning stays in the log and in agent_monitor_cluster_redis_emptied_total)."
 
 # How long leaving the monitor waits for queued OpenTelemetry events to reach the collector.
 _OTLP_CLOSE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorStatistics:
+    """One pull for everything the monitor's parts count: its `status()` and each part's record."""
+
+    status: Mapping[str, Any]
+    """The `status()` snapshot (what /healthz shows)."""
+    scoring: ScoringStatistics
+    uniform: CallerStatistics | None
+    """The early group calls' evidence sets (None when no group makes them)."""
+    http: HttpServerStatistics | None
+    """The HTTP server's (None without one)."""
+    phoenix: PhoenixStatistics | None
+    """The Phoenix sink's (None without one)."""
 
 
 class Monitor:
@@ -288,25 +317,28 @@ class Monitor:
 
     def status(self) -> dict[str, Any]:
         """A snapshot for logs and health checks."""
+        sources = {src.name: statistics_json(src.statistics()) for src in self.sources}
         return {
             "live_runs": len(self.book.live),
             "queued": len(self.outbox),
             "scorings": self.scorings,
             "degraded": self.circuit.degraded,
-            "judge_rate": self._scoring.rate.statistics(),
+            "judge_rate": dataclasses.asdict(self._scoring.rate.statistics()),
             "connected": bool(self.link and self.link.connected.is_set()),
             **self.mode.status(),
-            **({"sources": {src.name: dict(src.statistics()) for src in self.sources}} if self.sources else {}),
+            **({"sources": sources} if sources else {}),
         }
 
-    def statistics(self) -> dict[str, Any]:
-        """`status()` and every part's counters (scoring, the early group calls, the HTTP server)."""
+    def statistics(self) -> MonitorStatistics:
+        """`status()` and every part's record (scoring, the early group calls, the HTTP server, Phoenix)."""
         caller = self._groups.caller
-        parts = {"scoring": {**self._scoring.statistics(), "closing": self._scoring.closing()},
-                 **({"uniform": caller.statistics()} if caller is not None else {}),
-                 **({"http": self.http.statistics()} if self.http is not None else {}),
-                 **({"phoenix": dataclasses.asdict(self.phoenix.statistics())} if self.phoenix else {})}  # fmt: skip
-        return {**self.status(), **parts}
+        return MonitorStatistics(
+            status=self.status(),
+            scoring=self._scoring.statistics(),
+            uniform=caller.statistics() if caller is not None else None,
+            http=self.http.statistics() if self.http is not None else None,
+            phoenix=self.phoenix.statistics() if self.phoenix is not None else None,
+        )
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """What /healthz answers: unhealthy (503) while the monitor cannot do its job, with each problem named."""

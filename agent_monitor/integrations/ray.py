@@ -38,6 +38,29 @@ DEFAULT_MAX_RUNS = 10_000
 """Live runs one actor follows at most; the run idle the longest is dropped (and counted) beyond it."""
 
 
+@dataclass(frozen=True, slots=True)
+class MonitorServiceStatistics:
+    """What a `MonitorService` (a `MonitorActor`) did: its runs, its calls by method, the results, the stops."""
+
+    live_runs: int
+    updates: int
+    """`update` calls (a step scored in the background)."""
+    submits: int
+    """`submit` calls."""
+    scores: int
+    """`score` calls (a whole run scored at once)."""
+    judged: int
+    """Results the judge gave (a stop on them is a judged stop)."""
+    infra: int
+    """Results without a judgement (the judge failed): never a reason to stop."""
+    stops: int
+    """Results that said stop."""
+    evicted: int
+    """Runs dropped because `max_runs` were live (the one idle the longest)."""
+    refused: int
+    """Steps refused because their run was new and came without its task."""
+
+
 @dataclass(slots=True)
 class _Counters:
     updates: int = 0
@@ -163,20 +186,20 @@ class MonitorService:
             await self.finish(run_id)
         await self.judge.aclose()
 
-    async def statistics(self) -> dict[str, int]:
+    async def statistics(self) -> MonitorServiceStatistics:
         """Counters: live runs, calls by method, judged and infra results, stops, evicted and refused runs."""
         c = self._counts
-        return {
-            "live_runs": len(self._runs),
-            "updates": c.updates,
-            "submits": c.submits,
-            "scores": c.scores,
-            "judged": c.judged,
-            "infra": c.infra,
-            "stops": c.stops,
-            "evicted": c.evicted,
-            "refused": c.refused,
-        }
+        return MonitorServiceStatistics(
+            live_runs=len(self._runs),
+            updates=c.updates,
+            submits=c.submits,
+            scores=c.scores,
+            judged=c.judged,
+            infra=c.infra,
+            stops=c.stops,
+            evicted=c.evicted,
+            refused=c.refused,
+        )
 
 
 class MonitorActor:

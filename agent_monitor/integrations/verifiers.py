@@ -72,6 +72,24 @@ class _Rollout:
     """Messages of the trace already turned into steps (or the task)."""
 
 
+@dataclass(frozen=True, slots=True)
+class MonitorHooksStatistics:
+    """What a `MonitorHooks` did: rollouts followed now, turns scored, stops, infra results, evictions, cuts."""
+
+    rollouts: int
+    """Rollouts followed now (a rollout's tracker is freed once it is scored)."""
+    turns: int
+    """Turns scored (a step each: the messages up to and including a model reply)."""
+    stops: int
+    """Rollouts stopped by the monitor."""
+    infra: int
+    """Checks the judge could not answer (an outage): never a reason to stop."""
+    evicted: int
+    """Rollouts dropped because `max_rollouts` were followed (the one idle the longest)."""
+    truncated: int
+    """Turns cut to `max_step_chars`."""
+
+
 @dataclass(slots=True)
 class _Counts:
     turns: int = 0
@@ -187,17 +205,17 @@ class MonitorHooks:
         fn.__name__ = fn.__qualname__ = name
         return fn
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> MonitorHooksStatistics:
         """Counters: rollouts followed now, turns scored, stops, infra results, rollouts evicted, turns cut."""
         c = self._counts
-        return {
-            "rollouts": len(self._rollouts),
-            "turns": c.turns,
-            "stops": c.stops,
-            "infra": c.infra,
-            "evicted": c.evicted,
-            "truncated": c.truncated,
-        }
+        return MonitorHooksStatistics(
+            rollouts=len(self._rollouts),
+            turns=c.turns,
+            stops=c.stops,
+            infra=c.infra,
+            evicted=c.evicted,
+            truncated=c.truncated,
+        )
 
 
 def monitor_hooks(*, judge: Judge, options: TrackerOptions | None = None, **keywords: Any) -> MonitorHooks:

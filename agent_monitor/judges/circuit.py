@@ -8,7 +8,8 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import structlog
 
@@ -21,6 +22,29 @@ State = Literal["closed", "open"]
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
 """Upper bounds (seconds) the calls' wall times are counted in: judge latencies run from tens of milliseconds (a
 warm local model) to a minute (a loaded hosted API)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitJudgeStatistics:
+    """The calls that reached the wrapped judge, their wall times, its tokens, and the circuit's state."""
+
+    calls_ok: int
+    calls_failed: int
+    """Calls the judge failed (calls refused while the circuit is open never reached it: not counted)."""
+    latency_buckets: tuple[float, ...]
+    """`LATENCY_BUCKETS`: the upper bounds (seconds) of `latency_counts`."""
+    latency_counts: tuple[int, ...]
+    """Calls by wall time, retries included: one count per bound, then the ones over the last."""
+    latency_sum: float
+    """The calls' wall times added up, in seconds."""
+    input_tokens: int
+    """Input tokens the judge reported, cached ones included."""
+    cached_input_tokens: int
+    output_tokens: int
+    degraded: bool
+    """Whether the circuit is open now (the judge is failing or silent)."""
+    trips: int
+    """Times the circuit opened since a call last succeeded (each doubles the next cool-down)."""
 
 
 class CircuitJudge:
@@ -97,20 +121,20 @@ class CircuitJudge:
         self.tokens = [0, 0, 0]
         """Every token the judge reported: input (cached included), cached input, output."""
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> CircuitJudgeStatistics:
         """The calls that reached the judge (ok, failed), their wall times, its tokens, and the circuit's state."""
-        return {
-            "calls_ok": self.calls_ok,
-            "calls_failed": self.calls_failed,
-            "latency_buckets": LATENCY_BUCKETS,
-            "latency_counts": tuple(self.latency_counts),
-            "latency_sum": self.latency_sum,
-            "input_tokens": self.tokens[0],
-            "cached_input_tokens": self.tokens[1],
-            "output_tokens": self.tokens[2],
-            "degraded": self.degraded,
-            "trips": self.trips,
-        }
+        return CircuitJudgeStatistics(
+            calls_ok=self.calls_ok,
+            calls_failed=self.calls_failed,
+            latency_buckets=LATENCY_BUCKETS,
+            latency_counts=tuple(self.latency_counts),
+            latency_sum=self.latency_sum,
+            input_tokens=self.tokens[0],
+            cached_input_tokens=self.tokens[1],
+            output_tokens=self.tokens[2],
+            degraded=self.degraded,
+            trips=self.trips,
+        )
 
     @property
     def model(self) -> str:

@@ -1,7 +1,7 @@
 """The daemon's one HTTP server (h11 on asyncio streams), its connection admission and each door's bounds."""
 
 from ._h11 import H11Conn, H11Server, declared_length
-from ._server import GET_HEAD, HttpRequest, HttpResponse, HttpServer, Route, Site, text
+from ._server import GET_HEAD, HttpRequest, HttpResponse, HttpServer, HttpServerStatistics, Route, Site, text
 from ._settings import BOARD_PORT, HttpSettings, board_port, judge_server_door, otlp_door, proxy_door
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "HttpRequest",
     "HttpResponse",
     "HttpServer",
+    "HttpServerStatistics",
     "HttpSettings",
     "Route",
     "Site",

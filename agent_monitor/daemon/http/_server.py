@@ -9,7 +9,7 @@ An `H11Server` (the one connection-handling path of every door) with the metrics
   HEAD, each answering an `HttpRequest` with an `HttpResponse` (or a stream: the board's /events);
 - routes a source mounts while it runs (`mount`: the reward endpoints, `POST /get_reward` and the like),
   a POST with a body of at most the route's `max_body_bytes` (a `Content-Length` is required: 411
-  without one, 413 beyond the bound, both counted in `statistics()["refused"]` by reason and told to
+  without one, 413 beyond the bound, both counted in `statistics().refused` by reason and told to
   the route's `on_refused`).
 
 Protections: the bounds of its `HttpSettings` (a request head of at most `max_head_bytes` within
@@ -131,6 +131,20 @@ class _Refused(Exception):
         """Short code counted in the server's refusals (and told to the route's `on_refused`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class HttpServerStatistics:
+    """What the HTTP server refused, and the routes mounted on it now."""
+
+    connections_refused: int
+    """Connections closed unanswered: every one open was being answered (or their peer's were)."""
+    connections_shed: int
+    """Waiting connections (sending a head, or idle) closed to make room for a new one."""
+    refused: Mapping[str, int]
+    """Requests answered 4xx before any handler saw them, by reason (`body_too_large`, `path`, ..)."""
+    routes: tuple[str, ...]
+    """The paths sources mounted, sorted."""
+
+
 class HttpServer:
     """Serve /metrics of `registry`, /healthz, and `site`'s pages (the board) on host:port, within `settings`.
 
@@ -193,14 +207,14 @@ class HttpServer:
         """Stop serving a mounted path (its source stopped); a request to it is then 404."""
         self.routes.pop(path, None)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> HttpServerStatistics:
         """Connections refused, requests refused by reason, routes mounted."""
-        return {
-            "connections_refused": self.refused,
-            "connections_shed": self.gate.shed,
-            "refused": dict(self.refusals),
-            "routes": sorted(self.routes),
-        }
+        return HttpServerStatistics(
+            connections_refused=self.refused,
+            connections_shed=self.gate.shed,
+            refused=dict(self.refusals),
+            routes=tuple(sorted(self.routes)),
+        )
 
     @property
     def refused(self) -> int:

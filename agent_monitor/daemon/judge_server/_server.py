@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -146,6 +147,22 @@ class _Slots:
                 return
 
 
+@dataclass(frozen=True, slots=True)
+class JudgeServerStatistics:
+    """What judge-server answered (its /props `statistics`)."""
+
+    requests: int
+    """Completions answered."""
+    refused: int
+    """Requests refused: 4xx, and 503 when every connection was taken."""
+    failed: int
+    """Requests that failed (500)."""
+    prompt_tokens: int
+    """Prompt tokens of the completions answered."""
+    cached_tokens: int
+    """Of those, tokens a slot had kept from an earlier prompt (not evaluated again)."""
+
+
 class JudgeServer:
     """The HTTP side: routes, request checks, OpenAI's answer shapes; the model work goes to slot threads."""
 
@@ -172,9 +189,16 @@ class JudgeServer:
         """Free the model (after serving)."""
         self.model.close()
 
-    def statistics(self) -> Mapping[str, int]:
+    def statistics(self) -> JudgeServerStatistics:
         """Requests answered, refused (4xx and 503), failed (500), prompt tokens and the prompt tokens slots kept."""
-        return dict(self._stats)
+        n = self._stats
+        return JudgeServerStatistics(
+            requests=n["requests"],
+            refused=n["refused"],
+            failed=n["failed"],
+            prompt_tokens=n["prompt_tokens"],
+            cached_tokens=n["cached_tokens"],
+        )
 
     @property
     def url(self) -> str:
@@ -269,7 +293,7 @@ class JudgeServer:
             "total_slots": len(self.model.slots),
             "model_path": self.model.path,
             "chat_template": self.model.text.template or "",
-            "statistics": self.statistics(),
+            "statistics": dataclasses.asdict(self.statistics()),
         }
 
     async def _tokenize(self, body: Mapping[str, Any]) -> Mapping[str, Any]:

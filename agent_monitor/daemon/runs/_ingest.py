@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +99,14 @@ class _Batch:
         self.order = None
 
 
+@dataclass(frozen=True, slots=True)
+class IntakeStatistics:
+    """What the ingest took in."""
+
+    accepted: Mapping[str, int]
+    """Input events journaled and applied, by kind (start, step, end): agent_monitor_events_total."""
+
+
 class Intake:
     """Decide, journal and apply input: the one writer of the run state (under `lock`)."""
 
@@ -148,9 +156,9 @@ class Intake:
         self.accepted = {kind: 0 for kind in _KINDS.values()}
         """Input events journaled and applied, by kind (read at scrape time: agent_monitor_events_total)."""
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> IntakeStatistics:
         """Input events accepted so far, by kind."""
-        return {"accepted": dict(self.accepted)}
+        return IntakeStatistics(accepted=dict(self.accepted))
 
     async def handle_batch(self, messages: Sequence[Message]) -> list[BaseException | None]:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.

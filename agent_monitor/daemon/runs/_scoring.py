@@ -84,6 +84,44 @@ class RunScoring:
         return len(self.tracker.steps) > self.scored and self.signal != "abort"
 
 
+@dataclass(frozen=True, slots=True)
+class ScoringStatistics:
+    """What the scorings gave (`ScoringCounts`), steps skipped, and the runs waiting for the finisher.
+
+    Each histogram is three fields: `{name}_buckets` (its upper bounds), `{name}_counts` (one count per bound,
+    then the ones over the last) and `{name}_sum`.
+    """
+
+    scorings: int
+    """Scorings made since the part was built."""
+    skipped: Mapping[str, int]
+    """Steps the schedule did not score, by reason."""
+    closing: int
+    """Ended runs waiting for the finisher."""
+    scored_ok: int
+    scored_failed: int
+    failures: Mapping[str, int]
+    """Failed scorings by reason (judge failures, extractor_timeout, ...)."""
+    coalesced: int
+    """Steps folded into a later step's scoring instead of being scored alone."""
+    superseded: int
+    """Scorings whose run got newer steps while they were in flight: published, soon replaced by the next one."""
+    held: int
+    """Scorings not started while their run's previous message still waited to be published."""
+    calls_saved: int
+    """Judge calls not made because confident rules answered the criterion."""
+    images_dropped: int
+    """Image parts the judge got as text placeholders instead of pixels."""
+    step_to_score_buckets: tuple[float, ...]
+    step_to_score_counts: tuple[int, ...]
+    step_to_score_sum: float
+    """Steps by time (seconds) from arrival to the publication of the score that covers them."""
+    decision_tokens_buckets: tuple[float, ...]
+    decision_tokens_counts: tuple[int, ...]
+    decision_tokens_sum: float
+    """Changes of signal by the judge tokens their run had spent up to them."""
+
+
 @dataclass(eq=False, slots=True)
 class ScoringCounts:
     """What the scorings gave, as plain numbers: counted on the scorer's path, exported at scrape time."""
@@ -126,25 +164,6 @@ class ScoringCounts:
             spent = p.totals.input_tokens + p.totals.output_tokens
             self.decision_tokens[bisect.bisect_left(TOKEN_BUCKETS, spent)] += 1
             self.decision_tokens_sum += spent
-
-    def statistics(self) -> dict[str, Any]:
-        """The counts, and each histogram as `{name}_buckets` (bounds), `{name}_counts` and `{name}_sum`."""
-        return {
-            "scored_ok": self.ok,
-            "scored_failed": self.failed,
-            "failures": dict(self.failures),
-            "coalesced": self.coalesced,
-            "superseded": self.superseded,
-            "held": self.held,
-            "calls_saved": self.calls_saved,
-            "images_dropped": self.images_dropped,
-            "step_to_score_buckets": LATENCY_BUCKETS,
-            "step_to_score_counts": tuple(self.to_score),
-            "step_to_score_sum": self.to_score_sum,
-            "decision_tokens_buckets": TOKEN_BUCKETS,
-            "decision_tokens_counts": tuple(self.decision_tokens),
-            "decision_tokens_sum": self.decision_tokens_sum,
-        }
 
 
 def joiner_of(start: RunStart, scoring: RunScoring) -> Joiner:
@@ -509,9 +528,28 @@ class Scoring:
         age_s = None if scoring.published_at is None else max(0.0, self.clock() - scoring.published_at)
         return {**last.to_json(), "heartbeat": True, "age_steps": step - last.step, "age_s": age_s}
 
-    def statistics(self) -> dict[str, Any]:
-        """Scorings made, what they gave (`ScoringCounts`) and steps the schedule skipped, by reason."""
-        return {"scorings": self.scorings, "skipped": dict(self.skipped), **self.counts.statistics()}
+    def statistics(self) -> ScoringStatistics:
+        """Scorings made, what they gave (`ScoringCounts`), steps the schedule skipped and runs closing."""
+        c = self.counts
+        return ScoringStatistics(
+            scorings=self.scorings,
+            skipped=dict(self.skipped),
+            closing=self.closing(),
+            scored_ok=c.ok,
+            scored_failed=c.failed,
+            failures=dict(c.failures),
+            coalesced=c.coalesced,
+            superseded=c.superseded,
+            held=c.held,
+            calls_saved=c.calls_saved,
+            images_dropped=c.images_dropped,
+            step_to_score_buckets=LATENCY_BUCKETS,
+            step_to_score_counts=tuple(c.to_score),
+            step_to_score_sum=c.to_score_sum,
+            decision_tokens_buckets=TOKEN_BUCKETS,
+            decision_tokens_counts=tuple(c.decision_tokens),
+            decision_tokens_sum=c.decision_tokens_sum,
+        )
 
     def _scored(self, run_id: str, scoring: RunScoring, p: Progress, first: int) -> None:
         degraded = self.circuit.degraded
@@ -621,6 +659,20 @@ def check_start(rubric: Rubric, repeats: int, max_calls_per_step: int) -> int:
     return calls
 
 
+@dataclass(frozen=True, slots=True)
+class CallRateStatistics:
+    """The per-run judge call rate: runs it holds, runs waiting for their window, and scorings put off."""
+
+    runs: int
+    """Runs with calls in their window."""
+    waiting: int
+    """Runs whose next scoring waits for their window to make room."""
+    delayed: int
+    """Scorings put off so far because their run had spent its calls for the window."""
+    limit_per_window: int
+    """Judge calls a run may spend in any window (`WorkLimits.max_judge_calls_per_run_minute`)."""
+
+
 class CallRate:
     """Judge calls per run in any `window_s` seconds, at most `limit`: a sliding window of spent calls.
 
@@ -696,11 +748,8 @@ class CallRate:
         self._sums.pop(run_id, None)
         self._due.pop(run_id, None)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> CallRateStatistics:
         """Runs with calls in their window, and scorings delayed so far."""
-        return {
-            "runs": len(self._spent),
-            "waiting": len(self._due),
-            "delayed": self.delayed,
-            "limit_per_window": self.limit,
-        }
+        return CallRateStatistics(
+            runs=len(self._spent), waiting=len(self._due), delayed=self.delayed, limit_per_window=self.limit
+        )

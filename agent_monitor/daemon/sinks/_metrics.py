@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ...calibration import Calibration, Family, min_successes
+from ...judges.circuit import CircuitJudgeStatistics
 from ...policy import FAR, Policy
 from ...progress import FAILURES, REFUSALS, SIGNALS, Prices, Usage
 from ...wire import INPUT_KINDS
 from .._state import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
-from ..runs import TOKEN_BUCKETS, FamilySeries, GroupSeries, RunSeries, series_of
+from ..runs import TOKEN_BUCKETS, FamilySeries, GroupSeries, IntakeStatistics, RunSeries, ScoringStatistics, series_of
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")
 TOKEN_KINDS = ("input", "cached_input", "output")
@@ -364,25 +369,33 @@ class RunCollector(Collector):
         return iter(())
 
 
-class Counted(Protocol):
-    """A part that keeps its own counts (`statistics()`), read at scrape time."""
+S_co = TypeVar("S_co", covariant=True)
 
-    def statistics(self) -> Mapping[str, Any]:
+
+class Counted(Protocol[S_co]):
+    """A part that keeps its own counts (`statistics()`, a record), read at scrape time."""
+
+    def statistics(self) -> S_co:
         """The part's counts now."""
         ...
 
 
 def _histogram(
-    name: str, doc: str, stats: Mapping[str, Any], key: str, labels: Sequence[str] = (), values: Sequence[str] = ()
+    name: str,
+    doc: str,
+    bounds: Sequence[float],
+    counts: Sequence[int],
+    total: float,
+    labels: Sequence[str] = (),
+    values: Sequence[str] = (),
 ) -> HistogramMetricFamily:
-    """A histogram family from a part's bucket counts (`{key}_buckets`, `{key}_counts`, `{key}_sum`)."""
+    """A histogram family from a part's bucket counts: one per bound in `bounds`, then the ones over the last."""
     family = HistogramMetricFamily(name, doc, labels=list(labels))
     cumulative, buckets = 0, []
-    bounds, counts = stats[f"{key}_buckets"], stats[f"{key}_counts"]
     for bound, n in zip((*bounds, float("inf")), counts, strict=True):
         cumulative += n
         buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-    family.add_metric(list(values), buckets, sum_value=stats[f"{key}_sum"])
+    family.add_metric(list(values), buckets, sum_value=total)
     return family
 
 
@@ -394,7 +407,14 @@ class FlowCollector(Collector):
     judge is down are not judge calls), each as plain numbers in its `statistics()`.
     """
 
-    def __init__(self, judge: str, *, intake: Counted, scoring: Counted, circuit: Counted) -> None:
+    def __init__(
+        self,
+        judge: str,
+        *,
+        intake: Counted[IntakeStatistics],
+        scoring: Counted[ScoringStatistics],
+        circuit: Counted[CircuitJudgeStatistics],
+    ) -> None:
         self.judge = judge
         self.intake = intake
         self.scoring = scoring
@@ -402,78 +422,87 @@ class FlowCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The counters and histograms of the step path (called by the registry on every scrape)."""
-        accepted, s, c = self.intake.statistics()["accepted"], self.scoring.statistics(), self.circuit.statistics()
+        accepted, s, c = self.intake.statistics().accepted, self.scoring.statistics(), self.circuit.statistics()
         events = CounterMetricFamily("agent_monitor_events", "Input events accepted, by type.", labels=["type"])
         for kind in INPUT_KINDS:
             events.add_metric([kind], accepted.get(kind, 0))
         calls = CounterMetricFamily(
             "agent_monitor_judge_calls", "Judge calls, by backend and outcome.", labels=["judge", "outcome"]
         )
-        calls.add_metric([self.judge, "ok"], c["calls_ok"])
-        calls.add_metric([self.judge, "error"], c["calls_failed"])
+        calls.add_metric([self.judge, "ok"], c.calls_ok)
+        calls.add_metric([self.judge, "error"], c.calls_failed)
         tokens = CounterMetricFamily(
             "agent_monitor_judge_tokens", "Tokens the judge read and wrote, by kind.", labels=["kind"]
         )
-        for kind, key in (
-            ("input", "input_tokens"),
-            ("cached_input", "cached_input_tokens"),
-            ("output", "output_tokens"),
+        for kind, n in (
+            ("input", c.input_tokens),
+            ("cached_input", c.cached_input_tokens),
+            ("output", c.output_tokens),
         ):
-            tokens.add_metric([kind], c[key])
+            tokens.add_metric([kind], n)
         scorings = CounterMetricFamily("agent_monitor_scorings", "Prefix scorings, by result.", labels=["outcome"])
-        scorings.add_metric(["ok"], s["scored_ok"])
-        scorings.add_metric(["failed"], s["scored_failed"])
+        scorings.add_metric(["ok"], s.scored_ok)
+        scorings.add_metric(["failed"], s.scored_failed)
         failures = CounterMetricFamily(
             "agent_monitor_scoring_failures",
             "Prefix scorings that gave no score, by reason (judge failures, extractor_timeout, ...).",
             labels=["reason"],
         )
-        seen = dict(s["failures"])
+        seen = dict(s.failures)
         for reason in (*FAILURES, *sorted(set(seen) - set(FAILURES))):
             failures.add_metric([reason], seen.get(reason, 0))
         yield from (events, calls, tokens, scorings, failures)
         yield _histogram(
-            "agent_monitor_judge_latency_seconds", "Wall time of one judge call, retries included.", c, "latency",
-            ["judge"], [self.judge],
-        )  # fmt: skip
+            "agent_monitor_judge_latency_seconds",
+            "Wall time of one judge call, retries included.",
+            c.latency_buckets,
+            c.latency_counts,
+            c.latency_sum,
+            ["judge"],
+            [self.judge],
+        )
         yield CounterMetricFamily(
             "agent_monitor_judge_calls_saved",
             "Judge calls not made because confident rules answered the criterion.",
-            value=s["calls_saved"],
+            value=s.calls_saved,
         )
         yield CounterMetricFamily(
             "agent_monitor_images_dropped",
             "Image parts the judge got as text placeholders instead of pixels (a text-only judge, or a model "
             "that refused images; the log's judge_refuses_images says which).",
-            value=s["images_dropped"],
+            value=s.images_dropped,
         )
         yield CounterMetricFamily(
             "agent_monitor_coalesced_steps",
             "Steps folded into a later step's scoring instead of being scored alone.",
-            value=s["coalesced"],
+            value=s.coalesced,
         )
         yield CounterMetricFamily(
             "agent_monitor_scorings_superseded",
             "Scorings whose run got newer steps while they were in flight: published, then replaced by the next one "
             "(a scoring is never started for a prefix a newer one already replaced: agent_monitor_coalesced_steps).",
-            value=s["superseded"],
+            value=s.superseded,
         )
         yield CounterMetricFamily(
             "agent_monitor_scorings_held",
             "Scorings not started while their run's last score still waited to be published (it would have queued "
             "behind it, unread); each starts once that message is out, with the steps that came meanwhile.",
-            value=s["held"],
+            value=s.held,
         )
         yield _histogram(
             "agent_monitor_step_to_score_seconds",
-            "Time from a step's arrival to the publication of the score that includes it.", s, "step_to_score",
-        )  # fmt: skip
+            "Time from a step's arrival to the publication of the score that includes it.",
+            s.step_to_score_buckets,
+            s.step_to_score_counts,
+            s.step_to_score_sum,
+        )
         yield _histogram(
             "agent_monitor_decision_judge_tokens",
             "Judge tokens (input and output) a run spent up to each change of its signal (abort, resample, back to "
             "continue): what a decision cost.",
-            s,
-            "decision_tokens",
+            s.decision_tokens_buckets,
+            s.decision_tokens_counts,
+            s.decision_tokens_sum,
         )
 
     def describe(self) -> Iterator[Metric]:
@@ -484,14 +513,14 @@ class FlowCollector(Collector):
 class CostCollector(Collector):
     """`agent_monitor_judge_cost_usd`: what every judge token so far cost, priced once from the integer totals."""
 
-    def __init__(self, circuit: Counted, prices: Prices) -> None:
+    def __init__(self, circuit: Counted[CircuitJudgeStatistics], prices: Prices) -> None:
         self.circuit = circuit
         self.prices = prices
 
     def collect(self) -> Iterator[Metric]:
         """The cost counter (called by the registry on every scrape)."""
         c = self.circuit.statistics()
-        usage = Usage(c["input_tokens"], c["cached_input_tokens"], c["output_tokens"])
+        usage = Usage(c.input_tokens, c.cached_input_tokens, c.output_tokens)
         yield CounterMetricFamily(
             "agent_monitor_judge_cost_usd",
             "What the judge's tokens (agent_monitor_judge_tokens_total) cost, in USD at the --price-* flags.",
@@ -504,10 +533,10 @@ class CostCollector(Collector):
 
 
 class StatisticsCollector(Collector):
-    """Gauges read from a component's `statistics()` at scrape time: `{prefix}{key}` for each key named in `gauges`."""
+    """Gauges read from a component's `statistics()` record at scrape time: `{prefix}{field}` for each in `gauges`."""
 
     def __init__(self, component: object, gauges: Mapping[str, str], *, prefix: str = "agent_monitor_") -> None:
-        self.statistics: Callable[[], Mapping[str, Any]] | None = getattr(component, "statistics", None)
+        self.statistics: Callable[[], DataclassInstance] | None = getattr(component, "statistics", None)
         self.gauges = dict(gauges)
         """Each statistic exported, with its help text."""
         self.prefix = prefix
@@ -516,7 +545,8 @@ class StatisticsCollector(Collector):
         """The component's gauges now (none when it has no `statistics()`)."""
         if self.statistics is None:
             return
-        now = self.statistics()
+        record = self.statistics()
+        now = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
         for key, help_text in self.gauges.items():
             if key in now:
                 yield GaugeMetricFamily(f"{self.prefix}{key}", help_text, value=float(now[key]))
@@ -530,7 +560,7 @@ STORE_GAUGES = {
     "queue_depth": "Writes waiting for the run store's writer thread (bounded: beyond its bound, writers wait).",
     "queue_max": "The bound of the run store's writer queue.",
 }
-"""What the run store's `statistics()` exports (as agent_monitor_store_*)."""
+"""What the run store's `statistics()` (a `SqliteStoreStatistics`) exports (as agent_monitor_store_*)."""
 
 
 class GroupCollector(Collector):

@@ -1,7 +1,7 @@
 """The front doors: each source hands a run's start, step and end events to ingest."""
 
 from ._mqtt import BrokerUnavailable, Message, MqttLink, MqttSink, Outbox
-from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source
+from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source, statistics_json
 
 __all__ = [
     "BrokerUnavailable",
@@ -15,4 +15,5 @@ __all__ = [
     "Receive",
     "RunsView",
     "Source",
+    "statistics_json",
 ]

@@ -73,6 +73,20 @@ class Message:
     """Called once the broker acknowledged the message (cluster mode: a signal known to be out is not republished)."""
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxStatistics:
+    """The outbox's messages waiting, its bound, and the messages it did not publish."""
+
+    depth: int
+    """Messages waiting to be published."""
+    maxsize: int
+    """The bound: beyond it, the oldest droppable message makes room."""
+    dropped: int
+    """Droppable messages (progress, errors) dropped for room."""
+    fenced: int
+    """Messages the gate held back (cluster mode: this replica may no longer publish about their run)."""
+
+
 class Outbox:
     """The bounded queue of messages to publish; when full, the oldest droppable message makes room.
 
@@ -188,9 +202,9 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._droppable) + len(self._kept)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> OutboxStatistics:
         """Messages waiting, the bound, and how many were dropped for room or held back by the gate."""
-        return {"depth": len(self), "maxsize": self.maxsize, "dropped": self.dropped, "fenced": self.fenced}
+        return OutboxStatistics(depth=len(self), maxsize=self.maxsize, dropped=self.dropped, fenced=self.fenced)
 
 
 # -- paho's v5 Properties with their constant tables built once --

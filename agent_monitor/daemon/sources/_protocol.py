@@ -10,6 +10,10 @@ downstream knows which. A source runs as one named task in the monitor's TaskGro
 its latest result) and, when it wants every result as it happens, gives the monitor a `sink`.
 
 ```python
+@dataclass(frozen=True, slots=True)
+class MySourceStatistics:
+    batches: int
+
 class MySource:
     name = "mine"
     sink = None                                   # or a callable taking each MonitorEvent
@@ -17,8 +21,8 @@ class MySource:
     async def run(self, ingest: Ingest, runs: RunsView) -> None:
         errors = await ingest.events([Inbound("run-1", "start", {"task": "Do it"})])
 
-    def statistics(self) -> dict[str, int]:
-        return {}
+    def statistics(self) -> MySourceStatistics:
+        return MySourceStatistics(batches=0)
 
 async with Monitor(config, judge=judge, sources=[MySource()]) as monitor: ...
 ```
@@ -26,10 +30,11 @@ async with Monitor(config, judge=judge, sources=[MySource()]) as monitor: ...
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from ...calibration import Family, Point
 from ...groups import UniformJSON
@@ -37,7 +42,10 @@ from ...progress import Progress, Signal
 from ...wire import Topics
 from .._state import Delivery, Sink
 
-__all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source", "statistics_json"]
 
 Kind = Literal["start", "step", "end"]
 
@@ -137,9 +145,20 @@ class Source(Protocol):
         """Receive until cancelled; a failure to start raises (the monitor's entering fails with it)."""
         ...
 
-    def statistics(self) -> Mapping[str, Any]:
-        """Counters and gauges of this source, read at scrape time and by `Monitor.status()`."""
+    def statistics(self) -> DataclassInstance:
+        """Counters and gauges of this source, a frozen dataclass record, read at scrape time and by `Monitor.status()`.
+
+        A record's counters whose names are open (an upstream's status, a reason) go in a field named `counts`
+        (a mapping): its JSON form (`statistics_json`) lists them beside the other fields.
+        """
         ...
+
+
+def statistics_json(record: DataclassInstance) -> dict[str, Any]:
+    """A source's statistics as JSON (`Monitor.status()`, /healthz): its fields, with its `counts` among them."""
+    out = dataclasses.asdict(record)
+    counts = out.pop("counts", None)
+    return {**counts, **out} if isinstance(counts, dict) else out
 
 
 @runtime_checkable

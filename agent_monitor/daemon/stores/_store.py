@@ -213,6 +213,16 @@ class StoreFormatError(RuntimeError):
     """A run store written by another version of agent-monitor, in a format this one cannot read."""
 
 
+@dataclass(frozen=True, slots=True)
+class SqliteStoreStatistics:
+    """The store's writer queue (exported as agent_monitor_store_*, `STORE_GAUGES`)."""
+
+    queue_depth: int
+    """Writes waiting for the writer thread."""
+    queue_max: int
+    """The queue's bound (`max_queue`): beyond it, writers wait."""
+
+
 class SqliteStore:
     """The embedded run store: one SQLite file in WAL mode, written by one thread in submission order.
 
@@ -677,9 +687,9 @@ class SqliteStore:
         await asyncio.to_thread(self._writer.close)
         self._db.close()
 
-    def statistics(self) -> dict[str, int]:
+    def statistics(self) -> SqliteStoreStatistics:
         """The writer thread's queue: writes waiting, and its bound."""
-        return {"queue_depth": self._writer.depth, "queue_max": self._writer.maxsize}
+        return SqliteStoreStatistics(queue_depth=self._writer.depth, queue_max=self._writer.maxsize)
 
 
 _KINDS = ("input", "cached_input", "output")

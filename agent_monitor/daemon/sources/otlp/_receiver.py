@@ -15,10 +15,9 @@ import hmac
 import json
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import h11
 import structlog
@@ -51,6 +50,28 @@ class _Answer:
     body: bytes
     content_type: str
     retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OtlpReceiverStatistics:
+    """What the OTLP receiver took and sent on, and what it holds now."""
+
+    requests: int
+    """Export requests read whole (ones refused before their body was read are not counted)."""
+    received: int
+    """Spans received, rejected ones included."""
+    accepted: int
+    """Of those, spans taken (not rejected)."""
+    decoded_off_loop: int
+    """Requests large enough to be decoded in the receiver's decoding thread, off the event loop."""
+    steps: int
+    """Steps sent to ingest."""
+    late: int
+    """Of those, late steps (ending before steps already sent)."""
+    live: int
+    """Trace-fed runs followed now."""
+    connections: int
+    """Connections open now."""
 
 
 class OtlpReceiver:
@@ -133,16 +154,19 @@ class OtlpReceiver:
             if decoder is not None:
                 decoder.shutdown(wait=False)
 
-    def statistics(self) -> Mapping[str, Any]:
+    def statistics(self) -> OtlpReceiverStatistics:
         """Requests, spans received, accepted, steps sent, late steps, live runs and open connections."""
-        t = self.traces
-        return {
-            **self._stats,
-            "steps": t.steps,
-            "late": t.late,
-            "live": len(t.runs),
-            "connections": self.http.connections,
-        }
+        t, n = self.traces, self._stats
+        return OtlpReceiverStatistics(
+            requests=n["requests"],
+            received=n["received"],
+            accepted=n["accepted"],
+            decoded_off_loop=n["decoded_off_loop"],
+            steps=t.steps,
+            late=t.late,
+            live=len(t.runs),
+            connections=self.http.connections,
+        )
 
     def span_of(self, run_id: str, step: int) -> tuple[str, str] | None:
         """The (trace id, span id) a trace-fed run's result judged, for its evaluation events; None for other runs."""

@@ -24,6 +24,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -36,7 +37,7 @@ from ....selection import compare, tournament
 from ..._config import ProxySettings
 from ..._state import Sink
 from ...http import H11Conn, H11Server, declared_length, proxy_door
-from .._protocol import Inbound, Ingest, RunsView
+from .._protocol import Inbound, Ingest, RunsView, statistics_json
 from ._turns import (
     API_OF_PATH,
     Api,
@@ -95,6 +96,25 @@ class _Watch:
     def __init__(self, conv: Conversation, req: Request) -> None:
         self.conv = conv
         self.req = req
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySourceStatistics:
+    """The proxy's counters and gauges (`agent_monitor_proxy_*`; counters end in _total)."""
+
+    counts: Mapping[str, int]
+    """Counters by name, only the ones that happened: `requests`, `forwarded`, `watched`, `unwatched_{reason}`,
+    `upstream_status_{code}`, `{kind}s_sent`, `best_of_*`, ..."""
+    splits: int
+    """Conversations split into a run of their own when their history diverged (a counter)."""
+    live_conversations: int
+    """Conversations followed now."""
+    inflight: int
+    """Requests being forwarded now."""
+    connections: int
+    """Connections open now."""
+    queued_events: int
+    """Events waiting to be handed to ingest."""
 
 
 class ProxySource:
@@ -196,16 +216,16 @@ class ProxySource:
             if self._owned:
                 await self.__aexit__()
 
-    def statistics(self) -> Mapping[str, Any]:
+    def statistics(self) -> ProxySourceStatistics:
         """Counters (requests, watched, unwatched by reason, refused, steps, best-of calls) and gauges."""
-        return {
-            **dict(self.counts),
-            "live_conversations": len(self.conversations.live),
-            "inflight": self.inflight,
-            "connections": self.http.connections,
-            "queued_events": self._queue.qsize(),
-            "splits": self.conversations.splits,
-        }
+        return ProxySourceStatistics(
+            counts=dict(self.counts),
+            splits=self.conversations.splits,
+            live_conversations=len(self.conversations.live),
+            inflight=self.inflight,
+            connections=self.http.connections,
+            queued_events=self._queue.qsize(),
+        )
 
     # The feeder and the sweeper.
 
@@ -608,7 +628,7 @@ class _ProxyCollector:
         """One family per statistic (counters end in _total)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        for key, value in sorted(self.proxy.statistics().items()):
+        for key, value in sorted(statistics_json(self.proxy.statistics()).items()):
             name = f"agent_monitor_proxy_{key}"
             if key in self._GAUGES:
                 yield GaugeMetricFamily(name, f"LLM API proxy: {key.replace('_', ' ')}", value=value)

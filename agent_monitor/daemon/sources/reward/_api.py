@@ -349,6 +349,18 @@ class _Scorer:
         return Answer(200, run_id, p, points, reward, shape, note, rule=rule, steps=steps)
 
 
+@dataclass(frozen=True, slots=True)
+class RewardSourceStatistics:
+    """The reward API's rollouts being scored, answers cached, and requests answered."""
+
+    inflight: int
+    """Rollouts being scored now (their requests wait for the scores)."""
+    cached: int
+    """Answers kept for requests repeated with the same rollout."""
+    counts: Mapping[str, int]
+    """Requests answered, by `"{path} {status}"` (only the ones that happened)."""
+
+
 class RewardSource:
     """The reward endpoints as a source: `Monitor(config, judge=judge, sources=[RewardSource(http, settings)])`.
 
@@ -403,9 +415,11 @@ class RewardSource:
         """Count a request the HTTP server refused before the handler saw it (a body too large, no length)."""
         return lambda reason: self.metrics.refused.labels(path, reason).inc()
 
-    def statistics(self) -> Mapping[str, Any]:
+    def statistics(self) -> RewardSourceStatistics:
         """Rollouts being scored, answers cached, requests by endpoint and status."""
-        return {"inflight": len(self.scorer.waits), "cached": len(self.scorer.cache), **self.scorer.counts}
+        return RewardSourceStatistics(
+            inflight=len(self.scorer.waits), cached=len(self.scorer.cache), counts=dict(self.scorer.counts)
+        )
 
     def _authorized(self, req: HttpRequest) -> bool:
         """Whether the request carries the token (`--reward-token`), as a bearer header or `?token=`."""
