@@ -155,6 +155,8 @@ class HttpServer:
         registry: CollectorRegistry,
         *,
         board: Board | None = None,
+        pages: RunPages | None = None,
+        health: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None,
         host: str = "127.0.0.1",
         port: int = 9464,
         max_connections: int = 64,
@@ -171,8 +173,8 @@ class HttpServer:
         self.write_timeout_s = write_timeout_s
         self._page, self._csp = _page() if board is not None else (b"", "")
         self._runs_page, self._runs_csp = _page("runs.html", img="'self' data:") if board is not None else (b"", "")
-        self.pages: RunPages | None = None
-        """What answers /runs, /runs/<id> and their JSON (the serving command sets it, with the run store)."""
+        self.pages = pages
+        """What answers /runs, /runs/<id> and their JSON (with the run store); None: 404."""
         self._server: asyncio.Server | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -184,8 +186,8 @@ class HttpServer:
         """The routes sources mounted (path to route): see `mount`."""
         self.refusals: Counter[str] = Counter()
         """Requests answered 4xx before any handler saw them, by reason."""
-        self.health: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None
-        """What GET /healthz answers (the monitor sets it): healthy or not, and why; None: always healthy."""
+        self.health = health
+        """What GET /healthz answers (the monitor's health): healthy or not, and why; None: always healthy."""
 
     def mount(self, path: str, route: Route) -> None:
         """Serve `path` with a source's handler (`POST` by default); a path taken already raises ValueError."""
