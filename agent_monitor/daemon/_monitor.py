@@ -53,7 +53,7 @@ from .sinks import (
 from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source
 from .sources.otlp import OtlpReceiver
 from .sources.reward import RewardSource
-from .stores import RunStore, StoreSink
+from .stores import NoStore, RunStore, StoreSink
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -114,7 +114,6 @@ class Monitor:
         self.clock = clock
         self.criteria, self.template = _operator_rubric(c)
         """The rubric of runs whose start names none; the operator's prompt template (serve --prompt), "" = ours."""
-        self._emit = Fanout((), log)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = m = Metrics(self.registry)
         # The circuit breaker counts the calls that reach the judge (not those it refuses while the judge is down)
@@ -137,6 +136,22 @@ class Monitor:
         """One monitor, or (`config.cluster.url`) a replica of a cluster: its store, gate, client id and loops."""
         self.outbox.gate = self.mode.gate
         self.store: RunStore = self.mode.store
+        self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
+        self._doors = d = _doors(c, judge, self.registry, self.store, self.calibration, self.health, http, sources)
+        self.board, self.http, self.sources = d.board, d.http, d.sources
+        """The board, the metrics port's server (task `http`) and the doors beside MQTT (`source-{name}` each)."""
+        spans = _spans(self.sources)  # a trace-fed run's events and annotations name its span (the receiver's)
+        self.otel = _otel_sink(c.otlp_endpoint, self.registry, lambda r: self._scoring.criteria_of(r), spans)
+        """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
+        self.phoenix = PhoenixSink(c.phoenix, registry=self.registry, spans=spans) if c.phoenix.url else None
+        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
+        mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
+                        on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
+        kept = () if isinstance(self.store, NoStore) else (StoreSink(self.store),)  # no store: no scores kept
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
+        doors = (*(s for s in (self.board,) if s is not None), *(s.sink for s in self.sources if s.sink is not None))
+        self.sinks = (*own, *sinks, *doors)
+        self._emit = Fanout(self.sinks, log)  # every part's events go to these sinks, in this order
         self.book = RunBook(c.limits, self.topics)
         m.runs_active.set_function(self.book.live.__len__)  # read at scrape time
         lim = c.limits
@@ -174,22 +189,6 @@ class Monitor:
             store=self.store, intake=self._intake, scoring=self._scoring, groups=self._groups,
             calibration=self.calibration, policy=c.policy, on_family=self._families.update,
         )  # fmt: skip
-        self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
-        self._doors = d = _doors(c, judge, self.registry, self.store, self.calibration, self.health, http, sources)
-        self.board, self.http, self.sources = d.board, d.http, d.sources
-        """The web board and the server of the metrics port (task `http`); the doors besides MQTT (the OTLP
-        receiver, the reward API, the proxy; the config's, then `sources`): each a task `source-{name}`."""
-        spans = _spans(self.sources)  # a trace-fed run's events and annotations name its span (the receiver's)
-        self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of, spans)
-        """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
-        self.phoenix = PhoenixSink(c.phoenix, registry=self.registry, spans=spans) if c.phoenix.url else None
-        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
-        mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
-                        on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
-        kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
-        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
-        doors = (*(s for s in (self.board,) if s is not None), *(s.sink for s in self.sources if s.sink is not None))
-        self._emit.sinks = self.sinks = (*own, *sinks, *doors)
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
             RunCollector(series, label_names=c.metrics.labels, max_series=c.metrics.max_series),
