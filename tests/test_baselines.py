@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor.offline import baselines as bl
-from agent_monitor.offline import evaluate as ev
 from agent_monitor.calibration import (
     Calibration,
     Family,
@@ -23,6 +21,8 @@ from agent_monitor.calibration import (
     min_successes,
 )
 from agent_monitor.extractors import ErrorLines
+from agent_monitor.offline import baselines as bl
+from agent_monitor.offline import evaluate as ev
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy, PolicyError, PolicyState
 from agent_monitor.progress import Decision, Progress

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from agent_monitor.cli._flags import FlagError, Settings, build
-from agent_monitor.cli._main import ServeOptions, _parser, main
+from agent_monitor.cli._main import SERVE_CONFIG, _parser, main
 from agent_monitor.daemon import MonitorConfig
 from tests.brokers import Mosquitto, free_port, wait_port
 from tests.chromium import CHROMIUM, Browser
@@ -46,7 +46,7 @@ def test_flag_beats_environment_beats_file_beats_default() -> None:
     assert args.metrics_port == 9100  # the environment over the file
     args = parse(["serve", "--metrics-port", "9200"], {"AGENT_MONITOR_METRICS_PORT": "9100"}, file)
     assert args.metrics_port == 9200  # the flag over both
-    assert parse(["serve"], {}, {}).metrics_port == ServeOptions().metrics_port  # the default
+    assert parse(["serve"], {}, {}).metrics_port == SERVE_CONFIG.metrics_port == 9464  # serve's default
 
 
 def test_a_serve_table_and_typed_values(tmp_path: Path) -> None:

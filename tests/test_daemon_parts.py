@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -10,7 +11,16 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import HttpServer, Monitor, MonitorConfig, SqliteStore
+from agent_monitor.daemon import (
+    HttpServer,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    OtlpReceiverSettings,
+    RewardApiSettings,
+    SqliteStore,
+)
+from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.daemon.stores._store import SqliteStoreStatistics
 from agent_monitor.testing import FakeJudge
 
@@ -39,6 +49,56 @@ async def test_the_http_server_is_a_named_task_of_the_monitor_and_stops_with_it(
     finally:
         await web.aclose()
         await store.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_the_config_names_the_doors_and_the_monitor_opens_each_as_a_named_task() -> None:
+    """One composition root: the metrics port's server (board, run pages, /healthz), the OTLP receiver and the
+    reward API built from the config alone, each given what it reads at construction, bound on entering."""
+    pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
+    config = MonitorConfig(
+        metrics_port=_free_port(),
+        otlp_receiver=OtlpReceiverSettings(address="127.0.0.1:0"),
+        reward_api=RewardApiSettings(reward_api=True),
+    )
+    async with Monitor(config, judge=FakeJudge(), store=MemoryStore(), registry=CollectorRegistry()) as mon:
+        names = {t.get_name() for t in mon._tasks}
+        assert {"http", "source-otlp", "source-reward"} <= names
+        assert mon.http is not None and mon.board is not None
+        assert isinstance(mon.http.site, BoardSite) and mon.http.site.pages is not None
+        assert mon.board in mon.sinks  # the board is one of the monitor's sinks, given at construction
+        reward = next(src for src in mon.sources if src.name == "reward")
+        assert getattr(reward, "calibration", None) is mon.calibration
+        await mon.handle("agents/r1/start", b'{"task": "count"}')
+        await asyncio.wait_for(reward.ready.wait(), 10)  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)  # bound on entering, listening once the task `http` runs
+        health = await asyncio.to_thread(_get, f"{mon.http.url}healthz")
+        assert '"live_runs":1' in health
+        assert "agent_monitor_runs_active 1.0" in await asyncio.to_thread(_get, f"{mon.http.url}metrics")
+        url = mon.http.url
+    with pytest.raises(urllib.error.URLError):
+        await asyncio.to_thread(_get, f"{url}metrics")  # left with the monitor: nothing listens
+
+
+async def test_a_taken_metrics_port_fails_the_start_naming_the_flag() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = MonitorConfig(metrics_port=taken.getsockname()[1])
+        with pytest.raises(OSError, match=r"cannot serve /metrics on 127\.0\.0\.1:.*pass --metrics-port"):
+            async with Monitor(config, judge=FakeJudge(), registry=CollectorRegistry()):
+                pass
+
+
+async def test_the_reward_api_needs_a_server_for_its_routes() -> None:
+    config = MonitorConfig(reward_api=RewardApiSettings(reward_api=True))
+    with pytest.raises(ValueError, match="pass --metrics-port"):
+        Monitor(config, judge=FakeJudge(), registry=CollectorRegistry())
 
 
 async def test_the_store_queue_is_bounded_and_reports_its_depth(tmp_path: Path) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from agent_monitor.offline import evaluate as ev
 from agent_monitor.cli._replay import replay, run_id_for, schedule
 from agent_monitor.daemon import Monitor, MonitorConfig
+from agent_monitor.offline import evaluate as ev
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from agent_monitor.offline import evaluate as ev
 from agent_monitor.calibration import Calibration, Family, margin, min_successes, points
 from agent_monitor.cli import main
+from agent_monitor.offline import evaluate as ev
 from agent_monitor.offline.recorded import RecordedRun, RecordedStep
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt

@@ -11,7 +11,7 @@ import pytest
 from agent_monitor import Policy
 from agent_monitor.cli import main
 from agent_monitor.cli._flags import build
-from agent_monitor.cli._main import BrokerOptions, JudgeOptions, ServeOptions, _parser
+from agent_monitor.cli._main import SERVE_CONFIG, BrokerOptions, JudgeOptions, ServeOptions, _parser
 from agent_monitor.daemon import (
     BoardSettings,
     ClusterSettings,
@@ -105,7 +105,8 @@ def leaves(cls: type, default: object) -> list[tuple[str, object]]:
 
 def test_no_flag_means_the_library_default_everywhere() -> None:
     args = parse([])
-    assert build(MonitorConfig, args) == MonitorConfig()
+    # but the metrics port: serve binds 9464, a Monitor built in Python none
+    assert build(MonitorConfig, args) == SERVE_CONFIG == dataclasses.replace(MonitorConfig(), metrics_port=9464)
     assert build(JudgeOptions, args) == JudgeOptions()
     assert build(BrokerOptions, args) == BrokerOptions()
     assert build(ServeOptions, args) == ServeOptions()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from ..criteria import CriteriaError, load_criteria
-from ..daemon import DEFAULT_GC_THRESHOLD, BoardSettings, ClusterSettings, ProxySettings
+from ..daemon import DEFAULT_GC_THRESHOLD, ClusterSettings, MonitorConfig, ProxySettings
 from ..judges.base import FRAMES_NOT_SEEN, BaseJudge, JudgeError, recommended_min_mass, sees_frames
 from ..judges.llamacpp import DEFAULT_KV_BUDGET_MB
 from ..offline.baselines import DEFAULT_RESAMPLES
@@ -37,9 +37,7 @@ from ._flags import CONFIG_ENV, FlagError, HelpFormatter, Settings, add_flags, b
 from ._top import TopOptions
 
 if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
-    from ..daemon import MonitorConfig, Source, SqliteStore
+    from ..daemon import Monitor, SqliteStore
 
 JudgeKind = Literal["openai", "gemini", "local", "replay"]
 T = TypeVar("T")
@@ -130,14 +128,12 @@ class BrokerOptions:
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    """What `serve` sets up around the Monitor: the run store, /metrics, logs."""
+    """What `serve` sets up around the Monitor, for the process: the run store, logs, the garbage collector."""
 
     state_dir: str | None = field(
         default=None, metadata={"help": "where the run store lives; none: $XDG_DATA_HOME/agent-monitor"}
     )
     no_store: bool = field(default=False, metadata={"help": "keep runs in memory only (a restart forgets them)"})
-    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port, 0 to disable"})
-    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address /metrics binds to"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     gc_threshold: int = field(
         default=DEFAULT_GC_THRESHOLD,
@@ -145,9 +141,6 @@ class ServeOptions:
             "help": "allocations between collections of Python's cyclic garbage collector (its first generation); "
             "the default 700 spends a third of a burst's CPU walking the live runs' state; 0: Python's default"
         },
-    )
-    board: BoardSettings = field(
-        default_factory=BoardSettings, metadata={"help": "web board (at / of the metrics port)"}
     )
 
 
@@ -273,21 +266,20 @@ def _group_flags(parser: argparse._ActionsContainer) -> None:
 
 
 _PROXY_FLAGS = [f.name for f in dataclasses.fields(ProxySettings) if f.name != "upstream"]
+SERVE_CONFIG = MonitorConfig(metrics_port=9464)
+"""serve's defaults: a MonitorConfig's own but the metrics port (a Monitor built in Python binds none)."""
 
 
 def _serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """The flags of serve (and of proxy, which is serve with the proxy as its front door)."""
-    from ..daemon import MonitorConfig
-
     add_flags(parser, BrokerOptions, environ, title="MQTT broker")
     add_flags(parser, JudgeOptions, environ, title="judge")
-    add_flags(parser, MonitorConfig, environ, title="monitor")
-    add_flags(parser, ServeOptions, environ, title="run store, metrics and logs")
+    add_flags(parser, MonitorConfig, environ, default=SERVE_CONFIG, title="monitor")
+    add_flags(parser, ServeOptions, environ, title="run store and logs")
 
 
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     from .. import __version__
-    from ..daemon import MonitorConfig
 
     parser = argparse.ArgumentParser(
         prog="agent-monitor",
@@ -537,7 +529,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
     demo.add_argument("--out", default="agent-monitor-demo", metavar="DIR", help="folder for the progress plot")
-    add_flags(demo, ServeOptions, environ, only=["metrics_port"], title="metrics (a taken port: any free one)")
+    add_flags(
+        demo,
+        MonitorConfig,
+        environ,
+        default=SERVE_CONFIG,
+        only=["metrics_port"],
+        title="metrics (a taken port: any free one)",
+    )
     demo.add_argument(
         "--pace",
         type=float,
@@ -814,9 +813,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import structlog
     from prometheus_client import CollectorRegistry
 
-    from ..daemon import Board, BrokerUnavailable, ClusterUnavailable, HttpServer, Monitor, MonitorConfig, tune_gc
-    from ..daemon.http import board_port
-    from ..daemon.sinks import BoardSite
+    from ..daemon import BrokerUnavailable, ClusterUnavailable, Monitor, tune_gc
 
     if not args.judge:
         return _fail(_NO_JUDGE)
@@ -827,37 +824,16 @@ async def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(f"--gc-threshold: {e}")
     broker = broker_options.settings()
-    config = build(MonitorConfig, args, broker=broker, policy_given=given(args, "policy"))
-    proxy_settings = build(ProxySettings, args) if args.command == "proxy" or args.upstream else None
-    if proxy_settings is not None and proxy_settings.upstream is None:
-        return _fail("agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1")
-    if config.reward_api.reward_api and not serve.metrics_port:
-        return _fail("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
-    if config.reward_api.reward_api and config.cluster.url is not None:
-        # A rollout's run may be owned (and scored) by another replica, whose scores this one never sees.
-        return _fail("--reward-api runs on one monitor, not in --cluster mode: serve it from a monitor of its own")
-    try:
-        load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
-    except CriteriaError as e:
-        return _fail(f"--criteria {config.criteria}: {e}")
-    if config.prompt is not None:
-        from ..templates import TemplateError, load_template
-
-        try:  # before the judge is probed, as --criteria
-            load_template(Path(config.prompt)).check_for("progress")
-        except TemplateError as e:
-            return _fail(f"--prompt: {e}")
-    if broker_options.embedded_broker and config.cluster.url is not None:
-        return _fail(
-            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "
-            "replicas against one Mosquitto 2 (or EMQX, HiveMQ) with --broker"
-        )
+    proxy = build(ProxySettings, args) if args.command == "proxy" or args.upstream else ProxySettings()
+    policy_given = given(args, "policy")
+    config = build(MonitorConfig, args, default=SERVE_CONFIG, broker=broker, policy_given=policy_given, proxy=proxy)
+    if problem := _serve_problem(config, args.command, broker_options.embedded_broker):
+        return _fail(problem)
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")
-    clustered = config.cluster.url is not None
     # In cluster mode the journal is in Redis (the Monitor opens it): no SQLite store of this replica's own.
-    store = None if serve.no_store or clustered else _open_store(serve.state_dir)
+    store = None if serve.no_store or config.cluster.url is not None else _open_store(serve.state_dir)
     log = structlog.get_logger("agent_monitor.cli")
     async with contextlib.AsyncExitStack() as stack:
         if broker_options.embedded_broker:
@@ -878,70 +854,11 @@ async def _serve(args: argparse.Namespace) -> int:
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
         announce_frames(judge, registry)
-        board = Board(serve.board, registry=registry) if serve.metrics_port and not serve.board.no_board else None
-        receiver = None
-        if config.otlp_receiver.address is not None:
-            from ..daemon import OtlpReceiver
-
-            receiver = OtlpReceiver(config.otlp_receiver, registry=registry)
-            try:
-                receiver.check_installed()
-                await receiver.open()
-            except ImportError as e:
-                return _fail(str(e))
-            except OSError as e:
-                return _fail(f"cannot receive OTLP traces on {config.otlp_receiver.address}: {e}; pass --otlp-receiver")
-        web = None
-        site = BoardSite(board) if board is not None else None  # its run pages read the monitor's store (below)
-        if serve.metrics_port:
-            bounds = board_port(config.reward_api)
-            web = HttpServer(registry, host=serve.metrics_host, port=serve.metrics_port, settings=bounds, site=site)
-        reward = None
-        if config.reward_api.reward_api and web is not None:
-            from ..daemon import RewardSource
-
-            reward = RewardSource(web, config.reward_api, registry=registry)
         try:
-            sources = await _proxy_source(stack, proxy_settings, judge, config, registry)
-            monitor = Monitor(
-                config,
-                judge=judge,
-                store=store,
-                registry=registry,
-                sinks=[board] if board else [],
-                sources=[*([receiver] if receiver else []), *([reward] if reward else []), *sources],
-                http=web,
-            )
-        except ImportError as e:  # --otlp-endpoint, --cluster or the proxy without their extra: the message names it
+            # Opens every door, sink and store the config names (a taken port or a missing extra is one line).
+            monitor = await stack.enter_async_context(Monitor(config, judge=judge, store=store, registry=registry))
+        except (ImportError, OSError, BrokerUnavailable, ClusterUnavailable) as e:
             return _fail(str(e))
-        except OSError as e:
-            return _fail(
-                f"the proxy cannot listen on {proxy_settings.listen if proxy_settings else ''}: {e}; pass --listen"
-            )
-        if site is not None and board is not None:
-            from ..daemon import RunPages
-
-            site.pages = RunPages(monitor.store, board)  # /runs/<id> and the history read the run store
-        if reward is not None:
-            reward.calibration = monitor.calibration  # calibrated rewards read what ended runs taught the monitor
-        if receiver is not None and monitor.otel is not None:
-            monitor.otel.spans = receiver.span_of  # a trace-fed run's evaluation events carry its trace and span ids
-        if web is not None:
-            try:
-                # Bound here (a taken port fails the start-up); served as the task `http` in the monitor's TaskGroup.
-                await web.bind()
-                stack.push_async_callback(web.aclose)
-            except OSError as e:
-                return _fail(
-                    f"cannot serve /metrics on {serve.metrics_host}:{serve.metrics_port}: {e}; pass --metrics-port"
-                )
-            log.info("metrics_serving", url=f"{web.url}metrics", board=web.url if board else None)
-        try:
-            await stack.enter_async_context(monitor)
-        except (BrokerUnavailable, ClusterUnavailable) as e:
-            return _fail(str(e))
-        if board is not None:
-            board.restore((monitor.run(r) for r in monitor.restored), live=monitor.status()["live_runs"])
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         assert task is not None
@@ -949,31 +866,7 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, task.cancel)
         if store is not None:
             print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
-        min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
-        if monitor.cluster is not None:
-            c = monitor.cluster
-            where = (
-                f"cluster {config.cluster.name} on {config.cluster.url} as replica {c.replica_id} "
-                f"({len(c.live)} live), shared subscription $share/{config.cluster.name}/"
-            )
-        else:
-            where = f"run store {store.path if store else 'off (in memory)'}"
-        for src in sources:
-            print(
-                f"agent-monitor: proxy on {getattr(src, 'url', '?')} -> {getattr(src, 'upstream', '?')}",
-                file=sys.stderr,
-            )
-        print(
-            f"agent-monitor: serving {config.prefix}/+/start|step|end on {broker.url} "
-            f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
-            f"{where}"
-            + (f"; OTLP traces on {receiver.url}" if receiver else "")
-            + (f"; progress annotations to Phoenix at {config.phoenix.url}" if config.phoenix.url else "")
-            + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if reward and web else "")
-            + (f"; board {web.url}" if web and board else f"; metrics {web.url}metrics" if web else ""),
-            file=sys.stderr,
-            flush=True,
-        )
+        print(_serving_line(monitor, judge, store), file=sys.stderr, flush=True)
         try:
             await monitor.wait()
         except asyncio.CancelledError:
@@ -981,21 +874,62 @@ async def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _proxy_source(
-    stack: contextlib.AsyncExitStack,
-    settings: ProxySettings | None,
-    judge: BaseJudge,
-    config: MonitorConfig,
-    registry: CollectorRegistry,
-) -> list[Source]:
-    """The proxy as the monitor's source, its port bound now (a taken port is one line, before the monitor starts)."""
-    if settings is None:
-        return []
-    from ..daemon import ProxySource
+def _serve_problem(config: MonitorConfig, command: str, embedded_broker: bool) -> str | None:
+    """What keeps serve's settings from working together, said before anything starts (None: nothing)."""
+    if config.proxy.upstream is None and command == "proxy":
+        return "agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1"
+    if config.reward_api.reward_api and not config.metrics_port:
+        return "--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N"
+    if config.reward_api.reward_api and config.cluster.url is not None:
+        # A rollout's run may be owned (and scored) by another replica, whose scores this one never sees.
+        return "--reward-api runs on one monitor, not in --cluster mode: serve it from a monitor of its own"
+    try:
+        load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
+    except CriteriaError as e:
+        return f"--criteria {config.criteria}: {e}"
+    if config.prompt is not None:
+        from ..templates import TemplateError, load_template
 
-    proxy = ProxySource(settings, judge=judge, criteria=config.criteria, registry=registry)
-    await stack.enter_async_context(proxy)
-    return [proxy]
+        try:  # before the judge is probed, as --criteria
+            load_template(Path(config.prompt)).check_for("progress")
+        except TemplateError as e:
+            return f"--prompt: {e}"
+    if embedded_broker and config.cluster.url is not None:
+        return (
+            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "
+            "replicas against one Mosquitto 2 (or EMQX, HiveMQ) with --broker"
+        )
+    return None
+
+
+def _serving_line(monitor: Monitor, judge: BaseJudge, store: SqliteStore | None) -> str:
+    """serve's start line: what it listens to, with which judge, where runs are kept, and each door's address."""
+    config, web, doors = monitor.config, monitor.http, {src.name: src for src in monitor.sources}
+    assert config.broker is not None
+    min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
+    if (c := monitor.cluster) is not None:
+        where = (
+            f"cluster {config.cluster.name} on {config.cluster.url} as replica {c.replica_id} "
+            f"({len(c.live)} live), shared subscription $share/{config.cluster.name}/"
+        )
+    else:
+        where = f"run store {store.path if store else 'off (in memory)'}"
+    receiver = doors.get("otlp")
+    proxy = doors.get("proxy")
+    return (
+        (
+            f"agent-monitor: proxy on {getattr(proxy, 'url', '?')} -> {getattr(proxy, 'upstream', '?')}\n"
+            if proxy
+            else ""
+        )
+        + f"agent-monitor: serving {config.prefix}/+/start|step|end on {config.broker.url} "
+        f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
+        f"{where}"
+        + (f"; OTLP traces on {getattr(receiver, 'url', '?')}" if receiver else "")
+        + (f"; progress annotations to Phoenix at {config.phoenix.url}" if config.phoenix.url else "")
+        + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if "reward" in doors and web else "")
+        + (f"; board {web.url}" if web and monitor.board else f"; metrics {web.url}metrics" if web else "")
+    )
 
 
 async def _store_line(store: SqliteStore, restored: Sequence[str], *, default: bool) -> str:
@@ -1545,7 +1479,6 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
 
             return _judge_server(args)
         if args.command == "config":
-            from ..daemon import MonitorConfig
             from ._config_cli import print_config
 
             args.config = _config_path(argv, env)

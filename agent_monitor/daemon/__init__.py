@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._broker import BrokerStartError, EmbeddedBroker
 from ._config import (
+    BoardSettings,
     ClusterSettings,
     MetricsSettings,
     MonitorConfig,
@@ -38,7 +39,7 @@ from .cluster import ClusterJournal, ClusterUnavailable
 from .http import HttpRequest, HttpResponse, HttpServer, Route
 from .judge_server import JudgeServer, JudgeServerSettings
 from .runs import RunView, StepView
-from .sinks import Board, BoardSettings, PhoenixSink, PhoenixStatistics, RunPages
+from .sinks import Board, PhoenixSink, PhoenixStatistics, RunPages
 from .sources import BrokerUnavailable, Inbound, Ingest, RunsView, Source
 from .sources.otlp import OtlpReceiver
 from .sources.reward import RewardSource

@@ -411,6 +411,66 @@ class OtlpReceiverSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class BoardSettings:
+    """What the web board at `/` of the metrics port keeps, and how many browsers it serves."""
+
+    no_board: bool = field(
+        default=False,
+        metadata={"help": "serve only /metrics on the metrics port: no web board at /, /events and /api/runs"},
+    )
+    max_runs: int = field(
+        default=100,
+        metadata={
+            "flag": "--board-runs",
+            "help": "runs the board keeps and shows (the most recently active); it says how many more are live",
+        },
+    )
+    points: int = field(
+        default=500, metadata={"flag": "--board-points", "help": "points of each run's curve the board keeps (newest)"}
+    )
+    grace_s: float = field(
+        default=60.0, metadata={"flag": "--board-grace", "help": "seconds an ended run stays on the board"}
+    )
+    max_clients: int = field(
+        default=16,
+        metadata={
+            "flag": "--board-clients",
+            "help": "browsers following the board at once (/events); one more is answered 503 and retries",
+        },
+    )
+    client_queue: int = field(
+        default=1000,
+        metadata={
+            "flag": "--board-client-queue",
+            "help": "updates waiting for one browser; a browser further behind is dropped and reconnects to a "
+            "fresh snapshot (scoring never waits for a browser)",
+        },
+    )
+    keepalive_s: float = field(
+        default=15.0,
+        metadata={"flag": "--board-keepalive", "help": "seconds between keep-alive comments on an idle /events stream"},
+    )
+
+    def __post_init__(self) -> None:
+        small = {
+            k: v
+            for k, v in (
+                ("max_runs", self.max_runs),
+                ("points", self.points),
+                ("max_clients", self.max_clients),
+                ("client_queue", self.client_queue),
+            )
+            if v < 1
+        }
+        if small:
+            raise ValueError(f"board settings {small}: use 1 or more")
+        if self.grace_s < 0 or not self.keepalive_s > 0:
+            raise ValueError(
+                f"board grace_s={self.grace_s}, keepalive_s={self.keepalive_s}: use grace >= 0 and keep-alive > 0"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class ProxySettings:
     """The LLM API proxy (`agent-monitor proxy`, `serve --proxy-upstream`): where it listens, what it forwards to."""
 
@@ -699,6 +759,15 @@ class MonitorConfig(ScoringOptions):
     phoenix: PhoenixSettings = field(
         default_factory=PhoenixSettings, metadata={"help": "Arize Phoenix annotations (docs/phoenix.md)"}
     )
+    board: BoardSettings = field(
+        default_factory=BoardSettings, metadata={"help": "web board (at / of the metrics port)"}
+    )
+    proxy: ProxySettings = field(
+        default_factory=ProxySettings,
+        # Its flags are made from ProxySettings itself: `agent-monitor proxy` names the upstream --upstream, serve
+        # --proxy-upstream. With an upstream the monitor opens the proxy as its door `proxy`.
+        metadata={"cli": False, "help": "the LLM API proxy (docs/proxy.md); off without an upstream"},
+    )
     image_dirs: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -787,6 +856,9 @@ class MonitorConfig(ScoringOptions):
             "pip install -e '.[otel]' (in the agent-monitor checkout)"
         },
     )
+    # 0 here: a Monitor built in Python binds no port unless told to; `agent-monitor serve`'s default is 9464.
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port, 0 to disable"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address /metrics binds to"})
 
     def __post_init__(self) -> None:
         ScoringOptions.__post_init__(self)  # (zero-argument super() fails in slotted dataclasses before 3.14)
@@ -861,6 +933,7 @@ class MonitorConfig(ScoringOptions):
 
 
 __all__ = [
+    "BoardSettings",
     "ClusterSettings",
     "MetricsSettings",
     "MonitorConfig",

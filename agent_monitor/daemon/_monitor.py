@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Self, cast
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -35,6 +35,7 @@ from ..wire import Topics
 from ._config import MonitorConfig
 from ._mode import Mode, Standalone, mode_of
 from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
+from .http import HttpServer, board_port
 from .runs import (
     GroupBook,
     Groups,
@@ -50,6 +51,8 @@ from .runs import (
 )
 from .sinks import (
     STORE_GAUGES,
+    Board,
+    BoardSite,
     CalibrationCollector,
     CostCollector,
     FlowCollector,
@@ -59,15 +62,22 @@ from .sinks import (
     PhoenixSink,
     PhoenixStatistics,
     RunCollector,
+    RunPages,
     StatisticsCollector,
 )
 from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source, statistics_json
-from .stores import RunStore, StoreSink
+from .sources.otlp import OtlpReceiver
+from .sources.reward import RewardSource
+from .stores import NoStore, RunStore, StoreSink
 
 if TYPE_CHECKING:
     from .cluster import Cluster
-    from .http import HttpServer, HttpServerStatistics
+    from .http import HttpServerStatistics
     from .sinks import OtelSink
+    from .sources.proxy import ProxySource
+
+Spans = Callable[[str, int], tuple[str, str] | None]
+"""Which span (trace id, span id) a run's step is, for runs fed by traces."""
 
 __all__ = ["Monitor", "RunView", "StepView"]
 
@@ -106,9 +116,11 @@ class Monitor:
     async with Monitor(config, judge=judge, store=SqliteStore(path)) as monitor:
         await monitor.wait()  # serve until cancelled
     ```
-    Entering rebuilds the live runs from the store, connects to the broker (`BrokerUnavailable` with a
-    one-line reason) and starts the named tasks `mqtt`, `source-{name}` per source, `scorer-1..N`, `sweeper`
-    (`retention` for a SQLite store, `http` with `http=`, `phoenix` with `config.phoenix.url`); leaving cancels and awaits them all. Without a broker nothing is
+    The config names the doors besides MQTT (`otlp_receiver`, `reward_api`, `proxy`) and the metrics port
+    (`/metrics`, `/healthz`, the board): entering binds their ports (OSError naming the setting), rebuilds the
+    live runs from the store, connects to the broker (`BrokerUnavailable` with a one-line reason) and starts
+    the named tasks `mqtt`, `source-{name}` per door, `scorer-1..N`, `sweeper` (`http` with a metrics port or
+    `http=`, `phoenix` with `config.phoenix.url`); leaving cancels and awaits them all. Without a broker nothing is
     received: feed events with `handle()`. Without a store nothing is journaled; `SqliteStore` survives
     restarts, `MemoryStore` keeps the journal in this process. `sinks` get every `MonitorEvent` after the
     monitor's own (MQTT, store, metrics, log). With `config.cluster.url` the monitor is one replica of a
@@ -133,9 +145,6 @@ class Monitor:
         self.clock = clock
         self.criteria, self.template = _operator_rubric(c)
         """The rubric of runs whose start names none; the operator's prompt template (serve --prompt), "" = ours."""
-        if len(names := [src.name for src in sources]) != len(set(names)):
-            raise ValueError(f"sources need distinct names, got {names}")
-        self._emit = Fanout((), log)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = m = Metrics(self.registry)
         # The circuit breaker counts the calls that reach the judge (not those it refuses while the judge is down)
@@ -158,6 +167,22 @@ class Monitor:
         """One monitor, or (`config.cluster.url`) a replica of a cluster: its store, gate, client id and loops."""
         self.outbox.gate = self.mode.gate
         self.store: RunStore = self.mode.store
+        self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
+        self._doors = d = _doors(c, judge, self.registry, self.store, self.calibration, self.health, http, sources)
+        self.board, self.http, self.sources = d.board, d.http, d.sources
+        """The board, the metrics port's server (task `http`) and the doors beside MQTT (`source-{name}` each)."""
+        spans = _spans(self.sources)  # a trace-fed run's events and annotations name its span (the receiver's)
+        self.otel = _otel_sink(c.otlp_endpoint, self.registry, lambda r: self._scoring.criteria_of(r), spans)
+        """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
+        self.phoenix = PhoenixSink(c.phoenix, registry=self.registry, spans=spans) if c.phoenix.url else None
+        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
+        mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
+                        on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
+        kept = () if isinstance(self.store, NoStore) else (StoreSink(self.store),)  # no store: no scores kept
+        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
+        doors = (*(s for s in (self.board,) if s is not None), *(s.sink for s in self.sources if s.sink is not None))
+        self.sinks = (*own, *sinks, *doors)
+        self._emit = Fanout(self.sinks, log)  # every part's events go to these sinks, in this order
         self.book = RunBook(c.limits, self.topics)
         m.runs_active.set_function(self.book.live.__len__)  # read at scrape time
         lim = c.limits
@@ -195,22 +220,6 @@ class Monitor:
             store=self.store, intake=self._intake, scoring=self._scoring, groups=self._groups,
             calibration=self.calibration, policy=c.policy, on_family=self._families.update,
         )  # fmt: skip
-        self._metrics_sink = MetricsSink(m, grace_s=c.metrics.grace_s, memory=c.limits.ended_memory, clock=clock)
-        self.otel = _otel_sink(c.otlp_endpoint, self.registry, self._scoring.criteria_of) if c.otlp_endpoint else None
-        """The OpenTelemetry sink, with `config.otlp_endpoint` (opened on entering, flushed on leaving)."""
-        self.phoenix = _phoenix_sink(c, self.registry, sources) if c.phoenix.url else None
-        """The Arize Phoenix sink, with `config.phoenix.url`: its task `phoenix` sends, leaving flushes it, bounded."""
-        self.http = http
-        """The /metrics and board server (`serve --metrics-port`), served as the task `http` when given."""
-        if http is not None:
-            http.health = self.health
-        self.sources: tuple[Source, ...] = tuple(sources)
-        """Front doors besides MQTT (the OTLP receiver, the proxy, the reward API): each a task `source-{name}`."""
-        mqtt = MqttSink(self.outbox, self.topics, on_signal_sent=self.mode.signal_sent,
-                        on_progress_sent=self.mode.progress_sent, compact=c.progress_form == "compact")  # fmt: skip
-        kept = (StoreSink(self.store),) if self._intake.keeps else ()  # without a store: nothing to keep scores in
-        own = (mqtt, *kept, self._metrics_sink, LogSink(log), *(s for s in (self.otel, self.phoenix) if s is not None))
-        self._emit.sinks = self.sinks = (*own, *sinks, *(src.sink for src in sources if src.sink is not None))
         series = partial(run_series, self.book.live, self._scoring.runs, self._metrics_sink.finished)
         collectors = [
             RunCollector(series, label_names=c.metrics.labels, max_series=c.metrics.max_series),
@@ -241,6 +250,8 @@ class Monitor:
             raise RuntimeError("the monitor is already running")
         stack = contextlib.AsyncExitStack()
         try:
+            # First: a port the config names that is taken fails the start-up at once, in one line.
+            await _open_doors(stack, self.config, self._doors)
             wait, began = self.config.broker_wait, time.monotonic()
             if self.link is not None and wait > 0:
                 # A broker restarting with the monitor (a host restart, a cluster and its broker together): waited
@@ -253,6 +264,8 @@ class Monitor:
             self.restored = await self._restore.restore()
             if self.restored:
                 log.info("runs_restored", runs=len(self.restored), run_ids=list(self.restored[:20]))
+            if self.board is not None:
+                self.board.restore((self.run(r) for r in self.restored), live=len(self.book.live))
             left = max(0.0, wait - (time.monotonic() - began))
             first = await self.link.connect_within(left) if self.link is not None else None
             _open_sinks(stack, self.otel, self.phoenix)  # before the scorers start; closed after they stopped
@@ -470,11 +483,15 @@ def health_of(status: Mapping[str, Any], *, broker: bool) -> tuple[bool, dict[st
     }
 
 
-def _otel_sink(endpoint: str, registry: CollectorRegistry, criteria: Callable[[str], Sequence[str]]) -> OtelSink:
-    """The OpenTelemetry sink; imported here: without an endpoint no OpenTelemetry package is loaded."""
+def _otel_sink(
+    endpoint: str | None, registry: CollectorRegistry, criteria: Callable[[str], Sequence[str]], spans: Spans | None
+) -> OtelSink | None:
+    """The OpenTelemetry sink, with an endpoint; imported here: without one no OpenTelemetry package is loaded."""
+    if endpoint is None:
+        return None
     from .sinks import OtelSink  # ImportError names the extra
 
-    return OtelSink(endpoint, registry=registry, criteria=criteria)
+    return OtelSink(endpoint, registry=registry, criteria=criteria, spans=spans)
 
 
 def _open_sinks(stack: contextlib.AsyncExitStack, otel: OtelSink | None, phoenix: PhoenixSink | None) -> None:
@@ -486,10 +503,104 @@ def _open_sinks(stack: contextlib.AsyncExitStack, otel: OtelSink | None, phoenix
         stack.push_async_callback(phoenix.close, _OTLP_CLOSE_S)  # what is still queued gets one try
 
 
-def _phoenix_sink(c: MonitorConfig, registry: CollectorRegistry, sources: Sequence[Source]) -> PhoenixSink:
-    """The Phoenix sink; a trace-fed run's scores name their span: the first source that knows it (the receiver)."""
-    spans = next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
-    return PhoenixSink(c.phoenix, registry=registry, spans=spans)
+def _spans(sources: Sequence[Source]) -> Spans | None:
+    """Which span a trace-fed run's step is: the first source that knows (the OTLP receiver's `span_of`)."""
+    return next((f for src in sources if callable(f := getattr(src, "span_of", None))), None)
+
+
+class _Doors(NamedTuple):
+    """What the config names beside the MQTT link: the board, the metrics port's server and the doors."""
+
+    board: Board | None
+    http: HttpServer | None
+    sources: tuple[Source, ...]
+    receiver: OtlpReceiver | None
+    proxy: ProxySource | None
+
+
+def _doors(
+    c: MonitorConfig,
+    judge: Judge,
+    registry: CollectorRegistry,
+    store: RunStore,
+    calibration: Calibration,
+    health: Callable[[], tuple[bool, dict[str, Any]]],
+    http: HttpServer | None,
+    sources: Sequence[Source],
+) -> _Doors:
+    """Build the doors the config names, each given its routes and what it reads (none is patched on later).
+
+    `config.metrics_port`: the server of /metrics, /healthz and (unless `board.no_board`) the board and the run
+    pages; a caller's own `http` is served as given. `otlp_receiver.address`, `reward_api.reward_api` (its
+    routes on that server; calibrated rewards read `calibration`) and `proxy.upstream` open the other doors,
+    before the caller's `sources`. ImportError names a missing extra; ValueError a door without what it needs.
+    """
+    board = None
+    if http is None and c.metrics_port:
+        board = None if c.board.no_board else Board(c.board, registry=registry)
+        http = _http_server(c, registry, board, RunPages(store, board) if board is not None else None, health)
+    elif http is not None:
+        http.health = health  # a server the caller built: its /healthz answers for this monitor
+    receiver = OtlpReceiver(c.otlp_receiver, registry=registry) if c.otlp_receiver.address is not None else None
+    if receiver is not None:
+        receiver.check_installed()
+    reward = None
+    if c.reward_api.reward_api:
+        if http is None:
+            raise ValueError("--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N")
+        reward = RewardSource(http, c.reward_api, registry=registry, calibration=calibration)
+    proxy = None
+    if c.proxy.upstream is not None:
+        from .sources.proxy import ProxySource  # ImportError names the extra (h11, httpx2)
+
+        proxy = ProxySource(c.proxy, judge=judge, criteria=c.criteria, registry=registry)
+    doors = (*(d for d in (receiver, reward, proxy) if d is not None), *sources)
+    if len(names := [d.name for d in doors]) != len(set(names)):
+        raise ValueError(f"sources need distinct names, got {names}")
+    return _Doors(board, http, doors, receiver, proxy)
+
+
+def _http_server(
+    c: MonitorConfig,
+    registry: CollectorRegistry,
+    board: Board | None,
+    pages: RunPages | None,
+    health: Callable[[], tuple[bool, dict[str, Any]]],
+) -> HttpServer:
+    """The metrics port's server, with every route it answers itself (the one place it is built)."""
+    site = BoardSite(board, pages) if board is not None else None
+    return HttpServer(
+        registry,
+        host=c.metrics_host,
+        port=c.metrics_port,
+        settings=board_port(c.reward_api),
+        site=site,
+        health=health,
+    )
+
+
+async def _open_doors(stack: contextlib.AsyncExitStack, c: MonitorConfig, doors: _Doors) -> None:
+    """Bind each door's port (closed by `stack`), served later by its task; OSError names the setting to change."""
+    if doors.receiver is not None:
+        try:
+            await doors.receiver.open()
+        except OSError as e:
+            raise OSError(f"cannot receive OTLP traces on {c.otlp_receiver.address}: {e}; pass --otlp-receiver") from e
+        stack.push_async_callback(doors.receiver.http.close)
+    if doors.proxy is not None:
+        try:
+            await stack.enter_async_context(doors.proxy)
+        except OSError as e:
+            raise OSError(f"the proxy cannot listen on {c.proxy.listen}: {e}; pass --listen") from e
+    if doors.http is not None:
+        try:
+            await doors.http.bind()
+        except OSError as e:
+            raise OSError(
+                f"cannot serve /metrics on {c.metrics_host}:{c.metrics_port}: {e}; pass --metrics-port"
+            ) from e
+        stack.push_async_callback(doors.http.aclose)
+        log.info("metrics_serving", url=f"{doors.http.url}metrics", board=doors.http.url if doors.board else None)
 
 
 def _link(c: MonitorConfig, topics: Topics, mode: Mode, m: Metrics) -> MqttLink:

@@ -167,6 +167,7 @@ class HttpServer:
         port: int = 9464,
         settings: HttpSettings = BOARD_PORT,
         site: Site | None = None,
+        health: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None,
     ) -> None:
         self.registry = registry
         self.host = host
@@ -188,8 +189,8 @@ class HttpServer:
         """The routes sources mounted (path to route): see `mount`."""
         self.refusals: Counter[str] = Counter()
         """Requests answered 4xx before any handler saw them, by reason."""
-        self.health: Callable[[], tuple[bool, Mapping[str, Any]]] | None = None
-        """What GET /healthz answers (the monitor sets it): healthy or not, and why; None: always healthy."""
+        self.health = health
+        """What GET /healthz answers (the monitor's health): healthy or not, and why; None: always healthy."""
         self._stack: contextlib.AsyncExitStack | None = None
 
     @property

@@ -21,12 +21,13 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ...progress import Progress
+from .._config import BoardSettings
 from .._state import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
 
 if TYPE_CHECKING:
@@ -36,66 +37,6 @@ TASK_CHARS = 300
 """A run's task is cut to this many characters on the board (the whole task can be megabytes)."""
 TEXT_CHARS = 300
 """Reasons and error texts are cut to this many characters."""
-
-
-@dataclass(frozen=True, slots=True)
-class BoardSettings:
-    """What the web board at `/` of the metrics port keeps, and how many browsers it serves."""
-
-    no_board: bool = field(
-        default=False,
-        metadata={"help": "serve only /metrics on the metrics port: no web board at /, /events and /api/runs"},
-    )
-    max_runs: int = field(
-        default=100,
-        metadata={
-            "flag": "--board-runs",
-            "help": "runs the board keeps and shows (the most recently active); it says how many more are live",
-        },
-    )
-    points: int = field(
-        default=500, metadata={"flag": "--board-points", "help": "points of each run's curve the board keeps (newest)"}
-    )
-    grace_s: float = field(
-        default=60.0, metadata={"flag": "--board-grace", "help": "seconds an ended run stays on the board"}
-    )
-    max_clients: int = field(
-        default=16,
-        metadata={
-            "flag": "--board-clients",
-            "help": "browsers following the board at once (/events); one more is answered 503 and retries",
-        },
-    )
-    client_queue: int = field(
-        default=1000,
-        metadata={
-            "flag": "--board-client-queue",
-            "help": "updates waiting for one browser; a browser further behind is dropped and reconnects to a "
-            "fresh snapshot (scoring never waits for a browser)",
-        },
-    )
-    keepalive_s: float = field(
-        default=15.0,
-        metadata={"flag": "--board-keepalive", "help": "seconds between keep-alive comments on an idle /events stream"},
-    )
-
-    def __post_init__(self) -> None:
-        small = {
-            k: v
-            for k, v in (
-                ("max_runs", self.max_runs),
-                ("points", self.points),
-                ("max_clients", self.max_clients),
-                ("client_queue", self.client_queue),
-            )
-            if v < 1
-        }
-        if small:
-            raise ValueError(f"board settings {small}: use 1 or more")
-        if self.grace_s < 0 or not self.keepalive_s > 0:
-            raise ValueError(
-                f"board grace_s={self.grace_s}, keepalive_s={self.keepalive_s}: use grace >= 0 and keep-alive > 0"
-            )
 
 
 def _finite(x: float | None) -> float | None:

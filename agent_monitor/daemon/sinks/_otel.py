@@ -61,6 +61,7 @@ class OtelSink:
         *,
         registry: CollectorRegistry,
         criteria: Callable[[str], Sequence[str]] = lambda _run_id: (),
+        spans: Callable[[str, int], tuple[str, str] | None] | None = None,
         max_queue: int = 2048,
         max_batch: int = 512,
         schedule_delay_s: float = 1.0,
@@ -102,7 +103,7 @@ class OtelSink:
         self._emitter: EvaluationEmitter | None = None
         # The monitor's runs come over MQTT: their events belong to no span of this process.
         self._context = detached_context()
-        self.spans: Callable[[str, int], tuple[str, str] | None] | None = None
+        self.spans = spans
         """Which span a run's step is (trace id, span id in hex), for runs fed by traces: the OTLP receiver's
         `span_of`. A score's events then carry the trace and the judged span's id; None, or no span: no trace."""
 

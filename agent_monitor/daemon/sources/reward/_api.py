@@ -365,7 +365,8 @@ class RewardSource:
     """The reward endpoints as a source: `Monitor(config, judge=judge, sources=[RewardSource(http, settings)])`.
 
     Its routes are mounted on `http` (the metrics port's server) while the source runs. Give it the
-    monitor's calibration (`source.calibration = monitor.calibration`) for `calibrated` rewards.
+    monitor's calibration (`calibration=`; the monitor does, opening it from `config.reward_api`) for
+    `calibrated` rewards.
     """
 
     name = "reward"
@@ -376,12 +377,14 @@ class RewardSource:
         settings: RewardApiSettings | None = None,
         *,
         registry: CollectorRegistry | None = None,
+        calibration: Calibration | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.http = http
         self.settings = s = settings if settings is not None else RewardApiSettings(reward_api=True)
         self.metrics = _Metrics(registry)
         self.scorer = _Scorer(s, self.metrics, clock)
+        self.scorer.calibration = calibration
         self.sink: Sink | None = self.scorer.on_event
         self.ready = asyncio.Event()
         """Set once the routes are mounted (the source's task started)."""
