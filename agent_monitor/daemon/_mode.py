@@ -16,8 +16,9 @@ import structlog
 
 from ..calibration import Sample
 from ._config import MonitorConfig
+from ._outbox import Outbox
 from .sinks import Metrics
-from .sources import Host, Outbox, Receive
+from .sources import Host, Receive
 from .stores import NoStore, RunStore, SqliteStore
 
 if TYPE_CHECKING:

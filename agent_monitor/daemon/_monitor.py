@@ -32,23 +32,27 @@ from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
 from ..wire import Topics
 from ._config import MonitorConfig
+from ._events import Fanout, Sink
 from ._mode import Mode, Standalone, mode_of
-from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
-from .runs import GroupBook, Groups, Intake, LiveRuns, Replays, Restore, RunView, Scoring, StepView, run_series
+from ._outbox import Message, Outbox
+from .runs import GroupBook, Groups, Intake, LiveRuns, Replays, Restore, RunBook, RunView, Scoring, StepView, run_series
 from .sinks import (
     STORE_GAUGES,
     CalibrationCollector,
     CostCollector,
     FlowCollector,
     GroupCollector,
+    LogSink,
     Metrics,
     MetricsSink,
+    MqttSink,
     PhoenixSink,
     RunCollector,
     StatisticsCollector,
+    StoreSink,
 )
-from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source
-from .stores import RunStore, StoreSink
+from .sources import Ingest, MqttLink, Source
+from .stores import Delivery, Record, RunStore
 
 if TYPE_CHECKING:
     from .cluster import Cluster

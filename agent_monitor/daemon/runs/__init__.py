@@ -1,5 +1,6 @@
 """The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and its sinks."""
 
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook, RunState
 from ._groups import GroupBook, Groups, GroupSeries
 from ._ingest import Intake
 from ._replay import Replays
@@ -9,15 +10,23 @@ from ._views import FamilySeries, LiveRuns, RunSeries, RunView, StepView, run_se
 
 __all__ = [
     "TOKEN_BUCKETS",
+    "AcceptedStep",
+    "Appended",
+    "Closed",
+    "Closing",
+    "Effect",
     "FamilySeries",
     "GroupBook",
     "GroupSeries",
     "Groups",
     "Intake",
     "LiveRuns",
+    "Opened",
     "Replays",
     "Restore",
+    "RunBook",
     "RunSeries",
+    "RunState",
     "RunView",
     "Scoring",
     "StepView",

@@ -19,23 +19,9 @@ import structlog
 
 from ...wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, parse_topic
 from .._config import MonitorConfig
-from .._state import (
-    Accepted,
-    Closed,
-    Delivery,
-    Duplicated,
-    Effect,
-    Ended,
-    Fanout,
-    Finished,
-    Orphaned,
-    Record,
-    Refused,
-    RunBook,
-    Started,
-    Stepped,
-)
-from ..stores import NoStore, RunStore
+from .._events import Accepted, Duplicated, Fanout, Refused
+from ..stores import Delivery, Ended, Finished, NoStore, Orphaned, Record, RunStore, Started, Stepped
+from ._book import Closed, Effect, RunBook
 from ._groups import GroupBook, Joiner
 from ._images import fetch_images
 

@@ -13,8 +13,7 @@ import structlog
 
 from ...calibration import Calibration, Family, Sample
 from ...policy import Policy
-from .._state import Record
-from ..stores import RunStore
+from ..stores import Record, RunStore
 from ._groups import Groups
 from ._ingest import Intake
 from ._scoring import Scoring

@@ -29,22 +29,8 @@ from ...progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ...tracker import AsyncProgressTracker
 from ...wire import RunStart, Topics
 from .._config import MonitorConfig
-from .._state import (
-    AcceptedStep,
-    Appended,
-    Closed,
-    Closing,
-    Effect,
-    MonitorEvent,
-    Opened,
-    Refused,
-    RunBook,
-    RunClosed,
-    RunOpened,
-    Scored,
-    SignalChanged,
-    Skipped,
-)
+from .._events import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
 from ._groups import Groups, Joiner
 from ._replay import Replays, sample_key, spend_signed
 

@@ -1,6 +1,7 @@
 """The sinks: where the monitor's events go (MQTT out, metrics, OpenTelemetry, Phoenix, the board)."""
 
 from ._board import Board, BoardClient, BoardSettings, sse
+from ._log import LogSink
 from ._metrics import (
     STORE_GAUGES,
     CalibrationCollector,
@@ -12,9 +13,11 @@ from ._metrics import (
     RunCollector,
     StatisticsCollector,
 )
+from ._mqtt import MqttSink, compact_form
 from ._otel import OtelSink
 from ._phoenix import PhoenixSink, PhoenixStatistics
 from ._runpages import QueryError, RunPages
+from ._store import StoreSink
 
 __all__ = [
     "STORE_GAUGES",
@@ -25,8 +28,10 @@ __all__ = [
     "CostCollector",
     "FlowCollector",
     "GroupCollector",
+    "LogSink",
     "Metrics",
     "MetricsSink",
+    "MqttSink",
     "OtelSink",
     "PhoenixSink",
     "PhoenixStatistics",
@@ -34,5 +39,7 @@ __all__ = [
     "RunCollector",
     "RunPages",
     "StatisticsCollector",
+    "StoreSink",
+    "compact_form",
     "sse",
 ]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ...progress import Progress
-from .._state import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
+from .._events import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
 
 if TYPE_CHECKING:
     from ..runs import RunView

@@ -15,7 +15,7 @@ from ...calibration import Calibration, Family, min_successes
 from ...policy import FAR, Policy
 from ...progress import FAILURES, REFUSALS, SIGNALS, Prices, Usage
 from ...wire import INPUT_KINDS
-from .._state import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
+from .._events import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
 from ..runs import TOKEN_BUCKETS, FamilySeries, GroupSeries, RunSeries, series_of
 
 RUN_OUTCOMES = ("success", "failure", "scored", "unknown", "expired", "evicted", "rejected")

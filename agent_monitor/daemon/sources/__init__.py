@@ -1,6 +1,6 @@
 """The front doors: each source hands a run's start, step and end events to ingest."""
 
-from ._mqtt import BrokerUnavailable, Message, MqttLink, MqttSink, Outbox
+from ._mqtt import BrokerUnavailable, LinkMetrics, MqttLink
 from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source
 
 __all__ = [
@@ -8,10 +8,8 @@ __all__ = [
     "Host",
     "Inbound",
     "Ingest",
-    "Message",
+    "LinkMetrics",
     "MqttLink",
-    "MqttSink",
-    "Outbox",
     "Receive",
     "RunsView",
     "Source",

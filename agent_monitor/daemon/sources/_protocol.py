@@ -35,7 +35,8 @@ from ...calibration import Family, Point
 from ...groups import UniformJSON
 from ...progress import Progress, Signal
 from ...wire import Topics
-from .._state import Delivery, Sink
+from .._events import Sink
+from ..stores import Delivery
 
 __all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source"]
 

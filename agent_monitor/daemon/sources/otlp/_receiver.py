@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from ....otel import INSTALL_HINT
 from ..._config import OtlpReceiverSettings
-from ..._state import Sink
+from ..._events import Sink
 from ...http import H11Conn, H11Server
 from .._protocol import Ingest, RunsView
 from ._spans import Decoded, Span, SpanError, TooManySpans, decode_json, decode_protobuf

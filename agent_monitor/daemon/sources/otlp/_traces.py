@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ....wire import MAX_LABEL_VALUE_CHARS, TopicError, check_run_id
 from ..._config import OtlpReceiverSettings
-from ..._state import MonitorEvent, RunClosed
+from ..._events import MonitorEvent, RunClosed
 from .._protocol import Inbound, Ingest, RunsView
 from ._spans import Decoded, Span, classify, outcome_of, run_key
 from ._spans import step_text as span_step_text

@@ -34,7 +34,7 @@ from ....judges.base import Judge
 from ....progress import Usage
 from ....selection import compare, tournament
 from ..._config import ProxySettings
-from ..._state import Sink
+from ..._events import Sink
 from ...http import H11Conn, H11Server, declared_length
 from .._protocol import Inbound, Ingest, RunsView
 from ._turns import (

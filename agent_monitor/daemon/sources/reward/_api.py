@@ -53,7 +53,7 @@ from ....calibration import Calibration, Family
 from ....progress import Progress, Signal, StopKind
 from ....wire import MAX_TASK_CHARS
 from ..._config import RewardApiSettings, RewardShape
-from ..._state import MonitorEvent, Refused, RunClosed, Scored, Sink
+from ..._events import MonitorEvent, Refused, RunClosed, Scored, Sink
 from ...http import HttpRequest, HttpResponse, HttpServer, Route
 from .._protocol import Inbound, Ingest, RunsView
 from ._steps import Rollout, RolloutError, from_messages, from_text
