@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
 from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, RunLimits
-from agent_monitor.daemon.cluster._cluster import Fenced
 from agent_monitor.daemon._outbox import Message
+from agent_monitor.daemon.cluster._cluster import Fenced
 from agent_monitor.daemon.stores import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, MonitorClient, StepIn
