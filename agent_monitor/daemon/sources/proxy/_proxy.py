@@ -36,18 +36,15 @@ from ....selection import compare, tournament
 from ..._config import ProxySettings
 from ..._events import Sink
 from ...http import H11Conn, H11Server, declared_length
+from .._chat import Api, Request, Turn, parse_request
 from .._protocol import Inbound, Ingest, RunsView
 from ._turns import (
     API_OF_PATH,
-    Api,
     Conversation,
     Conversations,
-    Request,
     StreamTurn,
-    Turn,
     error_body,
     majority,
-    parse_request,
     sse_of,
     steps_of,
     turn_of_response,
