@@ -474,7 +474,7 @@ class Scoring:
         """The schedule's plan for the run's newest step; None when it is not scored now (counted, once per step)."""
         tracker = scoring.tracker
         state = tracker.policy_state
-        if state is None or state.policy.schedule == "every":
+        if state is None or state.policy.every_step:
             return EVERY  # what `policy.plan` says of it: no schedule to ask, nor a group's pruning line to read
         n = len(tracker.steps)
         extra = {"prune": self.groups.prune_line(run_id)} if scoring.group is not None else None

@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,7 @@ from ..._config import OtlpReceiverSettings
 from ..._events import Sink
 from ...http import H11Conn, H11Server
 from .._protocol import Ingest, RunsView
-from ._spans import Decoded, Span, SpanError, TooManySpans, decode_json, decode_protobuf
+from ._spans import Decoded, SpanError, TooManySpans, decode_json, decode_protobuf
 from ._traces import REFUSE_REASONS, OtlpMetrics, Traces
 
 __all__ = ["REFUSE_REASONS", "OtlpReceiver"]
@@ -321,8 +321,3 @@ def _varint_field(number: int, value: int) -> bytes:
 
 def _bytes_field(number: int, value: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
-def decoded_of(spans: Sequence[Span]) -> Decoded:
-    """A Decoded of given spans (tests and benchmarks hand spans to `take` without HTTP)."""
-    return Decoded(spans=list(spans))
