@@ -96,7 +96,6 @@ class StripSpecialTokens:
         return _BLANK_LINES.sub("\n\n", text).strip()
 
 
-@register_extractor("truncate")
 def clip_middle(text: str, limit: int, *, room: int = 0) -> str:
     """The text, or when it is over `limit` characters its head and tail around a `[... N characters cut ...]` line.
 
@@ -109,6 +108,7 @@ def clip_middle(text: str, limit: int, *, room: int = 0) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
+@register_extractor("truncate")
 @dataclass(frozen=True, slots=True)
 class Truncate:
     """Keep at most `max_chars` characters: the head and the tail, with a marker line saying how much was cut.

@@ -35,7 +35,19 @@ from ._config import MonitorConfig
 from ._events import Fanout, Sink
 from ._mode import Mode, Standalone, mode_of
 from ._outbox import Message, Outbox
-from .runs import GroupBook, Groups, Intake, LiveRuns, Replays, Restore, RunBook, RunView, Scoring, StepView, run_series
+from .runs import (
+    GroupBook,
+    Groups,
+    LiveRuns,
+    Replays,
+    Restore,
+    RunBook,
+    RunView,
+    RunWriter,
+    Scoring,
+    StepView,
+    run_series,
+)
 from .sinks import (
     STORE_GAUGES,
     CalibrationCollector,
@@ -51,7 +63,7 @@ from .sinks import (
     StatisticsCollector,
     StoreSink,
 )
-from .sources import Ingest, MqttLink, Source
+from .sources import MqttLink, Source, SourceInput
 from .stores import Delivery, Record, RunStore
 
 if TYPE_CHECKING:
@@ -158,7 +170,7 @@ class Monitor:
         self.scheduler = self._scoring.scheduler
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
         self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
-        self._intake = Intake(
+        self._intake = RunWriter(
             c, book=self.book, store=self.store, groups=self.groups, topics=self.topics, image_dirs=self.image_dirs,
             emit=self._emit, clock=clock, act=self._scoring.act, prepare=self._scoring.prepare,
             unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None),
@@ -236,7 +248,7 @@ class Monitor:
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
             loops += self.mode.loops()
             # Every door hands its events to the same receive as MQTT: in cluster mode the runs' shared inboxes.
-            ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
+            ingest, runs = SourceInput(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
             loops += [("finisher", self._scoring.finisher()), ("sweeper", self._sweeper())]
@@ -346,7 +358,7 @@ class Monitor:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
 
         None means handled (accepted, refused or ignored) and safe to acknowledge; an error means the record
-        did not commit and the message must be delivered again (see `Intake.handle_batch`).
+        did not commit and the message must be delivered again (see `RunWriter.handle_batch`).
         """
         return await self._intake.handle_batch(messages)
 

@@ -2,7 +2,7 @@
 
 from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook, RunState
 from ._groups import GroupBook, Groups, GroupSeries
-from ._ingest import Intake
+from ._ingest import RunWriter
 from ._replay import Replays
 from ._restore import Restore
 from ._scoring import TOKEN_BUCKETS, Scoring
@@ -19,7 +19,6 @@ __all__ = [
     "GroupBook",
     "GroupSeries",
     "Groups",
-    "Intake",
     "LiveRuns",
     "Opened",
     "Replays",
@@ -28,6 +27,7 @@ __all__ = [
     "RunSeries",
     "RunState",
     "RunView",
+    "RunWriter",
     "Scoring",
     "StepView",
     "run_series",

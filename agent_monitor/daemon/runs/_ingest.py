@@ -85,7 +85,7 @@ class _Batch:
         self.order = None
 
 
-class Intake:
+class RunWriter:
     """Decide, journal and apply input: the one writer of the run state (under `lock`)."""
 
     def __init__(

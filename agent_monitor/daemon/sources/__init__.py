@@ -1,7 +1,7 @@
 """The front doors: each source hands a run's start, step and end events to ingest."""
 
 from ._mqtt import BrokerUnavailable, LinkMetrics, MqttLink
-from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source
+from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source, SourceInput
 
 __all__ = [
     "BrokerUnavailable",
@@ -13,4 +13,5 @@ __all__ = [
     "Receive",
     "RunsView",
     "Source",
+    "SourceInput",
 ]

@@ -28,7 +28,7 @@ from ....otel import INSTALL_HINT
 from ..._config import OtlpReceiverSettings
 from ..._events import Sink
 from ...http import H11Conn, H11Server
-from .._protocol import Ingest, RunsView
+from .._protocol import RunsView, SourceInput
 from ._spans import Decoded, SpanError, TooManySpans, decode_json, decode_protobuf
 from ._traces import REFUSE_REASONS, OtlpMetrics, Traces
 
@@ -119,7 +119,7 @@ class OtlpReceiver:
         host = self.settings.host_port[0]
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}{_PATH}"
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         """Serve OTLP/HTTP until cancelled, closing idle runs; raises OSError when the address cannot be bound."""
         self.traces.ingest, self.traces.view = ingest, runs
         await self.open()

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ....wire import MAX_LABEL_VALUE_CHARS, TopicError, check_run_id
 from ..._config import OtlpReceiverSettings
 from ..._events import MonitorEvent, RunClosed
-from .._protocol import Inbound, Ingest, RunsView
+from .._protocol import Inbound, RunsView, SourceInput
 from ._spans import Decoded, Span, classify, span_outcome, span_run_key
 from ._spans import step_text as span_step_text
 from ._spans import task_of as span_task_of
@@ -161,7 +161,7 @@ class Traces:
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._lock = asyncio.Lock()
         self.view: RunsView | None = None
-        self.ingest: Ingest | None = None
+        self.ingest: SourceInput | None = None
         self.steps = 0
         """Steps sent."""
         self.late = 0
