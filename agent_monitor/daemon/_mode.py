@@ -16,8 +16,7 @@ import structlog
 
 from ..calibration import Sample
 from ._config import MonitorConfig
-from ._outbox import Outbox
-from .sinks import Metrics
+from .sinks import Metrics, Outbox
 from .sources import Host, Receive
 from .stores import NoStore, RunStore, SqliteStore
 

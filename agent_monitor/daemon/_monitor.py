@@ -34,7 +34,6 @@ from ..wire import Topics
 from ._config import MonitorConfig
 from ._events import Fanout, Sink
 from ._mode import Mode, Standalone, mode_of
-from ._outbox import Message, Outbox
 from .runs import (
     GroupBook,
     Groups,
@@ -55,9 +54,11 @@ from .sinks import (
     FlowCollector,
     GroupCollector,
     LogSink,
+    Message,
     Metrics,
     MetricsSink,
     MqttSink,
+    Outbox,
     PhoenixSink,
     RunCollector,
     StatisticsCollector,

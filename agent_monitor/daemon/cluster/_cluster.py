@@ -53,8 +53,7 @@ import structlog
 from ...calibration import Sample
 from ...wire import Topics
 from .._config import ClusterSettings
-from .._outbox import Outbox
-from ..sinks import Metrics
+from ..sinks import Metrics, Outbox
 from ..sources import Host, Receive
 from ._inbox import Inboxes, Notes
 from ._leases import Fenced, Lease, Leases, _id

@@ -13,7 +13,7 @@ from ._metrics import (
     RunCollector,
     StatisticsCollector,
 )
-from ._mqtt import MqttSink, compact_form
+from ._mqtt import Message, MqttSink, Outbox, compact_form
 from ._otel import OtelSink
 from ._phoenix import PhoenixSink, PhoenixStatistics
 from ._runpages import QueryError, RunPages
@@ -29,10 +29,12 @@ __all__ = [
     "FlowCollector",
     "GroupCollector",
     "LogSink",
+    "Message",
     "Metrics",
     "MetricsSink",
     "MqttSink",
     "OtelSink",
+    "Outbox",
     "PhoenixSink",
     "PhoenixStatistics",
     "QueryError",

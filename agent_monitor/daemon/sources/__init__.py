@@ -1,6 +1,6 @@
 """The front doors: each source hands a run's start, step and end events to ingest."""
 
-from ._mqtt import BrokerUnavailable, LinkMetrics, MqttLink
+from ._mqtt import BrokerUnavailable, LinkMetrics, MqttLink, Outgoing, Publishing
 from ._protocol import Host, Inbound, Ingest, Receive, RunsView, Source, SourceInput
 
 __all__ = [
@@ -10,6 +10,8 @@ __all__ = [
     "Ingest",
     "LinkMetrics",
     "MqttLink",
+    "Outgoing",
+    "Publishing",
     "Receive",
     "RunsView",
     "Source",

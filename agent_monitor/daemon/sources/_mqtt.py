@@ -3,9 +3,9 @@
 The link (aiomqtt): MQTT v5 with `clean_start=False` and a session expiry, so the broker queues a run's
 steps while the monitor restarts (aiomqtt's default clean start would drop them). Brokers that only speak
 3.1.1 (amqtt, many edge brokers) get 3.1.1 with `clean_session=False`, which keeps the session the same
-way; `protocol="auto"` tries v5 first and says which it got. The outbox it publishes (`daemon._outbox`)
-is filled by the MQTT sink (`sinks.MqttSink`); the link counts into a narrow `LinkMetrics`, so this door
-imports no sink. paho's v5 `Properties` get their constant tables built once (`share_property_tables`).
+way; `protocol="auto"` tries v5 first and says which it got. The outbox it publishes is the MQTT sink's
+(`sinks.Outbox`), read through the narrow `Publishing` protocol; the link counts into a narrow `LinkMetrics`:
+this door imports no sink. paho's v5 `Properties` get their constant tables built once (`share_property_tables`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import aiomqtt
 import paho.mqtt._packet as paho_packet
@@ -26,7 +26,6 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from ...wire import BrokerSettings, Topics
 from .._config import MqttProtocol
-from .._outbox import Message, Outbox
 from ..stores import Delivery
 
 log = structlog.get_logger("agent_monitor.mqtt")
@@ -38,6 +37,31 @@ BROKER_DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
 """Mosquitto's cumulative count of messages it dropped (queues full), published every `sys_interval` (10 s)."""
 _BATCH_MAX = 1_000
 """Messages handled (and journaled in one transaction) at most at once: what is waiting, up to this."""
+
+
+class Outgoing(Protocol):
+    """One message to publish, as the link reads it (`sinks.Message` is one)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def qos(self) -> int: ...
+    @property
+    def retain(self) -> bool: ...
+    @property
+    def sent(self) -> Callable[[], None] | None: ...
+
+
+M = TypeVar("M", bound=Outgoing)
+
+
+class Publishing(Protocol[M]):
+    """The queue the link publishes (`sinks.Outbox` is one): the next message, and a failed one put back first."""
+
+    async def get(self) -> M: ...
+    def requeue(self, m: M, /) -> None: ...
 
 
 class _Gauge(Protocol):
@@ -373,7 +397,7 @@ class MqttLink:
         self._dropped_seen = dropped
         gauge.set(dropped)
 
-    async def run(self, on_message: OnBatch, outbox: Outbox, *, first: aiomqtt.Client | None = None) -> None:
+    async def run(self, on_message: OnBatch, outbox: Publishing[M], *, first: aiomqtt.Client | None = None) -> None:
         """Serve forever: receive inputs and publish the outbox; on a lost connection, reconnect with backoff."""
         client = first
         backoff = 0.5
@@ -408,7 +432,7 @@ class MqttLink:
             if redeliver:
                 await asyncio.sleep(self.redeliver_delay_s)  # the store failed: give it a moment before the retry
 
-    async def _serve(self, client: aiomqtt.Client, on_message: OnBatch, outbox: Outbox) -> None:
+    async def _serve(self, client: aiomqtt.Client, on_message: OnBatch, outbox: Publishing[M]) -> None:
         self.connections += 1
         if self.metrics:
             self.metrics.broker_connected.set(1)
@@ -469,13 +493,13 @@ class MqttLink:
                     # MQTT resends an unacknowledged message only on a new connection: reconnect to get them again.
                     raise _Redeliver(f"{failed} message(s) could not be journaled; reconnecting for their redelivery")
 
-    async def _publish(self, client: aiomqtt.Client, outbox: Outbox) -> None:
+    async def _publish(self, client: aiomqtt.Client, outbox: Publishing[M]) -> None:
         # Up to `publish_window` messages wait for their PUBACK at once: one at a time caps the outbox at
         # ~1,000 messages/s (measured), and a backlog there is latency every harness sees.
         window = asyncio.Semaphore(self.publish_window)
         async with asyncio.TaskGroup() as tg:
             while True:
-                m: Message = await outbox.get()
+                m = await outbox.get()
                 await window.acquire()
                 # Tasks start in creation order, so the PUBLISH packets leave in the outbox's order.
                 tg.create_task(self._publish_one(client, outbox, m, window), name="mqtt-publish-one")
@@ -483,7 +507,9 @@ class MqttLink:
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError  # a cancel swallowed by wait_for (Python 3.11)
 
-    async def _publish_one(self, client: aiomqtt.Client, outbox: Outbox, m: Message, window: asyncio.Semaphore) -> None:
+    async def _publish_one(
+        self, client: aiomqtt.Client, outbox: Publishing[M], m: M, window: asyncio.Semaphore
+    ) -> None:
         try:
             await client.publish(m.topic, m.payload, qos=m.qos, retain=m.retain)
         except BaseException:
