@@ -20,7 +20,8 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import HttpServer, _otlp_receiver
+from agent_monitor.daemon import HttpServer
+from agent_monitor.daemon.sources.otlp import _receiver as _otlp_receiver
 from agent_monitor.daemon.sources.otlp._spans import MAX_EVENTS, decode_protobuf
 from tests.test_otlp_receiver import apost, receiving, until, user
 
