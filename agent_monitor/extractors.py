@@ -96,6 +96,18 @@ class StripSpecialTokens:
         return _BLANK_LINES.sub("\n\n", text).strip()
 
 
+def clip_middle(text: str, limit: int, *, room: int = 0) -> str:
+    """The text, or when it is over `limit` characters its head and tail around a `[... N characters cut ...]` line.
+
+    Head and tail: a text's start says what ran, its end how it ended. `room`: characters each half gives
+    up so that the result, marker line included, stays within `limit` (a wire bound).
+    """
+    if len(text) <= limit:
+        return text
+    half = max(1, limit // 2 - room)
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
 @register_extractor("truncate")
 @dataclass(frozen=True, slots=True)
 class Truncate:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NotRequired, TypedDict
 
 from .policy import Policy
-from .progress import Decision, Progress
+from .progress import Decision, Progress, finite
 
 RunState = Literal["live", "pruned", "ended"]
 """A sibling's state in its group."""
@@ -179,10 +179,6 @@ def combined_uncertainty(a: float | None, b: float | None) -> float:
     return math.hypot(a or 0.0, b or 0.0)
 
 
-def _finite(x: float | None) -> float | None:
-    return x if x is None or math.isfinite(x) else None
-
-
 @dataclass(slots=True)
 class GroupState:
     """One group of sibling runs: their latest scores, states and the prune decisions (see the module docs)."""
@@ -261,7 +257,7 @@ class GroupState:
         m.last_step = step
         if not ok or score is None or not math.isfinite(score):
             return self._update()  # fail-open: a failed scoring counts nothing and breaks nothing
-        m.score, m.uncertainty, m.step = score, _finite(uncertainty), step
+        m.score, m.uncertainty, m.step = score, finite(uncertainty), step
         pol = self.policy
         prunes: tuple[Prune, ...] = ()
         certain = m.uncertainty is None or m.uncertainty <= pol.max_uncertainty
@@ -366,8 +362,8 @@ class GroupState:
             run_id=run_id,
             order=len(self._members),
             state=state,
-            score=_finite(run.get("score")),
-            uncertainty=_finite(run.get("uncertainty")),
+            score=finite(run.get("score")),
+            uncertainty=finite(run.get("uncertainty")),
             step=step,
             outcome=run.get("outcome"),
             last_step=step if isinstance(step, int) else -1,
@@ -436,8 +432,8 @@ class GroupState:
             r: RankedRunJSON = {
                 "run_id": m.run_id,
                 "rank": i,
-                "score": _finite(m.score),
-                "uncertainty": _finite(m.uncertainty),
+                "score": finite(m.score),
+                "uncertainty": finite(m.uncertainty),
                 "step": m.step,
                 "state": m.state,
             }

@@ -231,6 +231,11 @@ class Policy:
         """The abort threshold comes from calibration."""
         return self.abort_below == AUTO
 
+    @property
+    def every_step(self) -> bool:
+        """Every step is scored (the "every" schedule), not only where a decision could change ("adaptive")."""
+        return self.schedule == "every"
+
     def alphas(self) -> Alphas:
         """The share of successes each calibrated abort rule may stop: alpha, split evenly when both are "auto".
 
@@ -344,19 +349,6 @@ class PolicyState:
         self.done_reason: str | None = None
         self.exposed = self.abort_below is not None or self.max_steps is not None
         """An abort rule could have stopped this run: its outcome is censored, so it must not teach calibration."""
-
-    @property
-    def low_streak(self) -> int:
-        """Counted scores in a row, up to `patience`, below the threshold in force."""
-        t = self.abort_below
-        if t is None:
-            return 0
-        n = 0
-        for s in reversed(self.recent):
-            if s >= t:
-                break
-            n += 1
-        return n
 
     def refresh(self) -> None:
         """Read the calibrated threshold in force now (a fixed threshold: nothing to read)."""
@@ -511,7 +503,7 @@ def plan(
     the every-step rule, and an adaptive abort is always an every-step abort at the same step.
     """
     pol = state.policy
-    if pol.schedule == "every":
+    if pol.every_step:
         return EVERY
     state.refresh()
     if state.max_steps is not None and step > state.max_steps and state.signal != "abort":

@@ -92,8 +92,8 @@ ERROR_REASONS: tuple[str, ...] = tuple(dict.fromkeys([*REFUSALS, *NOTICES]))
 """Every `reason` an error message can carry."""
 
 
-def _finite(x: float | None) -> float | None:
-    # JSON has no NaN or infinity; a non-finite number reads as "no value", never as a made-up one.
+def finite(x: float | None) -> float | None:
+    """A number JSON can carry: NaN and infinities become None ("no value", never a made-up one)."""
     return x if x is None or math.isfinite(x) else None
 
 
@@ -228,11 +228,11 @@ class Decision:
             "signal": self.signal,
             "reason": self.reason,
             "step": self.step,
-            "score": _finite(self.score),
+            "score": finite(self.score),
             "best_step": self.best_step,
-            "best_score": _finite(self.best_score),
+            "best_score": finite(self.best_score),
             "changed": self.changed,
-            "abort_below": _finite(self.abort_below),
+            "abort_below": finite(self.abort_below),
             "calibration": self.calibration,
             "pruned": self.pruned,
             "leader": self.leader,
@@ -420,16 +420,16 @@ class Progress:
         out: ProgressJSON = {
             "run_id": self.run_id,
             "step": self.step,
-            "score": _finite(self.score),
-            "delta": _finite(self.delta),
-            "uncertainty": _finite(self.uncertainty),
+            "score": finite(self.score),
+            "delta": finite(self.delta),
+            "uncertainty": finite(self.uncertainty),
             "criteria": {n: _criterion_json(c) for n, c in self.criteria.items()},
             "ok": self.ok,
             "error": self.error,
             "reason": self.reason,
-            "mass": _finite(self.mass),
-            "dispersion": _finite(self.dispersion),
-            "spread": _finite(self.spread),
+            "mass": finite(self.mass),
+            "dispersion": finite(self.dispersion),
+            "spread": finite(self.spread),
             "judge": self.judge,
             "model": self.model,
             "rubric": self.rubric,
@@ -440,7 +440,7 @@ class Progress:
                 "input": t.input_tokens,
                 "cached_input": t.cached_input_tokens,
                 "output": t.output_tokens,
-                "cost": _finite(self.cost),
+                "cost": finite(self.cost),
             },
             "calls": self.calls,
             "calls_saved": self.calls_saved,
@@ -561,5 +561,6 @@ __all__ = [
     "TokensJSON",
     "TotalsJSON",
     "Usage",
+    "finite",
     "run_totals",
 ]

@@ -49,6 +49,7 @@ from typing import Any, Generic, Literal, TypeVar
 from ._compat import as_images, as_trajectory, indexed, reference_form
 from ._runtime.sync import run_blocking, twin_of
 from .criteria import CriteriaSpec, Criterion, Rubric, load_criteria
+from .extractors import clip_middle
 from .images import Frame, ImageInput, load_image
 from .judges.base import Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
 from .progress import Progress, Usage
@@ -113,14 +114,6 @@ def _text(step: object) -> str:
     raise TypeError(f"a step is a Step, text or a mapping, not {type(step).__name__}")
 
 
-def _clip(text: str, limit: int) -> str:
-    # Head and tail, as recorded runs are clipped: the start says what ran, the end how it ended.
-    if len(text) <= limit:
-        return text
-    half = max(1, limit // 2)
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
-
-
 def _window(steps: Sequence[Step], limit: int) -> tuple[int, list[str]]:
     """How many of the oldest steps to leave out, and the kept steps' shown text, within `limit` characters."""
     texts = [_pair_fence(s.shown) for s in steps]
@@ -133,7 +126,7 @@ def _window(steps: Sequence[Step], limit: int) -> tuple[int, list[str]]:
         start = min(len(texts) - 1, math.ceil(start / CUT_STRIDE) * CUT_STRIDE)
     kept = texts[start:]
     if kept and len(kept[0]) > limit:
-        kept[0] = _clip(kept[0], limit)
+        kept[0] = clip_middle(kept[0], limit)
     return start, kept
 
 

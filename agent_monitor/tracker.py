@@ -792,7 +792,7 @@ def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, 
 async def _follow_schedule(t: AsyncProgressTracker, *, ending: bool) -> None:
     """Score a tracker's newest prefix when its schedule says so (`ending`: the run's end, as far as it knows)."""
     n, state = len(t.steps), t.policy_state
-    if n <= t._scored or (ending and (state is None or state.policy.schedule == "every" or state.signal == "abort")):
+    if n <= t._scored or (ending and (state is None or state.policy.every_step or state.signal == "abort")):
         return
     plan = t.plan(n, ending=ending)
     if not plan.score:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from agent_monitor import cli
 from agent_monitor.daemon import SqliteStore
-from agent_monitor.daemon._state import Record, Stepped
+from agent_monitor.daemon.stores import Record, Stepped
 
 
 def main() -> int:

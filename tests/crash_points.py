@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from agent_monitor import cli
 from agent_monitor.daemon import SqliteStore
-from agent_monitor.daemon._state import Orphaned, Record, Stepped
+from agent_monitor.daemon.stores import Orphaned, Record, Stepped
 
 POINTS = ("before-journal", "after-journal")
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from agent_monitor.criteria import load_criteria
 from agent_monitor.daemon import HttpServer, MemoryStore, Monitor, MonitorConfig
 from agent_monitor.daemon._config import WorkLimits
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon.sinks import Message
 from agent_monitor.prompts import INSTRUCTIONS, Step, build_prompt
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, EventError, decode_event

@@ -20,7 +20,7 @@ from agent_monitor.calibration import Family, Point, Sample, min_successes
 from agent_monitor.cli import main
 from agent_monitor.criteria import load_criteria
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._state import Finished, Record
+from agent_monitor.daemon.stores import Finished, Record
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, ProgressOut, SignalOut

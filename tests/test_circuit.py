@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli._main import JudgeOptions, build_judge
 from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon.sinks import Message
 from agent_monitor.judges.base import JudgeError, JudgeRequest
 from agent_monitor.judges.circuit import CircuitJudge
 from agent_monitor.judges.openai import OpenAIJudge

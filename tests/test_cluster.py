@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 
 from agent_monitor.cli import main
 from agent_monitor.daemon import ClusterJournal, ClusterSettings, ClusterUnavailable, Monitor, MonitorConfig, RunLimits
-from agent_monitor.daemon._state import Stepped
 from agent_monitor.daemon.cluster._cluster import Fenced
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon.sinks import Message
+from agent_monitor.daemon.stores import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, MonitorClient, StepIn
 from tests.brokers import Mosquitto, free_port
@@ -478,7 +478,7 @@ async def test_calibration_cli_reads_and_resets_the_clusters_samples(
 
 async def test_the_outbox_counts_what_waits_per_run() -> None:
     """A replica handing a run over waits until the run's queued messages left: the outbox counts them per run."""
-    from agent_monitor.daemon.sources._mqtt import Outbox
+    from agent_monitor.daemon.sinks import Outbox
 
     box = Outbox(3)
     box.put(Message("agents/a/progress", b"1", run_id="a"))

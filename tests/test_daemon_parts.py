@@ -150,8 +150,8 @@ async def test_the_monitor_statistics_are_its_status_and_each_parts_counters() -
 async def test_an_event_no_sink_takes_is_not_built_and_no_store_means_no_store_calls() -> None:
     """The step's path skips what nothing receives: `Accepted` without a sink for it, the journal without a store."""
     from agent_monitor.daemon import Accepted, MemoryStore, Refused, Scored
-    from agent_monitor.daemon._state import Fanout
-    from agent_monitor.daemon.stores._store import StoreSink
+    from agent_monitor.daemon._events import Fanout
+    from agent_monitor.daemon.sinks import StoreSink
 
     def scores_only(event: object) -> None:
         """A sink that takes scores."""

@@ -12,7 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon.sinks import Message
 from agent_monitor.groups import group_mac
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt

@@ -15,8 +15,7 @@ import jsonschema
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._state import RunLimits
+from agent_monitor.daemon import Monitor, MonitorConfig, RunLimits, SqliteStore
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt
 from agent_monitor.testing import FakeJudge

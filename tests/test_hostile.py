@@ -14,7 +14,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, RunLimits
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon.sinks import Message
 from agent_monitor.testing import FakeJudge
 
 

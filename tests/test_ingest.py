@@ -17,8 +17,9 @@ from paho.mqtt.exception import MQTTException
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
-from agent_monitor.daemon._state import Record, Stepped
-from agent_monitor.daemon.sources._mqtt import Message, Outbox, SharedTableProperties, share_property_tables
+from agent_monitor.daemon.sinks import Message, Outbox
+from agent_monitor.daemon.sources._mqtt import SharedTableProperties, share_property_tables
+from agent_monitor.daemon.stores import Record, Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings
 from tests.brokers import Mosquitto, mosquitto

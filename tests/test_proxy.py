@@ -23,15 +23,8 @@ import pytest
 import structlog
 
 from agent_monitor.daemon import Monitor, MonitorConfig, ProxySettings, ProxySource, SqliteStore
-from agent_monitor.daemon.sources.proxy._turns import (
-    Conversations,
-    Item,
-    Turn,
-    majority,
-    parse_request,
-    run_key,
-    steps_of,
-)
+from agent_monitor.daemon.sources._chat import Item, Turn, parse_request
+from agent_monitor.daemon.sources.proxy._turns import Conversations, majority, run_key, steps_of
 from agent_monitor.judges.base import JudgeError
 from agent_monitor.policy import Policy
 from agent_monitor.prompts import Prompt

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import Monitor, MonitorConfig, RunLimits
-from agent_monitor.daemon.sources._mqtt import Message, Outbox
+from agent_monitor.daemon.sinks import Message, Outbox
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 

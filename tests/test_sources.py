@@ -17,8 +17,8 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
-from agent_monitor.daemon._state import Stepped
 from agent_monitor.daemon.runs._images import fetch_images
+from agent_monitor.daemon.stores import Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import EventError, decode_event
 

@@ -18,8 +18,8 @@ from agent_monitor.daemon.sources.otlp._spans import (
     classify,
     decode_json,
     decode_protobuf,
-    outcome_of,
-    run_key,
+    span_outcome,
+    span_run_key,
     step_text,
     task_of,
 )
@@ -102,11 +102,11 @@ def test_openinference_messages_tools_handoffs_and_errors() -> None:
 
 
 def test_run_keys_outcomes_and_bounded_text() -> None:
-    assert run_key(span({"gen_ai.conversation.id": "c1", "agent_monitor.run_id": "r1"})) == ("run_id", "r1")
-    assert run_key(span({"gen_ai.conversation.id": "c1"})) == ("conversation", "c1")
-    assert run_key(span({})) is None
-    assert outcome_of(span({"agent_monitor.outcome": "SUCCESS"}, status=2)) == "success"
-    assert outcome_of(span({}, status=2)) == "failure" and outcome_of(span({})) is None
+    assert span_run_key(span({"gen_ai.conversation.id": "c1", "agent_monitor.run_id": "r1"})) == ("run_id", "r1")
+    assert span_run_key(span({"gen_ai.conversation.id": "c1"})) == ("conversation", "c1")
+    assert span_run_key(span({})) is None
+    assert span_outcome(span({"agent_monitor.outcome": "SUCCESS"}, status=2)) == "success"
+    assert span_outcome(span({}, status=2)) == "failure" and span_outcome(span({})) is None
     long = span(
         {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "t", "gen_ai.tool.call.result": "x" * 500}
     )

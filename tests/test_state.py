@@ -20,24 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_monitor import Policy
-from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig, RunLimits, SqliteStore
-from agent_monitor.daemon._state import (
-    Appended,
-    Closed,
-    Closing,
-    Delivery,
-    Duplicated,
-    Ended,
-    Finished,
-    GapFilled,
-    Opened,
-    Orphaned,
-    OrphansDropped,
-    Refused,
-    RunBook,
-    Started,
-    Stepped,
-)
+from agent_monitor.daemon import Duplicated, MemoryStore, Monitor, MonitorConfig, Refused, RunLimits, SqliteStore
+from agent_monitor.daemon.runs import Appended, Closed, Closing, Opened, RunBook
+from agent_monitor.daemon.stores import Delivery, Ended, Finished, GapFilled, Orphaned, OrphansDropped, Started, Stepped
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import RunEnd, RunStart, StepIn
 

@@ -13,9 +13,10 @@ import pytest
 from PIL import Image
 
 from agent_monitor.calibration import Family, Point, Sample
-from agent_monitor.daemon import Monitor, MonitorConfig
-from agent_monitor.daemon._state import Duplicated, Ended, Finished, Orphaned, Refused, RunBook, Started, Stepped
-from agent_monitor.daemon.sources._mqtt import Message
+from agent_monitor.daemon import Duplicated, Monitor, MonitorConfig, Refused
+from agent_monitor.daemon.runs import RunBook
+from agent_monitor.daemon.sinks import Message
+from agent_monitor.daemon.stores import Ended, Finished, Orphaned, Started, Stepped
 from agent_monitor.daemon.stores._store import PLACEHOLDER_PNG, MemoryStore, NoStore, SqliteStore
 from agent_monitor.images import FrameBudget
 from agent_monitor.policy import Policy

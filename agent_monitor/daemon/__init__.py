@@ -19,22 +19,22 @@ from ._config import (
     ProxySettings,
     RewardApiSettings,
     RewardShape,
+    RunLimits,
 )
-from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
-from ._monitor import Monitor
-from ._state import (
+from ._events import (
     Accepted,
     Duplicated,
     MonitorEvent,
     Refused,
     RunClosed,
-    RunLimits,
     RunOpened,
     Scored,
     SignalChanged,
     Sink,
     Skipped,
 )
+from ._gc import DEFAULT_GC_THRESHOLD, tune_gc
+from ._monitor import Monitor
 from .cluster import ClusterJournal, ClusterUnavailable
 from .http import HttpRequest, HttpResponse, HttpServer, Route
 from .judge_server import JudgeServer, JudgeServerSettings

@@ -20,7 +20,6 @@ from ..options import ScoringOptions
 from ..policy import Policy
 from ..progress import Prices
 from ..wire import MAX_IMAGE_BYTES, MAX_PAYLOAD_BYTES, BrokerSettings, Topics
-from ._state import RunLimits
 
 MAX_JUDGE_CALLS_PER_STEP = 64
 """Judge calls one scoring of one run may make (judged criteria x repeats); a start over it is refused."""
@@ -28,7 +27,67 @@ MAX_JUDGE_CALLS_PER_RUN_MINUTE = 600
 """Judge calls one run may make in any 60 s; past it the run's newest prefix waits (steps coalesce)."""
 
 
-Protocol = Literal["auto", "5", "3.1.1"]
+MqttProtocol = Literal["auto", "5", "3.1.1"]
+"""The MQTT protocol version the monitor speaks: "auto" tries 5, then 3.1.1."""
+Protocol = MqttProtocol
+"""The old name of `MqttProtocol` (kept: `agent_monitor.daemon` exports it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunLimits:
+    """How long things wait and how much is kept; every buffer here is bounded."""
+
+    hold_s: float = field(
+        default=10.0, metadata={"help": "seconds a step waits for its run's start, or for missing earlier steps"}
+    )
+    idle_timeout_s: float = field(
+        default=3600.0, metadata={"help": "seconds without events before a run expires (its signal is cleared)"}
+    )
+    max_runs: int = field(
+        default=10_000, metadata={"help": "live runs; a start beyond this evicts the run idle longest"}
+    )
+    max_held_steps: int = field(
+        default=1_000, metadata={"help": "out-of-order steps kept per run, and steps kept for a run not started yet"}
+    )
+    max_orphan_runs: int = field(default=1_000, metadata={"help": "run ids with steps but no start yet"})
+    ended_memory: int = field(
+        default=10_000, metadata={"help": "ended run ids remembered, so a late step is reported, not a ghost run"}
+    )
+    max_groups: int = field(
+        default=1_000, metadata={"help": "live groups (start.group); a start for a new group beyond this is refused"}
+    )
+    max_group_runs: int = field(default=100, metadata={"help": "runs in one group; a start beyond this is refused"})
+    group_grace_s: float = field(
+        default=60.0,
+        metadata={"help": "seconds a group's ranking stays retained after its last run ended (then it is cleared)"},
+    )
+    redelivery_window: int = field(
+        default=1_024,
+        metadata={"help": "recent MQTT deliveries remembered to recognise a broker's redelivery (DUP) of one"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.group_grace_s < 0:
+            raise ValueError(f"group_grace_s={self.group_grace_s}; use 0 or more seconds")
+        if self.hold_s < 0 or self.idle_timeout_s <= 0:
+            raise ValueError(
+                f"hold_s={self.hold_s} and idle_timeout_s={self.idle_timeout_s}: use hold >= 0 and idle timeout > 0"
+            )
+        small = {
+            k: v
+            for k, v in (
+                ("max_runs", self.max_runs),
+                ("max_held_steps", self.max_held_steps),
+                ("max_orphan_runs", self.max_orphan_runs),
+                ("ended_memory", self.ended_memory),
+                ("redelivery_window", self.redelivery_window),
+                ("max_groups", self.max_groups),
+                ("max_group_runs", self.max_group_runs),
+            )
+            if v < 1
+        }
+        if small:
+            raise ValueError(f"run limits {small} must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,7 +715,7 @@ class MonitorConfig(ScoringOptions):
         default="agent-monitor",
         metadata={"help": "fixed MQTT client id: the broker keeps its session (and queues steps) across restarts"},
     )
-    protocol: Protocol = field(
+    protocol: MqttProtocol = field(
         default="auto", metadata={"flag": "--mqtt-protocol", "help": "MQTT version; auto: 5, else 3.1.1"}
     )
     session_expiry_s: int = field(
@@ -937,6 +996,7 @@ __all__ = [
     "ClusterSettings",
     "MetricsSettings",
     "MonitorConfig",
+    "MqttProtocol",
     "OtlpReceiverSettings",
     "PhoenixSettings",
     "Protocol",

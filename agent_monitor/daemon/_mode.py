@@ -16,8 +16,8 @@ import structlog
 
 from ..calibration import Sample
 from ._config import MonitorConfig
-from .sinks import Metrics
-from .sources import Host, Outbox, Receive
+from .sinks import Metrics, Outbox
+from .sources import Host, Receive
 from .stores import NoStore, RunStore, SqliteStore
 
 if TYPE_CHECKING:

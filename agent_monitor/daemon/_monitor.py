@@ -33,17 +33,18 @@ from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
 from ..wire import Topics
 from ._config import MonitorConfig
+from ._events import Fanout, Sink
 from ._mode import Mode, Standalone, mode_of
-from ._state import Delivery, Fanout, LogSink, Record, RunBook, Sink
 from .http import HttpServer, board_port
 from .runs import (
     GroupBook,
     Groups,
-    Intake,
     LiveRuns,
     Replays,
     Restore,
+    RunBook,
     RunView,
+    RunWriter,
     Scoring,
     ScoringStatistics,
     StepView,
@@ -57,18 +58,23 @@ from .sinks import (
     CostCollector,
     FlowCollector,
     GroupCollector,
+    LogSink,
+    Message,
     Metrics,
     MetricsSink,
+    MqttSink,
+    Outbox,
     PhoenixSink,
     PhoenixStatistics,
     RunCollector,
     RunPages,
     StatisticsCollector,
+    StoreSink,
 )
-from .sources import Ingest, Message, MqttLink, MqttSink, Outbox, Source, statistics_json
+from .sources import MqttLink, Source, SourceInput, statistics_json
 from .sources.otlp import OtlpReceiver
 from .sources.reward import RewardSource
-from .stores import NoStore, RunStore, StoreSink
+from .stores import Delivery, NoStore, Record, RunStore
 
 if TYPE_CHECKING:
     from .cluster import Cluster
@@ -208,7 +214,7 @@ class Monitor:
         self.scheduler = self._scoring.scheduler
         # Off by default: a network event must not make the monitor read local files or fetch URLs.
         self.image_dirs = tuple(str(Path(d).resolve()) for d in c.image_dirs)
-        self._intake = Intake(
+        self._intake = RunWriter(
             c, book=self.book, store=self.store, groups=self.groups, topics=self.topics, image_dirs=self.image_dirs,
             emit=self._emit, clock=clock, act=self._scoring.act, prepare=self._scoring.prepare,
             unprepare=lambda run_id: self._scoring.prepared.pop(run_id, None),
@@ -274,7 +280,7 @@ class Monitor:
             loops = [("mqtt", self.link.run(receive, self.outbox, first=first))] if self.link is not None else []
             loops += self.mode.loops()
             # Every door hands its events to the same receive as MQTT: in cluster mode the runs' shared inboxes.
-            ingest, runs = Ingest(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
+            ingest, runs = SourceInput(receive, self.topics), LiveRuns(self._scoring.runs, self.groups.uniform_of)
             loops += [(f"source-{src.name}", src.run(ingest, runs)) for src in self.sources]
             loops += [(f"scorer-{i + 1}", self.scheduler.worker()) for i in range(self.config.max_concurrency)]
             loops += [("finisher", self._scoring.finisher()), ("sweeper", self._sweeper())]
@@ -387,7 +393,7 @@ class Monitor:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.
 
         None means handled (accepted, refused or ignored) and safe to acknowledge; an error means the record
-        did not commit and the message must be delivered again (see `Intake.handle_batch`).
+        did not commit and the message must be delivered again (see `RunWriter.handle_batch`).
         """
         return await self._intake.handle_batch(messages)
 

@@ -11,6 +11,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ..extractors import clip_middle
+
 DEFAULT_MAX_STEP_CHARS = 6000
 
 
@@ -36,14 +38,6 @@ class RecordedRun:
     task: str
     steps: tuple[RecordedStep, ...]
     outcome: float | None
-
-
-def _clip(text: str, limit: int) -> str:
-    # Head and tail: an observation's start says what ran, its end says how it ended.
-    if len(text) <= limit:
-        return text
-    half = limit // 2
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 def _time(value: object) -> datetime | None:
@@ -90,7 +84,7 @@ def _atif_step(step: Mapping[str, Any], limit: int) -> str:
     results = obs.get("results") if isinstance(obs, Mapping) else None
     for r in results or []:
         if isinstance(r, Mapping) and r.get("content") is not None:
-            parts.append("Observation:\n" + _clip(_shell_result(str(r["content"])).strip(), limit))
+            parts.append("Observation:\n" + clip_middle(_shell_result(str(r["content"])).strip(), limit))
     return "\n".join(p for p in parts if p)
 
 
@@ -125,7 +119,7 @@ def parse_recorded(
         task = str(data.get("task") or "")
         steps = tuple(
             RecordedStep(
-                _clip(s if isinstance(s, str) else str(s.get("text", "")), max_step_chars),
+                clip_middle(s if isinstance(s, str) else str(s.get("text", "")), max_step_chars),
                 _time(s.get("ts")) if isinstance(s, Mapping) else None,
             )
             for s in data["steps"]

@@ -53,8 +53,8 @@ import structlog
 from ...calibration import Sample
 from ...wire import Topics
 from .._config import ClusterSettings
-from ..sinks import Metrics
-from ..sources import Host, Outbox, Receive
+from ..sinks import Metrics, Outbox
+from ..sources import Host, Receive
 from ._inbox import Inboxes, Notes
 from ._leases import Fenced, Lease, Leases, _id
 from ._lua import SCRIPTS, piped
@@ -286,7 +286,6 @@ class Cluster:
 
     async def _heartbeat(self) -> None:
         info = json.dumps({"client_id": self._client_id, "pid": os.getpid(), "host": socket.gethostname()})
-        sent = time.monotonic()
         live, dead, rejoined, epoch = await self._scripts["heartbeat"](
             args=[self.prefix, self.replica_id, self.lease_ms, info, "1" if self._joined else "0", uuid.uuid4().hex]
         )
@@ -301,7 +300,6 @@ class Cluster:
                 await self._drop(run_id)
         for d in dead:
             await self._reassign(_text(d), claim=True)
-        self._last_beat = sent
 
     async def _reassign(self, gone: str, *, claim: bool) -> tuple[list[str], str]:
         moved, info = await self._scripts["reassign"](

@@ -16,9 +16,9 @@ import structlog
 
 from ...calibration import Sample
 from ...wire import Topics
-from .._state import Delivery
 from ..sinks import Metrics
 from ..sources import Host
+from ..stores import Delivery
 from ._leases import Leases
 from ._leases import later as _later
 from ._lua import piped

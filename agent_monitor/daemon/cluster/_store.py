@@ -20,14 +20,19 @@ import structlog
 from ...calibration import Sample
 from ...wire import RunEnd, RunStart
 from .._config import ClusterSettings
-from .._state import (
+from ..sinks import Metrics
+from ..stores import (
+    PLACEHOLDER_PNG,
     Finished,
     GapFilled,
     OrphansDropped,
     Record,
+    Replay,
+    event_of,
+    event_record,
+    stored_totals,
+    totals_row,
 )
-from ..sinks import Metrics
-from ..stores import PLACEHOLDER_PNG, Replay, _event_of, _event_record, _totals, _totals_row
 from ._leases import Fenced, Leases
 from ._leases import later as _later
 from ._lua import piped
@@ -68,7 +73,7 @@ def _record_body(record: Record) -> tuple[str, str, dict[str, Any]]:
         return "dropped", json.dumps({"k": "dropped", "at": at}), {}
     if isinstance(record, GapFilled):
         return "gap", json.dumps({"k": "gap", "at": at, "upto": record.upto}), {"updated_at": at}
-    kind, event = _event_of(record)
+    kind, event = event_of(record)
     data = json.loads(event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None))
     if not isinstance(event, RunEnd):
         data["images"] = [{"data": base64.b64encode(i.decoded()).decode("ascii"), "mime": i.mime} for i in event.images]
@@ -91,7 +96,7 @@ def _record_of(run_id: str, body: str) -> Record:
     for im in data.get("images") or ():
         if not im.get("data"):
             im["data"] = base64.b64encode(PLACEHOLDER_PNG).decode("ascii")
-    return _event_record(kind, run_id, data, at, None, where="the cluster journal")
+    return event_record(kind, run_id, data, at, None, where="the cluster journal")
 
 
 class ClusterStore:
@@ -440,7 +445,7 @@ async def list_runs(redis: aioredis.Redis, prefix: str, limit: int = 100) -> lis
                 "last_step": int(meta["last_step"]) if meta.get("last_step") else None,
                 "last_score": _float(meta.get("last_score")),
                 "signal": meta.get("signal") or None,
-                "totals": _totals([_totals_row(p) for p in curve]),
+                "totals": stored_totals([totals_row(p) for p in curve]),
             }
         )
     rows.sort(key=lambda r: r["updated_at"] or 0.0, reverse=True)  # type: ignore[arg-type,return-value]
@@ -488,7 +493,7 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         "curve": curve,
         # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that ended scored).
         "verdict": curve[-1].get("verdict") if curve else None,
-        "totals": _totals([_totals_row(p) for p in curve]),
+        "totals": stored_totals([totals_row(p) for p in curve]),
     }
 
 

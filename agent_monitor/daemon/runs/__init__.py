@@ -1,7 +1,8 @@
 """The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and its sinks."""
 
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook, RunState
 from ._groups import GroupBook, Groups, GroupSeries
-from ._ingest import Intake, IntakeStatistics
+from ._ingest import RunWriter, RunWriterStatistics
 from ._replay import Replays
 from ._restore import Restore
 from ._scoring import TOKEN_BUCKETS, CallRateStatistics, Scoring, ScoringStatistics
@@ -9,18 +10,26 @@ from ._views import FamilySeries, LiveRuns, RunSeries, RunView, StepView, run_se
 
 __all__ = [
     "TOKEN_BUCKETS",
+    "AcceptedStep",
+    "Appended",
     "CallRateStatistics",
+    "Closed",
+    "Closing",
+    "Effect",
     "FamilySeries",
     "GroupBook",
     "GroupSeries",
     "Groups",
-    "Intake",
-    "IntakeStatistics",
     "LiveRuns",
+    "Opened",
     "Replays",
     "Restore",
+    "RunBook",
     "RunSeries",
+    "RunState",
     "RunView",
+    "RunWriter",
+    "RunWriterStatistics",
     "Scoring",
     "ScoringStatistics",
     "StepView",

@@ -27,7 +27,7 @@ from ...policy import Policy
 from ...progress import Decision, Progress
 from ...selection import Comparison, compare, majority_of, tournament, tournament_calls
 from ...tracker import AsyncProgressTracker
-from .._state import GroupRanked, MonitorEvent
+from .._events import GroupRanked, MonitorEvent
 from ._replay import Replays
 
 log = structlog.get_logger("agent_monitor.daemon")

@@ -19,23 +19,9 @@ import structlog
 
 from ...wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, parse_topic
 from .._config import MonitorConfig
-from .._state import (
-    Accepted,
-    Closed,
-    Delivery,
-    Duplicated,
-    Effect,
-    Ended,
-    Fanout,
-    Finished,
-    Orphaned,
-    Record,
-    Refused,
-    RunBook,
-    Started,
-    Stepped,
-)
-from ..stores import NoStore, RunStore
+from .._events import Accepted, Duplicated, Fanout, Refused
+from ..stores import Delivery, Ended, Finished, NoStore, Orphaned, Record, RunStore, Started, Stepped
+from ._book import Closed, Effect, RunBook
 from ._groups import GroupBook, Joiner
 from ._images import fetch_images
 
@@ -100,14 +86,14 @@ class _Batch:
 
 
 @dataclass(frozen=True, slots=True)
-class IntakeStatistics:
+class RunWriterStatistics:
     """What the ingest took in."""
 
     accepted: Mapping[str, int]
     """Input events journaled and applied, by kind (start, step, end): agent_monitor_events_total."""
 
 
-class Intake:
+class RunWriter:
     """Decide, journal and apply input: the one writer of the run state (under `lock`)."""
 
     def __init__(
@@ -156,9 +142,9 @@ class Intake:
         self.accepted = {kind: 0 for kind in _KINDS.values()}
         """Input events journaled and applied, by kind (read at scrape time: agent_monitor_events_total)."""
 
-    def statistics(self) -> IntakeStatistics:
+    def statistics(self) -> RunWriterStatistics:
         """Input events accepted so far, by kind."""
-        return IntakeStatistics(accepted=dict(self.accepted))
+        return RunWriterStatistics(accepted=dict(self.accepted))
 
     async def handle_batch(self, messages: Sequence[Message]) -> list[BaseException | None]:
         """Handle messages in arrival order, journaling what they mean in group commits; per message, None or why not.

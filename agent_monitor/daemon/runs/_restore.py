@@ -13,10 +13,9 @@ import structlog
 
 from ...calibration import Calibration, Family, Sample
 from ...policy import Policy
-from .._state import Record
-from ..stores import RunStore
+from ..stores import Record, RunStore
 from ._groups import Groups
-from ._ingest import Intake
+from ._ingest import RunWriter
 from ._scoring import Scoring
 from ._views import FamilySeries
 
@@ -30,7 +29,7 @@ class Restore:
         self,
         *,
         store: RunStore,
-        intake: Intake,
+        intake: RunWriter,
         scoring: Scoring,
         groups: Groups,
         calibration: Calibration,

@@ -29,22 +29,8 @@ from ...progress import OUTAGE_REASONS, Progress, Signal, run_totals
 from ...tracker import AsyncProgressTracker
 from ...wire import RunStart, Topics
 from .._config import MonitorConfig
-from .._state import (
-    AcceptedStep,
-    Appended,
-    Closed,
-    Closing,
-    Effect,
-    MonitorEvent,
-    Opened,
-    Refused,
-    RunBook,
-    RunClosed,
-    RunOpened,
-    Scored,
-    SignalChanged,
-    Skipped,
-)
+from .._events import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
 from ._groups import Groups, Joiner
 from ._replay import Replays, sample_key, spend_signed
 
@@ -507,7 +493,7 @@ class Scoring:
         """The schedule's plan for the run's newest step; None when it is not scored now (counted, once per step)."""
         tracker = scoring.tracker
         state = tracker.policy_state
-        if state is None or state.policy.schedule == "every":
+        if state is None or state.policy.every_step:
             return EVERY  # what `policy.plan` says of it: no schedule to ask, nor a group's pruning line to read
         n = len(tracker.steps)
         extra = {"prune": self.groups.prune_line(run_id)} if scoring.group is not None else None

@@ -9,7 +9,7 @@ from typing import Any
 from ...calibration import Family, Point
 from ...groups import UniformJSON
 from ...progress import Progress, Signal, Usage
-from .._state import RunState
+from ._book import RunState
 from ._scoring import RunScoring
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -26,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ...progress import Progress
+from ...progress import Progress, finite
 from .._config import BoardSettings
-from .._state import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
+from .._events import MonitorEvent, RunClosed, RunOpened, Scored, SignalChanged
 
 if TYPE_CHECKING:
     from ..runs import RunView
@@ -37,11 +36,6 @@ TASK_CHARS = 300
 """A run's task is cut to this many characters on the board (the whole task can be megabytes)."""
 TEXT_CHARS = 300
 """Reasons and error texts are cut to this many characters."""
-
-
-def _finite(x: float | None) -> float | None:
-    """A number JSON can carry: NaN and infinities become None (as in the progress message)."""
-    return x if x is not None and math.isfinite(x) else None
 
 
 def _cut(text: str | None, n: int = TEXT_CHARS) -> str | None:
@@ -83,13 +77,13 @@ class _Run:
     def score_with(self, p: Progress, at: float) -> tuple[int, float | None, float | None]:
         self.updated = at
         self.step = max(self.step, p.step)
-        score, uncertainty = _finite(p.score), _finite(p.uncertainty)
-        self.ok, self.mass = p.ok, _finite(p.mass)
+        score, uncertainty = finite(p.score), finite(p.uncertainty)
+        self.ok, self.mass = p.ok, finite(p.mass)
         t = p.totals
-        self.tokens, self.cost = (t.input_tokens, t.cached_input_tokens, t.output_tokens), _finite(p.cost)
+        self.tokens, self.cost = (t.input_tokens, t.cached_input_tokens, t.output_tokens), finite(p.cost)
         if p.ok:
             # The curve and the big number keep the last good score through a failed scoring (as the gauges do).
-            self.score, self.uncertainty, self.spread = score, uncertainty, _finite(p.spread)
+            self.score, self.uncertainty, self.spread = score, uncertainty, finite(p.spread)
             self.failure = self.error = None
         else:
             self.failure, self.error = p.reason, _cut(p.error)

@@ -17,8 +17,16 @@ from ...judges.circuit import CircuitJudgeStatistics
 from ...policy import FAR, Policy
 from ...progress import FAILURES, REFUSALS, SIGNALS, Prices, Usage
 from ...wire import INPUT_KINDS
-from .._state import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
-from ..runs import TOKEN_BUCKETS, FamilySeries, GroupSeries, IntakeStatistics, RunSeries, ScoringStatistics, series_of
+from .._events import Duplicated, MonitorEvent, Refused, RunClosed, RunOpened, SignalChanged, Skipped
+from ..runs import (
+    TOKEN_BUCKETS,
+    FamilySeries,
+    GroupSeries,
+    RunSeries,
+    RunWriterStatistics,
+    ScoringStatistics,
+    series_of,
+)
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -411,7 +419,7 @@ class FlowCollector(Collector):
         self,
         judge: str,
         *,
-        intake: Counted[IntakeStatistics],
+        intake: Counted[RunWriterStatistics],
         scoring: Counted[ScoringStatistics],
         circuit: Counted[CircuitJudgeStatistics],
     ) -> None:

@@ -18,7 +18,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ...otel import INSTALL_HINT, EvaluationEmitter, detached_context, evaluation_attributes, span_context
-from .._state import MonitorEvent, Scored
+from .._events import MonitorEvent, Scored
 
 # Imported only when the monitor is given an OTLP endpoint (the Monitor imports this module then).
 try:

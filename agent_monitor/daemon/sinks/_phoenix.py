@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..._runtime.http_client import WireConnectionError, WirePool, WireTimeout
 from ...progress import Progress
 from .._config import PhoenixSettings
-from .._state import MonitorEvent, RunClosed, Scored
+from .._events import MonitorEvent, RunClosed, Scored
 
 __all__ = ["DROP_REASONS", "KINDS", "PhoenixSink", "PhoenixStatistics"]
 

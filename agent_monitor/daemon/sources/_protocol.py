@@ -3,7 +3,7 @@
 MQTT, the OTLP traces receiver, the LLM API proxy, the reward endpoints and the cluster inbox are
 sources. Each turns what it receives into the same input events, in their wire form (the topic
 `{prefix}/{run_id}/{kind}` and the JSON payload a harness would publish), and hands them to
-`Ingest`: the wire form is the one vocabulary of input, so every bound, refusal, duplicate rule,
+`SourceInput`: the wire form is the one vocabulary of input, so every bound, refusal, duplicate rule,
 journal record and cluster inbox applies to a run whatever door it came in by, and nothing
 downstream knows which. A source runs as one named task in the monitor's TaskGroup
 (`source-{name}`) until cancelled; it reads back what it needs through `RunsView` (a run's signal,
@@ -18,7 +18,7 @@ class MySource:
     name = "mine"
     sink = None                                   # or a callable taking each MonitorEvent
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         errors = await ingest.events([Inbound("run-1", "start", {"task": "Do it"})])
 
     def statistics(self) -> MySourceStatistics:
@@ -40,12 +40,13 @@ from ...calibration import Family, Point
 from ...groups import UniformJSON
 from ...progress import Progress, Signal
 from ...wire import Topics
-from .._state import Delivery, Sink
+from .._events import Sink
+from ..stores import Delivery
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source", "statistics_json"]
+__all__ = ["Host", "Inbound", "Ingest", "Receive", "RunsView", "Source", "SourceInput", "statistics_json"]
 
 Kind = Literal["start", "step", "end"]
 
@@ -67,7 +68,7 @@ class Inbound:
     the delivery's digest, so a repeat is recognised as a duplicate. None: the payload's own digest."""
 
 
-class Ingest:
+class SourceInput:
     """The monitor's input, as a source sees it: hand it events, learn per event whether they were taken."""
 
     def __init__(self, receive: Receive, topics: Topics) -> None:
@@ -93,6 +94,10 @@ class Ingest:
         if event.key is None:
             return topic, payload, Delivery.of(0, topic, payload)
         return topic, payload, Delivery.of(0, topic, event.key.encode())
+
+
+Ingest = SourceInput
+"""The old name of `SourceInput` (kept: `agent_monitor.daemon` exports it, and sources written for it work)."""
 
 
 @runtime_checkable
@@ -141,7 +146,7 @@ class Source(Protocol):
     sink: Sink | None
     """Called with every `MonitorEvent` (after the monitor's own sinks) when not None."""
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         """Receive until cancelled; a failure to start raises (the monitor's entering fails with it)."""
         ...
 

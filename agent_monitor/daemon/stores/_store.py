@@ -1,7 +1,7 @@
 """Run stores: the journal of what each run accepted, and its scores, so a restarted daemon resumes every live run.
 
 `SqliteStore` (the default, one WAL file under `--state-dir`) journals each record of the run
-state (`agent_monitor.daemon._state`: a start, a step at its resolved index, an end, a gap
+state (`stores._records`: a start, a step at its resolved index, an end, a gap
 filled, orphan steps held or dropped, a run finished) before the daemon applies it, and the
 daemon acknowledges an MQTT message only after its record is committed: a crash between
 receipt and journal loses nothing, because the broker redelivers what was not acknowledged.
@@ -42,20 +42,17 @@ from ...calibration import Family, Sample
 from ...images import FrameBudget
 from ...progress import Usage
 from ...wire import RunEnd, RunStart, StepIn
-from .._state import (
+from ._records import (
     Delivery,
-    Ended,
     Finished,
     GapFilled,
-    GroupRanked,
-    MonitorEvent,
-    Orphaned,
     OrphansDropped,
     Record,
-    RunClosed,
-    Scored,
     Started,
     Stepped,
+    StoreFormatError,
+    event_of,
+    event_record,
 )
 
 log = structlog.get_logger("agent_monitor.store")
@@ -151,24 +148,6 @@ class RunStore(Protocol):
         ...
 
 
-class StoreSink:
-    """Keep every published score and group ranking in the run store (a restart takes them up again)."""
-
-    events = (Scored, GroupRanked, RunClosed)
-
-    def __init__(self, store: RunStore) -> None:
-        self.store = store
-
-    def __call__(self, event: MonitorEvent) -> None:
-        """Record a score (a run's final one again, with its verdict) or a ranking."""
-        if isinstance(event, Scored) and not event.republished:
-            self.store.record_progress(event.run_id, event.progress.step, dict(event.data))
-        elif isinstance(event, RunClosed) and event.final is not None:
-            self.store.record_progress(event.run_id, int(event.final["step"]), dict(event.final))
-        elif isinstance(event, GroupRanked) and not event.republished:
-            self.store.record_ranking(event.group, event.ranking)
-
-
 def default_state_dir() -> Path:
     """A per-user data directory ($XDG_DATA_HOME/agent-monitor, else ~/.local/share/agent-monitor)."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -207,10 +186,6 @@ CREATE INDEX IF NOT EXISTS runs_by_end ON runs (ended_at, run_id);
 """
 # Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them, and an older
 # agent-monitor still reads a newer store of the same format. A change to an existing table needs a new format.
-
-
-class StoreFormatError(RuntimeError):
-    """A run store written by another version of agent-monitor, in a format this one cannot read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,7 +287,7 @@ class SqliteStore:
                 _insert(db, run_id, "gap", None, body, at, None)
 
             return gap
-        kind, event = _event_of(record)
+        kind, event = event_of(record)
         body = event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
         images = [(hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded()) for i in getattr(event, "images", [])]
         index = event.index if kind == "step" and isinstance(event, StepIn) else None
@@ -563,7 +538,7 @@ class SqliteStore:
                 if run_id in by_run:
                     by_run[run_id].append(tuple(values))
             for r in out:
-                r["totals"] = _totals(by_run[r["run_id"]])
+                r["totals"] = stored_totals(by_run[r["run_id"]])
             return out
 
         return await self._run(read)
@@ -654,7 +629,7 @@ class SqliteStore:
                 json.loads(b)
                 for (b,) in db.execute("SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,))
             ]
-            totals = _totals([_totals_row(p) for p in curve])
+            totals = stored_totals([totals_row(p) for p in curve])
             first = db.execute(
                 "SELECT body FROM events WHERE run_id = ? AND kind = 'start' ORDER BY seq LIMIT 1", (run_id,)
             ).fetchone()
@@ -700,13 +675,13 @@ _TOTALS_COLUMNS = ", ".join(
 """A stored score's totals (input, cached_input, output, cost), then its own tokens (input, cached_input, output)."""
 
 
-def _totals_row(progress: dict[str, Any]) -> tuple[Any, ...]:
+def totals_row(progress: dict[str, Any]) -> tuple[Any, ...]:
     """A stored score's `_TOTALS_COLUMNS`, read from its JSON form."""
     t, u = progress.get("totals") or {}, progress.get("tokens") or {}
     return (*(t.get(k) for k in _KINDS), t.get("cost"), *(u.get(k) for k in _KINDS))
 
 
-def _totals(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
+def stored_totals(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
     """A run's totals from its stored scores (rows as `_TOTALS_COLUMNS`): the `run_totals` rule, and the last cost.
 
     Totals only grow, so the largest are the newest; scores stored before totals existed count their own tokens.
@@ -787,33 +762,7 @@ def _record(
             }
             for mime, raw in frames
         ]
-    return _event_record(kind, run_id, data, at, d, where="the run store")
-
-
-def _event_of(record: Started | Stepped | Orphaned | Ended) -> tuple[str, RunStart | StepIn | RunEnd]:
-    """An event record's kind in a journal, and its event (the SQLite store and the cluster's journal alike)."""
-    if isinstance(record, Started):
-        return "start", record.start
-    if isinstance(record, Stepped):
-        return "step", record.step
-    if isinstance(record, Orphaned):
-        return "orphan", record.step
-    return "end", record.end
-
-
-def _event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: Delivery | None, *, where: str) -> Record:
-    """The record a journaled event makes again (`_event_of` backwards); StoreFormatError for a kind not known."""
-    # Validated again on the way in: a store must make sense to the models it is read with.
-    ctx = {"max_image_bytes": 1 << 40}
-    if kind == "start":
-        return Started(run_id, RunStart.model_validate(data, context=ctx), at, d)
-    if kind == "step":
-        return Stepped(run_id, StepIn.model_validate(data, context=ctx), at, d)
-    if kind == "orphan":
-        return Orphaned(run_id, StepIn.model_validate(data, context=ctx), at, d)
-    if kind == "end":
-        return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
-    raise StoreFormatError(f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?")
+    return event_record(kind, run_id, data, at, d, where="the run store")
 
 
 def _check_format(db: sqlite3.Connection, path: Path) -> None:

@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,10 +25,10 @@ from prometheus_client import CollectorRegistry
 
 from ....otel import INSTALL_HINT
 from ..._config import OtlpReceiverSettings
-from ..._state import Sink
+from ..._events import Sink
 from ...http import H11Conn, H11Server, otlp_door
-from .._protocol import Ingest, RunsView
-from ._spans import Decoded, Span, SpanError, TooManySpans, decode_json, decode_protobuf
+from .._protocol import RunsView, SourceInput
+from ._spans import Decoded, SpanError, TooManySpans, decode_json, decode_protobuf
 from ._traces import REFUSE_REASONS, OtlpMetrics, Traces
 
 __all__ = ["REFUSE_REASONS", "OtlpReceiver"]
@@ -136,7 +136,7 @@ class OtlpReceiver:
         host = self.settings.host_port[0]
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}{_PATH}"
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         """Serve OTLP/HTTP until cancelled, closing idle runs; raises OSError when the address cannot be bound."""
         self.traces.ingest, self.traces.view = ingest, runs
         await self.open()
@@ -344,8 +344,3 @@ def _varint_field(number: int, value: int) -> bytes:
 
 def _bytes_field(number: int, value: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
-def decoded_of(spans: Sequence[Span]) -> Decoded:
-    """A Decoded of given spans (tests and benchmarks hand spans to `take` without HTTP)."""
-    return Decoded(spans=list(spans))

@@ -7,7 +7,7 @@ conventions (`gen_ai.operation.name`; the current `gen_ai.input.messages`/`gen_a
 and the deprecated `gen_ai.prompt`/`gen_ai.completion` attributes and events) and OpenInference's
 (`openinference.span.kind`, `input.value`, `output.value`, `llm.input_messages.*`,
 `llm.output_messages.*`, `tool.*`); `step_text` writes a step's text from them, `task_of` a run's task,
-`outcome_of` a root span's outcome.
+`span_outcome` a root span's outcome.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ __all__ = [
     "classify",
     "decode_json",
     "decode_protobuf",
-    "outcome_of",
-    "run_key",
+    "span_outcome",
+    "span_run_key",
     "step_text",
     "task_of",
 ]
@@ -380,7 +380,7 @@ def classify(span: Span) -> Action | None:
     return None
 
 
-def run_key(span: Span) -> tuple[str, str] | None:
+def span_run_key(span: Span) -> tuple[str, str] | None:
     """The run a span names besides its trace: ("run_id" | "conversation", id), from the span or its resource."""
     for attrs in (span.attributes, span.resource):
         v = attrs.get(RUN_ID_ATTR)
@@ -393,7 +393,7 @@ def run_key(span: Span) -> tuple[str, str] | None:
     return None
 
 
-def outcome_of(span: Span) -> Literal["success", "failure"] | None:
+def span_outcome(span: Span) -> Literal["success", "failure"] | None:
     """A root span's outcome: `agent_monitor.outcome` when it says success or failure, else failure on ERROR."""
     v = span.attributes.get(OUTCOME_ATTR)
     if isinstance(v, str) and v.lower() in ("success", "failure"):

@@ -29,9 +29,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ....wire import MAX_LABEL_VALUE_CHARS, TopicError, check_run_id
 from ..._config import OtlpReceiverSettings
-from ..._state import MonitorEvent, RunClosed
-from .._protocol import Inbound, Ingest, RunsView
-from ._spans import Decoded, Span, classify, outcome_of, run_key
+from ..._events import MonitorEvent, RunClosed
+from .._protocol import Inbound, RunsView, SourceInput
+from ._spans import Decoded, Span, classify, span_outcome, span_run_key
 from ._spans import step_text as span_step_text
 from ._spans import task_of as span_task_of
 
@@ -161,7 +161,7 @@ class Traces:
         self._ended: OrderedDict[str, float] = OrderedDict()
         self._lock = asyncio.Lock()
         self.view: RunsView | None = None
-        self.ingest: Ingest | None = None
+        self.ingest: SourceInput | None = None
         self.steps = 0
         """Steps sent."""
         self.late = 0
@@ -223,7 +223,7 @@ class Traces:
             run_id = self._traces.get(trace_id)
             explicit = None
             if run_id is None:
-                explicit = next((k for k in map(run_key, spans) if k is not None), None)
+                explicit = next((k for k in map(span_run_key, spans) if k is not None), None)
                 run_id = explicit[1] if explicit else trace_id
                 try:
                     check_run_id(run_id)
@@ -277,7 +277,7 @@ class Traces:
         run = self.runs.get(run_id)
         if run is None or not run.by_trace or run.ended:
             return run_id
-        key = next((k for s in spans if s.is_root and (k := run_key(s)) is not None), None)
+        key = next((k for s in spans if s.is_root and (k := span_run_key(s)) is not None), None)
         if key is None or key[1] == run_id:
             return run_id
         new_id = key[1]
@@ -368,7 +368,7 @@ class Traces:
                 self.metrics.ignored.labels("no_content").inc()
                 continue
             actions.append((s, text))
-        ends = root is not None and (run.by_trace or outcome_of(root) is not None)
+        ends = root is not None and (run.by_trace or span_outcome(root) is not None)
         if not run.started:
             run.waiting.extend(actions)
             actions = []
@@ -382,7 +382,7 @@ class Traces:
             self._step(run, s, text, events)
         if ends and root is not None:
             run.ended = True
-            events.append(Inbound(run.run_id, "end", {"outcome": outcome_of(root)}, key=f"end:{root.span_id}"))
+            events.append(Inbound(run.run_id, "end", {"outcome": span_outcome(root)}, key=f"end:{root.span_id}"))
         return rejected, why
 
     def _start(self, run: _Run, events: list[Inbound]) -> None:

@@ -35,20 +35,17 @@ from ....judges.base import Judge
 from ....progress import Usage
 from ....selection import compare, tournament
 from ..._config import ProxySettings
-from ..._state import Sink
+from ..._events import Sink
 from ...http import H11Conn, H11Server, declared_length, proxy_door
-from .._protocol import Inbound, Ingest, RunsView, statistics_json
+from .._chat import Api, Request, Turn, parse_request
+from .._protocol import Inbound, RunsView, SourceInput, statistics_json
 from ._turns import (
     API_OF_PATH,
-    Api,
     Conversation,
     Conversations,
-    Request,
     StreamTurn,
-    Turn,
     error_body,
     majority,
-    parse_request,
     sse_of,
     steps_of,
     turn_of_response,
@@ -198,7 +195,7 @@ class ProxySource:
         host, port = self.http.sockname or self.settings.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         """Serve until cancelled: connections, the feeder to ingest, the sweeper of idle conversations."""
         self._runs = runs
         if not self.http.bound:
@@ -238,7 +235,7 @@ class ProxySource:
             else:
                 self.counts[f"{e.kind}s_sent"] += 1
 
-    async def _feed(self, ingest: Ingest) -> None:
+    async def _feed(self, ingest: SourceInput) -> None:
         while True:
             batch = [await self._queue.get()]
             while len(batch) < 256 and not self._queue.empty():

@@ -26,24 +26,21 @@ import json
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from ....wire import MAX_LABEL_VALUE_CHARS, MAX_STEP_CHARS, MAX_TASK_CHARS
+from ....extractors import clip_middle
+from ....wire import MAX_STEP_CHARS, MAX_TASK_CHARS
+from .._chat import Api, Item, Request, Turn, anthropic_turn, args_text, text_of
 from .._protocol import Inbound
 
 __all__ = [
     "API_OF_PATH",
-    "Api",
     "Conversation",
     "Conversations",
-    "Item",
-    "Request",
     "SseParser",
     "StreamTurn",
-    "Turn",
     "error_body",
     "majority",
-    "parse_request",
     "run_key",
     "sse_of",
     "steps_of",
@@ -54,219 +51,11 @@ __all__ = [
 MAX_BRANCHES = 64
 """Runs one key may split into (agents sharing a system prompt and first message); more are not watched."""
 
-Api = Literal["chat", "responses", "messages"]
 API_OF_PATH: dict[str, Api] = {
     "/v1/chat/completions": "chat",
     "/v1/responses": "responses",
     "/v1/messages": "messages",
 }
-Role = Literal["user", "assistant", "tool"]
-
-
-@dataclass(frozen=True, slots=True)
-class Item:
-    """One message of a conversation as text: who said it and what (tool calls and results rendered)."""
-
-    role: Role
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One assistant turn: its text and its tool calls (name, arguments as JSON text)."""
-
-    text: str
-    calls: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def final(self) -> bool:
-        """A turn without tool calls: the agent waits for no tool result, so it is a step at once."""
-        return not self.calls
-
-    def render(self) -> str:
-        """The turn as a step's text (and as a history item's, so both digest alike)."""
-        lines = [self.text] if self.text else []
-        lines += [f"[tool call] {name}({args})" for name, args in self.calls]
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """What the proxy reads from one API request."""
-
-    api: Api
-    system: str
-    items: tuple[Item, ...]
-    model: str
-    stream: bool
-    n: int
-
-    @property
-    def task(self) -> str:
-        """The first user message (the run's task); empty when there is none."""
-        return next((i.text for i in self.items if i.role == "user"), "")
-
-    @property
-    def turns(self) -> int:
-        """Assistant turns in the history: the response's turn is the next one."""
-        return sum(i.role == "assistant" for i in self.items)
-
-
-class FormatError(ValueError):
-    """A request body the proxy cannot read as its API's (forwarded anyway, not watched)."""
-
-
-def _text(content: Any) -> str:
-    """Text of a message's content: a string, or the text of its parts (images as a placeholder)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Mapping):
-        content = [content]
-    if not isinstance(content, list):
-        return str(content)
-    out: list[str] = []
-    for part in content:
-        if isinstance(part, str):
-            out.append(part)
-        elif isinstance(part, Mapping):
-            kind = part.get("type")
-            if isinstance(part.get("text"), str):
-                out.append(part["text"])
-            elif kind in ("image", "image_url", "input_image"):
-                out.append("[image]")
-            elif kind == "tool_result":
-                out.append(_text(part.get("content")))
-            elif isinstance(part.get("content"), (str, list)):
-                out.append(_text(part["content"]))
-    return "\n".join(s for s in out if s)
-
-
-def _args(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _merge(items: list[Item]) -> tuple[Item, ...]:
-    """Consecutive assistant items are one turn (responses' message then function calls)."""
-    out: list[Item] = []
-    for it in items:
-        if it.role == "assistant" and out and out[-1].role == "assistant":
-            out[-1] = Item("assistant", f"{out[-1].text}\n{it.text}" if out[-1].text else it.text)
-        elif it.text or it.role == "assistant":
-            out.append(it)
-    return tuple(out)
-
-
-def _chat_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise FormatError("messages is not a list")
-    system: list[str] = []
-    items: list[Item] = []
-    for m in messages:
-        if not isinstance(m, Mapping):
-            raise FormatError("a message is not an object")
-        role = m.get("role")
-        if role in ("system", "developer"):
-            system.append(_text(m.get("content")))
-        elif role == "user":
-            items.append(Item("user", _text(m.get("content"))))
-        elif role == "assistant":
-            calls = []
-            for c in m.get("tool_calls") or []:
-                f = c.get("function") or {} if isinstance(c, Mapping) else {}
-                calls.append((str(f.get("name", "")), _args(f.get("arguments", ""))))
-            if isinstance(m.get("function_call"), Mapping):
-                f = m["function_call"]
-                calls.append((str(f.get("name", "")), _args(f.get("arguments", ""))))
-            items.append(Item("assistant", Turn(_text(m.get("content")), tuple(calls)).render()))
-        elif role in ("tool", "function"):
-            items.append(Item("tool", f"[tool result] {_text(m.get('content'))}"))
-    return "\n".join(system), items
-
-
-def _messages_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise FormatError("messages is not a list")
-    items: list[Item] = []
-    for m in messages:
-        if not isinstance(m, Mapping):
-            raise FormatError("a message is not an object")
-        content = m.get("content")
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(blocks, list):
-            raise FormatError("a message's content is neither text nor a list of blocks")
-        if m.get("role") == "assistant":
-            items.append(Item("assistant", _anthropic_turn(blocks).render()))
-            continue
-        said = [b for b in blocks if not (isinstance(b, Mapping) and b.get("type") == "tool_result")]
-        for b in blocks:
-            if isinstance(b, Mapping) and b.get("type") == "tool_result":
-                items.append(Item("tool", f"[tool result] {_text(b.get('content'))}"))
-        if said:
-            items.append(Item("user", _text(said)))
-    return _text(body.get("system")), items
-
-
-def _anthropic_turn(blocks: Sequence[Any]) -> Turn:
-    text: list[str] = []
-    calls: list[tuple[str, str]] = []
-    for b in blocks:
-        if not isinstance(b, Mapping):
-            continue
-        if b.get("type") == "text":
-            text.append(str(b.get("text", "")))
-        elif b.get("type") in ("tool_use", "server_tool_use"):
-            calls.append((str(b.get("name", "")), _args(b.get("input", {}))))
-    return Turn("\n".join(t for t in text if t), tuple(calls))
-
-
-def _responses_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
-    system = [_text(body.get("instructions"))]
-    raw = body.get("input")
-    if isinstance(raw, str):
-        return system[0], [Item("user", raw)]
-    if not isinstance(raw, list):
-        raise FormatError("input is neither text nor a list of items")
-    items: list[Item] = []
-    for it in raw:
-        if not isinstance(it, Mapping):
-            raise FormatError("an input item is not an object")
-        kind, role = it.get("type"), it.get("role")
-        if role in ("system", "developer"):
-            system.append(_text(it.get("content")))
-        elif role == "user":
-            items.append(Item("user", _text(it.get("content"))))
-        elif role == "assistant":
-            items.append(Item("assistant", _text(it.get("content"))))
-        elif kind == "function_call":
-            items.append(
-                Item("assistant", Turn("", ((str(it.get("name", "")), _args(it.get("arguments", ""))),)).render())
-            )
-        elif kind == "function_call_output":
-            items.append(Item("tool", f"[tool result] {_text(it.get('output'))}"))
-    return "\n".join(s for s in system if s), items
-
-
-def parse_request(api: Api, body: Any) -> Request:
-    """The conversation a request body carries; FormatError when it is not that API's request."""
-    if not isinstance(body, Mapping):
-        raise FormatError("the body is not a JSON object")
-    reader = {"chat": _chat_items, "messages": _messages_items, "responses": _responses_items}[api]
-    system, items = reader(body)
-    n = body.get("n", 1)
-    return Request(
-        api=api,
-        system=system,
-        items=_merge(items),
-        model=str(body.get("model", ""))[:MAX_LABEL_VALUE_CHARS],
-        stream=body.get("stream") is True,
-        n=n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1,
-    )
 
 
 def run_key(system: str, first_user: str) -> str:
@@ -278,13 +67,6 @@ def run_key(system: str, first_user: str) -> str:
 
 def _digest(item: Item) -> bytes:
     return hashlib.blake2b(f"{item.role}\0{item.text}".encode(), digest_size=8).digest()
-
-
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2 - 20
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
 
 
 def _parts_of(items: Sequence[Item]) -> list[list[str]]:
@@ -300,7 +82,7 @@ def _parts_of(items: Sequence[Item]) -> list[list[str]]:
 
 def steps_of(items: Sequence[Item]) -> list[tuple[str, bool]]:
     """Each assistant turn with what follows it: (the step's text, complete: something followed it)."""
-    return [(_clip("\n".join(s), MAX_STEP_CHARS), len(s) > 1) for s in _parts_of(items)]
+    return [(clip_middle("\n".join(s), MAX_STEP_CHARS, room=20), len(s) > 1) for s in _parts_of(items)]
 
 
 @dataclass(slots=True)
@@ -422,7 +204,7 @@ class Conversations:
         """
         out: list[Inbound] = []
         parts = _parts_of(req.items)
-        steps = [_clip("\n".join(p), MAX_STEP_CHARS) for p in parts if len(p) > 1]
+        steps = [clip_middle("\n".join(p), MAX_STEP_CHARS, room=20) for p in parts if len(p) > 1]
         if conv.provisional is not None and conv.provisional[0] <= len(steps):
             conv.provisional = None  # the conversation went on: the turn is a complete step below
         # A step went out without what followed it: that, once known, comes at the head of the next step.
@@ -436,13 +218,13 @@ class Conversations:
         for index in range(conv.sent + 1, len(steps) + 1):
             self._send(conv, req, index, steps[index - 1], out)
         if final is not None and len(steps) == req.turns and conv.sent == req.turns:
-            text = _clip(final.render(), MAX_STEP_CHARS)
+            text = clip_middle(final.render(), MAX_STEP_CHARS, room=20)
             if grace_s <= 0:
                 self._send(conv, req, req.turns + 1, text, out)
                 conv.short, conv.carry = req.turns + 1, ""
             else:
                 conv.provisional = (req.turns + 1, text, now + grace_s)
-                conv.task = conv.task or _clip(req.task, MAX_TASK_CHARS) or "(no user message)"
+                conv.task = conv.task or clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)"
                 conv.labels = conv.labels or _labels(req)
         return out
 
@@ -471,13 +253,13 @@ class Conversations:
             conv.short = index
 
     def _send(self, conv: Conversation, req: Request, index: int, text: str, out: list[Inbound]) -> None:
-        self._open(conv, _clip(req.task, MAX_TASK_CHARS) or "(no user message)", _labels(req), out)
+        self._open(conv, clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)", _labels(req), out)
         self._step(conv, index, text, out)
 
     @staticmethod
     def _step(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
         if conv.short and index == conv.short + 1:
-            text = _clip(conv.carry + text, MAX_STEP_CHARS)
+            text = clip_middle(conv.carry + text, MAX_STEP_CHARS, room=20)
             conv.short, conv.carry = 0, ""
         out.append(Inbound(conv.run_id, "step", {"index": index, "text": text}, key=f"{conv.run_id}:{index}"))
         conv.sent = index
@@ -511,14 +293,14 @@ def turn_of_response(api: Api, body: Any, choice: int = 0) -> Turn | None:
             return None
         m = choices[choice].get("message") or {}
         chat_calls = tuple(
-            (str((c.get("function") or {}).get("name", "")), _args((c.get("function") or {}).get("arguments", "")))
+            (str((c.get("function") or {}).get("name", "")), args_text((c.get("function") or {}).get("arguments", "")))
             for c in m.get("tool_calls") or []
             if isinstance(c, Mapping)
         )
-        return Turn(_text(m.get("content")), chat_calls)
+        return Turn(text_of(m.get("content")), chat_calls)
     if api == "messages":
         content = body.get("content")
-        return _anthropic_turn(content) if isinstance(content, list) else None
+        return anthropic_turn(content) if isinstance(content, list) else None
     output = body.get("output")
     if not isinstance(output, list):
         return None
@@ -528,9 +310,9 @@ def turn_of_response(api: Api, body: Any, choice: int = 0) -> Turn | None:
         if not isinstance(it, Mapping):
             continue
         if it.get("type") == "message":
-            text.append(_text(it.get("content")))
+            text.append(text_of(it.get("content")))
         elif it.get("type") == "function_call":
-            calls.append((str(it.get("name", "")), _args(it.get("arguments", ""))))
+            calls.append((str(it.get("name", "")), args_text(it.get("arguments", ""))))
     return Turn("\n".join(t for t in text if t), tuple(calls))
 
 
@@ -638,7 +420,7 @@ class StreamTurn:
             if self.api == "messages":
                 # Anthropic streams the input as JSON pieces; the history sends it back as an object.
                 with contextlib.suppress(ValueError):
-                    args = _args(json.loads(args or "{}"))
+                    args = args_text(json.loads(args or "{}"))
             calls.append((self._names.get(i, ""), args))
         return Turn("".join(self._text), tuple(calls))
 

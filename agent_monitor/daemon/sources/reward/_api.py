@@ -53,9 +53,9 @@ from ....calibration import Calibration, Family
 from ....progress import Progress, Signal, StopKind
 from ....wire import MAX_TASK_CHARS
 from ..._config import RewardApiSettings, RewardShape
-from ..._state import MonitorEvent, Refused, RunClosed, Scored, Sink
+from ..._events import MonitorEvent, Refused, RunClosed, Scored, Sink
 from ...http import HttpRequest, HttpResponse, HttpServer, Route
-from .._protocol import Inbound, Ingest, RunsView
+from .._protocol import Inbound, RunsView, SourceInput
 from ._steps import Rollout, RolloutError, from_messages, from_text
 
 __all__ = ["PATHS", "RewardSource", "pass_probability"]
@@ -202,7 +202,7 @@ class _Scorer:
         self.metrics = metrics
         self.clock = clock
         self.calibration: Calibration | None = None
-        self.ingest: Ingest | None = None
+        self.ingest: SourceInput | None = None
         self.runs: RunsView | None = None
         self.waits: dict[str, _Wait] = {}
         self.cache: OrderedDict[bytes, Answer] = OrderedDict()
@@ -398,7 +398,7 @@ class RewardSource:
     def calibration(self, value: Calibration | None) -> None:
         self.scorer.calibration = value
 
-    async def run(self, ingest: Ingest, runs: RunsView) -> None:
+    async def run(self, ingest: SourceInput, runs: RunsView) -> None:
         """Mount the routes and serve until cancelled; unmount them on the way out."""
         self.scorer.ingest, self.scorer.runs = ingest, runs
         handlers = {"/get_reward": self._openrlhf, "/slime/reward": self._slime, "/v1/score": self._native}

@@ -3,8 +3,8 @@
 The rules, one per shape a trainer sends (docs/rl.md, "Steps"):
 
 - **Chat messages** (slime's `prompt` as a list, the native endpoint's `messages`): read as the LLM
-  proxy reads a chat completions request (`_turns.parse_request`); the first user message is the task,
-  each assistant turn with the tool results and user messages after it is a step (as `_turns.steps_of` makes the proxy's).
+  proxy reads a chat completions request (`sources._chat.parse_request`); the first user message is the task,
+  each assistant turn with the tool results and user messages after it is a step (as the proxy's `steps_of` makes them).
 - **Template text** (OpenRLHF's `query`: the prompt and the response decoded with their special
   tokens; slime's `prompt` as a string and its `response`): the text is cut into chat-template turns
   at ChatML (`<|im_start|>role ... <|im_end|>`), Llama 3 (`<|start_header_id|>role<|end_header_id|>
@@ -27,8 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ....extractors import clip_middle
 from ....wire import MAX_STEP_CHARS, MAX_TASK_CHARS
-from ..proxy import Item, Role, parse_request
+from .._chat import Item, Role, parse_request
 
 __all__ = ["Rollout", "RolloutError", "from_messages", "from_text", "split_response"]
 
@@ -62,18 +63,11 @@ class Rollout:
     """Which rule split it ("messages", "template", "tool_calls", "whole"): said in the answer's extra logs."""
 
 
-def _clip(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    half = limit // 2 - 20
-    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
-
-
 def _bounded(steps: Sequence[str], max_steps: int) -> tuple[str, ...]:
     steps = [s for s in steps if s.strip()]
     if len(steps) > max_steps:
         steps = [*steps[: max_steps - 1], "\n".join(steps[max_steps - 1 :])]
-    return tuple(_clip(s, MAX_STEP_CHARS) for s in steps)
+    return tuple(clip_middle(s, MAX_STEP_CHARS, room=20) for s in steps)
 
 
 def _turns(text: str) -> list[Item] | None:
@@ -154,7 +148,7 @@ def from_text(text: str, *, prompt: str | None = None, max_steps: int) -> Rollou
         task = "(the prompt gave no user message)"
     if not steps:
         raise RolloutError("the rollout has no response text to score (an empty generation?)")
-    return Rollout(_clip(task, MAX_TASK_CHARS), _bounded(steps, max_steps), rule)
+    return Rollout(clip_middle(task, MAX_TASK_CHARS, room=20), _bounded(steps, max_steps), rule)
 
 
 def from_messages(messages: Any, *, response: str | None = None, max_steps: int) -> Rollout:
@@ -172,4 +166,8 @@ def from_messages(messages: Any, *, response: str | None = None, max_steps: int)
     steps, rule = _steps_of_items(request.items)
     if not steps:
         raise RolloutError("the messages hold no assistant turn to score")
-    return Rollout(_clip(task, MAX_TASK_CHARS), _bounded(steps, max_steps), "messages" if rule == "template" else rule)
+    return Rollout(
+        clip_middle(task, MAX_TASK_CHARS, room=20),
+        _bounded(steps, max_steps),
+        "messages" if rule == "template" else rule,
+    )
