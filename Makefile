@@ -26,15 +26,16 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # verifiers 0.4 pins openai<3 and the dev extras' openai-agents needs openai>=3: its contract test
-# (tests/test_integrations_verifiers.py, skipped in the main venv) runs in a venv of its own.
+# (tests/integrations/test_integrations_verifiers.py, skipped in the main venv) runs in a venv of its own.
 VF_VENV ?= .venv-verifiers
 test-verifiers:
 	$(PYTHON) -m venv $(VF_VENV)
 	$(QUIET_EDITABLE) $(VF_VENV)/bin/python -m pip install -q -e '.[verifiers]' pytest pytest-asyncio pytest-timeout
-	$(VF_VENV)/bin/python -m pytest tests/test_integrations_verifiers.py -q -p no:cacheprovider
+	$(VF_VENV)/bin/python -m pytest tests/integrations/test_integrations_verifiers.py -q -p no:cacheprovider
 
-# Arize Phoenix (~850 MB of dependencies, ~1 minute from PyPI) in a venv of its own: tests/test_phoenix.py starts
-# `phoenix serve` from it (tests/phoenix_server.py) and skips, saying so, when it is missing.
+# Arize Phoenix (~850 MB of dependencies, ~1 minute from PyPI) in a venv of its own:
+# tests/daemon/sinks/test_phoenix.py starts `phoenix serve` from it (tests/phoenix_server.py) and skips,
+# saying so, when it is missing.
 PHOENIX_VENV ?= .venv-phoenix
 $(PHOENIX_VENV)/.installed:
 	$(PYTHON) -m venv $(PHOENIX_VENV)
@@ -44,7 +45,7 @@ phoenix-venv: $(PHOENIX_VENV)/.installed
 
 # The Phoenix sink's tests alone, against a real Phoenix server.
 test-phoenix: $(VENV)/.installed $(PHOENIX_VENV)/.installed
-	AGENT_MONITOR_PHOENIX_VENV=$(PHOENIX_VENV) $(PY) -m pytest tests/test_phoenix.py -q -p no:cacheprovider
+	AGENT_MONITOR_PHOENIX_VENV=$(PHOENIX_VENV) $(PY) -m pytest tests/daemon/sinks/test_phoenix.py -q -p no:cacheprovider
 
 check: $(VENV)/.installed
 	$(PY) -m ruff check agent_monitor adapters tests dashboards bench
@@ -92,7 +93,7 @@ test: check
 	$(PY) -m agent_monitor self-check --rubric tests/fixtures/skill/rubric.json --prompt tests/fixtures/skill/prompt.md
 	@for b in mosquitto mosquitto_pub prometheus promtool tmux chromium redis-server; do command -v $$b >/dev/null || { \
 	  echo "make test needs $$b: apt-get install mosquitto mosquitto-clients prometheus tmux chromium redis-server"; exit 1; }; done
-	$(MAKE) phoenix-venv  # before the suite: tests/test_phoenix.py runs against a real Phoenix from it
+	$(MAKE) phoenix-venv  # before the suite: tests/daemon/sinks/test_phoenix.py runs against a real Phoenix from it
 	AGENT_MONITOR_PHOENIX_VENV=$(PHOENIX_VENV) $(PY) -m pytest -ra
 	# verifiers' contract test in its own venv (its openai pin conflicts with the dev extras'): see test-verifiers.
 	$(MAKE) test-verifiers

@@ -9,7 +9,7 @@ Both decode the same work: `--runs` runs of a `--prefix`-token prompt, then for 
 `--suffix`-token continuation (the next step of a run, as a judge call sees it), round robin.
 Reported: seconds for the continuations (the prefixes are set-up), and for states the copy
 time alone. Random token ids stand in for prompts: only the cost is measured here, the
-exactness of restored states is tested in tests/test_llamacpp.py.
+exactness of restored states is tested in tests/judges/test_llamacpp.py.
 
     .venv/bin/python bench/kv_designs.py [--runs 8] [--prefix 3500] [--suffix 300] [--rounds 2]
 """

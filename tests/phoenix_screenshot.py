@@ -29,8 +29,8 @@ from agent_monitor.daemon import (
 from agent_monitor.policy import Policy
 from agent_monitor.testing import FakeJudge
 from tests.chromium import Browser
+from tests.daemon.sinks.test_phoenix import TOOLS, Agent, agent_sdk, scores, until
 from tests.phoenix_server import phoenix_server
-from tests.test_phoenix import TOOLS, Agent, agent_sdk, scores, until
 
 # Planning is fine, the search on track; then the agent holds and pays for the dearer flight.
 LETTERS = {1: "L", 2: "O", 3: "J", 4: "C"}

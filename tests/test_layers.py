@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "agent_monitor"
+from tests.paths import REPO
+
+PACKAGE = REPO / "agent_monitor"
 
 # No cycle is expected: the daemon's two (its rewrite, issue 26, removed them) are gone. A new one fails.
 EXPECTED_CYCLES: set[frozenset[str]] = set()

@@ -8,7 +8,6 @@ import ast
 import asyncio
 import dataclasses
 import inspect
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +25,8 @@ from agent_monitor._compat import MissingJudgeError
 from agent_monitor.cli._flags import add_flags, build, flag_name
 from agent_monitor.options import OPTION_NAMES, ScoringOptions
 from agent_monitor.testing import FakeJudge
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 FORMS: list[Any] = [ProgressTracker, AsyncProgressTracker, track, atrack]
 # What a form takes besides the options: the judge, images (the task's; track's: each step's), options whole;
 # track's and atrack's checkpoints (the steps to score: the reference library's checkpoint_steps).

@@ -7,7 +7,6 @@ import dataclasses
 import hashlib
 import json
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,9 +29,10 @@ from agent_monitor.prompts import (
 )
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
+from tests.daemon.cluster.test_cluster import replica
+from tests.daemon.test_daemon_mqtt import harness
+from tests.paths import FIXTURES
 from tests.redis_server import RedisServer
-from tests.test_cluster import replica
-from tests.test_daemon_mqtt import harness
 
 TASK = "Make the failing tests in tests/test_core.py pass without changing the tests."
 
@@ -175,7 +175,7 @@ async def test_a_restarted_monitor_sends_the_same_prompts_as_one_that_ran_throug
 
 # A Terminal-Bench 2.1 run (mini-swe-agent, DeepSeek V4 Flash) copied unchanged from the public llm-verifier
 # repository (llm-as-a-verifier/llm-as-a-verifier, data/, MIT License, Copyright (c) 2026 llm-as-a-verifier).
-TB21_RUN = Path(__file__).parent / "fixtures" / "tb21_cancel-async-tasks__C7uk5jh.json"
+TB21_RUN = FIXTURES / "tb21_cancel-async-tasks__C7uk5jh.json"
 
 
 def test_the_recorded_long_run_outgrows_8k_whole_but_every_bounded_prompt_fits() -> None:

@@ -11,8 +11,9 @@ from agent_monitor import AsyncProgressTracker, Policy
 from agent_monitor.cli import main
 from agent_monitor.policy import FAR
 from agent_monitor.testing import FakeJudge, ReplayJudge
+from tests.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "adaptive" / "answers.json.gz"
+FIXTURE = FIXTURES / "adaptive" / "answers.json.gz"
 DATA = Path("/work/shared/data")
 
 

@@ -15,8 +15,9 @@ from agent_monitor import ProgressTracker, load_criteria
 from agent_monitor.templates import TemplateError, check_template, load_template
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
+from tests.paths import FIXTURES
 
-SKILL = Path(__file__).parent / "fixtures" / "skill"
+SKILL = FIXTURES / "skill"
 
 
 def self_check(*args: str) -> subprocess.CompletedProcess[str]:
@@ -172,7 +173,7 @@ async def test_a_run_ending_under_a_rubric_with_thresholds_gets_its_verdict_on_m
 ) -> None:
     from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
     from agent_monitor.wire import BrokerSettings, ProgressOut
-    from tests.test_daemon_mqtt import harness
+    from tests.daemon.test_daemon_mqtt import harness
 
     def answer(prompt: Any) -> str:
         # The skill scale runs A = best: A is 1.0 (pass), G 0.684 (review).
@@ -202,7 +203,7 @@ async def test_a_run_ending_under_a_rubric_with_thresholds_gets_its_verdict_on_m
 async def test_a_rubric_without_thresholds_sends_no_final_message(broker: Mosquitto) -> None:
     from agent_monitor.daemon import Monitor, MonitorConfig
     from agent_monitor.wire import BrokerSettings
-    from tests.test_daemon_mqtt import harness
+    from tests.daemon.test_daemon_mqtt import harness
 
     config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id="mon-plain")
     async with Monitor(config, judge=FakeJudge(), store=None), harness(broker.port) as h:

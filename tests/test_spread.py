@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from agent_monitor import AsyncProgressTracker
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
-from tests.test_daemon_mqtt import harness, monitor
+from tests.daemon.test_daemon_mqtt import harness, monitor
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ast
 import tomllib
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.paths import REPO
+
+ROOT = REPO
 
 
 def _timeout_mark(decorators: list[ast.expr]) -> float | None:
@@ -56,7 +57,7 @@ def budgets() -> list[tuple[str, float, float]]:
     """(test, seconds its own waits allow, seconds pytest-timeout gives it) for every test with a literal wait."""
     default = float(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"])
     out = []
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         module = _module_mark(tree)
         for fn in tree.body:

@@ -1,6 +1,6 @@
 """An in-process MQTT 3.1.1 broker (amqtt) for one-machine setups: `agent-monitor serve --embedded-broker`.
 
-Checked against amqtt 0.12.1 by tests/test_broker.py: QoS 1 publish/subscribe, retained messages,
+Checked against amqtt 0.12.1 by tests/daemon/test_broker.py: QoS 1 publish/subscribe, retained messages,
 clearing a retained message with an empty retained payload (current subscribers get the empty
 message, later ones get nothing), and persistent sessions (a `clean_session=False` subscriber gets
 the QoS 1 messages published while it was away).
