@@ -31,14 +31,14 @@ class _PlainJudge:
 
 
 def test_only_the_helper_reaches_into_event_loops_from_synchronous_code() -> None:
-    # The sync forms once each held their own portal or anyio.run; now _sync.py alone does (and judges/base.py,
-    # which owns a judge's loop, and _loop.py, the loop thread itself).
+    # The sync forms once each held their own portal or anyio.run; now _runtime/sync.py alone does (and judges/base.py,
+    # which owns a judge's loop, and _runtime/loop.py, the loop thread itself).
     users = sorted(
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
         if "daemon" not in p.parts and any(s in p.read_text() for s in ("anyio.run(", "LoopThread(", ".portal.call("))
     )
-    assert users == ["_loop.py", "_sync.py", "judges/base.py"]
+    assert users == ["_runtime/loop.py", "_runtime/sync.py", "judges/base.py"]
 
 
 def test_select_is_aselect_s_twin_with_its_very_signature() -> None:
