@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from ..calibration import Calibration, Caller
 from ..criteria import CriteriaError, Rubric, load_criteria
-from ..judges.base import Judge
+from ..judges.base import Judge, require_summariser
 from ..judges.circuit import CircuitJudge
 from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
@@ -103,6 +103,7 @@ class Monitor:
         c = self.config = config if config is not None else MonitorConfig()
         self.clock = clock
         self.criteria, self.template = _operator_rubric(c)
+        require_summariser(judge, c.digest)  # --digest judge|MODEL: a judge that cannot summarise fails now
         """The rubric of runs whose start names none; the operator's prompt template (serve --prompt), "" = ours."""
         if len(names := [src.name for src in sources]) != len(set(names)):
             raise ValueError(f"sources need distinct names, got {names}")
