@@ -447,3 +447,27 @@ async def test_eval_with_an_llm_digest_summarises_the_folded_chunks_of_a_recorde
     shown = sum(", summarised: summary of " in p.text() for p in judge.prompts)
     assert len(judge.summarised) >= 5 and shown > len(run.steps) / 2
     assert all(estimate_tokens(p.text()) <= 8000 for p in judge.prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_the_in_process_llama_judge_summarises_and_grades_the_same_after() -> None:
+    from agent_monitor import JudgeRequest
+    from agent_monitor.judges.llamacpp import LlamaCppJudge
+    from tests.llama_models import gemma_path
+
+    judge = LlamaCppJudge(gemma_path(), n_ctx=2048)
+    rubric = load_criteria(None)
+    prompt = build_prompt(TASK, rubric, [Step(1, "$ pytest -q\n1 failed, 9 passed in 0.4s")], rubric.criteria[0])
+    try:
+        before = await judge.grade(JudgeRequest(prompt))
+        text, usage = await judge.summarise(
+            "The agent ran pytest: 1 failed; it fixed the import; all 10 passed.\nSummary:", max_tokens=24
+        )
+        assert text.strip() and usage.input_tokens > 0 and 0 < usage.output_tokens <= 24
+        after = await judge.grade(JudgeRequest(prompt))  # the summary's tokens left the context: the same grade
+        assert after.samples == before.samples
+        with pytest.raises(JudgeError, match="holds one model"):
+            await judge.summarise("x", max_tokens=4, model="another-model")
+    finally:
+        await judge.aclose()
