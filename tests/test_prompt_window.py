@@ -226,7 +226,7 @@ async def test_llama_cpp_server_with_an_8k_context_scores_a_long_recorded_run_at
     # no /props): the judge learns it from the server's first context-length refusal ("This model's maximum context
     # length is 8192 tokens, however you requested ..."), and that step is laid out again under the learned budget
     # and asked once more. Its logprobs need --logits_all, whose log-softmax over every prompt row (Gemma's
-    # 262,144-token vocabulary: 1 MB a row, four arrays of it) takes ~25 GB at 6K tokens: so the letters are sampled
+    # 262,144-token vocabulary: 1 MB a row, four arrays of it) takes ~24 GB at 6K tokens: so the letters are sampled
     # (logprobs=False), four per step, under a grammar that allows only the 20 letters.
     from llama_cpp import Llama
 
