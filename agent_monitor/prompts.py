@@ -419,6 +419,7 @@ def _digest_text(entries: Sequence[DigestEntry], lines: Sequence[str] | None = N
     )
 
 
+_MIN_SUMMARY_BYTES = 48  # a chunk whose lines leave less room than this for its summary keeps them, unasked
 SUMMARY_MAX_TOKENS = 256
 """The most tokens one chunk's summary may take (an LLM digest); it is also cut to the lines it stands for."""
 
@@ -441,7 +442,7 @@ def _summary_line(first: int, last: int, summary: str, limit: int) -> str | None
         return None
     head = f"Steps {first}-{last}, summarised: "
     room = limit - len(head.encode()) - 1
-    if room < 16:
+    if room < _MIN_SUMMARY_BYTES:
         return None  # the lines it would stand for are shorter than any useful summary
     body = text.encode()
     if len(body) > room:
@@ -704,6 +705,9 @@ class PromptWindow:
             if (c.start, c.end) in self._summaries:
                 continue
             limit = len("".join(e.text for e in cut.entries[c.i : c.j]).encode())
+            if limit - len(f"Steps {c.first}-{c.last}, summarised: ".encode()) < _MIN_SUMMARY_BYTES:
+                self._summaries[(c.start, c.end)] = None  # lines shorter than any useful summary: not asked
+                continue
             words = max(8, min(SUMMARY_MAX_TOKENS, limit // 4) * 3 // 4)
             text = "".join(self._block(steps[k]) for k in range(c.start, c.end))
             prompt = SUMMARY_PROMPT.format(
