@@ -90,6 +90,15 @@ class ScoringOptions:
             "none: the judge's context (when known) less room for the answer, else no limit (the whole run)",
         },
     )
+    digest: str | None = field(
+        default=None,
+        metadata={
+            "help": "how folded steps are digested: none (default) one deterministic line per step, free; 'judge' "
+            "each folded chunk summarised once by the judge's model (a text completion, its tokens in the run's "
+            "usage and cost; a failed one keeps the chunk's lines); a model name: by that model on the judge's "
+            "server"
+        },
+    )
 
     def __post_init__(self) -> None:
         """Check the settings (every form that takes them checks them here, once)."""
@@ -103,6 +112,11 @@ class ScoringOptions:
             isinstance(self.prompt_budget, bool) or not isinstance(self.prompt_budget, int) or self.prompt_budget < 1
         ):
             raise ValueError(f"prompt_budget={self.prompt_budget!r}; use a number of tokens >= 1, or None")
+        if self.digest is not None and (not isinstance(self.digest, str) or not self.digest.strip()):
+            raise ValueError(
+                f"digest={self.digest!r}; use None (the deterministic digest), 'judge' (the judge's model "
+                "summarises) or a model name on the judge's server"
+            )
         if not self.extract_budget_s > 0:
             raise ValueError(
                 f"extract_budget_s={self.extract_budget_s}; use a number of seconds > 0 "

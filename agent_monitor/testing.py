@@ -76,6 +76,7 @@ class FakeJudge(BaseJudge):
         record: bool = True,
         max_retries: int = 0,
         usage: Usage | Callable[[Prompt], Usage] | None = None,
+        summary: Callable[[str], str | BaseException] | None = None,
         **options: float,
     ) -> None:
         super().__init__(max_retries=max_retries, **options)  # type: ignore[arg-type]
@@ -101,6 +102,9 @@ class FakeJudge(BaseJudge):
         self.record = record
         self.requests: list[JudgeRequest] = []
         self.calls_made = 0
+        self._summary = summary
+        self.summarised: list[tuple[str, int, str | None]] = []
+        """Every summary asked (an LLM digest): its prompt, max tokens and model (None: the judge's own)."""
 
     @property
     def prompts(self) -> list[Prompt]:
@@ -139,6 +143,18 @@ class FakeJudge(BaseJudge):
             model=self.model,
             usage=self._usage(request.prompt),
         )
+
+    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
+        """A scripted summary of `text` (`summary=`: a function of the text; default "summary of N characters").
+
+        Usage: the text's characters as input tokens, the summary's as output tokens. An exception the script
+        returns is raised (a failed summary call).
+        """
+        self.summarised.append((text, max_tokens, model))
+        out = f"summary of {len(text):,} characters" if self._summary is None else self._summary(text)
+        if isinstance(out, BaseException):
+            raise out
+        return out, Usage(input_tokens=len(text), output_tokens=len(out))
 
 
 def _characters(prompt: Prompt) -> int:

@@ -27,7 +27,16 @@ from ._runtime.sync import Blocking, run_blocking
 from .calibration import Family, Point, Sample, Threshold
 from .criteria import Criterion, Rubric, load_criteria
 from .images import Frame, FrameBudget, ImageInput, load_image
-from .judges.base import BaseJudge, Judge, JudgeError, JudgeRequest, JudgeResponse, recommended_min_mass
+from .judges.base import (
+    BaseJudge,
+    Judge,
+    JudgeError,
+    JudgeRequest,
+    JudgeResponse,
+    Summariser,
+    recommended_min_mass,
+    require_summariser,
+)
 
 # The defaults live with the options; re-exported here, where users (and the daemon) found them first.
 from .options import DEFAULT_ALLOW_FILES as DEFAULT_ALLOW_FILES
@@ -43,6 +52,7 @@ from .options import (
 from .policy import EVERY, FAR, Plan, PolicyState, held_out, plan, resolve
 from .progress import NO_USAGE, Decision, Progress, Usage, run_totals
 from .prompts import PromptWindow, Step, prompt_budget
+from .prompts import prompt_budget as _budget_for
 from .rules import Composite, RuleInput, RuleScore
 from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
 
@@ -429,6 +439,13 @@ class AsyncProgressTracker:
         self.steps: list[Step] = []
         self._frames = _FrameKeeper(self.frame_budget)
         self._window = PromptWindow(task, self.rubric, frame_budget=self.frame_budget)
+        self._summariser: Summariser | None = require_summariser(judge, o.digest)
+        self._window.summarising = self._summariser is not None
+        self.summaries = 0
+        """LLM digest summaries asked (one per folded chunk), failed ones included."""
+        self.summary_failures = 0
+        """LLM digest summaries that failed or came back empty: those chunks kept their deterministic lines."""
+        self._summary_lock = asyncio.Lock()
         self._timed = False  # whether a step carries an end time (then `placed` may reorder the steps)
         self.curve_window = o.curve_window
         self._history = _History(o.curve_window)
@@ -583,6 +600,11 @@ class AsyncProgressTracker:
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
             raise ValueError(f"cannot score {n} steps: the tracker has {len(self.steps)}")
+        budget = self.prompt_budget
+        summarised = NO_USAGE
+        if self._summariser is not None and budget is not None:
+            steps = placed(self.steps[:n]) if self._timed or n < len(self.steps) else self.steps
+            summarised = await self._summarise(steps, n, budget)
         # A step withheld since the last score fails this one (once): the run learns why that step has no score.
         withheld = next((s.withheld for s in self.steps[self._scored : n] if s.withheld), None)
         # The whole list when it is the prefix (the usual case): no copy of the run per scoring.
@@ -605,14 +627,49 @@ class AsyncProgressTracker:
             withheld=withheld,
             rule_budget_s=self.extract_budget_s,
             window=self._window,
-            prompt_budget=self.prompt_budget,
+            prompt_budget=budget,
         )
+        if summarised is not NO_USAGE:
+            p = dataclasses.replace(p, usage=p.usage + summarised)  # the run's tokens and cost count the summaries
         # No later prompt of n or more steps shows the frames settled now (prompts in flight hold their own copies).
         self._frames.settle(self.steps, n)
         self.calls_saved += p.calls_saved
         if plan is not None and plan is not EVERY:
             p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
         return self._record(p)
+
+    async def _summarise(self, steps: Sequence[Step], n: int, budget: int) -> Usage:
+        """Summarise the chunks the prompt for `n` steps folds and no summary settled yet (an LLM digest); their usage.
+
+        Once per chunk, before any prompt shows it. A failed or empty summary is counted (`summary_failures`) and
+        logged, and the chunk keeps its deterministic lines: a digest line, never a score.
+        """
+        assert self._summariser is not None
+        model = None if self.options.digest == "judge" else self.options.digest
+        spent = NO_USAGE
+        async with self._summary_lock:  # a chunk is asked once, whichever scorings of the run overlap
+            for chunk in self._window.pending(steps, n=n, budget=budget):
+                self.summaries += 1
+                try:
+                    text, usage = await self._summariser.summarise(
+                        chunk.prompt, max_tokens=chunk.max_tokens, model=model
+                    )
+                except Exception as e:
+                    self.summary_failures += 1
+                    self._log.warning(
+                        "digest_summary_failed",
+                        steps=f"{chunk.first}-{chunk.last}",
+                        error=f"{type(e).__name__}: {e}",
+                        hint="the chunk keeps its deterministic digest lines",
+                    )
+                    self._window.settle(chunk, None)
+                    continue
+                spent = usage if spent is NO_USAGE else spent + usage
+                if not text.strip():
+                    self.summary_failures += 1
+                    self._log.warning("digest_summary_empty", steps=f"{chunk.first}-{chunk.last}")
+                self._window.settle(chunk, text)
+        return spent
 
     @property
     def cost(self) -> float | None:
@@ -866,15 +923,23 @@ async def score_prefix(
         ask = []  # the result is a failure whatever the judge says: do not pay for its calls
 
     async def one(c: Criterion) -> JudgeResponse | Exception:
-        prompt = window.build(steps, c, n=count, budget=prompt_budget)
-        try:
-            return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key))
-        except JudgeError as e:
-            return e
-        except Exception as e:
-            # A third-party judge's bug is a failed call, never a crash of the run or a made-up score.
-            log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
-            return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
+        budget, retried = prompt_budget, False
+        while True:
+            prompt = window.build(steps, c, n=count, budget=budget)
+            try:
+                return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key))
+            except JudgeError as e:
+                # A context-length refusal taught the judge a context below this prompt's budget (a server that
+                # says its context nowhere, as llama_cpp.server): the prefix is laid out again under the learned
+                # budget and asked once more, so the refusal costs a call, not the step's score.
+                smaller = _budget_for(_context_tokens(judge), budget)
+                if retried or e.reason != "context_overflow" or smaller is None or smaller == budget:
+                    return e
+                budget, retried = smaller, True
+            except Exception as e:
+                # A third-party judge's bug is a failed call, never a crash of the run or a made-up score.
+                log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
+                return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
     # One criterion (the common case) is awaited directly: gather would wrap it in a task of its own.
     # Through gather's task even for one criterion: it is a point where the event loop runs other work. Awaited
@@ -1058,6 +1123,16 @@ class ProgressTracker:
     def window(self) -> PromptWindow:
         """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
         return self._core.window
+
+    @property
+    def summaries(self) -> int:
+        """LLM digest summaries asked (one per folded chunk), failed ones included."""
+        return self._core.summaries
+
+    @property
+    def summary_failures(self) -> int:
+        """LLM digest summaries that failed or came back empty: those chunks kept their deterministic lines."""
+        return self._core.summary_failures
 
     @property
     def cost(self) -> float | None:

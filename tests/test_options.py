@@ -134,7 +134,9 @@ def test_the_generated_flags_of_the_scoring_settings_are_the_options_fields() ->
     add_flags(parser, MonitorConfig, {})
     actions = {a.dest: a for a in parser._actions}
     flagged = [f for f in dataclasses.fields(ScoringOptions) if f.metadata.get("cli") is not False]
-    assert {f.name for f in flagged} == {"repeats", "min_mass", "criteria", "extract_budget_s", "prompt_budget"}
+    assert {f.name for f in flagged} == {
+        "repeats", "min_mass", "criteria", "extract_budget_s", "prompt_budget", "digest",
+    }  # fmt: skip
     for f in flagged:
         action = actions[f.name]
         assert action.option_strings == [flag_name(f)]
@@ -143,6 +145,17 @@ def test_the_generated_flags_of_the_scoring_settings_are_the_options_fields() ->
     assert (config.repeats, config.criteria, config.min_mass) == (3, "progress", None)
     assert config.prompt_budget is None
     assert build(MonitorConfig, parser.parse_args(["--prompt-budget", "6000"])).prompt_budget == 6000
+    assert config.digest is None and build(MonitorConfig, parser.parse_args(["--digest", "judge"])).digest == "judge"
+    env = {"AGENT_MONITOR_DIGEST": "qwen2.5-1.5b"}
+    twin = argparse.ArgumentParser()
+    add_flags(twin, MonitorConfig, env)
+    assert build(MonitorConfig, twin.parse_args([])).digest == "qwen2.5-1.5b"
+    # Where --prompt-budget is, --digest is: serve (above), score and eval.
+    from agent_monitor.cli._main import _parser
+
+    for command in (["score", "runs/"], ["eval", "runs/"]):
+        args = _parser({}).parse_args([*command, "--digest", "judge", "--prompt-budget", "6000"])
+        assert (args.digest, args.prompt_budget) == ("judge", 6000)
     # A subcommand's scoring flags come from the same fields, without MonitorConfig.
     sub = argparse.ArgumentParser()
     add_flags(sub, ScoringOptions, {"AGENT_MONITOR_REPEATS": "4"}, only=["repeats", "min_mass"])

@@ -301,7 +301,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     score.add_argument(
         "--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)"
     )
-    add_flags(score, ScoringOptions, environ, only=["min_mass", "prompt_budget"], title="scoring")
+    add_flags(score, ScoringOptions, environ, only=["min_mass", "prompt_budget", "digest"], title="scoring")
     score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
 
     serve = _command(
@@ -338,7 +338,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     add_flags(ev, JudgeOptions, environ, title="judge")
     ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
-    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats", "prompt_budget"], title="scoring")
+    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats", "prompt_budget", "digest"], title="scoring")
     ev.add_argument(
         "--max-steps",
         type=int,
@@ -657,6 +657,7 @@ async def _score(args: argparse.Namespace) -> int:
                 min_mass=args.min_mass,
                 run_id=run.name,
                 prompt_budget=getattr(args, "prompt_budget", None),
+                digest=getattr(args, "digest", None),
             )
             if not args.json:
                 print(f"\n{run.name}  ({len(steps)} steps, outcome {run.outcome})")
@@ -1080,6 +1081,7 @@ async def _eval_scores(args: argparse.Namespace, runs: Sequence[Any], out: Path)
                 max_steps=args.max_steps,
                 cache=cache,
                 prompt_budget=getattr(args, "prompt_budget", None),
+                digest=getattr(args, "digest", None),
                 on_step=lambda run, p: advance(f"{run.name} step {p.step}"),
             )
     finally:
@@ -1142,7 +1144,7 @@ async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy:
             name: await ev.score_scheduled(
                 runs, judge=judge, policy=policy, schedule=name, criteria=args.criteria,
                 min_mass=args.min_mass, repeats=args.repeats, max_steps=args.max_steps, cache=cache,
-                prompt_budget=getattr(args, "prompt_budget", None),
+                prompt_budget=getattr(args, "prompt_budget", None), digest=getattr(args, "digest", None),
             )
             for name in dict.fromkeys(names)
         }  # fmt: skip

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from ..calibration import Calibration, Caller, CallerStatistics
 from ..criteria import CriteriaError, Rubric, load_criteria
-from ..judges.base import Judge
+from ..judges.base import Judge, require_summariser
 from ..judges.circuit import CircuitJudge
 from ..templates import TemplateError, load_template
 from ..tracker import AsyncProgressTracker
@@ -150,6 +150,7 @@ class Monitor:
         c = self.config = config if config is not None else MonitorConfig()
         self.clock = clock
         self.criteria, self.template = _operator_rubric(c)
+        require_summariser(judge, c.digest)  # --digest judge|MODEL: a judge that cannot summarise fails now
         """The rubric of runs whose start names none; the operator's prompt template (serve --prompt), "" = ours."""
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = m = Metrics(self.registry)

@@ -132,6 +132,42 @@ class Judge(Protocol):
         ...
 
 
+@runtime_checkable
+class Summariser(Protocol):
+    """A judge that also writes one plain text completion: the summaries of an LLM digest (`--digest judge|MODEL`)."""
+
+    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
+        """Complete `text` in at most `max_tokens` tokens with `model` (None: the judge's own); the text and its usage.
+
+        Raise JudgeError on failure (the chunk then keeps its deterministic digest lines).
+        """
+        ...
+
+
+def summariser(judge: object) -> Summariser | None:
+    """`judge`, or the judge it wraps (a circuit breaker's `inner`), when it can summarise; else None."""
+    for _ in range(4):
+        if isinstance(judge, Summariser):
+            return judge
+        judge = getattr(judge, "inner", None)
+        if judge is None:
+            return None
+    return None
+
+
+def require_summariser(judge: object, digest: str | None) -> Summariser | None:
+    """The summariser an LLM digest (`digest` not None) uses, checked at start-up; None for the deterministic digest."""
+    if digest is None:
+        return None
+    found = summariser(judge)
+    if found is None:
+        raise ValueError(
+            f"digest={digest!r} needs a judge that can summarise (OpenAIJudge, LlamaCppJudge, FakeJudge); "
+            f"{type(judge).__name__} cannot: leave digest unset (the deterministic digest) or use one of those"
+        )
+    return found
+
+
 class BaseJudge(abc.ABC):
     """Shared machinery for judges: concurrency limit, per-call timeout, retries with jittered backoff.
 

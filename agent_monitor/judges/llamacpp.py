@@ -237,6 +237,38 @@ class LlamaCppJudge(BaseJudge):
             images_dropped=request.prompt.image_count,  # text-only: frames are read as their descriptions
         )
 
+    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
+        """One greedy text completion of `text` with this judge's model (an LLM digest's summary of a folded chunk).
+
+        `model` must be None or this judge's own (it holds one model). The context then holds the summary's tokens,
+        not a run's prefix: it is cleared, and the next grade evaluates its prompt anew (a fold changes the prompt
+        from the digest on anyway).
+        """
+        if model is not None and model != self.model:
+            raise JudgeError(
+                "bad_request",
+                f"LlamaCppJudge holds one model ({self.model or 'the packaged Gemma 3 270M'}), not {model!r}: "
+                "use digest='judge'",
+            )
+        return await asyncio.to_thread(self._summarise_sync, text, max_tokens)
+
+    def _summarise_sync(self, text: str, max_tokens: int) -> tuple[str, Usage]:
+        self._ensure_loaded()
+        with self._lock:
+            llm = self._llm
+            if llm is None:
+                raise JudgeError("closed", "the judge was closed")
+            try:
+                out = llm.create_completion(text, max_tokens=max_tokens, temperature=0.0)
+            except (ValueError, RuntimeError) as e:
+                raise JudgeError("inference", f"llama.cpp failed to summarise: {e}") from e
+            finally:
+                self._clear_kv(llm)
+        usage = out.get("usage") or {}
+        return str(out["choices"][0].get("text") or ""), Usage(
+            input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0)
+        )
+
     async def aclose(self) -> None:
         """Free the model and its context."""
         await asyncio.to_thread(self._free)

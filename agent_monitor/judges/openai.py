@@ -284,6 +284,36 @@ class OpenAIJudge(BaseJudge):
                     return True
         return False
 
+    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
+        """One text completion of `text` (an LLM digest's summary of a folded chunk), by `model` on this server.
+
+        `model` None is the judge's own. The judge's API is used (chat: `text` as the user's message), at temperature
+        0 and without `extra_body` (its fields shape the grading answer: a grammar, guided choice); one attempt
+        within `timeout_s`, its failure a JudgeError.
+        """
+        name = model or await self.resolve_model()
+        common: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 0.0}
+        if self.api == "completions":
+            path, body = "/completions", {"prompt": text, **common}
+        else:
+            path, body = "/chat/completions", {"messages": [{"role": "user", "content": text}], **common}
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                reply = await self._transport.send(path, body)
+        except TimeoutError:
+            raise JudgeError("timeout", f"no summary within {self.timeout_s:g} s", retryable=True) from None
+        except StatusError as e:
+            raise e.judge_error() from None
+        data = _reply_object(reply, self.base_url)
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise _not_openai(reply, self.base_url, "a JSON object without a `choices` list")
+        if self.api == "completions":
+            out = self._read(lambda: str(choices[0].get("text") or ""))
+        else:
+            out = self._read(lambda: str((choices[0].get("message") or {}).get("content") or ""))
+        return out, self._read(lambda: _usage_of(data))
+
     def _read(self, read: Callable[[], _T]) -> _T:
         """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
         try:

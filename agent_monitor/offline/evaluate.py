@@ -147,6 +147,8 @@ def _setting(judge: Judge, tracker: AsyncProgressTracker, repeats: int) -> list[
         f"{repeats}",
         # A bounded prompt is another prompt: scores cached for the whole run are not the bounded one's.
         f"budget={tracker.prompt_budget}",
+        # An LLM digest's summaries are other prompts again (keys without one are as before it existed).
+        *([f"digest={tracker.options.digest}"] if tracker.options.digest is not None else []),
     ]
 
 
@@ -169,6 +171,7 @@ async def score_runs(
     cache: ScoreCache | None = None,
     prompt_budget: int | None = None,
     on_step: Callable[[RecordedRun, Progress], object] | None = None,
+    digest: str | None = None,
 ) -> list[RunCurve]:
     """Score every prefix of every run, in order, as a live monitor would; cached prefixes are not judged."""
     curves = []
@@ -182,6 +185,7 @@ async def score_runs(
             repeats=repeats,
             run_id=run.name,
             prompt_budget=prompt_budget,
+            digest=digest,
         )
         curve = baseline_curve(run)
         curve.family = tracker.family
@@ -588,6 +592,7 @@ async def score_scheduled(
     max_steps: int | None = None,
     cache: ScoreCache | None = None,
     prompt_budget: int | None = None,
+    digest: str | None = None,
 ) -> list[ScheduledRun]:
     """Every run stepped through live under `schedule`: each step planned as the monitor plans it, scored or skipped.
 
@@ -601,7 +606,7 @@ async def score_scheduled(
         steps = run.steps[:max_steps] if max_steps else run.steps
         tracker = AsyncProgressTracker(
             run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
-            policy=pol, prompt_budget=prompt_budget,
+            policy=pol, prompt_budget=prompt_budget, digest=digest,
         )  # fmt: skip
         r = ScheduledRun(run.name, run.outcome, len(steps))
         texts: list[str] = [run.task]

@@ -278,21 +278,30 @@ async def test_a_context_refusal_does_not_open_the_circuit(server: ScriptedServe
         await circuit.aclose()
 
 
-async def test_context_overflow_is_counted_under_its_reason_in_the_metrics(server: ScriptedServer) -> None:
-    server.default = vllm_server(2000, [])
+@pytest.mark.parametrize("task_chars", [1, 12_000])
+async def test_context_overflow_is_counted_under_its_reason_in_the_metrics(
+    server: ScriptedServer, task_chars: int
+) -> None:
+    refused: list[int] = []
+    server.default = vllm_server(2000, refused)
     reg = CollectorRegistry()
     judge = OpenAIJudge(base_url=server.url, model="scripted-model")
     async with Monitor(MonitorConfig(), judge=judge, registry=reg) as mon:
-        await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
+        await mon.handle("agents/r/start", json.dumps({"task": "t" * task_chars}).encode())
         for i in range(1, 9):
             await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i} " + "x" * 2_000}).encode())
             await mon.drain()
     overflow = reg.get_sample_value("agent_monitor_scoring_failures_total", {"reason": "context_overflow"})
     bad = reg.get_sample_value("agent_monitor_scoring_failures_total", {"reason": "bad_request"})
-    ok_ = reg.get_sample_value("agent_monitor_scorings_total", {"outcome": "ok"})
-    assert ok_ is not None and overflow is not None and ok_ >= 1 and overflow >= 1
-    assert ok_ + overflow == 8 and bad == 0
-    assert server.posts == ok_ + 1  # one refusal reached the server; the later, longer prompts did not
+    ok_ = reg.get_sample_value("agent_monitor_scorings_total", {"outcome": "ok"}) or 0
+    assert len(refused) == 1 and judge.context_tokens == 2000 and bad == 0
+    if task_chars == 1:
+        # The refused prefix was laid out again under the learned budget and asked once more: no step lost.
+        assert ok_ == 8 and overflow == 0 and server.posts == 8 + 1
+    else:
+        # A task longer than the context: no budget can fit it, every scoring fails, counted as context_overflow;
+        # only the first request reached the server.
+        assert ok_ == 0 and overflow == 8 and server.posts == 1
 
 
 # -- memory on the failed path --
@@ -487,3 +496,31 @@ async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_publishe
         await asyncio.wait_for(mon.drain(), 60)
         assert [r.prompt.step for r in judge.requests] == [1, 2, 5]
         assert mon.tracker("r") is not None and mon.tracker("r").latest.coalesced == 3  # type: ignore[union-attr]
+
+
+# -- an LLM digest's summaries (--digest judge|MODEL) --
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+async def test_the_openai_judge_summarises_with_one_plain_completion(server: ScriptedServer, api: str) -> None:
+    text = "The agent installed the package and the tests pass."
+    if api == "chat":
+        reply = {"choices": [{"message": {"role": "assistant", "content": text}}], "usage": {"prompt_tokens": 900}}
+    else:
+        reply = {"choices": [{"text": text}], "usage": {"prompt_tokens": 900, "completion_tokens": 12}}
+    server.default = Reply(200, reply)
+    judge = OpenAIJudge(base_url=server.url, model="scripted-model", api=api, extra_body={"grammar": "root ::= [A-T]"})
+    try:
+        said, usage = await judge.summarise("Summarise these steps.", max_tokens=200, model="smaller-model")
+        assert said == text and usage.input_tokens == 900
+        body = server.requests[-1]
+        assert body["model"] == "smaller-model" and body["max_tokens"] == 200 and body["temperature"] == 0.0
+        assert "grammar" not in body and "logprobs" not in body  # extra_body shapes grading answers, not summaries
+        assert server.paths[-1].endswith("/chat/completions" if api == "chat" else "/completions")
+        await judge.summarise("again", max_tokens=10)
+        assert server.requests[-1]["model"] == "scripted-model"  # None: the judge's own model
+        server.default = Reply(503, {"error": {"message": "overloaded"}})
+        with pytest.raises(JudgeError):
+            await judge.summarise("Summarise these steps.", max_tokens=200)
+    finally:
+        await judge.aclose()
