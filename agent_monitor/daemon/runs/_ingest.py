@@ -21,6 +21,7 @@ from ...wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, p
 from .._config import MonitorConfig
 from .._state import (
     Accepted,
+    Amended,
     Closed,
     Delivery,
     Duplicated,
@@ -44,7 +45,7 @@ log = structlog.get_logger("agent_monitor.daemon")
 # Decoding a payload this big (base64 images) in a worker thread keeps the event loop, and so the
 # MQTT keep-alive, responsive; smaller ones decode faster inline than a thread hop costs.
 _INLINE_DECODE_BYTES = 64 * 1024
-_KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end"}
+_KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end", Amended: "amend"}
 
 Message = tuple[str, bytes, Delivery | None]
 

@@ -38,6 +38,7 @@ from .._state import (
     MonitorEvent,
     Opened,
     Refused,
+    Revised,
     RunBook,
     RunClosed,
     RunOpened,
@@ -264,6 +265,8 @@ class Scoring:
                     self.scheduler.wake(effect.run_id)  # finishes the run once its newest prefix is scored
         elif isinstance(effect, Closed):
             self._closed(effect, replaying)
+        elif isinstance(effect, Revised):
+            await self._revise(effect, replaying)
 
     def _new(self, run_id: str, start: RunStart) -> RunScoring:
         c = self.config
@@ -333,6 +336,19 @@ class Scoring:
             scoring.arrived[s.index] = s.at
         if not replaying:
             self.scheduler.wake(run_id)
+
+    async def _revise(self, effect: Revised, replaying: bool) -> None:
+        """A step's text was amended: the tracker takes it, and the run is scored again at its newest step."""
+        scoring = self.runs.get(effect.run_id)
+        if scoring is None or effect.index > len(scoring.tracker.steps):
+            return
+        await scoring.tracker.amend(effect.index, effect.step.text)
+        # Every result from the amended step on graded other words: the newest prefix is scored again (on replay,
+        # `restore` knows from the stored scores what is left).
+        scoring.scored = min(scoring.scored, effect.index - 1)
+        scoring.arrived.setdefault(effect.index, effect.at)
+        if not replaying:
+            self.scheduler.wake(effect.run_id)
 
     def _closed(self, effect: Closed, replaying: bool) -> None:
         run_id = effect.run_id
