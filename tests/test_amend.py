@@ -24,6 +24,7 @@ from agent_monitor.daemon._state import (
     Duplicated,
     GapFilled,
     MonitorEvent,
+    Record,
     Refused,
     Revised,
     RunBook,
@@ -137,7 +138,7 @@ def test_an_amendment_after_the_end_is_refused() -> None:
 # -- the journal --
 
 
-RECORDS = [
+RECORDS: list[Record] = [
     Started("r", RunStart.model_validate({"task": "t"}), 1.0),
     Stepped("r", StepIn.model_validate({"text": "one", "index": 1}), 2.0),
     Amended("r", StepIn.model_validate({"text": "one, amended", "index": 1, "amend": True}), 3.0),
@@ -287,3 +288,16 @@ def test_an_amendment_round_trips_through_the_cluster_journals_form() -> None:
     kind, body, meta = _record_body(RECORDS[2])
     assert kind == "amend" and meta == {"updated_at": 3.0}
     assert _record_of("r", body) == RECORDS[2]
+
+
+async def test_an_amendment_while_its_prefix_is_being_scored_is_scored_again(tmp_path: Path) -> None:
+    """The scoring in flight read the step as it was: once it ends, the run is scored again with the new text."""
+    judge = FakeJudge(lambda p: "K", latency_s=0.3)
+    async with Monitor(MonitorConfig(sweep_interval_s=3600), judge=judge) as mon:
+        await _handle(mon, "start", {"task": "fix the test"})
+        await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "THOUGHT: run it"}).encode())
+        await asyncio.sleep(0.1)  # the judge is reading step 1
+        await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True})
+        assert [("1 passed" in p.text()) for p in judge.prompts if p.step == 1][-1]
+        view = mon.run("r")
+        assert view is not None and view.scored == 1

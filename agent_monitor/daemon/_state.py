@@ -549,7 +549,7 @@ class RunBook:
             return self._decide_start(run_id, event, now, delivery)
         if isinstance(event, StepIn):
             if event.amend:
-                return self._decide_amend(run_id, event, now, delivery)
+                return decide_amend(self, run_id, event, now, delivery)
             return self._decide_step(run_id, event, now, delivery)
         return self._decide_end(run_id, event, now, delivery)
 
@@ -634,57 +634,6 @@ class RunBook:
             run_id, "unknown_run", "end for a run that never started (or has expired); it was ignored", kind="end"
         )
 
-    # -- amendments: a step's text replaced by index (the proxy's final answer, once the conversation went on) --
-
-    def _decide_amend(
-        self, run_id: str, step: StepIn, now: float, d: Delivery | None
-    ) -> Amended | Refused | Duplicated:
-        """An amendment of an accepted step: the record, a duplicate (the step has that text already) or a refusal."""
-        index = step.index
-        assert index is not None  # StepIn checks that an amendment names its step
-        run = self.live.get(run_id)
-        if run is None:
-            why = "the run has ended" if run_id in self.ended else "the run has not started (or has expired)"
-            return self._refused(
-                run_id, "unknown_step", f"an amendment of step {index} came but {why}; only a step of a live run "
-                "can be amended",
-            )  # fmt: skip
-        if run.ended is not None:
-            return self._refused(run_id, "run_ended", f"an amendment of step {index} came after the run's end")
-        if index in run.placeholders:
-            return self._refused(
-                run_id, "conflict", f"step {index} was given up for missing and scored as a placeholder; send it as "
-                "a step of its own only before --hold runs out, it cannot be amended",
-            )  # fmt: skip
-        if index < run.next_index:
-            k = (index - 1) * _CONTENT
-            current = run.revised.get(index, bytes(run.contents[k : k + _CONTENT]))
-        elif index in run.held:
-            current = content_digest(run.held[index][0].model_copy(update={"images": []}))
-        else:
-            return self._refused(
-                run_id, "unknown_step", f"an amendment of step {index} came but no step {index} was accepted; send "
-                "the step first (an amendment replaces the text of a step already sent)",
-            )  # fmt: skip
-        if content_digest(step) == current:
-            return Duplicated(run_id, "step")
-        return Amended(run_id, step, now, d)
-
-    def _apply_amend(self, record: Amended, effects: list[Effect]) -> None:
-        """Replace an accepted step's text: a step waiting for earlier ones is replaced where it waits."""
-        run = self.live.get(record.run_id)
-        index = record.step.index
-        if run is None or index is None:
-            return
-        self._touch(run, record.at)
-        if index in run.held:
-            held, at, is_placeholder = run.held[index]
-            if not is_placeholder:  # the text replaced, its images and meta kept
-                run.held[index] = (held.model_copy(update={"text": record.step.text}), at, False)
-        elif index < run.next_index and index not in run.placeholders:
-            run.revised[index] = content_digest(record.step)
-            effects.append(Revised(run.run_id, index, record.step, record.at))
-
     def due(self, now: float) -> list[Record]:
         """The decisions time has made due: orphans that waited too long, gaps nobody filled, idle runs."""
         hold = self.limits.hold_s
@@ -744,11 +693,7 @@ class RunBook:
         On replay the recent deliveries come whole from the store (`remember_deliveries`), in their
         original order, finished runs' included; applying a record then leaves them alone.
         """
-        if (
-            isinstance(record, (Started, Stepped, Orphaned, Ended, Amended))
-            and record.delivery is not None
-            and not replaying
-        ):
+        if isinstance(record, _DELIVERED) and record.delivery is not None and not replaying:
             self._remember(record.delivery, record.run_id)
         effects: list[Effect] = []
         if isinstance(record, Started):
@@ -767,7 +712,7 @@ class RunBook:
             if run is not None:
                 self._fill_gap(run, record.upto, record.at, effects)
         elif isinstance(record, Amended):
-            self._apply_amend(record, effects)
+            apply_amend(self, record, effects)
         elif isinstance(record, OrphansDropped):
             orphan = self.orphans.pop(record.run_id, None)
             if orphan is not None:
@@ -967,3 +912,61 @@ def _digests(step: StepIn) -> list[str]:
 def kind_of(event: RunStart | StepIn | RunEnd) -> str:
     """The topic kind of an input event: start, step or end."""
     return "start" if isinstance(event, RunStart) else "step" if isinstance(event, StepIn) else "end"
+
+
+# -- amendments: a step's text replaced by index (the proxy's final answer, once the conversation went on) --
+
+_DELIVERED = (Started, Stepped, Orphaned, Ended, Amended)
+"""The records of an input event (a delivery to remember)."""
+
+
+def decide_amend(
+    book: RunBook, run_id: str, step: StepIn, now: float, d: Delivery | None
+) -> Amended | Refused | Duplicated:
+    """An amendment of an accepted step: the record, a duplicate (the step has that text already) or a refusal."""
+    index = step.index
+    assert index is not None  # StepIn checks that an amendment names its step
+    run = book.live.get(run_id)
+    if run is None:
+        why = "the run has ended" if run_id in book.ended else "the run has not started (or has expired)"
+        return book._refused(
+            run_id, "unknown_step", f"an amendment of step {index} came but {why}; only a step of a live run "
+            "can be amended",
+        )  # fmt: skip
+    if run.ended is not None:
+        return book._refused(run_id, "run_ended", f"an amendment of step {index} came after the run's end")
+    if index in run.placeholders:
+        return book._refused(
+            run_id, "conflict", f"step {index} was given up for missing and scored as a placeholder; send it as "
+            "a step of its own only before --hold runs out, it cannot be amended",
+        )  # fmt: skip
+    if index < run.next_index:
+        k = (index - 1) * _CONTENT
+        current = run.revised.get(index, bytes(run.contents[k : k + _CONTENT]))
+    elif index in run.held:
+        current = content_digest(run.held[index][0].model_copy(update={"images": []}))
+    else:
+        return book._refused(
+            run_id, "unknown_step", f"an amendment of step {index} came but no step {index} was accepted; send "
+            "the step first (an amendment replaces the text of a step already sent)",
+        )  # fmt: skip
+    if content_digest(step) == current:
+        return Duplicated(run_id, "step")
+    return Amended(run_id, step, now, d)
+
+
+def apply_amend(book: RunBook, record: Amended, effects: list[Effect]) -> None:
+    """Replace an accepted step's text: a step waiting for earlier ones is replaced where it waits."""
+    run = book.live.get(record.run_id)
+    index = record.step.index
+    if run is None or index is None:
+        return
+    run.last_event = max(run.last_event, record.at)  # as `RunBook._touch`: the run is active
+    book.live.move_to_end(run.run_id)
+    if index in run.held:
+        held, at, is_placeholder = run.held[index]
+        if not is_placeholder:  # the text replaced, its images and meta kept
+            run.held[index] = (held.model_copy(update={"text": record.step.text}), at, False)
+    elif index < run.next_index and index not in run.placeholders:
+        run.revised[index] = content_digest(record.step)
+        effects.append(Revised(run.run_id, index, record.step, record.at))

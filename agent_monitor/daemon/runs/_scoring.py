@@ -78,6 +78,8 @@ class RunScoring:
     """The newest step the schedule decided not to score (each step is decided once)."""
     published_at: float | None = None
     """When the run's last score was published (a heartbeat says how old it is)."""
+    amended: int = 0
+    """The lowest step amended since the run's scoring in flight began (0: none): that scoring covers it as it was."""
 
     @property
     def wants_scoring(self) -> bool:
@@ -346,6 +348,7 @@ class Scoring:
         # Every result from the amended step on graded other words: the newest prefix is scored again (on replay,
         # `restore` knows from the stored scores what is left).
         scoring.scored = min(scoring.scored, effect.index - 1)
+        scoring.amended = min(scoring.amended or effect.index, effect.index)
         scoring.arrived.setdefault(effect.index, effect.at)
         if not replaying:
             self.scheduler.wake(effect.run_id)
@@ -475,6 +478,7 @@ class Scoring:
             async with self.circuit.ready():
                 n = len(scoring.tracker.steps)
                 first = scoring.scored + 1
+                scoring.amended = 0
                 try:
                     skipped = FAR if scoring.planned > scoring.scored else None
                     p: Progress | None = await scoring.tracker.score(
@@ -486,7 +490,8 @@ class Scoring:
                     where = self.topics.of(run_id, "step")
                     self.emit(Refused(run_id, "scoring_failed", f"scoring step {n} failed: {e}", where, invalid=False))
                     p = None
-            scoring.scored = max(scoring.scored, n)
+            if not 0 < scoring.amended <= n:  # else a step of this prefix was amended meanwhile: it is scored again
+                scoring.scored = max(scoring.scored, n)
             self.scorings += 1
             if len(scoring.tracker.steps) > n:
                 # Steps came while the judge read this prefix (one that came before it started would have been in
