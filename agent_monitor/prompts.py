@@ -623,6 +623,23 @@ class PromptWindow:
         again._lay_out(steps, n)
         return again._cuts[-1]
 
+    def amended(self, index: int) -> None:
+        """Step `index` (1-based) has new text: lay the run out again from it; prompts of earlier prefixes stay as they were.
+
+        The cuts decided before that step are kept (they read only earlier steps), so the layout equals the one a new
+        window builds from the amended steps: a restarted monitor still builds the same prompts.
+        """
+        k = index - 1
+        if k >= len(self._tokens):
+            return  # not laid out yet: laid out with its new text when reached
+        if not self._complete and self._cuts[0].at > k:
+            self._reset(self.budget)  # the cuts before it were forgotten: from the first step
+            return
+        self._cuts = [c for c in self._cuts if c.at <= k]
+        del self._texts[k:], self._tokens[k:], self._ends[k:]
+        self._recent = sum(self._tokens[self._cuts[-1].start :])
+        self._rendered = None
+
     # -- prompts --
 
     def _question(self, n: int, criterion: Criterion) -> str:

@@ -460,6 +460,8 @@ class AsyncProgressTracker:
         self._append_lock = asyncio.Lock()
         self._scored = 0
         self._skipped = 0
+        self._revision = 0  # amendments so far (`amend`): a prefix scored again after one is the run's newest score
+        self._latest_revision = 0  # the amendments the latest result had seen
         # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not their own.
         self._scheduler: Scheduler[int] | None = None
         self._stack: contextlib.AsyncExitStack | None = None
@@ -565,6 +567,24 @@ class AsyncProgressTracker:
             )
         return Step(index=index, text=text, frames=frames, meta=p.meta)
 
+    async def amend(self, index: int, step: StepInput) -> None:
+        """Replace step `index`'s text (its frames and meta stay); prompts are laid out again from it on.
+
+        A prefix holding it scored from now on is the run's newest result even at a step scored before (its
+        policy reads it again): the text the judge graded has changed.
+        """
+        await self._materialise()
+        if not 1 <= index <= len(self.steps):
+            raise ValueError(f"cannot amend step {index}: the tracker has {len(self.steps)}")
+        old = self.steps[index - 1]
+        p = _Pending(_step_text(step), (), old.meta)
+        # The extractors read untrusted input: a worker thread, as for a new step.
+        new = await asyncio.to_thread(self._prepare, p, index) if self.rubric.extractors.extractors else None
+        text, withheld = (new.text, new.withheld) if new is not None else (p.text, None)
+        self.steps[index - 1] = dataclasses.replace(old, text=text, withheld=withheld)
+        self._window.amended(index)
+        self._revision += 1
+
     def _decode(self, images: Sequence[ImageInput]) -> list[Frame]:
         """Images loaded as this tracker allows (blocking: call it from a worker thread)."""
         return [load_image(i, max_side=self.max_side, allow_files=self.allow_files) for i in images]
@@ -611,6 +631,7 @@ class AsyncProgressTracker:
         prefix = placed(self.steps[:n]) if self._timed or n < len(self.steps) else self.steps
         if not self._window.task_frames and self._task_frames:
             self._window.task_frames = self._task_frames
+        revision = self._revision  # the amendments this prefix holds
         p = await score_prefix(
             self.task,
             prefix,
@@ -636,7 +657,7 @@ class AsyncProgressTracker:
         self.calls_saved += p.calls_saved
         if plan is not None and plan is not EVERY:
             p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
-        return self._record(p)
+        return self._record(p, revision)
 
     async def _summarise(self, steps: Sequence[Step], n: int, budget: int) -> Usage:
         """Summarise the chunks the prompt for `n` steps folds and no summary settled yet (an LLM digest); their usage.
@@ -687,7 +708,7 @@ class AsyncProgressTracker:
         """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
         return self._window
 
-    def _record(self, p: Progress) -> Progress:
+    def _record(self, p: Progress, revision: int = 0) -> Progress:
         # Every recorded scoring counts, whatever became of its score: its tokens were spent.
         self.usage += p.usage
         signal = p.signal
@@ -695,6 +716,10 @@ class AsyncProgressTracker:
         in_order = self.latest is None or p.step > self.latest.step
         # A step scored again after its first scoring failed (a judge outage ended) is the run's newest score.
         in_order = in_order or (self.latest is not None and p.step == self.latest.step and p.ok and not self.latest.ok)
+        # A step scored again after an amendment (`amend`) of the prefix it had: the newest judgement of the run.
+        in_order = in_order or (
+            self.latest is not None and p.step == self.latest.step and revision > self._latest_revision
+        )
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
@@ -709,6 +734,7 @@ class AsyncProgressTracker:
         self._history.keep(p)
         if self.latest is None or p.step >= self.latest.step:
             self.latest = p
+            self._latest_revision = max(self._latest_revision, revision)
         self._scored = max(self._scored, p.step)
         if not p.ok:
             self._log.warning("score_failed", step=p.step, reason=p.reason, error=p.error)
@@ -809,6 +835,7 @@ class AsyncProgressTracker:
             self._history.keep(p)
             self.latest = p
             self._scored = max(self._scored, p.step)
+        self._latest_revision = self._revision  # what was stored was scored on the steps as replayed
 
     async def _background(self, _key: int) -> None:
         """The scheduler's callback: materialise what was submitted, then score the newest prefix once."""

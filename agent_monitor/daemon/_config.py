@@ -587,7 +587,8 @@ class ProxySettings:
         metadata={
             "flag": "--final-grace",
             "help": "seconds an answer without tool calls is held before it is sent as a step: a text-only agent's "
-            "next request brings what its words did (a ReAct loop), sent with it; 0: at once",
+            "next request brings what its words did (a ReAct loop), sent with it; later, the step sent is amended "
+            "(its text replaced by index) and scored again; 0: at once, amended when the conversation goes on",
         },
     )
     max_connections: int = field(

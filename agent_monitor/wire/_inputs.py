@@ -548,6 +548,11 @@ class StepIn(_In):
     meta: dict[str, JsonValue] | None = Field(
         default=None, description=f"Per-step data for rule criteria (at most {MAX_META_BYTES} bytes as JSON)."
     )
+    amend: bool = Field(
+        default=False,
+        description="Replace the text of the step already accepted under `index` (which it needs) instead of adding "
+        "one: e.g. a final answer sent before what followed it; its images and meta stay (send none).",
+    )
 
     @field_validator("images", mode="before")
     @classmethod
@@ -587,7 +592,16 @@ class StepIn(_In):
     def _not_empty(self) -> StepIn:
         if not self.text and not self.images:
             raise err("empty_step", "the step has no text and no images; send at least one")
+        if self.amend:
+            self._check_amend()
         return self
+
+    def _check_amend(self) -> None:
+        """An amendment names the step it replaces and brings its new text only."""
+        if self.index is None:
+            raise err("amend", "an amendment (amend: true) needs the index of the step it replaces; send index")
+        if self.images or self.meta is not None or not self.text:
+            raise err("amend", "an amendment replaces a step's text only (its images and meta stay); send text alone")
 
 
 Outcome = Annotated[

@@ -221,7 +221,7 @@ for k = 1, n do
   local rec, meta = P .. 'rec:' .. run, P .. 'meta:' .. run
   for x = 0, m - 1 do
     local kind, body, fields = ARGV[j + 3 * x], ARGV[j + 3 * x + 1], ARGV[j + 3 * x + 2]
-    if kind ~= 'step' and kind ~= 'finished' and redis.call('HEXISTS', meta, 'ended_at') == 1 then
+    if kind ~= 'step' and kind ~= 'amend' and kind ~= 'finished' and redis.call('HEXISTS', meta, 'ended_at') == 1 then
       -- a run id used again after its run ended: a new run
       redis.call('DEL', rec, P .. 'prog:' .. run, meta)
       redis.call('ZREM', P .. 'ended', run)

@@ -481,6 +481,8 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         elif d["k"] == "step":
             index = int(d["e"]["index"])
             steps[index] = _exported_step(index, d["e"])
+        elif d["k"] == "amend" and int(d["e"]["index"]) in steps:  # the step's text replaced
+            steps[int(d["e"]["index"])]["text"] = d["e"].get("text", "")
     curve = [json.loads(prog[k]) for k in sorted(prog, key=lambda k: int(k))]
     return {
         "run_id": run_id,

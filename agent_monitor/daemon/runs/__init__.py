@@ -1,6 +1,6 @@
 """The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and its sinks."""
 
-from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook, RunState
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, Revised, RunBook, RunState
 from ._groups import GroupBook, Groups, GroupSeries
 from ._ingest import RunWriter, RunWriterStatistics
 from ._replay import Replays
@@ -24,6 +24,7 @@ __all__ = [
     "Opened",
     "Replays",
     "Restore",
+    "Revised",
     "RunBook",
     "RunSeries",
     "RunState",

@@ -27,7 +27,7 @@ from typing import Any, TypeAlias
 from ...wire import RunEnd, RunStart, StepIn, Topics
 from .._config import RunLimits
 from .._events import Duplicated, Refused
-from ..stores import Delivery, Ended, Finished, GapFilled, Orphaned, OrphansDropped, Record, Started, Stepped
+from ..stores import Amended, Delivery, Ended, Finished, GapFilled, Orphaned, OrphansDropped, Record, Started, Stepped
 
 # -- effects: what applying a record asks the daemon to do --
 
@@ -66,7 +66,17 @@ class Closed:
     at: float
 
 
-Effect: TypeAlias = Opened | Appended | Closing | Closed | Refused
+@dataclass(frozen=True, slots=True)
+class Revised:
+    """A step in the run's order has new text (an amendment): score the run again from it."""
+
+    run_id: str
+    index: int
+    step: StepIn
+    at: float
+
+
+Effect: TypeAlias = Opened | Appended | Closing | Closed | Refused | Revised
 """`Refused`: something to report about a run's events (a gap, an eviction, orphan steps that never got a start)."""
 
 
@@ -101,6 +111,8 @@ class RunState:
     ended: RunEnd | None = None
     contents: bytearray = field(default_factory=bytearray)
     """A short digest of each step in order (`_CONTENT` bytes apiece): a re-send is told from a conflict by it."""
+    revised: dict[int, bytes] = field(default_factory=dict)
+    """The digest of each amended step's current text, by index (`contents` keeps the step as first sent)."""
 
     @property
     def next_index(self) -> int:
@@ -174,6 +186,8 @@ class RunBook:
         if isinstance(event, RunStart):
             return self._decide_start(run_id, event, now, delivery)
         if isinstance(event, StepIn):
+            if event.amend:
+                return decide_amend(self, run_id, event, now, delivery)
             return self._decide_step(run_id, event, now, delivery)
         return self._decide_end(run_id, event, now, delivery)
 
@@ -317,7 +331,7 @@ class RunBook:
         On replay the recent deliveries come whole from the store (`remember_deliveries`), in their
         original order, finished runs' included; applying a record then leaves them alone.
         """
-        if isinstance(record, (Started, Stepped, Orphaned, Ended)) and record.delivery is not None and not replaying:
+        if isinstance(record, _DELIVERED) and record.delivery is not None and not replaying:
             self._remember(record.delivery, record.run_id)
         effects: list[Effect] = []
         if isinstance(record, Started):
@@ -335,6 +349,8 @@ class RunBook:
             run = self.live.get(record.run_id)
             if run is not None:
                 self._fill_gap(run, record.upto, record.at, effects)
+        elif isinstance(record, Amended):
+            apply_amend(self, record, effects)
         elif isinstance(record, OrphansDropped):
             orphan = self.orphans.pop(record.run_id, None)
             if orphan is not None:
@@ -496,6 +512,7 @@ class RunBook:
                     "last_event": r.last_event,
                     "steps": r.steps,
                     "placeholders": sorted(r.placeholders),
+                    "revised": sorted((i, d.hex()) for i, d in r.revised.items()),
                     "held": sorted((i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()),
                     "gap_since": r.gap_since,
                     "contents": r.contents.hex(),
@@ -533,3 +550,61 @@ def _digests(step: StepIn) -> list[str]:
 def kind_of(event: RunStart | StepIn | RunEnd) -> str:
     """The topic kind of an input event: start, step or end."""
     return "start" if isinstance(event, RunStart) else "step" if isinstance(event, StepIn) else "end"
+
+
+# -- amendments: a step's text replaced by index (the proxy's final answer, once the conversation went on) --
+
+_DELIVERED = (Started, Stepped, Orphaned, Ended, Amended)
+"""The records of an input event (a delivery to remember)."""
+
+
+def decide_amend(
+    book: RunBook, run_id: str, step: StepIn, now: float, d: Delivery | None
+) -> Amended | Refused | Duplicated:
+    """An amendment of an accepted step: the record, a duplicate (the step has that text already) or a refusal."""
+    index = step.index
+    assert index is not None  # StepIn checks that an amendment names its step
+    run = book.live.get(run_id)
+    if run is None:
+        why = "the run has ended" if run_id in book.ended else "the run has not started (or has expired)"
+        return book._refused(
+            run_id, "unknown_step", f"an amendment of step {index} came but {why}; only a step of a live run "
+            "can be amended",
+        )  # fmt: skip
+    if run.ended is not None:
+        return book._refused(run_id, "run_ended", f"an amendment of step {index} came after the run's end")
+    if index in run.placeholders:
+        return book._refused(
+            run_id, "conflict", f"step {index} was given up for missing and scored as a placeholder; send it as "
+            "a step of its own only before --hold runs out, it cannot be amended",
+        )  # fmt: skip
+    if index < run.next_index:
+        k = (index - 1) * _CONTENT
+        current = run.revised.get(index, bytes(run.contents[k : k + _CONTENT]))
+    elif index in run.held:
+        current = content_digest(run.held[index][0].model_copy(update={"images": []}))
+    else:
+        return book._refused(
+            run_id, "unknown_step", f"an amendment of step {index} came but no step {index} was accepted; send "
+            "the step first (an amendment replaces the text of a step already sent)",
+        )  # fmt: skip
+    if content_digest(step) == current:
+        return Duplicated(run_id, "step")
+    return Amended(run_id, step, now, d)
+
+
+def apply_amend(book: RunBook, record: Amended, effects: list[Effect]) -> None:
+    """Replace an accepted step's text: a step waiting for earlier ones is replaced where it waits."""
+    run = book.live.get(record.run_id)
+    index = record.step.index
+    if run is None or index is None:
+        return
+    run.last_event = max(run.last_event, record.at)  # as `RunBook._touch`: the run is active
+    book.live.move_to_end(run.run_id)
+    if index in run.held:
+        held, at, is_placeholder = run.held[index]
+        if not is_placeholder:  # the text replaced, its images and meta kept
+            run.held[index] = (held.model_copy(update={"text": record.step.text}), at, False)
+    elif index < run.next_index and index not in run.placeholders:
+        run.revised[index] = content_digest(record.step)
+        effects.append(Revised(run.run_id, index, record.step, record.at))

@@ -20,7 +20,7 @@ import structlog
 from ...wire import Decoder, EventError, RunStart, StepIn, TopicError, Topics, parse_topic
 from .._config import MonitorConfig
 from .._events import Accepted, Duplicated, Fanout, Refused
-from ..stores import Delivery, Ended, Finished, NoStore, Orphaned, Record, RunStore, Started, Stepped
+from ..stores import Amended, Delivery, Ended, Finished, NoStore, Orphaned, Record, RunStore, Started, Stepped
 from ._book import Closed, Effect, RunBook
 from ._groups import GroupBook, Joiner
 from ._images import fetch_images
@@ -30,7 +30,7 @@ log = structlog.get_logger("agent_monitor.daemon")
 # Decoding a payload this big (base64 images) in a worker thread keeps the event loop, and so the
 # MQTT keep-alive, responsive; smaller ones decode faster inline than a thread hop costs.
 _INLINE_DECODE_BYTES = 64 * 1024
-_KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end"}
+_KINDS: dict[type, str] = {Started: "start", Stepped: "step", Orphaned: "step", Ended: "end", Amended: "amend"}
 
 Message = tuple[str, bytes, Delivery | None]
 

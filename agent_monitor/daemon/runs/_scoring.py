@@ -30,7 +30,7 @@ from ...tracker import AsyncProgressTracker
 from ...wire import RunStart, Topics
 from .._config import MonitorConfig
 from .._events import MonitorEvent, Refused, RunClosed, RunOpened, Scored, SignalChanged, Skipped
-from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, RunBook
+from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, Revised, RunBook
 from ._groups import Groups, Joiner
 from ._replay import Replays, sample_key, spend_signed
 
@@ -63,6 +63,8 @@ class RunScoring:
     """The newest step the schedule decided not to score (each step is decided once)."""
     published_at: float | None = None
     """When the run's last score was published (a heartbeat says how old it is)."""
+    amended: int = 0
+    """The lowest step amended since the run's scoring in flight began (0: none): that scoring covers it as it was."""
 
     @property
     def wants_scoring(self) -> bool:
@@ -269,6 +271,8 @@ class Scoring:
                     self.scheduler.wake(effect.run_id)  # finishes the run once its newest prefix is scored
         elif isinstance(effect, Closed):
             self._closed(effect, replaying)
+        elif isinstance(effect, Revised):
+            await self._revise(effect, replaying)
 
     def _new(self, run_id: str, start: RunStart) -> RunScoring:
         c = self.config
@@ -338,6 +342,20 @@ class Scoring:
             scoring.arrived[s.index] = s.at
         if not replaying:
             self.scheduler.wake(run_id)
+
+    async def _revise(self, effect: Revised, replaying: bool) -> None:
+        """A step's text was amended: the tracker takes it, and the run is scored again at its newest step."""
+        scoring = self.runs.get(effect.run_id)
+        if scoring is None or effect.index > len(scoring.tracker.steps):
+            return
+        await scoring.tracker.amend(effect.index, effect.step.text)
+        # Every result from the amended step on graded other words: the newest prefix is scored again (on replay,
+        # `restore` knows from the stored scores what is left).
+        scoring.scored = min(scoring.scored, effect.index - 1)
+        scoring.amended = min(scoring.amended or effect.index, effect.index)
+        scoring.arrived.setdefault(effect.index, effect.at)
+        if not replaying:
+            self.scheduler.wake(effect.run_id)
 
     def _closed(self, effect: Closed, replaying: bool) -> None:
         run_id = effect.run_id
@@ -464,6 +482,7 @@ class Scoring:
             async with self.circuit.ready():
                 n = len(scoring.tracker.steps)
                 first = scoring.scored + 1
+                scoring.amended = 0
                 try:
                     skipped = FAR if scoring.planned > scoring.scored else None
                     p: Progress | None = await scoring.tracker.score(
@@ -475,7 +494,8 @@ class Scoring:
                     where = self.topics.of(run_id, "step")
                     self.emit(Refused(run_id, "scoring_failed", f"scoring step {n} failed: {e}", where, invalid=False))
                     p = None
-            scoring.scored = max(scoring.scored, n)
+            if not 0 < scoring.amended <= n:  # else a step of this prefix was amended meanwhile: it is scored again
+                scoring.scored = max(scoring.scored, n)
             self.scorings += 1
             if len(scoring.tracker.steps) > n:
                 # Steps came while the judge read this prefix (one that came before it started would have been in

@@ -432,7 +432,7 @@ class FlowCollector(Collector):
         """The counters and histograms of the step path (called by the registry on every scrape)."""
         accepted, s, c = self.intake.statistics().accepted, self.scoring.statistics(), self.circuit.statistics()
         events = CounterMetricFamily("agent_monitor_events", "Input events accepted, by type.", labels=["type"])
-        for kind in INPUT_KINDS:
+        for kind in (*INPUT_KINDS, "amend"):  # amend: a step's text replaced by index (`step.amend`)
             events.add_metric([kind], accepted.get(kind, 0))
         calls = CounterMetricFamily(
             "agent_monitor_judge_calls", "Judge calls, by backend and outcome.", labels=["judge", "outcome"]

@@ -1,6 +1,7 @@
 """The run stores: the journal of what each run accepted, and its scores."""
 
 from ._records import (
+    Amended,
     Delivery,
     Ended,
     Finished,
@@ -29,6 +30,7 @@ from ._store import (
 
 __all__ = [
     "PLACEHOLDER_PNG",
+    "Amended",
     "Delivery",
     "Ended",
     "Finished",

@@ -121,15 +121,27 @@ class Finished:
     at: float
 
 
-Record: TypeAlias = Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished
+@dataclass(frozen=True, slots=True)
+class Amended:
+    """The text of a step already accepted at `step.index` was replaced (`step.amend`): it is scored again from there."""
+
+    run_id: str
+    step: StepIn
+    at: float
+    delivery: Delivery | None = None
+
+
+Record: TypeAlias = Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished | Amended
 
 
 class StoreFormatError(RuntimeError):
     """A run store written by another version of agent-monitor, in a format this one cannot read."""
 
 
-def event_of(record: Started | Stepped | Orphaned | Ended) -> tuple[str, RunStart | StepIn | RunEnd]:
+def event_of(record: Started | Stepped | Orphaned | Ended | Amended) -> tuple[str, RunStart | StepIn | RunEnd]:
     """An event record's kind in a journal, and its event (the SQLite store and the cluster's journal alike)."""
+    if isinstance(record, Amended):
+        return "amend", record.step  # a kind of its own: `steps_once` keeps one *step* per index
     if isinstance(record, Started):
         return "start", record.start
     if isinstance(record, Stepped):
@@ -151,4 +163,6 @@ def event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: Del
         return Orphaned(run_id, StepIn.model_validate(data, context=ctx), at, d)
     if kind == "end":
         return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
+    if kind == "amend":
+        return Amended(run_id, StepIn.model_validate(data, context=ctx), at, d)
     raise StoreFormatError(f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?")

@@ -43,6 +43,7 @@ from ...images import FrameBudget
 from ...progress import Usage
 from ...wire import RunEnd, RunStart, StepIn
 from ._records import (
+    Amended,
     Delivery,
     Finished,
     GapFilled,
@@ -290,13 +291,13 @@ class SqliteStore:
         kind, event = event_of(record)
         body = event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
         images = [(hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded()) for i in getattr(event, "images", [])]
-        index = event.index if kind == "step" and isinstance(event, StepIn) else None
+        index = event.index if kind in ("step", "amend") and isinstance(event, StepIn) else None
         delivery = record.delivery
         budget = self.budget
 
         def write(db: sqlite3.Connection) -> None:
             if (
-                kind != "step"
+                kind not in ("step", "amend")
                 and db.execute("SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NOT NULL", (run_id,)).fetchone()
             ):
                 _delete_run(db, run_id)  # a run id used again after its run ended: a new run
@@ -603,11 +604,16 @@ class SqliteStore:
                 return None
             steps: dict[int, dict[str, Any]] = {}
             for seq, kind, index, body in db.execute(
-                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap', 'orphan') "
+                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap', 'orphan', "
+                "'amend') "
                 "ORDER BY seq",
                 (run_id,),
             ):
                 data = json.loads(body)
+                if kind == "amend":  # the step's text replaced (journaled only for a step accepted before it)
+                    if index in steps:
+                        steps[index]["text"] = data.get("text", "")
+                    continue
                 if kind == "orphan":
                     # A step that came before the start, which placed it (dropped ones were deleted): its index,
                     # or the next position; a second one with the same index was refused there.
@@ -922,7 +928,7 @@ class MemoryStore:
         delivery = getattr(record, "delivery", None)
         if delivery is not None:
             self.deliveries.append((delivery.mid, delivery.digest, run_id))
-        if not isinstance(record, Stepped) and self.ended.pop(run_id, None) is not None:
+        if not isinstance(record, (Stepped, Amended)) and self.ended.pop(run_id, None) is not None:
             self.progress.pop(run_id, None)  # a run id used again after its run ended: a new run
             self.ended_log.append((run_id, None))
         self.records.append(record)

@@ -233,7 +233,7 @@ class ProxySource:
             except asyncio.QueueFull:
                 self.counts["events_dropped"] += 1
             else:
-                self.counts[f"{e.kind}s_sent"] += 1
+                self.counts["amendments_sent" if e.data.get("amend") else f"{e.kind}s_sent"] += 1
 
     async def _feed(self, ingest: SourceInput) -> None:
         while True:

@@ -7,8 +7,9 @@ into one turn. Each assistant turn and everything the next request brings back a
 results, a user's follow-up) is a step; a turn is complete when a later item follows it. A turn
 without tool calls looks final but, from a text-only (ReAct) agent, is followed by its observation
 in the next request: it is held for a grace time and sent complete when that request comes, or
-sent as it is after the grace, what followed it then heading the next step (a step once sent never
-changes: the judge's prefixes stay stable).
+sent as it is after the grace (provisional) and amended by index (`step.amend`) when the
+conversation goes on: the step then holds the turn and what followed it, and the steps before it
+keep their prompts' prefix.
 
 Run keys (no `X-Agent-Monitor-Run` header): `px-` and 16 hex digits of the BLAKE2b digest of the
 system prompt and the first user message, so every request of one conversation (and a proxy
@@ -105,10 +106,8 @@ class Conversation:
     provisional: tuple[int, str, float] | None = None
     """A final-looking answer held back: (its step index, its text, when it is sent as it is)."""
     short: int = 0
-    """The index of a step sent without what followed it (sent when its grace ran out): what follows it
-    once the conversation goes on is carried at the head of the next step."""
-    carry: str = ""
-    """What followed step `short`, once a request brought it: the head of the next step."""
+    """The index of a step sent without what followed it (sent when its grace ran out, or at once with no
+    grace): once the conversation goes on, it is amended to hold what followed it."""
 
 
 @dataclass(slots=True)
@@ -199,29 +198,25 @@ class Conversations:
         text-only agent (ReAct) gets its observation in the next request: it is held back (provisional)
         for `grace_s` seconds from `now`, and sent then as it is (`due`) unless the next request has
         made it a complete step first. Its index is the history's turns + 1, so a retried request's
-        answer is the same step. A step sent as it is never changes (the judge's prefixes stay
-        stable): what follows it comes at the head of the next step instead.
+        answer is the same step. A step sent as it is stays provisional: when a request shows what
+        followed it, an amendment replaces its text with the complete step (by index, before any later
+        step), so each step holds what the agent saw and none is sent twice.
         """
         out: list[Inbound] = []
         parts = _parts_of(req.items)
         steps = [clip_middle("\n".join(p), MAX_STEP_CHARS, room=20) for p in parts if len(p) > 1]
         if conv.provisional is not None and conv.provisional[0] <= len(steps):
             conv.provisional = None  # the conversation went on: the turn is a complete step below
-        # A step went out without what followed it: that, once known, comes at the head of the next step.
-        if (
-            conv.short
-            and len(parts) >= conv.short
-            and not conv.carry
-            and (after := "\n".join(parts[conv.short - 1][1:]))
-        ):
-            conv.carry = f"[after step {conv.short}]\n{after}\n[step {conv.short + 1}]\n"
+        # A step went out without what followed it: once a request shows that, the step is amended to hold it.
+        if conv.short and len(parts) >= conv.short and len(parts[conv.short - 1]) > 1:
+            self._amend(conv, conv.short, steps[conv.short - 1], out)
         for index in range(conv.sent + 1, len(steps) + 1):
             self._send(conv, req, index, steps[index - 1], out)
         if final is not None and len(steps) == req.turns and conv.sent == req.turns:
             text = clip_middle(final.render(), MAX_STEP_CHARS, room=20)
             if grace_s <= 0:
                 self._send(conv, req, req.turns + 1, text, out)
-                conv.short, conv.carry = req.turns + 1, ""
+                conv.short = req.turns + 1
             else:
                 conv.provisional = (req.turns + 1, text, now + grace_s)
                 conv.task = conv.task or clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)"
@@ -258,11 +253,16 @@ class Conversations:
 
     @staticmethod
     def _step(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
-        if conv.short and index == conv.short + 1:
-            text = clip_middle(conv.carry + text, MAX_STEP_CHARS, room=20)
-            conv.short, conv.carry = 0, ""
         out.append(Inbound(conv.run_id, "step", {"index": index, "text": text}, key=f"{conv.run_id}:{index}"))
         conv.sent = index
+
+    @staticmethod
+    def _amend(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
+        """Step `index`, sent without what followed it, replaced by the complete step (its text by index)."""
+        data = {"index": index, "text": text, "amend": True}
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+        out.append(Inbound(conv.run_id, "step", data, key=f"{conv.run_id}:{index}:amend:{digest}"))
+        conv.short = 0
 
     @staticmethod
     def _open(conv: Conversation, task: str, labels: Mapping[str, str], out: list[Inbound]) -> None:

@@ -643,7 +643,11 @@ def test_a_retried_request_is_no_new_step_and_a_prefix_of_another_conversation_s
     assert convs.events(c, r1, Turn("hello again")) == []  # the retried request's answer is the same step
     r2 = req(Item("user", "T"), Item("assistant", "hello"), Item("user", "more"))
     c2 = convs.match(r2, None, 1.0)
-    assert c2 is c and convs.events(c, r2) == []  # step 1 already sent
+    assert c2 is c
+    # Step 1 went out as it was (no grace): amended once to hold what followed it, not sent again.
+    (amended,) = convs.events(c, r2)
+    assert amended.kind == "step" and amended.data == {"index": 1, "text": "hello\n[user] more", "amend": True}
+    assert convs.events(c, r2) == []
     c3 = convs.match(r1, None, 2.0)  # a second agent starting the same task: a prefix, not an extension
     assert c3 is not None and c3.run_id == f"{c.run_id}-2" and convs.splits == 1
     assert convs.match(req(Item("user", "other")), None, 3.0) is None and convs.full == 1

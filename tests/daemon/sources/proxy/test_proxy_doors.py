@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from agent_monitor.daemon import SqliteStore
 from agent_monitor.testing import FakeJudge
 from tests.brokers import Mosquitto
 from tests.daemon.sources.proxy.test_proxy import rig
@@ -194,8 +195,9 @@ async def test_a_text_only_agents_observations_reach_the_judge(
     """Each answer looks final (no tool call); the observation comes in the next request, in time or late.
 
     In time (within --final-grace): the step is the answer with its observation, sent once. Late: the
-    answer went out as it was, and its observation heads the next step. Either way the judge reads
-    every observation, and the run has one step per turn, none sent twice.
+    answer went out as it was and is amended (its text replaced by index) once the observation comes.
+    Either way each step holds its own observation, the judge reads every one, and the run has one
+    step per turn, none sent twice.
     """
     judge = FakeJudge(lambda p: "P")
     async with rig(broker, tmp_path, judge=judge, final_grace_s=0.5) as r:
@@ -208,7 +210,44 @@ async def test_a_text_only_agents_observations_reach_the_judge(
         texts = [s.text for s in view.steps]
         assert len(texts) == 3, texts
         assert all(obs in "\n".join(texts) for obs in OBSERVATIONS)
-        assert OBSERVATIONS[0] in texts[0 if pause_s == 0 else 1]
+        assert OBSERVATIONS[0] in texts[0] and OBSERVATIONS[1] in texts[1]
         last = judge.prompts[-1].text()
         assert all(obs in last for obs in OBSERVATIONS), last
         assert "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT" in last
+
+
+async def test_a_late_observation_amends_its_step_and_the_judge_reads_it_there(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    """Past --final-grace, each answer is scored as it was, then amended: the observation is in its own step.
+
+    The judge's later prompt shows step 1 as the answer with its output and step 2 without it (no
+    `[after step 1]` head); the run has three steps, each sent once, and two amendments, journaled.
+    """
+    judge = FakeJudge(lambda p: "P")
+    async with rig(broker, tmp_path, judge=judge, final_grace_s=0.2) as r:
+        r.up.add(*REACT)
+        await _react_agent(r.openai(), pause_s=0.8)
+        rid = r.run_id()
+        await r.settle(rid, 3)
+        view = r.monitor.run(rid)
+        assert view is not None and len(view.steps) == 3
+        # Step 1 was scored before its observation came (the provisional answer), then again once amended.
+        early = [p.text() for p in judge.prompts if p.step == 1]
+        assert any(OBSERVATIONS[0] not in t for t in early) and any(OBSERVATIONS[0] in t for t in early)
+        last = judge.prompts[-1].text()
+        blocks = last.split("\n### Step ")[1:]
+        assert len(blocks) == 3, last
+        assert OBSERVATIONS[0] in blocks[0] and OBSERVATIONS[1] in blocks[1], last
+        assert OBSERVATIONS[0] not in blocks[1] and "[after step" not in last, last
+        stats = r.proxy.statistics()
+        assert stats["steps_sent"] == 3 and stats["amendments_sent"] == 2, stats
+        store = r.monitor.store
+        assert isinstance(store, SqliteStore)
+        exported = await store.export(rid)  # the journal: three steps, the first two amended
+        assert exported is not None
+        assert [[o in s["text"] for o in OBSERVATIONS] for s in exported["steps"]] == [
+            [True, False],
+            [False, True],
+            [False, False],
+        ]
