@@ -240,7 +240,7 @@ async def test_a_late_observation_amends_its_step_and_the_judge_reads_it_there(
         assert len(blocks) == 3, last
         assert OBSERVATIONS[0] in blocks[0] and OBSERVATIONS[1] in blocks[1], last
         assert OBSERVATIONS[0] not in blocks[1] and "[after step" not in last, last
-        stats = r.proxy.statistics()
+        stats = r.proxy.statistics().counts
         assert stats["steps_sent"] == 3 and stats["amendments_sent"] == 2, stats
         store = r.monitor.store
         assert isinstance(store, SqliteStore)
