@@ -16,15 +16,19 @@ class _Stderr:
 
 
 def quiet_logs(level: str = "warning") -> None:
-    """Send the package's structured logs to stderr, from `level` up: stdout is the command's output.
+    """Send the package's structured logs to stderr, from `level` up: stdout is the command's
+    output.
 
-    (For a Claude Code hook, stdout is read as the hook's answer, or even added to the model's context.)
+    (For a Claude Code hook, stdout is read as the hook's answer, or even added to the model's
+    context.)
     """
     import structlog
 
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.WARNING)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.WARNING)
+        ),
         logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
     )
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper(), logging.WARNING))

@@ -1,22 +1,23 @@
-"""ATIF trajectories (Harbor / Terminal-Bench, and converted variants) as monitor runs: task, agent steps, outcome.
+"""ATIF trajectories (Harbor / Terminal-Bench, and converted variants) as monitor runs: task, agent
+steps, outcome.
 
     from agent_monitor.adapters.atif import iter_atif, load_atif
 
-    run = load_atif("trajectory.json")
-    run.task, run.outcome                 # the first user message; "success" / "failure" / a number / None
-    [s.text for s in run.steps]           # agent steps in order: message + tool calls + observations
-    for run in iter_atif("runs/"):        # every *.json under a folder, sorted
+    run = load_atif("trajectory.json") run.task, run.outcome # the first user message; "success" /
+    "failure" / a number / None [s.text for s in run.steps] # agent steps in order: message + tool
+    calls + observations for run in iter_atif("runs/"): # every *.json under a folder, sorted
         ...
 
-Reads the fields ATIF writers have in common and tolerates the rest: no timestamps, no tool calls, no
-observation, message content as a string or a list of parts, tool arguments as an object or a JSON string,
-observation contents that are JSON-encoded shell results (`{"returncode", "output"}`, as mini-swe-agent
-conversions write them), a bare trajectory (`{"schema_version", "steps"}`) or one wrapped in a trial record
-with its `reward`. A missing reward is an unknown outcome (None), never a failure.
+Reads the fields ATIF writers have in common and tolerates the rest: no timestamps, no tool calls,
+no observation, message content as a string or a list of parts, tool arguments as an object or a
+JSON string, observation contents that are JSON-encoded shell results (`{"returncode", "output"}`,
+as mini-swe-agent conversions write them), a bare trajectory (`{"schema_version", "steps"}`) or one
+wrapped in a trial record with its `reward`. A missing reward is an unknown outcome (None), never a
+failure.
 
-`python -m agent_monitor.adapters.atif PATH` lists the runs; with `--broker URL` it replays them to a live
-monitor (one run per file, its steps paced by their recorded timestamps with `--speed`), stopping a run when
-the monitor aborts it.
+`python -m agent_monitor.adapters.atif PATH` lists the runs; with `--broker URL` it replays them to
+a live monitor (one run per file, its steps paced by their recorded timestamps with `--speed`),
+stopping a run when the monitor aborts it.
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ if TYPE_CHECKING:
     from agent_monitor.wire import MonitorClient, Run
 
 DEFAULT_MAX_CHARS = 6000
-"""Each tool call's arguments and each observation is clipped to this many characters (head and tail kept)."""
+"""Each tool call's arguments and each observation is clipped to this many characters (head and
+tail kept)."""
 
 Outcome: TypeAlias = Literal["success", "failure"] | float | None
 
-# A message that is only `$<digits>` is an unresolved reference left by some exporters (Terminus 2 runs
-# exported through a deduplicating serializer have `"message": "$32"`): it says nothing, so it is dropped.
+# A message that is only `$<digits>` is an unresolved reference left by some exporters (Terminus 2
+# runs exported through a deduplicating serializer have `"message": "$32"`): it says nothing, so it
+# is dropped.
 _PLACEHOLDER = re.compile(r"\$\d+")
 
 
 class AtifError(ValueError):
-    """A file or object that is not an ATIF trajectory this reader understands; the message says why."""
+    """A file or object that is not an ATIF trajectory this reader understands; the message says
+    why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +76,8 @@ class AtifRun:
     task: str
     steps: tuple[AtifStep, ...]
     outcome: Outcome
-    """`success` for reward 1, `failure` for reward 0, another reward as a float, None when unknown."""
+    """`success` for reward 1, `failure` for reward 0, another reward as a float, None when
+    unknown."""
     reward: float | None = None
     schema_version: str | None = None
     agent: str | None = None
@@ -89,7 +94,8 @@ class AtifRun:
 
 
 def clip(text: str, limit: int) -> str:
-    """Head and tail of `text` within about `limit` characters: a command's start says what ran, its end how."""
+    """Head and tail of `text` within about `limit` characters: a command's start says what ran,
+    its end how."""
     if limit <= 0 or len(text) <= limit:
         return text
     half = limit // 2
@@ -97,7 +103,8 @@ def clip(text: str, limit: int) -> str:
 
 
 def _content_text(content: object) -> str:
-    """Text of a message or observation content: a string, a list of parts, or anything else JSON."""
+    """Text of a message or observation content: a string, a list of parts, or anything else
+    JSON."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -111,7 +118,11 @@ def _content_text(content: object) -> str:
                 kind = part.get("type")
                 if isinstance(part.get("text"), str):
                     parts.append(part["text"])
-                elif kind in ("image", "image_url", "input_image") or "image" in part or "image_url" in part:
+                elif (
+                    kind in ("image", "image_url", "input_image")
+                    or "image" in part
+                    or "image_url" in part
+                ):
                     parts.append("[image]")
                 elif part.get("content") is not None:
                     parts.append(_content_text(part["content"]))
@@ -124,7 +135,8 @@ def _content_text(content: object) -> str:
 
 
 def _shell_result(text: str) -> str | None:
-    """A JSON-encoded shell result (`{"returncode", "output"}` and kin) as readable text, or None if it is not one."""
+    """A JSON-encoded shell result (`{"returncode", "output"}` and kin) as readable text, or None
+    if it is not one."""
     stripped = text.strip()
     if not stripped.startswith("{"):
         return None
@@ -132,7 +144,9 @@ def _shell_result(text: str) -> str | None:
         data = json.loads(stripped)
     except ValueError:
         return None
-    if not isinstance(data, Mapping) or not ({"output", "output_head", "output_tail"} & data.keys()):
+    if not isinstance(data, Mapping) or not (
+        {"output", "output_head", "output_tail"} & data.keys()
+    ):
         return None
     lines: list[str] = []
     if isinstance(data.get("output"), str):
@@ -150,7 +164,8 @@ def _shell_result(text: str) -> str | None:
 
 
 def _arguments(value: object) -> object:
-    """Tool-call arguments as an object when they are a JSON string (OpenAI style), else as they are."""
+    """Tool-call arguments as an object when they are a JSON string (OpenAI style), else as they
+    are."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
@@ -174,7 +189,8 @@ def _tool_call(call: Mapping[str, Any], limit: int) -> str:
 
 
 def _results(obs: object) -> list[object]:
-    """An observation's results, whatever its shape: `{"results": [...]}`, one `{"content": ...}`, a string, a list."""
+    """An observation's results, whatever its shape: `{"results": [...]}`, one `{"content":
+    ...}`, a string, a list."""
     if obs is None:
         return []
     if isinstance(obs, Mapping):
@@ -195,7 +211,8 @@ def _observation(result: object, limit: int) -> str:
 
 
 def _timestamp(value: object) -> float | None:
-    """UNIX seconds from an ISO 8601 string (naive means UTC) or a number; None if absent or unreadable."""
+    """UNIX seconds from an ISO 8601 string (naive means UTC) or a number; None if absent or
+    unreadable."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int | float):
@@ -212,10 +229,11 @@ def _timestamp(value: object) -> float | None:
 
 
 def step_text(step: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """One agent step as text: its message, then each tool call (a shell command as `$ cmd`) with its observation.
+    """One agent step as text: its message, then each tool call (a shell command as `$ cmd`) with
+    its observation.
 
-    An observation goes right after the call it answers (by `source_call_id`, or by position when the step has
-    as many results as calls); results that match no call come last.
+    An observation goes right after the call it answers (by `source_call_id`, or by position when
+    the step has as many results as calls); results that match no call come last.
     """
     parts: list[str] = []
     message = _content_text(step.get("message", step.get("content"))).strip()
@@ -245,7 +263,8 @@ def step_text(step: Mapping[str, Any], *, max_chars: int = DEFAULT_MAX_CHARS) ->
 
 
 def outcome_of(reward: object) -> Outcome:
-    """reward 1 -> success, 0 -> failure, another number -> itself, a pass/fail word -> that, else None."""
+    """reward 1 -> success, 0 -> failure, another number -> itself, a pass/fail word -> that,
+    else None."""
     if isinstance(reward, bool):
         return "success" if reward else "failure"
     if isinstance(reward, int | float):
@@ -305,8 +324,11 @@ def _agent(traj: Mapping[str, Any]) -> str | None:
     return str(name or model) if (name or model) else None
 
 
-def parse_atif(data: Mapping[str, Any], *, name: str = "run", max_chars: int = DEFAULT_MAX_CHARS) -> AtifRun:
-    """An AtifRun from a trajectory's JSON object: a trial record with `trajectory`, or a bare trajectory."""
+def parse_atif(
+    data: Mapping[str, Any], *, name: str = "run", max_chars: int = DEFAULT_MAX_CHARS
+) -> AtifRun:
+    """An AtifRun from a trajectory's JSON object: a trial record with `trajectory`, or a bare
+    trajectory."""
     traj = data.get("trajectory")
     if not isinstance(traj, Mapping):
         traj = data if isinstance(data.get("steps"), list) else None
@@ -315,19 +337,30 @@ def parse_atif(data: Mapping[str, Any], *, name: str = "run", max_chars: int = D
     raw = [s for s in traj["steps"] if isinstance(s, Mapping)]
     users = [_content_text(s.get("message")).strip() for s in raw if s.get("source") == "user"]
     users = [u for u in users if u and not _PLACEHOLDER.fullmatch(u)]
-    task = str(data.get("task") or data.get("instruction") or (users[0] if users else "") or "").strip()
+    task = str(
+        data.get("task") or data.get("instruction") or (users[0] if users else "") or ""
+    ).strip()
     if not task and data.get("task_name"):
         task = f"Task: {data['task_name']}"  # better than nothing: the judge at least sees its name
     if not task:
-        raise AtifError(f"{name}: no task (no user step with a message, no task or task_name field)")
+        raise AtifError(
+            f"{name}: no task (no user step with a message, no task or task_name field)"
+        )
     steps: list[AtifStep] = []
     for s in raw:
         if s.get("source") != "agent":
             continue
         text = step_text(s, max_chars=max_chars)
-        if text.strip():  # a step with nothing to show cannot be sent (the protocol refuses empty steps)
+        # a step with nothing to show cannot be sent (the protocol refuses empty steps)
+        if text.strip():
             sid = s.get("step_id")
-            steps.append(AtifStep(text, _timestamp(s.get("timestamp")), sid if isinstance(sid, int | str) else None))
+            steps.append(
+                AtifStep(
+                    text,
+                    _timestamp(s.get("timestamp")),
+                    sid if isinstance(sid, int | str) else None,
+                )
+            )
     reward = _reward(data)
     version = traj.get("schema_version")
     return AtifRun(
@@ -355,15 +388,28 @@ def load_atif(path: str | Path, *, max_chars: int = DEFAULT_MAX_CHARS) -> AtifRu
     if not isinstance(data, Mapping):
         raise AtifError(f"{p}: expected a JSON object, found {type(data).__name__}")
     run = parse_atif(data, name=p.stem, max_chars=max_chars)
-    return AtifRun(run.name, run.task, run.steps, run.outcome, run.reward, run.schema_version, run.agent, path=p)
+    return AtifRun(
+        run.name,
+        run.task,
+        run.steps,
+        run.outcome,
+        run.reward,
+        run.schema_version,
+        run.agent,
+        path=p,
+    )
 
 
 def iter_atif(
-    path: str | Path, *, max_chars: int = DEFAULT_MAX_CHARS, on_error: Literal["raise", "skip"] = "raise"
+    path: str | Path,
+    *,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    on_error: Literal["raise", "skip"] = "raise",
 ) -> Iterator[AtifRun]:
     """The runs in a file, or in every *.json under a folder (recursively, sorted by path).
 
-    With `on_error="skip"`, files that are not ATIF trajectories (a folder's other JSON files) are skipped.
+    With `on_error="skip"`, files that are not ATIF trajectories (a folder's other JSON files) are
+    skipped.
     """
     p = Path(path)
     if not p.exists():
@@ -391,12 +437,14 @@ def publish(
     max_gap_s: float = 5.0,
     send_outcome: bool = True,
 ) -> tuple[Run, int]:
-    """Replay a recorded run to a monitor through `client`; return the Run and the number of steps sent.
+    """Replay a recorded run to a monitor through `client`; return the Run and the number of steps
+    sent.
 
     `speed` paces the steps by their recorded timestamps (2.0 = twice as fast; each wait capped at
-    `max_gap_s`); None sends them at once. The replay stops early when the monitor's signal is `abort`
-    (the run is then ended without an outcome, as a harness that stopped would); otherwise it ends with
-    the recorded outcome (`send_outcome=False` leaves it out, e.g. to see what the monitor says on its own).
+    `max_gap_s`); None sends them at once. The replay stops early when the monitor's signal is
+    `abort` (the run is then ended without an outcome, as a harness that stopped would); otherwise
+    it ends with the recorded outcome (`send_outcome=False` leaves it out, e.g. to see what the
+    monitor says on its own).
     """
     rid = run_id or _run_id(run.name)
     live = client.start_run(rid, task=run.task, policy=policy, criteria=criteria)
@@ -416,7 +464,8 @@ def publish(
 
 
 def _run_id(name: str) -> str:
-    """A valid run id (one topic level of A-Z a-z 0-9 . _ : -, not starting with _) from a run's name."""
+    """A valid run id (one topic level of A-Z a-z 0-9 . _ : -, not starting with _) from a run's
+    name."""
     rid = re.sub(r"[^A-Za-z0-9._:-]+", "-", name).strip("-_")[:128]
     return rid or "atif-run"
 
@@ -424,14 +473,23 @@ def _run_id(name: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m agent_monitor.adapters.atif",
-        description="List ATIF trajectories as monitor runs, or replay them to a live monitor (--broker).",
+        description="List ATIF trajectories as monitor runs, or replay them to a live "
+        "monitor (--broker).",
     )
     ap.add_argument("path", help="an ATIF trajectory (.json) or a folder of them")
-    ap.add_argument("--broker", help="replay to the monitor behind this MQTT broker (mqtt://host:port)")
-    ap.add_argument("--speed", type=float, default=None, help="pace steps by their timestamps, this much faster")
+    ap.add_argument(
+        "--broker", help="replay to the monitor behind this MQTT broker (mqtt://host:port)"
+    )
+    ap.add_argument(
+        "--speed", type=float, default=None, help="pace steps by their timestamps, this much faster"
+    )
     ap.add_argument("--abort-below", type=float, default=None, help="policy for the replayed runs")
-    ap.add_argument("--skip-invalid", action="store_true", help="skip files that are not ATIF trajectories")
-    ap.add_argument("--json", action="store_true", help="one JSON object per run (task, steps, outcome)")
+    ap.add_argument(
+        "--skip-invalid", action="store_true", help="skip files that are not ATIF trajectories"
+    )
+    ap.add_argument(
+        "--json", action="store_true", help="one JSON object per run (task, steps, outcome)"
+    )
     args = ap.parse_args(argv)
     try:
         runs = list(iter_atif(args.path, on_error="skip" if args.skip_invalid else "raise"))
@@ -441,11 +499,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.broker is None:
         for r in runs:
             if args.json:
-                row: dict[str, Any] = {"name": r.name, "task": r.task, "outcome": r.outcome, "reward": r.reward}
+                row: dict[str, Any] = {
+                    "name": r.name,
+                    "task": r.task,
+                    "outcome": r.outcome,
+                    "reward": r.reward,
+                }
                 row["steps"] = [{"text": s.text, "ts": s.ts} for s in r.steps]
                 print(json.dumps(row, ensure_ascii=False))
             else:
-                print(f"{r.name}\t{len(r.steps)} steps\toutcome={r.outcome}\t{r.task.splitlines()[0][:80]}")
+                print(
+                    f"{r.name}\t{len(r.steps)} "
+                    f"steps\toutcome={r.outcome}\t{r.task.splitlines()[0][:80]}"
+                )
         return 0
     from agent_monitor.wire import MonitorClient
 

@@ -1,43 +1,50 @@
-"""Claude Code hooks: every tool use of a session becomes a monitor step, and an abort blocks the next tool call.
+"""Claude Code hooks: every tool use of a session becomes a monitor step, and an abort blocks the
+next tool call.
 
-Install (hooks in `.claude/settings.json`; `python -m agent_monitor.adapters.claude_code --print-settings`
-prints the block below, also shipped as `claude_code_settings.json`):
+Install (hooks in `.claude/settings.json`; `python -m agent_monitor.adapters.claude_code
+--print-settings` prints the block below, also shipped as `claude_code_settings.json`):
 
     {"env": {"AGENT_MONITOR_BROKER": "mqtt://127.0.0.1:1883"},
-     "hooks": {"UserPromptSubmit": [{"hooks": [{"type": "command", "command": "python -m agent_monitor.adapters.claude_code"}]}],
+     "hooks": {"UserPromptSubmit": [{"hooks": [{"type": "command", "command": "python -m
+     agent_monitor.adapters.claude_code"}]}],
                "PreToolUse":  [{"matcher": "*", "hooks": [... same command ...]}],
                "PostToolUse": [{"matcher": "*", "hooks": [... same command ...]}],
                "SessionStart": [...], "SessionEnd": [...]}}
 
-Each hook runs this module as a new process with the event's JSON on stdin (`session_id`, `hook_event_name`,
-`cwd`, and per event `prompt`, `tool_name`, `tool_input`, `tool_response`):
+Each hook runs this module as a new process with the event's JSON on stdin (`session_id`,
+`hook_event_name`, `cwd`, and per event `prompt`, `tool_name`, `tool_input`, `tool_response`):
 
-- `UserPromptSubmit`: the first prompt of a session starts run `session_id` with the prompt as its task; a later
-  prompt is a step (`user: ...`); a prompt after an abort starts a fresh run `session_id.2` (then `.3`, ...).
-- `PostToolUse`: publishes `TOOL input` + `-> response` (clipped) as the run's next step; a session whose run
-  has not started (no prompt hook) starts lazily with `AGENT_MONITOR_TASK` or a generic task.
-- `PreToolUse`: reads the run's retained signal (`agents/{run_id}/signal`); if it is `abort`, the tool call is
-  blocked with a reason telling Claude to stop. Default: exit code 2 with the reason on stderr (Claude Code
-  blocks the tool call and shows the reason to Claude; the long-standing documented behaviour).
-  `AGENT_MONITOR_CLAUDE_BLOCK=json` answers with JSON on stdout instead: `hookSpecificOutput.permissionDecision
-  = "deny"` with `permissionDecisionReason`, plus `"continue": false` and `stopReason`, which stops Claude
-  altogether. Once aborted, later calls are blocked without asking the broker again.
-- `SessionStart` starts the run at once when `AGENT_MONITOR_TASK` is set; `SessionEnd` ends the run (a session
-  resumed later continues as a fresh run `session_id.N`). Other events (`Stop`, `Notification`) do nothing.
+- `UserPromptSubmit`: the first prompt of a session starts run `session_id` with the prompt as its
+  task; a later prompt is a step (`user: ...`); a prompt after an abort starts a fresh run
+  `session_id.2` (then `.3`, ...).
+- `PostToolUse`: publishes `TOOL input` + `-> response` (clipped) as the run's next step; a session
+  whose run has not started (no prompt hook) starts lazily with `AGENT_MONITOR_TASK` or a generic
+  task.
+- `PreToolUse`: reads the run's retained signal (`agents/{run_id}/signal`); if it is `abort`, the
+  tool call is blocked with a reason telling Claude to stop. Default: exit code 2 with the reason on
+  stderr (Claude Code blocks the tool call and shows the reason to Claude; the long-standing
+  documented behaviour). `AGENT_MONITOR_CLAUDE_BLOCK=json` answers with JSON on stdout instead:
+  `hookSpecificOutput.permissionDecision = "deny"` with `permissionDecisionReason`, plus
+  `"continue": false` and `stopReason`, which stops Claude altogether. Once aborted, later calls are
+  blocked without asking the broker again.
+- `SessionStart` starts the run at once when `AGENT_MONITOR_TASK` is set; `SessionEnd` ends the run
+  (a session resumed later continues as a fresh run `session_id.N`). Other events (`Stop`,
+  `Notification`) do nothing.
 
-Step indices stay consistent across the separate hook processes: a small JSON state file per session (run id,
-task, next index, aborted) under `AGENT_MONITOR_CLAUDE_STATE` (default `$XDG_STATE_HOME/agent-monitor/claude-code`),
-read and written under an exclusive lock; a step's index is used up only once the step was handed to the MQTT
-client (a broker that is down uses up nothing). Every hook re-sends the run's identical `start`, which the monitor
-ignores as a re-delivery, so each process can publish on its own connection. Everything fails open: a broker
-that is down or a payload that cannot be read costs a warning on stderr and exit code 0, never a blocked tool or
-a stuck session.
+Step indices stay consistent across the separate hook processes: a small JSON state file per session
+(run id, task, next index, aborted) under `AGENT_MONITOR_CLAUDE_STATE` (default
+`$XDG_STATE_HOME/agent-monitor/claude-code`), read and written under an exclusive lock; a step's
+index is used up only once the step was handed to the MQTT client (a broker that is down uses up
+nothing). Every hook re-sends the run's identical `start`, which the monitor ignores as a
+re-delivery, so each process can publish on its own connection. Everything fails open: a broker that
+is down or a payload that cannot be read costs a warning on stderr and exit code 0, never a blocked
+tool or a stuck session.
 
-Environment: `AGENT_MONITOR_BROKER` (default mqtt://127.0.0.1:1883), `AGENT_MONITOR_TOPIC_PREFIX` (agents),
-`AGENT_MONITOR_POLICY` (a JSON object, e.g. `{"abort_below": 0.15}`), `AGENT_MONITOR_CRITERIA` (a bundled rubric
-name), `AGENT_MONITOR_TASK`, `AGENT_MONITOR_CLAUDE_BLOCK` (`exit2` or `json`), `AGENT_MONITOR_SIGNAL_WAIT`
-(seconds to wait for the retained signal, 0.3), `AGENT_MONITOR_CONNECT_TIMEOUT` (3), `AGENT_MONITOR_MAX_CHARS`
-(4000 per step).
+Environment: `AGENT_MONITOR_BROKER` (default mqtt://127.0.0.1:1883), `AGENT_MONITOR_TOPIC_PREFIX`
+(agents), `AGENT_MONITOR_POLICY` (a JSON object, e.g. `{"abort_below": 0.15}`),
+`AGENT_MONITOR_CRITERIA` (a bundled rubric name), `AGENT_MONITOR_TASK`, `AGENT_MONITOR_CLAUDE_BLOCK`
+(`exit2` or `json`), `AGENT_MONITOR_SIGNAL_WAIT` (seconds to wait for the retained signal, 0.3),
+`AGENT_MONITOR_CONNECT_TIMEOUT` (3), `AGENT_MONITOR_MAX_CHARS` (4000 per step).
 """
 
 from __future__ import annotations
@@ -58,7 +65,8 @@ from typing import IO, Any
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 HOOK_COMMAND = "python -m agent_monitor.adapters.claude_code"
 EXIT_BLOCK = 2
-"""Claude Code's blocking exit code: for PreToolUse, the tool call is blocked and stderr is shown to Claude."""
+"""Claude Code's blocking exit code: for PreToolUse, the tool call is blocked and stderr is shown
+to Claude."""
 
 
 def settings_snippet(command: str = HOOK_COMMAND, broker: str = DEFAULT_BROKER) -> dict[str, Any]:
@@ -95,7 +103,9 @@ class Config:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Config:
         state = env.get("AGENT_MONITOR_CLAUDE_STATE") or str(
-            Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "agent-monitor" / "claude-code"
+            Path(env.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+            / "agent-monitor"
+            / "claude-code"
         )
         policy = None
         if raw := env.get("AGENT_MONITOR_POLICY"):
@@ -104,7 +114,10 @@ class Config:
             except ValueError:
                 policy = None
             if not isinstance(policy, dict):
-                raise ValueError(f'AGENT_MONITOR_POLICY must be a JSON object, e.g. {{"abort_below": 0.15}}: {raw!r}')
+                raise ValueError(
+                    "AGENT_MONITOR_POLICY must be a JSON object, e.g. "
+                    f'{{"abort_below": 0.15}}: {raw!r}'
+                )
         block = (env.get("AGENT_MONITOR_CLAUDE_BLOCK") or "exit2").strip().lower()
         if block not in ("exit2", "json"):
             raise ValueError(f"AGENT_MONITOR_CLAUDE_BLOCK must be exit2 or json, not {block!r}")
@@ -143,19 +156,24 @@ class SessionState:
         return self.task is not None
 
     def successor(self) -> SessionState:
-        """A fresh run for the same session (after an abort or an end): run id `{session}.{generation}`."""
+        """A fresh run for the same session (after an abort or an end): run id
+        `{session}.{generation}`."""
         gen = self.generation + 1
-        return SessionState(session_id=self.session_id, run_id=f"{_safe(self.session_id)}.{gen}", generation=gen)
+        return SessionState(
+            session_id=self.session_id, run_id=f"{_safe(self.session_id)}.{gen}", generation=gen
+        )
 
 
 def _safe(name: str) -> str:
-    """A run id / file name from a session id: one topic level of A-Z a-z 0-9 . _ : - (not starting with _)."""
+    """A run id / file name from a session id: one topic level of A-Z a-z 0-9 . _ : - (not
+    starting with _)."""
     return re.sub(r"[^A-Za-z0-9._:-]+", "-", name).strip("-_")[:120] or "session"
 
 
 @contextlib.contextmanager
 def _locked(path: Path, timeout: float = 10.0) -> Iterator[None]:
-    """An exclusive lock on `path` across processes (fcntl where there is one, else an atomic mkdir)."""
+    """An exclusive lock on `path` across processes (fcntl where there is one, else an atomic
+    mkdir)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl
@@ -236,8 +254,11 @@ def _json(value: object) -> str:
     return json.dumps(value, ensure_ascii=False, default=str)
 
 
-def tool_step(tool_name: str, tool_input: object, tool_response: object, max_chars: int = 4000) -> str:
-    """One tool use as the judge should read it: what was asked, and what came back (each clipped)."""
+def tool_step(
+    tool_name: str, tool_input: object, tool_response: object, max_chars: int = 4000
+) -> str:
+    """One tool use as the judge should read it: what was asked, and what came back (each
+    clipped)."""
     half = max(200, max_chars // 2)
     args = tool_input if isinstance(tool_input, Mapping) else {}
     resp = tool_response if isinstance(tool_response, Mapping) else {}
@@ -271,10 +292,15 @@ def tool_step(tool_name: str, tool_input: object, tool_response: object, max_cha
             lines.append(_clip(args["content"], half))
         for edit in args.get("edits") or []:
             if isinstance(edit, Mapping):
-                lines.append(_clip(f"- {edit.get('old_string', '')}\n+ {edit.get('new_string', '')}", half // 2))
+                lines.append(
+                    _clip(
+                        f"- {edit.get('old_string', '')}\n+ {edit.get('new_string', '')}", half // 2
+                    )
+                )
         if isinstance(args.get("new_source"), str):
             lines.append(_clip(args["new_source"], half))
-        # The response repeats the file (originalFile) and the patch: only an error is worth the tokens.
+        # The response repeats the file (originalFile) and the patch: only an error is worth the
+        # tokens.
         if isinstance(tool_response, str) and tool_response.strip():
             lines.append("-> " + _clip(tool_response, half))
         elif resp.get("error"):
@@ -291,7 +317,9 @@ def tool_step(tool_name: str, tool_input: object, tool_response: object, max_cha
         if content is not None:
             lines.append("-> " + _clip(_json(content), half))
         return "\n".join(lines)
-    lines.append(_clip(f"{tool_name} {_json(tool_input) if tool_input is not None else ''}".rstrip(), half))
+    lines.append(
+        _clip(f"{tool_name} {_json(tool_input) if tool_input is not None else ''}".rstrip(), half)
+    )
     if tool_response is not None:
         lines.append("-> " + _clip(_json(tool_response), half))
     return "\n".join(lines)
@@ -301,7 +329,8 @@ def tool_step(tool_name: str, tool_input: object, tool_response: object, max_cha
 
 
 class Hook:
-    """Handles one hook event; returns the process exit code, writing Claude Code's answer to stdout/stderr."""
+    """Handles one hook event; returns the process exit code, writing Claude Code's answer to
+    stdout/stderr."""
 
     def __init__(self, config: Config, stdout: IO[str], stderr: IO[str]) -> None:
         self.config = config
@@ -357,8 +386,14 @@ class Hook:
                     self._end(state)  # the aborted run is over; the user's new prompt is a new run
                 state = state.successor()
             if not state.started:
-                # The first prompt is the task (unless AGENT_MONITOR_TASK gives one; then it is a step).
-                self._publish(state, text if self.config.task else None, task=self.config.task or prompt, meta=meta)
+                # The first prompt is the task (unless AGENT_MONITOR_TASK gives one; then it is a
+                # step).
+                self._publish(
+                    state,
+                    text if self.config.task else None,
+                    task=self.config.task or prompt,
+                    meta=meta,
+                )
             else:
                 self._publish(state, text, meta=meta)
         return 0
@@ -418,8 +453,10 @@ class Hook:
         where = f" at step {step}" if step is not None else ""
         how = f" (score {score:.2f})" if score is not None else ""
         return (
-            f"Blocked by agent-monitor: the progress monitor aborted this run{where}{how}: {reason}. "
-            "Do not call more tools; stop and tell the user what you did and that the run was stopped."
+            f"Blocked by agent-monitor: the progress monitor aborted this run{where}{how}: "
+            f"{reason}. "
+            "Do not call more tools; stop and tell the user what you did and that the run "
+            "was stopped."
         )
 
     def _block(self, reason: str) -> int:
@@ -451,17 +488,29 @@ class Hook:
 
     def _start(self, client: Any, state: SessionState) -> Any:
         assert state.task is not None
-        return client.start_run(state.run_id, task=state.task, policy=state.policy, criteria=state.criteria)
+        return client.start_run(
+            state.run_id, task=state.task, policy=state.policy, criteria=state.criteria
+        )
 
     def _publish(
-        self, state: SessionState, text: str | None, *, task: str | None = None, meta: Mapping[str, Any] | None = None
+        self,
+        state: SessionState,
+        text: str | None,
+        *,
+        task: str | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> None:
-        """Start the run if `task` is given, send `text` as its next step, and save the state (under the lock)."""
+        """Start the run if `task` is given, send `text` as its next step, and save the state
+        (under the lock)."""
         fresh = not state.started
         if fresh:
             if task is None:
                 return  # cannot happen through handle(); nothing to attach a step to
-            state.task, state.policy, state.criteria = task, self.config.policy, self.config.criteria
+            state.task, state.policy, state.criteria = (
+                task,
+                self.config.policy,
+                self.config.criteria,
+            )
         try:
             with self._client() as client:
                 run = self._start(client, state)  # the same start as before: ignored by the monitor
@@ -484,11 +533,13 @@ class Hook:
             self.warn(f"could not end run {state.run_id} on the monitor: {e}")
 
     def _read_signal(self, state: SessionState) -> Any:
-        """The run's latest retained signal (SignalOut), or None when there is none or the broker is away."""
+        """The run's latest retained signal (SignalOut), or None when there is none or the broker
+        is away."""
         try:
             with self._client() as client:
                 run = self._start(client, state)
-                # Mosquitto sends a retained message right after the SUBACK, usually before start_run returns.
+                # Mosquitto sends a retained message right after the SUBACK, usually before
+                # start_run returns.
                 deadline = time.monotonic() + self.config.signal_wait
                 while run.signal is None and time.monotonic() < deadline:
                     time.sleep(0.005)
@@ -499,22 +550,35 @@ class Hook:
 
 
 def main(
-    argv: Sequence[str] | None = None, *, stdin: IO[str] | None = None, environ: Mapping[str, str] | None = None
+    argv: Sequence[str] | None = None,
+    *,
+    stdin: IO[str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m agent_monitor.adapters.claude_code",
-        description="A Claude Code hook: publish tool uses to agent-monitor, block tool calls when it aborts the run.",
+        description="A Claude Code hook: publish tool uses to agent-monitor, block tool "
+        "calls when it aborts the run.",
     )
-    ap.add_argument("--broker", help="MQTT broker URL (default: $AGENT_MONITOR_BROKER or mqtt://127.0.0.1:1883)")
+    ap.add_argument(
+        "--broker", help="MQTT broker URL (default: $AGENT_MONITOR_BROKER or mqtt://127.0.0.1:1883)"
+    )
     ap.add_argument("--state-dir", help="per-session state (default: $AGENT_MONITOR_CLAUDE_STATE)")
-    ap.add_argument("--block-mode", choices=("exit2", "json"), help="how to block a tool call on abort")
-    ap.add_argument("--print-settings", action="store_true", help="print the .claude/settings.json hooks block")
+    ap.add_argument(
+        "--block-mode", choices=("exit2", "json"), help="how to block a tool call on abort"
+    )
+    ap.add_argument(
+        "--print-settings", action="store_true", help="print the .claude/settings.json hooks block"
+    )
     args = ap.parse_args(argv)
     env = dict(os.environ if environ is None else environ)
     if args.print_settings:
         print(
             json.dumps(
-                settings_snippet(broker=args.broker or env.get("AGENT_MONITOR_BROKER") or DEFAULT_BROKER), indent=2
+                settings_snippet(
+                    broker=args.broker or env.get("AGENT_MONITOR_BROKER") or DEFAULT_BROKER
+                ),
+                indent=2,
             )
         )
         return 0
@@ -537,7 +601,10 @@ def main(
     try:
         payload = json.loads(raw)
     except ValueError:
-        print("agent-monitor hook: stdin is not the hook's JSON payload; nothing sent", file=sys.stderr)
+        print(
+            "agent-monitor hook: stdin is not the hook's JSON payload; nothing sent",
+            file=sys.stderr,
+        )
         return 0
     if not isinstance(payload, Mapping):
         print("agent-monitor hook: the payload is not a JSON object; nothing sent", file=sys.stderr)

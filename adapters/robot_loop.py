@@ -1,17 +1,19 @@
-"""A robot control loop at 10 Hz that streams each action and camera frame to the monitor and stops on abort.
+"""A robot control loop at 10 Hz that streams each action and camera frame to the monitor and stops
+on abort.
 
     python -m agent_monitor.adapters.robot_loop --broker mqtt://127.0.0.1:1883 --steps 100
 
-The "robot" is a toy: a dot that moves across a small camera image toward a goal square. What matters is the
-loop's shape, the same for a real robot:
+The "robot" is a toy: a dot that moves across a small camera image toward a goal square. What
+matters is the loop's shape, the same for a real robot:
 
-- every tick: act, grab a frame, hand both to the monitor without waiting (`ProgressTracker.submit` in-process,
-  or `Run.step` over MQTT, QoS 1 with no wait for the broker), then sleep until the next tick on a fixed
-  schedule (a late tick is not caught up with a burst);
-- a frame goes with every step: the monitor's `FrameBudget` chooses which frames the judge sees (anchors whose stride
-  doubles as the episode grows, so they span all of it, plus the newest 4), so the loop never has to;
-- scoring runs beside the loop: steps that arrive while the judge is busy are folded into its next call
-  (`coalesced`), so a slow judge lowers how often the run is scored, never the loop's rate;
+- every tick: act, grab a frame, hand both to the monitor without waiting (`ProgressTracker.submit`
+  in-process, or `Run.step` over MQTT, QoS 1 with no wait for the broker), then sleep until the next
+  tick on a fixed schedule (a late tick is not caught up with a burst);
+- a frame goes with every step: the monitor's `FrameBudget` chooses which frames the judge sees
+  (anchors whose stride doubles as the episode grows, so they span all of it, plus the newest 4), so
+  the loop never has to;
+- scoring runs beside the loop: steps that arrive while the judge is busy are folded into its next
+  call (`coalesced`), so a slow judge lowers how often the run is scored, never the loop's rate;
 - before each tick the loop reads the monitor's latest signal and stops when it is `abort`.
 
 Each step's text is the action and the robot's state; `meta={"distance_to_goal": d}` is there for a
@@ -38,12 +40,15 @@ if TYPE_CHECKING:
 
     Sink = ProgressTracker | AsyncProgressTracker | Run
 
-DEFAULT_TASK = "Drive the red dot into the green goal square in the lower right corner of the camera image."
+DEFAULT_TASK = (
+    "Drive the red dot into the green goal square in the lower right corner of the camera image."
+)
 EXIT_ABORTED = 3
 
 
 class DotWorld:
-    """A dot on a small camera image, moving toward a goal square with a little wobble; deterministic."""
+    """A dot on a small camera image, moving toward a goal square with a little wobble;
+    deterministic."""
 
     def __init__(
         self,
@@ -53,7 +58,8 @@ class DotWorld:
         speed: float = 1.5,
         drift: float = 0.0,
     ) -> None:
-        """`drift` (radians per step) bends the heading away from the goal: 0 reaches it, ~0.3 circles forever."""
+        """`drift` (radians per step) bends the heading away from the goal: 0 reaches it, ~0.3
+        circles forever."""
         self.size = size
         self.x, self.y = start
         self.goal = goal
@@ -73,7 +79,8 @@ class DotWorld:
         """Take one step toward the goal; return what was done, as the step's text."""
         self.t += 1
         heading = math.atan2(self.goal[1] - self.y, self.goal[0] - self.x) + self.drift * self.t
-        heading += 0.2 * math.sin(self.t / 3.0)  # wobble, so that frames differ even on a straight path
+        # wobble, so that frames differ even on a straight path
+        heading += 0.2 * math.sin(self.t / 3.0)
         step = min(self.speed, self.distance)
         dx, dy = step * math.cos(heading), step * math.sin(heading)
         self.x = min(max(self.x + dx, 0.0), self.size[0] - 1.0)
@@ -108,7 +115,8 @@ class LoopResult:
     periods: list[float] = field(default_factory=list)
     """Time between consecutive tick starts, in seconds."""
     overruns: int = 0
-    """Ticks whose work took longer than the period (the schedule was then restarted, not caught up)."""
+    """Ticks whose work took longer than the period (the schedule was then restarted, not caught
+    up)."""
     send_s: list[float] = field(default_factory=list)
     """Time each hand-off to the monitor took, in seconds."""
 
@@ -136,7 +144,8 @@ def control_loop(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> LoopResult:
-    """Run up to `steps` ticks at `hz`, sending each action and frame to `sink`; stop on abort or at the goal."""
+    """Run up to `steps` ticks at `hz`, sending each action and frame to `sink`; stop on abort or
+    at the goal."""
     if hz <= 0 or steps < 0:
         raise ValueError("hz must be > 0 and steps >= 0")
     world = world or DotWorld()
@@ -179,7 +188,8 @@ def control_loop(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m agent_monitor.adapters.robot_loop",
-        description="A toy robot control loop that streams actions and camera frames to agent-monitor over MQTT.",
+        description="A toy robot control loop that streams actions and camera frames to "
+        "agent-monitor over MQTT.",
     )
     ap.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="MQTT broker URL")
     ap.add_argument("--steps", type=int, default=100, help="maximum number of ticks")
@@ -187,8 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-id", default=None, help="run id (default: robot-<unix time>)")
     ap.add_argument("--task", default=DEFAULT_TASK)
     ap.add_argument("--criteria", default="robot", help="bundled rubric for the run")
-    ap.add_argument("--abort-below", type=float, default=None, help="policy: abort when progress stays below this")
-    ap.add_argument("--drift", type=float, default=0.0, help="heading drift per step (0.3 makes a hopeless run)")
+    ap.add_argument(
+        "--abort-below",
+        type=float,
+        default=None,
+        help="policy: abort when progress stays below this",
+    )
+    ap.add_argument(
+        "--drift", type=float, default=0.0, help="heading drift per step (0.3 makes a hopeless run)"
+    )
     args = ap.parse_args(argv)
     from agent_monitor.wire import MonitorClient
 
@@ -201,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with MonitorClient(args.broker) as client:
             run = client.start_run(
-                run_id, task=args.task, criteria=args.criteria, policy=policy, images=[world.frame()]
+                run_id,
+                task=args.task,
+                criteria=args.criteria,
+                policy=policy,
+                images=[world.frame()],
             )
             result = control_loop(run, steps=args.steps, hz=args.hz, world=world)
             outcome: Literal["success", "failure"] | None = None

@@ -1,8 +1,8 @@
 """agent-monitor: live, fine-grained progress scores for running AI agents and robots.
 
 This module is the in-process hook and its vocabulary: trackers, judges, results, policy,
-calibration, criteria, best-of-N selection. It loads neither the daemon nor any MQTT or Prometheus library; `Monitor` and
-`MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
+calibration, criteria, best-of-N selection. It loads neither the daemon nor any MQTT or Prometheus
+library; `Monitor` and `MonitorClient` are loaded on first use (PEP 562), as are the judges' SDKs.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,14 @@ from .policy import Policy, PolicyError
 from .progress import Decision, Prices, Progress, Signal, Usage
 from .prompts import Prompt, Step, build_prompt
 from .rules import RuleInput, RuleScore, register_rule
-from .scale import LETTERS, CriterionScore, LetterDistribution, ScoreError, distribution, read_letter
+from .scale import (
+    LETTERS,
+    CriterionScore,
+    LetterDistribution,
+    ScoreError,
+    distribution,
+    read_letter,
+)
 from .selection import Comparison, Selection, Tournament, aselect, compare, select, tournament
 from .tracker import AsyncProgressTracker, ProgressTracker, atrack, score_prefix, track
 
@@ -31,7 +38,8 @@ if TYPE_CHECKING:
 
 __version__ = "0.2.0"
 
-# Judges import their SDKs (openai, google-genai, llama-cpp), and the daemon side its MQTT libraries, only when asked for.
+# Judges import their SDKs (openai, google-genai, llama-cpp), and the daemon side its MQTT
+# libraries, only when asked for.
 _LAZY = {
     "Monitor": "agent_monitor.daemon",
     "MonitorConfig": "agent_monitor.daemon",

@@ -1,12 +1,14 @@
-"""The reference library's (llm-verifier's) call forms, read at the edge of `select`, `compare`, `track`, trackers.
+"""The reference library's (llm-verifier's) call forms, read at the edge of `select`, `compare`,
+`track`, trackers.
 
 `import agent_monitor as llm_verifier` runs its documented calls: `problem=`, `trace_a=`/`trace_b=`,
 `n_evaluations=` (our `repeats`), `max_workers=` (the judge's concurrency), `model=`, `client=`,
-`ground_truth_note=`, `checkpoint_steps=`, `on_error=`, `progress=`, and the skill's editable progress template
-`prompt=` (trackers, track); one image or a list, a candidate
-as one string. Without `judge=` the judge comes from the environment (`judge_from_env`). Options that
-have no meaning here are refused with what to use instead, never ignored. Where we differ on purpose
-(a failed call is a failure, never a score; `compare` asks both slot orders) docs/coming-from.md says why.
+`ground_truth_note=`, `checkpoint_steps=`, `on_error=`, `progress=`, and the skill's editable
+progress template `prompt=` (trackers, track); one image or a list, a candidate as one string.
+Without `judge=` the judge comes from the environment (`judge_from_env`). Options that have no
+meaning here are refused with what to use instead, never ignored. Where we differ on purpose (a
+failed call is a failure, never a score; `compare` asks both slot orders) docs/coming-from.md says
+why.
 """
 
 from __future__ import annotations
@@ -31,15 +33,19 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 JUDGE_URL_ENV = "AGENT_MONITOR_JUDGE_URL"
 JUDGE_CONTEXT_ENV = "AGENT_MONITOR_JUDGE_CONTEXT"
-"""The judge's context window in tokens (the environment twin of `--judge-context`); unset: the server's, or learned."""
-"""An OpenAI-compatible judge server's base URL; `model=` then names the model on it (default: the one it lists)."""
+"""The judge's context window in tokens (the environment twin of `--judge-context`); unset: the
+server's, or learned."""
+"""An OpenAI-compatible judge server's base URL; `model=` then names the model on it (default: the
+one it lists)."""
 
-# The reference library's defaults for K where they are not ours (its select repeats 4 times, the rest once).
+# The reference library's defaults for K where they are not ours (its select repeats 4 times, the
+# rest once).
 _REFERENCE_REPEATS = {"select": 4, "compare": 1, "track": 1, "tracker": 1}
 _RENAMED = {"problem": "task", "trace_a": "a", "trace_b": "b"}
 # Options of the reference library that agent-monitor has no use for, and what to use instead.
 _REFUSED = {
-    "cache": "agent-monitor keeps no score-cache file; pass compare_fn= (e.g. a memoised compare) to select, "
+    "cache": "agent-monitor keeps no score-cache file; pass compare_fn= (e.g. a memoised "
+    "compare) to select, "
     "or rely on the judge server's prefix cache (prompts are prefix-stable)",
 }
 
@@ -53,7 +59,8 @@ class UnsupportedOption(TypeError):
 
 
 def read_dotenv(path: str | os.PathLike[str] | None = None) -> dict[str, str]:
-    """`KEY=value` lines of `.env` in the working directory (or `path`), as the reference library reads them.
+    """`KEY=value` lines of `.env` in the working directory (or `path`), as the reference library
+    reads them.
 
     Blank lines and `#` comments are skipped; the value is what follows the first `=`, stripped.
     The process environment wins over the file (the library's `os.environ.setdefault`); unlike the
@@ -81,7 +88,10 @@ def settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def judge_from_env(
-    model: str | None = None, *, max_workers: int | None = None, environ: Mapping[str, str] | None = None
+    model: str | None = None,
+    *,
+    max_workers: int | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> BaseJudge:
     """The judge the reference library's calls get without `judge=`.
 
@@ -93,14 +103,18 @@ def judge_from_env(
     """
     env = settings(environ)
     # Only when given: each judge's own default stays the one default.
-    concurrency: dict[str, Any] = {} if max_workers is None else {"concurrency": _workers(max_workers)}
+    concurrency: dict[str, Any] = (
+        {} if max_workers is None else {"concurrency": _workers(max_workers)}
+    )
     if context := env.get(JUDGE_CONTEXT_ENV):
         concurrency["context_tokens"] = _context_tokens(context)
     url = env.get(JUDGE_URL_ENV)
     if url:
         from .judges.openai import OpenAIJudge
 
-        return OpenAIJudge(base_url=url, model=model, api_key=env.get("OPENAI_API_KEY") or None, **concurrency)
+        return OpenAIJudge(
+            base_url=url, model=model, api_key=env.get("OPENAI_API_KEY") or None, **concurrency
+        )
     if model and model.startswith("gemini"):
         from .judges.gemini import GeminiJudge
 
@@ -108,8 +122,10 @@ def judge_from_env(
         key = env.get("GEMINI_API_KEY") or env.get("GOOGLE_API_KEY") or vertex
         if not key:
             raise MissingJudgeError(
-                f"model={model!r} needs a Gemini key: set GEMINI_API_KEY or GOOGLE_API_KEY (or VERTEX_API_KEY for "
-                f"Vertex AI) in the environment or .env, or set {JUDGE_URL_ENV} to an OpenAI-compatible server, "
+                f"model={model!r} needs a Gemini key: set GEMINI_API_KEY or GOOGLE_API_KEY "
+                "(or VERTEX_API_KEY for "
+                f"Vertex AI) in the environment or .env, or set {JUDGE_URL_ENV} to an "
+                "OpenAI-compatible server, "
                 "or pass judge="
             )
         vertexai = not (env.get("GEMINI_API_KEY") or env.get("GOOGLE_API_KEY"))
@@ -118,15 +134,21 @@ def judge_from_env(
     if model or base_url:
         if not base_url and not env.get("OPENAI_API_KEY"):
             raise MissingJudgeError(
-                f"model={model!r} is served through openai: set OPENAI_API_KEY (and OPENAI_BASE_URL for a server "
-                f"other than OpenAI's), or set {JUDGE_URL_ENV} to an OpenAI-compatible server, or pass judge="
+                f"model={model!r} is served through openai: set OPENAI_API_KEY (and "
+                "OPENAI_BASE_URL for a server "
+                f"other than OpenAI's), or set {JUDGE_URL_ENV} to an OpenAI-compatible "
+                "server, or pass judge="
             )
         from .judges.openai import OpenAIJudge
 
-        return OpenAIJudge(base_url=base_url, model=model, api_key=env.get("OPENAI_API_KEY") or None, **concurrency)
+        return OpenAIJudge(
+            base_url=base_url, model=model, api_key=env.get("OPENAI_API_KEY") or None, **concurrency
+        )
     raise MissingJudgeError(
-        f"no judge: pass judge= (e.g. agent_monitor.OpenAIJudge(base_url, model)), or set {JUDGE_URL_ENV} to an "
-        "OpenAI-compatible server (model= names the model), or pass model= (gemini-* with GEMINI_API_KEY or "
+        "no judge: pass judge= (e.g. agent_monitor.OpenAIJudge(base_url, model)), or set "
+        f"{JUDGE_URL_ENV} to an "
+        "OpenAI-compatible server (model= names the model), or pass model= (gemini-* with "
+        "GEMINI_API_KEY or "
         "GOOGLE_API_KEY; others with OPENAI_API_KEY / OPENAI_BASE_URL), in the environment or .env"
     )
 
@@ -137,34 +159,46 @@ def _context_tokens(value: str) -> int:
     except ValueError:
         tokens = 0
     if tokens < 1:
-        raise ValueError(f"{JUDGE_CONTEXT_ENV}={value!r}; use the judge's context window in tokens (>= 1), or unset it")
+        raise ValueError(
+            f"{JUDGE_CONTEXT_ENV}={value!r}; use the judge's context window in "
+            "tokens (>= 1), or unset it"
+        )
     return tokens
 
 
 def _workers(max_workers: object) -> int:
     if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
-        raise ValueError(f"max_workers={max_workers!r}; use a number of concurrent judge calls >= 1")
+        raise ValueError(
+            f"max_workers={max_workers!r}; use a number of concurrent judge calls >= 1"
+        )
     return max_workers
 
 
 def _judge_from_client(client: Any, model: str | None, max_workers: int | None) -> BaseJudge:
-    """A judge over a pre-built openai or google-genai client (the reference library's `client=`)."""
+    """A judge over a pre-built openai or google-genai client (the reference library's
+    `client=`)."""
     # Only when given: each judge's own default stays the one default.
-    concurrency: dict[str, Any] = {} if max_workers is None else {"concurrency": _workers(max_workers)}
+    concurrency: dict[str, Any] = (
+        {} if max_workers is None else {"concurrency": _workers(max_workers)}
+    )
     module = type(client).__module__
     if module.startswith("openai"):
         from .judges.openai import OpenAIJudge
 
         if type(client).__name__ == "AsyncOpenAI":
             return OpenAIJudge(model=model, client=client, **concurrency)
-        # A synchronous client: the same server and key, through the asynchronous client the judge uses.
-        return OpenAIJudge(base_url=str(client.base_url), model=model, api_key=client.api_key, **concurrency)
+        # A synchronous client: the same server and key, through the asynchronous client the judge
+        # uses.
+        return OpenAIJudge(
+            base_url=str(client.base_url), model=model, api_key=client.api_key, **concurrency
+        )
     if module.startswith("google"):
         from .judges.gemini import GeminiJudge
 
         return GeminiJudge(model or "gemini-2.5-flash", client=client, **concurrency)
     raise UnsupportedOption(
-        f"client={type(client).__name__}: use an openai or google-genai client, or pass judge= (any agent_monitor Judge)"
+        f"client={type(client).__name__}: use an openai or google-genai client, or pass "
+        "judge= (any agent_monitor Judge)"
     )
 
 
@@ -172,7 +206,9 @@ def as_images(images: object) -> tuple[Any, ...]:
     """One image (a path, URL, bytes, PIL image or Frame) or several, as a tuple; None is none."""
     if images is None:
         return ()
-    if isinstance(images, str | bytes | bytearray | os.PathLike) or not isinstance(images, Iterable):
+    if isinstance(images, str | bytes | bytearray | os.PathLike) or not isinstance(
+        images, Iterable
+    ):
         return (images,)
     return tuple(images)
 
@@ -196,7 +232,8 @@ def as_steps(steps: Any) -> Any:
 
 
 def with_note(criteria: CriteriaSpec, note: str | None) -> CriteriaSpec:
-    """The criteria with the reference library's `ground_truth_note` (replacing a criteria file's own)."""
+    """The criteria with the reference library's `ground_truth_note` (replacing a criteria file's
+    own)."""
     if note is None:
         return criteria
     rubric = load_criteria(criteria)
@@ -205,15 +242,23 @@ def with_note(criteria: CriteriaSpec, note: str | None) -> CriteriaSpec:
 
 def _set(kwargs: dict[str, Any], ours: str, theirs: str, value: Any) -> None:
     if ours in kwargs and kwargs[ours] != value:
-        raise TypeError(f"both {ours}= and the reference library's {theirs}= were given; use {ours}= alone")
+        raise TypeError(
+            f"both {ours}= and the reference library's {theirs}= were given; use {ours}= alone"
+        )
     kwargs[ours] = value
 
 
 class _Call:
-    """One call's arguments in our names, the judge it uses, and whether it built (and so closes) it."""
+    """One call's arguments in our names, the judge it uses, and whether it built (and so closes)
+    it."""
 
     def __init__(
-        self, kind: Kind, sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], fn_name: str = ""
+        self,
+        kind: Kind,
+        sig: inspect.Signature,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        fn_name: str = "",
     ) -> None:
         self.kind = kind
         kwargs = dict(kwargs)
@@ -225,16 +270,21 @@ class _Call:
                 raise UnsupportedOption(f"{kind}: {name}= is not supported: {why}")
         self.on_error = kwargs.pop("on_error", None) if kind == "select" else None
         if self.on_error not in (None, "raise", "tie"):
-            raise ValueError(f"on_error={self.on_error!r}; use 'raise' or 'tie' (as the reference library)")
+            raise ValueError(
+                f"on_error={self.on_error!r}; use 'raise' or 'tie' (as the reference library)"
+            )
         if self.on_error == "tie":
             raise UnsupportedOption(
-                "select: on_error='tie' scores a failed call 0.5/0.5; agent-monitor never makes a failure a score: a "
-                "failed comparison is left out of the win mass and counted in Selection.failed (on_error='raise' "
+                "select: on_error='tie' scores a failed call 0.5/0.5; agent-monitor never "
+                "makes a failure a score: a "
+                "failed comparison is left out of the win mass and counted in "
+                "Selection.failed (on_error='raise' "
                 "raises instead)"
             )
         if kwargs.pop("progress", None):
             raise UnsupportedOption(
-                f"{kind}: progress=True draws a bar in the reference library; agent-monitor draws none here: use "
+                f"{kind}: progress=True draws a bar in the reference library; agent-monitor "
+                "draws none here: use "
                 "on_progress= (trackers, track) or `agent-monitor top` for a live view"
             )
         if "n_evaluations" in kwargs:
@@ -248,16 +298,20 @@ class _Call:
         try:
             bound = sig.bind_partial(*args, **kwargs)
         except TypeError as e:
-            # As Python words it for the function itself: "track() got an unexpected keyword argument 'x'".
+            # As Python words it for the function itself: "track() got an unexpected keyword
+            # argument 'x'".
             hint = ""
             if kind in ("tracker", "track") and "unexpected keyword" in str(e):
-                hint = f"; its options are TrackerOptions' fields: {', '.join(sorted(OPTION_NAMES))}"
+                hint = (
+                    f"; its options are TrackerOptions' fields: {', '.join(sorted(OPTION_NAMES))}"
+                )
             raise TypeError(f"{fn_name or kind}() {e}{hint}") from None
         self.arguments = bound.arguments
         self.owned: BaseJudge | None = None
         judge = self.arguments.get("judge")
         if judge is None:
-            # The reference library's call: its K default, and a judge from the environment (or its client).
+            # The reference library's call: its K default, and a judge from the environment (or its
+            # client).
             self.arguments.setdefault("repeats", _REFERENCE_REPEATS[kind])
             if kind == "select":
                 self.arguments.setdefault("pairwise", True)
@@ -271,13 +325,15 @@ class _Call:
             for name, value in (("model", model), ("max_workers", max_workers), ("client", client)):
                 if value is not None:
                     raise UnsupportedOption(
-                        f"{kind}: {name}= configures the judge built from the environment; with judge= given, set it "
+                        f"{kind}: {name}= configures the judge built from the environment; "
+                        "with judge= given, set it "
                         "on that judge (e.g. OpenAIJudge(base_url, model, concurrency=...))"
                     )
         if note is not None:
             self.arguments["criteria"] = with_note(self.arguments.get("criteria"), note)
         if template is not None:
-            # A progress template (checked: placeholders, prefix stability; a pairwise one is refused with why).
+            # A progress template (checked: placeholders, prefix stability; a pairwise one is
+            # refused with why).
             t = load_template(template)
             t.check_for("progress")
             self.arguments["criteria"] = dataclasses.replace(
@@ -286,7 +342,9 @@ class _Call:
         if kind in ("select",) and "candidates" in self.arguments:
             c = self.arguments["candidates"]
             if isinstance(c, str):
-                raise TypeError("select: candidates is one string; give a list of candidate trajectories")
+                raise TypeError(
+                    "select: candidates is one string; give a list of candidate trajectories"
+                )
         if kind == "compare":
             for side in ("a", "b"):
                 if side in self.arguments:
@@ -303,7 +361,8 @@ class _Call:
 
 
 def reference_form(kind: Kind) -> Callable[[F], F]:
-    """Accept the reference library's arguments (and no `judge=`) on a public function or constructor."""
+    """Accept the reference library's arguments (and no `judge=`) on a public function or
+    constructor."""
 
     def wrap(fn: F) -> F:
         sig = inspect.signature(fn)
@@ -330,9 +389,12 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
                 call = _Call(kind, sig, args, kwargs, name)
                 if call.owned is None:
                     return fn(**call.arguments)  # ours: a coroutine, awaited by the caller
-                # The reference library's synchronous compare: run on the judge's loop, then close the judge.
+                # The reference library's synchronous compare: run on the judge's loop, then close
+                # the judge.
                 try:
-                    return run_blocking(call.owned, functools.partial(fn, **call.arguments), "compare")
+                    return run_blocking(
+                        call.owned, functools.partial(fn, **call.arguments), "compare"
+                    )
                 finally:
                     call.close()
 
@@ -346,7 +408,9 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
             finally:
                 call.close()
             if kind == "select" and call.on_error == "raise" and result.failed:
-                raise JudgeError(result.reason or "scoring_failed", f"{result.failed} comparison(s) failed")
+                raise JudgeError(
+                    result.reason or "scoring_failed", f"{result.failed} comparison(s) failed"
+                )
             return result
 
         return calling  # type: ignore[return-value]
@@ -355,18 +419,24 @@ def reference_form(kind: Kind) -> Callable[[F], F]:
 
 
 class TrackResult(list[Progress]):
-    """`track`'s results, one `Progress` per scored step, with the reference library's `ProgressResult` fields.
+    """`track`'s results, one `Progress` per scored step, with the reference library's
+    `ProgressResult` fields.
 
-    `steps` are the scored steps (1-based), `scores` their scores (None where the scoring failed:
-    a failure is never a number), `per_rep_scores` the K repeats' curves (repeats x steps; None where
+    `steps` are the scored steps (1-based), `scores` their scores (None where the scoring failed: a
+    failure is never a number), `per_rep_scores` the K repeats' curves (repeats x steps; None where
     a step has no score), `final` the last step's score (raises `ScoringFailed` if it has none).
     """
 
-    def __init__(self, results: Iterable[Progress] = (), repeats: int = 1, rubric: Rubric | None = None) -> None:
+    def __init__(
+        self, results: Iterable[Progress] = (), repeats: int = 1, rubric: Rubric | None = None
+    ) -> None:
         super().__init__(results)
         self.repeats = repeats
-        self.verdict: str | None = rubric.verdict(self[-1].score) if rubric is not None and self else None
-        """The rubric's pass / review / fail for the last scored step (None: the rubric has no thresholds)."""
+        self.verdict: str | None = (
+            rubric.verdict(self[-1].score) if rubric is not None and self else None
+        )
+        """The rubric's pass / review / fail for the last scored step (None: the rubric has no
+        thresholds)."""
 
     @property
     def steps(self) -> list[int]:
@@ -380,7 +450,8 @@ class TrackResult(list[Progress]):
 
     @property
     def per_rep_scores(self) -> list[list[float | None]]:
-        """The K repeats' curves (repeats x steps): each repeat's weighted mean over the criteria."""
+        """The K repeats' curves (repeats x steps): each repeat's weighted mean over the
+        criteria."""
         return [[_repeat_score(p, r) for p in self] for r in range(self.repeats)]
 
     @property
@@ -399,11 +470,17 @@ def _repeat_score(p: Progress, r: int) -> float | None:
         return p.score
     # A rule's score, or a criterion judged with fewer repeats, is the same in every repeat.
     return (
-        sum(c.weight * (c.expectations[r] if r < len(c.expectations) else c.score) for c in p.criteria.values()) / total
+        sum(
+            c.weight * (c.expectations[r] if r < len(c.expectations) else c.score)
+            for c in p.criteria.values()
+        )
+        / total
     )
 
 
-def indexed(candidates: Sequence[Any] | Mapping[str, Any], winner: str | None) -> tuple[int | None, Any]:
+def indexed(
+    candidates: Sequence[Any] | Mapping[str, Any], winner: str | None
+) -> tuple[int | None, Any]:
     """The winner's position among the candidates as given, and the candidate itself."""
     if winner is None:
         return None, None

@@ -1,18 +1,19 @@
-"""Abort thresholds learned from outcomes, with a finite-sample bound on aborted successes (split conformal).
+"""Abort thresholds learned from outcomes, with a finite-sample bound on aborted successes (split
+conformal).
 
 For a run policy (`min_steps`, `patience`, `max_uncertainty`), a finished run would be aborted at
 threshold t exactly when some `patience` consecutive *counted* scores (judged, from step `min_steps`
-on, no more uncertain than `max_uncertainty`: the scores the policy's streak counts) all lie below t.
-Its **margin** m is the largest t that does not abort it: the minimum over those windows of the
+on, no more uncertain than `max_uncertainty`: the scores the policy's streak counts) all lie below
+t. Its **margin** m is the largest t that does not abort it: the minimum over those windows of the
 window's maximum (infinite when the run has fewer than `patience` counted scores).
 
 With the margins m_1..m_n of the n successful runs of a family seen so far, the threshold is the
 k-th smallest, k = floor(alpha * (n + 1)); when k < 1 (fewer than ceil(1/alpha) - 1 successes) there
 is no threshold and nothing is aborted. If a new successful run is exchangeable with those n (same
-task family, judge and rubric, in no particular order), its margin's rank among all n + 1 is uniform,
-and it is aborted only when its margin is strictly below the k-th smallest of the others, that is
-when it is among the k smallest of the n + 1: probability at most k / (n + 1) <= alpha. Ties only
-lower that probability. The bound is marginal (averaged over calibration sets), it says nothing
+task family, judge and rubric, in no particular order), its margin's rank among all n + 1 is
+uniform, and it is aborted only when its margin is strictly below the k-th smallest of the others,
+that is when it is among the k smallest of the n + 1: probability at most k / (n + 1) <= alpha. Ties
+only lower that probability. The bound is marginal (averaged over calibration sets), it says nothing
 about failing runs, and it breaks when the family's mix of tasks or the judge changes; a family is
 therefore keyed by its name, the judge's model and the rubric's hash, and starts from nothing when
 any of them changes.
@@ -44,10 +45,12 @@ DEFAULT_SUCCESS_AT = 0.5
 """A numeric outcome at or above this counts as a success."""
 
 DEFAULT_MAX_SAMPLES = 2000
-"""Finished runs kept per family (the most recent): bounds memory, and follows a slowly drifting family."""
+"""Finished runs kept per family (the most recent): bounds memory, and follows a slowly drifting
+family."""
 
 DEFAULT_MAX_TOTAL = 50_000
-"""Finished runs kept over all families; past it, the family that learnt least recently is forgotten."""
+"""Finished runs kept over all families; past it, the family that learnt least recently is
+forgotten."""
 
 DEFAULT_STRATA = 1
 """Length strata of the calibration (1: none; runs of a family are taken to be alike in length)."""
@@ -60,14 +63,18 @@ class CalibrationError(ValueError):
 
 
 def check_alpha(alpha: float) -> float:
-    """`alpha` if it is a usable bound (0 < alpha < 1), else a CalibrationError saying what to use."""
+    """`alpha` if it is a usable bound (0 < alpha < 1), else a CalibrationError saying what to
+    use."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0.0 < alpha < 1.0):
-        raise CalibrationError(f"alpha={alpha!r}: use a number between 0 and 1 (exclusive), e.g. {DEFAULT_ALPHA}")
+        raise CalibrationError(
+            f"alpha={alpha!r}: use a number between 0 and 1 (exclusive), e.g. {DEFAULT_ALPHA}"
+        )
     return float(alpha)
 
 
 def min_successes(alpha: float) -> int:
-    """The fewest successful runs with which `alpha` gives a threshold: ceil(1/alpha) - 1 (19 at 0.05)."""
+    """The fewest successful runs with which `alpha` gives a threshold: ceil(1/alpha) - 1 (19 at
+    0.05)."""
     alpha = check_alpha(alpha)
     n = max(0, math.ceil(1.0 / alpha - _EPS) - 1)
     while math.floor(alpha * (n + 1) + _EPS) < 1:  # guards the rounding of ceil(1/alpha)
@@ -76,10 +83,12 @@ def min_successes(alpha: float) -> int:
 
 
 def outcome_message(run_id: str, started_at: float | None, outcome: object) -> bytes:
-    """What an outcome's HMAC signs: the run id, the start's `started_at` and the outcome, one per line.
+    """What an outcome's HMAC signs: the run id, the start's `started_at` and the outcome, one per
+    line.
 
-    `started_at` is written with 3 decimals (empty when the start gave none); a string outcome as is, a
-    number with 17 significant digits (`%.17g`), so harnesses in any language can compute the same text.
+    `started_at` is written with 3 decimals (empty when the start gave none); a string outcome as
+    is, a number with 17 significant digits (`%.17g`), so harnesses in any language can compute the
+    same text.
     """
     started = "" if started_at is None else f"{float(started_at):.3f}"
     text = outcome if isinstance(outcome, str) else f"{float(outcome):.17g}"  # type: ignore[arg-type]
@@ -87,7 +96,8 @@ def outcome_message(run_id: str, started_at: float | None, outcome: object) -> b
 
 
 def outcome_mac(secret: str | bytes, run_id: str, started_at: float | None, outcome: object) -> str:
-    """The hex HMAC-SHA256 a harness puts in `end.auth` when the monitor runs with `--outcome-secret`."""
+    """The hex HMAC-SHA256 a harness puts in `end.auth` when the monitor runs with
+    `--outcome-secret`."""
     key = secret.encode() if isinstance(secret, str) else secret
     return hmac.new(key, outcome_message(run_id, started_at, outcome), hashlib.sha256).hexdigest()
 
@@ -112,7 +122,9 @@ class Point(NamedTuple):
 
 def points(curve: Iterable[Progress]) -> tuple[Point, ...]:
     """A tracker's curve (Progress results in step order) as calibration points."""
-    return tuple(Point(p.step, p.score if p.ok else None, p.uncertainty if p.ok else None) for p in curve)
+    return tuple(
+        Point(p.step, p.score if p.ok else None, p.uncertainty if p.ok else None) for p in curve
+    )
 
 
 def counted(curve: Iterable[Point], policy: Policy) -> list[float]:
@@ -127,7 +139,8 @@ def counted(curve: Iterable[Point], policy: Policy) -> list[float]:
 
 
 def margin(curve: Iterable[Point], policy: Policy) -> float:
-    """The largest abort threshold under which `policy` would not have aborted this run (inf: none would)."""
+    """The largest abort threshold under which `policy` would not have aborted this run (inf:
+    none would)."""
     scores = counted(curve, policy)
     w = policy.patience
     if len(scores) < w:
@@ -153,10 +166,11 @@ def run_length(curve: Iterable[Point]) -> int:
 
 
 def budget_threshold(lengths: Sequence[int], alpha: float) -> int | None:
-    """The step budget: the k-th longest success, k = floor(alpha (n+1)); None when k < 1 (no budget).
+    """The step budget: the k-th longest success, k = floor(alpha (n+1)); None when k < 1 (no
+    budget).
 
-    A run is stopped once it passes the budget (a step beyond it). A new success exchangeable with the
-    n is longer than the k-th longest of them only when it is among the k longest of the n + 1:
+    A run is stopped once it passes the budget (a step beyond it). A new success exchangeable with
+    the n is longer than the k-th longest of them only when it is among the k longest of the n + 1:
     probability <= alpha. The same rank as `conformal_threshold`, on the lengths turned around.
     """
     k = conformal_rank(len(lengths), alpha)
@@ -166,31 +180,35 @@ def budget_threshold(lengths: Sequence[int], alpha: float) -> int | None:
 
 
 def done_margin(curve: Iterable[Point], policy: Policy) -> float:
-    """The lowest `done` threshold a failing run never held above for `patience` counted scores (-inf: none).
+    """The lowest `done` threshold a failing run never held above for `patience` counted scores
+    (-inf: none).
 
-    The mirror of `margin`: `done` fires at threshold t when `patience` counted scores in a row are all
-    above t, so for a run that is the largest window minimum; a failure is wrongly called done at t
-    exactly when t is below it.
+    The mirror of `margin`: `done` fires at threshold t when `patience` counted scores in a row are
+    all above t, so for a run that is the largest window minimum; a failure is wrongly called done
+    at t exactly when t is below it.
     """
     flipped = [Point(p.step, None if p.score is None else -p.score, p.uncertainty) for p in curve]
     return -margin(flipped, policy)
 
 
 def done_threshold(margins: Sequence[float], alpha: float) -> float | None:
-    """The `done` threshold from failing runs' `done_margin`s: the k-th largest (k = floor(alpha (n+1))).
+    """The `done` threshold from failing runs' `done_margin`s: the k-th largest (k = floor(alpha
+    (n+1))).
 
     `done` fires when `patience` counted scores in a row lie strictly above it; a new failure
     exchangeable with the n does so only when its margin is among the k largest of the n + 1:
     probability <= alpha. None: too few failures (never done).
     """
-    # As for aborts, only finite margins teach (a failure with fewer counted scores than patience says nothing).
+    # As for aborts, only finite margins teach (a failure with fewer counted scores than patience
+    # says nothing).
     finite = sorted((m for m in margins if math.isfinite(m)), reverse=True)
     k = conformal_rank(len(finite), alpha)
     return None if k is None else min(max(finite[k - 1], 0.0), 1.0)
 
 
 def stratum(length: int, patience: int, strata: int) -> int:
-    """The length stratum of a run with `length` counted scores: [p, 2p) is 0, [2p, 4p) is 1, ..., the last open."""
+    """The length stratum of a run with `length` counted scores: [p, 2p) is 0, [2p, 4p) is 1,
+    ..., the last open."""
     if strata <= 1 or length < 2 * patience:
         return 0
     return min(strata - 1, (length // patience).bit_length() - 1)
@@ -203,7 +221,8 @@ def stratum_range(j: int, patience: int, strata: int) -> str:
 
 
 def conformal_rank(n: int, alpha: float) -> int | None:
-    """The split-conformal rank k = floor(alpha (n+1)) of n calibration samples; None when k < 1 (too few).
+    """The split-conformal rank k = floor(alpha (n+1)) of n calibration samples; None when k < 1
+    (too few).
 
     The one rule every calibrated decision shares (`abort_below`, the step budget, `done`): a new
     sample exchangeable with the n is among the k most extreme of the n + 1 with probability
@@ -213,8 +232,11 @@ def conformal_rank(n: int, alpha: float) -> int | None:
     return k if k >= 1 else None
 
 
-def conformal_threshold(margins: Sequence[float], alpha: float, *, presorted: bool = False) -> float | None:
-    """The k-th smallest margin, k = floor(alpha (n+1)), capped at 1; None when k < 1 (never abort)."""
+def conformal_threshold(
+    margins: Sequence[float], alpha: float, *, presorted: bool = False
+) -> float | None:
+    """The k-th smallest margin, k = floor(alpha (n+1)), capped at 1; None when k < 1 (never
+    abort)."""
     k = conformal_rank(len(margins), alpha)
     if k is None:
         return None
@@ -224,26 +246,31 @@ def conformal_threshold(margins: Sequence[float], alpha: float, *, presorted: bo
 
 @dataclass(frozen=True, slots=True)
 class Family:
-    """What a calibration is keyed by: the family of runs, the judge's model and the rubric's hash."""
+    """What a calibration is keyed by: the family of runs, the judge's model and the rubric's
+    hash."""
 
     name: str
     model: str
     rubric: str
 
     @classmethod
-    def of(cls, *, family: str | None, task: str, model: str, rubric: str, schedule: str = "every") -> Family:
+    def of(
+        cls, *, family: str | None, task: str, model: str, rubric: str, schedule: str = "every"
+    ) -> Family:
         """A run's family: its `family` when given, else its task text (long texts by their hash).
 
-        A schedule other than "every" is part of the key (in its rubric part, so the keys of runs scored at
-        every step stay as they were): the bound holds when calibration runs and live runs follow the same
-        rule, so a family learnt under "every" does not arm runs scored under "adaptive", nor the reverse.
+        A schedule other than "every" is part of the key (in its rubric part, so the keys of runs
+        scored at every step stay as they were): the bound holds when calibration runs and live runs
+        follow the same rule, so a family learnt under "every" does not arm runs scored under
+        "adaptive", nor the reverse.
         """
         key = rubric if schedule == "every" else f"{rubric} schedule={schedule}"
         return cls(family if family else task_family(task), model, key)
 
 
 def task_family(task: str) -> str:
-    """The family name of a run that names none: its task text, or `task:<hash>` when that is long."""
+    """The family name of a run that names none: its task text, or `task:<hash>` when that is
+    long."""
     task = " ".join(task.split())
     if len(task) <= 80:
         return task
@@ -288,7 +315,8 @@ class Sample:
 
 
 def is_success(outcome: object, success_at: float = DEFAULT_SUCCESS_AT) -> bool | None:
-    """True / False for an outcome that says success or failure; None when it says neither (no evidence)."""
+    """True / False for an outcome that says success or failure; None when it says neither (no
+    evidence)."""
     if isinstance(outcome, bool):
         return outcome
     if isinstance(outcome, (int, float)):
@@ -312,7 +340,8 @@ class Threshold:
     failures: int
     alpha: float
     detail: str = ""
-    """Why there is no threshold although the family has enough successes (a length stratum still short)."""
+    """Why there is no threshold although the family has enough successes (a length stratum still
+    short)."""
 
     @property
     def needed(self) -> int:
@@ -333,7 +362,10 @@ class Threshold:
             else (self.successes, "successful", "never aborts")
         )
         if n < self.needed:
-            return f"not calibrated yet: {n} of {self.needed} {kind} runs needed at alpha {self.alpha:g}; {never}"
+            return (
+                f"not calibrated yet: {n} of {self.needed} {kind} runs needed at alpha "
+                f"{self.alpha:g}; {never}"
+            )
         return f"calibrated on {n} {kind} runs, alpha {self.alpha:g}"
 
 
@@ -355,18 +387,19 @@ class CalibrationStatistics:
     """Samples kept, every family's."""
     families: int
     rate_limited: int
-    """Outcomes not learnt because their family had learnt `max_rate` runs in the last `rate_window_s`."""
+    """Outcomes not learnt because their family had learnt `max_rate` runs in the last
+    `rate_window_s`."""
 
 
 class Calibration:
     """Per-family evidence from finished runs, and the abort thresholds it supports.
 
     Feed it finished runs (`record`, or `add` for stored samples); ask `threshold(family, policy)`.
-    A run counts once (by run id) per family; its outcome decides success (`success_at` for numbers).
-    Each family keeps its `max_samples` most recent runs, and all families together `max_total`
-    (families come from the network: past it, the family that learnt least recently is forgotten).
-    `on_sample` is called with each new sample (the daemon stores it there). Not thread-safe: the
-    daemon and the trackers use it from one event loop.
+    A run counts once (by run id) per family; its outcome decides success (`success_at` for
+    numbers). Each family keeps its `max_samples` most recent runs, and all families together
+    `max_total` (families come from the network: past it, the family that learnt least recently is
+    forgotten). `on_sample` is called with each new sample (the daemon stores it there). Not
+    thread-safe: the daemon and the trackers use it from one event loop.
     """
 
     def __init__(
@@ -383,18 +416,26 @@ class Calibration:
         rate_window_s: float = 60.0,
     ) -> None:
         if not (isinstance(success_at, (int, float)) and math.isfinite(success_at)):
-            raise CalibrationError(f"success_at={success_at!r}: use a number (outcomes at or above it are successes)")
+            raise CalibrationError(
+                f"success_at={success_at!r}: use a number (outcomes at or above it are successes)"
+            )
         if not (isinstance(max_samples, int) and max_samples >= 1):
-            raise CalibrationError(f"max_samples={max_samples!r}: use an integer >= 1 (finished runs kept per family)")
+            raise CalibrationError(
+                f"max_samples={max_samples!r}: use an integer >= 1 (finished runs kept per family)"
+            )
         if not (isinstance(max_total, int) and max_total >= max_samples):
             raise CalibrationError(
-                f"max_total={max_total!r}: use an integer >= max_samples ({max_samples}): runs kept over all families"
+                f"max_total={max_total!r}: use an integer >= max_samples ({max_samples}): "
+                "runs kept over all families"
             )
         if not (isinstance(strata, int) and 1 <= strata <= 8):
-            raise CalibrationError(f"strata={strata!r}: use an integer from 1 (no length strata) to 8")
+            raise CalibrationError(
+                f"strata={strata!r}: use an integer from 1 (no length strata) to 8"
+            )
         if max_rate is not None and not (isinstance(max_rate, int) and max_rate >= 1):
             raise CalibrationError(
-                f"max_rate={max_rate!r}: use an integer >= 1 (runs a family learns per window), or None"
+                f"max_rate={max_rate!r}: use an integer >= 1 (runs a family learns per "
+                "window), or None"
             )
         self.strata = strata
         self.max_rate = max_rate
@@ -402,7 +443,8 @@ class Calibration:
         self._taught: dict[Family, deque[float]] = {}
         self._failures: dict[Family, int] = {}
         self.rate_limited = 0
-        """Outcomes not learnt because their family had learnt `max_rate` runs in the last `rate_window_s`."""
+        """Outcomes not learnt because their family had learnt `max_rate` runs in the last
+        `rate_window_s`."""
         self.success_at = float(success_at)
         self.max_samples = max_samples
         self.max_total = max_total
@@ -411,17 +453,19 @@ class Calibration:
         self.clock = clock
         self._runs: dict[Family, dict[str, Sample]] = {}
         self.revision = 0
-        """Bumped whenever the samples change (a cache of anything computed from them keys on it)."""
+        """Bumped whenever the samples change (a cache of anything computed from them keys on
+        it)."""
         self._revisions: dict[Family, int] = {}
-        # Sorted finite success margins per (family, min_steps, patience, max_uncertainty), one list per length
-        # stratum, kept current by `add`.
+        # Sorted finite success margins per (family, min_steps, patience, max_uncertainty), one list
+        # per length stratum, kept current by `add`.
         self._margins: dict[tuple[Family, int, int, float], tuple[Policy, list[list[float]]]] = {}
         self._memos: dict[tuple[Any, ...], tuple[int, Threshold]] = {}
         for s in samples:
             self.add(s)
 
     def add(self, sample: Sample) -> bool:
-        """Take a sample (a stored one, or one made elsewhere); False when that run was already counted."""
+        """Take a sample (a stored one, or one made elsewhere); False when that run was already
+        counted."""
         runs = self._runs.setdefault(sample.family, {})
         if sample.run_id in runs:
             return False
@@ -433,14 +477,16 @@ class Calibration:
             self._failures[sample.family] = self._failures.get(sample.family, 0) + 1
         self._cached(sample, bisect.insort)
         if len(runs) > self.max_samples:
-            # The oldest goes: a bounded window of the family's most recent runs (dicts keep insertion order).
+            # The oldest goes: a bounded window of the family's most recent runs (dicts keep
+            # insertion order).
             oldest = runs.pop(next(iter(runs)))
             self._total -= 1
             if not oldest.success:
                 self._failures[oldest.family] -= 1
             self._cached(oldest, _remove)
-        # Families come from the network (start.family, task texts): over the total, whole families go, the one
-        # that learnt least recently first (moved to the end of the dict on every new sample).
+        # Families come from the network (start.family, task texts): over the total, whole families
+        # go, the one that learnt least recently first (moved to the end of the dict on every new
+        # sample).
         self._runs[sample.family] = self._runs.pop(sample.family)
         while self._total > self.max_total:
             stale = next(iter(self._runs))
@@ -451,17 +497,21 @@ class Calibration:
         return True
 
     def _cached(self, sample: Sample, change: Callable[[list[float], float], None]) -> None:
-        # Keep the cached margins current (one change each) rather than recomputing a family's on next use.
+        # Keep the cached margins current (one change each) rather than recomputing a family's on
+        # next use.
         if sample.success:
             for key, (policy, ms) in self._margins.items():
                 if key[0] == sample.family and (got := self._placed(sample, policy)) is not None:
                     change(ms[got[0]], got[1])
 
     def _placed(self, sample: Sample, policy: Policy) -> tuple[int, float] | None:
-        """A success's (stratum, margin) under `policy`; None when its margin is infinite (it says nothing)."""
+        """A success's (stratum, margin) under `policy`; None when its margin is infinite (it
+        says nothing)."""
         n = len(counted(sample.curve, policy))
         if n < policy.patience:
-            return None  # fewer counted scores than patience: no window, margin +inf, nothing learnt about the rule
+            # fewer counted scores than patience: no window, margin +inf, nothing learnt about the
+            # rule
+            return None
         return stratum(n, policy.patience, self.strata), margin(sample.curve, policy)
 
     def record(
@@ -473,7 +523,8 @@ class Calibration:
         *,
         exposed: bool = False,
     ) -> Sample | None:
-        """Learn from a finished run; None when it teaches nothing (see below) or was counted already.
+        """Learn from a finished run; None when it teaches nothing (see below) or was counted
+        already.
 
         A run teaches nothing when its outcome says neither success nor failure, or when it was
         `exposed`: an abort rule could have stopped it (`PolicyState.exposed`). Such a run's outcome
@@ -484,7 +535,8 @@ class Calibration:
         if success is None or exposed:
             return None
         if self.max_rate is not None:
-            # Outcomes come from the network: however fast they come, a family learns at most max_rate per window.
+            # Outcomes come from the network: however fast they come, a family learns at most
+            # max_rate per window.
             now = self.clock()
             recent = self._taught.setdefault(family, deque())
             while recent and recent[0] <= now - self.rate_window_s:
@@ -496,7 +548,11 @@ class Calibration:
             if len(self._taught) > self.max_total:
                 self._taught.pop(next(iter(self._taught)))
         pts = tuple(p if isinstance(p, Point) else points([p])[0] for p in curve)
-        stored = outcome if isinstance(outcome, (int, float, str)) and not isinstance(outcome, bool) else success
+        stored = (
+            outcome
+            if isinstance(outcome, (int, float, str)) and not isinstance(outcome, bool)
+            else success
+        )
         sample = Sample(run_id, family, success, pts, outcome=stored, at=self.clock())
         if not self.add(sample):
             return None
@@ -516,7 +572,8 @@ class Calibration:
         return got[1]
 
     def revision_of(self, family: Family) -> int:
-        """The revision at which `family`'s samples last changed (-1: it has none): a per-family cache key."""
+        """The revision at which `family`'s samples last changed (-1: it has none): a per-family
+        cache key."""
         return self._revisions.get(family, -1)
 
     def margins(self, family: Family, policy: Policy) -> list[float]:
@@ -524,13 +581,20 @@ class Calibration:
         return sorted(m for ms in self._strata(family, policy) for m in ms)
 
     def threshold(
-        self, family: Family, policy: Policy, alpha: float | None = None, *, counted: int | None = None
+        self,
+        family: Family,
+        policy: Policy,
+        alpha: float | None = None,
+        *,
+        counted: int | None = None,
     ) -> Threshold:
-        """The abort threshold for a live run of `family` under `policy` (alpha: the policy's, unless given).
+        """The abort threshold for a live run of `family` under `policy` (alpha: the policy's,
+        unless given).
 
-        `counted`: the live run's counted scores at the decision (None: its first possible decision). The
-        threshold is the smallest of the thresholds of the length strata the run can still end in (its own
-        and every longer one); None while any of them has too few successes. Only finite margins teach.
+        `counted`: the live run's counted scores at the decision (None: its first possible
+        decision). The threshold is the smallest of the thresholds of the length strata the run can
+        still end in (its own and every longer one); None while any of them has too few successes.
+        Only finite margins teach.
         """
         a = check_alpha(policy.alphas().abort if alpha is None else alpha)
         per = self._strata(family, policy)
@@ -545,8 +609,10 @@ class Calibration:
                 value = None
                 if self.strata > 1:
                     detail = (
-                        f"not calibrated yet: {len(per[j])} of {min_successes(a)} successful runs with "
-                        f"{stratum_range(j, policy.patience, self.strata)} counted scores needed at alpha {a:g}; "
+                        f"not calibrated yet: {len(per[j])} of {min_successes(a)} successful "
+                        "runs with "
+                        f"{stratum_range(j, policy.patience, self.strata)} counted scores "
+                        f"needed at alpha {a:g}; "
                         "never aborts"
                     )
                 break
@@ -554,22 +620,26 @@ class Calibration:
         return Threshold(value, successes, failures, a, detail)
 
     def budget(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
-        """The step budget for a live run of `family` (`max_steps="auto"`): `budget_threshold` of its successes' lengths.
+        """The step budget for a live run of `family` (`max_steps="auto"`): `budget_threshold` of
+        its successes' lengths.
 
-        The same rule and minimum of successes as `threshold`; alpha: the policy's share for the budget
-        (`policy.alphas`) unless given.
+        The same rule and minimum of successes as `threshold`; alpha: the policy's share for the
+        budget (`policy.alphas`) unless given.
         """
         a = check_alpha(policy.alphas().budget if alpha is None else alpha)
         key = (family, "budget", a)
 
         def value() -> float | None:
-            lengths = [run_length(s.curve) for s in self._runs.get(family, {}).values() if s.success]
+            lengths = [
+                run_length(s.curve) for s in self._runs.get(family, {}).values() if s.success
+            ]
             return budget_threshold([n for n in lengths if n > 0], a)
 
         return self._memo(key, family, value, a)
 
     def done(self, family: Family, policy: Policy, alpha: float | None = None) -> Threshold:
-        """The `done` threshold for a live run of `family` (`done_above="auto"`), from its failing runs' curves."""
+        """The `done` threshold for a live run of `family` (`done_above="auto"`), from its
+        failing runs' curves."""
         a = check_alpha(policy.alpha if alpha is None else alpha)
         key = (family, "done", a, policy.min_steps, policy.patience, policy.max_uncertainty)
 
@@ -580,16 +650,23 @@ class Calibration:
         return self._memo(key, family, value, a, on_failures=True)
 
     def _memo(
-        self, key: tuple[Any, ...], family: Family, value: Callable[[], float | None], alpha: float, **kw: Any
+        self,
+        key: tuple[Any, ...],
+        family: Family,
+        value: Callable[[], float | None],
+        alpha: float,
+        **kw: Any,
     ) -> Threshold:
-        # Asked at every observation of every live run: recomputed only when the family's samples changed.
+        # Asked at every observation of every live run: recomputed only when the family's samples
+        # changed.
         rev = self.revision_of(family)
         got = self._memos.get(key)
         if got is None or got[0] != rev:
             runs = self._runs.get(family, {}).values()
             successes = sum(s.success for s in runs)
             got = (rev, Threshold(value(), successes, self._failures.get(family, 0), alpha, **kw))
-            if len(self._memos) > 4 * self.max_total:  # families come from the network: bounded like the samples
+            # families come from the network: bounded like the samples
+            if len(self._memos) > 4 * self.max_total:
                 self._memos.clear()
             self._memos[key] = got
         return got[1]
@@ -618,7 +695,8 @@ class Calibration:
         return CalibrationStatistics(self._total, len(self._runs), self.rate_limited)
 
     def reset(self, name: str) -> int:
-        """Forget every family called `name` (any model or rubric); how many samples were dropped."""
+        """Forget every family called `name` (any model or rubric); how many samples were
+        dropped."""
         gone = [f for f in self._runs if f.name == name]
         dropped = sum(len(self._runs.pop(f)) for f in gone)
         for f in gone:
@@ -630,7 +708,8 @@ class Calibration:
         return dropped
 
     def save(self, path: str | Path) -> Path:
-        """Write every sample to a JSON-lines file (atomically: a crash leaves the old file), for `load`."""
+        """Write every sample to a JSON-lines file (atomically: a crash leaves the old file), for
+        `load`."""
         out = Path(path)
         tmp = out.with_name(out.name + ".tmp")
         with tmp.open("w") as f:
@@ -641,7 +720,8 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path, **options: Any) -> Calibration:
-        """A Calibration from a file `save` wrote (none yet: empty); `options` are the constructor's."""
+        """A Calibration from a file `save` wrote (none yet: empty); `options` are the
+        constructor's."""
         p = Path(path)
         samples = []
         if p.exists():
@@ -651,7 +731,9 @@ class Calibration:
                 try:
                     samples.append(Sample.from_json(json.loads(line)))
                 except (ValueError, KeyError, TypeError) as e:
-                    raise CalibrationError(f"{p}:{n}: not a calibration sample ({e}); was it written by save()?") from e
+                    raise CalibrationError(
+                        f"{p}:{n}: not a calibration sample ({e}); was it written by save()?"
+                    ) from e
         return cls(samples, **options)
 
     def __contains__(self, family: object) -> bool:
@@ -667,42 +749,47 @@ def _remove(ms: list[float], m: float) -> None:
         del ms[i]
 
 
-# Uniform groups (formerly agent_monitor.uniform).
-# Groups flagged early (DAPO dynamic sampling): each live run's calibrated pass / fail call as a p-value. Pure logic.
+# Uniform groups (formerly agent_monitor.uniform). Groups flagged early (DAPO dynamic sampling):
+# each live run's calibrated pass / fail call as a p-value. Pure logic.
 #
-# An RL trainer wants to know, while a group's rollouts still run, that their outcomes will be all alike
-# (no variance, so no gradient). This module gives each member two conformal p-values from the family's
-# calibration (`agent_monitor.calibration`); `groups.GroupState.uniform` combines them over the group.
+# An RL trainer wants to know, while a group's rollouts still run, that their outcomes will be all
+# alike (no variance, so no gradient). This module gives each member two conformal p-values from the
+# family's calibration (`agent_monitor.calibration`); `groups.GroupState.uniform` combines them over
+# the group.
 #
-# **Fail call.** A run's *running margin* is the calibration margin of its curve so far (the minimum over
-# its windows of `patience` consecutive counted scores of the window's maximum): the abort rule at
-# threshold t has stopped it iff that margin is below t. With the finite margins m_1..m_n of the family's
-# n successful runs, the p-value of "this run will fail" is
+# **Fail call.** A run's *running margin* is the calibration margin of its curve so far (the minimum
+# over its windows of `patience` consecutive counted scores of the window's maximum): the abort rule
+# at threshold t has stopped it iff that margin is below t. With the finite margins m_1..m_n of the
+# family's n successful runs, the p-value of "this run will fail" is
 #
 #     fail_p = (1 + #{i : m_i <= m_live}) / (n + 1)        (1 while m_live is infinite, or n = 0)
 #
-# If the run is in fact a success exchangeable with those n, its *final* margin's rank among the n + 1 is
-# uniform, so P(final p <= a) <= a; the running margin only ever falls as the run goes on, so the running
-# p-value is never below the final one: P(fail_p <= a at any step) <= a. This is exactly the calibration's
-# false-abort bound (`fail_p <= alpha` iff the calibrated rule at `alpha` aborts the run), as a number.
+# If the run is in fact a success exchangeable with those n, its *final* margin's rank among the n +
+# 1 is uniform, so P(final p <= a) <= a; the running margin only ever falls as the run goes on, so
+# the running p-value is never below the final one: P(fail_p <= a at any step) <= a. This is exactly
+# the calibration's false-abort bound (`fail_p <= alpha` iff the calibrated rule at `alpha` aborts
+# the run), as a number.
 #
-# **Pass call**, the mirror image: a run's *pass margin* is the maximum over its windows of the window's
-# minimum (the rule "`patience` counted scores in a row above u" calls it a pass iff it exceeds u), it only
-# rises as the run goes on, and the reference set is the family's failed runs' pass margins M_j:
+# **Pass call**, the mirror image: a run's *pass margin* is the maximum over its windows of the
+# window's minimum (the rule "`patience` counted scores in a row above u" calls it a pass iff it
+# exceeds u), it only rises as the run goes on, and the reference set is the family's failed runs'
+# pass margins M_j:
 #
 #     pass_p = (1 + #{j : M_j >= M_live}) / (n_failures + 1)
 #
-# **A group of N members** is called all-fail when 1 - N * max_i fail_p_i >= `uniform_confidence`. If some
-# member is in fact a success, P(flag) <= sum over members of P(member i succeeds and fail_p_i <= d / N)
-# <= (d / N) * E[#successes] <= d * P(some member succeeds): the flag is wrong with probability at most
-# d = 1 - confidence, whatever the dependence between the members (they share a prompt: they are not
-# independent, so no product of per-run confidences is claimed). Limits: docs/groups.md.
+# **A group of N members** is called all-fail when 1 - N * max_i fail_p_i >= `uniform_confidence`.
+# If some member is in fact a success, P(flag) <= sum over members of P(member i succeeds and
+# fail_p_i <= d / N) <= (d / N) * E[#successes] <= d * P(some member succeeds): the flag is wrong
+# with probability at most d = 1 - confidence, whatever the dependence between the members (they
+# share a prompt: they are not independent, so no product of per-run confidences is claimed).
+# Limits: docs/groups.md.
 #
 # API: `pass_margin(curve, policy)`, `p_fail(margins, m)`, `p_pass(pass_margins, m)`, and
 # `Caller(calibration).calls(family, policy, curve) -> Calls` (evidence cached per family revision).
 
 MAX_CACHED = 256
-"""(family, policy) evidence sets a Caller keeps; past it the oldest goes (families come from the network)."""
+"""(family, policy) evidence sets a Caller keeps; past it the oldest goes (families come from the
+network)."""
 
 
 class Calls(NamedTuple):
@@ -717,7 +804,8 @@ NO_CALL = Calls(1.0, 1.0)
 
 
 def pass_margin(curve: Iterable[Point], policy: Policy) -> float:
-    """The largest u such that `patience` counted scores in a row all lie above it (-inf: fewer counted scores)."""
+    """The largest u such that `patience` counted scores in a row all lie above it (-inf: fewer
+    counted scores)."""
     scores = counted(curve, policy)
     w = policy.patience
     if len(scores) < w:
@@ -727,19 +815,22 @@ def pass_margin(curve: Iterable[Point], policy: Policy) -> float:
 
 
 def _bare(policy: Policy) -> Policy:
-    """`policy`'s window with every score counted (the scores given are already the counted ones)."""
+    """`policy`'s window with every score counted (the scores given are already the counted
+    ones)."""
     return Policy(patience=policy.patience, min_steps=0, max_uncertainty=1.0)
 
 
 def p_fail(margins: Sequence[float], m: float) -> float:
-    """The p-value of "fails" for a running margin `m` against the successes' sorted finite `margins`."""
+    """The p-value of "fails" for a running margin `m` against the successes' sorted finite
+    `margins`."""
     if not margins or not math.isfinite(m):
         return 1.0
     return (1 + bisect.bisect_right(margins, m)) / (len(margins) + 1)
 
 
 def p_pass(pass_margins: Sequence[float], m: float) -> float:
-    """The p-value of "passes" for a running pass margin `m` against the failures' sorted finite `pass_margins`."""
+    """The p-value of "passes" for a running pass margin `m` against the failures' sorted finite
+    `pass_margins`."""
     if not pass_margins or not math.isfinite(m):
         return 1.0
     return (1 + len(pass_margins) - bisect.bisect_left(pass_margins, m)) / (len(pass_margins) + 1)
@@ -754,24 +845,30 @@ class CallerStatistics:
 
 
 class Caller:
-    """Live runs' calls from a calibration's evidence; the family's margins are recomputed only when it learns."""
+    """Live runs' calls from a calibration's evidence; the family's margins are recomputed only
+    when it learns."""
 
     def __init__(self, calibration: Calibration, *, max_cached: int = MAX_CACHED) -> None:
         self.calibration = calibration
         self.max_cached = max_cached
         self._cache: dict[tuple[Family, int, int, float], tuple[int, list[float], list[float]]] = {}
         self.recomputed = 0
-        """Evidence sets computed (a cache miss: a new family or policy, or the family learnt a run)."""
+        """Evidence sets computed (a cache miss: a new family or policy, or the family learnt a
+        run)."""
 
     def calls(self, family: Family, policy: Policy, curve: Sequence[Point]) -> Calls:
-        """A run's calls now, from its curve so far (step order; failed scorings have score None)."""
+        """A run's calls now, from its curve so far (step order; failed scorings have score
+        None)."""
         fails, passes = self.evidence(family, policy)
         if not fails and not passes:
             return NO_CALL
-        return Calls(p_fail(fails, margin(curve, policy)), p_pass(passes, pass_margin(curve, policy)))
+        return Calls(
+            p_fail(fails, margin(curve, policy)), p_pass(passes, pass_margin(curve, policy))
+        )
 
     def evidence(self, family: Family, policy: Policy) -> tuple[list[float], list[float]]:
-        """The family's successes' margins and failures' pass margins under `policy`'s window, sorted (finite only)."""
+        """The family's successes' margins and failures' pass margins under `policy`'s window,
+        sorted (finite only)."""
         key = (family, policy.min_steps, policy.patience, policy.max_uncertainty)
         rev = self.calibration.revision_of(family)
         got = self._cache.get(key)

@@ -1,4 +1,5 @@
-"""Per-step text extractors: small composable `str -> str` transforms applied before any criterion sees a step."""
+"""Per-step text extractors: small composable `str -> str` transforms applied before any
+criterion sees a step."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Any, Protocol, TypeVar
 from ._runtime.budget import DOTALL, IGNORECASE, MULTILINE, Pattern
 from ._runtime.config import check_number, compile_pattern, instantiate, known, registrar
 
-# Every pattern here reads untrusted step text: each is a budgeted `Pattern` (see _budget), ours included,
-# since a lazy `.*?` before a backreference or a `[ \t]*$` is quadratic on a crafted step.
+# Every pattern here reads untrusted step text: each is a budgeted `Pattern` (see _budget), ours
+# included, since a lazy `.*?` before a backreference or a `[ \t]*$` is quadratic on a crafted step.
 
 
 class Extractor(Protocol):
@@ -27,7 +28,8 @@ EXTRACTORS: dict[str, type[Extractor]] = {}
 
 
 def register_extractor(name: str) -> Callable[[type[_T]], type[_T]]:
-    """Register an extractor type under `name` so that config can build it; its constructor takes the config keys."""
+    """Register an extractor type under `name` so that config can build it; its constructor takes
+    the config keys."""
     return registrar(EXTRACTORS, "extractor", name)
 
 
@@ -49,8 +51,14 @@ class StripReasoning:
     _close: Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.tags, str) or not self.tags or not all(isinstance(t, str) and t for t in self.tags):
-            raise ValueError(f"strip_reasoning: tags must be a non-empty list of tag names, got {self.tags!r}")
+        if (
+            isinstance(self.tags, str)
+            or not self.tags
+            or not all(isinstance(t, str) and t for t in self.tags)
+        ):
+            raise ValueError(
+                f"strip_reasoning: tags must be a non-empty list of tag names, got {self.tags!r}"
+            )
         object.__setattr__(self, "tags", tuple(self.tags))
         names = "|".join(re.escape(t) for t in self.tags)
         flags = IGNORECASE | DOTALL
@@ -65,7 +73,8 @@ class StripReasoning:
         return self._open.sub("", text).strip()
 
 
-# `<|im_start|>`, `<|eot_id|>`, DeepSeek's tokens written with full-width bars (U+FF5C), and the common bare tokens.
+# `<|im_start|>`, `<|eot_id|>`, DeepSeek's tokens written with full-width bars (U+FF5C), and the
+# common bare tokens.
 _SPECIAL = Pattern(
     r"<[|\uff5c][^<>|\uff5c\n]{1,60}[|\uff5c]>"
     r"|</?s>|<(?:bos|eos|pad)>|<(?:start|end)_of_turn>|\[/?INST\]"
@@ -97,10 +106,11 @@ class StripSpecialTokens:
 
 
 def clip_middle(text: str, limit: int, *, room: int = 0) -> str:
-    """The text, or when it is over `limit` characters its head and tail around a `[... N characters cut ...]` line.
+    """The text, or when it is over `limit` characters its head and tail around a `[... N characters
+    cut ...]` line.
 
-    Head and tail: a text's start says what ran, its end how it ended. `room`: characters each half gives
-    up so that the result, marker line included, stays within `limit` (a wire bound).
+    Head and tail: a text's start says what ran, its end how it ended. `room`: characters each half
+    gives up so that the result, marker line included, stays within `limit` (a wire bound).
     """
     if len(text) <= limit:
         return text
@@ -111,7 +121,8 @@ def clip_middle(text: str, limit: int, *, room: int = 0) -> str:
 @register_extractor("truncate")
 @dataclass(frozen=True, slots=True)
 class Truncate:
-    """Keep at most `max_chars` characters: the head and the tail, with a marker line saying how much was cut.
+    """Keep at most `max_chars` characters: the head and the tail, with a marker line saying how
+    much was cut.
 
     `head_share` of the budget goes to the head (an observation's start says
     what ran), the rest to the tail (its end says how it ended). The marker
@@ -139,7 +150,8 @@ class Truncate:
 @register_extractor("regex_capture")
 @dataclass(frozen=True, slots=True)
 class RegexCapture:
-    """The text captured by `group` of the first match of `pattern` (all matches, one a line, when `all`).
+    """The text captured by `group` of the first match of `pattern` (all matches, one a line, when
+    `all`).
 
     No match gives "" rather than the input: used as a filter (say, to pick a
     `Final answer:` line), passing the whole text on would let a later rule
@@ -160,7 +172,8 @@ class RegexCapture:
             raise ValueError(f"regex_capture: group must be a number or a group name, got {g!r}")
         if isinstance(g, int) and not 0 <= g <= regex.groups:
             raise ValueError(
-                f"regex_capture: pattern {self.pattern!r} has {regex.groups} group(s), so group {g} does not exist; "
+                f"regex_capture: pattern {self.pattern!r} has {regex.groups} group(s), so "
+                f"group {g} does not exist; "
                 "add parentheses around the part to capture, or use group=0 for the whole match"
             )
         if isinstance(g, str) and g not in regex.groupindex:
@@ -178,9 +191,12 @@ class RegexCapture:
         return "\n".join(s for s in found if s)
 
 
-# A number not glued to a word before or after it ("x2", "3rd" do not count; "1-3" ends in 3, not -3).
-# Thousands separators only in groups of exactly three digits, so "[1,2,3]" reads as three numbers.
-_NUMBER = Pattern(r"(?<![\w.])[-+\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?!\w)")
+# A number not glued to a word before or after it ("x2", "3rd" do not count; "1-3" ends in 3, not
+# -3). Thousands separators only in groups of exactly three digits, so "[1,2,3]" reads as three
+# numbers.
+_NUMBER = Pattern(
+    r"(?<![\w.])[-+\u2212]?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?!\w)"
+)
 
 
 def _normalise_number(s: str) -> str:
@@ -191,7 +207,8 @@ def _normalise_number(s: str) -> str:
 @register_extractor("last_number")
 @dataclass(frozen=True, slots=True)
 class LastNumber:
-    """The last number in the text, normalised (`-1,234.5` -> `-1234.5`, `+3` -> `3`), or "" when there is none.
+    """The last number in the text, normalised (`-1,234.5` -> `-1234.5`, `+3` -> `3`), or "" when
+    there is none.
 
     Understands integers, decimals, a leading sign (also the Unicode minus U+2212),
     exponents (`1e-5`), thousands separators in groups of three, and a trailing
@@ -211,14 +228,16 @@ _BOXED = Pattern(r"\\(?:boxed|fbox)\s*\{")
 @register_extractor("boxed")
 @dataclass(frozen=True, slots=True)
 class Boxed:
-    """The content of the last balanced `\\boxed{...}` (or `\\fbox{...}`), nested braces included, or ""."""
+    """The content of the last balanced `\\boxed{...}` (or `\\fbox{...}`), nested braces
+    included, or ""."""
 
     def __call__(self, text: str) -> str:
         """The boxed content, stripped, or ""."""
         starts = [m.end() for m in _BOXED.finditer(text)]
         if not starts:
             return ""
-        # One pass matching every brace (not a scan to the end per `\boxed{`: that is quadratic on a crafted step).
+        # One pass matching every brace (not a scan to the end per `\boxed{`: that is quadratic on a
+        # crafted step).
         closes: dict[int, int] = {}
         open_at: list[int] = []
         for i, c in enumerate(text):
@@ -243,7 +262,10 @@ class Pipeline:
         object.__setattr__(self, "extractors", tuple(self.extractors))
         for i, e in enumerate(self.extractors):
             if not callable(e):
-                raise ValueError(f"pipeline item {i} is a {type(e).__name__}, not an extractor (a str -> str callable)")
+                raise ValueError(
+                    f"pipeline item {i} is a {type(e).__name__}, not an "
+                    "extractor (a str -> str callable)"
+                )
 
     def __call__(self, text: str) -> str:
         """The text after every extractor."""
@@ -257,18 +279,22 @@ ExtractorSpec = str | Mapping[str, Any] | Extractor
 
 
 def build_extractor(spec: ExtractorSpec) -> Extractor:
-    """Build one extractor from a name, a `{"type": name, **params}` dict, or pass an extractor object through."""
+    """Build one extractor from a name, a `{"type": name, **params}` dict, or pass an extractor
+    object through."""
     if isinstance(spec, str):
         name, params = spec, {}
     elif isinstance(spec, Mapping):
         if not isinstance(spec.get("type"), str):
-            raise ValueError(f"extractor config {dict(spec)!r} needs a 'type' naming one of: {known(EXTRACTORS)}")
+            raise ValueError(
+                f"extractor config {dict(spec)!r} needs a 'type' naming one of: {known(EXTRACTORS)}"
+            )
         name, params = spec["type"], {k: v for k, v in spec.items() if k != "type"}
     elif callable(spec):
         return spec
     else:
         raise ValueError(
-            f"an extractor config item is a {type(spec).__name__}; use a name or a dict with 'type' "
+            f"an extractor config item is a {type(spec).__name__}; use a name or a dict with "
+            "'type' "
             f"(one of: {known(EXTRACTORS)})"
         )
     cls = EXTRACTORS.get(name)
@@ -279,11 +305,14 @@ def build_extractor(spec: ExtractorSpec) -> Extractor:
 
 
 def build_extractors(spec: Sequence[ExtractorSpec] | None) -> Pipeline:
-    """Build a Pipeline from config: a list of names (`"strip_reasoning"`) or dicts (`{"type": "truncate", ...}`)."""
+    """Build a Pipeline from config: a list of names (`"strip_reasoning"`) or dicts (`{"type":
+    "truncate", ...}`)."""
     if spec is None:
         return Pipeline()
     if isinstance(spec, (str, Mapping)):
-        raise ValueError(f"extractors config must be a list, got {spec!r}; wrap a single item in a list")
+        raise ValueError(
+            f"extractors config must be a list, got {spec!r}; wrap a single item in a list"
+        )
     out: list[Extractor] = []
     for i, item in enumerate(spec):
         try:
@@ -294,11 +323,13 @@ def build_extractors(spec: Sequence[ExtractorSpec] | None) -> Pipeline:
 
 
 _ERRORS = (
-    # A shell's or harness's non-zero exit: "[exit code 1]", "exit code: 2", "returncode=1", "exit status 127".
+    # A shell's or harness's non-zero exit: "[exit code 1]", "exit code: 2", "returncode=1", "exit
+    # status 127".
     r"(?i)(?:exit[ _]code|returncode|exit status)\W{0,3}(-?0*[1-9]\d*)",
     # A Python traceback (one per traceback, whatever its depth).
     r"(Traceback \(most recent call last\))",
-    # Failed tests: pytest's "3 failed" summary and per-test "FAILED" lines, unittest's "FAILED (failures=2)".
+    # Failed tests: pytest's "3 failed" summary and per-test "FAILED" lines, unittest's "FAILED
+    # (failures=2)".
     r"(?m)(\d+ failed\b|^FAILED\b.*$|FAILED \((?:failures|errors)=\d+\))",
 )
 
@@ -306,14 +337,18 @@ _ERRORS = (
 @register_extractor("errors")
 @dataclass(frozen=True, slots=True)
 class ErrorLines:
-    """One line per error the text shows: non-zero exit codes, Python tracebacks, failed-test reports.
+    """One line per error the text shows: non-zero exit codes, Python tracebacks, failed-test
+    reports.
 
     `eval` counts them as a baseline a live monitor has without a judge (the `errors` signal); as an
     extractor it hands a criterion only the errors of a step.
     """
 
     _captures: tuple[RegexCapture, ...] = field(
-        default=tuple(RegexCapture(p, all=True) for p in _ERRORS), init=False, repr=False, compare=False
+        default=tuple(RegexCapture(p, all=True) for p in _ERRORS),
+        init=False,
+        repr=False,
+        compare=False,
     )
 
     def __call__(self, text: str) -> str:

@@ -1,4 +1,5 @@
-"""In-process best-of-N: sibling trackers sharing one group, ranked as they run, laggards pruned (async and sync).
+"""In-process best-of-N: sibling trackers sharing one group, ranked as they run, laggards pruned
+(async and sync).
 
 ```python
 from agent_monitor import GroupTracker, Policy
@@ -10,14 +11,14 @@ with GroupTracker("Fix the failing test", judge=judge,
     p = runs[3].update("ran pytest: 3 failed")
     if p.signal and p.signal.pruned:     # an abort: this rollout fell behind its siblings
         stop(3)
-    group.ranking()                      # {"group", "leader", "runs": [{"run_id", "rank", "score", ...}]}
+    group.ranking() # {"group", "leader", "runs": [{"run_id", "rank", "score", ...}]}
     group.end("rollout-0", "success")
 ```
 
-Each sibling is an ordinary tracker (`AsyncProgressTracker` for `AsyncGroupTracker`, `ProgressTracker`
-for `GroupTracker`) made with the group's options; its results go through the group's policy
-(`agent_monitor.groups`) after the run's own, so a pruned run's `Progress.signal` is an abort with
-`pruned=True`, `leader` and the reason, and `on_signal` hears of it like of any abort.
+Each sibling is an ordinary tracker (`AsyncProgressTracker` for `AsyncGroupTracker`,
+`ProgressTracker` for `GroupTracker`) made with the group's options; its results go through the
+group's policy (`agent_monitor.groups`) after the run's own, so a pruned run's `Progress.signal` is
+an abort with `pruned=True`, `leader` and the reason, and `on_signal` hears of it like of any abort.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ T = TypeVar("T", AsyncProgressTracker, ProgressTracker)
 
 
 class _Group:
-    """The group both facades share: its state under a lock (sync siblings may score on several threads)."""
+    """The group both facades share: its state under a lock (sync siblings may score on several
+    threads)."""
 
     def __init__(
         self,
@@ -95,7 +97,8 @@ class _Group:
 async def _tournament(
     group: _Group, trackers: Mapping[str, AsyncProgressTracker], pivots: int
 ) -> Tournament[str] | None:
-    """Order the leaders pointwise scores cannot separate by a pivot tournament of pairwise comparisons."""
+    """Order the leaders pointwise scores cannot separate by a pivot tournament of pairwise
+    comparisons."""
     tied = [r for r in group.tied() if r in trackers]
     if len(tied) < 2:
         return None
@@ -104,9 +107,14 @@ async def _tournament(
     async def pair(a: str, b: str) -> Comparison:
         ta, tb = trackers[a], trackers[b]
         return await compare(
-            first.task, list(ta.steps), list(tb.steps), judge=first.judge, criteria=first.rubric,
-            repeats=first.repeats, min_mass=first.min_mass,
-        )  # fmt: skip
+            first.task,
+            list(ta.steps),
+            list(tb.steps),
+            judge=first.judge,
+            criteria=first.rubric,
+            repeats=first.repeats,
+            min_mass=first.min_mass,
+        )
 
     result = await tournament(tied, pair, pivots=pivots)
     # A failed tournament leaves the pointwise order (fail-open).
@@ -115,7 +123,8 @@ async def _tournament(
 
 
 class _Siblings(Generic[T]):
-    """What both group facades are: the group, the siblings' options and trackers, the ranking read out."""
+    """What both group facades are: the group, the siblings' options and trackers, the ranking
+    read out."""
 
     def __init__(
         self,
@@ -148,11 +157,19 @@ class _Siblings(Generic[T]):
     def _join(self, run_id: str, options: Mapping[str, Any]) -> dict[str, Any]:
         """Add a sibling to the group; the keyword arguments its tracker is made with."""
         if run_id in self.trackers:
-            raise ValueError(f"run {run_id!r} is already in the group; give each sibling its own run id")
+            raise ValueError(
+                f"run {run_id!r} is already in the group; give each sibling its own run id"
+            )
         if "policy" in options:
             raise TypeError("a sibling's policy is the group's; set it on the group")
         self._group.join(run_id)
-        return {"judge": self.judge, "run_id": run_id, "policy": self.policy, **self.options, **options}
+        return {
+            "judge": self.judge,
+            "run_id": run_id,
+            "policy": self.policy,
+            **self.options,
+            **options,
+        }
 
     def ranking(self) -> RankingJSON:
         """The ranking now: `{"group", "leader", "runs": [...]}`, best first."""
@@ -170,7 +187,8 @@ class _Siblings(Generic[T]):
 
 
 class AsyncGroupTracker(_Siblings[AsyncProgressTracker]):
-    """Sibling runs of one task on the event loop: `run(run_id)` gives each its `AsyncProgressTracker`.
+    """Sibling runs of one task on the event loop: `run(run_id)` gives each its
+    `AsyncProgressTracker`.
 
     `policy` (a Policy or a mapping of its settings) is the group's and every sibling's: `keep_top`,
     `prune_margin`, `min_steps`, `patience` decide prunes (see `agent_monitor.groups`); the run
@@ -180,7 +198,8 @@ class AsyncGroupTracker(_Siblings[AsyncProgressTracker]):
     """
 
     def run(self, run_id: str, **options: Any) -> AsyncProgressTracker:
-        """A new sibling's tracker (`options` override the group's for this run; its policy stays the group's)."""
+        """A new sibling's tracker (`options` override the group's for this run; its policy stays
+        the group's)."""
         tracker = AsyncProgressTracker(self.task, **self._join(run_id, options))
         tracker.on_group = lambda p: self._group.verdict(run_id, p)
         self.trackers[run_id] = tracker
@@ -191,42 +210,49 @@ class AsyncGroupTracker(_Siblings[AsyncProgressTracker]):
         self._group.end(run_id, outcome)
 
     async def compare(self, *, pivots: int = DEFAULT_PIVOTS) -> Tournament[str] | None:
-        """Order the leaders whose scores are within their uncertainty by pairwise judge comparisons (both orders).
+        """Order the leaders whose scores are within their uncertainty by pairwise judge comparisons
+        (both orders).
 
-        The pivot tournament (`agent_monitor.tournament`) over the tied leaders orders them in the ranking;
-        pruning stays pointwise. None when pointwise scores separate the leaders (no call made). It costs
-        judge calls (`Tournament.comparisons` comparisons of two calls per criterion): call it when the
-        order matters (e.g. before picking), the daemon's `policy.compare` does it as runs go.
+        The pivot tournament (`agent_monitor.tournament`) over the tied leaders orders them in the
+        ranking; pruning stays pointwise. None when pointwise scores separate the leaders (no call
+        made). It costs judge calls (`Tournament.comparisons` comparisons of two calls per
+        criterion): call it when the order matters (e.g. before picking), the daemon's
+        `policy.compare` does it as runs go.
         """
         return await _tournament(self._group, self.trackers, pivots)
 
 
 class GroupTracker(_Siblings[ProgressTracker]):
-    """The synchronous group: `run(run_id)` gives each sibling a `ProgressTracker`; `close()` closes them all.
+    """The synchronous group: `run(run_id)` gives each sibling a `ProgressTracker`; `close()` closes
+    them all.
 
     Options as for `AsyncGroupTracker`.
     """
 
     def run(self, run_id: str, **options: Any) -> ProgressTracker:
-        """A new sibling's tracker (`options` override the group's for this run; its policy stays the group's)."""
+        """A new sibling's tracker (`options` override the group's for this run; its policy stays
+        the group's)."""
         tracker = ProgressTracker(self.task, **self._join(run_id, options))
         tracker._core.on_group = lambda p: self._group.verdict(run_id, p)
         self.trackers[run_id] = tracker
         return tracker
 
     def end(self, run_id: str, outcome: str | None = None) -> None:
-        """A sibling ended (its rank stays; `outcome` shows in the ranking); its tracker is closed."""
+        """A sibling ended (its rank stays; `outcome` shows in the ranking); its tracker is
+        closed."""
         self._group.end(run_id, outcome)
         tracker = self.trackers.get(run_id)
         if tracker is not None:
             tracker.close()
 
     def compare(self, *, pivots: int = DEFAULT_PIVOTS) -> Tournament[str] | None:
-        """`AsyncGroupTracker.compare`, blocking: order the tied leaders by pairwise judge comparisons."""
+        """`AsyncGroupTracker.compare`, blocking: order the tied leaders by pairwise judge
+        comparisons."""
         cores = {r: t._core for r, t in self.trackers.items()}
         if not cores:
             return None
-        sync = next(iter(self.trackers.values()))._sync  # the siblings' loop: the judge's, or the first's own
+        # the siblings' loop: the judge's, or the first's own
+        sync = next(iter(self.trackers.values()))._sync
         return sync.call(partial(_tournament, self._group, cores, pivots))
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""Group policy: sibling runs of one task ranked as they run, laggards pruned (live best-of-N). Pure logic, no I/O.
+"""Group policy: sibling runs of one task ranked as they run, laggards pruned (live best-of-N). Pure
+logic, no I/O.
 
 A group is the runs that share a `start.group` (or a `GroupTracker`). Its settings are the run
 `Policy`'s: `keep_top`, `prune_margin`, `min_steps`, `patience`, `max_uncertainty` (and `compare`,
@@ -20,8 +21,8 @@ runs with no score last, then the order they joined. Rank 1 is the `leader`.
 API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
 
 - `GroupState(group, policy, max_runs=None)`: one group's memory.
-- `.join(run_id) -> GroupUpdate`: a run joins (a live member again: no change; an ended or pruned one
-  joining again is a new run under that id; `GroupFull` past `max_runs`).
+- `.join(run_id) -> GroupUpdate`: a run joins (a live member again: no change; an ended or pruned
+  one joining again is a new run under that id; `GroupFull` past `max_runs`).
 - `.observe(run_id, step=, score=, uncertainty=, ok=, decide=True) -> GroupUpdate` (or
   `.observe_progress(run_id, p)`): fold one scoring of that run, in the run's step order;
   `update.prunes` lists the runs pruned now (`decide=False`: count, never prune; for rebuilding).
@@ -29,7 +30,8 @@ API (stable; the daemon, `GroupTracker` and `eval --groups` use it):
   `.restore(ranked_run)`: take a pruned or ended run from a published ranking (a restart).
 - `.end(run_id, outcome=None) -> GroupUpdate`: the run ended (its rank stays, state "ended").
 - `.set_order(run_ids)`: a pairwise verdict on the order of some runs (e.g. the pivot tournament's),
-  used as the tie-break among runs whose pointwise scores cannot be separated; cleared by `set_order(())`.
+  used as the tie-break among runs whose pointwise scores cannot be separated; cleared by
+  `set_order(())`.
 - `.ranking() -> RankingJSON`, `.ranked() -> list[Member]`, `.leader`, `.live`, `.members`, `.done`.
 - `GroupUpdate.changed`: the order or a state changed (publish the ranking now).
 """
@@ -54,9 +56,16 @@ GROUP_NAME_MAX = 128
 
 
 GROUP_SETTINGS = (
-    "keep_top", "prune_margin", "min_steps", "patience", "max_uncertainty", "compare", "uniform_confidence",
-)  # fmt: skip
-"""The policy settings a group acts on: one value per group, fixed by its first run (or the monitor's flags)."""
+    "keep_top",
+    "prune_margin",
+    "min_steps",
+    "patience",
+    "max_uncertainty",
+    "compare",
+    "uniform_confidence",
+)
+"""The policy settings a group acts on: one value per group, fixed by its first run (or the
+monitor's flags)."""
 
 
 def group_settings(policy: Policy) -> dict[str, Any]:
@@ -65,7 +74,8 @@ def group_settings(policy: Policy) -> dict[str, Any]:
 
 
 def group_mac(secret: str | bytes, run_id: str, started_at: float | None, group: str) -> str:
-    """The hex HMAC-SHA256 a harness puts in `start.auth` to join `group` when the monitor has a group secret.
+    """The hex HMAC-SHA256 a harness puts in `start.auth` to join `group` when the monitor has a
+    group secret.
 
     Signed: `"{run_id}\n{started_at:.3f}\n{group}"` (started_at empty when the start gives none).
     """
@@ -95,19 +105,23 @@ UniformCall = Literal["all_fail", "all_pass"]
 
 
 class UniformJSON(TypedDict):
-    """A group flagged early: its runs' outcomes will be all alike (no variance, no gradient), with this confidence."""
+    """A group flagged early: its runs' outcomes will be all alike (no variance, no gradient),
+    with this confidence."""
 
     call: UniformCall
     confidence: float
-    """1 - N * (the largest member p-value): the rule's lower bound on P(the call is right); see docs/groups.md."""
+    """1 - N * (the largest member p-value): the rule's lower bound on P(the call is right); see
+    docs/groups.md."""
     at_step: int
     """The newest step any member had reached when the group first got this call."""
     runs: int
-    """The members the call covers (a run joining later withdraws it until that run is called too)."""
+    """The members the call covers (a run joining later withdraws it until that run is called
+    too)."""
 
 
 class RankingJSON(TypedDict):
-    """The JSON form of a group's ranking: the retained `{prefix}/_groups/{group}/ranking` message."""
+    """The JSON form of a group's ranking: the retained `{prefix}/_groups/{group}/ranking`
+    message."""
 
     group: str
     leader: str | None
@@ -117,7 +131,8 @@ class RankingJSON(TypedDict):
 
 @dataclass(slots=True)
 class Member:
-    """One sibling: its state, its latest counted scoring and how many scored steps in a row it has been behind."""
+    """One sibling: its state, its latest counted scoring and how many scored steps in a row it
+    has been behind."""
 
     run_id: str
     order: int
@@ -130,7 +145,8 @@ class Member:
     last_step: int = -1
     """The newest step observed (scored or not): older results do not move the group backwards."""
     fail_p: float = 1.0
-    """The conformal p-value of "this run will fail" (small: the calibrated rule calls it a failure; 1: no call)."""
+    """The conformal p-value of "this run will fail" (small: the calibrated rule calls it a
+    failure; 1: no call)."""
     pass_p: float = 1.0
     """The conformal p-value of "this run will pass"."""
 
@@ -148,7 +164,8 @@ class Prune:
     threshold_score: float
 
     def decision(self, p: Progress) -> Decision:
-        """The abort this prune makes of the result `p` (marked pruned; the run's own decision's context kept)."""
+        """The abort this prune makes of the result `p` (marked pruned; the run's own decision's
+        context kept)."""
         d = p.signal
         return Decision(
             signal="abort",
@@ -167,7 +184,8 @@ class Prune:
 
 @dataclass(frozen=True, slots=True)
 class GroupUpdate:
-    """What one event did to a group: the runs pruned now, and whether the published ranking must change."""
+    """What one event did to a group: the runs pruned now, and whether the published ranking must
+    change."""
 
     changed: bool
     prunes: tuple[Prune, ...] = ()
@@ -175,13 +193,15 @@ class GroupUpdate:
 
 
 def combined_uncertainty(a: float | None, b: float | None) -> float:
-    """Two independent scores' combined uncertainty: the root sum of squares (a missing one counts 0)."""
+    """Two independent scores' combined uncertainty: the root sum of squares (a missing one
+    counts 0)."""
     return math.hypot(a or 0.0, b or 0.0)
 
 
 @dataclass(slots=True)
 class GroupState:
-    """One group of sibling runs: their latest scores, states and the prune decisions (see the module docs)."""
+    """One group of sibling runs: their latest scores, states and the prune decisions (see the
+    module docs)."""
 
     group: str
     policy: Policy
@@ -191,7 +211,8 @@ class GroupState:
     _published: tuple[Any, ...] | None = None
     _uniform: UniformJSON | None = None
     contradicted: UniformCall | None = None
-    """A call an outcome proved wrong (a success in an "all_fail" group, a failure in an "all_pass" one)."""
+    """A call an outcome proved wrong (a success in an "all_fail" group, a failure in an
+    "all_pass" one)."""
 
     @property
     def members(self) -> Mapping[str, Member]:
@@ -215,9 +236,11 @@ class GroupState:
         return ranked[0].run_id if ranked else None
 
     def join(self, run_id: str) -> GroupUpdate:
-        """A run joins the group (a live one again: nothing changes); `GroupFull` when it has `max_runs` runs already.
+        """A run joins the group (a live one again: nothing changes); `GroupFull` when it has
+        `max_runs` runs already.
 
-        A run id that ended or was pruned and joins again is a new run under the same id: it starts afresh.
+        A run id that ended or was pruned and joins again is a new run under the same id: it starts
+        afresh.
         """
         old = self._members.get(run_id)
         if old is not None and old.state != "live":
@@ -225,7 +248,8 @@ class GroupState:
         if run_id not in self._members:
             if self.max_runs is not None and len(self._members) >= self.max_runs:
                 raise GroupFull(
-                    f"group {self.group!r} already has {len(self._members)} runs (the most allowed); "
+                    f"group {self.group!r} already has {len(self._members)} runs (the most "
+                    "allowed); "
                     "start the run in another group or raise the limit"
                 )
             self._members[run_id] = Member(run_id=run_id, order=len(self._members))
@@ -233,7 +257,9 @@ class GroupState:
 
     def observe_progress(self, run_id: str, p: Progress, *, decide: bool = True) -> GroupUpdate:
         """Fold one of the run's results (see `observe`)."""
-        return self.observe(run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok, decide=decide)
+        return self.observe(
+            run_id, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.ok, decide=decide
+        )
 
     def observe(
         self,
@@ -245,14 +271,16 @@ class GroupState:
         ok: bool = True,
         decide: bool = True,
     ) -> GroupUpdate:
-        """Fold one scoring of a member run (in that run's step order) and decide whether it is pruned now.
+        """Fold one scoring of a member run (in that run's step order) and decide whether it is
+        pruned now.
 
-        `decide=False` (rebuilding a group after a restart) counts streaks but prunes nothing: a prune
-        is a decision taken once, live, and restored as it was (`prune`).
+        `decide=False` (rebuilding a group after a restart) counts streaks but prunes nothing: a
+        prune is a decision taken once, live, and restored as it was (`prune`).
         """
         m = self._member(run_id)
         if m.state != "live" or step <= m.last_step:
-            # Final states stay; an older result (a slow concurrent scoring) does not move the group backwards.
+            # Final states stay; an older result (a slow concurrent scoring) does not move the group
+            # backwards.
             return self._update()
         m.last_step = step
         if not ok or score is None or not math.isfinite(score):
@@ -277,8 +305,10 @@ class GroupState:
                 m.state = "pruned"
                 leader = self.leader
                 reason = (
-                    f"pruned: score {score:.2f} stayed more than {pol.prune_margin:g} below the {_nth(pol.keep_top)} "
-                    f"best live sibling ({kth.run_id}: {kth.score:.2f}) for {pol.patience} scored steps"
+                    f"pruned: score {score:.2f} stayed more than {pol.prune_margin:g} below "
+                    f"the {_nth(pol.keep_top)} "
+                    f"best live sibling ({kth.run_id}: {kth.score:.2f}) for {pol.patience} "
+                    "scored steps"
                 )
                 prunes = (
                     Prune(
@@ -298,8 +328,8 @@ class GroupState:
         m = self._member(run_id)
         if outcome is not None:
             m.outcome = str(outcome)
-            # A known outcome is certain: the member's call is settled (an unknown one, e.g. an infra
-            # failure, settles nothing and keeps whatever the scores said).
+            # A known outcome is certain: the member's call is settled (an unknown one, e.g. an
+            # infra failure, settles nothing and keeps whatever the scores said).
             if m.outcome == "success":
                 m.fail_p, m.pass_p = 1.0, 0.0
             elif m.outcome == "failure":
@@ -314,18 +344,21 @@ class GroupState:
         return self._uniform
 
     def call(self, run_id: str, *, fail_p: float, pass_p: float) -> GroupUpdate:
-        """Set a live member's calls: the p-values of "it will fail" and "it will pass" (see `agent_monitor.calibration`)."""
+        """Set a live member's calls: the p-values of "it will fail" and "it will pass" (see
+        `agent_monitor.calibration`)."""
         m = self._member(run_id)
         if m.state == "live":
             m.fail_p, m.pass_p = _p(fail_p), _p(pass_p)
         return self._update()
 
     def uniform(self) -> UniformJSON | None:
-        """The group's early call, if the policy's `uniform_confidence` is met (None: no call, or the flag is off).
+        """The group's early call, if the policy's `uniform_confidence` is met (None: no call, or
+        the flag is off).
 
-        A group of N members is called all-fail when 1 - N * max(fail p-values) >= uniform_confidence
-        (all-pass likewise): a union bound, valid however the members' outcomes depend on each other.
-        A member with no call (no counted scores, a failing judge, an unknown end) has p = 1: no flag.
+        A group of N members is called all-fail when 1 - N * max(fail p-values) >=
+        uniform_confidence (all-pass likewise): a union bound, valid however the members' outcomes
+        depend on each other. A member with no call (no counted scores, a failing judge, an unknown
+        end) has p = 1: no flag.
         """
         need = self.policy.uniform_confidence
         n = len(self._members)
@@ -339,7 +372,11 @@ class GroupState:
             confidence = 1.0 - n * max(ps)
             if confidence >= need:
                 prev = self._uniform
-                at = prev["at_step"] if prev is not None and prev["call"] == call else self._newest_step()
+                at = (
+                    prev["at_step"]
+                    if prev is not None and prev["call"] == call
+                    else self._newest_step()
+                )
                 return {"call": call, "confidence": round(confidence, 6), "at_step": at, "runs": n}
         return None
 
@@ -352,7 +389,8 @@ class GroupState:
             m.last_step = max(m.last_step, step)
 
     def restore(self, run: Mapping[str, Any]) -> None:
-        """Take a run that is no longer live from a published ranking (`RankedRunJSON`); a member already here stays."""
+        """Take a run that is no longer live from a published ranking (`RankedRunJSON`); a member
+        already here stays."""
         run_id = str(run["run_id"])
         state = run.get("state")
         if run_id in self._members or state not in ("pruned", "ended"):
@@ -373,15 +411,18 @@ class GroupState:
             m.fail_p, m.pass_p = (1.0, 0.0) if m.outcome == "success" else (0.0, 1.0)
 
     def set_order(self, run_ids: Sequence[str]) -> GroupUpdate:
-        """A pairwise order of some runs (best first): the tie-break among scores that cannot be separated."""
+        """A pairwise order of some runs (best first): the tie-break among scores that cannot be
+        separated."""
         self._pairwise = {r: i for i, r in enumerate(run_ids) if r in self._members}
         return self._update()
 
     def tied_leaders(self) -> list[str]:
-        """The live runs whose scores are within their combined uncertainty of the best live run's (best first).
+        """The live runs whose scores are within their combined uncertainty of the best live run's
+        (best first).
 
-        With `policy.compare`, these are the candidates a pairwise comparison should order; fewer than two:
-        pointwise scores separate the leaders. The best live run is the one with the highest score.
+        With `policy.compare`, these are the candidates a pairwise comparison should order; fewer
+        than two: pointwise scores separate the leaders. The best live run is the one with the
+        highest score.
         """
         live = [m for m in self._pointwise() if m.state == "live" and m.score is not None]
         if not live:
@@ -390,13 +431,15 @@ class GroupState:
         tied = [
             m
             for m in live
-            if (top.score or 0.0) - (m.score or 0.0) <= combined_uncertainty(top.uncertainty, m.uncertainty)
+            if (top.score or 0.0) - (m.score or 0.0)
+            <= combined_uncertainty(top.uncertainty, m.uncertainty)
         ]
         order = {m.run_id: i for i, m in enumerate(self.ranked())}
         return sorted((m.run_id for m in tied), key=order.__getitem__)
 
     def ranked(self) -> list[Member]:
-        """The members, best first (see the module docs for the order; a pairwise order reorders tied leaders)."""
+        """The members, best first (see the module docs for the order; a pairwise order reorders
+        tied leaders)."""
         base = self._pointwise()
         if not self._pairwise:
             return base
@@ -440,7 +483,11 @@ class GroupState:
             if m.outcome is not None:
                 r["outcome"] = m.outcome
             runs.append(r)
-        out: RankingJSON = {"group": self.group, "leader": runs[0]["run_id"] if runs else None, "runs": runs}
+        out: RankingJSON = {
+            "group": self.group,
+            "leader": runs[0]["run_id"] if runs else None,
+            "runs": runs,
+        }
         if self._uniform is not None:
             out["uniform"] = self._uniform
         return out
@@ -451,12 +498,16 @@ class GroupState:
         try:
             return self._members[run_id]
         except KeyError:
-            raise KeyError(f"run {run_id!r} is not in group {self.group!r}; join it first") from None
+            raise KeyError(
+                f"run {run_id!r} is not in group {self.group!r}; join it first"
+            ) from None
 
     def prune_line(self, run_id: str) -> float | None:
-        """The score below which a live member falls behind (the `keep_top`-th best sibling's less `prune_margin`).
+        """The score below which a live member falls behind (the `keep_top`-th best sibling's less
+        `prune_margin`).
 
-        None: no pruning in this group, the run is not live in it, or it has too few scored siblings.
+        None: no pruning in this group, the run is not live in it, or it has too few scored
+        siblings.
         """
         m = self._members.get(run_id)
         if self.policy.prune_margin is None or m is None or m.state != "live":
@@ -465,10 +516,15 @@ class GroupState:
         return None if kth is None or kth.score is None else kth.score - self.policy.prune_margin
 
     def _kth_sibling(self, m: Member) -> Member | None:
-        """The `keep_top`-th best scored live sibling of `m` (None: fewer than `keep_top` of them)."""
+        """The `keep_top`-th best scored live sibling of `m` (None: fewer than `keep_top` of
+        them)."""
         k = self.policy.keep_top
         siblings = sorted(
-            (s for s in self._members.values() if s is not m and s.state == "live" and s.score is not None),
+            (
+                s
+                for s in self._members.values()
+                if s is not m and s.state == "live" and s.score is not None
+            ),
             key=lambda s: (-(s.score or 0.0), s.order),
         )
         return siblings[k - 1] if len(siblings) >= k else None
@@ -488,15 +544,22 @@ class GroupState:
     def _update(self, prunes: tuple[Prune, ...] = ()) -> GroupUpdate:
         self._refresh_uniform()
         ranking = self.ranking()
-        # What a subscriber sees change: the order, the states and the scores (to 3 decimals). The ranking is
-        # retained: a late subscriber reads the last one published, so a score that only rode along on an
-        # order change stayed stale there (`score: null` long after every run was scored). At most one
-        # publication per scoring of a member.
+        # What a subscriber sees change: the order, the states and the scores (to 3 decimals). The
+        # ranking is retained: a late subscriber reads the last one published, so a score that only
+        # rode along on an order change stayed stale there (`score: null` long after every run was
+        # scored). At most one publication per scoring of a member.
         shape: tuple[Any, ...] = tuple(
-            (r["run_id"], r["state"], r.get("outcome"), None if r["score"] is None else round(r["score"], 3))
+            (
+                r["run_id"],
+                r["state"],
+                r.get("outcome"),
+                None if r["score"] is None else round(r["score"], 3),
+            )
             for r in ranking["runs"]
         )
-        shape += (None if self._uniform is None else (self._uniform["call"], self._uniform["runs"]),)
+        shape += (
+            None if self._uniform is None else (self._uniform["call"], self._uniform["runs"]),
+        )
         changed = shape != self._published
         self._published = shape
         return GroupUpdate(changed=changed, prunes=prunes, ranking=ranking)
@@ -518,7 +581,8 @@ def _nth(k: int) -> str:
 
 
 def replay(group: str, policy: Policy, events: Iterable[tuple[str, str, Any]]) -> GroupState:
-    """A group rebuilt from its events in time order: ("join", run_id, None), ("score", run_id, Progress), ("end", run_id, outcome)."""
+    """A group rebuilt from its events in time order: ("join", run_id, None), ("score", run_id,
+    Progress), ("end", run_id, outcome)."""
     g = GroupState(group, policy)
     for kind, run_id, value in events:
         if kind == "join":

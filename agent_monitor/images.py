@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
 ImageInput: TypeAlias = "str | Path | bytes | PILImage | Frame"
-"""What the in-process hook accepts as an image: a file path, encoded bytes, a PIL image, or a Frame."""
+"""What the in-process hook accepts as an image: a file path, encoded bytes, a PIL image, or a
+Frame."""
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_PIXELS = 50_000_000
@@ -85,7 +86,9 @@ def load_image(
         try:
             size = path.stat().st_size
             if size > max_bytes:
-                raise ImageError(f"image file {path} has {size} bytes, over the limit of {max_bytes}")
+                raise ImageError(
+                    f"image file {path} has {size} bytes, over the limit of {max_bytes}"
+                )
             data = path.read_bytes()
         except OSError as e:
             raise ImageError(f"cannot read image file {path}: {e.strerror}") from None
@@ -94,7 +97,9 @@ def load_image(
         return _from_bytes(bytes(src), max_side, max_pixels, max_bytes)
     if hasattr(src, "save") and hasattr(src, "size"):
         return _encode(src, max_side, "image/png")
-    raise ImageError(f"unsupported image type {type(src).__name__}; pass a path, bytes or a PIL image")
+    raise ImageError(
+        f"unsupported image type {type(src).__name__}; pass a path, bytes or a PIL image"
+    )
 
 
 def _from_bytes(data: bytes, max_side: int | None, max_pixels: int, max_bytes: int) -> Frame:
@@ -106,7 +111,13 @@ def _from_bytes(data: bytes, max_side: int | None, max_pixels: int, max_bytes: i
     img = _decode(data, max_pixels)
     if max_side is not None and max(img.size) > max_side:
         return _encode(img, max_side, mime)
-    return Frame(data=data, mime=mime, width=img.size[0], height=img.size[1], digest=hashlib.sha256(data).hexdigest())
+    return Frame(
+        data=data,
+        mime=mime,
+        width=img.size[0],
+        height=img.size[1],
+        digest=hashlib.sha256(data).hexdigest(),
+    )
 
 
 def _decode(data: bytes, max_pixels: int) -> Any:
@@ -146,18 +157,21 @@ def _encode(img: Any, max_side: int | None, mime: str) -> Frame:
 
 @dataclass(frozen=True, slots=True)
 class FrameBudget:
-    """Which frames of a run go to the judge: strided anchors spanning the whole run, plus the last `recent`.
+    """Which frames of a run go to the judge: strided anchors spanning the whole run, plus the last
+    `recent`.
 
-    The rule: frame `o` (0-based, counted over the run) is an *anchor* when it is a multiple of the stride
-    in force at `o`. The stride is `every` for the first `per_stride * every` frames and doubles each time
-    the run's length doubles after that (frames `[per_stride * every * 2**(j-1), per_stride * every * 2**j)`
-    have stride `every * 2**j`). Anchors are placed after their own step's text and never leave the prompt
-    (appended only, so the prompt stays a prefix of the next one), and the gap between two anchors is at most
-    `2 / per_stride` of the run so far: the frames the judge sees always span the whole run.
+    The rule: frame `o` (0-based, counted over the run) is an *anchor* when it is a multiple of the
+    stride in force at `o`. The stride is `every` for the first `per_stride * every` frames and
+    doubles each time the run's length doubles after that (frames `[per_stride * every * 2**(j-1),
+    per_stride * every * 2**j)` have stride `every * 2**j`). Anchors are placed after their own
+    step's text and never leave the prompt (appended only, so the prompt stays a prefix of the next
+    one), and the gap between two anchors is at most `2 / per_stride` of the run so far: the frames
+    the judge sees always span the whole run.
 
-    Cost: after `n` frames the prompt holds `per_stride + per_stride / 2 * ceil(log2(n / (per_stride * every)))`
-    anchors plus `recent` tail frames (defaults: 51 images at 500 frames, 108 at 6,000, 124 at 12,000; at 10 Hz the widest gap between anchors is 25.6 s at 10 minutes). The
-    `recent` newest frames that are not anchors go in the prompt's tail, where changes cost nothing for
+    Cost: after `n` frames the prompt holds `per_stride + per_stride / 2 * ceil(log2(n / (per_stride
+    * every)))` anchors plus `recent` tail frames (defaults: 51 images at 500 frames, 108 at 6,000,
+    124 at 12,000; at 10 Hz the widest gap between anchors is 25.6 s at 10 minutes). The `recent`
+    newest frames that are not anchors go in the prompt's tail, where changes cost nothing for
     prefix reuse.
     """
 
@@ -167,14 +181,17 @@ class FrameBudget:
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.recent < 0 or self.per_stride < 2 or self.per_stride % 2:
-            raise ValueError("FrameBudget needs every >= 1, recent >= 0 and an even per_stride >= 2")
+            raise ValueError(
+                "FrameBudget needs every >= 1, recent >= 0 and an even per_stride >= 2"
+            )
 
     def stride(self, ordinal: int) -> int:
         """The anchor stride in force at frame `ordinal`."""
         return self.every << (ordinal // (self.per_stride * self.every)).bit_length()
 
     def is_anchor(self, ordinal: int) -> bool:
-        """Whether frame `ordinal` (0-based) is an anchor: shown inline from its step on, for good."""
+        """Whether frame `ordinal` (0-based) is an anchor: shown inline from its step on, for
+        good."""
         return ordinal >= 0 and ordinal % self.stride(ordinal) == 0
 
     def anchors(self, total: int) -> list[int]:
@@ -187,7 +204,8 @@ class FrameBudget:
         return out
 
     def select(self, total: int) -> tuple[list[int], list[int]]:
-        """Given a run's frame count, the ordinals (0-based) of anchor frames and of recent tail frames."""
+        """Given a run's frame count, the ordinals (0-based) of anchor frames and of recent tail
+        frames."""
         anchors = self.anchors(total)
         recent = [i for i in range(max(0, total - self.recent), total) if not self.is_anchor(i)]
         return anchors, recent

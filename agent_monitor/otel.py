@@ -1,4 +1,5 @@
-"""OpenTelemetry GenAI evaluation events: each scored step becomes `gen_ai.evaluation.result` log events.
+"""OpenTelemetry GenAI evaluation events: each scored step becomes `gen_ai.evaluation.result` log
+events.
 
 The GenAI semantic conventions (status: development) define the event `gen_ai.evaluation.result`;
 in the Python SDK an event is a LogRecord with `event_name` set, emitted through the Logs API.
@@ -35,7 +36,8 @@ Attributes = dict[str, AttributeValue]
 
 
 def evaluation_attributes(progress: Progress, criteria: Sequence[str] = ()) -> list[Attributes]:
-    """The attributes of the `gen_ai.evaluation.result` events for one result, one mapping per event.
+    """The attributes of the `gen_ai.evaluation.result` events for one result, one mapping per
+    event.
 
     A scored result gives one event per criterion it scored (silent rule criteria give none), named
     after the criterion, with its score, its most likely letter as the label, and a short why. A
@@ -99,7 +101,11 @@ def _explain(c: CriterionScore, progress: Progress) -> str:
         top = sorted(c.letters.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
         spelled = ", ".join(f"{letter} {p:.0%}" for letter, p in top)
         how = "sampled, letter mass" if c.source == "sampled" else "letter mass"
-        why = f"{spelled} ({how} {c.mass:.2f}" + (f", {c.repeats} repeats" if c.repeats > 1 else "") + ")"
+        why = (
+            f"{spelled} ({how} {c.mass:.2f}"
+            + (f", {c.repeats} repeats" if c.repeats > 1 else "")
+            + ")"
+        )
     d = progress.signal
     if d is not None and d.signal != "continue":
         why += f"; {d.signal}: {d.reason}"
@@ -115,13 +121,15 @@ def _require_otel() -> Any:
         import opentelemetry._logs as logs
     except ImportError as e:
         raise ImportError(
-            f"OpenTelemetry events need the opentelemetry packages ({e.name} is missing): {INSTALL_HINT}"
+            f"OpenTelemetry events need the opentelemetry packages ({e.name} is missing): "
+            f"{INSTALL_HINT}"
         ) from None
     return logs
 
 
 def current_context() -> Context:
-    """The caller's OpenTelemetry context (its active span), to attach a later event to (needs the otel extra)."""
+    """The caller's OpenTelemetry context (its active span), to attach a later event to (needs
+    the otel extra)."""
     _require_otel()
     from opentelemetry.context import get_current
 
@@ -129,7 +137,8 @@ def current_context() -> Context:
 
 
 async def in_context(context: Context, fn: Callable[[], Awaitable[T]]) -> T:
-    """Await `fn()` with `context` current (a caller's spans carried to another thread's event loop)."""
+    """Await `fn()` with `context` current (a caller's spans carried to another thread's event
+    loop)."""
     from opentelemetry.context import attach, detach
 
     token = attach(context)
@@ -140,7 +149,8 @@ async def in_context(context: Context, fn: Callable[[], Awaitable[T]]) -> T:
 
 
 def detached_context() -> Context:
-    """A context with no span: events emitted in it belong to no trace (the daemon's: its runs come over MQTT)."""
+    """A context with no span: events emitted in it belong to no trace (the daemon's: its runs
+    come over MQTT)."""
     _require_otel()
     from opentelemetry.context import Context
     from opentelemetry.trace import INVALID_SPAN, set_span_in_context
@@ -150,13 +160,19 @@ def detached_context() -> Context:
 
 
 def span_context(trace_id: str, span_id: str) -> Context:
-    """A context whose span is another process's (hex ids): events emitted in it carry that trace and span id."""
+    """A context whose span is another process's (hex ids): events emitted in it carry that trace
+    and span id."""
     _require_otel()
     from opentelemetry.context import Context
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
     span = NonRecordingSpan(
-        SpanContext(int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+        SpanContext(
+            int(trace_id, 16),
+            int(span_id, 16),
+            is_remote=True,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        )
     )
     return set_span_in_context(span, Context())
 
@@ -181,15 +197,24 @@ class EvaluationEmitter:
         self.logger: Logger = logs.get_logger("agent_monitor", v, logger_provider=provider)
         self._record = logs.LogRecord
 
-    def emit(self, progress: Progress, *, criteria: Sequence[str] = (), context: Context | None = None) -> int:
+    def emit(
+        self, progress: Progress, *, criteria: Sequence[str] = (), context: Context | None = None
+    ) -> int:
         """Emit the events of one result in `context` (None: the current one); return how many."""
         return self.emit_attributes(evaluation_attributes(progress, criteria), context=context)
 
-    def emit_attributes(self, events: Sequence[Attributes], *, context: Context | None = None) -> int:
-        """Emit one event per attribute mapping (from `evaluation_attributes`) in `context`; return how many."""
+    def emit_attributes(
+        self, events: Sequence[Attributes], *, context: Context | None = None
+    ) -> int:
+        """Emit one event per attribute mapping (from `evaluation_attributes`) in `context`;
+        return how many."""
         now = time.time_ns()
         for attrs in events:
-            self.logger.emit(self._record(timestamp=now, context=context, event_name=EVENT_NAME, attributes=attrs))
+            self.logger.emit(
+                self._record(
+                    timestamp=now, context=context, event_name=EVENT_NAME, attributes=attrs
+                )
+            )
         return len(events)
 
 

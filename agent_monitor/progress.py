@@ -1,4 +1,5 @@
-"""The one vocabulary of results: Progress, Decision, signal names and error reasons, with exactly one JSON form.
+"""The one vocabulary of results: Progress, Decision, signal names and error reasons, with exactly
+one JSON form.
 
 A scored prefix is a `Progress`; the run policy's verdict on it is a `Decision`. Their JSON
 form (`Progress.to_json`, `Decision.to_json`) is what the MQTT progress and signal messages
@@ -20,13 +21,23 @@ Signal = Literal["continue", "abort", "resample", "done"]
 """What the harness should do with a run now."""
 SIGNALS: tuple[Signal, ...] = get_args(Signal)
 StopKind = Literal["judged", "infra"]
-"""Why a run was stopped: the judge's scores said so ("judged"), or the judge or the plumbing failed ("infra").
-A trainer drops an infra-stopped rollout without penalising the policy; a judged stop is a verdict on it."""
+"""Why a run was stopped: the judge's scores said so ("judged"), or the judge or the plumbing failed
+("infra"). A trainer drops an infra-stopped rollout without penalising the policy; a judged stop is
+a verdict on it."""
 
 OUTAGE_REASONS = frozenset(
-    {"timeout", "connection", "server_error", "rate_limited", "judge_unavailable", "judge_exception", "inference"}
+    {
+        "timeout",
+        "connection",
+        "server_error",
+        "rate_limited",
+        "judge_unavailable",
+        "judge_exception",
+        "inference",
+    }
 )
-"""Judge failures that say the judge was down, not that the prompt or answer was bad: retried on recovery."""
+"""Judge failures that say the judge was down, not that the prompt or answer was bad: retried on
+recovery."""
 
 FAILURES: Mapping[str, str] = {
     # The judge call failed.
@@ -40,7 +51,8 @@ FAILURES: Mapping[str, str] = {
     "no_model": "the judge server lists no model",
     "client_error": "the judge client failed before reaching the server",
     "bad_response": "the judge's answer could not be read",
-    "no_logprobs": "the judge server answered without logprobs (set it up to return them, or --judge-sampled)",
+    "no_logprobs": "the judge server answered without logprobs (set it up to return them, or "
+    "--judge-sampled)",
     "chat_template": "the local model's chat template failed",
     "context_overflow": "the prompt does not fit the judge's context",
     "inference": "the local model failed to evaluate the prompt",
@@ -53,7 +65,8 @@ FAILURES: Mapping[str, str] = {
     "no_answer": "a repeat returned no answer position",
     "missing_repeats": "fewer repeats came back than were asked for",
     "no_opinion": "no criterion could be scored (silent rules, no judge criterion)",
-    "extractor_timeout": "a step's extractors or a criterion's rules ran over their time budget (untrusted text)",
+    "extractor_timeout": "a step's extractors or a criterion's rules ran over their time "
+    "budget (untrusted text)",
     "scoring_failed": "scoring failed inside the monitor (a bug; the log has the traceback)",
 }
 """Why a Progress has no score (`Progress.reason`), and what each reason means."""
@@ -62,7 +75,8 @@ REFUSALS: Mapping[str, str] = {
     "payload_too_large": "the payload is over the size limit",
     "bad_json": "the payload is not UTF-8 JSON",
     "bad_topic": "the topic is not {prefix}/{run_id}/{start|step|end}",
-    "unknown_topic": "the topic's last level is not start, step or end (a typo such as steps); reported on {prefix}/_errors",
+    "unknown_topic": "the topic's last level is not start, step or end (a typo such as "
+    "steps); reported on {prefix}/_errors",
     "invalid": "the payload does not match its schema",
     "bad_image": "an image is not inline base64 PNG/JPEG/GIF/WebP, or is not allowed",
     "no_start": "steps came for a run whose start never came",
@@ -71,22 +85,28 @@ REFUSALS: Mapping[str, str] = {
     "unknown_run": "an end for a run the monitor does not know",
     "step_gap": "steps never arrived; later steps were scored without them",
     "index_too_far": "a step index too far ahead of the next expected step",
-    "conflict": "a step re-sent under an index already taken, with different content; the first one stays",
+    "conflict": "a step re-sent under an index already taken, with different content; the "
+    "first one stays",
     "too_many_held": "too many steps waiting for their start or for missing steps",
     "run_rejected": "a start the monitor cannot use",
-    "group_refused": "the start may not join the group it names (no valid group auth, other group settings, a group "
+    "group_refused": "the start may not join the group it names (no valid group auth, other "
+    "group settings, a group "
     "limit); the run is scored on its own, in no group",
-    "group_split": "the group's name is in use by runs of another task, rubric or group settings; the run ranks with "
+    "group_split": "the group's name is in use by runs of another task, rubric or group "
+    "settings; the run ranks with "
     "the runs like it in {group}~{key}",
-    "retained": "an input came with the MQTT retain flag (a stored copy replayed on every subscription); ignored",
+    "retained": "an input came with the MQTT retain flag (a stored copy replayed on every "
+    "subscription); ignored",
 }
-"""Why the monitor refused (or could not fully use) an input event: the `reason` of an error message."""
+"""Why the monitor refused (or could not fully use) an input event: the `reason` of an error
+message."""
 
 NOTICES: Mapping[str, str] = {
     "evicted": "the monitor follows at most --max-runs runs; the run idle the longest was dropped",
     "scoring_failed": FAILURES["scoring_failed"],
 }
-"""Errors that are the monitor's own doing, not the harness's: published like refusals, not counted as invalid."""
+"""Errors that are the monitor's own doing, not the harness's: published like refusals, not
+counted as invalid."""
 
 ERROR_REASONS: tuple[str, ...] = tuple(dict.fromkeys([*REFUSALS, *NOTICES]))
 """Every `reason` an error message can carry."""
@@ -101,8 +121,9 @@ def finite(x: float | None) -> float | None:
 class Usage:
     """Tokens spent on a judge call (or summed over many); `input_tokens` includes the cached ones.
 
-    Every backend reports it so: OpenAI's `prompt_tokens` and Gemini's `prompt_token_count` include the
-    tokens served from the provider's cache, and the local judge counts its reused KV prefix in both.
+    Every backend reports it so: OpenAI's `prompt_tokens` and Gemini's `prompt_token_count` include
+    the tokens served from the provider's cache, and the local judge counts its reused KV prefix in
+    both.
     """
 
     input_tokens: int = 0
@@ -133,11 +154,12 @@ _PER_TOKENS = 1_000_000
 
 @dataclass(frozen=True, slots=True)
 class Prices:
-    """What the judge's tokens cost, in USD per million tokens: `Prices(input=2.5, output=10.0, cached_input=1.25)`.
+    """What the judge's tokens cost, in USD per million tokens: `Prices(input=2.5, output=10.0,
+    cached_input=1.25)`.
 
-    `input` is the price of input tokens not served from the provider's cache; `cached_input` the price of
-    those that were, and None bills them as ordinary input (an upper bound where the provider discounts
-    them). Negative or non-finite prices are refused.
+    `input` is the price of input tokens not served from the provider's cache; `cached_input` the
+    price of those that were, and None bills them as ordinary input (an upper bound where the
+    provider discounts them). Negative or non-finite prices are refused.
     """
 
     input: float
@@ -149,14 +171,25 @@ class Prices:
             value = getattr(self, name)
             if value is None and name == "cached_input":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise ValueError(
-                    f"Prices {name}={value!r}; use a finite number of USD per million tokens, 0 or more"
-                    + (" (or None: cached input is billed as input)" if name == "cached_input" else "")
+                    f"Prices {name}={value!r}; use a finite number of USD per million tokens, "
+                    "0 or more"
+                    + (
+                        " (or None: cached input is billed as input)"
+                        if name == "cached_input"
+                        else ""
+                    )
                 )
 
     def cost(self, usage: Usage) -> float:
-        """The cost of `usage` in USD, computed once and exactly from the token counts (then rounded to a float).
+        """The cost of `usage` in USD, computed once and exactly from the token counts (then rounded
+        to a float).
 
         The prices are read as the decimals they are written as (2.5, 0.15), so a figure such as
         1234 input tokens at 0.15 is 0.0001851, not a sum of rounded per-call costs.
@@ -172,7 +205,8 @@ class Prices:
 
 
 def _decimal(price: float) -> Fraction:
-    # The shortest repr of a float is the decimal the user wrote: 0.15, not the binary 0.1499999999999999944..
+    # The shortest repr of a float is the decimal the user wrote: 0.15, not the binary
+    # 0.1499999999999999944..
     return Fraction(repr(float(price)))
 
 
@@ -205,20 +239,23 @@ class Decision:
     best_score: float | None
     changed: bool
     abort_below: float | None = None
-    """The abort threshold in force for this decision (None: no abort rule, or not calibrated yet)."""
+    """The abort threshold in force for this decision (None: no abort rule, or not calibrated
+    yet)."""
     calibration: str | None = None
     """For `abort_below="auto"`: where the threshold came from, or why there is none yet."""
     pruned: bool = False
-    """An abort decided by the group policy: the run fell behind its siblings (see `agent_monitor.groups`)."""
+    """An abort decided by the group policy: the run fell behind its siblings (see
+    `agent_monitor.groups`)."""
     leader: str | None = None
     """For a pruned run: the group's leading run at the time."""
 
     @property
     def stop_kind(self) -> StopKind | None:
-        """ "judged" for an abort (the policy decides only on scores: a judge failure keeps the signal), else None.
+        """ "judged" for an abort (the policy decides only on scores: a judge failure keeps the
+        signal), else None.
 
-        The daemon fails open, so a signal is never an infra stop; reward answers say "infra" for a rollout
-        the judge or the plumbing could not score (docs/rl.md).
+        The daemon fails open, so a signal is never an infra stop; reward answers say "infra" for a
+        rollout the judge or the plumbing could not score (docs/rl.md).
         """
         return "judged" if self.signal == "abort" else None
 
@@ -292,7 +329,8 @@ class TotalsJSON(TypedDict):
 
 
 class ProgressJSON(TypedDict):
-    """The JSON form of a Progress: the MQTT progress message, a stored score, a `score --json` line."""
+    """The JSON form of a Progress: the MQTT progress message, a stored score, a `score --json`
+    line."""
 
     run_id: str | None
     step: int
@@ -323,19 +361,22 @@ class ProgressJSON(TypedDict):
     scheduled: str | None
     skipped: str | None
     final: NotRequired[bool]
-    """Only on a run's final result, sent once more at its end when its rubric has pass/review thresholds."""
+    """Only on a run's final result, sent once more at its end when its rubric has pass/review
+    thresholds."""
     verdict: NotRequired[Literal["pass", "review", "fail"] | None]
     """With `final`: the rubric's verdict on the score."""
 
 
 class ScoringFailed(ValueError):
-    """A failed scoring read as a number (`float(p)`, `p < 0.05`): it has no score; `reason` and `error` say why."""
+    """A failed scoring read as a number (`float(p)`, `p < 0.05`): it has no score; `reason` and
+    `error` say why."""
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.reason = progress.reason or "scoring_failed"
         super().__init__(
-            f"step {progress.step} has no score ({self.reason}: {progress.error}); a failed scoring is never a "
+            f"step {progress.step} has no score ({self.reason}: {progress.error}); a failed "
+            "scoring is never a "
             "number: check `ok` (or catch ScoringFailed) before reading it as one"
         )
 
@@ -344,16 +385,16 @@ class ScoringFailed(ValueError):
 class Progress:
     """The score of a trajectory prefix, or why there is none.
 
-    `score` is None exactly when `ok` is False; `error` then says why and
-    `reason` gives a short code (see `FAILURES`: timeout, rate_limited, no_letter, low_mass, ..).
-    `criteria` holds the criteria that were scored, even on a partial failure.
-    `signal` is the run policy's decision after this result, when the run has a policy (or a group).
-    `delta` is the score's change since the run's previous scored step (None at the first or when either is None).
-    `images_dropped` counts the image parts the judge got as text placeholders instead of
-    pixels, over this result's judge calls (a text-only judge, or a model that refused images).
-    `usage` is what this scoring's judge calls spent; `totals` the run's running totals: every judge
-    token spent on the run by every scoring recorded up to and including this one (failed, coalesced
-    and out-of-order ones too), and `cost` their price in USD at the tracker's `Prices` (None without).
+    `score` is None exactly when `ok` is False; `error` then says why and `reason` gives a short
+    code (see `FAILURES`: timeout, rate_limited, no_letter, low_mass, ..). `criteria` holds the
+    criteria that were scored, even on a partial failure. `signal` is the run policy's decision
+    after this result, when the run has a policy (or a group). `delta` is the score's change since
+    the run's previous scored step (None at the first or when either is None). `images_dropped`
+    counts the image parts the judge got as text placeholders instead of pixels, over this result's
+    judge calls (a text-only judge, or a model that refused images). `usage` is what this scoring's
+    judge calls spent; `totals` the run's running totals: every judge token spent on the run by
+    every scoring recorded up to and including this one (failed, coalesced and out-of-order ones
+    too), and `cost` their price in USD at the tracker's `Prices` (None without).
     """
 
     step: int
@@ -382,22 +423,26 @@ class Progress:
     run_id: str | None = None
     degraded: bool = False
     delta: float | None = None
-    """The score's change since the run's previous scored step (None at the first, or when either has no score):
-    a shaped reward an RL trainer can use without keeping state. Per scoring: under the adaptive schedule the
-    previous scored step may be several steps back (`coalesced` says how many steps this one covers)."""
+    """The score's change since the run's previous scored step (None at the first, or when either
+    has no score): a shaped reward an RL trainer can use without keeping state. Per scoring: under
+    the adaptive schedule the previous scored step may be several steps back (`coalesced` says how
+    many steps this one covers)."""
     scheduled: str | None = None
-    """Under the adaptive schedule: why this step was scored ("near abort_below 0.4", "max_gap 4", "end", ...)."""
+    """Under the adaptive schedule: why this step was scored ("near abort_below 0.4", "max_gap
+    4", "end", ...)."""
     skipped: str | None = None
-    """Why the `coalesced - 1` steps folded into this one were not scored alone, when the schedule chose it
-    ("far from thresholds"); None: they only arrived while a scoring ran (coalescing)."""
+    """Why the `coalesced - 1` steps folded into this one were not scored alone, when the schedule
+    chose it ("far from thresholds"); None: they only arrived while a scoring ran (coalescing)."""
 
     def __float__(self) -> float:
-        """The score, as the reference library's `update` returns it; a failed scoring raises with its reason."""
+        """The score, as the reference library's `update` returns it; a failed scoring raises
+        with its reason."""
         if self.score is None:
             raise ScoringFailed(self)
         return self.score
 
-    # Compared with numbers as a float is (`if tracker.update(step) < 0.05`); a failed scoring raises, never compares.
+    # Compared with numbers as a float is (`if tracker.update(step) < 0.05`); a failed scoring
+    # raises, never compares.
     def __lt__(self, other: float) -> bool:
         return float(self) < other
 
@@ -411,7 +456,8 @@ class Progress:
         return float(self) >= other
 
     def __format__(self, spec: str) -> str:
-        # f"{p:.3f}" formats the score (a failed one raises); the bare f"{p}" stays the dataclass repr.
+        # f"{p:.3f}" formats the score (a failed one raises); the bare f"{p}" stays the dataclass
+        # repr.
         return format(float(self), spec) if spec else repr(self)
 
     def to_json(self) -> ProgressJSON:
@@ -435,7 +481,11 @@ class Progress:
             "rubric": self.rubric,
             "coalesced": self.coalesced,
             "latency_s": self.latency_s if math.isfinite(self.latency_s) else 0.0,
-            "tokens": {"input": u.input_tokens, "cached_input": u.cached_input_tokens, "output": u.output_tokens},
+            "tokens": {
+                "input": u.input_tokens,
+                "cached_input": u.cached_input_tokens,
+                "output": u.output_tokens,
+            },
             "totals": {
                 "input": t.input_tokens,
                 "cached_input": t.cached_input_tokens,
@@ -456,7 +506,8 @@ class Progress:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Progress:
-        """The Progress a `to_json` form describes (the exact inverse; missing optional keys take defaults)."""
+        """The Progress a `to_json` form describes (the exact inverse; missing optional keys take
+        defaults)."""
         tokens = data.get("tokens") or {}
         totals = data.get("totals") or {}
         decision = data.get("decision")
@@ -493,13 +544,19 @@ class Progress:
 
 
 def _usage(tokens: Mapping[str, Any]) -> Usage:
-    return Usage(int(tokens.get("input", 0)), int(tokens.get("cached_input", 0)), int(tokens.get("output", 0)))
+    return Usage(
+        int(tokens.get("input", 0)),
+        int(tokens.get("cached_input", 0)),
+        int(tokens.get("output", 0)),
+    )
 
 
 def run_totals(results: Iterable[Progress]) -> Usage:
-    """A run's totals as its stored results tell them: the largest any carries, or their own usage summed if larger.
+    """A run's totals as its stored results tell them: the largest any carries, or their own usage
+    summed if larger.
 
-    Totals only grow, so the largest is the newest; the sum covers results stored before totals existed.
+    Totals only grow, so the largest is the newest; the sum covers results stored before totals
+    existed.
     """
     carried, summed = Usage(), Usage()
     for p in results:

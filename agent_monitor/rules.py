@@ -1,4 +1,5 @@
-"""Rule-based progress criteria: cheap, exact signals that give a score and a confidence, or no opinion."""
+"""Rule-based progress criteria: cheap, exact signals that give a score and a confidence, or no
+opinion."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from .extractors import Extractor, LastNumber, build_extractors
 
 @dataclass(frozen=True, slots=True)
 class RuleScore:
-    """A rule's verdict: progress in [0, 1], how sure the rule is in [0, 1], and a human-readable reason."""
+    """A rule's verdict: progress in [0, 1], how sure the rule is in [0, 1], and a human-readable
+    reason."""
 
     score: float
     confidence: float
@@ -29,7 +31,8 @@ class RuleScore:
 
 @dataclass(frozen=True, slots=True)
 class RuleInput:
-    """What a rule sees: the task, the extracted step texts so far (oldest first), per-step metadata, a known answer."""
+    """What a rule sees: the task, the extracted step texts so far (oldest first), per-step
+    metadata, a known answer."""
 
     task: str
     steps: Sequence[str]
@@ -54,7 +57,8 @@ class Rule(Protocol):
 _R = TypeVar("_R", bound=Rule)
 
 RULES: dict[str, type[Rule]] = {}
-"""Rule types by config name (without the `rule.` prefix); add your own with `@register_rule("name")`."""
+"""Rule types by config name (without the `rule.` prefix); add your own with
+`@register_rule("name")`."""
 
 _PREFIX = "rule."
 
@@ -64,14 +68,16 @@ def _bare(name: str) -> str:
 
 
 def register_rule(name: str) -> Callable[[type[_R]], type[_R]]:
-    """Register a rule type under `name` (a `rule.` prefix is dropped); its constructor takes the config keys."""
+    """Register a rule type under `name` (a `rule.` prefix is dropped); its constructor takes the
+    config keys."""
     if not isinstance(name, str):
         raise ValueError(f"rule name must be a non-empty string, got {name!r}")
     return registrar(RULES, "rule", _bare(name))
 
 
 def rule_name(rule: object) -> str:
-    """A rule's display name: its `name` attribute, else its registered name, else its class name."""
+    """A rule's display name: its `name` attribute, else its registered name, else its class
+    name."""
     own = getattr(rule, "name", None)
     if isinstance(own, str) and own:
         return own
@@ -89,15 +95,17 @@ def _clamp(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
-# mini-swe-agent and similar harnesses report tool output as JSON, where line breaks are the two characters `\n`.
-# Budgeted patterns (see _budget): every one of them reads untrusted step text.
+# mini-swe-agent and similar harnesses report tool output as JSON, where line breaks are the two
+# characters `\n`. Budgeted patterns (see _budget): every one of them reads untrusted step text.
 _ESCAPED_NEWLINE = Pattern(r"\\r?\\n")
 _UNITTEST = Pattern(
-    r"^Ran (?P<ran>\d+) tests? in [^\n]*\n(?:[ \t]*\n)*[ \t]*(?P<status>OK|FAILED)\b(?:[ \t]*\((?P<counts>[^)\n]*)\))?",
+    r"^Ran (?P<ran>\d+) tests? in [^\n]*\n(?:[ \t]*\n)*[ \t]*(?P<status>OK|FAILED)\b(?:[ "
+    r"\t]*\((?P<counts>[^)\n]*)\))?",
     MULTILINE,
 )
-# What may follow a count in a summary: "7 passed, 1 error", "8 passed; 2 failed", "5 passed in 0.1s", "== 5 passed ==",
-# "9 passing (2s)", or the line's end. Code and prose ("ctx*99 passed to get_integer", from a recorded run) do not count.
+# What may follow a count in a summary: "7 passed, 1 error", "8 passed; 2 failed", "5 passed in
+# 0.1s", "== 5 passed ==", "9 passing (2s)", or the line's end. Code and prose ("ctx*99 passed to
+# get_integer", from a recorded run) do not count.
 _AFTER_COUNT = Pattern(r"[ \t]*(?:[,;=(]|in[ \t]|\.?[ \t]*$)")
 _DURATION = Pattern(r"\bin \d+(?:\.\d+)?s\b")
 _UNITTEST_COUNT = Pattern(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
@@ -110,22 +118,21 @@ def _count(pattern: Pattern, line: str) -> Any:
 @register_rule("test_ratio")
 @dataclass(frozen=True, slots=True)
 class TestRatio:
-    """Progress as the share of passing tests in the latest test summary: passed / (passed + failed + errors).
+    """Progress as the share of passing tests in the latest test summary: passed / (passed + failed
+    + errors).
 
     Looks at the last `lookback` steps, newest first, and uses the first that
     holds a summary (within a step, the last summary). Understood forms:
 
-    - one-line summaries read with the `passed`/`failed`/`errors` patterns
-      (each with one group: the count; case-sensitive, so pytest -v's
-      `test_case_2 PASSED` is not a summary; add `(?i)` if needed). A match
-      counts only when followed by `,` `;` `=` `(`, the word `in`, or the
-      line's end, so code and prose such as `99 passed to f()` do not; the summary is the last line where any
-      pattern matches, a pattern missing from it counts 0 (a line with only an
-      errors count must also show a run time such as `in 0.31s`, so that
-      mypy's `Found 3 errors in 1 file` is not read as tests). With the defaults
-      this covers pytest (`== 3 failed, 7 passed, 1 error in 2.10s ==`, also
-      `-q`), jest/vitest (`Tests:  2 failed, 8 passed, 10 total`) and cargo
-      (`test result: FAILED. 8 passed; 2 failed; 0 ignored`);
+    - one-line summaries read with the `passed`/`failed`/`errors` patterns (each with one group: the
+      count; case-sensitive, so pytest -v's `test_case_2 PASSED` is not a summary; add `(?i)` if
+      needed). A match counts only when followed by `,` `;` `=` `(`, the word `in`, or the line's
+      end, so code and prose such as `99 passed to f()` do not; the summary is the last line where
+      any pattern matches, a pattern missing from it counts 0 (a line with only an errors count must
+      also show a run time such as `in 0.31s`, so that mypy's `Found 3 errors in 1 file` is not read
+      as tests). With the defaults this covers pytest (`== 3 failed, 7 passed, 1 error in 2.10s ==`,
+      also `-q`), jest/vitest (`Tests: 2 failed, 8 passed, 10 total`) and cargo (`test result:
+      FAILED. 8 passed; 2 failed; 0 ignored`);
     - unittest: `Ran 10 tests in 0.01s` then `OK` or `FAILED (failures=2, errors=1)`;
       skipped tests and expected failures are left out, unexpected successes
       count as failures.
@@ -150,7 +157,9 @@ class TestRatio:
         for name in ("passed", "failed", "errors"):
             p = compile_pattern(f"test_ratio {name}", getattr(self, name))
             if p.groups < 1:
-                raise ValueError(f"test_ratio: the {name} pattern {p.pattern!r} needs a group around the count")
+                raise ValueError(
+                    f"test_ratio: the {name} pattern {p.pattern!r} needs a group around the count"
+                )
             pats.append(p)
         object.__setattr__(self, "_patterns", tuple(pats))
         _check_confidence("test_ratio", self.confidence)
@@ -161,10 +170,13 @@ class TestRatio:
         best: tuple[int, tuple[int, int, int]] | None = None
         for line in text.split("\n"):
             found = [_count(p, line) for p in self._patterns]
-            # An errors count alone is a summary only with a run time ("1 error in 0.31s", pytest's collection
-            # failure): "Found 3 errors in 1 file" is mypy or ruff, not a test run.
+            # An errors count alone is a summary only with a run time ("1 error in 0.31s", pytest's
+            # collection failure): "Found 3 errors in 1 file" is mypy or ruff, not a test run.
             if found[0] or found[1] or (found[2] and _DURATION.search(line)):
-                counts = [int(m.group(1)) if m and m.group(1) and m.group(1).isdigit() else 0 for m in found]
+                counts = [
+                    int(m.group(1)) if m and m.group(1) and m.group(1).isdigit() else 0
+                    for m in found
+                ]
                 best = (offset, (counts[0], counts[1], counts[2]))
             offset += len(line) + 1
         return best
@@ -186,7 +198,9 @@ class TestRatio:
         n = len(inp.steps)
         for back in range(min(self.lookback, n)):
             text = _ESCAPED_NEWLINE.sub("\n", inp.steps[n - 1 - back])
-            found = [s for s in (self._line_summary(text), self._unittest_summary(text)) if s is not None]
+            found = [
+                s for s in (self._line_summary(text), self._unittest_summary(text)) if s is not None
+            ]
             if not found:
                 continue
             passed, failed, errors = max(found)[1]
@@ -196,7 +210,8 @@ class TestRatio:
             return RuleScore(
                 passed / total,
                 self.confidence,
-                f"step {n - back}: {passed} passed, {failed} failed, {errors} errors -> {passed}/{total}",
+                f"step {n - back}: {passed} passed, {failed} failed, {errors} errors -> "
+                f"{passed}/{total}",
             )
         return None
 
@@ -261,7 +276,9 @@ class MetricCurve:
 
     def __post_init__(self) -> None:
         if not isinstance(self.field, str) or not self.field:
-            raise ValueError(f"metric_curve: field must be a non-empty metadata key, got {self.field!r}")
+            raise ValueError(
+                f"metric_curve: field must be a non-empty metadata key, got {self.field!r}"
+            )
         if self.curve not in ("linear", "exp"):
             raise ValueError(f"metric_curve: curve must be 'linear' or 'exp', got {self.curve!r}")
         inf = float("inf")
@@ -297,12 +314,15 @@ class MetricCurve:
                 return None
             progress = 1.0 - gap / abs(start - self.goal)
             how = f"linear from {start:g} to {self.goal:g}"
-        return RuleScore(_clamp(progress), self.confidence, f"step {index + 1}: {self.field}={d:g}, {how}")
+        return RuleScore(
+            _clamp(progress), self.confidence, f"step {index + 1}: {self.field}={d:g}, {how}"
+        )
 
 
 # "Final answer: 42", "**Final Answer:** 42", "FINAL ANSWER = Paris" on a line of its own.
 _FINAL_ANSWER = Pattern(
-    r"^[ \t>#*_-]*final[ \t_]+answer[ \t*_]*[:=][ \t]*(?P<answer>.*?)[ \t]*$", IGNORECASE | MULTILINE
+    r"^[ \t>#*_-]*final[ \t_]+answer[ \t*_]*[:=][ \t]*(?P<answer>.*?)[ \t]*$",
+    IGNORECASE | MULTILINE,
 )
 _FRACTION = Pattern(r"^([-+]?\d+)\s*/\s*(\d+)$")
 
@@ -316,7 +336,8 @@ def _declared(text: str) -> str:
 
 
 def _normalise(s: str) -> str:
-    # Case, inner whitespace, wrapping quotes/backticks and closing full stops are presentation, not content.
+    # Case, inner whitespace, wrapping quotes/backticks and closing full stops are presentation, not
+    # content.
     s = " ".join(s.casefold().split()).rstrip(".").strip().strip("\"'`").strip()
     return s.rstrip(".").rstrip()
 
@@ -329,7 +350,8 @@ def _parse_float(s: str) -> float | None:
     x = _number(s.replace(",", ""))
     if x is not None:
         return x
-    # "x = 42" or "42 apples": exactly one number in the answer is that number; two or more is ambiguous.
+    # "x = 42" or "42 apples": exactly one number in the answer is that number; two or more is
+    # ambiguous.
     numbers = _DIGITS.findall(s)
     return _number(LastNumber()(s)) if len(numbers) == 1 else None
 
@@ -359,15 +381,20 @@ class AnswerMatch:
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "contains", "numeric"):
-            raise ValueError(f"answer_match: mode must be 'exact', 'contains' or 'numeric', got {self.mode!r}")
+            raise ValueError(
+                f"answer_match: mode must be 'exact', 'contains' or 'numeric', got {self.mode!r}"
+            )
         check_number("answer_match", "tolerance", self.tolerance, 0.0, float("inf"))
         _check_confidence("answer_match", self.confidence)
         if self.extractor is not None and not callable(self.extractor):
-            raise ValueError(f"answer_match: extractor must be a str -> str callable, got {self.extractor!r}")
+            raise ValueError(
+                f"answer_match: extractor must be a str -> str callable, got {self.extractor!r}"
+            )
 
     @classmethod
     def from_config(cls, *, extractor: Any = None, **params: Any) -> AnswerMatch:
-        """Build from config, where `extractor` may be a name, a dict or a list as in `build_extractors`."""
+        """Build from config, where `extractor` may be a name, a dict or a list as in
+        `build_extractors`."""
         if isinstance(extractor, (str, Mapping)):
             extractor = [extractor]
         built = None if extractor is None else build_extractors(extractor)
@@ -411,7 +438,8 @@ class CompositeScore(RuleScore):
 @register_rule("composite")
 @dataclass(frozen=True, slots=True)
 class Composite:
-    """An ordered chain of rules: the first member whose confidence reaches `min_confidence` answers.
+    """An ordered chain of rules: the first member whose confidence reaches `min_confidence`
+    answers.
 
     Cheap, exact rules go first and a costly judge last. Returns a
     CompositeScore naming the member (0-based index and name; the detail
@@ -434,7 +462,9 @@ class Composite:
     def from_config(cls, *, members: Any = None, **params: Any) -> Composite:
         """Build from config, where `members` is a list of rule configs as taken by `build_rule`."""
         if isinstance(members, (str, Mapping)) or not isinstance(members, Sequence):
-            raise ValueError(f"rule 'composite': members must be a list of rule configs, got {members!r}")
+            raise ValueError(
+                f"rule 'composite': members must be a list of rule configs, got {members!r}"
+            )
         built = []
         for i, m in enumerate(members):
             try:
@@ -451,7 +481,11 @@ class Composite:
             if result is not None and result.confidence >= self.min_confidence:
                 name = rule_name(member)
                 return CompositeScore(
-                    result.score, result.confidence, f"[{i}] {name}: {result.detail}", member_index=i, member_name=name
+                    result.score,
+                    result.confidence,
+                    f"[{i}] {name}: {result.detail}",
+                    member_index=i,
+                    member_name=name,
                 )
         return None
 
@@ -469,7 +503,10 @@ def build_rule(spec: Mapping[str, Any]) -> Rule:
         raise ValueError(f"rule config {dict(spec)!r} needs a 'type' naming one of: {known(RULES)}")
     cls = RULES.get(_bare(kind))
     if cls is None:
-        raise ValueError(f"unknown rule {kind!r}; known rules: {known(RULES)} (with or without the 'rule.' prefix)")
+        raise ValueError(
+            f"unknown rule {kind!r}; known rules: {known(RULES)} (with or "
+            "without the 'rule.' prefix)"
+        )
     params = {k: v for k, v in spec.items() if k not in ("type", "weight", "name")}
     factory: Callable[..., Any] = getattr(cls, "from_config", cls)
     built: Rule = instantiate("rule", _bare(kind), factory, params)

@@ -16,7 +16,8 @@ _INDEX = {letter: i for i, letter in enumerate(LETTERS)}
 _STEP = 1.0 / (len(LETTERS) - 1)
 
 DEFAULT_MIN_MASS = 0.5
-"""Below this probability mass on scale letters, a judge answer is not a score (unless the judge recommends another)."""
+"""Below this probability mass on scale letters, a judge answer is not a score (unless the judge
+recommends another)."""
 
 
 class ScoreError(ValueError):
@@ -49,7 +50,8 @@ def read_letter(token: str) -> str | None:
 
 
 def read_binary(token: str) -> bool | None:
-    """The answer a token is on the binary scale ("True" / "False", either case, spaces stripped), or None."""
+    """The answer a token is on the binary scale ("True" / "False", either case, spaces
+    stripped), or None."""
     t = token.strip().lower()
     return True if t == "true" else False if t == "false" else None
 
@@ -57,9 +59,9 @@ def read_binary(token: str) -> bool | None:
 def binary_as_letters(sample: Mapping[str, float] | None) -> dict[str, float] | None:
     """A binary judge's answer on the letter scale: False's probability on A (0), True's on T (1).
 
-    So the expectation is P(True) / (P(True) + P(False)) and the mass is P(True) + P(False): the letter scale's
-    rules (`distribution`: minimum mass, renormalisation) apply unchanged. Raises ScoreError("no_letter") when no
-    candidate token is True or False.
+    So the expectation is P(True) / (P(True) + P(False)) and the mass is P(True) + P(False): the
+    letter scale's rules (`distribution`: minimum mass, renormalisation) apply unchanged. Raises
+    ScoreError("no_letter") when no candidate token is True or False.
     """
     if sample is None:
         return None
@@ -70,7 +72,8 @@ def binary_as_letters(sample: Mapping[str, float] | None) -> dict[str, float] | 
             p[answer] += math.exp(min(lp, 0.0))
     if p[True] + p[False] <= 0.0:
         raise ScoreError(
-            "no_letter", f"none of the judge's {len(sample)} candidate tokens is True or False (binary scale)"
+            "no_letter",
+            f"none of the judge's {len(sample)} candidate tokens is True or False (binary scale)",
         )
     out: dict[str, float] = {}
     if p[False] > 0.0:
@@ -81,10 +84,12 @@ def binary_as_letters(sample: Mapping[str, float] | None) -> dict[str, float] | 
 
 
 def mirrored(sample: Mapping[str, float] | None) -> dict[str, float] | None:
-    """A judge's letter logprobs read on the reversed scale (A = best): each letter token becomes its mirror (A <-> T).
+    """A judge's letter logprobs read on the reversed scale (A = best): each letter token becomes
+    its mirror (A <-> T).
 
-    For a rubric whose own scale puts the best letter first (the skill's rubric.json): the judge is told that
-    scale, and its answer is mapped onto this one (T = best) before the expectation, so a score still means the same.
+    For a rubric whose own scale puts the best letter first (the skill's rubric.json): the judge is
+    told that scale, and its answer is mapped onto this one (T = best) before the expectation, so a
+    score still means the same.
     """
     if sample is None:
         return None
@@ -93,7 +98,11 @@ def mirrored(sample: Mapping[str, float] | None) -> dict[str, float] | None:
         letter = read_letter(token)
         if letter is not None:
             mirror = LETTERS[len(LETTERS) - 1 - _INDEX[letter]]
-            token = token.replace(letter, mirror) if letter in token else token.replace(letter.lower(), mirror.lower())
+            token = (
+                token.replace(letter, mirror)
+                if letter in token
+                else token.replace(letter.lower(), mirror.lower())
+            )
         out[token] = lp
     return out
 
@@ -149,15 +158,19 @@ def distribution(
         raw[_INDEX[letter]] += math.exp(min(lp, 0.0))
     mass = sum(raw)
     if mass <= 0.0:
-        raise ScoreError("no_letter", f"none of the judge's {seen} candidate tokens is a scale letter A-T")
+        raise ScoreError(
+            "no_letter", f"none of the judge's {seen} candidate tokens is a scale letter A-T"
+        )
     # Several spellings of one letter can add up past 1 through rounding in the server's logprobs.
     mass = min(mass, 1.0)
     if mass < min_mass:
         raise ScoreError(
             "low_mass",
-            f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass}: a small judge "
+            f"scale letters hold {mass:.3f} of the probability, below the minimum {min_mass}: "
+            "a small judge "
             "puts little mass on the letters; lower min_mass, or use a stronger judge "
-            f"(e.g. min_mass={mass / 2:.2g} in Python, --min-mass {mass / 2:.2g} on the command line)",
+            f"(e.g. min_mass={mass / 2:.2g} in Python, --min-mass {mass / 2:.2g} on the "
+            "command line)",
         )
     total = sum(raw)
     return LetterDistribution(probs=tuple(p / total for p in raw), mass=mass)
@@ -181,10 +194,13 @@ class CriterionScore:
     confidence: float = 1.0
     detail: str = ""
     expectations: tuple[float, ...] = field(default=(), compare=False)
-    """Each repeat's expectation, in order (the reference library's per-repeat scores); empty for a rule's score."""
+    """Each repeat's expectation, in order (the reference library's per-repeat scores); empty for
+    a rule's score."""
 
 
-def rule_score(name: str, weight: float, score: float, confidence: float, detail: str = "") -> CriterionScore:
+def rule_score(
+    name: str, weight: float, score: float, confidence: float, detail: str = ""
+) -> CriterionScore:
     """A criterion answered by a confident rule; its uncertainty is 0.5 * (1 - confidence).
 
     0.5 is the largest standard deviation a score on [0, 1] can have, so a rule
@@ -228,9 +244,18 @@ def score_criterion(
     within = sum(d.dispersion**2 for d in repeats) / k
     between = sum((m - mean) ** 2 for m in means) / k
     # One repeat (the default) is its own pooled distribution: the same floats, without 20 sums.
-    pooled = repeats[0].probs if k == 1 else [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
-    # Each expectation from n valid draws has variance var/n; the mean of K of them, sum(var/n) / K^2.
-    se2 = sum(d.dispersion**2 / max(1.0, d.mass * draws) for d in repeats) / k**2 if draws > 0 else 0.0
+    pooled = (
+        repeats[0].probs
+        if k == 1
+        else [sum(d.probs[i] for d in repeats) / k for i in range(len(LETTERS))]
+    )
+    # Each expectation from n valid draws has variance var/n; the mean of K of them, sum(var/n) /
+    # K^2.
+    se2 = (
+        sum(d.dispersion**2 / max(1.0, d.mass * draws) for d in repeats) / k**2
+        if draws > 0
+        else 0.0
+    )
     return CriterionScore(
         name=name,
         weight=weight,
@@ -256,7 +281,8 @@ def score_samples(
     min_mass: float = DEFAULT_MIN_MASS,
     draws: int = 0,
 ) -> CriterionScore:
-    """One criterion's score from the judge's answer positions, one per repeat; raise ScoreError when it has none.
+    """One criterion's score from the judge's answer positions, one per repeat; raise ScoreError
+    when it has none.
 
     A repeat with no answer position (None) is `no_answer`, fewer samples than `repeats` is
     `missing_repeats`, and each sample must pass `distribution` (a letter, enough mass).
@@ -288,7 +314,9 @@ def aggregate(criteria: Sequence[CriterionScore]) -> Aggregate:
         raise ScoreError("no_criteria", "there are no criterion scores to aggregate")
     total = sum(c.weight for c in criteria)
     if total <= 0.0:
-        raise ScoreError("bad_weights", "criterion weights sum to zero; give at least one a positive weight")
+        raise ScoreError(
+            "bad_weights", "criterion weights sum to zero; give at least one a positive weight"
+        )
 
     def mean(attr: str) -> float:
         return sum(c.weight * float(getattr(c, attr)) for c in criteria) / total

@@ -1,19 +1,21 @@
-"""Best of N: pairwise comparison of two trajectories, the pivot tournament, and picking the best candidate.
+"""Best of N: pairwise comparison of two trajectories, the pivot tournament, and picking the best
+candidate.
 
 The API (stable: the live group policy builds on it):
 
-- `compare(task, a, b, *, judge, criteria=None, repeats=1, min_mass=None, max_chars=DEFAULT_PAIR_CHARS)`
-  (async) -> `Comparison`: the judge compares two trajectories of the same task on the 20-letter
-  scale, in both orders, and `Comparison.preference` is how strongly `a` is preferred: 1 = `a` is
-  far ahead, 0 = `b` is far ahead, 0.5 = even. A failed call or an answer that is not a score
-  (no letter, low mass) makes the comparison a failure (`ok` False, `reason` as in
-  `progress.FAILURES`), never a made-up 0.5.
+- `compare(task, a, b, *, judge, criteria=None, repeats=1, min_mass=None,
+  max_chars=DEFAULT_PAIR_CHARS)` (async) -> `Comparison`: the judge compares two trajectories of the
+  same task on the 20-letter scale, in both orders, and `Comparison.preference` is how strongly `a`
+  is preferred: 1 = `a` is far ahead, 0 = `b` is far ahead, 0.5 = even. A failed call or an answer
+  that is not a score (no letter, low mass) makes the comparison a failure (`ok` False, `reason` as
+  in `progress.FAILURES`), never a made-up 0.5.
 - `tournament(candidates, compare_fn, *, pivots=DEFAULT_PIVOTS, repeats=1, seed=0)` (async) ->
   `Tournament`: the Probabilistic Pivot Tournament over any hashable candidates, `compare_fn(a, b)`
   returning a `Comparison` (or a bare preference for `a` on [0, 1]). O(N k) comparisons, counted.
-- `aselect(task, candidates, *, judge, pairwise=True, ...)` (async) and `select(...)` (its sync twin)
-  -> `Selection`: the best of named candidate trajectories, by the tournament of `compare` (the
-  default, as the reference library) or by pointwise final score (`pairwise=False`); `method` says which.
+- `aselect(task, candidates, *, judge, pairwise=True, ...)` (async) and `select(...)` (its sync
+  twin) -> `Selection`: the best of named candidate trajectories, by the tournament of `compare`
+  (the default, as the reference library) or by pointwise final score (`pairwise=False`); `method`
+  says which.
 
 The pairwise scale. The answer letter says which of the two shown trajectories is further along:
 `A` = trajectory 1 (shown first) is far ahead .. `T` = trajectory 2 (shown second) is far ahead, so
@@ -59,11 +61,14 @@ from .templates import PromptTemplate, fill, load_template
 from .tracker import DEFAULT_MAX_SIDE, score_prefix
 
 DEFAULT_PIVOTS = 2
-"""Candidates that become pivots after the ring pass (k): every other candidate meets each of them."""
+"""Candidates that become pivots after the ring pass (k): every other candidate meets each of
+them."""
 DEFAULT_PAIR_CHARS = 12_000
-"""Characters of step text the two trajectories of a pairwise prompt may hold together (half each)."""
+"""Characters of step text the two trajectories of a pairwise prompt may hold together (half
+each)."""
 CUT_STRIDE = 4
-"""Steps the left-out head of a long trajectory grows by at once (so its prompt head stays stable for a while)."""
+"""Steps the left-out head of a long trajectory grows by at once (so its prompt head stays stable
+for a while)."""
 
 PAIRWISE_INSTRUCTIONS = f"""You are a strict, calibrated judge comparing two attempts at the same task. Two agents (software or robot) worked on the task independently; you see the task, the grading criteria, and both trajectories so far (each step's action and observation). The trajectories may be unfinished: compare how far each one *now* is towards completing the task, from the evidence shown, not how they might end.
 
@@ -87,7 +92,9 @@ _PAIR_FIXED = "|".join(
     for line in PAIRWISE_INSTRUCTIONS.splitlines()
     if line.strip() and line not in INSTRUCTIONS.splitlines()
 )
-_PAIR_ESCAPE = re.compile(rf"^(?=[^\S\n]*(?:{_PAIR_STRUCTURAL}|(?:{_PAIR_FIXED})[^\S\n]*$))", re.MULTILINE)
+_PAIR_ESCAPE = re.compile(
+    rf"^(?=[^\S\n]*(?:{_PAIR_STRUCTURAL}|(?:{_PAIR_FIXED})[^\S\n]*$))", re.MULTILINE
+)
 
 PairStep = Step | str
 """A step of a compared trajectory: a `prompts.Step`, or its text (numbered from 1 in order)."""
@@ -96,14 +103,18 @@ K = TypeVar("K", bound=Hashable)
 
 
 def _pair_fence(shown: str) -> str:
-    """Step text already fenced for the pointwise template, also kept from passing for a line of this one."""
+    """Step text already fenced for the pointwise template, also kept from passing for a line of
+    this one."""
     return _PAIR_ESCAPE.sub("\\\\", shown)
 
 
 def _steps(steps: Sequence[PairStep]) -> list[Step]:
-    # A trajectory given as one string (or a reference-format dict) is one whole step, never its characters.
+    # A trajectory given as one string (or a reference-format dict) is one whole step, never its
+    # characters.
     steps = as_trajectory(steps)
-    return [s if isinstance(s, Step) else Step(index=i, text=_text(s)) for i, s in enumerate(steps, 1)]
+    return [
+        s if isinstance(s, Step) else Step(index=i, text=_text(s)) for i, s in enumerate(steps, 1)
+    ]
 
 
 def _text(step: object) -> str:
@@ -115,14 +126,16 @@ def _text(step: object) -> str:
 
 
 def _window(steps: Sequence[Step], limit: int) -> tuple[int, list[str]]:
-    """How many of the oldest steps to leave out, and the kept steps' shown text, within `limit` characters."""
+    """How many of the oldest steps to leave out, and the kept steps' shown text, within `limit`
+    characters."""
     texts = [_pair_fence(s.shown) for s in steps]
     total, start = 0, len(texts)
     while start > 0 and total + len(texts[start - 1]) <= limit:
         start -= 1
         total += len(texts[start])
     if start > 0:
-        # Leave out a whole stride more than needed: the next few steps then append to an unchanged head.
+        # Leave out a whole stride more than needed: the next few steps then append to an unchanged
+        # head.
         start = min(len(texts) - 1, math.ceil(start / CUT_STRIDE) * CUT_STRIDE)
     kept = texts[start:]
     if kept and len(kept[0]) > limit:
@@ -135,7 +148,9 @@ def _trajectory(label: int | str, steps: Sequence[Step], limit: int) -> str:
     out = [f"\n## Trajectory {label}\n"] if label else []
     if cut:
         first, last = steps[0].index, steps[cut - 1].index
-        out.append(f"(steps {first}-{last} are left out: only the newest steps fit the judge's budget)\n")
+        out.append(
+            f"(steps {first}-{last} are left out: only the newest steps fit the judge's budget)\n"
+        )
     for s, text in zip(steps[cut:], kept, strict=True):
         out.append(f"\n### Step {s.index}\n{text}\n")
     return "".join(out)
@@ -155,22 +170,28 @@ def build_pair_prompt(
 
     Layout: pairwise instructions -> task -> all criteria -> trajectory 1 -> trajectory 2 -> tail
     (the step counts and the criterion asked about). Each trajectory keeps its newest steps within
-    `max_chars // 2` characters. The task's images (`task_frames`) follow the task, in the shared head.
+    `max_chars // 2` characters. The task's images (`task_frames`) follow the task, in the shared
+    head.
     """
     if max_chars < 200:
-        raise ValueError(f"max_chars={max_chars}: give the two trajectories at least 200 characters")
+        raise ValueError(
+            f"max_chars={max_chars}: give the two trajectories at least 200 characters"
+        )
     one, two = _steps(first), _steps(second)
     half = max_chars // 2
     lines = [f"## Grading criteria ({fence_inline(rubric.title)})\n"]
     for c in rubric.judged:
-        lines.append(f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n")
+        lines.append(
+            f"- {fence_inline(c.name)} (weight {c.weight:.2f}): {fence_inline(c.description)}\n"
+        )
     if rubric.note:
         lines.append(f"Note for every criterion: {fence_inline(rubric.note)}\n")
     task_text = f"## Task\n{_pair_fence(Step(0, task).shown)}\n\n"
     rest = "".join(lines) + _trajectory(1, one, half) + _trajectory(2, two, half)
     n1, n2 = (s[-1].index if s else 0 for s in (one, two))
     tail = (
-        f"\n## Question\nTrajectory 1 has {n1} step{'s' if n1 != 1 else ''} so far and trajectory 2 has {n2}. "
+        f"\n## Question\nTrajectory 1 has {n1} step{'s' if n1 != 1 else ''} so far and "
+        f"trajectory 2 has {n2}. "
         f"Compare the two trajectories only on the criterion '{fence_inline(criterion.name)}': "
         f"{fence_inline(criterion.description)}\n"
         f"Reply with one letter from {LETTERS[0]} (trajectory 1 is far ahead) to {LETTERS[-1]} "
@@ -203,13 +224,14 @@ def build_template_pair_prompt(
     *,
     max_chars: int = DEFAULT_PAIR_CHARS,
 ) -> Prompt:
-    """A directed pairwise template (the llm-as-verifier skill's `prompt.md`) filled in, asking one tag's letter.
+    """A directed pairwise template (the llm-as-verifier skill's `prompt.md`) filled in, asking one
+    tag's letter.
 
     `first` is trajectory A (`{a}`), `second` trajectory B (`{b}`); the text before `{task}` is the
-    instructions, the rest the shared head, and the tail asks for the letter of `<score_{tag}>` alone:
-    one letter is read at the answer position, as for every prompt here (no free text before it), and
-    both tags' prompts share their head. Inserted text is fenced as in our own pairwise prompt; the
-    template's own lines are not escaped in it (keep them distinctive).
+    instructions, the rest the shared head, and the tail asks for the letter of `<score_{tag}>`
+    alone: one letter is read at the answer position, as for every prompt here (no free text before
+    it), and both tags' prompts share their head. Inserted text is fenced as in our own pairwise
+    prompt; the template's own lines are not escaped in it (keep them distinctive).
     """
     one, two = _steps(first), _steps(second)
     half = max_chars // 2
@@ -224,7 +246,8 @@ def build_template_pair_prompt(
     head, _, rest = template.text.partition("{task}")
     n1, n2 = (s[-1].index if s else 0 for s in (one, two))
     tail = (
-        f"\n\nGive only the letter of <score_{tag}> now (trajectory {tag}), one capital letter from "
+        f"\n\nGive only the letter of <score_{tag}> now (trajectory {tag}), one capital "
+        "letter from "
         f"{LETTERS[0]} to {LETTERS[-1]} and nothing else.\n"
     )
     return Prompt(
@@ -237,7 +260,8 @@ def build_template_pair_prompt(
 
 
 def _pairwise_template(prompt: str | PromptTemplate | None) -> PromptTemplate | None:
-    """`compare`'s `prompt=`: a directed pairwise template (a file, its text, or a checked one), else TemplateError."""
+    """`compare`'s `prompt=`: a directed pairwise template (a file, its text, or a checked one),
+    else TemplateError."""
     if prompt is None:
         return None
     t = prompt if isinstance(prompt, PromptTemplate) else load_template(prompt)
@@ -272,27 +296,32 @@ class Comparison:
 
     @property
     def reward_a(self) -> float:
-        """`a`'s pairwise reward on [0, 1] (the reference library's R_A): its preference; raises if the comparison failed."""
+        """`a`'s pairwise reward on [0, 1] (the reference library's R_A): its preference; raises
+        if the comparison failed."""
         if self.preference is None:
             raise ScoreError(self.reason or "scoring_failed", self.error or "the comparison failed")
         return self.preference
 
     @property
     def reward_b(self) -> float:
-        """`b`'s pairwise reward on [0, 1] (R_B = 1 - R_A: one letter per order grades the pair); raises on failure."""
+        """`b`'s pairwise reward on [0, 1] (R_B = 1 - R_A: one letter per order grades the pair);
+        raises on failure."""
         return 1.0 - self.reward_a
 
     @property
     def p_a_over_b(self) -> float:
-        """The Bradley-Terry preference the reference library's tournament reads: sigmoid(R_A - R_B)."""
+        """The Bradley-Terry preference the reference library's tournament reads: sigmoid(R_A -
+        R_B)."""
         return 1.0 / (1.0 + math.exp(-(self.reward_a - self.reward_b)))
 
     def __iter__(self) -> Iterator[float]:
-        """`reward_a, reward_b = compare(...)`, as the reference library returns them (raises if the comparison failed)."""
+        """`reward_a, reward_b = compare(...)`, as the reference library returns them (raises if
+        the comparison failed)."""
         return iter((self.reward_a, self.reward_b))
 
     def __getitem__(self, i: int) -> float:
-        """`r[0]`, `r[1]`: reward_a and reward_b, as upstream's tuple (raises if the comparison failed)."""
+        """`r[0]`, `r[1]`: reward_a and reward_b, as upstream's tuple (raises if the comparison
+        failed)."""
         return (self.reward_a, self.reward_b)[i]
 
     def __len__(self) -> int:
@@ -326,11 +355,23 @@ class Comparison:
         """A JSON-ready dict (usage as its three counts)."""
         u = self.usage
         return {
-            "ok": self.ok, "preference": self.preference, "uncertainty": self.uncertainty, "forward": self.forward,
-            "backward": self.backward, "bias": self.bias, "criteria": dict(self.criteria), "reason": self.reason,
-            "error": self.error, "calls": self.calls, "model": self.model,
-            "usage": {"input": u.input_tokens, "cached_input": u.cached_input_tokens, "output": u.output_tokens},
-        }  # fmt: skip
+            "ok": self.ok,
+            "preference": self.preference,
+            "uncertainty": self.uncertainty,
+            "forward": self.forward,
+            "backward": self.backward,
+            "bias": self.bias,
+            "criteria": dict(self.criteria),
+            "reason": self.reason,
+            "error": self.error,
+            "calls": self.calls,
+            "model": self.model,
+            "usage": {
+                "input": u.input_tokens,
+                "cached_input": u.cached_input_tokens,
+                "output": u.output_tokens,
+            },
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Comparison:
@@ -347,7 +388,9 @@ class Comparison:
             reason=data.get("reason"),
             error=data.get("error"),
             calls=int(data.get("calls", 0)),
-            usage=Usage(int(u.get("input", 0)), int(u.get("cached_input", 0)), int(u.get("output", 0))),
+            usage=Usage(
+                int(u.get("input", 0)), int(u.get("cached_input", 0)), int(u.get("output", 0))
+            ),
             model=str(data.get("model", "")),
         )
 
@@ -366,16 +409,18 @@ async def compare(
     images: ImageInput | Sequence[ImageInput] = (),
     prompt: str | PromptTemplate | None = None,
 ) -> Comparison:
-    """Compare trajectory `a` with `b` on every judged criterion, in both orders (2 calls per criterion).
+    """Compare trajectory `a` with `b` on every judged criterion, in both orders (2 calls per
+    criterion).
 
-    `min_mass` None is the judge's recommendation, as for pointwise scores. Rule-only criteria
-    are left out (rules grade one trajectory, not a pair); a rubric with no judged criterion is
-    a `no_opinion` failure. `images` (one or a list) are the task's, shown after it in both orders.
+    `min_mass` None is the judge's recommendation, as for pointwise scores. Rule-only criteria are
+    left out (rules grade one trajectory, not a pair); a rubric with no judged criterion is a
+    `no_opinion` failure. `images` (one or a list) are the task's, shown after it in both orders.
     `prompt`: a directed pairwise template (the llm-as-verifier skill's `templates/prompt.md`; a
     file or its text) instead of ours: each order then reads a letter per tag, `<score_A>` and
     `<score_B>` (4 calls per criterion), on the skill's scale (A = best, T = worst), and the order's
     preference for its second slot is `(1 + R_B - R_A) / 2`, both orders averaged as ours are.
-    Without `judge=`, this is the reference library's synchronous call (see `agent_monitor._compat`).
+    Without `judge=`, this is the reference library's synchronous call (see
+    `agent_monitor._compat`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; use 1 or more")
@@ -385,31 +430,49 @@ async def compare(
         min_mass = recommended_min_mass(judge)
     asked = rubric.judged
     if not asked:
-        return Comparison(ok=False, preference=None, reason="no_opinion", error="the rubric has no judged criterion")
+        return Comparison(
+            ok=False,
+            preference=None,
+            reason="no_opinion",
+            error="the rubric has no judged criterion",
+        )
 
     frames = await _frames(images)
     if template is not None and frames:
-        raise ValueError("a pairwise template has no place for the task's images; compare with our prompt for them")
+        raise ValueError(
+            "a pairwise template has no place for the task's images; compare "
+            "with our prompt for them"
+        )
     if template is not None:
         _check_scale(rubric, asked)
     tags: tuple[Literal["A", "B"] | None, ...] = _SLOT_TAGS if template is not None else (None,)
 
     async def one(
-        c: Criterion, first: Sequence[PairStep], second: Sequence[PairStep], tag: Literal["A", "B"] | None
+        c: Criterion,
+        first: Sequence[PairStep],
+        second: Sequence[PairStep],
+        tag: Literal["A", "B"] | None,
     ) -> JudgeResponse | JudgeError:
         if template is not None and tag is not None:
-            prompt = build_template_pair_prompt(template, task, rubric, first, second, c, tag, max_chars=max_chars)
+            prompt = build_template_pair_prompt(
+                template, task, rubric, first, second, c, tag, max_chars=max_chars
+            )
         else:
-            prompt = build_pair_prompt(task, rubric, first, second, c, max_chars=max_chars, task_frames=frames)
+            prompt = build_pair_prompt(
+                task, rubric, first, second, c, max_chars=max_chars, task_frames=frames
+            )
         try:
             return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats))
         except JudgeError as e:
             return e
         except Exception as e:
-            # A third-party judge's bug is a failed comparison, never a crash or a made-up preference.
+            # A third-party judge's bug is a failed comparison, never a crash or a made-up
+            # preference.
             return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    answers = await asyncio.gather(*(one(c, *order, tag) for c in asked for order in ((a, b), (b, a)) for tag in tags))
+    answers = await asyncio.gather(
+        *(one(c, *order, tag) for c in asked for order in ((a, b), (b, a)) for tag in tags)
+    )
     usage = Usage()
     model = ""
     failure: tuple[str, str] | None = None
@@ -421,18 +484,33 @@ async def compare(
             f", <score_{tags[i % len(tags)]}>" if template else ""
         )
         if isinstance(answer, JudgeError):
-            failure = failure or (answer.reason, f"criterion {c.name!r} ({side}): judge call failed: {answer}")
+            failure = failure or (
+                answer.reason,
+                f"criterion {c.name!r} ({side}): judge call failed: {answer}",
+            )
             scores.append(None)
             continue
         usage += answer.usage
         model = answer.model or model
         try:
-            scores.append(score_samples(c.name, c.weight, answer.samples, repeats=repeats, min_mass=min_mass,
-                                        draws=answer.draws))  # fmt: skip
+            scores.append(
+                score_samples(
+                    c.name,
+                    c.weight,
+                    answer.samples,
+                    repeats=repeats,
+                    min_mass=min_mass,
+                    draws=answer.draws,
+                )
+            )
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r} ({side}): {e}")
             scores.append(None)
-    common: dict[str, Any] = {"calls": len(answers), "usage": usage, "model": model or getattr(judge, "model", "")}
+    common: dict[str, Any] = {
+        "calls": len(answers),
+        "usage": usage,
+        "model": model or getattr(judge, "model", ""),
+    }
     if failure is not None:
         return Comparison(ok=False, preference=None, reason=failure[0], error=failure[1], **common)
     total = sum(c.weight for c in asked)
@@ -440,14 +518,16 @@ async def compare(
     pref = fwd = bwd = var = 0.0
     for j, c in enumerate(asked):
         (f, fu), (bk, bku) = (
-            _second_slot(scores[per * j + k * len(tags) : per * j + (k + 1) * len(tags)]) for k in (0, 1)
+            _second_slot(scores[per * j + k * len(tags) : per * j + (k + 1) * len(tags)])
+            for k in (0, 1)
         )
         w = c.weight / total if total > 0 else 1.0 / len(asked)
         prefs[c.name] = (1.0 - f + bk) / 2.0
         pref += w * prefs[c.name]
         fwd += w * f
         bwd += w * bk
-        # The mean of two independent readings; criteria combined as the pointwise aggregate does (weighted).
+        # The mean of two independent readings; criteria combined as the pointwise aggregate does
+        # (weighted).
         var += w * (fu**2 + bku**2) / 4.0
     return Comparison(
         ok=True,
@@ -465,23 +545,28 @@ _LETTER_WORDS = (re.compile(r"\bA\b"), re.compile(r"\bT\b"))
 
 
 def _check_scale(rubric: Rubric, asked: Sequence[Criterion]) -> None:
-    """A pairwise template tells the judge A = best: refuse criteria whose descriptions grade on ours (A = worst)."""
+    """A pairwise template tells the judge A = best: refuse criteria whose descriptions grade on
+    ours (A = worst)."""
     if rubric.reversed_scale:
         return  # the skill's own scale (its rubric.json): the same direction as the template's
     for c in asked:
         if all(w.search(c.description) for w in _LETTER_WORDS):
             raise ValueError(
-                f"criterion {c.name!r} describes its letters on agent-monitor's scale (A = worst, T = best), and a "
-                "directed pairwise template tells the judge A = best: use criteria on the skill's scale (its "
+                f"criterion {c.name!r} describes its letters on agent-monitor's scale (A = "
+                "worst, T = best), and a "
+                "directed pairwise template tells the judge A = best: use criteria on the "
+                "skill's scale (its "
                 "templates/rubric.json), or descriptions that name no letters"
             )
 
 
 def _second_slot(read: Sequence[CriterionScore | None]) -> tuple[float, float]:
-    """One order's preference for its second slot and its standard deviation, from our letter or the two tags'.
+    """One order's preference for its second slot and its standard deviation, from our letter or the
+    two tags'.
 
-    Ours: the letter's expectation (A = slot 1 far ahead .. T = slot 2). A template's tags are on the
-    skill's scale, A = best: R = 1 - expectation each, and `(1 + R_B - R_A) / 2 = (1 + e_A - e_B) / 2`.
+    Ours: the letter's expectation (A = slot 1 far ahead .. T = slot 2). A template's tags are on
+    the skill's scale, A = best: R = 1 - expectation each, and `(1 + R_B - R_A) / 2 = (1 + e_A -
+    e_B) / 2`.
     """
     assert all(r is not None for r in read)
     if len(read) == 1:
@@ -493,7 +578,8 @@ def _second_slot(read: Sequence[CriterionScore | None]) -> tuple[float, float]:
 
 
 async def _frames(images: ImageInput | Sequence[ImageInput]) -> list[Frame]:
-    """The task's images loaded once, off the event loop (files and URLs as the caller named them)."""
+    """The task's images loaded once, off the event loop (files and URLs as the caller named
+    them)."""
     srcs = as_images(images)
     if not srcs:
         return []
@@ -509,11 +595,10 @@ class Tournament(Generic[K]):
     """The pivot tournament's result: the winner, the ranking, and every comparison it made.
 
     `wins[c]` is candidate c's win mass: its mean preference against the pivots (a pivot counts
-    itself as an even match; failed comparisons are left out; None: none succeeded). `ring[c]` is its
-    ring score (the sum of its preferences in the ring passes), `pivots` the candidates that
-    met all others, `comparisons` the compare calls made, `failed` how many of them failed
-    (left out of the win mass; `reason` is the first failure's). `winner` is None when no
-    comparison succeeded.
+    itself as an even match; failed comparisons are left out; None: none succeeded). `ring[c]` is
+    its ring score (the sum of its preferences in the ring passes), `pivots` the candidates that met
+    all others, `comparisons` the compare calls made, `failed` how many of them failed (left out of
+    the win mass; `reason` is the first failure's). `winner` is None when no comparison succeeded.
     """
 
     winner: K | None
@@ -537,7 +622,9 @@ def _as_comparison(value: Comparison | float) -> Comparison:
     if isinstance(value, Comparison):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise TypeError(f"compare_fn returned {value!r}; return a Comparison or a preference on [0, 1]")
+        raise TypeError(
+            f"compare_fn returned {value!r}; return a Comparison or a preference on [0, 1]"
+        )
     return Comparison(ok=True, preference=float(value))
 
 
@@ -564,10 +651,11 @@ async def tournament(
        win mass, as all-or-nothing preferences give) play a tournament of their own, which orders
        them; remaining ties go to the higher ring score, then to the earlier candidate.
 
-    Comparisons made: at most `repeats * N + k * (N - 1)`, O(N k) instead of a round robin's
-    N (N - 1) / 2, plus the tied leaders' tournament when there is one (L leaders: at most
-    `repeats * L + k * (L - 1)` more, most of them already made). A comparison is between distinct candidates; `compare` already asks both
-    orders, so each pair is asked once. A failed comparison counts for neither side.
+    Comparisons made: at most `repeats * N + k * (N - 1)`, O(N k) instead of a round robin's N (N -
+    1) / 2, plus the tied leaders' tournament when there is one (L leaders: at most `repeats * L + k
+    * (L - 1)` more, most of them already made). A comparison is between distinct candidates;
+    `compare` already asks both orders, so each pair is asked once. A failed comparison counts for
+    neither side.
     """
     if pivots < 1 or repeats < 1:
         raise ValueError(f"pivots={pivots}, repeats={repeats}: use 1 or more of each")
@@ -596,15 +684,19 @@ async def tournament(
     order = {c: i for i, c in enumerate(items)}
 
     def mass(c: K, against: Sequence[K]) -> float | None:
-        # Against a common set of opponents, itself counting as an even match: a judge whose preference grows
-        # with the quality gap then ranks every candidate exactly by quality.
+        # Against a common set of opponents, itself counting as an even match: a judge whose
+        # preference grows with the quality gap then ranks every candidate exactly by quality.
         shares = [pref(c, o).preference for o in against if o != c and pref(c, o).ok]
         judged = bool(shares) or any(r.ok for pair, r in results.items() if c in pair)
         if not judged:
             return None  # no comparison of it succeeded: no win mass, not an even one
-        return (sum(s for s in shares if s is not None) + 0.5 * (c in against)) / (len(shares) + (c in against))
+        return (sum(s for s in shares if s is not None) + 0.5 * (c in against)) / (
+            len(shares) + (c in against)
+        )
 
-    async def rank(group: list[K]) -> tuple[list[K], dict[K, float | None], dict[K, float], list[K]]:
+    async def rank(
+        group: list[K],
+    ) -> tuple[list[K], dict[K, float | None], dict[K, float], list[K]]:
         ring: dict[K, float] = dict.fromkeys(group, 0.0)
         if len(group) >= 2:
             for _ in range(repeats):
@@ -612,7 +704,9 @@ async def tournament(
                 rng.shuffle(cycle)
                 # Two candidates make a one-pair ring: compare already asks both orders.
                 edges = (
-                    [(cycle[0], cycle[1])] if len(cycle) == 2 else list(zip(cycle, cycle[1:] + cycle[:1], strict=True))
+                    [(cycle[0], cycle[1])]
+                    if len(cycle) == 2
+                    else list(zip(cycle, cycle[1:] + cycle[:1], strict=True))
                 )
                 await run(edges)
                 for a, b in edges:
@@ -621,7 +715,9 @@ async def tournament(
                         ring[a] += r.preference
                         ring[b] += 1.0 - r.preference
         # Rounded: scores equal up to float noise tie, and ties go to the earlier candidate.
-        chosen = sorted(group, key=lambda c: (-round(ring[c], 9), order[c]))[: min(pivots, len(group))]
+        chosen = sorted(group, key=lambda c: (-round(ring[c], 9), order[c]))[
+            : min(pivots, len(group))
+        ]
         await run([(c, p) for p in chosen for c in group if c != p])
         wins = {c: mass(c, chosen) for c in group}
 
@@ -632,8 +728,9 @@ async def tournament(
         ranking = sorted(group, key=key)
         top = wins[ranking[0]] if ranking else None
         if top is not None:
-            # The pivots cannot tell apart leaders that beat them all alike (all-or-nothing preferences): those
-            # leaders play a tournament of their own (pairs already compared are reused).
+            # The pivots cannot tell apart leaders that beat them all alike (all-or-nothing
+            # preferences): those leaders play a tournament of their own (pairs already compared are
+            # reused).
             leaders = [c for c in ranking if (w := wins[c]) is not None and round(top - w, 9) == 0]
             if 1 < len(leaders) < len(group):
                 ranking[: len(leaders)] = (await rank(leaders))[0]
@@ -659,11 +756,11 @@ class Selection:
 
     `scores` are each candidate's pointwise final score (`method` "pointwise") or its win mass in
     the tournament ("pairwise"; 1 for the majority, 0 for the others: "majority"); None: it has none
-    (its judge calls failed). They and `ranking` take the candidates' own form: named candidates
-    (a mapping) give a dict by name and a list of names, best first; a list of candidates gives a
-    list in the candidates' order and a list of positions, best first, as the reference library's
-    `VerifierResult`. `winner` is the winner's name (a list's: its position as a string; `index` is the
-    position); None when nothing could be scored. `pointwise` holds the pointwise results and
+    (its judge calls failed). They and `ranking` take the candidates' own form: named candidates (a
+    mapping) give a dict by name and a list of names, best first; a list of candidates gives a list
+    in the candidates' order and a list of positions, best first, as the reference library's
+    `VerifierResult`. `winner` is the winner's name (a list's: its position as a string; `index` is
+    the position); None when nothing could be scored. `pointwise` holds the pointwise results and
     `tournament` the pairwise one, both by name.
     """
 
@@ -678,11 +775,13 @@ class Selection:
     pointwise: dict[str, Progress] = field(default_factory=dict)
     tournament: Tournament[str] | None = None
     index: int | None = None
-    """The winner's position among the candidates as given (the reference library's `index`); None: no pick."""
+    """The winner's position among the candidates as given (the reference library's `index`);
+    None: no pick."""
     best: Any = None
     """The winning candidate as given (the reference library's `best`)."""
     calls_saved: int = 0
-    """Judge calls the majority shortcut saved (`method` "majority"): the most the skipped ranking could have made."""
+    """Judge calls the majority shortcut saved (`method` "majority"): the most the skipped
+    ranking could have made."""
 
     @property
     def ok(self) -> bool:
@@ -695,7 +794,9 @@ class Selection:
         return self.tournament.comparisons if self.tournament is not None else len(self.pointwise)
 
 
-def _named(candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]]) -> dict[str, list[Step]]:
+def _named(
+    candidates: Mapping[str, Sequence[PairStep]] | Sequence[Sequence[PairStep]],
+) -> dict[str, list[Step]]:
     if isinstance(candidates, Mapping):
         named = {str(k): _steps(v) for k, v in candidates.items()}
     else:
@@ -725,22 +826,29 @@ async def aselect(
 ) -> Selection:
     """Pick the best of `candidates` (name -> steps, or a list: named "0", "1", ..) for `task`.
 
-    When more than half of three or more candidates end with the same answer (last step, normalised),
-    that answer wins without a judge call (`method` "majority", `calls_saved`; TurboAgent's shortcut;
-    `majority=False` always ranks). Pairwise (the default, as the reference library's select): the pivot tournament of `compare`
-    (`pivots` k, `rings` ring passes, `seed`), or of `compare_fn(a, b)` over candidate names when
-    given (e.g. a cached compare). `pairwise=False`: each candidate's whole trajectory is scored
-    once, as the tracker would score its last step, and the highest score wins. `repeats` is the judge's repeats
-    per call, as for trackers. `prompt`: a directed pairwise template for `compare` (see there).
+    When more than half of three or more candidates end with the same answer (last step,
+    normalised), that answer wins without a judge call (`method` "majority", `calls_saved`;
+    TurboAgent's shortcut; `majority=False` always ranks). Pairwise (the default, as the reference
+    library's select): the pivot tournament of `compare` (`pivots` k, `rings` ring passes, `seed`),
+    or of `compare_fn(a, b)` over candidate names when given (e.g. a cached compare).
+    `pairwise=False`: each candidate's whole trajectory is scored once, as the tracker would score
+    its last step, and the highest score wins. `repeats` is the judge's repeats per call, as for
+    trackers. `prompt`: a directed pairwise template for `compare` (see there).
     """
     named = _named(candidates)
     template = _pairwise_template(prompt)
     if template is not None and (not pairwise or compare_fn is not None):
-        raise ValueError("prompt= is a pairwise template: it needs pairwise=True and no compare_fn (which compares)")
+        raise ValueError(
+            "prompt= is a pairwise template: it needs pairwise=True and no "
+            "compare_fn (which compares)"
+        )
     rubric = load_criteria(criteria)
     if template is not None:
         _check_scale(rubric, rubric.judged)  # before any call, not at the first comparison
-    if majority and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None:
+    if (
+        majority
+        and (shortcut := _majority(named, candidates, rubric, pairwise, pivots, rings)) is not None
+    ):
         return _as_given(shortcut, candidates)
     frames = await _frames(images)
     if not pairwise:
@@ -762,30 +870,69 @@ async def aselect(
         done = dict(zip(named, results, strict=True))
         scores = {k: p.score if p.ok else None for k, p in done.items()}
         order = list(named)
-        ranking = sorted(order, key=lambda k: (scores[k] is None, -(scores[k] or 0.0), order.index(k)))
+        ranking = sorted(
+            order, key=lambda k: (scores[k] is None, -(scores[k] or 0.0), order.index(k))
+        )
         failures = [p for p in done.values() if not p.ok]
         usage = sum((p.usage for p in done.values()), Usage())
         winner = ranking[0] if scores[ranking[0]] is not None else None
         index, best = indexed(candidates, winner)
-        return _as_given(Selection(
-            "pointwise", winner, ranking, scores, sum(p.calls for p in done.values()), usage, len(failures),
-            failures[0].reason if failures else None, pointwise=done, index=index, best=best,
-        ), candidates)  # fmt: skip
+        return _as_given(
+            Selection(
+                "pointwise",
+                winner,
+                ranking,
+                scores,
+                sum(p.calls for p in done.values()),
+                usage,
+                len(failures),
+                failures[0].reason if failures else None,
+                pointwise=done,
+                index=index,
+                best=best,
+            ),
+            candidates,
+        )
 
     async def judged(x: str, y: str) -> Comparison:
-        return await compare(task, named[x], named[y], judge=judge, criteria=rubric, repeats=repeats,
-                             min_mass=min_mass, max_chars=max_chars, images=frames, prompt=template)  # fmt: skip
+        return await compare(
+            task,
+            named[x],
+            named[y],
+            judge=judge,
+            criteria=rubric,
+            repeats=repeats,
+            min_mass=min_mass,
+            max_chars=max_chars,
+            images=frames,
+            prompt=template,
+        )
 
     t = await tournament(list(named), compare_fn or judged, pivots=pivots, repeats=rings, seed=seed)
     usage = sum((r.usage for r in t.results.values()), Usage())
     calls = sum(r.calls for r in t.results.values())
     index, best = indexed(candidates, t.winner)
-    return _as_given(Selection("pairwise", t.winner, t.ranking, dict(t.wins), calls, usage, t.failed, t.reason,
-                               tournament=t, index=index, best=best), candidates)  # fmt: skip
+    return _as_given(
+        Selection(
+            "pairwise",
+            t.winner,
+            t.ranking,
+            dict(t.wins),
+            calls,
+            usage,
+            t.failed,
+            t.reason,
+            tournament=t,
+            index=index,
+            best=best,
+        ),
+        candidates,
+    )
 
 
 def _as_given(s: Selection, candidates: Mapping[str, Any] | Sequence[Any]) -> Selection:
-    """A list of candidates' selection in its own form: `scores` by position, `ranking` as positions (as upstream)."""
+    """A list of candidates' selection in its own form: `scores` by position, `ranking` as
+    positions (as upstream)."""
     if isinstance(candidates, Mapping):
         return s
     by_name = s.scores
@@ -796,17 +943,20 @@ def _as_given(s: Selection, candidates: Mapping[str, Any] | Sequence[Any]) -> Se
 
 
 def _answer(steps: Sequence[Step]) -> str:
-    """A candidate's answer, normalised: its last step's text, case-folded, whitespace collapsed, end punctuation off."""
+    """A candidate's answer, normalised: its last step's text, case-folded, whitespace collapsed,
+    end punctuation off."""
     return " ".join(steps[-1].text.casefold().split()).rstrip(".!;") if steps else ""
 
 
 def tournament_calls(n: int, per: int, *, pivots: int = DEFAULT_PIVOTS, rings: int = 1) -> int:
-    """The most judge calls a pivot tournament of `n` candidates can make, `per` calls an order (2 orders a pair)."""
+    """The most judge calls a pivot tournament of `n` candidates can make, `per` calls an order
+    (2 orders a pair)."""
     return 2 * per * (rings * n + min(pivots, n) * (n - 1))
 
 
 def majority_of(named: Mapping[K, Sequence[Step]]) -> list[K] | None:
-    """The candidates sharing the answer more than half of 3+ give (last step, normalised), in order; else None.
+    """The candidates sharing the answer more than half of 3+ give (last step, normalised), in
+    order; else None.
 
     TurboAgent's majority-voting shortcut: that answer wins, and no comparison is needed among them.
     """
@@ -827,25 +977,30 @@ def _majority(
     pivots: int,
     rings: int,
 ) -> Selection | None:
-    """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins unjudged."""
+    """TurboAgent's shortcut: when more than half of 3+ candidates give the same answer, it wins
+    unjudged."""
     n = len(named)
     members = majority_of(named)
     if members is None:
         return None
     per = len(rubric.judged) or 1
-    # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or one call a candidate.
+    # What the ranking would have cost at most: the tournament's bound (2 calls a comparison), or
+    # one call a candidate.
     saved = tournament_calls(n, per, pivots=pivots, rings=rings) if pairwise else per * n
     winner = members[0]
     ranking = members + [k for k in named if k not in members]
     scores: dict[str, float | None] = {k: (1.0 if k in members else 0.0) for k in named}
     index, best = indexed(candidates, winner)
-    return Selection("majority", winner, ranking, scores, 0, Usage(), index=index, best=best, calls_saved=saved)
+    return Selection(
+        "majority", winner, ranking, scores, 0, Usage(), index=index, best=best, calls_saved=saved
+    )
 
 
 @reference_form("select")
 @twin_of(aselect)
 def select(*args: Any, **kwargs: Any) -> Selection:
-    """Synchronous `aselect`: pick the best of `candidates` (on the judge's own loop, as `track` runs)."""
+    """Synchronous `aselect`: pick the best of `candidates` (on the judge's own loop, as `track`
+    runs)."""
     return run_blocking(kwargs.get("judge"), partial(aselect, *args, **kwargs), "select")
 
 

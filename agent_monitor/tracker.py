@@ -38,7 +38,8 @@ from .judges.base import (
     require_summariser,
 )
 
-# The defaults live with the options; re-exported here, where users (and the daemon) found them first.
+# The defaults live with the options; re-exported here, where users (and the daemon) found them
+# first.
 from .options import DEFAULT_ALLOW_FILES as DEFAULT_ALLOW_FILES
 from .options import DEFAULT_CURVE_WINDOW as DEFAULT_CURVE_WINDOW
 from .options import DEFAULT_EXTRACT_BUDGET_S as DEFAULT_EXTRACT_BUDGET_S
@@ -54,7 +55,15 @@ from .progress import NO_USAGE, Decision, Progress, Usage, run_totals
 from .prompts import PromptWindow, Step, prompt_budget
 from .prompts import prompt_budget as _budget_for
 from .rules import Composite, RuleInput, RuleScore
-from .scale import CriterionScore, ScoreError, aggregate, binary_as_letters, mirrored, rule_score, score_samples
+from .scale import (
+    CriterionScore,
+    ScoreError,
+    aggregate,
+    binary_as_letters,
+    mirrored,
+    rule_score,
+    score_samples,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -80,11 +89,13 @@ def _step_text(step: StepInput) -> str:
 
 
 def placed(steps: Sequence[Step]) -> Sequence[Step]:
-    """The steps in the order the judge reads them: by end time where the source gave one, renumbered 1..n.
+    """The steps in the order the judge reads them: by end time where the source gave one,
+    renumbered 1..n.
 
-    A source that knows when each step ended (the OTLP receiver, as `meta["otel"]["end_ns"]`) may report a step
-    after later ones were scored: it is judged in its place, not at the end. A step without an end time keeps its
-    place after the steps before it. Steps in order (every MQTT run) come back as they are, with no copy.
+    A source that knows when each step ended (the OTLP receiver, as `meta["otel"]["end_ns"]`) may
+    report a step after later ones were scored: it is judged in its place, not at the end. A step
+    without an end time keeps its place after the steps before it. Steps in order (every MQTT run)
+    come back as they are, with no copy.
     """
     keys: list[int] = []
     top = 0
@@ -100,18 +111,21 @@ def placed(steps: Sequence[Step]) -> Sequence[Step]:
         return steps
     order = sorted(range(len(steps)), key=keys.__getitem__)
     return [
-        steps[i] if steps[i].index == at else dataclasses.replace(steps[i], index=at) for at, i in enumerate(order, 1)
+        steps[i] if steps[i].index == at else dataclasses.replace(steps[i], index=at)
+        for at, i in enumerate(order, 1)
     ]
 
 
 class _FrameKeeper:
-    """Drops the pixels of the frames the frame budget will never show again: neither an anchor nor among the newest.
+    """Drops the pixels of the frames the frame budget will never show again: neither an anchor nor
+    among the newest.
 
-    Once a prefix of `n` steps is scored, a frame that is not an anchor and has `recent` newer frames within that
-    prefix is shown by no later prompt (anchors depend on the ordinal alone, and prompts only grow), so its pixels
-    go: a run holds those of its anchors and of its newest frames only, and memory per run grows with the anchors
-    (logarithmically in the run's length), not with its frames. A dropped frame keeps its type, size and digest
-    (`data` empty), so frame ordinals and the prompt's layout stay as they were.
+    Once a prefix of `n` steps is scored, a frame that is not an anchor and has `recent` newer
+    frames within that prefix is shown by no later prompt (anchors depend on the ordinal alone, and
+    prompts only grow), so its pixels go: a run holds those of its anchors and of its newest frames
+    only, and memory per run grows with the anchors (logarithmically in the run's length), not with
+    its frames. A dropped frame keeps its type, size and digest (`data` empty), so frame ordinals
+    and the prompt's layout stay as they were.
     """
 
     def __init__(self, budget: FrameBudget) -> None:
@@ -119,7 +133,8 @@ class _FrameKeeper:
         self.dropped = 0
         self.dropped_bytes = 0
         self._ends = array("q")  # frames in the first k + 1 steps
-        self._open: deque[tuple[int, int, int]] = deque()  # (step position, frame position, ordinal) still held
+        # (step position, frame position, ordinal) still held
+        self._open: deque[tuple[int, int, int]] = deque()
 
     def add(self, steps: Sequence[Step]) -> None:
         """Account for the steps appended since the last call."""
@@ -131,7 +146,8 @@ class _FrameKeeper:
             self._ends.append(total + len(steps[pos].frames))
 
     def settle(self, steps: list[Step], n: int) -> None:
-        """After scoring the first `n` steps: drop the pixels no prompt of `n` or more steps shows."""
+        """After scoring the first `n` steps: drop the pixels no prompt of `n` or more steps
+        shows."""
         self.add(steps)
         if not 1 <= n <= len(self._ends):
             return
@@ -141,7 +157,9 @@ class _FrameKeeper:
             at, i, _ordinal = self._open.popleft()
             frames = changed.setdefault(at, list(steps[at].frames))
             f = frames[i]
-            frames[i] = Frame(data=b"", mime=f.mime, width=f.width, height=f.height, digest=f.digest)
+            frames[i] = Frame(
+                data=b"", mime=f.mime, width=f.width, height=f.height, digest=f.digest
+            )
             self.dropped += 1
             self.dropped_bytes += len(f.data)
         for at, frames in changed.items():
@@ -159,7 +177,8 @@ class CurveSummary:
     first: Progress | None = None
     """The result for the lowest step."""
     last: Progress | None = None
-    """The result for the highest step (the newest of a step scored twice): the tracker's `latest`."""
+    """The result for the highest step (the newest of a step scored twice): the tracker's
+    `latest`."""
     last_ok: Progress | None = None
     """The scored result for the highest step: what a gauge shows through a failed scoring."""
     best_score: float | None = None
@@ -213,33 +232,39 @@ class _Pending:
     images: tuple[ImageInput, ...]
     meta: Mapping[str, Any]
     context: Context | None = None
-    """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that span."""
+    """The OpenTelemetry context the step was given in (with `otel=`): its events attach to that
+    span."""
 
 
 class _History:
-    """A run's results: the newest `window` in full, every one as a point and folded into a summary."""
+    """A run's results: the newest `window` in full, every one as a point and folded into a
+    summary."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.curve: list[Progress] = []
         self.summary = CurveSummary()
-        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration learns from the
-        # whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
+        # Every result's (step, score, uncertainty) in step order, NaN for "none": calibration
+        # learns from the whole run, and 24 bytes a result keep it (a Progress is ~1.6 KB).
         self._steps = array("q")
         self._scores = array("d")
         self._uncertainties = array("d")
 
     def delta(self, p: Progress) -> float | None:
-        """The score's change since the run's previous scored step (None at the first, or when either is None)."""
-        # From the whole run's points, not the curve's window: a late result's predecessor may have left it.
+        """The score's change since the run's previous scored step (None at the first, or when
+        either is None)."""
+        # From the whole run's points, not the curve's window: a late result's predecessor may have
+        # left it.
         at = bisect.bisect_left(self._steps, p.step) - 1
         if at < 0 or p.score is None or math.isnan(self._scores[at]):
             return None
         return p.score - self._scores[at]
 
     def keep(self, p: Progress) -> None:
-        """Put a result in the curve's window, its point in the history, and fold it into the summary."""
-        # After results for the same step (a step scored again): the order a sort of every result would give.
+        """Put a result in the curve's window, its point in the history, and fold it into the
+        summary."""
+        # After results for the same step (a step scored again): the order a sort of every result
+        # would give.
         at = bisect.bisect_right(self.curve, p.step, key=_step)
         self.curve.insert(at, p)
         if len(self.curve) > self.window:
@@ -254,7 +279,8 @@ class _History:
 
     @property
     def points(self) -> tuple[Point, ...]:
-        """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
+        """Every result as (step, score, uncertainty), in step order; None where it had none
+        (what calibration reads)."""
         return tuple(
             Point(step, None if math.isnan(s) else s, None if math.isnan(u) else u)
             for step, s, u in zip(self._steps, self._scores, self._uncertainties, strict=True)
@@ -268,31 +294,39 @@ R = TypeVar("R")
 
 @dataclass(frozen=True, kw_only=True)
 class _TrackerArgs(TrackerOptions):
-    """A tracker's keywords: `TrackerOptions`' fields and what a tracker is given besides (never built)."""
+    """A tracker's keywords: `TrackerOptions`' fields and what a tracker is given besides (never
+    built)."""
 
     judge: Judge
     images: Sequence[ImageInput] = ()
     """The task's images (e.g. the goal), shown to the judge before the steps."""
     options: ScoringOptions | None = None
-    """Options given whole (a `TrackerOptions`, or a `MonitorConfig`'s scoring settings); keywords given win."""
+    """Options given whole (a `TrackerOptions`, or a `MonitorConfig`'s scoring settings);
+    keywords given win."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class _TrackArgs(TrackerOptions):
-    """`track`'s and `atrack`'s keywords: `TrackerOptions`' fields, the judge and each step's images (never built)."""
+    """`track`'s and `atrack`'s keywords: `TrackerOptions`' fields, the judge and each step's
+    images (never built)."""
 
     judge: Judge
     images: Iterable[Iterable[ImageInput]] | ImageInput | None = None
-    """`images[i]` are step i's images (one image or a flat list: the task's, the reference library's form)."""
+    """`images[i]` are step i's images (one image or a flat list: the task's, the reference
+    library's form)."""
     options: ScoringOptions | None = None
     checkpoints: Sequence[int] | None = None
-    """The 1-based steps to score (default: every step; the reference library's `checkpoint_steps`)."""
+    """The 1-based steps to score (default: every step; the reference library's
+    `checkpoint_steps`)."""
 
 
 def _signature(form: Callable[..., object], args: Any) -> inspect.Signature:
-    """`form`'s own positional parameters, then `args`' fields as keywords: the judge first, then the options."""
+    """`form`'s own positional parameters, then `args`' fields as keywords: the judge first, then
+    the options."""
     own = [p for p in inspect.signature(form).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    fields = sorted(dataclasses.fields(args), key=lambda f: f.name not in ("judge", "images", "options"))
+    fields = sorted(
+        dataclasses.fields(args), key=lambda f: f.name not in ("judge", "images", "options")
+    )
     keywords = [
         inspect.Parameter(
             f.name,
@@ -308,19 +342,25 @@ def _signature(form: Callable[..., object], args: Any) -> inspect.Signature:
         )
         for f in fields
     ]
-    return inspect.Signature([*own, *keywords], return_annotation=inspect.signature(form).return_annotation)
+    return inspect.Signature(
+        [*own, *keywords], return_annotation=inspect.signature(form).return_annotation
+    )
 
 
 def _takes(
     args: Callable[P, object],
 ) -> Callable[[Callable[Concatenate[S, str, ...], None]], Callable[Concatenate[S, str, P], None]]:
-    """A tracker's `__init__(self, task, **keywords)` typed and signed with `args`' fields as its keywords.
+    """A tracker's `__init__(self, task, **keywords)` typed and signed with `args`' fields as its
+    keywords.
 
     The option list is written once, as `TrackerOptions`' fields: mypy reads the keywords from
-    `args`' generated `__init__` (a ParamSpec), `help()` and `inspect` from the generated `__signature__`.
+    `args`' generated `__init__` (a ParamSpec), `help()` and `inspect` from the generated
+    `__signature__`.
     """
 
-    def sign(init: Callable[Concatenate[S, str, ...], None]) -> Callable[Concatenate[S, str, P], None]:
+    def sign(
+        init: Callable[Concatenate[S, str, ...], None],
+    ) -> Callable[Concatenate[S, str, P], None]:
         init.__signature__ = _signature(init, args)  # type: ignore[attr-defined]
         return init
 
@@ -330,7 +370,8 @@ def _takes(
 def _takes_steps(
     args: Callable[P, object],
 ) -> Callable[
-    [Callable[Concatenate[str, Iterable[StepInput], ...], R]], Callable[Concatenate[str, Iterable[StepInput], P], R]
+    [Callable[Concatenate[str, Iterable[StepInput], ...], R]],
+    Callable[Concatenate[str, Iterable[StepInput], P], R],
 ]:
     """`_takes` for `track(task, steps, **keywords)` and `atrack`."""
 
@@ -344,7 +385,8 @@ def _takes_steps(
 
 
 def _arguments(owner: str, keywords: dict[str, Any]) -> tuple[Judge, Any, TrackerOptions]:
-    """A form's keywords as (judge, images, options); a TypeError names the form for a missing or unknown one."""
+    """A form's keywords as (judge, images, options); a TypeError names the form for a missing or
+    unknown one."""
     if "judge" not in keywords:
         raise TypeError(f"{owner}() missing required keyword argument: 'judge'")
     judge = keywords.pop("judge")
@@ -374,13 +416,12 @@ class AsyncProgressTracker:
     (`judge.min_mass`: the packaged tiny local models recommend a low one),
     else the library default `DEFAULT_MIN_MASS`.
 
-    `usage` is the run's running totals of judge tokens: every scoring's, failed,
-    coalesced and out-of-order ones included (each result carries them as
-    `totals`); with `prices`, `cost` is their price in USD.
-    `otel=True` emits OpenTelemetry `gen_ai.evaluation.result` events for every result through
-    the global LoggerProvider (a `LoggerProvider` instead: through that one; see
-    `agent_monitor.otel`). Each result's events carry the span that was current when its newest
-    step was given (`add`, `update` or `submit`), so a trace shows the verdict on the step it judged.
+    `usage` is the run's running totals of judge tokens: every scoring's, failed, coalesced and
+    out-of-order ones included (each result carries them as `totals`); with `prices`, `cost` is
+    their price in USD. `otel=True` emits OpenTelemetry `gen_ai.evaluation.result` events for every
+    result through the global LoggerProvider (a `LoggerProvider` instead: through that one; see
+    `agent_monitor.otel`). Each result's events carry the span that was current when its newest step
+    was given (`add`, `update` or `submit`), so a trace shows the verdict on the step it judged.
     """
 
     @_takes(_TrackerArgs)
@@ -390,7 +431,13 @@ class AsyncProgressTracker:
             raise ValueError("task is empty; pass the task the agent is working on")
         o = self.options = options
         """The options in use (`TrackerOptions`)."""
-        repeats, min_mass, policy, run_id, calibration = o.repeats, o.min_mass, o.policy, o.run_id, o.calibration
+        repeats, min_mass, policy, run_id, calibration = (
+            o.repeats,
+            o.min_mass,
+            o.policy,
+            o.run_id,
+            o.calibration,
+        )
         self.task = task
         self.judge = judge
         self.rubric: Rubric = load_criteria(o.criteria)
@@ -405,7 +452,8 @@ class AsyncProgressTracker:
         self.calls_saved = 0
         self.prices = o.prices
         self.usage = Usage()
-        """The run's judge tokens over every scoring recorded so far (continued across a restart by `restore`)."""
+        """The run's judge tokens over every scoring recorded so far (continued across a restart
+        by `restore`)."""
         # The rubric's thresholds fill what the caller's policy leaves open (see policy.resolve).
         policy = resolve(policy, dict(self.rubric.thresholds))
         self.calibration = calibration
@@ -417,8 +465,8 @@ class AsyncProgressTracker:
             rubric=self.rubric.hash,
             schedule=policy.schedule if policy is not None else "every",
         )
-        """This run's calibration key: its family (default: the task), the judge's model, the rubric's hash (and the
-        policy's schedule when it is not "every")."""
+        """This run's calibration key: its family (default: the task), the judge's model, the
+        rubric's hash (and the policy's schedule when it is not "every")."""
         self.policy_state = (
             PolicyState(
                 policy,
@@ -432,8 +480,9 @@ class AsyncProgressTracker:
         )
         self.on_signal = o.on_signal
         self.on_group: Callable[[Progress], Decision | None] | None = None
-        """Set by a `GroupTracker` (or the daemon) for a run in a group: given each in-order result after the run
-        policy's decision, it returns the group's prune (an abort with `pruned` set) or None."""
+        """Set by a `GroupTracker` (or the daemon) for a run in a group: given each in-order result
+        after the run policy's decision, it returns the group's prune (an abort with `pruned` set)
+        or None."""
         self.run_id = run_id
         self.on_progress = o.on_progress
         self.steps: list[Step] = []
@@ -444,15 +493,19 @@ class AsyncProgressTracker:
         self.summaries = 0
         """LLM digest summaries asked (one per folded chunk), failed ones included."""
         self.summary_failures = 0
-        """LLM digest summaries that failed or came back empty: those chunks kept their deterministic lines."""
+        """LLM digest summaries that failed or came back empty: those chunks kept their
+        deterministic lines."""
         self._summary_lock = asyncio.Lock()
-        self._timed = False  # whether a step carries an end time (then `placed` may reorder the steps)
+        # whether a step carries an end time (then `placed` may reorder the steps)
+        self._timed = False
         self.curve_window = o.curve_window
         self._history = _History(o.curve_window)
         self.curve: list[Progress] = self._history.curve
-        """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
+        """The newest `curve_window` results, in step order (`summary` and `points` cover every
+        result)."""
         self.summary: CurveSummary = self._history.summary
-        """Every result so far in a few numbers: counts, first and last, best, lowest and mean score."""
+        """Every result so far in a few numbers: counts, first and last, best, lowest and mean
+        score."""
         self.latest: Progress | None = None
         self._task_images = as_images(images)
         self._task_frames: tuple[Frame, ...] | None = None
@@ -460,9 +513,11 @@ class AsyncProgressTracker:
         self._append_lock = asyncio.Lock()
         self._scored = 0
         self._skipped = 0
-        self._revision = 0  # amendments so far (`amend`): a prefix scored again after one is the run's newest score
+        # amendments so far (`amend`): a prefix scored again after one is the run's newest score
+        self._revision = 0
         self._latest_revision = 0  # the amendments the latest result had seen
-        # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not their own.
+        # Made by `async with` only: a daemon's trackers are scored by the daemon's scheduler, not
+        # their own.
         self._scheduler: Scheduler[int] | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -483,7 +538,9 @@ class AsyncProgressTracker:
         self._stack = contextlib.AsyncExitStack()
         tg = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._scheduler = Scheduler(self._background)
-        self._worker = tg.create_task(self._scheduler.worker(), name=f"tracker-worker:{self.run_id or id(self)}")
+        self._worker = tg.create_task(
+            self._scheduler.worker(), name=f"tracker-worker:{self.run_id or id(self)}"
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -497,24 +554,35 @@ class AsyncProgressTracker:
     # -- steps --
 
     async def add(
-        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+        self,
+        step: StepInput,
+        *,
+        images: Iterable[ImageInput] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> int:
         """Append a step (loading its images once, off the event loop); return its 1-based index.
 
-        `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge never sees it.
+        `meta` is per-step data for rule criteria (e.g. `{"distance_to_goal": 0.4}`); the judge
+        never sees it.
         """
-        shown = as_images(images) if images or not isinstance(images, list | tuple) else ()  # a text step: nothing
+        # a text step: nothing
+        shown = as_images(images) if images or not isinstance(images, list | tuple) else ()
         return await self._add(step, shown, meta, self._context())
 
     async def _add(
-        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+        self,
+        step: StepInput,
+        images: tuple[ImageInput, ...],
+        meta: Mapping[str, Any] | None,
+        context: Context | None,
     ) -> int:
         self._pending.append(_Pending(_step_text(step), images, dict(meta or {}), context))
         await self._materialise()
         return len(self.steps)
 
     def _context(self) -> Context | None:
-        """The caller's OpenTelemetry context when events are emitted (else None: nothing to carry)."""
+        """The caller's OpenTelemetry context when events are emitted (else None: nothing to
+        carry)."""
         if self._otel is None:
             return None
         from .otel import current_context
@@ -522,16 +590,27 @@ class AsyncProgressTracker:
         return current_context()
 
     def submit(
-        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+        self,
+        step: StepInput,
+        *,
+        images: Iterable[ImageInput] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> int:
-        """Queue a step and return its index at once; the background worker scores the newest prefix."""
+        """Queue a step and return its index at once; the background worker scores the newest
+        prefix."""
         return self._submit(step, as_images(images), meta, self._context())
 
     def _submit(
-        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+        self,
+        step: StepInput,
+        images: tuple[ImageInput, ...],
+        meta: Mapping[str, Any] | None,
+        context: Context | None,
     ) -> int:
         if self._worker is None or self._scheduler is None:
-            raise RuntimeError("submit() needs the background worker: use `async with AsyncProgressTracker(...)`")
+            raise RuntimeError(
+                "submit() needs the background worker: use `async with AsyncProgressTracker(...)`"
+            )
         self._pending.append(_Pending(_step_text(step), images, dict(meta or {}), context))
         self._scheduler.wake(0)
         return len(self.steps) + len(self._pending)
@@ -547,31 +626,43 @@ class AsyncProgressTracker:
                 if p.context is not None:
                     self._contexts[index] = p.context
                 if p.images or self.rubric.extractors.extractors:
-                    # Image decoding and the extractors read untrusted input: a worker thread, never the event loop.
+                    # Image decoding and the extractors read untrusted input: a worker thread, never
+                    # the event loop.
                     self.steps.append(await asyncio.to_thread(self._prepare, p, index))
                 else:
                     self.steps.append(Step(index=index, text=p.text, meta=p.meta))
                 self._timed = self._timed or "otel" in p.meta
 
     def _prepare(self, p: _Pending, index: int) -> Step:
-        """A step made ready in a worker thread: images decoded, extractors run once under the time budget."""
+        """A step made ready in a worker thread: images decoded, extractors run once under the
+        time budget."""
         frames = tuple(self._decode(p.images))
         try:
-            text = within(lambda: self.rubric.extractors(p.text), self.extract_budget_s, f"step {index}'s extractors")
+            text = within(
+                lambda: self.rubric.extractors(p.text),
+                self.extract_budget_s,
+                f"step {index}'s extractors",
+            )
         except BudgetExceeded as e:
-            # The raw text is not shown instead: the extractors may exist to keep parts of it from the judge.
+            # The raw text is not shown instead: the extractors may exist to keep parts of it from
+            # the judge.
             why = f"step {index}: {e}; its text is withheld from the judge and the rules"
             self._log.warning("extractor_timeout", step=index, error=str(e))
             return Step(
-                index=index, text=f"(step {index}: text withheld, {e})", frames=frames, meta=p.meta, withheld=why
+                index=index,
+                text=f"(step {index}: text withheld, {e})",
+                frames=frames,
+                meta=p.meta,
+                withheld=why,
             )
         return Step(index=index, text=text, frames=frames, meta=p.meta)
 
     async def amend(self, index: int, step: StepInput) -> None:
-        """Replace step `index`'s text (its frames and meta stay); prompts are laid out again from it on.
+        """Replace step `index`'s text (its frames and meta stay); prompts are laid out again from
+        it on.
 
-        A prefix holding it scored from now on is the run's newest result even at a step scored before (its
-        policy reads it again): the text the judge graded has changed.
+        A prefix holding it scored from now on is the run's newest result even at a step scored
+        before (its policy reads it again): the text the judge graded has changed.
         """
         await self._materialise()
         if not 1 <= index <= len(self.steps):
@@ -579,7 +670,11 @@ class AsyncProgressTracker:
         old = self.steps[index - 1]
         p = _Pending(_step_text(step), (), old.meta)
         # The extractors read untrusted input: a worker thread, as for a new step.
-        new = await asyncio.to_thread(self._prepare, p, index) if self.rubric.extractors.extractors else None
+        new = (
+            await asyncio.to_thread(self._prepare, p, index)
+            if self.rubric.extractors.extractors
+            else None
+        )
         text, withheld = (new.text, new.withheld) if new is not None else (p.text, None)
         self.steps[index - 1] = dataclasses.replace(old, text=text, withheld=withheld)
         self._window.amended(index)
@@ -595,27 +690,46 @@ class AsyncProgressTracker:
     # -- scoring --
 
     async def update(
-        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+        self,
+        step: StepInput,
+        *,
+        images: Iterable[ImageInput] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> Progress:
         """Append a step and score the trajectory up to it."""
         return await self._update(step, as_images(images), meta, self._context())
 
     async def _update(
-        self, step: StepInput, images: tuple[ImageInput, ...], meta: Mapping[str, Any] | None, context: Context | None
+        self,
+        step: StepInput,
+        images: tuple[ImageInput, ...],
+        meta: Mapping[str, Any] | None,
+        context: Context | None,
     ) -> Progress:
         n = await self._add(step, images, meta, context)
         return await self.score(n)
 
-    def plan(self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, Any] | None = None) -> Plan:
-        """Whether the schedule scores the prefix of `n` steps now (`policy.plan`; `extra`: e.g. a `prune` line)."""
+    def plan(
+        self, n: int | None = None, *, ending: bool = False, extra: Mapping[str, Any] | None = None
+    ) -> Plan:
+        """Whether the schedule scores the prefix of `n` steps now (`policy.plan`; `extra`: e.g.
+
+        a `prune` line).
+        """
         return _plan_of(self, len(self.steps) if n is None else n, ending, extra)
 
     async def score(
-        self, n: int | None = None, *, coalesced: int = 1, plan: Plan | None = None, skipped: str | None = None
+        self,
+        n: int | None = None,
+        *,
+        coalesced: int = 1,
+        plan: Plan | None = None,
+        skipped: str | None = None,
     ) -> Progress:
         """Score the prefix of `n` steps (default: all steps so far) and record the result.
 
-        `plan()`'s plan says why, and if the repeats are spent; `skipped` why the folded steps were not scored."""
+        `plan()`'s plan says why, and if the repeats are spent; `skipped` why the folded steps were
+        not scored."""
         await self._materialise()
         n = len(self.steps) if n is None else n
         if not 1 <= n <= len(self.steps):
@@ -625,7 +739,8 @@ class AsyncProgressTracker:
         if self._summariser is not None and budget is not None:
             steps = placed(self.steps[:n]) if self._timed or n < len(self.steps) else self.steps
             summarised = await self._summarise(steps, n, budget)
-        # A step withheld since the last score fails this one (once): the run learns why that step has no score.
+        # A step withheld since the last score fails this one (once): the run learns why that step
+        # has no score.
         withheld = next((s.withheld for s in self.steps[self._scored : n] if s.withheld), None)
         # The whole list when it is the prefix (the usual case): no copy of the run per scoring.
         prefix = placed(self.steps[:n]) if self._timed or n < len(self.steps) else self.steps
@@ -651,24 +766,31 @@ class AsyncProgressTracker:
             prompt_budget=budget,
         )
         if summarised is not NO_USAGE:
-            p = dataclasses.replace(p, usage=p.usage + summarised)  # the run's tokens and cost count the summaries
-        # No later prompt of n or more steps shows the frames settled now (prompts in flight hold their own copies).
+            # the run's tokens and cost count the summaries
+            p = dataclasses.replace(p, usage=p.usage + summarised)
+        # No later prompt of n or more steps shows the frames settled now (prompts in flight hold
+        # their own copies).
         self._frames.settle(self.steps, n)
         self.calls_saved += p.calls_saved
         if plan is not None and plan is not EVERY:
-            p = dataclasses.replace(p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None)
+            p = dataclasses.replace(
+                p, scheduled=plan.reason, skipped=skipped if coalesced > 1 else None
+            )
         return self._record(p, revision)
 
     async def _summarise(self, steps: Sequence[Step], n: int, budget: int) -> Usage:
-        """Summarise the chunks the prompt for `n` steps folds and no summary settled yet (an LLM digest); their usage.
+        """Summarise the chunks the prompt for `n` steps folds and no summary settled yet (an LLM
+        digest); their usage.
 
-        Once per chunk, before any prompt shows it. A failed or empty summary is counted (`summary_failures`) and
-        logged, and the chunk keeps its deterministic lines: a digest line, never a score.
+        Once per chunk, before any prompt shows it. A failed or empty summary is counted
+        (`summary_failures`) and logged, and the chunk keeps its deterministic lines: a digest line,
+        never a score.
         """
         assert self._summariser is not None
         model = None if self.options.digest == "judge" else self.options.digest
         spent = NO_USAGE
-        async with self._summary_lock:  # a chunk is asked once, whichever scorings of the run overlap
+        # a chunk is asked once, whichever scorings of the run overlap
+        async with self._summary_lock:
             for chunk in self._window.pending(steps, n=n, budget=budget):
                 self.summaries += 1
                 try:
@@ -699,13 +821,15 @@ class AsyncProgressTracker:
 
     @property
     def prompt_budget(self) -> int | None:
-        """The most tokens a prompt may hold now: the judge's context (read per scoring: a refusal may lower it) less
-        room for the answer, and at most the `prompt_budget` option; None (no limit) when neither is known."""
+        """The most tokens a prompt may hold now: the judge's context (read per scoring: a refusal
+        may lower it) less room for the answer, and at most the `prompt_budget` option; None (no
+        limit) when neither is known."""
         return prompt_budget(_context_tokens(self.judge), self.options.prompt_budget)
 
     @property
     def window(self) -> PromptWindow:
-        """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
+        """The run's prompt layout (head, digest, recent steps): its `compactions` and current
+        `budget`."""
         return self._window
 
     def _record(self, p: Progress, revision: int = 0) -> Progress:
@@ -714,16 +838,24 @@ class AsyncProgressTracker:
         signal = p.signal
         # Results older than the latest (a slow concurrent update) do not move the policy backwards.
         in_order = self.latest is None or p.step > self.latest.step
-        # A step scored again after its first scoring failed (a judge outage ended) is the run's newest score.
-        in_order = in_order or (self.latest is not None and p.step == self.latest.step and p.ok and not self.latest.ok)
-        # A step scored again after an amendment (`amend`) of the prefix it had: the newest judgement of the run.
+        # A step scored again after its first scoring failed (a judge outage ended) is the run's
+        # newest score.
         in_order = in_order or (
-            self.latest is not None and p.step == self.latest.step and revision > self._latest_revision
+            self.latest is not None and p.step == self.latest.step and p.ok and not self.latest.ok
+        )
+        # A step scored again after an amendment (`amend`) of the prefix it had: the newest
+        # judgement of the run.
+        in_order = in_order or (
+            self.latest is not None
+            and p.step == self.latest.step
+            and revision > self._latest_revision
         )
         if self.policy_state is not None and in_order:
             # The policy reads the score, not the totals: one copy of the result carries both.
             signal = self.policy_state.observe(p)
-        p = dataclasses.replace(p, totals=self.usage, cost=self.cost, delta=self._history.delta(p), signal=signal)
+        p = dataclasses.replace(
+            p, totals=self.usage, cost=self.cost, delta=self._history.delta(p), signal=signal
+        )
         if self.on_group is not None and in_order:
             p = self._group_decision(p)
         if in_order and p.signal is not None and p.signal.changed and self.on_signal is not None:
@@ -749,7 +881,8 @@ class AsyncProgressTracker:
         return p
 
     def _group_decision(self, p: Progress) -> Progress:
-        """`p` with its group's verdict: a prune is an abort (final), marked `pruned`, that replaces the run's own."""
+        """`p` with its group's verdict: a prune is an abort (final), marked `pruned`, that
+        replaces the run's own."""
         assert self.on_group is not None
         if p.signal is not None and p.signal.signal == "abort" and not p.signal.changed:
             return p  # aborted before: final, nothing for the group to decide
@@ -767,14 +900,17 @@ class AsyncProgressTracker:
 
     @property
     def points(self) -> tuple[Point, ...]:
-        """Every result as (step, score, uncertainty), in step order; None where it had none (what calibration reads)."""
+        """Every result as (step, score, uncertainty), in step order; None where it had none
+        (what calibration reads)."""
         return self._history.points
 
     def _emit_otel(self, p: Progress) -> None:
-        """Emit a result's evaluation events in the context its newest step was given in; never raises."""
+        """Emit a result's evaluation events in the context its newest step was given in; never
+        raises."""
         assert self._otel is not None
         context = self._contexts.get(p.step)
-        # Contexts of steps this result covers are no longer needed (a coalesced score covers several).
+        # Contexts of steps this result covers are no longer needed (a coalesced score covers
+        # several).
         for i in [i for i in self._contexts if i <= p.step]:
             del self._contexts[i]
         try:
@@ -803,11 +939,12 @@ class AsyncProgressTracker:
         return self.calibration.done(self.family, self.policy_state.policy)
 
     def finish(self, outcome: object) -> Sample | None:
-        """Teach the calibration this run's outcome ("success", "failure" or a number); the sample it kept, if any.
+        """Teach the calibration this run's outcome ("success", "failure" or a number); the sample
+        it kept, if any.
 
-        Call it once the run has ended and its last step is scored. Nothing is learnt (None) without a
-        calibration, from an outcome that says neither success nor failure, or from a run an abort rule
-        could have stopped (its outcome is censored; see `Calibration.record`).
+        Call it once the run has ended and its last step is scored. Nothing is learnt (None) without
+        a calibration, from an outcome that says neither success nor failure, or from a run an abort
+        rule could have stopped (its outcome is censored; see `Calibration.record`).
         """
         if self.calibration is None:
             return None
@@ -817,28 +954,33 @@ class AsyncProgressTracker:
         return self.calibration.record(self.family, run_id, outcome, self.points, exposed=exposed)
 
     def restore(self, results: Iterable[Progress], *, usage: Usage | None = None) -> None:
-        """Take results scored before a restart as this tracker's own: curve, latest, policy state and totals.
+        """Take results scored before a restart as this tracker's own: curve, latest, policy state
+        and totals.
 
-        No callbacks. `usage` is the run's totals before the restart (None: what the results carry, see
-        `run_totals`); scorings from here on add to them.
+        No callbacks. `usage` is the run's totals before the restart (None: what the results carry,
+        see `run_totals`); scorings from here on add to them.
         """
         results = list(results)
         self.usage += run_totals(results) if usage is None else usage
         for p in sorted(results, key=lambda q: q.step):
             if self.policy_state is not None:
                 if p.signal is not None and p.signal.pruned:
-                    # The group's verdict is not a function of this run's scores: a prune is kept as it was decided.
+                    # The group's verdict is not a function of this run's scores: a prune is kept as
+                    # it was decided.
                     self.policy_state.signal, self.policy_state.reason = "abort", p.signal.reason
                 else:
-                    # The policy is a function of the score sequence: replaying it rebuilds best step, streak and signal.
+                    # The policy is a function of the score sequence: replaying it rebuilds best
+                    # step, streak and signal.
                     p = dataclasses.replace(p, signal=self.policy_state.observe(p))
             self._history.keep(p)
             self.latest = p
             self._scored = max(self._scored, p.step)
-        self._latest_revision = self._revision  # what was stored was scored on the steps as replayed
+        # what was stored was scored on the steps as replayed
+        self._latest_revision = self._revision
 
     async def _background(self, _key: int) -> None:
-        """The scheduler's callback: materialise what was submitted, then score the newest prefix once."""
+        """The scheduler's callback: materialise what was submitted, then score the newest prefix
+        once."""
         while True:
             try:
                 await self._materialise()
@@ -851,7 +993,8 @@ class AsyncProgressTracker:
     async def drain(self) -> Progress | None:
         """Wait until every submitted step is folded into a score; return the latest result.
 
-        Under "adaptive" the run's end as far as the tracker knows: the steps it skipped are scored now."""
+        Under "adaptive" the run's end as far as the tracker knows: the steps it skipped are scored
+        now."""
         if self._scheduler is not None:
             await self._scheduler.drain()
         await _follow_schedule(self, ending=True)
@@ -859,7 +1002,8 @@ class AsyncProgressTracker:
 
 
 def _context_tokens(judge: object) -> int | None:
-    """The judge's context window, looked up through wrappers (the daemon's circuit breaker holds it as `inner`)."""
+    """The judge's context window, looked up through wrappers (the daemon's circuit breaker holds
+    it as `inner`)."""
     for _ in range(4):
         found = getattr(judge, "context_tokens", None)
         if found is not None or not hasattr(judge, "inner"):
@@ -868,15 +1012,24 @@ def _context_tokens(judge: object) -> int | None:
     return None
 
 
-def _plan_of(t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None) -> Plan:
+def _plan_of(
+    t: AsyncProgressTracker, n: int, ending: bool, extra: Mapping[str, Any] | None
+) -> Plan:
     state = t.policy_state
-    return EVERY if state is None else plan(state, n, last=t.latest, last_step=t._scored, ending=ending, extra=extra)
+    return (
+        EVERY
+        if state is None
+        else plan(state, n, last=t.latest, last_step=t._scored, ending=ending, extra=extra)
+    )
 
 
 async def _follow_schedule(t: AsyncProgressTracker, *, ending: bool) -> None:
-    """Score a tracker's newest prefix when its schedule says so (`ending`: the run's end, as far as it knows)."""
+    """Score a tracker's newest prefix when its schedule says so (`ending`: the run's end, as far
+    as it knows)."""
     n, state = len(t.steps), t.policy_state
-    if n <= t._scored or (ending and (state is None or state.policy.every_step or state.signal == "abort")):
+    if n <= t._scored or (
+        ending and (state is None or state.policy.every_step or state.signal == "abort")
+    ):
         return
     plan = t.plan(n, ending=ending)
     if not plan.score:
@@ -905,23 +1058,24 @@ async def score_prefix(
     window: PromptWindow | None = None,
     prompt_budget: int | None = None,
 ) -> Progress:
-    """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then aggregate.
+    """Score one trajectory prefix: rules first, then one judge call per remaining criterion, then
+    aggregate.
 
-    The judge calls share the prompt prefix. A criterion whose rules are
-    confident costs no call (counted in `calls_saved`); a rule-only criterion
-    with no confident rule is `silent` and left out of the weighted mean.
-    Rules run in a worker thread, each criterion's under `rule_budget_s`; one
-    over it, or a `withheld` step, fails the result with `extractor_timeout`.
-    `min_mass` None is the judge's recommendation (see `recommended_min_mass`).
-    `run_key` goes to the judge with every call (see `JudgeRequest.run_key`).
-    `window` is the run's prompt layout, kept between scorings (a tracker's: prompts then extend each other and
-    cost what they hold, not the run); `prompt_budget` the most tokens a prompt may hold (None: no limit).
+    The judge calls share the prompt prefix. A criterion whose rules are confident costs no call
+    (counted in `calls_saved`); a rule-only criterion with no confident rule is `silent` and left
+    out of the weighted mean. Rules run in a worker thread, each criterion's under `rule_budget_s`;
+    one over it, or a `withheld` step, fails the result with `extractor_timeout`. `min_mass` None is
+    the judge's recommendation (see `recommended_min_mass`). `run_key` goes to the judge with every
+    call (see `JudgeRequest.run_key`). `window` is the run's prompt layout, kept between scorings (a
+    tracker's: prompts then extend each other and cost what they hold, not the run); `prompt_budget`
+    the most tokens a prompt may hold (None: no limit).
     """
     start = time.perf_counter()
     if min_mass is None:
         min_mass = recommended_min_mass(judge)
     n = steps[-1].index if steps else 0
-    count = len(steps)  # `steps` may be a tracker's own list, which grows while the judge is awaited
+    # `steps` may be a tracker's own list, which grows while the judge is awaited
+    count = len(steps)
     if window is None:
         window = PromptWindow(task, rubric, frame_budget=frame_budget, task_frames=task_frames)
     scored: dict[str, CriterionScore] = {}
@@ -932,15 +1086,22 @@ async def score_prefix(
     verdicts: dict[str, RuleScore | None] = {}
     if failure is None and any(c.rules for c in rubric.criteria):
         rule_input = RuleInput(
-            task=task, steps=[s.text for s in steps], metadata=[s.meta for s in steps], expected=expected
+            task=task,
+            steps=[s.text for s in steps],
+            metadata=[s.meta for s in steps],
+            expected=expected,
         )
-        verdicts, timeout = await asyncio.to_thread(_run_rules, rubric, rule_input, rule_budget_s, n)
+        verdicts, timeout = await asyncio.to_thread(
+            _run_rules, rubric, rule_input, rule_budget_s, n
+        )
         if timeout is not None:
             failure = ("extractor_timeout", timeout)
     for c in rubric.criteria:
         verdict = verdicts.get(c.name)
         if verdict is not None:
-            scored[c.name] = rule_score(c.name, c.weight, verdict.score, verdict.confidence, verdict.detail)
+            scored[c.name] = rule_score(
+                c.name, c.weight, verdict.score, verdict.confidence, verdict.detail
+            )
             saved += c.uses_judge
         elif c.uses_judge:
             ask.append(c)
@@ -954,25 +1115,34 @@ async def score_prefix(
         while True:
             prompt = window.build(steps, c, n=count, budget=budget)
             try:
-                return await judge.grade(JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key))
+                return await judge.grade(
+                    JudgeRequest(prompt=prompt, repeats=repeats, run_key=run_key)
+                )
             except JudgeError as e:
-                # A context-length refusal taught the judge a context below this prompt's budget (a server that
-                # says its context nowhere, as llama_cpp.server): the prefix is laid out again under the learned
-                # budget and asked once more, so the refusal costs a call, not the step's score.
+                # A context-length refusal taught the judge a context below this prompt's budget (a
+                # server that says its context nowhere, as llama_cpp.server): the prefix is laid out
+                # again under the learned budget and asked once more, so the refusal costs a call,
+                # not the step's score.
                 smaller = _budget_for(_context_tokens(judge), budget)
-                if retried or e.reason != "context_overflow" or smaller is None or smaller == budget:
+                if (
+                    retried
+                    or e.reason != "context_overflow"
+                    or smaller is None
+                    or smaller == budget
+                ):
                     return e
                 budget, retried = smaller, True
             except Exception as e:
-                # A third-party judge's bug is a failed call, never a crash of the run or a made-up score.
+                # A third-party judge's bug is a failed call, never a crash of the run or a made-up
+                # score.
                 log.exception("judge_raised", judge=getattr(judge, "name", "?"), step=n)
                 return JudgeError("judge_exception", f"{type(e).__name__}: {e}")
 
-    # One criterion (the common case) is awaited directly: gather would wrap it in a task of its own.
-    # Through gather's task even for one criterion: it is a point where the event loop runs other work. Awaited
-    # directly, an instant judge (a cache hit, a rule, FakeJudge) lets a scorer run one scoring after another
-    # without yielding: ingest starves, steps stop coalescing, and bench/overhead.py's flood fell from 8,841 to
-    # 740 steps/s.
+    # One criterion (the common case) is awaited directly: gather would wrap it in a task of its
+    # own. Through gather's task even for one criterion: it is a point where the event loop runs
+    # other work. Awaited directly, an instant judge (a cache hit, a rule, FakeJudge) lets a scorer
+    # run one scoring after another without yielding: ingest starves, steps stop coalescing, and
+    # bench/overhead.py's flood fell from 8,841 to 740 steps/s.
     answers = await asyncio.gather(*(one(c) for c in ask))
     usage = NO_USAGE  # replaced by the first answer's (most scorings have one): nothing to add up
     model = ""
@@ -986,12 +1156,15 @@ async def score_prefix(
         model = a.model or model
         dropped += a.images_dropped
         try:
-            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto ours; a binary
-            # rubric's True / False, placed on T / A (the same rules of mass and renormalisation then apply).
+            # A rubric whose scale puts the best letter first: the judge's letters, mirrored onto
+            # ours; a binary rubric's True / False, placed on T / A (the same rules of mass and
+            # renormalisation then apply).
             samples = tuple(mirrored(x) for x in a.samples) if rubric.reversed_scale else a.samples
             if rubric.binary:
                 samples = tuple(binary_as_letters(x) for x in samples)
-            scored[c.name] = score_samples(c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws)
+            scored[c.name] = score_samples(
+                c.name, c.weight, samples, repeats=repeats, min_mass=min_mass, draws=a.draws
+            )
         except ScoreError as e:
             failure = failure or (e.reason, f"criterion {c.name!r}: {e}")
     common: dict[str, Any] = {
@@ -1003,7 +1176,8 @@ async def score_prefix(
         "coalesced": coalesced,
         "latency_s": time.perf_counter() - start,
         "usage": usage,
-        "totals": usage,  # a run of one scoring; a tracker replaces them with the run's running totals
+        # a run of one scoring; a tracker replaces them with the run's running totals
+        "totals": usage,
         "calls": len(answers),
         "calls_saved": saved,
         "images_dropped": dropped,
@@ -1011,9 +1185,14 @@ async def score_prefix(
         "run_id": run_id,
     }
     if failure is None and not scored:
-        failure = ("no_opinion", f"no criterion could be scored: rules {silent} had no confident answer and no judge")
+        failure = (
+            "no_opinion",
+            f"no criterion could be scored: rules {silent} had no confident answer and no judge",
+        )
     if failure is not None:
-        return Progress(score=None, uncertainty=None, ok=False, reason=failure[0], error=failure[1], **common)
+        return Progress(
+            score=None, uncertainty=None, ok=False, reason=failure[0], error=failure[1], **common
+        )
     agg = aggregate(list(scored.values()))
     return Progress(
         score=agg.score,
@@ -1048,7 +1227,8 @@ def _run_rules(
 
 
 class ProgressTracker:
-    """The synchronous hook: a thin facade over AsyncProgressTracker, run on the judge's background loop.
+    """The synchronous hook: a thin facade over AsyncProgressTracker, run on the judge's background
+    loop.
 
     `update()` blocks until the new prefix is scored; `submit()` returns at
     once (for 10 Hz robot loops) and `latest` / `on_progress` carry results,
@@ -1070,17 +1250,25 @@ class ProgressTracker:
         self._closed = False
 
     def update(
-        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+        self,
+        step: StepInput,
+        *,
+        images: Iterable[ImageInput] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> Progress:
         """Append a step and block until the trajectory up to it is scored."""
         self._check()
-        # Taken here, on the caller's thread, and passed along: the step's events then carry the caller's span
-        # whatever context the loop thread runs the call in.
+        # Taken here, on the caller's thread, and passed along: the step's events then carry the
+        # caller's span whatever context the loop thread runs the call in.
         context = self._core._context()
         return self._sync.call(partial(self._core._update, step, as_images(images), meta, context))
 
     def submit(
-        self, step: StepInput, *, images: Iterable[ImageInput] = (), meta: Mapping[str, Any] | None = None
+        self,
+        step: StepInput,
+        *,
+        images: Iterable[ImageInput] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> int:
         """Queue a step and return at once; the newest prefix is scored in the background."""
         self._check()
@@ -1103,12 +1291,14 @@ class ProgressTracker:
 
     @property
     def curve(self) -> list[Progress]:
-        """The newest `curve_window` results, in step order (`summary` and `points` cover every result)."""
+        """The newest `curve_window` results, in step order (`summary` and `points` cover every
+        result)."""
         return list(self._core.curve)
 
     @property
     def summary(self) -> CurveSummary:
-        """Every result so far in a few numbers: counts, first and last, best, lowest and mean score (a copy)."""
+        """Every result so far in a few numbers: counts, first and last, best, lowest and mean
+        score (a copy)."""
         return dataclasses.replace(self._core.summary)
 
     @property
@@ -1148,7 +1338,8 @@ class ProgressTracker:
 
     @property
     def window(self) -> PromptWindow:
-        """The run's prompt layout (head, digest, recent steps): its `compactions` and current `budget`."""
+        """The run's prompt layout (head, digest, recent steps): its `compactions` and current
+        `budget`."""
         return self._core.window
 
     @property
@@ -1158,7 +1349,8 @@ class ProgressTracker:
 
     @property
     def summary_failures(self) -> int:
-        """LLM digest summaries that failed or came back empty: those chunks kept their deterministic lines."""
+        """LLM digest summaries that failed or came back empty: those chunks kept their
+        deterministic lines."""
         return self._core.summary_failures
 
     @property
@@ -1167,7 +1359,8 @@ class ProgressTracker:
         return self._core.cost
 
     def finish(self, outcome: object) -> Sample | None:
-        """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after the last step."""
+        """Teach the calibration this run's outcome (see AsyncProgressTracker.finish); call after
+        the last step."""
         self._check()
         return self._sync.call(self._finish, outcome)
 
@@ -1184,7 +1377,8 @@ class ProgressTracker:
         self._cm.__exit__(None, None, None)
         self._sync.close()
         if self._owned_judge is not None:
-            self._owned_judge.close()  # built from the environment for this tracker (the reference library's form)
+            # built from the environment for this tracker (the reference library's form)
+            self._owned_judge.close()
 
     def __enter__(self) -> Self:
         return self
@@ -1197,9 +1391,9 @@ class ProgressTracker:
 async def atrack(task: str, steps: Iterable[StepInput], **keywords: Any) -> TrackResult:
     """Score every prefix of a finished trajectory, in order, as a live run would have been.
 
-    `images[i]` are step i's images (one image or a flat list of them: the task's, seen at every step,
-    as the reference library's `images=`); `checkpoints` the 1-based steps to score (default: every
-    step); the other options are AsyncProgressTracker's (`TrackerOptions`).
+    `images[i]` are step i's images (one image or a flat list of them: the task's, seen at every
+    step, as the reference library's `images=`); `checkpoints` the 1-based steps to score (default:
+    every step); the other options are AsyncProgressTracker's (`TrackerOptions`).
     """
     checkpoints = keywords.pop("checkpoints", None)
     judge, images, options = _arguments("atrack", keywords)
@@ -1217,7 +1411,8 @@ async def atrack(task: str, steps: Iterable[StepInput], **keywords: Any) -> Trac
 def _task_images(
     images: Iterable[Iterable[ImageInput]] | ImageInput | None,
 ) -> tuple[tuple[ImageInput, ...], Iterable[Iterable[ImageInput]] | None]:
-    """(task images, per-step images): one image or a flat list of them is the task's (the reference form)."""
+    """(task images, per-step images): one image or a flat list of them is the task's (the
+    reference form)."""
     if images is None:
         return (), None
     flat = as_images(images)
@@ -1229,7 +1424,9 @@ def _task_images(
 def _checkpoints(checkpoints: Sequence[int] | None, n: int) -> list[int]:
     if checkpoints is None:
         return list(range(1, n + 1))
-    bad = [k for k in checkpoints if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n]
+    bad = [
+        k for k in checkpoints if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n
+    ]
     if bad:
         raise ValueError(f"checkpoint_steps out of range 1..{n}: {bad}; give 1-based step numbers")
     return sorted(set(checkpoints))
@@ -1241,6 +1438,9 @@ def track(task: str, steps: Iterable[StepInput], **keywords: Any) -> TrackResult
     """Synchronous `atrack`: score every prefix of a finished trajectory."""
     checkpoints = keywords.pop("checkpoints", None)
     judge, images, options = _arguments("track", keywords)
-    # On the judge's loop thread (or a private one), the caller's context variables (its spans) carried along.
-    run = partial(atrack, task, steps, judge=judge, images=images, options=options, checkpoints=checkpoints)
+    # On the judge's loop thread (or a private one), the caller's context variables (its spans)
+    # carried along.
+    run = partial(
+        atrack, task, steps, judge=judge, images=images, options=options, checkpoints=checkpoints
+    )
     return run_blocking(judge, run, "track")

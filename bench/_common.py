@@ -1,4 +1,5 @@
-"""Shared helpers for the benchmarks: free ports, a private Mosquitto, a throwaway judge-server, RSS, stats.
+"""Shared helpers for the benchmarks: free ports, a private Mosquitto, a throwaway judge-server,
+RSS, stats.
 
 Kept free of test-suite imports so the benchmarks run from a checkout or a copy of `bench/` alone.
 """
@@ -69,7 +70,8 @@ def proc_status_kb(field: str = "VmRSS", pid: int | str = "self") -> int:
     return int(m.group(1)) if m else 0
 
 
-# -- Mosquitto ----------------------------------------------------------------------------------------------
+# -- Mosquitto
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -86,11 +88,13 @@ class Broker:
 
 @contextlib.contextmanager
 def mosquitto(extra: Sequence[str] = ()) -> Iterator[Broker]:
-    """A private Mosquitto on a free port with its stock limits (no persistence) until the block exits.
+    """A private Mosquitto on a free port with its stock limits (no persistence) until the block
+    exits.
 
-    Stock limits on purpose: `max_inflight_messages 20` and `max_queued_messages 1000` per client are
-    what an untuned deployment has, and a broker tuned deeper hides losses (issue 14: the benches used to
-    raise them to 1,000,000 and unlimited). `extra` adds configuration lines, for a bench about a limit.
+    Stock limits on purpose: `max_inflight_messages 20` and `max_queued_messages 1000` per client
+    are what an untuned deployment has, and a broker tuned deeper hides losses (issue 14: the
+    benches used to raise them to 1,000,000 and unlimited). `extra` adds configuration lines, for a
+    bench about a limit.
     """
     if shutil.which("mosquitto") is None:
         raise SystemExit("the benchmark needs the `mosquitto` binary: apt-get install mosquitto")
@@ -105,7 +109,9 @@ def mosquitto(extra: Sequence[str] = ()) -> Iterator[Broker]:
             # Started as root, mosquitto would drop to user `mosquitto`; stay who we are.
             f"user {pwd.getpwuid(os.geteuid()).pw_name}\n" + "".join(f"{line}\n" for line in extra)
         )
-        proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
             wait_port(port)
             yield Broker(port, proc)
@@ -118,12 +124,14 @@ def mosquitto(extra: Sequence[str] = ()) -> Iterator[Broker]:
                 proc.wait()
 
 
-# -- agent-monitor judge-server ------------------------------------------------------------------------------
+# -- agent-monitor judge-server
+# ------------------------------------------------------------------------------
 
 
 @dataclass
 class JudgeServer:
-    """A running `agent-monitor judge-server`: base URL (no /v1), its process (the supervisor) and log file."""
+    """A running `agent-monitor judge-server`: base URL (no /v1), its process (the supervisor)
+    and log file."""
 
     url: str
     process: subprocess.Popen[bytes]
@@ -133,10 +141,13 @@ class JudgeServer:
         return self.log_path.read_text(errors="replace")
 
     def crash(self) -> str | None:
-        """Why it died, when a signal killed its model (the known llama.cpp cause named); else None."""
+        """Why it died, when a signal killed its model (the known llama.cpp cause named); else
+        None."""
         from agent_monitor.judges.llamacpp import crash_explanation
 
-        return crash_explanation(self.process.poll(), f"agent-monitor judge-server (pid {self.process.pid})")
+        return crash_explanation(
+            self.process.poll(), f"agent-monitor judge-server (pid {self.process.pid})"
+        )
 
     def peak_rss_kb(self) -> int:
         """Peak RSS of the process that holds the model (the supervisor's child)."""
@@ -156,18 +167,30 @@ def gemma_path() -> str:
 def judge_server(
     model: str | None = None, *, args: Sequence[str] = (), timeout_s: float = 180.0
 ) -> Iterator[JudgeServer]:
-    """Run `agent-monitor judge-server` (None: the packaged Gemma 3 270M) on a free port; wait for /v1/models.
+    """Run `agent-monitor judge-server` (None: the packaged Gemma 3 270M) on a free port; wait for
+    /v1/models.
 
-    A crash of its model (a signal in llama.cpp's native code) is reported as such, with its known cause,
-    instead of as the connection error the benchmark's client sees.
+    A crash of its model (a signal in llama.cpp's native code) is reported as such, with its known
+    cause, instead of as the connection error the benchmark's client sees.
     """
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="bench-judge-server-") as tmp:
         log_path = Path(tmp) / "server.log"
-        cmd = [sys.executable, "-m", "agent_monitor", "judge-server", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "judge-server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         cmd += [*(["--model", model] if model else []), *args]
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         server = JudgeServer(f"http://127.0.0.1:{port}", proc, log_path)
         try:
             deadline = time.monotonic() + timeout_s
@@ -182,7 +205,9 @@ def judge_server(
                 except (urllib.error.URLError, OSError):
                     pass
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"judge-server not ready in {timeout_s:g}s:\n{server.log()[-3000:]}")
+                    raise TimeoutError(
+                        f"judge-server not ready in {timeout_s:g}s:\n{server.log()[-3000:]}"
+                    )
                 time.sleep(0.2)
             try:
                 yield server
@@ -200,18 +225,23 @@ def judge_server(
                 proc.wait(timeout=10)
 
 
-# -- a scripted OpenAI-compatible judge ---------------------------------------------------------------------
+# -- a scripted OpenAI-compatible judge
+# ---------------------------------------------------------------------
 
 
 def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, ready: Any) -> None:
-    """The judge's process: a threaded HTTP server answering every chat completion with `letter` after `latency_s`."""
+    """The judge's process: a threaded HTTP server answering every chat completion with `letter`
+    after `latency_s`."""
     import json
     import signal
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
-    # One reply for every request: the answer's first token is the letter, with all the probability mass.
+    signal.signal(
+        signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start()
+    )
+    # One reply for every request: the answer's first token is the letter, with all the probability
+    # mass.
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": letter},
@@ -221,21 +251,32 @@ def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, 
                     "token": letter,
                     "logprob": 0.0,
                     "bytes": None,
-                    "top_logprobs": [{"token": letter, "logprob": 0.0, "bytes": list(letter.encode())}],
+                    "top_logprobs": [
+                        {"token": letter, "logprob": 0.0, "bytes": list(letter.encode())}
+                    ],
                 }
             ]
         },
         "finish_reason": "length",
     }
     usage = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101}
-    reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "scripted", "choices": [choice]}
+    reply = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "scripted",
+        "choices": [choice],
+    }
     chat = json.dumps({**reply, "usage": usage}).encode()
-    models = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "bench"}]})
+    models = json.dumps(
+        {"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "bench"}]}
+    )
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: the judge client reuses its connections
-        # The headers and the body go out in two writes; with Nagle's algorithm the body waits for the client's
-        # delayed ACK of the headers (40 ms on Linux), which a 100 ms judge would report as 140 ms.
+        # The headers and the body go out in two writes; with Nagle's algorithm the body waits for
+        # the client's delayed ACK of the headers (40 ms on Linux), which a 100 ms judge would
+        # report as 140 ms.
         disable_nagle_algorithm = True
 
         def log_message(self, *args: Any) -> None:
@@ -256,7 +297,8 @@ def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, 
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            # Each request sleeps in its own thread: concurrent calls overlap, as on a real server with free slots.
+            # Each request sleeps in its own thread: concurrent calls overlap, as on a real server
+            # with free slots.
             time.sleep(latency_s)
             with calls.get_lock():
                 calls.value += 1
@@ -266,7 +308,8 @@ def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, 
         daemon_threads = True
 
         def handle_error(self, request: Any, client_address: Any) -> None:
-            pass  # a monitor stopped with keep-alive connections open resets them: not the bench's news
+            # a monitor stopped with keep-alive connections open resets them: not the bench's news
+            pass
 
     httpd = Server(("127.0.0.1", port), Handler)
     ready.set()
@@ -275,7 +318,8 @@ def _serve_scripted_judge(port: int, latency_s: float, letter: str, calls: Any, 
 
 @dataclass
 class ScriptedJudge:
-    """A running scripted judge: its /v1 URL, its process, and how many chat completions it answered."""
+    """A running scripted judge: its /v1 URL, its process, and how many chat completions it
+    answered."""
 
     url: str
     process: Any
@@ -288,10 +332,12 @@ class ScriptedJudge:
 
 @contextlib.contextmanager
 def scripted_judge(latency_s: float, letter: str = "K") -> Iterator[ScriptedJudge]:
-    """An OpenAI-compatible chat judge in a process of its own (its threads do not share the caller's GIL).
+    """An OpenAI-compatible chat judge in a process of its own (its threads do not share the
+    caller's GIL).
 
-    Every completion answers `letter` with probability 1 after `latency_s`, whatever was asked: a judge
-    with a fixed latency and unlimited parallel slots, so what a benchmark measures is the monitor.
+    Every completion answers `letter` with probability 1 after `latency_s`, whatever was asked: a
+    judge with a fixed latency and unlimited parallel slots, so what a benchmark measures is the
+    monitor.
     """
     import multiprocessing as mp
 
@@ -299,7 +345,9 @@ def scripted_judge(latency_s: float, letter: str = "K") -> Iterator[ScriptedJudg
     port = free_port()
     calls = ctx.Value("q", 0)
     ready = ctx.Event()
-    proc = ctx.Process(target=_serve_scripted_judge, args=(port, latency_s, letter, calls, ready), daemon=True)
+    proc = ctx.Process(
+        target=_serve_scripted_judge, args=(port, latency_s, letter, calls, ready), daemon=True
+    )
     proc.start()
     try:
         if not ready.wait(30):
@@ -320,13 +368,15 @@ def cpu_seconds(pid: int) -> float:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0.0
-    # The command name (field 2) may hold spaces; the fields after its closing parenthesis are fixed.
+    # The command name (field 2) may hold spaces; the fields after its closing parenthesis are
+    # fixed.
     fields = text[text.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def configure_logs(level: str = "warning", stream: TextIO | None = None) -> None:
-    """structlog as `agent-monitor serve` sets it up (JSON lines, filtered by level), to `stream` (stderr)."""
+    """structlog as `agent-monitor serve` sets it up (JSON lines, filtered by level), to `stream`
+    (stderr)."""
     import logging
 
     import structlog
@@ -337,7 +387,9 @@ def configure_logs(level: str = "warning", stream: TextIO | None = None) -> None
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
@@ -350,21 +402,25 @@ def mem_available_kb() -> int:
 
 
 def load1() -> str:
-    """The 1-minute load average: this machine is shared, so the benchmarks print it at start and end."""
+    """The 1-minute load average: this machine is shared, so the benchmarks print it at start and
+    end."""
     return Path("/proc/loadavg").read_text().split()[0]
 
 
 def cleanup_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so the brokers and servers a benchmark started are stopped."""
+    """SIGTERM raises KeyboardInterrupt like Ctrl-C, so the brokers and servers a benchmark
+    started are stopped."""
     import signal
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 def batch_provider(url: str, spans: int) -> Any:
-    """An OpenTelemetry SDK tracer provider exporting OTLP/HTTP to `url` in batches, its queue room for `spans` spans.
+    """An OpenTelemetry SDK tracer provider exporting OTLP/HTTP to `url` in batches, its queue room
+    for `spans` spans.
 
-    The agent side of the OTLP benches: batches of 512 every 50 ms, nothing dropped (the queue holds every span).
+    The agent side of the OTLP benches: batches of 512 every 50 ms, nothing dropped (the queue holds
+    every span).
     """
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.trace import TracerProvider

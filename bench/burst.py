@@ -35,7 +35,10 @@ TASK = "Drive the robot arm to the red cube and pick it up."
 
 
 def step_text(i: int) -> str:
-    return f"t={i * 0.005:.3f}s action: move_to(x={0.3 + i * 0.001:.3f}, y=0.120, z=0.050)\nobservation: gripper open"
+    return (
+        f"t={i * 0.005:.3f}s action: move_to(x={0.3 + i * 0.001:.3f}, y=0.120, "
+        "z=0.050)\nobservation: gripper open"
+    )
 
 
 def slow_judge(latency_s: float) -> FakeJudge:
@@ -61,12 +64,18 @@ def publish_burst(port: int, steps: int, burst_s: float, out: dict[str, float]) 
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="burst-publisher", protocol=MQTTProtocolVersion.MQTTv311)
+    c = mqtt.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="burst-publisher",
+        protocol=MQTTProtocolVersion.MQTTv311,
+    )
     c.max_inflight_messages_set(1000)
     c.connect("127.0.0.1", port)
     c.loop_start()
     try:
-        c.publish(f"agents/{RUN}/start", json.dumps({"task": TASK}).encode(), qos=1).wait_for_publish(10)
+        c.publish(
+            f"agents/{RUN}/start", json.dumps({"task": TASK}).encode(), qos=1
+        ).wait_for_publish(10)
         time.sleep(0.3)  # the run is live before its first step
         t0 = time.time()
         out["first"] = t0
@@ -104,7 +113,11 @@ async def through_monitor(args: argparse.Namespace) -> Result:
             got_last.set()
 
     with mosquitto() as broker:
-        sub = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="burst-sub", protocol=MQTTProtocolVersion.MQTTv311)
+        sub = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id="burst-sub",
+            protocol=MQTTProtocolVersion.MQTTv311,
+        )
         sub.on_message = on_message
         subscribed = threading.Event()
         sub.on_subscribe = lambda *a: subscribed.set()
@@ -114,7 +127,9 @@ async def through_monitor(args: argparse.Namespace) -> Result:
         try:
             await asyncio.to_thread(subscribed.wait, 10)
             config = MonitorConfig(
-                broker=BrokerSettings.from_url(broker.url), max_concurrency=8, client_id="burst-monitor"
+                broker=BrokerSettings.from_url(broker.url),
+                max_concurrency=8,
+                client_id="burst-monitor",
             )
             monitor = Monitor(config, judge=judge)
             sent: dict[str, float] = {}
@@ -126,10 +141,18 @@ async def through_monitor(args: argparse.Namespace) -> Result:
         finally:
             sub.disconnect()
             sub.loop_stop()
-    return Result("monitor (MQTT)", judge.calls, sent["last"], sent["first"], sorted(scores, key=lambda s: s[2]))
+    return Result(
+        "monitor (MQTT)",
+        judge.calls,
+        sent["last"],
+        sent["first"],
+        sorted(scores, key=lambda s: s[2]),
+    )
 
 
-async def arrivals(steps: int, burst_s: float, queue: asyncio.Queue[tuple[int, float]]) -> tuple[float, float]:
+async def arrivals(
+    steps: int, burst_s: float, queue: asyncio.Queue[tuple[int, float]]
+) -> tuple[float, float]:
     """Feed steps into `queue` at the burst's times; return (first, last) arrival time."""
     t0 = time.time()
     last = t0
@@ -162,7 +185,10 @@ async def hook_submit(args: argparse.Namespace) -> Result:
     judge = slow_judge(args.latency_s)
     scores: list[tuple[int, int, float]] = []
     tracker = AsyncProgressTracker(
-        TASK, judge=judge, run_id="submit", on_progress=lambda p: scores.append((p.step, p.coalesced, time.time()))
+        TASK,
+        judge=judge,
+        run_id="submit",
+        on_progress=lambda p: scores.append((p.step, p.coalesced, time.time())),
     )
     async with tracker:
         queue: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
@@ -180,27 +206,36 @@ async def main_async(args: argparse.Namespace) -> int:
     load0 = load1()
     results = [await through_monitor(args), await hook_submit(args)]
     print(
-        f"naive loop: {args.steps} judge calls of {args.latency_s:g} s, ~{args.steps * args.latency_s:.0f} s ..",
+        f"naive loop: {args.steps} judge calls of {args.latency_s:g} s, "
+        f"~{args.steps * args.latency_s:.0f} s ..",
         flush=True,
     )
     results.append(await naive(args))
     mon, sub, nai = results
 
     print(
-        f"\nburst: {args.steps} steps of one run within {args.burst_s:g} s, judge latency {args.latency_s * 1000:.0f} ms"
+        f"\nburst: {args.steps} steps of one run within {args.burst_s:g} s, judge latency "
+        f"{args.latency_s * 1000:.0f} ms"
     )
     print("progress messages through the monitor (time from the first step):")
     print(f"{'step':>5} {'covers':>7} {'at s':>6}")
     for step, coalesced, t in mon.scores:
         print(f"{step:>5} {coalesced:>7} {t - mon.first_sent:>6.2f}")
     print()
-    print(f"{'path':<26} {'judge calls':>11} {'burst s':>8} {'catch-up s':>10} {'last score at s':>15}")
+    print(
+        f"{'path':<26} {'judge calls':>11} {'burst s':>8} {'catch-up s':>10} "
+        f"{'last score at s':>15}"
+    )
     for r in results:
         print(
-            f"{r.name:<26} {r.calls:>11} {r.last_sent - r.first_sent:>8.2f} {r.catchup(args.steps):>10.2f} "
+            f"{r.name:<26} {r.calls:>11} {r.last_sent - r.first_sent:>8.2f} "
+            f"{r.catchup(args.steps):>10.2f} "
             f"{r.catchup(args.steps) + r.last_sent - r.first_sent:>15.2f}"
         )
-    print("catch-up: from the last step's arrival (publication, for the monitor) to the score that covers it")
+    print(
+        "catch-up: from the last step's arrival (publication, for the monitor) to the "
+        "score that covers it"
+    )
     print(f"machine load (1-min average) at start {load0}, at end {load1()}")
     print(
         kv_line(
@@ -220,10 +255,19 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=200, help="steps in the burst (default 200)")
-    ap.add_argument("--burst-s", type=float, default=1.0, help="the steps are spread evenly over this long (1.0)")
-    ap.add_argument("--latency-s", type=float, default=0.2, help="the judge's fixed latency per call (0.2)")
+    ap.add_argument(
+        "--burst-s",
+        type=float,
+        default=1.0,
+        help="the steps are spread evenly over this long (1.0)",
+    )
+    ap.add_argument(
+        "--latency-s", type=float, default=0.2, help="the judge's fixed latency per call (0.2)"
+    )
     args = ap.parse_args()
     cleanup_on_sigterm()
     if args.steps < 1 or args.burst_s < 0 or args.latency_s <= 0:

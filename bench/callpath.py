@@ -1,18 +1,20 @@
-"""Count the monitor's own cross-module calls on one step's path, from the MQTT socket to its published progress.
+"""Count the monitor's own cross-module calls on one step's path, from the MQTT socket to its
+published progress.
 
 A real Mosquitto, a real daemon on it (instant scripted judge), one run: step 1 warms every path up,
-then step 2 is published by a separate paho client and followed with `sys.setprofile` on the daemon's
-event-loop thread until its progress message arrives back. A call counts when caller and callee are
-both in `agent_monitor` and in different modules (the scripted judge's own module excepted: it
-stands in for a model). Measured the same way on the first shape (commit 9fa90ce, with the
-suite's scripted judge in place of FakeJudge): 15 modules, 34 cross-module calls, 33 distinct; on
-this one 13 modules, 25 calls. Prints the modules touched, the distinct cross-module call edges, and
-the total cross-module calls; last line `key=value`.
+then step 2 is published by a separate paho client and followed with `sys.setprofile` on the
+daemon's event-loop thread until its progress message arrives back. A call counts when caller and
+callee are both in `agent_monitor` and in different modules (the scripted judge's own module
+excepted: it stands in for a model). Measured the same way on the first shape (commit 9fa90ce, with
+the suite's scripted judge in place of FakeJudge): 15 modules, 34 cross-module calls, 33 distinct;
+on this one 13 modules, 25 calls. Prints the modules touched, the distinct cross-module call edges,
+and the total cross-module calls; last line `key=value`.
 
     python bench/callpath.py [--edges] [--store]
 
-Without `--store` the monitor keeps no journal (the path measured on every shape); with it, a SQLite run
-store journals each record and keeps each score: two calls more (the journal's commit and the store sink).
+Without `--store` the monitor keeps no journal (the path measured on every shape); with it, a SQLite
+run store journals each record and keeps each score: two calls more (the journal's commit and the
+store sink).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class CallTrace:
         if event != "call":
             return
         if frame.f_code.co_flags & _RESUMABLE:
-            # A resumed coroutine or generator fires "call" again (its f_back is whoever resumed it): only the
-            # first entry of each frame is a call. Frames are held until the end, so their ids are not reused.
+            # A resumed coroutine or generator fires "call" again (its f_back is whoever resumed
+            # it): only the first entry of each frame is a call. Frames are held until the end, so
+            # their ids are not reused.
             if id(frame) in self._entered:
                 return
             self._entered[id(frame)] = frame
@@ -87,7 +90,9 @@ async def measure(url: str, port: int, store_path: str | None = None) -> CallTra
         from agent_monitor.daemon import Monitor, MonitorConfig
         from agent_monitor.wire import BrokerSettings
 
-        config = MonitorConfig(broker=BrokerSettings.from_url(url), client_id="callpath", sweep_interval_s=3600)
+        config = MonitorConfig(
+            broker=BrokerSettings.from_url(url), client_id="callpath", sweep_interval_s=3600
+        )
         store = None
         if store_path is not None:
             from agent_monitor.daemon import SqliteStore
@@ -99,7 +104,10 @@ async def measure(url: str, port: int, store_path: str | None = None) -> CallTra
         from agent_monitor.wire import BrokerSettings  # type: ignore[no-redef]
 
         monitor = Monitor(  # type: ignore[call-arg]
-            judge=FakeJudge(), broker=BrokerSettings.from_url(url), client_id="callpath", sweep_interval_s=3600
+            judge=FakeJudge(),
+            broker=BrokerSettings.from_url(url),
+            client_id="callpath",
+            sweep_interval_s=3600,
         )
     trace = CallTrace()
     got: dict[int, asyncio.Event] = {1: asyncio.Event(), 2: asyncio.Event()}
@@ -120,13 +128,19 @@ async def measure(url: str, port: int, store_path: str | None = None) -> CallTra
     harness.subscribe("agents/cp/progress", qos=1)
     try:
         async with monitor:
-            harness.publish("agents/cp/start", json.dumps({"task": "count"}), qos=1).wait_for_publish()
-            harness.publish("agents/cp/step", json.dumps({"index": 1, "text": "one"}), qos=1).wait_for_publish()
+            harness.publish(
+                "agents/cp/start", json.dumps({"task": "count"}), qos=1
+            ).wait_for_publish()
+            harness.publish(
+                "agents/cp/step", json.dumps({"index": 1, "text": "one"}), qos=1
+            ).wait_for_publish()
             await asyncio.wait_for(got[1].wait(), 30)
             await asyncio.sleep(0.3)
             trace.start()
             threading.Thread(
-                target=lambda: harness.publish("agents/cp/step", json.dumps({"index": 2, "text": "two"}), qos=1)
+                target=lambda: harness.publish(
+                    "agents/cp/step", json.dumps({"index": 2, "text": "two"}), qos=1
+                )
             ).start()
             await asyncio.wait_for(got[2].wait(), 30)
             trace.stop()
@@ -137,7 +151,9 @@ async def measure(url: str, port: int, store_path: str | None = None) -> CallTra
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--edges", action="store_true", help="print every edge with its count")
     ap.add_argument(
         "--store",
@@ -149,7 +165,10 @@ def main() -> int:
         store_path = os.path.join(tmp, "runs.db") if args.store else None
         trace = asyncio.run(measure(broker.url, broker.port, store_path))
     modules = sorted(trace.modules)
-    print(f"modules on the path ({len(modules)}): {', '.join(m.removeprefix('agent_monitor.') for m in modules)}")
+    print(
+        f"modules on the path ({len(modules)}): "
+        f"{', '.join(m.removeprefix('agent_monitor.') for m in modules)}"
+    )
     if args.edges:
         for (a, b), n in sorted(trace.edges.items()):
             print(f"  {n:>3}  {a} -> {b}")

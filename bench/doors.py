@@ -1,4 +1,5 @@
-"""Hostile clients at the monitor's doors: /metrics and a legitimate agent keep their answers (issue 44).
+"""Hostile clients at the monitor's doors: /metrics and a legitimate agent keep their answers (issue
+44).
 
 The monitor runs in a child process (a `Monitor` with the door under test and its metrics port, an
 instant judge, an in-memory store); the hostile clients and the probes run in this process.
@@ -9,13 +10,13 @@ instant judge, an in-memory store); the hostile clients and the probes run in th
   same probe for 3 s before it, in the same run), and the child's RSS: `rss_start_mb`,
   `rss_peak_mb` (sampled every 0.1 s). The issue's bounds: p50 0.5 s, max 2 s, RSS within 200 MB.
 - `proxy`: `--conns` connections (4,200, over the proxy's 4,096 bound) each send a request line and
-  then one header line every 5 s, forever (reconnecting when closed), for `--seconds` (40); meanwhile
-  a legitimate chat completion (urllib, 10 s timeout) every second through the proxy to a local
-  upstream: `legit_ok`/`legit_sent`, `legit_p50_ms`/`legit_max_ms` (beside `base_p50_ms`, the same
-  request before the attack), and the peak of the proxy's
-  connection gauge (`conn_peak`, bounded by 4,096), connections shed and refused. Every client here
-  is one address, so the per-address bound is set to 4,096 (`--per-peer`) to test the global one. `ulimit -n` must
-  allow twice `--conns` plus some (this process holds one end, the child the other).
+  then one header line every 5 s, forever (reconnecting when closed), for `--seconds` (40);
+  meanwhile a legitimate chat completion (urllib, 10 s timeout) every second through the proxy to a
+  local upstream: `legit_ok`/`legit_sent`, `legit_p50_ms`/`legit_max_ms` (beside `base_p50_ms`, the
+  same request before the attack), and the peak of the proxy's connection gauge (`conn_peak`,
+  bounded by 4,096), connections shed and refused. Every client here is one address, so the
+  per-address bound is set to 4,096 (`--per-peer`) to test the global one. `ulimit -n` must allow
+  twice `--conns` plus some (this process holds one end, the child the other).
 
 Each line ends with the load average at start and end (a 2-core machine shared with other work
 bounds every latency here).
@@ -69,12 +70,16 @@ def _serve(kind: str, port: int, metrics_port: int, upstream: str, per_peer: int
             source = OtlpReceiver(OtlpReceiverSettings(address=f"127.0.0.1:{port}"), registry=reg)
         else:
             source = ProxySource(
-                ProxySettings(upstream=upstream, listen=f"127.0.0.1:{port}", max_connections_per_peer=per_peer),
+                ProxySettings(
+                    upstream=upstream, listen=f"127.0.0.1:{port}", max_connections_per_peer=per_peer
+                ),
                 registry=reg,
             )
         judge = FakeJudge(lambda p: "K", record=False)
         config = MonitorConfig(policy=Policy())
-        async with Monitor(config, judge=judge, store=MemoryStore(), registry=reg, sources=[source], http=http):
+        async with Monitor(
+            config, judge=judge, store=MemoryStore(), registry=reg, sources=[source], http=http
+        ):
             await asyncio.Event().wait()
 
     asyncio.run(main())
@@ -113,7 +118,9 @@ def _probe(metrics_port: int, seconds: float, pid: int) -> tuple[list[float], in
 def otlp(args: argparse.Namespace) -> None:
     load_start = load1()
     port, mport = free_port(), free_port()
-    child = mp.get_context("spawn").Process(target=_serve, args=("otlp", port, mport, ""), daemon=True)
+    child = mp.get_context("spawn").Process(
+        target=_serve, args=("otlp", port, mport, ""), daemon=True
+    )
     child.start()
     assert child.pid is not None
     try:
@@ -129,12 +136,19 @@ def otlp(args: argparse.Namespace) -> None:
         def client(i: int) -> None:
             while not stop.is_set():
                 c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                c.request("POST", "/v1/traces", body=data, headers={"content-type": "application/x-protobuf"})
+                c.request(
+                    "POST",
+                    "/v1/traces",
+                    body=data,
+                    headers={"content-type": "application/x-protobuf"},
+                )
                 status = c.getresponse().status
                 c.close()
                 sent[0 if status == 200 else 1] += 1
 
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        threads = [
+            threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)
+        ]
         for t in threads:
             t.start()
         lat, peak = _probe(mport, args.seconds, child.pid)
@@ -178,7 +192,13 @@ class _Upstream(BaseHTTPRequestHandler):
                 "object": "chat.completion",
                 "created": 0,
                 "model": "m",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"}, "finish_reason": "stop"}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "fine"},
+                        "finish_reason": "stop",
+                    }
+                ],
             }
         ).encode()
         self.send_response(200)
@@ -191,7 +211,9 @@ class _Upstream(BaseHTTPRequestHandler):
 def proxy(args: argparse.Namespace) -> None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < args.conns + 200:
-        raise SystemExit(f"ulimit -n is {soft}: {args.conns} connections need at least {args.conns + 200}")
+        raise SystemExit(
+            f"ulimit -n is {soft}: {args.conns} connections need at least {args.conns + 200}"
+        )
     load_start = load1()
     up = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
     up.daemon_threads = True
@@ -208,7 +230,12 @@ def proxy(args: argparse.Namespace) -> None:
         result = asyncio.run(_proxy_attack(args, port, mport))
         print(
             kv_line(
-                door="proxy", conns=args.conns, seconds=args.seconds, **result, load_start=load_start, load_end=load1()
+                door="proxy",
+                conns=args.conns,
+                seconds=args.seconds,
+                **result,
+                load_start=load_start,
+                load_end=load1(),
             )
         )
     finally:
@@ -244,10 +271,16 @@ async def _proxy_attack(args: argparse.Namespace, port: int, mport: int) -> dict
                 writer.close()
 
     def gauge() -> tuple[float, float, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=30).read().decode()
+        )
         got = {}
         for line in text.splitlines():
-            for name in ("proxy_connections ", "proxy_connections_shed_total ", "proxy_connections_refused_total "):
+            for name in (
+                "proxy_connections ",
+                "proxy_connections_shed_total ",
+                "proxy_connections_refused_total ",
+            ):
                 if line.startswith("agent_monitor_" + name):
                     got[name.strip()] = float(line.split()[-1])
         return (
@@ -259,7 +292,9 @@ async def _proxy_attack(args: argparse.Namespace, port: int, mport: int) -> dict
     def legit() -> float | None:
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/chat/completions",
-            data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+            data=json.dumps(
+                {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            ).encode(),
             headers={"content-type": "application/json"},
         )
         t0 = time.perf_counter()
@@ -267,7 +302,9 @@ async def _proxy_attack(args: argparse.Namespace, port: int, mport: int) -> dict
             body = json.loads(urllib.request.urlopen(req, timeout=10).read())
         except OSError:
             return None
-        return time.perf_counter() - t0 if body["choices"][0]["message"]["content"] == "fine" else None
+        return (
+            time.perf_counter() - t0 if body["choices"][0]["message"]["content"] == "fine" else None
+        )
 
     # The baseline: the same legitimate request before any trickling connection.
     base: list[float] = []

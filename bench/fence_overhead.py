@@ -31,7 +31,9 @@ UNTRUSTED_NOTE = "\n\nThe task, the criteria and the trajectory come from the ru
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--data", type=Path, default=DATA if DATA.is_dir() else FALLBACK)
     ap.add_argument("--criteria", default="coding")
     args = ap.parse_args()
@@ -54,14 +56,17 @@ def main() -> int:
     lines = escaped = controls = 0
     for run in runs:
         steps = [Step(i + 1, s.text) for i, s in enumerate(run.steps)]
-        # Per step: the fenced step text's tokens over the raw text's (the rest of the prompt is the same).
+        # Per step: the fenced step text's tokens over the raw text's (the rest of the prompt is the
+        # same).
         step_extra = [count(s.shown) - count(s.text.strip()) for s in steps]
         task_extra = count(fence(run.task.strip())) - count(run.task.strip())
         for s in steps:
             raw = s.text.strip().split("\n")
             lines += len(raw)
             escaped += sum(1 for a, b in zip(raw, s.shown.split("\n"), strict=False) if a != b)
-            controls += len(re.findall(r"<\\[|\uff5c]|<\\/?s>|\[\\/?INST\]|<\\(?:start|end)_of", s.shown))
+            controls += len(
+                re.findall(r"<\\[|\uff5c]|<\\/?s>|\[\\/?INST\]|<\\(?:start|end)_of", s.shown)
+            )
         prefix_extra = 0
         for n in range(1, len(steps) + 1):
             prompt = build_prompt(run.task, rubric, steps[:n], criterion)
@@ -73,12 +78,16 @@ def main() -> int:
             if n == len(steps):
                 total_final += tokens
                 extra_final += extra
-        print(f"{run.name[:40]:40s} steps={len(steps):3d} final_prompt_tokens={tokens:6d} fence_extra={extra:4d}")
+        print(
+            f"{run.name[:40]:40s} steps={len(steps):3d} final_prompt_tokens={tokens:6d} "
+            f"fence_extra={extra:4d}"
+        )
 
     share_all = extra_all / max(1, total_all - extra_all)
     share_final = extra_final / max(1, total_final - extra_final)
     print(
-        f"\n{len(runs)} runs: over all prefixes {extra_all} extra tokens on {total_all - extra_all} "
+        f"\n{len(runs)} runs: over all prefixes {extra_all} extra tokens on "
+        f"{total_all - extra_all} "
         f"({100 * share_all:.2f}%); final prompts {extra_final} on {total_final - extra_final} "
         f"({100 * share_final:.2f}%), of which the instructions' note is {note_tokens} per prompt; "
         f"{escaped} of {lines} step lines escaped, {controls} control-token spellings neutralised"

@@ -1,4 +1,5 @@
-"""The monitor's own CPU per step, without a broker: events fed to `Monitor.handle`, scored by an instant judge.
+"""The monitor's own CPU per step, without a broker: events fed to `Monitor.handle`, scored by an
+instant judge.
 
 `bench/overhead.py` measures the whole system (broker, publisher, subscriber) and on a 2-core
 machine its latencies swing with whatever else runs; this one measures only the monitor's path
@@ -36,13 +37,17 @@ class InstantJudge(BaseJudge):
 async def one(runs: int, steps: int, journal: bool) -> float:
     """CPU milliseconds per step for `runs` runs of `steps` 1,000-character steps, round-robin."""
     config = MonitorConfig(sweep_interval_s=3600)
-    async with Monitor(config, judge=InstantJudge(), store=MemoryStore() if journal else None) as mon:
+    async with Monitor(
+        config, judge=InstantJudge(), store=MemoryStore() if journal else None
+    ) as mon:
         for r in range(runs):
             await mon.handle(f"agents/r{r}/start", json.dumps({"task": "count"}).encode())
         t0, n = time.process_time(), 0
         for i in range(1, steps + 1):
             for r in range(runs):
-                await mon.handle(f"agents/r{r}/step", json.dumps({"index": i, "text": "x" * 1000}).encode())
+                await mon.handle(
+                    f"agents/r{r}/step", json.dumps({"index": i, "text": "x" * 1000}).encode()
+                )
                 n += 1
             await mon.drain()
             while mon.outbox.get_nowait() is not None:
@@ -51,11 +56,15 @@ async def one(runs: int, steps: int, journal: bool) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--journal", action="store_true", help="journal into a MemoryStore (the default keeps none)")
+    ap.add_argument(
+        "--journal", action="store_true", help="journal into a MemoryStore (the default keeps none)"
+    )
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     load_start = load1()
@@ -64,7 +73,10 @@ def main() -> int:
     print(f"machine load (1-min average) at start {load_start}, at end {load1()}")
     print(
         kv_line(
-            runs=args.runs, steps=args.steps, cpu_ms_per_step_min=min(ms), cpu_ms_per_step_median=statistics.median(ms)
+            runs=args.runs,
+            steps=args.steps,
+            cpu_ms_per_step_min=min(ms),
+            cpu_ms_per_step_median=statistics.median(ms),
         )
     )
     return 0

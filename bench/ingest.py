@@ -1,4 +1,5 @@
-"""Ingest of a burst on a stock Mosquitto: 10,000 starts, then 10,000 steps, published as fast as one paho client can.
+"""Ingest of a burst on a stock Mosquitto: 10,000 starts, then 10,000 steps, published as fast as
+one paho client can.
 
 The broker is started with nothing beyond a listener (and, as root, the user to run as): its stock
 limits, `max_inflight_messages 20` and `max_queued_messages 1000` per client, are what a deployment
@@ -15,19 +16,21 @@ publishers' rate is printed beside the monitor's; when they are close, the publi
 
 Figures: `lost` = events published and not applied (10,000 - live runs, plus 10,000 - steps in the
 runs' order, read from the monitor's run state at the end; with `--max-runs` below `--runs`, the
-starts not accepted, since steps for evicted runs are refused by design); `events_per_s` = 20,000 / (first
-publication -> last event accepted); the publisher's own rate; the broker's drop counter as the
-monitor exported it (`agent_monitor_broker_dropped_messages`, read after the broker's next `$SYS`
-update, a whole 10 s interval after the last event); the journal's commits and records per commit.
-The same bench runs against an agent-monitor without group commits (a baseline checkout first on
-PYTHONPATH, run from outside the worktree): then each record is a commit and the drop gauge is n/a.
+starts not accepted, since steps for evicted runs are refused by design); `events_per_s` = 20,000 /
+(first publication -> last event accepted); the publisher's own rate; the broker's drop counter as
+the monitor exported it (`agent_monitor_broker_dropped_messages`, read after the broker's next
+`$SYS` update, a whole 10 s interval after the last event); the journal's commits and records per
+commit. The same bench runs against an agent-monitor without group commits (a baseline checkout
+first on PYTHONPATH, run from outside the worktree): then each record is a commit and the drop gauge
+is n/a.
 
-With `--cluster`, the monitor is one replica of a cluster (`serve --cluster`) on a private Redis: every event
-goes into its run's shared inbox before it is acknowledged, and the run's owner (this replica) reads it back,
-decides and journals it in Redis; `commits` then counts the owner's journal scripts. That is one replica's
-ingest capacity (docs/cluster.md's capacity table).
+With `--cluster`, the monitor is one replica of a cluster (`serve --cluster`) on a private Redis:
+every event goes into its run's shared inbox before it is acknowledged, and the run's owner (this
+replica) reads it back, decides and journals it in Redis; `commits` then counts the owner's journal
+scripts. That is one replica's ingest capacity (docs/cluster.md's capacity table).
 
-    .venv/bin/python bench/ingest.py [--runs 10000] [--step-chars 200] [--mqtt-protocol auto] [--cluster] [--profile FILE]
+    .venv/bin/python bench/ingest.py [--runs 10000] [--step-chars 200] [--mqtt-protocol auto]
+    [--cluster] [--profile FILE]
 """
 
 from __future__ import annotations
@@ -50,20 +53,28 @@ from _common import cleanup_on_sigterm, configure_logs, kv_line, load1, mosquitt
 
 PREFIX = "agents"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
+TASK = (
+    "Make the failing test pass in the repository: find the bug in the parser, fix it, "
+    "and run the test suite."
+)
 
 
 def run_id(i: int) -> str:
     return f"ingest-{i:05d}"
 
 
-def publisher(port: int, conn: Connection, runs: int, step_chars: int, index: int = 0, count: int = 1) -> None:
-    """On command, publish its share of the runs' starts, then one step each, flat out; report when each was sent."""
+def publisher(
+    port: int, conn: Connection, runs: int, step_chars: int, index: int = 0, count: int = 1
+) -> None:
+    """On command, publish its share of the runs' starts, then one step each, flat out; report
+    when each was sent."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
     c = mqtt.Client(
-        CallbackAPIVersion.VERSION2, client_id=f"ingest-publisher-{index}", protocol=MQTTProtocolVersion.MQTTv311
+        CallbackAPIVersion.VERSION2,
+        client_id=f"ingest-publisher-{index}",
+        protocol=MQTTProtocolVersion.MQTTv311,
     )
     c.max_inflight_messages_set(1000)
     c.max_queued_messages_set(0)
@@ -78,7 +89,9 @@ def publisher(port: int, conn: Connection, runs: int, step_chars: int, index: in
         infos = [c.publish(f"{PREFIX}/{run_id(r)}/start", start, qos=1) for r in mine]
         t1 = time.time()
         infos += [
-            c.publish(f"{PREFIX}/{run_id(r)}/step", json.dumps({"index": 1, "text": text}).encode(), qos=1)
+            c.publish(
+                f"{PREFIX}/{run_id(r)}/step", json.dumps({"index": 1, "text": text}).encode(), qos=1
+            )
             for r in mine
         ]
         for info in infos:
@@ -138,8 +151,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             cluster["cluster"] = ClusterSettings(url=redis.url, name="bench", replica_id="r1")
         else:
             store = SqliteStore(Path(tmp) / "runs.db")
-        # Counted per commit. Run against an agent-monitor without group commits (a baseline checkout on
-        # PYTHONPATH), each `journal` is one commit.
+        # Counted per commit. Run against an agent-monitor without group commits (a baseline
+        # checkout on PYTHONPATH), each `journal` is one commit.
         if store is None:
             pass
         elif hasattr(SqliteStore, "journal_batch"):
@@ -184,7 +197,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             proc.start()
         try:
             mon = Monitor(config, judge=judge, store=store, sinks=[counter])
-            if args.cluster:  # the replica's own store (the shared journal in Redis), counted per commit
+            # the replica's own store (the shared journal in Redis), counted per commit
+            if args.cluster:
                 journal = mon.store.journal_batch  # type: ignore[attr-defined]
 
                 async def counted_cluster(records: Any) -> None:
@@ -207,7 +221,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = min(x[1] for x in sent)
                 t_starts = max(x[2] for x in sent)
                 t_sent = max(x[3] for x in sent)
-                # Until every event is in, or nothing more arrives for 5 s (what the broker dropped never will).
+                # Until every event is in, or nothing more arrives for 5 s (what the broker dropped
+                # never will).
                 seen, quiet = -1, time.monotonic()
                 while counter.accepted < total and time.monotonic() - quiet < 5:
                     await asyncio.sleep(0.05)
@@ -222,14 +237,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     steps = sum(s.steps for s in mon.book.live.values())
                     lost = (args.runs - runs_live) + (args.runs - steps)
                 else:
-                    # Evictions: most runs are gone, and steps for evicted runs are refused (run_ended) by design;
-                    # what must all arrive is the starts.
+                    # Evictions: most runs are gone, and steps for evicted runs are refused
+                    # (run_ended) by design; what must all arrive is the starts.
                     lost = args.runs - counter.starts
-                # The broker's drop counter arrives with its next $SYS update (every 10 s by default).
+                # The broker's drop counter arrives with its next $SYS update (every 10 s by
+                # default).
                 gauge = getattr(mon.metrics, "broker_dropped", None)
                 dropped: float | str = "n/a"  # a baseline without the gauge
                 if gauge is not None:
-                    # One whole interval after the last event: an update during the burst may be short of the end.
+                    # One whole interval after the last event: an update during the burst may be
+                    # short of the end.
                     await asyncio.sleep(11)
                     dropped = gauge._value.get()
                 await asyncio.wait_for(mon.drain(), 120)
@@ -268,7 +285,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def tune_collector(threshold: int | None) -> int:
-    """Tune the garbage collector as `agent-monitor serve --gc-threshold` does (the bench is serve's process)."""
+    """Tune the garbage collector as `agent-monitor serve --gc-threshold` does (the bench is
+    serve's process)."""
     try:
         from agent_monitor.daemon import DEFAULT_GC_THRESHOLD, tune_gc
     except ImportError:  # a baseline checkout from before serve tuned the collector: Python's own
@@ -279,20 +297,37 @@ def tune_collector(threshold: int | None) -> int:
 
 def main() -> int:
     cleanup_on_sigterm()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--runs", type=int, default=10_000, help="runs: one start and one step each")
     ap.add_argument("--step-chars", type=int, default=200, help="characters of each step's text")
     ap.add_argument("--mqtt-protocol", default="auto", choices=["auto", "5", "3.1.1"])
-    ap.add_argument("--max-runs", type=int, default=10_000, help="the monitor's --max-runs (below --runs: evictions)")
+    ap.add_argument(
+        "--max-runs",
+        type=int,
+        default=10_000,
+        help="the monitor's --max-runs (below --runs: evictions)",
+    )
     ap.add_argument(
         "--gc-threshold",
         type=int,
         default=None,
-        help="the cyclic collector's first-generation threshold, as serve --gc-threshold (default: serve's; 0: Python's)",
+        help="the cyclic collector's first-generation threshold, as serve --gc-threshold "
+        "(default: serve's; 0: Python's)",
     )
-    ap.add_argument("--publishers", type=int, default=2, help="publisher processes, each a share of the runs (2)")
-    ap.add_argument("--cluster", action="store_true", help="one replica of a cluster on a private Redis")
-    ap.add_argument("--profile", help="write a cProfile of the monitor's process during ingest to this file")
+    ap.add_argument(
+        "--publishers",
+        type=int,
+        default=2,
+        help="publisher processes, each a share of the runs (2)",
+    )
+    ap.add_argument(
+        "--cluster", action="store_true", help="one replica of a cluster on a private Redis"
+    )
+    ap.add_argument(
+        "--profile", help="write a cProfile of the monitor's process during ingest to this file"
+    )
     args = ap.parse_args()
     args.gc_threshold = tune_collector(args.gc_threshold)
     with open(os.devnull, "w") as devnull:
@@ -302,7 +337,8 @@ def main() -> int:
             for k, v in out.items():
                 print(f"{k}: {v}", file=sys.stderr)
             print(kv_line(**out))
-            return 1 if out["lost"] else 0  # figures are for reading; only a lost event fails the bench
+            # figures are for reading; only a lost event fails the bench
+            return 1 if out["lost"] else 0
     return 1
 
 

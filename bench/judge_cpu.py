@@ -1,4 +1,5 @@
-"""CPU per judge call through `OpenAIJudge`: the lean HTTP path against the OpenAI SDK path, same run, same server.
+"""CPU per judge call through `OpenAIJudge`: the lean HTTP path against the OpenAI SDK path, same
+run, same server.
 
 A scripted OpenAI-compatible server in a process of its own answers every chat completion with a
 realistic reply (one generated token with 20 `top_logprobs`, usage with cached tokens) after
@@ -35,23 +36,30 @@ from agent_monitor.judges.base import JudgeRequest
 from agent_monitor.prompts import Step, build_prompt
 from agent_monitor.scale import LETTERS
 
-TASK = "Make the failing test pass in the repository: find the bug in the parser, fix it, and run the test suite."
+TASK = (
+    "Make the failing test pass in the repository: find the bug in the parser, fix it, "
+    "and run the test suite."
+)
 STEP = (
     "$ python -m pytest -q tests/test_parser.py\n"
     "F.F...                                                                   [100%]\n"
     "FAILED tests/test_parser.py::test_nested - AssertionError: expected 3 tokens, got 2\n"
-    "$ sed -n 40,80p parser.py\n    def tokens(self, text):\n        out = []\n        for part in text.split():\n"
+    "$ sed -n 40,80p parser.py\n    def tokens(self, text):\n        out = []\n        for "
+    "part in text.split():\n"
     "            out.append(part)\n        return out\n"
 )
 
 
 def _serve(port: int, latency_s: float, ready: Any) -> None:
-    """The server's process: a threaded HTTP/1.1 server with one realistic reply for every completion."""
+    """The server's process: a threaded HTTP/1.1 server with one realistic reply for every
+    completion."""
     import signal
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    signal.signal(
+        signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start()
+    )
     weights = [math.exp(-0.35 * i) for i in range(20)]
     total = sum(weights)
     tops = [
@@ -61,7 +69,11 @@ def _serve(port: int, latency_s: float, ready: Any) -> None:
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": "K"},
-        "logprobs": {"content": [{"token": "K", "logprob": tops[0]["logprob"], "bytes": [75], "top_logprobs": tops}]},
+        "logprobs": {
+            "content": [
+                {"token": "K", "logprob": tops[0]["logprob"], "bytes": [75], "top_logprobs": tops}
+            ]
+        },
         "finish_reason": "length",
     }
     body = json.dumps(
@@ -79,7 +91,9 @@ def _serve(port: int, latency_s: float, ready: Any) -> None:
             },
         }
     ).encode()
-    models = json.dumps({"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "bench"}]})
+    models = json.dumps(
+        {"object": "list", "data": [{"id": "scripted", "object": "model", "owned_by": "bench"}]}
+    )
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -113,15 +127,19 @@ def _serve(port: int, latency_s: float, ready: Any) -> None:
     httpd.serve_forever(poll_interval=0.05)
 
 
-async def _round(judge: OpenAIJudge, requests: list[JudgeRequest], concurrency: int) -> tuple[float, float]:
-    """Grade every request with `concurrency` in flight; (CPU seconds, wall seconds) of this process."""
+async def _round(
+    judge: OpenAIJudge, requests: list[JudgeRequest], concurrency: int
+) -> tuple[float, float]:
+    """Grade every request with `concurrency` in flight; (CPU seconds, wall seconds) of this
+    process."""
     queue = list(reversed(requests))
 
     async def worker() -> None:
         while queue:
             r = queue.pop()
             resp = await judge.grade(r)
-            assert resp.samples and resp.samples[0], resp  # a real answer each time, or the bench is wrong
+            # a real answer each time, or the bench is wrong
+            assert resp.samples and resp.samples[0], resp
 
     cpu0, t0 = time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -133,7 +151,10 @@ async def _main(args: argparse.Namespace, url: str) -> None:
     steps = [Step(i, f"step {i}\n{STEP}") for i in range(1, 13)]
     prompts = [build_prompt(TASK, rubric, steps, rubric.criteria[0])]
     requests = [JudgeRequest(prompts[0], run_key=f"run-{i % 40}") for i in range(args.calls)]
-    judges = {t: OpenAIJudge(url, model="scripted", transport=t, concurrency=args.concurrency) for t in ("sdk", "lean")}
+    judges = {
+        t: OpenAIJudge(url, model="scripted", transport=t, concurrency=args.concurrency)
+        for t in ("sdk", "lean")
+    }
     cpu: dict[str, float] = dict.fromkeys(judges, 0.0)
     wall: dict[str, float] = dict.fromkeys(judges, 0.0)
     for judge in judges.values():  # warm-up: connections, caches, imports
@@ -150,7 +171,8 @@ async def _main(args: argparse.Namespace, url: str) -> None:
     print(f"prompt: {len(prompts[0].text())} characters, {len(LETTERS)} letters, top_logprobs 20")
     for t in judges:
         print(
-            f"{t:>5}: {per[t]:.3f} ms CPU per call, {1000 * wall[t] / n:.3f} ms wall per call ({args.concurrency} in flight)"
+            f"{t:>5}: {per[t]:.3f} ms CPU per call, {1000 * wall[t] / n:.3f} ms wall per call "
+            f"({args.concurrency} in flight)"
         )
     print(
         kv_line(

@@ -1,4 +1,5 @@
-"""Two ways to keep a KV prefix per run in one llama.cpp context, timed on the packaged Gemma 3 270M.
+"""Two ways to keep a KV prefix per run in one llama.cpp context, timed on the packaged Gemma 3
+270M.
 
 - sequences: every run its own sequence id in one unified KV cache (`n_seq_max` runs);
   nothing is copied, but each decode attends over every run's cells (masked, still computed).
@@ -42,7 +43,10 @@ def new_context(model: Any, n_ctx: int, n_seq: int) -> Any:
 
 
 def decode(ctx: Any, tokens: list[int], start: int, seq: int) -> None:
-    """Decode `tokens` at positions start.. of sequence `seq`, 512 at a time, logits for the last one."""
+    """Decode `tokens` at positions start..
+
+    of sequence `seq`, 512 at a time, logits for the last one.
+    """
     batch = llama_cpp.llama_batch_init(512, 0, 1)
     try:
         for at in range(0, len(tokens), 512):
@@ -80,8 +84,11 @@ def sequences(model: Any, prompts: list[list[int]], suffixes: list[list[list[int
         llama_cpp.llama_free(ctx)
 
 
-def states(model: Any, prompts: list[list[int]], suffixes: list[list[list[int]]]) -> tuple[float, float]:
-    """Seconds for the continuations with one run in the context at a time, switching by saved states."""
+def states(
+    model: Any, prompts: list[list[int]], suffixes: list[list[list[int]]]
+) -> tuple[float, float]:
+    """Seconds for the continuations with one run in the context at a time, switching by saved
+    states."""
     longest = max(len(p) + sum(len(s) for s in ss) for p, ss in zip(prompts, suffixes, strict=True))
     ctx = new_context(model, longest + 512, 1)
     memory = llama_cpp.llama_get_memory(ctx)
@@ -134,17 +141,24 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=3500, help="tokens of each run's prompt so far")
     ap.add_argument("--suffix", type=int, default=300, help="tokens each continuation adds")
     ap.add_argument("--rounds", type=int, default=2, help="continuations per run")
-    ap.add_argument("--sequences-first", action="store_true", help="time sequences before states (load drifts)")
+    ap.add_argument(
+        "--sequences-first", action="store_true", help="time sequences before states (load drifts)"
+    )
     args = ap.parse_args()
     configure_logs("error")
-    quiet = llama_cpp.llama_log_callback(lambda *_: None)  # kept referenced: llama.cpp holds only its pointer
+    # kept referenced: llama.cpp holds only its pointer
+    quiet = llama_cpp.llama_log_callback(lambda *_: None)
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
-    print(f"load {load1()}; {args.runs} runs x {args.prefix}-token prefixes, {args.rounds} x {args.suffix} tokens each")
+    print(
+        f"load {load1()}; {args.runs} runs x {args.prefix}-token prefixes, {args.rounds} x "
+        f"{args.suffix} tokens each"
+    )
     params = llama_cpp.llama_model_default_params()
     params.use_extra_bufts = False  # as LlamaCppJudge loads it (no weight repacking)
     model = llama_cpp.llama_model_load_from_file(gemma_path().encode(), params)
     rng = random.Random(7)
-    vocab = 200_000  # ordinary text tokens, away from the special ones at the ends of Gemma's vocabulary
+    # ordinary text tokens, away from the special ones at the ends of Gemma's vocabulary
+    vocab = 200_000
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(1000, vocab) for _ in range(n)]
@@ -156,14 +170,22 @@ def main() -> None:
             sq = sequences(model, prompts, suffixes)
             print(f"  sequences: {sq:6.1f} s for the continuations", flush=True)
         st, copy = states(model, prompts, suffixes)
-        print(f"  states:    {st:6.1f} s for the continuations ({copy:.2f} s of it saving and restoring)", flush=True)
+        print(
+            f"  states:    {st:6.1f} s for the continuations ({copy:.2f} s of it saving and "
+            "restoring)",
+            flush=True,
+        )
         if not args.sequences_first:
             sq = sequences(model, prompts, suffixes)
             print(f"  sequences: {sq:6.1f} s for the continuations", flush=True)
     finally:
         llama_cpp.llama_model_free(model)
     print(f"load {load1()}; sequences take {sq / st:.2f}x the time of states")
-    print(kv_line(runs=args.runs, states_s=st, copy_s=copy, sequences_s=sq, sequences_over_states=sq / st))
+    print(
+        kv_line(
+            runs=args.runs, states_s=st, copy_s=copy, sequences_s=sq, sequences_over_states=sq / st
+        )
+    )
 
 
 if __name__ == "__main__":

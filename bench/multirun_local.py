@@ -10,10 +10,11 @@ becomes the judge calls' `run_key`), all on one judge. For each run count in `--
   live runs); with `--shared` also interleaved on a judge with `kv_budget_mb=0` (one prefix
   for all runs: the behaviour before per-run prefixes, slow).
 
-Each mode starts on a fresh judge, after an untimed warm-up (3 steps of one run). Reported: prompt tokens, tokens the model evaluated, wall
-seconds, saved-state restores and evictions, and the largest score difference between the
-modes (the kept prefixes are exact: it should be 0). Target (issue 14): interleaved evaluates
-at most 1.25x the tokens and takes at most 1.3x the time of sequential.
+Each mode starts on a fresh judge, after an untimed warm-up (3 steps of one run). Reported: prompt
+tokens, tokens the model evaluated, wall seconds, saved-state restores and evictions, and the
+largest score difference between the modes (the kept prefixes are exact: it should be 0). Target
+(issue 14): interleaved evaluates at most 1.25x the tokens and takes at most 1.3x the time of
+sequential.
 
     .venv/bin/python bench/multirun_local.py [--runs 2,8] [--steps 10] [--shared] [--kv-budget MB]
 """
@@ -36,7 +37,9 @@ from agent_monitor.judges.llamacpp import DEFAULT_KV_BUDGET_MB, LlamaCppJudge, T
 from agent_monitor.offline.recorded import RecordedRun, load_recorded
 
 # ../shared/data from the main checkout; a worktree one level deeper finds it further up.
-DATA = next((p / "shared" / "data" for p in REPO.parents if (p / "shared" / "data").is_dir()), REPO / "data")
+DATA = next(
+    (p / "shared" / "data" for p in REPO.parents if (p / "shared" / "data").is_dir()), REPO / "data"
+)
 
 
 def recorded_runs(count: int, data: Path = DATA) -> list[RecordedRun]:
@@ -46,7 +49,10 @@ def recorded_runs(count: int, data: Path = DATA) -> list[RecordedRun]:
     for task in sorted(p for p in bench.iterdir() if p.is_dir()) if bench.is_dir() else []:
         files.append(sorted(task.glob("*.json"))[0])
     if len(files) < count:
-        sys.exit(f"only {len(files)} recorded runs under {data}; ask for fewer with --runs, or name --data")
+        sys.exit(
+            f"only {len(files)} recorded runs under {data}; ask for fewer with --runs, "
+            "or name --data"
+        )
     return [load_recorded(f) for f in files[:count]]
 
 
@@ -66,7 +72,8 @@ class Result:
 async def measure(mode: str, runs: list[RecordedRun], steps: int, budget_mb: float) -> Result:
     """Score every run's first `steps` steps on a fresh judge, in the order `mode` says."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TinyJudgeWarning)  # known: the benchmark measures cost, not grades
+        # known: the benchmark measures cost, not grades
+        warnings.simplefilter("ignore", TinyJudgeWarning)
         judge = LlamaCppJudge(gemma_path(), kv_budget_mb=budget_mb)
     await judge.load()
     trackers = {r.name: AsyncProgressTracker(r.task, judge=judge, run_id=r.name) for r in runs}
@@ -81,7 +88,13 @@ async def measure(mode: str, runs: list[RecordedRun], steps: int, budget_mb: flo
         scores[run.name, i + 1] = p.score if p.ok and p.score is not None else math.nan
     seconds = time.perf_counter() - start
     result = Result(
-        mode, judge.tokens_prompted, judge.tokens_evaluated, seconds, judge.kv_restores, judge.kv_evictions, scores
+        mode,
+        judge.tokens_prompted,
+        judge.tokens_evaluated,
+        seconds,
+        judge.kv_restores,
+        judge.kv_evictions,
+        scores,
     )
     await judge.aclose()
     print(
@@ -94,7 +107,8 @@ async def measure(mode: str, runs: list[RecordedRun], steps: int, budget_mb: flo
 
 
 def max_diff(a: dict[tuple[str, int], float], b: dict[tuple[str, int], float]) -> float:
-    """The largest score difference between two modes over the same (run, step) keys (nan: a failure in one)."""
+    """The largest score difference between two modes over the same (run, step) keys (nan: a
+    failure in one)."""
     diffs = [abs(a[k] - b[k]) for k in a]
     return max(diffs) if diffs else math.nan
 
@@ -103,18 +117,30 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="2,8", help="run counts to measure, comma-separated")
     ap.add_argument("--steps", type=int, default=10, help="agent steps scored per run")
-    ap.add_argument("--shared", action="store_true", help="also interleave on one shared prefix (kv_budget_mb=0)")
-    ap.add_argument("--data", type=Path, default=DATA, help="the recorded runs' folder (shared/data)")
-    ap.add_argument("--kv-budget", type=float, default=DEFAULT_KV_BUDGET_MB, help="the judge's kv_budget_mb")
+    ap.add_argument(
+        "--shared",
+        action="store_true",
+        help="also interleave on one shared prefix (kv_budget_mb=0)",
+    )
+    ap.add_argument(
+        "--data", type=Path, default=DATA, help="the recorded runs' folder (shared/data)"
+    )
+    ap.add_argument(
+        "--kv-budget", type=float, default=DEFAULT_KV_BUDGET_MB, help="the judge's kv_budget_mb"
+    )
     args = ap.parse_args()
     configure_logs("error")
     counts = [int(c) for c in args.runs.split(",")]
-    print(f"load {load1()}; Gemma 3 270M in-process, {args.steps} steps per run, kv_budget_mb={args.kv_budget:g}")
+    print(
+        f"load {load1()}; Gemma 3 270M in-process, {args.steps} steps per run, "
+        f"kv_budget_mb={args.kv_budget:g}"
+    )
     line: dict[str, object] = {}
     for count in counts:
         runs = recorded_runs(count, args.data)
         print(f"{count} runs: {', '.join(Path(r.name).name for r in runs)}", flush=True)
-        # Untimed: the first judge of a process pays for paging the model in and first touches of its buffers.
+        # Untimed: the first judge of a process pays for paging the model in and first touches of
+        # its buffers.
         await measure("warm-up", runs[:1], 3, args.kv_budget)
         seq = await measure("sequential", runs, args.steps, args.kv_budget)
         inter = await measure("interleaved", runs, args.steps, args.kv_budget)

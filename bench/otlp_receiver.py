@@ -1,18 +1,19 @@
-"""The OTLP traces receiver: spans/s accepted on one core from the SDK's exporter, and last span -> final score.
+"""The OTLP traces receiver: spans/s accepted on one core from the SDK's exporter, and last span ->
+final score.
 
-The monitor (`Monitor` in this process, pinned to one core, a SQLite journal in a temporary directory, a
-private stock Mosquitto for its outputs, an instant judge) receives `--traces` traces of `--steps`
-`execute_tool` spans and an `invoke_agent` root each, from a second process (pinned to the other core
-when there is one) running the real OpenTelemetry SDK: a `BatchSpanProcessor` with the OTLP/HTTP
-protobuf exporter, as an instrumented agent exports.
+The monitor (`Monitor` in this process, pinned to one core, a SQLite journal in a temporary
+directory, a private stock Mosquitto for its outputs, an instant judge) receives `--traces` traces
+of `--steps` `execute_tool` spans and an `invoke_agent` root each, from a second process (pinned to
+the other core when there is one) running the real OpenTelemetry SDK: a `BatchSpanProcessor` with
+the OTLP/HTTP protobuf exporter, as an instrumented agent exports.
 
 Figures:
 - `otlp_spans_per_s`: spans / (the first span exported -> every span accepted and every run closed);
   `otlp_cpu_us_per_span`: the monitor process's CPU per span (its one core);
-- the baseline, what a user without the receiver runs: a harness publishing the same runs as MQTT events
-  (start, one step per tool call, end; paho, QoS 1) to the same kind of monitor: `mqtt_events_per_s`,
-  `mqtt_cpu_us_per_event`. One span is one event (the root is the start and the end together, so the
-  MQTT side has one event more per run);
+- the baseline, what a user without the receiver runs: a harness publishing the same runs as MQTT
+  events (start, one step per tool call, end; paho, QoS 1) to the same kind of monitor:
+  `mqtt_events_per_s`, `mqtt_cpu_us_per_event`. One span is one event (the root is the start and the
+  end together, so the MQTT side has one event more per run);
 - `final_p50_ms`/`final_p95_ms`: `--latency-traces` traces sent one after the other with the SDK's
   `SimpleSpanProcessor` from a thread of this process, the time from the root span's `end()` (the
   trace's last span) to the run's close (its final score written), with the instant judge: the
@@ -48,7 +49,10 @@ from _common import (
     percentile,
 )
 
-TASK = "Find the failing test in the repository, fix the parser and run the test suite until it passes."
+TASK = (
+    "Find the failing test in the repository, fix the parser and run the test suite until "
+    "it passes."
+)
 
 
 def pin(core: int) -> None:
@@ -59,7 +63,8 @@ def pin(core: int) -> None:
 
 
 def exporter(url: str, conn: Connection, traces: int, steps: int) -> None:
-    """On command, export every trace through the SDK's batch processor; report when it started and finished."""
+    """On command, export every trace through the SDK's batch processor; report when it started
+    and finished."""
     pin(1)
     from opentelemetry import trace
 
@@ -70,7 +75,8 @@ def exporter(url: str, conn: Connection, traces: int, steps: int) -> None:
     t0 = time.time()
     for t in range(traces):
         root = tracer.start_span(
-            "invoke_agent bench", attributes={"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": user}
+            "invoke_agent bench",
+            attributes={"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": user},
         )
         ctx = trace.set_span_in_context(root)
         for s in range(steps):
@@ -92,12 +98,17 @@ def exporter(url: str, conn: Connection, traces: int, steps: int) -> None:
 
 
 def publisher(port: int, conn: Connection, traces: int, steps: int) -> None:
-    """The baseline's harness: on command, publish every run's start, steps and end over MQTT (QoS 1)."""
+    """The baseline's harness: on command, publish every run's start, steps and end over MQTT
+    (QoS 1)."""
     pin(1)
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-    c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="bench-harness", protocol=MQTTProtocolVersion.MQTTv311)
+    c = mqtt.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id="bench-harness",
+        protocol=MQTTProtocolVersion.MQTTv311,
+    )
     c.max_inflight_messages_set(1000)
     c.max_queued_messages_set(0)
     c.connect("127.0.0.1", port, keepalive=60)
@@ -108,13 +119,20 @@ def publisher(port: int, conn: Connection, traces: int, steps: int) -> None:
         infos = []
         for t in range(traces):
             run = f"mqtt-{t}"
-            infos.append(c.publish(f"agents/{run}/start", json.dumps({"task": TASK}).encode(), qos=1))
+            infos.append(
+                c.publish(f"agents/{run}/start", json.dumps({"task": TASK}).encode(), qos=1)
+            )
             for s in range(steps):
                 text = (
-                    f'Tool call: run_tests({{"path": "tests/test_{t}_{s}.py"}})\nResult: {s} passed, {steps - s} failed'
+                    f'Tool call: run_tests({{"path": "tests/test_{t}_{s}.py"}})\nResult: {s} '
+                    f"passed, {steps - s} failed"
                 )
                 infos.append(
-                    c.publish(f"agents/{run}/step", json.dumps({"index": s + 1, "text": text}).encode(), qos=1)
+                    c.publish(
+                        f"agents/{run}/step",
+                        json.dumps({"index": s + 1, "text": text}).encode(),
+                        qos=1,
+                    )
                 )
             infos.append(c.publish(f"agents/{run}/end", b'{"outcome": "success"}', qos=1))
         for info in infos:
@@ -165,7 +183,9 @@ def monitor(broker_url: str, state: Path, sink: Closed, receiver: Any | None) ->
     from agent_monitor.testing import FakeJudge
     from agent_monitor.wire import BrokerSettings
 
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker_url), client_id=f"bench-{state.name}")
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker_url), client_id=f"bench-{state.name}"
+    )
     registry = receiver.registry if receiver is not None else CollectorRegistry()
     return Monitor(
         config,
@@ -185,7 +205,8 @@ class _Receiver:
 
         self.registry = CollectorRegistry()
         self.source = OtlpReceiver(
-            OtlpReceiverSettings(address=f"127.0.0.1:{free_port()}", **settings), registry=self.registry
+            OtlpReceiverSettings(address=f"127.0.0.1:{free_port()}", **settings),
+            registry=self.registry,
         )
 
 
@@ -198,7 +219,9 @@ async def otlp_throughput(broker_url: str, tmp: Path, traces: int, steps: int) -
     async with monitor(broker_url, state, sink, rec):
         await rec.source.ready.wait()
         here, there = ctx.Pipe()
-        proc = ctx.Process(target=exporter, args=(rec.source.url, there, traces, steps), daemon=True)
+        proc = ctx.Process(
+            target=exporter, args=(rec.source.url, there, traces, steps), daemon=True
+        )
         proc.start()
         await asyncio.sleep(2.0)  # the exporter's imports
         cpu0 = cpu_seconds(os.getpid())
@@ -213,7 +236,9 @@ async def otlp_throughput(broker_url: str, tmp: Path, traces: int, steps: int) -
     return {"otlp_spans_per_s": spans / (sink.last - t0), "otlp_cpu_us_per_span": cpu / spans * 1e6}
 
 
-async def mqtt_baseline(broker_port: int, broker_url: str, tmp: Path, traces: int, steps: int) -> dict[str, float]:
+async def mqtt_baseline(
+    broker_port: int, broker_url: str, tmp: Path, traces: int, steps: int
+) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     sink = Closed()
     state = tmp / "mqtt"
@@ -231,7 +256,10 @@ async def mqtt_baseline(broker_port: int, broker_url: str, tmp: Path, traces: in
         here.send("bye")
         proc.join(10)
     events = traces * (steps + 2)
-    return {"mqtt_events_per_s": events / (sink.last - t0), "mqtt_cpu_us_per_event": cpu / events * 1e6}
+    return {
+        "mqtt_events_per_s": events / (sink.last - t0),
+        "mqtt_cpu_us_per_event": cpu / events * 1e6,
+    }
 
 
 async def latency(broker_url: str, tmp: Path, traces: int, steps: int) -> dict[str, float]:
@@ -300,14 +328,20 @@ def main() -> int:
         configure_logs("warning", devnull)
         out = asyncio.run(bench(args))
     print(
-        f"OTLP receiver, {args.traces} traces x ({args.steps} tool spans + root), SDK batch exporter -> monitor on one core"
-    )
-    print(f"  otlp: {out['otlp_spans_per_s']:.0f} spans/s accepted, {out['otlp_cpu_us_per_span']:.0f} us CPU per span")
-    print(
-        f"  mqtt baseline: {out['mqtt_events_per_s']:.0f} events/s, {out['mqtt_cpu_us_per_event']:.0f} us CPU per event"
+        f"OTLP receiver, {args.traces} traces x ({args.steps} tool spans + root), SDK batch "
+        "exporter -> monitor on one core"
     )
     print(
-        f"  last span -> final score (instant judge): p50 {out['final_p50_ms']:.1f} ms, p95 {out['final_p95_ms']:.1f} ms"
+        f"  otlp: {out['otlp_spans_per_s']:.0f} spans/s accepted, "
+        f"{out['otlp_cpu_us_per_span']:.0f} us CPU per span"
+    )
+    print(
+        f"  mqtt baseline: {out['mqtt_events_per_s']:.0f} events/s, "
+        f"{out['mqtt_cpu_us_per_event']:.0f} us CPU per event"
+    )
+    print(
+        f"  last span -> final score (instant judge): p50 {out['final_p50_ms']:.1f} ms, p95 "
+        f"{out['final_p95_ms']:.1f} ms"
     )
     print(f"  load average before {out['load_before']}, after {out['load_after']}")
     print(kv_line(**out))

@@ -1,4 +1,5 @@
-"""Judge cost with a real prefix cache: our prefix-stable prompt layout against the reference library's own.
+"""Judge cost with a real prefix cache: our prefix-stable prompt layout against the reference
+library's own.
 
 Starts `agent-monitor judge-server` with the packaged Gemma 3 270M, replays a recorded run
 step by step through `AsyncProgressTracker` + `OpenAIJudge`, once with our
@@ -46,19 +47,31 @@ from typing import Any
 
 from _common import REPO, cleanup_on_sigterm, configure_logs, judge_server, kv_line, load1
 
-from agent_monitor import AsyncProgressTracker, JudgeRequest, JudgeResponse, Prompt, build_prompt, load_criteria
+from agent_monitor import (
+    AsyncProgressTracker,
+    JudgeRequest,
+    JudgeResponse,
+    Prompt,
+    build_prompt,
+    load_criteria,
+)
 from agent_monitor.judges.openai import OpenAIJudge
 from agent_monitor.offline.recorded import RecordedRun, load_recorded
 from agent_monitor.prompts import Step, TextPart
 
-DEFAULT_RUN = REPO.parent / "shared" / "data" / "atif" / "pytorch-model-cli" / "success_trajectory.json"
+DEFAULT_RUN = (
+    REPO.parent / "shared" / "data" / "atif" / "pytorch-model-cli" / "success_trajectory.json"
+)
 FALLBACK_RUN = REPO / "tests" / "fixtures" / "atif_reverse_string.json"
 
-# The reference library's online prompt, by layout (llm_verifier/progress.py, build_progress_prompt, commit
-# 115de30): the parts in its order and about its lengths, in our own words (its text is not copied here).
+# The reference library's online prompt, by layout (llm_verifier/progress.py, build_progress_prompt,
+# commit 115de30): the parts in its order and about its lengths, in our own words (its text is not
+# copied here).
 _REF_PREAMBLE = (
-    "You are a strict, skeptical judge of an agent's attempt at a task. Agents often claim success while "
-    "their environment still shows errors, change the wrong thing, or never run the check the task asks "
+    "You are a strict, skeptical judge of an agent's attempt at a task. Agents often claim "
+    "success while "
+    "their environment still shows errors, change the wrong thing, or never run the check "
+    "the task asks "
     "for. Believe the observed output, not what the agent says about it."
 )
 _REF_SCORING = """You will score the trajectory at {n} CHECKPOINTS. The score measures ONE thing:
@@ -98,23 +111,34 @@ where each LETTER is one letter from A to T."""
 
 
 def reference_prompt(task: str, steps: list[str], step: int, criterion: str) -> Prompt:
-    """The reference library's online prompt after `step` steps, as a Prompt (what its ProgressTracker sends)."""
-    trajectory = "".join(f"=== Agent Step {i} ===\n{text.strip()}\n\n" for i, text in enumerate(steps[:step], 1))
+    """The reference library's online prompt after `step` steps, as a Prompt (what its
+    ProgressTracker sends)."""
+    trajectory = "".join(
+        f"=== Agent Step {i} ===\n{text.strip()}\n\n" for i, text in enumerate(steps[:step], 1)
+    )
     head = (
         f"**Task instruction:**\n{task.strip()}\n\n"
-        f"**Agent trajectory ({step} agent steps; each step is one action by the agent, with its observed output):**\n"
+        f"**Agent trajectory ({step} agent steps; each step is one action by the agent, with "
+        "its observed output):**\n"
         f"{trajectory}"
     )
     scoring = _REF_SCORING.format(
-        n=1, checkpoints=f"  Checkpoint 1 = state right after Agent Step {step}", tags="<c1>LETTER</c1>"
+        n=1,
+        checkpoints=f"  Checkpoint 1 = state right after Agent Step {step}",
+        tags="<c1>LETTER</c1>",
     )
-    return Prompt(_REF_PREAMBLE, (TextPart(head),), (TextPart(scoring + "\n\n<c1>"),), criterion, step)
+    return Prompt(
+        _REF_PREAMBLE, (TextPart(head),), (TextPart(scoring + "\n\n<c1>"),), criterion, step
+    )
 
 
 class LayoutJudge(OpenAIJudge):
-    """OpenAIJudge that sends our prompt (`ours`) or the reference library's for the same steps, and remembers it."""
+    """OpenAIJudge that sends our prompt (`ours`) or the reference library's for the same steps,
+    and remembers it."""
 
-    def __init__(self, layout: str, task: str = "", steps: list[str] | None = None, **kw: Any) -> None:
+    def __init__(
+        self, layout: str, task: str = "", steps: list[str] | None = None, **kw: Any
+    ) -> None:
         super().__init__(**kw)
         self.layout = layout
         self.task = task
@@ -123,7 +147,11 @@ class LayoutJudge(OpenAIJudge):
 
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
         p = request.prompt
-        prompt = p if self.layout == "ours" else reference_prompt(self.task, self.steps, p.step, p.criterion)
+        prompt = (
+            p
+            if self.layout == "ours"
+            else reference_prompt(self.task, self.steps, p.step, p.criterion)
+        )
         self.sent.append(prompt)
         return await super().grade(dataclasses.replace(request, prompt=prompt))
 
@@ -150,7 +178,9 @@ class Phase:
 
 
 def post_json(url: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=900) as resp:
         return json.loads(resp.read())
 
@@ -171,7 +201,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def all_prompts(run: RecordedRun, n: int) -> dict[str, list[str]]:
     """The prompt text each layout sends at steps 1..n (what `api=completions` posts)."""
     rubric = load_criteria(None)
-    steps: list[Step] = [Step(index=i + 1, text=rubric.extractors(s.text)) for i, s in enumerate(run.steps[:n])]
+    steps: list[Step] = [
+        Step(index=i + 1, text=rubric.extractors(s.text)) for i, s in enumerate(run.steps[:n])
+    ]
     texts = [s.text for s in steps]
     out: dict[str, list[str]] = {"ours": [], "baseline": []}
     for k in range(1, n + 1):
@@ -185,7 +217,9 @@ def all_prompts(run: RecordedRun, n: int) -> dict[str, list[str]]:
 async def warm_up(judge: LayoutJudge) -> None:
     """One unrelated short prompt, so the server's slot holds nothing useful when a phase starts."""
     model = await judge.resolve_model()
-    await judge.client.completions.create(model=model, prompt="Warm-up: say A.", max_tokens=1, temperature=0.0)
+    await judge.client.completions.create(
+        model=model, prompt="Warm-up: say A.", max_tokens=1, temperature=0.0
+    )
 
 
 async def replay(
@@ -193,12 +227,20 @@ async def replay(
 ) -> Phase:
     texts = [load_criteria(None).extractors(s.text) for s in run.steps[:n]]
     judge = LayoutJudge(
-        layout, run.task, texts, base_url=server.url + "/v1", api=args.api, timeout_s=args.timeout, max_retries=0
+        layout,
+        run.task,
+        texts,
+        base_url=server.url + "/v1",
+        api=args.api,
+        timeout_s=args.timeout,
+        max_retries=0,
     )
     phase = Phase(layout)
     try:
         await warm_up(judge)
-        tracker = AsyncProgressTracker(run.task, judge=judge, min_mass=args.min_mass, run_id=f"bench-{layout}")
+        tracker = AsyncProgressTracker(
+            run.task, judge=judge, min_mass=args.min_mass, run_id=f"bench-{layout}"
+        )
         for i, s in enumerate(run.steps[:n], start=1):
             await tracker.add(s.text)
             if i not in score_at:
@@ -209,10 +251,13 @@ async def replay(
             # What the server's slot kept of the prompt(s), as each answer's usage says.
             kept = p.usage.cached_input_tokens
             evaluated = p.usage.input_tokens - kept
-            phase.updates.append(Update(i, latency, p.usage.input_tokens, kept, evaluated, p.ok, p.score, p.reason))
+            phase.updates.append(
+                Update(i, latency, p.usage.input_tokens, kept, evaluated, p.ok, p.score, p.reason)
+            )
             tag = f"{p.score:.3f}" if p.score is not None else f"failed ({p.reason})"
             print(
-                f"  {layout:<8} step {i:>2}: {latency:6.2f} s, {p.usage.input_tokens:>5} prompt tokens, "
+                f"  {layout:<8} step {i:>2}: {latency:6.2f} s, {p.usage.input_tokens:>5} "
+                "prompt tokens, "
                 f"{evaluated if evaluated is not None else '?':>5} evaluated, score {tag}",
                 file=sys.stderr,
                 flush=True,
@@ -225,7 +270,8 @@ async def replay(
 def parse_steps(spec: str, n: int) -> set[int]:
     if spec == "all":
         return set(range(1, n + 1))
-    if spec == "auto":  # first, last and two between: a baseline call does not depend on earlier ones
+    # first, last and two between: a baseline call does not depend on earlier ones
+    if spec == "auto":
         return {1, max(1, round(n / 3)), max(1, round(2 * n / 3)), n}
     picked = {int(x) for x in spec.split(",") if x.strip()}
     return {min(max(1, x), n) for x in picked} | {1, n}
@@ -243,47 +289,74 @@ async def main_async(args: argparse.Namespace) -> int:
         flush=True,
     )
     with judge_server(args=["--n-ctx", str(args.n_ctx)]) as server:
-        # Prefix shares on the server's token ids, for every step of both layouts (nothing is generated).
+        # Prefix shares on the server's token ids, for every step of both layouts (nothing is
+        # generated).
         texts = await asyncio.to_thread(all_prompts, run, n)
-        tokens = {k: [await asyncio.to_thread(tokenize, server.url, t) for t in v] for k, v in texts.items()}
+        tokens = {
+            k: [await asyncio.to_thread(tokenize, server.url, t) for t in v]
+            for k, v in texts.items()
+        }
         longest = max(len(t) for v in tokens.values() for t in v)
         if longest >= args.n_ctx:
-            raise SystemExit(f"the longest prompt is {longest} tokens, over --n-ctx {args.n_ctx}: lower --max-steps")
-        shares = {k: [common_prefix(a, b) / len(a) for a, b in itertools.pairwise(v)] for k, v in tokens.items()}
+            raise SystemExit(
+                f"the longest prompt is {longest} tokens, over --n-ctx "
+                f"{args.n_ctx}: lower --max-steps"
+            )
+        shares = {
+            k: [common_prefix(a, b) / len(a) for a, b in itertools.pairwise(v)]
+            for k, v in tokens.items()
+        }
         totals = {k: sum(len(t) for t in v) for k, v in tokens.items()}
-        # What a prefix-caching server evaluates when every step is scored in order: each prompt less
-        # the prefix it shares with the previous one.
+        # What a prefix-caching server evaluates when every step is scored in order: each prompt
+        # less the prefix it shares with the previous one.
         to_eval = {
             k: len(v[0]) + sum(len(b) - common_prefix(a, b) for a, b in itertools.pairwise(v))
             for k, v in tokens.items()
         }
-        # One untimed cold call of each layout's step-1 prompt: the first real request after start-up
-        # runs ~1 s slower than later cold ones, which would flatter whichever layout goes first.
+        # One untimed cold call of each layout's step-1 prompt: the first real request after
+        # start-up runs ~1 s slower than later cold ones, which would flatter whichever layout goes
+        # first.
         for layout in ("ours", "baseline"):
             body = {"prompt": texts[layout][0], "max_tokens": 1, "temperature": 0.0, "logprobs": 20}
             await asyncio.to_thread(post_json, server.url + "/v1/completions", body)
         print("one untimed step-1 call per layout done", file=sys.stderr, flush=True)
         phases = {
             "ours": await replay("ours", run, n, server, args, set(range(1, n + 1))),
-            "baseline": await replay("baseline", run, n, server, args, parse_steps(args.baseline_steps, n)),
+            "baseline": await replay(
+                "baseline", run, n, server, args, parse_steps(args.baseline_steps, n)
+            ),
         }
         died = server.process.poll() is not None
         peak_rss_mb = 0.0 if died else server.peak_rss_kb() / 1024
         if died:
             print(
-                f"{server.crash() or 'judge-server died'} during the benchmark:\n{server.log()[-2000:]}",
+                f"{server.crash() or 'judge-server died'} during the "
+                f"benchmark:\n{server.log()[-2000:]}",
                 file=sys.stderr,
             )
 
     ours, base = phases["ours"], phases["baseline"]
-    # Gemma 270M often puts little mass on the letters (low_mass): a score failure, not a failed call.
-    errors = [u for ph in phases.values() for u in ph.updates if not u.ok and u.reason not in ("low_mass", "no_letter")]
+    # Gemma 270M often puts little mass on the letters (low_mass): a score failure, not a failed
+    # call.
+    errors = [
+        u
+        for ph in phases.values()
+        for u in ph.updates
+        if not u.ok and u.reason not in ("low_mass", "no_letter")
+    ]
     if errors:
-        print(f"WARNING: {len(errors)} judge calls failed ({errors[0].reason}); latencies are not comparable")
+        print(
+            f"WARNING: {len(errors)} judge calls failed ({errors[0].reason}); latencies are "
+            "not comparable"
+        )
     print(
-        f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on agent-monitor judge-server (2 cores); baseline: the"
+        f"\nprefix cache: {run.name}, {n} steps, Gemma 3 270M Q4_K_M on agent-monitor "
+        "judge-server (2 cores); baseline: the"
     )
-    print("reference library's own online prompt layout (llm_verifier/progress.py at 115de30, ported by layout)")
+    print(
+        "reference library's own online prompt layout (llm_verifier/progress.py at "
+        "115de30, ported by layout)"
+    )
     print(
         f"{'step':>4} {'prompt tok':>10} | {'ours s':>7} {'evaluated':>9} {'kept':>6} | "
         f"{'base tok':>8} {'base s':>7} {'evaluated':>9} {'kept':>6}"
@@ -292,56 +365,76 @@ async def main_async(args: argparse.Namespace) -> int:
         o, b = ours.at(i), base.at(i)
         if o is None:
             continue
-        line = f"{i:>4} {o.prompt_tokens:>10} | {o.latency_s:>7.2f} {o.evaluated or 0:>9} {o.kept or 0:>6} |"
+        line = (
+            f"{i:>4} {o.prompt_tokens:>10} | {o.latency_s:>7.2f} {o.evaluated or 0:>9} "
+            f"{o.kept or 0:>6} |"
+        )
         if b is not None:
-            line += f" {b.prompt_tokens:>8} {b.latency_s:>7.2f} {b.evaluated or 0:>9} {b.kept or 0:>6}"
+            line += (
+                f" {b.prompt_tokens:>8} {b.latency_s:>7.2f} {b.evaluated or 0:>9} {b.kept or 0:>6}"
+            )
         print(line)
 
     def ratio(ph: Phase) -> float:
         first, last = ph.at(1), ph.at(n)
-        return last.latency_s / first.latency_s if first and last and first.latency_s else float("nan")
+        return (
+            last.latency_s / first.latency_s if first and last and first.latency_s else float("nan")
+        )
 
     o_first, o_last, b_first, b_last = ours.at(1), ours.at(n), base.at(1), base.at(n)
     assert o_first and o_last and b_first and b_last
     sent = {k: sum(u.prompt_tokens for u in ph.updates) for k, ph in phases.items()}
     evaluated = {k: sum(u.evaluated or 0 for u in ph.updates) for k, ph in phases.items()}
     server_kept = {
-        k: sum(u.kept or 0 for u in ph.updates[1:]) / max(1, sum(u.prompt_tokens for u in ph.updates[1:]))
+        k: sum(u.kept or 0 for u in ph.updates[1:])
+        / max(1, sum(u.prompt_tokens for u in ph.updates[1:]))
         for k, ph in phases.items()
     }
     reuse = statistics.fmean(shares["ours"]) if shares["ours"] else float("nan")
     base_reuse = statistics.fmean(shares["baseline"]) if shares["baseline"] else float("nan")
     print()
     print(
-        f"latency step 1 -> {n}: ours {o_first.latency_s:.2f} -> {o_last.latency_s:.2f} s ({ratio(ours):.2f}x), ",
+        f"latency step 1 -> {n}: ours {o_first.latency_s:.2f} -> {o_last.latency_s:.2f} s "
+        f"({ratio(ours):.2f}x), ",
         end="",
     )
     print(f"baseline {b_first.latency_s:.2f} -> {b_last.latency_s:.2f} s ({ratio(base):.2f}x)")
     slowest = max(ours.updates, key=lambda u: u.latency_s)
     print(
-        f"ours slowest update: step {slowest.step}, {slowest.latency_s:.2f} s ({slowest.evaluated} tokens evaluated); "
+        f"ours slowest update: step {slowest.step}, {slowest.latency_s:.2f} s "
+        f"({slowest.evaluated} tokens evaluated); "
         f"last step: baseline / ours = {b_last.latency_s / o_last.latency_s:.2f}x"
     )
     scored_base = sorted(u.step for u in base.updates)
     print(
-        f"prompt tokens sent: ours {sent['ours']} over {len(ours.updates)} updates; baseline {sent['baseline']} over "
+        f"prompt tokens sent: ours {sent['ours']} over {len(ours.updates)} updates; baseline "
+        f"{sent['baseline']} over "
         f"{len(base.updates)} updates (steps {','.join(map(str, scored_base))}); "
         f"either layout at every step: ours {totals['ours']}, baseline {totals['baseline']}"
     )
     print(
-        f"tokens the server evaluated: ours {evaluated['ours']} ({evaluated['ours'] / max(1, sent['ours']):.1%} of sent), "
-        f"baseline {evaluated['baseline']} ({evaluated['baseline'] / max(1, sent['baseline']):.1%} of sent)"
+        f"tokens the server evaluated: ours {evaluated['ours']} "
+        f"({evaluated['ours'] / max(1, sent['ours']):.1%} of sent), "
+        f"baseline {evaluated['baseline']} "
+        f"({evaluated['baseline'] / max(1, sent['baseline']):.1%} of sent)"
     )
     print(
-        f"share of each prompt that is a prefix of the next (server token ids, mean over steps 1..{n - 1}): "
-        f"ours {reuse:.3f} (min {min(shares['ours'], default=float('nan')):.3f}), baseline {base_reuse:.3f}; "
-        f"kept by the server's KV cache (steps 2..): ours {server_kept['ours']:.3f}, baseline {server_kept['baseline']:.3f}"
+        "share of each prompt that is a prefix of the next (server token ids, mean over "
+        f"steps 1..{n - 1}): "
+        f"ours {reuse:.3f} (min {min(shares['ours'], default=float('nan')):.3f}), baseline "
+        f"{base_reuse:.3f}; "
+        f"kept by the server's KV cache (steps 2..): ours {server_kept['ours']:.3f}, baseline "
+        f"{server_kept['baseline']:.3f}"
     )
     print(
-        f"tokens to evaluate with every step scored in order (from the token ids): ours {to_eval['ours']}, "
+        "tokens to evaluate with every step scored in order (from the token ids): ours "
+        f"{to_eval['ours']}, "
         f"baseline {to_eval['baseline']} ({to_eval['baseline'] / max(1, to_eval['ours']):.1f}x)"
     )
-    print(f"server peak RSS {peak_rss_mb:.0f} MB; machine load (1-min average) at start {load0}, at end {load1()}")
+    print(
+        f"server peak RSS {peak_rss_mb:.0f} MB; machine load (1-min average) at start "
+        f"{load0}, at end {load1()}"
+    )
     print(
         kv_line(
             steps=n,
@@ -371,20 +464,41 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--run", help=f"recorded run (ATIF or plain JSON); default {DEFAULT_RUN} or the bundled fixture")
-    ap.add_argument("--max-steps", type=int, default=30, help="replay at most this many agent steps (default 30)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument(
+        "--run",
+        help=f"recorded run (ATIF or plain JSON); default {DEFAULT_RUN} or the bundled fixture",
+    )
+    ap.add_argument(
+        "--max-steps",
+        type=int,
+        default=30,
+        help="replay at most this many agent steps (default 30)",
+    )
     ap.add_argument("--n-ctx", type=int, default=8192, help="server context size (default 8192)")
-    ap.add_argument("--api", choices=["completions", "chat"], default="completions", help="OpenAIJudge api")
+    ap.add_argument(
+        "--api", choices=["completions", "chat"], default="completions", help="OpenAIJudge api"
+    )
     ap.add_argument(
         "--baseline-steps",
         default="auto",
-        help="steps the baseline scores: 'auto' (default: 1, n/3, 2n/3, n), 'all', or a comma list (1 and n\n"
-        "are always included). A baseline call reuses only the instructions whatever came before it, so a\n"
+        help="steps the baseline scores: 'auto' (default: 1, n/3, 2n/3, n), 'all', or a "
+        "comma list (1 and n\n"
+        "are always included). A baseline call reuses only the instructions whatever came "
+        "before it, so a\n"
         "sample shows its growth at a fraction of the time ('all' takes ~8 min on 18 steps here)",
     )
-    ap.add_argument("--min-mass", type=float, default=0.05, help="letter mass floor (Gemma 270M puts ~0.1 on letters)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="per-call judge timeout in seconds")
+    ap.add_argument(
+        "--min-mass",
+        type=float,
+        default=0.05,
+        help="letter mass floor (Gemma 270M puts ~0.1 on letters)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=600.0, help="per-call judge timeout in seconds"
+    )
     args = ap.parse_args()
     cleanup_on_sigterm()
     configure_logs("error")  # the per-step lines on stderr already say which calls failed, and why

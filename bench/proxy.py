@@ -1,20 +1,24 @@
-"""LLM API proxy overhead: added latency per streamed chunk and per request, against the upstream called directly.
+"""LLM API proxy overhead: added latency per streamed chunk and per request, against the upstream
+called directly.
 
-Two shapes, one after the other in one run (`--shapes`, both by default), each beside its own baseline:
+Two shapes, one after the other in one run (`--shapes`, both by default), each beside its own
+baseline:
 
 - in-process: one process, one event loop: an upstream (asyncio + h11, as lean as a server gets in
-  Python), the proxy (`ProxySource`, the source of a `Monitor` with no broker, a memory journal and a
-  FakeJudge that answers at once, so every turn is read, ingested and scored as in `serve`; `--bare`:
-  the proxy alone, its events taken by a no-op ingest) and the client.
+  Python), the proxy (`ProxySource`, the source of a `Monitor` with no broker, a memory journal and
+  a FakeJudge that answers at once, so every turn is read, ingested and scored as in `serve`;
+  `--bare`: the proxy alone, its events taken by a no-op ingest) and the client.
 - deployed, the shape users run: the same upstream in a process of its own (this script with
-  `--serve-upstream PORT`); the real CLI, `agent-monitor proxy`, in its own (serve's defaults: a SQLite
-  journal, logs at info to a file, a private Mosquitto as its broker) judging through an
-  OpenAI-compatible HTTP judge in a third (scripted: one letter with logprob 0, at once); the client here.
+  `--serve-upstream PORT`); the real CLI, `agent-monitor proxy`, in its own (serve's defaults: a
+  SQLite journal, logs at info to a file, a private Mosquitto as its broker) judging through an
+  OpenAI-compatible HTTP judge in a third (scripted: one letter with logprob 0, at once); the client
+  here.
 
-The upstream streams chat-completion chunks (OpenAI's SSE shape, ~200 bytes each, `--gap-ms` apart so
-the network does not merge them) or answers a plain chat completion. The client is a pooled httpx
+The upstream streams chat-completion chunks (OpenAI's SSE shape, ~200 bytes each, `--gap-ms` apart
+so the network does not merge them) or answers a plain chat completion. The client is a pooled httpx
 client (the transport of the openai and anthropic SDKs). Each request carries a `--history`-message
-conversation (~100 bytes a message) growing by a turn per request, so the proxy reads a real history.
+conversation (~100 bytes a message) growing by a turn per request, so the proxy reads a real
+history.
 
 Baseline: the same client calling the upstream directly, interleaved request by request with the
 proxied calls, so both see the same machine load. Per chunk: time from the upstream's write (its
@@ -24,7 +28,8 @@ loopback only (no network), one client at a time, so they are the proxy's own wo
 request (plus, deployed, its process's share of two cores with the scoring it triggers), not
 contention between agents; a judge that answers at once, so no judge latency is in them.
 
-    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20] [--turns 20]
+    .venv/bin/python bench/proxy.py [--requests 200] [--chunks 40] [--gap-ms 2] [--history 20]
+    [--turns 20]
                                     [--shapes in-process,deployed] [--bare]
 """
 
@@ -49,9 +54,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import h11
 import httpx2
 import structlog
-from _common import cleanup_on_sigterm, free_port, kv_line, load1, mosquitto, percentile, scripted_judge, wait_port
+from _common import (
+    cleanup_on_sigterm,
+    free_port,
+    kv_line,
+    load1,
+    mosquitto,
+    percentile,
+    scripted_judge,
+    wait_port,
+)
 
-from agent_monitor.daemon import Ingest, MemoryStore, Monitor, MonitorConfig, ProxySettings, ProxySource
+from agent_monitor.daemon import (
+    Ingest,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    ProxySettings,
+    ProxySource,
+)
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import Topics
 
@@ -102,7 +123,10 @@ class Upstream:
                     await self._stream(conn, writer)
                 else:
                     out = json.dumps(_completion(time.perf_counter())).encode()
-                    hdr = [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]
+                    hdr = [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(out)).encode()),
+                    ]
                     writer.write(conn.send(h11.Response(status_code=200, headers=hdr)))
                     writer.write(conn.send(h11.Data(data=out)) + conn.send(h11.EndOfMessage()))
                     await writer.drain()
@@ -110,12 +134,17 @@ class Upstream:
         except (ConnectionError, h11.ProtocolError):
             pass
         except asyncio.CancelledError:
-            pass  # the loop ends under a keep-alive connection: this server's tasks are nobody else's
+            # the loop ends under a keep-alive connection: this server's tasks are nobody else's
+            pass
         finally:
             writer.close()
 
     async def _stream(self, conn: h11.Connection, writer: asyncio.StreamWriter) -> None:
-        writer.write(conn.send(h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")])))
+        writer.write(
+            conn.send(
+                h11.Response(status_code=200, headers=[(b"content-type", b"text/event-stream")])
+            )
+        )
         for i in range(self.chunks):
             await asyncio.sleep(self.gap_s)
             chunk = {
@@ -124,7 +153,13 @@ class Upstream:
                 "created": 1,
                 "model": "bench",
                 "t": time.perf_counter(),
-                "choices": [{"index": 0, "delta": {"content": f"token {i} of the answer "}, "finish_reason": None}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": f"token {i} of the answer "},
+                        "finish_reason": None,
+                    }
+                ],
             }
             writer.write(conn.send(h11.Data(data=f"data: {json.dumps(chunk)}\n\n".encode())))
             await writer.drain()
@@ -139,13 +174,20 @@ def _completion(t: float) -> dict[str, object]:
         "created": 1,
         "model": "bench",
         "t": t,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "done"}, "finish_reason": "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "done"},
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
     }
 
 
 def conversation(run: str, history: int) -> dict[str, object]:
-    """A chat request with `history` messages after the system prompt (a tool loop's alternating turns)."""
+    """A chat request with `history` messages after the system prompt (a tool loop's alternating
+    turns)."""
     msgs: list[dict[str, object]] = [
         {"role": "system", "content": "You are a coding agent. " * 4},
         {"role": "user", "content": f"Task {run}: make the failing test pass."},
@@ -157,7 +199,13 @@ def conversation(run: str, history: int) -> dict[str, object]:
             "function": {"name": "bash", "arguments": json.dumps({"cmd": f"pytest -k t{i}"})},
         }
         msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        msgs.append({"role": "tool", "tool_call_id": f"c{i}", "content": f"test t{i}: 1 failed, 3 passed " * 2})
+        msgs.append(
+            {
+                "role": "tool",
+                "tool_call_id": f"c{i}",
+                "content": f"test t{i}: 1 failed, 3 passed " * 2,
+            }
+        )
     return {"model": "bench", "messages": msgs}
 
 
@@ -165,7 +213,9 @@ async def streamed(client: httpx2.AsyncClient, url: str, body: dict[str, object]
     """Per-chunk latency (upstream write -> client read), in ms."""
     out: list[float] = []
     buf = b""
-    async with client.stream("POST", f"{url}/chat/completions", json={**body, "stream": True}) as resp:
+    async with client.stream(
+        "POST", f"{url}/chat/completions", json={**body, "stream": True}
+    ) as resp:
         async for raw in resp.aiter_raw():
             now = time.perf_counter()
             buf += raw
@@ -190,7 +240,8 @@ def summary(name: str, direct: list[float], proxied: list[float]) -> dict[str, f
     d50, d99 = percentile(direct, 50), percentile(direct, 99)
     p50, p99 = percentile(proxied, 50), percentile(proxied, 99)
     print(
-        f"{name:<8} direct p50 {d50:7.3f} ms  p99 {d99:7.3f} ms | via proxy p50 {p50:7.3f} ms  p99 {p99:7.3f} ms | "
+        f"{name:<8} direct p50 {d50:7.3f} ms  p99 {d99:7.3f} ms | via proxy p50 {p50:7.3f} ms "
+        f" p99 {p99:7.3f} ms | "
         f"added p50 {p50 - d50:+7.3f} ms  p99 {p99 - d99:+7.3f} ms  (n={len(proxied)})"
     )
     return {f"{name}_added_p50_ms": p50 - d50, f"{name}_added_p99_ms": p99 - d99}
@@ -198,7 +249,8 @@ def summary(name: str, direct: list[float], proxied: list[float]) -> dict[str, f
 
 @dataclass
 class Samples:
-    """One shape's latencies (ms): per streamed chunk and per plain request, direct and through the proxy."""
+    """One shape's latencies (ms): per streamed chunk and per plain request, direct and through
+    the proxy."""
 
     direct_chunks: list[float] = field(default_factory=list)
     proxy_chunks: list[float] = field(default_factory=list)
@@ -207,11 +259,13 @@ class Samples:
 
 
 async def measure(url: str, via: str, args: argparse.Namespace) -> Samples:
-    """Every request twice, to the upstream directly and through the proxy, interleaved, from one pooled client."""
+    """Every request twice, to the upstream directly and through the proxy, interleaved, from one
+    pooled client."""
     out = Samples()
     async with httpx2.AsyncClient(timeout=30) as client:
         jobs: list[tuple[Callable[[], Awaitable[object]], list[float]]] = []
-        # Agents in a tool loop: each request of a run carries one more turn (and its tool result) than the last.
+        # Agents in a tool loop: each request of a run carries one more turn (and its tool result)
+        # than the last.
         for i in range(args.requests):
             run, turn = divmod(i, args.turns)
             for kind, fn, via_sink, direct_sink in (
@@ -231,13 +285,17 @@ async def measure(url: str, via: str, args: argparse.Namespace) -> Samples:
 
 async def in_process(args: argparse.Namespace) -> tuple[Samples, str]:
     """Upstream, proxy, monitor (FakeJudge, memory journal) and client on one event loop."""
-    # Logging as serve does (JSON lines at info), to /dev/null: its cost counts, its lines do not clutter.
+    # Logging as serve does (JSON lines at info), to /dev/null: its cost counts, its lines do not
+    # clutter.
     structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"),
-                    structlog.processors.JSONRenderer()],
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=structlog.PrintLoggerFactory(open(os.devnull, "w")),  # noqa: SIM115, ASYNC230 - /dev/null, kept
-    )  # fmt: skip
+    )
     up = Upstream(args.chunks, args.gap_ms / 1000)
     url = await up.start()
     proxy = ProxySource(ProxySettings(upstream=url, listen="127.0.0.1:0"))
@@ -265,27 +323,35 @@ async def in_process(args: argparse.Namespace) -> tuple[Samples, str]:
     unwatched = sum(v for k, v in stats.items() if k.startswith("unwatched"))
     calls = "none (bare)" if args.bare else str(judge.calls_made)
     note = (
-        f"proxy: requests watched {stats.get('watched', 0)}, steps sent {stats.get('steps_sent', 0)}, unwatched {unwatched}; "
+        f"proxy: requests watched {stats.get('watched', 0)}, steps sent "
+        f"{stats.get('steps_sent', 0)}, unwatched {unwatched}; "
         f"judge calls {calls}"
     )
     return samples, note
 
 
-def _start(cmd: list[str], log: Path, port: int, what: str, timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
-    """Start a process logging to `log` and wait until it listens on `port` (its log tail if it dies first)."""
+def _start(
+    cmd: list[str], log: Path, port: int, what: str, timeout_s: float = 60.0
+) -> subprocess.Popen[bytes]:
+    """Start a process logging to `log` and wait until it listens on `port` (its log tail if it
+    dies first)."""
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"{what} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}"
+            )
         try:
             wait_port(port, 0.2)
             return proc
         except TimeoutError:
             if time.monotonic() > deadline:
                 proc.kill()
-                raise TimeoutError(f"{what} not listening in {timeout_s:g}s:\n{log.read_text()[-3000:]}") from None
+                raise TimeoutError(
+                    f"{what} not listening in {timeout_s:g}s:\n{log.read_text()[-3000:]}"
+                ) from None
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -298,7 +364,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def deployed(args: argparse.Namespace) -> tuple[Samples, str]:
-    """Upstream, proxy (the `agent-monitor proxy` CLI) and judge each in its own process; the client here."""
+    """Upstream, proxy (the `agent-monitor proxy` CLI) and judge each in its own process; the
+    client here."""
     with (
         tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp,
         mosquitto() as broker,
@@ -311,23 +378,46 @@ def deployed(args: argparse.Namespace) -> tuple[Samples, str]:
         up = _start(up_cmd, Path(tmp) / "upstream.log", up_port, "the upstream")
         procs.callback(_stop, up)
         url = f"http://127.0.0.1:{up_port}/v1"
-        # serve's defaults otherwise: a SQLite journal, logs at info (to a file, as a service's go to its journal).
-        cmd = [sys.executable, "-m", "agent_monitor", "proxy", "--upstream", url, "--listen", f"127.0.0.1:{proxy_port}"]
-        cmd += ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--judge-model", "scripted"]
+        # serve's defaults otherwise: a SQLite journal, logs at info (to a file, as a service's go
+        # to its journal).
+        cmd = [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "proxy",
+            "--upstream",
+            url,
+            "--listen",
+            f"127.0.0.1:{proxy_port}",
+        ]
+        cmd += [
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--judge-model",
+            "scripted",
+        ]
         cmd += ["--state-dir", str(Path(tmp) / "state"), "--client-id", "bench-proxy"]
         log = Path(tmp) / "proxy.log"
         proxy = _start(cmd, log, proxy_port, "agent-monitor proxy")
         procs.callback(_stop, proxy)
         checks = judge.calls  # the start-up check's calls, not the runs'
         samples = asyncio.run(measure(url, f"http://127.0.0.1:{proxy_port}/v1", args))
-        # The proxied turns are scored after their answers went back: wait for the judge calls to settle.
+        # The proxied turns are scored after their answers went back: wait for the judge calls to
+        # settle.
         seen, deadline = -1, time.monotonic() + 30
         while judge.calls != seen and time.monotonic() < deadline:
             seen = judge.calls
             time.sleep(1.0)
-        errors = sum('"level": "error"' in line for line in log.read_text(errors="replace").splitlines())
+        errors = sum(
+            '"level": "error"' in line for line in log.read_text(errors="replace").splitlines()
+        )
         note = (
-            f"judge calls {judge.calls - checks} (after {checks} at start-up); error lines in the proxy's log {errors}"
+            f"judge calls {judge.calls - checks} (after {checks} at start-up); error lines in "
+            f"the proxy's log {errors}"
         )
     return samples, note
 
@@ -346,8 +436,10 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("--shapes takes in-process and deployed, comma-separated")
     load_start = load1()
     print(
-        f"requests {args.requests} x (stream of {args.chunks} chunks {args.gap_ms:g} ms apart, plain) x "
-        f"(direct, proxy); runs of {args.turns} requests, history {args.history} + 2 per turn messages; "
+        f"requests {args.requests} x (stream of {args.chunks} chunks {args.gap_ms:g} ms "
+        "apart, plain) x "
+        f"(direct, proxy); runs of {args.turns} requests, history {args.history} + 2 per turn "
+        "messages; "
         f"load {load_start} at start"
     )
     figures: dict[str, float] = {}
@@ -358,12 +450,14 @@ def main(args: argparse.Namespace) -> None:
             title = (
                 "in-process, bare proxy (events taken by a no-op ingest)"
                 if args.bare
-                else "in-process: upstream, ProxySource + Monitor (FakeJudge at once, memory journal), client on one loop"
+                else "in-process: upstream, ProxySource + Monitor (FakeJudge at once, memory "
+                "journal), client on one loop"
             )
         else:
             samples, note = deployed(args)
             title = (
-                "deployed: upstream | `agent-monitor proxy` (SQLite journal, Mosquitto, logs at info) | "
+                "deployed: upstream | `agent-monitor proxy` (SQLite journal, Mosquitto, logs "
+                "at info) | "
                 "scripted HTTP judge | client, each its own process"
             )
         print(f"{title}; load {before} -> {load1()}")
@@ -383,11 +477,19 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--chunks", type=int, default=40)
     parser.add_argument("--gap-ms", type=float, default=2.0)
-    parser.add_argument("--history", type=int, default=20, help="messages of history before a run's first request")
-    parser.add_argument("--bare", action="store_true", help="in-process: the proxy alone, no Monitor scoring")
-    parser.add_argument("--turns", type=int, default=20, help="requests per run (each one turn longer)")
     parser.add_argument(
-        "--shapes", default="in-process,deployed", help="in-process, deployed, or both (comma-separated, in order)"
+        "--history", type=int, default=20, help="messages of history before a run's first request"
+    )
+    parser.add_argument(
+        "--bare", action="store_true", help="in-process: the proxy alone, no Monitor scoring"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=20, help="requests per run (each one turn longer)"
+    )
+    parser.add_argument(
+        "--shapes",
+        default="in-process,deployed",
+        help="in-process, deployed, or both (comma-separated, in order)",
     )
     parser.add_argument("--serve-upstream", type=int, metavar="PORT", help=argparse.SUPPRESS)
     parsed = parser.parse_args()

@@ -1,13 +1,16 @@
-"""MonitorActor: tracker updates/s and latency through one Ray actor, beside the same service in-process.
+"""MonitorActor: tracker updates/s and latency through one Ray actor, beside the same service
+in-process.
 
-`--workers` concurrent trainer workers (asyncio tasks of the driver, each awaiting its call) each send
-`--steps` `update`s of a run of its own (its first step names the task) to one `MonitorActor` on a local
-`ray.init(num_cpus=2)`, with an instant judge (`FakeJudge`, one letter, recording nothing): the figure is
-the actor's own cost (Ray's hop, the tracker, the prompt, the scoring), no judge time. The baseline, in the
-same process just before, is the same workload on `MonitorService` called directly (what the actor runs).
+`--workers` concurrent trainer workers (asyncio tasks of the driver, each awaiting its call) each
+send `--steps` `update`s of a run of its own (its first step names the task) to one `MonitorActor`
+on a local `ray.init(num_cpus=2)`, with an instant judge (`FakeJudge`, one letter, recording
+nothing): the figure is the actor's own cost (Ray's hop, the tracker, the prompt, the scoring), no
+judge time. The baseline, in the same process just before, is the same workload on `MonitorService`
+called directly (what the actor runs).
 
-Figures: `inproc_updates_per_s`, `inproc_p50_ms`, `inproc_p99_ms`; `ray_updates_per_s`, `ray_p50_ms`,
-`ray_p99_ms` (per update, submission to answer, with `--workers` in flight); the load average at start and end.
+Figures: `inproc_updates_per_s`, `inproc_p50_ms`, `inproc_p99_ms`; `ray_updates_per_s`,
+`ray_p50_ms`, `ray_p99_ms` (per update, submission to answer, with `--workers` in flight); the load
+average at start and end.
 
     .venv/bin/python bench/ray_actor.py [--workers 64] [--steps 10]
 """
@@ -26,7 +29,10 @@ from _common import configure_logs, kv_line, load1, percentile
 from agent_monitor.integrations.ray import MonitorActor, MonitorService
 from agent_monitor.testing import FakeJudge
 
-TASK = "Find the failing test in the repository, fix the parser and run the test suite until it passes."
+TASK = (
+    "Find the failing test in the repository, fix the parser and run the test suite until "
+    "it passes."
+)
 
 
 async def workload(
@@ -39,7 +45,9 @@ async def workload(
         for s in range(steps):
             t0 = time.perf_counter()
             v = await update(
-                f"{tag}-{w}", f"step {s}: ran `pytest -q`, {steps - s} failed", task=TASK if s == 0 else None
+                f"{tag}-{w}",
+                f"step {s}: ran `pytest -q`, {steps - s} failed",
+                task=TASK if s == 0 else None,
             )
             latencies.append(time.perf_counter() - t0)
             assert v["stop_kind"] == "judged", v
@@ -60,7 +68,9 @@ async def in_process(workers: int, steps: int) -> tuple[float, list[float]]:
 async def through_ray(workers: int, steps: int) -> tuple[float, list[float]]:
     import ray
 
-    monitor = MonitorActor.options(num_cpus=0).remote(judge=functools.partial(FakeJudge, ["K"], record=False))
+    monitor = MonitorActor.options(num_cpus=0).remote(
+        judge=functools.partial(FakeJudge, ["K"], record=False)
+    )
 
     async def update(run_id: str, step: str, *, task: str | None) -> Any:
         return await monitor.update.remote(run_id, step, task=task)
@@ -89,7 +99,10 @@ def main() -> None:
         wall_r, lat_r = asyncio.run(through_ray(args.workers, args.steps))
     finally:
         ray.shutdown()
-    print(f"{args.workers} workers x {args.steps} updates, instant judge; load {start_load} -> {load1()}")
+    print(
+        f"{args.workers} workers x {args.steps} updates, instant judge; load {start_load} "
+        f"-> {load1()}"
+    )
     print(
         kv_line(
             inproc_updates_per_s=n / wall_i,

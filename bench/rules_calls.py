@@ -1,4 +1,5 @@
-"""Judge calls per recorded run with and without rules before the judge (coding vs coding_tests rubrics).
+"""Judge calls per recorded run with and without rules before the judge (coding vs coding_tests
+rubrics).
 
 Replays every recorded run under a folder (default: ../shared/data) step by step
 through AsyncProgressTracker with an instant judge that only counts calls, once
@@ -31,7 +32,10 @@ async def replay(path: Path) -> None:
                 await tracker.update(s.text)
             counts.append((judge.calls, tracker.calls_saved))
         rows.append((run.name, len(run.steps), counts[0][0], counts[1][0], counts[1][1]))
-    print(f"{'run':<44} {'steps':>5} {'calls (judge only)':>19} {'calls (rules first)':>20} {'saved':>6}")
+    print(
+        f"{'run':<44} {'steps':>5} {'calls (judge only)':>19} {'calls (rules first)':>20} "
+        f"{'saved':>6}"
+    )
     for name, steps, without, with_rules, saved in rows:
         print(f"{name[:44]:<44} {steps:>5} {without:>19} {with_rules:>20} {saved:>6}")
     steps = sum(r[1] for r in rows)
@@ -40,7 +44,8 @@ async def replay(path: Path) -> None:
     saved = sum(r[4] for r in rows)
     share = saved / without if without else 0.0
     print(
-        f"runs={len(rows)} steps={steps} calls_without_rules={without} calls_with_rules={with_rules} "
+        f"runs={len(rows)} steps={steps} calls_without_rules={without} "
+        f"calls_with_rules={with_rules} "
         f"calls_saved={saved} saved_share={share:.3f}"
     )
 

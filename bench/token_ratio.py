@@ -1,8 +1,10 @@
-"""UTF-8 bytes per token of real judge tokenizers on the recorded runs: the measurement behind `_tokens.CHARS_PER_TOKEN`.
+"""UTF-8 bytes per token of real judge tokenizers on the recorded runs: the measurement behind
+`_tokens.CHARS_PER_TOKEN`.
 
-Tokenises every recorded run's steps (as the judge reads them, fenced) and its task with the packaged Gemma 3 GGUF
-and SmolLM2's (vocabulary only, no weights evaluated), and prints bytes per token per run: the lowest is what a
-conservative estimate must stay under. Usage: `python bench/token_ratio.py [DATA_DIR]` (default ../shared/data).
+Tokenises every recorded run's steps (as the judge reads them, fenced) and its task with the
+packaged Gemma 3 GGUF and SmolLM2's (vocabulary only, no weights evaluated), and prints bytes per
+token per run: the lowest is what a conservative estimate must stay under. Usage: `python
+bench/token_ratio.py [DATA_DIR]` (default ../shared/data).
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ def main() -> None:
         total_b = sum(r[2] for r in ratios)
         total_t = sum(r[3] for r in ratios)
         print(
-            f"{name}: {len(ratios)} runs, {total_b:,} bytes, {total_t:,} tokens, {total_b / total_t:.2f} bytes/token overall; "
-            f"per run min {ratios[0][0]:.2f} ({ratios[0][1]}), median {ratios[len(ratios) // 2][0]:.2f}, max {ratios[-1][0]:.2f}"
+            f"{name}: {len(ratios)} runs, {total_b:,} bytes, {total_t:,} tokens, "
+            f"{total_b / total_t:.2f} bytes/token overall; "
+            f"per run min {ratios[0][0]:.2f} ({ratios[0][1]}), median "
+            f"{ratios[len(ratios) // 2][0]:.2f}, max {ratios[-1][0]:.2f}"
         )
-    # agent_monitor._runtime.tokens.CHARS_PER_TOKEN must stay under this for the estimate to over-count every run.
+    # agent_monitor._runtime.tokens.CHARS_PER_TOKEN must stay under this for the estimate to
+    # over-count every run.
     print(f"lowest bytes/token over every run and tokenizer: {lowest:.2f}")
 
 

@@ -1,7 +1,7 @@
 """Generate `agent-monitor.json`, the Grafana dashboard of the monitor daemon's Prometheus metrics.
 
-    python dashboards/generate.py           # rewrite dashboards/agent-monitor.json
-    python dashboards/generate.py --check   # exit 1 if the committed JSON is not what this script makes
+    python dashboards/generate.py # rewrite dashboards/agent-monitor.json python
+    dashboards/generate.py --check # exit 1 if the committed JSON is not what this script makes
 
 The committed JSON is what users import; this script only keeps it consistent (unique ids, one
 datasource variable everywhere, a gapless grid). Plain dicts in Grafana's classic JSON model
@@ -159,18 +159,28 @@ def row(title: str) -> dict[str, Any]:
 
 
 def runs_table() -> dict[str, Any]:
-    """One row per live run: progress, uncertainty, step and current signal, merged on the run's labels.
+    """One row per live run: progress, uncertainty, step and current signal, merged on the run's
+    labels.
 
-    Each query aggregates away `__name__` (and the signal gauge its `signal` label, folded into a code
-    0 continue / 1 resample / 2 abort) so all four have the same label set and Grafana's merge joins them.
+    Each query aggregates away `__name__` (and the signal gauge its `signal` label, folded into a
+    code 0 continue / 1 resample / 2 abort) so all four have the same label set and Grafana's merge
+    joins them.
     """
     sig = f'agent_monitor_run_signal{{{RUNS}, signal="%s"}} == 1'
     signal_code = (
-        f"max without (signal) (({sig % 'abort'}) * 2 or ({sig % 'resample'}) * 1 or ({sig % 'continue'}) * 0)"
+        f"max without (signal) (({sig % 'abort'}) * 2 or ({sig % 'resample'}) * 1 or "
+        f"({sig % 'continue'}) * 0)"
     )
     targets = [
-        target("A", f"max without () (agent_monitor_run_progress{{{RUNS}}})", instant=True, table=True),
-        target("B", f"max without () (agent_monitor_run_uncertainty{{{RUNS}}})", instant=True, table=True),
+        target(
+            "A", f"max without () (agent_monitor_run_progress{{{RUNS}}})", instant=True, table=True
+        ),
+        target(
+            "B",
+            f"max without () (agent_monitor_run_uncertainty{{{RUNS}}})",
+            instant=True,
+            table=True,
+        ),
         target("C", f"max without () (agent_monitor_run_step{{{RUNS}}})", instant=True, table=True),
         target("D", signal_code, instant=True, table=True),
     ]
@@ -181,7 +191,8 @@ def runs_table() -> dict[str, Any]:
     return {
         "type": "table",
         "title": "Current runs",
-        "description": "Every live run of the selected daemons: latest score, its uncertainty, the latest scored step and the "
+        "description": "Every live run of the selected daemons: latest score, its "
+        "uncertainty, the latest scored step and the "
         "current signal. Ended runs leave the table a grace period after they end.",
         "targets": targets,
         "transformations": [
@@ -190,7 +201,13 @@ def runs_table() -> dict[str, Any]:
                 "id": "organize",
                 "options": {
                     "excludeByName": {"Time": True, "job": True},
-                    "indexByName": {"run_id": 0, "Value #A": 1, "Value #B": 2, "Value #C": 3, "Value #D": 4},
+                    "indexByName": {
+                        "run_id": 0,
+                        "Value #A": 1,
+                        "Value #B": 2,
+                        "Value #C": 3,
+                        "Value #D": 4,
+                    },
                     "renameByName": {
                         "Value #A": "progress",
                         "Value #B": "uncertainty",
@@ -259,8 +276,15 @@ def panels() -> list[dict[str, Any]]:
         ),
         stat(
             "Judge",
-            [target("A", f"max by (instance) (agent_monitor_judge_degraded{{{INST}}})", "{{instance}}")],
-            description="degraded while the judge's circuit breaker is open: the judge keeps failing, scoring waits "
+            [
+                target(
+                    "A",
+                    f"max by (instance) (agent_monitor_judge_degraded{{{INST}}})",
+                    "{{instance}}",
+                )
+            ],
+            description="degraded while the judge's circuit breaker is open: the judge keeps "
+            "failing, scoring waits "
             "for it (runs are never aborted for it).",
             mappings=value_map({"0": ("ok", "green"), "1": ("degraded", "red")}),
             thresholds=[(None, "green"), (1, "red")],
@@ -269,15 +293,21 @@ def panels() -> list[dict[str, Any]]:
         stat(
             "Runs not exported (series cap)",
             [target("A", f"sum(agent_monitor_run_series_capped{{{INST}}})", "runs")],
-            description="Live runs without per-run series because the daemon's series cap is reached; they are still "
+            description="Live runs without per-run series because the daemon's series cap is "
+            "reached; they are still "
             "monitored and counted everywhere else.",
             thresholds=[(None, "green"), (1, "orange")],
             w=5,
         ),
         stat(
             "Version",
-            [target("A", f"count by (version) (agent_monitor_build_info{{{INST}}})", "{{version}}")],
-            description="agent-monitor versions of the selected daemons (value: how many daemons run it).",
+            [
+                target(
+                    "A", f"count by (version) (agent_monitor_build_info{{{INST}}})", "{{version}}"
+                )
+            ],
+            description="agent-monitor versions of the selected daemons (value: how many "
+            "daemons run it).",
             text_mode="name",
             thresholds=[(None, "blue")],
             w=4,
@@ -290,7 +320,8 @@ def panels() -> list[dict[str, Any]]:
             max_=1,
             w=16,
             h=9,
-            description="Latest judged score of each live run, in [0, 1]. A run's line ends a grace period after the "
+            description="Latest judged score of each live run, in [0, 1]. A run's line ends "
+            "a grace period after the "
             "run ends or expires.",
         ),
         timeseries(
@@ -298,7 +329,8 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f'sum by (signal) (rate(agent_monitor_signals_total{{{INST}, signal=~"abort|resample"}}[{RATE}])) * 60',
+                    f"sum by (signal) (rate(agent_monitor_signals_total{{{INST}, "
+                    f'signal=~"abort|resample"}}[{RATE}])) * 60',
                     "{{signal}}",
                 )
             ],
@@ -312,8 +344,10 @@ def panels() -> list[dict[str, Any]]:
             [target("A", f"agent_monitor_run_uncertainty{{{RUNS}}}", "{{run_id}}")],
             min_=0,
             w=12,
-            description="Standard deviation of each live run's latest score: the judge's own spread over the letters, "
-            "the disagreement between repeats and, for a judge without logprobs, the sampling error. The policy "
+            description="Standard deviation of each live run's latest score: the judge's own "
+            "spread over the letters, "
+            "the disagreement between repeats and, for a judge without logprobs, the "
+            "sampling error. The policy "
             "ignores scores above --max-uncertainty.",
         ),
         timeseries(
@@ -321,8 +355,10 @@ def panels() -> list[dict[str, Any]]:
             [target("A", f"agent_monitor_run_spread{{{RUNS}}}", "{{run_id}}")],
             min_=0,
             w=12,
-            description="Standard deviation of the judge's repeats' expectations on each live run's latest score "
-            "(--repeats; weighted over criteria). Always 0 with one repeat; a high value says the judge cannot make "
+            description="Standard deviation of the judge's repeats' expectations on each "
+            "live run's latest score "
+            "(--repeats; weighted over criteria). Always 0 with one repeat; a high value "
+            "says the judge cannot make "
             "up its mind about that run: more repeats, or a stronger judge.",
         ),
         timeseries(
@@ -335,13 +371,18 @@ def panels() -> list[dict[str, Any]]:
                 )
             ],
             w=12,
-            description="Runs that ended (success, failure, scored, unknown), expired after the idle timeout, or "
+            description="Runs that ended (success, failure, scored, unknown), expired after "
+            "the idle timeout, or "
             "were evicted by the live-run cap.",
         ),
         timeseries(
             "Events and scorings per second",
             [
-                target("A", f"sum by (type) (rate(agent_monitor_events_total{{{INST}}}[{RATE}]))", "{{type}}"),
+                target(
+                    "A",
+                    f"sum by (type) (rate(agent_monitor_events_total{{{INST}}}[{RATE}]))",
+                    "{{type}}",
+                ),
                 target(
                     "B",
                     f"sum by (outcome) (rate(agent_monitor_scorings_total{{{INST}}}[{RATE}]))",
@@ -354,39 +395,59 @@ def panels() -> list[dict[str, Any]]:
                 ),
                 target(
                     "D",
-                    f"sum by (reason) (rate(agent_monitor_scoring_failures_total{{{INST}}}[{RATE}]))",
+                    "sum by (reason) "
+                    f"(rate(agent_monitor_scoring_failures_total{{{INST}}}[{RATE}]))",
                     "no score: {{reason}}",
                 ),
             ],
             unit="ops",
             w=12,
-            description="Input events accepted by type, prefix scorings by result (one scoring may cover "
-            "several coalesced steps), re-delivered steps ignored as duplicates, and scorings that gave no "
+            description="Input events accepted by type, prefix scorings by result (one "
+            "scoring may cover "
+            "several coalesced steps), re-delivered steps ignored as duplicates, and "
+            "scorings that gave no "
             "score by reason (judge failures, low_mass, extractor_timeout, ...).",
         ),
         row("Calibration"),
         timeseries(
             "Calibrated abort thresholds (abort_below auto)",
-            [target("A", f"agent_monitor_calibrated_threshold{{{INST}}}", "{{family}} ({{model}}, {{rubric}})")],
+            [
+                target(
+                    "A",
+                    f"agent_monitor_calibrated_threshold{{{INST}}}",
+                    "{{family}} ({{model}}, {{rubric}})",
+                )
+            ],
             unit="percentunit",
             min_=0,
             max_=1,
             w=12,
-            description="Each family's abort_below auto threshold under the daemon's own policy flags and --alpha: "
-            "at most that share of the family's successful runs is aborted. A family has no line until it has "
-            "enough successful runs (19 at alpha 0.05); until then its auto runs are never aborted.",
+            description="Each family's abort_below auto threshold under the daemon's own "
+            "policy flags and --alpha: "
+            "at most that share of the family's successful runs is aborted. A family has no "
+            "line until it has "
+            "enough successful runs (19 at alpha 0.05); until then its auto runs are never "
+            "aborted.",
         ),
         timeseries(
             "Successful runs learnt from, per family",
-            [target("A", f"agent_monitor_calibration_successes{{{INST}}}", "{{family}} ({{model}}, {{rubric}})")],
+            [
+                target(
+                    "A",
+                    f"agent_monitor_calibration_successes{{{INST}}}",
+                    "{{family}} ({{model}}, {{rubric}})",
+                )
+            ],
             w=8,
-            description="Runs of each family (with its judge model and rubric) that ended with a success: the "
+            description="Runs of each family (with its judge model and rubric) that ended "
+            "with a success: the "
             "evidence its threshold rests on. A new judge model or rubric starts from nothing.",
         ),
         stat(
             "Families not exported (cap)",
             [target("A", f"sum(agent_monitor_calibration_series_capped{{{INST}}})", "families")],
-            description="Calibration families without series: not on --metric-families, or past --max-families. "
+            description="Calibration families without series: not on --metric-families, or "
+            "past --max-families. "
             "They are still calibrated and used.",
             thresholds=[(None, "green"), (1, "orange")],
             w=4,
@@ -401,22 +462,27 @@ def panels() -> list[dict[str, Any]]:
             max_=1,
             w=8,
             description="The score of each group's leading run (rank 1 of its retained ranking on "
-            "{prefix}/_groups/{group}/ranking): the best of the sibling runs started with the same start.group.",
+            "{prefix}/_groups/{group}/ranking): the best of the sibling runs started with "
+            "the same start.group.",
         ),
         timeseries(
             "Live runs per group",
             [target("A", f"agent_monitor_group_live_runs{{{INST}}}", "{{group}}")],
             w=6,
-            description="Sibling runs still live in each group; pruned and ended runs are not counted. The group "
+            description="Sibling runs still live in each group; pruned and ended runs are "
+            "not counted. The group "
             "policy never prunes below keep_top live runs.",
         ),
         timeseries(
             "Pruned runs and pairwise judge calls per minute",
             [
-                target("A", f"sum(rate(agent_monitor_pruned_total{{{INST}}}[{RATE}])) * 60", "pruned"),
+                target(
+                    "A", f"sum(rate(agent_monitor_pruned_total{{{INST}}}[{RATE}])) * 60", "pruned"
+                ),
                 target(
                     "B",
-                    f"sum by (outcome) (rate(agent_monitor_compare_calls_total{{{INST}}}[{RATE}])) * 60",
+                    "sum by (outcome) "
+                    f"(rate(agent_monitor_compare_calls_total{{{INST}}}[{RATE}])) * 60",
                     "compare calls {{outcome}}",
                 ),
                 target(
@@ -426,38 +492,53 @@ def panels() -> list[dict[str, Any]]:
                 ),
                 target(
                     "D",
-                    f"sum by (call, event) (rate(agent_monitor_groups_uniform_total{{{INST}}}[{RATE}])) * 60",
+                    "sum by (call, event) "
+                    f"(rate(agent_monitor_groups_uniform_total{{{INST}}}[{RATE}])) * 60",
                     "groups {{event}} {{call}}",
                 ),
             ],
             w=6,
-            description="Runs pruned by the group policy (aborted with pruned: true, behind their siblings by more "
-            "than prune_margin), the judge calls spent comparing leaders pairwise (policy compare: true; "
-            "zero unless it is on) and those the majority shortcut saved, and groups flagged early as all_fail or "
+            description="Runs pruned by the group policy (aborted with pruned: true, behind "
+            "their siblings by more "
+            "than prune_margin), the judge calls spent comparing leaders pairwise (policy "
+            "compare: true; "
+            "zero unless it is on) and those the majority shortcut saved, and groups flagged "
+            "early as all_fail or "
             "all_pass (flagged, withdrawn, contradicted: a wrong early call; docs/groups.md).",
         ),
         stat(
             "Groups not exported / refused, outcomes refused",
             [
                 target("A", f"sum(agent_monitor_group_series_capped{{{INST}}})", "not exported"),
-                target("B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts in no group"),
+                target(
+                    "B", f"sum(agent_monitor_groups_refused_total{{{INST}}})", "starts in no group"
+                ),
                 target(
                     "C",
                     f"sum by (reason) (agent_monitor_outcomes_refused_total{{{INST}}})",
                     "outcomes refused {{reason}}",
                 ),
-                target("D", f"sum(agent_monitor_groups_split_total{{{INST}}})", "starts split off their group"),
+                target(
+                    "D",
+                    f"sum(agent_monitor_groups_split_total{{{INST}}})",
+                    "starts split off their group",
+                ),
                 target(
                     "E",
                     f"sum by (kind) (agent_monitor_retained_inputs_total{{{INST}}})",
                     "retained {{kind}} ignored",
                 ),
             ],
-            description="Groups without gauges (not on --metric-groups, or past --max-group-series; still ranked and "
-            "pruned), starts scored in no group because their group was full (--max-group-runs), the monitor had "
-            "--max-groups groups, or the start may not join (other group settings, no group auth); starts of another "
-            "task or rubric ranked apart in a group split off the name they gave; run outcomes that taught nothing "
-            "(unauthenticated with --outcome-secret, replayed, stale, or over --calibration-rate); and retained "
+            description="Groups without gauges (not on --metric-groups, or past "
+            "--max-group-series; still ranked and "
+            "pruned), starts scored in no group because their group was full "
+            "(--max-group-runs), the monitor had "
+            "--max-groups groups, or the start may not join (other group settings, no group "
+            "auth); starts of another "
+            "task or rubric ranked apart in a group split off the name they gave; run "
+            "outcomes that taught nothing "
+            "(unauthenticated with --outcome-secret, replayed, stale, or over "
+            "--calibration-rate); and retained "
             "input messages ignored (a stored copy re-delivered at a restart, never run again).",
             thresholds=[(None, "green"), (1, "orange")],
             w=4,
@@ -474,7 +555,8 @@ def panels() -> list[dict[str, Any]]:
             "Step-to-score lag p50 / p95",
             quantiles("agent_monitor_step_to_score_seconds"),
             unit="s",
-            description="From a step's arrival to the publication of the score that includes it: queueing, "
+            description="From a step's arrival to the publication of the score that includes "
+            "it: queueing, "
             "coalescing and the judge call.",
         ),
         timeseries(
@@ -482,7 +564,8 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (judge, outcome) (rate(agent_monitor_judge_calls_total{{{INST}}}[{RATE}]))",
+                    "sum by (judge, outcome) "
+                    f"(rate(agent_monitor_judge_calls_total{{{INST}}}[{RATE}]))",
                     "{{judge}} {{outcome}}",
                 )
             ],
@@ -491,7 +574,11 @@ def panels() -> list[dict[str, Any]]:
         timeseries(
             "Judge tokens per second, by kind",
             [
-                target("A", f"sum by (kind) (rate(agent_monitor_judge_tokens_total{{{INST}}}[{RATE}]))", "{{kind}}"),
+                target(
+                    "A",
+                    f"sum by (kind) (rate(agent_monitor_judge_tokens_total{{{INST}}}[{RATE}]))",
+                    "{{kind}}",
+                ),
                 target(
                     "B",
                     f"sum(rate(agent_monitor_run_judge_tokens_sum{{{INST}}}[{RATE}])) / "
@@ -506,13 +593,16 @@ def panels() -> list[dict[str, Any]]:
                 ),
                 target(
                     "D",
-                    f"sum by (reason) (rate(agent_monitor_scorings_skipped_total{{{INST}}}[{RATE}]))",
+                    "sum by (reason) "
+                    f"(rate(agent_monitor_scorings_skipped_total{{{INST}}}[{RATE}]))",
                     "steps skipped/s ({{reason}})",
                 ),
             ],
             w=12,
-            description="input includes cached_input (the share of the prompt the provider served from its cache). "
-            "Per closed run and per decision (a change of signal): the tokens a run spent, on average; with "
+            description="input includes cached_input (the share of the prompt the provider "
+            "served from its cache). "
+            "Per closed run and per decision (a change of signal): the tokens a run spent, "
+            "on average; with "
             "policy schedule adaptive, the steps it did not score alone (docs/schedule.md).",
         ),
         timeseries(
@@ -520,8 +610,10 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f'sum(rate(agent_monitor_judge_tokens_total{{{INST}, kind="cached_input"}}[{RATE}]))'
-                    f' / sum(rate(agent_monitor_judge_tokens_total{{{INST}, kind="input"}}[{RATE}]))',
+                    f"sum(rate(agent_monitor_judge_tokens_total{{{INST}, "
+                    f'kind="cached_input"}}[{RATE}]))'
+                    f" / sum(rate(agent_monitor_judge_tokens_total{{{INST}, "
+                    f'kind="input"}}[{RATE}]))',
                     "cached / input",
                 )
             ],
@@ -529,34 +621,64 @@ def panels() -> list[dict[str, Any]]:
             min_=0,
             max_=1,
             w=6,
-            description="cached_input / input tokens: how much of each prompt the judge's prefix cache served.",
+            description="cached_input / input tokens: how much of each prompt the judge's "
+            "prefix cache served.",
         ),
         timeseries(
             "Judge calls saved, steps coalesced, frames unseen",
             [
-                target("A", f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))", "calls saved"),
-                target("B", f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))", "steps coalesced"),
-                target("C", f"sum(rate(agent_monitor_images_dropped_total{{{INST}}}[{RATE}]))", "frames unseen"),
-                target("D", f"sum(rate(agent_monitor_scorings_held_total{{{INST}}}[{RATE}]))", "scorings held"),
                 target(
-                    "E", f"sum(rate(agent_monitor_scorings_superseded_total{{{INST}}}[{RATE}]))", "scorings superseded"
+                    "A",
+                    f"sum(rate(agent_monitor_judge_calls_saved_total{{{INST}}}[{RATE}]))",
+                    "calls saved",
+                ),
+                target(
+                    "B",
+                    f"sum(rate(agent_monitor_coalesced_steps_total{{{INST}}}[{RATE}]))",
+                    "steps coalesced",
+                ),
+                target(
+                    "C",
+                    f"sum(rate(agent_monitor_images_dropped_total{{{INST}}}[{RATE}]))",
+                    "frames unseen",
+                ),
+                target(
+                    "D",
+                    f"sum(rate(agent_monitor_scorings_held_total{{{INST}}}[{RATE}]))",
+                    "scorings held",
+                ),
+                target(
+                    "E",
+                    f"sum(rate(agent_monitor_scorings_superseded_total{{{INST}}}[{RATE}]))",
+                    "scorings superseded",
                 ),
             ],
             unit="ops",
             w=6,
-            description="Judge calls not made because confident rules answered, steps folded into a later "
-            "step's scoring while the judge was busy, and frames the judge got as text placeholders (a text-only "
-            "judge, or a model that refused images: see the judge_refuses_images warning). Scorings held: not "
-            "started while the run's last score still waited to be published (the publisher is behind); "
+            description="Judge calls not made because confident rules answered, steps folded "
+            "into a later "
+            "step's scoring while the judge was busy, and frames the judge got as text "
+            "placeholders (a text-only "
+            "judge, or a model that refused images: see the judge_refuses_images warning). "
+            "Scorings held: not "
+            "started while the run's last score still waited to be published (the publisher "
+            "is behind); "
             "superseded: newer steps came while the judge read the prefix.",
         ),
         row("Cost"),
         timeseries(
             "Judge cost per hour",
-            [target("A", f"sum(rate(agent_monitor_judge_cost_usd_total{{{INST}}}[{RATE}])) * 3600", "USD per hour")],
+            [
+                target(
+                    "A",
+                    f"sum(rate(agent_monitor_judge_cost_usd_total{{{INST}}}[{RATE}])) * 3600",
+                    "USD per hour",
+                )
+            ],
             unit="currencyUSD",
             no_value="no prices (--price-input, --price-output)",
-            description="What the judge's tokens cost per hour, at the daemon's --price-input, --price-cached-input "
+            description="What the judge's tokens cost per hour, at the daemon's "
+            "--price-input, --price-cached-input "
             "and --price-output (USD per million tokens). No line without prices.",
         ),
         timeseries(
@@ -564,13 +686,15 @@ def panels() -> list[dict[str, Any]]:
             [target("A", f"agent_monitor_run_cost_usd{{{RUNS}}}", "{{run_id}}")],
             unit="currencyUSD",
             no_value="no prices (--price-input, --price-output)",
-            description="Each live run's judge cost so far: its tokens over every scoring (failed and coalesced ones "
+            description="Each live run's judge cost so far: its tokens over every scoring "
+            "(failed and coalesced ones "
             "included, continued across daemon restarts) at the daemon's prices.",
         ),
         timeseries(
             "Judge tokens per run",
             [target("A", f"sum without (kind) (agent_monitor_run_tokens{{{RUNS}}})", "{{run_id}}")],
-            description="Each live run's judge tokens so far, every kind together (input, which includes "
+            description="Each live run's judge tokens so far, every kind together (input, "
+            "which includes "
             "cached_input, plus output); agent_monitor_run_tokens has them by kind.",
         ),
         row("Pipeline health"),
@@ -579,14 +703,16 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (reason) (rate(agent_monitor_invalid_events_total{{{INST}}}[{RATE}])) > 0",
+                    "sum by (reason) "
+                    f"(rate(agent_monitor_invalid_events_total{{{INST}}}[{RATE}])) > 0",
                     "{{reason}}",
                 )
             ],
             unit="ops",
             w=12,
             no_value="no invalid events",
-            description="Input events refused, by reason (each one is also published on the run's error topic). "
+            description="Input events refused, by reason (each one is also published on the "
+            "run's error topic). "
             "Only reasons that occurred are drawn.",
         ),
         timeseries(
@@ -596,7 +722,8 @@ def panels() -> list[dict[str, Any]]:
                 target("B", f"agent_monitor_outbox_depth{{{INST}}}", "outbox {{instance}}"),
             ],
             w=12,
-            description="queue: runs waiting for a scorer (each run at most once). outbox: messages waiting to be "
+            description="queue: runs waiting for a scorer (each run at most once). outbox: "
+            "messages waiting to be "
             "published to the broker.",
         ),
         timeseries(
@@ -604,24 +731,29 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (instance) (increase(agent_monitor_outbox_dropped_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_outbox_dropped_total{{{INST}}}[{RATE}]))",
                     "dropped {{instance}}",
                 ),
                 target(
                     "B",
-                    f"sum by (instance) (increase(agent_monitor_broker_reconnects_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_broker_reconnects_total{{{INST}}}[{RATE}]))",
                     "reconnects {{instance}}",
                 ),
                 target(
                     "C",
-                    f"max by (instance) (increase(agent_monitor_broker_dropped_messages{{{INST}}}[{RATE}]))",
+                    "max by (instance) "
+                    f"(increase(agent_monitor_broker_dropped_messages{{{INST}}}[{RATE}]))",
                     "broker dropped {{instance}}",
                 ),
             ],
             w=24,
             h=7,
-            description="Progress messages dropped because the outbox was full (signals are never dropped), "
-            "reconnections to the broker, and messages the broker itself dropped (its $SYS count, any client's: "
+            description="Progress messages dropped because the outbox was full (signals are "
+            "never dropped), "
+            "reconnections to the broker, and messages the broker itself dropped (its $SYS "
+            "count, any client's: "
             "queues full; see docs/broker-settings.md).",
         ),
         timeseries(
@@ -629,17 +761,20 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (instance) (rate(agent_monitor_otlp_exported_events_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(rate(agent_monitor_otlp_exported_events_total{{{INST}}}[{RATE}]))",
                     "exported {{instance}}",
                 ),
                 target(
                     "B",
-                    f"sum by (instance, reason) (rate(agent_monitor_otlp_dropped_events_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, reason) "
+                    f"(rate(agent_monitor_otlp_dropped_events_total{{{INST}}}[{RATE}]))",
                     "dropped ({{reason}}) {{instance}}",
                 ),
                 target(
                     "C",
-                    f"sum by (instance) (rate(agent_monitor_otlp_export_failures_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(rate(agent_monitor_otlp_export_failures_total{{{INST}}}[{RATE}]))",
                     "failed requests {{instance}}",
                 ),
                 target("D", f"agent_monitor_otlp_queue_depth{{{INST}}}", "queued {{instance}}"),
@@ -647,8 +782,10 @@ def panels() -> list[dict[str, Any]]:
             unit="ops",
             w=12,
             no_value="no OTLP endpoint",
-            description="gen_ai.evaluation.result events sent to the OTLP collector per second, events dropped (queue "
-            "full, export failed, still queued at shutdown), failed export requests, and the export queue. Empty "
+            description="gen_ai.evaluation.result events sent to the OTLP collector per "
+            "second, events dropped (queue "
+            "full, export failed, still queued at shutdown), failed export requests, and the "
+            "export queue. Empty "
             "when no daemon has --otlp-endpoint.",
         ),
         timeseries(
@@ -657,14 +794,17 @@ def panels() -> list[dict[str, Any]]:
                 target("A", f"agent_monitor_board_clients{{{INST}}}", "following {{instance}}"),
                 target(
                     "B",
-                    f"sum by (instance, reason) (increase(agent_monitor_board_clients_dropped_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, reason) "
+                    f"(increase(agent_monitor_board_clients_dropped_total{{{INST}}}[{RATE}]))",
                     "dropped ({{reason}}) {{instance}}",
                 ),
             ],
             w=12,
             no_value="board off",
-            description="Browsers following the live board (/events) now, and browsers let go: slow (fell behind "
-            "their queue; they reconnect to a fresh snapshot) or full (over --board-clients). Scoring never waits "
+            description="Browsers following the live board (/events) now, and browsers let "
+            "go: slow (fell behind "
+            "their queue; they reconnect to a fresh snapshot) or full (over "
+            "--board-clients). Scoring never waits "
             "for a browser.",
         ),
         row("OpenTelemetry traces in (serve --otlp-receiver)"),
@@ -673,37 +813,46 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (instance) (rate(agent_monitor_otlp_spans_received_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(rate(agent_monitor_otlp_spans_received_total{{{INST}}}[{RATE}]))",
                     "received {{instance}}",
                 ),
                 target(
                     "B",
-                    f"sum by (instance) (rate(agent_monitor_otlp_spans_accepted_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(rate(agent_monitor_otlp_spans_accepted_total{{{INST}}}[{RATE}]))",
                     "accepted {{instance}}",
                 ),
                 target(
                     "C",
-                    f"sum by (instance, reason) (rate(agent_monitor_otlp_spans_ignored_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, reason) "
+                    f"(rate(agent_monitor_otlp_spans_ignored_total{{{INST}}}[{RATE}]))",
                     "ignored ({{reason}}) {{instance}}",
                 ),
                 target(
                     "D",
-                    f"sum by (instance, reason) (rate(agent_monitor_otlp_spans_refused_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, reason) "
+                    f"(rate(agent_monitor_otlp_spans_refused_total{{{INST}}}[{RATE}]))",
                     "refused ({{reason}}) {{instance}}",
                 ),
                 target(
                     "E",
-                    f"sum by (instance, kind) (rate(agent_monitor_otlp_span_items_dropped_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, kind) "
+                    f"(rate(agent_monitor_otlp_span_items_dropped_total{{{INST}}}[{RATE}]))",
                     "{{kind}} dropped past the cap {{instance}}",
                 ),
             ],
             unit="ops",
             w=10,
             no_value="no OTLP receiver",
-            description="Spans per second in the trace export requests, taken into runs, taken but unused (no agent "
-            "action, a model turn without recorded content, a duplicate, a span of an ended run), and refused by "
-            "reason (the exporter was told: partial success, 400, 413, or 503 to retry); and the span events, links "
-            "and attributes dropped past their per-span caps (a span bomb shows here). Empty when no daemon has "
+            description="Spans per second in the trace export requests, taken into runs, "
+            "taken but unused (no agent "
+            "action, a model turn without recorded content, a duplicate, a span of an ended "
+            "run), and refused by "
+            "reason (the exporter was told: partial success, 400, 413, or 503 to retry); and "
+            "the span events, links "
+            "and attributes dropped past their per-span caps (a span bomb shows here). Empty "
+            "when no daemon has "
             "--otlp-receiver.",
         ),
         timeseries(
@@ -712,26 +861,34 @@ def panels() -> list[dict[str, Any]]:
                 target("A", f"agent_monitor_otlp_traces_live{{{INST}}}", "live {{instance}}"),
                 target(
                     "B",
-                    f"sum by (instance) (increase(agent_monitor_otlp_late_spans_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_otlp_late_spans_total{{{INST}}}[{RATE}]))",
                     "late {{instance}}",
                 ),
-                target("C", f"agent_monitor_otlp_connections{{{INST}}}", "connections {{instance}}"),
+                target(
+                    "C", f"agent_monitor_otlp_connections{{{INST}}}", "connections {{instance}}"
+                ),
                 target(
                     "D",
-                    f"sum by (instance, code) (increase(agent_monitor_otlp_receiver_requests_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, code) "
+                    f"(increase(agent_monitor_otlp_receiver_requests_total{{{INST}}}[{RATE}]))",
                     "requests {{code}} {{instance}}",
                 ),
                 target(
                     "E",
-                    f"sum by (instance) (increase(agent_monitor_otlp_attributes_truncated_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_otlp_attributes_truncated_total{{{INST}}}[{RATE}]))",
                     "attributes cut {{instance}}",
                 ),
             ],
             w=7,
             no_value="no OTLP receiver",
-            description="Runs the receiver follows (one per trace, conversation or agent_monitor.run_id), action "
-            "spans that arrived after later ones were sent (appended as the next step, marked late), open "
-            "exporter connections (bounded by --otlp-max-connections), export requests by HTTP status, and "
+            description="Runs the receiver follows (one per trace, conversation or "
+            "agent_monitor.run_id), action "
+            "spans that arrived after later ones were sent (appended as the next step, "
+            "marked late), open "
+            "exporter connections (bounded by --otlp-max-connections), export requests by "
+            "HTTP status, and "
             "attribute values cut to --otlp-max-attribute-bytes.",
         ),
         timeseries(
@@ -740,8 +897,10 @@ def panels() -> list[dict[str, Any]]:
             unit="s",
             w=7,
             no_value="no trace ended yet",
-            description="Seconds from a trace-fed run's last span to its final score (the run closed): the judge's "
-            "time for the last prefix plus queueing. Idle-closed runs count from their last span, so they show "
+            description="Seconds from a trace-fed run's last span to its final score (the "
+            "run closed): the judge's "
+            "time for the last prefix plus queueing. Idle-closed runs count from their last "
+            "span, so they show "
             "--otlp-idle here.",
         ),
         row("Cluster (serve --cluster)"),
@@ -750,18 +909,26 @@ def panels() -> list[dict[str, Any]]:
             [target("A", f"agent_monitor_cluster_replicas{{{INST}}}", "{{instance}}")],
             w=6,
             no_value="not in cluster mode",
-            description="Replicas with a fresh heartbeat in the cluster's Redis, counted by each replica. All lines "
-            "agree in a healthy cluster; a replica that sees fewer than the others is cut off from Redis. A replica "
+            description="Replicas with a fresh heartbeat in the cluster's Redis, counted by "
+            "each replica. All lines "
+            "agree in a healthy cluster; a replica that sees fewer than the others is cut "
+            "off from Redis. A replica "
             "that stops is counted for one --cluster-lease more, then its runs are taken over.",
         ),
         timeseries(
             "Runs owned per replica",
-            [target("A", f"sum by (instance) (agent_monitor_runs_owned{{{INST}}})", "{{instance}}")],
+            [
+                target(
+                    "A", f"sum by (instance) (agent_monitor_runs_owned{{{INST}}})", "{{instance}}"
+                )
+            ],
             w=6,
             stack=True,
             no_value="not in cluster mode",
-            description="Runs each replica owns (holds the lease of, scores and publishes for). Placement keeps "
-            "them within one of each other, groups excepted (a group's runs stay on one replica); stacked, the "
+            description="Runs each replica owns (holds the lease of, scores and publishes "
+            "for). Placement keeps "
+            "them within one of each other, groups excepted (a group's runs stay on one "
+            "replica); stacked, the "
             "total is the cluster's live runs.",
         ),
         timeseries(
@@ -769,56 +936,71 @@ def panels() -> list[dict[str, Any]]:
             [
                 target(
                     "A",
-                    f"sum by (instance) (rate(agent_monitor_run_takeovers_total{{{INST}}}[{RATE}])) * 60",
+                    "sum by (instance) "
+                    f"(rate(agent_monitor_run_takeovers_total{{{INST}}}[{RATE}])) * 60",
                     "{{instance}}",
                 )
             ],
             w=4,
             no_value="not in cluster mode",
-            description="Runs a replica took over from another owner: a dead replica's runs (lease expired), runs "
-            "handed over by a replica that stopped, or moved to a replica that joined. Zero while nothing changes.",
+            description="Runs a replica took over from another owner: a dead replica's runs "
+            "(lease expired), runs "
+            "handed over by a replica that stopped, or moved to a replica that joined. Zero "
+            "while nothing changes.",
         ),
         timeseries(
             "MQTT sessions adopted",
             [
                 target(
                     "A",
-                    f"sum by (instance) (increase(agent_monitor_cluster_sessions_adopted_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_cluster_sessions_adopted_total{{{INST}}}[{RATE}]))",
                     "{{instance}}",
                 )
             ],
             w=4,
             no_value="not in cluster mode",
-            description="Dead replicas' broker sessions this replica took over: it connected with the dead "
-            "replica's client id, journaled the messages the broker had queued for it and ended the session.",
+            description="Dead replicas' broker sessions this replica took over: it connected "
+            "with the dead "
+            "replica's client id, journaled the messages the broker had queued for it and "
+            "ended the session.",
         ),
         timeseries(
             "Fenced writes and publications, Redis errors",
             [
                 target(
                     "A",
-                    f"sum by (instance, what) (increase(agent_monitor_cluster_fenced_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, what) "
+                    f"(increase(agent_monitor_cluster_fenced_total{{{INST}}}[{RATE}]))",
                     "fenced {{what}} {{instance}}",
                 ),
                 target(
                     "B",
-                    f"sum by (instance, op) (increase(agent_monitor_cluster_errors_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance, op) "
+                    f"(increase(agent_monitor_cluster_errors_total{{{INST}}}[{RATE}]))",
                     "redis {{op}} failed {{instance}}",
                 ),
                 target(
                     "C",
-                    f"sum by (instance) (increase(agent_monitor_cluster_redis_emptied_total{{{INST}}}[{RATE}]))",
+                    "sum by (instance) "
+                    f"(increase(agent_monitor_cluster_redis_emptied_total{{{INST}}}[{RATE}]))",
                     "redis came back EMPTY {{instance}}",
                 ),
             ],
             w=4,
             no_value="not in cluster mode",
-            description="Writes refused because the replica's fencing token was no longer the run's current one "
-            "(write), and publications dropped after its lease deadline (publish): an owner that was paused or cut "
-            "off past its lease, whose runs another replica now owns. A few around a failover are expected; a "
-            "steady rise is not. Redis operations that failed, by operation: inputs stay unacknowledged (the "
-            "broker delivers them again) while Redis is unreachable. Redis came back empty: it restarted without "
-            "persistence (or was flushed) and the live runs' journals are gone (run it with appendonly yes).",
+            description="Writes refused because the replica's fencing token was no longer "
+            "the run's current one "
+            "(write), and publications dropped after its lease deadline (publish): an owner "
+            "that was paused or cut "
+            "off past its lease, whose runs another replica now owns. A few around a "
+            "failover are expected; a "
+            "steady rise is not. Redis operations that failed, by operation: inputs stay "
+            "unacknowledged (the "
+            "broker delivers them again) while Redis is unreachable. Redis came back empty: "
+            "it restarted without "
+            "persistence (or was flushed) and the live runs' journals are gone (run it with "
+            "appendonly yes).",
         ),
     ]
 
@@ -846,7 +1028,11 @@ def variable(name: str, label: str, query: str) -> dict[str, Any]:
         "label": label,
         "datasource": DS,
         "definition": query,
-        "query": {"qryType": 1, "query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+        "query": {
+            "qryType": 1,
+            "query": query,
+            "refId": "PrometheusVariableQueryEditor-VariableQuery",
+        },
         "refresh": 2,
         "regex": "",
         "sort": 1,
@@ -863,7 +1049,8 @@ def dashboard() -> dict[str, Any]:
     return {
         "uid": "agent-monitor",
         "title": "Agent monitor",
-        "description": "Live progress of AI agent runs followed by agent-monitor, its LLM judge, and the daemon's health.",
+        "description": "Live progress of AI agent runs followed by agent-monitor, its LLM "
+        "judge, and the daemon's health.",
         "tags": ["agent-monitor", "prometheus"],
         "schemaVersion": 39,
         "version": 1,
@@ -902,7 +1089,9 @@ def dashboard() -> dict[str, Any]:
                     "options": [],
                 },
                 variable("instance", "Daemon", "label_values(agent_monitor_build_info, instance)"),
-                variable("run_id", "Run", f"label_values(agent_monitor_run_progress{{{INST}}}, run_id)"),
+                variable(
+                    "run_id", "Run", f"label_values(agent_monitor_run_progress{{{INST}}}, run_id)"
+                ),
             ]
         },
         "panels": layout(panels()),

@@ -1,9 +1,10 @@
-"""Runs for the web board's browser test and its screenshot in docs/metrics.md: a scripted judge whose curves have shapes.
+"""Runs for the web board's browser test and its screenshot in docs/metrics.md: a scripted judge
+whose curves have shapes.
 
 The task text names the shape; `answer` turns (shape, step) into a letter distribution with some
-spread (so the board draws an uncertainty band), and `RUNS` lists runs of every kind the board shows:
-groups, a climb, a plateau, a stall told to abort, a wobble told to resample, a judge failure, an
-ended run.
+spread (so the board draws an uncertainty band), and `RUNS` lists runs of every kind the board
+shows: groups, a climb, a plateau, a stall told to abort, a wobble told to resample, a judge
+failure, an ended run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,13 @@ def _around(x: float, width: float = 0.3) -> dict[str, float]:
     """Most mass on the letter nearest x in [0, 1], `width` of it on the two letters either side."""
     i = round(min(1.0, max(0.0, x)) * (len(LETTERS) - 1))
     out: dict[str, float] = {}
-    for offset, share in ((0, 1.0 - width), (-1, width * 0.3), (1, width * 0.3), (-2, width * 0.2), (2, width * 0.2)):
+    for offset, share in (
+        (0, 1.0 - width),
+        (-1, width * 0.3),
+        (1, width * 0.3),
+        (-2, width * 0.2),
+        (2, width * 0.2),
+    ):
         letter = LETTERS[min(len(LETTERS) - 1, max(0, i + offset))]
         out[letter] = out.get(letter, 0.0) + share
     return out
@@ -44,7 +51,10 @@ def shape(kind: str, step: int) -> float:
 def answer(prompt: Prompt) -> Answer:
     """The scripted judge: the task's first word is the curve's shape; 'flaky' fails at step 3."""
     text = prompt.prefix_text()
-    kind = next((k for k in ("climb", "plateau", "stall", "wobble", "late", "flaky") if f"[{k}]" in text), "")
+    kind = next(
+        (k for k in ("climb", "plateau", "stall", "wobble", "late", "flaky") if f"[{k}]" in text),
+        "",
+    )
     if kind == "flaky" and prompt.step == 3:
         return FakeJudge.failure("timeout", "the judge did not answer in 60 s")
     width = 0.5 if kind in ("climb", "late") else 0.8 if kind == "wobble" else 0.65

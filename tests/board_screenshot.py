@@ -1,4 +1,5 @@
-"""Make the screenshot of the web board in docs/metrics.md: `python -m tests.board_screenshot docs/board.png`.
+"""Make the screenshot of the web board in docs/metrics.md: `python -m tests.board_screenshot
+docs/board.png`.
 
 A real Monitor (scripted judge: tests/board_scenario.py) with the board sink and the web server, fed
 with `handle()`; headless Chromium (tests/chromium.py) opens the board and takes the picture.
@@ -22,8 +23,11 @@ from tests.board_scenario import RUNS, answer
 from tests.chromium import Browser
 
 
-async def feed(monitor: Monitor, runs: list[dict[str, object]] = RUNS, *, end: tuple[str, ...] = ()) -> None:
-    """Start the runs and send their steps round-robin (so their last activity differs), then end `end`."""
+async def feed(
+    monitor: Monitor, runs: list[dict[str, object]] = RUNS, *, end: tuple[str, ...] = ()
+) -> None:
+    """Start the runs and send their steps round-robin (so their last activity differs), then end
+    `end`."""
     for r in runs:
         start = {k: r[k] for k in ("task", "labels", "policy") if k in r}
         await monitor.handle(f"agents/{r['run_id']}/start", json.dumps(start).encode())
@@ -32,7 +36,8 @@ async def feed(monitor: Monitor, runs: list[dict[str, object]] = RUNS, *, end: t
         for r in runs:
             if i <= int(str(r["steps"])):
                 await monitor.handle(
-                    f"agents/{r['run_id']}/step", json.dumps({"index": i, "text": f"step {i}"}).encode()
+                    f"agents/{r['run_id']}/step",
+                    json.dumps({"index": i, "text": f"step {i}"}).encode(),
                 )
         await asyncio.wait_for(monitor.drain(), 30)
     for run_id in end:
@@ -53,7 +58,10 @@ async def main(out: Path) -> None:
     async with (
         HttpServer(registry, port=0, site=BoardSite(board)) as web,
         Monitor(
-            config, judge=FakeJudge(answer, usage=Usage(2400, 2000, 1)), registry=registry, sinks=[board]
+            config,
+            judge=FakeJudge(answer, usage=Usage(2400, 2000, 1)),
+            registry=registry,
+            sinks=[board],
         ) as monitor,
     ):
         await feed(monitor, end=("robot-pick-place-3",))

@@ -1,4 +1,5 @@
-"""Private Mosquitto brokers for integration tests: free port, own persistence, stop and restart on demand."""
+"""Private Mosquitto brokers for integration tests: free port, own persistence, stop and restart
+on demand."""
 
 from __future__ import annotations
 
@@ -38,12 +39,18 @@ def wait_port(port: int, *, up: bool = True, timeout: float = 10.0) -> None:
 
 
 class Mosquitto:
-    """One private Mosquitto on a free port; persistence keeps sessions and queued messages across restarts."""
+    """One private Mosquitto on a free port; persistence keeps sessions and queued messages
+    across restarts."""
 
-    def __init__(self, workdir: Path, port: int | None = None, *, extra: Sequence[str] = ()) -> None:
-        """Stock limits; `extra` adds configuration lines (only for a test about a limit, which says why)."""
+    def __init__(
+        self, workdir: Path, port: int | None = None, *, extra: Sequence[str] = ()
+    ) -> None:
+        """Stock limits; `extra` adds configuration lines (only for a test about a limit, which
+        says why)."""
         if shutil.which("mosquitto") is None:
-            raise RuntimeError("mosquitto is not installed; `apt-get install mosquitto mosquitto-clients`")
+            raise RuntimeError(
+                "mosquitto is not installed; `apt-get install mosquitto mosquitto-clients`"
+            )
         self.port = port or free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen[bytes] | None = None
@@ -58,7 +65,8 @@ class Mosquitto:
             "log_dest stderr\n"
             "log_type error\n"
             "log_type warning\n"
-            # Started as root, mosquitto drops to user `mosquitto`, which cannot write our persistence dir.
+            # Started as root, mosquitto drops to user `mosquitto`, which cannot write our
+            # persistence dir.
             f"user {pwd.getpwuid(os.geteuid()).pw_name}\n" + "".join(f"{line}\n" for line in extra)
         )
 
@@ -109,10 +117,25 @@ def mosquitto(workdir: Path, *, extra: Sequence[str] = ()) -> Iterator[Mosquitto
         broker.stop()
 
 
-def mosquitto_sub(port: int, topic: str, *, count: int, timeout: float, extra: tuple[str, ...] = ()) -> list[str]:
-    """Run `mosquitto_sub` until `count` messages arrive (topic + payload lines) or the timeout passes."""
+def mosquitto_sub(
+    port: int, topic: str, *, count: int, timeout: float, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """Run `mosquitto_sub` until `count` messages arrive (topic + payload lines) or the timeout
+    passes."""
     out = subprocess.run(
-        ["mosquitto_sub", "-p", str(port), "-t", topic, "-C", str(count), "-W", str(int(timeout)), "-v", *extra],
+        [
+            "mosquitto_sub",
+            "-p",
+            str(port),
+            "-t",
+            topic,
+            "-C",
+            str(count),
+            "-W",
+            str(int(timeout)),
+            "-v",
+            *extra,
+        ],
         capture_output=True,
         text=True,
         env={**os.environ},
@@ -122,7 +145,8 @@ def mosquitto_sub(port: int, topic: str, *, count: int, timeout: float, extra: t
 
 
 def input_listener(port: int, on_message: Callable[..., None], *, wait_s: float = 10.0) -> Any:
-    """A plain paho client playing the monitor: subscribed (QoS 1) to every run's start, step and end."""
+    """A plain paho client playing the monitor: subscribed (QoS 1) to every run's start, step and
+    end."""
     import threading
 
     import paho.mqtt.client as mqtt

@@ -1,4 +1,5 @@
-"""Headless Chromium (Debian's `chromium`) driven over the DevTools protocol: the web board's browser test.
+"""Headless Chromium (Debian's `chromium`) driven over the DevTools protocol: the web board's
+browser test.
 
 `Browser` starts a private Chromium (own profile in a temporary folder, DevTools on a port it picks
 and writes to DevToolsActivePort), connects to its page over a websocket and offers the few calls
@@ -26,7 +27,8 @@ from websockets.asyncio.client import ClientConnection
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = (
     "--headless",
-    "--no-sandbox",  # root in CI containers: Chromium's sandbox needs user namespaces it may not have
+    # root in CI containers: Chromium's sandbox needs user namespaces it may not have
+    "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",
     "--no-first-run",
@@ -62,7 +64,8 @@ class Browser:
                     CHROMIUM,
                     *FLAGS,
                     f"--user-data-dir={self._profile.name}",
-                    "--remote-debugging-port=0",  # Chromium picks a free port and writes it to DevToolsActivePort
+                    # Chromium picks a free port and writes it to DevToolsActivePort
+                    "--remote-debugging-port=0",
                     f"--window-size={self.width},{self.height}",
                     "about:blank",
                 ],
@@ -124,7 +127,9 @@ class Browser:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 return int((await asyncio.to_thread(path.read_text)).splitlines()[0])
             await asyncio.sleep(0.1)
-        raise RuntimeError(f"chromium did not open its DevTools port in {wait_s:g} s: {self.logs()}")
+        raise RuntimeError(
+            f"chromium did not open its DevTools port in {wait_s:g} s: {self.logs()}"
+        )
 
     @staticmethod
     def _page_url(port: int) -> str:
@@ -141,7 +146,9 @@ class Browser:
                     fut.set_result(msg)
             elif msg.get("method") == "Runtime.consoleAPICalled":
                 args = msg["params"].get("args", [])
-                self.console.append(" ".join(str(a.get("value", a.get("description", ""))) for a in args))
+                self.console.append(
+                    " ".join(str(a.get("value", a.get("description", ""))) for a in args)
+                )
             elif msg.get("method") == "Log.entryAdded":
                 self.console.append(str(msg["params"]["entry"].get("text", "")))
             elif msg.get("method") == "Runtime.exceptionThrown":
@@ -161,7 +168,9 @@ class Browser:
 
     async def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (JSON-serialisable values only)."""
-        result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression!r} threw: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -179,14 +188,19 @@ class Browser:
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {wait_s:g} s waiting for {expression}; console: {self.console}")
+                raise AssertionError(
+                    f"timed out after {wait_s:g} s waiting for {expression}; "
+                    f"console: {self.console}"
+                )
             await asyncio.sleep(0.1)
 
     async def screenshot(self, path: Path, *, full_page: bool = True) -> Path:
         """A PNG of the page (all of it, or the viewport)."""
         params: dict[str, Any] = {"format": "png"}
         if full_page:
-            size = await self.evaluate("[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
+            size = await self.evaluate(
+                "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]"
+            )
             params |= {
                 "captureBeyondViewport": True,
                 "clip": {"x": 0, "y": 0, "width": size[0], "height": size[1], "scale": 1},

@@ -1,5 +1,5 @@
-"""Shared fixtures: a private Mosquitto or Redis per test that needs one (the system ones on 1883 and 6379 are left
-alone)."""
+"""Shared fixtures: a private Mosquitto or Redis per test that needs one (the system ones on 1883
+and 6379 are left alone)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
 
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A private Redis on a free port (in memory; skips the test when redis-server is not installed)."""
+    """A private Redis on a free port (in memory; skips the test when redis-server is not
+    installed)."""
     with redis_server(tmp_path / "redis") as r:
         yield r

@@ -1,4 +1,5 @@
-"""`agent-monitor serve` that kills itself (SIGKILL) on receiving one chosen step, before journaling it.
+"""`agent-monitor serve` that kills itself (SIGKILL) on receiving one chosen step, before journaling
+it.
 
 Fault injection for the crash test: `python tests/crash_daemon.py STEP serve ARGS...`. The step has
 arrived from the broker but is neither journaled nor acknowledged when the process dies, which is

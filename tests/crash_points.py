@@ -1,18 +1,20 @@
-"""`agent-monitor serve` that SIGKILLs itself next to the journaling of one chosen step (fault injection).
+"""`agent-monitor serve` that SIGKILLs itself next to the journaling of one chosen step (fault
+injection).
 
     python tests/crash_points.py after-journal TEXT serve ARGS...
     python tests/crash_points.py before-journal TEXT serve ARGS...
 
 The process dies on the first input step whose `text` equals TEXT:
 
-- `before-journal`: the step has arrived from the broker but is neither in the run store nor acknowledged,
-  so the broker delivers it again after the restart and the store has never seen it;
-- `after-journal`: the step is committed to the run store but not yet acknowledged to the broker, so the
-  broker delivers it again after the restart although the store already holds it.
+- `before-journal`: the step has arrived from the broker but is neither in the run store nor
+  acknowledged, so the broker delivers it again after the restart and the store has never seen it;
+- `after-journal`: the step is committed to the run store but not yet acknowledged to the broker, so
+  the broker delivers it again after the restart although the store already holds it.
 
-The seam is the durable write of a batch of records of the run state (the group commit of the messages
-handled together): `SqliteStore.journal_batch(records)` resolves only after COMMIT, `Monitor.handle_batch`
-awaits it before applying the records, and the MQTT link acknowledges the messages only after that returns.
+The seam is the durable write of a batch of records of the run state (the group commit of the
+messages handled together): `SqliteStore.journal_batch(records)` resolves only after COMMIT,
+`Monitor.handle_batch` awaits it before applying the records, and the MQTT link acknowledges the
+messages only after that returns.
 """
 
 from __future__ import annotations

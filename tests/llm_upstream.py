@@ -1,4 +1,5 @@
-"""A scripted LLM API upstream for the proxy's tests: OpenAI chat and responses, Anthropic messages, streamed or not.
+"""A scripted LLM API upstream for the proxy's tests: OpenAI chat and responses, Anthropic messages,
+streamed or not.
 
 Each POST takes the next scripted reply: an `Answer` (text and tool calls, written in the format of
 the path that was asked, as a stream of server-sent events when the request says `stream: true`,
@@ -27,7 +28,8 @@ class Answer:
     text: str = ""
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     cut_after: int | None = None
-    """Streamed: close the connection after this many events, mid-body (an upstream that breaks off)."""
+    """Streamed: close the connection after this many events, mid-body (an upstream that breaks
+    off)."""
 
 
 @dataclass
@@ -55,11 +57,20 @@ def _chat(answers: list[Answer], model: str) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": a.text or None}
         if a.calls:
             msg["tool_calls"] = [
-                {"id": f"call_{i}_{j}", "type": "function", "function": {"name": n, "arguments": json.dumps(args)}}
+                {
+                    "id": f"call_{i}_{j}",
+                    "type": "function",
+                    "function": {"name": n, "arguments": json.dumps(args)},
+                }
                 for j, (n, args) in enumerate(a.calls)
             ]
         choices.append(
-            {"index": i, "message": msg, "logprobs": None, "finish_reason": "tool_calls" if a.calls else "stop"}
+            {
+                "index": i,
+                "message": msg,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if a.calls else "stop",
+            }
         )
     return {
         "id": "chatcmpl-1",
@@ -75,7 +86,13 @@ def _chat_stream(a: Answer, model: str) -> Iterator[bytes]:
     base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model}
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}]})}\n\n".encode()
+        return (
+            "data: "
+            + json.dumps(
+                {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            )
+            + "\n\n"
+        ).encode()
 
     yield chunk({"role": "assistant", "content": ""})
     for piece in _pieces(a.text):
@@ -85,7 +102,12 @@ def _chat_stream(a: Answer, model: str) -> Iterator[bytes]:
         yield chunk(
             {
                 "tool_calls": [
-                    {"index": j, "id": f"call_{j}", "type": "function", "function": {"name": n, "arguments": ""}}
+                    {
+                        "index": j,
+                        "id": f"call_{j}",
+                        "type": "function",
+                        "function": {"name": n, "arguments": ""},
+                    }
                 ]
             }
         )
@@ -152,7 +174,9 @@ def _responses_stream(a: Answer, model: str) -> Iterator[bytes]:
     def ev(kind: str, data: dict[str, Any]) -> bytes:
         nonlocal seq
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n".encode()
+        return (
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data})}\n\n"
+        ).encode()
 
     yield ev("response.created", {"response": {**full, "status": "in_progress", "output": []}})
     for i, item in enumerate(full["output"]):
@@ -161,7 +185,13 @@ def _responses_stream(a: Answer, model: str) -> Iterator[bytes]:
             for piece in _pieces(a.text):
                 yield ev(
                     "response.output_text.delta",
-                    {"item_id": "msg_1", "output_index": i, "content_index": 0, "delta": piece, "logprobs": []},
+                    {
+                        "item_id": "msg_1",
+                        "output_index": i,
+                        "content_index": 0,
+                        "delta": piece,
+                        "logprobs": [],
+                    },
                 )
         yield ev("response.output_item.done", {"output_index": i, "item": item})
     yield ev("response.completed", {"response": full})
@@ -193,25 +223,35 @@ def _message_stream(a: Answer, model: str) -> Iterator[bytes]:
     yield ev("message_start", {"message": {**full, "content": [], "stop_reason": None}})
     for i, block in enumerate(full["content"]):
         if block["type"] == "text":
-            yield ev("content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}})
+            yield ev(
+                "content_block_start", {"index": i, "content_block": {"type": "text", "text": ""}}
+            )
             for piece in _pieces(block["text"]):
-                yield ev("content_block_delta", {"index": i, "delta": {"type": "text_delta", "text": piece}})
+                yield ev(
+                    "content_block_delta",
+                    {"index": i, "delta": {"type": "text_delta", "text": piece}},
+                )
         else:
             yield ev("content_block_start", {"index": i, "content_block": {**block, "input": {}}})
             for piece in _pieces(json.dumps(block["input"])):
                 yield ev(
-                    "content_block_delta", {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}}
+                    "content_block_delta",
+                    {"index": i, "delta": {"type": "input_json_delta", "partial_json": piece}},
                 )
         yield ev("content_block_stop", {"index": i})
     yield ev(
         "message_delta",
-        {"delta": {"stop_reason": full["stop_reason"], "stop_sequence": None}, "usage": {"output_tokens": 5}},
+        {
+            "delta": {"stop_reason": full["stop_reason"], "stop_sequence": None},
+            "usage": {"output_tokens": 5},
+        },
     )
     yield ev("message_stop", {})
 
 
 class Upstream:
-    """The scripted server: `add` replies, point the proxy's upstream at `url` (its /v1 included)."""
+    """The scripted server: `add` replies, point the proxy's upstream at `url` (its /v1
+    included)."""
 
     def __init__(self, *, chunk_delay_s: float = 0.0) -> None:
         self.script: deque[Reply] = deque()
@@ -247,18 +287,30 @@ class Upstream:
                         200,
                         {
                             "object": "list",
-                            "data": [{"id": "up-model", "object": "model", "created": 0, "owned_by": "t"}],
+                            "data": [
+                                {"id": "up-model", "object": "model", "created": 0, "owned_by": "t"}
+                            ],
                         },
                     )
                 else:
-                    self._json(404, {"error": {"message": "no such path", "type": "invalid_request_error"}})
+                    self._json(
+                        404, {"error": {"message": "no such path", "type": "invalid_request_error"}}
+                    )
 
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 try:
                     body = json.loads(raw or b"{}")
                 except ValueError:
-                    self._json(400, {"error": {"message": "the body is not JSON", "type": "invalid_request_error"}})
+                    self._json(
+                        400,
+                        {
+                            "error": {
+                                "message": "the body is not JSON",
+                                "type": "invalid_request_error",
+                            }
+                        },
+                    )
                     return
                 with up._lock:
                     up.seen.append(Seen(self.path, dict(self.headers.items()), body))

@@ -26,7 +26,8 @@ class Reply:
 
 Script = Reply | Callable[[dict[str, Any]], Reply]
 CHECK_MARK = "agent-monitor start-up check"
-"""In the task of the CLI's start-up check (agent_monitor.cli._main.CHECK_TASK): see `ScriptedServer.check`."""
+"""In the task of the CLI's start-up check (agent_monitor.cli._main.CHECK_TASK): see
+`ScriptedServer.check`."""
 
 
 def no_logprobs_reply(text: str = "K") -> Reply:
@@ -39,15 +40,23 @@ def no_logprobs_reply(text: str = "K") -> Reply:
 
 def top(dist: Mapping[str, float]) -> list[dict[str, Any]]:
     """Top-logprob entries from token -> probability."""
-    return [{"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in dist.items()]
+    return [
+        {"token": t, "logprob": math.log(p), "bytes": list(t.encode())} for t, p in dist.items()
+    ]
 
 
 def chat_choice(tokens: list[tuple[str, Mapping[str, float]]], index: int = 0) -> dict[str, Any]:
-    """A chat choice whose generated tokens are `tokens[i][0]` with top alternatives `tokens[i][1]`."""
+    """A chat choice whose generated tokens are `tokens[i][0]` with top alternatives
+    `tokens[i][1]`."""
     content = []
     for tok, dist in tokens:
         content.append(
-            {"token": tok, "logprob": math.log(dist.get(tok, 1e-9)), "bytes": None, "top_logprobs": top(dist)}
+            {
+                "token": tok,
+                "logprob": math.log(dist.get(tok, 1e-9)),
+                "bytes": None,
+                "top_logprobs": top(dist),
+            }
         )
     return {
         "index": index,
@@ -57,7 +66,9 @@ def chat_choice(tokens: list[tuple[str, Mapping[str, float]]], index: int = 0) -
     }
 
 
-def chat_reply(*choices: dict[str, Any], prompt_tokens: int = 100, cached: int = 0, model: str = "m") -> Reply:
+def chat_reply(
+    *choices: dict[str, Any], prompt_tokens: int = 100, cached: int = 0, model: str = "m"
+) -> Reply:
     """A chat completion with the given choices and usage."""
     return Reply(
         body={
@@ -76,7 +87,9 @@ def chat_reply(*choices: dict[str, Any], prompt_tokens: int = 100, cached: int =
     )
 
 
-def completion_reply(dists: list[Mapping[str, float]], chosen: list[str] | None = None, model: str = "m") -> Reply:
+def completion_reply(
+    dists: list[Mapping[str, float]], chosen: list[str] | None = None, model: str = "m"
+) -> Reply:
     """A /v1/completions reply with one choice per distribution (one generated token each)."""
     choices = []
     for i, d in enumerate(dists):
@@ -101,13 +114,18 @@ def completion_reply(dists: list[Mapping[str, float]], chosen: list[str] | None 
             "created": 0,
             "model": model,
             "choices": choices,
-            "usage": {"prompt_tokens": 50, "completion_tokens": len(dists), "total_tokens": 50 + len(dists)},
+            "usage": {
+                "prompt_tokens": 50,
+                "completion_tokens": len(dists),
+                "total_tokens": 50 + len(dists),
+            },
         }
     )
 
 
 class ScriptedServer:
-    """Serves scripted replies in order on /v1/chat/completions and /v1/completions; lists models."""
+    """Serves scripted replies in order on /v1/chat/completions and /v1/completions; lists
+    models."""
 
     def __init__(
         self,
@@ -118,10 +136,12 @@ class ScriptedServer:
         props: Any = None,
         record: bool = True,
     ) -> None:
-        """`port` 0 takes a free one; a given port lets a test start a server again where its judge expects it.
+        """`port` 0 takes a free one; a given port lets a test start a server again where its judge
+        expects it.
 
-        `model_info`: more fields of every `/v1/models` entry (vLLM's `max_model_len`); `props`: what `GET /props`
-        answers, as llama.cpp's llama-server does (None: 404); `record=False` keeps no request, only the count.
+        `model_info`: more fields of every `/v1/models` entry (vLLM's `max_model_len`); `props`:
+        what `GET /props` answers, as llama.cpp's llama-server does (None: 404); `record=False`
+        keeps no request, only the count.
         """
         self.models = models
         self.model_info = dict(model_info or {})
@@ -131,10 +151,11 @@ class ScriptedServer:
         self.default: Script | None = None
         self.requests: list[dict[str, Any]] = []
         self.check: Script | None = None
-        """The answer to the CLI's start-up check (one scored answer, told by its task): None, a valid one.
+        """The answer to the CLI's start-up check (one scored answer, told by its task): None, a
+        valid one.
 
-        Kept out of `script`, `default` and `requests`, so a test's script of the scoring calls is the
-        same with or without the check; `checks` holds the check requests."""
+        Kept out of `script`, `default` and `requests`, so a test's script of the scoring calls is
+        the same with or without the check; `checks` holds the check requests."""
         self.checks: list[dict[str, Any]] = []
         self.paths: list[str] = []
         self.times: list[float] = []
@@ -175,7 +196,13 @@ class ScriptedServer:
                             body={
                                 "object": "list",
                                 "data": [
-                                    {"id": m, "object": "model", "created": 0, "owned_by": "test", **server.model_info}
+                                    {
+                                        "id": m,
+                                        "object": "model",
+                                        "created": 0,
+                                        "owned_by": "test",
+                                        **server.model_info,
+                                    }
                                     for m in server.models
                                 ],
                             }
@@ -187,7 +214,9 @@ class ScriptedServer:
                     self._send(Reply(404, {"error": {"message": "no such path"}}))
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}")
+                body = json.loads(
+                    self.rfile.read(int(self.headers.get("Content-Length", "0"))) or b"{}"
+                )
                 if CHECK_MARK in json.dumps(body):
                     with server._lock:
                         server.checks.append(body)
@@ -195,7 +224,11 @@ class ScriptedServer:
                     if check is None:
                         valid = {"A": 0.5, "K": 0.5}
                         chat = self.path.endswith("/chat/completions")
-                        check = chat_reply(chat_choice([("K", valid)])) if chat else completion_reply([valid])
+                        check = (
+                            chat_reply(chat_choice([("K", valid)]))
+                            if chat
+                            else completion_reply([valid])
+                        )
                     self._send(check(body) if callable(check) else check)
                     return
                 with server._lock:
@@ -234,7 +267,8 @@ def scripted_server(**kw: Any) -> Iterator[ScriptedServer]:
 
 @contextmanager
 def html_server() -> Iterator[str]:
-    """A web server that is no OpenAI API: `200 text/html <html>hello</html>` on every path; yields its /v1 URL."""
+    """A web server that is no OpenAI API: `200 text/html <html>hello</html>` on every path;
+    yields its /v1 URL."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"

@@ -1,4 +1,5 @@
-"""Where the suite's files are, for tests in any folder under tests/ (no depth arithmetic on `__file__`)."""
+"""Where the suite's files are, for tests in any folder under tests/ (no depth arithmetic on
+`__file__`)."""
 
 from pathlib import Path
 

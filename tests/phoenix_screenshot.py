@@ -1,9 +1,9 @@
 """Make the screenshot in docs/phoenix.md: `python -m tests.phoenix_screenshot docs/phoenix.png`.
 
-A real Phoenix (tests/phoenix_server.py, from .venv-phoenix) and a real Monitor with the OTLP receiver
-and the Phoenix sink (scripted judge: the agent goes off track at its third tool call and the policy
-aborts); the agent's SDK exports its trace to both. Headless Chromium (tests/chromium.py) opens the
-trace in Phoenix's UI, the aborting tool call selected, its annotations showing.
+A real Phoenix (tests/phoenix_server.py, from .venv-phoenix) and a real Monitor with the OTLP
+receiver and the Phoenix sink (scripted judge: the agent goes off track at its third tool call and
+the policy aborts); the agent's SDK exports its trace to both. Headless Chromium (tests/chromium.py)
+opens the trace in Phoenix's UI, the aborting tool call selected, its annotations showing.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ async def main(out: Path) -> None:
         ("hold_seat", '{"flight": "AF1404"}', TOOLS[1][2]),
         ("pay", '{"flight": "AF1404", "eur": 121}', TOOLS[2][2]),
     ]
-    with tempfile.TemporaryDirectory(prefix="phoenix-shot-") as tmp, phoenix_server(Path(tmp)) as phoenix:
+    with (
+        tempfile.TemporaryDirectory(prefix="phoenix-shot-") as tmp,
+        phoenix_server(Path(tmp)) as phoenix,
+    ):
         registry = CollectorRegistry()
         receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0"), registry=registry)
         policy = Policy(abort_below=0.4, min_steps=3, patience=1)
@@ -54,7 +57,12 @@ async def main(out: Path) -> None:
         events: list[MonitorEvent] = []
         judge, store = FakeJudge(answer), MemoryStore()
         monitor = Monitor(
-            config, judge=judge, store=store, registry=registry, sources=[receiver], sinks=[events.append]
+            config,
+            judge=judge,
+            store=store,
+            registry=registry,
+            sources=[receiver],
+            sinks=[events.append],
         )
         async with monitor:
             await receiver.ready.wait()
@@ -66,9 +74,14 @@ async def main(out: Path) -> None:
                     await asyncio.to_thread(agent.tool, *call)
                     await until(lambda n=n: len(scores(events, run_id)) >= n)
                 await asyncio.to_thread(agent.end)
-                await until(lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events))
-            await until(lambda: monitor.phoenix is not None and monitor.phoenix.statistics().queued == 0)
-        await asyncio.sleep(12)  # Phoenix applies annotations that arrived before their span on its next pass
+                await until(
+                    lambda: any(isinstance(e, RunClosed) and e.run_id == run_id for e in events)
+                )
+            await until(
+                lambda: monitor.phoenix is not None and monitor.phoenix.statistics().queued == 0
+            )
+        # Phoenix applies annotations that arrived before their span on its next pass
+        await asyncio.sleep(12)
         project = phoenix.get("/v1/projects")["data"][0]["id"]
         url = f"{phoenix.url}/projects/{project}/traces/{run_id}?selectedSpanNodeId="
         async with Browser(1400, 860) as browser:
@@ -79,13 +92,15 @@ async def main(out: Path) -> None:
             await asyncio.sleep(2)
             # Select the tool call the policy aborted at, and show its annotations.
             await browser.evaluate(
-                "[...document.querySelectorAll('*')].filter(e => e.textContent === 'execute_tool pay')"
+                "[...document.querySelectorAll('*')].filter(e => e.textContent === "
+                "'execute_tool pay')"
                 ".slice(-1)[0].click()"
             )
             await browser.wait_for("document.body.innerText.includes('Tool: pay')", 60)
             await asyncio.sleep(1)
             await browser.evaluate(
-                "[...document.querySelectorAll('button')].filter(e => /View annotation/.test(e.textContent))"
+                "[...document.querySelectorAll('button')].filter(e => /View "
+                "annotation/.test(e.textContent))"
                 ".slice(-1).forEach(e => e.click())"
             )
             await browser.wait_for("document.body.innerText.includes('decision abort')", 30)

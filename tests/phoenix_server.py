@@ -1,9 +1,11 @@
-"""A private Arize Phoenix server for tests: `phoenix serve` from its own virtualenv, SQLite in a temp dir, free ports.
+"""A private Arize Phoenix server for tests: `phoenix serve` from its own virtualenv, SQLite in a
+temp dir, free ports.
 
-Phoenix (`arize-phoenix`, ~850 MB with its dependencies) lives in a virtualenv of its own, `.venv-phoenix`
-at the repository root (`make phoenix-venv` builds it; `make test` does first), or where
-AGENT_MONITOR_PHOENIX_VENV points. Without it the tests that need a server are skipped, saying how to build it.
-The server runs offline: telemetry and external resources off, no collector of its own.
+Phoenix (`arize-phoenix`, ~850 MB with its dependencies) lives in a virtualenv of its own,
+`.venv-phoenix` at the repository root (`make phoenix-venv` builds it; `make test` does first), or
+where AGENT_MONITOR_PHOENIX_VENV points. Without it the tests that need a server are skipped, saying
+how to build it. The server runs offline: telemetry and external resources off, no collector of its
+own.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ _START_S = 180.0  # ~12 s on a quiet machine, several times that when the suite 
 
 def phoenix_bin() -> Path:
     """The `phoenix` command of the Phoenix virtualenv; skips the test when it is not built."""
-    # Absolute: the server is started in a working folder of its own (make passes the venv relative to the checkout).
+    # Absolute: the server is started in a working folder of its own (make passes the venv relative
+    # to the checkout).
     venv = Path(os.environ.get("AGENT_MONITOR_PHOENIX_VENV") or ROOT / ".venv-phoenix").resolve()
     exe = venv / "bin" / "phoenix"
     if not exe.exists():
-        pytest.skip(f"no Phoenix virtualenv at {venv}: run `make phoenix-venv` (pip install arize-phoenix there)")
+        pytest.skip(
+            f"no Phoenix virtualenv at {venv}: run `make phoenix-venv` (pip install "
+            "arize-phoenix there)"
+        )
     return exe
 
 
@@ -87,13 +93,17 @@ def phoenix_server(workdir: Path) -> Iterator[Phoenix]:
         env.pop(name, None)
     log = workdir / "phoenix.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(exe), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=workdir)
+        proc = subprocess.Popen(
+            [str(exe), "serve"], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=workdir
+        )
     server = Phoenix(f"http://127.0.0.1:{port}", proc, log)
     try:
         deadline = time.monotonic() + _START_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"phoenix serve exited ({proc.returncode}): {log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"phoenix serve exited ({proc.returncode}): {log.read_text()[-2000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{server.url}/healthz", timeout=2) as r:
                     if r.status == 200:
@@ -101,7 +111,9 @@ def phoenix_server(workdir: Path) -> Iterator[Phoenix]:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"phoenix serve did not answer in {_START_S:g} s: {log.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"phoenix serve did not answer in {_START_S:g} s: {log.read_text()[-2000:]}"
+                )
             time.sleep(0.5)
         yield server
     finally:

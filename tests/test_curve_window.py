@@ -1,4 +1,5 @@
-"""A tracker's curve is a bounded window; its summary and points cover the whole run (issue 14 part 3)."""
+"""A tracker's curve is a bounded window; its summary and points cover the whole run (issue 14
+part 3)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,17 @@ def answers(n: int) -> list[Answer]:
     return out
 
 
-async def run(window: int, calibration: Calibration, policy: Policy) -> tuple[AsyncProgressTracker, list[Progress]]:
+async def run(
+    window: int, calibration: Calibration, policy: Policy
+) -> tuple[AsyncProgressTracker, list[Progress]]:
     judge = FakeJudge(answers(STEPS), record=False)
     tracker = AsyncProgressTracker(
-        "count to fifty", judge=judge, curve_window=window, calibration=calibration, policy=policy, run_id="r"
+        "count to fifty",
+        judge=judge,
+        curve_window=window,
+        calibration=calibration,
+        policy=policy,
+        run_id="r",
     )
     results = [await tracker.update(f"step {i}") for i in range(1, STEPS + 1)]
     return tracker, results
@@ -48,7 +56,8 @@ async def test_a_run_ten_times_the_window_keeps_the_window_and_summarises_the_re
     assert [p.step for p in tracker.curve] == list(range(STEPS - WINDOW + 1, STEPS + 1))
     assert tracker.curve == results[-WINDOW:]
     ok = [p for p in results if p.ok]
-    assert ok and len(ok) < len(results)  # the script has failures: the summary must tell them apart
+    # the script has failures: the summary must tell them apart
+    assert ok and len(ok) < len(results)
     s = tracker.summary
     assert (s.results, s.scored, s.failed) == (STEPS, len(ok), STEPS - len(ok))
     assert s.first is results[0] and s.last is results[-1] is tracker.latest
@@ -64,7 +73,9 @@ async def test_a_run_ten_times_the_window_keeps_the_window_and_summarises_the_re
     assert len(tracker.points) == STEPS
 
 
-async def test_calibration_learns_the_same_margin_from_a_windowed_run_as_from_its_full_curve() -> None:
+async def test_calibration_learns_the_same_margin_from_a_windowed_run_as_from_its_full_curve() -> (
+    None
+):
     policy = Policy(abort_below="auto", min_steps=2, patience=2)
     small, big = Calibration(), Calibration()
     windowed, results = await run(WINDOW, small, policy)
@@ -87,7 +98,11 @@ async def test_out_of_order_results_keep_step_order_in_window_points_and_summary
     assert [p.step for p in tracker.curve] == [2, 3, 4]
     assert [p.step for p in tracker.points] == [1, 2, 3, 4]
     assert tracker.summary.first is not None and tracker.summary.first.step == 1
-    assert tracker.summary.last is tracker.latest and tracker.latest is not None and tracker.latest.step == 4
+    assert (
+        tracker.summary.last is tracker.latest
+        and tracker.latest is not None
+        and tracker.latest.step == 4
+    )
 
 
 def test_the_sync_tracker_has_the_window_summary_and_points() -> None:
@@ -112,11 +127,15 @@ async def test_the_daemon_keeps_a_window_and_export_gives_every_step(tmp_path: P
     async with Monitor(MonitorConfig(), judge=judge, store=store) as mon:
         await mon.handle(topics.of("long", "start"), json.dumps({"task": "a long run"}).encode())
         for i in range(1, steps + 1):
-            await mon.handle(topics.of("long", "step"), json.dumps({"index": i, "text": f"step {i}"}).encode())
+            await mon.handle(
+                topics.of("long", "step"), json.dumps({"index": i, "text": f"step {i}"}).encode()
+            )
             await mon.drain()  # one scoring per step: every step has its own result
         view = mon.run("long")
         assert view is not None
-        assert [p.step for p in view.curve] == list(range(steps - DEFAULT_CURVE_WINDOW + 1, steps + 1))
+        assert [p.step for p in view.curve] == list(
+            range(steps - DEFAULT_CURVE_WINDOW + 1, steps + 1)
+        )
         await mon.handle(topics.of("long", "end"), json.dumps({"outcome": "success"}).encode())
         await mon.drain()
     exported = await store.export("long")
@@ -126,7 +145,9 @@ async def test_the_daemon_keeps_a_window_and_export_gives_every_step(tmp_path: P
     assert [s["index"] for s in exported["steps"]] == list(range(1, steps + 1))
 
 
-async def test_a_restored_long_run_has_its_window_and_the_whole_runs_summary(tmp_path: Path) -> None:
+async def test_a_restored_long_run_has_its_window_and_the_whole_runs_summary(
+    tmp_path: Path,
+) -> None:
     steps = DEFAULT_CURVE_WINDOW + 20
     judge = FakeJudge(record=False)
     topics = Topics("agents")
@@ -134,7 +155,9 @@ async def test_a_restored_long_run_has_its_window_and_the_whole_runs_summary(tmp
     async with Monitor(MonitorConfig(), judge=judge, store=store) as mon:
         await mon.handle(topics.of("long", "start"), json.dumps({"task": "a long run"}).encode())
         for i in range(1, steps + 1):
-            await mon.handle(topics.of("long", "step"), json.dumps({"index": i, "text": f"step {i}"}).encode())
+            await mon.handle(
+                topics.of("long", "step"), json.dumps({"index": i, "text": f"step {i}"}).encode()
+            )
             await mon.drain()
         before = mon.tracker("long")
         assert before is not None

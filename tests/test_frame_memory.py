@@ -1,4 +1,5 @@
-"""A long run holds the pixels of the frames the budget still shows, not of every frame (issue 32's bounded memory)."""
+"""A long run holds the pixels of the frames the budget still shows, not of every frame (issue
+32's bounded memory)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def test_frames_no_prompt_will_show_lose_their_pixels_and_prompts_stay_whole() -
         held = [o for o, s in enumerate(t.steps) if s.frames[0].data]
         anchors, recent = budget.select(60)
         assert held == sorted(anchors + recent)  # the anchors and the newest frames, nothing else
-        assert all(len(s.frames) == 1 and s.frames[0].width == 16 for s in t.steps)  # sizes and digests kept
+        # sizes and digests kept
+        assert all(len(s.frames) == 1 and s.frames[0].width == 16 for s in t.steps)
         for p in judge.prompts:
             a, r = budget.select(p.step)
             images = [part.frame for part in p.parts if isinstance(part, ImagePart)]
-            assert len(images) == len(a) + len(r) and all(f.data for f in images)  # every frame shown has pixels
+            # every frame shown has pixels
+            assert len(images) == len(a) + len(r) and all(f.data for f in images)
             assert "no longer held" not in p.text()
         # Prefix-stable as before: each prompt's head is a prefix of the next one's.
         heads = [p.prefix_text() for p in judge.prompts]
@@ -49,7 +52,8 @@ async def test_an_older_prefix_scored_late_says_its_dropped_frames_are_gone() ->
         await t.add(f"tick {i}", images=[_png(i)])
     assert (await t.score(12)).ok  # anchors 0 and 8, newest 9-11: frames 1-7 no longer held
     assert [o for o, s in enumerate(t.steps) if s.frames[0].data] == [0, 8, 9, 10, 11]
-    p = await t.score(6)  # a slow, older prefix: its newest frames (3-5) are gone, and the prompt says so
+    # a slow, older prefix: its newest frames (3-5) are gone, and the prompt says so
+    p = await t.score(6)
     assert p.ok
     text = judge.prompts[-1].text()
     assert text.count("[frame no longer held]") == 3 and "Step 4: [frame no longer held]" in text

@@ -16,7 +16,8 @@ def png(w: int = 64, h: int = 32, fmt: str = "PNG") -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("fmt", "mime"), [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"), ("WEBP", "image/webp")]
+    ("fmt", "mime"),
+    [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"), ("WEBP", "image/webp")],
 )
 def test_sniff_by_magic_number(fmt: str, mime: str) -> None:
     data = png(fmt=fmt)

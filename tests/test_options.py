@@ -1,5 +1,6 @@
-"""The scoring options are written once, as TrackerOptions' fields: the four tracker forms, MonitorConfig and the
-flags are derived from them, and no second copy of the list exists in the source."""
+"""The scoring options are written once, as TrackerOptions' fields: the four tracker forms,
+MonitorConfig and the flags are derived from them, and no second copy of the list exists in the
+source."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from agent_monitor.testing import FakeJudge
 from tests.paths import REPO
 
 FORMS: list[Any] = [ProgressTracker, AsyncProgressTracker, track, atrack]
-# What a form takes besides the options: the judge, images (the task's; track's: each step's), options whole;
-# track's and atrack's checkpoints (the steps to score: the reference library's checkpoint_steps).
+# What a form takes besides the options: the judge, images (the task's; track's: each step's),
+# options whole; track's and atrack's checkpoints (the steps to score: the reference library's
+# checkpoint_steps).
 BESIDES = {"judge", "images", "options"}
 BESIDES_OF = {"track": {"checkpoints"}, "atrack": {"checkpoints"}}
 
@@ -71,15 +73,19 @@ def _call(form: Any, **keywords: Any) -> Any:
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
 def test_a_misspelt_option_is_a_type_error_naming_the_form_and_the_options(form: Any) -> None:
     with pytest.raises(
-        TypeError, match=rf"^{form.__name__}\(\) got an unexpected keyword argument 'repeat'; .*repeats"
+        TypeError,
+        match=rf"^{form.__name__}\(\) got an unexpected keyword argument 'repeat'; " r".*repeats",
     ):
         _call(form, judge=FakeJudge(), repeat=2)
     if form in (ProgressTracker, track):
-        # The reference library's forms (issue 28): no judge= means one from the environment, or this error.
+        # The reference library's forms (issue 28): no judge= means one from the environment, or
+        # this error.
         with pytest.raises(MissingJudgeError, match="no judge: pass judge="):
             _call(form, repeats=2)
         return
-    with pytest.raises(TypeError, match=rf"^{form.__name__}\(\) missing required keyword argument: 'judge'"):
+    with pytest.raises(
+        TypeError, match=rf"^{form.__name__}\(\) missing required keyword " r"argument: 'judge'"
+    ):
         _call(form, repeats=2)
 
 
@@ -93,7 +99,9 @@ def test_a_misspelt_option_is_a_type_error_naming_the_form_and_the_options(form:
         ("curve_window", 0, r"curve_window=0; use a number of results >= 1"),
     ],
 )
-def test_every_form_checks_values_with_the_options_one_check(form: Any, option: str, value: Any, message: str) -> None:
+def test_every_form_checks_values_with_the_options_one_check(
+    form: Any, option: str, value: Any, message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         _call(form, judge=FakeJudge(), **{option: value})
     with pytest.raises(ValueError, match=message):
@@ -105,7 +113,9 @@ def test_options_given_whole_and_keywords_beside_them_win() -> None:
     with ProgressTracker("t", judge=FakeJudge(["K"]), options=careful, run_id="given") as tracker:
         assert tracker.options == dataclasses.replace(careful, run_id="given")
         p = tracker.update("ran the tests")
-        assert p.run_id == "given" and tracker._core.repeats == 3 and tracker._core.curve_window == 7
+        assert (
+            p.run_id == "given" and tracker._core.repeats == 3 and tracker._core.curve_window == 7
+        )
     with pytest.raises(TypeError, match=r"options=.*use a TrackerOptions"):
         AsyncProgressTracker("t", judge=FakeJudge(), options={"repeats": 2})  # type: ignore[arg-type]
 
@@ -114,15 +124,17 @@ def test_a_monitor_config_is_options_for_its_runs() -> None:
     config = MonitorConfig(repeats=2, min_mass=0.1, extract_budget_s=0.5)
     tracker = AsyncProgressTracker("t", judge=FakeJudge(), options=config)
     assert (tracker.repeats, tracker.min_mass, tracker.extract_budget_s) == (2, 0.1, 0.5)
-    assert tracker.options.curve_window == TrackerOptions().curve_window  # what the config does not set: defaults
+    # what the config does not set: defaults
+    assert tracker.options.curve_window == TrackerOptions().curve_window
 
 
 def test_monitor_config_inherits_the_scoring_fields_and_declares_none_again() -> None:
     config_fields = {f.name: f for f in dataclasses.fields(MonitorConfig)}
     for f in dataclasses.fields(ScoringOptions):
         assert config_fields[f.name] is f, f"MonitorConfig.{f.name} is not ScoringOptions' field"
-    # Only `policy` is MonitorConfig's own: the policy defaults a start's policy overrides, a nested group whose
-    # flags are Policy's fields (the one list of policy settings); the tracker's `policy` may also be a mapping.
+    # Only `policy` is MonitorConfig's own: the policy defaults a start's policy overrides, a nested
+    # group whose flags are Policy's fields (the one list of policy settings); the tracker's
+    # `policy` may also be a mapping.
     assert set(inspect.get_annotations(MonitorConfig)) & OPTION_NAMES == {"policy"}
     assert config_fields["policy"].default_factory is Policy
     with pytest.raises(ValueError, match=r"repeats=0; use 1 or more"):
@@ -135,17 +147,30 @@ def test_the_generated_flags_of_the_scoring_settings_are_the_options_fields() ->
     actions = {a.dest: a for a in parser._actions}
     flagged = [f for f in dataclasses.fields(ScoringOptions) if f.metadata.get("cli") is not False]
     assert {f.name for f in flagged} == {
-        "repeats", "min_mass", "criteria", "extract_budget_s", "prompt_budget", "digest",
-    }  # fmt: skip
+        "repeats",
+        "min_mass",
+        "criteria",
+        "extract_budget_s",
+        "prompt_budget",
+        "digest",
+    }
     for f in flagged:
         action = actions[f.name]
         assert action.option_strings == [flag_name(f)]
         assert action.help is not None and action.help.startswith(f.metadata["help"])
-    config = build(MonitorConfig, parser.parse_args(["--repeats", "3", "--criteria", "progress", "--min-mass", "none"]))
+    config = build(
+        MonitorConfig,
+        parser.parse_args(["--repeats", "3", "--criteria", "progress", "--min-mass", "none"]),
+    )
     assert (config.repeats, config.criteria, config.min_mass) == (3, "progress", None)
     assert config.prompt_budget is None
-    assert build(MonitorConfig, parser.parse_args(["--prompt-budget", "6000"])).prompt_budget == 6000
-    assert config.digest is None and build(MonitorConfig, parser.parse_args(["--digest", "judge"])).digest == "judge"
+    assert (
+        build(MonitorConfig, parser.parse_args(["--prompt-budget", "6000"])).prompt_budget == 6000
+    )
+    assert (
+        config.digest is None
+        and build(MonitorConfig, parser.parse_args(["--digest", "judge"])).digest == "judge"
+    )
     env = {"AGENT_MONITOR_DIGEST": "qwen2.5-1.5b"}
     twin = argparse.ArgumentParser()
     add_flags(twin, MonitorConfig, env)
@@ -168,18 +193,30 @@ def _spelled(node: ast.AST) -> set[str] | None:
         a = node.args
         return {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
     if isinstance(node, ast.ClassDef):
-        return {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+        return {
+            s.target.id
+            for s in node.body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
     return None
 
 
 def test_no_second_copy_of_the_option_list_in_the_source() -> None:
-    # A copy is a def or a class that spells more than half of the options; options.py holds the one list.
+    # A copy is a def or a class that spells more than half of the options; options.py holds the one
+    # list.
     copies = []
-    for path in sorted([*(REPO / "agent_monitor").rglob("*.py"), *(REPO / "adapters").rglob("*.py")]):
+    for path in sorted(
+        [*(REPO / "agent_monitor").rglob("*.py"), *(REPO / "adapters").rglob("*.py")]
+    ):
         if path.name == "options.py" and path.parent.name == "agent_monitor":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             names = _spelled(node)
             if names is not None and len(names & OPTION_NAMES) > len(OPTION_NAMES) // 2:
-                copies.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {sorted(names & OPTION_NAMES)}")  # type: ignore[attr-defined]
-    assert copies == [], "the tracker options are spelled again (derive them from TrackerOptions instead)"
+                copies.append(
+                    f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
+                    f"{sorted(names & OPTION_NAMES)}"
+                )  # type: ignore[attr-defined]
+    assert copies == [], (
+        "the tracker options are spelled again (derive them from TrackerOptions instead)"
+    )

@@ -1,4 +1,5 @@
-"""One vocabulary, one JSON form: Progress and Decision round-trip exactly, and the wire models add and drop nothing."""
+"""One vocabulary, one JSON form: Progress and Decision round-trip exactly, and the wire models
+add and drop nothing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 
 from agent_monitor import Decision, Progress, Usage
 from agent_monitor.daemon import MonitorConfig
-from agent_monitor.progress import ERROR_REASONS, FAILURES, OUTAGE_REASONS, REFUSALS, SIGNALS, ProgressJSON
+from agent_monitor.progress import (
+    ERROR_REASONS,
+    FAILURES,
+    OUTAGE_REASONS,
+    REFUSALS,
+    SIGNALS,
+    ProgressJSON,
+)
 from agent_monitor.scale import CriterionScore
 from agent_monitor.wire import ErrorOut, ProgressOut, SignalOut, signal_json
 
@@ -66,8 +74,12 @@ def progress(draw: st.DrawFn) -> Progress:
         rubric=draw(st.text("0123456789abcdef", max_size=16)),
         coalesced=draw(st.integers(1, 50)),
         latency_s=draw(st.floats(0, 100)),
-        usage=Usage(draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), draw(st.integers(0, 10))),
-        totals=Usage(draw(st.integers(0, 10**9)), draw(st.integers(0, 10**9)), draw(st.integers(0, 10**4))),
+        usage=Usage(
+            draw(st.integers(0, 10**6)), draw(st.integers(0, 10**6)), draw(st.integers(0, 10))
+        ),
+        totals=Usage(
+            draw(st.integers(0, 10**9)), draw(st.integers(0, 10**9)), draw(st.integers(0, 10**4))
+        ),
         cost=draw(st.none() | st.floats(0, 10**4)),
         calls=draw(st.integers(0, 5)),
         calls_saved=draw(st.integers(0, 5)),
@@ -76,7 +88,9 @@ def progress(draw: st.DrawFn) -> Progress:
         signal=draw(st.none() | decision),
         run_id=draw(st.none() | st.from_regex(r"[a-z0-9][a-z0-9._:-]{0,20}", fullmatch=True)),
         degraded=draw(st.booleans()),
-        scheduled=draw(st.none() | st.sampled_from(["first", "max_gap 4", "near abort_below 0.3", "end"])),
+        scheduled=draw(
+            st.none() | st.sampled_from(["first", "max_gap 4", "near abort_below 0.3", "end"])
+        ),
         skipped=draw(st.none() | st.just("far from thresholds")),
     )
 
@@ -92,7 +106,8 @@ def test_the_wire_model_adds_and_drops_nothing(p: Progress) -> None:
     data = json.loads(json.dumps(p.to_json()))
     data["run_id"] = data["run_id"] or "r1"
     out = ProgressOut.model_validate(data)
-    # exclude_unset: `final` and `verdict` are only on a run's final result (absent from a scoring's message).
+    # exclude_unset: `final` and `verdict` are only on a run's final result (absent from a scoring's
+    # message).
     assert out.model_dump(mode="json", exclude_unset=True) == data
     assert out.to_progress() == Progress.from_json(data)
 
@@ -110,7 +125,9 @@ def test_signal_message_is_the_decision_form_plus_run_and_policy(d: Decision) ->
 
 
 def test_non_finite_numbers_become_null_never_invalid_json() -> None:
-    p = Progress(step=1, score=math.nan, uncertainty=math.inf, criteria={}, ok=True, latency_s=math.nan)
+    p = Progress(
+        step=1, score=math.nan, uncertainty=math.inf, criteria={}, ok=True, latency_s=math.nan
+    )
     data = json.loads(json.dumps(p.to_json(), allow_nan=False))
     assert data["score"] is None and data["uncertainty"] is None and data["latency_s"] == 0.0
 

@@ -28,13 +28,24 @@ def test_scale_has_twenty_letters_evenly_spaced_a_worst() -> None:
 
 @pytest.mark.parametrize(
     ("token", "letter"),
-    [("A", "A"), (" B", "B"), ("c", "C"), (" t", "T"), (">D", "D"), ("> E", "E"), ("\nF\n", "F"), ("T", "T")],
+    [
+        ("A", "A"),
+        (" B", "B"),
+        ("c", "C"),
+        (" t", "T"),
+        (">D", "D"),
+        ("> E", "E"),
+        ("\nF\n", "F"),
+        ("T", "T"),
+    ],
 )
 def test_tokens_that_are_exactly_one_letter_count(token: str, letter: str) -> None:
     assert read_letter(token) == letter
 
 
-@pytest.mark.parametrize("token", ["The", "T.", "**T**", "U", "Z", "AB", "", " ", ">", ">>A", "1", "Á"])
+@pytest.mark.parametrize(
+    "token", ["The", "T.", "**T**", "U", "Z", "AB", "", " ", ">", ">>A", "1", "Á"]
+)
 def test_other_tokens_do_not_count(token: str) -> None:
     assert read_letter(token) is None
 
@@ -82,8 +93,12 @@ def test_no_candidates_is_a_failure() -> None:
 
 
 def test_weighted_criteria_and_repeats() -> None:
-    t = LetterDistribution(probs=tuple(1.0 if letter == "T" else 0.0 for letter in LETTERS), mass=1.0)
-    a = LetterDistribution(probs=tuple(1.0 if letter == "A" else 0.0 for letter in LETTERS), mass=0.8)
+    t = LetterDistribution(
+        probs=tuple(1.0 if letter == "T" else 0.0 for letter in LETTERS), mass=1.0
+    )
+    a = LetterDistribution(
+        probs=tuple(1.0 if letter == "A" else 0.0 for letter in LETTERS), mass=0.8
+    )
     c1 = score_criterion("c1", 0.75, [t, a])  # K = 2 repeats that disagree completely
     assert c1.score == pytest.approx(0.5)
     assert c1.spread == pytest.approx(0.5)
@@ -99,7 +114,10 @@ def test_weighted_criteria_and_repeats() -> None:
 
 
 def test_weights_are_renormalised_in_aggregate() -> None:
-    c = [score_criterion("x", 2.0, [distribution({"T": 0.0})]), score_criterion("y", 2.0, [distribution({"A": 0.0})])]
+    c = [
+        score_criterion("x", 2.0, [distribution({"T": 0.0})]),
+        score_criterion("y", 2.0, [distribution({"A": 0.0})]),
+    ]
     assert aggregate(c).score == pytest.approx(0.5)
     with pytest.raises(ScoreError):
         aggregate([])
@@ -113,7 +131,13 @@ def test_pooled_uncertainty_is_law_of_total_variance() -> None:
     assert c.uncertainty == pytest.approx(pooled.dispersion)
 
 
-@given(st.dictionaries(st.sampled_from(list(LETTERS) + [" " + x for x in LETTERS]), st.floats(0.01, 1.0), min_size=1))
+@given(
+    st.dictionaries(
+        st.sampled_from(list(LETTERS) + [" " + x for x in LETTERS]),
+        st.floats(0.01, 1.0),
+        min_size=1,
+    )
+)
 def test_expectation_is_within_scale_and_probs_sum_to_one(weights: dict[str, float]) -> None:
     total = sum(weights.values())
     d = distribution({t: ln(w / total) for t, w in weights.items()})

@@ -1,4 +1,5 @@
-"""The binary scale (a rubric's `"scale": "binary"`): P(True) to "is the task complete?", the letter scale's rules."""
+"""The binary scale (a rubric's `"scale": "binary"`): P(True) to "is the task complete?", the
+letter scale's rules."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from agent_monitor.scale import ScoreError, binary_as_letters, distribution, rea
 from agent_monitor.testing import FakeJudge
 from tests.openai_server import ScriptedServer, chat_choice, chat_reply, scripted_server
 
-BINARY = {"scale": "binary", "criteria": [{"name": "done", "description": "The cube is in the bowl."}]}
+BINARY = {
+    "scale": "binary",
+    "criteria": [{"name": "done", "description": "The cube is in the bowl."}],
+}
 
 
 def _log(d: dict[str, float]) -> dict[str, float]:
@@ -29,10 +33,14 @@ def test_true_and_false_become_an_expectation_with_the_letter_rules() -> None:
         None,
         None,
     ]
-    d = distribution(binary_as_letters(_log({"True": 0.6, " true": 0.1, "False": 0.2, "The": 0.1})) or {})
+    d = distribution(
+        binary_as_letters(_log({"True": 0.6, " true": 0.1, "False": 0.2, "The": 0.1})) or {}
+    )
     assert d.expectation == pytest.approx(0.7 / 0.9) and d.mass == pytest.approx(0.9)
     assert d.dispersion == pytest.approx(math.sqrt(0.7 / 0.9 * 0.2 / 0.9))
-    with pytest.raises(ScoreError, match="none of the judge's 2 candidate tokens is True or False") as e:
+    with pytest.raises(
+        ScoreError, match="none of the judge's 2 candidate tokens is True or False"
+    ) as e:
         binary_as_letters(_log({"A": 0.5, "T": 0.5}))  # letters are not answers on this scale
     assert e.value.reason == "no_letter"
     with pytest.raises(ScoreError) as e:
@@ -49,7 +57,10 @@ def test_a_rubric_selects_it_and_the_prompt_asks_true_or_false_prefix_stably() -
     steps = [Step(i, f"moved the arm {i}") for i in range(1, 4)]
     a = build_prompt("Put the cube in the bowl", rubric, steps[:2], rubric.criteria[0])
     b = build_prompt("Put the cube in the bowl", rubric, steps, rubric.criteria[0])
-    assert a.scale == b.scale == "binary" and build_prompt("t", letters, steps, letters.criteria[0]).scale == "letters"
+    assert (
+        a.scale == b.scale == "binary"
+        and build_prompt("t", letters, steps, letters.criteria[0]).scale == "letters"
+    )
     assert "20-letter" not in a.instructions and "exactly one word, True or False" in a.instructions
     assert "Reply with one word: True (the task is complete) or False (not yet)." in a.text()
     assert b.prefix_text().startswith(a.prefix_text())  # prefix-stable as on the letter scale
@@ -64,7 +75,12 @@ def test_tracker_scores_p_true_and_fails_on_letters() -> None:
         assert t.update("reached for the cube").score == pytest.approx(0.3)
         assert t.update("dropped it in the bowl").score == pytest.approx(0.9)
         p = t.update("waited")
-        assert not p.ok and p.score is None and p.reason == "no_letter" and "True or False" in (p.error or "")
+        assert (
+            not p.ok
+            and p.score is None
+            and p.reason == "no_letter"
+            and "True or False" in (p.error or "")
+        )
     finally:
         t.close()
 

@@ -1,4 +1,5 @@
-"""The adaptive schedule in the hook and in `eval --schedule`, on the 32 shared recorded runs replayed."""
+"""The adaptive schedule in the hook and in `eval --schedule`, on the 32 shared recorded runs
+replayed."""
 
 from __future__ import annotations
 
@@ -45,16 +46,38 @@ def test_replay_judge_fails_an_unrecorded_prompt_never_scores_it() -> None:
 @pytest.mark.skipif(not DATA.exists(), reason="the shared recorded runs are not on this machine")
 @pytest.mark.xfail(
     strict=True,
-    reason="the recorded answers (tests/fixtures/adaptive) are keyed by the prompts of the layout before issue 42 "
-    "(criteria in the tail); the replay finds none for today's prompts: re-record with bench/adaptive_record.py",
+    reason="the recorded answers (tests/fixtures/adaptive) are keyed by the prompts of the "
+    "layout before issue 42 "
+    "(criteria in the tail); the replay finds none for today's prompts: re-record with "
+    "bench/adaptive_record.py",
 )
-def test_eval_schedule_every_adaptive_on_the_recorded_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Both schedules side by side, from the replayed recording: calls, tokens, aborts and their steps."""
-    code = main([
-        "eval", str(DATA), "--judge", "replay", "--judge-model", str(FIXTURE), "--max-steps", "16",
-        "--abort-below", "0.13", "--margin", "0.2", "--schedule", "every,adaptive", "--out", str(tmp_path),
-        "--cache", str(tmp_path / "cache.sqlite3"),
-    ])  # fmt: skip
+def test_eval_schedule_every_adaptive_on_the_recorded_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both schedules side by side, from the replayed recording: calls, tokens, aborts and their
+    steps."""
+    code = main(
+        [
+            "eval",
+            str(DATA),
+            "--judge",
+            "replay",
+            "--judge-model",
+            str(FIXTURE),
+            "--max-steps",
+            "16",
+            "--abort-below",
+            "0.13",
+            "--margin",
+            "0.2",
+            "--schedule",
+            "every,adaptive",
+            "--out",
+            str(tmp_path),
+            "--cache",
+            str(tmp_path / "cache.sqlite3"),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "schedule   scorings skipped  calls judge tokens" in out

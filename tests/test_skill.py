@@ -1,4 +1,5 @@
-"""The llm-as-verifier skill's files (tests/fixtures/skill: its rubric.json and prompt.md, MIT) and its self-check."""
+"""The llm-as-verifier skill's files (tests/fixtures/skill: its rubric.json and prompt.md, MIT)
+and its self-check."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ SKILL = FIXTURES / "skill"
 
 def self_check(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent_monitor", "self-check", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "agent_monitor", "self-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -31,14 +35,22 @@ def test_the_skill_rubric_loads_with_its_scale_weights_and_thresholds() -> None:
     assert [c.name for c in r.criteria] == ["specification", "output", "errors"]
     assert [c.weight for c in r.criteria] == pytest.approx([0.34, 0.33, 0.33])
     assert r.reversed_scale and "A = best (value 20)" in r.scale and r.verdicts == (0.8, 0.6)
-    assert [r.verdict(s) for s in (0.85, 0.8, 0.7, 0.6, 0.59)] == ["pass", "pass", "review", "review", "fail"]
+    assert [r.verdict(s) for s in (0.85, 0.8, 0.7, 0.6, 0.59)] == [
+        "pass",
+        "pass",
+        "review",
+        "review",
+        "fail",
+    ]
 
 
 def test_the_skill_scale_is_told_to_the_judge_and_its_letters_are_not_flipped_silently() -> None:
     # The skill's A is its best answer: an all-A judge means done, an all-T judge means failed.
     for letter, want in (("A", 1.0), ("T", 0.0), ("B", 18 / 19)):
         judge = FakeJudge([letter])
-        with ProgressTracker("reverse a string", judge=judge, criteria=str(SKILL / "rubric.json"), repeats=1) as t:
+        with ProgressTracker(
+            "reverse a string", judge=judge, criteria=str(SKILL / "rubric.json"), repeats=1
+        ) as t:
             p = t.update("wrote and tested rev")
         assert p.score == pytest.approx(want)
         prompt = judge.prompts[-1]
@@ -88,9 +100,11 @@ def test_track_gives_the_skill_rubric_verdict_on_the_final_score() -> None:
 
     done = track("t", ["a", "b"], judge=FakeJudge(["T", "A"]), criteria=str(SKILL / "rubric.json"))
     assert done.final == 1.0 and done.verdict == "pass"
-    shaky = track("t", ["a"], judge=FakeJudge(["G"]), criteria=str(SKILL / "rubric.json"))  # 1 - 6/19 = 0.684
+    # 1 - 6/19 = 0.684
+    shaky = track("t", ["a"], judge=FakeJudge(["G"]), criteria=str(SKILL / "rubric.json"))
     assert shaky.verdict == "review"
-    assert track("t", ["a"], judge=FakeJudge(["T"])).verdict is None  # no thresholds in the default rubric
+    # no thresholds in the default rubric
+    assert track("t", ["a"], judge=FakeJudge(["T"])).verdict is None
 
 
 TEMPLATE = """You grade a coding agent for the team. Be strict.
@@ -115,33 +129,52 @@ def test_a_progress_template_lays_out_the_prompt_and_stays_prefix_stable() -> No
         t.update("wrote rev")
         t.update("ran the tests: 3 passed")
     one, two = judge.prompts
-    assert one.instructions == two.instructions == "You grade a coding agent for the team. Be strict.\n\n# The task"
+    assert (
+        one.instructions
+        == two.instructions
+        == ("You grade a coding agent for the team. Be strict.\n\n# The task")
+    )
     head1, head2 = one.prefix_text(), two.prefix_text()
-    assert head2.startswith(head1) and "# What the agent did" in head1 and "reverse a string" in head1
+    assert (
+        head2.startswith(head1) and "# What the agent did" in head1 and "reverse a string" in head1
+    )
     assert "# Your answer" in one.tail[-1].text and "1 step so far" in one.tail[-1].text  # type: ignore[union-attr]
     assert t.rubric.template == TEMPLATE
     with pytest.raises(TemplateError, match="use it with compare/select"):
         ProgressTracker("t", judge=FakeJudge(), prompt=str(SKILL / "prompt.md"))
     with pytest.raises(TemplateError, match="before"):
-        ProgressTracker("t", judge=FakeJudge(), prompt="{question}\n{task}\n{criteria}\n{trajectory}")
+        ProgressTracker(
+            "t", judge=FakeJudge(), prompt="{question}\n{task}\n{criteria}\n{trajectory}"
+        )
 
 
-async def test_serve_prompt_lays_out_every_runs_prompts_and_its_own_rubric_too(tmp_path: Path) -> None:
+async def test_serve_prompt_lays_out_every_runs_prompts_and_its_own_rubric_too(
+    tmp_path: Path,
+) -> None:
     from agent_monitor.daemon import MemoryStore, Monitor, MonitorConfig
 
     path = tmp_path / "prompt.md"
     path.write_text(TEMPLATE)
     judge = FakeJudge()
-    async with Monitor(MonitorConfig(prompt=str(path)), judge=judge, store=MemoryStore()) as monitor:
+    async with Monitor(
+        MonitorConfig(prompt=str(path)), judge=judge, store=MemoryStore()
+    ) as monitor:
         await monitor.handle("agents/r1/start", json.dumps({"task": "reverse a string"}).encode())
-        own = {"task": "sort a list", "criteria": [{"name": "tests_pass", "description": "the tests pass"}]}
+        own = {
+            "task": "sort a list",
+            "criteria": [{"name": "tests_pass", "description": "the tests pass"}],
+        }
         await monitor.handle("agents/r2/start", json.dumps(own).encode())
         for run in ("r1", "r2"):
-            await monitor.handle(f"agents/{run}/step", json.dumps({"index": 1, "text": "wrote it"}).encode())
+            await monitor.handle(
+                f"agents/{run}/step", json.dumps({"index": 1, "text": "wrote it"}).encode()
+            )
         await monitor.drain()
     assert len(judge.prompts) == 2
     for prompt in judge.prompts:
-        assert prompt.instructions == "You grade a coding agent for the team. Be strict.\n\n# The task"
+        assert prompt.instructions == (
+            "You grade a coding agent for the team. Be strict.\n\n# The task"
+        )
         assert "# What the agent did" in prompt.prefix_text()
     # The run with its own rubric: its criteria in the operator's layout.
     mine = next(p for p in judge.prompts if "sort a list" in p.text())
@@ -151,10 +184,23 @@ async def test_serve_prompt_lays_out_every_runs_prompts_and_its_own_rubric_too(t
 def test_serve_prompt_is_checked_at_start_up_before_the_judge_or_broker(tmp_path: Path) -> None:
     def serve(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "agent_monitor", "serve", "--judge", "openai", "--judge-url", "http://127.0.0.1:9",
-             "--broker", "mqtt://127.0.0.1:9", *args],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "agent_monitor",
+                "serve",
+                "--judge",
+                "openai",
+                "--judge-url",
+                "http://127.0.0.1:9",
+                "--broker",
+                "mqtt://127.0.0.1:9",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     swapped = tmp_path / "swapped.md"
     swapped.write_text("{task}\n{criteria}\n{question}\n{trajectory}")
@@ -181,14 +227,20 @@ async def test_a_run_ending_under_a_rubric_with_thresholds_gets_its_verdict_on_m
 
     store = SqliteStore(tmp_path / "runs.db")
     config = MonitorConfig(
-        broker=BrokerSettings.from_url(broker.url), client_id="mon-verdict", criteria=str(SKILL / "rubric.json")
+        broker=BrokerSettings.from_url(broker.url),
+        client_id="mon-verdict",
+        criteria=str(SKILL / "rubric.json"),
     )
     async with Monitor(config, judge=FakeJudge(answer), store=store), harness(broker.port) as h:
         for run, task in (("good", "the good task"), ("shaky", "the shaky task")):
             await h.publish(run, "start", {"task": task})
             await h.publish(run, "step", {"index": 1, "text": "did it"})
         await h.until(lambda: h.last_step("good") == 1 and h.last_step("shaky") == 1)
-        assert all("verdict" not in p or p["verdict"] is None for r in ("good", "shaky") for p in h.progress(r))
+        assert all(
+            "verdict" not in p or p["verdict"] is None
+            for r in ("good", "shaky")
+            for p in h.progress(r)
+        )
         for run in ("good", "shaky"):
             await h.publish(run, "end", {"outcome": "success"})
         await h.until(lambda: all(h.progress(r)[-1].get("final") for r in ("good", "shaky")))
@@ -196,7 +248,11 @@ async def test_a_run_ending_under_a_rubric_with_thresholds_gets_its_verdict_on_m
     assert (finals["good"].verdict, finals["good"].step, finals["good"].score) == ("pass", 1, 1.0)
     assert finals["shaky"].verdict == "review"
     exported = await store.export("good")
-    assert exported is not None and exported["verdict"] == "pass" and exported["curve"][-1]["final"] is True
+    assert (
+        exported is not None
+        and exported["verdict"] == "pass"
+        and exported["curve"][-1]["final"] is True
+    )
     await store.aclose()
 
 
@@ -211,12 +267,14 @@ async def test_a_rubric_without_thresholds_sends_no_final_message(broker: Mosqui
         await h.publish("r", "step", {"index": 1, "text": "did it"})
         await h.until(lambda: h.last_step("r") == 1)
         await h.publish("r", "end", {"outcome": "success"})
-        await h.until(lambda: h.seen[("r", "signal")][-1:] == [None])  # the retained signal cleared: closed
+        # the retained signal cleared: closed
+        await h.until(lambda: h.seen[("r", "signal")][-1:] == [None])
     assert len(h.progress("r")) == 1 and not h.progress("r")[0].get("final")
 
 
 def _skill_judge(prompt: Any) -> str:
-    """A letter per tag on the skill's scale (A = best): the trajectory that ran the tests is near the best."""
+    """A letter per tag on the skill's scale (A = best): the trajectory that ran the tests is
+    near the best."""
     text, tail = prompt.prefix_text(), prompt.tail[-1].text
     slot_a = text.split("**Trajectory A:**", 1)[1].split("**Trajectory B:**", 1)[0]
     good_in_a = "3 passed" in slot_a
@@ -229,9 +287,17 @@ def test_compare_with_the_skill_pairwise_template_reads_a_letter_per_tag_in_both
 
     good, bad = ["wrote rev", "ran the tests: 3 passed"], ["wrote rev", "gave up"]
     judge = FakeJudge(_skill_judge)
-    rubric = str(SKILL / "rubric.json")  # the skill's scale (A = best), as its template tells the judge
+    # the skill's scale (A = best), as its template tells the judge
+    rubric = str(SKILL / "rubric.json")
     c = asyncio.run(
-        compare("reverse a string", good, bad, judge=judge, criteria=rubric, prompt=str(SKILL / "prompt.md"))
+        compare(
+            "reverse a string",
+            good,
+            bad,
+            judge=judge,
+            criteria=rubric,
+            prompt=str(SKILL / "prompt.md"),
+        )
     )
     # Two orders x two tags: 4 calls for each of the 3 judged criteria; e(B) = 1/19, e(R) = 17/19.
     assert c.ok and c.calls == 12 == len(judge.prompts)
@@ -240,7 +306,8 @@ def test_compare_with_the_skill_pairwise_template_reads_a_letter_per_tag_in_both
     assert reward_a > 0.9 > 0.1 > reward_b
     tags = sorted("<score_A>" in p.tail[-1].text for p in judge.prompts)
     assert tags == [False] * 6 + [True] * 6
-    # The template's own layout: its head before {task} is the instructions; the tags' prompts share their head.
+    # The template's own layout: its head before {task} is the instructions; the tags' prompts share
+    # their head.
     first = judge.prompts[0]
     assert first.instructions.startswith("# Verifier Prompt Template (directed pairwise scoring)")
     assert first.instructions.endswith("**Task:**") and "{criterion_name}" not in first.instructions
@@ -250,17 +317,24 @@ def test_compare_with_the_skill_pairwise_template_reads_a_letter_per_tag_in_both
     heads = {p.prefix_text() for p in judge.prompts}
     assert len(heads) == 6  # one per criterion and order, shared by its two tags
     # The letter is read right after the question: the template's own closing lines come before it.
-    assert all(p.tail[-1].text.strip().startswith("Give only the letter of <score_") for p in judge.prompts)
+    assert all(
+        p.tail[-1].text.strip().startswith("Give only the letter of <score_") for p in judge.prompts
+    )
 
 
-def test_select_takes_the_skill_pairwise_template_and_a_progress_template_is_refused_for_compare() -> None:
+def test_select_takes_the_skill_pairwise_template_and_a_progress_template_is_refused_for_compare() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     from agent_monitor import compare, select
 
     cands = [["wrote rev", "gave up"], ["wrote rev", "ran the tests: 3 passed"], ["looked around"]]
     prompt, rubric = str(SKILL / "prompt.md"), str(SKILL / "rubric.json")
-    s = select("reverse a string", cands, judge=FakeJudge(_skill_judge), criteria=rubric, prompt=prompt)
+    s = select(
+        "reverse a string", cands, judge=FakeJudge(_skill_judge), criteria=rubric, prompt=prompt
+    )
     assert s.method == "pairwise" and s.index == 1 and s.ranking[0] == 1
-    # Our bundled rubric describes its letters the other way (A = worst): refused with the template, not misread.
+    # Our bundled rubric describes its letters the other way (A = worst): refused with the template,
+    # not misread.
     with pytest.raises(ValueError, match="A = worst, T = best"):
         select("reverse a string", cands, judge=FakeJudge(_skill_judge), prompt=prompt)
     with pytest.raises(TemplateError, match="compare/select need a pairwise one"):
@@ -273,23 +347,36 @@ def test_select_takes_the_skill_pairwise_template_and_a_progress_template_is_ref
 @pytest.mark.timeout(600)
 @pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning")
 def test_the_skill_pairwise_template_on_a_real_model_reads_each_tag_s_letter() -> None:
-    """The packaged tiny judge, in process: every tag's prompt gives a letter distribution at the answer position."""
+    """The packaged tiny judge, in process: every tag's prompt gives a letter distribution at the
+    answer position."""
     pytest.importorskip("llama_cpp")
     from agent_monitor import LlamaCppJudge, compare
     from tests.llama_models import gemma_path
 
     judge = LlamaCppJudge(gemma_path(), n_ctx=4096)
     try:
-        good, bad = ["wrote def rev(s): return s[::-1]", "ran the tests: 3 passed"], ["wrote rev", "gave up"]
+        good, bad = (
+            ["wrote def rev(s): return s[::-1]", "ran the tests: 3 passed"],
+            ["wrote rev", "gave up"],
+        )
         c = asyncio.run(
             compare(
-                "Write a function that reverses a string.", good, bad, judge=judge,
-                criteria=str(SKILL / "rubric.json"), prompt=str(SKILL / "prompt.md"),
+                "Write a function that reverses a string.",
+                good,
+                bad,
+                judge=judge,
+                criteria=str(SKILL / "rubric.json"),
+                prompt=str(SKILL / "prompt.md"),
             )
-        )  # fmt: skip
+        )
     finally:
         judge.close()
-    # A score or a reason, never a made-up one: with the whole vocabulary read, the letters hold the mass.
+    # A score or a reason, never a made-up one: with the whole vocabulary read, the letters hold the
+    # mass.
     assert c.ok, (c.reason, c.error)
     assert c.calls == 12 and c.preference is not None and 0.0 <= c.preference <= 1.0
-    assert c.forward is not None and c.backward is not None and set(c.criteria) == {"specification", "output", "errors"}
+    assert (
+        c.forward is not None
+        and c.backward is not None
+        and set(c.criteria) == {"specification", "output", "errors"}
+    )

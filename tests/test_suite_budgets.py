@@ -1,4 +1,5 @@
-"""The suite's time limits agree with the waits inside the tests: no test is killed by pytest-timeout first.
+"""The suite's time limits agree with the waits inside the tests: no test is killed by
+pytest-timeout first.
 
 Every `timeout=N` (a literal number of seconds) given to a call inside a test function is a wait
 the test itself allows; pytest-timeout's limit for that test (its own mark, else its module's
@@ -33,8 +34,12 @@ def _timeout_mark(decorators: list[ast.expr]) -> float | None:
 
 def _module_mark(tree: ast.Module) -> float | None:
     for stmt in tree.body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets):
-            value = stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+        if isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "pytestmark" for t in stmt.targets
+        ):
+            value = (
+                stmt.value.elts if isinstance(stmt.value, (ast.List, ast.Tuple)) else [stmt.value]
+            )
             return _timeout_mark(list(value))
     return None
 
@@ -54,14 +59,21 @@ def _waits(fn: ast.AST) -> float:
 
 
 def budgets() -> list[tuple[str, float, float]]:
-    """(test, seconds its own waits allow, seconds pytest-timeout gives it) for every test with a literal wait."""
-    default = float(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"])
+    """(test, seconds its own waits allow, seconds pytest-timeout gives it) for every test with a
+    literal wait."""
+    default = float(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+            "timeout"
+        ]
+    )
     out = []
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         module = _module_mark(tree)
         for fn in tree.body:
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name.startswith("test_"):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name.startswith(
+                "test_"
+            ):
                 waits = _waits(fn)
                 if waits:
                     limit = _timeout_mark(fn.decorator_list) or module or default
@@ -71,6 +83,11 @@ def budgets() -> list[tuple[str, float, float]]:
 
 def test_each_tests_limit_covers_the_waits_it_allows_itself() -> None:
     found = budgets()
-    assert any(name.startswith("test_evaluate.py::") for name, _, _ in found)  # the scan sees the real-model tests
-    short = [f"{name}: waits up to {w:g} s, killed at {lim:g} s" for name, w, lim in found if w > lim]
-    assert not short, "give these tests a pytest.mark.timeout above their waits:\n" + "\n".join(short)
+    # the scan sees the real-model tests
+    assert any(name.startswith("test_evaluate.py::") for name, _, _ in found)
+    short = [
+        f"{name}: waits up to {w:g} s, killed at {lim:g} s" for name, w, lim in found if w > lim
+    ]
+    assert not short, "give these tests a pytest.mark.timeout above their waits:\n" + "\n".join(
+        short
+    )

@@ -31,7 +31,10 @@ async def test_weighted_criteria_one_call_each_sharing_the_prefix() -> None:
         return "T" if p.criterion == "done" else "A"
 
     judge = FakeJudge(answer)
-    crit = [{"name": "done", "description": "is it done", "weight": 3}, {"name": "tidy", "description": "is it tidy"}]
+    crit = [
+        {"name": "done", "description": "is it done", "weight": 3},
+        {"name": "tidy", "description": "is it tidy"},
+    ]
     t = AsyncProgressTracker("task", judge=judge, criteria=crit)
     p = await t.update("did it")
     assert p.ok and p.score == pytest.approx(0.75) and p.calls == 2
@@ -40,7 +43,11 @@ async def test_weighted_criteria_one_call_each_sharing_the_prefix() -> None:
 
 
 async def test_judge_failure_is_reported_never_scored() -> None:
-    judge = FakeJudge(lambda p: JudgeError("server_error", "HTTP 503", retryable=True), max_retries=1, backoff_s=0.001)
+    judge = FakeJudge(
+        lambda p: JudgeError("server_error", "HTTP 503", retryable=True),
+        max_retries=1,
+        backoff_s=0.001,
+    )
     seen = []
     t = AsyncProgressTracker("task", judge=judge, on_progress=seen.append)
     p = await t.update("x")
@@ -52,7 +59,12 @@ async def test_partial_criteria_failure_fails_the_step_but_keeps_what_scored() -
     judge = FakeJudge(lambda p: "K" if p.criterion == "a" else "The")
     t = AsyncProgressTracker("task", judge=judge, criteria={"a": "x", "b": "y"})
     p = await t.update("x")
-    assert not p.ok and p.score is None and p.reason == "no_letter" and "criterion 'b'" in (p.error or "")
+    assert (
+        not p.ok
+        and p.score is None
+        and p.reason == "no_letter"
+        and "criterion 'b'" in (p.error or "")
+    )
     assert set(p.criteria) == {"a"}
 
 
@@ -185,7 +197,9 @@ def test_track_scores_every_prefix_offline() -> None:
 async def test_atrack_in_order_for_prefix_caches() -> None:
     judge = FakeJudge()
     curve = await atrack("task", [f"s{i}" for i in range(5)], judge=judge)
-    assert [p.step for p in judge.prompts] == [1, 2, 3, 4, 5] and curve[-1].score == pytest.approx(5 / 19)
+    assert [p.step for p in judge.prompts] == [1, 2, 3, 4, 5] and curve[-1].score == pytest.approx(
+        5 / 19
+    )
 
 
 def test_invalid_arguments_are_clear() -> None:
@@ -205,11 +219,13 @@ async def test_trackers_sharing_a_judge_tell_it_which_run_each_call_is() -> None
         await anonymous.update(f"step {i}")
         await other.update(f"step {i}")
     keys = [r.run_key for r in judge.requests]
-    # One stable key per tracker, with no code of the caller's: the run id, else an id of the tracker's own.
+    # One stable key per tracker, with no code of the caller's: the run id, else an id of the
+    # tracker's own.
     assert keys[0::3] == ["r-1"] * 3 and named.run_key == "r-1"
     assert keys[1::3] == [anonymous.run_key] * 3 and keys[2::3] == [other.run_key] * 3
     assert len({named.run_key, anonymous.run_key, other.run_key}) == 3
-    # The key never enters the prompt: the prompt stays a function of the trajectory (prefix stability).
+    # The key never enters the prompt: the prompt stays a function of the trajectory (prefix
+    # stability).
     assert all(anonymous.run_key not in p.text() for p in judge.prompts)
 
 

@@ -49,19 +49,21 @@ def budget(seconds: float) -> Iterator[None]:
 
 
 def within(fn: Callable[[], Any], seconds: float, what: str) -> Any:
-    """Call `fn()` under a budget of `seconds`; BudgetExceeded if it ran over, even if it returned."""
+    """Call `fn()` under a budget of `seconds`; BudgetExceeded if it ran over, even if it
+    returned."""
     start = time.monotonic()
     with budget(seconds):
         result = fn()
-    # Python code (a registered extractor or rule) cannot be stopped; its late answer is not used either,
-    # so one slow step costs the same whether the time went to patterns or to code.
+    # Python code (a registered extractor or rule) cannot be stopped; its late answer is not used
+    # either, so one slow step costs the same whether the time went to patterns or to code.
     if time.monotonic() - start > seconds:
         raise BudgetExceeded(what, seconds)
     return result
 
 
 class Pattern:
-    """A compiled pattern that stops at the end of the current budget (the `regex` package; `re` syntax)."""
+    """A compiled pattern that stops at the end of the current budget (the `regex` package; `re`
+    syntax)."""
 
     __slots__ = ("_rx", "groupindex", "groups", "pattern")
 

@@ -11,8 +11,11 @@ from .budget import Pattern, error
 _C = TypeVar("_C", bound=type)
 
 
-def check_number(owner: str, name: str, value: object, lo: float, hi: float, *, integer: bool = False) -> None:
-    # Config arrives as JSON/YAML: a "2000" string or a bool must fail here, not deep inside a transform.
+def check_number(
+    owner: str, name: str, value: object, lo: float, hi: float, *, integer: bool = False
+) -> None:
+    # Config arrives as JSON/YAML: a "2000" string or a bool must fail here, not deep inside a
+    # transform.
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
         kind = "an integer" if integer else "a number"
@@ -33,10 +36,15 @@ def known(registry: Mapping[str, object]) -> str:
     return ", ".join(sorted(registry))
 
 
-def instantiate(kind: str, name: str, factory: Callable[..., Any], params: Mapping[str, Any]) -> Any:
-    """Call `factory(**params)`, turning unknown, missing or invalid parameters into a ValueError that says which."""
+def instantiate(
+    kind: str, name: str, factory: Callable[..., Any], params: Mapping[str, Any]
+) -> Any:
+    """Call `factory(**params)`, turning unknown, missing or invalid parameters into a ValueError
+    that says which."""
     try:
-        accepted = [p for p in inspect.signature(factory).parameters.values() if not p.name.startswith("_")]
+        accepted = [
+            p for p in inspect.signature(factory).parameters.values() if not p.name.startswith("_")
+        ]
     except (TypeError, ValueError):  # builtins without a signature: let the call speak for itself
         accepted = []
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted)
@@ -54,14 +62,17 @@ def instantiate(kind: str, name: str, factory: Callable[..., Any], params: Mappi
 
 
 def registrar(registry: MutableMapping[str, Any], kind: str, key: str) -> Callable[[_C], _C]:
-    """A class decorator adding the class to `registry` under `key`; another class under a taken key is an error."""
+    """A class decorator adding the class to `registry` under `key`; another class under a taken
+    key is an error."""
     if not key or not isinstance(key, str):
         raise ValueError(f"{kind} name must be a non-empty string, got {key!r}")
 
     def add(cls: _C) -> _C:
         taken = registry.get(key)
         if taken is not None and taken is not cls:
-            raise ValueError(f"{kind} name {key!r} is already taken by {taken.__qualname__}; pick another name")
+            raise ValueError(
+                f"{kind} name {key!r} is already taken by {taken.__qualname__}; pick another name"
+            )
         registry[key] = cls
         return cls
 

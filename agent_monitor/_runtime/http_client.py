@@ -1,6 +1,7 @@
 """A lean HTTP/1.1 client for one request shape: POST a body, read the reply, keep the connection.
 
-Used by the judge's transport (judges/_openai_transport.py) and the Phoenix sink (daemon/_phoenix.py).
+Used by the judge's transport (judges/_openai_transport.py) and the Phoenix sink
+(daemon/_phoenix.py).
 
 The OpenAI SDK builds request options, headers and a pydantic model of every reply (for a
 20-way `top_logprobs` answer, hundreds of objects) on each call; a judge call needs none of
@@ -61,18 +62,22 @@ class _Conn:
         with contextlib.suppress(Exception):
             transport = self.writer.transport
             if transport.get_write_buffer_size():
-                # Bytes not yet written (a server that answered, or stopped reading, before taking the whole
-                # request body): a graceful close would keep them, megabytes of prompt, until the server reads
-                # them, which it may never do. Dropped with the connection instead.
+                # Bytes not yet written (a server that answered, or stopped reading, before taking
+                # the whole request body): a graceful close would keep them, megabytes of prompt,
+                # until the server reads them, which it may never do. Dropped with the connection
+                # instead.
                 transport.abort()
             else:
                 self.writer.close()
 
 
 class WirePool:
-    """Keep-alive connections to one server (`base_url`), at most `max_connections` open, idle ones reused."""
+    """Keep-alive connections to one server (`base_url`), at most `max_connections` open, idle
+    ones reused."""
 
-    def __init__(self, base_url: str, *, headers: dict[str, str], max_connections: int = 64) -> None:
+    def __init__(
+        self, base_url: str, *, headers: dict[str, str], max_connections: int = 64
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base_url={base_url!r}: use an http:// or https:// URL")
@@ -90,8 +95,11 @@ class WirePool:
         """Connections opened so far (reuse shows as requests > opened)."""
         self.requests = 0
 
-    async def request(self, method: str, path: str, body: bytes | None, *, timeout_s: float) -> WireReply:
-        """Send one request and read its whole reply within `timeout_s`; raise WireTimeout / WireConnectionError."""
+    async def request(
+        self, method: str, path: str, body: bytes | None, *, timeout_s: float
+    ) -> WireReply:
+        """Send one request and read its whole reply within `timeout_s`; raise WireTimeout /
+        WireConnectionError."""
         url = self.base_url + path
         async with self._slots:
             try:
@@ -109,10 +117,14 @@ class WirePool:
             except _Stale:
                 conn.close()
                 if reused:
-                    continue  # the server closed an idle connection under us: a fresh one, once per idle conn
-                raise WireConnectionError("the server closed the connection before replying") from None
+                    # the server closed an idle connection under us: a fresh one, once per idle conn
+                    continue
+                raise WireConnectionError(
+                    "the server closed the connection before replying"
+                ) from None
             except BaseException:
-                conn.close()  # a cancelled or broken exchange leaves the connection in an unknown state
+                # a cancelled or broken exchange leaves the connection in an unknown state
+                conn.close()
                 raise
             self.requests += 1
             if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
@@ -130,7 +142,9 @@ class WirePool:
         self.opened += 1
         return _Conn(reader, writer)
 
-    async def _roundtrip(self, conn: _Conn, method: str, target: str, body: bytes | None, url: str) -> WireReply:
+    async def _roundtrip(
+        self, conn: _Conn, method: str, target: str, body: bytes | None, url: str
+    ) -> WireReply:
         h = conn.h11
         headers = [*self._headers, ("Content-Length", str(len(body or b"")))]
         out = h.send(h11.Request(method=method, target=target, headers=headers))
@@ -156,7 +170,9 @@ class WirePool:
                     continue
                 if isinstance(event, h11.Response):
                     status = event.status_code
-                    reply_headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers}
+                    reply_headers = {
+                        k.decode("latin-1").lower(): v.decode("latin-1") for k, v in event.headers
+                    }
                 elif isinstance(event, h11.Data):
                     size += len(event.data)
                     if size > MAX_REPLY_BYTES:

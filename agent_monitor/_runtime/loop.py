@@ -1,4 +1,5 @@
-"""An event loop on a daemon thread, reached through an anyio BlockingPortal: where the sync hook's async core runs.
+"""An event loop on a daemon thread, reached through an anyio BlockingPortal: where the sync hook's
+async core runs.
 
 anyio's `start_blocking_portal` runs its loop on an executor thread that interpreter exit waits
 for, so a script that forgot `judge.close()` never exited; a daemon thread does not hold the
@@ -24,7 +25,9 @@ class LoopThread:
         self._thread.start()
         self._ready.wait()
         if self._error is not None:
-            raise RuntimeError(f"the background event loop did not start: {self._error}") from self._error
+            raise RuntimeError(
+                f"the background event loop did not start: {self._error}"
+            ) from self._error
 
     @property
     def portal(self) -> BlockingPortal:

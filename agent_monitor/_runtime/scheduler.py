@@ -1,4 +1,5 @@
-"""The scoring scheduler: fair across runs, coalescing within a run (the one implementation, hook and daemon alike).
+"""The scoring scheduler: fair across runs, coalescing within a run (the one implementation, hook
+and daemon alike).
 
 Each key (a run) is in the ready queue at most once and is never scored by two workers at
 once. A worker takes the key that has waited longest and calls `score(key)`, which scores that
@@ -25,7 +26,12 @@ K = TypeVar("K", bound=Hashable)
 class Scheduler(Generic[K]):
     """A fair, coalescing ready queue of keys, served by `worker()` loops the caller runs."""
 
-    def __init__(self, score: Callable[[K], Awaitable[object]], *, on_depth: Callable[[int], object] | None = None):
+    def __init__(
+        self,
+        score: Callable[[K], Awaitable[object]],
+        *,
+        on_depth: Callable[[int], object] | None = None,
+    ):
         self._score = score
         self._on_depth = on_depth
         self._ready: asyncio.Queue[K] = asyncio.Queue()
@@ -41,7 +47,8 @@ class Scheduler(Generic[K]):
         return len(self._queued)
 
     def wake(self, key: K) -> None:
-        """Say `key` may have new work: queue it unless it is queued already (or re-queue it after its scoring)."""
+        """Say `key` may have new work: queue it unless it is queued already (or re-queue it
+        after its scoring)."""
         if key in self._inflight:
             self._again.add(key)
             return
@@ -54,7 +61,8 @@ class Scheduler(Generic[K]):
             self._on_depth(len(self._queued))
 
     def discard(self, key: K) -> None:
-        """Forget `key` (its run is gone): a queued entry is skipped, a running scoring is not re-queued."""
+        """Forget `key` (its run is gone): a queued entry is skipped, a running scoring is not
+        re-queued."""
         self._queued.discard(key)
         self._again.discard(key)
         self._check_idle()
@@ -73,7 +81,8 @@ class Scheduler(Generic[K]):
             await self._idle.wait()
 
     async def worker(self) -> None:
-        """Serve forever: take the key waiting longest and score it; scoring errors are logged, never fatal."""
+        """Serve forever: take the key waiting longest and score it; scoring errors are logged,
+        never fatal."""
         while True:
             key = await self._ready.get()
             if key not in self._queued:
@@ -85,8 +94,8 @@ class Scheduler(Generic[K]):
             try:
                 await self._score(key)
             except Exception:
-                # The score callback reports its own failures; one escaping here is a bug, and must not stop
-                # this worker (it serves every run).
+                # The score callback reports its own failures; one escaping here is a bug, and must
+                # not stop this worker (it serves every run).
                 log.exception("scoring_crashed", key=str(key))
             finally:
                 self._inflight.discard(key)

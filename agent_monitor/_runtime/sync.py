@@ -1,4 +1,5 @@
-"""The one way the synchronous forms use the async objects: on the judge's background loop, else a private one.
+"""The one way the synchronous forms use the async objects: on the judge's background loop, else a
+private one.
 
 `ProgressTracker`, `track`, `select` and `GroupTracker` are the async objects run from
 synchronous code. A `BaseJudge` owns a background loop (its HTTP client or model lives there),
@@ -25,11 +26,13 @@ T = TypeVar("T")
 
 
 class Blocking:
-    """Calls from synchronous code into the loop an async object runs on: the judge's own, or a private thread's."""
+    """Calls from synchronous code into the loop an async object runs on: the judge's own, or a
+    private thread's."""
 
     def __init__(self, judge: object, name: str) -> None:
         self._own: LoopThread | None = None
-        # A judge (BaseJudge) owns a loop and hands out its portal; duck-typed, so this plumbing stays below judges.
+        # A judge (BaseJudge) owns a loop and hands out its portal; duck-typed, so this plumbing
+        # stays below judges.
         portal_of = getattr(judge, "_portal", None)
         if callable(portal_of):
             self.portal: BlockingPortal = portal_of()
@@ -42,15 +45,18 @@ class Blocking:
     @overload
     def call(self, fn: Callable[..., T], *args: Any) -> T: ...
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` (a coroutine function, or a plain one that must run on the loop) and block until it returns."""
+        """Run `fn(*args)` (a coroutine function, or a plain one that must run on the loop) and
+        block until it returns."""
         return self.portal.call(fn, *args)
 
     def within(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """`call(fn)` in a copy of the caller's context variables (its OpenTelemetry span, structlog's context)."""
+        """`call(fn)` in a copy of the caller's context variables (its OpenTelemetry span,
+        structlog's context)."""
         return self.portal.call(_run_in, contextvars.copy_context(), fn)
 
     def enter(self, cm: Any) -> AbstractContextManager[Any]:
-        """Enter an async context manager on the loop; the returned manager's `__exit__` leaves it there."""
+        """Enter an async context manager on the loop; the returned manager's `__exit__` leaves
+        it there."""
         wrapped = self.portal.wrap_async_context_manager(cm)
         wrapped.__enter__()
         return wrapped
@@ -71,7 +77,8 @@ async def _run_in(context: contextvars.Context, fn: Callable[[], Awaitable[T]]) 
 
 
 def run_blocking(judge: object, fn: Callable[[], Awaitable[T]], name: str) -> T:
-    """Run `fn()` to completion from synchronous code: on the judge's loop, else on a private loop that ends with it.
+    """Run `fn()` to completion from synchronous code: on the judge's loop, else on a private loop
+    that ends with it.
 
     The caller's context variables go along (its OpenTelemetry span, structlog's bound context).
     """
@@ -85,7 +92,8 @@ def run_blocking(judge: object, fn: Callable[[], Awaitable[T]], name: str) -> T:
 def twin_of(
     afn: Callable[P, Coroutine[Any, Any, T]],
 ) -> Callable[[Callable[..., T]], Callable[P, T]]:
-    """Give a synchronous twin `afn`'s parameters (typed by a ParamSpec, signed with its signature): written once.
+    """Give a synchronous twin `afn`'s parameters (typed by a ParamSpec, signed with its signature):
+    written once.
 
     The twin's body calls `run_blocking(judge, partial(afn, *args, **kwargs), name)`.
     """

@@ -1,4 +1,5 @@
-"""`agent-monitor config`: serve's effective settings and where each came from (flag, env, file or default)."""
+"""`agent-monitor config`: serve's effective settings and where each came from (flag, env, file
+or default)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ from ._flags import _shown, file_key, leaves, origin, secret, value_of
 MASK = "***"
 
 
-def settings(args: argparse.Namespace, argv: Sequence[str], options: Sequence[type]) -> list[dict[str, Any]]:
-    """Each of serve's settings: its flag, file key, environment twin, effective value (secrets masked), origin.
+def settings(
+    args: argparse.Namespace, argv: Sequence[str], options: Sequence[type]
+) -> list[dict[str, Any]]:
+    """Each of serve's settings: its flag, file key, environment twin, effective value (secrets
+    masked), origin.
 
-    `options`: the settings classes serve's flags are made from (the command line's own, handed in by it).
+    `options`: the settings classes serve's flags are made from (the command line's own, handed in
+    by it).
     """
     out = []
     for cls in options:
@@ -28,7 +33,9 @@ def settings(args: argparse.Namespace, argv: Sequence[str], options: Sequence[ty
                     "flag": leaf.flag,
                     "key": file_key(leaf.flag),
                     "env": leaf.env,
-                    "value": MASK if masked else (list(value) if isinstance(value, tuple) else value),
+                    "value": MASK
+                    if masked
+                    else (list(value) if isinstance(value, tuple) else value),
                     "from": origin(args, leaf, argv),
                 }
             )
@@ -36,7 +43,8 @@ def settings(args: argparse.Namespace, argv: Sequence[str], options: Sequence[ty
 
 
 def print_config(args: argparse.Namespace, argv: Sequence[str], options: Sequence[type]) -> int:
-    """Print the effective settings, a table (or JSON lines with --json); those not at their default first."""
+    """Print the effective settings, a table (or JSON lines with --json); those not at their
+    default first."""
     rows = settings(args, argv, options)
     rows.sort(key=lambda r: r["from"] == "default")  # stable: the file's order within each part
     if args.json:
@@ -44,11 +52,15 @@ def print_config(args: argparse.Namespace, argv: Sequence[str], options: Sequenc
             print(json.dumps(r))
         return 0
     where = f"settings file {args.config}" if args.config else "no settings file (--config FILE)"
-    print(f"# agent-monitor serve: {where}; precedence flag > env > file > default", file=sys.stderr)
+    print(
+        f"# agent-monitor serve: {where}; precedence flag > env > file > default", file=sys.stderr
+    )
     width = max(len(r["key"]) for r in rows)
     for r in rows:
         value = r["value"]
-        shown = value if value == MASK else _shown(tuple(value) if isinstance(value, list) else value)
+        shown = (
+            value if value == MASK else _shown(tuple(value) if isinstance(value, list) else value)
+        )
         print(f"{r['key']:<{width}}  {r['from']:<7}  {shown}")
     return 0
 

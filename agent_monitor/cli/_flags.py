@@ -1,4 +1,5 @@
-"""Command-line flags generated from settings dataclasses: a field's default and help are written once, on the field.
+"""Command-line flags generated from settings dataclasses: a field's default and help are written
+once, on the field.
 
 Each field becomes `--field-name` (a trailing `_s` dropped: `hold_s` is `--hold`) unless its
 metadata names the flag, with an environment twin `AGENT_MONITOR_FIELD_NAME` (or metadata
@@ -36,7 +37,8 @@ _SECRET_WORDS = ("token", "key", "password", "secret", "auth")
 
 
 class Settings(Mapping[str, str]):
-    """Where flags take their defaults from: the environment, then a settings file (`--config monitor.toml`).
+    """Where flags take their defaults from: the environment, then a settings file (`--config
+    monitor.toml`).
 
     A Mapping of the environment (what `add_flags` always read) that also carries the file's values,
     keyed as the file writes them: a flag's long name without its dashes, `-` as `_`
@@ -45,7 +47,9 @@ class Settings(Mapping[str, str]):
     the nearest known one. Precedence: a flag given > its environment twin > the file > the default.
     """
 
-    def __init__(self, environ: Mapping[str, str], file: Mapping[str, Any] | None = None, path: str = "") -> None:
+    def __init__(
+        self, environ: Mapping[str, str], file: Mapping[str, Any] | None = None, path: str = ""
+    ) -> None:
         self.environ = environ
         self.file: dict[str, Any] = dict(file or {})
         self.path = path
@@ -54,7 +58,8 @@ class Settings(Mapping[str, str]):
 
     @classmethod
     def load(cls, environ: Mapping[str, str], path: str | None) -> Settings:
-        """The environment with the settings file at `path` (None: no file); FlagError for a file it cannot read."""
+        """The environment with the settings file at `path` (None: no file); FlagError for a file
+        it cannot read."""
         if not path:
             return cls(environ)
         import tomllib
@@ -63,7 +68,9 @@ class Settings(Mapping[str, str]):
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
         except OSError as e:
-            raise FlagError(f"--config {path}: {e.strerror or e}; pass the path of a TOML settings file") from None
+            raise FlagError(
+                f"--config {path}: {e.strerror or e}; pass the path of a TOML settings file"
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise FlagError(f"--config {path}: not TOML: {e}") from None
         flat: dict[str, Any] = {}
@@ -71,14 +78,19 @@ class Settings(Mapping[str, str]):
             if isinstance(value, dict):
                 if key != "serve":
                     raise FlagError(
-                        f"--config {path}: unknown table [{key}]; settings go at the top level or in [serve]"
+                        f"--config {path}: unknown table [{key}]; settings go at the top "
+                        "level or in [serve]"
                     )
                 for k, v in value.items():
                     if k in flat:
-                        raise FlagError(f"--config {path}: {k} is set twice (at the top level and in [serve])")
+                        raise FlagError(
+                            f"--config {path}: {k} is set twice (at the top level and in [serve])"
+                        )
                     flat[k] = v
             elif key in flat:
-                raise FlagError(f"--config {path}: {key} is set twice (at the top level and in [serve])")
+                raise FlagError(
+                    f"--config {path}: {key} is set twice (at the top level and in [serve])"
+                )
             else:
                 flat[key] = value
         return cls(environ, flat, path)
@@ -110,7 +122,11 @@ class Settings(Mapping[str, str]):
         for key in self.file:
             if key not in self.known:
                 near = difflib.get_close_matches(key, list(self.known), n=1)
-                hint = f"; did you mean {near[0]}?" if near else "; keys are serve's long flags with - as _"
+                hint = (
+                    f"; did you mean {near[0]}?"
+                    if near
+                    else ("; keys are serve's long flags with - as _")
+                )
                 raise FlagError(f"--config {self.path}: unknown key {key!r}{hint}")
 
 
@@ -125,7 +141,8 @@ def secret(flag: str) -> bool:
 
 
 def _from_file(leaf: _Leaf, value: Any, where: str) -> Any:
-    """A settings file's TOML value as the leaf's flag would read it; FlagError naming the key for a wrong one."""
+    """A settings file's TOML value as the leaf's flag would read it; FlagError naming the key
+    for a wrong one."""
     if leaf.many:
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(i, str | int | float) and not isinstance(i, bool) for i in items):
@@ -142,7 +159,9 @@ def _from_file(leaf: _Leaf, value: Any, where: str) -> Any:
     if isinstance(value, str) and (word := _word(leaf, value)) is not None:
         return word
     if leaf.kind in (int, float) and isinstance(value, str):
-        raise FlagError(f"{where} = {value!r}: give {_what(leaf, none=leaf.optional)} (a TOML number, unquoted)")
+        raise FlagError(
+            f"{where} = {value!r}: give {_what(leaf, none=leaf.optional)} (a TOML number, unquoted)"
+        )
     if leaf.kind is int and isinstance(value, float):
         raise FlagError(f"{where} = {value!r}: give an integer")
     converted = leaf.kind(value)
@@ -198,12 +217,14 @@ def _hint(cls: type, f: dataclasses.Field[Any]) -> Any:
     if not isinstance(f.type, str):
         return f.type
     owner = next(k for k in cls.__mro__ if f.name in inspect.get_annotations(k))
-    # The annotation is our own source text (from __future__ annotations), not input: evaluating it is safe.
+    # The annotation is our own source text (from __future__ annotations), not input: evaluating it
+    # is safe.
     return eval(f.type, vars(sys.modules[owner.__module__]))
 
 
 def _leaves(cls: type, default: Any, path: tuple[str, ...]) -> list[tuple[str | None, list[_Leaf]]]:
-    """(group title, leaves) for `cls`: its own scalar fields first, then one group per nested dataclass."""
+    """(group title, leaves) for `cls`: its own scalar fields first, then one group per nested
+    dataclass."""
     own: list[_Leaf] = []
     groups: list[tuple[str | None, list[_Leaf]]] = []
     for f in dataclasses.fields(cls):
@@ -262,7 +283,9 @@ def _leaf(f: dataclasses.Field[Any], hint: Any, default: Any, path: tuple[str, .
 
 def _parse(leaf: _Leaf, raw: str) -> Any:
     if leaf.many:
-        return tuple(p.strip() for p in raw.split(leaf.split if leaf.many == "append" else ",") if p.strip())
+        return tuple(
+            p.strip() for p in raw.split(leaf.split if leaf.many == "append" else ",") if p.strip()
+        )
     if leaf.kind is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
@@ -291,7 +314,11 @@ def _word(leaf: _Leaf, raw: str) -> str | None:
 
 def _what(leaf: _Leaf, *, none: bool = False) -> str:
     """What a leaf's value must be, for error messages ("a number, auto or none")."""
-    items = [{int: "an integer", float: "a number"}.get(leaf.kind, "a value"), *leaf.words, *(["none"] if none else [])]
+    items = [
+        {int: "an integer", float: "a number"}.get(leaf.kind, "a value"),
+        *leaf.words,
+        *(["none"] if none else []),
+    ]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
@@ -306,18 +333,24 @@ def _shown(value: Any) -> str:
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's help with each hand-written option's default shown as a generated flag shows its own.
+    """argparse's help with each hand-written option's default shown as a generated flag shows its
+    own.
 
-    Generated flags carry `(default: X)` in their help already; switches are off unless given; an option
-    whose default is None says in its own help what that means.
+    Generated flags carry `(default: X)` in their help already; switches are off unless given; an
+    option whose default is None says in its own help what that means.
     """
 
     def add_argument(self, action: argparse.Action) -> None:
-        """Measure subcommands at the indent they are printed at (argparse leaves it out: long names wrap)."""
+        """Measure subcommands at the indent they are printed at (argparse leaves it out: long
+        names wrap)."""
         super().add_argument(action)
         if isinstance(action, argparse._SubParsersAction) and action.help is not argparse.SUPPRESS:
             for sub in action._get_subactions():
-                width = len(self._format_action_invocation(sub)) + self._current_indent + self._indent_increment
+                width = (
+                    len(self._format_action_invocation(sub))
+                    + self._current_indent
+                    + self._indent_increment
+                )
                 self._action_max_length = max(self._action_max_length, width)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -337,7 +370,11 @@ def _metavar(leaf: _Leaf) -> str | None:
     if leaf.choices or leaf.kind is bool:
         return None
     if leaf.many:
-        return "A,B" if leaf.many == "comma" else leaf.path[-1].removesuffix("s").split("_")[-1].upper()
+        return (
+            "A,B"
+            if leaf.many == "comma"
+            else leaf.path[-1].removesuffix("s").split("_")[-1].upper()
+        )
     if leaf.path[-1].endswith("_s") or leaf.path[-1].endswith("timeout"):
         return "SECONDS"
     base = {int: "N", float: "X"}.get(leaf.kind) or leaf.flag[2:].split("-")[-1].upper()
@@ -353,13 +390,16 @@ def add_flags(
     only: Sequence[str] | None = None,
     title: str | None = None,
 ) -> None:
-    """Add a flag for each field of `cls` (nested ones in groups), defaults from `default` or the environment.
+    """Add a flag for each field of `cls` (nested ones in groups), defaults from `default` or the
+    environment.
 
     `only` keeps the fields with those names (nested paths as `policy.min_steps`).
     """
     base = default if default is not None else cls()
     for group_title, leaves in _leaves(cls, base, ()):
-        chosen = [lf for lf in leaves if only is None or ".".join(lf.path) in only or lf.path[-1] in only]
+        chosen = [
+            lf for lf in leaves if only is None or ".".join(lf.path) in only or lf.path[-1] in only
+        ]
         if not chosen:
             continue
         target: Any = parser
@@ -375,13 +415,27 @@ def add_flags(
             dest = _SEP.join(lf.path)
             text = f"{lf.help} (default: {_shown(lf.default)}) [{lf.env}]".lstrip()
             if lf.kind is bool:
-                target.add_argument(lf.flag, dest=dest, action="store_true", default=value, help=text)
+                target.add_argument(
+                    lf.flag, dest=dest, action="store_true", default=value, help=text
+                )
             elif lf.many == "append":
-                target.add_argument(lf.flag, dest=dest, action="append", default=None, help=text, metavar=_metavar(lf))
+                target.add_argument(
+                    lf.flag,
+                    dest=dest,
+                    action="append",
+                    default=None,
+                    help=text,
+                    metavar=_metavar(lf),
+                )
                 parser.set_defaults(**{dest + _SEP + "env": value})
             elif lf.many == "comma":
                 target.add_argument(
-                    lf.flag, dest=dest, type=functools.partial(_parse, lf), default=value, help=text, metavar="A,B"
+                    lf.flag,
+                    dest=dest,
+                    type=functools.partial(_parse, lf),
+                    default=value,
+                    help=text,
+                    metavar="A,B",
                 )
             else:
                 parser.set_defaults(**{dest + _SEP + "given": origin != "default"})
@@ -398,7 +452,8 @@ def add_flags(
 
 
 class _Given(argparse.Action):
-    """Store the value and note that the flag was given (its value may equal the default: `--abort-below none`)."""
+    """Store the value and note that the flag was given (its value may equal the default:
+    `--abort-below none`)."""
 
     def __call__(
         self,
@@ -412,7 +467,10 @@ class _Given(argparse.Action):
 
 
 def given(args: argparse.Namespace, group: str) -> tuple[str, ...]:
-    """The fields of a nested settings group (e.g. "policy") whose flag or environment twin was given."""
+    """The fields of a nested settings group (e.g.
+
+    "policy") whose flag or environment twin was given.
+    """
     head, tail = group + _SEP, _SEP + "given"
     return tuple(
         sorted(
@@ -434,9 +492,12 @@ def _typed(leaf: _Leaf) -> Any:
         except ValueError:
             if not leaf.words:
                 raise  # argparse's own "invalid float value: 'x'"
-            raise argparse.ArgumentTypeError(f"{raw!r} is not {_what(leaf, none=leaf.optional)}") from None
+            raise argparse.ArgumentTypeError(
+                f"{raw!r} is not {_what(leaf, none=leaf.optional)}"
+            ) from None
 
-    convert.__name__ = leaf.kind.__name__  # argparse names the type in its "invalid ... value" message
+    # argparse names the type in its "invalid ... value" message
+    convert.__name__ = leaf.kind.__name__
     return convert
 
 
@@ -450,7 +511,9 @@ def build(cls: type[D], args: argparse.Namespace, *, default: D | None = None, *
     return _build(cls, base, args, (), fixed)  # type: ignore[no-any-return]
 
 
-def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...], fixed: dict[str, Any]) -> Any:
+def _build(
+    cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...], fixed: dict[str, Any]
+) -> Any:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if not path and f.name in fixed:
@@ -467,7 +530,8 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
         if not hasattr(args, dest):
             continue
         value = getattr(args, dest)
-        if value is None and hasattr(args, dest + _SEP + "env"):  # a repeatable flag not given: the environment's
+        # a repeatable flag not given: the environment's
+        if value is None and hasattr(args, dest + _SEP + "env"):
             value = getattr(args, dest + _SEP + "env")
         elif isinstance(value, list):
             value = tuple(value)
@@ -477,7 +541,11 @@ def _build(cls: type, base: Any, args: argparse.Namespace, path: tuple[str, ...]
 
 def leaves(cls: type, default: Any = None) -> list[_Leaf]:
     """Every flag `cls` makes (nested settings included), for printing the effective settings."""
-    return [lf for _, group in _leaves(cls, default if default is not None else cls(), ()) for lf in group]
+    return [
+        lf
+        for _, group in _leaves(cls, default if default is not None else cls(), ())
+        for lf in group
+    ]
 
 
 def origin(args: argparse.Namespace, leaf: _Leaf, argv: Sequence[str]) -> str:
@@ -488,7 +556,8 @@ def origin(args: argparse.Namespace, leaf: _Leaf, argv: Sequence[str]) -> str:
 
 
 def value_of(args: argparse.Namespace, leaf: _Leaf) -> Any:
-    """A flag's parsed value in `args` (a repeatable flag not given: its environment's or file's)."""
+    """A flag's parsed value in `args` (a repeatable flag not given: its environment's or
+    file's)."""
     dest = _SEP.join(leaf.path)
     value = getattr(args, dest, leaf.default)
     if value is None and hasattr(args, dest + _SEP + "env"):

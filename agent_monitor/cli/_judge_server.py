@@ -34,11 +34,16 @@ def add_parser(
     p = command(
         sub,
         "judge-server",
-        "serve a local GGUF judge (default: the packaged Gemma 3 270M) over an OpenAI-compatible HTTP API",
-        "Built as --judge local builds its model (llama.cpp's weight repacking off, which crashes some AVX-512 "
-        "CPUs): point serve at it with --judge openai --judge-url http://HOST:PORT/v1. Routes: GET /v1/models, "
-        "GET /props, GET /health, POST /tokenize, POST /v1/completions, POST /v1/chat/completions (logprobs, "
-        "top_logprobs, max_tokens, n); usage.prompt_tokens_details.cached_tokens is the prompt prefix a slot kept.",
+        "serve a local GGUF judge (default: the packaged Gemma 3 270M) over an "
+        "OpenAI-compatible HTTP API",
+        "Built as --judge local builds its model (llama.cpp's weight repacking off, which "
+        "crashes some AVX-512 "
+        "CPUs): point serve at it with --judge openai --judge-url http://HOST:PORT/v1. "
+        "Routes: GET /v1/models, "
+        "GET /props, GET /health, POST /tokenize, POST /v1/completions, POST "
+        "/v1/chat/completions (logprobs, "
+        "top_logprobs, max_tokens, n); usage.prompt_tokens_details.cached_tokens is the "
+        "prompt prefix a slot kept.",
     )
     add_flags(p, JudgeServerSettings, environ, title="judge server")
     p.add_argument(_CHILD, action="store_true", help=argparse.SUPPRESS)
@@ -86,7 +91,8 @@ def _serve(settings: JudgeServerSettings) -> int:
 
 
 def _die_with_parent() -> None:
-    """Have the kernel stop this child when its supervisor dies (Linux), so a killed supervisor leaves no server."""
+    """Have the kernel stop this child when its supervisor dies (Linux), so a killed supervisor
+    leaves no server."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -1,4 +1,5 @@
-"""The command line: settings from flags and environment (generated from the settings classes), turned into objects."""
+"""The command line: settings from flags and environment (generated from the settings classes),
+turned into objects."""
 
 from __future__ import annotations
 
@@ -58,40 +59,49 @@ class JudgeOptions:
     judge_model: str | None = field(
         default=None,
         metadata={
-            "help": "model id (openai, gemini), GGUF path (local), or a file of recorded answers (replay, see "
+            "help": "model id (openai, gemini), GGUF path (local), or a file of recorded "
+            "answers (replay, see "
             "agent_monitor.testing.ReplayJudge); none: the server's"
         },
     )
-    judge_api: Literal["chat", "completions"] = field(default="chat", metadata={"help": "OpenAI-compatible API to use"})
+    judge_api: Literal["chat", "completions"] = field(
+        default="chat", metadata={"help": "OpenAI-compatible API to use"}
+    )
     judge_timeout: float | None = field(
-        default=None, metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"}
+        default=None,
+        metadata={"help": "seconds per judge call; none: the judge's own (60; local 120)"},
     )
     judge_context: int | None = field(
         default=None,
         metadata={
-            "help": "the judge's context window in tokens (prompt and answer); none: read from the server (vLLM's "
-            "/v1/models max_model_len, llama.cpp's /props n_ctx, Gemini's model limit; local: its n_ctx) or "
+            "help": "the judge's context window in tokens (prompt and answer); none: read "
+            "from the server (vLLM's "
+            "/v1/models max_model_len, llama.cpp's /props n_ctx, Gemini's model limit; "
+            "local: its n_ctx) or "
             "learned from its first context-length refusal. Set, it wins over what the server says"
         },
     )
     judge_sampled: bool = field(
         default=False,
         metadata={
-            "help": "openai judge: score letters sampled from several answers a step, for a server that returns "
+            "help": "openai judge: score letters sampled from several answers a step, for a "
+            "server that returns "
             "no logprobs (slower and coarser than logprobs)"
         },
     )
     judge_check: Literal["refuse", "warn"] = field(
         default="refuse",
         metadata={
-            "help": "when the start-up check finds the judge answering without logprobs (no score possible): "
+            "help": "when the start-up check finds the judge answering without logprobs (no "
+            "score possible): "
             "refuse to start (exit 2, the fix named) or warn and start"
         },
     )
     judge_kv_budget: float = field(
         default=DEFAULT_KV_BUDGET_MB,
         metadata={
-            "help": "local judge: MB of KV prefixes kept for runs not in its context, least recently used "
+            "help": "local judge: MB of KV prefixes kept for runs not in its context, least "
+            "recently used "
             "dropped first; 0: one prefix shared by all runs"
         },
     )
@@ -101,16 +111,23 @@ class JudgeOptions:
 class BrokerOptions:
     """How `serve` reaches the MQTT broker (the URL is parsed into BrokerSettings)."""
 
-    broker: str = field(default=DEFAULT_BROKER, metadata={"help": "mqtt://[user[:pass]@]host:port or mqtts://..."})
+    broker: str = field(
+        default=DEFAULT_BROKER, metadata={"help": "mqtt://[user[:pass]@]host:port or mqtts://..."}
+    )
     broker_username: str | None = field(default=None, metadata={"help": "broker user name"})
-    broker_password: str | None = field(default=None, metadata={"help": "broker password; prefer the env var"})
-    tls_ca: str | None = field(default=None, metadata={"help": "CA file for mqtts://; none: the system CAs"})
+    broker_password: str | None = field(
+        default=None, metadata={"help": "broker password; prefer the env var"}
+    )
+    tls_ca: str | None = field(
+        default=None, metadata={"help": "CA file for mqtts://; none: the system CAs"}
+    )
     tls_cert: str | None = field(default=None, metadata={"help": "client certificate (PEM)"})
     tls_key: str | None = field(default=None, metadata={"help": "client key (PEM)"})
     embedded_broker: bool = field(
         default=False,
         metadata={
-            "help": "run an MQTT 3.1.1 broker in-process on --broker's host:port (needs agent-monitor[embedded])"
+            "help": "run an MQTT 3.1.1 broker in-process on --broker's host:port (needs "
+            "agent-monitor[embedded])"
         },
     )
 
@@ -128,32 +145,44 @@ class BrokerOptions:
 
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
-    """What `serve` sets up around the Monitor, for the process: the run store, logs, the garbage collector."""
+    """What `serve` sets up around the Monitor, for the process: the run store, logs, the garbage
+    collector."""
 
     state_dir: str | None = field(
-        default=None, metadata={"help": "where the run store lives; none: $XDG_DATA_HOME/agent-monitor"}
+        default=None,
+        metadata={"help": "where the run store lives; none: $XDG_DATA_HOME/agent-monitor"},
     )
-    no_store: bool = field(default=False, metadata={"help": "keep runs in memory only (a restart forgets them)"})
+    no_store: bool = field(
+        default=False, metadata={"help": "keep runs in memory only (a restart forgets them)"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     gc_threshold: int = field(
         default=DEFAULT_GC_THRESHOLD,
         metadata={
-            "help": "allocations between collections of Python's cyclic garbage collector (its first generation); "
-            "the default 700 spends a third of a burst's CPU walking the live runs' state; 0: Python's default"
+            "help": "allocations between collections of Python's cyclic garbage collector "
+            "(its first generation); "
+            "the default 700 spends a third of a burst's CPU walking the live runs' state; "
+            "0: Python's default"
         },
     )
 
 
 def build_judge(options: JudgeOptions) -> BaseJudge:
-    """The judge the options name; a warning it gives (e.g. a tiny local model's) becomes one log line."""
+    """The judge the options name; a warning it gives (e.g.
+
+    a tiny local model's) becomes one log line.
+    """
     import structlog
 
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)  # advice to the user; deprecations stay as filtered
+        # advice to the user; deprecations stay as filtered
+        warnings.simplefilter("always", UserWarning)
         judge = _new_judge(options)
     for w in caught:
         # Python's own format would add a file name and a source line to what is one line of advice.
-        structlog.get_logger("agent_monitor.cli").warning("judge_warning", judge=judge.name, warning=str(w.message))
+        structlog.get_logger("agent_monitor.cli").warning(
+            "judge_warning", judge=judge.name, warning=str(w.message)
+        )
     return judge
 
 
@@ -162,7 +191,10 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     extra: dict[str, Any] = {} if timeout is None else {"timeout_s": timeout}
     if options.judge_context is not None:
         if options.judge_context < 1:
-            raise CliError(f"--judge-context {options.judge_context}: give the judge's context in tokens (>= 1)")
+            raise CliError(
+                f"--judge-context {options.judge_context}: give the judge's "
+                "context in tokens (>= 1)"
+            )
         extra["context_tokens"] = options.judge_context
     if kind == "openai":
         from ..judges.openai import OpenAIJudge
@@ -177,16 +209,22 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
     if kind == "gemini":
         from ..judges.gemini import GeminiJudge
 
-        return GeminiJudge(model=options.judge_model or "gemini-2.5-flash", base_url=options.judge_url, **extra)
+        return GeminiJudge(
+            model=options.judge_model or "gemini-2.5-flash", base_url=options.judge_url, **extra
+        )
     if kind == "local":
         from ..judges.llamacpp import LlamaCppJudge
 
-        return LlamaCppJudge(model_path=options.judge_model, kv_budget_mb=options.judge_kv_budget, **extra)
+        return LlamaCppJudge(
+            model_path=options.judge_model, kv_budget_mb=options.judge_kv_budget, **extra
+        )
     if kind == "replay":
         from ..testing import ReplayJudge
 
         if not options.judge_model:
-            raise CliError("--judge replay replays recorded answers: name their file with --judge-model FILE")
+            raise CliError(
+                "--judge replay replays recorded answers: name their file with --judge-model FILE"
+            )
         replay = ReplayJudge.load(options.judge_model)
         replay.context_tokens = extra.get("context_tokens")
         return replay
@@ -194,20 +232,32 @@ def _new_judge(options: JudgeOptions) -> BaseJudge:
 
 
 def _robot_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags that say how robot data (a LeRobot dataset, an .mcap bag) becomes runs: replay's and eval's."""
+    """The flags that say how robot data (a LeRobot dataset, an .mcap bag) becomes runs: replay's
+    and eval's."""
     robot = parser.add_argument_group("robot data (LeRobot v3 datasets, .mcap bags)")
     robot.add_argument(
-        "--every", type=int, default=1, metavar="N", help="one step per N control ticks (frames), the Nth's text"
+        "--every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="one step per N control ticks (frames), the Nth's text",
     )
     robot.add_argument(
-        "--episodes", metavar="LIST", help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)"
+        "--episodes",
+        metavar="LIST",
+        help="LeRobot episode indexes to replay, e.g. 0,3,7 (default: all)",
     )
     robot.add_argument(
         "--task",
         metavar="TEXT",
         help="the task text (replaces the recorded one; needed for a bag without a task topic)",
     )
-    robot.add_argument("--task-topic", default="/task", metavar="TOPIC", help="the bag's std_msgs/String task topic")
+    robot.add_argument(
+        "--task-topic",
+        default="/task",
+        metavar="TOPIC",
+        help="the bag's std_msgs/String task topic",
+    )
     robot.add_argument(
         "--outcome-topic",
         default="/outcome",
@@ -218,7 +268,8 @@ def _robot_flags(parser: argparse.ArgumentParser) -> None:
         "--camera",
         action="append",
         metavar="TOPIC",
-        help="a bag's camera topic (repeat for several; the first sets the ticks; default: every image topic)",
+        help="a bag's camera topic (repeat for several; the first sets the ticks; default: "
+        "every image topic)",
     )
     robot.add_argument(
         "--max-side",
@@ -231,15 +282,20 @@ def _robot_flags(parser: argparse.ArgumentParser) -> None:
         "--frames",
         choices=("all", "budget"),
         default="all",
-        help="all: every step carries its frames (the monitor's budget chooses); budget: only the frames the default "
+        help="all: every step carries its frames (the monitor's budget chooses); budget: "
+        "only the frames the default "
         "frame budget shows at the episode's end are encoded and sent",
     )
 
 
 def _command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, more: str = ""
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    summary: str,
+    more: str = "",
 ) -> argparse.ArgumentParser:
-    """A subcommand whose one-line summary is its entry in `agent-monitor --help` and the top of its own --help."""
+    """A subcommand whose one-line summary is its entry in `agent-monitor --help` and the top of
+    its own --help."""
     parser = sub.add_parser(
         name,
         help=summary,
@@ -249,7 +305,8 @@ def _command(
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="a TOML settings file: keys are serve's long flags with - as _ (metrics_port = 9464), at the top "
+        help="a TOML settings file: keys are serve's long flags with - as _ (metrics_port = "
+        "9464), at the top "
         "level or in [serve]; a flag given wins, then its environment twin, then the file "
         f"(`agent-monitor config` shows each setting and where it came from) [{CONFIG_ENV}]",
     )
@@ -261,13 +318,15 @@ def _group_flags(parser: argparse._ActionsContainer) -> None:
         "--group-by",
         choices=("task", "folder", "name"),
         default="task",
-        help="siblings are runs with the same task text, in the same folder, or with the same name before '__'",
+        help="siblings are runs with the same task text, in the same folder, or with the "
+        "same name before '__'",
     )
 
 
 _PROXY_FLAGS = [f.name for f in dataclasses.fields(ProxySettings) if f.name != "upstream"]
 SERVE_CONFIG = MonitorConfig(metrics_port=9464)
-"""serve's defaults: a MonitorConfig's own but the metrics port (a Monitor built in Python binds none)."""
+"""serve's defaults: a MonitorConfig's own but the metrics port (a Monitor built in Python binds
+none)."""
 
 
 def _serve_flags(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
@@ -285,12 +344,17 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         prog="agent-monitor",
         description="Live, fine-grained progress scores for AI agents and robots.",
         epilog="`agent-monitor COMMAND --help` shows a command's flags, their defaults and their "
-        "AGENT_MONITOR_* environment twins. Start with `agent-monitor demo` (offline, nothing to set up).",
+        "AGENT_MONITOR_* environment twins. Start with `agent-monitor demo` (offline, "
+        "nothing to set up).",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"agent-monitor {__version__}")
     sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND", help="one of:")
-    score = _command(sub, "score", "score every prefix of recorded runs (ATIF or plain JSON), as a live monitor would")
+    score = _command(
+        sub,
+        "score",
+        "score every prefix of recorded runs (ATIF or plain JSON), as a live monitor would",
+    )
     score.add_argument("path", help="a recorded run (.json) or a folder of them")
     add_flags(score, JudgeOptions, environ, title="judge")
     score.add_argument(
@@ -299,51 +363,87 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="bundled rubric name (progress, coding, robot) or a .md path (default: progress)",
     )
     score.add_argument(
-        "--max-steps", type=int, metavar="N", help="score at most this many steps per run (default: all)"
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="score at most this many steps per run (default: all)",
     )
-    add_flags(score, ScoringOptions, environ, only=["min_mass", "prompt_budget", "digest"], title="scoring")
-    score.add_argument("--json", action="store_true", help="print one JSON object per scored step instead of a table")
+    add_flags(
+        score,
+        ScoringOptions,
+        environ,
+        only=["min_mass", "prompt_budget", "digest"],
+        title="scoring",
+    )
+    score.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per scored step instead of a table",
+    )
 
     serve = _command(
         sub,
         "serve",
         "follow live runs over MQTT; publish progress and abort/resample signals",
-        "Every flag has an AGENT_MONITOR_* environment twin (shown in brackets); a flag given wins over its twin.",
+        "Every flag has an AGENT_MONITOR_* environment twin (shown in brackets); a flag "
+        "given wins over its twin.",
     )
     _serve_flags(serve, environ)
-    add_flags(serve, ProxySettings, environ, title="LLM API proxy (with --proxy-upstream; docs/proxy.md)")
+    add_flags(
+        serve, ProxySettings, environ, title="LLM API proxy (with --proxy-upstream; docs/proxy.md)"
+    )
     proxy = _command(
         sub,
         "proxy",
-        "an LLM API proxy that watches every turn of an agent you did not write (serve, with the proxy as its door)",
-        "Point the agent's base URL at --listen (OPENAI_BASE_URL=http://HOST:PORT/v1, ANTHROPIC_BASE_URL=http://HOST:PORT): "
-        "each conversation is a run, each assistant turn with its tool results a step (docs/proxy.md). Takes every "
+        "an LLM API proxy that watches every turn of an agent you did not write (serve, with "
+        "the proxy as its door)",
+        "Point the agent's base URL at --listen (OPENAI_BASE_URL=http://HOST:PORT/v1, "
+        "ANTHROPIC_BASE_URL=http://HOST:PORT): "
+        "each conversation is a run, each assistant turn with its tool results a step "
+        "(docs/proxy.md). Takes every "
         "flag of serve.",
     )
     proxy.add_argument(
         "--upstream",
         metavar="URL",
         default=environ.get("AGENT_MONITOR_PROXY_UPSTREAM") or None,
-        help="the LLM API to forward to, e.g. https://api.openai.com/v1 or https://api.anthropic.com (required) "
+        help="the LLM API to forward to, e.g. https://api.openai.com/v1 or "
+        "https://api.anthropic.com (required) "
         "[AGENT_MONITOR_PROXY_UPSTREAM]",
     )
     add_flags(proxy, ProxySettings, environ, only=_PROXY_FLAGS, title="LLM API proxy")
     _serve_flags(proxy, environ)
 
     ev = _command(
-        sub, "eval", "score recorded runs with known outcomes as live; report AUROC, correlation, abort thresholds"
+        sub,
+        "eval",
+        "score recorded runs with known outcomes as live; report AUROC, "
+        "correlation, abort thresholds",
     )
     ev.add_argument(
-        "path", help="a recorded run (.json), a folder of them (ATIF or plain), a LeRobot v3 dataset or an .mcap file"
+        "path",
+        help="a recorded run (.json), a folder of them (ATIF or plain), a LeRobot v3 "
+        "dataset or an .mcap file",
     )
     add_flags(ev, JudgeOptions, environ, title="judge")
-    ev.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
-    add_flags(ev, ScoringOptions, environ, only=["min_mass", "repeats", "prompt_budget", "digest"], title="scoring")
+    ev.add_argument(
+        "--criteria",
+        metavar="RUBRIC",
+        help="bundled rubric name or a criteria file (default: progress)",
+    )
+    add_flags(
+        ev,
+        ScoringOptions,
+        environ,
+        only=["min_mass", "repeats", "prompt_budget", "digest"],
+        title="scoring",
+    )
     ev.add_argument(
         "--max-steps",
         type=int,
         metavar="N",
-        help="score at most this many steps per run (default: all); runs keep their whole length for steps saved",
+        help="score at most this many steps per run (default: all); runs keep their whole "
+        "length for steps saved",
     )
     side = ev.add_argument_group("the judge beside baselines (step_index, chars, errors)")
     side.add_argument(
@@ -362,32 +462,50 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     side.add_argument(
         "--baselines-only",
         action="store_true",
-        help="no judge: the baselines, the calibrated step budget and the verdict from the runs' text alone",
+        help="no judge: the baselines, the calibrated step budget and the verdict from the "
+        "runs' text alone",
     )
     add_flags(
         ev,
         Policy,
         environ,
-        only=["min_steps", "patience", "max_uncertainty", "abort_below", "alpha", "holdout", "max_gap", "margin",
-              "repeats_near"],
+        only=[
+            "min_steps",
+            "patience",
+            "max_uncertainty",
+            "abort_below",
+            "alpha",
+            "holdout",
+            "max_gap",
+            "margin",
+            "repeats_near",
+        ],
         title="policy",
-    )  # fmt: skip
+    )
     ev.add_argument(
         "--schedule",
-        dest="schedules",  # not `schedule`: that is the policy setting's name, read from the namespace by build()
+        # not `schedule`: that is the policy setting's name, read from the namespace by build()
+        dest="schedules",
         metavar="LIST",
-        help="also step the runs through these schedules (comma-separated: every,adaptive) with --abort-below's "
-        "threshold in force, and print each one's judge calls and tokens and its abort decisions side by side "
+        help="also step the runs through these schedules (comma-separated: every,adaptive) "
+        "with --abort-below's "
+        "threshold in force, and print each one's judge calls and tokens and its abort "
+        "decisions side by side "
         "(eval_schedule.json)",
     )
     ev.add_argument(
-        "--max-false-abort", type=float, default=0.05, metavar="X", help="false-abort rate the recommendation must keep"
+        "--max-false-abort",
+        type=float,
+        default=0.05,
+        metavar="X",
+        help="false-abort rate the recommendation must keep",
     )
     online = ev.add_argument_group("online calibration (abort-below auto)")
     online.add_argument(
         "--calibrate",
         action="store_true",
-        help="also replay the runs through the online calibration of --abort-below auto at --alpha, as the monitor "
+        help="also replay the runs through the online calibration of --abort-below auto at "
+        "--alpha, as the monitor "
         "would learn it, and report the false aborts it would have made (eval_calibrate.json)",
     )
     online.add_argument(
@@ -397,51 +515,86 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="N",
         help="random orders to replay besides the recorded one",
     )
-    online.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random orders")
+    online.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the random orders"
+    )
     online.add_argument(
         "--family-by",
         choices=("task", "all"),
         default="task",
-        help="a family per task (as the monitor keys runs without start.family), or all runs in one (pools tasks)",
+        help="a family per task (as the monitor keys runs without start.family), or all runs "
+        "in one (pools tasks)",
     )
     groups = ev.add_argument_group("best of N (group pruning)")
     groups.add_argument(
         "--groups",
         action="store_true",
-        help="also treat runs of one task as siblings launched together, replay them through the live group policy "
-        "for a grid of keep-top / prune-margin, and compare with random pruning at the same step budget "
+        help="also treat runs of one task as siblings launched together, replay them through "
+        "the live group policy "
+        "for a grid of keep-top / prune-margin, and compare with random pruning at the same "
+        "step budget "
         "(eval_groups.json)",
     )
     _group_flags(groups)
     _robot_flags(ev)
     ev.add_argument(
-        "--out", default="agent-monitor-eval", metavar="DIR", help="folder for the CSVs, PNG and JSON report"
+        "--out",
+        default="agent-monitor-eval",
+        metavar="DIR",
+        help="folder for the CSVs, PNG and JSON report",
     )
     ev.add_argument(
-        "--cache", metavar="FILE", help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free"
+        "--cache",
+        metavar="FILE",
+        help="score cache file (default: OUT/score-cache.sqlite3); re-runs are free",
     )
 
     sel = _command(
         sub,
         "select",
-        "pick the best of each group of finished runs (best of N); with outcomes, report the pick accuracy",
-        "Groups are runs of one task (--group-by). The pick is the highest pointwise score of the last step, or with "
-        "--pairwise the pivot tournament of pairwise judge comparisons (both orders each). With known outcomes it "
-        "reports the share of groups whose pick succeeded, against a random pick and the last step's pointwise pick.",
+        "pick the best of each group of finished runs (best of N); with outcomes, report the "
+        "pick accuracy",
+        "Groups are runs of one task (--group-by). The pick is the highest pointwise score "
+        "of the last step, or with "
+        "--pairwise the pivot tournament of pairwise judge comparisons (both orders each). "
+        "With known outcomes it "
+        "reports the share of groups whose pick succeeded, against a random pick and the "
+        "last step's pointwise pick.",
     )
     sel.add_argument("path", help="a folder of recorded runs (.json, ATIF or plain)")
     add_flags(sel, JudgeOptions, environ, title="judge")
-    sel.add_argument("--criteria", metavar="RUBRIC", help="bundled rubric name or a criteria file (default: progress)")
+    sel.add_argument(
+        "--criteria",
+        metavar="RUBRIC",
+        help="bundled rubric name or a criteria file (default: progress)",
+    )
     add_flags(sel, ScoringOptions, environ, only=["min_mass", "repeats"], title="scoring")
-    sel.add_argument("--max-steps", type=int, metavar="N", help="judge at most this many steps per run (default: all)")
+    sel.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="judge at most this many steps per run (default: all)",
+    )
     _group_flags(sel)
     pair = sel.add_argument_group("pairwise (pivot tournament)")
-    pair.add_argument("--pairwise", action="store_true", help="pick by the pivot tournament of pairwise comparisons")
     pair.add_argument(
-        "--pivots", type=int, default=DEFAULT_PIVOTS, metavar="K", help="candidates that meet every other one"
+        "--pairwise",
+        action="store_true",
+        help="pick by the pivot tournament of pairwise comparisons",
     )
     pair.add_argument(
-        "--rings", type=int, default=1, metavar="N", help="ring passes (random Hamiltonian cycles) that pick the pivots"
+        "--pivots",
+        type=int,
+        default=DEFAULT_PIVOTS,
+        metavar="K",
+        help="candidates that meet every other one",
+    )
+    pair.add_argument(
+        "--rings",
+        type=int,
+        default=1,
+        metavar="N",
+        help="ring passes (random Hamiltonian cycles) that pick the pivots",
     )
     pair.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the ring passes")
     pair.add_argument(
@@ -449,31 +602,44 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_PAIR_CHARS,
         metavar="N",
-        help="characters of step text a pairwise prompt holds for both runs (each keeps its newest steps)",
+        help="characters of step text a pairwise prompt holds for both runs (each keeps its "
+        "newest steps)",
     )
-    sel.add_argument("--out", default="agent-monitor-select", metavar="DIR", help="folder for the JSON report")
+    sel.add_argument(
+        "--out", default="agent-monitor-select", metavar="DIR", help="folder for the JSON report"
+    )
     sel.add_argument(
         "--cache",
         metavar="FILE",
-        help="score cache file (default: OUT/score-cache.sqlite3; eval's cache serves the pointwise scores)",
+        help="score cache file (default: OUT/score-cache.sqlite3; eval's cache serves the "
+        "pointwise scores)",
     )
 
     rp = _command(
         sub,
         "replay",
         "publish recorded runs to a broker as live runs (to watch the monitor)",
-        "PATH may also be robot data (the robot extra): a LeRobot v3 dataset directory or a ROS 2 bag (.mcap), "
+        "PATH may also be robot data (the robot extra): a LeRobot v3 dataset directory or a "
+        "ROS 2 bag (.mcap), "
         "replayed episode by episode at its own pace with its camera frames (docs/robots.md).",
     )
-    rp.add_argument("path", help="a recorded run (.json), a folder of them, a LeRobot v3 dataset or an .mcap file")
-    add_flags(rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)")
-    add_flags(rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)")
+    rp.add_argument(
+        "path",
+        help="a recorded run (.json), a folder of them, a LeRobot v3 dataset or an .mcap file",
+    )
+    add_flags(
+        rp, BrokerOptions, environ, only=["broker"], title="MQTT broker (where the monitor listens)"
+    )
+    add_flags(
+        rp, MonitorConfig, environ, only=["prefix"], title="topics (the monitor's --topic-prefix)"
+    )
     rp.add_argument(
         "--speed",
         type=float,
         default=1.0,
         metavar="X",
-        help="time scale: 10 replays ten times faster than recorded (robot data: 0 sends as fast as frames decode)",
+        help="time scale: 10 replays ten times faster than recorded (robot data: 0 sends as "
+        "fast as frames decode)",
     )
     rp.add_argument(
         "--interval",
@@ -483,24 +649,39 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="seconds between steps without timestamps (before --speed)",
     )
     rp.add_argument(
-        "--max-gap", type=float, default=30.0, metavar="SECONDS", help="cap on one recorded pause (before --speed)"
+        "--max-gap",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="cap on one recorded pause (before --speed)",
     )
     rp.add_argument(
-        "--run-prefix", default="replay-", metavar="PREFIX", help="prefix of the run ids (the file name follows)"
+        "--run-prefix",
+        default="replay-",
+        metavar="PREFIX",
+        help="prefix of the run ids (the file name follows)",
     )
-    rp.add_argument("--max-steps", type=int, metavar="N", help="publish at most this many steps per run (default: all)")
+    rp.add_argument(
+        "--max-steps",
+        type=int,
+        metavar="N",
+        help="publish at most this many steps per run (default: all)",
+    )
     rp.add_argument(
         "--settle",
         type=float,
         default=60.0,
         metavar="SECONDS",
-        help="recorded runs: hold a run's end until the monitor scored its last step (or aborted it), at most this "
-        "long after the last event, so the summary shows each run's final score; 0: end on schedule",
+        help="recorded runs: hold a run's end until the monitor scored its last step (or "
+        "aborted it), at most this "
+        "long after the last event, so the summary shows each run's final score; 0: end on "
+        "schedule",
     )
     rp.add_argument(
         "--criteria",
         metavar="RUBRIC",
-        help="bundled rubric name to send in each start (default: none sent: the monitor's default, progress)",
+        help="bundled rubric name to send in each start (default: none sent: the monitor's "
+        "default, progress)",
     )
     _robot_flags(rp)
 
@@ -508,7 +689,8 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         sub,
         "top",
         "a live table of every run on the broker: score, uncertainty, step, signal, cost",
-        "A read-only subscriber of the monitors' progress, signal, start and end topics (random client id, clean "
+        "A read-only subscriber of the monitors' progress, signal, start and end topics "
+        "(random client id, clean "
         "session): any broker, any number of monitor replicas. q or Ctrl-C quits.",
     )
     add_flags(
@@ -518,17 +700,22 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         only=["broker", "broker_username", "broker_password", "tls_ca", "tls_cert", "tls_key"],
         title="MQTT broker (where the monitors publish)",
     )
-    add_flags(tp, MonitorConfig, environ, only=["prefix"], title="topics (the monitors' --topic-prefix)")
+    add_flags(
+        tp, MonitorConfig, environ, only=["prefix"], title="topics (the monitors' --topic-prefix)"
+    )
     add_flags(tp, TopOptions, environ, title="view")
 
     demo = _command(
         sub,
         "demo",
         "the whole loop offline: embedded broker, tiny local judge, example runs live",
-        "No broker, GPU or API key needed; the runs are kept in a temporary store of their own (never serve's).",
+        "No broker, GPU or API key needed; the runs are kept in a temporary store of their "
+        "own (never serve's).",
     )
     demo.add_argument("--short", action="store_true", help="three steps per run (CI)")
-    demo.add_argument("--out", default="agent-monitor-demo", metavar="DIR", help="folder for the progress plot")
+    demo.add_argument(
+        "--out", default="agent-monitor-demo", metavar="DIR", help="folder for the progress plot"
+    )
     add_flags(
         demo,
         MonitorConfig,
@@ -542,37 +729,56 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="seconds between steps of each run (default: paced to the judge, so each step can get its own score)",
+        help="seconds between steps of each run (default: paced to the judge, so each step "
+        "can get its own score)",
     )
     demo.add_argument(
         "--judge-only",
         action="store_true",
-        help="score the coding runs with the judge alone (no test_ratio rule, no abort threshold): the second act",
+        help="score the coding runs with the judge alone (no test_ratio rule, no abort "
+        "threshold): the second act",
     )
     demo.add_argument(
         "--keep",
         action="store_true",
-        help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C (to open Grafana)",
+        help="after the runs end, keep the broker, the monitor and /metrics up until Ctrl-C "
+        "(to open Grafana)",
     )
-    # Not the environment's: an AGENT_MONITOR_MIN_MASS set for serve's real judge would fail the tiny one here.
+    # Not the environment's: an AGENT_MONITOR_MIN_MASS set for serve's real judge would fail the
+    # tiny one here.
     add_flags(demo, ScoringOptions, {}, only=["min_mass"], title="scoring")
     add_flags(demo, JudgeOptions, environ, title="a real judge instead of the packaged tiny one")
 
     runs = _command(sub, "runs", "list live and recent runs from the run store")
     add_flags(runs, ServeOptions, environ, only=["state_dir"])
-    add_flags(runs, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
-    runs.add_argument("--limit", type=int, default=50, metavar="N", help="at most this many runs, newest first")
+    add_flags(
+        runs,
+        ClusterSettings,
+        environ,
+        only=["url", "name"],
+        title="cluster (read the shared journal)",
+    )
+    runs.add_argument(
+        "--limit", type=int, default=50, metavar="N", help="at most this many runs, newest first"
+    )
     runs.add_argument("--json", action="store_true", help="one JSON object per run")
 
     cal = _command(
         sub,
         "calibration",
         "list the run families abort_below auto learns thresholds from, or reset one",
-        "Reads the run store serve writes (the one `agent-monitor runs` reads). A running agent-monitor serve keeps "
+        "Reads the run store serve writes (the one `agent-monitor runs` reads). A running "
+        "agent-monitor serve keeps "
         "its calibration in memory: it forgets a reset family only when it restarts.",
     )
     add_flags(cal, ServeOptions, environ, only=["state_dir"])
-    add_flags(cal, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
+    add_flags(
+        cal,
+        ClusterSettings,
+        environ,
+        only=["url", "name"],
+        title="cluster (read the shared journal)",
+    )
     add_flags(
         cal,
         Policy,
@@ -584,18 +790,29 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     cal.add_argument(
         "--reset",
         metavar="FAMILY",
-        help="delete the samples of FAMILY (every judge model and rubric) and say how many; restart serve to apply",
+        help="delete the samples of FAMILY (every judge model and rubric) and say how many; "
+        "restart serve to apply",
     )
 
     export = _command(sub, "export", "write a run's steps and score curve as JSON")
     export.add_argument("run_id", help="the run to export (`agent-monitor runs` lists them)")
     add_flags(export, ServeOptions, environ, only=["state_dir"])
-    add_flags(export, ClusterSettings, environ, only=["url", "name"], title="cluster (read the shared journal)")
-    export.add_argument("-o", "--output", default="-", metavar="FILE", help="file to write (default: stdout)")
+    add_flags(
+        export,
+        ClusterSettings,
+        environ,
+        only=["url", "name"],
+        title="cluster (read the shared journal)",
+    )
+    export.add_argument(
+        "-o", "--output", default="-", metavar="FILE", help="file to write (default: stdout)"
+    )
 
     schemas = _command(sub, "schemas", "write or check the JSON Schemas of every MQTT payload")
     g = schemas.add_mutually_exclusive_group(required=True)
-    g.add_argument("--write", metavar="DIR", help="write the JSON Schemas of every payload into DIR")
+    g.add_argument(
+        "--write", metavar="DIR", help="write the JSON Schemas of every payload into DIR"
+    )
     g.add_argument("--check", metavar="DIR", help="exit 1 if the schemas in DIR are not up to date")
     from ._selfcheck import add_parser as _self_check_parser
 
@@ -607,15 +824,20 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     config = _command(
         sub,
         "config",
-        "print the effective settings of serve and where each came from (flag, env, file or default)",
-        "Takes every flag of serve: `agent-monitor config --config monitor.toml --metrics-port 9000`. Secrets "
+        "print the effective settings of serve and where each came from (flag, env, file or "
+        "default)",
+        "Takes every flag of serve: `agent-monitor config --config monitor.toml "
+        "--metrics-port 9000`. Secrets "
         "(tokens, keys, passwords) are masked.",
     )
     _serve_flags(config, environ)
     add_flags(config, ProxySettings, environ, title="LLM API proxy")
-    config.add_argument("--json", action="store_true", help="one JSON object per setting instead of a table")
+    config.add_argument(
+        "--json", action="store_true", help="one JSON object per setting instead of a table"
+    )
     if isinstance(environ, Settings):
-        environ.check()  # every command's flags are known now: a file key none of them has is a mistake
+        # every command's flags are known now: a file key none of them has is a mistake
+        environ.check()
     return parser
 
 
@@ -625,7 +847,8 @@ def _row(p: Progress) -> str:
     bar = "#" * round((p.score or 0.0) * 20)
     return (
         f"{p.step:>5}  {p.score:6.3f}  ±{p.uncertainty:5.3f}  mass {p.mass:4.2f}  "
-        f"{p.latency_s:6.2f}s  in {p.usage.input_tokens:>6} cached {p.usage.cached_input_tokens:>6}  {bar}"
+        f"{p.latency_s:6.2f}s  in {p.usage.input_tokens:>6} cached "
+        f"{p.usage.cached_input_tokens:>6}  {bar}"
     )
 
 
@@ -644,7 +867,8 @@ async def _score(args: argparse.Namespace) -> int:
     if not args.judge:
         return _fail(_NO_JUDGE)
     runs = list(iter_recorded(args.path))
-    # Probed first, as `serve` does: a dead judge is one line now, not a failed row per step after retries.
+    # Probed first, as `serve` does: a dead judge is one line now, not a failed row per step after
+    # retries.
     judge = await _ready_judge(args)
     failures = 0
     try:
@@ -664,19 +888,24 @@ async def _score(args: argparse.Namespace) -> int:
             for s in steps:
                 p = await tracker.update(s.text)
                 failures += not p.ok
-                print(json.dumps({"run": run.name, **p.to_json()}) if args.json else _row(p), flush=True)
+                print(
+                    json.dumps({"run": run.name, **p.to_json()}) if args.json else _row(p),
+                    flush=True,
+                )
     finally:
         await judge.aclose()
     if not args.json:
         print(
-            f"\njudge {judge.name} model {judge.model or '(unknown)'}: {judge.calls} calls, {judge.failures} failed; "
+            f"\njudge {judge.name} model {judge.model or '(unknown)'}: {judge.calls} calls, "
+            f"{judge.failures} failed; "
             f"tokens in {judge.usage.input_tokens}, cached {judge.usage.cached_input_tokens}"
         )
     return 1 if failures else 0
 
 
 async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None) -> BaseJudge:
-    """Build the judge and check it can answer before any run depends on it; raise CliError with one line."""
+    """Build the judge and check it can answer before any run depends on it; raise CliError with
+    one line."""
     options = build(JudgeOptions, args)
     try:
         judge = build_judge(options)
@@ -689,9 +918,11 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
             from ..judges.openai import OpenAIJudge
 
             assert isinstance(judge, OpenAIJudge)
-            # With a model given there is nothing to resolve, but a dead URL must still be said now, in one try.
+            # With a model given there is nothing to resolve, but a dead URL must still be said now,
+            # in one try.
             await (judge.check_reachable() if options.judge_model else judge.resolve_model())
-            await judge.resolve_model()  # with the model given: its context, where the server says it
+            # with the model given: its context, where the server says it
+            await judge.resolve_model()
             if not options.judge_sampled:
                 await _check_scores(judge, options)
         elif options.judge == "local":
@@ -712,16 +943,19 @@ async def _ready_judge(args: argparse.Namespace, concurrency: int | None = None)
 
 
 CHECK_TASK = "agent-monitor start-up check: can this judge score? (one scored answer; not a run)"
-"""The task of the start-up check's one judge call (a test server may tell it from the scoring calls by it)."""
+"""The task of the start-up check's one judge call (a test server may tell it from the scoring
+calls by it)."""
 CHECK_WAIT_S = 20.0
-"""How long start-up waits for the check's answer; a slower judge starts unchecked (the log says so)."""
+"""How long start-up waits for the check's answer; a slower judge starts unchecked (the log says
+so)."""
 
 
 async def _check_scores(judge: BaseJudge, options: JudgeOptions) -> None:
-    """Ask the judge for one scored answer: a server that answers without logprobs cannot score (refused or warned).
+    """Ask the judge for one scored answer: a server that answers without logprobs cannot score
+    (refused or warned).
 
-    Other failures of this one call are left to the scoring path (retried, counted, the circuit): the URL
-    was reachable, and a judge busy at start is no reason to refuse.
+    Other failures of this one call are left to the scoring path (retried, counted, the circuit):
+    the URL was reachable, and a judge busy at start is no reason to refuse.
     """
     import structlog
 
@@ -730,7 +964,9 @@ async def _check_scores(judge: BaseJudge, options: JudgeOptions) -> None:
     from ..prompts import Step, build_prompt
 
     rubric = load_criteria(None)
-    prompt = build_prompt(CHECK_TASK, rubric, [Step(1, "ran the test suite: 3 of 10 tests pass")], rubric.criteria[0])
+    prompt = build_prompt(
+        CHECK_TASK, rubric, [Step(1, "ran the test suite: 3 of 10 tests pass")], rubric.criteria[0]
+    )
     log = structlog.get_logger("agent_monitor.cli")
     # The check is not the user's work: the judge's counters (`score`'s summary) leave it out.
     counted = (judge.calls, judge.failures, judge.usage)
@@ -745,22 +981,28 @@ async def _check_scores(judge: BaseJudge, options: JudgeOptions) -> None:
             return
         fix = no_logprobs_fix(options.judge_url or "the judge server")
         if options.judge_check == "refuse":
-            raise CliError(f"{fix} (--judge-check warn starts anyway; every scoring then fails)") from None
+            raise CliError(
+                f"{fix} (--judge-check warn starts anyway; every scoring then fails)"
+            ) from None
         log.warning("judge_without_logprobs", judge=judge.name, fix=fix)
-        print(f"agent-monitor: warning: {fix}; starting anyway (--judge-check warn)", file=sys.stderr)
+        print(
+            f"agent-monitor: warning: {fix}; starting anyway (--judge-check warn)", file=sys.stderr
+        )
     finally:
         judge.calls, judge.failures, judge.usage = counted
 
 
 def announce_frames(judge: BaseJudge, registry: Any) -> bool | None:
-    """Say at start when frames will not reach the judge: stderr, the log and `agent_monitor_judge_sees_frames`."""
+    """Say at start when frames will not reach the judge: stderr, the log and
+    `agent_monitor_judge_sees_frames`."""
     import structlog
     from prometheus_client import Gauge
 
     seen = sees_frames(judge)
     gauge = Gauge(
         "agent_monitor_judge_sees_frames",
-        "1 when camera frames reach the judge as pixels, 0 when it gets text placeholders instead (a text-only "
+        "1 when camera frames reach the judge as pixels, 0 when it gets text placeholders "
+        "instead (a text-only "
         "judge); absent until known (an OpenAI-compatible server says at the first frame).",
         registry=registry,
     )
@@ -769,15 +1011,20 @@ def announce_frames(judge: BaseJudge, registry: Any) -> bool | None:
     if seen is False:
         structlog.get_logger("agent_monitor.cli").warning("judge_drops_frames", judge=judge.name)
         print(
-            f"agent-monitor: {FRAMES_NOT_SEEN} ({judge.name}, text-only): a step's camera frames reach it as "
-            "one-line placeholders and robot runs are scored on their text; use a vision model to score frames",
+            f"agent-monitor: {FRAMES_NOT_SEEN} ({judge.name}, text-only): a step's camera "
+            "frames reach it as "
+            "one-line placeholders and robot runs are scored on their text; use a vision "
+            "model to score frames",
             file=sys.stderr,
         )
     return seen
 
 
-async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0, *, within: float = 0.0) -> str | None:
-    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is checked later).
+async def _broker_unreachable(
+    broker: BrokerSettings, wait_s: float = 5.0, *, within: float = 0.0
+) -> str | None:
+    """Why nothing accepts a TCP connection at the broker's address (None: something does; MQTT is
+    checked later).
 
     `within`: seconds to keep trying (--broker-wait: a broker that starts with the monitor).
     """
@@ -786,20 +1033,25 @@ async def _broker_unreachable(broker: BrokerSettings, wait_s: float = 5.0, *, wi
     deadline, said = time.monotonic() + within, False
     while True:
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(broker.host, broker.port), wait_s)
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(broker.host, broker.port), wait_s
+            )
             break
         except (OSError, TimeoutError) as e:
             if time.monotonic() < deadline:
                 if not said:
                     said = True
                     left = round(deadline - time.monotonic(), 1)
-                    structlog.get_logger("agent_monitor.cli").warning("broker_waiting", broker=broker.url, wait_s=left)
+                    structlog.get_logger("agent_monitor.cli").warning(
+                        "broker_waiting", broker=broker.url, wait_s=left
+                    )
                 await asyncio.sleep(0.25)
                 continue
             waited = f" for {within:g}s" if within > 0 else ""
             return (
                 f"cannot connect to the MQTT broker at {broker.url}{waited} "
-                f"({getattr(e, 'strerror', None) or type(e).__name__}): is the broker running there? Start one "
+                f"({getattr(e, 'strerror', None) or type(e).__name__}): is the broker running "
+                "there? Start one "
                 "(apt-get install mosquitto), or pass --embedded-broker"
             )
     writer.close()
@@ -825,16 +1077,28 @@ async def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(f"--gc-threshold: {e}")
     broker = broker_options.settings()
-    proxy = build(ProxySettings, args) if args.command == "proxy" or args.upstream else ProxySettings()
+    proxy = (
+        build(ProxySettings, args) if args.command == "proxy" or args.upstream else ProxySettings()
+    )
     policy_given = given(args, "policy")
-    config = build(MonitorConfig, args, default=SERVE_CONFIG, broker=broker, policy_given=policy_given, proxy=proxy)
+    config = build(
+        MonitorConfig,
+        args,
+        default=SERVE_CONFIG,
+        broker=broker,
+        policy_given=policy_given,
+        proxy=proxy,
+    )
     if problem := _serve_problem(config, args.command, broker_options.embedded_broker):
         return _fail(problem)
     if broker_options.embedded_broker and config.protocol == "auto":
         # amqtt speaks only 3.1.1: skip the doomed v5 attempt (and amqtt's warnings about it).
         config = dataclasses.replace(config, protocol="3.1.1")
-    # In cluster mode the journal is in Redis (the Monitor opens it): no SQLite store of this replica's own.
-    store = None if serve.no_store or config.cluster.url is not None else _open_store(serve.state_dir)
+    # In cluster mode the journal is in Redis (the Monitor opens it): no SQLite store of this
+    # replica's own.
+    store = (
+        None if serve.no_store or config.cluster.url is not None else _open_store(serve.state_dir)
+    )
     log = structlog.get_logger("agent_monitor.cli")
     async with contextlib.AsyncExitStack() as stack:
         if broker_options.embedded_broker:
@@ -850,14 +1114,18 @@ async def _serve(args: argparse.Namespace) -> int:
         if not broker_options.embedded_broker and (
             problem := await _broker_unreachable(broker, within=config.broker_wait)
         ):
-            return _fail(problem)  # before the judge loads: a missing broker is said in a second, not after it
+            # before the judge loads: a missing broker is said in a second, not after it
+            return _fail(problem)
         judge = await _ready_judge(args, config.max_concurrency)
         stack.push_async_callback(judge.aclose)
         registry = CollectorRegistry()
         announce_frames(judge, registry)
         try:
-            # Opens every door, sink and store the config names (a taken port or a missing extra is one line).
-            monitor = await stack.enter_async_context(Monitor(config, judge=judge, store=store, registry=registry))
+            # Opens every door, sink and store the config names (a taken port or a missing extra is
+            # one line).
+            monitor = await stack.enter_async_context(
+                Monitor(config, judge=judge, store=store, registry=registry)
+            )
         except (ImportError, OSError, BrokerUnavailable, ClusterUnavailable) as e:
             return _fail(str(e))
         task = asyncio.current_task()
@@ -866,7 +1134,10 @@ async def _serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         if store is not None:
-            print(await _store_line(store, monitor.restored, default=serve.state_dir is None), file=sys.stderr)
+            print(
+                await _store_line(store, monitor.restored, default=serve.state_dir is None),
+                file=sys.stderr,
+            )
         print(_serving_line(monitor, judge, store), file=sys.stderr, flush=True)
         try:
             await monitor.wait()
@@ -876,16 +1147,22 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def _serve_problem(config: MonitorConfig, command: str, embedded_broker: bool) -> str | None:
-    """What keeps serve's settings from working together, said before anything starts (None: nothing)."""
+    """What keeps serve's settings from working together, said before anything starts (None:
+    nothing)."""
     if config.proxy.upstream is None and command == "proxy":
         return "agent-monitor proxy needs --upstream URL, e.g. --upstream https://api.openai.com/v1"
     if config.reward_api.reward_api and not config.metrics_port:
         return "--reward-api serves the reward endpoints on the metrics port: pass --metrics-port N"
     if config.reward_api.reward_api and config.cluster.url is not None:
-        # A rollout's run may be owned (and scored) by another replica, whose scores this one never sees.
-        return "--reward-api runs on one monitor, not in --cluster mode: serve it from a monitor of its own"
+        # A rollout's run may be owned (and scored) by another replica, whose scores this one never
+        # sees.
+        return (
+            "--reward-api runs on one monitor, not in --cluster mode: serve it from a "
+            "monitor of its own"
+        )
     try:
-        load_criteria(config.criteria)  # before the judge is probed: a bad --criteria is the first thing said
+        # before the judge is probed: a bad --criteria is the first thing said
+        load_criteria(config.criteria)
     except CriteriaError as e:
         return f"--criteria {config.criteria}: {e}"
     if config.prompt is not None:
@@ -897,14 +1174,16 @@ def _serve_problem(config: MonitorConfig, command: str, embedded_broker: bool) -
             return f"--prompt: {e}"
     if embedded_broker and config.cluster.url is not None:
         return (
-            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared subscriptions: run the "
+            "--embedded-broker speaks MQTT 3.1.1 only, and --cluster needs MQTT 5 shared "
+            "subscriptions: run the "
             "replicas against one Mosquitto 2 (or EMQX, HiveMQ) with --broker"
         )
     return None
 
 
 def _serving_line(monitor: Monitor, judge: BaseJudge, store: SqliteStore | None) -> str:
-    """serve's start line: what it listens to, with which judge, where runs are kept, and each door's address."""
+    """serve's start line: what it listens to, with which judge, where runs are kept, and each
+    door's address."""
     config, web, doors = monitor.config, monitor.http, {src.name: src for src in monitor.sources}
     assert config.broker is not None
     min_mass = recommended_min_mass(judge) if config.min_mass is None else config.min_mass
@@ -919,17 +1198,33 @@ def _serving_line(monitor: Monitor, judge: BaseJudge, store: SqliteStore | None)
     proxy = doors.get("proxy")
     return (
         (
-            f"agent-monitor: proxy on {getattr(proxy, 'url', '?')} -> {getattr(proxy, 'upstream', '?')}\n"
+            f"agent-monitor: proxy on {getattr(proxy, 'url', '?')} -> "
+            f"{getattr(proxy, 'upstream', '?')}\n"
             if proxy
             else ""
         )
         + f"agent-monitor: serving {config.prefix}/+/start|step|end on {config.broker.url} "
-        f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass {min_mass:g}); "
+        f"with the {judge.name} judge ({judge.model or 'model from server'}, min_mass "
+        f"{min_mass:g}); "
         f"{where}"
         + (f"; OTLP traces on {getattr(receiver, 'url', '?')}" if receiver else "")
-        + (f"; progress annotations to Phoenix at {config.phoenix.url}" if config.phoenix.url else "")
-        + (f"; reward endpoints {web.url}get_reward, slime/reward, v1/score" if "reward" in doors and web else "")
-        + (f"; board {web.url}" if web and monitor.board else f"; metrics {web.url}metrics" if web else "")
+        + (
+            f"; progress annotations to Phoenix at {config.phoenix.url}"
+            if config.phoenix.url
+            else ""
+        )
+        + (
+            f"; reward endpoints {web.url}get_reward, slime/reward, v1/score"
+            if "reward" in doors and web
+            else ""
+        )
+        + (
+            f"; board {web.url}"
+            if web and monitor.board
+            else f"; metrics {web.url}metrics"
+            if web
+            else ""
+        )
     )
 
 
@@ -938,11 +1233,16 @@ async def _store_line(store: SqliteStore, restored: Sequence[str], *, default: b
     _, ended = await store.count_runs()
     where = f"run store {store.path}"
     if default:
-        where += " (the default, shared by every agent-monitor of this user; --state-dir DIR for another, --no-store for none)"
+        where += (
+            " (the default, shared by every agent-monitor of this user; --state-dir DIR "
+            "for another, --no-store for none)"
+        )
     if not restored and not ended:
         return f"agent-monitor: {where}: no runs yet"
     shown = ", ".join(restored[:5]) + (f", +{len(restored) - 5} more" if len(restored) > 5 else "")
-    live = f"restored {len(restored)} live run{'s' if len(restored) != 1 else ''}" + (f" ({shown})" if restored else "")
+    live = f"restored {len(restored)} live run{'s' if len(restored) != 1 else ''}" + (
+        f" ({shown})" if restored else ""
+    )
     runs = "agent-monitor runs" + ("" if default else f" --state-dir {store.path.parent}")
     return f"agent-monitor: {where}: {live}, {ended} ended (`{runs}` lists them)"
 
@@ -969,9 +1269,15 @@ async def _demo(args: argparse.Namespace) -> int:
     judge = await _ready_judge(args, 2) if args.judge else None
     try:
         await run_demo(
-            judge=judge, short=args.short, out_dir=args.out, metrics_port=args.metrics_port,
-            min_mass=args.min_mass, pace_s=args.pace, keep=args.keep, judge_only=args.judge_only,
-        )  # fmt: skip
+            judge=judge,
+            short=args.short,
+            out_dir=args.out,
+            metrics_port=args.metrics_port,
+            min_mass=args.min_mass,
+            pace_s=args.pace,
+            keep=args.keep,
+            judge_only=args.judge_only,
+        )
     finally:
         if judge is not None:
             await judge.aclose()
@@ -987,8 +1293,14 @@ async def _eval(args: argparse.Namespace) -> int:
     try:
         at_steps = [int(k) for k in args.at_steps.split(",") if k.strip()]
     except ValueError:
-        return _fail(f"--at-steps {args.at_steps}: use a comma-separated list of step numbers, e.g. 3,12")
-    if any(k < 1 for k in at_steps) or args.resamples < 1 or (args.max_steps is not None and args.max_steps < 1):
+        return _fail(
+            f"--at-steps {args.at_steps}: use a comma-separated list of step numbers, e.g. 3,12"
+        )
+    if (
+        any(k < 1 for k in at_steps)
+        or args.resamples < 1
+        or (args.max_steps is not None and args.max_steps < 1)
+    ):
         return _fail("--at-steps, --resamples and --max-steps take numbers >= 1")
     policy = _eval_policy(args)
     from ..robotdata import is_robot_data
@@ -998,7 +1310,8 @@ async def _eval(args: argparse.Namespace) -> int:
         from ._robot_replay import recorded_episodes
 
         try:
-            runs = await asyncio.to_thread(recorded_episodes, args)  # decoding: a worker thread, never the loop
+            # decoding: a worker thread, never the loop
+            runs = await asyncio.to_thread(recorded_episodes, args)
         except RobotDataError as e:
             return _fail(str(e))
     else:
@@ -1015,7 +1328,12 @@ async def _eval(args: argparse.Namespace) -> int:
     report = ev.evaluate(curves, policy=policy, max_false_abort=args.max_false_abort)
     judged = not args.baselines_only
     sides = bl.signal_report(
-        curves, at_steps=at_steps, judged=judged, max_steps=args.max_steps, resamples=args.resamples, seed=args.seed
+        curves,
+        at_steps=at_steps,
+        judged=judged,
+        max_steps=args.max_steps,
+        resamples=args.resamples,
+        seed=args.seed,
     )
     rules = bl.simulate(curves, policy=policy, judged=judged)
     scheduled = await _eval_schedules(args, runs, policy, out) if args.schedules else None
@@ -1026,8 +1344,12 @@ async def _eval(args: argparse.Namespace) -> int:
     files.append(out / "eval.json")
     calibrated = None
     if args.calibrate:
-        calibrated = ev.calibrate(curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by)
-        (out / "eval_calibrate.json").write_text(json.dumps(ev.calibrate_json(calibrated), indent=2))
+        calibrated = ev.calibrate(
+            curves, policy=policy, orders=args.orders, seed=args.seed, family_by=args.family_by
+        )
+        (out / "eval_calibrate.json").write_text(
+            json.dumps(ev.calibrate_json(calibrated), indent=2)
+        )
         files.append(out / "eval_calibrate.json")
     grouped = None
     if args.groups:
@@ -1039,7 +1361,8 @@ async def _eval(args: argparse.Namespace) -> int:
         files.append(ev.plot(report, out / "eval.png", note=robot_summary(robot), more=more))
     except ImportError:
         print(
-            "agent-monitor: no PNG: pip install -e '.[plot]' in the agent-monitor checkout (matplotlib)",
+            "agent-monitor: no PNG: pip install -e '.[plot]' in the agent-monitor checkout "
+            "(matplotlib)",
             file=sys.stderr,
         )
     failed = sum(s is None for c in curves for s in c.scores)
@@ -1063,8 +1386,11 @@ async def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _eval_scores(args: argparse.Namespace, runs: Sequence[Any], out: Path) -> tuple[list[Any], int]:
-    """eval's judge pass: every prefix of every run (up to --max-steps) scored as live, through the cache."""
+async def _eval_scores(
+    args: argparse.Namespace, runs: Sequence[Any], out: Path
+) -> tuple[list[Any], int]:
+    """eval's judge pass: every prefix of every run (up to --max-steps) scored as live, through
+    the cache."""
     from ..offline import evaluate as ev
 
     judge = await _ready_judge(args, 8)
@@ -1110,10 +1436,20 @@ async def _select(args: argparse.Namespace) -> int:
     try:
         with _progress_bar(total, "judging") as advance:
             report = await ge.select_groups(
-                groups, judge=judge, pairwise=args.pairwise, criteria=args.criteria, repeats=args.repeats,
-                min_mass=args.min_mass, max_steps=args.max_steps, pivots=args.pivots, rings=args.rings,
-                seed=args.seed, max_chars=args.max_chars, cache=cache, on_call=advance,
-            )  # fmt: skip
+                groups,
+                judge=judge,
+                pairwise=args.pairwise,
+                criteria=args.criteria,
+                repeats=args.repeats,
+                min_mass=args.min_mass,
+                max_steps=args.max_steps,
+                pivots=args.pivots,
+                rings=args.rings,
+                seed=args.seed,
+                max_chars=args.max_chars,
+                cache=cache,
+                on_call=advance,
+            )
     finally:
         cache.close()
         await judge.aclose()
@@ -1128,26 +1464,39 @@ def _write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy: Policy, out: Path) -> Any:
-    """eval --schedule: the runs stepped through each schedule live, with the policy's thresholds in force."""
+async def _eval_schedules(
+    args: argparse.Namespace, runs: Sequence[Any], policy: Policy, out: Path
+) -> Any:
+    """eval --schedule: the runs stepped through each schedule live, with the policy's thresholds
+    in force."""
     from ..offline import evaluate as ev
     from ..policy import SCHEDULES
 
     names = [s.strip() for s in args.schedules.split(",") if s.strip()]
     bad = [s for s in names if s not in SCHEDULES]
     if bad or not names:
-        raise CliError(f"--schedule {args.schedules}: use a comma-separated list of {', '.join(SCHEDULES)}")
+        raise CliError(
+            f"--schedule {args.schedules}: use a comma-separated list of {', '.join(SCHEDULES)}"
+        )
     judge = await _ready_judge(args, 8)
     cache = ev.ScoreCache(args.cache or out / "score-cache.sqlite3")
     try:
         results = {
             name: await ev.score_scheduled(
-                runs, judge=judge, policy=policy, schedule=name, criteria=args.criteria,
-                min_mass=args.min_mass, repeats=args.repeats, max_steps=args.max_steps, cache=cache,
-                prompt_budget=getattr(args, "prompt_budget", None), digest=getattr(args, "digest", None),
+                runs,
+                judge=judge,
+                policy=policy,
+                schedule=name,
+                criteria=args.criteria,
+                min_mass=args.min_mass,
+                repeats=args.repeats,
+                max_steps=args.max_steps,
+                cache=cache,
+                prompt_budget=getattr(args, "prompt_budget", None),
+                digest=getattr(args, "digest", None),
             )
             for name in dict.fromkeys(names)
-        }  # fmt: skip
+        }
     finally:
         cache.close()
         await judge.aclose()
@@ -1156,36 +1505,51 @@ async def _eval_schedules(args: argparse.Namespace, runs: Sequence[Any], policy:
     return report
 
 
-def _eval_groups(args: argparse.Namespace, curves: Sequence[Any], policy: Policy) -> tuple[str, dict[str, Any]]:
+def _eval_groups(
+    args: argparse.Namespace, curves: Sequence[Any], policy: Policy
+) -> tuple[str, dict[str, Any]]:
     """eval --groups: the curves, grouped into siblings, replayed through the live group policy."""
     from ..offline import groupeval as ge
 
-    loaded = ge.load_runs(args.path)  # the files eval scored, in the same (sorted) order, with their folders
+    # the files eval scored, in the same (sorted) order, with their folders
+    loaded = ge.load_runs(args.path)
     if [r.name for r, _ in loaded] != [c.name for c in curves]:
         raise CliError(f"the recorded runs in {args.path} changed while eval ran; run it again")
     by_name = {id(r): c for (r, _p), c in zip(loaded, curves, strict=True)}
     sibling_groups = [
-        (g.name, ge.siblings(g.runs, [by_name[id(r)] for r in g.runs])) for g in ge.group_runs(loaded, args.group_by)
+        (g.name, ge.siblings(g.runs, [by_name[id(r)] for r in g.runs]))
+        for g in ge.group_runs(loaded, args.group_by)
     ]
-    report = ge.prune_report(sibling_groups, policy=dataclasses.replace(policy, abort_below=None), seed=args.seed)
+    report = ge.prune_report(
+        sibling_groups, policy=dataclasses.replace(policy, abort_below=None), seed=args.seed
+    )
     return ge.prune_summary(report), ge.prune_json(report)
 
 
 def _eval_policy(args: argparse.Namespace) -> Policy:
-    """The policy eval measures; with --calibrate the abort threshold is the one calibration learns."""
-    # eval's --max-steps limits scoring; the policy's step budget (max_steps) is simulated, never read from it.
-    policy = build(Policy, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "max_steps"}))
+    """The policy eval measures; with --calibrate the abort threshold is the one calibration
+    learns."""
+    # eval's --max-steps limits scoring; the policy's step budget (max_steps) is simulated, never
+    # read from it.
+    policy = build(
+        Policy, argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "max_steps"})
+    )
     if args.calibrate:
         if policy.abort_below is not None and not policy.auto:
             raise CliError(
-                f"--calibrate learns the abort threshold (abort-below auto); drop --abort-below {policy.abort_below:g}"
+                "--calibrate learns the abort threshold (abort-below auto); drop "
+                f"--abort-below {policy.abort_below:g}"
             )
         if args.orders < 0:
-            raise CliError(f"--orders {args.orders}: use 0 or more random orders (0: the recorded order only)")
-        # The plain report's sweep and AUROC do not depend on the threshold; its decisions need a number.
+            raise CliError(
+                f"--orders {args.orders}: use 0 or more random orders (0: the recorded order only)"
+            )
+        # The plain report's sweep and AUROC do not depend on the threshold; its decisions need a
+        # number.
         return dataclasses.replace(policy, abort_below=None)
     if policy.auto:
-        # The sweep's decisions need a fixed threshold; learning one run after run is --calibrate's replay.
+        # The sweep's decisions need a fixed threshold; learning one run after run is --calibrate's
+        # replay.
         raise CliError(
             "eval --abort-below auto: a threshold learnt online needs eval --calibrate --alpha A; "
             "pass a number here to see that threshold's decisions"
@@ -1195,21 +1559,30 @@ def _eval_policy(args: argparse.Namespace) -> Policy:
 
 @contextlib.contextmanager
 def _progress_bar(total: int, what: str) -> Iterator[Callable[[str], None]]:
-    """A rich progress bar on stderr (plain lines when rich is missing or stderr is not a terminal)."""
+    """A rich progress bar on stderr (plain lines when rich is missing or stderr is not a
+    terminal)."""
     try:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         if not Console(stderr=True).is_terminal:
             raise ImportError  # a log file gets plain lines, not a bar redrawn in place
     except ImportError:
         done, said = [0], [time.monotonic()]
-        print(f"{what}: 0/{total}", file=sys.stderr, flush=True)  # a batch log shows at once that work began
+        # a batch log shows at once that work began
+        print(f"{what}: 0/{total}", file=sys.stderr, flush=True)
 
         def plain(note: str) -> None:
             done[0] += 1
             now = time.monotonic()
-            # The first, every tenth, the last, and at least one line every 15 s: a slow judge never looks hung.
+            # The first, every tenth, the last, and at least one line every 15 s: a slow judge never
+            # looks hung.
             if done[0] in (1, total) or done[0] % 10 == 0 or now - said[0] >= 15.0:
                 said[0] = now
                 print(f"{what}: {done[0]}/{total} ({note})", file=sys.stderr, flush=True)
@@ -1235,14 +1608,18 @@ def _open_store(state_dir: str | None) -> SqliteStore:
     try:
         return SqliteStore(path / "runs.sqlite3")
     except (OSError, sqlite3.Error, StoreFormatError) as e:
-        raise CliError(f"cannot open the run store in {path}: {e}; pass --state-dir, or --no-store") from None
+        raise CliError(
+            f"cannot open the run store in {path}: {e}; pass --state-dir, or --no-store"
+        ) from None
 
 
 @contextlib.asynccontextmanager
 async def _journal(args: argparse.Namespace) -> AsyncIterator[tuple[object, Any]]:
-    """The journal the options name (a cluster's shared one with --cluster, else the SQLite store) and where it is.
+    """The journal the options name (a cluster's shared one with --cluster, else the SQLite store)
+    and where it is.
 
-    Both read alike (`list_runs`, `export`, `samples`, `reset_family`); a cluster that cannot be read is a CliError.
+    Both read alike (`list_runs`, `export`, `samples`, `reset_family`); a cluster that cannot be
+    read is a CliError.
     """
     cluster = build(ClusterSettings, args)
     if cluster.url is None:
@@ -1279,11 +1656,14 @@ async def _runs(args: argparse.Namespace) -> int:
         state = "ended" if r["ended_at"] else "live"
         score = "" if r["last_score"] is None else f"{r['last_score']:.3f}"
         t = r["totals"]
-        # Cost as the store has it (the monitor's prices when it scored); blank when it ran without prices.
+        # Cost as the store has it (the monitor's prices when it scored); blank when it ran without
+        # prices.
         cost = "" if t["cost"] is None else f"{t['cost']:.6f}"
         print(
-            f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} {score:>6} "
-            f"{r['signal'] or '':<9} {t['input']:>10} {t['cached_input']:>10} {t['output']:>7} {cost:>10} "
+            f"{r['run_id']:<32} {state:<9} {r['outcome'] or '':<9} {r['last_step'] or 0:>5} "
+            f"{score:>6} "
+            f"{r['signal'] or '':<9} {t['input']:>10} {t['cached_input']:>10} "
+            f"{t['output']:>7} {cost:>10} "
             f"{(r['task'] or '')[:60]}"
         )
     return 0
@@ -1301,28 +1681,56 @@ async def _calibration(args: argparse.Namespace) -> int:
     if args.json:
         for f, th in rows:
             fam = f.family
-            data = {"family": fam.name, "model": fam.model, "rubric": fam.rubric, "successes": f.successes}
-            data |= {"failures": f.failures, "last_at": f.last_at, "alpha": th.alpha, "needed": th.needed}
+            data = {
+                "family": fam.name,
+                "model": fam.model,
+                "rubric": fam.rubric,
+                "successes": f.successes,
+            }
+            data |= {
+                "failures": f.failures,
+                "last_at": f.last_at,
+                "alpha": th.alpha,
+                "needed": th.needed,
+            }
             data |= {"threshold": th.value, "reason": th.reason}
-            # The other calibrated decisions of the same rule: the step budget (successes) and done (failures).
+            # The other calibrated decisions of the same rule: the step budget (successes) and done
+            # (failures).
             budget, done = cal.budget(fam, policy, policy.alpha), cal.done(fam, policy)
-            data |= {"step_budget": budget.value, "done_above": done.value, "done_reason": done.reason}
+            data |= {
+                "step_budget": budget.value,
+                "done_above": done.value,
+                "done_reason": done.reason,
+            }
             print(json.dumps(data))
         return 0
     if not rows:
         print(
-            f"no calibration samples in {where} yet: each run that ends with outcome success or failure adds one, "
-            'if no abort rule could have stopped it (no abort_below, or "auto" not yet calibrated or held out; '
+            f"no calibration samples in {where} yet: each run that ends with outcome success "
+            "or failure adds one, "
+            'if no abort rule could have stopped it (no abort_below, or "auto" not yet '
+            "calibrated or held out; "
             "not a numeric abort_below)"
         )
         return 0
-    print(f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} {'failures':>8}  threshold")
+    print(
+        f"{'family':<40} {'judge model':<24} {'rubric':<16} {'successes':>9} "
+        f"{'failures':>8}  threshold"
+    )
     for f, th in rows:
         fam = f.family
-        shown = f"{th.value:.4f}" if th.value is not None else f"never aborts ({th.successes} of {th.needed} successes)"
-        print(f"{fam.name[:40]:<40} {fam.model[:24]:<24} {fam.rubric:<16} {f.successes:>9} {f.failures:>8}  {shown}")
+        shown = (
+            f"{th.value:.4f}"
+            if th.value is not None
+            else (f"never aborts ({th.successes} of {th.needed} successes)")
+        )
+        print(
+            f"{fam.name[:40]:<40} {fam.model[:24]:<24} {fam.rubric:<16} {f.successes:>9} "
+            f"{f.failures:>8}  {shown}"
+        )
     print(
-        f"\nthresholds for alpha {policy.alpha:g}, min_steps {policy.min_steps}, patience {policy.patience}, "
+        f"\nthresholds for alpha {policy.alpha:g}, min_steps {policy.min_steps}, patience "
+        f"{policy.patience}, "
         f"max_uncertainty {policy.max_uncertainty:g}"
     )
     return 0
@@ -1364,7 +1772,10 @@ def _schemas(args: argparse.Namespace) -> int:
         return 0
     bad = stale_schemas(args.check)
     if bad:
-        print(f"stale schemas in {args.check}: {', '.join(bad)}; run agent-monitor schemas --write {args.check}")
+        print(
+            f"stale schemas in {args.check}: {', '.join(bad)}; run agent-monitor schemas "
+            f"--write {args.check}"
+        )
         return 1
     return 0
 
@@ -1375,7 +1786,8 @@ def _top(args: argparse.Namespace) -> int:
 
     broker = build(BrokerOptions, args).settings()
     options = build(TopOptions, args)
-    prefix = Topics(args.prefix).prefix  # a prefix that is not a topic is one line now, not a refused subscription
+    # a prefix that is not a topic is one line now, not a refused subscription
+    prefix = Topics(args.prefix).prefix
     try:
         asyncio.run(top(broker, prefix, options))
     except TopError as e:
@@ -1384,7 +1796,8 @@ def _top(args: argparse.Namespace) -> int:
 
 
 class _Stderr:
-    """Whatever sys.stderr is when a line is written (it may be swapped after logging is configured)."""
+    """Whatever sys.stderr is when a line is written (it may be swapped after logging is
+    configured)."""
 
     def write(self, text: str) -> int:
         return sys.stderr.write(text)
@@ -1414,13 +1827,16 @@ def _configure_logging(level: str, *, drop: Sequence[str] = ()) -> None:
             structlog.processors.TimeStamper(fmt="iso"),
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper(), logging.INFO)),
+        wrapper_class=structlog.make_filtering_bound_logger(
+            getattr(logging, level.upper(), logging.INFO)
+        ),
         logger_factory=structlog.PrintLoggerFactory(_Stderr()),  # type: ignore[arg-type]
     )
 
 
 def _config_path(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
-    """The settings file `--config FILE` names (read before the flags are built: it gives their defaults)."""
+    """The settings file `--config FILE` names (read before the flags are built: it gives their
+    defaults)."""
     for i, a in enumerate(argv):
         if a == "--":
             break
@@ -1443,7 +1859,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except (CliError, FlagError, ValueError) as e:
         return _fail(str(e))
     if args.command is None:
-        # No command is a usage error, as argparse treats any other (exit code 2), shown as the whole help.
+        # No command is a usage error, as argparse treats any other (exit code 2), shown as the
+        # whole help.
         parser.print_help(sys.stderr)
         return 2
     level = env.get("AGENT_MONITOR_LOG_LEVEL", "warning") or "warning"
@@ -1484,7 +1901,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             from ._config_cli import print_config
 
             args.config = _config_path(argv, env)
-            return print_config(args, argv, (BrokerOptions, JudgeOptions, MonitorConfig, ServeOptions, ProxySettings))
+            return print_config(
+                args,
+                argv,
+                (BrokerOptions, JudgeOptions, MonitorConfig, ServeOptions, ProxySettings),
+            )
         if args.command == "self-check":
             from ._selfcheck import run as _self_check
 

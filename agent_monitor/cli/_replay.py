@@ -1,4 +1,5 @@
-"""Replay recorded runs to a broker as live runs, honouring their recorded timing (scaled), to watch the monitor."""
+"""Replay recorded runs to a broker as live runs, honouring their recorded timing (scaled), to
+watch the monitor."""
 
 from __future__ import annotations
 
@@ -30,9 +31,14 @@ def run_id_for(name: str, prefix: str = "replay-") -> str:
 
 
 def schedule(
-    runs: Sequence[RecordedRun], *, speed: float = 1.0, interval_s: float = 1.0, max_gap_s: float = 30.0
+    runs: Sequence[RecordedRun],
+    *,
+    speed: float = 1.0,
+    interval_s: float = 1.0,
+    max_gap_s: float = 30.0,
 ) -> list[_Due]:
-    """When each start, step and end is due (seconds from now): recorded gaps, capped and divided by `speed`."""
+    """When each start, step and end is due (seconds from now): recorded gaps, capped and divided
+    by `speed`."""
     if speed <= 0:
         raise ValueError("speed must be > 0")
     due: list[_Due] = []
@@ -71,11 +77,13 @@ def replay(
     on_event: Callable[[str, str, int], object] | None = None,
     settle_s: float = 0.0,
 ) -> dict[str, Run]:
-    """Publish every run as live (all runs at once, interleaved in recorded time); return the client runs.
+    """Publish every run as live (all runs at once, interleaved in recorded time); return the client
+    runs.
 
-    With `settle_s`, a run whose end comes before the monitor's score of its last step (or its abort)
-    ends after the others' events, once that score came or `settle_s` passed: the client stops
-    listening to a run it ended, so a fast replay would otherwise end every run before its last score.
+    With `settle_s`, a run whose end comes before the monitor's score of its last step (or its
+    abort) ends after the others' events, once that score came or `settle_s` passed: the client
+    stops listening to a run it ended, so a fast replay would otherwise end every run before its
+    last score.
     """
     plan = schedule(runs, speed=speed, interval_s=interval_s, max_gap_s=max_gap_s)
     live: dict[int, Run] = {}
@@ -115,7 +123,8 @@ def replay(
 
 
 def _settled(run: Run, last: int) -> bool:
-    """Whether the monitor told a run all it will: its last step's score, or an abort (nothing scored after)."""
+    """Whether the monitor told a run all it will: its last step's score, or an abort (nothing
+    scored after)."""
     p = run.progress
     return (p is not None and p.step >= last) or run.should_abort
 
@@ -135,7 +144,10 @@ def replay_cli(args: argparse.Namespace) -> int:
         print(f"agent-monitor: no recorded runs in {args.path}", file=sys.stderr)
         return 2
     steps = sum(len(r.steps) for r in runs)
-    print(f"replaying {len(runs)} runs ({steps} steps) to {args.broker} at {args.speed:g}x", file=sys.stderr)
+    print(
+        f"replaying {len(runs)} runs ({steps} steps) to {args.broker} at {args.speed:g}x",
+        file=sys.stderr,
+    )
     try:
         with MonitorClient(args.broker, prefix=args.prefix) as client:
 
@@ -158,14 +170,27 @@ def replay_cli(args: argparse.Namespace) -> int:
             for rid, run in done.items():
                 p = run.progress
                 heard = heard or p is not None
-                last = f"step {p.step} score {p.score:.3f}" if p is not None and p.score is not None else None
+                last = (
+                    f"step {p.step} score {p.score:.3f}"
+                    if p is not None and p.score is not None
+                    else None
+                )
                 if last is None:
-                    last = f"step {p.step} not scored ({p.reason})" if p is not None else "no score received"
-                print(f"{rid}: {last}; signal {run.signal.signal if run.signal else 'continue'}", file=sys.stderr)
+                    last = (
+                        f"step {p.step} not scored ({p.reason})"
+                        if p is not None
+                        else "no score received"
+                    )
+                print(
+                    f"{rid}: {last}; signal {run.signal.signal if run.signal else 'continue'}",
+                    file=sys.stderr,
+                )
             if not heard:
                 print(
-                    f"agent-monitor: no monitor answered within {args.settle:g} s of the last step: is "
-                    f"`agent-monitor serve` running on {args.broker} with --topic-prefix {args.prefix}? "
+                    f"agent-monitor: no monitor answered within {args.settle:g} s of the last "
+                    "step: is "
+                    f"`agent-monitor serve` running on {args.broker} with --topic-prefix "
+                    f"{args.prefix}? "
                     "(a slow judge needs a longer --settle)",
                     file=sys.stderr,
                 )

@@ -1,4 +1,5 @@
-"""`agent-monitor replay` of robot data: a LeRobot v3 dataset or an MCAP bag, episode by episode, with frames."""
+"""`agent-monitor replay` of robot data: a LeRobot v3 dataset or an MCAP bag, episode by episode,
+with frames."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def _episodes(spec: str | None) -> list[int] | None:
     try:
         return [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise RobotDataError(f"--episodes {spec!r}: give episode indexes separated by commas, e.g. 0,3,7") from None
+        raise RobotDataError(
+            f"--episodes {spec!r}: give episode indexes separated by commas, e.g. 0,3,7"
+        ) from None
 
 
 def options_from(args: argparse.Namespace) -> ReadOptions:
@@ -40,7 +43,8 @@ def options_from(args: argparse.Namespace) -> ReadOptions:
 
 
 def recorded_episodes(args: argparse.Namespace) -> list[RecordedRun]:
-    """`eval`'s runs from robot data: each episode read whole (frames held in memory; `--frames budget` keeps fewer)."""
+    """`eval`'s runs from robot data: each episode read whole (frames held in memory; `--frames
+    budget` keeps fewer)."""
     episodes = read_episodes(
         args.path,
         options_from(args),
@@ -66,26 +70,30 @@ def robot_replay_cli(args: argparse.Namespace) -> int:
             outcome_topic=args.outcome_topic,
             cameras=args.camera,
         )
-        # The file is read (its metadata, the first episode's) before connecting: a bad file is the answer, not a
-        # broker error or a run started and then failed.
+        # The file is read (its metadata, the first episode's) before connecting: a bad file is the
+        # answer, not a broker error or a run started and then failed.
         first = next(episodes, None)
         if first is None:
             raise RobotDataError(f"{args.path}: no episodes")
         speed = args.speed
         print(
-            f"replaying {args.path} to {args.broker} at {speed:g}x (one step per {opts.every} ticks)", file=sys.stderr
+            f"replaying {args.path} to {args.broker} at {speed:g}x (one step per {opts.every} "
+            "ticks)",
+            file=sys.stderr,
         )
         runs: dict[str, Run] = {}
         with MonitorClient(args.broker, prefix=args.prefix) as client:
 
             def start(rid: str, ep: Episode) -> StepSink:
                 print(
-                    f"start {rid}: {ep.planned_steps} steps, {len(ep.cameras)} cameras, task {ep.task!r}"
-                    + (" (truncated by --max-steps)" if ep.truncated else ""),
+                    f"start {rid}: {ep.planned_steps} steps, {len(ep.cameras)} cameras, task "
+                    f"{ep.task!r}" + (" (truncated by --max-steps)" if ep.truncated else ""),
                     file=sys.stderr,
                     flush=True,
                 )
-                runs[rid] = client.start_run(rid, task=ep.task or "(no task recorded)", criteria=args.criteria)
+                runs[rid] = client.start_run(
+                    rid, task=ep.task or "(no task recorded)", criteria=args.criteria
+                )
                 return runs[rid]
 
             stats = replay_episodes(
@@ -101,7 +109,11 @@ def robot_replay_cli(args: argparse.Namespace) -> int:
                 print(f"{rid}: {last}", file=sys.stderr)
         print(
             f"replayed {stats.episodes} episodes, {stats.steps} steps, {stats.frames} frames"
-            + (f"; up to {stats.late_s:.2f} s behind the episode's pace" if stats.late_s > 0.05 else ""),
+            + (
+                f"; up to {stats.late_s:.2f} s behind the episode's pace"
+                if stats.late_s > 0.05
+                else ""
+            ),
             file=sys.stderr,
         )
     except (RobotDataError, ValueError) as e:

@@ -1,7 +1,8 @@
 """`agent-monitor self-check`: the skill's token-free self-check (no judge, no network).
 
 It checks the 20-letter scale, the expectation math on planted letter distributions, the bundled
-rubrics, and the rubric and prompt template files given; it prints each check and exits 1 if any fails.
+rubrics, and the rubric and prompt template files given; it prints each check and exits 1 if any
+fails.
 """
 
 from __future__ import annotations
@@ -18,13 +19,28 @@ from ..templates import TemplateError, load_template
 
 
 def add_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], command: Callable[..., argparse.ArgumentParser]
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    command: Callable[..., argparse.ArgumentParser],
 ) -> None:
     """Register `self-check` (`command` is the CLI's subcommand factory)."""
-    p = command(sub, "self-check", "check the scale, the expectation math and rubric / prompt files, with no judge")
-    p.add_argument("--rubric", action="append", default=[], metavar="FILE", help="a rubric file to check (repeatable)")
+    p = command(
+        sub,
+        "self-check",
+        "check the scale, the expectation math and rubric / prompt files, with no judge",
+    )
     p.add_argument(
-        "--prompt", action="append", default=[], metavar="FILE", help="a prompt template to check (repeatable)"
+        "--rubric",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a rubric file to check (repeatable)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a prompt template to check (repeatable)",
     )
 
 
@@ -48,7 +64,10 @@ def _logprobs(dist: dict[str, float]) -> dict[str, float]:
 
 def _planted(c: _Checks) -> None:
     """The expectation over planted distributions, against values worked out by hand."""
-    c.check("scale: 20 letters A..T", list(LETTERS) == [chr(ord("A") + i) for i in range(20)] and len(LETTERS) == 20)
+    c.check(
+        "scale: 20 letters A..T",
+        list(LETTERS) == [chr(ord("A") + i) for i in range(20)] and len(LETTERS) == 20,
+    )
     steps = {round(phi(b) - phi(a), 12) for a, b in itertools.pairwise(LETTERS)}
     c.check(
         "scale: phi(A) = 0, phi(T) = 1, evenly spaced by 1/19",
@@ -60,28 +79,42 @@ def _planted(c: _Checks) -> None:
         ({"C": 1.0}, 2 / 19, 0.0),
         ({"J": 0.5, "K": 0.5}, 0.5, 0.5 / 19),
         ({"A": 0.5, "T": 0.5}, 0.5, 0.5),
-        ({k: 1 / 20 for k in LETTERS}, 0.5, math.sqrt(sum((i / 19 - 0.5) ** 2 for i in range(20)) / 20)),
+        (
+            {k: 1 / 20 for k in LETTERS},
+            0.5,
+            math.sqrt(sum((i / 19 - 0.5) ** 2 for i in range(20)) / 20),
+        ),
     ]
     for dist, mean, sd in planted:
         d = distribution(_logprobs(dist), min_mass=0.5)
-        ok = math.isclose(d.expectation, mean, abs_tol=1e-9) and math.isclose(d.dispersion, sd, abs_tol=1e-9)
+        ok = math.isclose(d.expectation, mean, abs_tol=1e-9) and math.isclose(
+            d.dispersion, sd, abs_tol=1e-9
+        )
         c.check(
             f"expectation of {dist if len(dist) < 5 else 'uniform A..T'}",
             ok,
             f"{d.expectation:.6f} ± {d.dispersion:.6f}, want {mean:.6f} ± {sd:.6f}",
         )
-    # Non-letter tokens take mass away and are renormalised out; too little mass on the letters is no score.
+    # Non-letter tokens take mass away and are renormalised out; too little mass on the letters is
+    # no score.
     d = distribution(_logprobs({"K": 0.6, "The": 0.4}), min_mass=0.5)
     c.check(
-        "non-letter tokens are renormalised out", math.isclose(d.expectation, 10 / 19) and math.isclose(d.mass, 0.6)
+        "non-letter tokens are renormalised out",
+        math.isclose(d.expectation, 10 / 19) and math.isclose(d.mass, 0.6),
     )
     try:
         distribution(_logprobs({"K": 0.2, "The": 0.8}), min_mass=0.5)
         c.check("mass below min_mass is refused", False, "a score was made from 0.2 of the mass")
     except ScoreError as e:
         c.check("mass below min_mass is refused", e.reason == "low_mass", e.reason)
-    k3 = score_samples("c", 1.0, [_logprobs({"C": 1.0}), _logprobs({"K": 1.0}), _logprobs({"T": 1.0})], repeats=3)
-    c.check("K repeats average: (C + K + T) / 3", math.isclose(k3.score, (2 + 10 + 19) / 57), f"{k3.score:.6f}")
+    k3 = score_samples(
+        "c", 1.0, [_logprobs({"C": 1.0}), _logprobs({"K": 1.0}), _logprobs({"T": 1.0})], repeats=3
+    )
+    c.check(
+        "K repeats average: (C + K + T) / 3",
+        math.isclose(k3.score, (2 + 10 + 19) / 57),
+        f"{k3.score:.6f}",
+    )
     flipped = distribution(mirrored(_logprobs({"A": 1.0})) or {}, min_mass=0.5)
     c.check("a reversed scale (A = best) reads A as 1", math.isclose(flipped.expectation, 1.0))
 
@@ -97,7 +130,9 @@ def _rubric(c: _Checks, path: str) -> None:
 
 def _describe(c: _Checks, what: str, r: Rubric) -> None:
     total = sum(x.weight for x in r.criteria)
-    c.check(f"{what}: loads, {len(r.criteria)} criteria ({', '.join(x.name for x in r.criteria)})", True)
+    c.check(
+        f"{what}: loads, {len(r.criteria)} criteria ({', '.join(x.name for x in r.criteria)})", True
+    )
     c.check(f"{what}: weights sum to 1", math.isclose(total, 1.0, abs_tol=1e-9), f"{total:.6f}")
     if r.scale:
         c.check(

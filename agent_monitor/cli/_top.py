@@ -1,4 +1,5 @@
-"""`agent-monitor top`: a live terminal table of every run a broker carries, read from the monitors' own topics.
+"""`agent-monitor top`: a live terminal table of every run a broker carries, read from the monitors'
+own topics.
 
 A read-only subscriber (random client id, clean session) of `{prefix}/+/progress`,
 `{prefix}/+/signal` (retained, so a new `top` sees the signals in force at once),
@@ -56,13 +57,16 @@ Clock = Callable[[], float]
 class TopOptions:
     """What `top` shows and how often it redraws."""
 
-    refresh_s: float = field(default=1.0, metadata={"help": "seconds between redraws", "env": "TOP_REFRESH"})
+    refresh_s: float = field(
+        default=1.0, metadata={"help": "seconds between redraws", "env": "TOP_REFRESH"}
+    )
     once_s: float | None = field(
         default=None,
         metadata={
             "flag": "--once",
             "env": "TOP_ONCE",
-            "help": "listen this many seconds, print one table to stdout and exit (for scripts); none: live",
+            "help": "listen this many seconds, print one table to stdout and exit (for "
+            "scripts); none: live",
         },
     )
     rows: int | None = field(
@@ -74,11 +78,17 @@ class TopOptions:
     )
     keep_runs: int = field(
         default=10_000,
-        metadata={"help": "runs remembered; beyond it the least recently active are forgotten", "env": "TOP_KEEP_RUNS"},
+        metadata={
+            "help": "runs remembered; beyond it the least recently active are forgotten",
+            "env": "TOP_KEEP_RUNS",
+        },
     )
     ended_grace_s: float = field(
         default=30.0,
-        metadata={"help": "seconds an ended run stays (dimmed) before it is dropped", "env": "TOP_ENDED_GRACE"},
+        metadata={
+            "help": "seconds an ended run stays (dimmed) before it is dropped",
+            "env": "TOP_ENDED_GRACE",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -87,18 +97,22 @@ class TopOptions:
         if self.once_s is not None and not (self.once_s >= 0 and math.isfinite(self.once_s)):
             raise ValueError(f"--once {self.once_s}: use 0 or more seconds")
         if self.rows is not None and self.rows < 1:
-            raise ValueError(f"--rows {self.rows}: use 1 or more, or none for what fits the terminal")
+            raise ValueError(
+                f"--rows {self.rows}: use 1 or more, or none for what fits the terminal"
+            )
         if self.keep_runs < 1:
             raise ValueError(f"--keep-runs {self.keep_runs}: use 1 or more")
         if not (self.ended_grace_s >= 0 and math.isfinite(self.ended_grace_s)):
             raise ValueError(f"--ended-grace {self.ended_grace_s}: use 0 or more seconds")
 
 
-# --- payloads -------------------------------------------------------------------------------------------
+# --- payloads
+# -------------------------------------------------------------------------------------------
 
 
 class _Seen(BaseModel):
-    """Base of the views of payloads `top` reads beyond the wire models: lenient, unknown fields ignored."""
+    """Base of the views of payloads `top` reads beyond the wire models: lenient, unknown fields
+    ignored."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
@@ -140,18 +154,21 @@ class RankEntry(_Seen):
 
 
 class RankingSeen(_Seen):
-    """`{prefix}/_groups/{group}/ranking`: `{"group", "leader", "runs": [{"run_id", "rank", ...}]}`, best first."""
+    """`{prefix}/_groups/{group}/ranking`: `{"group", "leader", "runs": [{"run_id", "rank",
+    ...}]}`, best first."""
 
     runs: list[RankEntry] = Field(default_factory=list)
 
 
-# --- the table model ------------------------------------------------------------------------------------
+# --- the table model
+# ------------------------------------------------------------------------------------
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+")
 
 
 def clean(text: str, n: int = 200) -> str:
-    """`text` as one safe terminal line: control and bidi characters become spaces, cut to `n` characters."""
+    """`text` as one safe terminal line: control and bidi characters become spaces, cut to `n`
+    characters."""
     text = _CONTROL.sub(" ", text[: n * 2]).strip()
     return text if len(text) <= n else text[: n - 1] + "…"
 
@@ -175,7 +192,8 @@ class RunView:
     ended: bool = False
     outcome: str | None = None
     active_at: float | None = None
-    """When a live message about the run last arrived (monotonic); None: known only from retained messages."""
+    """When a live message about the run last arrived (monotonic); None: known only from retained
+    messages."""
     ended_at: float | None = None
 
 
@@ -184,7 +202,8 @@ _KINDS: tuple[Kind, ...] = ("progress", "signal", "state", "start", "end")
 
 
 class Board:
-    """Every run seen, most recently active last; bounded, and never raises on what the network sends."""
+    """Every run seen, most recently active last; bounded, and never raises on what the network
+    sends."""
 
     def __init__(
         self,
@@ -206,13 +225,16 @@ class Board:
         """Runs dropped because more than `keep_runs` were seen."""
         self._ended: deque[tuple[float, str]] = deque()
         self._starts: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
-        """Starts not (yet) confirmed live by the monitor: run id -> (task, group), bounded by `keep_runs`."""
+        """Starts not (yet) confirmed live by the monitor: run id -> (task, group), bounded by
+        `keep_runs`."""
         self._under = prefix + "/"
 
-    # Topics ------------------------------------------------------------------------------------------
+    # Topics
+    # ------------------------------------------------------------------------------------------
 
     def filters(self) -> list[tuple[str, int]]:
-        """The subscriptions: QoS 1 for the rare messages that matter, QoS 0 for progress (the next one supersedes)."""
+        """The subscriptions: QoS 1 for the rare messages that matter, QoS 0 for progress (the
+        next one supersedes)."""
         p = self.prefix
         return [
             (f"{p}/+/progress", 0),
@@ -227,13 +249,16 @@ class Board:
         """Take one message; a message that cannot be read is counted in `bad`, never raised."""
         try:
             self._feed(topic, payload, retained)
-        except Exception as e:  # whatever a payload does to a model or the parser, a viewer counts it and goes on
+        # whatever a payload does to a model or the parser, a viewer counts it and goes on
+        except Exception as e:
             self.bad += 1
             self.last_bad = clean(f"{topic}: {_why(e)}", 160)
 
     def _feed(self, topic: str, payload: bytes, retained: bool) -> None:
         if len(payload) > MAX_PAYLOAD_BYTES:
-            raise ValueError(f"payload of {len(payload)} bytes, over the limit of {MAX_PAYLOAD_BYTES}")
+            raise ValueError(
+                f"payload of {len(payload)} bytes, over the limit of {MAX_PAYLOAD_BYTES}"
+            )
         if not topic.startswith(self._under):
             raise ValueError("not under the topic prefix")
         levels = topic[len(self._under) :].split("/")
@@ -255,7 +280,8 @@ class Board:
         else:
             self._end(run_id, payload, retained)
 
-    # Kinds -------------------------------------------------------------------------------------------
+    # Kinds
+    # -------------------------------------------------------------------------------------------
 
     def _progress(self, run_id: str, payload: bytes, retained: bool) -> None:
         data = json.loads(payload)
@@ -267,7 +293,11 @@ class Board:
         v.totals = totals or v.totals
         if p.ok and p.score is not None and math.isfinite(p.score):
             v.score, v.failure = min(max(p.score, 0.0), 1.0), None
-            v.uncertainty = p.uncertainty if p.uncertainty is not None and math.isfinite(p.uncertainty) else None
+            v.uncertainty = (
+                p.uncertainty
+                if p.uncertainty is not None and math.isfinite(p.uncertainty)
+                else None
+            )
         else:
             v.failure = clean(p.reason or "failed", 40)
         if p.decision is not None:
@@ -276,8 +306,9 @@ class Board:
             v.signal = p.signal
 
     def _cleared(self, run_id: str, retained: bool) -> None:
-        """The monitor cleared a run's retained signal or state: the run left its live set (ended and scored,
-        expired, evicted), so it is over, whether or not its end came by. Its last signal stays shown."""
+        """The monitor cleared a run's retained signal or state: the run left its live set (ended
+        and scored, expired, evicted), so it is over, whether or not its end came by. Its last
+        signal stays shown."""
         if run_id in self.runs:
             v = self._touch(run_id, retained)
             if not v.ended:
@@ -310,8 +341,9 @@ class Board:
             v.group = clean(group, 64)
 
     def _start(self, run_id: str, payload: bytes, retained: bool) -> None:
-        # A start is what a harness asked for, not a live run: the monitor may refuse it. A run is live once the
-        # monitor says so (its retained state, published when the run opens); until then its task and group wait.
+        # A start is what a harness asked for, not a live run: the monitor may refuse it. A run is
+        # live once the monitor says so (its retained state, published when the run opens); until
+        # then its task and group wait.
         s = StartSeen.model_validate_json(payload or b"{}")
         group = s.group or s.labels.get("group")
         seen = (clean(s.task, 200), clean(group, 64) if group else None)
@@ -325,7 +357,8 @@ class Board:
             self._starts.popitem(last=False)
 
     def _opened(self, v: RunView) -> None:
-        """The monitor says the run is live: take its start's task and group (a run id used again: a new run)."""
+        """The monitor says the run is live: take its start's task and group (a run id used
+        again: a new run)."""
         seen = self._starts.pop(v.run_id, None)
         if seen is None:
             return
@@ -335,17 +368,25 @@ class Board:
 
     def _end(self, run_id: str, payload: bytes, retained: bool) -> None:
         e = RunEnd.model_validate_json(payload or b"{}")
-        self._close(self._touch(run_id, retained), None if e.outcome is None else clean(str(e.outcome), 20))
+        self._close(
+            self._touch(run_id, retained), None if e.outcome is None else clean(str(e.outcome), 20)
+        )
 
     def _close(self, v: RunView, outcome: str | None) -> None:
-        if v.ended:  # a repeated end: the first one counts, and the queue of ends does not grow with repeats
+        # a repeated end: the first one counts, and the queue of ends does not grow with repeats
+        if v.ended:
             v.outcome = outcome or v.outcome
             return
         v.ended, v.outcome, v.ended_at = True, outcome, self.clock()
         self._ended.append((v.ended_at, v.run_id))
         if len(self._ended) > 2 * self.keep_runs:
-            # Runs started and ended again and again leave stale entries: keep only those of runs still ended.
-            ended = ((r.ended_at, r.run_id) for r in self.runs.values() if r.ended and r.ended_at is not None)
+            # Runs started and ended again and again leave stale entries: keep only those of runs
+            # still ended.
+            ended = (
+                (r.ended_at, r.run_id)
+                for r in self.runs.values()
+                if r.ended and r.ended_at is not None
+            )
             self._ended = deque(sorted(ended))
 
     def _ranking(self, group: str, payload: bytes, retained: bool) -> None:
@@ -358,10 +399,12 @@ class Board:
                 if v is not None:
                     v.group, v.rank = group, entry.rank or i
 
-    # State -------------------------------------------------------------------------------------------
+    # State
+    # -------------------------------------------------------------------------------------------
 
     def _touch(self, run_id: str, retained: bool) -> RunView:
-        """The run's view, made most recently active (a retained message says nothing of when: it goes last)."""
+        """The run's view, made most recently active (a retained message says nothing of when: it
+        goes last)."""
         v = self.runs.get(run_id)
         if v is None:
             v = self.runs[run_id] = RunView(run_id)
@@ -411,15 +454,18 @@ def _why(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-# --- rendering ------------------------------------------------------------------------------------------
+# --- rendering
+# ------------------------------------------------------------------------------------------
 
 _COLOURS = {"abort": "bold red", "resample": "yellow", "continue": "green", "done": "bold green"}
 CHROME_LINES = 3
-"""Lines around the rows: the title, the table's header, the footer (each one line: cut, never wrapped)."""
+"""Lines around the rows: the title, the table's header, the footer (each one line: cut, never
+wrapped)."""
 
 
 def age(seconds: float | None) -> str:
-    """A short age: 5s, 3m, 2h, 4d; `-` when unknown (a retained message from before `top` started)."""
+    """A short age: 5s, 3m, 2h, 4d; `-` when unknown (a retained message from before `top`
+    started)."""
     if seconds is None:
         return "-"
     s = max(0, int(seconds))
@@ -439,14 +485,23 @@ def count(n: int) -> str:
 
 
 def render(
-    board: Board, *, source: str, rows: int | None, connected: str | None = None, expand: bool = False
+    board: Board,
+    *,
+    source: str,
+    rows: int | None,
+    connected: str | None = None,
+    expand: bool = False,
 ) -> RenderableType:
-    """The table of the `rows` most recently active runs (all: None), a title and a footer; `expand`: full width.
+    """The table of the `rows` most recently active runs (all: None), a title and a footer;
+    `expand`: full width.
 
-    Laid out when printed, for the console's width: the numbers keep theirs, the reason and the task share the rest.
+    Laid out when printed, for the console's width: the numbers keep theirs, the reason and the task
+    share the rest.
     """
     return _Fitted(
-        lambda width: _render(board, source=source, rows=rows, connected=connected, expand=expand, width=width)
+        lambda width: _render(
+            board, source=source, rows=rows, connected=connected, expand=expand, width=width
+        )
     )
 
 
@@ -477,14 +532,22 @@ def _render(
     grouped = any(v.group for v in shown)
     priced = any(v.totals is not None for v in shown)
     table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold", expand=expand)
-    # The numbers keep their width in a narrow terminal; the reason and the task share what is left (2:1).
+    # The numbers keep their width in a narrow terminal; the reason and the task share what is left
+    # (2:1).
     fixed = sum(_FIXED.values()) + (16 if grouped else 0) + (22 if priced else 0)
     columns = len(_FIXED) + 2 + (1 if grouped else 0) + (2 if priced else 0)
     spare = max(12, width - fixed - (columns - 1))  # a space between columns
     reason_w, task_w = max(6, spare * 2 // 3), max(4, spare - spare * 2 // 3)
-    table.add_column("run", no_wrap=True, max_width=max(_FIXED["run"], 40 if spare > 60 else 14), overflow="ellipsis")
+    table.add_column(
+        "run",
+        no_wrap=True,
+        max_width=max(_FIXED["run"], 40 if spare > 60 else 14),
+        overflow="ellipsis",
+    )
     if grouped:
-        table.add_column("group", no_wrap=True, max_width=16 if spare < 60 else 24, overflow="ellipsis")
+        table.add_column(
+            "group", no_wrap=True, max_width=16 if spare < 60 else 24, overflow="ellipsis"
+        )
     table.add_column("progress", no_wrap=True, width=16)
     table.add_column("score", justify="right", no_wrap=True, min_width=5)
     table.add_column("±", justify="right", no_wrap=True, min_width=4)
@@ -495,7 +558,9 @@ def _render(
         table.add_column("tokens in/out", justify="right", no_wrap=True)
         table.add_column("cost", justify="right", no_wrap=True)
     table.add_column("age", justify="right", no_wrap=True, min_width=3)
-    table.add_column("task", no_wrap=True, overflow="ellipsis", ratio=1, style="dim", max_width=task_w)
+    table.add_column(
+        "task", no_wrap=True, overflow="ellipsis", ratio=1, style="dim", max_width=task_w
+    )
     for v in shown:
         colour = _COLOURS.get(v.signal or "", "green")
         score = Text("-" if v.score is None else f"{v.score:.3f}")
@@ -510,7 +575,9 @@ def _render(
             Text("" if v.uncertainty is None else f"{v.uncertainty:.2f}"),
             Text("" if v.step is None else str(v.step)),
             Text(v.signal or "", style=colour),
-            Text(v.failure if v.failure is not None else v.reason, style="red" if v.failure else ""),
+            Text(
+                v.failure if v.failure is not None else v.reason, style="red" if v.failure else ""
+            ),
         ]
         if priced:
             t = v.totals
@@ -533,32 +600,45 @@ def _render(
         foot.append("no runs yet: waiting for progress, signals, starts and ends  ")
     if board.bad:
         foot.append(
-            f"{board.bad} bad payload{'s' if board.bad != 1 else ''} (last: {board.last_bad})  ", style="yellow"
+            f"{board.bad} bad payload{'s' if board.bad != 1 else ''} (last: {board.last_bad})  ",
+            style="yellow",
         )
     if board.forgotten:
         foot.append(f"{board.forgotten} runs forgotten (over --keep-runs {board.keep_runs})  ")
     if any(v.score is None and v.active_at is None for v in shown):
-        # Progress messages are not retained: a run known only from its retained signal shows its next score.
-        foot.append("-: scored before top started (its score shows with its next step; age - : no news since)  ")
+        # Progress messages are not retained: a run known only from its retained signal shows its
+        # next score.
+        foot.append(
+            "-: scored before top started (its score shows with its next step; age - "
+            ": no news since)  "
+        )
     return Group(title, table, foot)
 
 
-# --- the command ----------------------------------------------------------------------------------------
+# --- the command
+# ----------------------------------------------------------------------------------------
 
 
 class TopError(Exception):
-    """`top` cannot start (the broker is unreachable or refused it); the message says what to check."""
+    """`top` cannot start (the broker is unreachable or refused it); the message says what to
+    check."""
 
 
 async def _connect(broker: BrokerSettings, filters: list[tuple[str, int]]) -> aiomqtt.Client:
-    """A clean-session connection with a random client id (v5, or 3.1.1 where refused), subscribed; else TopError."""
+    """A clean-session connection with a random client id (v5, or 3.1.1 where refused),
+    subscribed; else TopError."""
     import aiomqtt  # here: every command's start-up (and --help) imports this module for TopOptions
 
     client_id = f"agent-monitor-top-{secrets.token_hex(4)}"
     last: Exception | None = None
     for version in (aiomqtt.ProtocolVersion.V5, aiomqtt.ProtocolVersion.V311):
-        # v5: clean start and no session expiry; 3.1.1: a clean session. Nothing is kept for a viewer.
-        session = {"clean_start": True} if version == aiomqtt.ProtocolVersion.V5 else {"clean_session": True}
+        # v5: clean start and no session expiry; 3.1.1: a clean session. Nothing is kept for a
+        # viewer.
+        session = (
+            {"clean_start": True}
+            if version == aiomqtt.ProtocolVersion.V5
+            else {"clean_session": True}
+        )
         client = aiomqtt.Client(
             broker.host,
             broker.port,
@@ -568,7 +648,8 @@ async def _connect(broker: BrokerSettings, filters: list[tuple[str, int]]) -> ai
             password=broker.password,
             tls_context=broker.ssl_context(),
             timeout=10,
-            # Bounded memory: beyond this backlog aiomqtt drops (and logs) what arrives; the board reads far faster.
+            # Bounded memory: beyond this backlog aiomqtt drops (and logs) what arrives; the board
+            # reads far faster.
             max_queued_incoming_messages=10_000,
             **session,  # type: ignore[arg-type]
         )
@@ -577,7 +658,9 @@ async def _connect(broker: BrokerSettings, filters: list[tuple[str, int]]) -> ai
         except aiomqtt.MqttError as e:
             last = e
             rc = getattr(getattr(e, "rc", None), "value", getattr(e, "rc", None))
-            if version == aiomqtt.ProtocolVersion.V5 and (rc in (1, 132) or "protocol" in str(e).lower()):
+            if version == aiomqtt.ProtocolVersion.V5 and (
+                rc in (1, 132) or "protocol" in str(e).lower()
+            ):
                 continue
             break
         try:
@@ -589,14 +672,18 @@ async def _connect(broker: BrokerSettings, filters: list[tuple[str, int]]) -> ai
             break
         return client
     raise TopError(
-        f"cannot watch the MQTT broker at {broker.url}: {last}; check --broker (and --broker-username, --tls-ca)"
+        f"cannot watch the MQTT broker at {broker.url}: {last}; check --broker (and "
+        "--broker-username, --tls-ca)"
     )
 
 
 class Top:
-    """The live loop: receive into the board, redraw every `refresh_s`, stop on q, Ctrl-C or after --once."""
+    """The live loop: receive into the board, redraw every `refresh_s`, stop on q, Ctrl-C or
+    after --once."""
 
-    def __init__(self, broker: BrokerSettings, prefix: str, options: TopOptions, console: Console) -> None:
+    def __init__(
+        self, broker: BrokerSettings, prefix: str, options: TopOptions, console: Console
+    ) -> None:
         self.broker = broker
         self.options = options
         self.console = console
@@ -616,7 +703,9 @@ class Top:
     def screen(self) -> RenderableType:
         self.board.prune()
         term = self.console.is_terminal
-        return render(self.board, source=self.source, rows=self.rows(), connected=self.lost, expand=term)
+        return render(
+            self.board, source=self.source, rows=self.rows(), connected=self.lost, expand=term
+        )
 
     async def run(self) -> None:
         """Watch until stopped; raise TopError when the broker cannot be reached at first."""
@@ -632,7 +721,13 @@ class Top:
                 return
             from rich.live import Live
 
-            live = Live(self.screen(), console=self.console, screen=True, auto_refresh=False, redirect_stderr=False)
+            live = Live(
+                self.screen(),
+                console=self.console,
+                screen=True,
+                auto_refresh=False,
+                redirect_stderr=False,
+            )
             with _keys(self.stop), live:
                 await self._watch(client, live=live)
         finally:
@@ -642,7 +737,9 @@ class Top:
     async def _watch(self, client: aiomqtt.Client, live: Live | None = None) -> None:
         async with asyncio.TaskGroup() as tg:
             receive = tg.create_task(self._receive(client), name="top-receive")
-            redraw = tg.create_task(self._redraw(live), name="top-redraw") if live is not None else None
+            redraw = (
+                tg.create_task(self._redraw(live), name="top-redraw") if live is not None else None
+            )
             await self.stop.wait()
             receive.cancel()
             if redraw is not None:
@@ -670,19 +767,23 @@ class Top:
             backoff, self.lost = 0.5, None
             try:
                 async for m in client.messages:
-                    payload = m.payload if isinstance(m.payload, bytes) else str(m.payload or "").encode()
+                    payload = (
+                        m.payload if isinstance(m.payload, bytes) else str(m.payload or "").encode()
+                    )
                     self.board.feed(m.topic.value, payload, retained=bool(m.retain))
             except aiomqtt.MqttError as e:
                 self.lost = clean(f"connection lost ({e}); reconnecting", 100)
             finally:
-                with contextlib.suppress(Exception):  # a dead connection may fail to close; it is gone either way
+                # a dead connection may fail to close; it is gone either way
+                with contextlib.suppress(Exception):
                     await client.__aexit__(None, None, None)
                 client = None
 
 
 @contextlib.contextmanager
 def _keys(stop: asyncio.Event) -> Iterator[None]:
-    """Stop on `q` typed at the terminal (single keys: cbreak mode, restored on the way out); nothing off a tty."""
+    """Stop on `q` typed at the terminal (single keys: cbreak mode, restored on the way out);
+    nothing off a tty."""
     if not sys.stdin.isatty():
         yield
         return
@@ -706,12 +807,15 @@ def _keys(stop: asyncio.Event) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-async def top(broker: BrokerSettings, prefix: str, options: TopOptions, console: Console | None = None) -> None:
+async def top(
+    broker: BrokerSettings, prefix: str, options: TopOptions, console: Console | None = None
+) -> None:
     """Run `agent-monitor top` until q, Ctrl-C, or the end of --once."""
     from rich.console import Console
 
     if console is None:
-        # A table for a script (--once to a pipe) gets room for its columns; a terminal, its own width.
+        # A table for a script (--once to a pipe) gets room for its columns; a terminal, its own
+        # width.
         wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = Console(width=200) if wide else Console()
     await Top(broker, prefix, options, console).run()

@@ -1,4 +1,5 @@
-"""The monitor daemon: Monitor and its settings, the run store, metrics, sinks, the web board and the embedded broker.
+"""The monitor daemon: Monitor and its settings, the run store, metrics, sinks, the web board and
+the embedded broker.
 
 `Monitor(config, judge=...)` follows every run on an MQTT broker (or fed with `handle()`),
 scores each new prefix and publishes progress and signals. This package imports `wire/` and
@@ -43,14 +44,23 @@ from .sinks import Board, PhoenixSink, PhoenixStatistics, RunPages
 from .sources import BrokerUnavailable, Inbound, Ingest, RunsView, Source
 from .sources.otlp import OtlpReceiver
 from .sources.reward import RewardSource
-from .stores import HistoryQuery, MemoryStore, Replay, RunStore, SqliteStore, StoreFormatError, default_state_dir
+from .stores import (
+    HistoryQuery,
+    MemoryStore,
+    Replay,
+    RunStore,
+    SqliteStore,
+    StoreFormatError,
+    default_state_dir,
+)
 
 if TYPE_CHECKING:
     from .sources.proxy import ProxySource
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: without the proxy nothing imports h11 or httpx2 (ImportError names the extra).
+    # Loaded on first use: without the proxy nothing imports h11 or httpx2 (ImportError names the
+    # extra).
     if name == "ProxySource":
         from .sources.proxy import ProxySource
 

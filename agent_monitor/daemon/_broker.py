@@ -1,9 +1,10 @@
-"""An in-process MQTT 3.1.1 broker (amqtt) for one-machine setups: `agent-monitor serve --embedded-broker`.
+"""An in-process MQTT 3.1.1 broker (amqtt) for one-machine setups: `agent-monitor serve
+--embedded-broker`.
 
-Checked against amqtt 0.12.1 by tests/daemon/test_broker.py: QoS 1 publish/subscribe, retained messages,
-clearing a retained message with an empty retained payload (current subscribers get the empty
-message, later ones get nothing), and persistent sessions (a `clean_session=False` subscriber gets
-the QoS 1 messages published while it was away).
+Checked against amqtt 0.12.1 by tests/daemon/test_broker.py: QoS 1 publish/subscribe, retained
+messages, clearing a retained message with an empty retained payload (current subscribers get the
+empty message, later ones get nothing), and persistent sessions (a `clean_session=False` subscriber
+gets the QoS 1 messages published while it was away).
 
 amqtt 0.12.1 bugs worked around here:
 
@@ -23,7 +24,8 @@ What callers should know:
   aiomqtt raises `aiomqtt.exceptions.MqttConnectError` (an `MqttCodeError`) with `rc` 132,
   "[code:132] Unsupported protocol version", and amqtt logs two WARNING lines per refusal.
 - Messages queued for an offline persistent session arrive with the RETAIN flag set, and a
-  reconnecting persistent session is sent the retained messages of its subscriptions again, at QoS 0.
+  reconnecting persistent session is sent the retained messages of its subscriptions again, at QoS
+  0.
 - Sessions never expire and live in memory only; nothing is written to disk.
 """
 
@@ -39,7 +41,9 @@ import structlog
 
 __all__ = ["BrokerStartError", "EmbeddedBroker"]
 
-_INSTALL_HINT = "the embedded broker needs amqtt: pip install -e '.[embedded]' (in the agent-monitor checkout)"
+_INSTALL_HINT = (
+    "the embedded broker needs amqtt: pip install -e '.[embedded]' (in the agent-monitor checkout)"
+)
 # amqtt logs every connection at INFO; `transitions` runs its state machines and logs each callback.
 _NOISY_LOGGERS = ("amqtt", "transitions")
 _LISTENER = "default"
@@ -76,7 +80,8 @@ class EmbeddedBroker:
         return f"mqtt://{host}:{self.port}"
 
     async def __aenter__(self) -> EmbeddedBroker:
-        """Start the broker; raise BrokerStartError if amqtt is missing or the port cannot be bound."""
+        """Start the broker; raise BrokerStartError if amqtt is missing or the port cannot be
+        bound."""
         try:
             broker_class = _broker_class()
         except ImportError:
@@ -95,7 +100,9 @@ class EmbeddedBroker:
         except OSError as e:
             broker, self._broker = self._broker, None
             await broker.shutdown()
-            raise BrokerStartError(_start_failure(self.url, e), port_in_use=e.errno == errno.EADDRINUSE) from e
+            raise BrokerStartError(
+                _start_failure(self.url, e), port_in_use=e.errno == errno.EADDRINUSE
+            ) from e
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -122,16 +129,21 @@ class EmbeddedBroker:
         assert task is not None
         self._connections.add(task)
         try:
-            await self._broker.external_connected(StreamReaderAdapter(reader), StreamWriterAdapter(writer), _LISTENER)
+            await self._broker.external_connected(
+                StreamReaderAdapter(reader), StreamWriterAdapter(writer), _LISTENER
+            )
         except asyncio.CancelledError:
-            # Only __aexit__ cancels these; ending quietly keeps asyncio's stream callback from logging an error.
+            # Only __aexit__ cancels these; ending quietly keeps asyncio's stream callback from
+            # logging an error.
             pass
         except OSError as e:
-            # amqtt raises when a client hangs up right after a refused CONNECT (mosquitto v5 clients do).
+            # amqtt raises when a client hangs up right after a refused CONNECT (mosquitto v5
+            # clients do).
             log.debug("embedded_broker_client_gone", error=repr(e))
         except Exception as e:
-            # amqtt lets some races escape (e.g. subscriptions changing while a client connects, or at
-            # shutdown, when it is not worth a line); the client loses the connection and reconnects, so a line beats asyncio's traceback.
+            # amqtt lets some races escape (e.g. subscriptions changing while a client connects, or
+            # at shutdown, when it is not worth a line); the client loses the connection and
+            # reconnects, so a line beats asyncio's traceback.
             if self._broker is not None:
                 log.warning("embedded_broker_connection_failed", error=repr(e))
         finally:
@@ -142,7 +154,10 @@ class EmbeddedBroker:
 def _start_failure(url: str, e: OSError) -> str:
     """One line saying why the listener could not bind."""
     if e.errno == errno.EADDRINUSE:
-        return f"cannot start the embedded MQTT broker on {url}: the port is already in use (another broker running?)"
+        return (
+            f"cannot start the embedded MQTT broker on {url}: the port is already in use "
+            "(another broker running?)"
+        )
     return f"cannot start the embedded MQTT broker on {url}: {' '.join(str(e).split())}"
 
 
@@ -156,12 +171,14 @@ def _quiet_amqtt_logs() -> None:
 
 @functools.cache
 def _broker_class() -> Any:
-    """amqtt's Broker with one fix, and the auth plugin, defined on first use because amqtt is imported lazily."""
+    """amqtt's Broker with one fix, and the auth plugin, defined on first use because amqtt is
+    imported lazily."""
     from amqtt.broker import Broker
     from amqtt.plugins.base import BaseAuthPlugin
 
     class _AllowAllAuthPlugin(BaseAuthPlugin):  # type: ignore[misc]
-        """Accept every client, leaving the session non-anonymous so amqtt keeps persistent sessions."""
+        """Accept every client, leaving the session non-anonymous so amqtt keeps persistent
+        sessions."""
 
         async def authenticate(self, *, session: Any) -> bool:
             return True
@@ -172,8 +189,9 @@ def _broker_class() -> Any:
         async def _publish_retained_messages_for_subscription(
             self, subscription: tuple[str, int], session: Any
         ) -> None:
-            # On every CONNECT amqtt calls this for each filter any client holds; without the check a new client
-            # gets unsolicited retained messages (the monitor would get harnesses' `signal` topics as bad input).
+            # On every CONNECT amqtt calls this for each filter any client holds; without the check
+            # a new client gets unsolicited retained messages (the monitor would get harnesses'
+            # `signal` topics as bad input).
             holders = self._subscriptions.get(subscription[0], ())
             if any(s.client_id == session.client_id for s, _qos in holders):
                 await super()._publish_retained_messages_for_subscription(subscription, session)

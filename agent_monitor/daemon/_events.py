@@ -1,6 +1,8 @@
-"""The monitor's events: what it says about runs, the vocabulary every part speaks and every sink gets.
+"""The monitor's events: what it says about runs, the vocabulary every part speaks and every sink
+gets.
 
-The run state decides them, the doors and the run parts emit them through the `Fanout`, the sinks take them.
+The run state decides them, the doors and the run parts emit them through the `Fanout`, the sinks
+take them.
 """
 
 from __future__ import annotations
@@ -32,14 +34,15 @@ __all__ = [
 ]
 
 
-# -- the events: what the monitor says about runs, handed to the sinks (structlog's pipeline style) --
+# -- the events: what the monitor says about runs, handed to the sinks (structlog's pipeline style)
+# --
 #
-# One vocabulary from the run state to the sinks: deciding an event that changes nothing gives the event
-# the sinks get (`Refused`, `Duplicated`), and so does a notice of applying a record. A sink is any
-# callable taking one `MonitorEvent`; it must not block and must not raise (the `Fanout` logs and ignores a
-# sink that does, and the other sinks still run). A sink with an `events` attribute (a tuple of event
-# classes) is given only those. Adding a sink (OpenTelemetry, a web board) is appending a callable:
-# `Monitor(config, judge=..., sinks=[my_sink])`.
+# One vocabulary from the run state to the sinks: deciding an event that changes nothing gives the
+# event the sinks get (`Refused`, `Duplicated`), and so does a notice of applying a record. A sink
+# is any callable taking one `MonitorEvent`; it must not block and must not raise (the `Fanout` logs
+# and ignores a sink that does, and the other sinks still run). A sink with an `events` attribute (a
+# tuple of event classes) is given only those. Adding a sink (OpenTelemetry, a web board) is
+# appending a callable: `Monitor(config, judge=..., sinks=[my_sink])`.
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +65,15 @@ class Duplicated:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """An input event was refused, or something about a run's events needs saying (a gap, an eviction)."""
+    """An input event was refused, or something about a run's events needs saying (a gap, an
+    eviction)."""
 
     run_id: str | None
     reason: str
     message: str
     topic: str
-    """The topic the event came on (for a notice not tied to one event: the run's topic of `kind`)."""
+    """The topic the event came on (for a notice not tied to one event: the run's topic of
+    `kind`)."""
     count: int = 1
     invalid: bool = True
     """The harness's doing (counted as invalid input), not the monitor's own (an eviction)."""
@@ -95,8 +100,9 @@ class Scored:
     """When each step this score newly covers arrived (for step-to-score latency)."""
     at: float
     republished: bool = False
-    """Published again by a replica that took the run over: the previous owner journaled the score but may not
-    have got its message out (its outbox drops what a run it no longer owns queued). Not a new scoring."""
+    """Published again by a replica that took the run over: the previous owner journaled the score
+    but may not have got its message out (its outbox drops what a run it no longer owns queued). Not
+    a new scoring."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +114,8 @@ class Skipped:
     reason: str
     """Why not: `policy.FAR` ("far from thresholds")."""
     heartbeat: Mapping[str, Any] | None = None
-    """With `--heartbeat`: the run's last score again (its progress message, marked heartbeat, with its age)."""
+    """With `--heartbeat`: the run's last score again (its progress message, marked heartbeat,
+    with its age)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +143,9 @@ class RunClosed:
     at: float
     live: int
     final: Mapping[str, Any] | None = None
-    """The final result's progress JSON with its rubric `verdict` (pass / review / fail), when the run's rubric has
-    thresholds and its last scoring gave a score; published and kept once more, so the verdict reaches both."""
+    """The final result's progress JSON with its rubric `verdict` (pass / review / fail), when the
+    run's rubric has thresholds and its last scoring gave a score; published and kept once more, so
+    the verdict reaches both."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +159,22 @@ class GroupRanked:
 
 
 MonitorEvent: TypeAlias = (
-    Accepted | Duplicated | Refused | RunOpened | Scored | Skipped | SignalChanged | RunClosed | GroupRanked
+    Accepted
+    | Duplicated
+    | Refused
+    | RunOpened
+    | Scored
+    | Skipped
+    | SignalChanged
+    | RunClosed
+    | GroupRanked
 )
 Sink: TypeAlias = Callable[[MonitorEvent], object]
 
 
 class Fanout:
-    """Hand each event to the sinks that take its kind, in order; a sink that raises is logged, never fatal."""
+    """Hand each event to the sinks that take its kind, in order; a sink that raises is logged,
+    never fatal."""
 
     def __init__(self, sinks: Sequence[Sink], logger: Any = None) -> None:
         self.log = logger if logger is not None else structlog.get_logger("agent_monitor.daemon")
@@ -171,8 +188,12 @@ class Fanout:
     @sinks.setter
     def sinks(self, sinks: Sequence[Sink]) -> None:
         self._sinks = tuple(sinks)
-        self._routes: dict[type, tuple[Sink, ...]] = {kind: self._route(kind) for kind in get_args(MonitorEvent)}
-        self.taken: frozenset[type] = frozenset(kind for kind, route in self._routes.items() if route)
+        self._routes: dict[type, tuple[Sink, ...]] = {
+            kind: self._route(kind) for kind in get_args(MonitorEvent)
+        }
+        self.taken: frozenset[type] = frozenset(
+            kind for kind, route in self._routes.items() if route
+        )
         """The kinds of event some sink takes: an event of another kind need not even be built."""
 
     def _route(self, kind: type) -> tuple[Sink, ...]:
@@ -189,5 +210,8 @@ class Fanout:
             try:
                 sink(event)
             except Exception:
-                # One broken sink (a user's, or a full disk under the store) must not silence the others.
-                self.log.exception("sink_failed", sink=getattr(sink, "__qualname__", type(sink).__name__))
+                # One broken sink (a user's, or a full disk under the store) must not silence the
+                # others.
+                self.log.exception(
+                    "sink_failed", sink=getattr(sink, "__qualname__", type(sink).__name__)
+                )

@@ -1,4 +1,5 @@
-"""Process tuning for a long-running monitor: the cyclic garbage collector's first-generation threshold.
+"""Process tuning for a long-running monitor: the cyclic garbage collector's first-generation
+threshold.
 
 A monitor holds every live run's state (trackers, steps, scores, journal records) for hours, and
 each event allocates a few hundred short-lived objects. With Python's default threshold (a
@@ -14,14 +15,18 @@ from __future__ import annotations
 import gc
 
 DEFAULT_GC_THRESHOLD = 50_000
-"""First-generation threshold `serve` sets: a collection every 50,000 net allocations instead of 700."""
+"""First-generation threshold `serve` sets: a collection every 50,000 net allocations instead of
+700."""
 
 
 def tune_gc(threshold: int = DEFAULT_GC_THRESHOLD) -> tuple[int, int, int]:
-    """Set the collector's first-generation threshold (0: leave Python's own) and return the thresholds before."""
+    """Set the collector's first-generation threshold (0: leave Python's own) and return the
+    thresholds before."""
     before = gc.get_threshold()
     if threshold < 0:
-        raise ValueError(f"gc threshold {threshold}: use a number of allocations >= 1, or 0 for Python's default")
+        raise ValueError(
+            f"gc threshold {threshold}: use a number of allocations >= 1, or 0 for Python's default"
+        )
     if threshold:
         gc.set_threshold(threshold, *before[1:])
     return before

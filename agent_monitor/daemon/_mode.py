@@ -1,4 +1,5 @@
-"""How a monitor is deployed, decided once from its config: where input goes, where it journals, who publishes.
+"""How a monitor is deployed, decided once from its config: where input goes, where it journals, who
+publishes.
 
 One object answers every question that differs between one monitor and a replica of a cluster
 (`config.cluster.url`): the run store, where the sources' events go (`receive`), the outbox's gate,
@@ -29,7 +30,8 @@ Loop = tuple[str, Coroutine[Any, Any, None]]
 
 
 class Mode(Protocol):
-    """The deployment's answers: one monitor (`Standalone`) or one replica of a cluster (`Cluster`)."""
+    """The deployment's answers: one monitor (`Standalone`) or one replica of a cluster
+    (`Cluster`)."""
 
     @property
     def store(self) -> RunStore:
@@ -43,17 +45,20 @@ class Mode(Protocol):
 
     @property
     def gate(self) -> Callable[[str], bool] | None:
-        """Whether this monitor may publish about a run now (the outbox drops what it may not); None: always."""
+        """Whether this monitor may publish about a run now (the outbox drops what it may not);
+        None: always."""
         ...
 
     @property
     def signal_sent(self) -> Callable[[str, int], None] | None:
-        """Told (run id, step) once the broker acknowledged a run's signal; None: nobody needs to know."""
+        """Told (run id, step) once the broker acknowledged a run's signal; None: nobody needs to
+        know."""
         ...
 
     @property
     def progress_sent(self) -> Callable[[str, int], None] | None:
-        """Told (run id, step) once the broker acknowledged a run's progress message; None: nobody needs to know."""
+        """Told (run id, step) once the broker acknowledged a run's progress message; None:
+        nobody needs to know."""
         ...
 
     def client_id(self, base: str) -> str:
@@ -61,11 +66,13 @@ class Mode(Protocol):
         ...
 
     def receiver(self, own: Receive) -> Receive:
-        """Where the sources' wire-form events go: the monitor's `own` ingest, or the runs' shared inboxes."""
+        """Where the sources' wire-form events go: the monitor's `own` ingest, or the runs'
+        shared inboxes."""
         ...
 
     async def open(self, host: Host, link: MqttLink | None) -> None:
-        """Before the store is replayed and the broker connected (a replica joins its cluster here)."""
+        """Before the store is replayed and the broker connected (a replica joins its cluster
+        here)."""
         ...
 
     def loops(self) -> list[Loop]:
@@ -110,7 +117,11 @@ class Standalone:
 
     def loops(self) -> list[Loop]:
         """Retention, for a SQLite store."""
-        return [("retention", self._retention(self.store))] if isinstance(self.store, SqliteStore) else []
+        return (
+            [("retention", self._retention(self.store))]
+            if isinstance(self.store, SqliteStore)
+            else []
+        )
 
     async def leave(self) -> None:
         """Nothing to hand over."""
@@ -142,7 +153,8 @@ def mode_of(
     outbox: Outbox,
     on_sample: Callable[[Sample], None],
 ) -> Mode:
-    """The deployment `config` asks for: a replica of a cluster with `config.cluster.url`, else one monitor."""
+    """The deployment `config` asks for: a replica of a cluster with `config.cluster.url`, else
+    one monitor."""
     if config.cluster.url is None:
         return Standalone(store, retention_s=config.retention_s)
     if store is not None:

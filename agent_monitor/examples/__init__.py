@@ -1,1 +1,2 @@
-"""Example runs the demo replays (plain recorded-run JSON); the robot run is generated with its frames."""
+"""Example runs the demo replays (plain recorded-run JSON); the robot run is generated with its
+frames."""

@@ -1,4 +1,5 @@
-"""What every trainer integration shares: the stop kind, a run's verdict, the reward-unavailable error, turn splitting."""
+"""What every trainer integration shares: the stop kind, a run's verdict, the reward-unavailable
+error, turn splitting."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ from typing import Any, Literal
 from ..progress import Progress
 
 StopKind = Literal["judged", "infra"]
-"""Why the monitor's latest answer is what it is: a judged score, or a judge/infrastructure failure (no score)."""
+"""Why the monitor's latest answer is what it is: a judged score, or a judge/infrastructure
+failure (no score)."""
 
 DEFAULT_MAX_STEPS = 64
-"""Steps a finished trajectory is split into at most (later pieces are merged into the last): bounds one reward's work."""
+"""Steps a finished trajectory is split into at most (later pieces are merged into the last):
+bounds one reward's work."""
 DEFAULT_MAX_CHARS = 200_000
-"""Characters of a trajectory scored at most (its head is kept, the rest cut): bounds one reward's prompt."""
+"""Characters of a trajectory scored at most (its head is kept, the rest cut): bounds one
+reward's prompt."""
 
 
 class RewardUnavailable(RuntimeError):
     """The judge failed, so there is no reward: the trainer should drop the rollout, not score it.
 
-    `reason` is the failure's code (see `agent_monitor.progress.FAILURES`); `stop_kind` is always "infra".
+    `reason` is the failure's code (see `agent_monitor.progress.FAILURES`); `stop_kind` is always
+    "infra".
     """
 
     stop_kind: StopKind = "infra"
@@ -35,7 +40,8 @@ class RewardUnavailable(RuntimeError):
             else f"the judge failed at step {progress.step} ({self.reason}: {progress.error})"
         )
         super().__init__(
-            f"no reward: {why}; a failed judge never yields a score: drop this rollout (or, for verl, pass "
+            f"no reward: {why}; a failed judge never yields a score: drop this rollout (or, "
+            "for verl, pass "
             "infra_reward= to get a number marked stop_kind='infra')"
         )
 
@@ -49,16 +55,19 @@ class Verdict:
     score: float | None
     """The latest result's score (None: it failed, or nothing was scored)."""
     reward: float | None
-    """The reward the run had earned so far: the newest judged score (None: no step was judged yet)."""
+    """The reward the run had earned so far: the newest judged score (None: no step was judged
+    yet)."""
     signal: str | None
     """The policy's signal after the latest result (None: no policy)."""
     reason: str
     """Why: the policy's reason, or the judge failure's code."""
     stop: bool
-    """Stop the rollout now: the policy (or the group) aborted it, on judged scores; never because a judge failed."""
+    """Stop the rollout now: the policy (or the group) aborted it, on judged scores; never
+    because a judge failed."""
     stop_kind: StopKind
-    """"judged": the answer rests on scores (an abort, or a scored latest result); "infra": the latest judge call
-    failed and nothing was aborted, so nothing here may stop or penalise the run."""
+    """"judged": the answer rests on scores (an abort, or a scored latest result); "infra": the
+    latest judge call failed and nothing was aborted, so nothing here may stop or penalise the run.
+    """
 
     def to_json(self) -> dict[str, Any]:
         """A plain mapping (what crosses a Ray boundary and lands in a trace's info)."""
@@ -74,25 +83,28 @@ class Verdict:
 
 
 def verdict(latest: Progress | None, last_ok: Progress | None) -> Verdict:
-    """The verdict of a run whose newest result is `latest` and newest scored result is `last_ok`."""
+    """The verdict of a run whose newest result is `latest` and newest scored result is
+    `last_ok`."""
     reward = last_ok.score if last_ok is not None else None
     if latest is None:
         return Verdict(0, None, reward, None, "nothing scored yet", False, "judged")
     decision = latest.signal
     signal = decision.signal if decision is not None else None
     if signal == "abort" and decision is not None:
-        # An abort is final and only judged scores reach one (the policy fails open), or the group's ranking
-        # prunes the run: judged, even when the newest call, made after it, failed.
+        # An abort is final and only judged scores reach one (the policy fails open), or the group's
+        # ranking prunes the run: judged, even when the newest call, made after it, failed.
         return Verdict(latest.step, latest.score, reward, signal, decision.reason, True, "judged")
     if not latest.ok:
         # A failed judge is no evidence about the run: never a stop, never a penalty (fail open).
-        return Verdict(latest.step, None, reward, signal, latest.reason or "scoring_failed", False, "infra")
+        return Verdict(
+            latest.step, None, reward, signal, latest.reason or "scoring_failed", False, "infra"
+        )
     reason = decision.reason if decision is not None else "scored"
     return Verdict(latest.step, latest.score, reward, signal, reason, False, "judged")
 
 
-# Chat-template turn openers (ChatML/Qwen, Llama 3, Gemma, Mistral), then tool blocks: the first rule that
-# cuts a text in two or more pieces splits it.
+# Chat-template turn openers (ChatML/Qwen, Llama 3, Gemma, Mistral), then tool blocks: the first
+# rule that cuts a text in two or more pieces splits it.
 _TURN_MARKERS = (
     re.compile(r"<\|im_start\|>"),
     re.compile(r"<\|start_header_id\|>"),
@@ -102,11 +114,14 @@ _TURN_MARKERS = (
 )
 
 
-def split_turns(text: str, *, max_steps: int = DEFAULT_MAX_STEPS, max_chars: int = DEFAULT_MAX_CHARS) -> list[str]:
-    """A decoded trajectory as steps: chat-template turns, else tool-call blocks, else blank-line paragraphs.
+def split_turns(
+    text: str, *, max_steps: int = DEFAULT_MAX_STEPS, max_chars: int = DEFAULT_MAX_CHARS
+) -> list[str]:
+    """A decoded trajectory as steps: chat-template turns, else tool-call blocks, else blank-line
+    paragraphs.
 
-    At most `max_steps` steps (the rest joined into the last) over at most `max_chars` characters, so
-    one reward request's work is bounded whatever the trainer sends.
+    At most `max_steps` steps (the rest joined into the last) over at most `max_chars` characters,
+    so one reward request's work is bounded whatever the trainer sends.
     """
     if max_steps < 1 or max_chars < 1:
         raise ValueError(f"max_steps={max_steps}, max_chars={max_chars}; use 1 or more")

@@ -3,22 +3,30 @@
 verl's contract (read from volcengine/verl at b178a3cd56f58b2d502255daba591e92833930a7):
 - `verl/trainer/ppo/reward.py::get_custom_reward_fn` loads `custom_reward_function.path` with
   `verl/utils/import_utils.py::load_extern_object` (a file path, or `pkg://package.module`), takes
-  `custom_reward_function.name` from it, and merges `custom_reward_function.reward_kwargs` into every
-  call's keywords; `inspect.iscoroutinefunction` decides whether it is awaited or run in an executor,
+  `custom_reward_function.name` from it, and merges `custom_reward_function.reward_kwargs` into
+  every
+  call's keywords; `inspect.iscoroutinefunction` decides whether it is awaited or run in an
+  executor,
   so the reward must be a real `async def` function (a callable object would be called as sync).
-- `verl/experimental/reward_loop/reward_manager/naive.py::NaiveRewardManager.run_single` calls it with
+- `verl/experimental/reward_loop/reward_manager/naive.py::NaiveRewardManager.run_single` calls it
+  with
   keywords only: `data_source`, `solution_str` (the decoded response), `ground_truth`, `extra_info`
-  (plus `reward_router_address` / `reward_model_tokenizer` when a reward model is configured), and reads
+  (plus `reward_router_address` / `reward_model_tokenizer` when a reward model is configured), and
+  reads
   a float, or a dict whose "score" is the reward and whose other keys become `reward_extra_info`.
-- `verl/experimental/reward_loop/reward_loop.py::compute_rm_score` builds each extra key's column from
-  every sample (`info[key] for info in ...`, keys from the first): every answer carries the same keys.
+- `verl/experimental/reward_loop/reward_loop.py::compute_rm_score` builds each extra key's column
+  from
+  every sample (`info[key] for info in ...`, keys from the first): every answer carries the same
+  keys.
 
 ```python
-# my_reward.py, then: custom_reward_function.path=my_reward.py custom_reward_function.name=compute_score
+# my_reward.py, then: custom_reward_function.path=my_reward.py
+custom_reward_function.name=compute_score
 from agent_monitor import OpenAIJudge
 from agent_monitor.integrations.verl import make_compute_score
 
-compute_score = make_compute_score(judge=OpenAIJudge(base_url="http://judge:8000/v1"), criteria="progress")
+compute_score = make_compute_score(judge=OpenAIJudge(base_url="http://judge:8000/v1"),
+criteria="progress")
 ```
 """
 
@@ -64,19 +72,26 @@ def make_compute_score(
     blocking: bool = False,
     **tracker_options: Any,
 ) -> ComputeScore:
-    """An `async def compute_score(*, data_source, solution_str, ground_truth, extra_info, **kwargs)` for verl.
+    """An `async def compute_score(*, data_source, solution_str, ground_truth, extra_info,
+    **kwargs)` for verl.
 
-    Keyword-only, as verl calls it: `await compute_score(data_source=..., solution_str=..., ground_truth=...)`.
+    Keyword-only, as verl calls it: `await compute_score(data_source=..., solution_str=...,
+    ground_truth=...)`.
 
-    The response is split into steps (`split`, default `split_turns`: chat-template turns, else tool-call
-    blocks, else paragraphs, at most `max_steps` over `max_chars`) and its whole prefix scored once by
+    The response is split into steps (`split`, default `split_turns`: chat-template turns, else
+    tool-call
+    blocks, else paragraphs, at most `max_steps` over `max_chars`) and its whole prefix scored once
+    by
     `judge` with the tracker options given (`options` and/or `TrackerOptions` keywords: `criteria`,
-    `repeats`, `min_mass`..; `ground_truth` is the rubric's `expected`). The task is `task(data_source,
+    `repeats`, `min_mass`..; `ground_truth` is the rubric's `expected`). The task is
+    `task(data_source,
     extra_info)`, default `extra_info`'s "task", "question" or "prompt".
 
-    `form="dict"` answers `{"score", "progress", "uncertainty", "steps", "stop_kind", "reason"}` (the same
+    `form="dict"` answers `{"score", "progress", "uncertainty", "steps", "stop_kind", "reason"}`
+    (the same
     keys every time, as verl's batching needs); `"float"` the score alone. A failed judge call is no
-    reward: `RewardUnavailable` is raised, unless `infra_reward` is given, which is then answered with
+    reward: `RewardUnavailable` is raised, unless `infra_reward` is given, which is then answered
+    with
     `stop_kind="infra"` so a trainer can drop the sample instead of learning from it.
 
     `blocking=True` gives a plain `def` instead, for verl's legacy reward managers
@@ -94,13 +109,15 @@ def make_compute_score(
         solution_str: str,
         ground_truth: Any,
         extra_info: Mapping[str, Any] | None = None,
-        **kwargs: Any,  # verl's reward_router_address / reward_model_tokenizer, a config's reward_kwargs
+        # verl's reward_router_address / reward_model_tokenizer, a config's reward_kwargs
+        **kwargs: Any,
     ) -> float | dict[str, Any]:
         info: Mapping[str, Any] = extra_info if isinstance(extra_info, Mapping) else {}
         goal = task(data_source, info) if task is not None else task_text(info)
         if not goal:
             raise ValueError(
-                f"no task for a {data_source!r} sample: put it in extra_info['task'] (or 'question'/'prompt'), "
+                f"no task for a {data_source!r} sample: put it in extra_info['task'] (or "
+                "'question'/'prompt'), "
                 "or pass task=lambda data_source, extra_info: ... to make_compute_score"
             )
         steps = cut(solution_str) or ["(empty response)"]
@@ -113,7 +130,12 @@ def make_compute_score(
         if not p.ok or p.score is None:
             if infra_reward is None:
                 raise RewardUnavailable(p)
-            score, uncertainty, kind, reason = infra_reward, None, "infra", p.reason or "scoring_failed"
+            score, uncertainty, kind, reason = (
+                infra_reward,
+                None,
+                "infra",
+                p.reason or "scoring_failed",
+            )
         else:
             score, uncertainty, kind, reason = p.score, p.uncertainty, "judged", ""
         if form == "float":

@@ -1,4 +1,5 @@
-"""The judge interface: one async call from a prompt to letter log-probabilities, with retries and limits."""
+"""The judge interface: one async call from a prompt to letter log-probabilities, with retries
+and limits."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ log = structlog.get_logger("agent_monitor.judges")
 
 
 FRAMES_NOT_SEEN = "frames are not seen by this judge"
-"""What serve, the demo and a run's page say when a judge gets camera frames as text placeholders."""
+"""What serve, the demo and a run's page say when a judge gets camera frames as text
+placeholders."""
 
 
 def sees_frames(judge: object) -> bool | None:
-    """Whether camera frames reach a judge as pixels (False: as text placeholders; None: known at its first frame)."""
+    """Whether camera frames reach a judge as pixels (False: as text placeholders; None: known at
+    its first frame)."""
     name = getattr(judge, "name", "")
     if name == "llamacpp":
         return False  # text-only: a frame is read as its one-line description
@@ -43,7 +46,8 @@ def sees_frames(judge: object) -> bool | None:
     vision = getattr(judge, "vision", None)
     if vision is False or getattr(judge, "api", "chat") == "completions":
         return False
-    return True if vision is True else None  # None: the server says at the first frame (judge_refuses_images)
+    # None: the server says at the first frame (judge_refuses_images)
+    return True if vision is True else None
 
 
 class JudgeError(Exception):
@@ -68,9 +72,11 @@ class JudgeError(Exception):
         self.retryable = retryable
         self.retry_after = retry_after
         self.limit = limit
-        """With reason `context_overflow`: the judge's context in tokens, when the refusal said it."""
+        """With reason `context_overflow`: the judge's context in tokens, when the refusal said
+        it."""
         self.requested = requested
-        """With reason `context_overflow`: the tokens the refused request needed, when the refusal said it."""
+        """With reason `context_overflow`: the tokens the refused request needed, when the
+        refusal said it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +116,8 @@ class JudgeResponse:
 
 
 Sample = Mapping[str, float] | None
-"""Candidate tokens at the answer position and their logprobs, or None when a repeat gave no answer."""
+"""Candidate tokens at the answer position and their logprobs, or None when a repeat gave no
+answer."""
 
 
 @runtime_checkable
@@ -134,10 +141,14 @@ class Judge(Protocol):
 
 @runtime_checkable
 class Summariser(Protocol):
-    """A judge that also writes one plain text completion: the summaries of an LLM digest (`--digest judge|MODEL`)."""
+    """A judge that also writes one plain text completion: the summaries of an LLM digest
+    (`--digest judge|MODEL`)."""
 
-    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
-        """Complete `text` in at most `max_tokens` tokens with `model` (None: the judge's own); the text and its usage.
+    async def summarise(
+        self, text: str, *, max_tokens: int, model: str | None = None
+    ) -> tuple[str, Usage]:
+        """Complete `text` in at most `max_tokens` tokens with `model` (None: the judge's own); the
+        text and its usage.
 
         Raise JudgeError on failure (the chunk then keeps its deterministic digest lines).
         """
@@ -145,7 +156,8 @@ class Summariser(Protocol):
 
 
 def summariser(judge: object) -> Summariser | None:
-    """`judge`, or the judge it wraps (a circuit breaker's `inner`), when it can summarise; else None."""
+    """`judge`, or the judge it wraps (a circuit breaker's `inner`), when it can summarise; else
+    None."""
     for _ in range(4):
         if isinstance(judge, Summariser):
             return judge
@@ -156,20 +168,24 @@ def summariser(judge: object) -> Summariser | None:
 
 
 def require_summariser(judge: object, digest: str | None) -> Summariser | None:
-    """The summariser an LLM digest (`digest` not None) uses, checked at start-up; None for the deterministic digest."""
+    """The summariser an LLM digest (`digest` not None) uses, checked at start-up; None for the
+    deterministic digest."""
     if digest is None:
         return None
     found = summariser(judge)
     if found is None:
         raise ValueError(
-            f"digest={digest!r} needs a judge that can summarise (OpenAIJudge, LlamaCppJudge, FakeJudge); "
-            f"{type(judge).__name__} cannot: leave digest unset (the deterministic digest) or use one of those"
+            f"digest={digest!r} needs a judge that can summarise (OpenAIJudge, LlamaCppJudge, "
+            "FakeJudge); "
+            f"{type(judge).__name__} cannot: leave digest unset (the deterministic digest) or "
+            "use one of those"
         )
     return found
 
 
 class BaseJudge(abc.ABC):
-    """Shared machinery for judges: concurrency limit, per-call timeout, retries with jittered backoff.
+    """Shared machinery for judges: concurrency limit, per-call timeout, retries with jittered
+    backoff.
 
     Subclasses implement `_call`. One judge object belongs to one event loop
     (its SDK client does too); synchronous trackers sharing it run on the
@@ -178,7 +194,8 @@ class BaseJudge(abc.ABC):
 
     name = "judge"
     min_mass: float | None = None
-    """The minimum letter mass this judge recommends; None: the library default (`DEFAULT_MIN_MASS`).
+    """The minimum letter mass this judge recommends; None: the library default
+    (`DEFAULT_MIN_MASS`).
 
     Trackers and the daemon use it when the user sets no `min_mass`; an explicit value always wins.
     """
@@ -201,20 +218,23 @@ class BaseJudge(abc.ABC):
         self.max_backoff_s = max_backoff_s
         self.concurrency = concurrency
         self.context_tokens = context_tokens
-        """The judge's context window in tokens (prompt and answer), None while unknown: set by the user, read from
-        the server or model, or learned from a context-length refusal; prompt budgets are taken from it."""
+        """The judge's context window in tokens (prompt and answer), None while unknown: set by the
+        user, read from the server or model, or learned from a context-length refusal; prompt
+        budgets are taken from it."""
         self.model = ""
         self._fits_below: int | None = None
-        """Learned from context-length refusals: a request whose estimated tokens (`request_tokens`) are over this
-        is refused here, never sent (None: no refusal yet)."""
+        """Learned from context-length refusals: a request whose estimated tokens (`request_tokens`)
+        are over this is refused here, never sent (None: no refusal yet)."""
         self.context_refused = 0
-        """Requests refused here, without a network call, as over the context the judge learned from a refusal."""
+        """Requests refused here, without a network call, as over the context the judge learned
+        from a refusal."""
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
         self._loop: LoopThread | None = None
         self._portal_lock = threading.Lock()
         self._spent = [0, 0, 0]
-        """Input, cached input and output tokens of the calls that succeeded (`usage`), counted as plain numbers."""
+        """Input, cached input and output tokens of the calls that succeeded (`usage`), counted
+        as plain numbers."""
         self.calls = 0
         self.failures = 0
 
@@ -225,7 +245,8 @@ class BaseJudge(abc.ABC):
 
     @usage.setter
     def usage(self, usage: Usage) -> None:
-        # A subclass (or a caller resetting the count) may still assign it, as when it was a plain attribute.
+        # A subclass (or a caller resetting the count) may still assign it, as when it was a plain
+        # attribute.
         self._spent = [usage.input_tokens, usage.cached_input_tokens, usage.output_tokens]
 
     @abc.abstractmethod
@@ -245,24 +266,30 @@ class BaseJudge(abc.ABC):
 
     @property
     def answer_tokens(self) -> int:
-        """Tokens an answer may take (the request's max tokens); a request needs its prompt's and these."""
+        """Tokens an answer may take (the request's max tokens); a request needs its prompt's and
+        these."""
         return 1
 
     def request_tokens(self, request: JudgeRequest) -> int:
-        """A request's tokens as `estimate_tokens` counts them (an upper estimate): its prompt's text and its answer."""
+        """A request's tokens as `estimate_tokens` counts them (an upper estimate): its prompt's
+        text and its answer."""
         return estimate_tokens(request.prompt.text()) + self.answer_tokens
 
     def learn_context(self, request: JudgeRequest, error: JudgeError) -> None:
-        """Learn from a context-length refusal of `request`: lower `context_tokens`, and refuse such sizes from now on.
+        """Learn from a context-length refusal of `request`: lower `context_tokens`, and refuse such
+        sizes from now on.
 
-        The refusal's numbers, when it gives them (the limit N, the tokens M the request needed), calibrate
-        the estimate: a request estimated at E tokens needed M, so one estimated over E x N / M would not fit.
-        Without them, any request estimated at E or more is refused, and the context is taken as below E.
+        The refusal's numbers, when it gives them (the limit N, the tokens M the request needed),
+        calibrate the estimate: a request estimated at E tokens needed M, so one estimated over E x
+        N / M would not fit. Without them, any request estimated at E or more is refused, and the
+        context is taken as below E.
         """
         size = self.request_tokens(request)
         limit, needed = error.limit, error.requested
         fits_below = size * limit // needed if limit and needed and needed > limit else size - 1
-        self._fits_below = fits_below if self._fits_below is None else min(self._fits_below, fits_below)
+        self._fits_below = (
+            fits_below if self._fits_below is None else min(self._fits_below, fits_below)
+        )
         learned = limit if limit else max(1, size - 1)
         was = self.context_tokens
         if was is None or learned < was:
@@ -273,12 +300,14 @@ class BaseJudge(abc.ABC):
             context_tokens=self.context_tokens,
             was=was,
             refused_tokens_estimated=size,
-            hint="requests estimated over the learned size are refused without being sent (context_overflow); "
+            hint="requests estimated over the learned size are refused without being sent "
+            "(context_overflow); "
             "set --judge-context to the judge's real context if this is wrong",
         )
 
     def _over_context(self, request: JudgeRequest) -> JudgeError | None:
-        """A `context_overflow` for a request a context-length refusal showed too long, without sending it."""
+        """A `context_overflow` for a request a context-length refusal showed too long, without
+        sending it."""
         if self._fits_below is None:
             return None  # nothing refused yet: no estimate is spent on the prompt
         size = self.request_tokens(request)
@@ -286,8 +315,10 @@ class BaseJudge(abc.ABC):
             return None
         return JudgeError(
             "context_overflow",
-            f"the request is about {size} tokens (estimated), over the {self.context_tokens}-token context the "
-            f"judge learned from an earlier refusal; not sent. Give the judge fewer steps, or a judge with a "
+            f"the request is about {size} tokens (estimated), over the "
+            f"{self.context_tokens}-token context the "
+            "judge learned from an earlier refusal; not sent. Give the judge fewer steps, or "
+            "a judge with a "
             "larger context",
             limit=self.context_tokens,
         )
@@ -295,8 +326,9 @@ class BaseJudge(abc.ABC):
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
         """Grade with the concurrency limit, a timeout per attempt, and bounded retries.
 
-        A request a context-length refusal showed too long is refused (`context_overflow`) without being sent;
-        a refusal for length is never retried and teaches the judge its context (`learn_context`).
+        A request a context-length refusal showed too long is refused (`context_overflow`) without
+        being sent; a refusal for length is never retried and teaches the judge its context
+        (`learn_context`).
         """
         start = time.perf_counter()
         attempt = 0
@@ -315,7 +347,9 @@ class BaseJudge(abc.ABC):
                     async with asyncio.timeout(self.timeout_s):
                         resp = await self._call(request)
                 except TimeoutError:
-                    err = JudgeError("timeout", f"no answer within {self.timeout_s:g} s", retryable=True)
+                    err = JudgeError(
+                        "timeout", f"no answer within {self.timeout_s:g} s", retryable=True
+                    )
                 except JudgeError as e:
                     err = e
                 else:
@@ -325,17 +359,22 @@ class BaseJudge(abc.ABC):
                     t[1] += u.cached_input_tokens
                     t[2] += u.output_tokens
                     return replace(resp, latency_s=time.perf_counter() - start, attempts=attempt)
-                if err.reason == "context_overflow" or not err.retryable or attempt > self.max_retries:
+                if (
+                    err.reason == "context_overflow"
+                    or not err.retryable
+                    or attempt > self.max_retries
+                ):
                     break
                 await asyncio.sleep(self._delay(attempt, err.retry_after))
         if err.reason == "context_overflow":
             self.learn_context(request, err)
         self.calls += 1
         self.failures += 1
-        # Raised without the failed attempt's traceback, whose frames hold the request body (megabytes of prompt
-        # on a long run), and with no local left holding it: `err` -> traceback -> this frame -> `err` is a cycle
-        # only the cyclic GC frees, late (the daemon runs it seldom). Kept, every failed call left its prompt
-        # behind a while, and the daemon's RSS grew with each one (issue 42: 78 -> 420 MB over 472 failed calls).
+        # Raised without the failed attempt's traceback, whose frames hold the request body
+        # (megabytes of prompt on a long run), and with no local left holding it: `err` -> traceback
+        # -> this frame -> `err` is a cycle only the cyclic GC frees, late (the daemon runs it
+        # seldom). Kept, every failed call left its prompt behind a while, and the daemon's RSS grew
+        # with each one (issue 42: 78 -> 420 MB over 472 failed calls).
         try:
             raise err.with_traceback(None)
         finally:
@@ -344,7 +383,8 @@ class BaseJudge(abc.ABC):
     async def _repeats(
         self, k: int, ask: int, request: Callable[[int], Awaitable[tuple[list[Sample], Usage]]]
     ) -> tuple[list[Sample], Usage, bool | None]:
-        """Collect k samples: one request for `ask` of them, then single requests for whatever is missing.
+        """Collect k samples: one request for `ask` of them, then single requests for whatever is
+        missing.
 
         Returns the samples, the usage, and whether the server honoured a batch
         (None when none was asked). A server that answers a batch with fewer
@@ -407,7 +447,8 @@ class BaseJudge(abc.ABC):
 
 
 def recommended_min_mass(judge: object) -> float:
-    """The minimum letter mass `judge` recommends (its `min_mass`), else the library default DEFAULT_MIN_MASS."""
+    """The minimum letter mass `judge` recommends (its `min_mass`), else the library default
+    DEFAULT_MIN_MASS."""
     value = getattr(judge, "min_mass", None)
     return DEFAULT_MIN_MASS if value is None else float(value)
 
@@ -427,7 +468,14 @@ def answer_sample(
     if not generated:
         return None
     # The first generated token that is an answer: a letter, or True / False for a binary rubric.
-    pos = next((i for i, (t, _) in enumerate(generated) if read_letter(t) is not None or read_binary(t) is not None), 0)
+    pos = next(
+        (
+            i
+            for i, (t, _) in enumerate(generated)
+            if read_letter(t) is not None or read_binary(t) is not None
+        ),
+        0,
+    )
     cands: dict[str, float] = {}
     if pos < len(alternatives):
         for token, lp in alternatives[pos]:
@@ -440,7 +488,8 @@ def answer_sample(
 
 
 def drawn_letter(text: str) -> dict[str, float]:
-    """One sampled answer (a judge without logprobs) as a sample: the letter it is exactly, else nothing.
+    """One sampled answer (a judge without logprobs) as a sample: the letter it is exactly, else
+    nothing.
 
     Trailing punctuation is allowed ("K." is K); "The answer is K" is not a letter.
     """
@@ -453,7 +502,8 @@ def drawn_letter(text: str) -> dict[str, float]:
 
 
 def tally(draws: Sequence[Sample], repeats: int, samples: int) -> tuple[Sample, ...]:
-    """Each repeat's letter frequencies, as logprobs, over its `samples` draws (draws in repeat order).
+    """Each repeat's letter frequencies, as logprobs, over its `samples` draws (draws in repeat
+    order).
 
     Frequencies are over all draws, so answers that are not a letter lower the mass.
     """
@@ -473,14 +523,19 @@ def batches(total: int, size: int) -> list[int]:
     return [size] * (total // size) + ([total % size] if total % size else [])
 
 
-# What servers answer when a request is over the model's context (a 400), as their code or their users' reports
-# show it; the numbers are read where given (N: the context, M: what the request needed).
-# - OpenAI: code `context_length_exceeded`, "This model's maximum context length is N tokens. However, your
-#   messages resulted in M tokens..." (or "you requested M tokens (... in the messages, ... in the completion)").
-# - vLLM: "This model's maximum context length is N tokens. However, you requested M tokens (...)", newer
-#   "The prompt (total length M) is longer than the maximum model length of N." and "Input prompt (M tokens) is
-#   too long and exceeds limit of N".
-# - llama.cpp's llama-server: "the request exceeds the available context size, try increasing it", type
+# What servers answer when a request is over the model's context (a 400), as their code or their
+# users' reports show it; the numbers are read where given (N: the context, M: what the request
+# needed).
+# - OpenAI: code `context_length_exceeded`, "This model's maximum context length is N tokens.
+#   However, your
+# messages resulted in M tokens..." (or "you requested M tokens (... in the messages, ... in the
+# completion)").
+# - vLLM: "This model's maximum context length is N tokens. However, you requested M tokens (...)",
+#   newer
+# "The prompt (total length M) is longer than the maximum model length of N." and "Input prompt (M
+# tokens) is too long and exceeds limit of N".
+# - llama.cpp's llama-server: "the request exceeds the available context size, try increasing it",
+#   type
 #   `exceed_context_size_error` with fields n_prompt_tokens (M) and n_ctx (N) beside the message.
 # - Anthropic: "prompt is too long: M tokens > N maximum".
 # - Gemini: "The input token count (M) exceeds the maximum number of tokens allowed (N)."
@@ -492,12 +547,15 @@ _CONTEXT_REFUSAL = re.compile(
     re.IGNORECASE,
 )
 _CONTEXT_LIMIT = re.compile(
-    r"maximum context length is (\d+)|maximum model length of (\d+)|exceeds limit of (\d+)|tokens > (\d+) maximum"
-    r"|maximum number of tokens allowed \((\d+)\)|model's context length \((\d+) tokens\)|\bn_ctx\W{1,3}(\d+)",
+    r"maximum context length is (\d+)|maximum model length of (\d+)|exceeds limit of "
+    r"(\d+)|tokens > (\d+) maximum"
+    r"|maximum number of tokens allowed \((\d+)\)|model's context length \((\d+) "
+    r"tokens\)|\bn_ctx\W{1,3}(\d+)",
     re.IGNORECASE,
 )
 _CONTEXT_NEEDED = re.compile(
-    r"you requested (\d+) tokens|resulted in (\d+) tokens|total length (\d+)\)|prompt \((\d+) tokens\)"
+    r"you requested (\d+) tokens|resulted in (\d+) tokens|total length (\d+)\)|prompt \((\d+) "
+    r"tokens\)"
     r"|prompt is too long: (\d+) tokens|input token count \((\d+)\)|input \((\d+) tokens\)"
     r"|\bn_prompt_tokens\W{1,3}(\d+)",
     re.IGNORECASE,
@@ -505,10 +563,12 @@ _CONTEXT_NEEDED = re.compile(
 
 
 def context_refusal(status: int, message: str) -> JudgeError | None:
-    """The `context_overflow` error for an HTTP refusal whose message says the request is over the context, else None.
+    """The `context_overflow` error for an HTTP refusal whose message says the request is over the
+    context, else None.
 
-    Only a 4xx counts (servers answer 400, some 413 or 422); the context (N) and what the request needed (M)
-    are read from the message where it says them (`JudgeError.limit`, `.requested`). Never retried.
+    Only a 4xx counts (servers answer 400, some 413 or 422); the context (N) and what the request
+    needed (M) are read from the message where it says them (`JudgeError.limit`, `.requested`).
+    Never retried.
     """
     if not 400 <= status < 500 or _CONTEXT_REFUSAL.search(message) is None:
         return None
@@ -519,7 +579,8 @@ def context_refusal(status: int, message: str) -> JudgeError | None:
 
     return JudgeError(
         "context_overflow",
-        f"HTTP {status}: {message}; the prompt is over the judge's context: give it fewer steps, set "
+        f"HTTP {status}: {message}; the prompt is over the judge's context: give it fewer "
+        "steps, set "
         "--judge-context, or use a judge with a larger context",
         limit=number(_CONTEXT_LIMIT),
         requested=number(_CONTEXT_NEEDED),
@@ -527,7 +588,8 @@ def context_refusal(status: int, message: str) -> JudgeError | None:
 
 
 def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
-    """A server's wait hint from `retry-after-ms` or `Retry-After` (seconds or an HTTP date), if any."""
+    """A server's wait hint from `retry-after-ms` or `Retry-After` (seconds or an HTTP date), if
+    any."""
     if ms := headers.get("retry-after-ms"):
         try:
             return max(0.0, float(ms) / 1000.0)

@@ -1,4 +1,5 @@
-"""A circuit breaker in front of a judge: stop hammering a dead backend, report `degraded`, probe until it is back."""
+"""A circuit breaker in front of a judge: stop hammering a dead backend, report `degraded`, probe
+until it is back."""
 
 from __future__ import annotations
 
@@ -20,17 +21,19 @@ log = structlog.get_logger("agent_monitor.judges.circuit")
 State = Literal["closed", "open"]
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
-"""Upper bounds (seconds) the calls' wall times are counted in: judge latencies run from tens of milliseconds (a
-warm local model) to a minute (a loaded hosted API)."""
+"""Upper bounds (seconds) the calls' wall times are counted in: judge latencies run from tens of
+milliseconds (a warm local model) to a minute (a loaded hosted API)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CircuitJudgeStatistics:
-    """The calls that reached the wrapped judge, their wall times, its tokens, and the circuit's state."""
+    """The calls that reached the wrapped judge, their wall times, its tokens, and the circuit's
+    state."""
 
     calls_ok: int
     calls_failed: int
-    """Calls the judge failed (calls refused while the circuit is open never reached it: not counted)."""
+    """Calls the judge failed (calls refused while the circuit is open never reached it: not
+    counted)."""
     latency_buckets: tuple[float, ...]
     """`LATENCY_BUCKETS`: the upper bounds (seconds) of `latency_counts`."""
     latency_counts: tuple[int, ...]
@@ -48,7 +51,8 @@ class CircuitJudgeStatistics:
 
 
 class CircuitJudge:
-    """Wrap a judge: when it fails or goes silent, fail fast for a cool-down, then let one probe through.
+    """Wrap a judge: when it fails or goes silent, fail fast for a cool-down, then let one probe
+    through.
 
     The circuit opens (`degraded`) on either sign of an outage:
     - `threshold` failed calls in a row: a judge that fails fast (refused connections, 5xx);
@@ -85,9 +89,13 @@ class CircuitJudge:
             raise ValueError("circuit needs threshold >= 1 and 0 < cooldown_s <= max_cooldown_s")
         if silence_s is None:
             timeout = getattr(judge, "timeout_s", None)
-            silence_s = 2.0 * timeout if isinstance(timeout, (int, float)) and timeout > 0 else math.inf
+            silence_s = (
+                2.0 * timeout if isinstance(timeout, (int, float)) and timeout > 0 else math.inf
+            )
         if not silence_s > 0:
-            raise ValueError(f"silence_s={silence_s}; use seconds > 0 (math.inf turns the silence rule off)")
+            raise ValueError(
+                f"silence_s={silence_s}; use seconds > 0 (math.inf turns the silence rule off)"
+            )
         self.inner = judge
         self.name = judge.name
         self.threshold = threshold
@@ -108,21 +116,25 @@ class CircuitJudge:
         self._changed = asyncio.Event()
         # Silence: waiting time (some call in flight) since the judge last answered.
         self._in_flight = 0
-        self._busy_since = 0.0  # when the current stretch with calls in flight began (or the last answer in it)
+        # when the current stretch with calls in flight began (or the last answer in it)
+        self._busy_since = 0.0
         self._silent_for = 0.0  # waiting time without an answer before that stretch
         self._watchdog: asyncio.TimerHandle | None = None
-        # What the wrapped judge was asked and answered, counted here (plain numbers on the call path) and read by
-        # whoever exports them (`statistics()`: the daemon's metrics collector, at scrape time).
+        # What the wrapped judge was asked and answered, counted here (plain numbers on the call
+        # path) and read by whoever exports them (`statistics()`: the daemon's metrics collector, at
+        # scrape time).
         self.calls_ok = 0
         self.calls_failed = 0
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
-        """Calls by wall time: one count per bound of `LATENCY_BUCKETS`, then the ones over the last."""
+        """Calls by wall time: one count per bound of `LATENCY_BUCKETS`, then the ones over the
+        last."""
         self.latency_sum = 0.0
         self.tokens = [0, 0, 0]
         """Every token the judge reported: input (cached included), cached input, output."""
 
     def statistics(self) -> CircuitJudgeStatistics:
-        """The calls that reached the judge (ok, failed), their wall times, its tokens, and the circuit's state."""
+        """The calls that reached the judge (ok, failed), their wall times, its tokens, and the
+        circuit's state."""
         return CircuitJudgeStatistics(
             calls_ok=self.calls_ok,
             calls_failed=self.calls_failed,
@@ -149,7 +161,8 @@ class CircuitJudge:
 
     @property
     def context_tokens(self) -> int | None:
-        """The wrapped judge's context window in tokens (read each time: it may learn a smaller one), if known."""
+        """The wrapped judge's context window in tokens (read each time: it may learn a smaller
+        one), if known."""
         value = getattr(self.inner, "context_tokens", None)
         return value if isinstance(value, int) else None
 
@@ -160,7 +173,8 @@ class CircuitJudge:
         return float(timeout) if isinstance(timeout, (int, float)) else None
 
     async def wait_ready(self) -> bool:
-        """Wait until a call would go through; True when the caller now holds the probe and must `release()` it.
+        """Wait until a call would go through; True when the caller now holds the probe and must
+        `release()` it.
 
         While the circuit is open, one caller at a time probes (all its calls go through) after each
         cool-down; the others wait here instead of spending their work on certain failures.
@@ -172,13 +186,15 @@ class CircuitJudge:
                 return True
             changed = self._changed
             with contextlib.suppress(TimeoutError):
-                # Woken early when the circuit closes or the probe is released; else re-checked at the cool-down's end.
+                # Woken early when the circuit closes or the probe is released; else re-checked at
+                # the cool-down's end.
                 await asyncio.wait_for(changed.wait(), max(wait, 0.05))
         return False
 
     @contextlib.asynccontextmanager
     async def ready(self) -> AsyncIterator[bool]:
-        """`wait_ready()` and, when this caller took the probe, `release()` on the way out; yields whether it did."""
+        """`wait_ready()` and, when this caller took the probe, `release()` on the way out;
+        yields whether it did."""
         probe = await self.wait_ready()
         try:
             yield probe
@@ -192,15 +208,18 @@ class CircuitJudge:
         self._wake()
 
     async def grade(self, request: JudgeRequest) -> JudgeResponse:
-        """Grade through the wrapped judge unless the circuit is open (then fail fast with `judge_unavailable`)."""
+        """Grade through the wrapped judge unless the circuit is open (then fail fast with
+        `judge_unavailable`)."""
         own_probe = False
         if self.state == "open" and not self._probing:
             remaining = self.open_until - self.clock()
             if remaining > 0:
                 raise JudgeError(
-                    "judge_unavailable", f"the judge {self._why} ({self.last_error}); next try in {remaining:.1f} s"
+                    "judge_unavailable",
+                    f"the judge {self._why} ({self.last_error}); next try in {remaining:.1f} s",
                 )
-            self._probing = own_probe = True  # a caller that did not wait_ready(): this call is the probe
+            # a caller that did not wait_ready(): this call is the probe
+            self._probing = own_probe = True
         heard = False
         self._started()
         start = time.perf_counter()
@@ -291,7 +310,8 @@ class CircuitJudge:
             self._arm()
 
     def _arm(self) -> None:
-        """(Re)schedule the check for the moment the waiting time reaches `silence_s`, if a call is waiting."""
+        """(Re)schedule the check for the moment the waiting time reaches `silence_s`, if a call
+        is waiting."""
         if not (self._in_flight and self.state == "closed" and math.isfinite(self.silence_s)):
             if self._watchdog is not None:
                 self._watchdog.cancel()
@@ -301,8 +321,9 @@ class CircuitJudge:
         due = loop.time() + max(self.silence_s - self._silent(self.clock()), 0.001)
         if self._watchdog is not None:
             if self._watchdog.when() <= due:
-                # An answer only moves the moment later: the timer set for the earlier one wakes early and
-                # re-arms itself (see _watch), instead of a new timer per answer (one per call when busy).
+                # An answer only moves the moment later: the timer set for the earlier one wakes
+                # early and re-arms itself (see _watch), instead of a new timer per answer (one per
+                # call when busy).
                 return
             self._watchdog.cancel()
         self._watchdog = loop.call_at(due, self._watch)
@@ -314,9 +335,12 @@ class CircuitJudge:
         now = self.clock()
         silent = self._silent(now)
         if silent < self.silence_s:
-            self._arm()  # woken a little early (timer resolution, or a clock that is not the loop's)
+            # woken a little early (timer resolution, or a clock that is not the loop's)
+            self._arm()
             return
-        e = JudgeError("timeout", f"no answer for {silent:.1f} s while calls waited for one", retryable=True)
+        e = JudgeError(
+            "timeout", f"no answer for {silent:.1f} s while calls waited for one", retryable=True
+        )
         self._trip(now, e, f"gave no answer for {silent:.1f} s")
 
     def _wake(self) -> None:
@@ -340,5 +364,6 @@ class CircuitJudge:
 
 
 def _outage(e: JudgeError) -> bool:
-    """Whether a failure says the judge is down (retryable, or a backend's crash) rather than the request is bad."""
+    """Whether a failure says the judge is down (retryable, or a backend's crash) rather than the
+    request is bad."""
     return e.retryable or e.reason == "judge_exception"

@@ -30,7 +30,8 @@ from .base import (
 )
 
 MAX_CANDIDATES = 8
-"""The most candidates one generateContent request may ask for (the API's `candidateCount` limit)."""
+"""The most candidates one generateContent request may ask for (the API's `candidateCount`
+limit)."""
 
 
 class GeminiJudge(BaseJudge):
@@ -105,18 +106,26 @@ class GeminiJudge(BaseJudge):
         if max_output_tokens < 1 or not 1 <= top_logprobs <= 20:
             raise ValueError("GeminiJudge needs max_output_tokens >= 1 and 1 <= top_logprobs <= 20")
         if samples < 1:
-            raise ValueError(f"GeminiJudge samples={samples}; use 1 or more answers per repeat (with logprobs=False)")
+            raise ValueError(
+                f"GeminiJudge samples={samples}; use 1 or more answers per "
+                "repeat (with logprobs=False)"
+            )
         self._owns_client = client is None
         if client is None:
             http = types.HttpOptions(base_url=base_url, api_version=api_version)
             try:
                 client = genai.Client(
-                    api_key=api_key, vertexai=vertexai, project=project, location=location, http_options=http
+                    api_key=api_key,
+                    vertexai=vertexai,
+                    project=project,
+                    location=location,
+                    http_options=http,
                 )
             except (ValueError, google.auth.exceptions.GoogleAuthError) as e:
                 raise ValueError(
                     f"cannot create the Gemini client ({e}); pass api_key= or set GEMINI_API_KEY, "
-                    "or use vertexai=True with project=, location= and Application Default Credentials"
+                    "or use vertexai=True with project=, location= and Application Default "
+                    "Credentials"
                 ) from None
         self.client = client
         self.model = model
@@ -130,10 +139,12 @@ class GeminiJudge(BaseJudge):
         self.sample_temperature = sample_temperature
         self.supports_candidates = supports_candidates
         self._context_asked = context_tokens is not None
-        """Whether the API was asked for the model's input token limit (a setting wins: then it is not asked)."""
+        """Whether the API was asked for the model's input token limit (a setting wins: then it
+        is not asked)."""
 
     async def aclose(self) -> None:
-        """Close the async HTTP client, if this judge created it (an injected client stays its owner's)."""
+        """Close the async HTTP client, if this judge created it (an injected client stays its
+        owner's)."""
         if not self._owns_client:
             return
         close = getattr(self.client.aio, "aclose", None)  # older SDKs have no AsyncClient.aclose
@@ -146,16 +157,19 @@ class GeminiJudge(BaseJudge):
         return self.max_output_tokens
 
     async def ask_context(self) -> None:
-        """Take the model's input token limit (`models.get`) as the judge's context, once; unknown when not said.
+        """Take the model's input token limit (`models.get`) as the judge's context, once; unknown
+        when not said.
 
-        A setting wins; an API that does not answer (a proxy without the models endpoint) is not an error.
+        A setting wins; an API that does not answer (a proxy without the models endpoint) is not an
+        error.
         """
         if self._context_asked:
             return
         self._context_asked = True
         try:
             info = await self.client.aio.models.get(model=self.model)
-        except Exception:  # any failure: the context stays unknown (learned from a refusal, if one comes)
+        # any failure: the context stays unknown (learned from a refusal, if one comes)
+        except Exception:
             return
         limit = info.input_token_limit
         if isinstance(limit, int) and limit > 0 and self.context_tokens is None:
@@ -174,7 +188,8 @@ class GeminiJudge(BaseJudge):
         )
 
     async def _chunk(self, prompt: Prompt, k: int) -> tuple[list[Sample], Usage]:
-        """k samples (repeats, or draws without logprobs): as one request for up to 8, the rest one by one."""
+        """k samples (repeats, or draws without logprobs): as one request for up to 8, the rest
+        one by one."""
         ask = min(k, MAX_CANDIDATES) if self.supports_candidates is not False else 1
         # Some models refuse candidateCount > 1 with a 400; single requests still work.
         samples, usage, batch = await self._repeats(k, ask, lambda n: self._request(prompt, n))
@@ -201,17 +216,21 @@ class GeminiJudge(BaseJudge):
     def _config(self, prompt: Prompt, n: int) -> types.GenerateContentConfig:
         return types.GenerateContentConfig(
             system_instruction=prompt.instructions,
-            # Without logprobs the fields are left out, not sent false: a model that refuses them refuses both.
+            # Without logprobs the fields are left out, not sent false: a model that refuses them
+            # refuses both.
             response_logprobs=True if self.logprobs else None,
             logprobs=self.top_logprobs if self.logprobs else None,
             max_output_tokens=self.max_output_tokens,
             temperature=self.temperature if self.logprobs else self.sample_temperature,
             candidate_count=n,
             thinking_config=(
-                types.ThinkingConfig(thinking_budget=self.thinking_budget) if self.thinking_budget is not None else None
+                types.ThinkingConfig(thinking_budget=self.thinking_budget)
+                if self.thinking_budget is not None
+                else None
             ),
-            # Per request, so it holds for injected clients too: the SDK must not retry (BaseJudge does, once),
-            # and its own timeout also tells the server when to give up (X-Server-Timeout).
+            # Per request, so it holds for injected clients too: the SDK must not retry (BaseJudge
+            # does, once), and its own timeout also tells the server when to give up
+            # (X-Server-Timeout).
             http_options=types.HttpOptions(
                 retry_options=types.HttpRetryOptions(attempts=1),
                 timeout=math.ceil(self.timeout_s * 1000),
@@ -229,7 +248,9 @@ class GeminiJudge(BaseJudge):
                 parts.append(types.Part(text=Frame.describe(p.frame) + "\n"))
         return [types.Content(role="user", parts=parts)]
 
-    async def _request(self, prompt: Prompt, n: int) -> tuple[list[Mapping[str, float] | None], Usage]:
+    async def _request(
+        self, prompt: Prompt, n: int
+    ) -> tuple[list[Mapping[str, float] | None], Usage]:
         try:
             resp = await self.client.aio.models.generate_content(
                 model=self.model, contents=self._contents(prompt), config=self._config(prompt, n)
@@ -259,7 +280,8 @@ class GeminiJudge(BaseJudge):
 
 
 def _text(candidate: types.Candidate) -> str:
-    """A candidate's answer text (thought summaries left out; nothing for a candidate stopped for safety)."""
+    """A candidate's answer text (thought summaries left out; nothing for a candidate stopped for
+    safety)."""
     parts = candidate.content.parts if candidate.content is not None else None
     return "".join(p.text for p in parts or [] if p.text and not p.thought)
 
@@ -276,7 +298,8 @@ def _sample(candidate: types.Candidate) -> Sample:
     ]
     if not chosen and top:
         chosen = [("", None)]  # top candidates without the chosen token: read position 0
-    # The chosen token may be missing from the top candidates (the API says so); answer_sample adds it.
+    # The chosen token may be missing from the top candidates (the API says so); answer_sample adds
+    # it.
     return answer_sample(chosen, top)
 
 
@@ -294,7 +317,8 @@ def _usage(resp: types.GenerateContentResponse) -> Usage:
 
 
 def _error_types(*names: tuple[str, str]) -> tuple[type[BaseException], ...]:
-    """The exception classes that exist among (module, class) pairs; the SDK may run on httpx, httpx2 or aiohttp."""
+    """The exception classes that exist among (module, class) pairs; the SDK may run on httpx,
+    httpx2 or aiohttp."""
     found: list[type[BaseException]] = []
     for module, attr in names:
         try:
@@ -311,22 +335,29 @@ _TIMEOUT_ERRORS = _error_types(
 )
 _CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     google.auth.exceptions.TransportError,
-    *_error_types(("httpx", "TransportError"), ("httpx2", "TransportError"), ("aiohttp", "ClientError")),
+    *_error_types(
+        ("httpx", "TransportError"), ("httpx2", "TransportError"), ("aiohttp", "ClientError")
+    ),
 )
 
 
 def _judge_error(e: Exception) -> JudgeError | None:
-    """The JudgeError for an exception out of the SDK, or None for one that is not a judge failure (a bug)."""
+    """The JudgeError for an exception out of the SDK, or None for one that is not a judge
+    failure (a bug)."""
     if isinstance(e, errors.APIError):
         return _api_error(e)
     if isinstance(e, errors.UnknownApiResponseError):
-        return JudgeError("bad_response", f"the Gemini server sent a reply that is not JSON: {e}; check base_url")
+        return JudgeError(
+            "bad_response", f"the Gemini server sent a reply that is not JSON: {e}; check base_url"
+        )
     if isinstance(e, _TIMEOUT_ERRORS):
         return JudgeError("timeout", "the Gemini server did not answer in time", retryable=True)
     if isinstance(e, _CONNECTION_ERRORS):
         return JudgeError("connection", f"cannot reach the Gemini server: {e!r}", retryable=True)
     if isinstance(e, google.auth.exceptions.GoogleAuthError):
-        return JudgeError("auth", f"Google credentials failed: {e}; check Application Default Credentials")
+        return JudgeError(
+            "auth", f"Google credentials failed: {e}; check Application Default Credentials"
+        )
     return None
 
 
@@ -337,22 +368,30 @@ def _api_error(e: errors.APIError) -> JudgeError:
     if status == 429:
         return JudgeError("rate_limited", f"HTTP 429: {message}", retryable=True, retry_after=hint)
     if status >= 500 or status == 408:
-        return JudgeError("server_error", f"HTTP {status}: {message}", retryable=True, retry_after=hint)
+        return JudgeError(
+            "server_error", f"HTTP {status}: {message}", retryable=True, retry_after=hint
+        )
     # An invalid API key comes back as 400 INVALID_ARGUMENT with reason API_KEY_INVALID, not as 401.
     if status in (401, 403) or "API_KEY_INVALID" in str(e.details):
-        return JudgeError("auth", f"HTTP {status}: {message}; check api_key / GEMINI_API_KEY or the Google credentials")
+        return JudgeError(
+            "auth",
+            f"HTTP {status}: {message}; check api_key / GEMINI_API_KEY or the Google credentials",
+        )
     if status == 404:
         return JudgeError("not_found", f"HTTP 404: {message}; check the model name and base_url")
-    return context_refusal(status, message) or JudgeError("bad_request", f"HTTP {status}: {message}")
+    return context_refusal(status, message) or JudgeError(
+        "bad_request", f"HTTP {status}: {message}"
+    )
 
 
 def _retry_after(headers: Mapping[str, str], details: Any) -> float | None:
-    """The server's wait hint in seconds: a Retry-After header, else the body's google.rpc.RetryInfo."""
+    """The server's wait hint in seconds: a Retry-After header, else the body's
+    google.rpc.RetryInfo."""
     hint = retry_after_seconds(headers)
     if hint is not None:
         return hint
-    # The Gemini API sends no Retry-After; it puts {"@type": ".../google.rpc.RetryInfo", "retryDelay": "37s"} in
-    # error.details.
+    # The Gemini API sends no Retry-After; it puts {"@type": ".../google.rpc.RetryInfo",
+    # "retryDelay": "37s"} in error.details.
     return _retry_info(details)
 
 
@@ -362,7 +401,9 @@ def _retry_info(details: Any) -> float | None:
     if not isinstance(items, Sequence):
         return None
     for item in items:
-        if isinstance(item, Mapping) and str(item.get("@type", "")).endswith("google.rpc.RetryInfo"):
+        if isinstance(item, Mapping) and str(item.get("@type", "")).endswith(
+            "google.rpc.RetryInfo"
+        ):
             delay = str(item.get("retryDelay", ""))
             try:
                 return max(0.0, float(delay.removesuffix("s")))

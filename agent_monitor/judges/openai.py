@@ -1,4 +1,5 @@
-"""Judge over any OpenAI-compatible API (OpenAI, vLLM, SGLang, llama.cpp) through the `openai` SDK."""
+"""Judge over any OpenAI-compatible API (OpenAI, vLLM, SGLang, llama.cpp) through the `openai`
+SDK."""
 
 from __future__ import annotations
 
@@ -142,19 +143,31 @@ class OpenAIJudge(BaseJudge):
         if samples < 1 or max_batch < 1:
             raise ValueError("OpenAIJudge needs samples >= 1 and max_batch >= 1")
         if transport not in (None, "lean", "sdk"):
-            raise ValueError(f"transport={transport!r}; use 'lean', 'sdk' or None (lean unless a client is given)")
+            raise ValueError(
+                f"transport={transport!r}; use 'lean', 'sdk' or None (lean "
+                "unless a client is given)"
+            )
         if transport == "lean" and client is not None:
-            raise ValueError("transport='lean' sends its own requests: pass base_url and api_key, not client=")
-        self.transport: Literal["lean", "sdk"] = transport or ("sdk" if client is not None else "lean")
-        """How requests go out: "lean" (pooled HTTP/1.1, JSON read as is) or "sdk" (the `openai` SDK)."""
+            raise ValueError(
+                "transport='lean' sends its own requests: pass base_url and api_key, not client="
+            )
+        self.transport: Literal["lean", "sdk"] = transport or (
+            "sdk" if client is not None else "lean"
+        )
+        """How requests go out: "lean" (pooled HTTP/1.1, JSON read as is) or "sdk" (the `openai`
+        SDK)."""
         self._owns_client = client is None
         if client is None:
             if api_key is None and base_url is not None and not os.environ.get("OPENAI_API_KEY"):
                 api_key = "not-needed"  # local servers (vLLM, llama.cpp) accept any key
-            # Our own retry loop handles 429/5xx with backoff and Retry-After; SDK retries would multiply it.
-            client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+            # Our own retry loop handles 429/5xx with backoff and Retry-After; SDK retries would
+            # multiply it.
+            client = AsyncOpenAI(
+                base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s
+            )
         self.client = client
-        """The SDK client: the server's URL and key, the reachability check, and the SDK transport's requests."""
+        """The SDK client: the server's URL and key, the reachability check, and the SDK
+        transport's requests."""
         self._transport: Transport = (
             SdkTransport(client, self.base_url)
             if self.transport == "sdk"
@@ -180,9 +193,13 @@ class OpenAIJudge(BaseJudge):
         self.extra_body = dict(extra_body or {})
         if run_key_field == "auto":
             host = urllib.parse.urlsplit(str(self.client.base_url)).hostname or ""
-            run_key_field = "prompt_cache_key" if host == "api.openai.com" and api == "chat" else None
+            run_key_field = (
+                "prompt_cache_key" if host == "api.openai.com" and api == "chat" else None
+            )
         if run_key_field is not None and not run_key_field.isidentifier():
-            raise ValueError(f"run_key_field={run_key_field!r}; use a body field name such as 'user', or None")
+            raise ValueError(
+                f"run_key_field={run_key_field!r}; use a body field name such as 'user', or None"
+            )
         self.run_key_field = run_key_field
         """The body field that carries each request's run key (None: not sent)."""
         self._model_lock = asyncio.Lock()
@@ -190,7 +207,8 @@ class OpenAIJudge(BaseJudge):
         """Whether the server was asked for its context (a setting wins: then it is not asked)."""
 
     async def aclose(self) -> None:
-        """Close the transport's connections, and the SDK client if this judge made it (a client passed in stays)."""
+        """Close the transport's connections, and the SDK client if this judge made it (a client
+        passed in stays)."""
         await self._transport.aclose()
         if self._owns_client:
             await self.client.close()
@@ -203,8 +221,9 @@ class OpenAIJudge(BaseJudge):
     async def check_reachable(self) -> None:
         """Raise JudgeError("connection") when nothing answers at `base_url` (one try, no retries).
 
-        Any HTTP answer counts as reachable (some servers have no `/models`): this is the start-up check
-        for a judge whose model is given, so a dead URL is said at once, not after a first step's retries.
+        Any HTTP answer counts as reachable (some servers have no `/models`): this is the start-up
+        check for a judge whose model is given, so a dead URL is said at once, not after a first
+        step's retries.
         """
         try:
             await self.client.models.with_raw_response.list()
@@ -219,11 +238,13 @@ class OpenAIJudge(BaseJudge):
         return self.max_tokens
 
     async def resolve_model(self) -> str:
-        """The model id, read from `/v1/models` when it was not given; the judge's context too, where the server says.
+        """The model id, read from `/v1/models` when it was not given; the judge's context too,
+        where the server says.
 
-        The context (`context_tokens`, unless set) is vLLM's `max_model_len` in the model's `/v1/models` entry,
-        else llama.cpp's llama-server `/props` (`n_ctx`); asked once, and a server that says neither (or fails
-        to answer) leaves it unknown, never an error when the model is given.
+        The context (`context_tokens`, unless set) is vLLM's `max_model_len` in the model's
+        `/v1/models` entry, else llama.cpp's llama-server `/props` (`n_ctx`); asked once, and a
+        server that says neither (or fails to answer) leaves it unknown, never an error when the
+        model is given.
         """
         if self.model and self._context_asked:
             return self.model
@@ -233,13 +254,20 @@ class OpenAIJudge(BaseJudge):
                     reply = await self._transport.send("/models", None)
                 except StatusError as e:
                     raise e.judge_error() from None
-                # Read as plain JSON on both transports: the SDK's model list crashes on a reply of another shape.
+                # Read as plain JSON on both transports: the SDK's model list crashes on a reply of
+                # another shape.
                 data = _reply_object(reply, self.base_url).get("data")
                 if not isinstance(data, list):
                     raise _not_openai(reply, self.base_url, "a JSON object without a `data` list")
-                ids = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
+                ids = [
+                    m["id"]
+                    for m in data
+                    if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+                ]
                 if not ids:
-                    raise JudgeError("no_model", f"{self.base_url}/models lists no model; pass model=")
+                    raise JudgeError(
+                        "no_model", f"{self.base_url}/models lists no model; pass model="
+                    )
                 self.model = ids[0]
                 if not self._context_asked:
                     self._context_asked = True
@@ -250,7 +278,8 @@ class OpenAIJudge(BaseJudge):
         return self.model
 
     async def _ask_context(self, models: list[Any] | None) -> None:
-        """Read the server's context from `/v1/models` (`models`: its entries, None to ask), else `/props`.
+        """Read the server's context from `/v1/models` (`models`: its entries, None to ask), else
+        `/props`.
 
         A server that says nothing, or fails to answer, leaves it unknown: never an error.
         """
@@ -268,10 +297,17 @@ class OpenAIJudge(BaseJudge):
         tokens = await _props_context(self.base_url, self.client.api_key, self.timeout_s)
         if tokens is not None and self.context_tokens is None:
             self.context_tokens = tokens
-            log.info("judge_context", judge=self.name, model=self.model, context_tokens=tokens, source="/props")
+            log.info(
+                "judge_context",
+                judge=self.name,
+                model=self.model,
+                context_tokens=tokens,
+                source="/props",
+            )
 
     def _context_from(self, entries: list[Any]) -> bool:
-        """Take the context from the model's `/v1/models` entry (vLLM's `max_model_len`); whether it said one."""
+        """Take the context from the model's `/v1/models` entry (vLLM's `max_model_len`); whether
+        it said one."""
         for entry in entries:
             if isinstance(entry, dict) and entry.get("id") == self.model:
                 tokens = _positive(entry.get("max_model_len"))
@@ -279,29 +315,41 @@ class OpenAIJudge(BaseJudge):
                     if self.context_tokens is None:  # a setting, or a learned refusal, wins
                         self.context_tokens = tokens
                         log.info(
-                            "judge_context", judge=self.name, model=self.model, context_tokens=tokens, source="/models"
+                            "judge_context",
+                            judge=self.name,
+                            model=self.model,
+                            context_tokens=tokens,
+                            source="/models",
                         )
                     return True
         return False
 
-    async def summarise(self, text: str, *, max_tokens: int, model: str | None = None) -> tuple[str, Usage]:
-        """One text completion of `text` (an LLM digest's summary of a folded chunk), by `model` on this server.
+    async def summarise(
+        self, text: str, *, max_tokens: int, model: str | None = None
+    ) -> tuple[str, Usage]:
+        """One text completion of `text` (an LLM digest's summary of a folded chunk), by `model` on
+        this server.
 
-        `model` None is the judge's own. The judge's API is used (chat: `text` as the user's message), at temperature
-        0 and without `extra_body` (its fields shape the grading answer: a grammar, guided choice); one attempt
-        within `timeout_s`, its failure a JudgeError.
+        `model` None is the judge's own. The judge's API is used (chat: `text` as the user's
+        message), at temperature 0 and without `extra_body` (its fields shape the grading answer: a
+        grammar, guided choice); one attempt within `timeout_s`, its failure a JudgeError.
         """
         name = model or await self.resolve_model()
         common: dict[str, Any] = {"model": name, "max_tokens": max_tokens, "temperature": 0.0}
         if self.api == "completions":
             path, body = "/completions", {"prompt": text, **common}
         else:
-            path, body = "/chat/completions", {"messages": [{"role": "user", "content": text}], **common}
+            path, body = (
+                "/chat/completions",
+                {"messages": [{"role": "user", "content": text}], **common},
+            )
         try:
             async with asyncio.timeout(self.timeout_s):
                 reply = await self._transport.send(path, body)
         except TimeoutError:
-            raise JudgeError("timeout", f"no summary within {self.timeout_s:g} s", retryable=True) from None
+            raise JudgeError(
+                "timeout", f"no summary within {self.timeout_s:g} s", retryable=True
+            ) from None
         except StatusError as e:
             raise e.judge_error() from None
         data = _reply_object(reply, self.base_url)
@@ -315,18 +363,21 @@ class OpenAIJudge(BaseJudge):
         return out, self._read(lambda: _usage_of(data))
 
     def _read(self, read: Callable[[], _T]) -> _T:
-        """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a crash."""
+        """Read the parsed reply's choices; a reply of another shape is `bad_response`, not a
+        crash."""
         try:
             return read()
         except (AttributeError, TypeError, ValueError, LookupError) as e:
             raise JudgeError(
                 "bad_response",
-                f"{self.base_url} answered choices of an unexpected shape ({type(e).__name__}: {e}); "
+                f"{self.base_url} answered choices of an unexpected shape "
+                f"({type(e).__name__}: {e}); "
                 "is it an OpenAI-compatible server? check base_url (it usually ends in /v1)",
             ) from None
 
     def sends_images(self, model: str) -> bool:
-        """Whether a request for `model` goes out with its images now (chat API; False while its refusal cools down)."""
+        """Whether a request for `model` goes out with its images now (chat API; False while its
+        refusal cools down)."""
         if self.api != "chat" or self.vision is False:
             return False
         if self.vision:
@@ -347,9 +398,13 @@ class OpenAIJudge(BaseJudge):
         )
         if batch is not None:
             self.supports_n = batch
-        return JudgeResponse(samples=tuple(samples), model=model, usage=usage, images_dropped=max(dropped, default=0))
+        return JudgeResponse(
+            samples=tuple(samples), model=model, usage=usage, images_dropped=max(dropped, default=0)
+        )
 
-    async def _sampled(self, request: JudgeRequest, model: str, dropped: list[int]) -> JudgeResponse:
+    async def _sampled(
+        self, request: JudgeRequest, model: str, dropped: list[int]
+    ) -> JudgeResponse:
         """Estimate each repeat's letter distribution from `samples` sampled answers."""
 
         async def chunk(n: int) -> tuple[list[Sample], Usage, bool | None]:
@@ -386,7 +441,9 @@ class OpenAIJudge(BaseJudge):
             answer = await self._send(prompt, model, n, images=True, run_key=run_key)
         except ImagesRefused as e:
             if self.vision:
-                raise  # asked for explicitly: a refusal is the caller's failure to see, never a silent fallback
+                # asked for explicitly: a refusal is the caller's failure to see, never a silent
+                # fallback
+                raise
             self._images_off(model, e)
             answer = await self._send(prompt, model, n, images=False, run_key=run_key)
             dropped.append(images)
@@ -411,7 +468,8 @@ class OpenAIJudge(BaseJudge):
     async def _send(
         self, prompt: Prompt, model: str, n: int, *, images: bool, run_key: str | None = None
     ) -> tuple[list[Sample], Usage]:
-        """One request for `n` answers: its body built, sent by the transport, its reply read as plain JSON."""
+        """One request for `n` answers: its body built, sent by the transport, its reply read as
+        plain JSON."""
         path, body = self._body(prompt, model, n, images=images, run_key=run_key)
         try:
             reply = await self._transport.send(path, body)
@@ -427,12 +485,15 @@ class OpenAIJudge(BaseJudge):
             if self.api == "completions":
                 texts = self._read(lambda: [str(c.get("text") or "") for c in choices])
             else:
-                texts = self._read(lambda: [str((c.get("message") or {}).get("content") or "") for c in choices])
+                texts = self._read(
+                    lambda: [str((c.get("message") or {}).get("content") or "") for c in choices]
+                )
             return [drawn_letter(t) for t in texts], self._read(lambda: _usage_of(data))
         read = _completion_sample if self.api == "completions" else _chat_sample
         if choices and all(isinstance(c, Mapping) and _without_logprobs(c) for c in choices):
-            # An answer with text and no logprobs is no score, and no passing failure: the server is set up
-            # so (vLLM's --max-logprobs 0, llama.cpp's server without n_probs). A failed call, with the fix.
+            # An answer with text and no logprobs is no score, and no passing failure: the server is
+            # set up so (vLLM's --max-logprobs 0, llama.cpp's server without n_probs). A failed
+            # call, with the fix.
             raise JudgeError("no_logprobs", no_logprobs_fix(self.base_url))
         return self._read(lambda: [read(c) for c in choices]), self._read(lambda: _usage_of(data))
 
@@ -442,9 +503,14 @@ class OpenAIJudge(BaseJudge):
         """The path and JSON body of one request (the same on both transports)."""
         extra = dict(self.extra_body)
         if self.run_key_field is not None and run_key is not None:
-            extra.setdefault(self.run_key_field, run_hint(run_key))  # a field the caller set in extra_body wins
+            # a field the caller set in extra_body wins
+            extra.setdefault(self.run_key_field, run_hint(run_key))
         temperature = self.temperature if self.logprobs else self.sample_temperature
-        common: dict[str, Any] = {"model": model, "max_tokens": self.max_tokens, "temperature": temperature}
+        common: dict[str, Any] = {
+            "model": model,
+            "max_tokens": self.max_tokens,
+            "temperature": temperature,
+        }
         if n > 1:
             common["n"] = n
         body: dict[str, Any]
@@ -453,13 +519,18 @@ class OpenAIJudge(BaseJudge):
             if self.logprobs:
                 body["logprobs"] = self.top_logprobs
         else:
-            path, body = "/chat/completions", {"messages": self._messages(prompt, images=images), **common}
+            path, body = (
+                "/chat/completions",
+                {"messages": self._messages(prompt, images=images), **common},
+            )
             if self.logprobs:
                 body.update(logprobs=True, top_logprobs=self.top_logprobs)
                 if self.prefill is not None:
                     extra.update(continue_final_message=True, add_generation_prompt=False)
                 if self.constrain:
-                    extra["guided_choice"] = list(BINARY_TOKENS if prompt.scale == "binary" else LETTERS)
+                    extra["guided_choice"] = list(
+                        BINARY_TOKENS if prompt.scale == "binary" else LETTERS
+                    )
         body.update(extra)  # as the SDK's extra_body: merged into the body, a caller's field wins
         return path, body
 
@@ -470,7 +541,8 @@ class OpenAIJudge(BaseJudge):
         else:
             # Plain string content: every OpenAI-compatible server and chat template accepts it.
             content = "".join(
-                p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n" for p in prompt.parts
+                p.text if isinstance(p, TextPart) else Frame.describe(p.frame) + "\n"
+                for p in prompt.parts
             )
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": prompt.instructions},
@@ -482,7 +554,8 @@ class OpenAIJudge(BaseJudge):
 
 
 class ImagesRefused(JudgeError):
-    """The server answered that the model takes no images (a `bad_request`: resending the same images cannot help)."""
+    """The server answered that the model takes no images (a `bad_request`: resending the same
+    images cannot help)."""
 
     def __init__(self, status: int, server_message: str) -> None:
         super().__init__(
@@ -496,17 +569,21 @@ class ImagesRefused(JudgeError):
 # What servers answer when the model takes no images, as their code or their users' reports show it:
 # - OpenAI, 400: "Invalid content type. image_url is only supported by certain models."
 #   (quoted in vllm-project/vllm#11629, browser-use/web-ui#274)
-# - vLLM, 400: "<model> is not a multimodal model" (studio-dots-ai/dots.ocr#61, vllm-project/vllm#23402), and
+# - vLLM, 400: "<model> is not a multimodal model" (studio-dots-ai/dots.ocr#61,
+#   vllm-project/vllm#23402), and
 #   "At most 0 image(s) may be provided in one prompt." when image inputs are limited to 0
 #   (--limit-mm-per-prompt, --language-model-only); "At most 1 image(s)" is a different complaint.
-# - llama.cpp llama-server without --mmproj: "image input is not supported - hint: if this is unexpected,
-#   you may need to provide the mmproj" (tools/server/server-common.cpp), thrown as std::runtime_error,
-#   which its ex_wrapper turns into HTTP 500.
-# - llama-cpp-python's llama_cpp.server with a text chat format, 500: 'can only concatenate str (not "list")
+# - llama.cpp llama-server without --mmproj: "image input is not supported - hint: if this is
+#   unexpected,
+# you may need to provide the mmproj" (tools/server/server-common.cpp), thrown as
+# std::runtime_error, which its ex_wrapper turns into HTTP 500.
+# - llama-cpp-python's llama_cpp.server with a text chat format, 500: 'can only concatenate str (not
+#   "list")
 #   to str' (abetlen/llama-cpp-python#1168): it cannot take content parts at all; plain text works.
-# - SGLang, Ollama and gateways word it in their own ways; no verbatim string was found for SGLang, so the
-#   generic "does not support image(s)/vision/multimodal" and "image(s)/vision/multimodal ... not supported"
-#   forms cover them.
+# - SGLang, Ollama and gateways word it in their own ways; no verbatim string was found for SGLang,
+#   so the
+# generic "does not support image(s)/vision/multimodal" and "image(s)/vision/multimodal ... not
+# supported" forms cover them.
 _NO_IMAGES = re.compile(
     r"image_url is only supported by certain models"
     r"|is not a multimodal model"
@@ -520,7 +597,8 @@ _NO_IMAGES = re.compile(
 
 
 async def _props_context(base_url: str, api_key: str | None, timeout_s: float) -> int | None:
-    """llama.cpp llama-server's context (`n_ctx` of `/props`, at the server's root), or None when it says none."""
+    """llama.cpp llama-server's context (`n_ctx` of `/props`, at the server's root), or None when
+    it says none."""
     parts = urllib.parse.urlsplit(base_url)
     path = parts.path.rstrip("/").removesuffix("/v1")
     root = urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, "", ""))
@@ -549,18 +627,24 @@ def _positive(value: object) -> int | None:
 
 def _context_setting(tokens: int | None) -> int | None:
     """A context set by the user, checked."""
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ValueError(f"context_tokens={tokens!r}; use the judge's context window in tokens (>= 1), or None")
+    if tokens is not None and (
+        isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1
+    ):
+        raise ValueError(
+            f"context_tokens={tokens!r}; use the judge's context window in tokens (>= 1), or None"
+        )
     return tokens
 
 
 def run_hint(run_key: str) -> str:
-    """What a server is sent for a run key: 32 hex digits of its SHA-256, the same for every call of the run."""
+    """What a server is sent for a run key: 32 hex digits of its SHA-256, the same for every call
+    of the run."""
     return hashlib.sha256(run_key.encode("utf-8")).hexdigest()[:32]
 
 
 def refuses_images(status: int, message: str) -> bool:
-    """Whether an HTTP error answer says the model takes no images (then resending without images helps).
+    """Whether an HTTP error answer says the model takes no images (then resending without images
+    helps).
 
     Only a clear answer counts: a 4xx other than 408/429, or a 500 (llama.cpp's servers answer this
     refusal with 500), whose message says so. Overload (502-504), timeouts, rate limits and other
@@ -600,17 +684,22 @@ def _not_openai(reply: WireReply, where: str, what: str) -> JudgeError:
 
 
 def no_logprobs_fix(url: str) -> str:
-    """What to do about a judge server that answers without logprobs: the message of `no_logprobs`."""
+    """What to do about a judge server that answers without logprobs: the message of
+    `no_logprobs`."""
     return (
-        f"{url} answered without logprobs, so its answers cannot be scored; let it return them (vLLM: "
-        "--max-logprobs 20; llama.cpp's server: it returns them when asked for n_probs / top_logprobs, so check "
-        "the server and any proxy in between), or pass --judge-sampled to score sampled letters instead "
+        f"{url} answered without logprobs, so its answers cannot be scored; let it return "
+        "them (vLLM: "
+        "--max-logprobs 20; llama.cpp's server: it returns them when asked for n_probs / "
+        "top_logprobs, so check "
+        "the server and any proxy in between), or pass --judge-sampled to score sampled "
+        "letters instead "
         "(slower, coarser: several answers a step)"
     )
 
 
 def _without_logprobs(choice: Mapping[str, Any]) -> bool:
-    """Whether a choice carries generated text but no logprobs for it (the server did not return them)."""
+    """Whether a choice carries generated text but no logprobs for it (the server did not return
+    them)."""
     lp = choice.get("logprobs")
     text = choice.get("text") if "text" in choice else (choice.get("message") or {}).get("content")
     if not text:
@@ -621,7 +710,8 @@ def _without_logprobs(choice: Mapping[str, Any]) -> bool:
 
 
 def _chat_sample(choice: Mapping[str, Any]) -> Sample:
-    """A chat choice's answer, read from the reply's JSON as it is: the top logprobs of each generated token."""
+    """A chat choice's answer, read from the reply's JSON as it is: the top logprobs of each
+    generated token."""
     lp = choice.get("logprobs")
     content = lp.get("content") if isinstance(lp, Mapping) else None
     content = content or []
@@ -632,14 +722,16 @@ def _chat_sample(choice: Mapping[str, Any]) -> Sample:
 
 
 def _completion_sample(choice: Mapping[str, Any]) -> Sample:
-    """A completion choice's answer, read from the reply's JSON as it is (integer `logprobs`' token lists)."""
+    """A completion choice's answer, read from the reply's JSON as it is (integer `logprobs`'
+    token lists)."""
     lp = choice.get("logprobs")
     if not isinstance(lp, Mapping) or not lp.get("tokens"):
         return None
     tokens = lp["tokens"]
     chosen = lp.get("token_logprobs") or [None] * len(tokens)
     return answer_sample(
-        list(zip(tokens, chosen, strict=False)), [list((d or {}).items()) for d in lp.get("top_logprobs") or []]
+        list(zip(tokens, chosen, strict=False)),
+        [list((d or {}).items()) for d in lp.get("top_logprobs") or []],
     )
 
 

@@ -1,1 +1,2 @@
-"""The offline tools: score recorded runs, evaluate policies and baselines on them (nothing live imports them)."""
+"""The offline tools: score recorded runs, evaluate policies and baselines on them (nothing live
+imports them)."""

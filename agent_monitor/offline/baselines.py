@@ -1,20 +1,23 @@
-"""The judge beside what a live monitor has for free, with error bars, and decisions simulated on whole runs.
+"""The judge beside what a live monitor has for free, with error bars, and decisions simulated on
+whole runs.
 
-`signal_report` puts the judge's score next to three baselines a monitor can compute at step k without a
-judge: `step_index` (k itself), `chars` (the run's text size so far) and `errors` (non-zero exits,
-tracebacks, failed tests so far). Each is oriented so that a higher value says "failure" (the positive
-class) and gets AUROC and AUPRC with 95% bootstrap intervals (resampling tasks when runs share tasks,
-else runs) and a permutation p-value against chance (outcomes shuffled across runs), in three views:
+`signal_report` puts the judge's score next to three baselines a monitor can compute at step k
+without a judge: `step_index` (k itself), `chars` (the run's text size so far) and `errors`
+(non-zero exits, tracebacks, failed tests so far). Each is oriented so that a higher value says
+"failure" (the positive class) and gets AUROC and AUPRC with 95% bootstrap intervals (resampling
+tasks when runs share tasks, else runs) and a permutation p-value against chance (outcomes shuffled
+across runs), in three views:
 
 - at fixed steps k (2, 4, 8, 16 and the user's): the runs still going at step k, as live;
-- pooled over every scored step (each step of each run a sample, clustered by run in the resampling):
-  where counting steps has its signal, since failing runs go on longer;
-- at fractions of the run (25/50/75%): these use the run's final length, which a live monitor does not know.
+- pooled over every scored step (each step of each run a sample, clustered by run in the
+  resampling): where counting steps has its signal, since failing runs go on longer;
+- at fractions of the run (25/50/75%): these use the run's final length, which a live monitor does
+  not know.
 
-`simulate` calibrates on one split of the tasks and applies on the other (then the reverse): the judge's
-`abort_below: auto` rule, the step budget (`max_steps: auto`), both together at alpha/2 each, and the
-`done` signal, with the shared split-conformal rule of `agent_monitor.calibration`. Steps saved are over
-failing runs' whole length, whatever `--max-steps` scored.
+`simulate` calibrates on one split of the tasks and applies on the other (then the reverse): the
+judge's `abort_below: auto` rule, the step budget (`max_steps: auto`), both together at alpha/2
+each, and the `done` signal, with the shared split-conformal rule of `agent_monitor.calibration`.
+Steps saved are over failing runs' whole length, whatever `--max-steps` scored.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ MIN_TASKS = 5
 
 @dataclass(frozen=True, slots=True)
 class Figure:
-    """One signal in one view: AUROC and AUPRC (failure positive) with 95% intervals, and a p-value vs chance."""
+    """One signal in one view: AUROC and AUPRC (failure positive) with 95% intervals, and a
+    p-value vs chance."""
 
     signal: str
     n: int
@@ -70,7 +74,8 @@ class Figure:
     p_value: float | None
     """Two-sided permutation p-value of the AUROC against 0.5 (outcomes shuffled across runs)."""
     chance: tuple[float, float] | None
-    """The 95% range of this AUROC when outcomes are shuffled: what this sample cannot tell from chance."""
+    """The 95% range of this AUROC when outcomes are shuffled: what this sample cannot tell from
+    chance."""
     prevalence: float | None
     """The failures' share: AUPRC's chance level."""
 
@@ -114,7 +119,8 @@ def _task(c: RunCurve) -> str:
 
 
 def value_at(curve: RunCurve, signal: str, k: int) -> float | None:
-    """The signal at step k, oriented so that higher says failure; None when the run ended before k or is unscored."""
+    """The signal at step k, oriented so that higher says failure; None when the run ended before
+    k or is unscored."""
     if k < 1 or k > curve.steps:
         return None
     if signal == "judge":
@@ -131,7 +137,8 @@ def value_at(curve: RunCurve, signal: str, k: int) -> float | None:
 
 
 def auroc_of(values: Sequence[float], labels: Sequence[bool]) -> float | None:
-    """AUROC with positives = True (Mann-Whitney from ranks, ties half); None without both classes."""
+    """AUROC with positives = True (Mann-Whitney from ranks, ties half); None without both
+    classes."""
     n1 = sum(labels)
     n0 = len(labels) - n1
     if n1 == 0 or n0 == 0:
@@ -150,7 +157,8 @@ def auroc_of(values: Sequence[float], labels: Sequence[bool]) -> float | None:
 
 
 def auprc_of(values: Sequence[float], labels: Sequence[bool]) -> float | None:
-    """Average precision with positives = True (tied values enter together); None without a positive."""
+    """Average precision with positives = True (tied values enter together); None without a
+    positive."""
     pos = sum(labels)
     if pos == 0 or pos == len(labels):
         return None if pos == 0 else 1.0
@@ -215,7 +223,8 @@ def _interval(xs: list[float]) -> tuple[float, float] | None:
 
 
 class _Resampler:
-    """Paired bootstrap draws (the same clusters for every signal) and label permutations, seeded."""
+    """Paired bootstrap draws (the same clusters for every signal) and label permutations,
+    seeded."""
 
     def __init__(self, curves: Sequence[RunCurve], resamples: int, seed: int) -> None:
         tasks = [_task(c) for c in curves]
@@ -262,25 +271,43 @@ class _Resampler:
             for perm in self.perms:
                 if (x := auroc_of(vals, [perm[r] for r, _, _ in samples])) is not None:
                     null.append(x)
-        pv = (1 + sum(abs(x - 0.5) >= abs(a - 0.5) - 1e-12 for x in null)) / (1 + len(null)) if a is not None else None
+        pv = (
+            (1 + sum(abs(x - 0.5) >= abs(a - 0.5) - 1e-12 for x in null)) / (1 + len(null))
+            if a is not None
+            else None
+        )
         fails = sum(ys)
         return Figure(
-            signal, len(samples), fails, a, _interval(boot_a), p, _interval(boot_p), pv, _interval(null),
+            signal,
+            len(samples),
+            fails,
+            a,
+            _interval(boot_a),
+            p,
+            _interval(boot_p),
+            pv,
+            _interval(null),
             fails / len(samples) if samples else None,
-        )  # fmt: skip
+        )
 
     def difference(self, a: Sequence[Sample], b: Sequence[Sample]) -> tuple[float, float] | None:
         """The paired bootstrap interval of AUROC(a) - AUROC(b) (same draws for both)."""
         diffs = []
         for w in self.draws:
-            xa = auroc_of([v for r, v, _ in a for _ in range(w[r])], [y for r, _, y in a for _ in range(w[r])])
-            xb = auroc_of([v for r, v, _ in b for _ in range(w[r])], [y for r, _, y in b for _ in range(w[r])])
+            xa = auroc_of(
+                [v for r, v, _ in a for _ in range(w[r])], [y for r, _, y in a for _ in range(w[r])]
+            )
+            xb = auroc_of(
+                [v for r, v, _ in b for _ in range(w[r])], [y for r, _, y in b for _ in range(w[r])]
+            )
             if xa is not None and xb is not None:
                 diffs.append(xa - xb)
         return _interval(diffs)
 
 
-def _samples(curves: Sequence[RunCurve], signal: str, steps: Callable[[RunCurve], list[int]]) -> list[Sample]:
+def _samples(
+    curves: Sequence[RunCurve], signal: str, steps: Callable[[RunCurve], list[int]]
+) -> list[Sample]:
     out = []
     for i, c in enumerate(curves):
         for k in steps(c):
@@ -300,7 +327,8 @@ def signal_report(
 ) -> SignalReport:
     """The judge (when `judged`) and the baselines side by side over runs with known outcomes.
 
-    The pooled view takes the steps the judge scored (without a judge: the first `max_steps`, or all).
+    The pooled view takes the steps the judge scored (without a judge: the first `max_steps`, or
+    all).
     """
     known = [c for c in curves if c.success is not None]
     signals: tuple[str, ...] = SIGNALS if judged else BASELINES
@@ -315,7 +343,9 @@ def signal_report(
         return lambda c: [max(1, math.ceil(q * c.steps))]
 
     for k in ks:
-        views.append(View(f"step {k}", False, {s: rs.figure(s, _samples(known, s, at(k))) for s in signals}))
+        views.append(
+            View(f"step {k}", False, {s: rs.figure(s, _samples(known, s, at(k))) for s in signals})
+        )
 
     def scored(c: RunCurve) -> list[int]:
         upto = len(c.scores) if judged else min(c.steps, max_steps or c.steps)
@@ -323,11 +353,15 @@ def signal_report(
 
     pooled = {s: _samples(known, s, scored) for s in signals}
     views.append(View(POOLED, False, {s: rs.figure(s, pooled[s]) for s in signals}))
-    if any(min(len(c.scores) if judged else (max_steps or c.steps), c.steps) < c.steps for c in known):
-        # Scoring stopped before some runs ended: the baselines are free over whole runs, where counting steps
-        # has its signal (failing runs go on longer); the judge has no score there to stand beside them.
+    if any(
+        min(len(c.scores) if judged else (max_steps or c.steps), c.steps) < c.steps for c in known
+    ):
+        # Scoring stopped before some runs ended: the baselines are free over whole runs, where
+        # counting steps has its signal (failing runs go on longer); the judge has no score there to
+        # stand beside them.
         every: dict[str, Figure] = {
-            s: rs.figure(s, _samples(known, s, lambda c: list(range(1, c.steps + 1)))) for s in BASELINES
+            s: rs.figure(s, _samples(known, s, lambda c: list(range(1, c.steps + 1))))
+            for s in BASELINES
         }
         views.append(View(WHOLE, False, every))
     for q in FRACTIONS:
@@ -346,7 +380,8 @@ def signal_report(
         for s in signals
     }
     if judged:
-        # The difference is measured on the same run-steps: those the judge gave a score (a failed call has none).
+        # The difference is measured on the same run-steps: those the judge gave a score (a failed
+        # call has none).
         def scored_by_judge(c: RunCurve) -> list[int]:
             return [k for k in scored(c) if value_at(c, "judge", k) is not None]
 
@@ -364,13 +399,23 @@ def _ci(x: float | None, ci: tuple[float, float] | None) -> str:
 
 
 def _verdict(
-    curves: Sequence[RunCurve], pooled: View, samples: dict[str, list[Sample]], rs: _Resampler, judged: bool
+    curves: Sequence[RunCurve],
+    pooled: View,
+    samples: dict[str, list[Sample]],
+    rs: _Resampler,
+    judged: bool,
 ) -> Verdict:
     n = len(curves)
     figs = pooled.figures
     base = [b for b in BASELINES if figs[b].auroc is not None]
     if not base:
-        return Verdict(f"on these {n} runs no signal could be measured (one outcome only?)", None, None, None, None)
+        return Verdict(
+            f"on these {n} runs no signal could be measured (one outcome only?)",
+            None,
+            None,
+            None,
+            None,
+        )
     best = max(base, key=lambda b: figs[b].auroc or 0.0)
     fb = figs[best]
     if not judged or figs["judge"].auroc is None:
@@ -378,26 +423,43 @@ def _verdict(
         return Verdict(
             f"on these {n} runs ({why}) the best baseline is {_PLAIN[best]} ({best}): AUROC "
             f"{_ci(fb.auroc, fb.auroc_ci)} over {POOLED}",
-            best, None, None, None,
-        )  # fmt: skip
+            best,
+            None,
+            None,
+            None,
+        )
     fj = figs["judge"]
     assert fj.auroc is not None and fb.auroc is not None
     ja = auroc_of([v for _, v, _ in samples["judge"]], [y for _, _, y in samples["judge"]])
     ba = auroc_of([v for _, v, _ in samples[best]], [y for _, _, y in samples[best]])
     d = (ja or 0.5) - (ba or 0.5)
-    # The interval of the difference pairs the two on the run-steps the judge scored (the same draws for both).
+    # The interval of the difference pairs the two on the run-steps the judge scored (the same draws
+    # for both).
     dci = rs.difference(samples["judge"], samples[best])
-    pair = f"AUROC {_ci(fj.auroc, fj.auroc_ci)} vs {_ci(fb.auroc, fb.auroc_ci)} ({POOLED}, failure positive)"
+    pair = (
+        f"AUROC {_ci(fj.auroc, fj.auroc_ci)} vs {_ci(fb.auroc, fb.auroc_ci)} ({POOLED}, "
+        "failure positive)"
+    )
     needed: int | None = None
     if dci is not None and (dci[0] > 0 or dci[1] < 0):
         word = "beats" if d > 0 else "is worse than"
-        text = f"on these {n} runs the judge {word} {_PLAIN[best]} ({best}): {pair}; difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}]"
+        text = (
+            f"on these {n} runs the judge {word} {_PLAIN[best]} ({best}): {pair}; "
+            f"difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}]"
+        )
     else:
-        text = f"on these {n} runs the judge is not distinguishable from {_PLAIN[best]} ({best}): {pair}"
+        text = (
+            f"on these {n} runs the judge is not distinguishable from {_PLAIN[best]} "
+            f"({best}): {pair}"
+        )
         if dci is not None:
-            text += f"; difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}] on the run-steps the judge scored"
+            text += (
+                f"; difference {d:+.2f} [{dci[0]:+.2f}, {dci[1]:+.2f}] on the run-steps "
+                "the judge scored"
+            )
         if dci is not None and abs(d) > 1e-9:
-            # The interval's half-width shrinks as 1/sqrt(n): the runs at which it would stop straddling 0.
+            # The interval's half-width shrinks as 1/sqrt(n): the runs at which it would stop
+            # straddling 0.
             half = (dci[1] - dci[0]) / 2
             needed = math.ceil(n * (half / abs(d)) ** 2)
             text += f"; telling a difference of {abs(d):.2f} apart would take about {needed} runs"
@@ -405,7 +467,8 @@ def _verdict(
             text += "; no difference to tell at any sample size"
     if fj.chance is not None:
         text += (
-            f"; against chance, this sample cannot tell a judge AUROC in [{fj.chance[0]:.2f}, {fj.chance[1]:.2f}] "
+            f"; against chance, this sample cannot tell a judge AUROC in [{fj.chance[0]:.2f}, "
+            f"{fj.chance[1]:.2f}] "
             f"from 0.5 (judge p={fj.p_value:.3f})"
         )
     return Verdict(text, best, d, dci, needed)
@@ -439,12 +502,14 @@ class Wilson:
 
 @dataclass(frozen=True, slots=True)
 class FoldThreshold:
-    """What one calibration split gave a rule: its value (None: too few runs), from how many runs."""
+    """What one calibration split gave a rule: its value (None: too few runs), from how many
+    runs."""
 
     calibrated_on: list[str]
     applied_to: list[str]
     threshold: float | None
-    """The judge's abort threshold (or `done`'s), when the rule has one (None: none, or too few runs)."""
+    """The judge's abort threshold (or `done`'s), when the rule has one (None: none, or too few
+    runs)."""
     budget: int | None
     """The step budget, when the rule has one (None: none, or too few successes)."""
     samples: int
@@ -452,12 +517,14 @@ class FoldThreshold:
     false_rate: float | None
     """Realised on the other split's successes (aborts) or failures (done)."""
     shifted: bool
-    """Realised false aborts (or false dones) passed alpha on the other split: the threshold does not travel."""
+    """Realised false aborts (or false dones) passed alpha on the other split: the threshold does
+    not travel."""
 
 
 @dataclass(frozen=True, slots=True)
 class RuleResult:
-    """One rule calibrated on one split and applied on the other, both ways, every run tested once."""
+    """One rule calibrated on one split and applied on the other, both ways, every run tested
+    once."""
 
     rule: str
     alpha: float
@@ -465,7 +532,8 @@ class RuleResult:
     false_aborts: Wilson
     """Tested successes aborted (for `done`: tested failures called done)."""
     steps_saved: float | None
-    """Failing runs' steps after their abort over their whole length (`done`: successes' steps after done)."""
+    """Failing runs' steps after their abort over their whole length (`done`: successes' steps
+    after done)."""
     tokens_saved: float | None
     """Judge tokens of scored steps after an abort, over every scored step's tokens."""
     first_alert: dict[str, int]
@@ -490,8 +558,11 @@ def _tokens_after(c: RunCurve, at: int) -> int:
     return sum(c.tokens[at:])
 
 
-def simulate(curves: Sequence[RunCurve], *, policy: Policy, judged: bool = True) -> list[RuleResult]:
-    """The judge's rule, the step budget, both (alpha/2 each) and `done`, calibrated on one split, tested on the other."""
+def simulate(
+    curves: Sequence[RunCurve], *, policy: Policy, judged: bool = True
+) -> list[RuleResult]:
+    """The judge's rule, the step budget, both (alpha/2 each) and `done`, calibrated on one
+    split, tested on the other."""
     known = [c for c in curves if c.success is not None]
     fold = _folds(known)
     alpha = policy.alpha
@@ -509,7 +580,12 @@ def _names(curves: Sequence[RunCurve], fold: list[int], f: int) -> list[str]:
 
 
 def _abort_rule(
-    curves: Sequence[RunCurve], fold: list[int], policy: Policy, rule: str, a_judge: float, a_budget: float
+    curves: Sequence[RunCurve],
+    fold: list[int],
+    policy: Policy,
+    rule: str,
+    a_judge: float,
+    a_budget: float,
 ) -> RuleResult:
     tested_s = aborted_s = 0
     saved = total = 0
@@ -554,15 +630,25 @@ def _abort_rule(
         rate = k_s / n_s if n_s else None
         folds.append(
             FoldThreshold(
-                _names(curves, fold, 1 - f), _names(curves, fold, f), t_judge, b,
-                len(good), min_successes(min(x for x in (a_judge, a_budget) if x)), rate,
+                _names(curves, fold, 1 - f),
+                _names(curves, fold, f),
+                t_judge,
+                b,
+                len(good),
+                min_successes(min(x for x in (a_judge, a_budget) if x)),
+                rate,
                 rate is not None and rate > a,
             )
-        )  # fmt: skip
+        )
     return RuleResult(
-        rule, a_judge + a_budget, folds, Wilson(aborted_s, tested_s), saved / total if total else None,
-        tok_saved / tok_total if tok_total else None, first,
-    )  # fmt: skip
+        rule,
+        a_judge + a_budget,
+        folds,
+        Wilson(aborted_s, tested_s),
+        saved / total if total else None,
+        tok_saved / tok_total if tok_total else None,
+        first,
+    )
 
 
 def _done_rule(curves: Sequence[RunCurve], fold: list[int], policy: Policy) -> RuleResult:
@@ -594,14 +680,26 @@ def _done_rule(curves: Sequence[RunCurve], fold: list[int], policy: Policy) -> R
         rate = k_f / n_f if n_f else None
         folds.append(
             FoldThreshold(
-                _names(curves, fold, 1 - f), _names(curves, fold, f), t, None, len(bad), min_successes(alpha), rate,
+                _names(curves, fold, 1 - f),
+                _names(curves, fold, f),
+                t,
+                None,
+                len(bad),
+                min_successes(alpha),
+                rate,
                 rate is not None and rate > alpha,
             )
-        )  # fmt: skip
+        )
     return RuleResult(
-        "done", alpha, folds, Wilson(fired_f, tested_f), saved / total if total else None, None, first,
+        "done",
+        alpha,
+        folds,
+        Wilson(fired_f, tested_f),
+        saved / total if total else None,
+        None,
+        first,
         sum(before) / len(before) if before else None,
-    )  # fmt: skip
+    )
 
 
 def _done_step(c: RunCurve, policy: Policy, t: float) -> int | None:
@@ -624,12 +722,15 @@ def _pct(x: float | None) -> str:
 def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
     """The views as a table, then the simulated decisions and the verdict."""
     lines = [
-        f"signals side by side ({report.runs} runs; failure is the positive class; 95% bootstrap intervals over "
+        f"signals side by side ({report.runs} runs; failure is the positive class; 95% "
+        "bootstrap intervals over "
         f"{report.clusters}; p: permutation test against chance)"
     ]
     for v in report.views:
         label = v.name + (
-            "  <- uses the run's final length, which a live monitor does not know" if v.uses_final_length else ""
+            "  <- uses the run's final length, which a live monitor does not know"
+            if v.uses_final_length
+            else ""
         )
         lines.append(f"  {label}")
         for s, fig in v.figures.items():
@@ -639,17 +740,27 @@ def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
                 f"{_ci(fig.auprc, fig.auprc_ci):<20} (chance {_num2(fig.prevalence)})  p={p}"
             )
     lines.append("")
-    lines.append("decisions simulated on whole runs (calibrated on one half of the tasks, applied to the other, "
-                 "then the reverse; steps saved over failing runs' whole length)")  # fmt: skip
+    lines.append(
+        "decisions simulated on whole runs (calibrated on one half of the tasks, "
+        "applied to the other, "
+        "then the reverse; steps saved over failing runs' whole length)"
+    )
     for r in rules:
         fa = r.false_aborts
         ci = fa.ci
-        what = "false done (failures called done)" if r.rule == "done" else "false aborts (successes aborted)"
+        what = (
+            "false done (failures called done)"
+            if r.rule == "done"
+            else ("false aborts (successes aborted)")
+        )
         row = f"  {r.rule:<18} alpha {r.alpha:g}: {what} {fa.k}/{fa.n} = {_pct(fa.rate)}" + (
             f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else ""
         )
         if r.rule == "done":
-            row += f"; fired on {len(r.first_alert)} successes, {_num2(r.earlier)} steps before their end on average"
+            row += (
+                f"; fired on {len(r.first_alert)} successes, {_num2(r.earlier)} steps "
+                "before their end on average"
+            )
         else:
             row += f"; failing runs' steps saved {_pct(r.steps_saved)}"
             if r.tokens_saved is not None and r.rule != "step_budget":
@@ -658,7 +769,9 @@ def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
         for fo in r.folds:
             parts = []
             if r.rule != "step_budget":
-                parts.append("threshold " + ("none" if fo.threshold is None else f"{fo.threshold:.3f}"))
+                parts.append(
+                    "threshold " + ("none" if fo.threshold is None else f"{fo.threshold:.3f}")
+                )
             if r.rule in ("step_budget", "judge+step_budget"):
                 parts.append("budget " + ("none" if fo.budget is None else f"{fo.budget} steps"))
             val = ", ".join(parts)
@@ -667,12 +780,15 @@ def report_text(report: SignalReport, rules: Sequence[RuleResult]) -> str:
             note = "" if armed else f" (not calibrated: {fo.samples} of {fo.needed} {kind} needed)"
             flag = "  SHIFT: realised rate above alpha" if fo.shifted else ""
             lines.append(
-                f"    calibrated on {len(fo.calibrated_on)} tasks ({fo.samples} {kind}) -> {val}{note}; "
+                f"    calibrated on {len(fo.calibrated_on)} tasks ({fo.samples} {kind}) -> "
+                f"{val}{note}; "
                 f"on the other {len(fo.applied_to)} tasks: {_pct(fo.false_rate)}{flag}"
             )
         if r.first_alert:
             alerts = ", ".join(f"{n}@{s}" for n, s in sorted(r.first_alert.items()))
-            lines.append(f"    first alert ({'successes' if r.rule == 'done' else 'failing runs'}): {alerts}")
+            lines.append(
+                f"    first alert ({'successes' if r.rule == 'done' else 'failing runs'}): {alerts}"
+            )
     lines.append("")
     lines.append("verdict: " + report.verdict.text)
     return "\n".join(lines)
@@ -683,9 +799,11 @@ def _num2(x: float | None) -> str:
 
 
 def report_json(report: SignalReport, rules: Sequence[RuleResult]) -> dict[str, Any]:
-    """Every figure: per view and signal `auroc`, `auprc` and their intervals; the simulated rules; the verdict."""
+    """Every figure: per view and signal `auroc`, `auprc` and their intervals; the simulated
+    rules; the verdict."""
     return {
-        "runs_with_outcome": report.runs,  # not "runs": eval.json's "runs" lists the runs themselves
+        # not "runs": eval.json's "runs" lists the runs themselves
+        "runs_with_outcome": report.runs,
         "bootstrap_over": report.clusters,
         "views": [
             {
@@ -700,14 +818,16 @@ def report_json(report: SignalReport, rules: Sequence[RuleResult]) -> dict[str, 
             r.rule: {
                 **{k: v for k, v in dataclasses.asdict(r).items() if k != "false_aborts"},
                 ("false_done" if r.rule == "done" else "false_aborts"): {
-                    "count": r.false_aborts.k, "of": r.false_aborts.n, "rate": r.false_aborts.rate,
+                    "count": r.false_aborts.k,
+                    "of": r.false_aborts.n,
+                    "rate": r.false_aborts.rate,
                     "ci": r.false_aborts.ci,
                 },
             }
             for r in rules
         },
         "curves": report.curves,
-    }  # fmt: skip
+    }
 
 
 COLORS = {"judge": "#264653", "step_index": "#e76f51", "chars": "#2a9d8f", "errors": "#e9c46a"}
@@ -720,11 +840,23 @@ def plot_curves(report: SignalReport, axes: Any) -> None:
     for s, c in report.curves.items():
         fig = pooled.figures[s]
         label = f"{s} AUROC {_num2(fig.auroc)}"
-        roc.plot(*zip(*c["roc"], strict=True), color=COLORS.get(s), label=label, linewidth=1.6 if s == "judge" else 1.2)
+        roc.plot(
+            *zip(*c["roc"], strict=True),
+            color=COLORS.get(s),
+            label=label,
+            linewidth=1.6 if s == "judge" else 1.2,
+        )
         if c["pr"]:
-            pr.plot(*zip(*c["pr"], strict=True), color=COLORS.get(s), label=f"{s} AUPRC {_num2(fig.auprc)}")
+            pr.plot(
+                *zip(*c["pr"], strict=True),
+                color=COLORS.get(s),
+                label=f"{s} AUPRC {_num2(fig.auprc)}",
+            )
     roc.plot([0, 1], [0, 1], color="#888888", linestyle=":", linewidth=1)
-    roc.set(xlabel="false-positive rate (successes flagged)", ylabel="true-positive rate (failures flagged)")
+    roc.set(
+        xlabel="false-positive rate (successes flagged)",
+        ylabel="true-positive rate (failures flagged)",
+    )
     roc.set_title(f"ROC, {POOLED} (failure positive)")
     pr.set(xlabel="recall (failures)", ylabel="precision", ylim=(0, 1.02))
     pr.set_title(f"Precision-recall, {POOLED}")

@@ -1,4 +1,5 @@
-"""Evaluate-and-tune on recorded runs: score every prefix as live, then measure and pick abort thresholds.
+"""Evaluate-and-tune on recorded runs: score every prefix as live, then measure and pick abort
+thresholds.
 
 `score_runs` replays recorded runs with known outcomes through the tracker, prefix by prefix
 (exactly as the daemon would), with a disk cache keyed by content hash, judge, model, rubric and
@@ -45,12 +46,14 @@ DEFAULT_ORDERS = 200
 """Random orders `calibrate` replays the runs in (besides the recorded one)."""
 
 FamilyBy = Literal["task", "all"]
-"""How `calibrate` groups runs: by task (as the monitor does without `start.family`), or all in one family."""
+"""How `calibrate` groups runs: by task (as the monitor does without `start.family`), or all in
+one family."""
 
 
 @dataclass(slots=True)
 class RunCurve:
-    """One recorded run scored prefix by prefix: its outcome and the score after each step (None: failed)."""
+    """One recorded run scored prefix by prefix: its outcome and the score after each step (None:
+    failed)."""
 
     name: str
     outcome: float | None
@@ -60,11 +63,14 @@ class RunCurve:
     family: Family | None = None
     """The calibration key a live run of this task would have (None: its name is its task)."""
     length: int = 0
-    """The whole run's steps, however many were scored (`--max-steps` limits scoring, never this); 0: as scored."""
+    """The whole run's steps, however many were scored (`--max-steps` limits scoring, never
+    this); 0: as scored."""
     chars: list[int] = field(default_factory=list)
-    """The run's text size after each of its steps (the whole run): a baseline a live monitor has for free."""
+    """The run's text size after each of its steps (the whole run): a baseline a live monitor has
+    for free."""
     errors: list[int] = field(default_factory=list)
-    """Errors seen after each step (non-zero exits, tracebacks, failed tests; the whole run): another baseline."""
+    """Errors seen after each step (non-zero exits, tracebacks, failed tests; the whole run):
+    another baseline."""
     tokens: list[int] = field(default_factory=list)
     """Judge tokens (input and output) each scored step cost."""
 
@@ -79,7 +85,8 @@ class RunCurve:
         return None if self.outcome is None else self.outcome >= 0.5
 
     def score_at(self, q: float) -> float | None:
-        """The latest good score at fraction `q` of the whole run (step ceil(q * n)); None when not scored that far.
+        """The latest good score at fraction `q` of the whole run (step ceil(q * n)); None when not
+        scored that far.
 
         This uses the run's final length, which a live monitor does not know: reports label it so.
         """
@@ -88,7 +95,8 @@ class RunCurve:
             return None
         upto = max(1, math.ceil(q * n))
         if upto > len(self.scores):
-            return None  # --max-steps stopped scoring before this point: no score, rather than an earlier one
+            # --max-steps stopped scoring before this point: no score, rather than an earlier one
+            return None
         good = [s for s in self.scores[:upto] if s is not None]
         return good[-1] if good else None
 
@@ -99,8 +107,12 @@ class ScoreCache:
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(path)
-        self.db.execute("CREATE TABLE IF NOT EXISTS scores (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
-        self.db.execute("CREATE TABLE IF NOT EXISTS pairs (key TEXT PRIMARY KEY, body TEXT NOT NULL)")
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS scores (key TEXT PRIMARY KEY, body TEXT NOT NULL)"
+        )
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS pairs (key TEXT PRIMARY KEY, body TEXT NOT NULL)"
+        )
 
     def get(self, key: str) -> Progress | None:
         """The cached result, or None."""
@@ -110,7 +122,9 @@ class ScoreCache:
     def put(self, key: str, p: Progress) -> None:
         """Cache a result (only successful ones: a failed call is retried next time)."""
         if p.ok:
-            self.db.execute("INSERT OR REPLACE INTO scores VALUES (?, ?)", (key, json.dumps(p.to_json())))
+            self.db.execute(
+                "INSERT OR REPLACE INTO scores VALUES (?, ?)", (key, json.dumps(p.to_json()))
+            )
             self.db.commit()
 
     def get_pair(self, key: str) -> Comparison | None:
@@ -121,7 +135,9 @@ class ScoreCache:
     def put_pair(self, key: str, c: Comparison) -> None:
         """Cache a comparison (only a successful one: a failed one is asked again next time)."""
         if c.ok:
-            self.db.execute("INSERT OR REPLACE INTO pairs VALUES (?, ?)", (key, json.dumps(c.to_json())))
+            self.db.execute(
+                "INSERT OR REPLACE INTO pairs VALUES (?, ?)", (key, json.dumps(c.to_json()))
+            )
             self.db.commit()
 
     def close(self) -> None:
@@ -145,18 +161,35 @@ def _setting(judge: Judge, tracker: AsyncProgressTracker, repeats: int) -> list[
         tracker.rubric.hash,
         f"{tracker.min_mass}",
         f"{repeats}",
-        # A bounded prompt is another prompt: scores cached for the whole run are not the bounded one's.
+        # A bounded prompt is another prompt: scores cached for the whole run are not the bounded
+        # one's.
         f"budget={tracker.prompt_budget}",
-        # An LLM digest's summaries are other prompts again (keys without one are as before it existed).
+        # An LLM digest's summaries are other prompts again (keys without one are as before it
+        # existed).
         *([f"digest={tracker.options.digest}"] if tracker.options.digest is not None else []),
     ]
 
 
-def pair_key(judge: Judge, rubric_hash: str, min_mass: float, repeats: int, max_chars: int, task: str,
-             a: Sequence[str], b: Sequence[str]) -> str:  # fmt: skip
+def pair_key(
+    judge: Judge,
+    rubric_hash: str,
+    min_mass: float,
+    repeats: int,
+    max_chars: int,
+    task: str,
+    a: Sequence[str],
+    b: Sequence[str],
+) -> str:
     """The cache key of a pairwise comparison of step texts `a` with `b`."""
-    setting = ["pair", getattr(judge, "name", ""), getattr(judge, "model", "") or "", rubric_hash, f"{min_mass}",
-               f"{repeats}", f"{max_chars}"]  # fmt: skip
+    setting = [
+        "pair",
+        getattr(judge, "name", ""),
+        getattr(judge, "model", "") or "",
+        rubric_hash,
+        f"{min_mass}",
+        f"{repeats}",
+        f"{max_chars}",
+    ]
     return _key([*setting, task, f"{len(a)}", *a, f"{len(b)}", *b])
 
 
@@ -173,7 +206,8 @@ async def score_runs(
     on_step: Callable[[RecordedRun, Progress], object] | None = None,
     digest: str | None = None,
 ) -> list[RunCurve]:
-    """Score every prefix of every run, in order, as a live monitor would; cached prefixes are not judged."""
+    """Score every prefix of every run, in order, as a live monitor would; cached prefixes are
+    not judged."""
     curves = []
     for run in runs:
         steps = run.steps[:max_steps] if max_steps else run.steps
@@ -194,7 +228,8 @@ async def score_runs(
         for step in steps:
             await tracker.add(step.text, images=step.images)
             texts.append(step.text)
-            # A frame changes the prompt as much as text does: the cache key holds each frame's digest.
+            # A frame changes the prompt as much as text does: the cache key holds each frame's
+            # digest.
             texts.extend(hashlib.sha256(i).hexdigest() for i in step.images)
             key = _key([*setting, *texts])
             hit = cache.get(key) if cache else None
@@ -216,7 +251,8 @@ async def score_runs(
 
 
 def baseline_curve(run: RecordedRun) -> RunCurve:
-    """A run's curve before any judge: its whole length, text size and error count after each step, no scores."""
+    """A run's curve before any judge: its whole length, text size and error count after each
+    step, no scores."""
     chars, errors = [], []
     size = found = 0
     count = ErrorLines()
@@ -225,8 +261,11 @@ def baseline_curve(run: RecordedRun) -> RunCurve:
         found += len(count(step.text).splitlines())
         chars.append(size)
         errors.append(found)
-    family = Family(task_family(run.task), "", "")  # the judge's model and rubric join it when scored
-    return RunCurve(run.name, run.outcome, [], family=family, length=len(run.steps), chars=chars, errors=errors)
+    # the judge's model and rubric join it when scored
+    family = Family(task_family(run.task), "", "")
+    return RunCurve(
+        run.name, run.outcome, [], family=family, length=len(run.steps), chars=chars, errors=errors
+    )
 
 
 def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float | None:
@@ -254,7 +293,8 @@ def _ranks(xs: Sequence[float]) -> list[float]:
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Spearman's rank correlation (ties averaged); None when either side is constant or too short."""
+    """Spearman's rank correlation (ties averaged); None when either side is constant or too
+    short."""
     if len(xs) < 2:
         return None
     rx, ry = _ranks(xs), _ranks(ys)
@@ -265,10 +305,13 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 
 
 def progress(curve: RunCurve) -> Iterator[Progress]:
-    """The run's scores as the tracker gave them live, step by step (a None score: a failed judge call)."""
+    """The run's scores as the tracker gave them live, step by step (a None score: a failed judge
+    call)."""
     us = [*curve.uncertainties, *[None] * (len(curve.scores) - len(curve.uncertainties))]
     for i, (s, u) in enumerate(zip(curve.scores, us, strict=False), 1):
-        yield Progress(step=i, score=s, uncertainty=u if s is not None else None, criteria={}, ok=s is not None)
+        yield Progress(
+            step=i, score=s, uncertainty=u if s is not None else None, criteria={}, ok=s is not None
+        )
 
 
 def abort_step(curve: RunCurve, policy: Policy, state: PolicyState | None = None) -> int | None:
@@ -282,7 +325,8 @@ def abort_step(curve: RunCurve, policy: Policy, state: PolicyState | None = None
 
 @dataclass(frozen=True, slots=True)
 class SweepRow:
-    """One abort threshold: how often it would abort a good run, and how much of the bad runs it saves."""
+    """One abort threshold: how often it would abort a good run, and how much of the bad runs it
+    saves."""
 
     threshold: float
     false_abort_rate: float | None
@@ -305,7 +349,9 @@ class Report:
     decisions: dict[str, int | None] = field(default_factory=dict)
 
 
-def evaluate(curves: Sequence[RunCurve], *, policy: Policy | None = None, max_false_abort: float = 0.05) -> Report:
+def evaluate(
+    curves: Sequence[RunCurve], *, policy: Policy | None = None, max_false_abort: float = 0.05
+) -> Report:
     """Metrics over scored runs with known outcomes, and the abort threshold to recommend."""
     policy = policy or Policy()
     known = [c for c in curves if c.success is not None]
@@ -347,14 +393,19 @@ def evaluate(curves: Sequence[RunCurve], *, policy: Policy | None = None, max_fa
                 aborted_successes=good_aborts,
             )
         )
-    # Only a threshold that saves something is worth recommending; ties go to the lowest (the least aggressive).
+    # Only a threshold that saves something is worth recommending; ties go to the lowest (the least
+    # aggressive).
     ok = [
         r
         for r in sweep
-        if r.false_abort_rate is not None and r.false_abort_rate <= max_false_abort and (r.steps_saved or 0.0) > 0
+        if r.false_abort_rate is not None
+        and r.false_abort_rate <= max_false_abort
+        and (r.steps_saved or 0.0) > 0
     ]
     recommended = max(ok, key=lambda r: (r.steps_saved or 0.0, -r.threshold)) if ok else None
-    decisions = {c.name: abort_step(c, policy) for c in curves} if policy.abort_below is not None else {}
+    decisions = (
+        {c.name: abort_step(c, policy) for c in curves} if policy.abort_below is not None else {}
+    )
     return Report(list(curves), aucs, rho, sweep, recommended, policy, max_false_abort, decisions)
 
 
@@ -368,13 +419,37 @@ def write_csv(report: Report, directory: str | Path) -> list[Path]:
         w.writerow(["run", "outcome", "step", "steps", "score", "uncertainty", "abort_step"])
         for c in report.runs:
             for i, (s, u) in enumerate(zip(c.scores, c.uncertainties, strict=False), 1):
-                w.writerow([c.name, c.outcome, i, c.steps, _fmt(s), _fmt(u), report.decisions.get(c.name, "")])
+                w.writerow(
+                    [
+                        c.name,
+                        c.outcome,
+                        i,
+                        c.steps,
+                        _fmt(s),
+                        _fmt(u),
+                        report.decisions.get(c.name, ""),
+                    ]
+                )
     with sweep.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["abort_below", "false_abort_rate", "failing_steps_saved", "aborted_failures", "aborted_successes"])
+        w.writerow(
+            [
+                "abort_below",
+                "false_abort_rate",
+                "failing_steps_saved",
+                "aborted_failures",
+                "aborted_successes",
+            ]
+        )
         for r in report.sweep:
             w.writerow(
-                [r.threshold, _fmt(r.false_abort_rate), _fmt(r.steps_saved), r.aborted_failures, r.aborted_successes]
+                [
+                    r.threshold,
+                    _fmt(r.false_abort_rate),
+                    _fmt(r.steps_saved),
+                    r.aborted_failures,
+                    r.aborted_successes,
+                ]
             )
     return [curves, sweep]
 
@@ -389,33 +464,50 @@ SMALL_SAMPLE = 10
 
 def summary(report: Report) -> str:
     """The report as readable text."""
-    lines = [f"{len(report.runs)} runs ({sum(c.success is True for c in report.runs)} success, "
-             f"{sum(c.success is False for c in report.runs)} failure)"]  # fmt: skip
-    lines.append("AUROC of the score against the outcome: " + ", ".join(
-        f"at {int(q * 100)}% {_num(a)}" for q, a in report.auroc.items()))  # fmt: skip
-    good, bad = sum(c.success is True for c in report.runs), sum(c.success is False for c in report.runs)
+    lines = [
+        f"{len(report.runs)} runs ({sum(c.success is True for c in report.runs)} success, "
+        f"{sum(c.success is False for c in report.runs)} failure)"
+    ]
+    lines.append(
+        "AUROC of the score against the outcome: "
+        + ", ".join(f"at {int(q * 100)}% {_num(a)}" for q, a in report.auroc.items())
+    )
+    good, bad = (
+        sum(c.success is True for c in report.runs),
+        sum(c.success is False for c in report.runs),
+    )
     if min(good, bad) < SMALL_SAMPLE:
         lines.append(
-            f"  (from {good} successful and {bad} failed runs: too few to trust; one run more or less can move "
+            f"  (from {good} successful and {bad} failed runs: too few to trust; one run more "
+            "or less can move "
             f"AUROC far, so score at least {SMALL_SAMPLE} of each before deciding on it)"
         )
-    lines.append("value-order correlation (Spearman of score vs step), mean: " + ", ".join(
-        f"{k} {_num(v)}" for k, v in report.spearman.items()))  # fmt: skip
+    lines.append(
+        "value-order correlation (Spearman of score vs step), mean: "
+        + ", ".join(f"{k} {_num(v)}" for k, v in report.spearman.items())
+    )
     lines.append("")
     lines.append(f"{'abort_below':>11}  {'false aborts':>12}  {'failing steps saved':>19}")
     for r in report.sweep:
         mark = (
-            "  <- recommended" if report.recommended is not None and r.threshold == report.recommended.threshold else ""
+            "  <- recommended"
+            if report.recommended is not None and r.threshold == report.recommended.threshold
+            else ""
         )
-        lines.append(f"{r.threshold:>11.2f}  {_pct(r.false_abort_rate):>12}  {_pct(r.steps_saved):>19}{mark}")
+        lines.append(
+            f"{r.threshold:>11.2f}  {_pct(r.false_abort_rate):>12}  {_pct(r.steps_saved):>19}{mark}"
+        )
     lines.append("")
     p = report.policy
     longest = max((len(c.scores) for c in report.runs), default=0)
     if report.recommended is None and longest < p.min_steps + p.patience - 1:
         lines.append(
-            f"no abort was possible: one needs {p.patience} scored steps in a row from step {p.min_steps} on "
-            f"(step {p.min_steps + p.patience - 1} at the earliest), and the longest run has {longest} scored "
-            "steps; score more steps (--max-steps) or lower --min-steps / --patience to judge this judge's aborts"
+            f"no abort was possible: one needs {p.patience} scored steps in a row from step "
+            f"{p.min_steps} on "
+            f"(step {p.min_steps + p.patience - 1} at the earliest), and the longest run has "
+            f"{longest} scored "
+            "steps; score more steps (--max-steps) or lower --min-steps / --patience to "
+            "judge this judge's aborts"
         )
     elif report.recommended is None:
         lines.append(
@@ -425,8 +517,10 @@ def summary(report: Report) -> str:
     else:
         r = report.recommended
         lines.append(
-            f"recommended: --abort-below {r.threshold:.2f} (with --min-steps {report.policy.min_steps} --patience "
-            f"{report.policy.patience}): false aborts {_pct(r.false_abort_rate)}, failing runs' steps saved {_pct(r.steps_saved)}"
+            f"recommended: --abort-below {r.threshold:.2f} (with --min-steps "
+            f"{report.policy.min_steps} --patience "
+            f"{report.policy.patience}): false aborts {_pct(r.false_abort_rate)}, failing "
+            f"runs' steps saved {_pct(r.steps_saved)}"
         )
     return "\n".join(lines)
 
@@ -440,11 +534,17 @@ def _pct(x: float | None) -> str:
 
 
 def plot(
-    report: Report, path: str | Path, *, note: str | None = None, more: Callable[[Any], None] | None = None
+    report: Report,
+    path: str | Path,
+    *,
+    note: str | None = None,
+    more: Callable[[Any], None] | None = None,
 ) -> Path:
-    """A PNG: every run's curve coloured by outcome, and the threshold sweep (`note`: a line under the title).
+    """A PNG: every run's curve coloured by outcome, and the threshold sweep (`note`: a line under
+    the title).
 
-    `more` draws a second row on a pair of axes (eval: the ROC and PR curves of the judge and the baselines).
+    `more` draws a second row on a pair of axes (eval: the ROC and PR curves of the judge and the
+    baselines).
     """
     import matplotlib
 
@@ -466,7 +566,11 @@ def plot(
     ax1.plot([], [], color="#e76f51", label="failure")
     if report.recommended is not None:
         ax1.axhline(
-            report.recommended.threshold, color="black", linestyle="--", linewidth=1, label="recommended abort_below"
+            report.recommended.threshold,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label="recommended abort_below",
         )
     ax1.set(xlabel="fraction of the run", ylabel="progress score", ylim=(0, 1), xlim=(0, 1))
     ax1.set_title("Progress curves by outcome")
@@ -479,7 +583,12 @@ def plot(
         color="#e76f51",
         label="false-abort rate (successes aborted)",
     )
-    ax2.plot(ts, [r.steps_saved or 0 for r in report.sweep], color="#264653", label="failing runs' steps saved")
+    ax2.plot(
+        ts,
+        [r.steps_saved or 0 for r in report.sweep],
+        color="#264653",
+        label="failing runs' steps saved",
+    )
     ax2.axhline(report.max_false_abort, color="#e76f51", linestyle=":", linewidth=1)
     if report.recommended is not None:
         ax2.axvline(report.recommended.threshold, color="black", linestyle="--", linewidth=1)
@@ -487,11 +596,15 @@ def plot(
     ax2.set_title("Abort threshold sweep")
     ax2.legend(loc="upper left", fontsize=8)
     ax2.grid(alpha=0.3)
-    good, bad = sum(c.success is True for c in report.runs), sum(c.success is False for c in report.runs)
+    good, bad = (
+        sum(c.success is True for c in report.runs),
+        sum(c.success is False for c in report.runs),
+    )
     auc = report.auroc.get(0.5)
     fig.suptitle(
         f"{len(report.runs)} runs ({good} success, {bad} failure); AUROC at half-run "
-        f"{'n/a' if auc is None else f'{auc:.2f}'}" + (f"\n{textwrap.fill(note, 150)}" if note else ""),
+        f"{'n/a' if auc is None else f'{auc:.2f}'}"
+        + (f"\n{textwrap.fill(note, 150)}" if note else ""),
         fontsize=11,
     )
     fig.tight_layout()
@@ -505,7 +618,12 @@ def report_json(report: Report) -> dict[str, Any]:
     """The report as JSON-ready data."""
     return {
         "runs": [
-            {"name": c.name, "outcome": c.outcome, "scores": c.scores, "abort_step": report.decisions.get(c.name)}
+            {
+                "name": c.name,
+                "outcome": c.outcome,
+                "scores": c.scores,
+                "abort_step": report.decisions.get(c.name),
+            }
             for c in report.runs
         ],
         "auroc": {str(q): a for q, a in report.auroc.items()},
@@ -517,7 +635,8 @@ def report_json(report: Report) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class ScheduledRun:
-    """One recorded run scored live under one schedule: which steps were scored (and why), what it cost, its abort."""
+    """One recorded run scored live under one schedule: which steps were scored (and why), what
+    it cost, its abort."""
 
     name: str
     outcome: float | None
@@ -562,7 +681,8 @@ class ScheduleReport:
         }
 
     def compare(self, base: str = "every", other: str = "adaptive") -> dict[str, Any]:
-        """Whether `other` made `base`'s abort decisions (same runs, abort step within max_gap), and its token saving."""
+        """Whether `other` made `base`'s abort decisions (same runs, abort step within max_gap),
+        and its token saving."""
         a, b = self.totals(base), self.totals(other)
         gap = self.policy.max_gap
         same_runs = set(a["aborts"]) == set(b["aborts"])
@@ -594,20 +714,29 @@ async def score_scheduled(
     prompt_budget: int | None = None,
     digest: str | None = None,
 ) -> list[ScheduledRun]:
-    """Every run stepped through live under `schedule`: each step planned as the monitor plans it, scored or skipped.
+    """Every run stepped through live under `schedule`: each step planned as the monitor plans it,
+    scored or skipped.
 
-    The run's policy decides as live (a fixed `abort_below`: "auto" needs `calibrate`'s online replay), so
-    the schedule sees the thresholds in force, the best score and the streak. A cache hit counts the tokens
-    the recorded scoring spent: the figures are what the judge would be paid, whatever was cached.
+    The run's policy decides as live (a fixed `abort_below`: "auto" needs `calibrate`'s online
+    replay), so the schedule sees the thresholds in force, the best score and the streak. A cache
+    hit counts the tokens the recorded scoring spent: the figures are what the judge would be paid,
+    whatever was cached.
     """
     pol = dataclasses.replace(policy, schedule=schedule)
     out = []
     for run in runs:
         steps = run.steps[:max_steps] if max_steps else run.steps
         tracker = AsyncProgressTracker(
-            run.task, judge=judge, criteria=criteria, min_mass=min_mass, repeats=repeats, run_id=run.name,
-            policy=pol, prompt_budget=prompt_budget, digest=digest,
-        )  # fmt: skip
+            run.task,
+            judge=judge,
+            criteria=criteria,
+            min_mass=min_mass,
+            repeats=repeats,
+            run_id=run.name,
+            policy=pol,
+            prompt_budget=prompt_budget,
+            digest=digest,
+        )
         r = ScheduledRun(run.name, run.outcome, len(steps))
         texts: list[str] = [run.task]
         last = 0
@@ -625,7 +754,9 @@ async def score_scheduled(
             hit = cache.get(key) if cache else None
             skipped = FAR if i - last > 1 else None
             if hit is not None:
-                hit = dataclasses.replace(hit, coalesced=i - last, scheduled=plan.reason, skipped=skipped)
+                hit = dataclasses.replace(
+                    hit, coalesced=i - last, scheduled=plan.reason, skipped=skipped
+                )
                 tracker.restore([hit])
                 p = tracker.latest
                 assert p is not None
@@ -645,12 +776,16 @@ async def score_scheduled(
 
 
 def schedule_summary(report: ScheduleReport) -> str:
-    """The schedules side by side: judge calls and tokens, scorings skipped, abort decisions and their steps."""
+    """The schedules side by side: judge calls and tokens, scorings skipped, abort decisions and
+    their steps."""
     pol = report.policy
     lines = [
-        f"schedules (abort_below {pol.abort_below}, min_steps {pol.min_steps}, patience {pol.patience}; adaptive: "
-        f"max_gap {pol.max_gap}, margin {pol.margin:g}, repeats_near {str(pol.repeats_near).lower()})",
-        f"{'schedule':<10} {'scorings':>8} {'skipped':>7} {'calls':>6} {'judge tokens':>12} {'per run':>9} "
+        f"schedules (abort_below {pol.abort_below}, min_steps {pol.min_steps}, patience "
+        f"{pol.patience}; adaptive: "
+        f"max_gap {pol.max_gap}, margin {pol.margin:g}, repeats_near "
+        f"{str(pol.repeats_near).lower()})",
+        f"{'schedule':<10} {'scorings':>8} {'skipped':>7} {'calls':>6} {'judge tokens':>12} "
+        f"{'per run':>9} "
         f"{'per abort':>9}  aborts (run@step)",
     ]
     for name in report.runs:
@@ -659,7 +794,8 @@ def schedule_summary(report: ScheduleReport) -> str:
         per_dec = "n/a" if t["tokens_per_decision"] is None else f"{t['tokens_per_decision']:.0f}"
         aborts = ", ".join(f"{_short(n, 32)}@{s}" for n, s in t["aborts"].items()) or "none"
         lines.append(
-            f"{name:<10} {t['scorings']:>8} {t['skipped']:>7} {t['calls']:>6} {t['tokens']:>12} {per_run:>9} "
+            f"{name:<10} {t['scorings']:>8} {t['skipped']:>7} {t['calls']:>6} "
+            f"{t['tokens']:>12} {per_run:>9} "
             f"{per_dec:>9}  {len(t['aborts'])}: {aborts}"
         )
     if "every" in report.runs and "adaptive" in report.runs:
@@ -668,10 +804,14 @@ def schedule_summary(report: ScheduleReport) -> str:
         lines.append(
             f"adaptive vs every: {same} aborted"
             + (f", each within max_gap {pol.max_gap} steps" if c["within_max_gap"] else "")
-            + f"; judge tokens {_signed(c['tokens_saved'])} fewer, calls {_signed(c['calls_saved'])} fewer"
+            + f"; judge tokens {_signed(c['tokens_saved'])} fewer, calls "
+            f"{_signed(c['calls_saved'])} fewer"
         )
         if c["only_every"] or c["only_adaptive"]:
-            lines.append(f"  aborted only under every: {c['only_every']}; only under adaptive: {c['only_adaptive']}")
+            lines.append(
+                f"  aborted only under every: {c['only_every']}; only under "
+                f"adaptive: {c['only_adaptive']}"
+            )
         if not c["within_max_gap"] and c["abort_delay"]:
             lines.append(f"  abort step adaptive minus every: {c['abort_delay']}")
     return "\n".join(lines)
@@ -682,24 +822,32 @@ def _signed(x: float | None) -> str:
 
 
 def schedule_json(report: ScheduleReport) -> dict[str, Any]:
-    """The schedules' report as JSON-ready data: totals, the comparison, and per run which steps were scored and why."""
+    """The schedules' report as JSON-ready data: totals, the comparison, and per run which steps
+    were scored and why."""
     out: dict[str, Any] = {"policy": report.policy.as_dict(), "schedules": {}}
     for name, rs in report.runs.items():
         out["schedules"][name] = {
             "totals": report.totals(name),
             "runs": [
                 {
-                    "name": r.name, "outcome": r.outcome, "steps": r.steps, "calls": r.calls, "tokens": r.tokens,
-                    "abort_step": r.abort_step, "abort_tokens": r.abort_tokens,
+                    "name": r.name,
+                    "outcome": r.outcome,
+                    "steps": r.steps,
+                    "calls": r.calls,
+                    "tokens": r.tokens,
+                    "abort_step": r.abort_step,
+                    "abort_tokens": r.abort_tokens,
                     "curve": [
-                        {"step": i, "scored": r.scored[i]} if i in r.scored else {"step": i, "skipped": r.skipped[i]}
+                        {"step": i, "scored": r.scored[i]}
+                        if i in r.scored
+                        else {"step": i, "skipped": r.skipped[i]}
                         for i in range(1, r.steps + 1)
                         if i in r.scored or i in r.skipped
                     ],
                 }
                 for r in rs
             ],
-        }  # fmt: skip
+        }
     if "every" in report.runs and "adaptive" in report.runs:
         out["compare"] = report.compare()
     return out
@@ -707,23 +855,27 @@ def schedule_json(report: ScheduleReport) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Judged:
-    """One run as the online procedure judged it: the threshold in force, and the step it was aborted at."""
+    """One run as the online procedure judged it: the threshold in force, and the step it was
+    aborted at."""
 
     name: str
     family: str
     success: bool | None
     steps: int
     threshold: float | None
-    """The calibrated threshold in force while it ran (None: the rule was not armed for its family)."""
+    """The calibrated threshold in force while it ran (None: the rule was not armed for its
+    family)."""
     abort_step: int | None
     held_out: bool = False
     """In the policy's holdout share (by run id): judged, never aborted, and its outcome teaches."""
     taught: bool = False
-    """Its outcome taught the calibration (not when an abort rule could have stopped it: censored)."""
+    """Its outcome taught the calibration (not when an abort rule could have stopped it:
+    censored)."""
 
     @property
     def armed(self) -> bool:
-        """A threshold was in force while it ran and it was not held out: the rule could abort it."""
+        """A threshold was in force while it ran and it was not held out: the rule could abort
+        it."""
         return self.threshold is not None and not self.held_out
 
 
@@ -739,7 +891,9 @@ class Order:
         return sum(
             1
             for r in self.runs
-            if r.success is success and (r.armed or not armed) and (r.abort_step is not None or not aborted)
+            if r.success is success
+            and (r.armed or not armed)
+            and (r.abort_step is not None or not aborted)
         )
 
     @property
@@ -834,7 +988,9 @@ class Spread:
         xs = sorted(v for v in values if v is not None)
         if not xs:
             return None
-        return cls(sum(xs) / len(xs), xs[0], _quantile(xs, 0.05), _quantile(xs, 0.95), xs[-1], len(xs))
+        return cls(
+            sum(xs) / len(xs), xs[0], _quantile(xs, 0.05), _quantile(xs, 0.95), xs[-1], len(xs)
+        )
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
@@ -847,7 +1003,8 @@ def _quantile(xs: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class FamilyResult:
-    """A family's calibration after every run has ended, and what its threshold does to its own failing runs."""
+    """A family's calibration after every run has ended, and what its threshold does to its own
+    failing runs."""
 
     name: str
     threshold: Threshold
@@ -890,22 +1047,29 @@ class CalibrateReport:
         if not any(o.runs_armed for o in self.orders):
             best = max(self.families, key=lambda f: f.threshold.successes, default=None)
             if best is None or best.threshold.successes < needed:
-                most = "" if best is None else f" (most: {best.threshold.successes}, {_short(best.name)!r})"
+                most = (
+                    ""
+                    if best is None
+                    else (f" (most: {best.threshold.successes}, {_short(best.name)!r})")
+                )
                 return f"no family reached {needed} successful runs at alpha {alpha:g}{most}"
             return (
-                f"no run came after {needed} successful runs of its family had ended (at alpha {alpha:g} a family "
+                f"no run came after {needed} successful runs of its family had ended (at "
+                f"alpha {alpha:g} a family "
                 f"is armed only then)"
             )
         armed = Spread.of([o.runs_armed for o in self.orders])
         assert armed is not None
         return (
-            f"armed for {armed.mean:.1f} runs per order on average, but its thresholds aborted none of them: the "
+            f"armed for {armed.mean:.1f} runs per order on average, but its thresholds "
+            "aborted none of them: the "
             f"judge's scores do not put failing runs below the lowest-scoring successful ones"
         )
 
     @property
     def armed_abort_shares(self) -> tuple[float | None, float | None]:
-        """(failing, successful): the share of each aborted among the runs judged while armed, over every order."""
+        """(failing, successful): the share of each aborted among the runs judged while armed,
+        over every order."""
         armed = [r for o in self.orders for r in o.runs if r.armed]
 
         def share(success: bool) -> float | None:
@@ -916,7 +1080,8 @@ class CalibrateReport:
 
     @property
     def no_better_than_chance(self) -> bool:
-        """It aborts, but failing runs no more often than successful ones (judged while armed, over every order)."""
+        """It aborts, but failing runs no more often than successful ones (judged while armed,
+        over every order)."""
         fail, succ = self.armed_abort_shares
         return self.never_aborts is None and fail is not None and succ is not None and fail <= succ
 
@@ -927,9 +1092,14 @@ def _family(curve: RunCurve, family_by: FamilyBy) -> Family:
 
 
 def replay_online(
-    curves: Sequence[RunCurve], order: Sequence[int], *, policy: Policy, family_by: FamilyBy = "task"
+    curves: Sequence[RunCurve],
+    order: Sequence[int],
+    *,
+    policy: Policy,
+    family_by: FamilyBy = "task",
 ) -> tuple[list[Judged], Calibration]:
-    """Runs in `order`, each judged live against the threshold the runs that ended before it give, then taught.
+    """Runs in `order`, each judged live against the threshold the runs that ended before it give,
+    then taught.
 
     Each run steps through its recorded scores with the live `PolicyState` of `abort_below="auto"`,
     its threshold from a real `Calibration`, held out by its name as live by its run id, and teaches
@@ -955,10 +1125,16 @@ def replay_online(
         )
         judged.append(
             Judged(
-                curve.name, family.name, curve.success, curve.steps, in_force, at, state.held_out,
+                curve.name,
+                family.name,
+                curve.success,
+                curve.steps,
+                in_force,
+                at,
+                state.held_out,
                 sample is not None,
             )
-        )  # fmt: skip
+        )
     return judged, calibration
 
 
@@ -970,10 +1146,13 @@ def calibrate(
     seed: int = 0,
     family_by: FamilyBy = "task",
 ) -> CalibrateReport:
-    """The online calibration of `abort_below="auto"` replayed in recorded order and in `orders` random ones."""
+    """The online calibration of `abort_below="auto"` replayed in recorded order and in `orders`
+    random ones."""
     policy = dataclasses.replace(policy or Policy(), abort_below=AUTO)
     if orders < 0:
-        raise ValueError(f"orders={orders}; use 0 or more random orders (0: the recorded order only)")
+        raise ValueError(
+            f"orders={orders}; use 0 or more random orders (0: the recorded order only)"
+        )
     index = list(range(len(curves)))
     judged, calibration = replay_online(curves, index, policy=policy, family_by=family_by)
     recorded = Order("recorded", tuple(judged))
@@ -982,7 +1161,10 @@ def calibrate(
     for k in range(orders):
         rng.shuffle(index)
         shuffled.append(
-            Order(f"random {k + 1}", tuple(replay_online(curves, index, policy=policy, family_by=family_by)[0]))
+            Order(
+                f"random {k + 1}",
+                tuple(replay_online(curves, index, policy=policy, family_by=family_by)[0]),
+            )
         )
     families = []
     for summary_ in calibration.families():
@@ -1022,7 +1204,8 @@ def _metric(key: str, x: float | None) -> str:
 
 
 def calibrate_summary(report: CalibrateReport) -> str:
-    """The online calibration report as readable text: the verdict first, then the figures and the families."""
+    """The online calibration report as readable text: the verdict first, then the figures and
+    the families."""
     pol, runs = report.policy, report.recorded.runs
     good, bad = sum(r.success is True for r in runs), sum(r.success is False for r in runs)
     needed = min_successes(pol.alpha)
@@ -1032,9 +1215,12 @@ def calibrate_summary(report: CalibrateReport) -> str:
         else "one family of every run (--family-by all)"
     )
     lines = [
-        f"online calibration (abort_below auto): {len(runs)} runs ({good} success, {bad} failure), {grouping}, "
-        f"alpha {pol.alpha:g} (armed from {needed} successful runs per family), min_steps {pol.min_steps}, "
-        f"patience {pol.patience}, holdout {pol.holdout:g} ({sum(r.held_out for r in runs)} of these runs by "
+        f"online calibration (abort_below auto): {len(runs)} runs ({good} success, {bad} "
+        f"failure), {grouping}, "
+        f"alpha {pol.alpha:g} (armed from {needed} successful runs per family), min_steps "
+        f"{pol.min_steps}, "
+        f"patience {pol.patience}, holdout {pol.holdout:g} ({sum(r.held_out for r in runs)} "
+        "of these runs by "
         f"name); the recorded order and {len(report.shuffled)} random orders (seed {report.seed})"
     ]
     never = report.never_aborts
@@ -1045,52 +1231,71 @@ def calibrate_summary(report: CalibrateReport) -> str:
         lines.append(f"verdict: aborts runs in {with_abort} of {len(report.orders)} orders")
         fail, succ = report.armed_abort_shares
         lines.append(
-            f"of the runs judged while armed (every order): {_pct(fail)} of the failing ones aborted, "
+            f"of the runs judged while armed (every order): {_pct(fail)} of the failing ones "
+            "aborted, "
             f"{_pct(succ)} of the successful ones"
         )
         if report.no_better_than_chance:
             lines.append(
-                "warning: no better than chance: failing runs are aborted no more often than successful ones; "
+                "warning: no better than chance: failing runs are aborted no more often than "
+                "successful ones; "
                 "this judge's aborts cost successes for nothing"
             )
     if report.family_by == "all":
         lines.append(
-            "note: --family-by all pools different tasks into one family: the alpha bound then holds only while "
-            "the mix of tasks stays the same (random orders of these runs keep it; a stream that runs one task "
+            "note: --family-by all pools different tasks into one family: the alpha bound "
+            "then holds only while "
+            "the mix of tasks stays the same (random orders of these runs keep it; a stream "
+            "that runs one task "
             "after another does not), so read these figures as indicative only"
         )
     lines.append(
-        "note: as live, a run judged while armed teaches nothing (its outcome is censored: an aborted success "
-        "reports none); the runs before the rule is armed and the held-out ones (never aborted) teach"
+        "note: as live, a run judged while armed teaches nothing (its outcome is censored: "
+        "an aborted success "
+        "reports none); the runs before the rule is armed and the held-out ones (never "
+        "aborted) teach"
     )
     lines.append("")
     lines.append(f"{'':<50} {'recorded':>9} {'mean':>7} {'min':>7} {'5%':>7} {'95%':>7} {'max':>7}")
     for key, f in ORDER_METRICS.items():
         s = report.spreads[key]
-        cols = [_metric(key, v) for v in ((s.mean, s.low, s.p5, s.p95, s.high) if s else (None,) * 5)]
-        row = f"{_METRIC_LABELS[key]:<50} {_metric(key, f(report.recorded)):>9} " + " ".join(f"{c:>7}" for c in cols)
+        cols = [
+            _metric(key, v) for v in ((s.mean, s.low, s.p5, s.p95, s.high) if s else (None,) * 5)
+        ]
+        row = f"{_METRIC_LABELS[key]:<50} {_metric(key, f(report.recorded)):>9} " + " ".join(
+            f"{c:>7}" for c in cols
+        )
         if s is not None and s.orders < len(report.orders):
             row += f"  (in the {s.orders} orders that have it)"
         lines.append(row)
     lines.append("")
-    lines.append("families after the recorded order (taught: the runs the calibration learnt from):")
-    lines.append(f"  {'family':<50} {'a run of it':<28} {'taught: successes':>17} {'failures':>8}  threshold")
+    lines.append(
+        "families after the recorded order (taught: the runs the calibration learnt from):"
+    )
+    lines.append(
+        f"  {'family':<50} {'a run of it':<28} {'taught: successes':>17} {'failures':>8}  threshold"
+    )
     for fam in report.families:
         th = fam.threshold
         if th.value is None:
             what = f"never aborts ({th.successes} of {th.needed} successful runs needed)"
         else:
-            what = f"{th.value:.3f}: aborts {fam.failures_aborted} of its {fam.failing} failing runs (in-sample)"
+            what = (
+                f"{th.value:.3f}: aborts {fam.failures_aborted} of its {fam.failing} "
+                "failing runs (in-sample)"
+            )
             if fam.failures_aborted == 0:
                 what += "; never aborts them in effect"
         lines.append(
-            f"  {_short(fam.name):<50} {_short(fam.example, 28):<28} {th.successes:>17} {th.failures:>8}  {what}"
+            f"  {_short(fam.name):<50} {_short(fam.example, 28):<28} {th.successes:>17} "
+            f"{th.failures:>8}  {what}"
         )
     return "\n".join(lines)
 
 
 def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
-    """The online calibration report as JSON-ready data (per-run decisions for the recorded order only)."""
+    """The online calibration report as JSON-ready data (per-run decisions for the recorded order
+    only)."""
 
     def order(o: Order, runs: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"order": o.name, **{k: f(o) for k, f in ORDER_METRICS.items()}}
@@ -1105,7 +1310,9 @@ def calibrate_json(report: CalibrateReport) -> dict[str, Any]:
         "family_by": report.family_by,
         "seed": report.seed,
         "never_aborts": report.never_aborts,
-        "armed_abort_shares": dict(zip(("failing", "successful"), report.armed_abort_shares, strict=True)),
+        "armed_abort_shares": dict(
+            zip(("failing", "successful"), report.armed_abort_shares, strict=True)
+        ),
         "no_better_than_chance": report.no_better_than_chance,
         "spread": {k: dataclasses.asdict(s) if s else None for k, s in report.spreads.items()},
         "recorded": order(report.recorded, True),

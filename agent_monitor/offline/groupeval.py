@@ -1,4 +1,5 @@
-"""Best of N on recorded runs: `agent-monitor select` (pick accuracy) and `eval --groups` (what pruning costs).
+"""Best of N on recorded runs: `agent-monitor select` (pick accuracy) and `eval --groups` (what
+pruning costs).
 
 Sibling runs are recorded runs of one task, grouped by `group_runs` (by task text, by folder, or
 by the name before `__`, as Harbor / Terminal-Bench name trials).
@@ -33,12 +34,20 @@ from ..groups import GroupState
 from ..judges.base import Judge, recommended_min_mass
 from ..policy import Policy
 from ..progress import Usage
-from ..selection import DEFAULT_PAIR_CHARS, DEFAULT_PIVOTS, Comparison, Selection, compare, tournament
+from ..selection import (
+    DEFAULT_PAIR_CHARS,
+    DEFAULT_PIVOTS,
+    Comparison,
+    Selection,
+    compare,
+    tournament,
+)
 from .evaluate import RunCurve, ScoreCache, pair_key, score_runs
 from .recorded import RecordedRun, load_recorded
 
 GroupBy = Literal["task", "folder", "name"]
-"""How recorded runs become sibling groups: same task text, same folder, or same name before `__`."""
+"""How recorded runs become sibling groups: same task text, same folder, or same name before
+`__`."""
 
 DEFAULT_KEEP_TOPS = (1, 2, 3)
 DEFAULT_MARGINS = (0.05, 0.1, 0.2, 0.3)
@@ -76,7 +85,8 @@ def load_runs(path: str | Path) -> list[tuple[RecordedRun, Path]]:
 
 
 def group_runs(runs: Sequence[tuple[RecordedRun, Path]], by: GroupBy = "task") -> list[Group]:
-    """Sibling groups, in the order their first run comes; a group's name says what its runs share."""
+    """Sibling groups, in the order their first run comes; a group's name says what its runs
+    share."""
     keyed: dict[str, list[RecordedRun]] = {}
     labels: dict[str, str] = {}
     for run, path in runs:
@@ -94,12 +104,14 @@ def group_runs(runs: Sequence[tuple[RecordedRun, Path]], by: GroupBy = "task") -
     return [Group(labels[k], tuple(v)) for k, v in keyed.items()]
 
 
-# -- select: pick accuracy --------------------------------------------------------------------------------------------
+# -- select: pick accuracy
+# --------------------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class GroupPick:
-    """One group's picks: by the chosen method, by the last step's pointwise score, and its random baseline."""
+    """One group's picks: by the chosen method, by the last step's pointwise score, and its
+    random baseline."""
 
     group: str
     runs: list[str]
@@ -126,7 +138,8 @@ class GroupPick:
 
     @property
     def random_success(self) -> float | None:
-        """A random pick's chance of success: the share of successful runs (None: an outcome unknown)."""
+        """A random pick's chance of success: the share of successful runs (None: an outcome
+        unknown)."""
         if any(o is None for o in self.outcomes) or not self.outcomes:
             return None
         return sum(_success(o) for o in self.outcomes) / len(self.outcomes)
@@ -180,18 +193,22 @@ class SelectReport:
 
     @property
     def chance(self) -> float | None:
-        """The probability that random picks succeed in at least as many groups as these picks did (exact).
+        """The probability that random picks succeed in at least as many groups as these picks did
+        (exact).
 
         A random pick succeeds in each group independently with its share of successes (a Poisson
-        binomial); a small value says the picks beat random beyond luck, a large one that they may not.
+        binomial); a small value says the picks beat random beyond luck, a large one that they may
+        not.
         """
         if not self.known:
             return None
         dist = [1.0]  # dist[j]: probability of exactly j successes over the groups so far
         for g in self.known:
             p = g.random_success or 0.0
-            dist = [(dist[j] if j < len(dist) else 0.0) * (1 - p) + (dist[j - 1] * p if j else 0.0)
-                    for j in range(len(dist) + 1)]  # fmt: skip
+            dist = [
+                (dist[j] if j < len(dist) else 0.0) * (1 - p) + (dist[j - 1] * p if j else 0.0)
+                for j in range(len(dist) + 1)
+            ]
         return sum(dist[self.hits :])
 
 
@@ -228,27 +245,54 @@ async def select_groups(
         if len(set(names)) != len(names):
             names = [f"{i}:{n}" for i, n in enumerate(names)]
         curves = await score_runs(
-            g.runs, judge=judge, criteria=rubric, min_mass=min_mass, repeats=repeats, max_steps=max_steps, cache=cache,
+            g.runs,
+            judge=judge,
+            criteria=rubric,
+            min_mass=min_mass,
+            repeats=repeats,
+            max_steps=max_steps,
+            cache=cache,
             on_step=(lambda run, p: on_call(f"{run.name} step {p.step}")) if on_call else None,
-        )  # fmt: skip
-        # As live: a run's pointwise standing is its latest score (a step whose scoring failed keeps the one before).
-        scores = {n: next((x for x in reversed(c.scores) if x is not None), None) for n, c in zip(names, curves,
-                  strict=True)}  # fmt: skip
+        )
+        # As live: a run's pointwise standing is its latest score (a step whose scoring failed keeps
+        # the one before).
+        scores = {
+            n: next((x for x in reversed(c.scores) if x is not None), None)
+            for n, c in zip(names, curves, strict=True)
+        }
         pointwise = _pick_pointwise(names, scores)
         if pairwise:
-            texts = {n: [s.text for s in (r.steps[:max_steps] if max_steps else r.steps)]
-                     for n, r in zip(names, g.runs, strict=True)}  # fmt: skip
+            texts = {
+                n: [s.text for s in (r.steps[:max_steps] if max_steps else r.steps)]
+                for n, r in zip(names, g.runs, strict=True)
+            }
             task = g.runs[0].task
             fresh: list[Comparison] = []
 
-            async def cmp(a: str, b: str, texts: dict[str, list[str]] = texts, task: str = task,
-                          fresh: list[Comparison] = fresh, label: str = g.name) -> Comparison:  # fmt: skip
-                key = pair_key(judge, rubric.hash, mass, repeats, max_chars, task, texts[a], texts[b])
+            async def cmp(
+                a: str,
+                b: str,
+                texts: dict[str, list[str]] = texts,
+                task: str = task,
+                fresh: list[Comparison] = fresh,
+                label: str = g.name,
+            ) -> Comparison:
+                key = pair_key(
+                    judge, rubric.hash, mass, repeats, max_chars, task, texts[a], texts[b]
+                )
                 hit = cache.get_pair(key) if cache else None
                 if hit is not None:
                     return hit
-                c = await compare(task, texts[a], texts[b], judge=judge, criteria=rubric, repeats=repeats,
-                                  min_mass=min_mass, max_chars=max_chars)  # fmt: skip
+                c = await compare(
+                    task,
+                    texts[a],
+                    texts[b],
+                    judge=judge,
+                    criteria=rubric,
+                    repeats=repeats,
+                    min_mass=min_mass,
+                    max_chars=max_chars,
+                )
                 fresh.append(c)
                 if cache:
                     cache.put_pair(key, c)
@@ -258,17 +302,37 @@ async def select_groups(
 
             t = await tournament(names, cmp, pivots=pivots, repeats=rings, seed=seed)
             usage = sum((c.usage for c in fresh), Usage())
-            sel = Selection("pairwise", t.winner, t.ranking, dict(t.wins), sum(c.calls for c in fresh), usage,
-                            t.failed, t.reason, tournament=t)  # fmt: skip
+            sel = Selection(
+                "pairwise",
+                t.winner,
+                t.ranking,
+                dict(t.wins),
+                sum(c.calls for c in fresh),
+                usage,
+                t.failed,
+                t.reason,
+                tournament=t,
+            )
         else:
             sel = pointwise
         report.picks.append(
-            GroupPick(g.name, names, [r.outcome for r in g.runs], sel.winner, pointwise.winner, sel, scores)
+            GroupPick(
+                g.name,
+                names,
+                [r.outcome for r in g.runs],
+                sel.winner,
+                pointwise.winner,
+                sel,
+                scores,
+            )
         )
     report.calls = getattr(judge, "calls", 0) - calls0
     u = getattr(judge, "usage", Usage())
-    report.usage = Usage(u.input_tokens - usage0.input_tokens, u.cached_input_tokens - usage0.cached_input_tokens,
-                         u.output_tokens - usage0.output_tokens)  # fmt: skip
+    report.usage = Usage(
+        u.input_tokens - usage0.input_tokens,
+        u.cached_input_tokens - usage0.cached_input_tokens,
+        u.output_tokens - usage0.output_tokens,
+    )
     return report
 
 
@@ -276,8 +340,16 @@ def _pick_pointwise(names: list[str], scores: Mapping[str, float | None]) -> Sel
     ranking = sorted(names, key=lambda k: (scores[k] is None, -(scores[k] or 0.0), names.index(k)))
     unscored = sum(scores[n] is None for n in names)
     winner = ranking[0] if ranking and scores[ranking[0]] is not None else None
-    return Selection("pointwise", winner, ranking, dict(scores), 0, Usage(), unscored,
-                     "no_score" if unscored else None)  # fmt: skip
+    return Selection(
+        "pointwise",
+        winner,
+        ranking,
+        dict(scores),
+        0,
+        Usage(),
+        unscored,
+        "no_score" if unscored else None,
+    )
 
 
 def select_summary(report: SelectReport) -> str:
@@ -288,36 +360,45 @@ def select_summary(report: SelectReport) -> str:
         mark = {True: "success", False: "failure", None: "?"}
         pick = g.pick or f"none ({g.selection.reason})"
         lines.append(
-            f"{_short(g.group, 44):<44} {len(g.runs):>4} {ok:>3}  {_short(pick, 30):<30} {mark[g.pick_success]:>7}  "
+            f"{_short(g.group, 44):<44} {len(g.runs):>4} {ok:>3}  {_short(pick, 30):<30} "
+            f"{mark[g.pick_success]:>7}  "
             f"{_short(g.pointwise_pick or 'none', 30):<30} {mark[g.pointwise_success]}"
         )
     known = report.known
     lines.append("")
     lines.append(
-        f"{len(known)} groups with known outcomes; pick accuracy ({report.method}): {_pct(report.accuracy)}; "
-        f"by the latest pointwise score: {_pct(report.pointwise_accuracy)}; random pick (expected): "
-        f"{_pct(report.random_accuracy)}; best possible (a group with a success): {_pct(report.oracle)}"
+        f"{len(known)} groups with known outcomes; pick accuracy ({report.method}): "
+        f"{_pct(report.accuracy)}; "
+        f"by the latest pointwise score: {_pct(report.pointwise_accuracy)}; random pick "
+        "(expected): "
+        f"{_pct(report.random_accuracy)}; best possible (a group with a success): "
+        f"{_pct(report.oracle)}"
     )
     chance = report.chance
     if report.accuracy is not None and report.random_accuracy is not None and chance is not None:
         lines.append(
-            f"random picks succeed in at least {report.hits} of these {len(known)} groups with probability "
+            f"random picks succeed in at least {report.hits} of these {len(known)} groups "
+            "with probability "
             f"{chance:.0%} (exact)"
         )
         if report.accuracy <= report.random_accuracy:
             lines.append(
-                f"verdict: no better than a random pick: this judge's {report.method} picks do not find the "
+                f"verdict: no better than a random pick: this judge's {report.method} picks "
+                "do not find the "
                 "successful runs; do not let it choose for you"
             )
         elif chance > 0.05:
             lines.append(
-                f"verdict: not distinguishable from a random pick: {report.accuracy - report.random_accuracy:.0%} "
-                f"above its expected accuracy, but random picks do as well {chance:.0%} of the time; judge more "
+                "verdict: not distinguishable from a random pick: "
+                f"{report.accuracy - report.random_accuracy:.0%} "
+                f"above its expected accuracy, but random picks do as well {chance:.0%} of "
+                "the time; judge more "
                 "groups (or use a stronger judge) before trusting it"
             )
         else:
             lines.append(
-                f"verdict: better than a random pick by {report.accuracy - report.random_accuracy:.0%} (random "
+                "verdict: better than a random pick by "
+                f"{report.accuracy - report.random_accuracy:.0%} (random "
                 f"picks do as well {chance:.1%} of the time)"
             )
     failed = sum(g.selection.failed for g in report.picks)
@@ -335,14 +416,27 @@ def select_json(report: SelectReport) -> dict[str, Any]:
         groups.append(
             {
                 "group": g.group,
-                "runs": [{"name": n, "outcome": o, "pointwise_score": g.pointwise_scores.get(n),
-                          "win_mass": t.wins.get(n) if t else None} for n, o in zip(g.runs, g.outcomes, strict=True)],
-                "pick": g.pick, "pick_success": g.pick_success, "pointwise_pick": g.pointwise_pick,
-                "pointwise_success": g.pointwise_success, "random_success": g.random_success,
-                "ranking": g.selection.ranking, "failed": g.selection.failed, "reason": g.selection.reason,
-                "comparisons": t.comparisons if t else None, "pivots": t.pivots if t else None,
+                "runs": [
+                    {
+                        "name": n,
+                        "outcome": o,
+                        "pointwise_score": g.pointwise_scores.get(n),
+                        "win_mass": t.wins.get(n) if t else None,
+                    }
+                    for n, o in zip(g.runs, g.outcomes, strict=True)
+                ],
+                "pick": g.pick,
+                "pick_success": g.pick_success,
+                "pointwise_pick": g.pointwise_pick,
+                "pointwise_success": g.pointwise_success,
+                "random_success": g.random_success,
+                "ranking": g.selection.ranking,
+                "failed": g.selection.failed,
+                "reason": g.selection.reason,
+                "comparisons": t.comparisons if t else None,
+                "pivots": t.pivots if t else None,
             }
-        )  # fmt: skip
+        )
     return {
         "method": report.method,
         "groups": groups,
@@ -355,19 +449,22 @@ def select_json(report: SelectReport) -> dict[str, Any]:
     }
 
 
-# -- eval --groups: what pruning keeps and saves ----------------------------------------------------------------------
+# -- eval --groups: what pruning keeps and saves
+# ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Sibling:
-    """A scored recorded run in a group: its curve and its steps' offsets from its start (seconds or indexes)."""
+    """A scored recorded run in a group: its curve and its steps' offsets from its start (seconds
+    or indexes)."""
 
     curve: RunCurve
     times: tuple[float, ...]
 
 
 def siblings(runs: Sequence[RecordedRun], curves: Sequence[RunCurve]) -> list[Sibling]:
-    """Scored runs with their steps' times relative to each run's start (step indexes when any run lacks times)."""
+    """Scored runs with their steps' times relative to each run's start (step indexes when any
+    run lacks times)."""
     pairs = list(zip(runs, curves, strict=True))
     timed = all(s.timestamp is not None for r, c in pairs for s in r.steps[: len(c.scores)])
     out = []
@@ -384,7 +481,8 @@ def siblings(runs: Sequence[RecordedRun], curves: Sequence[RunCurve]) -> list[Si
 
 @dataclass(frozen=True, slots=True)
 class Replayed:
-    """One group replayed: the step each pruned run was stopped after (by run index), and the steps run."""
+    """One group replayed: the step each pruned run was stopped after (by run index), and the
+    steps run."""
 
     pruned: dict[int, int]
     steps: int
@@ -392,7 +490,8 @@ class Replayed:
 
 
 def replay_group(group: str, runs: Sequence[Sibling], policy: Policy) -> Replayed:
-    """The group's runs through the live group policy, all launched at once, their steps in time order."""
+    """The group's runs through the live group policy, all launched at once, their steps in time
+    order."""
     state = GroupState(group, policy)
     ids = [f"{i}" for i in range(len(runs))]
     for rid in ids:
@@ -408,7 +507,9 @@ def replay_group(group: str, runs: Sequence[Sibling], policy: Policy) -> Replaye
         c = runs[i].curve
         score = c.scores[step - 1]
         unc = c.uncertainties[step - 1] if step - 1 < len(c.uncertainties) else None
-        update = state.observe(ids[i], step=step, score=score, uncertainty=unc, ok=score is not None)
+        update = state.observe(
+            ids[i], step=step, score=score, uncertainty=unc, ok=score is not None
+        )
         for p in update.prunes:
             pruned[int(p.run_id)] = p.step
         if step == len(runs[i].times) and i not in pruned:
@@ -420,14 +521,16 @@ def replay_group(group: str, runs: Sequence[Sibling], policy: Policy) -> Replaye
 
 @dataclass(frozen=True, slots=True)
 class PruneRow:
-    """One setting of keep_top / prune_margin over every group, with random pruning at the same budget."""
+    """One setting of keep_top / prune_margin over every group, with random pruning at the same
+    budget."""
 
     keep_top: int
     prune_margin: float
     tasks: int
     tasks_with_success: int
     kept: int
-    """Of the tasks with a success, those where a succeeding run was never pruned (best-of-N kept)."""
+    """Of the tasks with a success, those where a succeeding run was never pruned (best-of-N
+    kept)."""
     steps_saved: float | None
     pruned_runs: int
     pruned_successes: int
@@ -447,7 +550,8 @@ class PruneReport:
 
 
 def _random_prune(runs: Sequence[Sibling], real: Replayed, rng: random.Random) -> dict[int, int]:
-    """As many runs as the policy pruned, at random, each stopped after the step count of one of its prunes."""
+    """As many runs as the policy pruned, at random, each stopped after the step count of one of
+    its prunes."""
     if not real.pruned:
         return {}
     chosen = rng.sample(range(len(runs)), len(real.pruned))
@@ -469,7 +573,8 @@ def prune_report(
     seeds: int = DEFAULT_SEEDS,
     seed: int = 0,
 ) -> PruneReport:
-    """Every setting of the grid replayed through the live group policy, and random pruning at the same budget."""
+    """Every setting of the grid replayed through the live group policy, and random pruning at
+    the same budget."""
     base = policy or Policy()
     rows = []
     for k in keep_tops:
@@ -503,13 +608,20 @@ def prune_report(
                 random_saved.append(s_sum / total if total else 0.0)
             rows.append(
                 PruneRow(
-                    keep_top=k, prune_margin=m, tasks=tasks, tasks_with_success=with_success, kept=kept,
-                    steps_saved=saved / total if total else None, pruned_runs=pruned_runs,
+                    keep_top=k,
+                    prune_margin=m,
+                    tasks=tasks,
+                    tasks_with_success=with_success,
+                    kept=kept,
+                    steps_saved=saved / total if total else None,
+                    pruned_runs=pruned_runs,
                     pruned_successes=pruned_successes,
                     random_kept=sum(random_kept) / len(random_kept) if random_kept else None,
-                    random_steps_saved=sum(random_saved) / len(random_saved) if random_saved else None,
+                    random_steps_saved=sum(random_saved) / len(random_saved)
+                    if random_saved
+                    else None,
                 )
-            )  # fmt: skip
+            )
     return PruneReport(base, rows, seeds, len(groups))
 
 
@@ -517,28 +629,39 @@ def prune_summary(report: PruneReport) -> str:
     """The pruning report as readable text."""
     pol = report.policy
     lines = [
-        f"group pruning on {report.groups} groups of siblings (launched together; steps in recorded time order, by step index without timestamps), "
-        f"min_steps {pol.min_steps}, patience {pol.patience}, max_uncertainty {pol.max_uncertainty:g}; random "
+        f"group pruning on {report.groups} groups of siblings (launched together; steps in "
+        "recorded time order, by step index without timestamps), "
+        f"min_steps {pol.min_steps}, patience {pol.patience}, max_uncertainty "
+        f"{pol.max_uncertainty:g}; random "
         f"pruning at the same budget averaged over {report.seeds} seeds",
         "",
-        f"{'keep_top':>8} {'margin':>6}  {'tasks w/ success':>16} {'best-of-N kept':>14} {'steps saved':>11} "
+        f"{'keep_top':>8} {'margin':>6}  {'tasks w/ success':>16} {'best-of-N kept':>14} "
+        f"{'steps saved':>11} "
         f"{'runs pruned':>11} {'successes pruned':>16}  {'random: kept':>12} {'steps saved':>11}",
     ]
     for r in report.rows:
         lines.append(
-            f"{r.keep_top:>8} {r.prune_margin:>6.2f}  {r.tasks_with_success:>16} {r.kept:>14} {_pct(r.steps_saved):>11} "
-            f"{r.pruned_runs:>11} {r.pruned_successes:>16}  {_num(r.random_kept):>12} {_pct(r.random_steps_saved):>11}"
+            f"{r.keep_top:>8} {r.prune_margin:>6.2f}  {r.tasks_with_success:>16} {r.kept:>14} "
+            f"{_pct(r.steps_saved):>11} "
+            f"{r.pruned_runs:>11} {r.pruned_successes:>16}  {_num(r.random_kept):>12} "
+            f"{_pct(r.random_steps_saved):>11}"
         )
     if not any(r.pruned_runs for r in report.rows):
         lines.append(
-            "\nverdict: the group policy pruned nothing at any setting: this judge's scores never put a run "
+            "\nverdict: the group policy pruned nothing at any setting: this judge's scores "
+            "never put a run "
             "far enough below its siblings, beyond their uncertainty, for patience steps"
         )
     else:
-        worse = [r for r in report.rows if r.pruned_runs and r.random_kept is not None and r.kept <= r.random_kept]
+        worse = [
+            r
+            for r in report.rows
+            if r.pruned_runs and r.random_kept is not None and r.kept <= r.random_kept
+        ]
         if len(worse) == sum(bool(r.pruned_runs) for r in report.rows):
             lines.append(
-                "\nverdict: no better than random pruning: at every setting that prunes, random pruning at the "
+                "\nverdict: no better than random pruning: at every setting that prunes, "
+                "random pruning at the "
                 "same budget keeps a succeeding run in as many tasks or more"
             )
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Recorded runs: read finished trajectories (ATIF and a plain JSON form) into task, steps and outcome."""
+"""Recorded runs: read finished trajectories (ATIF and a plain JSON form) into task, steps and
+outcome."""
 
 from __future__ import annotations
 
@@ -27,12 +28,14 @@ class RecordedStep:
     text: str
     timestamp: datetime | None = None
     images: tuple[bytes, ...] = ()
-    """Encoded camera frames that go with the step (robot episodes); the judge sees them by the frame budget."""
+    """Encoded camera frames that go with the step (robot episodes); the judge sees them by the
+    frame budget."""
 
 
 @dataclass(frozen=True, slots=True)
 class RecordedRun:
-    """A finished run: its task, agent steps in order, and outcome (1 success, 0 failure, None unknown)."""
+    """A finished run: its task, agent steps in order, and outcome (1 success, 0 failure, None
+    unknown)."""
 
     name: str
     task: str
@@ -50,7 +53,8 @@ def _time(value: object) -> datetime | None:
 
 
 def _shell_result(text: str) -> str:
-    """A JSON-encoded shell result (`{"returncode", "output"}`, as mini-swe-agent records) as plain text."""
+    """A JSON-encoded shell result (`{"returncode", "output"}`, as mini-swe-agent records) as
+    plain text."""
     stripped = text.strip()
     if not stripped.startswith("{"):
         return text
@@ -62,7 +66,11 @@ def _shell_result(text: str) -> str:
         return text
     out = data["output"].rstrip("\n")
     code = data.get("returncode")
-    return f"{out}\n[exit code {code}]" if isinstance(code, int) and not isinstance(code, bool) else out
+    return (
+        f"{out}\n[exit code {code}]"
+        if isinstance(code, int) and not isinstance(code, bool)
+        else out
+    )
 
 
 def _atif_step(step: Mapping[str, Any], limit: int) -> str:
@@ -84,7 +92,9 @@ def _atif_step(step: Mapping[str, Any], limit: int) -> str:
     results = obs.get("results") if isinstance(obs, Mapping) else None
     for r in results or []:
         if isinstance(r, Mapping) and r.get("content") is not None:
-            parts.append("Observation:\n" + clip_middle(_shell_result(str(r["content"])).strip(), limit))
+            parts.append(
+                "Observation:\n" + clip_middle(_shell_result(str(r["content"])).strip(), limit)
+            )
     return "\n".join(p for p in parts if p)
 
 
@@ -108,7 +118,12 @@ def parse_recorded(
     if isinstance(traj, Mapping) and isinstance(traj.get("steps"), list):
         raw = [s for s in traj["steps"] if isinstance(s, Mapping)]
         users = [s for s in raw if s.get("source") == "user" and s.get("message")]
-        task = str(data.get("task") or (users[0]["message"] if users else "") or data.get("task_name") or "")
+        task = str(
+            data.get("task")
+            or (users[0]["message"] if users else "")
+            or data.get("task_name")
+            or ""
+        )
         steps = tuple(
             RecordedStep(_atif_step(s, max_step_chars), _time(s.get("timestamp")))
             for s in raw
@@ -126,12 +141,17 @@ def parse_recorded(
         )
         outcome = _outcome(data.get("outcome", data.get("reward")))
     else:
-        raise RecordedRunError(f"{name}: neither ATIF (trajectory.steps) nor plain (task, steps) JSON")
+        raise RecordedRunError(
+            f"{name}: neither ATIF (trajectory.steps) nor plain (task, steps) JSON"
+        )
     if not task.strip():
         raise RecordedRunError(f"{name}: no task text (no 'task' field and no user step)")
     steps = tuple(s for s in steps if s.text.strip())
     return RecordedRun(
-        name=str(data.get("trial_name") or data.get("name") or name), task=task, steps=steps, outcome=outcome
+        name=str(data.get("trial_name") or data.get("name") or name),
+        task=task,
+        steps=steps,
+        outcome=outcome,
     )
 
 
@@ -145,7 +165,8 @@ def load_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CH
     except UnicodeDecodeError as e:
         kind = " (a PNG image)" if e.object[:4] == b"\x89PNG" else ""
         raise RecordedRunError(
-            f"{p} is not a text file{kind}: byte {e.object[e.start]:#04x} at offset {e.start} is not UTF-8; "
+            f"{p} is not a text file{kind}: byte {e.object[e.start]:#04x} at offset {e.start} "
+            "is not UTF-8; "
             "a recorded run is a JSON file (see `agent-monitor replay --help`)"
         ) from None
     except json.JSONDecodeError as e:
@@ -167,7 +188,9 @@ def _json_files(root: Path) -> Iterator[Path]:
         yield from (Path(folder) / n for n in names if n.endswith(".json"))
 
 
-def iter_recorded(path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CHARS) -> Iterator[RecordedRun]:
+def iter_recorded(
+    path: str | Path, *, max_step_chars: int = DEFAULT_MAX_STEP_CHARS
+) -> Iterator[RecordedRun]:
     """Recorded runs in a file, or in every *.json under a folder (sorted)."""
     p = Path(path)
     files = sorted(_json_files(p)) if p.is_dir() else [p]

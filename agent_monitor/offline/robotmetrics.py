@@ -1,10 +1,11 @@
-"""Robot progress metrics over scored episodes: VOC and success-detection AUROC, with bootstrap intervals.
+"""Robot progress metrics over scored episodes: VOC and success-detection AUROC, with bootstrap
+intervals.
 
-VOC (value-order correlation, as GVL and TOPReward define it) is Spearman's rank correlation between the
-predicted progress after each step and the step's order in time, averaged over the successful episodes (a
-successful episode's progress should rise). Success-detection AUROC ranks episodes by their score at the end
-against their outcome. Both come with a percentile bootstrap interval over episodes (resampled with
-replacement, a seeded generator so a report is reproducible).
+VOC (value-order correlation, as GVL and TOPReward define it) is Spearman's rank correlation between
+the predicted progress after each step and the step's order in time, averaged over the successful
+episodes (a successful episode's progress should rise). Success-detection AUROC ranks episodes by
+their score at the end against their outcome. Both come with a percentile bootstrap interval over
+episodes (resampled with replacement, a seeded generator so a report is reproducible).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from typing import Any
 
 from .evaluate import RunCurve, auroc, spearman
 
-__all__ = ["Interval", "RobotMetrics", "end_auroc", "robot_json", "robot_metrics", "robot_summary", "voc"]
+__all__ = [
+    "Interval",
+    "RobotMetrics",
+    "end_auroc",
+    "robot_json",
+    "robot_metrics",
+    "robot_summary",
+    "voc",
+]
 
 DEFAULT_RESAMPLES = 1000
 DEFAULT_LEVEL = 0.95
@@ -47,7 +56,8 @@ def _episode_voc(curve: RunCurve) -> float | None:
 
 
 def voc(curves: Sequence[RunCurve]) -> float | None:
-    """Mean Spearman between progress and frame order over successful episodes (None: none has two scores)."""
+    """Mean Spearman between progress and frame order over successful episodes (None: none has
+    two scores)."""
     values = [v for c in curves if c.success and (v := _episode_voc(c)) is not None]
     return sum(values) / len(values) if values else None
 
@@ -59,8 +69,13 @@ def _last_score(curve: RunCurve) -> float | None:
 
 
 def end_auroc(curves: Sequence[RunCurve]) -> float | None:
-    """AUROC of the last good score against success, over episodes with a known outcome (None: one class)."""
-    pairs = [(s, bool(c.success)) for c in curves if c.success is not None and (s := _last_score(c)) is not None]
+    """AUROC of the last good score against success, over episodes with a known outcome (None:
+    one class)."""
+    pairs = [
+        (s, bool(c.success))
+        for c in curves
+        if c.success is not None and (s := _last_score(c)) is not None
+    ]
     return auroc([s for s, _ in pairs], [y for _, y in pairs])
 
 
@@ -75,7 +90,9 @@ def _bootstrap(
         return None, None
     rng = random.Random(seed)
     values = sorted(
-        v for _ in range(resamples) if (v := stat([curves[rng.randrange(len(curves))] for _ in curves])) is not None
+        v
+        for _ in range(resamples)
+        if (v := stat([curves[rng.randrange(len(curves))] for _ in curves])) is not None
     )
     if not values:
         return None, None
@@ -84,16 +101,27 @@ def _bootstrap(
 
 
 def robot_metrics(
-    curves: Sequence[RunCurve], *, resamples: int = DEFAULT_RESAMPLES, level: float = DEFAULT_LEVEL, seed: int = 0
+    curves: Sequence[RunCurve],
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+    seed: int = 0,
 ) -> RobotMetrics:
-    """VOC and end-of-episode AUROC over scored episodes, each with a `level` percentile bootstrap interval."""
+    """VOC and end-of-episode AUROC over scored episodes, each with a `level` percentile
+    bootstrap interval."""
     if resamples < 1 or not 0 < level < 1:
-        raise ValueError(f"resamples={resamples}, level={level}; use resamples >= 1 and 0 < level < 1")
+        raise ValueError(
+            f"resamples={resamples}, level={level}; use resamples >= 1 and 0 < level < 1"
+        )
     successes = [c for c in curves if c.success]
     known = [c for c in curves if c.success is not None]
     return RobotMetrics(
-        voc=Interval(voc(successes), *_bootstrap(successes, voc, resamples, level, seed), n=len(successes)),
-        end_auroc=Interval(end_auroc(known), *_bootstrap(known, end_auroc, resamples, level, seed), n=len(known)),
+        voc=Interval(
+            voc(successes), *_bootstrap(successes, voc, resamples, level, seed), n=len(successes)
+        ),
+        end_auroc=Interval(
+            end_auroc(known), *_bootstrap(known, end_auroc, resamples, level, seed), n=len(known)
+        ),
     )
 
 
@@ -105,9 +133,11 @@ def _fmt(iv: Interval) -> str:
 
 
 def robot_summary(m: RobotMetrics) -> str:
-    """One line: VOC over successful runs and AUROC at the end, with their 95% bootstrap intervals (over runs)."""
+    """One line: VOC over successful runs and AUROC at the end, with their 95% bootstrap
+    intervals (over runs)."""
     return (
-        f"Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC {_fmt(m.voc)}; success "
+        "Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC "
+        f"{_fmt(m.voc)}; success "
         f"AUROC at the run's end {_fmt(m.end_auroc)} (runs scored to their end only)"
     )
 

@@ -1,8 +1,9 @@
 """Robot data in: LeRobot v3 datasets and ROS 2 bags (MCAP) as episodes of steps with camera frames.
 
-Optional extra `robot` (pyarrow, PyAV, mcap, mcap-ros2-support; no torch, no lerobot). Reading is blocking and
-lazy: an episode's steps are decoded as they are iterated (`prefetch` runs that in a worker thread, a bounded
-number of steps ahead), and `ReadOptions` bound what one episode costs (steps, frame size, frames kept).
+Optional extra `robot` (pyarrow, PyAV, mcap, mcap-ros2-support; no torch, no lerobot). Reading is
+blocking and lazy: an episode's steps are decoded as they are iterated (`prefetch` runs that in a
+worker thread, a bounded number of steps ahead), and `ReadOptions` bound what one episode costs
+(steps, frame size, frames kept).
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def read_episodes(
     outcome_topic: str = "/outcome",
     cameras: Sequence[str] | None = None,
 ) -> Iterator[Episode]:
-    """The episodes of a LeRobot v3 dataset directory (`episodes`: which) or of an .mcap file (one episode).
+    """The episodes of a LeRobot v3 dataset directory (`episodes`: which) or of an .mcap file (one
+    episode).
 
-    `task` replaces the recorded task text (for an MCAP file, it is needed when the bag has no `task_topic`).
-    Raises RobotDataError naming the file and what to do when it cannot be read.
+    `task` replaces the recorded task text (for an MCAP file, it is needed when the bag has no
+    `task_topic`). Raises RobotDataError naming the file and what to do when it cannot be read.
     """
     options = options or ReadOptions()
     p = Path(path)
@@ -71,9 +73,13 @@ def read_episodes(
     elif is_mcap(p):
         if episodes is not None and list(episodes) != [0]:
             raise RobotDataError(f"{p}: an MCAP file holds one episode (0)")
-        bag = McapBag(p, task=task, task_topic=task_topic, outcome_topic=outcome_topic, cameras=cameras)
+        bag = McapBag(
+            p, task=task, task_topic=task_topic, outcome_topic=outcome_topic, cameras=cameras
+        )
         yield bag.episode(options)
     elif not p.exists():
         raise RobotDataError(f"{p}: no such file or directory")
     else:
-        raise RobotDataError(f"{p}: neither a LeRobot v3 dataset directory (with meta/info.json) nor an .mcap file")
+        raise RobotDataError(
+            f"{p}: neither a LeRobot v3 dataset directory (with meta/info.json) nor an .mcap file"
+        )

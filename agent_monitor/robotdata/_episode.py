@@ -25,7 +25,8 @@ MAX_VALUES = 32
 
 
 class RobotDataError(ValueError):
-    """A robot-data file or dataset this reader cannot read; the message names the file and what to do."""
+    """A robot-data file or dataset this reader cannot read; the message names the file and what
+    to do."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +34,13 @@ class ReadOptions:
     """How much of an episode a reader turns into steps, and at what cost.
 
     - `every`: one step per `every` source frames (control ticks); its text is the last tick's.
-    - `max_steps`: steps read per episode at most; the rest of a longer episode is left out (`Episode.truncated`).
+    - `max_steps`: steps read per episode at most; the rest of a longer episode is left out
+      (`Episode.truncated`).
     - `max_side`: frames are downscaled so the longer side is at most this (None: as recorded).
-    - `frame_budget`: when set, only the steps whose frames the budget would ever show at the episode's end
-      (its anchors and its last `recent` steps) carry frames; the others are decoded but not encoded or sent.
-      None: every step carries its frames (the monitor's own budget then chooses, and the tail is live).
+    - `frame_budget`: when set, only the steps whose frames the budget would ever show at the
+      episode's end (its anchors and its last `recent` steps) carry frames; the others are decoded
+      but not encoded or sent. None: every step carries its frames (the monitor's own budget then
+      chooses, and the tail is live).
     """
 
     every: int = 1
@@ -103,14 +106,17 @@ class Episode:
     _read: Callable[[], Iterator[EpisodeStep]] = field(repr=False, compare=False)
 
     def steps(self) -> Iterator[EpisodeStep]:
-        """The steps, decoded as they are read (blocking: run it in a worker thread, or use `prefetch`)."""
+        """The steps, decoded as they are read (blocking: run it in a worker thread, or use
+        `prefetch`)."""
         return self._read()
 
     def recorded(self) -> RecordedRun:
-        """The episode read whole, as a recorded run for `agent-monitor eval` (its frames held in memory)."""
+        """The episode read whole, as a recorded run for `agent-monitor eval` (its frames held in
+        memory)."""
         start = datetime(2000, 1, 1, tzinfo=UTC)  # only the gaps between steps matter
         steps = tuple(
-            RecordedStep(s.text, start + timedelta(seconds=s.timestamp), images=s.images) for s in self.steps()
+            RecordedStep(s.text, start + timedelta(seconds=s.timestamp), images=s.images)
+            for s in self.steps()
         )
         return RecordedRun(self.name, self.task, steps, self.outcome)
 
@@ -137,7 +143,8 @@ def _number(v: Any) -> str:
 
 
 def vector_text(label: str, values: Sequence[Any], names: Sequence[str] | None = None) -> str:
-    """`label name=value ...` (or `label [v, ...]` without names), at most MAX_VALUES values shown."""
+    """`label name=value ...` (or `label [v, ...]` without names), at most MAX_VALUES values
+    shown."""
     shown = list(values[:MAX_VALUES])
     more = f" (+{len(values) - MAX_VALUES} more)" if len(values) > MAX_VALUES else ""
     if names is not None and len(names) == len(values):
@@ -151,10 +158,11 @@ _DONE = object()
 
 
 def prefetch(steps: Iterator[EpisodeStep], depth: int = 8) -> Iterator[EpisodeStep]:
-    """Read `steps` in a worker thread, at most `depth` ahead (the reader waits when the consumer is slower).
+    """Read `steps` in a worker thread, at most `depth` ahead (the reader waits when the consumer is
+    slower).
 
-    A reader's error is raised in the consumer, at the step it happened. Closing the returned iterator early
-    stops the worker at its next step.
+    A reader's error is raised in the consumer, at the step it happened. Closing the returned
+    iterator early stops the worker at its next step.
     """
     q: queue.Queue[object] = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -179,7 +187,8 @@ def prefetch(steps: Iterator[EpisodeStep], depth: int = 8) -> Iterator[EpisodeSt
         finally:
             close = getattr(steps, "close", None)
             if close is not None:
-                close()  # a generator's open files (videos, bags) are closed in the thread that used them
+                # a generator's open files (videos, bags) are closed in the thread that used them
+                close()
 
     worker = threading.Thread(target=work, name="robotdata-decode", daemon=True)
     worker.start()

@@ -1,18 +1,21 @@
-"""LeRobot v3 datasets: meta/info.json, episodes in meta/episodes/*.parquet, frames in data/*.parquet, mp4 videos.
+"""LeRobot v3 datasets: meta/info.json, episodes in meta/episodes/*.parquet, frames in
+data/*.parquet, mp4 videos.
 
 Read with pyarrow and PyAV only (no lerobot, no torch). The layout, as lerobot writes it
 (huggingface/lerobot at 7427f31801f944f5ec9ce53cda02862ce7d1638b):
 
-- `meta/info.json` (src/lerobot/datasets/utils.py, DatasetInfo): `codebase_version` ("v3.0"), `fps`, `features`
-  (name -> dtype, shape, names; dtype "video" for cameras stored as mp4, "image" for images in the parquet),
-  `data_path` "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet" and
-  `video_path` "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4";
-- `meta/episodes/chunk-*/file-*.parquet` (dataset_metadata.py, save_episode / _save_episode_metadata): one row per
-  episode with `episode_index`, `tasks` (list of strings), `length`, `data/chunk_index`, `data/file_index`,
-  `dataset_from_index`, `dataset_to_index`, and per camera `videos/{key}/chunk_index`, `.../file_index`,
-  `.../from_timestamp`, `.../to_timestamp` (many episodes share one parquet and one mp4 file);
+- `meta/info.json` (src/lerobot/datasets/utils.py, DatasetInfo): `codebase_version` ("v3.0"), `fps`,
+  `features` (name -> dtype, shape, names; dtype "video" for cameras stored as mp4, "image" for
+  images in the parquet), `data_path` "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+  and `video_path` "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4";
+- `meta/episodes/chunk-*/file-*.parquet` (dataset_metadata.py, save_episode /
+  _save_episode_metadata): one row per episode with `episode_index`, `tasks` (list of strings),
+  `length`, `data/chunk_index`, `data/file_index`, `dataset_from_index`, `dataset_to_index`, and per
+  camera `videos/{key}/chunk_index`, `.../file_index`, `.../from_timestamp`, `.../to_timestamp`
+  (many episodes share one parquet and one mp4 file);
 - `meta/tasks.parquet`: the task strings (index column `task`) with their `task_index`;
-- a data row per frame: `timestamp`, `frame_index`, `episode_index`, `index`, `task_index` and the features;
+- a data row per frame: `timestamp`, `frame_index`, `episode_index`, `index`, `task_index` and the
+  features;
 - a camera's frame for a row is the video's frame at `from_timestamp + timestamp`
   (dataset_reader.py, _query_videos), decoded here as lerobot's PyAV path does (video_utils.py,
   decode_video_frames_pyav: seek to the keyframe before, decode forward).
@@ -31,13 +34,22 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._episode import INSTALL_HINT, Episode, EpisodeStep, ReadOptions, RobotDataError, encode_jpeg, vector_text
+from ._episode import (
+    INSTALL_HINT,
+    Episode,
+    EpisodeStep,
+    ReadOptions,
+    RobotDataError,
+    encode_jpeg,
+    vector_text,
+)
 
 DEFAULT_FEATURES = ("timestamp", "frame_index", "episode_index", "index", "task_index")
-"""Bookkeeping columns of every data row (lerobot.utils.constants.DEFAULT_FEATURES): not step text."""
+"""Bookkeeping columns of every data row (lerobot.utils.constants.DEFAULT_FEATURES): not step
+text."""
 SUCCESS_COLUMNS = ("next.success", "success", "is_success")
-"""Where a dataset records success: a per-frame column (the episode succeeded if its last frame says so) or an
-episode column."""
+"""Where a dataset records success: a per-frame column (the episode succeeded if its last frame says
+so) or an episode column."""
 
 
 MAX_INFO_BYTES = 4 * 1024 * 1024
@@ -48,16 +60,20 @@ _INT_SPEC = re.compile(r"0?[1-9]?\dd|d|")
 
 
 def fill(template: str, source: Path, **fields: object) -> str:
-    """A metadata path template filled safely: named fields only, integer widths of two digits at most.
+    """A metadata path template filled safely: named fields only, integer widths of two digits at
+    most.
 
-    `str.format` would evaluate `{chunk_index.__class__.__mro__}` and build a billion-character path for
-    `{chunk_index:0999999999d}`: a template from a downloaded dataset is data, filled field by field here.
+    `str.format` would evaluate `{chunk_index.__class__.__mro__}` and build a billion-character path
+    for `{chunk_index:0999999999d}`: a template from a downloaded dataset is data, filled field by
+    field here.
     """
     out: list[str] = []
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise RobotDataError(f"{source}: path template {template[:200]!r} does not parse ({e})") from None
+        raise RobotDataError(
+            f"{source}: path template {template[:200]!r} does not parse ({e})"
+        ) from None
     for literal, name, spec, conversion in parsed:
         out.append(literal)
         if name is None:
@@ -71,29 +87,39 @@ def fill(template: str, source: Path, **fields: object) -> str:
         if isinstance(value, int):
             if not _INT_SPEC.fullmatch(spec):
                 raise RobotDataError(
-                    f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}; use e.g. 03d"
+                    f"{source}: path template {template[:200]!r} formats {name} as "
+                    f"{spec[:20]!r}; use e.g. 03d"
                 )
             out.append(format(value, spec or "d"))
         elif spec:
-            raise RobotDataError(f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}")
+            raise RobotDataError(
+                f"{source}: path template {template[:200]!r} formats {name} as {spec[:20]!r}"
+            )
         else:
             out.append(str(value))
     return "".join(out)
 
 
 def regular_file(path: Path, root: Path) -> Path:
-    """`path` resolved, checked to be inside the dataset `root` and a regular file (not a FIFO, device, directory)."""
+    """`path` resolved, checked to be inside the dataset `root` and a regular file (not a FIFO,
+    device, directory)."""
     resolved = path.resolve()
     if not resolved.is_relative_to(root.resolve()):
-        raise RobotDataError(f"{path}: outside the dataset {root} (its metadata may only name files inside it)")
+        raise RobotDataError(
+            f"{path}: outside the dataset {root} (its metadata may only name files inside it)"
+        )
     try:
         st = os.stat(resolved)
     except FileNotFoundError:
-        raise RobotDataError(f"{path}: missing (the dataset's metadata names it; is the download complete?)") from None
+        raise RobotDataError(
+            f"{path}: missing (the dataset's metadata names it; is the download complete?)"
+        ) from None
     except OSError as e:
         raise RobotDataError(f"{path}: cannot be read ({e})") from None
     if not stat.S_ISREG(st.st_mode):
-        raise RobotDataError(f"{path}: not a regular file (a FIFO, device or directory is never read)")
+        raise RobotDataError(
+            f"{path}: not a regular file (a FIFO, device or directory is never read)"
+        )
     return resolved
 
 
@@ -112,9 +138,13 @@ def _read_table(path: Path, **kw: Any) -> Any:
     try:
         return pq.read_table(path, **kw)
     except FileNotFoundError:
-        raise RobotDataError(f"{path}: missing (the dataset's metadata names it; is the download complete?)") from None
+        raise RobotDataError(
+            f"{path}: missing (the dataset's metadata names it; is the download complete?)"
+        ) from None
     except (pa.ArrowException, OSError) as e:
-        raise RobotDataError(f"{path}: not a readable parquet file ({e}); download the dataset again") from None
+        raise RobotDataError(
+            f"{path}: not a readable parquet file ({e}); download the dataset again"
+        ) from None
 
 
 def is_lerobot(path: Path) -> bool:
@@ -123,7 +153,8 @@ def is_lerobot(path: Path) -> bool:
 
 
 class LeRobotDataset:
-    """A LeRobot v3 dataset on disk: its info, episodes and tasks (no frames are read until asked)."""
+    """A LeRobot v3 dataset on disk: its info, episodes and tasks (no frames are read until
+    asked)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -135,18 +166,23 @@ class LeRobotDataset:
             with info_path.open("rb") as f:
                 raw = f.read(MAX_INFO_BYTES + 1)
             if len(raw) > MAX_INFO_BYTES:
-                raise RobotDataError(f"{info_path}: over {MAX_INFO_BYTES} bytes; not a LeRobot info.json")
+                raise RobotDataError(
+                    f"{info_path}: over {MAX_INFO_BYTES} bytes; not a LeRobot info.json"
+                )
             info = json.loads(raw.decode("utf-8"))
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise RobotDataError(f"{info_path}: not valid JSON ({e})") from None
         except RecursionError:
-            raise RobotDataError(f"{info_path}: nests too deeply to be a LeRobot info.json") from None
+            raise RobotDataError(
+                f"{info_path}: nests too deeply to be a LeRobot info.json"
+            ) from None
         if not isinstance(info, dict):
             raise RobotDataError(f"{info_path}: expected a JSON object")
         version = str(info.get("codebase_version", ""))
         if not version.startswith("v3"):
             raise RobotDataError(
-                f"{info_path}: codebase_version {version or 'missing'!r}; only LeRobot v3 datasets are read "
+                f"{info_path}: codebase_version {version or 'missing'!r}; only LeRobot v3 "
+                "datasets are read "
                 "(convert older ones with lerobot's convert_dataset_v21_to_v30)"
             )
         fps = info.get("fps")
@@ -155,10 +191,15 @@ class LeRobotDataset:
             raise RobotDataError(f"{info_path}: needs a positive 'fps' and a 'features' object")
         self.info: dict[str, Any] = info
         self.fps = float(fps)
-        self.features: dict[str, dict[str, Any]] = {k: v for k, v in features.items() if isinstance(v, dict)}
-        self.data_path = str(info.get("data_path") or "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet")
+        self.features: dict[str, dict[str, Any]] = {
+            k: v for k, v in features.items() if isinstance(v, dict)
+        }
+        self.data_path = str(
+            info.get("data_path") or "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet"
+        )
         self.video_path = str(
-            info.get("video_path") or "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
+            info.get("video_path")
+            or "videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4"
         )
         self.video_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "video")
         self.image_keys = tuple(k for k, f in self.features.items() if f.get("dtype") == "image")
@@ -168,7 +209,9 @@ class LeRobotDataset:
     def _episodes(self) -> list[dict[str, Any]]:
         files = sorted((self.root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
         if not files:
-            raise RobotDataError(f"{self.root}: no meta/episodes/chunk-*/file-*.parquet (not a v3 dataset?)")
+            raise RobotDataError(
+                f"{self.root}: no meta/episodes/chunk-*/file-*.parquet (not a v3 dataset?)"
+            )
         rows: list[dict[str, Any]] = []
         for f in files:
             table = _read_table(regular_file(f, self.root))
@@ -200,12 +243,18 @@ class LeRobotDataset:
             return names
         return None
 
-    def read(self, options: ReadOptions, *, episodes: Sequence[int] | None = None) -> Iterator[Episode]:
-        """The dataset's episodes (all, or those with these `episode_index` values), steps read lazily."""
+    def read(
+        self, options: ReadOptions, *, episodes: Sequence[int] | None = None
+    ) -> Iterator[Episode]:
+        """The dataset's episodes (all, or those with these `episode_index` values), steps read
+        lazily."""
         wanted = None if episodes is None else set(episodes)
         known = {int(r["episode_index"]) for r in self.episodes}
         if wanted is not None and (missing := sorted(wanted - known)):
-            raise RobotDataError(f"{self.root}: no episode {missing} (it has {len(known)}: 0..{max(known, default=0)})")
+            raise RobotDataError(
+                f"{self.root}: no episode {missing} (it has {len(known)}: "
+                f"0..{max(known, default=0)})"
+            )
         for row in self.episodes:
             index = int(row["episode_index"])
             if wanted is not None and index not in wanted:
@@ -230,9 +279,12 @@ class LeRobotDataset:
 
     def _task_of(self, row: Mapping[str, Any]) -> str:
         tasks = row.get("tasks")
-        if isinstance(tasks, list) and (texts := [t for t in tasks if isinstance(t, str) and t.strip()]):
+        if isinstance(tasks, list) and (
+            texts := [t for t in tasks if isinstance(t, str) and t.strip()]
+        ):
             return "; ".join(texts)
-        if self.tasks:  # no task list on the episode row: the first frame's task_index in meta/tasks.parquet
+        # no task list on the episode row: the first frame's task_index in meta/tasks.parquet
+        if self.tasks:
             _path, table = self._rows(row)
             if "task_index" in table.column_names and table.num_rows:
                 return self.tasks.get(int(table.column("task_index")[0].as_py()), "")
@@ -283,13 +335,15 @@ class LeRobotDataset:
             for ordinal, i in enumerate(range(0, length, options.every)):
                 if ordinal >= planned:
                     break
-                # One step per `every` ticks, at the window's last tick (what the robot had done by then).
+                # One step per `every` ticks, at the window's last tick (what the robot had done by
+                # then).
                 at = min(i + options.every, length) - 1
                 rec = table.slice(at, 1).to_pylist()[0]
                 ts = float(rec["timestamp"])
                 images: tuple[bytes, ...] = ()
                 if cursors or self.image_keys:
-                    frames = [c.at(ts) for c in cursors]  # decoded always: the video is coded frame to frame
+                    # decoded always: the video is coded frame to frame
+                    frames = [c.at(ts) for c in cursors]
                     if keep(ordinal):
                         images = tuple(encode_jpeg(f, options) for f in frames) + tuple(
                             self._image(rec[k], path, k, options) for k in self.image_keys
@@ -313,7 +367,8 @@ class LeRobotDataset:
                 c.close()
 
     def outcome_from_frames(self, row: Mapping[str, Any]) -> float | None:
-        """Success from a per-frame column (`next.success`) at the episode's last frame, when the dataset has one."""
+        """Success from a per-frame column (`next.success`) at the episode's last frame, when the
+        dataset has one."""
         _path, table = self._rows(row)
         for key in SUCCESS_COLUMNS:
             if key in table.column_names and table.num_rows:
@@ -329,7 +384,8 @@ class LeRobotDataset:
             start = float(row[f"videos/{key}/from_timestamp"])
         except (KeyError, TypeError, ValueError):
             raise RobotDataError(
-                f"{self.root}: episode {row['episode_index']} lacks videos/{key}/chunk_index, file_index or "
+                f"{self.root}: episode {row['episode_index']} lacks videos/{key}/chunk_index, "
+                "file_index or "
                 "from_timestamp in meta/episodes"
             ) from None
         path = self.root / fill(
@@ -354,18 +410,24 @@ class LeRobotDataset:
 
         try:
             with warnings.catch_warnings():
-                # Past Pillow's decompression-bomb size a warning, twice past it an error: both refused here.
+                # Past Pillow's decompression-bomb size a warning, twice past it an error: both
+                # refused here.
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 with Image.open(io.BytesIO(bytes(data))) as img:
                     return encode_jpeg(img, options)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-            raise RobotDataError(f"{path}: image column {key!r} holds an image too large to decode ({e})") from None
+            raise RobotDataError(
+                f"{path}: image column {key!r} holds an image too large to decode ({e})"
+            ) from None
         except (UnidentifiedImageError, OSError, ValueError) as e:
-            raise RobotDataError(f"{path}: image column {key!r} holds an undecodable image ({e})") from None
+            raise RobotDataError(
+                f"{path}: image column {key!r} holds an undecodable image ({e})"
+            ) from None
 
 
 class VideoCursor:
-    """Frames of one mp4 at increasing times: seek once to the keyframe before `start`, then decode forward."""
+    """Frames of one mp4 at increasing times: seek once to the keyframe before `start`, then
+    decode forward."""
 
     def __init__(self, path: Path, start: float, fps: float) -> None:
         try:
@@ -374,16 +436,20 @@ class VideoCursor:
             raise RobotDataError(f"decoding LeRobot videos needs PyAV: {INSTALL_HINT}") from None
         self.path = path
         self.start = start
-        # The frame shown at t is the last one at or before t + half a period; further than that (plus lerobot's
-        # own tolerance, 1e-4 s) from t means the video ran out or its clock differs: an error, not a match.
+        # The frame shown at t is the last one at or before t + half a period; further than that
+        # (plus lerobot's own tolerance, 1e-4 s) from t means the video ran out or its clock
+        # differs: an error, not a match.
         self._half = 0.5 / fps
         self.tolerance = self._half + 1e-4
         try:
             self._container = av.open(str(path))
         except FileNotFoundError:
             raise RobotDataError(f"{path}: missing (meta/episodes names it)") from None
-        except (av.FFmpegError, OSError, ValueError) as e:  # a corrupt header's text: UnicodeDecodeError
-            raise RobotDataError(f"{path}: not a readable video ({type(e).__name__}: {e})") from None
+        # a corrupt header's text: UnicodeDecodeError
+        except (av.FFmpegError, OSError, ValueError) as e:
+            raise RobotDataError(
+                f"{path}: not a readable video ({type(e).__name__}: {e})"
+            ) from None
         try:
             if not self._container.streams.video:
                 raise RobotDataError(f"{path}: no video stream")
@@ -392,7 +458,10 @@ class VideoCursor:
             base = self._stream.time_base
             if start > 0 and base is not None:
                 self._container.seek(
-                    max(0, round(start / base) - 1), backward=True, any_frame=False, stream=self._stream
+                    max(0, round(start / base) - 1),
+                    backward=True,
+                    any_frame=False,
+                    stream=self._stream,
                 )
             self._frames = self._container.decode(self._stream)
             self._cur: Any = None
@@ -400,7 +469,9 @@ class VideoCursor:
             self._next, self._next_t = self._pull()
         except (av.FFmpegError, OSError, ValueError) as e:
             self._container.close()
-            raise RobotDataError(f"{path}: not a readable video ({type(e).__name__}: {e})") from None
+            raise RobotDataError(
+                f"{path}: not a readable video ({type(e).__name__}: {e})"
+            ) from None
         except BaseException:
             self._container.close()
             raise
@@ -416,8 +487,11 @@ class VideoCursor:
                 return frame, float(frame.time) - self.start
         except StopIteration:
             return None, math.inf
-        except (av.FFmpegError, ValueError) as e:  # ValueError: UnicodeDecodeError of a corrupt stream's text
-            raise RobotDataError(f"{self.path}: the video does not decode ({type(e).__name__}: {e})") from None
+        # ValueError: UnicodeDecodeError of a corrupt stream's text
+        except (av.FFmpegError, ValueError) as e:
+            raise RobotDataError(
+                f"{self.path}: the video does not decode ({type(e).__name__}: {e})"
+            ) from None
 
     def at(self, t: float) -> Any:
         """The frame shown at `t` seconds into the episode, as a PIL image."""
@@ -432,7 +506,9 @@ class VideoCursor:
         try:
             return self._cur.to_image()
         except (ValueError, OSError) as e:
-            raise RobotDataError(f"{self.path}: a frame does not convert to an image ({e})") from None
+            raise RobotDataError(
+                f"{self.path}: a frame does not convert to an image ({e})"
+            ) from None
 
     def close(self) -> None:
         """Close the video file."""

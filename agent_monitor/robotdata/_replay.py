@@ -1,4 +1,5 @@
-"""Replay robot episodes live into a monitor: one run per episode, its steps at the episode's own pace, with frames."""
+"""Replay robot episodes live into a monitor: one run per episode, its steps at the episode's own
+pace, with frames."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ class StepSink(Protocol):
 
 
 StartRun = Callable[[str, Episode], StepSink]
-"""Starts the run for an episode (its run id and the episode, for its task) and returns where its steps go."""
+"""Starts the run for an episode (its run id and the episode, for its task) and returns where its
+steps go."""
 
 
 class TrackerSink:
@@ -55,7 +57,8 @@ class ReplayStats:
     steps: int = 0
     frames: int = 0
     late_s: float = 0.0
-    """The most a step was sent after its due time (decoding or publishing behind the episode's pace)."""
+    """The most a step was sent after its due time (decoding or publishing behind the episode's
+    pace)."""
     run_ids: list[str] = field(default_factory=list)
 
 
@@ -70,10 +73,12 @@ def replay_episodes(
     on_step: Callable[[str, int, int], object] | None = None,
     prefetch_depth: int = 8,
 ) -> ReplayStats:
-    """Publish each episode as a live run, one after the other, each step at its recorded time divided by `speed`.
+    """Publish each episode as a live run, one after the other, each step at its recorded time
+    divided by `speed`.
 
-    Decoding runs in a worker thread at most `prefetch_depth` steps ahead of publishing. `speed=0` sends as fast
-    as the steps decode. Between episodes, `pause_s / speed` (none at speed 0). The episode's outcome ends its run.
+    Decoding runs in a worker thread at most `prefetch_depth` steps ahead of publishing. `speed=0`
+    sends as fast as the steps decode. Between episodes, `pause_s / speed` (none at speed 0). The
+    episode's outcome ends its run.
     """
     if speed < 0:
         raise ValueError("speed must be >= 0 (0: as fast as the steps decode)")

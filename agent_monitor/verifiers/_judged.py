@@ -1,4 +1,5 @@
-"""The LLM verifiers' common part: one letter-scale judge call per sample, read as the expectation of its letters."""
+"""The LLM verifiers' common part: one letter-scale judge call per sample, read as the
+expectation of its letters."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ _PLACEHOLDERS = ("{question}", "{prediction}", "{ground_truth}")
 
 
 class JudgedVerifier(Verifier):
-    """An LLM-as-judge verifier over any agent-monitor judge; the score is the expectation over the letters.
+    """An LLM-as-judge verifier over any agent-monitor judge; the score is the expectation over the
+    letters.
 
     `judge_type` "binary" (is the prediction the reference's answer) or "comparative" (how close
     it is); `custom_prompt` replaces the instructions: a template with `{question}`, `{prediction}`
@@ -56,11 +58,15 @@ class JudgedVerifier(Verifier):
         min_mass: float | None = None,
     ) -> None:
         if judge_type not in ("binary", "comparative"):
-            raise ValueError(f"judge_type={judge_type!r}; use 'binary' or 'comparative' (or custom_prompt=)")
+            raise ValueError(
+                f"judge_type={judge_type!r}; use 'binary' or 'comparative' (or custom_prompt=)"
+            )
         if custom_prompt is not None:
             missing = [p for p in _PLACEHOLDERS if p not in custom_prompt]
             if missing:
-                raise ValueError(f"custom_prompt lacks {', '.join(missing)}; a template names all three")
+                raise ValueError(
+                    f"custom_prompt lacks {', '.join(missing)}; a template names all three"
+                )
         if not 0.0 <= threshold <= 1.0:
             raise ValueError(f"threshold={threshold}; use a score in [0, 1]")
         self._judge_or_factory = judge
@@ -72,7 +78,8 @@ class JudgedVerifier(Verifier):
 
     @property
     def judge(self) -> Judge:
-        """The judge, built on first use when a factory was given (so the SDK loads only when needed)."""
+        """The judge, built on first use when a factory was given (so the SDK loads only when
+        needed)."""
         if self._judge is None:
             j = self._judge_or_factory
             self._judge = j() if callable(j) and not hasattr(j, "grade") else j  # type: ignore[assignment]
@@ -80,28 +87,50 @@ class JudgedVerifier(Verifier):
         return self._judge
 
     def prompt(self, question: str, prediction: str, ground_truth: str) -> Prompt:
-        """The prompt one sample is graded with (question and reference first, the prediction last)."""
+        """The prompt one sample is graded with (question and reference first, the prediction
+        last)."""
         if self.custom_prompt is not None:
             text = (
                 self.custom_prompt.replace("{question}", fence(question))
                 .replace("{ground_truth}", fence(ground_truth))
                 .replace("{prediction}", fence(prediction))
             )
-            return Prompt(instructions="Answer with exactly one capital letter A..T.", prefix=(TextPart(text),),
-                          tail=(), criterion="correct", step=1)  # fmt: skip
+            return Prompt(
+                instructions="Answer with exactly one capital letter A..T.",
+                prefix=(TextPart(text),),
+                tail=(),
+                criterion="correct",
+                step=1,
+            )
         instructions = _INSTRUCTIONS if self.judge_type == "binary" else _COMPARATIVE
-        head = f"## Question\n{fence(question)}\n\n## Reference answer\n{fence_inline(ground_truth)}\n"
-        tail = f"\n## Prediction\n{fence(prediction)}\n\nReply with one letter from A (wrong) to T (right).\n"
-        return Prompt(instructions=instructions, prefix=(TextPart(head),), tail=(TextPart(tail),),
-                      criterion="correct", step=1)  # fmt: skip
+        head = (
+            f"## Question\n{fence(question)}\n\n## Reference answer\n{fence_inline(ground_truth)}\n"
+        )
+        tail = (
+            f"\n## Prediction\n{fence(prediction)}\n\nReply with one letter from A (wrong) "
+            "to T (right).\n"
+        )
+        return Prompt(
+            instructions=instructions,
+            prefix=(TextPart(head),),
+            tail=(TextPart(tail),),
+            criterion="correct",
+            step=1,
+        )
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         try:
             judge = self.judge
-            request = JudgeRequest(prompt=self.prompt(str(question), str(prediction), str(ground_truth)))
+            request = JudgeRequest(
+                prompt=self.prompt(str(question), str(prediction), str(ground_truth))
+            )
             response = run_blocking(judge, functools.partial(judge.grade, request), "verify")
             min_mass = recommended_min_mass(judge) if self.min_mass is None else self.min_mass
-            cs = score_samples("correct", 1.0, response.samples, repeats=1, min_mass=min_mass, draws=response.draws)
+            cs = score_samples(
+                "correct", 1.0, response.samples, repeats=1, min_mass=min_mass, draws=response.draws
+            )
         except (JudgeError, ScoreError) as e:
             return self._failed(e.reason, str(e))
         except Exception as e:  # a judge's own bug is a failed call too, never a crash of the task
@@ -110,13 +139,23 @@ class JudgedVerifier(Verifier):
             cs.score,
             cs.score >= self.threshold,
             max(cs.letters, key=cs.letters.__getitem__) if cs.letters else "",
-            {"confident": True, "judge_failed": False, "uncertainty": cs.uncertainty, "mass": cs.mass,
-             "letters": cs.letters},
-        )  # fmt: skip
+            {
+                "confident": True,
+                "judge_failed": False,
+                "uncertainty": cs.uncertainty,
+                "mass": cs.mass,
+                "letters": cs.letters,
+            },
+        )
 
     @staticmethod
     def _failed(reason: str, error: str) -> VerifyResult:
-        return VerifyResult(0.0, False, "", {"judge_failed": True, "confident": True, "reason": reason, "error": error})
+        return VerifyResult(
+            0.0,
+            False,
+            "",
+            {"judge_failed": True, "confident": True, "reason": reason, "error": error},
+        )
 
 
 __all__ = ["JudgedVerifier"]

@@ -1,4 +1,5 @@
-"""The per-sample verification vocabulary (lmms-eval's shape): `VerifyResult`, `Verifier`, `Extractor`."""
+"""The per-sample verification vocabulary (lmms-eval's shape): `VerifyResult`, `Verifier`,
+`Extractor`."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from typing import Any
 
 @dataclass
 class VerifyResult:
-    """One sample's verdict: a score on [0, 1], whether it is correct, and what the verifier wants to say.
+    """One sample's verdict: a score on [0, 1], whether it is correct, and what the verifier wants
+    to say.
 
-    `metadata["confident"]` False asks a `CompositeVerifier` to try its next verifier (absent: confident);
-    `metadata["judge_failed"]` True says an LLM judge could not answer (the score is then 0, never a grade).
+    `metadata["confident"]` False asks a `CompositeVerifier` to try its next verifier (absent:
+    confident); `metadata["judge_failed"]` True says an LLM judge could not answer (the score is
+    then 0, never a grade).
     """
 
     score: float
@@ -25,10 +28,14 @@ class Verifier(abc.ABC):
     """Decides whether a prediction is correct for a question and its ground truth."""
 
     @abc.abstractmethod
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         """The verdict on one sample."""
 
-    def __call__(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def __call__(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         return self.verify(question, prediction, ground_truth, **kwargs)
 
 

@@ -9,9 +9,11 @@ from .base import Verifier, VerifyResult
 
 
 class CompositeVerifier(Verifier):
-    """Tries `verifiers` in order; stops at the first confident result (no `confident` key counts as confident).
+    """Tries `verifiers` in order; stops at the first confident result (no `confident` key counts as
+    confident).
 
-    The last verifier's result is taken whatever its confidence. `metadata["verifier_index"]` says which answered.
+    The last verifier's result is taken whatever its confidence. `metadata["verifier_index"]` says
+    which answered.
     """
 
     def __init__(self, verifiers: Sequence[Verifier]) -> None:
@@ -19,7 +21,9 @@ class CompositeVerifier(Verifier):
             raise ValueError("CompositeVerifier needs at least one verifier")
         self.verifiers = list(verifiers)
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         for i, v in enumerate(self.verifiers):
             result = v.verify(question, prediction, ground_truth, **kwargs)
             if result.metadata.get("confident", True) or i == len(self.verifiers) - 1:

@@ -1,4 +1,5 @@
-"""Per-sample extractors (lmms-eval's names), on agent-monitor's step extractors where one already does the job."""
+"""Per-sample extractors (lmms-eval's names), on agent-monitor's step extractors where one
+already does the job."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ _LETTERS = "ABCDEFGHIJ"
 
 
 class StripReasoningExtractor(Extractor):
-    """Removes `<think>...</think>` / `<thinking>...</thinking>` blocks (an unclosed one to the end)."""
+    """Removes `<think>...</think>` / `<thinking>...</thinking>` blocks (an unclosed one to the
+    end)."""
 
     def __init__(self, tag_pairs: Sequence[Sequence[str]] | None = None) -> None:
         self.tag_pairs = (
-            [tuple(p) for p in tag_pairs] if tag_pairs else [("<think>", "</think>"), ("<thinking>", "</thinking>")]
+            [tuple(p) for p in tag_pairs]
+            if tag_pairs
+            else [("<think>", "</think>"), ("<thinking>", "</thinking>")]
         )
         self._patterns = [
-            re.compile(rf"{re.escape(o)}.*?(?:{re.escape(c)}|\Z)", re.DOTALL | re.IGNORECASE) for o, c in self.tag_pairs
+            re.compile(rf"{re.escape(o)}.*?(?:{re.escape(c)}|\Z)", re.DOTALL | re.IGNORECASE)
+            for o, c in self.tag_pairs
         ]
 
     def extract(self, text: str, **kwargs: Any) -> str:
@@ -32,7 +37,8 @@ class StripReasoningExtractor(Extractor):
 
 
 class RegexExtractor(Extractor):
-    """The first match's capture group `group` (the whole match if the pattern has none), else `fallback`."""
+    """The first match's capture group `group` (the whole match if the pattern has none), else
+    `fallback`."""
 
     def __init__(self, pattern: str, group: int = 1, fallback: str = "", flags: int = 0) -> None:
         try:
@@ -46,23 +52,29 @@ class RegexExtractor(Extractor):
         m = self.regex.search(text)
         if m is None:
             return self.fallback
-        return (m.group(self.group) if self.group <= (self.regex.groups or 0) else m.group(0)).strip()
+        return (
+            m.group(self.group) if self.group <= (self.regex.groups or 0) else m.group(0)
+        ).strip()
 
 
 # Explicit answers first ("Answer: B", "the answer is (B)"), then a letter formatted as a choice.
 _EXPLICIT = re.compile(
-    r"(?:answer|option|choice)\s*(?:is|:)?\s*[:\-]?\s*\(?\s*([A-Z])\s*\)?(?![A-Za-z])", re.IGNORECASE
+    r"(?:answer|option|choice)\s*(?:is|:)?\s*[:\-]?\s*\(?\s*([A-Z])\s*\)?(?![A-Za-z])",
+    re.IGNORECASE,
 )
-# In prose a letter counts only when formatted as a choice: "(B)", "B.", "B)", "B:" (the pronoun "I" is not one).
+# In prose a letter counts only when formatted as a choice: "(B)", "B.", "B)", "B:" (the pronoun "I"
+# is not one).
 _ALONE = re.compile(r"\(([A-Z])\)|(?<![A-Za-z(])([A-Z])[.):](?![\w])")
 
 
 def mcq_letter(text: str, choices: Sequence[str] | None = None) -> str | None:
-    """The one multiple-choice letter `text` answers with ((A), A., A), "Answer: A"), or None if none or ambiguous."""
+    """The one multiple-choice letter `text` answers with ((A), A., A), "Answer: A"), or None if
+    none or ambiguous."""
     allowed = {c.upper() for c in choices} if choices else set(_LETTERS)
     stripped = text.strip()
     bare = stripped.strip("().: ").upper()
-    if len(bare) == 1 and bare in allowed:  # the whole answer is one letter, any case: "b", "(b)", "B."
+    # the whole answer is one letter, any case: "b", "(b)", "B."
+    if len(bare) == 1 and bare in allowed:
         return bare
     explicit: list[str] = [m.upper() for m in _EXPLICIT.findall(stripped) if m.upper() in allowed]
     if explicit:
@@ -72,7 +84,8 @@ def mcq_letter(text: str, choices: Sequence[str] | None = None) -> str | None:
 
 
 class MCQExtractor(Extractor):
-    """The answer's multiple-choice letter; the text unchanged when there is no single one (the verifier then says so)."""
+    """The answer's multiple-choice letter; the text unchanged when there is no single one (the
+    verifier then says so)."""
 
     def __init__(self, choices: Sequence[str] | None = None) -> None:
         self.choices = list(choices) if choices else None
@@ -83,7 +96,8 @@ class MCQExtractor(Extractor):
 
 
 class NumberExtractor(Extractor):
-    r"""`\boxed{...}` content if present, else the last number in the text (thousands commas dropped), else `fallback`."""
+    r"""`\boxed{...}` content if present, else the last number in the text (thousands commas
+    dropped), else `fallback`."""
 
     def __init__(self, fallback: str = "") -> None:
         self.fallback = fallback
@@ -95,7 +109,8 @@ class NumberExtractor(Extractor):
 
 
 class StripExtractor(Extractor):
-    """Strips whitespace and common special tokens (`</s>`, `<|im_end|>`, `<|endoftext|>`, `[/INST]`, ...)."""
+    """Strips whitespace and common special tokens (`</s>`, `<|im_end|>`, `<|endoftext|>`,
+    `[/INST]`, ...)."""
 
     def __init__(self) -> None:
         self._special = _steps.StripSpecialTokens()

@@ -1,4 +1,5 @@
-"""`GeminiVerifier`: lmms-eval's Gemini judge verifier over agent-monitor's `GeminiJudge` (logprobs)."""
+"""`GeminiVerifier`: lmms-eval's Gemini judge verifier over agent-monitor's `GeminiJudge`
+(logprobs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from ._judged import JudgedVerifier, JudgeType
 
 
 class GeminiVerifier(JudgedVerifier):
-    """Gemini as the judge (`model`, `api_key` or the environment as `GeminiJudge` reads it), or `judge=`."""
+    """Gemini as the judge (`model`, `api_key` or the environment as `GeminiJudge` reads it), or
+    `judge=`."""
 
     def __init__(
         self,
@@ -27,7 +29,9 @@ class GeminiVerifier(JudgedVerifier):
 
             return GeminiJudge(model, api_key=api_key, **options)
 
-        super().__init__(judge or build, judge_type=judge_type, custom_prompt=custom_prompt, threshold=threshold)
+        super().__init__(
+            judge or build, judge_type=judge_type, custom_prompt=custom_prompt, threshold=threshold
+        )
 
 
 __all__ = ["GeminiVerifier"]

@@ -1,4 +1,5 @@
-"""`OpenAIVerifier`: lmms-eval's LLM-as-judge verifier over agent-monitor's OpenAI-compatible judge (logprobs)."""
+"""`OpenAIVerifier`: lmms-eval's LLM-as-judge verifier over agent-monitor's OpenAI-compatible
+judge (logprobs)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from ._judged import JudgedVerifier, JudgeType
 
 
 class OpenAIVerifier(JudgedVerifier):
-    """An OpenAI-compatible judge server (`base_url`, `model`; the environment as `OpenAIJudge` reads it), or `judge=`.
+    """An OpenAI-compatible judge server (`base_url`, `model`; the environment as `OpenAIJudge`
+    reads it), or `judge=`.
 
-    The SDK loads on the first verification, not here. `response_format` is refused: the answer is one
-    letter whose logprobs are read, never free text.
+    The SDK loads on the first verification, not here. `response_format` is refused: the answer is
+    one letter whose logprobs are read, never free text.
     """
 
     def __init__(
@@ -29,7 +31,8 @@ class OpenAIVerifier(JudgedVerifier):
     ) -> None:
         if "response_format" in options:
             raise TypeError(
-                "response_format: this verifier reads the logprobs of one letter A..T, never free text; leave it out"
+                "response_format: this verifier reads the logprobs of one letter A..T, never "
+                "free text; leave it out"
             )
 
         def build() -> Judge:
@@ -37,7 +40,9 @@ class OpenAIVerifier(JudgedVerifier):
 
             return OpenAIJudge(base_url=base_url, model=model, api_key=api_key, **options)
 
-        super().__init__(judge or build, judge_type=judge_type, custom_prompt=custom_prompt, threshold=threshold)
+        super().__init__(
+            judge or build, judge_type=judge_type, custom_prompt=custom_prompt, threshold=threshold
+        )
 
 
 __all__ = ["OpenAIVerifier"]

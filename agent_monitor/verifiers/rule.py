@@ -1,4 +1,5 @@
-"""Rule verifiers (lmms-eval's names): no judge call; each says whether it is `confident` (see `composite`)."""
+"""Rule verifiers (lmms-eval's names): no judge call; each says whether it is `confident` (see
+`composite`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def _verdict(correct: bool, raw: str, *, confident: bool) -> VerifyResult:
 
 
 class ExactMatchVerifier(Verifier):
-    """Equal after stripping (and lower-casing, `ignore_case`); a mismatch is not confident (it falls through)."""
+    """Equal after stripping (and lower-casing, `ignore_case`); a mismatch is not confident (it
+    falls through)."""
 
     def __init__(self, ignore_case: bool = True, strip: bool = True) -> None:
         self.ignore_case = ignore_case
@@ -25,7 +27,9 @@ class ExactMatchVerifier(Verifier):
         text = " ".join(text.split()) if self.strip else text
         return text.lower() if self.ignore_case else text
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         p, g = self._norm(prediction), self._norm(ground_truth)
         return _verdict(p == g, f"exact_match: {p!r} vs {g!r}", confident=p == g)
 
@@ -36,8 +40,14 @@ class ContainsVerifier(Verifier):
     def __init__(self, ignore_case: bool = True) -> None:
         self.ignore_case = ignore_case
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
-        p, g = (prediction.lower(), ground_truth.lower()) if self.ignore_case else (prediction, ground_truth)
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
+        p, g = (
+            (prediction.lower(), ground_truth.lower())
+            if self.ignore_case
+            else (prediction, ground_truth)
+        )
         found = g.strip() in p
         return _verdict(found, f"contains: {g.strip()!r} in prediction: {found}", confident=found)
 
@@ -52,12 +62,17 @@ class MCQMatchVerifier(Verifier):
     def __init__(self, choices: list[str] | None = None) -> None:
         self.choices = choices
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         choices = kwargs.get("choices", self.choices)
         p, g = mcq_letter(prediction, choices), mcq_letter(ground_truth, choices)
         if p is None or g is None:
-            return _verdict(False, f"mcq_parse_fail: prediction={prediction!r} ground_truth={ground_truth!r}",
-                            confident=False)  # fmt: skip
+            return _verdict(
+                False,
+                f"mcq_parse_fail: prediction={prediction!r} ground_truth={ground_truth!r}",
+                confident=False,
+            )
         return _verdict(p == g, f"mcq_match: {p!r} vs {g!r}", confident=True)
 
 
@@ -65,7 +80,8 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 
 
 def parse_number(text: str) -> float | None:
-    """The number `text` is (or its last number), commas and `%` dropped; None when there is none."""
+    """The number `text` is (or its last number), commas and `%` dropped; None when there is
+    none."""
     t = text.strip().replace(",", "").replace("%", "").replace("\u2212", "-")
     try:
         x = float(t)
@@ -78,7 +94,8 @@ def parse_number(text: str) -> float | None:
 
 
 class NumericToleranceVerifier(Verifier):
-    """Numbers equal within `rel_tol` / `abs_tol`; not confident only when either side is not a number."""
+    """Numbers equal within `rel_tol` / `abs_tol`; not confident only when either side is not a
+    number."""
 
     def __init__(self, rel_tol: float = 1e-3, abs_tol: float = 1e-6) -> None:
         if not (rel_tol >= 0 and abs_tol >= 0):
@@ -86,13 +103,28 @@ class NumericToleranceVerifier(Verifier):
         self.rel_tol = rel_tol
         self.abs_tol = abs_tol
 
-    def verify(self, question: str, prediction: str, ground_truth: str, **kwargs: Any) -> VerifyResult:
+    def verify(
+        self, question: str, prediction: str, ground_truth: str, **kwargs: Any
+    ) -> VerifyResult:
         p, g = parse_number(prediction), parse_number(ground_truth)
         if p is None or g is None:
-            return _verdict(False, f"numeric_parse_fail: prediction={prediction!r} ground_truth={ground_truth!r}",
-                            confident=False)  # fmt: skip
+            return _verdict(
+                False,
+                f"numeric_parse_fail: prediction={prediction!r} ground_truth={ground_truth!r}",
+                confident=False,
+            )
         ok = math.isclose(p, g, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
-        return _verdict(ok, f"numeric: {p} vs {g} (rel_tol={self.rel_tol}, abs_tol={self.abs_tol})", confident=True)
+        return _verdict(
+            ok,
+            f"numeric: {p} vs {g} (rel_tol={self.rel_tol}, abs_tol={self.abs_tol})",
+            confident=True,
+        )
 
 
-__all__ = ["ContainsVerifier", "ExactMatchVerifier", "MCQMatchVerifier", "NumericToleranceVerifier", "parse_number"]
+__all__ = [
+    "ContainsVerifier",
+    "ExactMatchVerifier",
+    "MCQMatchVerifier",
+    "NumericToleranceVerifier",
+    "parse_number",
+]

@@ -1,4 +1,5 @@
-"""The MQTT wire protocol: topics, payload models, decoding, JSON Schemas, broker settings and the harness client.
+"""The MQTT wire protocol: topics, payload models, decoding, JSON Schemas, broker settings and the
+harness client.
 
 Topics (prefix `agents` by default, configurable, may have several levels):
 

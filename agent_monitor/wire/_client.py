@@ -1,4 +1,5 @@
-"""A small synchronous MQTT client for harnesses: publish a run's start, steps and end; read back progress and signals.
+"""A small synchronous MQTT client for harnesses: publish a run's start, steps and end; read back
+progress and signals.
 
     with MonitorClient("mqtt://127.0.0.1:1883") as mon:
         run = mon.start_run("run-1", task="Fix the failing test", policy={"abort_below": 0.2})
@@ -8,9 +9,10 @@
                 break
         run.end("success")
 
-Built on paho-mqtt 2 with its own network thread, MQTT 3.1.1 (works with every broker). Inputs are validated
-with the wire-protocol models before anything is sent. Steps are QoS 1 and do not wait for the broker: while the
-connection is down paho queues them and sends them after it reconnects. `start_run` and `end` wait for the PUBACK.
+Built on paho-mqtt 2 with its own network thread, MQTT 3.1.1 (works with every broker). Inputs are
+validated with the wire-protocol models before anything is sent. Steps are QoS 1 and do not wait for
+the broker: while the connection is down paho queues them and sends them after it reconnects.
+`start_run` and `end` wait for the PUBACK.
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ from ._inputs import OUTPUT_KINDS, ImageIn, RunEnd, RunStart, StepIn, errors_top
 from ._outputs import ErrorOut, ProgressOut, SignalOut
 from ._settings import DEFAULT_BROKER, BrokerSettings
 
-# What a run's client reads: every output kind but `state` (a viewer's: `top` lists live runs from it).
+# What a run's client reads: every output kind but `state` (a viewer's: `top` lists live runs from
+# it).
 _READS = tuple(k for k in OUTPUT_KINDS if k != "state")
 
 log = structlog.get_logger("agent_monitor.client")
 
 ImageArg: TypeAlias = bytes | bytearray | str | ImageIn
-"""An image for a step or a start: encoded bytes (PNG, JPEG, GIF, WebP), base64 / data URL text, or an ImageIn."""
+"""An image for a step or a start: encoded bytes (PNG, JPEG, GIF, WebP), base64 / data URL text,
+or an ImageIn."""
 SignalName: TypeAlias = Signal
 _OUTPUT_MODELS: dict[str, type[SignalOut] | type[ProgressOut] | type[ErrorOut]] = {
     "signal": SignalOut,
@@ -54,7 +58,8 @@ _OUTPUT_MODELS: dict[str, type[SignalOut] | type[ProgressOut] | type[ErrorOut]] 
 
 
 def _validated(model: type[BaseModel], payload: dict[str, Any], kind: str) -> None:
-    """Check a payload against its wire model; raise ValueError with the model's one-line message."""
+    """Check a payload against its wire model; raise ValueError with the model's one-line
+    message."""
     try:
         model.model_validate(payload)
     except ValidationError as e:
@@ -62,21 +67,24 @@ def _validated(model: type[BaseModel], payload: dict[str, Any], kind: str) -> No
 
 
 def _image(image: ImageArg) -> dict[str, Any]:
-    """The wire form `{"data": base64, "mime": sniffed}` of one image argument; ValueError if it is not an image."""
+    """The wire form `{"data": base64, "mime": sniffed}` of one image argument; ValueError if it
+    is not an image."""
     try:
         if isinstance(image, bytes | bytearray):
             img = ImageIn.from_bytes(bytes(image))
         elif isinstance(image, ImageIn):
             img = image
         else:
-            img = ImageIn.model_validate(image)  # base64 or data URL text; paths get the model's own message
+            # base64 or data URL text; paths get the model's own message
+            img = ImageIn.model_validate(image)
     except ValidationError as e:
         raise ValueError(f"image: {summarise(e)[1]}") from None
     return {"data": img.data, "mime": img.mime}
 
 
 class Run:
-    """One run on the monitor: send its steps and end, read back its latest progress, signal and errors."""
+    """One run on the monitor: send its steps and end, read back its latest progress, signal and
+    errors."""
 
     def __init__(
         self,
@@ -91,15 +99,18 @@ class Run:
         self._client = client
         self._on_signal = on_signal
         self._on_progress = on_progress
-        self._cond = threading.Condition()  # paho's thread writes the state below, the harness reads it
-        self._send_lock = threading.Lock()  # keeps steps in index order; never taken by paho's thread
+        # paho's thread writes the state below, the harness reads it
+        self._cond = threading.Condition()
+        # keeps steps in index order; never taken by paho's thread
+        self._send_lock = threading.Lock()
         self._next_index = 1
         self._ended = False
         self._signal: SignalOut | None = None
         self._progress: ProgressOut | None = None
         self._furthest: ProgressOut | None = None  # the progress with the highest step seen
         self._errors: list[ErrorOut] = []
-        # Steps sent and not yet scored (the monitor's progress acknowledges them), for `resend` requests.
+        # Steps sent and not yet scored (the monitor's progress acknowledges them), for `resend`
+        # requests.
         self._unacked: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self.resent = 0
         """Steps sent again because the monitor asked (`{prefix}/{run_id}/resend`)."""
@@ -117,10 +128,13 @@ class Run:
         meta: Mapping[str, Any] | None = None,
         index: int | None = None,
     ) -> int:
-        """Publish one step (QoS 1, no wait for the broker) and return its index (auto-numbered 1, 2, ...)."""
+        """Publish one step (QoS 1, no wait for the broker) and return its index (auto-numbered
+        1, 2, ...)."""
         with self._send_lock:
             if self._ended:
-                raise RuntimeError(f"run {self.run_id!r} has ended; start a new run to send more steps")
+                raise RuntimeError(
+                    f"run {self.run_id!r} has ended; start a new run to send more steps"
+                )
             idx = self._next_index if index is None else index
             payload: dict[str, Any] = {"index": idx, "text": text, "ts": time.time()}
             if imgs := [_image(i) for i in images]:
@@ -128,17 +142,21 @@ class Run:
             if meta is not None:
                 payload["meta"] = dict(meta)
             _validated(StepIn, payload, "step")
-            self._client._publish(topic(self._client.prefix, self.run_id, "step"), payload, wait=False)
+            self._client._publish(
+                topic(self._client.prefix, self.run_id, "step"), payload, wait=False
+            )
             with self._cond:
                 self._unacked[idx] = payload
                 while len(self._unacked) > self._client.resend_buffer:
-                    self._unacked.popitem(last=False)  # bounded: the oldest unacknowledged step cannot be re-sent
+                    # bounded: the oldest unacknowledged step cannot be re-sent
+                    self._unacked.popitem(last=False)
             # An explicit index (e.g. best_step + 1 after a rollback) restarts the numbering there.
             self._next_index = idx + 1
             return idx
 
     def end(self, outcome: Literal["success", "failure"] | float | None = None) -> None:
-        """Publish the end of the run (QoS 1) and wait for the broker's PUBACK; a second call does nothing."""
+        """Publish the end of the run (QoS 1) and wait for the broker's PUBACK; a second call
+        does nothing."""
         with self._send_lock:
             if self._ended:
                 return
@@ -149,7 +167,9 @@ class Run:
             _validated(RunEnd, payload, "end")
             self._ended = True
             try:
-                self._client._publish(topic(self._client.prefix, self.run_id, "end"), payload, wait=True)
+                self._client._publish(
+                    topic(self._client.prefix, self.run_id, "end"), payload, wait=True
+                )
             finally:
                 self._client._forget(self)
 
@@ -174,7 +194,8 @@ class Run:
 
     @property
     def pruned(self) -> bool:
-        """Whether the latest signal is a prune: an abort because the run's group siblings are far ahead."""
+        """Whether the latest signal is a prune: an abort because the run's group siblings are
+        far ahead."""
         s = self.signal
         return s is not None and s.signal == "abort" and s.pruned
 
@@ -186,7 +207,8 @@ class Run:
 
     @property
     def is_done(self) -> bool:
-        """Whether the latest signal says `done`: the score held above the threshold failing runs rarely pass."""
+        """Whether the latest signal says `done`: the score held above the threshold failing runs
+        rarely pass."""
         s = self.signal
         return s is not None and s.signal == "done"
 
@@ -209,16 +231,22 @@ class Run:
             return list(self._errors)
 
     def wait_progress(self, step: int, timeout: float = 30.0) -> ProgressOut:
-        """Block until a progress message for step >= `step` has arrived and return it; TimeoutError otherwise."""
+        """Block until a progress message for step >= `step` has arrived and return it;
+        TimeoutError otherwise."""
         self._client._check_not_network_thread("wait_progress")
         with self._cond:
-            if not self._cond.wait_for(lambda: self._furthest is not None and self._furthest.step >= step, timeout):
-                raise TimeoutError(f"no progress for step {step} of run {self.run_id!r} within {timeout}s")
+            if not self._cond.wait_for(
+                lambda: self._furthest is not None and self._furthest.step >= step, timeout
+            ):
+                raise TimeoutError(
+                    f"no progress for step {step} of run {self.run_id!r} within {timeout}s"
+                )
             assert self._furthest is not None
             return self._furthest
 
     def wait_signal(self, signal: SignalName | None = None, timeout: float = 30.0) -> SignalOut:
-        """Block until the latest signal is `signal` (any signal when None) and return it; TimeoutError otherwise."""
+        """Block until the latest signal is `signal` (any signal when None) and return it;
+        TimeoutError otherwise."""
         self._client._check_not_network_thread("wait_signal")
 
         def ready() -> bool:
@@ -226,12 +254,15 @@ class Run:
 
         with self._cond:
             if not self._cond.wait_for(ready, timeout):
-                raise TimeoutError(f"no {signal or 'any'} signal for run {self.run_id!r} within {timeout}s")
+                raise TimeoutError(
+                    f"no {signal or 'any'} signal for run {self.run_id!r} within {timeout}s"
+                )
             assert self._signal is not None
             return self._signal
 
     def _resend(self, payload: bytes) -> None:
-        """The monitor asks for the steps from index N again (a gap it cannot fill): re-publish the buffered ones."""
+        """The monitor asks for the steps from index N again (a gap it cannot fill): re-publish
+        the buffered ones."""
         try:
             first = json.loads(payload)["from"]
             if isinstance(first, bool) or not isinstance(first, int):
@@ -246,7 +277,8 @@ class Run:
         self.resent += len(again)
 
     def _deliver(self, kind: str, payload: bytes) -> None:
-        """Take one message from the run's output topics (paho's thread); malformed ones are logged and dropped."""
+        """Take one message from the run's output topics (paho's thread); malformed ones are
+        logged and dropped."""
         if kind == "resend":
             self._resend(payload)
             return
@@ -261,7 +293,9 @@ class Run:
         try:
             msg = model.model_validate_json(payload)
         except ValidationError as e:
-            log.warning("ignoring malformed message", run_id=self.run_id, kind=kind, error=summarise(e)[1])
+            log.warning(
+                "ignoring malformed message", run_id=self.run_id, kind=kind, error=summarise(e)[1]
+            )
             return
         if getattr(msg, "run_id", self.run_id) not in (self.run_id, None):
             log.warning("ignoring message for another run", run_id=self.run_id, kind=kind)
@@ -270,7 +304,8 @@ class Run:
             if isinstance(msg, SignalOut):
                 self._signal = msg
             elif isinstance(msg, ProgressOut):
-                for i in [i for i in self._unacked if i <= msg.step]:  # scored: the monitor has them
+                # scored: the monitor has them
+                for i in [i for i in self._unacked if i <= msg.step]:
                     del self._unacked[i]
                 self._progress = msg
                 if self._furthest is None or msg.step >= self._furthest.step:
@@ -279,7 +314,9 @@ class Run:
                 self._errors.append(msg)
             self._cond.notify_all()
         if isinstance(msg, ErrorOut):
-            log.warning("monitor refused an event", run_id=self.run_id, reason=msg.reason, error=msg.error)
+            log.warning(
+                "monitor refused an event", run_id=self.run_id, reason=msg.reason, error=msg.error
+            )
         elif isinstance(msg, SignalOut) and self._on_signal is not None:
             self._call(self._on_signal, msg)
         elif isinstance(msg, ProgressOut) and self._on_progress is not None:
@@ -288,8 +325,13 @@ class Run:
     def _call(self, callback: Callable[[Any], None], msg: BaseModel) -> None:
         try:
             callback(msg)
-        except Exception:  # a harness callback bug must not stop paho's thread (it would stop all delivery)
-            log.exception("run callback failed", run_id=self.run_id, callback=getattr(callback, "__name__", "?"))
+        # a harness callback bug must not stop paho's thread (it would stop all delivery)
+        except Exception:
+            log.exception(
+                "run callback failed",
+                run_id=self.run_id,
+                callback=getattr(callback, "__name__", "?"),
+            )
 
 
 class MonitorClient:
@@ -313,23 +355,34 @@ class MonitorClient:
         resend_buffer: int = 1000,
     ) -> None:
         settings = BrokerSettings.from_url(
-            broker_url, username=username, password=password, ca_file=ca_file, cert_file=cert_file, key_file=key_file
+            broker_url,
+            username=username,
+            password=password,
+            ca_file=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
         )
-        errors_topic(prefix)  # raises TopicError (a ValueError) for a bad prefix, before any connection
+        # raises TopicError (a ValueError) for a bad prefix, before any connection
+        errors_topic(prefix)
         self.prefix = prefix
         self.url = settings.url
         self.ack_timeout = ack_timeout
-        # The monitor's --outcome-secret: each end's outcome is signed with it (never sent, never logged).
+        # The monitor's --outcome-secret: each end's outcome is signed with it (never sent, never
+        # logged).
         self._outcome_secret = outcome_secret
         self._group_secret = group_secret  # likewise for joining groups (--group-secret)
         if resend_buffer < 0:
-            raise ValueError(f"resend_buffer={resend_buffer}; use 0 (none) or more steps kept per run")
+            raise ValueError(
+                f"resend_buffer={resend_buffer}; use 0 (none) or more steps kept per run"
+            )
         self.resend_buffer = resend_buffer
-        """Unscored steps kept per run to answer the monitor's resend requests (the oldest go first)."""
+        """Unscored steps kept per run to answer the monitor's resend requests (the oldest go
+        first)."""
         self._cond = threading.Condition()
         self._runs: dict[str, Run] = {}
         self._sub_acks: dict[int, list[ReasonCode]] = {}
-        self._ignored_subs: set[int] = set()  # SUBACKs nobody waits for (resubscriptions, timed-out waits)
+        # SUBACKs nobody waits for (resubscriptions, timed-out waits)
+        self._ignored_subs: set[int] = set()
         self._pending: list[mqtt.MQTTMessageInfo] = []  # un-acknowledged steps, flushed by close()
         self._prune_at = 64
         self._connected = False
@@ -352,7 +405,8 @@ class MonitorClient:
         c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
-        c.suppress_exceptions = True  # a bug in a callback must not end the network thread (our callbacks also log)
+        # a bug in a callback must not end the network thread (our callbacks also log)
+        c.suppress_exceptions = True
         self._client = c
         self._connect(settings, connect_timeout)
 
@@ -360,7 +414,10 @@ class MonitorClient:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -383,13 +440,18 @@ class MonitorClient:
         self._client.loop_start()
         with self._cond:
             self._cond.wait_for(
-                lambda: self._connected or self._refused is not None, max(0.0, deadline - time.monotonic())
+                lambda: self._connected or self._refused is not None,
+                max(0.0, deadline - time.monotonic()),
             )
             connected, refused = self._connected, self._refused
         if not connected:
             self._client.disconnect()
             self._client.loop_stop()
-            why = f"refused the connection: {refused}" if refused else f"did not answer (no CONNACK) within {timeout}s"
+            why = (
+                f"refused the connection: {refused}"
+                if refused
+                else (f"did not answer (no CONNACK) within {timeout}s")
+            )
             raise ConnectionError(f"the MQTT broker at {self.url} {why}")
 
     def start_run(
@@ -406,16 +468,29 @@ class MonitorClient:
         on_progress: Callable[[ProgressOut], None] | None = None,
         group: str | None = None,
     ) -> Run:
-        """Subscribe to the run's outputs, publish its start (QoS 1) and wait for the PUBACK; return the Run.
+        """Subscribe to the run's outputs, publish its start (QoS 1) and wait for the PUBACK; return
+        the Run.
 
-        `group` makes the run a sibling of the runs started with the same group (best of N): ranked together on
-        `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when far behind them.
+        `group` makes the run a sibling of the runs started with the same group (best of N): ranked
+        together on `{prefix}/_groups/{group}/ranking`, and pruned (an abort with `pruned` set) when
+        far behind them.
         """
-        filters = [topic(self.prefix, run_id, k) for k in _READS]  # raises TopicError for a bad run id
+        # raises TopicError for a bad run id
+        filters = [topic(self.prefix, run_id, k) for k in _READS]
         started_at = round(time.time(), 3)
         payload: dict[str, Any] = {"task": task, "started_at": started_at}
-        optional = {"criteria": criteria, "policy": policy, "labels": labels, "family": family, "group": group}
-        payload |= {k: dict(v) if isinstance(v, Mapping) else v for k, v in optional.items() if v is not None}
+        optional = {
+            "criteria": criteria,
+            "policy": policy,
+            "labels": labels,
+            "family": family,
+            "group": group,
+        }
+        payload |= {
+            k: dict(v) if isinstance(v, Mapping) else v
+            for k, v in optional.items()
+            if v is not None
+        }
         if imgs := [_image(i) for i in images]:
             payload["images"] = imgs
         if group is not None and self._group_secret is not None:
@@ -427,7 +502,10 @@ class MonitorClient:
             if self._closed:
                 raise RuntimeError("the MonitorClient is closed")
             if run_id in self._runs:
-                raise ValueError(f"run {run_id!r} is already active on this client; end it first or use another id")
+                raise ValueError(
+                    f"run {run_id!r} is already active on this client; end it "
+                    "first or use another id"
+                )
             self._runs[run_id] = run  # from here on, reconnects resubscribe it
             generation = self._generation
         try:
@@ -439,7 +517,8 @@ class MonitorClient:
         return run
 
     def close(self) -> None:
-        """Wait (up to ack_timeout) for unacknowledged steps, then disconnect; runs not ended stay open."""
+        """Wait (up to ack_timeout) for unacknowledged steps, then disconnect; runs not ended
+        stay open."""
         with self._cond:
             if self._closed:
                 return
@@ -460,18 +539,24 @@ class MonitorClient:
     def _publish(self, topic_: str, payload: dict[str, Any], *, wait: bool) -> None:
         if self._closed:  # paho would queue it forever without a network thread
             raise RuntimeError("the MonitorClient is closed")
-        data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        data = json.dumps(
+            payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode()
         info = self._client.publish(topic_, data, qos=1)
         if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
-            # paho keeps QoS 1 messages published while disconnected and sends them after reconnecting, but
-            # leaves rc at NO_CONN, so wait_for_publish / is_published would raise although it is queued.
+            # paho keeps QoS 1 messages published while disconnected and sends them after
+            # reconnecting, but leaves rc at NO_CONN, so wait_for_publish / is_published would raise
+            # although it is queued.
             info.rc = MQTTErrorCode.MQTT_ERR_SUCCESS
         elif info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
-            raise ConnectionError(f"cannot publish to {topic_} at {self.url}: {mqtt.error_string(info.rc)}")
+            raise ConnectionError(
+                f"cannot publish to {topic_} at {self.url}: {mqtt.error_string(info.rc)}"
+            )
         if not wait:
             with self._cond:
                 self._pending.append(info)
-                if len(self._pending) >= self._prune_at:  # doubling keeps pruning cheap while the broker is away
+                # doubling keeps pruning cheap while the broker is away
+                if len(self._pending) >= self._prune_at:
                     self._pending = [i for i in self._pending if not i.is_published()]
                     self._prune_at = max(64, 2 * len(self._pending))
             return
@@ -480,7 +565,8 @@ class MonitorClient:
         info.wait_for_publish(self.ack_timeout)
         if not info.is_published():
             raise TimeoutError(
-                f"no PUBACK for {topic_} from {self.url} within {self.ack_timeout}s; it stays queued until reconnect"
+                f"no PUBACK for {topic_} from {self.url} within {self.ack_timeout}s; it stays "
+                "queued until reconnect"
             )
 
     def _subscribe(self, filters: list[str], generation: int) -> None:
@@ -488,21 +574,30 @@ class MonitorClient:
         if rc == MQTTErrorCode.MQTT_ERR_NO_CONN:
             return  # on_connect subscribes every active run, before paho re-sends the queued start
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-            raise ConnectionError(f"cannot subscribe to {filters[0]} at {self.url}: {mqtt.error_string(rc)}")
+            raise ConnectionError(
+                f"cannot subscribe to {filters[0]} at {self.url}: {mqtt.error_string(rc)}"
+            )
         if self._in_network_thread():  # in a callback: the SUBACK cannot be read before it returns
             with self._cond:
                 self._ignored_subs.add(mid)
             return
         with self._cond:
-            # A reconnect in between also counts: on_connect resubscribed this run on the new connection.
-            ok = self._cond.wait_for(lambda: mid in self._sub_acks or self._generation != generation, self.ack_timeout)
+            # A reconnect in between also counts: on_connect resubscribed this run on the new
+            # connection.
+            ok = self._cond.wait_for(
+                lambda: mid in self._sub_acks or self._generation != generation, self.ack_timeout
+            )
             codes = self._sub_acks.pop(mid, [])
             if not ok:
                 self._ignored_subs.add(mid)
         if not ok:
-            raise TimeoutError(f"no SUBACK for {filters[0]} from {self.url} within {self.ack_timeout}s")
+            raise TimeoutError(
+                f"no SUBACK for {filters[0]} from {self.url} within {self.ack_timeout}s"
+            )
         if any(c.is_failure for c in codes):
-            raise PermissionError(f"the broker at {self.url} refused the subscription to {', '.join(filters)}")
+            raise PermissionError(
+                f"the broker at {self.url} refused the subscription to {', '.join(filters)}"
+            )
 
     def _forget(self, run: Run) -> None:
         with self._cond:
@@ -510,7 +605,8 @@ class MonitorClient:
                 return
             del self._runs[run.run_id]
             closed = self._closed
-        if not closed:  # best effort: a failed unsubscribe only costs a few late messages, which are dropped
+        # best effort: a failed unsubscribe only costs a few late messages, which are dropped
+        if not closed:
             self._client.unsubscribe([topic(self.prefix, run.run_id, k) for k in _READS])
 
     def _in_network_thread(self) -> bool:
@@ -518,12 +614,20 @@ class MonitorClient:
 
     def _check_not_network_thread(self, what: str) -> None:
         if self._in_network_thread():
-            raise RuntimeError(f"{what} cannot be called from an on_signal/on_progress callback (it would deadlock)")
+            raise RuntimeError(
+                f"{what} cannot be called from an on_signal/on_progress "
+                "callback (it would deadlock)"
+            )
 
     # -- paho callbacks (network thread) --
 
     def _on_connect(
-        self, client: mqtt.Client, _: Any, flags: mqtt.ConnectFlags, reason: ReasonCode, props: Properties | None
+        self,
+        client: mqtt.Client,
+        _: Any,
+        flags: mqtt.ConnectFlags,
+        reason: ReasonCode,
+        props: Properties | None,
     ) -> None:
         self._net_thread = threading.get_ident()
         if reason.is_failure:
@@ -543,23 +647,33 @@ class MonitorClient:
         if self._generation > 1:
             log.info("reconnected to the broker", broker=self.url, runs=len(runs))
         if runs:
-            # clean_session: the broker forgot our subscriptions. Queued publishes are re-sent after this
-            # callback returns, so the subscriptions precede them on the wire. Their SUBACK cannot be read
-            # before this callback returns either (same thread), so registering the mid afterwards is safe.
-            rc, mid = client.subscribe([(topic(self.prefix, r.run_id, k), 1) for r in runs for k in _READS])
+            # clean_session: the broker forgot our subscriptions. Queued publishes are re-sent after
+            # this callback returns, so the subscriptions precede them on the wire. Their SUBACK
+            # cannot be read before this callback returns either (same thread), so registering the
+            # mid afterwards is safe.
+            rc, mid = client.subscribe(
+                [(topic(self.prefix, r.run_id, k), 1) for r in runs for k in _READS]
+            )
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and mid is not None:
                 with self._cond:
                     self._ignored_subs.add(mid)
 
     def _on_disconnect(
-        self, _c: mqtt.Client, _: Any, flags: mqtt.DisconnectFlags, reason: ReasonCode, props: Properties | None
+        self,
+        _c: mqtt.Client,
+        _: Any,
+        flags: mqtt.DisconnectFlags,
+        reason: ReasonCode,
+        props: Properties | None,
     ) -> None:
         with self._cond:
             self._connected = False
             closing = self._closed
             self._cond.notify_all()
         if not closing:
-            log.warning("lost the broker connection; reconnecting", broker=self.url, reason=str(reason))
+            log.warning(
+                "lost the broker connection; reconnecting", broker=self.url, reason=str(reason)
+            )
 
     def _on_subscribe(
         self, _c: mqtt.Client, _: Any, mid: int, codes: list[ReasonCode], props: Properties | None

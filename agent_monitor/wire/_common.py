@@ -1,4 +1,5 @@
-"""Small helpers shared by the wire modules: clipping text for messages, pydantic errors, JSON checks."""
+"""Small helpers shared by the wire modules: clipping text for messages, pydantic errors, JSON
+checks."""
 
 from __future__ import annotations
 
@@ -15,14 +16,17 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}$"
 """A run id's grammar: one safe topic level of 1 to 128 characters, not starting with `_`."""
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
 GroupName = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN, max_length=MAX_RUN_ID_CHARS)]
-"""A group name has a run id's grammar: it becomes one topic level (`{prefix}/_groups/{group}/ranking`)."""
+"""A group name has a run id's grammar: it becomes one topic level
+(`{prefix}/_groups/{group}/ranking`)."""
 RankedGroup = Annotated[
     str,
     StringConstraints(
-        pattern=r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}(~[0-9a-f]{12})?$", max_length=MAX_RUN_ID_CHARS + 13
+        pattern=r"^[A-Za-z0-9.:-][A-Za-z0-9._:-]{0,127}(~[0-9a-f]{12})?$",
+        max_length=MAX_RUN_ID_CHARS + 13,
     ),
 ]
-"""The group a ranking is of: a group name, or one split off it, `{group}~{key}` (the runs of another task or rubric)."""
+"""The group a ranking is of: a group name, or one split off it, `{group}~{key}` (the runs of
+another task or rubric)."""
 
 
 def clip(s: str, n: int = 80) -> str:
@@ -54,7 +58,9 @@ JSON_TYPES: dict[type, str] = {
 def check_json_value(value: object, where: str, depth: int = 0) -> None:
     """Refuse nesting deeper than MAX_META_DEPTH and non-finite numbers in free-form JSON."""
     if depth > MAX_META_DEPTH:
-        raise err("too_deep", f"{where} is nested more than {MAX_META_DEPTH} levels deep; flatten it")
+        raise err(
+            "too_deep", f"{where} is nested more than {MAX_META_DEPTH} levels deep; flatten it"
+        )
     if isinstance(value, float) and not math.isfinite(value):
         raise err("not_finite", f"{where} holds {value}; numbers must be finite")
     if isinstance(value, Mapping):

@@ -1,9 +1,10 @@
-"""The input side of the wire in one place: the topic grammar, the payloads, and decoding a message into an event.
+"""The input side of the wire in one place: the topic grammar, the payloads, and decoding a message
+into an event.
 
-Topics are `{prefix}/{run_id}/{kind}` with run ids that are one safe topic level (`Topics` precomputes the
-names). Input payloads (start, step, end) are strict pydantic models with every field bounded; unknown fields
-are ignored. `decode_event` turns one MQTT message into an input event, or an `EventError` with a reason and a
-one-line message.
+Topics are `{prefix}/{run_id}/{kind}` with run ids that are one safe topic level (`Topics`
+precomputes the names). Input payloads (start, step, end) are strict pydantic models with every
+field bounded; unknown fields are ignored. `decode_event` turns one MQTT message into an input
+event, or an `EventError` with a reason and a one-line message.
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
-from ..criteria import CriteriaError, Rubric, RubricBounds, bundled_criteria, check_bounds, load_criteria
+from ..criteria import (
+    CriteriaError,
+    Rubric,
+    RubricBounds,
+    bundled_criteria,
+    check_bounds,
+    load_criteria,
+)
 from ..images import sniff_mime
 from ..policy import Policy, PolicyError
 from ._common import JSON_TYPES, GroupName, check_json_value, clip, err, none_to
@@ -79,45 +87,64 @@ class TopicError(ValueError):
     typo such as `steps`), else `bad_topic`.
     """
 
-    def __init__(self, message: str, *, reason: Literal["bad_topic", "unknown_topic"] = "bad_topic") -> None:
+    def __init__(
+        self, message: str, *, reason: Literal["bad_topic", "unknown_topic"] = "bad_topic"
+    ) -> None:
         super().__init__(message)
         self.reason: Literal["bad_topic", "unknown_topic"] = reason
 
 
 def check_run_id(run_id: object) -> str:
-    """Return `run_id` if it is a valid run id (one safe topic level); raise TopicError saying why not."""
+    """Return `run_id` if it is a valid run id (one safe topic level); raise TopicError saying
+    why not."""
     if not isinstance(run_id, str):
         raise TopicError(f"run id must be a string, got {type(run_id).__name__}")
     if not run_id:
         raise TopicError("run id is empty; use 1-128 characters from A-Z a-z 0-9 . _ : -")
     if len(run_id) > MAX_RUN_ID_CHARS:
-        raise TopicError(f"run id has {len(run_id)} characters, over the limit of {MAX_RUN_ID_CHARS}")
+        raise TopicError(
+            f"run id has {len(run_id)} characters, over the limit of {MAX_RUN_ID_CHARS}"
+        )
     if any(c in run_id for c in "/+#\x00"):
-        raise TopicError(f"run id {clip(run_id)!r} contains '/', '+', '#' or NUL; it must be one topic level")
+        raise TopicError(
+            f"run id {clip(run_id)!r} contains '/', '+', '#' or NUL; it must be one topic level"
+        )
     if run_id.startswith("_"):
-        raise TopicError(f"run id {clip(run_id)!r} starts with '_', which is reserved for the monitor's topics")
+        raise TopicError(
+            f"run id {clip(run_id)!r} starts with '_', which is reserved for the monitor's topics"
+        )
     if run_id in (".", "..") or not _RUN_ID.fullmatch(run_id):
-        raise TopicError(f"run id {clip(run_id)!r} is not allowed; use 1-128 characters from A-Z a-z 0-9 . _ : -")
+        raise TopicError(
+            f"run id {clip(run_id)!r} is not allowed; use 1-128 characters from A-Z a-z 0-9 . _ : -"
+        )
     return run_id
 
 
 def check_prefix(prefix: str) -> str:
     levels = prefix.split("/")
     if not prefix or any(not lv for lv in levels) or any(c in prefix for c in "+#\x00"):
-        raise TopicError(f"topic prefix {clip(prefix)!r} is invalid; use levels without '+', '#', NUL or empty parts")
+        raise TopicError(
+            f"topic prefix {clip(prefix)!r} is invalid; use levels without '+', "
+            "'#', NUL or empty parts"
+        )
     return prefix
 
 
 def parse_topic(topic: str, prefix: str = "agents") -> tuple[str, Kind]:
-    """Split an input topic `{prefix}/{run_id}/{start|step|end}` into (run_id, kind); raise TopicError."""
+    """Split an input topic `{prefix}/{run_id}/{start|step|end}` into (run_id, kind); raise
+    TopicError."""
     check_prefix(prefix)
     if not topic.startswith(prefix + "/"):
         raise TopicError(
-            f"topic {clip(topic)!r} is not under {prefix!r}; publish to {prefix}/<run_id>/<start|step|end>"
+            f"topic {clip(topic)!r} is not under {prefix!r}; publish to "
+            f"{prefix}/<run_id>/<start|step|end>"
         )
     parts = topic[len(prefix) + 1 :].split("/")
     if len(parts) != 2:
-        raise TopicError(f"topic {clip(topic)!r} has the wrong depth; publish to {prefix}/<run_id>/<start|step|end>")
+        raise TopicError(
+            f"topic {clip(topic)!r} has the wrong depth; publish to "
+            f"{prefix}/<run_id>/<start|step|end>"
+        )
     run_id, kind = parts
     check_run_id(run_id)
     if kind == "start":
@@ -134,23 +161,28 @@ def parse_topic(topic: str, prefix: str = "agents") -> tuple[str, Kind]:
     guess = difflib.get_close_matches(kind.lower(), INPUT_KINDS, n=1, cutoff=0.6)
     hint = f"{prefix}/{run_id}/{guess[0]}" if guess else f"{prefix}/{run_id}/<start|step|end>"
     raise TopicError(
-        f"unknown topic {clip(topic)!r}: the monitor reads only {prefix}/<run_id>/start, step and end, "
+        f"unknown topic {clip(topic)!r}: the monitor reads only {prefix}/<run_id>/start, step "
+        "and end, "
         f"not {clip(kind, 40)!r}; publish to {hint}",
         reason="unknown_topic",
     )
 
 
 def topic(prefix: str, run_id: str, kind: str) -> str:
-    """The topic `{prefix}/{run_id}/{kind}` for an input or output kind (progress, signal, error, ...)."""
+    """The topic `{prefix}/{run_id}/{kind}` for an input or output kind (progress, signal, error,
+    ...)."""
     check_prefix(prefix)
     check_run_id(run_id)
     if kind not in INPUT_KINDS + OUTPUT_KINDS:
-        raise TopicError(f"unknown topic kind {kind!r}; use one of {', '.join(INPUT_KINDS + OUTPUT_KINDS)}")
+        raise TopicError(
+            f"unknown topic kind {kind!r}; use one of {', '.join(INPUT_KINDS + OUTPUT_KINDS)}"
+        )
     return f"{prefix}/{run_id}/{kind}"
 
 
 def ranking_topic(prefix: str, group: str) -> str:
-    """The retained ranking topic of a group: `{prefix}/_groups/{group}/ranking` (a group name is a run id's grammar)."""
+    """The retained ranking topic of a group: `{prefix}/_groups/{group}/ranking` (a group name is
+    a run id's grammar)."""
     check_prefix(prefix)
     try:
         check_run_id(group)
@@ -170,7 +202,8 @@ def input_filters(prefix: str = "agents") -> list[str]:
 
 
 class Topics:
-    """The topic names under one prefix, checked once: building a name for a run id already checked costs a join.
+    """The topic names under one prefix, checked once: building a name for a run id already checked
+    costs a join.
 
     The daemon builds every output topic from run ids that decoding validated, so nothing is
     validated again on the way out.
@@ -180,13 +213,15 @@ class Topics:
         self.prefix = check_prefix(prefix)
         self.errors = f"{prefix}/{ERRORS_LEVEL}"
         self.subscription = f"{prefix}/+/+"
-        """What the daemon subscribes to: every input, and every misspelt one (reported as unknown_topic)."""
+        """What the daemon subscribes to: every input, and every misspelt one (reported as
+        unknown_topic)."""
         self.inputs = [f"{prefix}/+/{k}" for k in INPUT_KINDS]
         """The exact input filters (where a broker refuses the wider subscription)."""
         self._under = prefix + "/"
 
     def ranking(self, group: str) -> str:
-        """`{prefix}/_groups/{group}/ranking` (retained) for a group name that is already known valid."""
+        """`{prefix}/_groups/{group}/ranking` (retained) for a group name that is already known
+        valid."""
         return f"{self.prefix}/{GROUPS_LEVEL}/{group}/ranking"
 
     def of(self, run_id: str, kind: str) -> str:
@@ -194,10 +229,12 @@ class Topics:
         return f"{self.prefix}/{run_id}/{kind}"
 
     def is_output(self, topic: str) -> bool:
-        """Whether `topic` is one the monitor publishes (progress, signal, error, `_errors`, other `_` levels).
+        """Whether `topic` is one the monitor publishes (progress, signal, error, `_errors`, other
+        `_` levels).
 
-        The daemon's subscription also matches these (its own messages and other monitors'); they are
-        ignored, not reported. A `_` level followed by an input kind is not one of them: it is a bad run id.
+        The daemon's subscription also matches these (its own messages and other monitors'); they
+        are ignored, not reported. A `_` level followed by an input kind is not one of them: it is a
+        bad run id.
         """
         if not topic.startswith(self._under):
             return False
@@ -220,7 +257,8 @@ _URL = re.compile(r"[a-z][a-z0-9+.-]{0,30}://", re.IGNORECASE)
 
 
 DEFAULT_RUBRIC_BOUNDS = RubricBounds(MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_RUBRIC_BYTES)
-"""The rubric bounds a start is checked against when the decoder is given none (context `rubric_bounds`)."""
+"""The rubric bounds a start is checked against when the decoder is given none (context
+`rubric_bounds`)."""
 
 
 class _In(BaseModel):
@@ -230,22 +268,28 @@ class _In(BaseModel):
 
 
 class ImageIn(_In):
-    """An image: inline base64 bytes of a PNG, JPEG, GIF or WebP; a `path` or `url` only where the operator allows it."""
+    """An image: inline base64 bytes of a PNG, JPEG, GIF or WebP; a `path` or `url` only where
+    the operator allows it."""
 
     data: str = Field(
-        default="", description="Standard base64 (RFC 4648, padded) of the encoded image; no paths or URLs."
+        default="",
+        description="Standard base64 (RFC 4648, padded) of the encoded image; no paths or URLs.",
     )
-    mime: str | None = Field(default=None, description="A hint; replaced by the type sniffed from the bytes.")
+    mime: str | None = Field(
+        default=None, description="A hint; replaced by the type sniffed from the bytes."
+    )
     path: str | None = Field(
         default=None,
         max_length=1024,
-        description="A file on the monitor's machine: refused unless the operator allows its directory "
+        description="A file on the monitor's machine: refused unless the operator allows its "
+        "directory "
         "(--allow-image-dir).",
     )
     url: str | None = Field(
         default=None,
         max_length=2048,
-        description="An http(s) URL: refused unless the operator allows its host (--allow-image-host).",
+        description="An http(s) URL: refused unless the operator allows its host "
+        "(--allow-image-host).",
     )
 
     _bytes: bytes | None = PrivateAttr(default=None)
@@ -259,17 +303,29 @@ class ImageIn(_In):
             data = value.get("data")
             if isinstance(data, str) and (m := _DATA_URL.match(data)):
                 if not m["b64"]:
-                    raise err("bad_image", "a data URL image must be base64 (data:image/png;base64,...)")
-                return {**value, "data": data[m.end() :], "mime": value.get("mime") or m["mime"] or None}
+                    raise err(
+                        "bad_image", "a data URL image must be base64 (data:image/png;base64,...)"
+                    )
+                return {
+                    **value,
+                    "data": data[m.end() :],
+                    "mime": value.get("mime") or m["mime"] or None,
+                }
             if isinstance(data, str) and _URL.match(data):
-                raise err("bad_image", f"image data {clip(data, 60)!r} is a URL; images are inline base64 bytes only")
+                raise err(
+                    "bad_image",
+                    f"image data {clip(data, 60)!r} is a URL; images are inline base64 bytes only",
+                )
         return value
 
     @field_validator("mime")
     @classmethod
     def _check_mime(cls, mime: str | None) -> str | None:
         if mime is not None and not _MIME.fullmatch(mime):
-            raise err("bad_image", f"mime {clip(mime, 60)!r} is not an image type; use e.g. image/png or omit it")
+            raise err(
+                "bad_image",
+                f"mime {clip(mime, 60)!r} is not an image type; use e.g. image/png or omit it",
+            )
         return mime
 
     @model_validator(mode="after")
@@ -287,11 +343,15 @@ class ImageIn(_In):
             return self
         data = self.data
         if _URL.match(data):
-            raise err("bad_image", f"image data {clip(data, 60)!r} is a URL; images are inline base64 bytes only")
+            raise err(
+                "bad_image",
+                f"image data {clip(data, 60)!r} is a URL; images are inline base64 bytes only",
+            )
         if len(data) > 4 * ((limit + 2) // 3):
             raise err(
                 "bad_image",
-                f"image is about {len(data) * 3 // 4} bytes, over the limit of {limit}; downscale or re-encode it",
+                f"image is about {len(data) * 3 // 4} bytes, over the limit of {limit}; "
+                "downscale or re-encode it",
             )
         try:
             raw = base64.b64decode(data, validate=True)
@@ -299,23 +359,29 @@ class ImageIn(_In):
             if looks_like_path(data):
                 raise err(
                     "bad_image",
-                    f"image data {clip(data, 60)!r} looks like a file path; send the image bytes inline as base64",
+                    f"image data {clip(data, 60)!r} looks like a file path; send the image "
+                    "bytes inline as base64",
                 ) from None
             raise err(
                 "bad_image",
-                "image data is not valid base64; use the standard alphabet (A-Z a-z 0-9 + /) with '=' padding "
+                "image data is not valid base64; use the standard alphabet (A-Z a-z 0-9 + /) "
+                "with '=' padding "
                 "and no line breaks",
             ) from None
         if not raw:
             raise err("bad_image", "image data is empty; send the encoded image bytes as base64")
         if len(raw) > limit:
-            raise err("bad_image", f"image is {len(raw)} bytes, over the limit of {limit}; downscale or re-encode it")
+            raise err(
+                "bad_image",
+                f"image is {len(raw)} bytes, over the limit of {limit}; downscale or re-encode it",
+            )
         sniffed = sniff_mime(raw)
         if sniffed is None:
             if looks_like_path(data):
                 raise err(
                     "bad_image",
-                    f"image data {clip(data, 60)!r} looks like a file path; send the image bytes inline as base64",
+                    f"image data {clip(data, 60)!r} looks like a file path; send the image "
+                    "bytes inline as base64",
                 )
             raise err("bad_image", "image bytes are not PNG, JPEG, GIF or WebP")
         object.__setattr__(self, "mime", sniffed)
@@ -323,10 +389,14 @@ class ImageIn(_In):
         return self
 
     def decoded(self) -> bytes:
-        """The image's encoded bytes (PNG/JPEG/...), decoded from base64 once (or as fetched for a path/URL)."""
+        """The image's encoded bytes (PNG/JPEG/...), decoded from base64 once (or as fetched for
+        a path/URL)."""
         if self._bytes is None:
             if self.path is not None or self.url is not None:
-                raise RuntimeError("this image is a path or URL that was not fetched yet; see agent_monitor.sources")
+                raise RuntimeError(
+                    "this image is a path or URL that was not fetched yet; "
+                    "see agent_monitor.sources"
+                )
             self._bytes = base64.b64decode(self.data, validate=True)
         return self._bytes
 
@@ -341,13 +411,23 @@ class ImageIn(_In):
         self._bytes = raw
 
     @classmethod
-    def __get_pydantic_json_schema__(cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
         """The object form, or (on input) a bare base64 string."""
         schema = handler.resolve_ref_schema(handler(core_schema))
         if handler.mode == "serialization":
             return schema
-        bare = {"type": "string", "contentEncoding": "base64", "description": "Bare base64 image bytes."}
-        return {"anyOf": [bare, dict(schema)], "title": "ImageIn", "description": schema.get("description", "")}
+        bare = {
+            "type": "string",
+            "contentEncoding": "base64",
+            "description": "Bare base64 image bytes.",
+        }
+        return {
+            "anyOf": [bare, dict(schema)],
+            "title": "ImageIn",
+            "description": schema.get("description", ""),
+        }
 
     @classmethod
     def from_bytes(cls, data: bytes, mime: str | None = None) -> ImageIn:
@@ -359,52 +439,68 @@ ImageList = Annotated[list[ImageIn], Field(default_factory=list, max_length=MAX_
 
 
 class RunStart(_In):
-    """`{prefix}/{run_id}/start`: the task, criteria, task images, policy overrides and labels of a run."""
+    """`{prefix}/{run_id}/start`: the task, criteria, task images, policy overrides and labels of
+    a run."""
 
     task: str = Field(max_length=MAX_TASK_CHARS, description="What the agent is working on.")
     criteria: JsonValue = Field(
         default=None,
-        description="A bundled rubric name, {name: description}, a list of criteria, or a rubric config "
-        "{'criteria': [...], 'thresholds': {'abort_below': ..., 'resample_below': ...}} (thresholds become this "
-        "run's policy levels where its policy and the monitor's policy flags leave them open); never a file path. "
-        "Null: the monitor's default rubric (serve --criteria; the bundled progress rubric unless set).",
+        description="A bundled rubric name, {name: description}, a list of criteria, or a "
+        "rubric config "
+        "{'criteria': [...], 'thresholds': {'abort_below': ..., 'resample_below': ...}} "
+        "(thresholds become this "
+        "run's policy levels where its policy and the monitor's policy flags leave them "
+        "open); never a file path. "
+        "Null: the monitor's default rubric (serve --criteria; the bundled progress rubric "
+        "unless set).",
     )
     images: ImageList
     policy: dict[str, bool | float | int | str | None] | None = Field(
         default=None,
-        description="Overrides of the monitor's policy defaults and of the rubric's thresholds; unknown keys are an "
+        description="Overrides of the monitor's policy defaults and of the rubric's "
+        "thresholds; unknown keys are an "
         "error.",
         json_schema_extra={"propertyNames": {"enum": list(POLICY_KEYS)}},
     )
     labels: dict[
-        Annotated[str, StringConstraints(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$", max_length=MAX_LABEL_KEY_CHARS)],
+        Annotated[
+            str,
+            StringConstraints(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$", max_length=MAX_LABEL_KEY_CHARS),
+        ],
         Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE_CHARS)],
     ] = Field(default_factory=dict, max_length=MAX_LABELS)
-    expected: str | None = Field(default=None, max_length=MAX_TASK_CHARS, description="Known final answer (eval).")
+    expected: str | None = Field(
+        default=None, max_length=MAX_TASK_CHARS, description="Known final answer (eval)."
+    )
     group: GroupName | None = Field(
         default=None,
-        description="The group of sibling runs (best-of-N rollouts of one task) this one belongs to: ranked together "
-        "on {prefix}/_groups/{group}/ranking, laggards pruned by the policy's keep_top and prune_margin. A topic "
+        description="The group of sibling runs (best-of-N rollouts of one task) this one "
+        "belongs to: ranked together "
+        "on {prefix}/_groups/{group}/ranking, laggards pruned by the policy's keep_top and "
+        "prune_margin. A topic "
         "level: 1-128 characters from A-Z a-z 0-9 . _ : -, not starting with '_'.",
     )
     family: str | None = Field(
         default=None,
         max_length=MAX_LABEL_VALUE_CHARS,
-        description='The family of runs this one belongs to, for abort_below "auto" (calibration is kept per '
+        description='The family of runs this one belongs to, for abort_below "auto" '
+        "(calibration is kept per "
         "family, judge model and rubric); default: the task text.",
     )
 
     started_at: float | None = Field(
         default=None,
         ge=0,
-        description="When the harness started the run (UNIX seconds): part of the outcome's HMAC (end.auth), so an "
+        description="When the harness started the run (UNIX seconds): part of the outcome's "
+        "HMAC (end.auth), so an "
         "end signed for one run cannot be replayed on a later run with the same id.",
     )
 
     auth: str | None = Field(
         default=None,
         pattern=r"^[0-9a-fA-F]{64}$",
-        description="Hex HMAC-SHA256 of run id, started_at and group (agent_monitor.groups.group_mac): needed to join "
+        description="Hex HMAC-SHA256 of run id, started_at and group "
+        "(agent_monitor.groups.group_mac): needed to join "
         "a group when the monitor runs with --group-secret.",
     )
 
@@ -433,20 +529,32 @@ class RunStart(_In):
             if len(k) > MAX_LABEL_KEY_CHARS or not _LABEL_KEY.fullmatch(k):
                 raise err(
                     "labels",
-                    f"label name {clip(k, 40)!r} is not allowed; use up to {MAX_LABEL_KEY_CHARS} characters "
+                    f"label name {clip(k, 40)!r} is not allowed; use up to "
+                    f"{MAX_LABEL_KEY_CHARS} characters "
                     "from a-z A-Z 0-9 _, not starting with a digit",
                 )
             if k.startswith("__"):
-                raise err("labels", f"label name {clip(k, 40)!r} starts with '__', which is reserved")
+                raise err(
+                    "labels", f"label name {clip(k, 40)!r} starts with '__', which is reserved"
+                )
             if not isinstance(v, str):
-                raise err("labels", f"label {k!r} has a {JSON_TYPES.get(type(v), 'non-string')} value; use a string")
+                raise err(
+                    "labels",
+                    f"label {k!r} has a "
+                    f"{JSON_TYPES.get(type(v), 'non-string')} value; use a string",
+                )
             if len(v) > MAX_LABEL_VALUE_CHARS:
-                raise err("labels", f"label {k!r} is {len(v)} characters, over the limit of {MAX_LABEL_VALUE_CHARS}")
+                raise err(
+                    "labels",
+                    f"label {k!r} is {len(v)} characters, over the limit of "
+                    f"{MAX_LABEL_VALUE_CHARS}",
+                )
             if k == "group" and not _GROUP.fullmatch(v):
                 # It becomes a metric label and a board filter, like start.group: the same rule.
                 raise err(
                     "labels",
-                    f"label group {clip(v, 40)!r} is not a group name; use 1-128 characters from A-Z a-z 0-9 . _ : -, "
+                    f"label group {clip(v, 40)!r} is not a group name; use 1-128 characters "
+                    "from A-Z a-z 0-9 . _ : -, "
                     "not starting with '_' (as start.group)",
                 )
         return value
@@ -459,39 +567,61 @@ class RunStart(_In):
         ctx = info.context or {}
         bounds = ctx.get("rubric_bounds") or DEFAULT_RUBRIC_BOUNDS
         try:
-            check_bounds(spec, bounds)  # before anything is built from it: the work one start causes is bounded
+            # before anything is built from it: the work one start causes is bounded
+            check_bounds(spec, bounds)
         except CriteriaError as e:
             raise err("criteria_too_large", str(e)) from None
         if isinstance(spec, str):
             names = bundled_criteria()
-            if "/" in spec or "\\" in spec or spec.startswith((".", "~")) or re.search(r"\.(md|json|ya?ml)$", spec):
+            if (
+                "/" in spec
+                or "\\" in spec
+                or spec.startswith((".", "~"))
+                or re.search(r"\.(md|json|ya?ml)$", spec)
+            ):
                 raise err(
                     "criteria_path",
-                    f"criteria {clip(spec, 60)!r} looks like a file path; files are not read for network events. "
+                    f"criteria {clip(spec, 60)!r} looks like a file path; files are not read "
+                    "for network events. "
                     f"Use a bundled name ({', '.join(names)}) or send the criteria inline",
                 )
             if spec not in names:
-                raise err("criteria", f"no bundled criteria named {clip(spec, 60)!r}; use one of {', '.join(names)}")
-        elif isinstance(spec, dict):
-            if "verifier" in spec:  # lmms-eval's pipeline config: named, not read as a criterion called "verifier"
-                raise err("criteria", "'verifier' makes this an lmms-eval verification pipeline config, not a rubric; "
-                          "use agent_monitor.verifiers.build_verification_pipeline, or send a 'criteria' list")  # fmt: skip
-            if not isinstance(spec.get("criteria"), list) and not all(isinstance(v, str) for v in spec.values()):
                 raise err(
                     "criteria",
-                    "criteria as a dict is {name: description} with string descriptions, or a rubric config "
+                    f"no bundled criteria named {clip(spec, 60)!r}; use one of {', '.join(names)}",
+                )
+        elif isinstance(spec, dict):
+            # lmms-eval's pipeline config: named, not read as a criterion called "verifier"
+            if "verifier" in spec:
+                raise err(
+                    "criteria",
+                    "'verifier' makes this an lmms-eval verification "
+                    "pipeline config, not a rubric; "
+                    "use agent_monitor.verifiers.build_verification_pipeline, or send "
+                    "a 'criteria' list",
+                )
+            if not isinstance(spec.get("criteria"), list) and not all(
+                isinstance(v, str) for v in spec.values()
+            ):
+                raise err(
+                    "criteria",
+                    "criteria as a dict is {name: description} with string descriptions, or "
+                    "a rubric config "
                     "with a 'criteria' list",
                 )
         elif not isinstance(spec, list):
             raise err(
-                "criteria", "criteria must be a bundled name, a {name: description} dict, a list or a rubric config"
+                "criteria",
+                "criteria must be a bundled name, a {name: description} dict, a "
+                "list or a rubric config",
             )
         check_json_value(spec, "criteria")
         try:
             load_criteria(spec)  # type: ignore[arg-type]  # JSON shapes checked above
         except CriteriaError as e:
             raise err("criteria", str(e)) from None
-        except Exception as e:  # a config the loader did not foresee must be an input error, not a crash
+        # a config the loader did not foresee must be an input error, not a crash
+        except Exception as e:
             raise err("criteria", f"criteria cannot be loaded: {type(e).__name__}: {e}") from None
         return spec
 
@@ -506,7 +636,8 @@ class RunStart(_In):
         if unknown:
             raise err(
                 "policy",
-                f"unknown policy key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(POLICY_KEYS)}",
+                f"unknown policy key(s) {', '.join(map(repr, unknown))}; known keys: "
+                f"{', '.join(POLICY_KEYS)}",
             )
         try:
             Policy().with_overrides(policy)
@@ -527,7 +658,11 @@ Timestamp = Annotated[
     float | None,
     WithJsonSchema(
         {
-            "anyOf": [{"type": "number"}, {"type": "string", "format": "date-time"}, {"type": "null"}],
+            "anyOf": [
+                {"type": "number"},
+                {"type": "string", "format": "date-time"},
+                {"type": "null"},
+            ],
             "default": None,
             "description": "UNIX seconds, or an ISO 8601 date-time (UTC when it has no offset).",
         },
@@ -537,21 +672,28 @@ Timestamp = Annotated[
 
 
 class StepIn(_In):
-    """`{prefix}/{run_id}/step`: one step of the run (action and observation text, images, rule metadata)."""
+    """`{prefix}/{run_id}/step`: one step of the run (action and observation text, images, rule
+    metadata)."""
 
     index: int | None = Field(
-        default=None, ge=1, le=MAX_STEP_INDEX, description="1-based position; makes re-delivery idempotent."
+        default=None,
+        ge=1,
+        le=MAX_STEP_INDEX,
+        description="1-based position; makes re-delivery idempotent.",
     )
     text: str = Field(max_length=MAX_STEP_CHARS, description="The step's action and observation.")
     images: ImageList
     ts: Timestamp = None
     meta: dict[str, JsonValue] | None = Field(
-        default=None, description=f"Per-step data for rule criteria (at most {MAX_META_BYTES} bytes as JSON)."
+        default=None,
+        description=f"Per-step data for rule criteria (at most {MAX_META_BYTES} bytes as JSON).",
     )
     amend: bool = Field(
         default=False,
-        description="Replace the text of the step already accepted under `index` (which it needs) instead of adding "
-        "one: e.g. a final answer sent before what followed it; its images and meta stay (send none).",
+        description="Replace the text of the step already accepted under `index` (which it "
+        "needs) instead of adding "
+        "one: e.g. a final answer sent before what followed it; its images and meta stay "
+        "(send none).",
     )
 
     @field_validator("images", mode="before")
@@ -569,7 +711,9 @@ class StepIn(_In):
         try:
             dt = datetime.fromisoformat(value)
         except ValueError:
-            raise err("ts", f"ts {value!r} is not an ISO 8601 date-time; use e.g. 2025-01-31T12:00:00Z") from None
+            raise err(
+                "ts", f"ts {value!r} is not an ISO 8601 date-time; use e.g. 2025-01-31T12:00:00Z"
+            ) from None
         return (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).timestamp()
 
     @field_validator("meta", mode="before")
@@ -585,7 +729,10 @@ class StepIn(_In):
         except (TypeError, ValueError) as e:
             raise err("meta", f"meta is not plain JSON: {e}") from None
         if size > MAX_META_BYTES:
-            raise err("meta", f"meta is {size} bytes as JSON, over the limit of {MAX_META_BYTES}; send less")
+            raise err(
+                "meta",
+                f"meta is {size} bytes as JSON, over the limit of {MAX_META_BYTES}; send less",
+            )
         return value
 
     @model_validator(mode="after")
@@ -599,9 +746,16 @@ class StepIn(_In):
     def _check_amend(self) -> None:
         """An amendment names the step it replaces and brings its new text only."""
         if self.index is None:
-            raise err("amend", "an amendment (amend: true) needs the index of the step it replaces; send index")
+            raise err(
+                "amend",
+                "an amendment (amend: true) needs the index of the step it replaces; send index",
+            )
         if self.images or self.meta is not None or not self.text:
-            raise err("amend", "an amendment replaces a step's text only (its images and meta stay); send text alone")
+            raise err(
+                "amend",
+                "an amendment replaces a step's text only (its images and "
+                "meta stay); send text alone",
+            )
 
 
 Outcome = Annotated[
@@ -617,17 +771,24 @@ class RunEnd(_In):
     auth: str | None = Field(
         default=None,
         pattern=r"^[0-9a-fA-F]{64}$",
-        description="Hex HMAC-SHA256 of run id, start.started_at and outcome (see agent_monitor.calibration."
-        "outcome_mac); with the monitor's --outcome-secret, only outcomes carrying it teach the calibration.",
+        description="Hex HMAC-SHA256 of run id, start.started_at and outcome (see "
+        "agent_monitor.calibration."
+        "outcome_mac); with the monitor's --outcome-secret, only outcomes carrying it teach "
+        "the calibration.",
     )
 
     @field_validator("outcome", mode="before")
     @classmethod
     def _outcome(cls, value: object) -> object:
         ok = value is None or value in ("success", "failure")
-        ok = ok or (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+        ok = ok or (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
         if not ok:
-            raise err("outcome", f'outcome {value!r} is not allowed; use "success", "failure" or a finite number')
+            raise err(
+                "outcome",
+                f'outcome {value!r} is not allowed; use "success", "failure" or a finite number',
+            )
         return value
 
 
@@ -642,12 +803,15 @@ INPUT_MODELS: dict[str, type[RunStart] | type[StepIn] | type[RunEnd]] = {
 # -- decoding one message --
 
 
-ErrorReason = Literal["payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image"]
+ErrorReason = Literal[
+    "payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image"
+]
 """The refusals decoding can give (a subset of `agent_monitor.progress.REFUSALS`)."""
 
 
 class EventError(ValueError):
-    """An MQTT event that cannot be accepted: `reason` is a short code, the message says what to fix."""
+    """An MQTT event that cannot be accepted: `reason` is a short code, the message says what to
+    fix."""
 
     def __init__(self, reason: ErrorReason, message: str, *, run_id: str | None = None) -> None:
         super().__init__(message)
@@ -657,7 +821,9 @@ class EventError(ValueError):
 
     def to_out(self, topic: str) -> ErrorOut:
         """The error message to publish for this event."""
-        return ErrorOut(run_id=self.run_id, topic=clip(topic, 512), reason=self.reason, error=self.message)
+        return ErrorOut(
+            run_id=self.run_id, topic=clip(topic, 512), reason=self.reason, error=self.message
+        )
 
 
 def _loc(loc: Sequence[int | str]) -> str:
@@ -673,7 +839,8 @@ def _loc(loc: Sequence[int | str]) -> str:
 
 
 _LISTED = 5
-"""Problems one error message spells out; more are counted (a hostile payload can have thousands)."""
+"""Problems one error message spells out; more are counted (a hostile payload can have
+thousands)."""
 
 
 def _problem(error: Any) -> str:
@@ -687,7 +854,8 @@ def _problem(error: Any) -> str:
 
 
 def summarise(error: ValidationError) -> tuple[ErrorReason, str]:
-    """One readable line (and a reason code) for a pydantic error: every problem with its field, up to a few."""
+    """One readable line (and a reason code) for a pydantic error: every problem with its field,
+    up to a few."""
     errors = error.errors(include_url=False, include_context=False)
     text = "; ".join(_problem(e) for e in errors[:_LISTED])
     if len(errors) > _LISTED:
@@ -698,10 +866,11 @@ def summarise(error: ValidationError) -> tuple[ErrorReason, str]:
 
 
 def _json_problem(e: json.JSONDecodeError) -> str:
-    """The decoder's message with its position (`Invalid control character at line 1 column 28`) and what to do.
+    """The decoder's message with its position (`Invalid control character at line 1 column 28`) and
+    what to do.
 
-    Some of the decoder's messages end in "at" already ("Invalid control character at", "Unterminated
-    string starting at"), others do not ("Expecting value").
+    Some of the decoder's messages end in "at" already ("Invalid control character at",
+    "Unterminated string starting at"), others do not ("Expecting value").
     """
     where = f"line {e.lineno} column {e.colno}"
     problem = f"{e.msg} {where}" if e.msg.endswith(" at") else f"{e.msg} at {where}"
@@ -725,11 +894,12 @@ def decode_event(
     image_hosts: Sequence[str] = (),
     rubric_bounds: RubricBounds | None = None,
 ) -> tuple[str, InputEvent]:
-    """Parse and validate one MQTT input message into (run_id, RunStart | StepIn | RunEnd); raise EventError.
+    """Parse and validate one MQTT input message into (run_id, RunStart | StepIn | RunEnd); raise
+    EventError.
 
-    CPU-bound for large images (base64 and JSON): call it off the event loop. Image paths and URLs are
-    refused unless `image_dirs` / `image_hosts` allow them; allowed ones are checked here but read or
-    fetched later (`agent_monitor.sources.fetch_images`), never by this function.
+    CPU-bound for large images (base64 and JSON): call it off the event loop. Image paths and URLs
+    are refused unless `image_dirs` / `image_hosts` allow them; allowed ones are checked here but
+    read or fetched later (`agent_monitor.sources.fetch_images`), never by this function.
     """
     try:
         run_id, kind = parse_topic(topic, prefix)
@@ -739,22 +909,29 @@ def decode_event(
     if len(raw) > max_payload:
         raise EventError(
             "payload_too_large",
-            f"payload is {len(raw)} bytes, over the limit of {max_payload}; send smaller or fewer images",
+            f"payload is {len(raw)} bytes, over the limit of {max_payload}; send smaller or "
+            "fewer images",
             run_id=run_id,
         )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise EventError("bad_json", f"payload is not UTF-8 text (byte {e.start}); send JSON", run_id=run_id) from None
+        raise EventError(
+            "bad_json", f"payload is not UTF-8 text (byte {e.start}); send JSON", run_id=run_id
+        ) from None
     if not text.strip():
         text = "{}"
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise EventError("bad_json", f"payload is not valid JSON: {_json_problem(e)}", run_id=run_id) from None
+        raise EventError(
+            "bad_json", f"payload is not valid JSON: {_json_problem(e)}", run_id=run_id
+        ) from None
     except (ValueError, RecursionError) as e:
         detail = "nested too deeply" if isinstance(e, RecursionError) else clip(str(e), 120)
-        raise EventError("bad_json", f"payload is not acceptable JSON: {detail}", run_id=run_id) from None
+        raise EventError(
+            "bad_json", f"payload is not acceptable JSON: {detail}", run_id=run_id
+        ) from None
     if not isinstance(data, dict):
         raise EventError(
             "invalid",
@@ -773,15 +950,18 @@ def decode_event(
         reason, message = summarise(e)
         raise EventError(reason, f"{kind}: {message}", run_id=run_id) from None
     except RecursionError:
-        raise EventError("invalid", f"{kind}: payload is nested too deeply", run_id=run_id) from None
+        raise EventError(
+            "invalid", f"{kind}: payload is nested too deeply", run_id=run_id
+        ) from None
     return run_id, model
 
 
 class Decoder:
-    """`decode_event` with a daemon's settings bound once; the monitor's own outputs decode to None, not an error.
+    """`decode_event` with a daemon's settings bound once; the monitor's own outputs decode to None,
+    not an error.
 
-    A daemon subscribed to `{prefix}/+/+` receives its own progress, signals and errors back (and other
-    monitors'): those are ignored, not reported.
+    A daemon subscribed to `{prefix}/+/+` receives its own progress, signals and errors back (and
+    other monitors'): those are ignored, not reported.
     """
 
     def __init__(
@@ -804,8 +984,11 @@ class Decoder:
             "rubric_bounds": rubric_bounds,
         }
 
-    def __call__(self, topic: str, payload: bytes | bytearray | memoryview | str) -> tuple[str, InputEvent] | None:
-        """The run id and event of one message, or None for one of the monitor's outputs; raise EventError."""
+    def __call__(
+        self, topic: str, payload: bytes | bytearray | memoryview | str
+    ) -> tuple[str, InputEvent] | None:
+        """The run id and event of one message, or None for one of the monitor's outputs; raise
+        EventError."""
         if self.topics.is_output(topic):
             return None
         return decode_event(topic, payload, **self._settings)

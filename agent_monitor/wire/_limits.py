@@ -1,4 +1,5 @@
-"""Input limits: every payload, image, text and label is bounded (the daemon may pass its own size limits)."""
+"""Input limits: every payload, image, text and label is bounded (the daemon may pass its own
+size limits)."""
 
 from __future__ import annotations
 

@@ -52,6 +52,10 @@ def stale_schemas(directory: str | Path) -> list[str]:
     """Schema files in `directory` that are missing, differ from the models, or are left over."""
     d = Path(directory)
     fresh = schemas()
-    bad = [n for n, t in fresh.items() if not (d / n).is_file() or (d / n).read_text(encoding="utf-8") != t]
+    bad = [
+        n
+        for n, t in fresh.items()
+        if not (d / n).is_file() or (d / n).read_text(encoding="utf-8") != t
+    ]
     bad += sorted(p.name for p in d.glob("*.schema.json") if p.name not in fresh)
     return bad

@@ -1,4 +1,5 @@
-"""Connection settings read at the edge: the broker URL (`mqtt://` / `mqtts://`, credentials, TLS files)."""
+"""Connection settings read at the edge: the broker URL (`mqtt://` / `mqtts://`, credentials, TLS
+files)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,13 @@ class BrokerSettings:
         cert_file: str | None = None,
         key_file: str | None = None,
     ) -> BrokerSettings:
-        """Parse `mqtt://[user[:password]@]host[:port]` or `mqtts://...`; explicit credentials win over the URL's."""
+        """Parse `mqtt://[user[:password]@]host[:port]` or `mqtts://...`; explicit credentials
+        win over the URL's."""
         parts = urlsplit(url.strip())
         if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
             raise SettingsError(
-                f"broker URL {url!r} has scheme {parts.scheme or '(none)'!r}; use mqtt://host:port or mqtts://host:port"
+                f"broker URL {url!r} has scheme {parts.scheme or '(none)'!r}; use "
+                "mqtt://host:port or mqtts://host:port"
             )
         tls = parts.scheme in ("mqtts", "ssl")
         if not parts.hostname:
@@ -49,17 +52,27 @@ class BrokerSettings:
         try:
             port = parts.port or (8883 if tls else 1883)
         except ValueError:
-            raise SettingsError(f"broker URL {url!r} has an invalid port; use a number 1-65535") from None
+            raise SettingsError(
+                f"broker URL {url!r} has an invalid port; use a number 1-65535"
+            ) from None
         if parts.path not in ("", "/") or parts.query:
-            raise SettingsError(f"broker URL {url!r} has a path or query; use only scheme://host:port")
+            raise SettingsError(
+                f"broker URL {url!r} has a path or query; use only scheme://host:port"
+            )
         if key_file is not None and cert_file is None:
-            raise SettingsError("a TLS client key was given without its certificate; pass --tls-cert as well")
+            raise SettingsError(
+                "a TLS client key was given without its certificate; pass --tls-cert as well"
+            )
         return cls(
             host=parts.hostname,
             port=port,
             tls=tls or ca_file is not None or cert_file is not None,
-            username=username if username is not None else (unquote(parts.username) if parts.username else None),
-            password=password if password is not None else (unquote(parts.password) if parts.password else None),
+            username=username
+            if username is not None
+            else (unquote(parts.username) if parts.username else None),
+            password=password
+            if password is not None
+            else (unquote(parts.password) if parts.password else None),
             ca_file=ca_file,
             cert_file=cert_file,
             key_file=key_file,
@@ -71,7 +84,8 @@ class BrokerSettings:
         return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context for mqtts (system CAs unless a CA file is given), or None for plain TCP."""
+        """The TLS context for mqtts (system CAs unless a CA file is given), or None for plain
+        TCP."""
         if not self.tls:
             return None
         try:

@@ -20,7 +20,9 @@ LONG_X = "x" * 10_000
 
 
 def rubric(extractors: list[Any] | None = None, rules: list[Any] | None = None) -> dict[str, Any]:
-    criteria: list[dict[str, Any]] = [{"type": "llm", "name": "judged", "description": "How far along."}]
+    criteria: list[dict[str, Any]] = [
+        {"type": "llm", "name": "judged", "description": "How far along."}
+    ]
     if rules:
         criteria.append({"type": "composite", "name": "tests", "members": rules})
     return {"title": "t", "extractors": extractors or [], "criteria": criteria}
@@ -39,7 +41,12 @@ async def max_loop_gap(during: asyncio.Future[Any]) -> float:
 def test_a_pattern_stops_at_the_end_of_its_budget() -> None:
     p = Pattern(EXPLODES)
     start = time.monotonic()
-    with budget(0.05), pytest.raises(BudgetExceeded, match=r"pattern '\(x\+x\+\)\+y' ran over its 50 ms budget"):
+    with (
+        budget(0.05),
+        pytest.raises(
+            BudgetExceeded, match=r"pattern '\(x\+x\+\)\+y' ran over " r"its 50 ms budget"
+        ),
+    ):
         p.search(LONG_X)
     assert time.monotonic() - start < 1.0
     assert p.search("xxy") is not None  # outside a budget: an ordinary pattern
@@ -56,7 +63,8 @@ async def test_an_exploding_extractor_withholds_one_step_and_blocks_nothing() ->
     assert "step 1: pattern '(x+x+)+y' ran over its 50 ms budget" in (p.error or "")
     assert judge.calls_made == 0  # a failure whatever the judge says: no call is paid for
     assert gap < 0.05, f"the event loop stalled {gap * 1000:.0f} ms"
-    # The run carries on: the step stays (numbering intact), its text withheld; the next step scores.
+    # The run carries on: the step stays (numbering intact), its text withheld; the next step
+    # scores.
     q = await tracker.update("xxy then more")
     assert q.ok and q.step == 2 and judge.calls_made == 1
     assert tracker.steps[0].withheld and LONG_X not in tracker.steps[0].text
@@ -70,11 +78,13 @@ async def test_an_exploding_rule_fails_that_score_and_names_the_criterion() -> N
     p = await tracker.update("x" * 5000)
     assert not p.ok and p.reason == "extractor_timeout"
     assert "criterion 'tests' at step 1" in (p.error or "") and "20 ms budget" in (p.error or "")
-    q = await tracker.update("collected 3 items")  # the rule looks 3 steps back: step 1 is still in view
+    # the rule looks 3 steps back: step 1 is still in view
+    q = await tracker.update("collected 3 items")
     assert q.reason == "extractor_timeout" and "at step 2" in (q.error or "")
     for text in ("a", "b"):
         r = await tracker.update(text)
-    assert r.ok and r.step == 4 and "tests" in r.silent  # step 1 out of the rule's view: scoring carries on
+    # step 1 out of the rule's view: scoring carries on
+    assert r.ok and r.step == 4 and "tests" in r.silent
 
 
 def test_python_extractors_are_held_to_the_budget_too() -> None:
@@ -84,7 +94,9 @@ def test_python_extractors_are_held_to_the_budget_too() -> None:
             time.sleep(0.1)
             return text
 
-    with ProgressTracker("t", judge=FakeJudge(), criteria=rubric(extractors=["test_slow_extractor"])) as tracker:
+    with ProgressTracker(
+        "t", judge=FakeJudge(), criteria=rubric(extractors=["test_slow_extractor"])
+    ) as tracker:
         p = tracker.update("anything")
         assert p.reason == "extractor_timeout" and "step 1's extractors ran over" in (p.error or "")
 
@@ -113,7 +125,9 @@ def _boxed_reference(text: str) -> str:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.sampled_from(["\\boxed{", "\\fbox {", "{", "}", "a", " 1", "\\boxed"]), max_size=30))
+@given(
+    st.lists(st.sampled_from(["\\boxed{", "\\fbox {", "{", "}", "a", " 1", "\\boxed"]), max_size=30)
+)
 def test_boxed_in_one_pass_agrees_with_the_scan(pieces: list[str]) -> None:
     text = "".join(pieces)
     assert Boxed()(text) == _boxed_reference(text)

@@ -1,4 +1,5 @@
-"""One sync helper over the async objects (agent_monitor._runtime.sync): every synchronous form goes through it."""
+"""One sync helper over the async objects (agent_monitor._runtime.sync): every synchronous form
+goes through it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ caller = contextvars.ContextVar("caller", default="unset")
 
 
 class _PlainJudge:
-    """A judge that is no BaseJudge (no loop of its own), noting the thread and context each call runs in."""
+    """A judge that is no BaseJudge (no loop of its own), noting the thread and context each call
+    runs in."""
 
     name = "plain"
     model = "plain"
@@ -31,12 +33,13 @@ class _PlainJudge:
 
 
 def test_only_the_helper_reaches_into_event_loops_from_synchronous_code() -> None:
-    # The sync forms once each held their own portal or anyio.run; now _runtime/sync.py alone does (and judges/base.py,
-    # which owns a judge's loop, and _runtime/loop.py, the loop thread itself).
+    # The sync forms once each held their own portal or anyio.run; now _runtime/sync.py alone does
+    # (and judges/base.py, which owns a judge's loop, and _runtime/loop.py, the loop thread itself).
     users = sorted(
         str(p.relative_to(PACKAGE))
         for p in PACKAGE.rglob("*.py")
-        if "daemon" not in p.parts and any(s in p.read_text() for s in ("anyio.run(", "LoopThread(", ".portal.call("))
+        if "daemon" not in p.parts
+        and any(s in p.read_text() for s in ("anyio.run(", "LoopThread(", ".portal.call("))
     )
     assert users == ["_runtime/loop.py", "_runtime/sync.py", "judges/base.py"]
 
@@ -46,7 +49,8 @@ def test_select_is_aselect_s_twin_with_its_very_signature() -> None:
 
 
 def test_one_shot_forms_run_a_plain_judge_on_a_private_loop_that_ends_with_the_call() -> None:
-    # (A judge per call: each call's private loop is a loop of its own, and a judge serves one loop.)
+    # (A judge per call: each call's private loop is a loop of its own, and a judge serves one
+    # loop.)
     tracked, selected = _PlainJudge(), _PlainJudge()
     before = set(threading.enumerate())
     token = caller.set("the caller's")
@@ -56,7 +60,9 @@ def test_one_shot_forms_run_a_plain_judge_on_a_private_loop_that_ends_with_the_c
     finally:
         caller.reset(token)
     assert [p.ok for p in results] == [True, True] and picked.winner in ("x", "y")
-    assert {name for name, _ in tracked.seen} == {"track-loop"} and {n for n, _ in selected.seen} == {"select-loop"}
+    assert {name for name, _ in tracked.seen} == {"track-loop"} and {
+        n for n, _ in selected.seen
+    } == {"select-loop"}
     # The caller's context variables went along.
     assert {value for _, value in tracked.seen + selected.seen} == {"the caller's"}
     assert set(threading.enumerate()) - before == set()

@@ -1,5 +1,5 @@
-"""The ATIF adapter: shipped fixtures (complete, converted, bare, broken), the real recorded runs when present,
-and replay to a monitor over MQTT."""
+"""The ATIF adapter: shipped fixtures (complete, converted, bare, broken), the real recorded runs
+when present, and replay to a monitor over MQTT."""
 
 from __future__ import annotations
 
@@ -38,26 +38,47 @@ WAIT = 10.0
 def test_harbor_v12_trajectory_with_timestamps_and_paired_tool_calls() -> None:
     run = load_atif(GOOD / "harbor_v12_success.json")
     assert run.name == "fizzbuzz__AbC1234" and run.outcome == "success" and run.reward == 1.0
-    assert run.task == "Write /app/fizzbuzz.py that prints FizzBuzz for 1..15, one per line, and run it."
+    assert run.task == (
+        "Write /app/fizzbuzz.py that prints FizzBuzz for 1..15, one per line, and run it."
+    )
     assert run.schema_version == "ATIF-v1.2" and run.agent == "terminus-2 (gemini/gemini-2.5-pro)"
-    assert [s.step_id for s in run.steps] == [3, 4, 5]  # agent steps only; system and user are not steps
+    # agent steps only; system and user are not steps
+    assert [s.step_id for s in run.steps] == [3, 4, 5]
     first = run.steps[0].text
-    # Message, then each call followed by the observation that answers it (by source_call_id, not list order).
-    assert first.startswith("Analysis: /app is empty.\nPlan: write the script, then run it.\n$ cat > /app/fizzbuzz.py")
-    assert first.index("$ cat >") < first.index("Observation:\nroot@box:/app# cat") < first.index("$ ls /app")
+    # Message, then each call followed by the observation that answers it (by source_call_id, not
+    # list order).
+    assert first.startswith(
+        "Analysis: /app is empty.\nPlan: write the script, then run it.\n$ cat > /app/fizzbuzz.py"
+    )
+    assert (
+        first.index("$ cat >")
+        < first.index("Observation:\nroot@box:/app# cat")
+        < first.index("$ ls /app")
+    )
     assert first.endswith("$ ls /app\nObservation:\nroot@box:/app# ls /app\nfizzbuzz.py")
     # A "$32" message is an unresolved exporter reference: dropped, the command and output stay.
-    assert run.steps[1].text == "$ python3 /app/fizzbuzz.py | tail -3\nObservation:\n13\n14\nFizzBuzz"
-    assert run.steps[2].text == "The script prints the expected sequence; the task is complete.\nmark_task_complete({})"
+    assert run.steps[1].text == (
+        "$ python3 /app/fizzbuzz.py | tail -3\nObservation:\n13\n14\nFizzBuzz"
+    )
+    assert run.steps[2].text == (
+        "The script prints the expected sequence; the task is complete.\nmark_task_complete({})"
+    )
     assert run.steps[0].ts == pytest.approx(1761904810.0)  # 2025-10-31T10:00:10+00:00
     assert run.steps[1].ts == pytest.approx(1761904830.25)
-    assert run.steps[0].time is not None and run.steps[0].time.isoformat() == "2025-10-31T10:00:10+00:00"
+    assert (
+        run.steps[0].time is not None
+        and run.steps[0].time.isoformat() == "2025-10-31T10:00:10+00:00"
+    )
     assert run.texts == [s.text for s in run.steps]
 
 
 def test_converted_trajectory_unwraps_json_shell_results_and_drops_empty_steps() -> None:
     run = load_atif(GOOD / "converted_failure.json")
-    assert run.outcome == "failure" and run.reward == 0.0 and run.schema_version == "atif-converted-1.0"
+    assert (
+        run.outcome == "failure"
+        and run.reward == 0.0
+        and run.schema_version == "atif-converted-1.0"
+    )
     assert all(s.ts is None for s in run.steps)
     assert [s.step_id for s in run.steps] == [2, 3, 4]  # step 5 has no message, calls or output
     assert run.steps[0].text == (
@@ -65,20 +86,30 @@ def test_converted_trajectory_unwraps_json_shell_results_and_drops_empty_steps()
         "$ cat /app/server.py\nObservation:\nimport socket\nHOST = '0.0.0.0'\n"
         "[... 5120 characters elided ...]\nif __name__ == '__main__':\n    main()\n[exit code 0]"
     )
-    assert run.steps[1].text.endswith("No matching distribution found for grpcio==1.0.0.0\n[exit code 1]")
+    assert run.steps[1].text.endswith(
+        "No matching distribution found for grpcio==1.0.0.0\n[exit code 1]"
+    )
     assert (
-        run.steps[2].text == "$ python /app/server.py &\nObservation:\n[error: action was not executed]\n[exit code -1]"
+        run.steps[2].text == "$ python /app/server.py &\nObservation:\n[error: action was "
+        "not executed]\n[exit code -1]"
     )
 
 
 def test_bare_trajectory_with_list_content_string_arguments_and_no_reward() -> None:
     run = load_atif(GOOD / "bare_no_reward.json")
-    assert run.outcome is None and run.reward is None and run.name == "bare_no_reward" and run.agent == "my-agent"
+    assert (
+        run.outcome is None
+        and run.reward is None
+        and run.name == "bare_no_reward"
+        and run.agent == "my-agent"
+    )
     assert run.task == "Rename the images in ./photos by date.\n[image]"
     assert [s.text for s in run.steps] == [
         'I will list the photos.\nlist_dir({"path": "photos"})\nObservation:\na.jpg\nb.jpg',
-        'Renaming with exiftool.\nexif_rename({"dir": "photos", "pattern": "%Y%m%d"})',  # no observation
-        "Checked: both files renamed.\nObservation:\n2026-01-01.jpg\n2026-01-02.jpg",  # no tool_calls
+        # no observation
+        'Renaming with exiftool.\nexif_rename({"dir": "photos", "pattern": "%Y%m%d"})',
+        # no tool_calls
+        "Checked: both files renamed.\nObservation:\n2026-01-01.jpg\n2026-01-02.jpg",
     ]
     assert run.steps[0].ts == pytest.approx(1767323045.0)  # "Z" suffix
     assert run.steps[1].ts is None  # an unreadable timestamp is no timestamp
@@ -99,7 +130,11 @@ def test_broken_files_raise_atif_error_naming_the_problem(name: str, message: st
 
 
 def test_iter_atif_over_folders_sorted_with_skip_and_raise(tmp_path: Path) -> None:
-    assert [r.name for r in iter_atif(GOOD)] == ["bare_no_reward", "kv-store__Xy98765", "fizzbuzz__AbC1234"]
+    assert [r.name for r in iter_atif(GOOD)] == [
+        "bare_no_reward",
+        "kv-store__Xy98765",
+        "fizzbuzz__AbC1234",
+    ]
     assert [r.name for r in iter_atif(FIXTURES, on_error="skip")] == [
         "bare_no_reward",
         "kv-store__Xy98765",
@@ -123,9 +158,20 @@ def test_missing_and_odd_fields_are_tolerated() -> None:
             "verifier_result": {"rewards": {"reward": 0.25}},
             "trajectory": {
                 "steps": [
-                    {"source": "agent", "message": {"text": "dict content"}, "tool_calls": "not a list"},
-                    {"source": "agent", "tool_calls": [{"name": "noargs"}, "junk"], "observation": {"results": "x"}},
-                    {"source": "agent", "tool_calls": [{"function_name": "f", "arguments": "not json"}]},
+                    {
+                        "source": "agent",
+                        "message": {"text": "dict content"},
+                        "tool_calls": "not a list",
+                    },
+                    {
+                        "source": "agent",
+                        "tool_calls": [{"name": "noargs"}, "junk"],
+                        "observation": {"results": "x"},
+                    },
+                    {
+                        "source": "agent",
+                        "tool_calls": [{"function_name": "f", "arguments": "not json"}],
+                    },
                     {
                         "source": "agent",
                         "tool_calls": [{"arguments": {"cmd": "make"}}],
@@ -146,7 +192,12 @@ def test_missing_and_odd_fields_are_tolerated() -> None:
     ]
     assert run.steps[4].ts == 1700000000.0
     clipped = parse_atif(
-        {"task": "t", "trajectory": {"steps": [{"source": "agent", "message": "m", "observation": "y" * 500}]}},
+        {
+            "task": "t",
+            "trajectory": {
+                "steps": [{"source": "agent", "message": "m", "observation": "y" * 500}]
+            },
+        },
         max_chars=100,
     )
     assert "characters cut" in clipped.steps[0].text and len(clipped.steps[0].text) < 200
@@ -189,7 +240,9 @@ def test_steps_score_with_the_in_process_hook() -> None:
 def test_cli_lists_runs_and_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(GOOD)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].startswith("fizzbuzz__AbC1234\t3 steps\toutcome=success\tWrite /app/fizzbuzz.py")
+    assert lines[2].startswith(
+        "fizzbuzz__AbC1234\t3 steps\toutcome=success\tWrite /app/fizzbuzz.py"
+    )
     assert main([str(GOOD / "converted_failure.json"), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["outcome"] == "failure" and len(row["steps"]) == 3 and row["steps"][0]["ts"] is None
@@ -216,9 +269,16 @@ def test_all_real_recorded_runs_parse_with_outcomes_matching_reward() -> None:
         agent_steps = [s for s in raw["trajectory"]["steps"] if s["source"] == "agent"]
         assert run.outcome == {1: "success", 0: "failure"}[raw["reward"]], f
         assert run.reward == raw["reward"] and run.name == raw["trial_name"]
-        assert run.task == next(s["message"] for s in raw["trajectory"]["steps"] if s["source"] == "user").strip()
+        assert (
+            run.task
+            == next(
+                s["message"] for s in raw["trajectory"]["steps"] if s["source"] == "user"
+            ).strip()
+        )
         assert 0 < len(run.steps) <= len(agent_steps) and all(s.text.strip() for s in run.steps)
-        assert all('Observation:\n{\n  "returncode"' not in s.text for s in run.steps), "a JSON result not unwrapped"
+        assert all('Observation:\n{\n  "returncode"' not in s.text for s in run.steps), (
+            "a JSON result not unwrapped"
+        )
         version = run.schema_version or "?"
         by_version[version] = by_version.get(version, 0) + 1
         if version == "ATIF-v1.2":
@@ -233,7 +293,8 @@ def test_all_real_recorded_runs_parse_with_outcomes_matching_reward() -> None:
 
 
 class Recorder:
-    """A plain paho client in the monitor's seat: records inputs, optionally answers step N with an abort."""
+    """A plain paho client in the monitor's seat: records inputs, optionally answers step N with
+    an abort."""
 
     def __init__(self, port: int, abort_at: int | None = None) -> None:
         self.msgs: list[tuple[str, Any]] = []
@@ -248,12 +309,20 @@ class Recorder:
             self.cond.notify_all()
         run_id, kind = m.topic.split("/")[1:3]
         if kind == "step" and body.get("index") == self.abort_at:
-            sig = {"run_id": run_id, "signal": "abort", "reason": "hopeless", "step": body["index"], "score": 0.05}
+            sig = {
+                "run_id": run_id,
+                "signal": "abort",
+                "reason": "hopeless",
+                "step": body["index"],
+                "score": 0.05,
+            }
             c.publish(f"agents/{run_id}/signal", json.dumps(sig), qos=1, retain=True)
 
     def wait_end(self, run_id: str) -> list[tuple[str, Any]]:
         with self.cond:
-            assert self.cond.wait_for(lambda: any(t == f"agents/{run_id}/end" for t, _ in self.msgs), WAIT)
+            assert self.cond.wait_for(
+                lambda: any(t == f"agents/{run_id}/end" for t, _ in self.msgs), WAIT
+            )
             return [(t.rsplit("/", 1)[1], b) for t, b in self.msgs if t.split("/")[1] == run_id]
 
     def close(self) -> None:
@@ -271,7 +340,8 @@ def test_publish_replays_a_run_with_its_outcome(broker: Mosquitto) -> None:
         msgs = rec.wait_end("fizzbuzz__AbC1234")
         assert [k for k, _ in msgs] == ["start", "step", "step", "step", "end"]
         start = dict(msgs[0][1])
-        # MonitorClient stamps every start (what an outcome's or a group's HMAC signs with the run id).
+        # MonitorClient stamps every start (what an outcome's or a group's HMAC signs with the run
+        # id).
         assert isinstance(start.pop("started_at"), float)
         assert start == {"task": run.task, "policy": {"abort_below": 0.2}}
         assert [b["text"] for k, b in msgs if k == "step"] == run.texts
@@ -300,10 +370,25 @@ def test_publish_paces_by_timestamps_and_stops_on_abort(broker: Mosquitto) -> No
 def test_cli_replays_to_a_broker(broker: Mosquitto, capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(broker.port)
     try:
-        assert main([str(GOOD / "converted_failure.json"), "--broker", broker.url, "--abort-below", "0.1"]) == 0
-        assert capsys.readouterr().out.strip() == "kv-store__Xy98765\t3/3 steps sent\toutcome=failure"
+        assert (
+            main(
+                [
+                    str(GOOD / "converted_failure.json"),
+                    "--broker",
+                    broker.url,
+                    "--abort-below",
+                    "0.1",
+                ]
+            )
+            == 0
+        )
+        assert capsys.readouterr().out.strip() == (
+            "kv-store__Xy98765\t3/3 steps sent\toutcome=failure"
+        )
         msgs = rec.wait_end("kv-store__Xy98765")
-        assert msgs[0][1]["policy"] == {"abort_below": 0.1} and msgs[-1][1] == {"outcome": "failure"}
+        assert msgs[0][1]["policy"] == {"abort_below": 0.1} and msgs[-1][1] == {
+            "outcome": "failure"
+        }
     finally:
         rec.close()
     assert main([str(GOOD), "--broker", "mqtt://127.0.0.1:1"]) == 2

@@ -1,7 +1,8 @@
-"""The Claude Code hook: recorded hook payloads on stdin, a private Mosquitto, and a fake monitor over plain paho.
+"""The Claude Code hook: recorded hook payloads on stdin, a private Mosquitto, and a fake monitor
+over plain paho.
 
-Most tests run the hook as Claude Code does, one `python -m agent_monitor.adapters.claude_code` process per
-event; the long session walk-through calls the same handler in-process to stay fast.
+Most tests run the hook as Claude Code does, one `python -m agent_monitor.adapters.claude_code`
+process per event; the long session walk-through calls the same handler in-process to stay fast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ from typing import Any
 import paho.mqtt.client as mqtt
 import pytest
 
-from agent_monitor.adapters.claude_code import Config, Hook, StateStore, main, settings_snippet, tool_step
+from agent_monitor.adapters.claude_code import (
+    Config,
+    Hook,
+    StateStore,
+    main,
+    settings_snippet,
+    tool_step,
+)
 from tests import paths
 from tests.brokers import Mosquitto, free_port, input_listener
 
@@ -36,7 +44,8 @@ def payload(name: str, **changes: Any) -> dict[str, Any]:
 
 
 class FakeMonitor:
-    """Plain paho in the monitor's seat: records start/step/end, and publishes signals (retained) on demand."""
+    """Plain paho in the monitor's seat: records start/step/end, and publishes signals (retained)
+    on demand."""
 
     def __init__(self, port: int) -> None:
         self.msgs: list[tuple[str, str, Any]] = []  # (run_id, kind, body)
@@ -57,15 +66,25 @@ class FakeMonitor:
 
     def of(self, kind: str, run_id: str = SESSION) -> list[Any]:
         out = [b for r, k, b in self.msgs if r == run_id and k == kind]
-        if kind == "start":  # MonitorClient stamps every start (what an outcome's HMAC signs): checked, set aside
+        # MonitorClient stamps every start (what an outcome's HMAC signs): checked, set aside
+        if kind == "start":
             assert all(isinstance(b.get("started_at"), float) for b in out), out
             out = [{k: v for k, v in b.items() if k != "started_at"} for b in out]
         return out
 
-    def signal(self, run_id: str, signal: str = "abort", step: int = 1, score: float | None = 0.04) -> None:
-        body = {"run_id": run_id, "signal": signal, "reason": "score below 0.15 for 3 steps", "step": step}
+    def signal(
+        self, run_id: str, signal: str = "abort", step: int = 1, score: float | None = 0.04
+    ) -> None:
+        body = {
+            "run_id": run_id,
+            "signal": signal,
+            "reason": "score below 0.15 for 3 steps",
+            "step": step,
+        }
         body["score"] = score
-        self.c.publish(f"agents/{run_id}/signal", json.dumps(body), qos=1, retain=True).wait_for_publish(WAIT)
+        self.c.publish(
+            f"agents/{run_id}/signal", json.dumps(body), qos=1, retain=True
+        ).wait_for_publish(WAIT)
 
     def close(self) -> None:
         self.c.disconnect()
@@ -110,7 +129,12 @@ def test_session_as_hook_processes_publishes_numbered_steps(
     broker: Mosquitto, fake: FakeMonitor, tmp_path: Path
 ) -> None:
     env = hook_env(broker.url, tmp_path / "state", AGENT_MONITOR_POLICY='{"abort_below": 0.15}')
-    for name in ("02_user_prompt_submit", "04_post_tool_use_bash", "05_pre_tool_use_read", "06_post_tool_use_read"):
+    for name in (
+        "02_user_prompt_submit",
+        "04_post_tool_use_bash",
+        "05_pre_tool_use_read",
+        "06_post_tool_use_read",
+    ):
         done = run_hook(payload(name), env)
         assert done.returncode == 0, done.stderr
         assert done.stdout == ""  # stdout of UserPromptSubmit would be added to Claude's context
@@ -118,14 +142,20 @@ def test_session_as_hook_processes_publishes_numbered_steps(
     steps = fake.wait(2)
     starts = fake.of("start")
     assert starts[0] == {
-        "task": "The test test_add in tests/test_calc.py fails. Fix calc.py so that the whole test suite passes.",
+        "task": "The test test_add in tests/test_calc.py fails. Fix calc.py so that the "
+        "whole test suite passes.",
         "policy": {"abort_below": 0.15},
     }
-    assert all(s == starts[0] for s in starts)  # each process re-sends the identical start (ignored by the monitor)
+    # each process re-sends the identical start (ignored by the monitor)
+    assert all(s == starts[0] for s in starts)
     assert [s["index"] for s in steps] == [1, 2]
     assert steps[0]["text"].startswith("$ python -m pytest -q\n-> F.")
-    assert "1 failed, 1 passed in 0.03s" in steps[0]["text"] and steps[0]["meta"] == {"tool": "Bash"}
-    assert steps[1]["text"].startswith("Read /home/dev/calc/calc.py\n-> def add(a, b):\n    return a - b")
+    assert "1 failed, 1 passed in 0.03s" in steps[0]["text"] and steps[0]["meta"] == {
+        "tool": "Bash"
+    }
+    assert steps[1]["text"].startswith(
+        "Read /home/dev/calc/calc.py\n-> def add(a, b):\n    return a - b"
+    )
     assert run_hook(payload("12_session_end"), env).returncode == 0
     assert fake.wait(1, "end") == [{}]
 
@@ -147,7 +177,8 @@ def test_abort_blocks_the_next_tool_call_with_exit_2_and_a_reason(
         "Blocked by agent-monitor: the progress monitor aborted this run at step 1 (score 0.04): "
         "score below 0.15 for 3 steps. Do not call more tools"
     )
-    # Aborted is remembered: later calls are blocked without the broker, and their results are not sent.
+    # Aborted is remembered: later calls are blocked without the broker, and their results are not
+    # sent.
     broker.stop()
     again = run_hook(payload("09_pre_tool_use_bash"), env)
     assert again.returncode == 2 and "aborted this run at step 1" in again.stderr
@@ -157,7 +188,9 @@ def test_abort_blocks_the_next_tool_call_with_exit_2_and_a_reason(
     assert [s["index"] for s in fake.of("step")] == [1]
 
 
-def test_json_block_mode_denies_and_stops_claude(broker: Mosquitto, fake: FakeMonitor, tmp_path: Path) -> None:
+def test_json_block_mode_denies_and_stops_claude(
+    broker: Mosquitto, fake: FakeMonitor, tmp_path: Path
+) -> None:
     env = hook_env(broker.url, tmp_path / "state", AGENT_MONITOR_CLAUDE_BLOCK="json")
     assert run_hook(payload("04_post_tool_use_bash"), env).returncode == 0
     fake.wait(1)
@@ -175,7 +208,9 @@ def test_json_block_mode_denies_and_stops_claude(broker: Mosquitto, fake: FakeMo
             "permissionDecisionReason": reason,
         },
     }
-    assert reason.startswith("Blocked by agent-monitor: the progress monitor aborted this run at step 1: score below")
+    assert reason.startswith(
+        "Blocked by agent-monitor: the progress monitor aborted this run at step 1: score below"
+    )
 
 
 def test_parallel_hook_processes_keep_indices_unique_and_gapless(
@@ -184,7 +219,11 @@ def test_parallel_hook_processes_keep_indices_unique_and_gapless(
     env = hook_env(broker.url, tmp_path / "state")
     assert run_hook(payload("02_user_prompt_submit"), env).returncode == 0
     events = [
-        payload("04_post_tool_use_bash", tool_input={"command": f"echo {i}"}, tool_response={"stdout": f"{i}"})
+        payload(
+            "04_post_tool_use_bash",
+            tool_input={"command": f"echo {i}"},
+            tool_response={"stdout": f"{i}"},
+        )
         for i in range(4)
     ]
     with ThreadPoolExecutor(4) as pool:
@@ -215,7 +254,9 @@ def test_broker_down_and_bad_input_fail_open(tmp_path: Path) -> None:
     )
     assert garbage.returncode == 0 and "not the hook's JSON payload" in garbage.stderr
     bad_env = run_hook(payload("04_post_tool_use_bash"), env | {"AGENT_MONITOR_POLICY": "[1]"})
-    assert bad_env.returncode == 0 and "AGENT_MONITOR_POLICY must be a JSON object" in bad_env.stderr
+    assert (
+        bad_env.returncode == 0 and "AGENT_MONITOR_POLICY must be a JSON object" in bad_env.stderr
+    )
 
 
 # -- the same handler in-process (fast): a whole recorded session --
@@ -227,19 +268,28 @@ def hook(broker_url: str, state: Path, **env: str) -> tuple[Hook, io.StringIO, i
     return Hook(config, out, err), out, err
 
 
-def test_recorded_session_start_to_end(broker: Mosquitto, fake: FakeMonitor, tmp_path: Path) -> None:
+def test_recorded_session_start_to_end(
+    broker: Mosquitto, fake: FakeMonitor, tmp_path: Path
+) -> None:
     h, out, err = hook(broker.url, tmp_path / "state")
     codes = [h.handle(json.loads(f.read_text())) for f in sorted(FIXTURES.glob("*.json"))]
     assert codes == [0] * 12 and out.getvalue() == "" and err.getvalue() == ""
     steps = fake.wait(4)
     assert [s["index"] for s in steps] == [1, 2, 3, 4]
-    assert [s["meta"]["tool"] for s in steps] == ["Bash", "Read", "Edit", "mcp__github__create_issue"]
+    assert [s["meta"]["tool"] for s in steps] == [
+        "Bash",
+        "Read",
+        "Edit",
+        "mcp__github__create_issue",
+    ]
     assert steps[2]["text"] == (
-        "Edit /home/dev/calc/calc.py\n- def add(a, b):\n    return a - b\n+ def add(a, b):\n    return a + b"
+        "Edit /home/dev/calc/calc.py\n- def add(a, b):\n    return a - b\n+ def add(a, b):\n "
+        "   return a + b"
     )  # the response's originalFile and patch are not sent again
     assert steps[3]["text"] == (
         'mcp__github__create_issue {"owner": "dev", "repo": "calc", "title": "add() subtracted"}\n'
-        '-> [{"type": "text", "text": "{\\"number\\": 12, \\"url\\": \\"https://github.example/dev/calc/issues/12\\"}"}]'
+        '-> [{"type": "text", "text": "{\\"number\\": 12, \\"url\\": '
+        '\\"https://github.example/dev/calc/issues/12\\"}"}]'
     )
     assert fake.wait(1, "end") == [{}]
     state = json.loads((tmp_path / "state" / f"{SESSION}.json").read_text())
@@ -275,14 +325,23 @@ def test_prompts_after_the_first_are_steps_and_a_prompt_after_abort_starts_a_new
     assert h.handle(payload("03_pre_tool_use_bash")) == 0  # the new run has no abort
 
 
-def test_lazy_start_and_task_from_the_environment(broker: Mosquitto, fake: FakeMonitor, tmp_path: Path) -> None:
+def test_lazy_start_and_task_from_the_environment(
+    broker: Mosquitto, fake: FakeMonitor, tmp_path: Path
+) -> None:
     h, _, _ = hook(broker.url, tmp_path / "a")
     h.handle(payload("01_session_start"))  # nothing to publish: no task yet
     h.handle(payload("04_post_tool_use_bash"))
     fake.wait(1)
-    assert fake.of("start")[0] == {"task": "Complete the user's request in the Claude Code session in /home/dev/calc."}
+    assert fake.of("start")[0] == {
+        "task": "Complete the user's request in the Claude Code session in /home/dev/calc."
+    }
 
-    h2, _, _ = hook(broker.url, tmp_path / "b", AGENT_MONITOR_TASK="Fix calc.py", AGENT_MONITOR_CRITERIA="coding")
+    h2, _, _ = hook(
+        broker.url,
+        tmp_path / "b",
+        AGENT_MONITOR_TASK="Fix calc.py",
+        AGENT_MONITOR_CRITERIA="coding",
+    )
     other = "0d9b7c52-1111-4222-8333-944455556666"
     h2.handle(payload("01_session_start", session_id=other))
     assert fake.wait(1, "start", other)[0] == {"task": "Fix calc.py", "criteria": "coding"}
@@ -307,33 +366,55 @@ def test_state_store_survives_garbage_and_prunes_old_sessions(tmp_path: Path) ->
 
 
 def test_tool_step_text() -> None:
-    assert tool_step("Bash", {"command": "ls"}, {"stdout": "a\nb\n", "stderr": "warn", "interrupted": True}) == (
-        "$ ls\n-> a\nb\nstderr: warn\n[interrupted]"
+    assert tool_step(
+        "Bash", {"command": "ls"}, {"stdout": "a\nb\n", "stderr": "warn", "interrupted": True}
+    ) == ("$ ls\n-> a\nb\nstderr: warn\n[interrupted]")
+    assert tool_step("Bash", {"command": "true"}, {"stdout": "", "stderr": ""}) == (
+        "$ true\n-> (no output)"
     )
-    assert tool_step("Bash", {"command": "true"}, {"stdout": "", "stderr": ""}) == "$ true\n-> (no output)"
     assert (
-        tool_step("Write", {"file_path": "/x.py", "content": "print(1)"}, {"type": "create"}) == "Write /x.py\nprint(1)"
+        tool_step("Write", {"file_path": "/x.py", "content": "print(1)"}, {"type": "create"})
+        == "Write "
+        "/x.py\nprint(1)"
     )
     assert tool_step(
-        "Edit", {"file_path": "/x.py", "old_string": "a", "new_string": "b"}, "File has not been read yet"
+        "Edit",
+        {"file_path": "/x.py", "old_string": "a", "new_string": "b"},
+        "File has not been read yet",
     ) == ("Edit /x.py\n- a\n+ b\n-> File has not been read yet")
-    assert tool_step("MultiEdit", {"file_path": "/x", "edits": [{"old_string": "1", "new_string": "2"}]}, {}) == (
-        "MultiEdit /x\n- 1\n+ 2"
+    assert tool_step(
+        "MultiEdit", {"file_path": "/x", "edits": [{"old_string": "1", "new_string": "2"}]}, {}
+    ) == ("MultiEdit /x\n- 1\n+ 2")
+    assert tool_step("Read", {"file_path": "/r"}, "plain text result") == (
+        "Read /r\n-> plain text result"
     )
-    assert tool_step("Read", {"file_path": "/r"}, "plain text result") == "Read /r\n-> plain text result"
     assert tool_step("WebFetch", {"url": "https://e.x"}, None) == 'WebFetch {"url": "https://e.x"}'
     big = tool_step("Bash", {"command": "cat big"}, {"stdout": "x" * 50_000}, max_chars=1000)
     assert len(big) < 1200 and "characters cut" in big
 
 
-def test_settings_snippet_file_matches_and_covers_the_handled_events(capsys: pytest.CaptureFixture[str]) -> None:
+def test_settings_snippet_file_matches_and_covers_the_handled_events(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     shipped = json.loads(SETTINGS.read_text())
     assert shipped == settings_snippet()
-    assert set(shipped["hooks"]) == {"SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse", "SessionEnd"}
+    assert set(shipped["hooks"]) == {
+        "SessionStart",
+        "UserPromptSubmit",
+        "PreToolUse",
+        "PostToolUse",
+        "SessionEnd",
+    }
     for groups in shipped["hooks"].values():
         for group in groups:
             assert group["hooks"] == [
-                {"type": "command", "command": "python -m agent_monitor.adapters.claude_code", "timeout": 15}
+                {
+                    "type": "command",
+                    "command": "python -m agent_monitor.adapters.claude_code",
+                    "timeout": 15,
+                }
             ]
     assert main(["--print-settings", "--broker", "mqtt://10.0.0.5:1883"]) == 0
-    assert json.loads(capsys.readouterr().out)["env"] == {"AGENT_MONITOR_BROKER": "mqtt://10.0.0.5:1883"}
+    assert json.loads(capsys.readouterr().out)["env"] == {
+        "AGENT_MONITOR_BROKER": "mqtt://10.0.0.5:1883"
+    }

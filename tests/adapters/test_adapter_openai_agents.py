@@ -1,7 +1,8 @@
-"""The OpenAI Agents SDK adapter with REAL `Runner.run` runs, driven by a scripted `Model` (no network).
+"""The OpenAI Agents SDK adapter with REAL `Runner.run` runs, driven by a scripted `Model` (no
+network).
 
-The scripted model wraps each answer in a generation span the way the SDK's Chat Completions model does, so the
-runner makes real agent, turn, generation and function spans and calls the real hooks.
+The scripted model wraps each answer in a generation span the way the SDK's Chat Completions model
+does, so the runner makes real agent, turn, generation and function spans and calls the real hooks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ from agents.items import ModelResponse, TResponseInputItem, TResponseStreamEvent
 from agents.models.interface import Model, ModelTracing  # noqa: E402
 from agents.tracing import generation_span, handoff_span, response_span, set_trace_processors, trace  # noqa: E402
 from agents.usage import Usage  # noqa: E402
-from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText  # noqa: E402
+from openai.types.responses import (  # noqa: E402
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseOutputText,
+)
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion  # noqa: E402
 
 from agent_monitor import ProgressTracker  # noqa: E402
@@ -62,7 +67,8 @@ def call(name: str, **arguments: Any) -> ResponseFunctionToolCall:
 
 
 class ScriptedModel(Model):
-    """Answers each model call with the next scripted output; `before` may await something first (e.g. a signal)."""
+    """Answers each model call with the next scripted output; `before` may await something first
+    (e.g. a signal)."""
 
     def __init__(self, script: list[list[Any]], before: Callable[[int], Any] | None = None) -> None:
         self.script = script
@@ -88,12 +94,24 @@ class ScriptedModel(Model):
         if self.before is not None:
             await self.before(n)
         output = self.script[n]
-        # Like OpenAIChatCompletionsModel: one generation span per call, its output in chat-message form.
+        # Like OpenAIChatCompletionsModel: one generation span per call, its output in chat-message
+        # form.
         with generation_span(model="scripted", disabled=tracing.is_disabled()) as span:
             if tracing.include_data():
-                texts = [c.text for o in output if isinstance(o, ResponseOutputMessage) for c in o.content]
-                calls = [{"name": o.name, "arguments": o.arguments} for o in output if o.type == "function_call"]
-                span.span_data.output = [{"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls}]
+                texts = [
+                    c.text
+                    for o in output
+                    if isinstance(o, ResponseOutputMessage)
+                    for c in o.content
+                ]
+                calls = [
+                    {"name": o.name, "arguments": o.arguments}
+                    for o in output
+                    if o.type == "function_call"
+                ]
+                span.span_data.output = [
+                    {"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls}
+                ]
         return ModelResponse(output=output, usage=Usage(), response_id=None)
 
     def stream_response(self, *args: Any, **kwargs: Any) -> AsyncIterator[TResponseStreamEvent]:
@@ -112,7 +130,8 @@ def shell_agent(model: Model, executed: list[str], name: str = "coder") -> Agent
 
 @pytest.fixture(autouse=True)
 def only_our_processor() -> Iterator[None]:
-    # Keep the SDK's default exporter (to OpenAI's backend) out of tests: no network, no background thread.
+    # Keep the SDK's default exporter (to OpenAI's backend) out of tests: no network, no background
+    # thread.
     set_trace_processors([monitor_processor()])
     yield
     set_trace_processors([monitor_processor()])
@@ -142,7 +161,9 @@ async def test_real_run_sends_messages_and_tool_steps_in_order_to_a_tracker() ->
     tracker = ProgressTracker("Make the failing test pass", judge=judge)
     try:
         with AgentMonitor(tracker) as monitor:
-            result = await Runner.run(shell_agent(model, executed), "Make the failing test pass", hooks=monitor.hooks)
+            result = await Runner.run(
+                shell_agent(model, executed), "Make the failing test pass", hooks=monitor.hooks
+            )
         assert result.final_output == "All tests pass now."
         assert executed == ["pytest -q", "sed -i s/-1/1/ calc.py"]
         assert monitor.steps == [
@@ -182,9 +203,12 @@ async def test_concurrent_runs_each_reach_their_own_monitor() -> None:
             trackers.append(tracker)
             monitors.append(monitor)
             model = ScriptedModel(
-                [[call("run_shell", cmd=f"{who} {i}")] for i in range(3)] + [[say("done")]], before=tick
+                [[call("run_shell", cmd=f"{who} {i}")] for i in range(3)] + [[say("done")]],
+                before=tick,
             )
-            coros.append(Runner.run(shell_agent(model, [], name=who), f"task {who}", hooks=monitor.hooks))
+            coros.append(
+                Runner.run(shell_agent(model, [], name=who), f"task {who}", hooks=monitor.hooks)
+            )
         await asyncio.gather(*coros)
         for who, monitor in zip(("alpha", "beta"), monitors, strict=True):
             assert [s.splitlines()[0] for s in monitor.steps] == [
@@ -207,7 +231,9 @@ async def test_explicit_trace_id_without_hooks_and_no_steps_when_tracing_is_disa
     try:
         monitor = AgentMonitor(tracker)
         model = ScriptedModel([[call("run_shell", cmd="ls")], [say("ok")]])
-        await Runner.run(shell_agent(model, []), "t", run_config=RunConfig(trace_id=monitor.trace_id))
+        await Runner.run(
+            shell_agent(model, []), "t", run_config=RunConfig(trace_id=monitor.trace_id)
+        )
         assert monitor.steps == ['tool run_shell {"cmd": "ls"}\n-> ran `ls`: ok', "assistant: ok"]
         monitor.close()
 
@@ -215,7 +241,10 @@ async def test_explicit_trace_id_without_hooks_and_no_steps_when_tracing_is_disa
         model = ScriptedModel([[call("run_shell", cmd="ls")], [say("ok")]])
         with caplog.at_level("WARNING", logger="agent_monitor.adapters.openai_agents"):
             await Runner.run(
-                shell_agent(model, []), "t", hooks=quiet.hooks, run_config=RunConfig(tracing_disabled=True)
+                shell_agent(model, []),
+                "t",
+                hooks=quiet.hooks,
+                run_config=RunConfig(tracing_disabled=True),
             )
         assert quiet.steps == [] and "tracing is disabled" in caplog.text
         quiet.close()
@@ -238,13 +267,19 @@ def test_span_step_reads_responses_api_handoffs_errors_and_clips() -> None:
             pass
         assert span_step(h) == "handoff: triage -> coder"
         with generation_span() as g:
-            g.span_data.output = [{"role": "assistant", "content": None, "tool_calls": [{"name": "x"}]}]
+            g.span_data.output = [
+                {"role": "assistant", "content": None, "tool_calls": [{"name": "x"}]}
+            ]
         assert span_step(g) is None  # a tool request alone: its function span is the step
         from agents.tracing import SpanError, function_span
 
         with function_span("deploy", input='{"env": "prod"}') as f:
-            f.set_error(SpanError(message="Error running tool", data={"error": "permission denied"}))
-        assert span_step(f) == 'tool deploy {"env": "prod"}\n-> error: Error running tool: permission denied'
+            f.set_error(
+                SpanError(message="Error running tool", data={"error": "permission denied"})
+            )
+        assert span_step(f) == (
+            'tool deploy {"env": "prod"}\n-> error: Error running tool: permission denied'
+        )
         with function_span("cat", input="{}", output="x" * 10_000) as big:
             pass
         text = span_step(big, max_chars=100)
@@ -262,7 +297,9 @@ def test_sink_must_be_a_tracker_or_run() -> None:
 async def test_abort_from_an_in_process_tracker_stops_the_run_before_the_next_tool_call() -> None:
     executed: list[str] = []
     judge = FakeJudge()  # step 1 scores 1/19, far below abort_below
-    tracker = ProgressTracker("t", judge=judge, policy={"abort_below": 0.9, "min_steps": 1, "patience": 1})
+    tracker = ProgressTracker(
+        "t", judge=judge, policy={"abort_below": 0.9, "min_steps": 1, "patience": 1}
+    )
     monitor = AgentMonitor(tracker)
 
     async def slow_model(n: int) -> None:
@@ -270,7 +307,8 @@ async def test_abort_from_an_in_process_tracker_stops_the_run_before_the_next_to
             await wait_for(lambda: monitor.should_abort, "abort signal")
 
     model = ScriptedModel(
-        [[call("run_shell", cmd="ls")], [call("run_shell", cmd="rm -rf build")], [say("done")]], before=slow_model
+        [[call("run_shell", cmd="ls")], [call("run_shell", cmd="rm -rf build")], [say("done")]],
+        before=slow_model,
     )
     try:
         with pytest.raises(RunAborted, match=r"aborted this run at step 1 \(score 0\.05\)") as err:
@@ -288,7 +326,8 @@ async def test_abort_from_an_in_process_tracker_stops_the_run_before_the_next_to
 
 
 class FakeMonitor:
-    """Plays the monitor daemon over plain paho: records steps, publishes a retained abort when told to."""
+    """Plays the monitor daemon over plain paho: records steps, publishes a retained abort when
+    told to."""
 
     def __init__(self, port: int, abort_after_step: int | None) -> None:
         self.steps: list[dict[str, Any]] = []
@@ -310,8 +349,15 @@ class FakeMonitor:
             self.steps.append(step)
             self.cond.notify_all()
         if self.abort_after_step is not None and step["index"] == self.abort_after_step:
-            signal = {"run_id": run_id, "signal": "abort", "reason": "score below 0.2 for 1 step", "step": 1}
-            c.publish(f"agents/{run_id}/signal", json.dumps(signal | {"score": 0.1}), qos=1, retain=True)
+            signal = {
+                "run_id": run_id,
+                "signal": "abort",
+                "reason": "score below 0.2 for 1 step",
+                "step": 1,
+            }
+            c.publish(
+                f"agents/{run_id}/signal", json.dumps(signal | {"score": 0.1}), qos=1, retain=True
+            )
 
     def close(self) -> None:
         self.c.disconnect()
@@ -323,7 +369,9 @@ async def test_abort_over_mqtt_stops_the_run_before_the_next_tool_call(broker: M
     executed: list[str] = []
     try:
         with MonitorClient(broker.url, connect_timeout=5) as client:
-            run = client.start_run("agents-sdk-1", task="Clean the build", policy={"abort_below": 0.2})
+            run = client.start_run(
+                "agents-sdk-1", task="Clean the build", policy={"abort_below": 0.2}
+            )
             monitor = AgentMonitor(run)
 
             async def slow_model(n: int) -> None:
@@ -331,17 +379,24 @@ async def test_abort_over_mqtt_stops_the_run_before_the_next_tool_call(broker: M
                     await wait_for(lambda: monitor.should_abort, "abort signal over MQTT")
 
             model = ScriptedModel(
-                [[call("run_shell", cmd="ls")], [call("run_shell", cmd="rm -rf /")], [say("done")]], before=slow_model
+                [[call("run_shell", cmd="ls")], [call("run_shell", cmd="rm -rf /")], [say("done")]],
+                before=slow_model,
             )
-            with pytest.raises(RunAborted, match=r"at step 1 \(score 0\.10\): score below 0\.2 for 1 step"):
-                await Runner.run(shell_agent(model, executed), "Clean the build", hooks=monitor.hooks)
+            with pytest.raises(
+                RunAborted, match=r"at step 1 \(score 0\.10\): score below " r"0\.2 for 1 step"
+            ):
+                await Runner.run(
+                    shell_agent(model, executed), "Clean the build", hooks=monitor.hooks
+                )
             run.end("failure")
             monitor.close()
         assert executed == ["ls"]
         with fake.cond:
             assert fake.cond.wait_for(lambda: len(fake.steps) >= 1, WAIT)
         await asyncio.sleep(0.2)  # nothing else may arrive: the aborted call's span is not sent
-        assert [(s["index"], s["text"]) for s in fake.steps] == [(1, 'tool run_shell {"cmd": "ls"}\n-> ran `ls`: ok')]
+        assert [(s["index"], s["text"]) for s in fake.steps] == [
+            (1, 'tool run_shell {"cmd": "ls"}\n-> ran `ls`: ok')
+        ]
         assert monitor.skipped in (0, 1) and fake.steps[0]["meta"] == {"span": "function"}
     finally:
         fake.close()

@@ -1,4 +1,5 @@
-"""The robot control loop: 10 Hz kept while a slow judge scores beside it, a frame per step, stop on abort."""
+"""The robot control loop: 10 Hz kept while a slow judge scores beside it, a frame per step, stop
+on abort."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_loop_keeps_10_hz_while_a_slow_judge_scores_and_sends_a_frame_per_step()
     assert result.steps == 25 and not result.aborted
     assert len(result.periods) == 24
     assert statistics.mean(result.periods) == pytest.approx(0.1, abs=0.01)
-    assert max(result.periods) < 0.2, result.periods  # no tick waited for a score (a call takes 0.35 s)
+    # no tick waited for a score (a call takes 0.35 s)
+    assert max(result.periods) < 0.2, result.periods
     assert max(result.send_s) < 0.05 and result.overruns == 0
     assert elapsed == pytest.approx(2.4, abs=0.25)
     # Every step carries its frame; scoring coalesced steps instead of slowing the loop.
@@ -68,7 +70,9 @@ def test_loop_keeps_10_hz_while_a_slow_judge_scores_and_sends_a_frame_per_step()
     assert any(p.coalesced > 1 for p in tracker.curve)
     # The frame budget, not the loop, decided which frames the judge saw in the last call.
     anchors, recent = budget.select(25)
-    assert judge.prompts[-1].step == 25 and judge.prompts[-1].frames == len(anchors) + len(recent) == 7
+    assert (
+        judge.prompts[-1].step == 25 and judge.prompts[-1].frames == len(anchors) + len(recent) == 7
+    )
 
 
 def test_loop_stops_on_abort_within_a_tick() -> None:
@@ -87,14 +91,18 @@ def test_loop_stops_on_abort_within_a_tick() -> None:
     )
     stopped_at: list[float] = []
     try:
-        result = control_loop(tracker, steps=100, hz=10.0, on_tick=lambda k, _t: stopped_at.append(time.monotonic()))
+        result = control_loop(
+            tracker, steps=100, hz=10.0, on_tick=lambda k, _t: stopped_at.append(time.monotonic())
+        )
     finally:
         tracker.close()
         judge.close()
     assert result.aborted and 4 <= result.steps < 15, result
-    assert result.abort_signal_step is not None and result.abort_signal_step >= 4  # min_steps 3, patience 2
+    # min_steps 3, patience 2
+    assert result.abort_signal_step is not None and result.abort_signal_step >= 4
     assert len(decided) == 1
-    assert stopped_at[-1] - decided[0] < 0.12  # at most the tick already under way went out after the abort
+    # at most the tick already under way went out after the abort
+    assert stopped_at[-1] - decided[0] < 0.12
     assert len(tracker.steps) == result.steps
 
 
@@ -114,7 +122,13 @@ class FakeMonitor:
         body = json.loads(m.payload) if m.payload else {}
         {"start": self.starts, "step": self.steps, "end": self.ends}[kind].append(body)
         if kind == "step" and body["index"] == self.abort_at:
-            sig = {"run_id": run_id, "signal": "abort", "reason": "no progress", "step": body["index"], "score": 0.1}
+            sig = {
+                "run_id": run_id,
+                "signal": "abort",
+                "reason": "no progress",
+                "step": body["index"],
+                "score": 0.1,
+            }
             c.publish(f"agents/{run_id}/signal", json.dumps(sig), qos=1, retain=True)
 
     def close(self) -> None:
@@ -136,7 +150,9 @@ def run_example(broker: Mosquitto, *args: str) -> subprocess.CompletedProcess[st
 def test_example_streams_steps_with_frames_over_mqtt(broker: Mosquitto) -> None:
     fake = FakeMonitor(broker.port, abort_at=None)
     try:
-        done = run_example(broker, "--steps", "8", "--hz", "20", "--run-id", "robot-a", "--abort-below", "0.1")
+        done = run_example(
+            broker, "--steps", "8", "--hz", "20", "--run-id", "robot-a", "--abort-below", "0.1"
+        )
         assert done.returncode == 0, done.stderr
         summary = json.loads(done.stdout)
         assert summary["steps"] == 8 and not summary["aborted"] and summary["outcome"] == "failure"
@@ -144,12 +160,20 @@ def test_example_streams_steps_with_frames_over_mqtt(broker: Mosquitto) -> None:
         deadline = time.monotonic() + WAIT
         while not fake.ends and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert fake.starts[0]["policy"] == {"abort_below": 0.1} and fake.starts[0]["criteria"] == "robot"
+        assert (
+            fake.starts[0]["policy"] == {"abort_below": 0.1}
+            and fake.starts[0]["criteria"] == "robot"
+        )
         assert len(fake.starts[0]["images"]) == 1  # the scene at the start
         assert [s["index"] for s in fake.steps] == list(range(1, 9))
         frames = [s["images"][0] for s in fake.steps]
-        assert all(f["mime"] == "image/png" for f in frames) and len({f["data"] for f in frames}) == 8
-        assert fake.steps[0]["text"].startswith("t=1: move") and "distance_to_goal" in fake.steps[0]["meta"]
+        assert (
+            all(f["mime"] == "image/png" for f in frames) and len({f["data"] for f in frames}) == 8
+        )
+        assert (
+            fake.steps[0]["text"].startswith("t=1: move")
+            and "distance_to_goal" in fake.steps[0]["meta"]
+        )
         assert fake.ends == [{"outcome": "failure"}]
     finally:
         fake.close()
@@ -158,10 +182,14 @@ def test_example_streams_steps_with_frames_over_mqtt(broker: Mosquitto) -> None:
 def test_example_stops_on_a_retained_abort_and_exits_3(broker: Mosquitto) -> None:
     fake = FakeMonitor(broker.port, abort_at=3)
     try:
-        done = run_example(broker, "--steps", "60", "--hz", "20", "--run-id", "robot-b", "--drift", "0.3")
+        done = run_example(
+            broker, "--steps", "60", "--hz", "20", "--run-id", "robot-b", "--drift", "0.3"
+        )
         assert done.returncode == 3, done.stderr
         summary = json.loads(done.stdout)
-        assert summary["aborted"] and summary["abort_signal_step"] == 3 and summary["outcome"] is None
+        assert (
+            summary["aborted"] and summary["abort_signal_step"] == 3 and summary["outcome"] is None
+        )
         assert 3 <= summary["steps"] <= 8
         deadline = time.monotonic() + WAIT
         while not fake.ends and time.monotonic() < deadline:

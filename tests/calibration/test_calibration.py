@@ -28,7 +28,9 @@ from agent_monitor.progress import Progress
 FAM = Family("fix-the-test", "judge-v1", "rubric-1")
 
 
-def _curve(scores: list[float | None], uncertainties: list[float | None] | None = None) -> tuple[Point, ...]:
+def _curve(
+    scores: list[float | None], uncertainties: list[float | None] | None = None
+) -> tuple[Point, ...]:
     us = uncertainties or [0.1 if s is not None else None for s in scores]
     return tuple(Point(i, s, u) for i, (s, u) in enumerate(zip(scores, us, strict=True), 1))
 
@@ -44,7 +46,9 @@ def _aborts(curve: tuple[Point, ...], policy: Policy) -> bool:
     return False
 
 
-scores_st = st.lists(st.one_of(st.none(), st.floats(0, 1), st.sampled_from([0.1, 0.2, 0.3])), min_size=0, max_size=25)
+scores_st = st.lists(
+    st.one_of(st.none(), st.floats(0, 1), st.sampled_from([0.1, 0.2, 0.3])), min_size=0, max_size=25
+)
 policy_st = st.builds(
     Policy,
     min_steps=st.integers(0, 5),
@@ -54,12 +58,17 @@ policy_st = st.builds(
 
 
 @settings(max_examples=300, deadline=None)
-@given(scores=scores_st, unc=st.lists(st.floats(0, 0.5), min_size=25, max_size=25), policy=policy_st)
+@given(
+    scores=scores_st, unc=st.lists(st.floats(0, 0.5), min_size=25, max_size=25), policy=policy_st
+)
 def test_margin_is_the_largest_threshold_that_does_not_abort(
     scores: list[float | None], unc: list[float], policy: Policy
 ) -> None:
-    """Brute force: the live policy with abort_below just above the margin aborts; at the margin it does not."""
-    curve = _curve(scores, [u if s is not None else None for s, u in zip(scores, unc, strict=False)])
+    """Brute force: the live policy with abort_below just above the margin aborts; at the margin
+    it does not."""
+    curve = _curve(
+        scores, [u if s is not None else None for s, u in zip(scores, unc, strict=False)]
+    )
     m = margin(curve, policy)
     candidates = sorted({0.0, 1.0, *(s for s in scores if s is not None)})
     for t in candidates:
@@ -72,9 +81,15 @@ def test_margin_is_the_largest_threshold_that_does_not_abort(
 
 
 @settings(max_examples=200, deadline=None)
-@given(margins=st.lists(st.floats(0, 1), max_size=60), alpha=st.sampled_from([0.05, 0.1, 0.2, 0.29, 0.5]))
+@given(
+    margins=st.lists(st.floats(0, 1), max_size=60),
+    alpha=st.sampled_from([0.05, 0.1, 0.2, 0.29, 0.5]),
+)
 def test_threshold_is_the_kth_smallest_margin(margins: list[float], alpha: float) -> None:
-    """Brute force: the largest t with #{m_i < t} <= k - 1 among the margins, i.e. the k-th smallest."""
+    """Brute force: the largest t with #{m_i < t} <= k - 1 among the margins, i.e.
+
+    the k-th smallest.
+    """
     k = math.floor(alpha * (len(margins) + 1) + 1e-9)
     t = conformal_threshold(margins, alpha)
     if k < 1:
@@ -89,7 +104,8 @@ def test_minimum_sample() -> None:
     assert min_successes(0.05) == 19
     assert min_successes(0.1) == 9
     assert min_successes(0.2) == 4
-    assert min_successes(0.29) == 3  # floor(0.29 * 4) = 1; the rounding of 0.29 * 100 must not cost a run
+    # floor(0.29 * 4) = 1; the rounding of 0.29 * 100 must not cost a run
+    assert min_successes(0.29) == 3
     assert min_successes(0.5) == 1
     for alpha in (0.05, 0.1, 0.2, 0.25, 0.3, 0.5):
         n = min_successes(alpha)
@@ -98,7 +114,8 @@ def test_minimum_sample() -> None:
 
 
 def test_no_abort_before_the_minimum_sample() -> None:
-    """18 successes at alpha 0.05: an "auto" run at rock bottom keeps going; the 19th success arms the rule."""
+    """18 successes at alpha 0.05: an "auto" run at rock bottom keeps going; the 19th success
+    arms the rule."""
     cal = Calibration()
     policy = Policy(abort_below="auto", min_steps=1, patience=2)
     for i in range(18):
@@ -182,7 +199,8 @@ def test_samples_round_trip_and_reset() -> None:
 
 
 def test_memory_is_bounded_per_family_and_in_total() -> None:
-    """Families come from the network: the oldest runs of a family go, then whole least-recent families."""
+    """Families come from the network: the oldest runs of a family go, then whole least-recent
+    families."""
     cal = Calibration(max_samples=3, max_total=7)
     for i in range(5):
         cal.record(FAM, f"r{i}", "success", _curve([0.1 * i, 0.1 * i]))
@@ -201,7 +219,9 @@ def test_save_and_load(tmp_path: Path) -> None:
     """A harness without the daemon keeps its evidence between processes."""
     cal = Calibration()
     for i in range(5):
-        cal.record(FAM, f"r{i}", "success" if i % 2 else "failure", _curve([0.1 * i, 0.2, None, 0.3]))
+        cal.record(
+            FAM, f"r{i}", "success" if i % 2 else "failure", _curve([0.1 * i, 0.2, None, 0.3])
+        )
     path = cal.save(tmp_path / "cal.jsonl")
     again = Calibration.load(path)
     assert sorted(s.to_json()["run_id"] for s in again.samples()) == [f"r{i}" for i in range(5)]
@@ -223,25 +243,35 @@ def test_bad_settings_say_what_to_use() -> None:
     assert Policy().with_overrides({"abort_below": "auto", "alpha": 0.1}).auto
 
 
-def _family(rng: random.Random, n: int, p_success: float, gap: float) -> list[tuple[bool, tuple[Point, ...]]]:
-    """Exchangeable runs: a run's level is drawn once, its steps are noisy around it; failures sit `gap` lower."""
+def _family(
+    rng: random.Random, n: int, p_success: float, gap: float
+) -> list[tuple[bool, tuple[Point, ...]]]:
+    """Exchangeable runs: a run's level is drawn once, its steps are noisy around it; failures
+    sit `gap` lower."""
     runs = []
     for _ in range(n):
         ok = rng.random() < p_success
         level = rng.uniform(0.3, 0.8) - (0 if ok else gap)
         length = rng.randint(6, 20)
-        runs.append((ok, _curve([min(1.0, max(0.0, level + rng.gauss(0, 0.08))) for _ in range(length)])))
+        runs.append(
+            (ok, _curve([min(1.0, max(0.0, level + rng.gauss(0, 0.08))) for _ in range(length)]))
+        )
     return runs
 
 
-def _simulate(alpha: float, gap: float, *, learner: str, families: int = 300) -> tuple[float, float]:
-    """Families of exchangeable runs learnt online; the mean false-abort rate and share of failing steps saved.
+def _simulate(
+    alpha: float, gap: float, *, learner: str, families: int = 300
+) -> tuple[float, float]:
+    """Families of exchangeable runs learnt online; the mean false-abort rate and share of failing
+    steps saved.
 
-    Each family is a stream of runs in random order; each run is judged live against the threshold the runs
-    that ended before it gave (as the daemon does), then its outcome is offered to the calibration:
-    - "live": as the monitor does. A run the armed rule could have stopped is exposed and teaches nothing;
-      the held-out share (by run id) is never aborted and teaches.
-    - "censored": the naive way. Every run that was not aborted teaches (an aborted one has no outcome).
+    Each family is a stream of runs in random order; each run is judged live against the threshold
+    the runs that ended before it gave (as the daemon does), then its outcome is offered to the
+    calibration:
+    - "live": as the monitor does. A run the armed rule could have stopped is exposed and teaches
+      nothing; the held-out share (by run id) is never aborted and teaches.
+    - "censored": the naive way. Every run that was not aborted teaches (an aborted one has no
+      outcome).
     """
     rng = random.Random(1234 + int(alpha * 100))
     policy = Policy(abort_below="auto", alpha=alpha, min_steps=2, patience=2, max_uncertainty=1.0)
@@ -256,12 +286,18 @@ def _simulate(alpha: float, gap: float, *, learner: str, families: int = 300) ->
             held = learner == "live" and held_out(run_id, policy.holdout)
             at = None
             if th.value is not None and not held:  # judged live only once the rule is armed
-                # Aborted exactly when the margin is below the threshold (the brute-force test above); the live
-                # policy then says at which step.
+                # Aborted exactly when the margin is below the threshold (the brute-force test
+                # above); the live policy then says at which step.
                 if margin(curve, policy) < th.value:
                     state = PolicyState(policy, threshold=lambda th=th: th)  # type: ignore[misc]
                     for p in curve:
-                        prog = Progress(step=p.step, score=p.score, uncertainty=p.uncertainty, criteria={}, ok=True)
+                        prog = Progress(
+                            step=p.step,
+                            score=p.score,
+                            uncertainty=p.uncertainty,
+                            criteria={},
+                            ok=True,
+                        )
                         if state.observe(prog).signal == "abort":
                             at = p.step
                             break
@@ -283,7 +319,8 @@ def _simulate(alpha: float, gap: float, *, learner: str, families: int = 300) ->
 
 @pytest.mark.parametrize(("alpha", "gap"), [(0.05, 0.0), (0.1, 0.3), (0.2, 0.3)])
 def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
-    """Mean realised false-abort rate <= alpha, and clearly above 0 savings when failures score lower."""
+    """Mean realised false-abort rate <= alpha, and clearly above 0 savings when failures score
+    lower."""
     rate, saved = _simulate(alpha, gap, learner="live")
     print(f"alpha={alpha} gap={gap} mean_false_abort={rate:.4f} failing_steps_saved={saved:.3f}")
     assert rate <= alpha, rate
@@ -292,7 +329,8 @@ def test_guarantee_by_simulation(alpha: float, gap: float) -> None:
 
 
 def test_learning_from_runs_the_rule_could_stop_breaks_the_guarantee() -> None:
-    """Why exposed runs teach nothing: learning from the survivors ratchets the threshold up past alpha."""
+    """Why exposed runs teach nothing: learning from the survivors ratchets the threshold up past
+    alpha."""
     rate, _ = _simulate(0.2, 0.3, learner="censored", families=100)
     live, _ = _simulate(0.2, 0.3, learner="live", families=100)
     print(f"censored mean_false_abort={rate:.4f} live={live:.4f}")
@@ -300,7 +338,8 @@ def test_learning_from_runs_the_rule_could_stop_breaks_the_guarantee() -> None:
 
 
 def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
-    """In-process, no daemon: the same Calibration fed by `finish`, shared by trackers on one judge."""
+    """In-process, no daemon: the same Calibration fed by `finish`, shared by trackers on one
+    judge."""
     from agent_monitor import ProgressTracker
     from agent_monitor.testing import FakeJudge
 
@@ -312,8 +351,14 @@ def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
 
     def run(run_id: str, letter: str, outcome: str) -> list[Progress]:
         answer["letter"] = letter
-        with ProgressTracker("Fix the failing test", judge=judge, policy=policy, calibration=cal, family="fix",
-                             run_id=run_id) as tracker:  # fmt: skip
+        with ProgressTracker(
+            "Fix the failing test",
+            judge=judge,
+            policy=policy,
+            calibration=cal,
+            family="fix",
+            run_id=run_id,
+        ) as tracker:
             results = []
             for i in range(5):
                 p = tracker.update(f"step {i}")
@@ -325,13 +370,17 @@ def test_the_hook_learns_from_outcomes_and_then_aborts_failing_runs() -> None:
         return results
 
     for i in range(4):
-        bad = run(f"bad-{i}", "C", "failure")  # before the minimum sample: a failing run goes on to the end
-        assert len(bad) == 5 and all(p.signal is not None and p.signal.signal == "continue" for p in bad)
+        # before the minimum sample: a failing run goes on to the end
+        bad = run(f"bad-{i}", "C", "failure")
+        assert len(bad) == 5 and all(
+            p.signal is not None and p.signal.signal == "continue" for p in bad
+        )
         assert bad[-1].signal is not None and bad[-1].signal.abort_below is None
         assert "not calibrated yet" in (bad[-1].signal.calibration or "")
         run(f"good-{i}", "P", "success")
     th = cal.threshold(Family("fix", "fake-1", bad[-1].rubric), Policy(**policy))  # type: ignore[arg-type]
-    assert th.successes == 4 and th.failures == 4 and th.value == pytest.approx(15 / 19)  # P = 15/19
+    # P = 15/19
+    assert th.successes == 4 and th.failures == 4 and th.value == pytest.approx(15 / 19)
     late = run("bad-late", "C", "failure")
     assert len(late) == 2  # patience 2 from min_steps 1: aborted at step 2
     d = late[-1].signal

@@ -1,9 +1,10 @@
-"""`--config monitor.toml`: serve's flags from a TOML file, under the flags and their environment twins.
+"""`--config monitor.toml`: serve's flags from a TOML file, under the flags and their environment
+twins.
 
-The parsing tests build the real parser; the end-to-end test runs `agent-monitor serve --config FILE`
-as a user does (a subprocess, a private Mosquitto, the scripted OpenAI-compatible judge), aborts and
-ends a run, restarts the daemon with the same file and reads the run back at /api/runs/<id> (and, with
-Chromium installed, at /runs/<id> in a real browser).
+The parsing tests build the real parser; the end-to-end test runs `agent-monitor serve --config
+FILE` as a user does (a subprocess, a private Mosquitto, the scripted OpenAI-compatible judge),
+aborts and ends a run, restarts the daemon with the same file and reads the run back at
+/api/runs/<id> (and, with Chromium installed, at /runs/<id> in a real browser).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ def test_flag_beats_environment_beats_file_beats_default() -> None:
     assert args.metrics_port == 9100  # the environment over the file
     args = parse(["serve", "--metrics-port", "9200"], {"AGENT_MONITOR_METRICS_PORT": "9100"}, file)
     assert args.metrics_port == 9200  # the flag over both
-    assert parse(["serve"], {}, {}).metrics_port == SERVE_CONFIG.metrics_port == 9464  # serve's default
+    # serve's default
+    assert parse(["serve"], {}, {}).metrics_port == SERVE_CONFIG.metrics_port == 9464
 
 
 def test_a_serve_table_and_typed_values(tmp_path: Path) -> None:
     path = tmp_path / "monitor.toml"
     path.write_text(
-        'judge = "openai"\n[serve]\nmetrics_port = 9464\nno_store = true\nmetric_labels = ["team", "model"]\n'
+        'judge = "openai"\n[serve]\nmetrics_port = 9464\nno_store = true\nmetric_labels = '
+        '["team", "model"]\n'
         'abort_below = "auto"\n'
     )
     settings = Settings.load({}, str(path))
@@ -67,9 +70,15 @@ def test_a_serve_table_and_typed_values(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("metrics_prot = 9464\n", "unknown key 'metrics_prot'; did you mean metrics_port?"),
-        ("[judge]\nurl = 'x'\n", "unknown table [judge]; settings go at the top level or in [serve]"),
+        (
+            "[judge]\nurl = 'x'\n",
+            "unknown table [judge]; settings go at the top level or in [serve]",
+        ),
         ("metrics_port = 1\n[serve]\nmetrics_port = 2\n", "metrics_port is set twice"),
-        ('metrics_port = "9464"\n', "metrics_port = '9464': give an integer (a TOML number, unquoted)"),
+        (
+            'metrics_port = "9464"\n',
+            "metrics_port = '9464': give an integer (a TOML number, unquoted)",
+        ),
         ("no_store = 1\n", "no_store = 1: give true or false"),
         ('judge = "llama"\n', "judge = 'llama': use one of"),
         ("metrics_port = \n", "not TOML"),
@@ -87,7 +96,10 @@ def test_a_bad_file_is_one_line_naming_the_key_and_exit_code_2(
 
 def test_a_missing_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--config", str(tmp_path / "nope.toml")], {}) == 2
-    assert "No such file or directory; pass the path of a TOML settings file" in capsys.readouterr().err
+    assert (
+        "No such file or directory; pass the path of a TOML settings file"
+        in capsys.readouterr().err
+    )
     Settings.load({}, None).check()  # no file: nothing to refuse
     with pytest.raises(FlagError, match="unknown key 'x'"):
         Settings({}, {"x": 1}, "f").check()
@@ -95,7 +107,9 @@ def test_a_missing_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_other_commands_read_the_file_where_a_flag_is_shared(tmp_path: Path) -> None:
     path = tmp_path / "monitor.toml"
-    path.write_text('state_dir = "/srv/monitor"\nbroker = "mqtt://10.0.0.5:1883"\nmetrics_port = 9999\n')
+    path.write_text(
+        'state_dir = "/srv/monitor"\nbroker = "mqtt://10.0.0.5:1883"\nmetrics_port = 9999\n'
+    )
     settings = Settings.load({}, str(path))
     parser = _parser(settings)
     assert parser.parse_args(["runs"]).state_dir == "/srv/monitor"
@@ -107,7 +121,10 @@ def test_config_prints_each_setting_and_where_it_came_from_secrets_masked(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "monitor.toml"
-    path.write_text('judge = "openai"\nreward_token = "sekrit"\n[serve]\nmetrics_port = 9464\nabort_below = 0.3\n')
+    path.write_text(
+        'judge = "openai"\nreward_token = "sekrit"\n[serve]\nmetrics_port = '
+        "9464\nabort_below = 0.3\n"
+    )
     env = {"AGENT_MONITOR_ABORT_BELOW": "0.25", "AGENT_MONITOR_BROKER_PASSWORD": "hunter2"}
     assert main(["config", "--config", str(path), "--metrics-port", "9000", "--json"], env) == 0
     out = capsys.readouterr().out
@@ -120,12 +137,15 @@ def test_config_prints_each_setting_and_where_it_came_from_secrets_masked(
     assert "sekrit" not in out and "hunter2" not in out
     assert main(["config", "--config", str(path)], {}) == 0
     table = capsys.readouterr()
-    assert "settings file" in table.err and "metrics_port" in table.out and "sekrit" not in table.out
+    assert (
+        "settings file" in table.err and "metrics_port" in table.out and "sekrit" not in table.out
+    )
 
 
 @contextmanager
 def serve(*args: str) -> Iterator[subprocess.Popen[str]]:
-    """`agent-monitor serve ARGS` with the environment of the test minus any AGENT_MONITOR_* (the file decides)."""
+    """`agent-monitor serve ARGS` with the environment of the test minus any AGENT_MONITOR_* (the
+    file decides)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENT_MONITOR_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "agent_monitor", "serve", *args],
@@ -169,32 +189,43 @@ def test_serve_with_a_config_file_comes_up_on_its_ports_and_judge_and_a_run_surv
 ) -> None:
     port = free_port()
     with scripted_server() as judge:
-        judge.default = chat_reply(chat_choice([("B", {"B": 1.0})]))  # 1/19 a step: below the file's threshold
+        # 1/19 a step: below the file's threshold
+        judge.default = chat_reply(chat_choice([("B", {"B": 1.0})]))
         config = tmp_path / "monitor.toml"
         config.write_text(
             f'broker = "{broker.url}"\njudge = "openai"\n'
-            f'[serve]\njudge_url = "{judge.url}"\nmetrics_port = {port}\nstate_dir = "{tmp_path / "state"}"\n'
+            f'[serve]\njudge_url = "{judge.url}"\nmetrics_port = {port}\nstate_dir = '
+            f'"{tmp_path / "state"}"\n'
             "abort_below = 0.2\nmin_steps = 1\npatience = 1\n"
         )
         with serve("--config", str(config), "--client-id", "cfg-1") as proc:
             lines = wait_serving(proc)
             assert f"run store {tmp_path / 'state'}/runs.sqlite3" in lines[-1], lines[-1]
-            assert f"board http://127.0.0.1:{port}/" in lines[-1] and "openai judge" in lines[-1], lines[-1]
+            assert f"board http://127.0.0.1:{port}/" in lines[-1] and "openai judge" in lines[-1], (
+                lines[-1]
+            )
             wait_port(port)
             pub(broker.port, "agents/cfg-run/start", '{"task": "make the failing test pass"}')
             pub(broker.port, "agents/cfg-run/step", '{"index": 1, "text": "ran pytest: 3 failed"}')
             _settled(f"http://127.0.0.1:{port}/api/runs/cfg-run", lambda r: r["signal"] == "abort")
             pub(broker.port, "agents/cfg-run/step", '{"index": 2, "text": "gave up"}')
             pub(broker.port, "agents/cfg-run/end", '{"outcome": "failure"}')
-            _settled(f"http://127.0.0.1:{port}/api/runs/cfg-run", lambda r: r["outcome"] == "failure")
-        assert len(judge.requests) == 1  # the file's judge scored step 1; nothing is judged after the abort
+            _settled(
+                f"http://127.0.0.1:{port}/api/runs/cfg-run", lambda r: r["outcome"] == "failure"
+            )
+        # the file's judge scored step 1; nothing is judged after the abort
+        assert len(judge.requests) == 1
 
-        with serve("--config", str(config), "--client-id", "cfg-2") as proc:  # a restart, the same file
+        # a restart, the same file
+        with serve("--config", str(config), "--client-id", "cfg-2") as proc:
             wait_serving(proc)
             wait_port(port)
             run = _settled(f"http://127.0.0.1:{port}/api/runs/cfg-run", lambda r: True)
             assert run["outcome"] == "failure" and run["live"] is False
-            assert [(s["index"], s["text"]) for s in run["steps"]] == [(1, "ran pytest: 3 failed"), (2, "gave up")]
+            assert [(s["index"], s["text"]) for s in run["steps"]] == [
+                (1, "ran pytest: 3 failed"),
+                (2, "gave up"),
+            ]
             assert {c["step"]: c["score"] for c in run["curve"]} == {1: pytest.approx(1 / 19)}
             (abort,) = run["decisions"]
             assert abort["signal"] == "abort" and abort["step"] == 1 and abort["abort_below"] == 0.2
@@ -208,10 +239,17 @@ async def _browser_shows(url: str) -> None:
     async with Browser() as browser:
         await browser.navigate(url)
         await browser.wait_for("document.querySelectorAll('.step').length === 2")
-        texts = await browser.evaluate("[...document.querySelectorAll('.step pre.text')].map(e => e.textContent)")
+        texts = await browser.evaluate(
+            "[...document.querySelectorAll('.step pre.text')].map(e => e.textContent)"
+        )
         assert texts == ["ran pytest: 3 failed", "gave up"]
-        assert "score below 0.2" in await browser.evaluate("document.getElementById('decisions').textContent")
-        assert await browser.evaluate("document.getElementById('outcome').textContent") == "outcome: failure"
+        assert "score below 0.2" in await browser.evaluate(
+            "document.getElementById('decisions').textContent"
+        )
+        assert (
+            await browser.evaluate("document.getElementById('outcome').textContent")
+            == "outcome: failure"
+        )
 
 
 def test_the_config_command_runs_as_a_subprocess(tmp_path: Path) -> None:
@@ -223,10 +261,14 @@ def test_the_config_command_runs_as_a_subprocess(tmp_path: Path) -> None:
         text=True,
         check=True,
     )
-    assert any(line.split()[:3] == ["metrics_port", "file", "9464"] for line in done.stdout.splitlines())
+    assert any(
+        line.split()[:3] == ["metrics_port", "file", "9464"] for line in done.stdout.splitlines()
+    )
 
 
-def test_the_manuals_settings_file_is_one_serve_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_manuals_settings_file_is_one_serve_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import re
 
     page = REPO / "docs" / "daemon.md"
@@ -235,4 +277,7 @@ def test_the_manuals_settings_file_is_one_serve_reads(tmp_path: Path, capsys: py
     path.write_text(block)
     assert main(["config", "--config", str(path), "--json"], {}) == 0
     rows = {r["key"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
-    assert all(rows[k]["from"] == "file" for k in ("broker", "judge", "judge_url", "metrics_port", "abort_below"))
+    assert all(
+        rows[k]["from"] == "file"
+        for k in ("broker", "judge", "judge_url", "metrics_port", "abort_below")
+    )

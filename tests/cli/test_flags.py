@@ -1,4 +1,5 @@
-"""`serve` flags are generated from the settings classes: every default written once, old names kept, env twins."""
+"""`serve` flags are generated from the settings classes: every default written once, old names
+kept, env twins."""
 
 from __future__ import annotations
 
@@ -67,9 +68,14 @@ OLD_FLAGS = [
     "--metrics-grace",
     "--log-level",
 ]
-OLD_ENV = [f"AGENT_MONITOR_{f[2:].upper().replace('-', '_')}" for f in OLD_FLAGS if f not in ("--rescore",)]
 OLD_ENV = [
-    e.replace("ALLOW_IMAGE_DIR", "ALLOW_IMAGE_DIRS").replace("ALLOW_IMAGE_HOST", "ALLOW_IMAGE_HOSTS") for e in OLD_ENV
+    f"AGENT_MONITOR_{f[2:].upper().replace('-', '_')}" for f in OLD_FLAGS if f not in ("--rescore",)
+]
+OLD_ENV = [
+    e.replace("ALLOW_IMAGE_DIR", "ALLOW_IMAGE_DIRS").replace(
+        "ALLOW_IMAGE_HOST", "ALLOW_IMAGE_HOSTS"
+    )
+    for e in OLD_ENV
 ]
 
 
@@ -106,7 +112,11 @@ def leaves(cls: type, default: object) -> list[tuple[str, object]]:
 def test_no_flag_means_the_library_default_everywhere() -> None:
     args = parse([])
     # but the metrics port: serve binds 9464, a Monitor built in Python none
-    assert build(MonitorConfig, args) == SERVE_CONFIG == dataclasses.replace(MonitorConfig(), metrics_port=9464)
+    assert (
+        build(MonitorConfig, args)
+        == SERVE_CONFIG
+        == dataclasses.replace(MonitorConfig(), metrics_port=9464)
+    )
     assert build(JudgeOptions, args) == JudgeOptions()
     assert build(BrokerOptions, args) == BrokerOptions()
     assert build(ServeOptions, args) == ServeOptions()
@@ -137,8 +147,8 @@ def test_help_shows_each_setting_with_its_default_and_environment_twin() -> None
             first_words = " ".join(str(f.metadata["help"]).split()[:4])
             assert first_words in text, name
     assert (
-        "--hold SECONDS seconds a step waits for its run's start, or for missing earlier steps (default: 10) [AGENT_MONITOR_HOLD]"
-        in text
+        "--hold SECONDS seconds a step waits for its run's start, or for missing earlier "
+        "steps (default: 10) [AGENT_MONITOR_HOLD]" in text
     )
     assert "(default: 0.35) [AGENT_MONITOR_MAX_UNCERTAINTY]" in text
 
@@ -171,7 +181,10 @@ def test_flags_and_environment_build_the_config() -> None:
     assert c.rescore is True
     # A flag beats its environment twin; an empty twin of an optional number means "none".
     assert build(MonitorConfig, parse(["--abort-below", "0.1"], env)).policy.abort_below == 0.1
-    assert build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": ""})).policy.abort_below is None
+    assert (
+        build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": ""})).policy.abort_below
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -179,7 +192,10 @@ def test_flags_and_environment_build_the_config() -> None:
     [
         ({"AGENT_MONITOR_MAX_RUNS": "many"}, "AGENT_MONITOR_MAX_RUNS='many' is not an integer"),
         ({"AGENT_MONITOR_NO_STORE": "maybe"}, "AGENT_MONITOR_NO_STORE='maybe' is not a boolean"),
-        ({"AGENT_MONITOR_MQTT_PROTOCOL": "4"}, "AGENT_MONITOR_MQTT_PROTOCOL='4': use one of auto, 5, 3.1.1"),
+        (
+            {"AGENT_MONITOR_MQTT_PROTOCOL": "4"},
+            "AGENT_MONITOR_MQTT_PROTOCOL='4': use one of auto, 5, 3.1.1",
+        ),
     ],
 )
 def test_a_bad_environment_value_is_one_line_and_exit_code_2(
@@ -190,8 +206,16 @@ def test_a_bad_environment_value_is_one_line_and_exit_code_2(
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_bad_setting_is_refused_by_the_class_that_owns_it(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--judge", "openai", "--max-runs", "0", "--metrics-port", "0", "--no-store"], {}) == 2
+def test_a_bad_setting_is_refused_by_the_class_that_owns_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(
+            ["serve", "--judge", "openai", "--max-runs", "0", "--metrics-port", "0", "--no-store"],
+            {},
+        )
+        == 2
+    )
     assert "run limits {'max_runs': 0} must be >= 1" in capsys.readouterr().err
 
 
@@ -216,7 +240,9 @@ def test_every_argument_of_every_command_has_help_and_every_command_a_descriptio
     for name, p in commands().items():
         text = p.format_help()
         summary = str(p.description).split(".")[0]
-        assert summary and summary.lower() in " ".join(_parser({}).format_help().split()).lower(), name
+        assert summary and summary.lower() in " ".join(_parser({}).format_help().split()).lower(), (
+            name
+        )
         assert text.split("\n\n")[1].startswith(summary[:40]), name  # right under the usage lines
 
 
@@ -231,7 +257,8 @@ def test_help_shows_the_default_of_every_option_that_has_one() -> None:
     assert lacking == []
     replay = " ".join(commands()["replay"].format_help().split())
     assert (
-        "--speed X time scale: 10 replays ten times faster than recorded (robot data: 0 sends as fast as frames "
+        "--speed X time scale: 10 replays ten times faster than recorded (robot data: 0 "
+        "sends as fast as frames "
         "decode) (default: 1)"
     ) in replay
     assert "--max-steps N publish at most this many steps per run (default: all)" in replay
@@ -268,37 +295,73 @@ def test_metrics_port_0_means_off_for_serve_and_demo_alike() -> None:
     for command in ("serve", "demo"):
         text = " ".join(commands()[command].format_help().split())
         assert (
-            "--metrics-port N Prometheus /metrics port, 0 to disable (default: 9464) [AGENT_MONITOR_METRICS_PORT]"
-            in text
+            "--metrics-port N Prometheus /metrics port, 0 to disable (default: 9464) "
+            "[AGENT_MONITOR_METRICS_PORT]" in text
         )
-        assert commands({"AGENT_MONITOR_METRICS_PORT": "0"})[command].parse_args([]).metrics_port == 0
+        assert (
+            commands({"AGENT_MONITOR_METRICS_PORT": "0"})[command].parse_args([]).metrics_port == 0
+        )
 
 
 def test_abort_below_takes_a_number_or_auto_and_says_so_when_it_is_neither(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    c = build(MonitorConfig, parse(["--abort-below", "auto", "--alpha", "0.1", "--calibration-success-at", "0.8"]))
+    c = build(
+        MonitorConfig,
+        parse(["--abort-below", "auto", "--alpha", "0.1", "--calibration-success-at", "0.8"]),
+    )
     assert c.policy == Policy(abort_below="auto", alpha=0.1) and c.calibration_success_at == 0.8
-    assert build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": "AUTO"})).policy.abort_below == "auto"
+    assert (
+        build(MonitorConfig, parse([], {"AGENT_MONITOR_ABORT_BELOW": "AUTO"})).policy.abort_below
+        == "auto"
+    )
     assert build(MonitorConfig, parse(["--abort-below", "0.25"])).policy.abort_below == 0.25
     assert (
-        build(MonitorConfig, parse(["--abort-below", "none"], {"AGENT_MONITOR_ABORT_BELOW": "auto"})).policy.auto
+        build(
+            MonitorConfig, parse(["--abort-below", "none"], {"AGENT_MONITOR_ABORT_BELOW": "auto"})
+        ).policy.auto
         is False
     )
     text = " ".join(serve_parser().format_help().split())
-    assert "--abort-below X|auto abort when the score stays below this; 'auto': the calibrated threshold" in text
+    assert (
+        "--abort-below X|auto abort when the score stays below this; 'auto': the "
+        "calibrated threshold"
+    ) in text
 
     with pytest.raises(SystemExit) as done:
         parse(["--abort-below", "automatic"])
     assert done.value.code == 2
-    assert "argument --abort-below: 'automatic' is not a number, auto or none" in capsys.readouterr().err
+    assert (
+        "argument --abort-below: 'automatic' is not a number, auto or none"
+        in capsys.readouterr().err
+    )
     assert main(["serve", "--judge", "openai"], {"AGENT_MONITOR_ABORT_BELOW": "sometimes"}) == 2
-    assert "AGENT_MONITOR_ABORT_BELOW='sometimes' is not a number or auto" in capsys.readouterr().err
+    assert (
+        "AGENT_MONITOR_ABORT_BELOW='sometimes' is not a number or auto" in capsys.readouterr().err
+    )
     # In range is the policy's to say.
-    assert main(["serve", "--judge", "openai", "--abort-below", "1.5", "--metrics-port", "0", "--no-store"], {}) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--judge",
+                "openai",
+                "--abort-below",
+                "1.5",
+                "--metrics-port",
+                "0",
+                "--no-store",
+            ],
+            {},
+        )
+        == 2
+    )
     assert 'policy abort_below=1.5: use a number in [0, 1], or "auto"' in capsys.readouterr().err
 
 
 def test_eval_refers_abort_below_auto_to_calibrate(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "runs/", "--judge", "openai", "--abort-below", "auto"], {}) == 2
-    assert "eval --abort-below auto: a threshold learnt online needs eval --calibrate" in capsys.readouterr().err
+    assert (
+        "eval --abort-below auto: a threshold learnt online needs eval --calibrate"
+        in capsys.readouterr().err
+    )

@@ -1,4 +1,5 @@
-"""`agent-monitor serve` as a user runs it: a subprocess, a real broker, a real OpenAI-compatible HTTP judge.
+"""`agent-monitor serve` as a user runs it: a subprocess, a real broker, a real OpenAI-compatible
+HTTP judge.
 
 The harness side here is only `mosquitto_pub` / `mosquitto_sub`, as in README: no project code.
 """
@@ -54,7 +55,8 @@ def serve(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.
 
 
 def wait_serving(proc: subprocess.Popen[str], timeout: float = 30.0) -> list[str]:
-    """Read stderr until the 'serving' line; return the lines read (fail with them if the process exits)."""
+    """Read stderr until the 'serving' line; return the lines read (fail with them if the process
+    exits)."""
     assert proc.stderr is not None
     lines: list[str] = []
     deadline = time.monotonic() + timeout
@@ -69,12 +71,29 @@ def wait_serving(proc: subprocess.Popen[str], timeout: float = 30.0) -> list[str
 
 
 def pub(port: int, topic: str, payload: str, *extra: str) -> None:
-    subprocess.run(["mosquitto_pub", "-p", str(port), "-q", "1", "-t", topic, "-m", payload, *extra], check=True)
+    subprocess.run(
+        ["mosquitto_pub", "-p", str(port), "-q", "1", "-t", topic, "-m", payload, *extra],
+        check=True,
+    )
 
 
 def sub(port: int, topic: str, count: int, timeout: int = 20, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        ["mosquitto_sub", "-p", str(port), "-q", "1", "-t", topic, "-C", str(count), "-W", str(timeout), "-v", *extra],
+        [
+            "mosquitto_sub",
+            "-p",
+            str(port),
+            "-q",
+            "1",
+            "-t",
+            topic,
+            "-C",
+            str(count),
+            "-W",
+            str(timeout),
+            "-v",
+            *extra,
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -110,30 +129,43 @@ def test_mosquitto_only_harness_gets_progress_and_abort(broker: Mosquitto) -> No
             "0",
         ) as proc:
             wait_serving(proc)
-            # The harness as README shows it: one mosquitto_sub on the run's outputs, mosquitto_pub for inputs.
+            # The harness as README shows it: one mosquitto_sub on the run's outputs, mosquitto_pub
+            # for inputs.
             with Watch(broker.port, "agents/demo-1/#") as out:
                 pub(broker.port, "agents/demo-1/start", '{"task": "Make the failing test pass"}')
-                for i in range(1, 4):  # a harness that waits for each step's score (no coalescing here)
-                    pub(broker.port, "agents/demo-1/step", json.dumps({"index": i, "text": f"pytest: 3 failed ({i})"}))
+                # a harness that waits for each step's score (no coalescing here)
+                for i in range(1, 4):
+                    pub(
+                        broker.port,
+                        "agents/demo-1/step",
+                        json.dumps({"index": i, "text": f"pytest: 3 failed ({i})"}),
+                    )
                     out.until(lambda m, i=i: m[0] == "agents/demo-1/progress" and m[1]["step"] == i)
                 _, sig = out.until(lambda m: m[0] == "agents/demo-1/signal")
                 pub(broker.port, "agents/demo-1/step", "not json")
                 _, err = out.until(lambda m: m[0] == "agents/demo-1/error")
             progress = [p for t, p in out.seen if t.endswith("/progress")]
             assert [p["step"] for p in progress] == [1, 2, 3]
-            assert all(p["ok"] and abs(p["score"] - (0.9 * 1 + 0.1 * 2) / 19) < 1e-6 for p in progress)
-            assert progress[0]["model"] == "scripted-model" and progress[0]["tokens"]["input"] == 100
+            assert all(
+                p["ok"] and abs(p["score"] - (0.9 * 1 + 0.1 * 2) / 19) < 1e-6 for p in progress
+            )
+            assert (
+                progress[0]["model"] == "scripted-model" and progress[0]["tokens"]["input"] == 100
+            )
             assert sig["signal"] == "abort" and sig["step"] == 3 and sig["best_step"] == 1
             assert err["reason"] == "bad_json"  # the bad payload is reported; the monitor goes on
             assert proc.poll() is None
 
 
 class Watch:
-    """`mosquitto_sub -v` on a filter, its lines parsed as they come (topic, JSON, raw text or None)."""
+    """`mosquitto_sub -v` on a filter, its lines parsed as they come (topic, JSON, raw text or
+    None)."""
 
     def __init__(self, port: int, topic_filter: str) -> None:
         self.proc = subprocess.Popen(
-            ["mosquitto_sub", "-p", str(port), "-q", "1", "-t", topic_filter, "-v"], stdout=subprocess.PIPE, text=True
+            ["mosquitto_sub", "-p", str(port), "-q", "1", "-t", topic_filter, "-v"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[tuple[str, Any]] = []
@@ -145,18 +177,23 @@ class Watch:
         for line in self.proc.stdout:
             self.lines.put(line.rstrip("\n"))
 
-    def until(self, match: Callable[[tuple[str, Any]], bool], timeout: float = 20.0) -> tuple[str, Any]:
+    def until(
+        self, match: Callable[[tuple[str, Any]], bool], timeout: float = 20.0
+    ) -> tuple[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             try:
                 line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"no matching message within {timeout}s; saw {self.seen}") from None
+                raise AssertionError(
+                    f"no matching message within {timeout}s; saw {self.seen}"
+                ) from None
             topic, _, payload = line.partition(" ")
             try:
                 m = (topic, json.loads(payload) if payload else None)
             except ValueError:
-                m = (topic, payload)  # the filter also shows the harness's own inputs, bad ones included
+                # the filter also shows the harness's own inputs, bad ones included
+                m = (topic, payload)
             self.seen.append(m)
             if match(m):
                 return m
@@ -169,7 +206,9 @@ class Watch:
         self.proc.wait()
 
 
-def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path, broker: Mosquitto) -> None:
+def test_serve_without_judge_or_broker_fails_with_one_line(
+    tmp_path: Path, broker: Mosquitto
+) -> None:
     no_judge = subprocess.run(
         [sys.executable, "-m", "agent_monitor", "serve", "--metrics-port", "0"],
         capture_output=True,
@@ -224,29 +263,51 @@ def test_serve_without_judge_or_broker_fails_with_one_line(tmp_path: Path, broke
         text=True,
         timeout=60,
     )
-    assert dead_judge.returncode == 2 and f"cannot reach the judge server at {dead_url} " in dead_judge.stderr
+    assert (
+        dead_judge.returncode == 2
+        and f"cannot reach the judge server at {dead_url} " in dead_judge.stderr
+    )
     assert len(dead_judge.stderr.strip().splitlines()) == 1
 
 
 def serve_once(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "agent_monitor", "serve", "--no-store", "--metrics-port", "0", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent_monitor",
+        "serve",
+        "--no-store",
+        "--metrics-port",
+        "0",
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
 def test_a_missing_broker_is_said_before_the_judge_is_probed_or_loaded() -> None:
-    """Both missing: the broker is named (the judge, which may take long to load, was never tried)."""
+    """Both missing: the broker is named (the judge, which may take long to load, was never
+    tried)."""
     port, dead_url = free_port(), f"http://127.0.0.1:{free_port()}/v1"
-    done = serve_once("--judge", "openai", "--judge-url", dead_url, "--broker", f"mqtt://127.0.0.1:{port}")
+    done = serve_once(
+        "--judge", "openai", "--judge-url", dead_url, "--broker", f"mqtt://127.0.0.1:{port}"
+    )
     assert done.returncode == 2, done.stderr
     assert f"cannot connect to the MQTT broker at mqtt://127.0.0.1:{port}" in done.stderr
-    assert "judge" not in done.stderr.split("--embedded-broker")[0].split(")")[-1] and dead_url not in done.stderr
+    assert (
+        "judge" not in done.stderr.split("--embedded-broker")[0].split(")")[-1]
+        and dead_url not in done.stderr
+    )
     assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_a_dead_judge_url_is_said_at_start_even_with_a_model_given(broker: Mosquitto) -> None:
     dead_url = f"http://127.0.0.1:{free_port()}/v1"
-    done = serve_once("--judge", "openai", "--judge-url", dead_url, "--judge-model", "m", "--broker", broker.url)
-    assert done.returncode == 2 and f"cannot reach the judge server at {dead_url} " in done.stderr, done.stderr
+    done = serve_once(
+        "--judge", "openai", "--judge-url", dead_url, "--judge-model", "m", "--broker", broker.url
+    )
+    assert (
+        done.returncode == 2 and f"cannot reach the judge server at {dead_url} " in done.stderr
+    ), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
@@ -280,9 +341,11 @@ def test_embedded_broker_on_a_taken_port_says_how_to_use_that_broker_or_another_
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(
-        f"agent-monitor: cannot start the embedded MQTT broker on mqtt://127.0.0.1:{port}: the port is already in use "
+        f"agent-monitor: cannot start the embedded MQTT broker on mqtt://127.0.0.1:{port}: "
+        "the port is already in use "
         f"(another broker running?); to use the broker already there, drop --embedded-broker "
-        f"(and keep --broker mqtt://127.0.0.1:{port}); to run the embedded one anyway, move it to a free port: "
+        f"(and keep --broker mqtt://127.0.0.1:{port}); to run the embedded one anyway, move "
+        "it to a free port: "
         "--embedded-broker --broker mqtt://127.0.0.1:"
     ), line
     suggested = int(line.rsplit(":", 1)[1].removesuffix(" (free now)"))
@@ -291,17 +354,31 @@ def test_embedded_broker_on_a_taken_port_says_how_to_use_that_broker_or_another_
         s.bind(("127.0.0.1", suggested))  # it was free
 
 
-def test_serve_says_where_its_run_store_is_and_what_it_restored(broker: Mosquitto, tmp_path: Path) -> None:
-    """A newcomer's `serve` uses the per-user default store: start-up says so, and which runs came back from it."""
+def test_serve_says_where_its_run_store_is_and_what_it_restored(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    """A newcomer's `serve` uses the per-user default store: start-up says so, and which runs
+    came back from it."""
     xdg = tmp_path / "xdg"
-    env = {"XDG_DATA_HOME": str(xdg), "AGENT_MONITOR_STATE_DIR": ""}  # no --state-dir: the default store
+    # no --state-dir: the default store
+    env = {"XDG_DATA_HOME": str(xdg), "AGENT_MONITOR_STATE_DIR": ""}
     default = (
-        f"agent-monitor: run store {xdg}/agent-monitor/runs.sqlite3 (the default, shared by every agent-monitor of "
+        f"agent-monitor: run store {xdg}/agent-monitor/runs.sqlite3 (the default, shared by "
+        "every agent-monitor of "
         "this user; --state-dir DIR for another, --no-store for none)"
     )
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
-        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0")
+        args = (
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            "0",
+        )
         with serve(*args, "--client-id", "store-line", env=env) as proc:
             assert f"{default}: no runs yet\n" in wait_serving(proc)
             progress = sub(broker.port, "agents/+/progress", 2)
@@ -322,10 +399,16 @@ def test_serve_says_where_its_run_store_is_and_what_it_restored(broker: Mosquitt
                     check=True,
                 )
                 runs = [json.loads(line) for line in listed.stdout.splitlines()]
-            assert {r["run_id"]: bool(r["ended_at"]) for r in runs} == {"run-a": False, "run-b": True}
+            assert {r["run_id"]: bool(r["ended_at"]) for r in runs} == {
+                "run-a": False,
+                "run-b": True,
+            }
         with serve(*args, "--client-id", "store-line", env=env) as proc:
             lines = wait_serving(proc)
-            restored = f"{default}: restored 1 live run (run-a), 1 ended (`agent-monitor runs` lists them)\n"
+            restored = (
+                f"{default}: restored 1 live run (run-a), 1 ended (`agent-monitor "
+                "runs` lists them)\n"
+            )
             assert restored in lines, lines
         state = tmp_path / "own"
         with serve(*args, "--client-id", "store-line-2", "--state-dir", str(state)) as proc:
@@ -340,7 +423,14 @@ def test_metrics_served_while_serving(broker: Mosquitto) -> None:
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
         with serve(
-            "--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port)
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            str(port),
         ) as proc:
             lines = wait_serving(proc)
             assert lines[-1].rstrip().endswith(f"; board http://127.0.0.1:{port}/"), lines[-1]
@@ -349,7 +439,10 @@ def test_metrics_served_while_serving(broker: Mosquitto) -> None:
             pub(broker.port, "agents/m/step", '{"text": "x"}')
             deadline = time.monotonic() + 20
             text = ""
-            while time.monotonic() < deadline and 'agent_monitor_scorings_total{outcome="ok"} 1.0' not in text:
+            while (
+                time.monotonic() < deadline
+                and ('agent_monitor_scorings_total{outcome="ok"} 1.0') not in text
+            ):
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
                 time.sleep(0.1)
             assert 'agent_monitor_scorings_total{outcome="ok"} 1.0' in text
@@ -368,12 +461,26 @@ def test_no_board_leaves_only_metrics_on_the_port(broker: Mosquitto) -> None:
     port = free_port()
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
-        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port))
+        args = (
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            str(port),
+        )
         with serve(*args, "--no-board") as proc:
             lines = wait_serving(proc)
-            assert lines[-1].rstrip().endswith(f"; metrics http://127.0.0.1:{port}/metrics"), lines[-1]
+            assert lines[-1].rstrip().endswith(f"; metrics http://127.0.0.1:{port}/metrics"), lines[
+                -1
+            ]
             wait_port(port)
-            assert b"agent_monitor_runs_active" in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
+            assert (
+                b"agent_monitor_runs_active"
+                in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
+            )
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/")
             assert e.value.code == 404
@@ -387,11 +494,25 @@ def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("B", {"B": 1.0})]))  # ~5%: hopeless
         with serve(
-            "--embedded-broker", "--broker", url, "--judge", "openai", "--judge-url", judge.url,
-            "--metrics-port", "0", "--abort-below", "0.2", "--min-steps", "1", "--patience", "1",
-        ) as proc:  # fmt: skip
+            "--embedded-broker",
+            "--broker",
+            url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            "0",
+            "--abort-below",
+            "0.2",
+            "--min-steps",
+            "1",
+            "--patience",
+            "1",
+        ) as proc:
             started = "".join(wait_serving(proc))
-            assert '"protocol": "3.1.1"' in started  # amqtt refuses v5: the monitor fell back and said so
+            # amqtt refuses v5: the monitor fell back and said so
+            assert '"protocol": "3.1.1"' in started
             with MonitorClient(url) as mon:
                 run = mon.start_run("emb-1", task="Make the failing test pass")
                 run.step("ran pytest: 3 failed")
@@ -415,22 +536,33 @@ def test_embedded_broker_serves_the_client_and_mosquitto_pub() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)  # serve's start (180 s) and the progress waits (120 s): the limit covers the test's own waits
+# serve's start (180 s) and the progress waits (120 s): the limit covers the test's own waits
+@pytest.mark.timeout(360)
 def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
-    """README's `agent-monitor serve --embedded-broker --judge local`, with the real Gemma 270M and its min_mass."""
+    """README's `agent-monitor serve --embedded-broker --judge local`, with the real Gemma 270M
+    and its min_mass."""
     from agent_monitor.wire import MonitorClient
 
     port = free_port()
     url = f"mqtt://127.0.0.1:{port}"
-    with serve("--embedded-broker", "--broker", url, "--judge", "local", "--metrics-port", "0") as proc:
+    with serve(
+        "--embedded-broker", "--broker", url, "--judge", "local", "--metrics-port", "0"
+    ) as proc:
         started = wait_serving(proc, timeout=180)
-        # The tiny judge's own minimum applies, said at start-up with its warning; llama.cpp's log stays out.
+        # The tiny judge's own minimum applies, said at start-up with its warning; llama.cpp's log
+        # stays out.
         assert "min_mass 0.05" in started[-1]
-        assert any('"event": "judge_warning"' in line and "not a real grader" in line for line in started)
+        assert any(
+            '"event": "judge_warning"' in line and "not a real grader" in line for line in started
+        )
         assert not any("llama_" in line for line in started), started
         with MonitorClient(url) as mon:
             run = mon.start_run("gemma-1", task="Reverse the string 'abc' in Python and print it.")
-            steps = ["$ cat rev.py\nprint('abc'[::-1])", "$ python rev.py\ncba", "Checked: the output is 'cba'. Done."]
+            steps = [
+                "$ cat rev.py\nprint('abc'[::-1])",
+                "$ python rev.py\ncba",
+                "Checked: the output is 'cba'. Done.",
+            ]
             results = []
             for i, text in enumerate(steps, 1):
                 run.step(text)
@@ -438,8 +570,11 @@ def test_readme_run_it_command_with_the_packaged_local_judge() -> None:
             run.end("success")
     assert [p.step for p in results] == [1, 2, 3]
     for p in results:
-        # A tiny judge: a score from its letter distribution, or a stated failure; never a silent default.
-        assert (p.ok and p.score is not None and 0 <= p.score <= 1) or (not p.ok and p.score is None and p.reason)
+        # A tiny judge: a score from its letter distribution, or a stated failure; never a silent
+        # default.
+        assert (p.ok and p.score is not None and 0 <= p.score <= 1) or (
+            not p.ok and p.score is None and p.reason
+        )
         assert "gemma" in p.model.lower() and p.tokens.input > 0
     assert any(p.ok for p in results)
 

@@ -11,15 +11,19 @@ from agent_monitor.testing import FakeJudge
 
 
 def test_a_score_recovered_after_an_outage_is_decided_like_any_other() -> None:
-    """Step 2's first scoring fails (outage); its re-score after recovery must reach the policy and abort."""
+    """Step 2's first scoring fails (outage); its re-score after recovery must reach the policy
+    and abort."""
     judge = FakeJudge(["J", FakeJudge.failure("timeout"), "A"])
     signals: list[Decision] = []
 
     async def main() -> tuple[list[str | None], str | None]:
         tracker = AsyncProgressTracker(
-            "make the test pass", judge=judge, repeats=1, on_signal=signals.append,
+            "make the test pass",
+            judge=judge,
+            repeats=1,
+            on_signal=signals.append,
             policy={"abort_below": 0.2, "min_steps": 1, "patience": 1},
-        )  # fmt: skip
+        )
         first = await tracker.update("ran pytest")
         failed = await tracker.update("edited the wrong file")
         assert first.ok and not failed.ok and failed.reason == "timeout"
@@ -35,9 +39,17 @@ def test_a_score_recovered_after_an_outage_is_decided_like_any_other() -> None:
     assert [d.signal for d in signals] == ["abort"]
 
 
-def test_a_rubric_whose_criteria_is_not_a_list_is_mapped_or_refused_never_read_as_its_keys() -> None:
+def test_a_rubric_whose_criteria_is_not_a_list_is_mapped_or_refused_never_read_as_its_keys() -> (
+    None
+):
     # Before the fix this became criteria named "title", "criteria" and "thresholds".
-    r = load_criteria({"title": "mine", "criteria": {"correct": "is it right?"}, "thresholds": {"abort_below": 0.1}})
+    r = load_criteria(
+        {
+            "title": "mine",
+            "criteria": {"correct": "is it right?"},
+            "thresholds": {"abort_below": 0.1},
+        }
+    )
     assert [c.name for c in r.criteria] == ["correct"] and r.title == "mine"
     assert dict(r.thresholds) == {"abort_below": 0.1}
     with pytest.raises(CriteriaError, match="'criteria' is a str"):

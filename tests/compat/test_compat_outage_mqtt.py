@@ -1,7 +1,9 @@
-"""Issue 28's defect over MQTT: a score recovered after a judge outage is decided like any other (it can abort).
+"""Issue 28's defect over MQTT: a score recovered after a judge outage is decided like any other (it
+can abort).
 
-Only the daemon's public API: `Monitor`, `MonitorConfig`, a private Mosquitto, a scripted OpenAI-compatible
-judge server that is stopped (connection refused) and started again on the same port.
+Only the daemon's public API: `Monitor`, `MonitorConfig`, a private Mosquitto, a scripted
+OpenAI-compatible judge server that is stopped (connection refused) and started again on the same
+port.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 def judge_server(port: int = 0, letter: str = "S") -> Iterator[ScriptedServer]:
     s = ScriptedServer(port=port)
     reply = chat_reply(chat_choice([(letter, {letter: 1.0})]))
-    # One connection per call: a stopped server then refuses the next call (no kept-alive connection lives on).
+    # One connection per call: a stopped server then refuses the next call (no kept-alive connection
+    # lives on).
     reply.headers["Connection"] = "close"
     s.default = reply
     t = threading.Thread(target=s.httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
@@ -62,21 +65,33 @@ async def test_the_score_recovered_after_an_outage_aborts_over_mqtt(broker: Mosq
         port = first.httpd.server_address[1]
         judge = OpenAIJudge(base_url=first.url, model="m", max_retries=0, timeout_s=2.0)
         config = MonitorConfig(
-            broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}",
-            policy=Policy(abort_below=0.2, min_steps=1, patience=1), circuit_threshold=1, circuit_cooldown_s=0.3,
+            broker=BrokerSettings.from_url(broker.url),
+            client_id=f"mon-{broker.port}",
+            policy=Policy(abort_below=0.2, min_steps=1, patience=1),
+            circuit_threshold=1,
+            circuit_cooldown_s=0.3,
             max_concurrency=1,
-        )  # fmt: skip
-        async with Monitor(config, judge=judge), aiomqtt.Client("127.0.0.1", broker.port, identifier="h") as h:
+        )
+        async with (
+            Monitor(config, judge=judge),
+            aiomqtt.Client("127.0.0.1", broker.port, identifier="h") as h,
+        ):
             for kind in seen:
                 await h.subscribe(f"agents/r/{kind}", qos=1)
             reader = asyncio.create_task(read(h))
             try:
                 await h.publish("agents/r/start", json.dumps({"task": "fix the bug"}), qos=1)
-                await h.publish("agents/r/step", json.dumps({"index": 1, "text": "ran the tests"}), qos=1)
+                await h.publish(
+                    "agents/r/step", json.dumps({"index": 1, "text": "ran the tests"}), qos=1
+                )
                 await until(lambda: any(p["step"] == 1 and p["ok"] for p in seen["progress"]))
                 first.httpd.shutdown()
                 first.httpd.server_close()  # the judge is down: connection refused
-                await h.publish("agents/r/step", json.dumps({"index": 2, "text": "deleted the test file"}), qos=1)
+                await h.publish(
+                    "agents/r/step",
+                    json.dumps({"index": 2, "text": "deleted the test file"}),
+                    qos=1,
+                )
                 await until(lambda: any(p["step"] == 2 and not p["ok"] for p in seen["progress"]))
                 assert not seen["signal"] or all(
                     s["signal"] != "abort" for s in seen["signal"]
@@ -92,8 +107,11 @@ async def test_the_score_recovered_after_an_outage_aborts_over_mqtt(broker: Mosq
     assert abort["step"] == 2 and abort["score"] == pytest.approx(1 / 19)
 
 
-async def test_seed_rubrics_in_a_start_event_are_read_exactly_or_refused_with_the_key(broker: Mosquitto) -> None:
-    """The skill's rubric.json inline in a start is read with its scale; lmms-eval's pipeline config is refused."""
+async def test_seed_rubrics_in_a_start_event_are_read_exactly_or_refused_with_the_key(
+    broker: Mosquitto,
+) -> None:
+    """The skill's rubric.json inline in a start is read with its scale; lmms-eval's pipeline
+    config is refused."""
 
     from agent_monitor.testing import FakeJudge
 
@@ -106,15 +124,27 @@ async def test_seed_rubrics_in_a_start_event_are_read_exactly_or_refused_with_th
             if kind in seen and isinstance(m.payload, bytes | bytearray) and m.payload:
                 seen[kind].append({"topic": m.topic.value, **json.loads(m.payload)})
 
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}")
-    async with Monitor(config, judge=FakeJudge(["A"])), aiomqtt.Client("127.0.0.1", broker.port, identifier="h") as h:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}"
+    )
+    async with (
+        Monitor(config, judge=FakeJudge(["A"])),
+        aiomqtt.Client("127.0.0.1", broker.port, identifier="h") as h,
+    ):
         for kind in seen:
             await h.subscribe(f"agents/+/{kind}", qos=1)
         reader = asyncio.create_task(read(h))
         try:
-            await h.publish("agents/skill/start", json.dumps({"task": "t", "criteria": skill}), qos=1)
-            await h.publish("agents/skill/step", json.dumps({"index": 1, "text": "done, verified"}), qos=1)
-            lmms = {"extractors": [{"type": "strip_reasoning"}], "verifier": {"type": "exact_match"}}
+            await h.publish(
+                "agents/skill/start", json.dumps({"task": "t", "criteria": skill}), qos=1
+            )
+            await h.publish(
+                "agents/skill/step", json.dumps({"index": 1, "text": "done, verified"}), qos=1
+            )
+            lmms = {
+                "extractors": [{"type": "strip_reasoning"}],
+                "verifier": {"type": "exact_match"},
+            }
             await h.publish("agents/lmms/start", json.dumps({"task": "t", "criteria": lmms}), qos=1)
             await until(lambda: bool(seen["progress"]) and bool(seen["error"]))
         finally:

@@ -1,4 +1,5 @@
-"""The reference library's (llm-verifier's) README and docs examples, run unchanged against a local judge server.
+"""The reference library's (llm-verifier's) README and docs examples, run unchanged against a local
+judge server.
 
 The code blocks below are copied from llm-verifier's README and its "Pairwise Comparison" docs page
 (MIT License, Copyright (c) 2026 llm-as-a-verifier); the one change is `import llm_verifier` ->
@@ -114,7 +115,9 @@ def _text(body: dict[str, Any]) -> str:
     parts = []
     for m in body.get("messages", []):
         c = m.get("content")
-        parts.extend([c] if isinstance(c, str) else [p.get("text", "") for p in c if p.get("type") == "text"])
+        parts.extend(
+            [c] if isinstance(c, str) else [p.get("text", "") for p in c if p.get("type") == "text"]
+        )
     return "\n".join(parts)
 
 
@@ -123,7 +126,8 @@ def _quality(section: str) -> int:
 
 
 def judge_reply(body: dict[str, Any]) -> Reply:
-    """A judge that reads the prompt: pairwise -> which trajectory holds the better code; progress -> the evidence."""
+    """A judge that reads the prompt: pairwise -> which trajectory holds the better code;
+    progress -> the evidence."""
     text = _text(body)
     if "## Trajectory 1" in text:
         one = text.split("## Trajectory 1", 1)[1].split("## Trajectory 2", 1)[0]
@@ -132,17 +136,33 @@ def judge_reply(body: dict[str, Any]) -> Reply:
     else:
         steps = text.split("## Trajectory so far", 1)[1].split("## Question", 1)[0]
         last = steps.rsplit("### Step", 1)[-1]
-        i = 19 if 'returned "cba"' in last else 14 if "s[::-1]" in steps else 2 if "abc" in steps else 0
+        i = (
+            19
+            if 'returned "cba"' in last
+            else 14
+            if "s[::-1]" in steps
+            else 2
+            if "abc" in steps
+            else 0
+        )
     letter = LETTERS[i]
     dist = {LETTERS[max(0, i - 1)]: 0.05, LETTERS[min(19, i + 1)]: 0.05}
     dist[letter] = 1.0 - sum(v for k, v in dist.items() if k != letter)
-    return chat_reply(*(chat_choice([(letter, dist)], index=k) for k in range(int(body.get("n") or 1))))
+    return chat_reply(
+        *(chat_choice([(letter, dist)], index=k) for k in range(int(body.get("n") or 1)))
+    )
 
 
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     monkeypatch.chdir(tmp_path)  # no stray .env, and the image files the multimodal example names
-    for var in ("OPENAI_BASE_URL", "OPENAI_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "VERTEX_API_KEY"):
+    for var in (
+        "OPENAI_BASE_URL",
+        "OPENAI_API_KEY",
+        "GEMINI_API_KEY",
+        "GOOGLE_API_KEY",
+        "VERTEX_API_KEY",
+    ):
         monkeypatch.delenv(var, raising=False)
     with scripted_server() as s:
         s.default = judge_reply
@@ -159,7 +179,8 @@ def _png(path: Path, color: tuple[int, int, int]) -> None:
 
 
 def _run(code: str, ns: dict[str, Any]) -> dict[str, Any]:
-    exec(compile(code, "<llm-verifier example>", "exec"), ns)  # the examples are this file's own text
+    # the examples are this file's own text
+    exec(compile(code, "<llm-verifier example>", "exec"), ns)
     return ns
 
 
@@ -167,18 +188,28 @@ def _pairwise_prompts(s: ScriptedServer) -> list[str]:
     return [t for t in map(_text, s.requests) if "## Trajectory 1" in t]
 
 
-def test_the_readme_quickstart_select_compare_and_track_run_unchanged(server: ScriptedServer) -> None:
+def test_the_readme_quickstart_select_compare_and_track_run_unchanged(
+    server: ScriptedServer,
+) -> None:
     ns = _run(QUICKSTART, {})
     result = ns["result"]
     assert result.index == 0 and result.best == "def rev(s): return s[::-1]"
-    assert result.method == "pairwise" and result.n_comparisons > 0  # the pivot tournament, as upstream
-    # As upstream's VerifierResult: scores a list in the candidates' order, the ranking their positions.
-    assert isinstance(result.scores, list) and len(result.scores) == 3 and result.scores[0] > result.scores[1]
+    # the pivot tournament, as upstream
+    assert result.method == "pairwise" and result.n_comparisons > 0
+    # As upstream's VerifierResult: scores a list in the candidates' order, the ranking their
+    # positions.
+    assert (
+        isinstance(result.scores, list)
+        and len(result.scores) == 3
+        and result.scores[0] > result.scores[1]
+    )
     assert result.ranking[0] == 0 and sorted(result.ranking) == [0, 1, 2]
     assert ns["candidates"][result.ranking[0]] == result.best
     prompts = _pairwise_prompts(server)
     # Each candidate is one whole step, never a step per character.
-    assert prompts and all("Trajectory 1 has 1 step so far and trajectory 2 has 1" in p for p in prompts)
+    assert prompts and all(
+        "Trajectory 1 has 1 step so far and trajectory 2 has 1" in p for p in prompts
+    )
     assert any("### Step 1\ndef rev(s): return s[::-1]\n" in p for p in prompts)
     assert not any("### Step 2" in p for p in prompts)
     # Upstream's select repeats 4 times by default (n_evaluations=4).
@@ -200,7 +231,9 @@ def test_the_readme_quickstart_select_compare_and_track_run_unchanged(server: Sc
     assert any('### Step 5\nTested: rev("abc") returned "cba"' in t for t in progress_prompts)
 
 
-def test_the_online_tracker_and_the_multimodal_examples_run_unchanged(server: ScriptedServer, tmp_path: Path) -> None:
+def test_the_online_tracker_and_the_multimodal_examples_run_unchanged(
+    server: ScriptedServer, tmp_path: Path
+) -> None:
     ns = _run(QUICKSTART.split("result = ")[0], {})
     ns = _run(ONLINE, ns)
     score = ns["score"]
@@ -209,13 +242,20 @@ def test_the_online_tracker_and_the_multimodal_examples_run_unchanged(server: Sc
     assert [p.step for p in tracker.curve] == [1, 2, 3, 4]
     tracker.close()
 
-    for name, color in (("before.png", (255, 0, 0)), ("after.png", (0, 255, 0)), ("camera_frame.png", (0, 0, 255))):
+    for name, color in (
+        ("before.png", (255, 0, 0)),
+        ("after.png", (0, 255, 0)),
+        ("camera_frame.png", (0, 0, 255)),
+    ):
         _png(tmp_path / name, color)
     server.requests.clear()
-    ns.update(criteria={"Correctness": "Does the code actually reverse the string?"}, step="Wrote the fix")
+    ns.update(
+        criteria={"Correctness": "Does the code actually reverse the string?"}, step="Wrote the fix"
+    )
     ns = _run(MULTIMODAL, ns)
     assert ns["result"].index == 0
-    # The task's two images reach every pairwise prompt; the per-step frame is one image, not 16 letters.
+    # The task's two images reach every pairwise prompt; the per-step frame is one image, not 16
+    # letters.
     pair = [r for r in server.requests if "## Trajectory 1" in _text(r)]
     assert pair and all(_images(r) == 2 for r in pair)
     last = server.requests[-1]
@@ -233,16 +273,23 @@ def _images(body: dict[str, Any]) -> int:
     )
 
 
-def test_the_pairwise_docs_page_runs_unchanged_and_both_orders_are_asked(server: ScriptedServer) -> None:
+def test_the_pairwise_docs_page_runs_unchanged_and_both_orders_are_asked(
+    server: ScriptedServer,
+) -> None:
     ns = _run(DOCS_COMPARE, {})
     assert ns["reward_a"] > 0.5 > ns["reward_b"]
     prompts = _pairwise_prompts(server)
-    # Both slot orders, one call each (n_evaluations=1, one criterion); model= names the model on the server.
+    # Both slot orders, one call each (n_evaluations=1, one criterion); model= names the model on
+    # the server.
     assert len(prompts) == 2 and {r["model"] for r in server.requests} == {"gemini-2.5-flash"}
-    firsts = {p.split("## Trajectory 1", 1)[1].split("## Trajectory 2", 1)[0].strip() for p in prompts}
+    firsts = {
+        p.split("## Trajectory 1", 1)[1].split("## Trajectory 2", 1)[0].strip() for p in prompts
+    }
     assert len(firsts) == 2
 
-    ns.update(a=ns["candidates"][0], b=ns["candidates"][2], crits=["Does the code reverse the string?"])
+    ns.update(
+        a=ns["candidates"][0], b=ns["candidates"][2], crits=["Does the code reverse the string?"]
+    )
     ns = _run(DOCS_BIAS, ns)
     assert ns["r_a"] > ns["r_b"]
     c = agent_monitor.compare(ns["problem"], ns["a"], ns["b"], criteria=ns["crits"])
@@ -304,8 +351,11 @@ def test_the_judge_comes_from_the_environment_or_one_error_names_both_ways(
     assert type(j).__name__ == "OpenAIJudge" and j.model == "gpt-4o-mini" and j.concurrency == 3
     g = judge_from_env("gemini-2.5-flash", environ={"GEMINI_API_KEY": "k"})
     assert type(g).__name__ == "GeminiJudge"
-    # .env is read as upstream reads it (KEY=value, comments), under the process environment, never into it.
-    (tmp_path / ".env").write_text("# local judge\nAGENT_MONITOR_JUDGE_URL = http://127.0.0.1:9/v1\nX=a=b\n")
+    # .env is read as upstream reads it (KEY=value, comments), under the process environment, never
+    # into it.
+    (tmp_path / ".env").write_text(
+        "# local judge\nAGENT_MONITOR_JUDGE_URL = http://127.0.0.1:9/v1\nX=a=b\n"
+    )
     assert read_dotenv() == {"AGENT_MONITOR_JUDGE_URL": "http://127.0.0.1:9/v1", "X": "a=b"}
     j = judge_from_env("served", environ={})
     assert j.base_url == "http://127.0.0.1:9/v1" and j.model == "served"  # type: ignore[attr-defined]
@@ -344,9 +394,12 @@ def test_criteria_in_every_reference_form(tmp_path: Path) -> None:
     prompt = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[0])
     text = "".join(getattr(p, "text", "") for p in prompt.parts)
     assert "Do NOT trust the agent's self-assessment." in text and "author's comment" not in text
-    # Each criterion's prompt shows that criterion (per-criterion prompts, issue 27): the second one's, in its own.
+    # Each criterion's prompt shows that criterion (per-criterion prompts, issue 27): the second
+    # one's, in its own.
     second = agent_monitor.build_prompt("t", r, [agent_monitor.Step(1, "ran it")], r.criteria[1])
-    assert "Empirical Verification: Look at the commands" in "".join(getattr(p, "text", "") for p in second.parts)
+    assert "Empirical Verification: Look at the commands" in "".join(
+        getattr(p, "text", "") for p in second.parts
+    )
     for name in ("terminal_bench", "swe_bench", "medagentbench"):
         bundled = agent_monitor.load_criteria(name)
         assert bundled.note and len(bundled.criteria) >= 2
@@ -356,9 +409,10 @@ def test_criteria_in_every_reference_form(tmp_path: Path) -> None:
     noted = with_note(str(path), "Trust only test output.")
     assert isinstance(noted, agent_monitor.Rubric) and noted.note == "Trust only test output."
     assert noted.hash != r.hash
-    assert [c.name for c in agent_monitor.load_criteria({"Root cause": "Did it fix the cause?"}).criteria] == [
-        "Root cause"
-    ]
+    assert [
+        c.name
+        for c in agent_monitor.load_criteria({"Root cause": "Did it fix the cause?"}).criteria
+    ] == ["Root cause"]
     assert [c.name for c in agent_monitor.load_criteria(["a", "b"]).criteria] == ["c1", "c2"]
     with pytest.raises(agent_monitor.CriteriaError, match="outside '## Criteria'"):
         agent_monitor.load_criteria(_write(tmp_path / "bad.md", "# T\n\n### Loose {#x}\n\ntext\n"))
@@ -378,7 +432,9 @@ def test_a_string_step_and_one_image_path_are_one_each_in_the_async_tracker(tmp_
     judge = FakeJudge()
 
     async def main() -> None:
-        t = agent_monitor.AsyncProgressTracker("task", judge=judge, images=str(tmp_path / "f.png"), allow_files=True)
+        t = agent_monitor.AsyncProgressTracker(
+            "task", judge=judge, images=str(tmp_path / "f.png"), allow_files=True
+        )
         await t.update("one step", images=str(tmp_path / "f.png"))
         assert len(t.steps) == 1 and len(t.steps[0].frames) == 1
 
@@ -386,14 +442,20 @@ def test_a_string_step_and_one_image_path_are_one_each_in_the_async_tracker(tmp_
     assert judge.prompts[-1].image_count == 2  # the task's image and the step's, each once
     results = agent_monitor.track("task", "a whole trajectory as one string", judge=FakeJudge())
     assert len(results) == 1 and results.steps == [1]
-    assert re.search(r"### Step 1\n", "".join(getattr(p, "text", "") for p in judge.prompts[-1].parts))
+    assert re.search(
+        r"### Step 1\n", "".join(getattr(p, "text", "") for p in judge.prompts[-1].parts)
+    )
 
 
-def test_a_prebuilt_openai_client_becomes_the_judge(server: ScriptedServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_prebuilt_openai_client_becomes_the_judge(
+    server: ScriptedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import openai
 
     monkeypatch.delenv("AGENT_MONITOR_JUDGE_URL")
     client = openai.OpenAI(base_url=server.url, api_key="k")
     good, bad = "def rev(s): return s[::-1]", "def rev(s): return s"
-    reward_a, reward_b = agent_monitor.compare("reverse", good, bad, criteria=["correct?"], client=client, model="mine")
+    reward_a, reward_b = agent_monitor.compare(
+        "reverse", good, bad, criteria=["correct?"], client=client, model="mine"
+    )
     assert reward_a > reward_b and {r["model"] for r in server.requests} == {"mine"}

@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor.criteria import CriteriaError, Criterion, bundled_criteria, load_criteria, parse_criteria
+from agent_monitor.criteria import (
+    CriteriaError,
+    Criterion,
+    bundled_criteria,
+    load_criteria,
+    parse_criteria,
+)
 
 
 def test_bundled_rubrics_load_with_weights_summing_to_one() -> None:
@@ -15,7 +21,11 @@ def test_bundled_rubrics_load_with_weights_summing_to_one() -> None:
         assert all(c.description for c in r.criteria)
     assert load_criteria(None).criteria[0].name == "task_progress"
     coding = load_criteria("coding")
-    assert [c.name for c in coding.criteria] == ["goal_progress", "verification", "trajectory_health"]
+    assert [c.name for c in coding.criteria] == [
+        "goal_progress",
+        "verification",
+        "trajectory_health",
+    ]
     assert coding.criteria[0].weight == pytest.approx(0.6)
     tests_first = load_criteria("coding_tests")
     assert tests_first.criteria[0].rules and tests_first.criteria[0].uses_judge
@@ -26,7 +36,10 @@ def test_bundled_rubrics_load_with_weights_summing_to_one() -> None:
 
 def test_markdown_format_and_normalisation(tmp_path: Path) -> None:
     f = tmp_path / "mine.md"
-    f.write_text("# Mine\n\n## speed\nweight: 3\n\nIs it fast.\n\n## safety\nweight: 1\nIs it safe.\nReally.\n")
+    f.write_text(
+        "# Mine\n\n## speed\nweight: 3\n\nIs it fast.\n\n## safety\nweight: 1\nIs "
+        "it safe.\nReally.\n"
+    )
     r = load_criteria(f)
     assert r.title == "Mine"
     assert [(c.name, c.weight) for c in r.criteria] == [("speed", 0.75), ("safety", 0.25)]
@@ -37,7 +50,9 @@ def test_markdown_format_and_normalisation(tmp_path: Path) -> None:
 def test_dict_and_list_forms() -> None:
     r = load_criteria({"a": "did a", "b": "did b"})
     assert [(c.name, c.weight) for c in r.criteria] == [("a", 0.5), ("b", 0.5)]
-    r2 = load_criteria(["first thing", {"name": "x", "description": "y", "weight": 3}, Criterion("z", "zz", 0)])
+    r2 = load_criteria(
+        ["first thing", {"name": "x", "description": "y", "weight": 3}, Criterion("z", "zz", 0)]
+    )
     assert [(c.name, c.weight) for c in r2.criteria] == [("c1", 0.25), ("x", 0.75), ("z", 0.0)]
 
 

@@ -22,8 +22,10 @@ from agent_monitor.extractors import (
 # Shapes from the recorded Terminal-Bench runs: mini-swe-agent reports tool output as JSON
 # (line breaks escaped), Terminus 2 as raw terminal text.
 JSON_TRACEBACK = (
-    '{\n  "returncode": 1,\n  "output": "Traceback (most recent call last):\\n  File \\"\\u003cstring\\u003e\\", '
-    'line 2, in \\u003cmodule\\u003e\\n    import torch\\nModuleNotFoundError: No module named \\u0027torch\\u0027\\n"\n}'
+    '{\n  "returncode": 1,\n  "output": "Traceback (most recent call last):\\n  File '
+    '\\"\\u003cstring\\u003e\\", '
+    "line 2, in \\u003cmodule\\u003e\\n    import torch\\nModuleNotFoundError: No module "
+    'named \\u0027torch\\u0027\\n"\n}'
 )
 TERMINAL_TRACEBACK = (
     "New Terminal Output:\n\n"
@@ -42,17 +44,24 @@ TERMINAL_TRACEBACK = (
 def test_strip_reasoning_removes_think_and_thinking_blocks_any_case_multiline() -> None:
     text = (
         "<think>\nThe user wants torch. Let me check\nif it is installed.\n</think>\n"
-        "I will check whether torch is installed.\n<THINKING>pip may be offline</Thinking>\n$ python3 -c 'import torch'"
+        "I will check whether torch is installed.\n<THINKING>pip may be "
+        "offline</Thinking>\n$ python3 -c 'import torch'"
     )
-    assert StripReasoning()(text) == "I will check whether torch is installed.\n\n$ python3 -c 'import torch'"
+    assert StripReasoning()(text) == (
+        "I will check whether torch is installed.\n\n$ python3 -c 'import torch'"
+    )
 
 
 def test_strip_reasoning_drops_an_unclosed_trailing_block() -> None:
-    assert StripReasoning()("Plan: run the tests.\n<think>maybe I should first look at") == "Plan: run the tests."
+    assert (
+        StripReasoning()("Plan: run the tests.\n<think>maybe I should first look at")
+        == "Plan: run the tests."
+    )
 
 
 def test_strip_reasoning_drops_text_before_an_orphan_closing_tag() -> None:
-    # DeepSeek-R1 / Qwen3 templates open <think> in the prompt, so the output starts inside the block.
+    # DeepSeek-R1 / Qwen3 templates open <think> in the prompt, so the output starts inside the
+    # block.
     assert StripReasoning()("okay so the file is missing\n</think>\n\nls -la /app") == "ls -la /app"
 
 
@@ -63,7 +72,10 @@ def test_strip_reasoning_leaves_text_without_blocks_and_other_tags_alone() -> No
 
 
 def test_strip_reasoning_custom_tags() -> None:
-    assert StripReasoning(tags=("reflection",))("a<reflection>x</reflection>b<think>y</think>") == "ab<think>y</think>"
+    assert (
+        StripReasoning(tags=("reflection",))("a<reflection>x</reflection>b<think>y</think>")
+        == "ab<think>y</think>"
+    )
     with pytest.raises(ValueError, match="tags must be a non-empty list"):
         StripReasoning(tags=())
 
@@ -88,7 +100,10 @@ def test_strip_special_tokens_tidies_whitespace_but_keeps_indentation() -> None:
     out = StripSpecialTokens()(TERMINAL_TRACEBACK + "\n\n\n\n\n<|im_end|>")
     assert out.endswith("ModuleNotFoundError: No module named 'torch'\nroot@7f53072e:/app#")
     assert '  File "<string>", line 1, in <module>\n    import torch\n' in out
-    assert "\n\n\n" not in StripSpecialTokens()("a\n\n\n\n\nb") and StripSpecialTokens()("a\n\n\n\nb") == "a\n\nb"
+    assert (
+        "\n\n\n" not in StripSpecialTokens()("a\n\n\n\n\nb")
+        and StripSpecialTokens()("a\n\n\n\nb") == "a\n\nb"
+    )
     assert StripSpecialTokens()("a <b>bold</b> a|b") == "a <b>bold</b> a|b"
 
 
@@ -97,13 +112,21 @@ def test_strip_special_tokens_tidies_whitespace_but_keeps_indentation() -> None:
 
 def test_truncate_keeps_head_and_tail_with_a_marker() -> None:
     text = "".join(f"line {i:03d}\n" for i in range(100))  # 900 characters
-    assert Truncate(max_chars=100)(text) == text[:50] + "\n[... 800 characters cut ...]\n" + text[-50:]
+    assert (
+        Truncate(max_chars=100)(text) == text[:50] + "\n[... 800 characters cut ...]\n" + text[-50:]
+    )
 
 
 def test_truncate_head_share_and_short_text() -> None:
-    assert Truncate(max_chars=10, head_share=0.0)("0123456789abcdef") == "\n[... 6 characters cut ...]\n6789abcdef"
-    assert Truncate(max_chars=10, head_share=1.0)("0123456789abcdef") == "0123456789\n[... 6 characters cut ...]\n"
-    assert Truncate(max_chars=10, head_share=0.3)("0123456789abcdef") == "012\n[... 6 characters cut ...]\n9abcdef"
+    assert Truncate(max_chars=10, head_share=0.0)("0123456789abcdef") == (
+        "\n[... 6 characters cut ...]\n6789abcdef"
+    )
+    assert Truncate(max_chars=10, head_share=1.0)("0123456789abcdef") == (
+        "0123456789\n[... 6 characters cut ...]\n"
+    )
+    assert Truncate(max_chars=10, head_share=0.3)("0123456789abcdef") == (
+        "012\n[... 6 characters cut ...]\n9abcdef"
+    )
     assert Truncate(max_chars=16)("0123456789abcdef") == "0123456789abcdef"
     assert Truncate()(JSON_TRACEBACK) == JSON_TRACEBACK
 
@@ -127,9 +150,15 @@ def test_truncate_rejects_bad_budgets(params: dict[str, object], message: str) -
 
 
 def test_regex_capture_first_match_group_and_all() -> None:
-    text = "FAILED tests/test_api.py::test_get - KeyError: 'id'\nFAILED tests/test_api.py::test_put - assert 404 == 200"
+    text = (
+        "FAILED tests/test_api.py::test_get - KeyError: 'id'\nFAILED "
+        "tests/test_api.py::test_put - assert 404 == 200"
+    )
     assert RegexCapture(r"FAILED (\S+)")(text) == "tests/test_api.py::test_get"
-    assert RegexCapture(r"FAILED (\S+)", all=True)(text) == "tests/test_api.py::test_get\ntests/test_api.py::test_put"
+    assert (
+        RegexCapture(r"FAILED (\S+)", all=True)(text)
+        == "tests/test_api.py::test_get\ntests/test_api.py::test_put"
+    )
     assert RegexCapture(r"FAILED \S+ - (?P<why>\w+)", group="why")(text) == "KeyError"
     assert RegexCapture(r"(?i)^failed", group=0)(text) == "FAILED"
 
@@ -153,7 +182,9 @@ def test_regex_capture_no_match_is_empty_not_the_input() -> None:
         ({"pattern": r"(\d)", "all": "yes"}, "all must be true or false"),
     ],
 )
-def test_regex_capture_rejects_bad_patterns_and_groups(params: dict[str, object], message: str) -> None:
+def test_regex_capture_rejects_bad_patterns_and_groups(
+    params: dict[str, object], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         RegexCapture(**params)  # type: ignore[arg-type]
 
@@ -210,7 +241,8 @@ def test_boxed(text: str, content: str) -> None:
 def test_pipeline_applies_in_order() -> None:
     text = "<think>the answer is \\boxed{1}</think>Final: \\boxed{12,345}<|im_end|>"
     assert Pipeline((StripReasoning(), Boxed(), LastNumber()))(text) == "12345"
-    assert Pipeline((LastNumber(), Boxed()))(text) == ""  # order matters: no box left around "12345"
+    # order matters: no box left around "12345"
+    assert Pipeline((LastNumber(), Boxed()))(text) == ""
     assert Pipeline()(text) == text
     assert Pipeline([str.upper, Truncate(4)]).extractors == (str.upper, Truncate(4))
 
@@ -233,21 +265,36 @@ def test_build_extractors_from_names_and_dicts() -> None:
     assert p("<think>x</think>Answer: Paris<|im_end|>") == "Paris"
     assert build_extractors(None) == Pipeline() == build_extractors([])
     assert build_extractor(str.strip) is str.strip
-    assert {"strip_reasoning", "strip_special_tokens", "truncate", "regex_capture", "last_number", "boxed"} <= set(
-        EXTRACTORS
-    )
+    assert {
+        "strip_reasoning",
+        "strip_special_tokens",
+        "truncate",
+        "regex_capture",
+        "last_number",
+        "boxed",
+    } <= set(EXTRACTORS)
 
 
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (["strip_thoughts"], r"extractors\[0\]: unknown extractor 'strip_thoughts'; known extractors: boxed, "),
-        ([{"max_chars": 10}], r"extractors\[0\]: extractor config .* needs a 'type' naming one of: boxed"),
+        (
+            ["strip_thoughts"],
+            r"extractors\[0\]: unknown extractor 'strip_thoughts'; known " r"extractors: boxed, ",
+        ),
+        (
+            [{"max_chars": 10}],
+            r"extractors\[0\]: extractor config .* needs a 'type' naming " r"one of: boxed",
+        ),
         (
             ["boxed", {"type": "truncate", "max_char": 10}],
-            r"extractors\[1\]: extractor 'truncate' does not take 'max_char'; its parameters are: max_chars, head_share",
+            r"extractors\[1\]: extractor 'truncate' does not take 'max_char'; its parameters "
+            r"are: max_chars, head_share",
         ),
-        ([{"type": "truncate", "max_chars": -1}], r"extractors\[0\]: truncate: max_chars must be an integer"),
+        (
+            [{"type": "truncate", "max_chars": -1}],
+            r"extractors\[0\]: truncate: max_chars must " r"be an integer",
+        ),
         ([{"type": "regex_capture"}], r"extractor 'regex_capture': bad parameters \{\}: .*pattern"),
         ([3], "an extractor config item is a int; use a name or a dict with 'type'"),
         ("boxed", "extractors config must be a list, got 'boxed'; wrap a single item in a list"),
@@ -284,7 +331,10 @@ def test_a_users_own_extractor_is_one_decorator_away() -> None:
     assert build_extractors([{"type": "json_field", "key": "returncode"}])(JSON_TRACEBACK) == "1"
     # Registering the same type again is harmless; another type under a taken name is refused.
     register_extractor("json_field")(JsonField)
-    with pytest.raises(ValueError, match="extractor name 'truncate' is already taken by Truncate; pick another name"):
+    with pytest.raises(
+        ValueError,
+        match="extractor name 'truncate' is already taken by Truncate; pick another name",
+    ):
         register_extractor("truncate")(JsonField)
     with pytest.raises(ValueError, match="extractor name must be a non-empty string"):
         register_extractor("")

@@ -1,4 +1,5 @@
-"""Rules before the judge: confident rules carry a step without a judge call; silent ones hand it to the judge."""
+"""Rules before the judge: confident rules carry a step without a judge call; silent ones hand it
+to the judge."""
 
 import json
 from pathlib import Path
@@ -18,10 +19,18 @@ MIXED = {
             "type": "composite",
             "name": "goal",
             "weight": 0.5,
-            "members": [{"type": "rule.test_ratio"}, {"type": "llm", "description": "is the goal reached"}],
+            "members": [
+                {"type": "rule.test_ratio"},
+                {"type": "llm", "description": "is the goal reached"},
+            ],
         },
         {"type": "llm", "name": "health", "description": "is the run healthy", "weight": 0.25},
-        {"type": "rule.metric_curve", "name": "distance", "field": "distance_to_goal", "weight": 0.25},
+        {
+            "type": "rule.metric_curve",
+            "name": "distance",
+            "field": "distance_to_goal",
+            "weight": 0.25,
+        },
     ],
 }
 
@@ -38,9 +47,15 @@ async def test_confident_rule_carries_a_step_and_silent_rules_hand_it_to_the_jud
     # Step 2: pytest summary and a distance reading: goal from the rule, no judge call for it.
     judge.requests.clear()
     p2 = await t.update("$ pytest -q\n3 failed, 7 passed in 0.4s", meta={"distance_to_goal": 4.0})
-    assert [c.criterion for c in judge.prompts] == ["health"] and p2.calls == 1 and p2.calls_saved == 1
+    assert (
+        [c.criterion for c in judge.prompts] == ["health"] and p2.calls == 1 and p2.calls_saved == 1
+    )
     goal = p2.criteria["goal"]
-    assert goal.source == "rule" and goal.score == pytest.approx(0.7) and goal.confidence == pytest.approx(0.9)
+    assert (
+        goal.source == "rule"
+        and goal.score == pytest.approx(0.7)
+        and goal.confidence == pytest.approx(0.9)
+    )
     assert goal.uncertainty == pytest.approx(0.05) and "test_ratio" in goal.detail
     assert p2.criteria["health"].source == "llm"
     # distance: the first reading is the start, so progress 0 at 4.0.
@@ -59,7 +74,8 @@ async def test_rules_only_rubric_never_calls_the_judge() -> None:
     p1 = await t.update("thinking about it")
     assert not p1.ok and p1.reason == "no_opinion" and p1.score is None and judge.prompts == []
     p2 = await t.update("Final answer: 41")
-    assert p2.ok and p2.score == 0.0 and p2.criteria["answer"].confidence == 1.0  # clean parse, wrong: confident low
+    # clean parse, wrong: confident low
+    assert p2.ok and p2.score == 0.0 and p2.criteria["answer"].confidence == 1.0
     p3 = await t.update("Final answer: 42")
     assert p3.ok and p3.score == 1.0 and judge.prompts == []
 
@@ -116,7 +132,13 @@ def test_rubric_json_and_hash(tmp_path: Path) -> None:
         (
             {
                 "criteria": [
-                    {"type": "composite", "members": [{"type": "llm", "description": "d"}, {"type": "rule.test_ratio"}]}
+                    {
+                        "type": "composite",
+                        "members": [
+                            {"type": "llm", "description": "d"},
+                            {"type": "rule.test_ratio"},
+                        ],
+                    }
                 ]
             },
             "must come last",
@@ -132,7 +154,8 @@ def test_bad_pipeline_config_gets_clear_errors(crit: dict, message: str) -> None
 
 
 async def test_calls_saved_are_exported_on_the_registry_passed_in() -> None:
-    # The tracker sets Progress.calls_saved; the daemon counts it on the registry its Monitor was given.
+    # The tracker sets Progress.calls_saved; the daemon counts it on the registry its Monitor was
+    # given.
     import json
 
     from prometheus_client import CollectorRegistry, generate_latest
@@ -141,17 +164,27 @@ async def test_calls_saved_are_exported_on_the_registry_passed_in() -> None:
 
     registry = CollectorRegistry()
     async with Monitor(judge=FakeJudge(), registry=registry) as mon:
-        await mon.handle("agents/r1/start", json.dumps({"task": "Fix the tests.", "criteria": "coding_tests"}).encode())
+        await mon.handle(
+            "agents/r1/start",
+            json.dumps({"task": "Fix the tests.", "criteria": "coding_tests"}).encode(),
+        )
         await mon.handle("agents/r1/step", json.dumps({"text": "$ ls"}).encode())
         await mon.drain()
         assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 0.0
         # One step at a time: each prefix is scored on its own (no coalescing), as the tracker did.
-        for text in ("$ pytest\n=== 2 failed, 8 passed in 1.2s ===", "$ pytest\n=== 10 passed in 1.1s ==="):
+        for text in (
+            "$ pytest\n=== 2 failed, 8 passed in 1.2s ===",
+            "$ pytest\n=== 10 passed in 1.1s ===",
+        ):
             await mon.handle("agents/r1/step", json.dumps({"text": text}).encode())
             await mon.drain()
         t = mon.tracker("r1")
         assert t is not None and [p.calls_saved for p in t.curve] == [0, 1, 1]
-        assert registry.get_sample_value("agent_monitor_judge_calls_saved_total") == 2.0 == t.calls_saved
+        assert (
+            registry.get_sample_value("agent_monitor_judge_calls_saved_total")
+            == 2.0
+            == t.calls_saved
+        )
         assert b"agent_monitor_judge_calls_saved_total 2.0" in generate_latest(registry)
 
 

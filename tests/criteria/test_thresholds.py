@@ -1,4 +1,5 @@
-"""A rubric's `thresholds` mapped onto the run policy: the mapping, what is refused, and who wins, in hook and daemon."""
+"""A rubric's `thresholds` mapped onto the run policy: the mapping, what is refused, and who
+wins, in hook and daemon."""
 
 from __future__ import annotations
 
@@ -46,15 +47,21 @@ def test_levels_map_onto_the_policy_settings() -> None:
 
 
 def test_thresholds_leave_the_rubric_hash_alone() -> None:
-    # They decide what a run does with its scores, not the scores: calibration and stored scores keep matching.
-    assert load_criteria(rubric({"abort_below": 0.2})).hash == load_criteria({"criteria": CRITERIA}).hash
+    # They decide what a run does with its scores, not the scores: calibration and stored scores
+    # keep matching.
+    assert (
+        load_criteria(rubric({"abort_below": 0.2})).hash
+        == load_criteria({"criteria": CRITERIA}).hash
+    )
 
 
 def test_a_rubric_file_carries_its_thresholds(tmp_path: Path) -> None:
     js = tmp_path / "r.json"
     js.write_text(json.dumps(rubric({"abort_below": 0.1})))
     yml = tmp_path / "r.yaml"
-    yml.write_text("criteria:\n  - name: goal\n    description: how far\nthresholds:\n  resample: 0.3\n")
+    yml.write_text(
+        "criteria:\n  - name: goal\n    description: how far\nthresholds:\n  resample: 0.3\n"
+    )
     assert load_criteria(str(js)).thresholds == (("abort_below", 0.1),)
     assert load_criteria(str(yml)).thresholds == (("resample_below", 0.3),)
 
@@ -67,15 +74,31 @@ def test_a_rubric_file_carries_its_thresholds(tmp_path: Path) -> None:
         ({"goal": 0.3}, None, ["thresholds.goal", "per-criterion", "abort_below"]),
         ({"abort_below": {"goal": 0.3}}, None, ["thresholds.abort_below", "per-criterion"]),
         ({"patience": 2}, None, ["thresholds.patience", "policy setting", "--patience"]),
-        ({"stop_if": 0.1}, None, ["thresholds.stop_if", "not a threshold", "abort_below, resample_below"]),
+        (
+            {"stop_if": 0.1},
+            None,
+            ["thresholds.stop_if", "not a threshold", "abort_below, resample_below"],
+        ),
         ({"abort_below": 5}, None, ["thresholds.abort_below=5", "[0, 1]", "1-20 scale"]),
         ({"abort_below": True}, None, ["thresholds.abort_below=True", "a score in [0, 1]"]),
-        ({"resample_below": "auto"}, None, ["thresholds.resample_below='auto'", "a score in [0, 1]"]),
+        (
+            {"resample_below": "auto"},
+            None,
+            ["thresholds.resample_below='auto'", "a score in [0, 1]"],
+        ),
         ({"regression": "C"}, None, ["thresholds.regression='C'", "a fall"]),
         ({"abort": 0.1, "abort_below": 0.2}, None, ["thresholds.abort_below", "second time"]),
         ([0.2], None, ["'thresholds' is a list", "abort_below"]),
-        (None, [{**CRITERIA[0], "threshold": 0.5}], ["item 1 (goal)", "'threshold'", "per-criterion"]),
-        (None, [{**CRITERIA[0], "thresholds": {"abort": 0.5}}], ["item 1 (goal)", "'thresholds'", "top-level"]),
+        (
+            None,
+            [{**CRITERIA[0], "threshold": 0.5}],
+            ["item 1 (goal)", "'threshold'", "per-criterion"],
+        ),
+        (
+            None,
+            [{**CRITERIA[0], "thresholds": {"abort": 0.5}}],
+            ["item 1 (goal)", "'thresholds'", "top-level"],
+        ),
     ],
 )
 def test_what_cannot_be_mapped_is_refused_by_name(
@@ -98,7 +121,9 @@ def test_map_thresholds_is_the_mapping_the_loader_uses() -> None:
 
 async def scored(policy: Any, thresholds: Any, steps: int = 4) -> AsyncProgressTracker:
     # B = 1/19 ~ 0.05 on every step: below every level used here.
-    t = AsyncProgressTracker("t", judge=FakeJudge(["B"]), criteria=rubric(thresholds), policy=policy)
+    t = AsyncProgressTracker(
+        "t", judge=FakeJudge(["B"]), criteria=rubric(thresholds), policy=policy
+    )
     for i in range(steps):
         await t.update(f"step {i + 1}")
     return t
@@ -109,9 +134,16 @@ async def test_a_rubric_with_thresholds_gives_the_hook_a_policy() -> None:
     assert t.policy_state is not None
     pol = t.policy_state.policy
     assert (pol.abort_below, pol.resample_below, pol.min_steps, pol.patience) == (0.2, 0.4, 3, 3)
-    assert [p.signal.signal for p in t.curve if p.signal] == ["continue", "continue", "resample", "resample"]
+    assert [p.signal.signal for p in t.curve if p.signal] == [
+        "continue",
+        "continue",
+        "resample",
+        "resample",
+    ]
     t = await scored(None, {"abort_below": 0.2}, steps=5)
-    assert t.latest is not None and t.latest.signal is not None and t.latest.signal.signal == "abort"
+    assert (
+        t.latest is not None and t.latest.signal is not None and t.latest.signal.signal == "abort"
+    )
     # No thresholds and no policy: no signals at all, as before.
     assert (await scored(None, None)).policy_state is None
 
@@ -120,7 +152,8 @@ async def test_a_rubric_with_thresholds_gives_the_hook_a_policy() -> None:
     ("policy", "abort_below", "resample_below"),
     [
         ({"patience": 1}, 0.2, 0.4),  # a mapping's other keys keep the rubric's levels
-        ({"abort_below": None}, None, 0.4),  # a mapping's key wins, even when it switches the level off
+        # a mapping's key wins, even when it switches the level off
+        ({"abort_below": None}, None, 0.4),
         ({"abort_below": 0.1}, 0.1, 0.4),
         (Policy(abort_below=0.1), 0.1, 0.4),  # a Policy's non-default settings win
         (Policy(min_steps=1), 0.2, 0.4),  # ... and its defaults leave the rubric's levels in
@@ -131,7 +164,10 @@ async def test_the_callers_policy_wins_over_the_rubric(
 ) -> None:
     t = await scored(policy, {"abort_below": 0.2, "resample_below": 0.4}, steps=1)
     assert t.policy_state is not None
-    assert (t.policy_state.policy.abort_below, t.policy_state.policy.resample_below) == (abort_below, resample_below)
+    assert (t.policy_state.policy.abort_below, t.policy_state.policy.resample_below) == (
+        abort_below,
+        resample_below,
+    )
 
 
 # -- the daemon --
@@ -144,7 +180,8 @@ def j(**kw: Any) -> bytes:
 async def daemon_policy(
     config: MonitorConfig, start: dict[str, Any]
 ) -> tuple[Policy | None, str | None, list[Refused]]:
-    """The policy in force for a run of five low scores, its signal after them, and what was refused."""
+    """The policy in force for a run of five low scores, its signal after them, and what was
+    refused."""
     refused: list[Refused] = []
 
     def sink(e: MonitorEvent) -> None:
@@ -155,7 +192,8 @@ async def daemon_policy(
         await mon.handle("agents/r1/start", j(**start))
         for i in range(1, 6):
             await mon.handle("agents/r1/step", j(index=i, text=f"s{i}"))
-            await mon.drain()  # one scoring per step: a streak needs scored steps, not coalesced ones
+            # one scoring per step: a streak needs scored steps, not coalesced ones
+            await mon.drain()
         tracker = mon.tracker("r1")
         view = mon.run("r1")
         if tracker is None or tracker.policy_state is None or view is None:
@@ -164,11 +202,15 @@ async def daemon_policy(
 
 
 async def test_a_starts_rubric_thresholds_set_the_runs_levels_in_the_daemon() -> None:
-    pol, signal, refused = await daemon_policy(MonitorConfig(), {"task": "t", "criteria": rubric({"abort": 0.2})})
+    pol, signal, refused = await daemon_policy(
+        MonitorConfig(), {"task": "t", "criteria": rubric({"abort": 0.2})}
+    )
     assert not refused and pol is not None and pol.abort_below == 0.2
     assert signal == "abort"  # five scores of 1/19 after min_steps 3, patience 3
     # Without the rubric's level the same run goes on.
-    assert (await daemon_policy(MonitorConfig(), {"task": "t", "criteria": {"criteria": CRITERIA}}))[1] == "continue"
+    assert (
+        await daemon_policy(MonitorConfig(), {"task": "t", "criteria": {"criteria": CRITERIA}})
+    )[1] == "continue"
 
 
 @pytest.mark.parametrize(
@@ -186,25 +228,45 @@ async def test_a_starts_rubric_thresholds_set_the_runs_levels_in_the_daemon() ->
     ],
 )
 async def test_precedence_in_the_daemon(
-    config: MonitorConfig, start_policy: Any, abort_below: float | None, resample_below: float | None
+    config: MonitorConfig,
+    start_policy: Any,
+    abort_below: float | None,
+    resample_below: float | None,
 ) -> None:
-    start: dict[str, Any] = {"task": "t", "criteria": rubric({"abort_below": 0.2, "resample_below": 0.4})}
+    start: dict[str, Any] = {
+        "task": "t",
+        "criteria": rubric({"abort_below": 0.2, "resample_below": 0.4}),
+    }
     if start_policy is not None:
         start["policy"] = start_policy
     pol, _, _ = await daemon_policy(config, start)
-    assert pol is not None and (pol.abort_below, pol.resample_below) == (abort_below, resample_below)
+    assert pol is not None and (pol.abort_below, pol.resample_below) == (
+        abort_below,
+        resample_below,
+    )
 
 
 async def test_a_start_whose_thresholds_cannot_be_mapped_is_refused_with_the_reason() -> None:
-    pol, _, refused = await daemon_policy(MonitorConfig(), {"task": "t", "criteria": rubric({"pass": 0.7})})
+    pol, _, refused = await daemon_policy(
+        MonitorConfig(), {"task": "t", "criteria": rubric({"pass": 0.7})}
+    )
     assert pol is None
-    assert len(refused) == 1 and "thresholds.pass" in refused[0].message and "no pass mark" in refused[0].message
+    assert (
+        len(refused) == 1
+        and "thresholds.pass" in refused[0].message
+        and "no pass mark" in refused[0].message
+    )
 
 
 def test_serve_knows_which_policy_flags_were_given() -> None:
     assert given(parse([]), "policy") == ()
-    assert given(parse(["--abort-below", "none", "--patience", "2"]), "policy") == ("abort_below", "patience")
-    assert given(parse([], {"AGENT_MONITOR_RESAMPLE_BELOW": "0.3"}), "policy") == ("resample_below",)
+    assert given(parse(["--abort-below", "none", "--patience", "2"]), "policy") == (
+        "abort_below",
+        "patience",
+    )
+    assert given(parse([], {"AGENT_MONITOR_RESAMPLE_BELOW": "0.3"}), "policy") == (
+        "resample_below",
+    )
     args = parse(["--abort-below", "none"])
     config = build(MonitorConfig, args, policy_given=given(args, "policy"))
     assert config.policy.abort_below is None and config.policy_given == ("abort_below",)
@@ -215,9 +277,20 @@ def test_policy_given_names_policy_settings() -> None:
         MonitorConfig(policy_given=("abort_bellow",))
 
 
-def test_serve_refuses_a_bad_default_rubric_before_anything_else(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_a_bad_default_rubric_before_anything_else(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # The judge URL is never reached: the rubric is checked first.
-    argv = ["serve", "--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1", "--no-store", "--metrics-port", "0"]
+    argv = [
+        "serve",
+        "--judge",
+        "openai",
+        "--judge-url",
+        "http://127.0.0.1:9/v1",
+        "--no-store",
+        "--metrics-port",
+        "0",
+    ]
     assert main([*argv, "--criteria", "nope"], environ={}) == 2
     err = capsys.readouterr().err
     assert "--criteria nope" in err and "no bundled criteria named 'nope'" in err

@@ -1,4 +1,5 @@
-"""Bounded work per event: a start's rubric size, judge calls per step and per run per minute (issue 27, item 1)."""
+"""Bounded work per event: a start's rubric size, judge calls per step and per run per minute
+(issue 27, item 1)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ from agent_monitor.daemon.sinks import Message
 from agent_monitor.prompts import INSTRUCTIONS, Step, build_prompt
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import BrokerSettings, EventError, decode_event
-from agent_monitor.wire._limits import MAX_CRITERIA, MAX_CRITERION_BYTES, MAX_STEP_CHARS, MAX_TASK_CHARS
+from agent_monitor.wire._limits import (
+    MAX_CRITERIA,
+    MAX_CRITERION_BYTES,
+    MAX_STEP_CHARS,
+    MAX_TASK_CHARS,
+)
 from tests.brokers import Mosquitto
 from tests.daemon.sinks.test_board import get
 from tests.daemon.test_daemon_mqtt import harness
@@ -30,14 +36,18 @@ def j(**kw: Any) -> bytes:
 
 
 def many(n: int) -> dict[str, str]:
-    return {f"c{i}": f"criterion {i}: is the agent doing thing number {i} well enough" for i in range(n)}
+    return {
+        f"c{i}": f"criterion {i}: is the agent doing thing number {i} well enough" for i in range(n)
+    }
 
 
 def errors(mon: Monitor) -> list[dict[str, Any]]:
     msgs: list[Message] = []
     while (m := mon.outbox.get_nowait()) is not None:
         msgs.append(m)
-    return [json.loads(m.payload) for m in msgs if m.topic.endswith("/error") or "_errors" in m.topic]
+    return [
+        json.loads(m.payload) for m in msgs if m.topic.endswith("/error") or "_errors" in m.topic
+    ]
 
 
 def rss_kb() -> int:
@@ -72,18 +82,27 @@ async def test_the_bounds_are_the_monitors_config_and_a_refused_start_costs_no_j
     reg = CollectorRegistry()
     judge = FakeJudge()
     config = MonitorConfig(
-        work=WorkLimits(max_criteria=2, max_judge_calls_per_step=4, max_judge_calls_per_run_minute=8)
+        work=WorkLimits(
+            max_criteria=2, max_judge_calls_per_step=4, max_judge_calls_per_run_minute=8
+        )
     )
     async with Monitor(config, judge=judge, registry=reg, store=MemoryStore()) as mon:
         await mon.handle("agents/wide/start", j(task="t", criteria=many(3)))
         await mon.handle("agents/wide/step", j(index=1, text="x"))
         await mon.drain()
         errs = errors(mon)
-        assert errs[0]["reason"] == "invalid" and "3 criteria, over the limit of 2 (max_criteria)" in errs[0]["error"]
+        assert (
+            errs[0]["reason"] == "invalid"
+            and ("3 criteria, over the limit of 2 (max_criteria)") in errs[0]["error"]
+        )
         assert mon.run("wide") is None and judge.calls_made == 0
-        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "invalid"}) == 1
+        assert (
+            reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "invalid"}) == 1
+        )
     # Judge calls per step: judged criteria x repeats.
-    config = MonitorConfig(repeats=3, work=WorkLimits(max_judge_calls_per_step=4, max_judge_calls_per_run_minute=8))
+    config = MonitorConfig(
+        repeats=3, work=WorkLimits(max_judge_calls_per_step=4, max_judge_calls_per_run_minute=8)
+    )
     async with Monitor(config, judge=judge, store=MemoryStore()) as mon:
         await mon.handle("agents/deep/start", j(task="t", criteria=many(2)))
         await mon.handle("agents/deep/step", j(index=1, text="x"))
@@ -106,7 +125,8 @@ async def test_every_criterion_is_in_the_shared_head_and_each_tail_names_only_it
         await mon.drain()
     assert len(judge.prompts) == MAX_CRITERIA  # one call per criterion per step, not more
     heads = {p.prefix_text() for p in judge.prompts}
-    assert len(heads) == 1  # one head for every criterion's call: a prefix cache reads the descriptions once
+    # one head for every criterion's call: a prefix cache reads the descriptions once
+    assert len(heads) == 1
     assert all(d in next(iter(heads)) for d in crit.values())
     for p in judge.prompts:
         tail = p.text()[len(p.prefix_text()) :]
@@ -114,16 +134,23 @@ async def test_every_criterion_is_in_the_shared_head_and_each_tail_names_only_it
 
 
 def test_worst_case_prompt_of_one_event_is_bounded_by_the_limits() -> None:
-    # The largest start (MAX_CRITERIA criteria of MAX_CRITERION_BYTES, a MAX_TASK_CHARS task) and the largest
-    # step: one scoring makes MAX_CRITERIA calls (x repeats), each prompt instructions + task + every criterion (the
-    # shared head) + trajectory + a tail that names its criterion only: what a call adds beyond the shared prefix
-    # stays a line, whatever the number of criteria (the tail carried the criterion's text before).
+    # The largest start (MAX_CRITERIA criteria of MAX_CRITERION_BYTES, a MAX_TASK_CHARS task) and
+    # the largest step: one scoring makes MAX_CRITERIA calls (x repeats), each prompt instructions +
+    # task + every criterion (the shared head) + trajectory + a tail that names its criterion only:
+    # what a call adds beyond the shared prefix stays a line, whatever the number of criteria (the
+    # tail carried the criterion's text before).
     desc = "d" * (MAX_CRITERION_BYTES - 40)
     rubric = load_criteria({f"c{i:02d}": desc + str(i) for i in range(MAX_CRITERIA)})
     task = "t" * MAX_TASK_CHARS
     steps = [Step(1, "s" * MAX_STEP_CHARS)]
     prompts = [build_prompt(task, rubric, steps, c) for c in rubric.criteria]
-    bound = len(INSTRUCTIONS) + MAX_TASK_CHARS + MAX_STEP_CHARS + MAX_CRITERIA * (MAX_CRITERION_BYTES + 40) + 600
+    bound = (
+        len(INSTRUCTIONS)
+        + MAX_TASK_CHARS
+        + MAX_STEP_CHARS
+        + MAX_CRITERIA * (MAX_CRITERION_BYTES + 40)
+        + 600
+    )
     assert max(len(p.text()) for p in prompts) <= bound
     assert len({p.prefix_text() for p in prompts}) == 1
     assert max(len(p.text()) - len(p.prefix_text()) for p in prompts) <= 300
@@ -132,7 +159,9 @@ def test_worst_case_prompt_of_one_event_is_bounded_by_the_limits() -> None:
 async def test_judge_calls_per_run_per_minute_are_capped_and_the_steps_coalesce() -> None:
     now = [1000.0]
     judge = FakeJudge()
-    config = MonitorConfig(work=WorkLimits(max_judge_calls_per_step=2, max_judge_calls_per_run_minute=3))
+    config = MonitorConfig(
+        work=WorkLimits(max_judge_calls_per_step=2, max_judge_calls_per_run_minute=3)
+    )
     async with Monitor(config, judge=judge, store=MemoryStore(), clock=lambda: now[0]) as mon:
         await mon.handle("agents/r/start", j(task="t", criteria={"a": "is a"}))
         for i in range(1, 7):
@@ -156,10 +185,16 @@ async def test_ten_thousand_criteria_over_mqtt_are_refused_with_rss_flat_and_met
 ) -> None:
     reg = CollectorRegistry()
     judge = FakeJudge()
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}")
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}"
+    )
     payload = j(task="flood", criteria=many(10_000))
     assert len(payload) > 600_000
-    async with HttpServer(reg, port=0) as web, Monitor(config, judge=judge, registry=reg), harness(broker.port) as h:
+    async with (
+        HttpServer(reg, port=0) as web,
+        Monitor(config, judge=judge, registry=reg),
+        harness(broker.port) as h,
+    ):
         await h.publish("honest", "start", {"task": "t"})
         await h.publish("honest", "step", {"index": 1, "text": "warm up"})
         await h.until(lambda: h.last_step("honest") == 1)

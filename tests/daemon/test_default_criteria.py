@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(120)
 OWN = {"criteria": [{"name": "tidy", "description": "How tidy the work is."}]}
 
 
-async def test_runs_without_criteria_take_the_default_and_the_others_keep_their_own(broker: Mosquitto) -> None:
+async def test_runs_without_criteria_take_the_default_and_the_others_keep_their_own(
+    broker: Mosquitto,
+) -> None:
     judge = FakeJudge()
     async with monitor(broker, judge, criteria="coding") as mon, harness(broker.port) as h:
         await h.publish("plain", "start", {"task": "t"})
@@ -35,7 +37,11 @@ async def test_runs_without_criteria_take_the_default_and_the_others_keep_their_
             "inline": load_criteria(OWN).hash,
         }
         # The default's criteria are the ones graded: coding has three, each a judge call.
-        assert set(h.progress("plain")[-1]["criteria"]) == {"goal_progress", "verification", "trajectory_health"}
+        assert set(h.progress("plain")[-1]["criteria"]) == {
+            "goal_progress",
+            "verification",
+            "trajectory_health",
+        }
 
 
 async def test_a_default_rubric_file_brings_its_thresholds(tmp_path: Path) -> None:
@@ -43,20 +49,32 @@ async def test_a_default_rubric_file_brings_its_thresholds(tmp_path: Path) -> No
     path.write_text(json.dumps({**OWN, "thresholds": {"abort_below": 0.2}}))
     async with Monitor(MonitorConfig(criteria=str(path)), judge=FakeJudge(["B"])) as mon:
         await mon.handle("agents/r1/start", json.dumps({"task": "t"}).encode())
-        await mon.handle("agents/r2/start", json.dumps({"task": "t", "criteria": "progress"}).encode())
+        await mon.handle(
+            "agents/r2/start", json.dumps({"task": "t", "criteria": "progress"}).encode()
+        )
         await mon.drain()
         t1, t2 = mon.tracker("r1"), mon.tracker("r2")
         assert t1 is not None and t1.rubric.hash == load_criteria(OWN).hash
         assert t1.policy_state is not None and t1.policy_state.policy.abort_below == 0.2
-        # A run with its own rubric has that rubric's levels (none): the default's thresholds are the default's.
-        assert t2 is not None and t2.policy_state is not None and t2.policy_state.policy.abort_below is None
+        # A run with its own rubric has that rubric's levels (none): the default's thresholds are
+        # the default's.
+        assert (
+            t2 is not None
+            and t2.policy_state is not None
+            and t2.policy_state.policy.abort_below is None
+        )
 
 
 @pytest.mark.parametrize(
     ("criteria", "says"),
-    [("nope", "no bundled criteria named 'nope'"), ("/nonexistent/r.md", "cannot read criteria file")],
+    [
+        ("nope", "no bundled criteria named 'nope'"),
+        ("/nonexistent/r.md", "cannot read criteria file"),
+    ],
 )
 def test_a_bad_default_fails_at_start_up_not_at_the_first_run(criteria: str, says: str) -> None:
     with pytest.raises(CriteriaError) as e:
         Monitor(MonitorConfig(criteria=criteria), judge=FakeJudge())
-    assert f"default criteria {criteria!r} (serve --criteria)" in str(e.value) and says in str(e.value)
+    assert f"default criteria {criteria!r} (serve --criteria)" in str(e.value) and says in str(
+        e.value
+    )

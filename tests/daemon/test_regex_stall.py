@@ -1,4 +1,5 @@
-"""A pattern that backtracks for ever stalls nothing: not other runs, not /metrics, not the next start-up.
+"""A pattern that backtracks for ever stalls nothing: not other runs, not /metrics, not the next
+start-up.
 
 A run's `start.criteria` may carry any `regex_capture` pattern, and its steps are
 network text. Here a real daemon (`agent-monitor serve` as a subprocess, a private
@@ -35,7 +36,8 @@ STEP = "x" * 10_000
 
 
 class Poller:
-    """Scrapes /metrics every 20 ms in a thread and keeps each scrape's latency (a stalled loop shows here)."""
+    """Scrapes /metrics every 20 ms in a thread and keeps each scrape's latency (a stalled loop
+    shows here)."""
 
     def __init__(self, port: int) -> None:
         self.url = f"http://127.0.0.1:{port}/metrics"
@@ -99,25 +101,33 @@ def test_a_backtracking_pattern_stalls_no_other_run_nor_metrics_nor_the_restart(
             assert got is not None, f"no progress for the bystander's step {i}"
             latencies.append(time.monotonic() - sent)
             time.sleep(0.05)
-        victim = harness.wait(lambda o: o.run_id == "victim" and o.kind == "progress", timeout=10, since=mark)
+        victim = harness.wait(
+            lambda o: o.run_id == "victim" and o.kind == "progress", timeout=10, since=mark
+        )
 
     assert victim is not None and victim.body["ok"] is False
     assert victim.body["reason"] == "extractor_timeout", victim.body
     assert "ran over its 50 ms budget" in victim.body["error"]
     print(
-        f"\nbystander step->progress: max {max(latencies) * 1000:.0f} ms over {len(latencies)} steps; "
+        f"\nbystander step->progress: max {max(latencies) * 1000:.0f} ms over "
+        f"{len(latencies)} steps; "
         f"/metrics: max {max(poller.latencies) * 1000:.0f} ms over {len(poller.latencies)} scrapes"
     )
     assert not poller.failures, poller.failures[:3]
     assert len(poller.latencies) > 20
     assert max(latencies) < 0.2, latencies
     assert max(poller.latencies) < 0.2, sorted(poller.latencies)[-5:]
-    # Over the wire too: a different text under a taken index is a `conflict` on the run's error topic.
+    # Over the wire too: a different text under a taken index is a `conflict` on the run's error
+    # topic.
     since = harness.mark()
     harness.send("bystander", "step", {"index": 3, "text": "three, rewritten"})
     conflict = harness.wait_error("bystander", "conflict", timeout=10, since=since)
     assert conflict is not None and "the first one stays" in conflict.body["error"]
-    scrape = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    scrape = (
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     assert 'agent_monitor_scoring_failures_total{reason="extractor_timeout"} 1.0' in scrape
 
     # The step is in the journal: a restart replays it under the same budget, and is up as fast as
@@ -136,5 +146,8 @@ def test_a_backtracking_pattern_stalls_no_other_run_nor_metrics_nor_the_restart(
     calm.kill()
     calm_start = start_time(calm)
     calm.stop()
-    print(f"restart with the step journaled: {evil_start:.2f} s; with a harmless one: {calm_start:.2f} s")
+    print(
+        f"restart with the step journaled: {evil_start:.2f} s; with a harmless one: "
+        f"{calm_start:.2f} s"
+    )
     assert evil_start < calm_start + 1.0

@@ -1,4 +1,5 @@
-"""Nothing lost end to end, whatever the broker keeps: the monitor asks for a gap again, MonitorClient re-sends."""
+"""Nothing lost end to end, whatever the broker keeps: the monitor asks for a gap again,
+MonitorClient re-sends."""
 
 from __future__ import annotations
 
@@ -16,9 +17,13 @@ from tests.brokers import Mosquitto
 pytestmark = pytest.mark.timeout(120)
 
 
-async def test_a_step_the_broker_never_delivered_is_asked_for_again_and_recovered(broker: Mosquitto) -> None:
+async def test_a_step_the_broker_never_delivered_is_asked_for_again_and_recovered(
+    broker: Mosquitto,
+) -> None:
     config = MonitorConfig(
-        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", limits=RunLimits(hold_s=4.0)
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
+        limits=RunLimits(hold_s=4.0),
     )
     result: dict[str, Any] = {}
 
@@ -28,8 +33,9 @@ async def test_a_step_the_broker_never_delivered_is_asked_for_again_and_recovere
             dropped = threading.Event()
 
             def lossy(topic: str, payload: dict[str, Any], *, wait: bool) -> None:
-                # Fault injection: step 2 is "acknowledged" but reaches no subscriber (as after a broker restart that
-                # restored sessions but not $share subscriptions); its re-send goes through.
+                # Fault injection: step 2 is "acknowledged" but reaches no subscriber (as after a
+                # broker restart that restored sessions but not $share subscriptions); its re-send
+                # goes through.
                 if topic.endswith("/step") and payload.get("index") == 2 and not dropped.is_set():
                     dropped.set()
                     return
@@ -57,4 +63,5 @@ async def test_a_step_the_broker_never_delivered_is_asked_for_again_and_recovere
             await asyncio.sleep(0.05)
         await task
     assert result["progress"] == 3 and result["resent"] >= 1
-    assert view == ["step 1", "step 2", "step 3"]  # before: step 2 a placeholder once the hold ran out
+    # before: step 2 a placeholder once the hold ran out
+    assert view == ["step 1", "step 2", "step 3"]

@@ -1,10 +1,11 @@
-"""Restart defects, black-box: a real daemon on a private Mosquitto is SIGKILLed and restarted with the same
---state-dir and --client-id, and the test checks what a harness then sees over MQTT and in `agent-monitor export`.
+"""Restart defects, black-box: a real daemon on a private Mosquitto is SIGKILLed and restarted with
+the same --state-dir and --client-id, and the test checks what a harness then sees over MQTT and in
+`agent-monitor export`.
 
-The daemon runs only as a subprocess through its CLI (`python -m agent_monitor serve|export`), or through
-tests/crash_points.py (the one fault-injection wrapper, which patches internals). The harness is plain paho-mqtt
-at QoS 1; the judge is a scripted OpenAI-compatible server that records every prompt it is sent. Nothing here
-imports agent_monitor.
+The daemon runs only as a subprocess through its CLI (`python -m agent_monitor serve|export`), or
+through tests/crash_points.py (the one fault-injection wrapper, which patches internals). The
+harness is plain paho-mqtt at QoS 1; the judge is a scripted OpenAI-compatible server that records
+every prompt it is sent. Nothing here imports agent_monitor.
 """
 
 from __future__ import annotations
@@ -47,29 +48,55 @@ def judge() -> Iterator[ScriptedServer]:
 
 
 def prompts(judge: ScriptedServer) -> list[str]:
-    """Every request the judge received so far, as JSON text (the step texts appear in it verbatim)."""
+    """Every request the judge received so far, as JSON text (the step texts appear in it
+    verbatim)."""
     return [json.dumps(body) for body in list(judge.requests)]
 
 
 class Daemon:
-    """`agent-monitor serve` as a subprocess: one log file per life, SIGKILL and restart with the same state."""
+    """`agent-monitor serve` as a subprocess: one log file per life, SIGKILL and restart with the
+    same state."""
 
-    def __init__(self, tmp: Path, broker: Mosquitto, judge: ScriptedServer, flags: Iterable[str]) -> None:
+    def __init__(
+        self, tmp: Path, broker: Mosquitto, judge: ScriptedServer, flags: Iterable[str]
+    ) -> None:
         self.tmp = tmp
         self.state = tmp / "state"
-        self.args = ["serve", "--broker", broker.url, "--judge", "openai", "--judge-url", judge.url,
-                     "--judge-model", "m", "--metrics-port", "0", "--state-dir", str(self.state),
-                     "--client-id", "restart-monitor", *flags]  # fmt: skip
+        self.args = [
+            "serve",
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--judge-model",
+            "m",
+            "--metrics-port",
+            "0",
+            "--state-dir",
+            str(self.state),
+            "--client-id",
+            "restart-monitor",
+            *flags,
+        ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.lives = 0
 
     def start(self, *, crash: tuple[str, str] | None = None) -> None:
-        """Start a life and wait until it serves; `crash=(point, text)` runs it under tests/crash_points.py."""
+        """Start a life and wait until it serves; `crash=(point, text)` runs it under
+        tests/crash_points.py."""
         self.lives += 1
         log = self.tmp / f"daemon-{self.lives}.log"
-        cmd = [sys.executable, str(CRASH_POINTS), *crash] if crash else [sys.executable, "-m", "agent_monitor"]
+        cmd = (
+            [sys.executable, str(CRASH_POINTS), *crash]
+            if crash
+            else [sys.executable, "-m", "agent_monitor"]
+        )
         with log.open("wb") as err:
-            self.proc = subprocess.Popen([*cmd, *self.args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen(
+                [*cmd, *self.args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err
+            )
         deadline = time.monotonic() + 60
         while "agent-monitor: serving" not in log.read_text(errors="replace"):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -83,7 +110,8 @@ class Daemon:
         self.proc.wait(15)
 
     def wait_exit(self, timeout: float) -> int | None:
-        """The exit code once the process has ended, or None if it is still running after `timeout`."""
+        """The exit code once the process has ended, or None if it is still running after
+        `timeout`."""
         assert self.proc is not None
         try:
             return self.proc.wait(timeout)
@@ -102,7 +130,9 @@ class Daemon:
 
 
 @pytest.fixture
-def make_daemon(tmp_path: Path, broker: Mosquitto, judge: ScriptedServer) -> Iterator[Callable[..., Daemon]]:
+def make_daemon(
+    tmp_path: Path, broker: Mosquitto, judge: ScriptedServer
+) -> Iterator[Callable[..., Daemon]]:
     """Build a Daemon with extra serve flags; every one is stopped at the end of the test."""
     made: list[Daemon] = []
 
@@ -117,7 +147,8 @@ def make_daemon(tmp_path: Path, broker: Mosquitto, judge: ScriptedServer) -> Ite
 
 @dataclass(frozen=True)
 class Out:
-    """One message the monitor published: run id, kind (`progress`, `error`, `signal`), JSON body (None if empty)."""
+    """One message the monitor published: run id, kind (`progress`, `error`, `signal`), JSON body
+    (None if empty)."""
 
     run_id: str | None
     kind: str
@@ -125,7 +156,8 @@ class Out:
 
 
 class Harness:
-    """The harness side, plain paho-mqtt: publishes inputs at QoS 1 and records every monitor output in order."""
+    """The harness side, plain paho-mqtt: publishes inputs at QoS 1 and records every monitor
+    output in order."""
 
     def __init__(self, port: int) -> None:
         self.outs: list[Out] = []
@@ -146,7 +178,11 @@ class Harness:
 
     def _on_message(self, client: Any, userdata: Any, msg: mqtt.MQTTMessage) -> None:
         _, run_id, kind = msg.topic.split("/")
-        out = Out(None if run_id == "_errors" else run_id, kind, json.loads(msg.payload) if msg.payload else None)
+        out = Out(
+            None if run_id == "_errors" else run_id,
+            kind,
+            json.loads(msg.payload) if msg.payload else None,
+        )
         with self._cond:
             self.outs.append(out)
             self._cond.notify_all()
@@ -160,8 +196,11 @@ class Harness:
         self.send_many(run_id, kind, [body])
 
     def send_many(self, run_id: str, kind: str, bodies: Iterable[dict[str, Any]]) -> None:
-        """Publish inputs in order (paho keeps at most 20 in flight) and wait until the broker has them all."""
-        infos = [self.client.publish(f"agents/{run_id}/{kind}", json.dumps(b), qos=1) for b in bodies]
+        """Publish inputs in order (paho keeps at most 20 in flight) and wait until the broker
+        has them all."""
+        infos = [
+            self.client.publish(f"agents/{run_id}/{kind}", json.dumps(b), qos=1) for b in bodies
+        ]
         for info in infos:
             info.wait_for_publish(30)
             assert info.is_published(), f"the broker did not take agents/{run_id}/{kind}"
@@ -172,7 +211,8 @@ class Harness:
             return len(self.outs)
 
     def wait(self, pred: Callable[[Out], bool], timeout: float = 30, since: int = 0) -> Out | None:
-        """The first output from `since` on that satisfies `pred`, waiting up to `timeout` s; None if none came."""
+        """The first output from `since` on that satisfies `pred`, waiting up to `timeout` s;
+        None if none came."""
         deadline, i = time.monotonic() + timeout, since
         with self._cond:
             while True:
@@ -185,16 +225,24 @@ class Harness:
                     return None
                 self._cond.wait(left)
 
-    def wait_progress(self, run_id: str, step: int, timeout: float = 30, since: int = 0) -> Out | None:
+    def wait_progress(
+        self, run_id: str, step: int, timeout: float = 30, since: int = 0
+    ) -> Out | None:
         """Progress for `run_id` covering step `step` (or a later one: scores coalesce)."""
         return self.wait(
-            lambda o: o.run_id == run_id and o.kind == "progress" and o.body["step"] >= step, timeout, since
+            lambda o: o.run_id == run_id and o.kind == "progress" and o.body["step"] >= step,
+            timeout,
+            since,
         )
 
-    def wait_error(self, run_id: str, reason: str, timeout: float = 30, since: int = 0) -> Out | None:
+    def wait_error(
+        self, run_id: str, reason: str, timeout: float = 30, since: int = 0
+    ) -> Out | None:
         """An error with `reason` for `run_id`."""
         return self.wait(
-            lambda o: o.run_id == run_id and o.kind == "error" and o.body["reason"] == reason, timeout, since
+            lambda o: o.run_id == run_id and o.kind == "error" and o.body["reason"] == reason,
+            timeout,
+            since,
         )
 
     def progress(self, run_id: str, since: int = 0) -> list[int]:
@@ -207,23 +255,33 @@ class Harness:
         """The errors published for `run_id`, as "reason: message"."""
         with self._cond:
             outs = self.outs[since:]
-        return [f"{o.body['reason']}: {o.body['error']}" for o in outs if o.run_id == run_id and o.kind == "error"]
+        return [
+            f"{o.body['reason']}: {o.body['error']}"
+            for o in outs
+            if o.run_id == run_id and o.kind == "error"
+        ]
 
 
 @pytest.fixture
 def harness(broker: Mosquitto) -> Iterator[Harness]:
-    """A harness connected to the test's broker, subscribed to every run's progress, error and signal."""
+    """A harness connected to the test's broker, subscribed to every run's progress, error and
+    signal."""
     h = Harness(broker.port)
     yield h
     h.close()
 
 
 def export(state: Path, run_id: str) -> dict[str, Any] | None:
-    """`agent-monitor export RUN_ID --state-dir STATE` as JSON, or None when the store has no such run."""
+    """`agent-monitor export RUN_ID --state-dir STATE` as JSON, or None when the store has no
+    such run."""
     out = subprocess.run(
         [sys.executable, "-m", "agent_monitor", "export", run_id, "--state-dir", str(state)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return json.loads(out.stdout) if out.returncode == 0 else None
 
 
@@ -255,14 +313,18 @@ def said(i: int) -> str:
     return f"[s{i}] said {i}"
 
 
-def test_gap_fill_survives_restart(make_daemon: Callable[..., Daemon], harness: Harness, judge: ScriptedServer) -> None:
-    """Defect 1: gap fills are not journaled, so after a restart every step behind the filled gap is held again."""
+def test_gap_fill_survives_restart(
+    make_daemon: Callable[..., Daemon], harness: Harness, judge: ScriptedServer
+) -> None:
+    """Defect 1: gap fills are not journaled, so after a restart every step behind the filled gap
+    is held again."""
     d, h, run = make_daemon("--hold", "1"), harness, "gap"
     d.start()
     h.send(run, "start", {"task": "Count to 1102, one step at a time."})
     h.send(run, "step", {"index": 1, "text": said(1)})
     assert h.wait_progress(run, 1)
-    # Step 2 never comes: 3..500 wait for it for --hold, then step 2 becomes a placeholder (and an error says so).
+    # Step 2 never comes: 3..500 wait for it for --hold, then step 2 becomes a placeholder (and an
+    # error says so).
     h.send_many(run, "step", ({"index": i, "text": said(i)} for i in range(3, 501)))
     assert h.wait_error(run, "step_gap"), "no step_gap error for the missing step 2"
     assert h.wait_progress(run, 500, timeout=60)
@@ -271,7 +333,10 @@ def test_gap_fill_survives_restart(make_daemon: Callable[..., Daemon], harness: 
         h.send_many(run, "step", ({"index": i, "text": said(i)} for i in range(first, first + 100)))
         assert h.wait_progress(run, first + 99, timeout=60)
     # The store has the score of step 1100 too (so a restart has nothing left to score).
-    wait_until(lambda: (export(d.state, run) or {}).get("curve", [{}])[-1].get("step") == 1100, what="stored score")
+    wait_until(
+        lambda: (export(d.state, run) or {}).get("curve", [{}])[-1].get("step") == 1100,
+        what="stored score",
+    )
 
     d.kill()
     restart = h.mark()
@@ -285,18 +350,31 @@ def test_gap_fill_survives_restart(make_daemon: Callable[..., Daemon], harness: 
     after, errors = h.progress(run, since=restart), h.errors(run, since=restart)
     seen = f"after the restart: progress for steps {after}, errors {errors}"
     assert not errors, seen
-    assert after == sorted(after) and all(s >= 1100 for s in after), f"progress went backwards; {seen}"
+    assert after == sorted(after) and all(s >= 1100 for s in after), (
+        f"progress went backwards; {seen}"
+    )
     assert got_1101 is not None and got_1102 is not None, seen
-    # The judge saw every step the harness sent (1, 3..1102), not placeholders, in the prompt scored for 1102.
+    # The judge saw every step the harness sent (1, 3..1102), not placeholders, in the prompt scored
+    # for 1102.
     last = [p for p in prompts(judge) if said(1102) in p][-1]
     missing = [i for i in (1, *range(3, 1103)) if said(i) not in last]
-    assert not missing, f"the prompt scored for step 1102 lacks the harness's steps {spans(missing)}"
+    assert not missing, (
+        f"the prompt scored for step 1102 lacks the harness's steps {spans(missing)}"
+    )
     steps = export(d.state, run)["steps"]  # type: ignore[index]
     indexes = [s["index"] for s in steps]
-    assert indexes == list(range(1, 1103)), f"export has {len(steps)} steps, indexes {spans(indexes)}"
+    assert indexes == list(range(1, 1103)), (
+        f"export has {len(steps)} steps, indexes {spans(indexes)}"
+    )
     gap = steps[1]
-    assert gap.get("placeholder") is True or "not received" in gap["text"], f"step 2 exported as a real step: {gap}"
-    wrong = [s["index"] for s in steps if s["index"] != 2 and (s["text"] != said(s["index"]) or s.get("placeholder"))]
+    assert gap.get("placeholder") is True or "not received" in gap["text"], (
+        f"step 2 exported as a real step: {gap}"
+    )
+    wrong = [
+        s["index"]
+        for s in steps
+        if s["index"] != 2 and (s["text"] != said(s["index"]) or s.get("placeholder"))
+    ]
     assert not wrong, f"exported steps {spans(wrong)} are not the harness's"
 
 
@@ -304,12 +382,19 @@ def test_gap_fill_survives_restart(make_daemon: Callable[..., Daemon], harness: 
 
 
 def answered(run_id: str, step: int) -> Callable[[Out], bool]:
-    """Progress covering `step` of `run_id`, or any error for it: the monitor has dealt with the step."""
-    return lambda o: o.run_id == run_id and (o.kind == "error" or (o.kind == "progress" and o.body["step"] >= step))
+    """Progress covering `step` of `run_id`, or any error for it: the monitor has dealt with the
+    step."""
+    return lambda o: (
+        o.run_id == run_id
+        and (o.kind == "error" or (o.kind == "progress" and o.body["step"] >= step))
+    )
 
 
-def test_restart_keeps_last_activity_for_eviction(make_daemon: Callable[..., Daemon], harness: Harness) -> None:
-    """Defect 2: restore stamps each run's last activity with its replay time, so the busiest run can be evicted."""
+def test_restart_keeps_last_activity_for_eviction(
+    make_daemon: Callable[..., Daemon], harness: Harness
+) -> None:
+    """Defect 2: restore stamps each run's last activity with its replay time, so the busiest run
+    can be evicted."""
     d, h = make_daemon("--hold", "2", "--max-runs", "3"), harness
     d.start()
     for run in ("busy", "idle1", "idle2"):  # busy starts first
@@ -327,9 +412,12 @@ def test_restart_keeps_last_activity_for_eviction(make_daemon: Callable[..., Dae
     d.kill()
     first = h.mark()
     d.start()
-    # The first start after the restart comes before busy's next step (busy steps every 0.3 s, a new run at any time).
+    # The first start after the restart comes before busy's next step (busy steps every 0.3 s, a new
+    # run at any time).
     h.send("newcomer", "start", {"task": "The task of newcomer."})
-    evicted = h.wait(lambda o: o.kind == "error" and o.body["reason"] == "evicted", timeout=15, since=first)
+    evicted = h.wait(
+        lambda o: o.kind == "error" and o.body["reason"] == "evicted", timeout=15, since=first
+    )
     n += 1
     sent = h.mark()
     h.send("busy", "step", {"index": n, "text": f"busy step {n}"})
@@ -346,8 +434,12 @@ def test_restart_keeps_last_activity_for_eviction(make_daemon: Callable[..., Dae
     who = evicted.run_id if evicted else None
     busy_errors = h.errors("busy", since=first)
     seen = f"busy's errors after the first restart: {busy_errors}"
-    assert who in ("idle1", "idle2"), f"the first start after the restart evicted {who!r}, not an idle run; {seen}"
-    assert not busy_errors, f"busy (stepping until the crash) got errors after the restart: {busy_errors}"
+    assert who in ("idle1", "idle2"), (
+        f"the first start after the restart evicted {who!r}, not an idle run; {seen}"
+    )
+    assert not busy_errors, (
+        f"busy (stepping until the crash) got errors after the restart: {busy_errors}"
+    )
     assert h.progress("busy", since=first)[-1:] == [n], (
         f"busy's progress after the restarts: {h.progress('busy', first)}"
     )
@@ -356,16 +448,21 @@ def test_restart_keeps_last_activity_for_eviction(make_daemon: Callable[..., Dae
 # -- 3. steps without index, crash between journal and ack --
 
 
-def count_through_crash(d: Daemon, h: Harness, point: str, crash_text: str) -> tuple[list[tuple[int, str]], int]:
-    """Publish unindexed steps s1..s12 one by one; the daemon dies at `point` of `crash_text`, is restarted, and the
-    harness goes on. Returns the exported (index, text) pairs and the last progress step."""
+def count_through_crash(
+    d: Daemon, h: Harness, point: str, crash_text: str
+) -> tuple[list[tuple[int, str]], int]:
+    """Publish unindexed steps s1..s12 one by one; the daemon dies at `point` of `crash_text`, is
+    restarted, and the harness goes on. Returns the exported (index, text) pairs and the last
+    progress step."""
     run = "count"
     d.start(crash=(point, crash_text))
     h.send(run, "start", {"task": "Say s1 to s12, one step at a time."})
     for i in range(1, 13):
         h.send(run, "step", {"text": f"s{i}"})  # no index: the monitor numbers it
         if f"s{i}" == crash_text:
-            assert d.wait_exit(20) == -signal.SIGKILL, f"the daemon did not crash {point} {crash_text}"
+            assert d.wait_exit(20) == -signal.SIGKILL, (
+                f"the daemon did not crash {point} {crash_text}"
+            )
             d.start()  # same state dir and client id: the broker delivers what was not acknowledged
         assert h.wait_progress(run, i), f"no progress for step {i}"
     d.stop()
@@ -378,15 +475,21 @@ def count_through_crash(d: Daemon, h: Harness, point: str, crash_text: str) -> t
 def test_unindexed_step_crash_after_journal(
     crash_text: str, make_daemon: Callable[..., Daemon], harness: Harness
 ) -> None:
-    """Defect 3: a step without index journaled but not acknowledged when the daemon dies is appended twice."""
+    """Defect 3: a step without index journaled but not acknowledged when the daemon dies is
+    appended twice."""
     steps, last = count_through_crash(make_daemon(), harness, "after-journal", crash_text)
     listed = " ".join(f"{i}:{text}" for i, text in steps)
-    assert steps == [(i, f"s{i}") for i in range(1, 13)], f"crash after journaling {crash_text}; export: {listed}"
+    assert steps == [(i, f"s{i}") for i in range(1, 13)], (
+        f"crash after journaling {crash_text}; export: {listed}"
+    )
     assert last == 12, f"the last progress is for step {last}"
 
 
-def test_unindexed_step_crash_before_journal_control(make_daemon: Callable[..., Daemon], harness: Harness) -> None:
-    """Control for defect 3 (passes today): a crash before journaling an unindexed step loses and doubles nothing."""
+def test_unindexed_step_crash_before_journal_control(
+    make_daemon: Callable[..., Daemon], harness: Harness
+) -> None:
+    """Control for defect 3 (passes today): a crash before journaling an unindexed step loses and
+    doubles nothing."""
     steps, last = count_through_crash(make_daemon(), harness, "before-journal", "s5")
     assert steps == [(i, f"s{i}") for i in range(1, 13)]
     assert last == 12
@@ -395,8 +498,11 @@ def test_unindexed_step_crash_before_journal_control(make_daemon: Callable[..., 
 # -- 4. refused events in the journal --
 
 
-def test_orphan_step_not_reported_again_after_restart(make_daemon: Callable[..., Daemon], harness: Harness) -> None:
-    """Defect 4a: a step refused `no_start` stays in the journal and its no_start error comes again on every restart."""
+def test_orphan_step_not_reported_again_after_restart(
+    make_daemon: Callable[..., Daemon], harness: Harness
+) -> None:
+    """Defect 4a: a step refused `no_start` stays in the journal and its no_start error comes
+    again on every restart."""
     d, h = make_daemon("--hold", "1"), harness
     d.start()
     h.send("ghost", "step", {"index": 1, "text": "a step of a run that never starts"})
@@ -404,7 +510,8 @@ def test_orphan_step_not_reported_again_after_restart(make_daemon: Callable[...,
     d.kill()
     restart = h.mark()
     d.start()
-    # A barrier instead of a sleep: a new orphan's no_start comes --hold after it arrived, after ghost's would have.
+    # A barrier instead of a sleep: a new orphan's no_start comes --hold after it arrived, after
+    # ghost's would have.
     h.send("marker", "step", {"index": 1, "text": "another run that never starts"})
     assert h.wait_error("marker", "no_start", since=restart), "no no_start error for marker"
     d.stop()
@@ -415,7 +522,8 @@ def test_orphan_step_not_reported_again_after_restart(make_daemon: Callable[...,
 def test_step_refused_no_start_not_attached_after_restart(
     make_daemon: Callable[..., Daemon], harness: Harness, judge: ScriptedServer
 ) -> None:
-    """Defect 4b: a step refused `no_start` becomes the run's step after a restart when the start came late."""
+    """Defect 4b: a step refused `no_start` becomes the run's step after a restart when the start
+    came late."""
     d, h, run = make_daemon("--hold", "1", "--max-concurrency", "1"), harness, "late"
     d.start()
     early = "EARLY: sent before the start, refused no_start"
@@ -426,8 +534,8 @@ def test_step_refused_no_start_not_attached_after_restart(
     d.kill()
     restart = h.mark()
     d.start()
-    # A barrier instead of a sleep: with one scorer, whatever the restored run had to score is published before
-    # the first score of a run started now.
+    # A barrier instead of a sleep: with one scorer, whatever the restored run had to score is
+    # published before the first score of a run started now.
     h.send("probe", "start", {"task": "A run started after the restart."})
     h.send("probe", "step", {"index": 1, "text": "probe step"})
     assert h.wait_progress("probe", 1, since=restart)
@@ -439,7 +547,10 @@ def test_step_refused_no_start_not_attached_after_restart(
     d.stop()
 
     steps = [(s["index"], s["text"]) for s in export(d.state, run)["steps"]]  # type: ignore[index]
-    seen = f"exported steps of {run}: {steps}; progress for {run} before it sent a step after the restart: {unasked}"
+    seen = (
+        f"exported steps of {run}: {steps}; progress for {run} before it sent a step after "
+        f"the restart: {unasked}"
+    )
     assert steps == [(1, resent)], seen
     judged = [p for p in prompts(judge) if early in p]
     assert not judged, f"the judge was asked to grade the refused step {len(judged)} time(s)"
@@ -447,8 +558,11 @@ def test_step_refused_no_start_not_attached_after_restart(
     assert scored is not None, "no progress for the step sent after the start"
 
 
-def test_step_refused_index_too_far_not_exported(make_daemon: Callable[..., Daemon], harness: Harness) -> None:
-    """Defect 4c: a step refused `index_too_far` is journaled anyway and `export` lists it, before and after a restart."""
+def test_step_refused_index_too_far_not_exported(
+    make_daemon: Callable[..., Daemon], harness: Harness
+) -> None:
+    """Defect 4c: a step refused `index_too_far` is journaled anyway and `export` lists it,
+    before and after a restart."""
     d, h, run = make_daemon("--hold", "1"), harness, "far"
     d.start()
     h.send(run, "start", {"task": "A run with one step from far ahead."})
@@ -465,4 +579,6 @@ def test_step_refused_index_too_far_not_exported(make_daemon: Callable[..., Daem
     d.stop()
     after = [(s["index"], s["text"]) for s in export(d.state, run)["steps"]]  # type: ignore[index]
 
-    assert (before, after) == ([(1, "one")], [(1, "one"), (2, "two")]), f"export before: {before}; after: {after}"
+    assert (before, after) == ([(1, "one")], [(1, "one"), (2, "two")]), (
+        f"export before: {before}; after: {after}"
+    )

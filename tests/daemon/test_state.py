@@ -1,4 +1,5 @@
-"""Run state: pure unit tests of the RunBook (no event loop), and the journal property: replay rebuilds the state.
+"""Run state: pure unit tests of the RunBook (no event loop), and the journal property: replay
+rebuilds the state.
 
 The property drives the real Monitor (FakeJudge, no broker) through random event sequences:
 starts, steps in and out of order and without an index, duplicates, broker redeliveries (DUP),
@@ -20,13 +21,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_monitor import Policy
-from agent_monitor.daemon import Duplicated, MemoryStore, Monitor, MonitorConfig, Refused, RunLimits, SqliteStore
+from agent_monitor.daemon import (
+    Duplicated,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    Refused,
+    RunLimits,
+    SqliteStore,
+)
 from agent_monitor.daemon.runs import Appended, Closed, Closing, Opened, RunBook
-from agent_monitor.daemon.stores import Delivery, Ended, Finished, GapFilled, Orphaned, OrphansDropped, Started, Stepped
+from agent_monitor.daemon.stores import (
+    Delivery,
+    Ended,
+    Finished,
+    GapFilled,
+    Orphaned,
+    OrphansDropped,
+    Started,
+    Stepped,
+)
 from agent_monitor.testing import FakeJudge
 from agent_monitor.wire import RunEnd, RunStart, StepIn
 
-LIMITS = RunLimits(hold_s=5, idle_timeout_s=30, max_runs=3, max_held_steps=4, max_orphan_runs=2, ended_memory=3)
+LIMITS = RunLimits(
+    hold_s=5, idle_timeout_s=30, max_runs=3, max_held_steps=4, max_orphan_runs=2, ended_memory=3
+)
 
 
 def start(task: str = "t") -> RunStart:
@@ -34,7 +54,9 @@ def start(task: str = "t") -> RunStart:
 
 
 def step(text: str, index: int | None = None) -> StepIn:
-    return StepIn.model_validate({"text": text} if index is None else {"text": text, "index": index})
+    return StepIn.model_validate(
+        {"text": text} if index is None else {"text": text, "index": index}
+    )
 
 
 SCORED: dict[int, dict[str, list[tuple[int, str, bool]]]] = {}
@@ -78,7 +100,9 @@ def test_steps_are_put_in_order_duplicates_and_too_far_refused() -> None:
     (dup,) = run(book, "r", step("s2", 2), 2)
     assert isinstance(dup, Duplicated) and dup.counted
     (far,) = run(book, "r", step("far", 8), 2)
-    assert isinstance(far, Refused) and far.reason == "index_too_far" and "8 is 4 ahead" in far.message
+    assert (
+        isinstance(far, Refused) and far.reason == "index_too_far" and "8 is 4 ahead" in far.message
+    )
     assert not book.live["r"].held  # a refusal leaves nothing behind
 
 
@@ -90,18 +114,26 @@ def test_a_resend_with_other_content_is_a_conflict_and_the_first_stays() -> None
     for index, text in ((1, "one, rewritten"), (3, "three, rewritten")):
         (verdict,) = run(book, "r", step(text, index), 2)
         assert isinstance(verdict, Refused) and verdict.reason == "conflict", verdict
-        assert f"step {index} was sent again with different content; the first one stays" in verdict.message
+        assert (
+            f"step {index} was sent again with different content; the first one stays"
+            in verdict.message
+        )
     for index, text in ((1, "one"), (3, "three")):  # the same content again: a plain re-delivery
         (verdict,) = run(book, "r", step(text, index), 2)
         assert isinstance(verdict, Duplicated)
     run(book, "r", step("two", 2), 3)
     assert texts(book, "r") == [(1, "one", False), (2, "two", False), (3, "three", False)]
-    # A step given up for missing and scored as a placeholder cannot come in late under its index either.
+    # A step given up for missing and scored as a placeholder cannot come in late under its index
+    # either.
     run(book, "r", step("five", 5), 4)
     for record in book.due(4 + LIMITS.hold_s + 1):
         apply(book, record)
     (late,) = run(book, "r", step("four, at last", 4), 20)
-    assert isinstance(late, Refused) and late.reason == "conflict" and "given up for missing" in late.message
+    assert (
+        isinstance(late, Refused)
+        and late.reason == "conflict"
+        and "given up for missing" in late.message
+    )
 
 
 def test_unindexed_steps_take_the_next_free_index_after_held_ones() -> None:
@@ -137,7 +169,9 @@ def test_orphans_wait_for_their_start_and_expire_as_no_start() -> None:
     (dropped,) = book.due(15)
     assert dropped == OrphansDropped("ghost", 15)
     (notice,) = book.apply(dropped)
-    assert isinstance(notice, Refused) and notice.reason == "no_start" and "ghost" not in book.orphans
+    assert (
+        isinstance(notice, Refused) and notice.reason == "no_start" and "ghost" not in book.orphans
+    )
 
 
 def test_orphans_and_held_steps_are_bounded() -> None:
@@ -159,7 +193,11 @@ def test_eviction_takes_the_least_recently_active_run_not_the_earliest_started()
     run(book, "busy", step("still here", 1), 10)
     effects = run(book, "new", start(), 11)
     closed = [e for e in effects if isinstance(e, Closed)]
-    assert closed == [Closed("idle1", "evicted", 11)] and list(book.live) == ["idle2", "busy", "new"]
+    assert closed == [Closed("idle1", "evicted", 11)] and list(book.live) == [
+        "idle2",
+        "busy",
+        "new",
+    ]
 
 
 def test_idle_runs_expire_in_order_of_last_activity() -> None:
@@ -223,9 +261,15 @@ def test_started_record_of_a_live_run_is_not_applied_twice() -> None:
 
 RUN_IDS = st.sampled_from(["a", "b", "c", "d"])
 START = st.tuples(st.just("start"), RUN_IDS, st.sampled_from(["task one", "task two"]))
-STEP = st.tuples(st.just("step"), RUN_IDS, st.one_of(st.none(), st.integers(1, 7)), st.sampled_from(["x", "y", "z"]))
+STEP = st.tuples(
+    st.just("step"),
+    RUN_IDS,
+    st.one_of(st.none(), st.integers(1, 7)),
+    st.sampled_from(["x", "y", "z"]),
+)
 WAIT = st.tuples(st.just("wait"), st.sampled_from([0.5, 3.0, 6.0, 6.0, 31.0]))
-# Steps, starts and waits weigh most: gaps, orphans, evictions and expiry need several of them in a row.
+# Steps, starts and waits weigh most: gaps, orphans, evictions and expiry need several of them in a
+# row.
 OPS = st.one_of(
     START,
     START,
@@ -250,7 +294,8 @@ class Clock:
 
 
 class Driver:
-    """Plays operations into a monitor as a broker would: packet ids, DUP redeliveries, time passing."""
+    """Plays operations into a monitor as a broker would: packet ids, DUP redeliveries, time
+    passing."""
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes, int]] = []
@@ -270,7 +315,10 @@ class Driver:
             if kind == "start":
                 topic, body = f"agents/{rid}/start", {"task": op[2]}
             elif kind == "step":
-                topic, body = f"agents/{rid}/step", {"text": op[3]} | ({} if op[2] is None else {"index": op[2]})
+                topic, body = (
+                    f"agents/{rid}/step",
+                    {"text": op[3]} | ({} if op[2] is None else {"index": op[2]}),
+                )
             elif kind == "end":
                 topic, body = f"agents/{rid}/end", {} if op[2] is None else {"outcome": op[2]}
             else:
@@ -284,8 +332,13 @@ class Driver:
 
 
 def config() -> MonitorConfig:
-    # Aborts make "abort is final" part of the state; no sweeper task: time moves only when the test says.
-    return MonitorConfig(limits=LIMITS, policy=Policy(abort_below=0.2, min_steps=2, patience=2), sweep_interval_s=3600)
+    # Aborts make "abort is final" part of the state; no sweeper task: time moves only when the test
+    # says.
+    return MonitorConfig(
+        limits=LIMITS,
+        policy=Policy(abort_below=0.2, min_steps=2, patience=2),
+        sweep_interval_s=3600,
+    )
 
 
 def view(mon: Monitor) -> dict[str, Any]:
@@ -316,7 +369,9 @@ async def crash_and_replay(ops: list[tuple[Any, ...]], cut: int, make_store: Any
     store = await reopen(store, make_store)
     async with Monitor(config(), judge=judge, store=store, clock=clock) as mon:
         await asyncio.wait_for(mon.drain(), 10)
-        assert view(mon) == before, "replaying the journal did not rebuild the state the monitor had"
+        assert view(mon) == before, (
+            "replaying the journal did not rebuild the state the monitor had"
+        )
         for op in ops[cut:]:
             await driver.play(mon, clock, op)
         after_crash = view(mon)
@@ -337,15 +392,21 @@ async def reopen(store: Any, make_store: Any) -> Any:
     return make_store()
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=st.lists(OPS, min_size=4, max_size=40), data=st.data())
-def test_replay_rebuilds_the_state_memory_store(ops: list[tuple[Any, ...]], data: st.DataObject) -> None:
+def test_replay_rebuilds_the_state_memory_store(
+    ops: list[tuple[Any, ...]], data: st.DataObject
+) -> None:
     cut = data.draw(st.integers(0, len(ops)))
     store = MemoryStore()
     asyncio.run(crash_and_replay(ops, cut, lambda: store))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ops=st.lists(OPS, min_size=4, max_size=30), data=st.data())
 def test_replay_rebuilds_the_state_sqlite_store(
     ops: list[tuple[Any, ...]], data: st.DataObject, tmp_path_factory: pytest.TempPathFactory

@@ -1,7 +1,8 @@
-"""docs/cluster.md says what the code does: its flag table, its Redis keys and its metrics, read against the code.
+"""docs/cluster.md says what the code does: its flag table, its Redis keys and its metrics, read
+against the code.
 
-The operator's page is where the names are looked up; a renamed flag, key or metric must fail here, not in
-someone's deployment.
+The operator's page is where the names are looked up; a renamed flag, key or metric must fail here,
+not in someone's deployment.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def test_the_flag_table_names_every_cluster_setting_with_its_env_twin_and_defaul
 
 def test_every_redis_key_in_the_table_is_one_the_code_uses() -> None:
     source = "".join(Path(m.__file__).read_text() for m in (_cluster, _cluster_lua, _cluster_store))  # type: ignore[arg-type]
-    used = set(re.findall(r"P \.\. '([a-z:]+?):?'", source)) | set(re.findall(r'key\("([a-z:]+)"', source))
+    used = set(re.findall(r"P \.\. '([a-z:]+?):?'", source)) | set(
+        re.findall(r'key\("([a-z:]+)"', source)
+    )
     documented = set()
     for row in table_rows("Redis"):
         for key in re.findall(r"`([a-z:]+)(?::\{[a-z]+\})?`", row[0]):
@@ -74,7 +77,9 @@ async def test_every_metric_in_the_table_is_exported() -> None:
     registry = CollectorRegistry()
     async with Monitor(judge=FakeJudge(), registry=registry):
         exposition = generate_latest(registry).decode()
-    documented = {m for row in table_rows("Metrics") for m in re.findall(r"`(agent_monitor_\w+)", row[0])}
+    documented = {
+        m for row in table_rows("Metrics") for m in re.findall(r"`(agent_monitor_\w+)", row[0])
+    }
     assert len(documented) >= 6
     for name in documented:
         assert re.search(rf"^{name}(\{{| )", exposition, re.MULTILINE), f"{name} is not exported"

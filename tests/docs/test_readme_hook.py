@@ -1,4 +1,5 @@
-"""The manual's in-process hook example (docs/hook.md), run as pasted: against a scripted server, and with none."""
+"""The manual's in-process hook example (docs/hook.md), run as pasted: against a scripted server,
+and with none."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ pytestmark = pytest.mark.timeout(150)
 def run(block: str, url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     assert DEFAULT_URL in block
     script = tmp_path / "hook.py"
-    script.write_text(block.replace(DEFAULT_URL, url), encoding="utf-8")  # only the server's address changes
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # only the server's address changes
+    script.write_text(block.replace(DEFAULT_URL, url), encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
 
 
 def test_the_hook_example_runs_as_pasted_with_a_server(tmp_path: Path) -> None:
@@ -39,10 +43,12 @@ def test_the_hook_example_runs_as_pasted_with_a_server(tmp_path: Path) -> None:
 
 
 def test_the_hook_example_runs_as_pasted_when_the_scoring_fails(tmp_path: Path) -> None:
-    """No server at all: a failed scoring, said in `p.error`, and no KeyError from the per-criterion line."""
+    """No server at all: a failed scoring, said in `p.error`, and no KeyError from the
+    per-criterion line."""
     assert BLOCK is not None
     done = run(BLOCK.group(1), f"http://127.0.0.1:{free_port()}/v1", tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    printed = [line for line in done.stdout.splitlines() if not line.startswith("20")]  # not the log's lines
+    # not the log's lines
+    printed = [line for line in done.stdout.splitlines() if not line.startswith("20")]
     assert printed[0].startswith("1 None None False ") and "Traceback" not in done.stderr
     assert len(printed) == 1  # no letters printed for a failed scoring

@@ -1,4 +1,5 @@
-"""The in-process group API: sibling trackers sharing a group, pruned runs told by an abort marked pruned."""
+"""The in-process group API: sibling trackers sharing a group, pruned runs told by an abort
+marked pruned."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ def test_two_laggards_are_pruned_and_the_leaders_continue() -> None:
     signals: list[Decision] = []
     judge = FakeJudge(by_run)
     with GroupTracker(
-        "Fix the bug", judge=judge, policy=POLICY, name="g", on_ranking=rankings.append, on_signal=signals.append
+        "Fix the bug",
+        judge=judge,
+        policy=POLICY,
+        name="g",
+        on_ranking=rankings.append,
+        on_signal=signals.append,
     ) as group:
         runs = {r: group.run(r) for r in LETTERS}
         last = {}
@@ -35,9 +41,19 @@ def test_two_laggards_are_pruned_and_the_leaders_continue() -> None:
                 last[r] = t.update(f"run={r} step {step}")
         for r in ("c", "d"):
             d = last[r].signal
-            assert d is not None and d.signal == "abort" and d.pruned and d.leader == "a" and d.step == 3
+            assert (
+                d is not None
+                and d.signal == "abort"
+                and d.pruned
+                and d.leader == "a"
+                and d.step == 3
+            )
         for r in ("a", "b"):
-            assert last[r].step == 4 and last[r].signal is not None and last[r].signal.signal == "continue"
+            assert (
+                last[r].step == 4
+                and last[r].signal is not None
+                and last[r].signal.signal == "continue"
+            )
         assert [s.pruned for s in signals] == [True, True]
         assert group.leader == "a" and sorted(group.pruned) == ["c", "d"]
         group.end("a", "success")
@@ -58,10 +74,13 @@ def test_a_judge_failure_prunes_nothing() -> None:
         return by_run(p) if p.step == 1 else FakeJudge.failure("server_error")
 
     with GroupTracker(
-        "t", judge=FakeJudge(answer), policy={"min_steps": 1, "patience": 2, "keep_top": 1, "prune_margin": 0.1}
+        "t",
+        judge=FakeJudge(answer),
+        policy={"min_steps": 1, "patience": 2, "keep_top": 1, "prune_margin": 0.1},
     ) as group:
         runs = {r: group.run(r) for r in LETTERS}
-        for step in range(1, 6):  # step 1 puts c and d one step behind; then the judge fails for everyone
+        # step 1 puts c and d one step behind; then the judge fails for everyone
+        for step in range(1, 6):
             for r, t in runs.items():
                 t.update(f"run={r} step {step}")
         assert group.pruned == [] and len(group.state.live) == 4
@@ -82,7 +101,8 @@ async def test_the_async_group() -> None:
 
 
 def _tied_judge(p: Prompt) -> Any:
-    # Pointwise: a slightly ahead of b, both spread wide (tied within their uncertainty). Pairwise: b, in either slot.
+    # Pointwise: a slightly ahead of b, both spread wide (tied within their uncertainty). Pairwise:
+    # b, in either slot.
     text = p.prefix_text()
     if "## Trajectory 2" in text:
         return "A" if text.index("run=b") < text.index("run=a") else "T"

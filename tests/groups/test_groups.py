@@ -12,7 +12,9 @@ from agent_monitor.progress import Progress
 
 
 def _group(n: int = 4, **policy: object) -> GroupState:
-    g = GroupState("g", Policy(**{"min_steps": 1, "patience": 2, "keep_top": 2, "prune_margin": 0.2, **policy}))  # type: ignore[arg-type]
+    g = GroupState(
+        "g", Policy(**{"min_steps": 1, "patience": 2, "keep_top": 2, "prune_margin": 0.2, **policy})
+    )  # type: ignore[arg-type]
     for i in range(n):
         g.join(f"r{i}")
     return g
@@ -41,7 +43,8 @@ def test_the_gap_must_exceed_the_combined_uncertainty() -> None:
     g = _group(2, keep_top=1, max_uncertainty=1.0)
     for step in (1, 2, 3, 4):
         g.observe("r0", step=step, score=0.8, uncertainty=0.3)
-        u = g.observe("r1", step=step, score=0.4, uncertainty=0.3)  # gap 0.4 < hypot(0.3, 0.3) = 0.42
+        # gap 0.4 < hypot(0.3, 0.3) = 0.42
+        u = g.observe("r1", step=step, score=0.4, uncertainty=0.3)
         assert u.prunes == ()
     assert combined_uncertainty(0.3, 0.4) == pytest.approx(0.5)
 
@@ -128,7 +131,8 @@ def test_a_pairwise_order_reorders_only_leaders_pointwise_cannot_separate() -> N
         g.observe(r, step=1, score=s, uncertainty=0.05)
     assert g.tied_leaders() == ["a", "b"]
     assert g.set_order(["c", "b", "a"]).changed
-    assert [m.run_id for m in g.ranked()] == ["b", "a", "c"]  # c is far behind: its pairwise place does not count
+    # c is far behind: its pairwise place does not count
+    assert [m.run_id for m in g.ranked()] == ["b", "a", "c"]
     assert g.tied_leaders() == ["b", "a"]
     g.set_order(())
     assert g.leader == "a"
@@ -141,7 +145,10 @@ def test_group_policy_settings_are_validated() -> None:
         Policy(prune_margin=1.5)
     with pytest.raises(PolicyError, match="compare"):
         Policy(compare="yes")  # type: ignore[arg-type]
-    assert Policy().with_overrides({"keep_top": 2.0, "prune_margin": 0.1, "compare": True}).keep_top == 2
+    assert (
+        Policy().with_overrides({"keep_top": 2.0, "prune_margin": 0.1, "compare": True}).keep_top
+        == 2
+    )
 
 
 def test_replay_rebuilds_the_same_group() -> None:
@@ -154,7 +161,10 @@ def test_replay_rebuilds_the_same_group() -> None:
         ("end", "a", "success"),
     ]
     g = replay("g", pol, events)
-    assert [(r["run_id"], r["state"]) for r in g.ranking()["runs"]] == [("a", "ended"), ("b", "pruned")]
+    assert [(r["run_id"], r["state"]) for r in g.ranking()["runs"]] == [
+        ("a", "ended"),
+        ("b", "pruned"),
+    ]
 
 
 _events = st.lists(
@@ -177,10 +187,21 @@ _events = st.lists(
     min_steps=st.integers(0, 3),
 )
 def test_keep_top_is_never_violated(
-    events: list[tuple[int, float | None, float, bool]], keep_top: int, margin: float, patience: int, min_steps: int
+    events: list[tuple[int, float | None, float, bool]],
+    keep_top: int,
+    margin: float,
+    patience: int,
+    min_steps: int,
 ) -> None:
     g = GroupState(
-        "g", Policy(keep_top=keep_top, prune_margin=margin, patience=patience, min_steps=min_steps, max_uncertainty=1.0)
+        "g",
+        Policy(
+            keep_top=keep_top,
+            prune_margin=margin,
+            patience=patience,
+            min_steps=min_steps,
+            max_uncertainty=1.0,
+        ),
     )
     steps = [0] * 6
     for run in range(6):
@@ -203,7 +224,9 @@ def test_keep_top_is_never_violated(
 @settings(max_examples=200, deadline=None)
 @given(events=_events)
 def test_an_outage_prunes_nothing(events: list[tuple[int, float | None, float, bool]]) -> None:
-    g = GroupState("g", Policy(keep_top=1, prune_margin=0.0, patience=1, min_steps=0, max_uncertainty=1.0))
+    g = GroupState(
+        "g", Policy(keep_top=1, prune_margin=0.0, patience=1, min_steps=0, max_uncertainty=1.0)
+    )
     steps = [0] * 6
     for run in range(6):
         g.join(f"r{run}")

@@ -1,4 +1,5 @@
-"""Groups flagged early (DAPO dynamic sampling): the per-run conformal calls, their combination, their guarantee."""
+"""Groups flagged early (DAPO dynamic sampling): the per-run conformal calls, their combination,
+their guarantee."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from agent_monitor.calibration import NO_CALL, Calibration, Caller, Family, Point, Sample, p_fail, p_pass, pass_margin
+from agent_monitor.calibration import (
+    NO_CALL,
+    Calibration,
+    Caller,
+    Family,
+    Point,
+    Sample,
+    p_fail,
+    p_pass,
+    pass_margin,
+)
 from agent_monitor.daemon import Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon.runs._groups import GroupBook
 from agent_monitor.groups import GroupState
@@ -43,7 +54,8 @@ def test_the_p_values_count_the_reference_runs_at_least_as_extreme() -> None:
     assert p_pass([0.1, 0.2, 0.4], 0.5) == pytest.approx(1 / 4)
     assert p_pass([0.1, 0.2, 0.4], 0.2) == pytest.approx(3 / 4)
     assert p_pass([0.1], -math.inf) == 1.0
-    # max over windows of 2 of the window's min; a failed scoring (None) is not counted, so it breaks no window.
+    # max over windows of 2 of the window's min; a failed scoring (None) is not counted, so it
+    # breaks no window.
     assert pass_margin(curve(0.2, 0.9, 0.8, 0.1), POL) == pytest.approx(0.8)
     assert pass_margin(curve(0.2, None, 0.9), POL) == pytest.approx(0.2)
     assert pass_margin(curve(0.9), POL) == -math.inf
@@ -51,12 +63,14 @@ def test_the_p_values_count_the_reference_runs_at_least_as_extreme() -> None:
 
 def test_a_run_is_called_fail_or_pass_only_once_it_has_patience_counted_scores() -> None:
     caller = Caller(calibrated())
-    assert caller.calls(FAM, POL, curve(0.1)) == NO_CALL  # one counted score, patience 2: no call yet
+    # one counted score, patience 2: no call yet
+    assert caller.calls(FAM, POL, curve(0.1)) == NO_CALL
     low = caller.calls(FAM, POL, curve(0.1, 0.1))
     assert low.fail_p == pytest.approx(1 / 20) and low.pass_p > 0.5  # a low score is no pass call
     high = caller.calls(FAM, POL, curve(0.95, 0.95))
     assert high.pass_p == pytest.approx(1 / 20) and high.fail_p == 1.0  # above every success margin
-    assert caller.calls(Family("other", "judge", "rubric"), POL, curve(0.1, 0.1)) == NO_CALL  # no evidence
+    # no evidence
+    assert caller.calls(Family("other", "judge", "rubric"), POL, curve(0.1, 0.1)) == NO_CALL
     # Cached per family revision: asking again computes nothing; a new sample recomputes once.
     n = caller.recomputed
     caller.calls(FAM, POL, curve(0.1, 0.1))
@@ -76,19 +90,28 @@ def _group(n: int, policy: Policy = POL) -> GroupState:
 def _feed(g: GroupState, caller: Caller, run: str, scores: list[float | None]) -> None:
     pts = curve(*scores)
     for p in pts:
-        g.observe(run, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.score is not None)
+        g.observe(
+            run, step=p.step, score=p.score, uncertainty=p.uncertainty, ok=p.score is not None
+        )
     c = caller.calls(FAM, g.policy, pts)
     g.call(run, fail_p=c.fail_p, pass_p=c.pass_p)
 
 
-def test_a_group_whose_runs_are_all_called_fail_is_flagged_with_the_union_bound_confidence() -> None:
+def test_a_group_whose_runs_are_all_called_fail_is_flagged_with_the_union_bound_confidence() -> (
+    None
+):
     caller, g = Caller(calibrated()), _group(3)
     _feed(g, caller, "r0", [0.1, 0.1])
     _feed(g, caller, "r1", [0.1, 0.1])
     assert g.uniform() is None and "uniform" not in g.ranking()  # r2 has no call yet
     _feed(g, caller, "r2", [0.1, 0.1])
     flag = g.ranking()["uniform"]
-    assert flag == {"call": "all_fail", "confidence": pytest.approx(1 - 3 / 20), "at_step": 2, "runs": 3}
+    assert flag == {
+        "call": "all_fail",
+        "confidence": pytest.approx(1 - 3 / 20),
+        "at_step": 2,
+        "runs": 3,
+    }
     assert g.live == ["r0", "r1", "r2"]  # a flag stops nothing: the trainer decides
     # A run joining later is not called yet: the flag is withdrawn until it is.
     g.join("r3")
@@ -111,7 +134,8 @@ def test_all_pass_is_the_mirror_image_and_one_mixed_member_flags_nothing() -> No
 
 
 def test_the_required_confidence_needs_enough_calibration_for_the_group_size() -> None:
-    # 9 successes: the best p-value is 1/10, so 3 runs give 1 - 3/10 = 0.7 < 0.8: no flag however low they score.
+    # 9 successes: the best p-value is 1/10, so 3 runs give 1 - 3/10 = 0.7 < 0.8: no flag however
+    # low they score.
     caller, g = Caller(calibrated(successes=9)), _group(3)
     for r in ("r0", "r1", "r2"):
         _feed(g, caller, r, [0.0, 0.0, 0.0])
@@ -124,7 +148,14 @@ def test_the_required_confidence_needs_enough_calibration_for_the_group_size() -
 
 
 def test_an_infra_or_judge_failure_in_a_member_never_flags_or_stops_the_group() -> None:
-    pol = Policy(min_steps=1, patience=2, max_uncertainty=1.0, uniform_confidence=0.8, prune_margin=0.1, keep_top=1)
+    pol = Policy(
+        min_steps=1,
+        patience=2,
+        max_uncertainty=1.0,
+        uniform_confidence=0.8,
+        prune_margin=0.1,
+        keep_top=1,
+    )
     caller, g = Caller(calibrated()), _group(3, pol)
     _feed(g, caller, "r0", [0.1, 0.1, 0.1])
     _feed(g, caller, "r1", [0.1, 0.1, 0.1])
@@ -137,7 +168,8 @@ def test_an_infra_or_judge_failure_in_a_member_never_flags_or_stops_the_group() 
     for r in ("r0", "r1", "r2"):
         _feed(g, caller, r, [0.95, None, 0.95])
     assert g.ranking()["uniform"]["call"] == "all_pass"
-    # A member that ends by an infrastructure failure (no pass/fail outcome) settles nothing: still no flag.
+    # A member that ends by an infrastructure failure (no pass/fail outcome) settles nothing: still
+    # no flag.
     caller, g = Caller(calibrated()), _group(3, pol)
     _feed(g, caller, "r0", [0.1, 0.1])
     _feed(g, caller, "r1", [0.1, 0.1])
@@ -171,7 +203,8 @@ def test_the_book_returns_a_groups_flag_by_group_and_by_run() -> None:
 
 
 def test_the_fail_call_aborts_no_more_successes_than_its_bound() -> None:
-    """Exchangeable successes: the share called fail at level a (at any step) is at most a (up to sampling error)."""
+    """Exchangeable successes: the share called fail at level a (at any step) is at most a (up to
+    sampling error)."""
     rng = random.Random(7)
     pol = Policy(min_steps=0, patience=2, max_uncertainty=1.0)
 
@@ -186,7 +219,9 @@ def test_the_fail_call_aborts_no_more_successes_than_its_bound() -> None:
         live = success()
         caller = Caller(cal)
         # Checked after every step, as the daemon does: called if any prefix gets p <= level.
-        called += any(caller.calls(FAM, pol, live[:k]).fail_p <= level for k in range(1, len(live) + 1))
+        called += any(
+            caller.calls(FAM, pol, live[:k]).fail_p <= level for k in range(1, len(live) + 1)
+        )
     # Binomial(400, <= 0.1): mean <= 40, sd 6; 60 is more than 3 sd above.
     assert called <= 60
     assert called > 0  # and the rule does call some (it is not vacuous)
@@ -200,7 +235,8 @@ def test_uniform_confidence_is_checked() -> None:
 
 
 async def test_a_flagged_group_is_flagged_again_after_a_restart(tmp_path: Path) -> None:
-    """The calls come back from the journal and the stored calibration: the flag is what it was before."""
+    """The calls come back from the journal and the stored calibration: the flag is what it was
+    before."""
     db = tmp_path / "runs.sqlite3"
     config = MonitorConfig(policy=POL, circuit_threshold=1000)
 
@@ -212,7 +248,8 @@ async def test_a_flagged_group_is_flagged_again_after_a_restart(tmp_path: Path) 
             await send(mon, r, "start", {"task": "t", "family": "fam", "group": "g"})
         tracker = mon.tracker("a")
         assert tracker is not None
-        for i in range(19):  # stored evidence (record, as an ended run teaches): it survives the restart
+        # stored evidence (record, as an ended run teaches): it survives the restart
+        for i in range(19):
             mon.calibration.record(tracker.family, f"old-s{i}", "success", curve(0.8, 0.8, 0.8))
             mon.calibration.record(tracker.family, f"old-f{i}", "failure", curve(0.2, 0.2, 0.2))
         for k in (1, 2):

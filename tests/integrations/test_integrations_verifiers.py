@@ -1,4 +1,5 @@
-"""verifiers 0.4: a real multi-turn rollout (scripted model, scripted user) ended by agent-monitor's stop hook.
+"""verifiers 0.4: a real multi-turn rollout (scripted model, scripted user) ended by agent-monitor's
+stop hook.
 
 The rollout runs through verifiers' own eval runner (`verifiers.v1.cli.eval.runner.run_eval`, its
 in-process path), its interception server, `RolloutSession.refused()` (where `@stop`s run) and
@@ -21,7 +22,9 @@ from tests import paths
 from tests.openai_server import Reply, ScriptedServer, scripted_server
 
 vf = pytest.importorskip(
-    "verifiers.v1", reason="verifiers 0.4 is not installed: `make test-verifiers` runs this test in a venv of its own"
+    "verifiers.v1",
+    reason="verifiers 0.4 is not installed: `make test-verifiers` runs this "
+    "test in a venv of its own",
 )
 
 FIXTURES = paths.FIXTURES / "verifiers_env"
@@ -41,7 +44,8 @@ def taskset_module() -> Iterator[Any]:
 
 
 def _replies(texts: list[str]) -> Callable[[dict[str, Any]], Reply]:
-    """The scripted model: its n-th reply of a rollout is texts[n] (counted from the assistant turns it was sent)."""
+    """The scripted model: its n-th reply of a rollout is texts[n] (counted from the assistant
+    turns it was sent)."""
 
     def reply(body: dict[str, Any]) -> Reply:
         n = sum(1 for m in body["messages"] if m.get("role") == "assistant")
@@ -52,7 +56,13 @@ def _replies(texts: list[str]) -> Callable[[dict[str, Any]], Reply]:
                 "object": "chat.completion",
                 "created": 0,
                 "model": "scripted-model",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": "stop",
+                    }
+                ],
                 "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
             }
         )
@@ -74,7 +84,11 @@ async def _rollout(server: ScriptedServer, tmp_path: Path, monkeypatch: pytest.M
                     "rewards": {"agent_monitor": {"fn": "am_monitor_taskset:reward"}},
                 },
             },
-            "agent": {"max_turns": 8, "runtime": {"type": "subprocess"}, "timeout": {"rollout": 60, "scoring": 30}},
+            "agent": {
+                "max_turns": 8,
+                "runtime": {"type": "subprocess"},
+                "timeout": {"rollout": 60, "scoring": 30},
+            },
         },
         select={"limit": 1},
         num_rollouts=1,
@@ -95,23 +109,38 @@ async def test_a_judged_abort_ends_the_rollout_with_the_reward_earned(
     taskset_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with scripted_server() as server:
-        server.default = _replies(["I read calc.py", "stuck on the import", "stuck again", "still stuck", "fixed"])
+        server.default = _replies(
+            ["I read calc.py", "stuck on the import", "stuck again", "still stuck", "fixed"]
+        )
         trace = await _rollout(server, tmp_path, monkeypatch)
     info = trace.info["agent_monitor"]
-    # Turns 2 and 3 were poor (patience 2 from min_steps 2): the stop before the 4th model call fired.
+    # Turns 2 and 3 were poor (patience 2 from min_steps 2): the stop before the 4th model call
+    # fired.
     assert trace.stop_condition == "agent_monitor"
     assert trace.num_turns == 3 and info["step"] == 3 and info["turns"] == 3
     assert info["stop"] and info["stop_kind"] == "judged" and info["signal"] == "abort"
     assert len(server.requests) == 3, "the model was never asked for a 4th turn"
     reward = trace.rewards["agent_monitor"]
     assert reward is not None and reward.score == pytest.approx(LETTERS.index("B") / 19)
-    assert taskset_module.hooks.statistics().rollouts == 0, "the rollout's tracker is freed when it is scored"
+    assert taskset_module.hooks.statistics().rollouts == 0, (
+        "the rollout's tracker is freed when it is scored"
+    )
 
 
 async def test_a_judge_outage_never_stops_the_rollout(
     taskset_module: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    texts = ["I read calc.py", "JUDGE-DOWN", "stuck", "JUDGE-DOWN", "ran the tests", "fixed", "done", "done", "done"]
+    texts = [
+        "I read calc.py",
+        "JUDGE-DOWN",
+        "stuck",
+        "JUDGE-DOWN",
+        "ran the tests",
+        "fixed",
+        "done",
+        "done",
+        "done",
+    ]
     with scripted_server() as server:
         server.default = _replies(texts)
         trace = await _rollout(server, tmp_path, monkeypatch)
@@ -131,8 +160,8 @@ async def test_a_failed_last_judgement_is_no_reward(
     with scripted_server() as server:
         server.default = _replies(["I read calc.py", "fixed", *["JUDGE-DOWN"] * 7])
         trace = await _rollout(server, tmp_path, monkeypatch)
-    # The rollout ran to its limit; its reward could not be judged, so verifiers records a failed scoring
-    # (the trainer drops the trace) instead of a number.
+    # The rollout ran to its limit; its reward could not be judged, so verifiers records a failed
+    # scoring (the trainer drops the trace) instead of a number.
     assert trace.num_turns == 8 and trace.info["agent_monitor"]["stop_kind"] == "infra"
     assert trace.rewards.get("agent_monitor") is None
     assert not trace.ok and any("no reward" in str(e) for e in trace.errors)

@@ -1,4 +1,5 @@
-"""Judge outages: the circuit breaker fails fast, reports degraded, probes, recovers; an outage never aborts a run."""
+"""Judge outages: the circuit breaker fails fast, reports degraded, probes, recovers; an outage
+never aborts a run."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ async def test_breaker_opens_fails_fast_probes_and_closes() -> None:
     clock = Clock()
     down = {"on": True}
     judge = FakeJudge(
-        lambda p: JudgeError("connection", "refused", retryable=True) if down["on"] else "K", max_retries=0
+        lambda p: JudgeError("connection", "refused", retryable=True) if down["on"] else "K",
+        max_retries=0,
     )
     changes: list[bool] = []
     c = CircuitJudge(judge, threshold=3, cooldown_s=10, clock=clock, on_change=changes.append)
@@ -97,7 +99,8 @@ def progress(msgs: list[Message]) -> list[dict[str, Any]]:
 
 
 async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> None:
-    """A real OpenAI-compatible server answering 503 for a while, then well; the policy would abort any low score."""
+    """A real OpenAI-compatible server answering 503 for a while, then well; the policy would
+    abort any low score."""
     state = {"down": True, "calls": 0}
 
     def reply(body: dict[str, Any]) -> Reply:
@@ -111,21 +114,28 @@ async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> N
         server.default = reply
         judge = OpenAIJudge(base_url=server.url, model="m", max_retries=0)
         policy = Policy(abort_below=0.5, min_steps=0, patience=1)
-        config = MonitorConfig(policy=policy, circuit_threshold=2, circuit_cooldown_s=0.5, max_concurrency=1)
+        config = MonitorConfig(
+            policy=policy, circuit_threshold=2, circuit_cooldown_s=0.5, max_concurrency=1
+        )
         async with Monitor(config, judge=judge, registry=reg) as mon:
             await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
             for i in range(1, 3):  # one failed call per step: two in a row open the circuit
-                await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
+                await mon.handle(
+                    "agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode()
+                )
                 await until(lambda i=i: state["calls"] == i)
             await until(lambda: mon.circuit.degraded)
             assert reg.get_sample_value("agent_monitor_judge_degraded") == 1
             calls_when_open = state["calls"]
             # Steps keep coming during the outage: held, not spent on certain failures ...
             for i in range(3, 9):
-                await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
+                await mon.handle(
+                    "agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode()
+                )
             await asyncio.sleep(0.2)
             assert state["calls"] == calls_when_open
-            # ... until the cool-down ends: one probe, which fails, and the next cool-down is longer.
+            # ... until the cool-down ends: one probe, which fails, and the next cool-down is
+            # longer.
             await until(lambda: state["calls"] == calls_when_open + 1)
             assert mon.circuit.degraded
             failed = progress(drained(mon))
@@ -135,19 +145,24 @@ async def test_outage_over_http_degrades_then_resumes_without_false_abort() -> N
             msgs = drained(mon)
     back = progress(msgs)
     assert back[-1]["ok"] is True and back[-1]["step"] == 8 and back[-1]["degraded"] is False
-    # The steps that waited out the outage, and the one whose probe failed, are folded into one score.
-    assert [p["step"] for p in back if p["ok"]] == [8] and next(p for p in back if p["ok"])["coalesced"] == 8
+    # The steps that waited out the outage, and the one whose probe failed, are folded into one
+    # score.
+    assert [p["step"] for p in back if p["ok"]] == [8] and next(p for p in back if p["ok"])[
+        "coalesced"
+    ] == 8
     assert not [m for m in msgs if m.topic.endswith("/signal")]  # no abort from the outage
     assert reg.get_sample_value("agent_monitor_judge_degraded") == 0
     assert reg.get_sample_value("agent_monitor_signals_total", {"signal": "abort"}) == 0
 
 
-# -- a judge that hangs ----------------------------------------------------------------------------------------
+# -- a judge that hangs
+# ----------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def hanging_server() -> Iterator[str]:
-    """An OpenAI-compatible base URL whose server takes connections and never answers (a wedged judge)."""
+    """An OpenAI-compatible base URL whose server takes connections and never answers (a wedged
+    judge)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)  # the kernel completes the handshakes; nothing ever reads or replies
@@ -158,12 +173,16 @@ def hanging_server() -> Iterator[str]:
 
 
 async def test_a_hanging_judge_is_degraded_within_two_timeouts_with_the_default_retries() -> None:
-    """The daemon as `serve --judge openai --judge-timeout 0.5` builds it: default retries, circuit and config."""
+    """The daemon as `serve --judge openai --judge-timeout 0.5` builds it: default retries,
+    circuit and config."""
     timeout = 0.5
     reg = CollectorRegistry()
     with hanging_server() as url:
-        judge = build_judge(JudgeOptions(judge="openai", judge_url=url, judge_model="m", judge_timeout=timeout))
-        assert judge.max_retries == 3 and judge.backoff_s > 0  # one failed call: 4 timeouts plus backoff
+        judge = build_judge(
+            JudgeOptions(judge="openai", judge_url=url, judge_model="m", judge_timeout=timeout)
+        )
+        # one failed call: 4 timeouts plus backoff
+        assert judge.max_retries == 3 and judge.backoff_s > 0
         async with Monitor(MonitorConfig(), judge=judge, registry=reg) as mon:
             assert mon.circuit.threshold == 5  # the old rule alone: 5 such calls, about 20 timeouts
             await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
@@ -173,7 +192,12 @@ async def test_a_hanging_judge_is_degraded_within_two_timeouts_with_the_default_
             took = time.monotonic() - start
             assert reg.get_sample_value("agent_monitor_judge_degraded") == 1
             # Reported while the first call is still retrying: no call has even failed yet.
-            assert reg.get_sample_value("agent_monitor_judge_calls_total", {"judge": "openai", "outcome": "error"}) == 0
+            assert (
+                reg.get_sample_value(
+                    "agent_monitor_judge_calls_total", {"judge": "openai", "outcome": "error"}
+                )
+                == 0
+            )
             assert mon.circuit.failures_in_row == 0 and "no answer" in str(mon.circuit.last_error)
         await judge.aclose()
     assert 2 * timeout - 0.05 <= took < 3 * timeout
@@ -199,7 +223,12 @@ async def test_a_judge_that_answers_again_closes_the_circuit_it_opened_by_hangin
         state["hang"] = False
         # The call in flight retries, gets its answer, and that closes the circuit.
         resp = await asyncio.wait_for(call, 10)
-        assert resp.attempts > 1 and not c.degraded and changes == [True, False] and c.state == "closed"
+        assert (
+            resp.attempts > 1
+            and not c.degraded
+            and changes == [True, False]
+            and c.state == "closed"
+        )
         await c.aclose()
 
 
@@ -229,11 +258,14 @@ async def test_a_storm_of_bad_requests_never_degrades_but_the_same_storm_of_outa
         await c.aclose()
         return c
 
-    assert not (await storm(JudgeError("bad_request", "HTTP 400: bad prompt"))).degraded  # each 400 is an answer
+    # each 400 is an answer
+    assert not (await storm(JudgeError("bad_request", "HTTP 400: bad prompt"))).degraded
     assert (await storm(JudgeError("server_error", "HTTP 503", retryable=True))).degraded
 
 
-async def test_the_circuit_counts_only_the_calls_that_reach_the_judge_with_their_wall_time_and_tokens() -> None:
+async def test_the_circuit_counts_only_the_calls_that_reach_the_judge_with_their_wall_time_and_tokens() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     clock = Clock()
     down = {"on": False}
     judge = FakeJudge(

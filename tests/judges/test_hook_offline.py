@@ -1,4 +1,5 @@
-"""The README's synchronous hook end to end on the packaged offline judge (real model, real logprobs)."""
+"""The README's synchronous hook end to end on the packaged offline judge (real model, real
+logprobs)."""
 
 import json
 import subprocess
@@ -16,14 +17,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_sync_hook_with_the_default_offline_judge() -> None:
-    """The README's hook on the packaged Gemma: real scores with its own min_mass, prefix reuse, strict low mass."""
+    """The README's hook on the packaged Gemma: real scores with its own min_mass, prefix reuse,
+    strict low mass."""
     with pytest.warns(TinyJudgeWarning):
         judge = LlamaCppJudge(n_ctx=4096)  # no path: the packaged Gemma 3 270M
     try:
-        # Gemma 270M puts ~0.1-0.2 of its probability on letters: below the library's 0.5, no score when asked for it.
+        # Gemma 270M puts ~0.1-0.2 of its probability on letters: below the library's 0.5, no score
+        # when asked for it.
         strict = ProgressTracker(TASK, judge=judge, min_mass=0.5)
         p = strict.update(ACTIONS[0])
-        assert not p.ok and p.score is None and p.reason == "low_mass" and "below the minimum 0.5" in (p.error or "")
+        assert (
+            not p.ok
+            and p.score is None
+            and p.reason == "low_mass"
+            and ("below the minimum 0.5") in (p.error or "")
+        )
         assert "lower min_mass, or use a stronger judge" in (p.error or "")
         strict.close()
 
@@ -35,8 +43,13 @@ def test_sync_hook_with_the_default_offline_judge() -> None:
         assert [q.step for q in curve] == [1, 2, 3, 4] == [q.step for q in tracker.curve]
         for q in curve:
             assert q.score is not None and 0.0 <= q.score <= 1.0
-            assert q.uncertainty is not None and q.uncertainty > 0.0  # a real distribution, not one letter
-            assert 0.05 <= (q.mass or 0.0) <= 1.0 and q.model == "gemma-3-270m-q4_k_m" and q.judge == "llamacpp"
+            # a real distribution, not one letter
+            assert q.uncertainty is not None and q.uncertainty > 0.0
+            assert (
+                0.05 <= (q.mass or 0.0) <= 1.0
+                and q.model == "gemma-3-270m-q4_k_m"
+                and q.judge == "llamacpp"
+            )
         # Each update re-reads only the new step: most of the prompt is a cached prefix.
         assert all(q.usage.cached_input_tokens > q.usage.input_tokens // 2 for q in curve[1:])
         tracker.close()
@@ -64,9 +77,12 @@ QUIET = textwrap.dedent(
 
 
 def test_the_packaged_judge_is_quiet_and_warns_once() -> None:
-    """llama.cpp's warnings stay out of stderr unless verbose=True; the tiny-judge warning comes once."""
+    """llama.cpp's warnings stay out of stderr unless verbose=True; the tiny-judge warning comes
+    once."""
     script = f"TASK = {TASK!r}\nACTION = {ACTIONS[0]!r}\n" + QUIET
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     quiet, _, verbose = done.stderr.partition("--- verbose from here ---")
     assert verbose, done.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Judges that cannot do the job are told at start: no logprobs (refused, or warned), frames not seen (announced).
+"""Judges that cannot do the job are told at start: no logprobs (refused, or warned), frames not
+seen (announced).
 
 The judge is the scripted OpenAI-compatible HTTP server (tests/openai_server.py) set up to answer
 without logprobs, as vLLM with --max-logprobs 0 or a proxy that strips them does; `serve` runs as a
@@ -43,8 +44,10 @@ async def test_an_answer_without_logprobs_is_a_failed_call_naming_the_fix() -> N
         await judge.aclose()
     assert e.value.reason == "no_logprobs" and all(f in str(e.value) for f in FIX)
     stats = judge.statistics()
-    assert stats.calls_ok == 0 and stats.calls_failed == 1  # agent_monitor_judge_calls_total{outcome="error"}
-    assert judge.state == "closed"  # the server is up: a setup to fix, not an outage to back off from
+    # agent_monitor_judge_calls_total{outcome="error"}
+    assert stats.calls_ok == 0 and stats.calls_failed == 1
+    # the server is up: a setup to fix, not an outage to back off from
+    assert judge.state == "closed"
 
 
 def test_serve_refuses_a_judge_without_logprobs_at_start_naming_the_fix(broker: Mosquitto) -> None:
@@ -54,7 +57,8 @@ def test_serve_refuses_a_judge_without_logprobs_at_start_naming_the_fix(broker: 
             assert proc.wait(30) == 2
             assert proc.stderr is not None
             err = proc.stderr.read()
-        assert len(server.checks) == 1 and server.requests == []  # one scored answer asked for, nothing else
+        # one scored answer asked for, nothing else
+        assert len(server.checks) == 1 and server.requests == []
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"agent-monitor: {server.url} answered without logprobs"), err
     assert all(f in last for f in FIX) and "--judge-check warn" in last
@@ -64,10 +68,21 @@ def test_with_judge_check_warn_it_starts_and_counts_each_call_failed(broker: Mos
     port = free_port()
     with scripted_server() as server:
         server.check = server.default = no_logprobs_reply()
-        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", server.url, "--metrics-port", str(port))
+        args = (
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            server.url,
+            "--metrics-port",
+            str(port),
+        )
         with serve(*args, "--judge-check", "warn") as proc:
             lines = wait_serving(proc)
-            assert any("warning:" in line and "answered without logprobs" in line for line in lines), lines
+            assert any(
+                "warning:" in line and "answered without logprobs" in line for line in lines
+            ), lines
             wait_port(port)
             pub(broker.port, "agents/nolp/start", '{"task": "t"}')
             pub(broker.port, "agents/nolp/step", '{"text": "x"}')
@@ -84,14 +99,26 @@ def test_judge_sampled_scores_a_server_without_logprobs(broker: Mosquitto) -> No
     port = free_port()
     with scripted_server() as server:
         server.check = server.default = no_logprobs_reply("K")
-        args = ("--broker", broker.url, "--judge", "openai", "--judge-url", server.url, "--metrics-port", str(port))
+        args = (
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            server.url,
+            "--metrics-port",
+            str(port),
+        )
         with serve(*args, "--judge-sampled") as proc:
             wait_serving(proc)
             wait_port(port)
             pub(broker.port, "agents/smp/start", '{"task": "t"}')
             pub(broker.port, "agents/smp/step", '{"text": "x"}')
             text, deadline = "", time.monotonic() + 20
-            while time.monotonic() < deadline and 'agent_monitor_scorings_total{outcome="ok"} 1.0' not in text:
+            while (
+                time.monotonic() < deadline
+                and ('agent_monitor_scorings_total{outcome="ok"} 1.0') not in text
+            ):
                 text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
                 time.sleep(0.1)
         assert server.checks == []  # sampled letters need no logprobs: nothing to check
@@ -113,15 +140,20 @@ def test_a_judge_that_drops_frames_is_announced_in_stderr_the_log_and_a_metric(
     from agent_monitor.judges.llamacpp import LlamaCppJudge
 
     gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")  # never loaded: a text-only judge is known as such before its model is
+    # never loaded: a text-only judge is known as such before its model is
+    gguf.write_bytes(b"GGUF")
     assert sees_frames(LlamaCppJudge(model_path=str(gguf))) is False
     assert sees_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=True)) is True
-    assert sees_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1")) is None  # the server says at the first frame
+    # the server says at the first frame
+    assert sees_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1")) is None
     from structlog.testing import capture_logs
 
     registry = CollectorRegistry()
     with capture_logs() as logs:
-        assert announce_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=False), registry) is False
+        assert (
+            announce_frames(OpenAIJudge(base_url="http://127.0.0.1:1/v1", vision=False), registry)
+            is False
+        )
     assert registry.get_sample_value("agent_monitor_judge_sees_frames") == 0
     assert f"agent-monitor: {FRAMES_NOT_SEEN} (openai, text-only)" in capsys.readouterr().err
     assert [e["event"] for e in logs] == ["judge_drops_frames"]

@@ -1,7 +1,8 @@
-"""A judge's context: read from the server or a setting, learned from a context-length refusal, never exceeded again.
+"""A judge's context: read from the server or a setting, learned from a context-length refusal,
+never exceeded again.
 
-Against a real HTTP server (tests/openai_server.py's scripted server) answering as vLLM, llama.cpp's llama-server,
-OpenAI and Anthropic answer; requests are counted on the server's side.
+Against a real HTTP server (tests/openai_server.py's scripted server) answering as vLLM, llama.cpp's
+llama-server, OpenAI and Anthropic answer; requests are counted on the server's side.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def server() -> Iterator[ScriptedServer]:
 
 async def test_context_is_read_from_vllm_s_models_entry() -> None:
     with scripted_server(model_info={"max_model_len": 8192, "root": "m"}) as s:
-        judge = OpenAIJudge(base_url=s.url)  # the model is read from /v1/models, and its context with it
+        # the model is read from /v1/models, and its context with it
+        judge = OpenAIJudge(base_url=s.url)
         try:
             assert judge.context_tokens is None
             await judge.resolve_model()
@@ -55,7 +57,8 @@ async def test_context_is_read_from_vllm_s_models_entry() -> None:
             assert "/props" not in s.gets  # /v1/models said it: nothing more asked
         finally:
             await judge.aclose()
-        given = OpenAIJudge(base_url=s.url, model="scripted-model")  # the model given: the context is still read
+        # the model given: the context is still read
+        given = OpenAIJudge(base_url=s.url, model="scripted-model")
         try:
             s.add(ok())
             await given.grade(JudgeRequest(prompt(100)))
@@ -69,7 +72,9 @@ async def test_context_is_read_from_vllm_s_models_entry() -> None:
     [{"default_generation_settings": {"n_ctx": 4096}, "total_slots": 1}, {"n_ctx": 4096}],
     ids=["default_generation_settings", "top_level"],
 )
-async def test_context_is_read_from_llama_server_props_when_models_says_nothing(props: dict[str, Any]) -> None:
+async def test_context_is_read_from_llama_server_props_when_models_says_nothing(
+    props: dict[str, Any],
+) -> None:
     with scripted_server(props=props) as s:
         judge = OpenAIJudge(base_url=s.url, model="scripted-model")
         try:
@@ -81,7 +86,9 @@ async def test_context_is_read_from_llama_server_props_when_models_says_nothing(
             await judge.aclose()
 
 
-async def test_a_server_that_says_no_context_leaves_it_unknown_and_still_grades(server: ScriptedServer) -> None:
+async def test_a_server_that_says_no_context_leaves_it_unknown_and_still_grades(
+    server: ScriptedServer,
+) -> None:
     judge = OpenAIJudge(base_url=server.url, model="scripted-model")  # /props answers 404 here
     try:
         server.add(ok())
@@ -112,7 +119,8 @@ REFUSALS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
     "openai": (
         {
             "error": {
-                "message": "This model's maximum context length is 8192 tokens. However, your messages resulted in "
+                "message": "This model's maximum context length is 8192 tokens. However, "
+                "your messages resulted in "
                 "9000 tokens. Please reduce the length of the messages.",
                 "type": "invalid_request_error",
                 "param": "messages",
@@ -125,8 +133,10 @@ REFUSALS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
     "vllm": (
         {
             "object": "error",
-            "message": "This model's maximum context length is 8192 tokens. However, you requested 9001 tokens "
-            "(9000 in the messages, 1 in the completion). Please reduce the length of the messages or completion.",
+            "message": "This model's maximum context length is 8192 tokens. However, you "
+            "requested 9001 tokens "
+            "(9000 in the messages, 1 in the completion). Please reduce the length of the "
+            "messages or completion.",
             "type": "BadRequestError",
             "param": None,
             "code": 400,
@@ -137,7 +147,8 @@ REFUSALS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
     "vllm_v1": (
         {
             "object": "error",
-            "message": "The prompt (total length 9000) is longer than the maximum model length of 8192. Make sure "
+            "message": "The prompt (total length 9000) is longer than the maximum model "
+            "length of 8192. Make sure "
             "that `max_model_len` is no smaller than the number of text tokens.",
             "type": "BadRequestError",
             "param": None,
@@ -162,13 +173,21 @@ REFUSALS: dict[str, tuple[dict[str, Any], int | None, int | None]] = {
     "anthropic": (
         {
             "type": "error",
-            "error": {"type": "invalid_request_error", "message": "prompt is too long: 210000 tokens > 200000 maximum"},
+            "error": {
+                "type": "invalid_request_error",
+                "message": "prompt is too long: 210000 tokens > 200000 maximum",
+            },
         },
         200000,
         210000,
     ),
     "no_numbers": (
-        {"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it"}},
+        {
+            "error": {
+                "code": 400,
+                "message": "the request exceeds the available context size, try increasing it",
+            }
+        },
         None,
         None,
     ),
@@ -210,7 +229,9 @@ async def test_a_context_refusal_is_context_overflow_learned_and_not_retried(
 
 
 async def test_other_400s_stay_bad_request(server: ScriptedServer) -> None:
-    server.default = Reply(400, {"error": {"message": "temperature must be at most 2", "code": "invalid_value"}})
+    server.default = Reply(
+        400, {"error": {"message": "temperature must be at most 2", "code": "invalid_value"}}
+    )
     judge = OpenAIJudge(base_url=server.url, model="scripted-model")
     try:
         with pytest.raises(JudgeError) as err:
@@ -221,7 +242,8 @@ async def test_other_400s_stay_bad_request(server: ScriptedServer) -> None:
 
 
 def vllm_server(limit: int, refused: list[int]) -> Any:
-    """A reply script that refuses, as vLLM, any request whose tokens (its content's characters / 4) pass `limit`."""
+    """A reply script that refuses, as vLLM, any request whose tokens (its content's characters /
+    4) pass `limit`."""
 
     def answer(body: dict[str, Any]) -> Reply:
         chars = sum(len(m["content"]) for m in body["messages"])
@@ -230,21 +252,30 @@ def vllm_server(limit: int, refused: list[int]) -> Any:
             return ok()
         refused.append(tokens)
         message = (
-            f"This model's maximum context length is {limit} tokens. However, you requested {tokens} tokens "
-            f"({tokens - 1} in the messages, 1 in the completion). Please reduce the length of the messages."
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{tokens} tokens "
+            f"({tokens - 1} in the messages, 1 in the completion). Please reduce the length "
+            "of the messages."
         )
-        return Reply(400, {"object": "error", "message": message, "type": "BadRequestError", "code": 400})
+        return Reply(
+            400, {"object": "error", "message": message, "type": "BadRequestError", "code": 400}
+        )
 
     return answer
 
 
-async def test_no_request_over_the_learned_context_reaches_the_server(server: ScriptedServer) -> None:
+async def test_no_request_over_the_learned_context_reaches_the_server(
+    server: ScriptedServer,
+) -> None:
     refused: list[int] = []
     server.default = vllm_server(2000, refused)
     judge = OpenAIJudge(base_url=server.url, model="scripted-model")
     # A run's prompts grow past the context, then (a budget, a new run) come back under it.
     prompts = [prompt(chars) for chars in [*range(2_000, 16_001, 1_000), 3_000, 4_000, 5_000]]
-    fit = [sum(len(m["content"]) for m in judge._messages(p, images=False)) // 4 + 1 <= 2000 for p in prompts]
+    fit = [
+        sum(len(m["content"]) for m in judge._messages(p, images=False)) // 4 + 1 <= 2000
+        for p in prompts
+    ]
     try:
         failed = 0
         for p in prompts:
@@ -253,10 +284,11 @@ async def test_no_request_over_the_learned_context_reaches_the_server(server: Sc
             except JudgeError as e:
                 assert e.reason == "context_overflow"
                 failed += 1
-        assert len(refused) == 1  # the first too-long request taught the judge; no later one reached the server
+        # the first too-long request taught the judge; no later one reached the server
+        assert len(refused) == 1
         assert judge.context_tokens == 2000
-        # Calibrated on the refusal's numbers (2000 of the 2,3xx tokens it needed), the estimate still lets
-        # every prompt that fits through: the ones after the refusal too.
+        # Calibrated on the refusal's numbers (2000 of the 2,3xx tokens it needed), the estimate
+        # still lets every prompt that fits through: the ones after the refusal too.
         assert 0 < sum(fit) < len(fit) and fit[-3:] == [True, True, True]
         assert server.posts == 1 + sum(fit) and failed == len(fit) - sum(fit)
         assert judge.context_refused == failed - 1
@@ -268,7 +300,8 @@ async def test_a_context_refusal_does_not_open_the_circuit(server: ScriptedServe
     server.default = Reply(400, REFUSALS["vllm"][0])
     circuit = CircuitJudge(OpenAIJudge(base_url=server.url, model="scripted-model"), threshold=2)
     try:
-        assert circuit.context_tokens is None  # what a prompt budget reads through the daemon's circuit
+        # what a prompt budget reads through the daemon's circuit
+        assert circuit.context_tokens is None
         for _ in range(5):
             with pytest.raises(JudgeError, match="context_overflow"):
                 await circuit.grade(JudgeRequest(prompt(40_000)))
@@ -289,18 +322,23 @@ async def test_context_overflow_is_counted_under_its_reason_in_the_metrics(
     async with Monitor(MonitorConfig(), judge=judge, registry=reg) as mon:
         await mon.handle("agents/r/start", json.dumps({"task": "t" * task_chars}).encode())
         for i in range(1, 9):
-            await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i} " + "x" * 2_000}).encode())
+            await mon.handle(
+                "agents/r/step", json.dumps({"index": i, "text": f"s{i} " + "x" * 2_000}).encode()
+            )
             await mon.drain()
-    overflow = reg.get_sample_value("agent_monitor_scoring_failures_total", {"reason": "context_overflow"})
+    overflow = reg.get_sample_value(
+        "agent_monitor_scoring_failures_total", {"reason": "context_overflow"}
+    )
     bad = reg.get_sample_value("agent_monitor_scoring_failures_total", {"reason": "bad_request"})
     ok_ = reg.get_sample_value("agent_monitor_scorings_total", {"outcome": "ok"}) or 0
     assert len(refused) == 1 and judge.context_tokens == 2000 and bad == 0
     if task_chars == 1:
-        # The refused prefix was laid out again under the learned budget and asked once more: no step lost.
+        # The refused prefix was laid out again under the learned budget and asked once more: no
+        # step lost.
         assert ok_ == 8 and overflow == 0 and server.posts == 8 + 1
     else:
-        # A task longer than the context: no budget can fit it, every scoring fails, counted as context_overflow;
-        # only the first request reached the server.
+        # A task longer than the context: no budget can fit it, every scoring fails, counted as
+        # context_overflow; only the first request reached the server.
         assert ok_ == 0 and overflow == 8 and server.posts == 1
 
 
@@ -308,7 +346,8 @@ async def test_context_overflow_is_counted_under_its_reason_in_the_metrics(
 
 
 def _retained_growth(server: ScriptedServer, calls: int) -> tuple[float, int]:
-    """Bytes still allocated per failed call after `calls` failed scorings (the first 100 excluded), and the calls."""
+    """Bytes still allocated per failed call after `calls` failed scorings (the first 100
+    excluded), and the calls."""
 
     async def run() -> tuple[float, int]:
         judge = OpenAIJudge(base_url=server.url, model="scripted-model", max_retries=0)
@@ -324,8 +363,9 @@ def _retained_growth(server: ScriptedServer, calls: int) -> tuple[float, int]:
         finally:
             await judge.aclose()
 
-    # The cyclic collector off, as a busy daemon runs it seldom (serve --gc-threshold): what a failed call leaves
-    # behind must be freed by reference counting alone, not wait for a collection.
+    # The cyclic collector off, as a busy daemon runs it seldom (serve --gc-threshold): what a
+    # failed call leaves behind must be freed by reference counting alone, not wait for a
+    # collection.
     gc.collect()
     gc.disable()
     tracemalloc.start()
@@ -341,14 +381,18 @@ def _retained_growth(server: ScriptedServer, calls: int) -> tuple[float, int]:
 def test_memory_stays_flat_over_500_failed_calls(refusal: str) -> None:
     with scripted_server(record=False) as s:
         if refusal == "generic":  # every call reaches the server and fails
-            s.default = Reply(400, {"error": {"message": "unsupported parameter", "code": "invalid_value"}})
+            s.default = Reply(
+                400, {"error": {"message": "unsupported parameter", "code": "invalid_value"}}
+            )
         else:  # the first teaches the judge its context; the others are refused unsent
             s.default = Reply(400, REFUSALS["vllm"][0])
         per_call, posts = _retained_growth(s, 500)
-    # Context: the 200 KB prompt is refused and teaches 8,192 tokens; the tracker's window then sends one prompt
-    # bounded to that context (this server refuses it too, and the judge learns from it); the rest go unsent.
+    # Context: the 200 KB prompt is refused and teaches 8,192 tokens; the tracker's window then
+    # sends one prompt bounded to that context (this server refuses it too, and the judge learns
+    # from it); the rest go unsent.
     assert posts == (500 if refusal == "generic" else 2)
-    # A failed call that left its request behind would hold 200 KB or more; bounded state holds nothing per call.
+    # A failed call that left its request behind would hold 200 KB or more; bounded state holds
+    # nothing per call.
     assert per_call < 1_000, f"{per_call:.0f} bytes retained per failed call"
     assert math.isfinite(per_call)
 
@@ -360,24 +404,38 @@ async def test_gemini_takes_the_model_s_input_token_limit_and_learns_from_its_re
     from agent_monitor.judges.gemini import GeminiJudge
     from tests.gemini_server import GeminiServer, error, letter_reply
 
-    info = {"name": "models/gemini-2.5-flash", "inputTokenLimit": 1048576, "outputTokenLimit": 65536}
+    info = {
+        "name": "models/gemini-2.5-flash",
+        "inputTokenLimit": 1048576,
+        "outputTokenLimit": 65536,
+    }
     server = GeminiServer(model_info=info).start()
-    judge = GeminiJudge("gemini-2.5-flash", api_key="test", base_url=server.url, backoff_s=0.001, max_retries=3)
+    judge = GeminiJudge(
+        "gemini-2.5-flash", api_key="test", base_url=server.url, backoff_s=0.001, max_retries=3
+    )
     try:
         server.queue(letter_reply({"K": 1.0}))
         await judge.grade(JudgeRequest(prompt(100)))
         assert judge.context_tokens == 1048576 and len(server.gets) == 1
         server.queue(
-            error(400, "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).")
+            error(
+                400,
+                "The input token count (1200000) exceeds the maximum number of tokens "
+                "allowed (1048576).",
+            )
         )
         with pytest.raises(JudgeError) as err:
             await judge.grade(JudgeRequest(prompt(40_000)))
-        assert err.value.reason == "context_overflow" and (err.value.limit, err.value.requested) == (1048576, 1200000)
+        assert err.value.reason == "context_overflow" and (
+            err.value.limit,
+            err.value.requested,
+        ) == (1048576, 1200000)
         assert len(server.requests) == 2  # not retried
     finally:
         await judge.aclose()
         server.stop()
-    unknown = GeminiServer().start()  # a proxy without the models endpoint: the context stays unknown
+    # a proxy without the models endpoint: the context stays unknown
+    unknown = GeminiServer().start()
     judge = GeminiJudge("gemini-2.5-flash", api_key="test", base_url=unknown.url)
     try:
         unknown.queue(letter_reply({"K": 1.0}))
@@ -393,8 +451,10 @@ async def test_the_in_process_llama_judge_knows_its_n_ctx_and_learns_from_its_ow
     from agent_monitor.judges.llamacpp import LlamaCppJudge
     from tests.llama_models import gemma_path
 
-    assert LlamaCppJudge(gemma_path()).context_tokens == 8192  # its default n_ctx, the packaged judge's
-    assert LlamaCppJudge(gemma_path(), n_ctx=4096, context_tokens=2048).context_tokens == 2048  # a setting narrows
+    # its default n_ctx, the packaged judge's
+    assert LlamaCppJudge(gemma_path()).context_tokens == 8192
+    # a setting narrows
+    assert LlamaCppJudge(gemma_path(), n_ctx=4096, context_tokens=2048).context_tokens == 2048
     judge = LlamaCppJudge(gemma_path(), n_ctx=512)
     try:
         assert judge.context_tokens == 512
@@ -403,7 +463,8 @@ async def test_the_in_process_llama_judge_knows_its_n_ctx_and_learns_from_its_ow
         assert err.value.reason == "context_overflow" and err.value.limit == 512
         evaluated = judge.tokens_evaluated
         with pytest.raises(JudgeError, match="not sent"):
-            await judge.grade(JudgeRequest(prompt(8_000)))  # refused before tokenizing, the second time
+            # refused before tokenizing, the second time
+            await judge.grade(JudgeRequest(prompt(8_000)))
         assert judge.context_refused == 1 and judge.tokens_evaluated == evaluated
         resp = await judge.grade(JudgeRequest(prompt(100)))  # a prompt that fits is still graded
         assert resp.samples[0]
@@ -414,7 +475,9 @@ async def test_the_in_process_llama_judge_knows_its_n_ctx_and_learns_from_its_ow
 # -- judge calls nobody reads --
 
 
-async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_superseded_in_flight_is_counted() -> None:
+async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_superseded_in_flight_is_counted() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     from agent_monitor.testing import FakeJudge
 
     reg = CollectorRegistry()
@@ -423,7 +486,8 @@ async def test_a_prefix_superseded_before_it_starts_is_not_scored_and_one_supers
         await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
         await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "s1"}).encode())
         await asyncio.sleep(0.1)  # the prefix of step 1 is with the judge now
-        for i in (2, 3):  # they supersede it in flight; 2 is superseded by 3 before its scoring starts
+        # they supersede it in flight; 2 is superseded by 3 before its scoring starts
+        for i in (2, 3):
             await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
         await mon.drain()
         scoring = mon.statistics().scoring
@@ -445,7 +509,8 @@ async def test_the_judge_context_flag_its_environment_twin_and_the_hook_s_judge(
     for environ, argv, expected in [
         ({}, given, None),
         ({"AGENT_MONITOR_JUDGE_CONTEXT": "4096"}, given, 4096),
-        ({"AGENT_MONITOR_JUDGE_CONTEXT": "4096"}, [*given, "--judge-context", "2048"], 2048),  # the flag wins
+        # the flag wins
+        ({"AGENT_MONITOR_JUDGE_CONTEXT": "4096"}, [*given, "--judge-context", "2048"], 2048),
     ]:
         parser = argparse.ArgumentParser()
         add_flags(parser, JudgeOptions, environ, title="judge")
@@ -458,7 +523,10 @@ async def test_the_judge_context_flag_its_environment_twin_and_the_hook_s_judge(
     add_flags(parser, JudgeOptions, {}, title="judge")
     with pytest.raises(CliError, match="--judge-context"):
         build_judge(build(JudgeOptions, parser.parse_args([*given, "--judge-context", "0"])))
-    env = {"AGENT_MONITOR_JUDGE_URL": "http://127.0.0.1:9/v1", "AGENT_MONITOR_JUDGE_CONTEXT": "1024"}
+    env = {
+        "AGENT_MONITOR_JUDGE_URL": "http://127.0.0.1:9/v1",
+        "AGENT_MONITOR_JUDGE_CONTEXT": "1024",
+    }
     hook_judge = judge_from_env("m", environ=env)
     try:
         assert hook_judge.context_tokens == 1024
@@ -468,12 +536,16 @@ async def test_the_judge_context_flag_its_environment_twin_and_the_hook_s_judge(
         judge_from_env("m", environ={**env, "AGENT_MONITOR_JUDGE_CONTEXT": "lots"})
 
 
-async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_published(broker: Any) -> None:
+async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_published(
+    broker: Any,
+) -> None:
     from agent_monitor.testing import FakeJudge
     from agent_monitor.wire import BrokerSettings
 
     judge = FakeJudge(lambda p: "K")
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}")
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}"
+    )
     async with Monitor(config, judge=judge) as mon:
         await mon.handle("agents/r/start", json.dumps({"task": "t"}).encode())
         await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "s1"}).encode())
@@ -489,7 +561,8 @@ async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_publishe
         for i in (3, 4, 5):
             await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"s{i}"}).encode())
             await asyncio.sleep(0.05)
-        assert len(judge.requests) == 2  # held: a score for 3, 4 or 5 would only queue behind 2's, unread
+        # held: a score for 3, 4 or 5 would only queue behind 2's, unread
+        assert len(judge.requests) == 2
         held = mon.statistics().scoring.held
         assert held >= 1
         broker.start()  # the link reconnects, 2's score goes out, and one scoring covers 3-5
@@ -502,20 +575,40 @@ async def test_no_scoring_starts_while_the_run_s_last_score_waits_to_be_publishe
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
-async def test_the_openai_judge_summarises_with_one_plain_completion(server: ScriptedServer, api: str) -> None:
+async def test_the_openai_judge_summarises_with_one_plain_completion(
+    server: ScriptedServer, api: str
+) -> None:
     text = "The agent installed the package and the tests pass."
     if api == "chat":
-        reply = {"choices": [{"message": {"role": "assistant", "content": text}}], "usage": {"prompt_tokens": 900}}
+        reply = {
+            "choices": [{"message": {"role": "assistant", "content": text}}],
+            "usage": {"prompt_tokens": 900},
+        }
     else:
-        reply = {"choices": [{"text": text}], "usage": {"prompt_tokens": 900, "completion_tokens": 12}}
+        reply = {
+            "choices": [{"text": text}],
+            "usage": {"prompt_tokens": 900, "completion_tokens": 12},
+        }
     server.default = Reply(200, reply)
-    judge = OpenAIJudge(base_url=server.url, model="scripted-model", api=api, extra_body={"grammar": "root ::= [A-T]"})
+    judge = OpenAIJudge(
+        base_url=server.url,
+        model="scripted-model",
+        api=api,
+        extra_body={"grammar": "root ::= [A-T]"},
+    )
     try:
-        said, usage = await judge.summarise("Summarise these steps.", max_tokens=200, model="smaller-model")
+        said, usage = await judge.summarise(
+            "Summarise these steps.", max_tokens=200, model="smaller-model"
+        )
         assert said == text and usage.input_tokens == 900
         body = server.requests[-1]
-        assert body["model"] == "smaller-model" and body["max_tokens"] == 200 and body["temperature"] == 0.0
-        assert "grammar" not in body and "logprobs" not in body  # extra_body shapes grading answers, not summaries
+        assert (
+            body["model"] == "smaller-model"
+            and body["max_tokens"] == 200
+            and body["temperature"] == 0.0
+        )
+        # extra_body shapes grading answers, not summaries
+        assert "grammar" not in body and "logprobs" not in body
         assert server.paths[-1].endswith("/chat/completions" if api == "chat" else "/completions")
         await judge.summarise("again", max_tokens=10)
         assert server.requests[-1]["model"] == "scripted-model"  # None: the judge's own model

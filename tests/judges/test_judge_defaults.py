@@ -1,4 +1,5 @@
-"""A judge's recommended minimum letter mass, the hook's spelled-out options, and what a low mass says to do."""
+"""A judge's recommended minimum letter mass, the hook's spelled-out options, and what a low mass
+says to do."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ THIN = {"K": 0.1, "The": 0.9}
 
 
 def tiny_fake(answers: Any = None) -> FakeJudge:
-    """A FakeJudge that recommends a low minimum mass, as LlamaCppJudge on a packaged tiny model does."""
+    """A FakeJudge that recommends a low minimum mass, as LlamaCppJudge on a packaged tiny model
+    does."""
     judge = FakeJudge(answers if answers is not None else [THIN])
     judge.min_mass = 0.05
     return judge
@@ -47,7 +49,9 @@ def test_low_mass_error_names_the_setting_and_what_to_do() -> None:
     assert "min_mass" in str(e) and "--min-mass" in str(e)
     assert "lower min_mass, or use a stronger judge" in str(e)
     # A value to try, spelt out for both places (not the empty "min_mass=;" it used to print).
-    assert "min_mass=0.08 in Python, --min-mass 0.08 on the command line" in str(e) and "=;" not in str(e)
+    assert "min_mass=0.08 in Python, --min-mass 0.08 on the command line" in str(
+        e
+    ) and "=;" not in str(e)
 
 
 # -- the judge's recommendation, unless the user sets min_mass --
@@ -121,7 +125,9 @@ async def test_daemon_uses_the_judges_recommendation_unless_configured() -> None
     assert explicit["ok"] is False and explicit["reason"] == "low_mass"
 
 
-def test_min_mass_flag_defaults_to_the_judges_and_an_explicit_one_wins(capsys: pytest.CaptureFixture[str]) -> None:
+def test_min_mass_flag_defaults_to_the_judges_and_an_explicit_one_wins(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     for command in (["serve"], ["score", "x.json"], ["eval", "x"], ["demo"]):
         args = _parser({}).parse_args(command)
         assert args.min_mass is None, command
@@ -155,7 +161,8 @@ def test_progress_tracker_typo_names_progress_tracker() -> None:
 def test_progress_tracker_signature_spells_out_the_async_trackers_options() -> None:
     sync = inspect.signature(ProgressTracker)
     core = inspect.signature(AsyncProgressTracker)
-    # Every option a keyword of its own (generated from TrackerOptions' fields), none hidden in **options.
+    # Every option a keyword of its own (generated from TrackerOptions' fields), none hidden in
+    # **options.
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sync.parameters.values())
     assert "min_mass" in sync.parameters
     assert "extract_budget_s" in sync.parameters
@@ -164,7 +171,9 @@ def test_progress_tracker_signature_spells_out_the_async_trackers_options() -> N
     ]
     for fn in (track, atrack):
         sig = inspect.signature(fn)
-        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()), fn.__name__
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()), (
+            fn.__name__
+        )
         # Same options and defaults as the tracker, except `images`, which is per step here.
         for name, p in core.parameters.items():
             if name not in ("task", "images"):
@@ -202,15 +211,19 @@ def test_only_the_packaged_tiny_models_recommend_a_low_min_mass(tmp_path: Path) 
     from agent_monitor.judges.llamacpp import TINY_MIN_MASS, LlamaCppJudge, TinyJudgeWarning
     from tests.llama_models import smollm2_path
 
-    with pytest.warns(TinyJudgeWarning, match="tiny judge for demos and trials, not a real grader") as caught:
+    with pytest.warns(
+        TinyJudgeWarning, match="tiny judge for demos and trials, not a real grader"
+    ) as caught:
         default = LlamaCppJudge()  # the packaged Gemma 3 270M
     assert len(caught) == 1 and "min_mass=0.05" in str(caught[0].message)
-    assert caught[0].filename == __file__  # pointed at the user's line, so Python shows it once per line
+    # pointed at the user's line, so Python shows it once per line
+    assert caught[0].filename == __file__
     assert default.min_mass == TINY_MIN_MASS == 0.05
     with pytest.warns(TinyJudgeWarning, match="SmolLM2-135M"):
         smol = LlamaCppJudge(smollm2_path())
     assert smol.min_mass == TINY_MIN_MASS
-    # Another GGUF, even one named like a packaged model, is the user's own: no recommendation, no warning.
+    # Another GGUF, even one named like a packaged model, is the user's own: no recommendation, no
+    # warning.
     other = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     other.write_bytes(b"GGUF")
     with warnings.catch_warnings():

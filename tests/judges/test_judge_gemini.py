@@ -68,7 +68,9 @@ async def make_judge(server: GeminiServer) -> AsyncIterator[Callable[..., Gemini
 
 def prompt(steps: tuple[Step, ...] = (Step(1, "did x"),)) -> Prompt:
     rubric = load_criteria(None)
-    return build_prompt("Fix the failing test in repo foo.", rubric, list(steps), rubric.criteria[0])
+    return build_prompt(
+        "Fix the failing test in repo foo.", rubric, list(steps), rubric.criteria[0]
+    )
 
 
 def png(color: tuple[int, int, int] = (255, 0, 0), fmt: str = "PNG") -> Frame:
@@ -85,11 +87,13 @@ def config(req: Received) -> dict[str, Any]:
 
 
 def key(d: Any, camel: str, snake: str) -> Any:
-    """A field the SDK may serialise in either spelling (it sends some nested fields in snake_case)."""
+    """A field the SDK may serialise in either spelling (it sends some nested fields in
+    snake_case)."""
     return d[camel] if camel in d else d[snake]
 
 
-# --- scores ---------------------------------------------------------------------------------------------------
+# --- scores
+# --------------------------------------------------------------------------------------------------
 
 
 async def test_exact_logprobs_give_the_exact_expectation(
@@ -132,7 +136,9 @@ async def test_the_letter_is_read_at_the_first_generated_letter_position(
 async def test_the_chosen_token_counts_even_when_missing_from_the_top_candidates(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
-    server.queue(response(candidate(step({"C": ln(0.5), "E": ln(0.3)}, chosen="D", chosen_lp=ln(0.2)))))
+    server.queue(
+        response(candidate(step({"C": ln(0.5), "E": ln(0.3)}, chosen="D", chosen_lp=ln(0.2))))
+    )
     (sample,) = (await make_judge().grade(JudgeRequest(prompt()))).samples
 
     assert sample is not None and sample["D"] == pytest.approx(ln(0.2))
@@ -171,14 +177,24 @@ async def test_a_sliver_of_letter_mass_is_no_score(
 async def test_a_candidate_without_logprobs_is_an_empty_sample(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
-    bare = {"content": {"role": "model", "parts": [{"text": "C"}]}, "finishReason": "STOP", "index": 0}
+    bare = {
+        "content": {"role": "model", "parts": [{"text": "C"}]},
+        "finishReason": "STOP",
+        "index": 0,
+    }
     server.queue(response(bare))
     resp = await make_judge().grade(JudgeRequest(prompt()))
     assert resp.samples == (None,)
 
 
-async def test_a_blocked_prompt_is_a_judge_error(server: GeminiServer, make_judge: Callable[..., GeminiJudge]) -> None:
-    server.queue(Reply({"promptFeedback": {"blockReason": "SAFETY"}, "usageMetadata": {"promptTokenCount": 9}}))
+async def test_a_blocked_prompt_is_a_judge_error(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
+    server.queue(
+        Reply(
+            {"promptFeedback": {"blockReason": "SAFETY"}, "usageMetadata": {"promptTokenCount": 9}}
+        )
+    )
     with pytest.raises(JudgeError) as exc:
         await make_judge().grade(JudgeRequest(prompt()))
     assert exc.value.reason == "blocked" and not exc.value.retryable
@@ -186,7 +202,8 @@ async def test_a_blocked_prompt_is_a_judge_error(server: GeminiServer, make_judg
     assert len(server.requests) == 1
 
 
-# --- the request ----------------------------------------------------------------------------------------------
+# --- the request
+# ----------------------------------------------------------------------------------------------
 
 
 async def test_the_request_asks_for_logprobs_of_one_token_with_the_prompt(
@@ -229,7 +246,9 @@ async def test_images_are_sent_inline_in_prompt_order(
     first, second = png((255, 0, 0)), png((0, 0, 255), fmt="JPEG")
     assert (first.mime, second.mime) == ("image/png", "image/jpeg")
     server.queue(letter_reply({"C": 0.0}))
-    resp = await make_judge().grade(JudgeRequest(prompt((Step(1, "did x", frames=(first, second)),))))
+    resp = await make_judge().grade(
+        JudgeRequest(prompt((Step(1, "did x", frames=(first, second)),)))
+    )
     assert resp.images_dropped == 0
 
     parts = list(iter_parts(server.requests[0]))
@@ -243,7 +262,8 @@ async def test_images_are_sent_inline_in_prompt_order(
         ("image/png", first.data),
         ("image/jpeg", second.data),
     ]
-    # The anchor frame follows its step's text; the recent frame sits in the tail before the question.
+    # The anchor frame follows its step's text; the recent frame sits in the tail before the
+    # question.
     text_before = "".join(part.get("text", "") for part in parts[: images[0][0]])
     assert text_before.endswith("### Step 1\ndid x\n")
     assert "## Question" in "".join(part.get("text", "") for part in parts[images[1][0] :])
@@ -264,7 +284,8 @@ async def test_without_vision_images_become_text_placeholders(
     assert frame.describe() in "".join(part["text"] for part in parts)
 
 
-# --- usage ----------------------------------------------------------------------------------------------------
+# --- usage
+# --------------------------------------------------------------------------------------------------
 
 
 async def test_token_usage_is_carried_into_the_response(
@@ -279,11 +300,13 @@ async def test_token_usage_is_carried_into_the_response(
     second = await judge.grade(JudgeRequest(prompt()))
 
     assert first.usage == Usage(input_tokens=1234, cached_input_tokens=1000, output_tokens=1)
-    assert second.usage == Usage(input_tokens=1300, cached_input_tokens=1200, output_tokens=8)  # thinking is output
+    # thinking is output
+    assert second.usage == Usage(input_tokens=1300, cached_input_tokens=1200, output_tokens=8)
     assert judge.usage == Usage(2534, 2200, 9)
 
 
-# --- repeats --------------------------------------------------------------------------------------------------
+# --- repeats
+# --------------------------------------------------------------------------------------------------
 
 
 async def test_k_repeats_go_as_one_request_with_candidate_count(
@@ -337,7 +360,8 @@ async def test_a_rejected_candidate_count_falls_back_to_separate_requests(
     assert judge.supports_candidates is False and resp.attempts == 1
 
 
-# --- without logprobs: sampled answers -------------------------------------------------------------------------
+# --- without logprobs: sampled answers
+# -------------------------------------------------------------------------
 
 # The scripted model's answer distribution: 10% of answers are not a letter at all.
 TRUE = {"E": 0.3, "K": 0.4, "R": 0.2, "Sure": 0.1}
@@ -347,7 +371,8 @@ TRUE_STD = math.sqrt(sum(p * (LETTERS.index(t) / 19 - TRUE_MEAN) ** 2 for t, p i
 
 
 def sampler(seed: int, *, max_candidates: int = 8) -> Callable[[Any], Reply]:
-    """Answers drawn from TRUE, `candidateCount` of them (at most `max_candidates`), as text without logprobs."""
+    """Answers drawn from TRUE, `candidateCount` of them (at most `max_candidates`), as text
+    without logprobs."""
     rng = random.Random(seed)
     tokens, weights = zip(*TRUE.items(), strict=True)
 
@@ -357,7 +382,11 @@ def sampler(seed: int, *, max_candidates: int = 8) -> Callable[[Any], Reply]:
             return error(400, f"Multiple candidates is not enabled for models/{MODEL}")
         draws = rng.choices(tokens, weights, k=n)
         return response(
-            *(text_candidate(t + ("." if i % 3 == 0 else ""), index=i) for i, t in enumerate(draws)), output=n
+            *(
+                text_candidate(t + ("." if i % 3 == 0 else ""), index=i)
+                for i, t in enumerate(draws)
+            ),
+            output=n,
         )
 
     return answer
@@ -368,7 +397,8 @@ async def test_sampled_expectation_converges_within_the_stated_error(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge], k: int
 ) -> None:
     server.default = sampler(seed=k)
-    # A long timeout: a retried call (on a loaded machine) would send its draws again and break the count.
+    # A long timeout: a retried call (on a loaded machine) would send its draws again and break the
+    # count.
     judge = make_judge(logprobs=False, samples=k, timeout_s=60.0, max_retries=0)
     t = AsyncProgressTracker("task", judge=judge, min_mass=0.5)
     p = await t.update("did a thing")
@@ -379,12 +409,19 @@ async def test_sampled_expectation_converges_within_the_stated_error(
     stated = TRUE_STD / math.sqrt(0.9 * k)
     assert c.sampling_error == pytest.approx(stated, rel=0.5)
     assert abs(p.score - TRUE_MEAN) <= 4 * stated  # within the stated sampling error
-    assert p.uncertainty == pytest.approx(math.sqrt(c.dispersion**2 + c.sampling_error**2), rel=1e-6)
+    assert p.uncertainty == pytest.approx(
+        math.sqrt(c.dispersion**2 + c.sampling_error**2), rel=1e-6
+    )
     cfgs = [config(r) for r in server.requests]
     # No logprobs asked for (a model without them refuses the request), sampled at temperature 1.
-    assert all("responseLogprobs" not in c and "logprobs" not in c and c["temperature"] == 1.0 for c in cfgs)
+    assert all(
+        "responseLogprobs" not in c and "logprobs" not in c and c["temperature"] == 1.0
+        for c in cfgs
+    )
     # Draws go 8 candidates per request, the API's limit.
-    assert sorted(c["candidateCount"] for c in cfgs) == sorted([8] * (k // 8) + ([k % 8] if k % 8 else []))
+    assert sorted(c["candidateCount"] for c in cfgs) == sorted(
+        [8] * (k // 8) + ([k % 8] if k % 8 else [])
+    )
     assert p.usage.output_tokens == k and p.usage.input_tokens == 100 * len(cfgs)
 
 
@@ -401,7 +438,8 @@ async def test_sampled_repeats_each_get_their_own_draws(
 async def test_a_model_refusing_several_candidates_is_sampled_one_answer_per_request(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
-    server.default = sampler(seed=1, max_candidates=1)  # Gemini 2.0 and 3 models: 400 for candidateCount > 1
+    # Gemini 2.0 and 3 models: 400 for candidateCount > 1
+    server.default = sampler(seed=1, max_candidates=1)
     judge = make_judge(logprobs=False, samples=6)
     t = AsyncProgressTracker("task", judge=judge, min_mass=0.1)
     p = await t.update("x")
@@ -418,7 +456,10 @@ async def test_sampled_answers_that_are_never_letters_fail_loudly(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
     server.default = lambda body: response(
-        *(text_candidate("The answer is K", index=i) for i in range(body["generationConfig"]["candidateCount"]))
+        *(
+            text_candidate("The answer is K", index=i)
+            for i in range(body["generationConfig"]["candidateCount"])
+        )
     )
     t = AsyncProgressTracker("task", judge=make_judge(logprobs=False, samples=5))
     p = await t.update("x")
@@ -429,7 +470,10 @@ async def test_sampled_reads_the_answer_not_the_thoughts(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge]
 ) -> None:
     thinking = {
-        "content": {"role": "model", "parts": [{"text": "Probably Q", "thought": True}, {"text": "C"}]},
+        "content": {
+            "role": "model",
+            "parts": [{"text": "Probably Q", "thought": True}, {"text": "C"}],
+        },
         "finishReason": "STOP",
         "index": 0,
     }
@@ -438,7 +482,8 @@ async def test_sampled_reads_the_answer_not_the_thoughts(
     assert resp.samples == ({"C": 0.0},)
 
 
-# --- errors and retries ---------------------------------------------------------------------------------------
+# --- errors and retries
+# ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -452,7 +497,10 @@ async def test_sampled_reads_the_answer_not_the_thoughts(
 async def test_429_honours_the_servers_wait_hint_then_succeeds(
     server: GeminiServer, make_judge: Callable[..., GeminiJudge], hint: dict[str, Any]
 ) -> None:
-    server.queue(error(429, "Resource has been exhausted (e.g. check quota).", **hint), letter_reply({"C": 0.0}))
+    server.queue(
+        error(429, "Resource has been exhausted (e.g. check quota).", **hint),
+        letter_reply({"C": 0.0}),
+    )
     judge = make_judge(max_retries=2, backoff_s=0.001)
     resp = await judge.grade(JudgeRequest(prompt()))
 
@@ -481,7 +529,9 @@ async def test_an_injected_client_with_its_own_retries_still_gets_none(
     server.default = error(503, "The model is overloaded.")
     client = genai.Client(
         api_key="test",
-        http_options=types.HttpOptions(base_url=server.url, retry_options=types.HttpRetryOptions(attempts=5)),
+        http_options=types.HttpOptions(
+            base_url=server.url, retry_options=types.HttpRetryOptions(attempts=5)
+        ),
     )
     try:
         judge = make_judge(client=client, max_retries=1)
@@ -503,7 +553,11 @@ async def test_an_injected_client_with_its_own_retries_still_gets_none(
         (error(401, "Request had invalid authentication credentials."), "auth"),
         (error(403, "Permission denied."), "auth"),
         (
-            error(400, "API key not valid. Please pass a valid API key.", details=[{"reason": "API_KEY_INVALID"}]),
+            error(
+                400,
+                "API key not valid. Please pass a valid API key.",
+                details=[{"reason": "API_KEY_INVALID"}],
+            ),
             "auth",
         ),
         (error(404, f"models/{MODEL} is not found for API version v1beta"), "not_found"),
@@ -521,7 +575,9 @@ async def test_client_errors_are_not_retried(
     assert len(server.requests) == 1
 
 
-async def test_a_slow_server_times_out(server: GeminiServer, make_judge: Callable[..., GeminiJudge]) -> None:
+async def test_a_slow_server_times_out(
+    server: GeminiServer, make_judge: Callable[..., GeminiJudge]
+) -> None:
     server.queue(Reply(letter_reply({"C": 0.0}).body, delay_s=3.0))
     judge = make_judge(timeout_s=0.3, max_retries=0)
     start = time.perf_counter()
@@ -531,7 +587,9 @@ async def test_a_slow_server_times_out(server: GeminiServer, make_judge: Callabl
     assert time.perf_counter() - start < 2.0
 
 
-async def test_an_unreachable_server_is_a_connection_error(make_judge: Callable[..., GeminiJudge]) -> None:
+async def test_an_unreachable_server_is_a_connection_error(
+    make_judge: Callable[..., GeminiJudge],
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed on exit: nothing listens there
@@ -541,7 +599,8 @@ async def test_an_unreachable_server_is_a_connection_error(make_judge: Callable[
     assert exc.value.reason == "connection" and exc.value.retryable
 
 
-# --- construction ---------------------------------------------------------------------------------------------
+# --- construction
+# ---------------------------------------------------------------------------------------------
 
 
 def test_no_api_key_names_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent_monitor import AsyncProgressTracker, JudgeError, JudgeRequest, OpenAIJudge, load_criteria, load_image
+from agent_monitor import (
+    AsyncProgressTracker,
+    JudgeError,
+    JudgeRequest,
+    OpenAIJudge,
+    load_criteria,
+    load_image,
+)
 from agent_monitor.prompts import Step, build_prompt
 from agent_monitor.scale import distribution
 from tests.openai_server import (
@@ -42,11 +49,18 @@ async def test_chat_exact_logprobs_to_exact_score_and_request_shape(server: Scri
     assert resp.model == "scripted-model"  # read from /v1/models
     d = distribution(resp.samples[0])  # type: ignore[arg-type]
     assert d.expectation == pytest.approx(EXPECTED)
-    assert resp.usage.input_tokens == 321 and resp.usage.cached_input_tokens == 300 and resp.usage.output_tokens == 1
+    assert (
+        resp.usage.input_tokens == 321
+        and resp.usage.cached_input_tokens == 300
+        and resp.usage.output_tokens == 1
+    )
     req = server.requests[0]
     assert req["max_tokens"] == 1 and req["logprobs"] is True and req["top_logprobs"] == 20
     assert req["temperature"] == 0.0 and "n" not in req
-    assert req["messages"][0]["role"] == "system" and "20-letter scale" in req["messages"][0]["content"]
+    assert (
+        req["messages"][0]["role"] == "system"
+        and "20-letter scale" in req["messages"][0]["content"]
+    )
     assert "### Step 2\nstep 2: ran tests" in req["messages"][1]["content"]
     await judge.aclose()
 
@@ -64,7 +78,9 @@ async def test_tracker_end_to_end_scores_from_server(server: ScriptedServer) -> 
 
 async def test_first_letter_token_is_read_not_the_first_character(server: ScriptedServer) -> None:
     # "The" first, then " K": the reader skips "The" (it is not the letter T) and reads at " K".
-    server.add(chat_reply(chat_choice([("The", {"The": 0.9, "T": 0.1}), (" K", {" K": 0.8, " L": 0.2})])))
+    server.add(
+        chat_reply(chat_choice([("The", {"The": 0.9, "T": 0.1}), (" K", {" K": 0.8, " L": 0.2})]))
+    )
     judge = OpenAIJudge(base_url=server.url, model="m", max_tokens=4)
     resp = await judge.grade(JudgeRequest(prompt()))
     d = distribution(resp.samples[0])  # type: ignore[arg-type]
@@ -111,13 +127,16 @@ async def test_missing_logprobs_is_a_failure(server: ScriptedServer) -> None:
 
 async def test_429_then_success_honours_retry_after(server: ScriptedServer) -> None:
     server.add(
-        Reply(429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"Retry-After": "0.3"}),
+        Reply(
+            429, {"error": {"message": "slow down", "type": "rate_limit"}}, {"Retry-After": "0.3"}
+        ),
         chat_reply(chat_choice([("C", LETTER_DIST)])),
     )
     judge = OpenAIJudge(base_url=server.url, model="m", backoff_s=0.001)
     resp = await judge.grade(JudgeRequest(prompt()))
     assert resp.attempts == 2 and len(server.requests) == 2
-    assert server.times[1] - server.times[0] >= 0.29  # waited for the server's hint, not the 1 ms backoff
+    # waited for the server's hint, not the 1 ms backoff
+    assert server.times[1] - server.times[0] >= 0.29
     assert distribution(resp.samples[0]).expectation == pytest.approx(EXPECTED)  # type: ignore[arg-type]
 
 
@@ -129,7 +148,12 @@ async def test_persistent_500_fails_after_bounded_retries(server: ScriptedServer
     assert e.value.reason == "server_error" and len(server.requests) == 3
     t = AsyncProgressTracker("task", judge=judge)
     p = await t.update("x")
-    assert not p.ok and p.score is None and p.reason == "server_error" and "HTTP 500" in (p.error or "")
+    assert (
+        not p.ok
+        and p.score is None
+        and p.reason == "server_error"
+        and "HTTP 500" in (p.error or "")
+    )
     assert judge.failures == 2
 
 
@@ -144,7 +168,9 @@ async def test_400_is_not_retried(server: ScriptedServer) -> None:
 
 async def test_timeout_is_a_retryable_failure(server: ScriptedServer) -> None:
     server.default = Reply(delay_s=1.0, body=chat_reply(chat_choice([("C", LETTER_DIST)])).body)
-    judge = OpenAIJudge(base_url=server.url, model="m", timeout_s=0.2, max_retries=1, backoff_s=0.001)
+    judge = OpenAIJudge(
+        base_url=server.url, model="m", timeout_s=0.2, max_retries=1, backoff_s=0.001
+    )
     t0 = time.monotonic()
     with pytest.raises(JudgeError) as e:
         await judge.grade(JudgeRequest(prompt()))
@@ -178,11 +204,14 @@ async def test_a_web_page_instead_of_an_openai_server_is_a_clear_bad_response(ap
         await unprobed.aclose()
     path = "chat/completions" if api == "chat" else "completions"
     for err in (e.value, listed.value):
-        assert err.reason == "bad_response" and not err.retryable  # the same page comes back every time
+        # the same page comes back every time
+        assert err.reason == "bad_response" and not err.retryable
         assert "answered HTTP 200 text/html '<html>hello</html>'" in str(err)
         assert f"{url} does not look like an OpenAI-compatible server" in str(err)
         assert "check base_url (it usually ends in /v1)" in str(err)
-    assert f"{url}/{path} answered" in str(e.value) and f"{url}/models answered" in str(listed.value)
+    assert f"{url}/{path} answered" in str(e.value) and f"{url}/models answered" in str(
+        listed.value
+    )
     assert judge.calls == 1  # not retried
     assert not p.ok and p.reason == "bad_response" and url in (p.error or "")
 
@@ -190,7 +219,10 @@ async def test_a_web_page_instead_of_an_openai_server_is_a_clear_bad_response(ap
 async def test_json_that_is_not_a_completion_is_a_bad_response(server: ScriptedServer) -> None:
     judge = OpenAIJudge(base_url=server.url, model="m")
     server.add(Reply(200, {"detail": "welcome"}), Reply(200, {"choices": [1, 2]}))
-    with pytest.raises(JudgeError, match=r"without a `choices` list\): .* does not look like an OpenAI-compatible"):
+    with pytest.raises(
+        JudgeError,
+        match=r"without a `choices` list\): .* does not look like " r"an OpenAI-compatible",
+    ):
         await judge.grade(JudgeRequest(prompt()))
     with pytest.raises(JudgeError, match="choices of an unexpected shape") as e:
         await judge.grade(JudgeRequest(prompt()))
@@ -223,7 +255,9 @@ async def test_completions_api_for_models_without_chat_template(server: Scripted
     server.add(completion_reply([{" C": 0.5, " E": 0.3, "E": 0.2}]))
     judge = OpenAIJudge(base_url=server.url, model="m", api="completions")
     resp = await judge.grade(JudgeRequest(prompt()))
-    assert server.paths[0].endswith("/completions") and not server.paths[0].endswith("chat/completions")
+    assert server.paths[0].endswith("/completions") and not server.paths[0].endswith(
+        "chat/completions"
+    )
     req = server.requests[0]
     assert req["logprobs"] == 20 and req["max_tokens"] == 1 and req["prompt"].endswith("Answer:")
     assert distribution(resp.samples[0]).expectation == pytest.approx(EXPECTED)  # type: ignore[arg-type]
@@ -239,7 +273,9 @@ async def test_vllm_prefill_and_constrained_choice(server: ScriptedServer) -> No
     assert req["guided_choice"] == list("ABCDEFGHIJKLMNOPQRST")
 
 
-async def test_images_are_sent_as_data_urls_after_their_step(server: ScriptedServer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+async def test_images_are_sent_as_data_urls_after_their_step(
+    server: ScriptedServer, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     from PIL import Image
 
     path = tmp_path / "frame.png"
@@ -263,14 +299,19 @@ async def test_text_only_judge_gets_image_placeholders(server: ScriptedServer) -
     from PIL import Image
 
     server.default = chat_reply(chat_choice([("C", LETTER_DIST)]))
-    t = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", vision=False))
+    t = AsyncProgressTracker(
+        "task", judge=OpenAIJudge(base_url=server.url, model="m", vision=False)
+    )
     await t.update("look", images=[Image.new("RGB", (8, 8))])
     content = server.requests[0]["messages"][1]["content"]
     assert isinstance(content, str) and "[image 8x8 image/png" in content
 
 
 async def test_wrong_key_and_wrong_url_get_clear_reasons(server: ScriptedServer) -> None:
-    server.add(Reply(401, {"error": {"message": "bad key"}}), Reply(404, {"error": {"message": "no route"}}))
+    server.add(
+        Reply(401, {"error": {"message": "bad key"}}),
+        Reply(404, {"error": {"message": "no route"}}),
+    )
     judge = OpenAIJudge(base_url=server.url, model="m")
     with pytest.raises(JudgeError, match="refused the API key"):
         await judge.grade(JudgeRequest(prompt()))
@@ -316,15 +357,21 @@ async def test_server_refusing_n_gets_single_requests(server: ScriptedServer) ->
     assert len(resp.samples) == 2 and judge.supports_n is False
     assert [r.get("n", 1) for r in server.requests] == [2, 1, 1]
     await judge.grade(JudgeRequest(prompt(), repeats=2))
-    assert [r.get("n", 1) for r in server.requests][3:] == [1, 1]  # remembered: no batch asked again
+    # remembered: no batch asked again
+    assert [r.get("n", 1) for r in server.requests][3:] == [1, 1]
 
 
-async def test_text_only_server_refusing_images_gets_placeholders_for_a_while(server: ScriptedServer) -> None:
+async def test_text_only_server_refusing_images_gets_placeholders_for_a_while(
+    server: ScriptedServer,
+) -> None:
     from PIL import Image
 
     def answer(body):  # type: ignore[no-untyped-def]
-        if isinstance(body["messages"][1]["content"], list):  # what llama_cpp.server does without a vision model
-            return Reply(500, {"error": {"message": 'can only concatenate str (not "list") to str'}})
+        # what llama_cpp.server does without a vision model
+        if isinstance(body["messages"][1]["content"], list):
+            return Reply(
+                500, {"error": {"message": 'can only concatenate str (not "list") to str'}}
+            )
         return chat_reply(chat_choice([("C", LETTER_DIST)]))
 
     server.default = answer
@@ -336,12 +383,17 @@ async def test_text_only_server_refusing_images_gets_placeholders_for_a_while(se
     await t.update("again", images=[Image.new("RGB", (8, 8))])
     assert type(server.requests[-1]["messages"][1]["content"]) is str and len(server.requests) == 3
     # Asked for explicitly, images are never dropped: the refusal is the caller's failure to see.
-    strict = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", vision=True))
+    strict = AsyncProgressTracker(
+        "task", judge=OpenAIJudge(base_url=server.url, model="m", vision=True)
+    )
     q = await strict.update("look", images=[Image.new("RGB", (8, 8))])
-    assert not q.ok and q.reason == "bad_request" and len(server.requests) == 4  # not retried: it cannot help
+    # not retried: it cannot help
+    assert not q.ok and q.reason == "bad_request" and len(server.requests) == 4
 
 
-async def test_run_key_goes_hashed_in_the_named_field_and_nowhere_by_default(server: ScriptedServer) -> None:
+async def test_run_key_goes_hashed_in_the_named_field_and_nowhere_by_default(
+    server: ScriptedServer,
+) -> None:
     from agent_monitor.judges.openai import run_hint
 
     server.default = chat_reply(chat_choice([("K", {"K": 0.9})]))
@@ -355,7 +407,8 @@ async def test_run_key_goes_hashed_in_the_named_field_and_nowhere_by_default(ser
         assert judge.run_key_field is None
         await judge.grade(JudgeRequest(prompt(), run_key="run-7"))
     assert not {"user", "prompt_cache_key"} & set(server.requests[-1])
-    # Hosted OpenAI's chat API takes it as prompt_cache_key (no request made here: no key needed to build one).
+    # Hosted OpenAI's chat API takes it as prompt_cache_key (no request made here: no key needed to
+    # build one).
     assert OpenAIJudge(api_key="unused").run_key_field == "prompt_cache_key"
     assert OpenAIJudge(api_key="unused", api="completions").run_key_field is None
     with pytest.raises(ValueError, match="run_key_field"):

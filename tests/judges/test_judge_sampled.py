@@ -1,4 +1,5 @@
-"""Judges without logprobs: the letter distribution estimated from sampled answers, with its sampling error."""
+"""Judges without logprobs: the letter distribution estimated from sampled answers, with its
+sampling error."""
 
 import math
 import random
@@ -55,7 +56,9 @@ def server() -> Iterator[ScriptedServer]:
 
 
 @pytest.mark.parametrize("k", [10, 100, 1000])
-async def test_sampled_expectation_converges_within_the_stated_error(server: ScriptedServer, k: int) -> None:
+async def test_sampled_expectation_converges_within_the_stated_error(
+    server: ScriptedServer, k: int
+) -> None:
     server.default = sampler(seed=k)
     judge = OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=k)
     t = AsyncProgressTracker("task", judge=judge, min_mass=0.5)
@@ -67,10 +70,14 @@ async def test_sampled_expectation_converges_within_the_stated_error(server: Scr
     stated = TRUE_STD / math.sqrt(0.9 * k)
     assert c.sampling_error == pytest.approx(stated, rel=0.5)
     assert abs(p.score - TRUE_MEAN) <= 4 * stated  # within the stated sampling error
-    assert p.uncertainty == pytest.approx(math.sqrt(c.dispersion**2 + c.sampling_error**2), rel=1e-6)
+    assert p.uncertainty == pytest.approx(
+        math.sqrt(c.dispersion**2 + c.sampling_error**2), rel=1e-6
+    )
     reqs = server.requests
     assert all("logprobs" not in r and r["temperature"] == 1.0 for r in reqs)
-    assert sorted(r.get("n", 1) for r in reqs) == sorted([128] * (k // 128) + ([k % 128] if k % 128 else []))
+    assert sorted(r.get("n", 1) for r in reqs) == sorted(
+        [128] * (k // 128) + ([k % 128] if k % 128 else [])
+    )
     assert p.to_json()["criteria"]["task_progress"]["source"] == "sampled"
 
 
@@ -78,7 +85,9 @@ async def test_error_shrinks_as_samples_grow(server: ScriptedServer) -> None:
     errors = []
     for k in (10, 1000):
         server.default = sampler(seed=7)
-        t = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=k))
+        t = AsyncProgressTracker(
+            "task", judge=OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=k)
+        )
         errors.append((await t.update("x")).criteria["task_progress"].sampling_error)
     assert errors[1] < errors[0] / 5
 
@@ -89,7 +98,11 @@ async def test_server_without_n_gets_one_request_per_sample(server: ScriptedServ
     judge = OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=6)
     t = AsyncProgressTracker("task", judge=judge, min_mass=0.1)
     p = await t.update("x")
-    assert len(server.requests) == 6 and judge.supports_n is False and p.criteria["task_progress"].mass > 0
+    assert (
+        len(server.requests) == 6
+        and judge.supports_n is False
+        and p.criteria["task_progress"].mass > 0
+    )
 
 
 async def test_answers_that_are_never_letters_fail_loudly(server: ScriptedServer) -> None:
@@ -100,11 +113,17 @@ async def test_answers_that_are_never_letters_fail_loudly(server: ScriptedServer
             "created": 0,
             "model": "m",
             "choices": [
-                {"index": i, "message": {"role": "assistant", "content": "The answer is K"}, "finish_reason": "stop"}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "The answer is K"},
+                    "finish_reason": "stop",
+                }
                 for i in range(body.get("n", 1))
             ],
         }
     )
-    t = AsyncProgressTracker("task", judge=OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=5))
+    t = AsyncProgressTracker(
+        "task", judge=OpenAIJudge(base_url=server.url, model="m", logprobs=False, samples=5)
+    )
     p = await t.update("x")
     assert not p.ok and p.score is None and p.reason == "no_letter"

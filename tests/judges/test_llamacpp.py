@@ -1,4 +1,5 @@
-"""LlamaCppJudge on the real Gemma 3 270M and SmolLM2 135M, and OpenAIJudge against real local servers.
+"""LlamaCppJudge on the real Gemma 3 270M and SmolLM2 135M, and OpenAIJudge against real local
+servers.
 
 All slow: each model or server loads once per module. The models are tiny and weak
 judges, so the assertions are on the protocol and on exactness, not on grades.
@@ -20,7 +21,14 @@ from agent_monitor.judges.llamacpp import _MIN_BATCH, LlamaCppJudge, _batches, c
 from agent_monitor.judges.openai import OpenAIJudge
 from agent_monitor.prompts import Prompt, Step, build_prompt
 from agent_monitor.scale import LETTERS, LetterDistribution, ScoreError, distribution, read_letter
-from tests.llama_models import Server, gemma_path, judge_server, llama_cpp_server_crash, llama_server, smollm2_path
+from tests.llama_models import (
+    Server,
+    gemma_path,
+    judge_server,
+    llama_cpp_server_crash,
+    llama_server,
+    smollm2_path,
+)
 
 pytest.importorskip("llama_cpp")
 
@@ -32,15 +40,20 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning"),
 ]
 
-TASK = "Make the failing unit test tests/test_parse.py::test_dates pass without breaking the other tests."
+TASK = (
+    "Make the failing unit test tests/test_parse.py::test_dates pass without breaking the "
+    "other tests."
+)
 ACTIONS = [
-    "$ pytest tests/test_parse.py -q\n1 failed: test_dates AssertionError: expected 2024-01-02, got 2024-02-01",
+    "$ pytest tests/test_parse.py -q\n1 failed: test_dates AssertionError: expected "
+    "2024-01-02, got 2024-02-01",
     "$ sed -n 1,40p parse.py\nparse_date() calls datetime.strptime(s, '%Y-%d-%m')",
     "$ apply patch: parse.py uses '%Y-%m-%d'\npatched 1 file",
     "$ pytest tests/test_parse.py -q\n5 passed in 0.12s",
     "$ pytest -q\n42 passed in 3.10s",
     "$ git diff --stat\n parse.py | 2 +-\n 1 file changed, 1 insertion(+), 1 deletion(-)",
-    "$ git commit -am 'Fix date format in parse_date'\n[main 1a2b3c4] Fix date format in parse_date",
+    "$ git commit -am 'Fix date format in parse_date'\n[main 1a2b3c4] Fix date format in "
+    "parse_date",
     "$ pytest -q\n42 passed in 3.05s",
 ]
 # Long observations push the prompts past Gemma 3's 512-token sliding window and several
@@ -82,7 +95,8 @@ async def test_inprocess_reads_exact_letter_logprobs(gemma: LlamaCppJudge) -> No
     resp = await gemma.grade(JudgeRequest(p, repeats=3))
 
     assert resp.model == "gemma-3-270m-q4_k_m"
-    assert gemma.chat_template is None  # this GGUF carries no chat template: plain text ending in "Answer:"
+    # this GGUF carries no chat template: plain text ending in "Answer:"
+    assert gemma.chat_template is None
     tokens = gemma.tokenize(p)
     assert resp.usage.input_tokens == len(tokens) > 0 and resp.usage.output_tokens == 0
     # Deterministic: K repeats are copies.
@@ -109,11 +123,18 @@ async def test_inprocess_reads_exact_letter_logprobs(gemma: LlamaCppJudge) -> No
         if len(t := llm.tokenize(text.encode(), add_bos=False, special=False)) == 1
     }
     assert len(ids) == len(sample)
-    assert d.mass == pytest.approx(float(np.exp(logprobs[sorted(ids)].astype(np.float64)).sum()), rel=1e-5)
-    print(f"\ngemma in-process plain text: prompt {len(tokens)} tokens, letter mass {d.mass:.4f}, top {d.top}")
+    assert d.mass == pytest.approx(
+        float(np.exp(logprobs[sorted(ids)].astype(np.float64)).sum()), rel=1e-5
+    )
+    print(
+        f"\ngemma in-process plain text: prompt {len(tokens)} tokens, letter mass "
+        f"{d.mass:.4f}, top {d.top}"
+    )
 
 
-async def test_inprocess_frames_are_read_as_descriptions_and_counted_as_unseen(gemma: LlamaCppJudge) -> None:
+async def test_inprocess_frames_are_read_as_descriptions_and_counted_as_unseen(
+    gemma: LlamaCppJudge,
+) -> None:
     from PIL import Image
 
     from agent_monitor.images import load_image
@@ -162,7 +183,8 @@ async def test_prefix_reuse_on_a_growing_trajectory_matches_cold_runs(gemma: Lla
     assert prompted == sum(lengths)
     assert evaluated < 0.5 * prompted
     print(
-        f"\ngemma in-process, 8 growing prompts of {lengths[0]}..{lengths[-1]} tokens: {evaluated} of {prompted} evaluated"
+        f"\ngemma in-process, 8 growing prompts of {lengths[0]}..{lengths[-1]} tokens: "
+        f"{evaluated} of {prompted} evaluated"
     )
 
     # KV reuse must not change the answer: a separate judge, cold for every prompt.
@@ -182,14 +204,16 @@ async def test_prefix_reuse_on_a_growing_trajectory_matches_cold_runs(gemma: Lla
 OTHER_TASK = "Add a --verbose flag to the CLI in cli.py and document it in README.md."
 OTHER_ACTIONS = [
     "$ grep -n argparse cli.py\n12: parser = argparse.ArgumentParser()",
-    "$ apply patch: cli.py adds parser.add_argument('--verbose', action='store_true')\npatched 1 file",
+    "$ apply patch: cli.py adds parser.add_argument('--verbose', "
+    "action='store_true')\npatched 1 file",
     "$ python cli.py --verbose --help\nusage: cli.py [-h] [--verbose]",
     "$ apply patch: README.md documents --verbose\npatched 1 file",
 ]
 
 
 def run_prompt(run: str, n: int) -> Prompt:
-    """Step `n`'s prompt of one of four runs: "a", "c" (TASK), "b", "d" (OTHER_TASK); "c" and "d" in reverse order."""
+    """Step `n`'s prompt of one of four runs: "a", "c" (TASK), "b", "d" (OTHER_TASK); "c" and "d"
+    in reverse order."""
     if run in "bd":
         rubric = load_criteria(None)
         actions = OTHER_ACTIONS if run == "b" else OTHER_ACTIONS[::-1]
@@ -203,7 +227,8 @@ def run_prompt(run: str, n: int) -> Prompt:
 
 
 def reusable(judge: LlamaCppJudge, before: Prompt, after: Prompt) -> int:
-    """How many tokens of `after` a context holding `before` can reuse (its common prefix, less _MIN_BATCH)."""
+    """How many tokens of `after` a context holding `before` can reuse (its common prefix, less
+    _MIN_BATCH)."""
     a, b = judge.tokenize(before), judge.tokenize(after)
     return min(common_prefix(a, b), len(b) - _MIN_BATCH)
 
@@ -241,16 +266,21 @@ async def test_interleaved_runs_keep_their_own_prefixes_and_score_as_cold_runs()
             warm[run, n] = probs(resp.samples[0])
             lengths[run, n] = resp.usage.input_tokens
             if n > 1:
-                # Its own previous prompt came back from the saved state, not just the shared instructions.
-                assert resp.usage.cached_input_tokens == reusable(judge, run_prompt(run, n - 1), run_prompt(run, n))
+                # Its own previous prompt came back from the saved state, not just the shared
+                # instructions.
+                assert resp.usage.cached_input_tokens == reusable(
+                    judge, run_prompt(run, n - 1), run_prompt(run, n)
+                )
         assert judge.kv_restores == len(order) - 2  # every call but each run's first
         assert set(judge.kept_runs) == {"a"}  # "b" is in the context, "a" saved
         prompted = sum(lengths.values())
         assert judge.tokens_prompted == shared.tokens_prompted == prompted
-        # The shared prefix re-reads most of each prompt; per-run prefixes read each step about once.
+        # The shared prefix re-reads most of each prompt; per-run prefixes read each step about
+        # once.
         assert judge.tokens_evaluated < 0.6 * shared.tokens_evaluated
         print(
-            f"\ngemma, 2 runs x 4 steps interleaved: {judge.tokens_evaluated} of {prompted} tokens evaluated "
+            f"\ngemma, 2 runs x 4 steps interleaved: {judge.tokens_evaluated} of {prompted} "
+            "tokens evaluated "
             f"with per-run prefixes, {shared.tokens_evaluated} with one shared prefix"
         )
     finally:
@@ -279,13 +309,23 @@ async def test_kv_budget_drops_the_least_recently_used_run_which_then_scores_col
         assert list(judge.kept_runs) == ["b", "c"] and judge.kv_evictions == 1
         b3 = await judge.grade(JudgeRequest(run_prompt("b", 3), run_key="b"))
         assert judge.kv_restores == 1 and list(judge.kept_runs) == ["c", "d"]
-        assert b3.usage.cached_input_tokens == reusable(judge, run_prompt("b", 2), run_prompt("b", 3))
+        assert b3.usage.cached_input_tokens == reusable(
+            judge, run_prompt("b", 2), run_prompt("b", 3)
+        )
         # Keeping "b" now drops "c": used before "d", and "b" just now.
         a3 = await judge.grade(JudgeRequest(run_prompt("a", 3), run_key="a"))
-        assert list(judge.kept_runs) == ["d", "b"] and judge.kv_evictions == 2 and judge.kv_restores == 1
+        assert (
+            list(judge.kept_runs) == ["d", "b"]
+            and judge.kv_evictions == 2
+            and judge.kv_restores == 1
+        )
         # "a" lost its state: only what its prompt shares with the context's ("b") was reused.
-        assert a3.usage.cached_input_tokens == reusable(judge, run_prompt("b", 3), run_prompt("a", 3))
-        assert a3.usage.cached_input_tokens < reusable(judge, run_prompt("a", 2), run_prompt("a", 3))
+        assert a3.usage.cached_input_tokens == reusable(
+            judge, run_prompt("b", 3), run_prompt("a", 3)
+        )
+        assert a3.usage.cached_input_tokens < reusable(
+            judge, run_prompt("a", 2), run_prompt("a", 3)
+        )
     finally:
         await judge.aclose()
     cold = await cold_scores([run_prompt("a", 3), run_prompt("b", 3)])
@@ -293,11 +333,14 @@ async def test_kv_budget_drops_the_least_recently_used_run_which_then_scores_col
     assert_same(probs(b3.samples[0]), cold[1])
 
 
-async def test_a_run_key_used_again_for_another_trajectory_still_scores_exactly(gemma: LlamaCppJudge) -> None:
+async def test_a_run_key_used_again_for_another_trajectory_still_scores_exactly(
+    gemma: LlamaCppJudge,
+) -> None:
     gemma.reset_cache()
     await gemma.grade(JudgeRequest(run_prompt("a", 3), run_key="x"))
     await gemma.grade(JudgeRequest(run_prompt("b", 1), run_key="y"))
-    # "x" now names run "b": its saved state (run "a") shares only the instructions with this prompt.
+    # "x" now names run "b": its saved state (run "a") shares only the instructions with this
+    # prompt.
     resp = await gemma.grade(JudgeRequest(run_prompt("b", 2), run_key="x"))
     (cold,) = await cold_scores([run_prompt("b", 2)])
     assert_same(probs(resp.samples[0]), cold)
@@ -319,7 +362,9 @@ async def test_prompt_longer_than_the_context_is_a_clear_error() -> None:
         await judge.aclose()
 
 
-async def test_chat_template_in_process_keeps_control_tokens_out_of_the_content(smollm: LlamaCppJudge) -> None:
+async def test_chat_template_in_process_keeps_control_tokens_out_of_the_content(
+    smollm: LlamaCppJudge,
+) -> None:
     await smollm.load()
     assert smollm.chat_template is not None and "<|im_start|>" in smollm.chat_template
     rubric = load_criteria(None)
@@ -329,9 +374,11 @@ async def test_chat_template_in_process_keeps_control_tokens_out_of_the_content(
     tokens = smollm.tokenize(p)
     text = llm.detokenize(tokens, special=True).decode()
     assert text.startswith("<|im_start|>system\nYou are a strict")
-    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")  # the assistant turn is open for the letter
+    # the assistant turn is open for the letter
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     (im_end,) = llm.tokenize(b"<|im_end|>", add_bos=False, special=True)
-    assert tokens.count(im_end) == 2  # closing system and user; the agent's spelling stayed plain text
+    # closing system and user; the agent's spelling stayed plain text
+    assert tokens.count(im_end) == 2
 
     resp = await smollm.grade(JudgeRequest(prompt_at(3)))
     d = probs(resp.samples[0])
@@ -341,8 +388,11 @@ async def test_chat_template_in_process_keeps_control_tokens_out_of_the_content(
 
 # -- agent-monitor judge-server (and one test of llama_cpp.server itself) ----------------
 
-# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose llama_cpp.server).
-PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
+# "Llama.generate: 570 prefix-match hit, remaining 162 prompt tokens to eval" (verbose
+# llama_cpp.server).
+PREFIX_HIT = re.compile(
+    r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt " r"tokens to eval"
+)
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +408,9 @@ def smollm_server() -> Iterator[Server]:
 
 
 async def test_server_completions_return_real_logprobs(gemma_server: Server) -> None:
-    async with OpenAIJudge(base_url=gemma_server.url + "/v1", api="completions", timeout_s=120) as judge:
+    async with OpenAIJudge(
+        base_url=gemma_server.url + "/v1", api="completions", timeout_s=120
+    ) as judge:
         resp = await judge.grade(JudgeRequest(prompt_at(2)))
     assert resp.model  # read from /v1/models (judge-server names the model by its file name)
     assert resp.usage.input_tokens > 0 and resp.usage.output_tokens == 1
@@ -366,7 +418,9 @@ async def test_server_completions_return_real_logprobs(gemma_server: Server) -> 
     assert sample and 0 < len(sample) <= 21
     assert all(isinstance(t, str) and lp <= 1e-6 for t, lp in sample.items())
     letters = [t for t in sample if read_letter(t) is not None]
-    assert letters, f"no letter in the server's top 20: {sorted(sample, key=sample.__getitem__)[::-1]}"
+    assert letters, (
+        f"no letter in the server's top 20: {sorted(sample, key=sample.__getitem__)[::-1]}"
+    )
     d = probs(sample)
     assert 0.0 < d.mass <= 1.0
     print(f"\ngemma via server completions: top-20 letter mass {d.mass:.4f} from {letters}")
@@ -376,35 +430,47 @@ async def test_server_reuses_the_prompt_prefix(gemma_server: Server) -> None:
     lengths: list[int] = []
     kept: list[int] = []
     latencies: list[float] = []
-    async with OpenAIJudge(base_url=gemma_server.url + "/v1", api="completions", timeout_s=120) as judge:
+    async with OpenAIJudge(
+        base_url=gemma_server.url + "/v1", api="completions", timeout_s=120
+    ) as judge:
         for n in range(1, 9):
             t0 = time.perf_counter()
             resp = await judge.grade(JudgeRequest(prompt_at(n)))
             latencies.append(time.perf_counter() - t0)
             lengths.append(resp.usage.input_tokens)
-            kept.append(resp.usage.cached_input_tokens)  # the server's usage.prompt_tokens_details.cached_tokens
+            # the server's usage.prompt_tokens_details.cached_tokens
+            kept.append(resp.usage.cached_input_tokens)
     evaluated = sum(n - k for n, k in zip(lengths[1:], kept[1:], strict=True))
     assert evaluated < 0.5 * sum(lengths[1:])
     assert all(k > 0 for k in kept[1:])
     print(
-        f"\ngemma via judge-server, steps 2..8: {evaluated} of {sum(lengths[1:])} prompt tokens evaluated; "
+        f"\ngemma via judge-server, steps 2..8: {evaluated} of {sum(lengths[1:])} prompt "
+        "tokens evaluated; "
         f"latency step 1 {latencies[0]:.2f}s, step 8 {latencies[-1]:.2f}s"
     )
 
 
 async def test_llama_cpp_server_itself_serves_logprobs_and_reuses_the_prefix() -> None:
-    # The one test of `python -m llama_cpp.server` (llama-cpp-python's own server, default settings: weight
-    # repacking on). Everything else runs judge-server. Where repacking crashes the CPU, a probe says so once.
+    # The one test of `python -m llama_cpp.server` (llama-cpp-python's own server, default settings:
+    # weight repacking on). Everything else runs judge-server. Where repacking crashes the CPU, a
+    # probe says so once.
     crash = llama_cpp_server_crash()
     if crash is not None:
         pytest.skip(f"llama_cpp.server with default settings crashes on this CPU: {crash}")
     with llama_server(gemma_path(), args=["--n_ctx", "2048", "--verbose", "true"]) as server:
         start = len(server.log())
-        async with OpenAIJudge(base_url=server.url + "/v1", api="completions", timeout_s=240) as judge:
-            # Two calls (its logprobs cost O(prompt x vocabulary) each): the second extends the first.
+        async with OpenAIJudge(
+            base_url=server.url + "/v1", api="completions", timeout_s=240
+        ) as judge:
+            # Two calls (its logprobs cost O(prompt x vocabulary) each): the second extends the
+            # first.
             for n in (1, 2):
                 resp = await judge.grade(JudgeRequest(prompt_at(n)))
-                assert resp.usage.input_tokens > 0 and isinstance(resp.samples[0], dict) and resp.samples[0]
+                assert (
+                    resp.usage.input_tokens > 0
+                    and isinstance(resp.samples[0], dict)
+                    and resp.samples[0]
+                )
         # llama_cpp.server reports no cached tokens in `usage`; its verbose log says what it reused.
         hits = [(int(a), int(b)) for a, b in PREFIX_HIT.findall(server.log()[start:])]
     assert hits and hits[-1][0] > 0, hits
@@ -429,11 +495,14 @@ async def test_server_chat_logprobs_with_a_chat_template(smollm_server: Server) 
     except ScoreError:
         mass = "0 (no letter in the top 20)"
     print(
-        f"\nsmollm2 via server chat: top-20 letter mass {mass}; top tokens {sorted(sample, key=sample.__getitem__)[-3:]}"
+        f"\nsmollm2 via server chat: top-20 letter mass {mass}; top tokens "
+        f"{sorted(sample, key=sample.__getitem__)[-3:]}"
     )
 
 
-async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_server: Server) -> None:
+async def test_text_only_server_with_images_falls_back_to_placeholders(
+    smollm_server: Server,
+) -> None:
     from PIL import Image
 
     from agent_monitor.images import load_image
@@ -442,8 +511,11 @@ async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_se
     frame = load_image(Image.new("RGB", (32, 24), (0, 128, 0)))
     steps = [Step(1, "moved the gripper above the cup", (frame,))]
     async with OpenAIJudge(base_url=smollm_server.url + "/v1", timeout_s=120) as judge:
-        resp = await judge.grade(JudgeRequest(build_prompt("Pick up the cup.", rubric, steps, rubric.criteria[0])))
-    # The real server refused image parts; the judge resent text placeholders and says the frame went unseen.
+        resp = await judge.grade(
+            JudgeRequest(build_prompt("Pick up the cup.", rubric, steps, rubric.criteria[0]))
+        )
+    # The real server refused image parts; the judge resent text placeholders and says the frame
+    # went unseen.
     assert not judge.sends_images(judge.model) and resp.images_dropped == 1
     assert isinstance(resp.samples[0], dict) and resp.samples[0]
 
@@ -452,7 +524,8 @@ async def test_text_only_server_with_images_falls_back_to_placeholders(smollm_se
 async def test_lean_and_sdk_transports_read_the_same_answer_from_the_real_server(
     smollm_server: Server, gemma_server: Server, api: str
 ) -> None:
-    # The same prompt through both transports against a real judge-server (temperature 0): the same tokens.
+    # The same prompt through both transports against a real judge-server (temperature 0): the same
+    # tokens.
     url = (smollm_server if api == "chat" else gemma_server).url + "/v1"
     got = {}
     for transport in ("lean", "sdk"):
@@ -467,16 +540,23 @@ async def test_lean_and_sdk_transports_read_the_same_answer_from_the_real_server
         assert math.isclose(lp, sdk.samples[0][token], abs_tol=1e-4), token
 
 
-async def test_inprocess_binary_rubric_reads_the_true_and_false_tokens(gemma: LlamaCppJudge) -> None:
+async def test_inprocess_binary_rubric_reads_the_true_and_false_tokens(
+    gemma: LlamaCppJudge,
+) -> None:
     from agent_monitor.scale import binary_as_letters, read_binary
 
-    rubric = load_criteria({"scale": "binary", "criteria": [{"name": "done", "description": "All tests pass."}]})
+    rubric = load_criteria(
+        {"scale": "binary", "criteria": [{"name": "done", "description": "All tests pass."}]}
+    )
     steps = [Step(i + 1, ACTIONS[i]) for i in range(5)]
     p = build_prompt(TASK, rubric, steps, rubric.criteria[0])
     assert p.scale == "binary"
     resp = await gemma.grade(JudgeRequest(p))
     sample = resp.samples[0]
-    assert sample and all(read_binary(t) is not None for t in sample)  # True/False spellings, no letters
+    # True/False spellings, no letters
+    assert sample and all(read_binary(t) is not None for t in sample)
     d = distribution(binary_as_letters(sample) or {}, min_mass=0.0)
     assert 0.0 < d.mass <= 1.0 + 1e-9 and 0.0 <= d.expectation <= 1.0
-    print(f"\ngemma binary: P(True)+P(False) {d.mass:.4f}, P(True) renormalised {d.expectation:.3f}")
+    print(
+        f"\ngemma binary: P(True)+P(False) {d.mass:.4f}, P(True) renormalised {d.expectation:.3f}"
+    )

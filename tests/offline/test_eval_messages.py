@@ -1,4 +1,5 @@
-"""`eval`'s words for a new user: too few runs, settings under which no abort can happen, symlinked folders, logs."""
+"""`eval`'s words for a new user: too few runs, settings under which no abort can happen,
+symlinked folders, logs."""
 
 from __future__ import annotations
 
@@ -30,22 +31,31 @@ def test_two_runs_say_their_auroc_is_too_few_to_trust() -> None:
 def test_settings_that_make_any_abort_impossible_are_said_so_not_blamed_on_the_judge() -> None:
     # --max-steps 3 with min_steps 3, patience 3: the first possible abort is at step 5.
     text = summary(evaluate(curves(4, 3), policy=Policy(min_steps=3, patience=3)))
-    assert "no abort was possible" in text and "step 5 at the earliest" in text and "longest run has 3" in text
+    assert (
+        "no abort was possible" in text
+        and "step 5 at the earliest" in text
+        and "longest run has 3" in text
+    )
     assert "do not let this judge abort runs yet" not in text
 
 
 def test_symlinked_run_folders_are_read_once(tmp_path: Path) -> None:
     real = tmp_path / "elsewhere" / "batch"
     real.mkdir(parents=True)
-    (real / "a.json").write_text(json.dumps({"task": "t", "outcome": "success", "steps": [{"text": "x"}]}))
+    (real / "a.json").write_text(
+        json.dumps({"task": "t", "outcome": "success", "steps": [{"text": "x"}]})
+    )
     root = tmp_path / "runs"
     root.mkdir()
     (root / "batch").symlink_to(real, target_is_directory=True)
-    (root / "loop").symlink_to(root, target_is_directory=True)  # a cycle must not loop or repeat runs
+    # a cycle must not loop or repeat runs
+    (root / "loop").symlink_to(root, target_is_directory=True)
     assert [r.name for r in iter_recorded(root)] == ["a"]
 
 
-def test_progress_to_a_log_says_it_began_and_reports_the_first_step(capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_to_a_log_says_it_began_and_reports_the_first_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from agent_monitor.cli._main import _progress_bar
 
     with _progress_bar(3, "scoring prefixes") as advance:
@@ -54,4 +64,6 @@ def test_progress_to_a_log_says_it_began_and_reports_the_first_step(capsys: pyte
         advance("r1 step 3")
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "scoring prefixes: 0/3"
-    assert "scoring prefixes: 1/3 (r1 step 1)" in err and err[-1] == "scoring prefixes: 3/3 (r1 step 3)"
+    assert "scoring prefixes: 1/3 (r1 step 1)" in err and err[-1] == (
+        "scoring prefixes: 3/3 (r1 step 3)"
+    )

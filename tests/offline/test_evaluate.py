@@ -1,4 +1,5 @@
-"""Evaluate-and-tune: metrics on scripted judges with known answers, the cache, the CLI; replay to a broker."""
+"""Evaluate-and-tune: metrics on scripted judges with known answers, the cache, the CLI; replay
+to a broker."""
 
 from __future__ import annotations
 
@@ -41,11 +42,19 @@ def runs(n: int = 4, steps: int = 8) -> list[RecordedRun]:
     out = []
     for i in range(n):
         out.append(
-            RecordedRun(f"good-{i}", f"good task {i}", tuple(RecordedStep(f"g{i} step {k}") for k in range(steps)), 1.0)
+            RecordedRun(
+                f"good-{i}",
+                f"good task {i}",
+                tuple(RecordedStep(f"g{i} step {k}") for k in range(steps)),
+                1.0,
+            )
         )
         out.append(
             RecordedRun(
-                f"bad-{i}", f"doomed task {i}", tuple(RecordedStep(f"b{i} step {k}") for k in range(steps)), 0.0
+                f"bad-{i}",
+                f"doomed task {i}",
+                tuple(RecordedStep(f"b{i} step {k}") for k in range(steps)),
+                0.0,
             )
         )
     return out
@@ -72,7 +81,8 @@ async def test_scores_metrics_sweep_and_recommendation_with_known_answers(tmp_pa
     assert report.spearman["success"] == pytest.approx(1.0)
     assert report.spearman["failure"] is not None and report.spearman["failure"] < -0.5
     by_t = {r.threshold: r for r in report.sweep}
-    # Bad runs score 0 from step 3: aborted at step 4 (patience 2) by any threshold, saving half their steps.
+    # Bad runs score 0 from step 3: aborted at step 4 (patience 2) by any threshold, saving half
+    # their steps.
     assert all(r.steps_saved == pytest.approx(0.5) for r in report.sweep)
     # Good runs score 3/19 = 0.158 and 4/19 at steps 3-4: a threshold of 0.25 aborts all of them.
     assert by_t[0.15].false_abort_rate == 0.0 and by_t[0.25].false_abort_rate == 1.0
@@ -108,8 +118,23 @@ def test_eval_command_end_to_end_with_an_http_judge(tmp_path: Path) -> None:
 
     with scripted_server() as server:
         server.default = reply
-        cmd = [sys.executable, "-m", "agent_monitor", "eval", str(data), "--judge", "openai", "--judge-url", server.url,
-               "--out", str(tmp_path / "out"), "--min-steps", "3", "--patience", "2"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "eval",
+            str(data),
+            "--judge",
+            "openai",
+            "--judge-url",
+            server.url,
+            "--out",
+            str(tmp_path / "out"),
+            "--min-steps",
+            "3",
+            "--patience",
+            "2",
+        ]
         first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert first.returncode == 0, first.stderr
         calls = len(server.requests)
@@ -118,10 +143,17 @@ def test_eval_command_end_to_end_with_an_http_judge(tmp_path: Path) -> None:
     assert "AUROC" in first.stdout and "recommended: --abort-below 0.05" in first.stdout
     assert "24 prefixes scored (24 from the cache" in second.stdout
     out = tmp_path / "out"
-    assert {p.name for p in out.iterdir()} >= {"eval_curves.csv", "eval_sweep.csv", "eval.json", "eval.png"}
+    assert {p.name for p in out.iterdir()} >= {
+        "eval_curves.csv",
+        "eval_sweep.csv",
+        "eval.json",
+        "eval.png",
+    }
     assert json.loads((out / "eval.json").read_text())["recommended"]["threshold"] == 0.05
     # Robot metrics beside the agent ones: successes rise letter by letter, so VOC is 1.
-    assert "Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC 1.00" in first.stdout
+    assert (
+        "Progress metrics (robot episodes or agent runs; 95% bootstrap over runs): VOC 1.00"
+    ) in first.stdout
     assert "success AUROC at the run's end" in first.stdout
     robot = json.loads((out / "eval.json").read_text())["robot"]
     assert robot["voc"]["value"] == pytest.approx(1.0) and robot["end_auroc"]["n"] == 4
@@ -136,8 +168,21 @@ def test_eval_on_real_recorded_runs_with_the_tiny_local_judge(tmp_path: Path) ->
     if not data.is_dir():
         pytest.skip("../shared/data is not on this machine")
     task = sorted(p for p in data.iterdir() if p.is_dir())[0]
-    cmd = [sys.executable, "-m", "agent_monitor", "eval", str(task), "--judge", "local", "--min-mass", "0.05",
-           "--max-steps", "3", "--out", str(tmp_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent_monitor",
+        "eval",
+        str(task),
+        "--judge",
+        "local",
+        "--min-mass",
+        "0.05",
+        "--max-steps",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "AUROC" in done.stdout and (tmp_path / "eval.png").is_file()
@@ -145,12 +190,22 @@ def test_eval_on_real_recorded_runs_with_the_tiny_local_judge(tmp_path: Path) ->
 
 def test_schedule_follows_recorded_time_scaled_and_capped() -> None:
     t0 = datetime(2026, 1, 1)
-    a = RecordedRun("a", "t", (RecordedStep("1", t0), RecordedStep("2", t0 + timedelta(seconds=4)),
-                               RecordedStep("3", t0 + timedelta(seconds=400))), 1.0)  # fmt: skip
+    a = RecordedRun(
+        "a",
+        "t",
+        (
+            RecordedStep("1", t0),
+            RecordedStep("2", t0 + timedelta(seconds=4)),
+            RecordedStep("3", t0 + timedelta(seconds=400)),
+        ),
+        1.0,
+    )
     b = RecordedRun("b", "t", (RecordedStep("1"), RecordedStep("2")), None)
     plan = schedule([a, b], speed=2.0, interval_s=1.0, max_gap_s=30.0)
     when = {(p.run, p.kind, p.step): p.at for p in plan}
-    assert when[(0, "step", 1)] == 0.5 and when[(0, "step", 2)] == 2.5 and when[(0, "step", 3)] == 17.5
+    assert (
+        when[(0, "step", 1)] == 0.5 and when[(0, "step", 2)] == 2.5 and when[(0, "step", 3)] == 17.5
+    )
     assert when[(1, "step", 2)] == 1.0
     assert [p.at for p in plan] == sorted(p.at for p in plan)
     assert run_id_for("trial: 3/x y") == "replay-trial:-3-x-y"
@@ -173,7 +228,9 @@ async def test_replay_publishes_recorded_runs_live_to_the_monitor(broker: Mosqui
                 await asyncio.sleep(0.02)
 
         await asyncio.wait_for(finished(), 20)
-    assert sorted(published) == sorted(run_id_for(r.name) for r in recorded) == sorted(mon.book.ended)
+    assert (
+        sorted(published) == sorted(run_id_for(r.name) for r in recorded) == sorted(mon.book.ended)
+    )
     # Every run was scored up to its last step before it finished.
     for r in recorded:
         last = [p for p in judge.prompts if r.task in p.prefix_text()]

@@ -29,7 +29,9 @@ POLICY = Policy(min_steps=2, patience=2)
 
 def curve(name: str, ok: bool | None, scores: list[float | None], family: str = "t") -> ev.RunCurve:
     outcome = None if ok is None else float(ok)
-    return ev.RunCurve(name, outcome, scores, [0.05] * len(scores), family=Family(family, "model", "rubric"))
+    return ev.RunCurve(
+        name, outcome, scores, [0.05] * len(scores), family=Family(family, "model", "rubric")
+    )
 
 
 def separated(rng: random.Random, n: int, *, gap: float, family: str = "t") -> list[ev.RunCurve]:
@@ -39,13 +41,16 @@ def separated(rng: random.Random, n: int, *, gap: float, family: str = "t") -> l
         ok = rng.random() < 0.6
         level = rng.uniform(0.45, 0.8) - (0.0 if ok else gap)
         length = rng.randint(6, 14)
-        scores: list[float | None] = [min(1.0, max(0.0, level + rng.gauss(0, 0.06))) for _ in range(length)]
+        scores: list[float | None] = [
+            min(1.0, max(0.0, level + rng.gauss(0, 0.06))) for _ in range(length)
+        ]
         out.append(curve(f"{family}-{i}", ok, scores, family))
     return out
 
 
 def test_a_judge_that_separates_aborts_failures_and_keeps_false_aborts_within_alpha() -> None:
-    # The bound is an average over runs too: four families of 80, each run held out (or not) by its name.
+    # The bound is an average over runs too: four families of 80, each run held out (or not) by its
+    # name.
     rng = random.Random(7)
     curves = [c for fam in "abcd" for c in separated(rng, 80, gap=0.35, family=fam)]
     report = ev.calibrate(curves, policy=dataclasses.replace(POLICY, alpha=0.1), orders=100, seed=3)
@@ -64,12 +69,16 @@ def test_a_judge_that_separates_aborts_failures_and_keeps_false_aborts_within_al
     assert "verdict: aborts runs in" in text and "never aborts" not in text
     assert re.search(r"false-abort rate \(successes judged while armed\)\s+\S+\s+\d", text)
     assert all(f.threshold.value is not None and f.failures_aborted > 0 for f in report.families)
-    # Once armed, only the held-out runs (never aborted) teach: an exposed run's outcome is censored.
-    assert all(r.taught == (not r.armed) for o in report.orders for r in o.runs if r.success is not None)
+    # Once armed, only the held-out runs (never aborted) teach: an exposed run's outcome is
+    # censored.
+    assert all(
+        r.taught == (not r.armed) for o in report.orders for r in o.runs if r.success is not None
+    )
 
 
 def test_a_judge_with_no_signal_never_aborts() -> None:
-    # Every run's curve is the same constant: the threshold is that constant, and nothing is ever below it.
+    # Every run's curve is the same constant: the threshold is that constant, and nothing is ever
+    # below it.
     flat = [curve(f"r{i}", i % 3 != 0, [0.42] * 8) for i in range(60)]
     report = ev.calibrate(flat, policy=POLICY, orders=50)
     assert report.never_aborts is not None and "aborted none" in report.never_aborts
@@ -98,16 +107,22 @@ def test_scores_independent_of_the_outcome_are_flagged_as_no_better_than_chance(
 def test_too_few_successes_never_aborts_and_names_the_minimum() -> None:
     rng = random.Random(2)
     curves = [c for fam in ("a", "b", "c") for c in separated(rng, 12, gap=0.4, family=fam)]
-    best = max(sum(c.success is True for c in curves if c.family and c.family.name == f) for f in "abc")
+    best = max(
+        sum(c.success is True for c in curves if c.family and c.family.name == f) for f in "abc"
+    )
     assert best < 19
     report = ev.calibrate(curves, policy=POLICY, orders=20)
     assert report.never_aborts is not None
-    assert report.never_aborts.startswith(f"no family reached 19 successful runs at alpha 0.05 (most: {best}, ")
+    assert report.never_aborts.startswith(
+        f"no family reached 19 successful runs at alpha 0.05 (most: {best}, "
+    )
     assert all(o.runs_armed == 0 for o in report.orders)
     text = ev.calibrate_summary(report)
     assert "verdict: never aborts: no family reached 19 successful runs" in text
-    assert text.count("of 19 successful runs needed)") == 3  # every family: never aborts, no threshold printed
-    # The same runs pooled into one family reach the minimum: armed, with the note that pooling breaks the bound.
+    # every family: never aborts, no threshold printed
+    assert text.count("of 19 successful runs needed)") == 3
+    # The same runs pooled into one family reach the minimum: armed, with the note that pooling
+    # breaks the bound.
     pooled = ev.calibrate(curves, policy=POLICY, orders=20, family_by="all")
     assert any(o.runs_armed for o in pooled.orders)
     assert "--family-by all pools different tasks" in ev.calibrate_summary(pooled)
@@ -120,18 +135,26 @@ def test_unknown_outcomes_are_judged_but_teach_nothing() -> None:
     (fam,) = report.families
     assert fam.threshold.successes + fam.threshold.failures == report.recorded.runs_taught
     last = report.recorded.runs[-1]
-    assert last.success is None and last.armed and last.abort_step == POLICY.min_steps + POLICY.patience - 1
+    assert (
+        last.success is None
+        and last.armed
+        and last.abort_step == POLICY.min_steps + POLICY.patience - 1
+    )
     assert not last.taught and fam.failing == sum(r.success is False for r in report.recorded.runs)
 
 
 async def test_the_replay_makes_the_live_trackers_decisions() -> None:
-    """The hook, fed the same runs one after another with a shared Calibration, aborts at the same steps."""
+    """The hook, fed the same runs one after another with a shared Calibration, aborts at the
+    same steps."""
     rng = random.Random(9)
     table: dict[str, list[str]] = {}
     recorded = []
     for i in range(30):
         ok = rng.random() < 0.6
-        letters = [LETTERS[rng.randint(6, 19) if ok else rng.randint(0, 10)] for _ in range(rng.randint(5, 10))]
+        letters = [
+            LETTERS[rng.randint(6, 19) if ok else rng.randint(0, 10)]
+            for _ in range(rng.randint(5, 10))
+        ]
         table[f"run-{i}"] = letters
         task = f"task {'AB'[i % 2]}"  # two families, by task
         steps = tuple(RecordedStep(f"run-{i} step {k}") for k in range(len(letters)))
@@ -149,9 +172,12 @@ async def test_the_replay_makes_the_live_trackers_decisions() -> None:
     calibration = Calibration()
     live: list[tuple[float | None, int | None, bool]] = []
     for run in recorded:
-        tracker = AsyncProgressTracker(run.task, judge=judge, policy=policy, calibration=calibration, run_id=run.name)
+        tracker = AsyncProgressTracker(
+            run.task, judge=judge, policy=policy, calibration=calibration, run_id=run.name
+        )
         at, threshold = None, None
-        for step in run.steps:  # the harness goes on after an abort: the replay teaches the whole curve
+        # the harness goes on after an abort: the replay teaches the whole curve
+        for step in run.steps:
             p = await tracker.update(step.text)
             assert p.signal is not None
             threshold = p.signal.abort_below
@@ -160,12 +186,17 @@ async def test_the_replay_makes_the_live_trackers_decisions() -> None:
         taught = tracker.finish("success" if run.outcome else "failure") is not None
         live.append((threshold, at, taught))
     assert [(j.threshold, j.abort_step, j.taught) for j in judged] == live
-    assert sum(at is not None for _, at, _ in live) >= 3  # the comparison covers aborts, not only continues
-    assert any(taught for t, _, taught in live if t is not None)  # and a held-out run teaching while armed
-    # And both are the rule itself: armed, a run is aborted exactly when its margin is below the threshold.
+    # the comparison covers aborts, not only continues
+    assert sum(at is not None for _, at, _ in live) >= 3
+    # and a held-out run teaching while armed
+    assert any(taught for t, _, taught in live if t is not None)
+    # And both are the rule itself: armed, a run is aborted exactly when its margin is below the
+    # threshold.
     for j, c in zip(judged, curves, strict=True):
         if j.armed:
-            assert (j.abort_step is not None) == (margin(points(ev.progress(c)), policy) < j.threshold)
+            assert (j.abort_step is not None) == (
+                margin(points(ev.progress(c)), policy) < j.threshold
+            )
 
 
 def test_eval_calibrate_command(tmp_path: Path) -> None:
@@ -178,7 +209,9 @@ def test_eval_calibrate_command(tmp_path: Path) -> None:
         name = f"run-{i:02d}-{'good' if ok else 'doomed'}"  # recorded order: by name
         grades[name] = [LETTERS[rng.randint(8, 19) if ok else rng.randint(0, 6)] for _ in range(6)]
         steps = [f"{name} step {k}" for k in range(6)]
-        (data / f"{name}.json").write_text(json.dumps({"task": "one task", "steps": steps, "outcome": float(ok)}))
+        (data / f"{name}.json").write_text(
+            json.dumps({"task": "one task", "steps": steps, "outcome": float(ok)})
+        )
 
     def reply(body: dict[str, Any]) -> Reply:
         text = json.dumps(body)
@@ -190,16 +223,41 @@ def test_eval_calibrate_command(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with scripted_server() as server:
         server.default = reply
-        cmd = [sys.executable, "-m", "agent_monitor", "eval", str(data), "--judge", "openai", "--judge-url", server.url,
-               "--out", str(out), "--min-steps", "2", "--patience", "2", "--calibrate", "--alpha", "0.2",
-               "--orders", "30", "--seed", "4"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "eval",
+            str(data),
+            "--judge",
+            "openai",
+            "--judge-url",
+            server.url,
+            "--out",
+            str(out),
+            "--min-steps",
+            "2",
+            "--patience",
+            "2",
+            "--calibrate",
+            "--alpha",
+            "0.2",
+            "--orders",
+            "30",
+            "--seed",
+            "4",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "AUROC" in done.stdout  # the plain report, then the calibration's
     assert "online calibration (abort_below auto): 24 runs (16 success, 8 failure)" in done.stdout
     assert "the recorded order and 30 random orders (seed 4)" in done.stdout
     report = json.loads((out / "eval_calibrate.json").read_text())
-    assert report["policy"]["alpha"] == 0.2 and report["min_successes"] == 4 and len(report["random"]) == 30
+    assert (
+        report["policy"]["alpha"] == 0.2
+        and report["min_successes"] == 4
+        and len(report["random"]) == 30
+    )
     assert report["never_aborts"] is None and report["recorded"]["aborted_failures"] > 0
     assert [f["family"] for f in report["families"]] == ["one task"]
 
@@ -209,7 +267,16 @@ def test_eval_says_what_to_do_with_auto_and_with_a_number_under_calibrate(
 ) -> None:
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"task": "t", "steps": ["a"], "outcome": 1.0}))
-    base = ["eval", str(run), "--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1", "--out", str(tmp_path)]
+    base = [
+        "eval",
+        str(run),
+        "--judge",
+        "openai",
+        "--judge-url",
+        "http://127.0.0.1:9/v1",
+        "--out",
+        str(tmp_path),
+    ]
     # Refused before any judge is reached (nothing listens on port 9).
     assert main([*base, "--abort-below", "auto"], environ={}) == 2
     assert "needs eval --calibrate --alpha A" in capsys.readouterr().err

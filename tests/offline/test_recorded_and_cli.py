@@ -1,4 +1,5 @@
-"""Recorded runs (ATIF and plain JSON) and `agent-monitor score` against a real HTTP judge server."""
+"""Recorded runs (ATIF and plain JSON) and `agent-monitor score` against a real HTTP judge
+server."""
 
 import json
 import os
@@ -10,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from agent_monitor.cli import main
-from agent_monitor.offline.recorded import RecordedRunError, iter_recorded, load_recorded, parse_recorded
+from agent_monitor.offline.recorded import (
+    RecordedRunError,
+    iter_recorded,
+    load_recorded,
+    parse_recorded,
+)
 from tests.brokers import free_port
 from tests.openai_server import chat_choice, chat_reply, html_server, scripted_server
 from tests.paths import FIXTURES
@@ -23,11 +29,15 @@ def test_atif_run_reads_task_agent_steps_outcome() -> None:
     assert run.task.startswith("Write rev.py") and run.outcome == 1.0
     assert len(run.steps) == 4
     assert "$ ls" in run.steps[0].text and "Observation:\nREADME.md" in run.steps[0].text
-    assert run.steps[0].timestamp is not None and run.steps[3].text == "The function works; the task is complete."
+    assert run.steps[0].timestamp is not None and run.steps[3].text == (
+        "The function works; the task is complete."
+    )
 
 
 def test_plain_form_and_clipping() -> None:
-    run = parse_recorded({"task": "t", "steps": ["a", {"text": "x" * 100}], "outcome": "failure"}, max_step_chars=20)
+    run = parse_recorded(
+        {"task": "t", "steps": ["a", {"text": "x" * 100}], "outcome": "failure"}, max_step_chars=20
+    )
     assert run.outcome == 0.0 and run.steps[0].text == "a"
     assert "characters cut" in run.steps[1].text and run.steps[1].text.startswith("x" * 10)
 
@@ -44,13 +54,16 @@ def test_unreadable_runs_get_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "nested").mkdir()
     (tmp_path / "nested" / FIXTURE.name).write_bytes(FIXTURE.read_bytes())
     bad.unlink()
-    assert [r.name for r in iter_recorded(tmp_path)] == ["atif_reverse_string"]  # folders are searched recursively
+    # folders are searched recursively
+    assert [r.name for r in iter_recorded(tmp_path)] == ["atif_reverse_string"]
 
 
 def test_score_command_prints_a_curve(capsys: pytest.CaptureFixture[str]) -> None:
     with scripted_server() as server:
         server.default = chat_reply(chat_choice([("K", {"K": 0.5, "M": 0.5})]))
-        code = main(["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url], environ={})
+        code = main(
+            ["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url], environ={}
+        )
         out = capsys.readouterr().out
         assert code == 0, out
         assert len(server.requests) == 4 and server.requests[0]["model"] == "scripted-model"
@@ -61,14 +74,30 @@ def test_score_command_prints_a_curve(capsys: pytest.CaptureFixture[str]) -> Non
             environ={"AGENT_MONITOR_JUDGE": "openai", "AGENT_MONITOR_JUDGE_URL": server.url},
         )
         rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-        assert code == 0 and [r["step"] for r in rows] == [1, 2] and rows[0]["score"] == pytest.approx(11 / 19)
+        assert (
+            code == 0
+            and [r["step"] for r in rows] == [1, 2]
+            and rows[0]["score"] == pytest.approx(11 / 19)
+        )
 
 
-def test_score_command_reports_judge_failures_once_with_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+def test_score_command_reports_judge_failures_once_with_the_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with scripted_server() as server:
         server.default = chat_reply(chat_choice([("The", {"The": 1.0})]))
         code = main(
-            ["score", str(FIXTURE), "--judge", "openai", "--judge-url", server.url, "--max-steps", "2"], environ={}
+            [
+                "score",
+                str(FIXTURE),
+                "--judge",
+                "openai",
+                "--judge-url",
+                server.url,
+                "--max-steps",
+                "2",
+            ],
+            environ={},
         )
     captured = capsys.readouterr()
     assert code == 1 and captured.out.count("FAILED  no_letter") == 2
@@ -94,7 +123,16 @@ def test_score_and_serve_against_a_web_page_fail_with_one_line() -> None:
     with html_server() as url:
         for command in (["score", str(FIXTURE)], ["serve", "--no-store", "--metrics-port", "0"]):
             done = subprocess.run(
-                [sys.executable, "-m", "agent_monitor", *command, "--judge", "openai", "--judge-url", url],
+                [
+                    sys.executable,
+                    "-m",
+                    "agent_monitor",
+                    *command,
+                    "--judge",
+                    "openai",
+                    "--judge-url",
+                    url,
+                ],
                 capture_output=True,
                 text=True,
                 timeout=60,
@@ -130,7 +168,11 @@ def test_atif_shell_results_are_unwrapped_and_placeholder_messages_dropped() -> 
                         "source": "agent",
                         "message": "$31",
                         "tool_calls": [{"arguments": {"command": "ls"}}],
-                        "observation": {"results": [{"content": '{"returncode": 2, "output": "no such file\\n"}'}]},
+                        "observation": {
+                            "results": [
+                                {"content": '{"returncode": 2, "output": "no such file\\n"}'}
+                            ]
+                        },
                     },
                 ]
             },
@@ -147,9 +189,21 @@ def test_replay_of_a_file_that_is_not_text_says_what_it_is(tmp_path: Path) -> No
     png = tmp_path / "frame.json"
     png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
     done = subprocess.run(
-        [sys.executable, "-m", "agent_monitor", "replay", str(png), "--broker", "mqtt://127.0.0.1:9"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "replay",
+            str(png),
+            "--broker",
+            "mqtt://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
-    assert "is not a text file (a PNG image): byte 0x89 at offset 0 is not UTF-8" in done.stderr, done.stderr
+    assert "is not a text file (a PNG image): byte 0x89 at offset 0 is not UTF-8" in done.stderr, (
+        done.stderr
+    )
     assert "codec can't decode" not in done.stderr and "Traceback" not in done.stderr

@@ -1,4 +1,5 @@
-"""Robot metrics: VOC (Spearman of progress against frame order, successful episodes) and end-of-episode AUROC."""
+"""Robot metrics: VOC (Spearman of progress against frame order, successful episodes) and
+end-of-episode AUROC."""
 
 import pytest
 
@@ -11,7 +12,8 @@ def ep(name: str, outcome: float | None, scores: list[float | None]) -> RunCurve
 
 
 def test_voc_is_spearman_against_order_over_successful_episodes_only() -> None:
-    rising = ep("a", 1.0, [0.1, 0.2, None, 0.5, 0.9])  # a failed call (None) is left out, not read as 0
+    # a failed call (None) is left out, not read as 0
+    rising = ep("a", 1.0, [0.1, 0.2, None, 0.5, 0.9])
     reversed_ = ep("b", 1.0, [0.9, 0.5, 0.2, 0.1])
     failed = ep("c", 0.0, [0.9, 0.1, 0.05])  # not a successful episode: does not count
     assert voc([rising]) == pytest.approx(1.0)
@@ -20,8 +22,13 @@ def test_voc_is_spearman_against_order_over_successful_episodes_only() -> None:
 
 
 def test_end_auroc_ranks_last_scores_against_success() -> None:
-    curves = [ep("s1", 1.0, [0.2, 0.9]), ep("s2", 1.0, [0.1, 0.7, None]), ep("f1", 0.0, [0.8, 0.3]),
-              ep("f2", 0.0, [0.6]), ep("u", None, [0.0])]  # fmt: skip
+    curves = [
+        ep("s1", 1.0, [0.2, 0.9]),
+        ep("s2", 1.0, [0.1, 0.7, None]),
+        ep("f1", 0.0, [0.8, 0.3]),
+        ep("f2", 0.0, [0.6]),
+        ep("u", None, [0.0]),
+    ]
     assert end_auroc(curves) == pytest.approx(1.0)
     curves.append(ep("f3", 0.0, [0.95]))  # a failure scored above both successes
     assert end_auroc(curves) == pytest.approx(4 / 6)
@@ -29,7 +36,9 @@ def test_end_auroc_ranks_last_scores_against_success() -> None:
 
 
 def test_bootstrap_intervals_hold_the_estimate_and_are_reproducible() -> None:
-    curves = [ep(f"s{i}", 1.0, [0.1 * k + (0.3 if k == i % 4 else 0) for k in range(6)]) for i in range(8)]
+    curves = [
+        ep(f"s{i}", 1.0, [0.1 * k + (0.3 if k == i % 4 else 0) for k in range(6)]) for i in range(8)
+    ]
     curves += [ep(f"f{i}", 0.0, [0.5 - 0.05 * k + 0.02 * i for k in range(6)]) for i in range(6)]
     m = robot_metrics(curves, resamples=300, seed=1)
     assert m.voc.n == 8 and m.end_auroc.n == 14

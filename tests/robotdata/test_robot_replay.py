@@ -1,4 +1,5 @@
-"""`agent-monitor replay` of robot data into a real Monitor over a real Mosquitto, judged by a scripted vision judge."""
+"""`agent-monitor replay` of robot data into a real Monitor over a real Mosquitto, judged by a
+scripted vision judge."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.fixtures.robot_data import CAMERAS, LeRobotSpec, level, make_lerobot,
 
 pytestmark = pytest.mark.timeout(120)
 
-# Every frame an anchor: the judge's last prompt of an episode then holds all of its frames, in order.
+# Every frame an anchor: the judge's last prompt of an episode then holds all of its frames, in
+# order.
 ALL_FRAMES = FrameBudget(every=1, recent=0, per_stride=64)
 
 
@@ -30,7 +32,12 @@ def _frames(p: Prompt) -> list[tuple[tuple[int, int], int]]:
     for part in p.parts:
         if isinstance(part, ImagePart):
             img = Image.open(io.BytesIO(part.frame.data)).convert("L")
-            out.append(((part.frame.width, part.frame.height), int(img.getpixel((img.size[0] // 2, img.size[1] // 2)))))  # type: ignore[arg-type]
+            out.append(
+                (
+                    (part.frame.width, part.frame.height),
+                    int(img.getpixel((img.size[0] // 2, img.size[1] // 2))),
+                )
+            )  # type: ignore[arg-type]
     return out
 
 
@@ -50,9 +57,11 @@ async def _wait(check: object, what: str, wait_s: float = 60.0) -> None:
 def _check_episode(judge: FakeJudge, task: str, steps: int, sizes: list[tuple[int, int]]) -> None:
     prompts = _last_prompts(judge, task)
     assert prompts and prompts[-1].step == steps
-    assert [p.step for p in prompts] == sorted(p.step for p in prompts)  # scored in order, coalescing allowed
+    # scored in order, coalescing allowed
+    assert [p.step for p in prompts] == sorted(p.step for p in prompts)
     seen = _frames(prompts[-1])
-    assert [z for z, _ in seen] == sizes * steps  # every camera's frame of every step, at its resolution
+    # every camera's frame of every step, at its resolution
+    assert [z for z, _ in seen] == sizes * steps
     levels = [g for _, g in seen]
     expected = [level(i) for i in range(steps) for _ in sizes]
     assert all(abs(g - e) <= 4 for g, e in zip(levels, expected, strict=True)), levels
@@ -66,15 +75,24 @@ async def test_replay_publishes_lerobot_and_mcap_episodes_live_with_their_frames
     dataset = make_lerobot(tmp_path / "toy")
     bag = make_mcap(tmp_path / "stack.mcap")
     judge = FakeJudge(latency_s=0.01)
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id="mon-robot", frame_budget=ALL_FRAMES)
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id="mon-robot", frame_budget=ALL_FRAMES
+    )
     spec = LeRobotSpec()
     async with Monitor(config, judge=judge):
-        rc = await asyncio.to_thread(main, ["replay", str(dataset), "--broker", broker.url, "--speed", "4"])
+        rc = await asyncio.to_thread(
+            main, ["replay", str(dataset), "--broker", broker.url, "--speed", "4"]
+        )
         assert rc == 0
         for task, n in zip(spec.tasks, spec.lengths, strict=True):
-            await _wait(lambda task=task, n=n: any(p.step == n for p in _last_prompts(judge, task)), f"{task} scored")
+            await _wait(
+                lambda task=task, n=n: any(p.step == n for p in _last_prompts(judge, task)),
+                f"{task} scored",
+            )
             _check_episode(judge, task, n, list(CAMERAS.values()))
-        rc = await asyncio.to_thread(main, ["replay", str(bag), "--broker", broker.url, "--speed", "4", "--every", "1"])
+        rc = await asyncio.to_thread(
+            main, ["replay", str(bag), "--broker", broker.url, "--speed", "4", "--every", "1"]
+        )
         assert rc == 0
         task = "Stack the blue block on the green one"
         await _wait(lambda: any(p.step == 12 for p in _last_prompts(judge, task)), "the bag scored")
@@ -86,7 +104,9 @@ async def test_replay_of_a_bad_file_is_exit_2_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "x.mcap").write_bytes(b"not an mcap file at all")
-    rc = await asyncio.to_thread(main, ["replay", str(tmp_path / "x.mcap"), "--broker", "mqtt://127.0.0.1:1"])
+    rc = await asyncio.to_thread(
+        main, ["replay", str(tmp_path / "x.mcap"), "--broker", "mqtt://127.0.0.1:1"]
+    )
     assert rc == 2
     assert "x.mcap: not an MCAP file" in capsys.readouterr().err
 
@@ -128,7 +148,8 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
     seen: list[tuple[int, int]] = []
 
     def vision(body: dict[str, Any]) -> Reply:
-        # The judge looks at the newest frame: brighter is further along; the drawer episode never gets anywhere.
+        # The judge looks at the newest frame: brighter is further along; the drawer episode never
+        # gets anywhere.
         urls = [
             p["image_url"]["url"]
             for m in body["messages"]
@@ -139,13 +160,24 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
         img = Image.open(io.BytesIO(base64.b64decode(urls[-1].split(",", 1)[1]))).convert("L")
         gray = int(img.getpixel((img.size[0] // 2, img.size[1] // 2)))  # type: ignore[arg-type]
         seen.append((len(urls), gray))
-        letter = "B" if "Open the drawer" in json.dumps(body) else LETTERS[min(19, round(gray / 20))]
+        letter = (
+            "B" if "Open the drawer" in json.dumps(body) else LETTERS[min(19, round(gray / 20))]
+        )
         return chat_reply(chat_choice([(letter, {letter: 1.0})]))
 
     with scripted_server() as server:
         server.default = vision
         rc = main(
-            ["eval", str(dataset), "--judge", "openai", "--judge-url", server.url, "--out", str(tmp_path / "out")]
+            [
+                "eval",
+                str(dataset),
+                "--judge",
+                "openai",
+                "--judge-url",
+                server.url,
+                "--out",
+                str(tmp_path / "out"),
+            ]
         )
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -158,7 +190,18 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
     bag = make_mcap(tmp_path / "stack.mcap")
     with scripted_server() as server:
         server.default = vision
-        rc = main(["eval", str(bag), "--judge", "openai", "--judge-url", server.url, "--out", str(tmp_path / "bag")])
+        rc = main(
+            [
+                "eval",
+                str(bag),
+                "--judge",
+                "openai",
+                "--judge-url",
+                server.url,
+                "--out",
+                str(tmp_path / "bag"),
+            ]
+        )
     out = capsys.readouterr().out
     assert rc == 0 and len(server.requests) == 12, out
     assert "VOC 1.00" in out
@@ -166,7 +209,9 @@ def test_eval_scores_episodes_offline_with_a_vision_judge_and_reports_voc_and_au
     assert spec.success == (True, False)
 
 
-def test_eval_of_a_bad_dataset_is_exit_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_eval_of_a_bad_dataset_is_exit_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dataset = make_lerobot(tmp_path / "toy")
     (dataset / "meta" / "info.json").write_text("{not json")
     rc = main(["eval", str(dataset), "--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1"])

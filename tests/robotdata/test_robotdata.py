@@ -1,4 +1,5 @@
-"""Robot data in: LeRobot v3 datasets and ROS 2 MCAP bags written by the tests, read into steps with frames."""
+"""Robot data in: LeRobot v3 datasets and ROS 2 MCAP bags written by the tests, read into steps
+with frames."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def bag(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_mcap(tmp_path_factory.mktemp("robot") / "stack.mcap")
 
 
-def _read(path: Path, options: ReadOptions | None = None, **kw: object) -> list[tuple[Episode, list]]:  # type: ignore[type-arg]
+def _read(
+    path: Path, options: ReadOptions | None = None, **kw: object
+) -> list[tuple[Episode, list]]:  # type: ignore[type-arg]
     return [(ep, list(ep.steps())) for ep in read_episodes(path, options, **kw)]  # type: ignore[arg-type]
 
 
@@ -46,15 +49,17 @@ def test_lerobot_episodes_tasks_outcomes_and_frames_in_order(dataset: Path) -> N
     assert [ep.name for ep, _ in read] == ["toy-episode-000000", "toy-episode-000001"]
     assert [ep.task for ep, _ in read] == list(spec.tasks)
     assert [ep.outcome for ep, _ in read] == [1.0, 0.0]  # next.success at the episode's last frame
-    assert [ep.frames for ep, _ in read] == list(spec.lengths) and all(ep.fps == 10.0 for ep, _ in read)
+    assert [ep.frames for ep, _ in read] == list(spec.lengths) and all(
+        ep.fps == 10.0 for ep, _ in read
+    )
     for (ep, steps), n in zip(read, spec.lengths, strict=True):
         assert ep.cameras == tuple(CAMERAS) and not ep.truncated
         assert [s.index for s in steps] == list(range(1, n + 1))
         assert [s.frame_index for s in steps] == list(range(n))
         assert [s.timestamp for s in steps] == pytest.approx([i / 10 for i in range(n)])
         for i, s in enumerate(steps):
-            # Both cameras, at their own resolution, and the frame of this very step (the second episode's
-            # frames come from the middle of the same mp4 files: from_timestamp).
+            # Both cameras, at their own resolution, and the frame of this very step (the second
+            # episode's frames come from the middle of the same mp4 files: from_timestamp).
             assert [_gray(b)[0] for b in s.images] == list(CAMERAS.values())
             assert all(abs(_gray(b)[1] - level(i)) <= 4 for b in s.images), (ep.name, i)
     first = read[1][1][2]
@@ -93,7 +98,11 @@ def test_lerobot_reader_reads_the_dataset_metadata(dataset: Path) -> None:
 
 def test_mcap_bag_is_one_episode_with_task_text_and_both_cameras(bag: Path) -> None:
     [(ep, steps)] = _read(bag)
-    assert ep.name == "stack" and ep.task == "Stack the blue block on the green one" and ep.outcome == 1.0
+    assert (
+        ep.name == "stack"
+        and ep.task == "Stack the blue block on the green one"
+        and ep.outcome == 1.0
+    )
     assert ep.cameras == ("/camera/front", "/camera/wrist") and ep.frames == 12
     assert ep.fps == pytest.approx(10.0)
     assert [s.index for s in steps] == list(range(1, 13))
@@ -102,14 +111,18 @@ def test_mcap_bag_is_one_episode_with_task_text_and_both_cameras(bag: Path) -> N
         assert s.text == f"t={i / 10:.2f}s; /cmd: move dx={0.1 * (i + 1):.1f}"
         sizes = [_gray(b) for b in s.images]
         assert [z for z, _ in sizes] == [(64, 48), (32, 32)]
-        assert all(abs(g - level(i)) <= 4 for _, g in sizes), i  # the wrist frame logged just after is this tick's
+        # the wrist frame logged just after is this tick's
+        assert all(abs(g - level(i)) <= 4 for _, g in sizes), i
     [(_, every)] = _read(bag, ReadOptions(every=5))
     assert [s.frame_index for s in every] == [4, 9, 11]
 
 
 def test_mcap_task_from_the_command_line_and_other_encodings(tmp_path: Path) -> None:
     no_task = make_mcap(tmp_path / "a.mcap", task=None, outcome=None)
-    with pytest.raises(RobotDataError, match=r"no task: no std_msgs/String on /task; pass the task \(--task TEXT\)"):
+    with pytest.raises(
+        RobotDataError,
+        match=r"no task: no std_msgs/String on /task; pass the " r"task \(--task TEXT\)",
+    ):
         list(read_episodes(no_task))
     [(ep, steps)] = _read(no_task, task="Pick up the cup")
     assert ep.task == "Pick up the cup" and ep.outcome is None and len(steps) == 12
@@ -117,7 +130,8 @@ def test_mcap_task_from_the_command_line_and_other_encodings(tmp_path: Path) -> 
     assert _gray(_read(bgr)[0][1][3].images[0])[1] == pytest.approx(level(3), abs=4)
     bayer = make_mcap(tmp_path / "c.mcap", encoding="bayer_rggb8")
     with pytest.raises(
-        RobotDataError, match=r"/camera/front: image encoding 'bayer_rggb8' is not supported; use one of rgb8"
+        RobotDataError,
+        match=r"/camera/front: image encoding 'bayer_rggb8' is not supported; " r"use one of rgb8",
     ):
         _read(bayer)
 
@@ -127,14 +141,18 @@ def test_bad_files_are_clear_errors(tmp_path: Path, dataset: Path, bag: Path) ->
         list(read_episodes(tmp_path / "nothing"))
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(
-        RobotDataError, match=r"neither a LeRobot v3 dataset directory \(with meta/info.json\) nor an .mcap"
+        RobotDataError,
+        match=r"neither a LeRobot v3 dataset directory \(with " r"meta/info.json\) nor an .mcap",
     ):
         list(read_episodes(tmp_path / "notes.txt"))
     # An older dataset: named, with what to do.
     old = make_lerobot(tmp_path / "old")
     info = (old / "meta" / "info.json").read_text().replace('"v3.0"', '"v2.1"')
     (old / "meta" / "info.json").write_text(info)
-    with pytest.raises(RobotDataError, match=r"codebase_version 'v2.1'; only LeRobot v3 .* convert_dataset_v21_to_v30"):
+    with pytest.raises(
+        RobotDataError,
+        match=r"codebase_version 'v2.1'; only LeRobot v3 .* " r"convert_dataset_v21_to_v30",
+    ):
         list(read_episodes(old))
     # A corrupt episodes table, a corrupt video: the file is named.
     bad = make_lerobot(tmp_path / "bad")
@@ -145,7 +163,10 @@ def test_bad_files_are_clear_errors(tmp_path: Path, dataset: Path, bag: Path) ->
     video = cut / "videos" / "observation.images.front" / "chunk-000" / "file-000.mp4"
     video.write_bytes(b"\x00\x00\x00\x18ftypisom" + b"\x00" * 200)
     [ep, _] = read_episodes(cut)
-    with pytest.raises(RobotDataError, match=r"observation.images.front/chunk-000/file-000.mp4: not a readable video"):
+    with pytest.raises(
+        RobotDataError,
+        match=r"observation.images.front/chunk-000/file-000.mp4: " r"not a readable video",
+    ):
         list(ep.steps())
     # A video shorter than its episode's data.
     short = make_lerobot(tmp_path / "short")
@@ -156,7 +177,8 @@ def test_bad_files_are_clear_errors(tmp_path: Path, dataset: Path, bag: Path) ->
     )
     with pytest.raises(
         RobotDataError,
-        match=r"wrist/chunk-000/file-000.mp4: no frame within 0.050 s of 0.600 s \(the video is shorter than the",
+        match=r"wrist/chunk-000/file-000.mp4: no frame within 0.050 s of 0.600 s \(the video "
+        r"is shorter than the",
     ):
         list(ep2.steps())
     # MCAP: garbage, and a bag whose recording was cut off (no summary).
@@ -164,7 +186,10 @@ def test_bad_files_are_clear_errors(tmp_path: Path, dataset: Path, bag: Path) ->
     with pytest.raises(RobotDataError, match=r"junk.mcap: not (an|a readable) MCAP file"):
         list(read_episodes(tmp_path / "junk.mcap"))
     (tmp_path / "cut.mcap").write_bytes(bag.read_bytes()[: bag.stat().st_size // 2])
-    with pytest.raises(RobotDataError, match=r"cut.mcap: (no summary section .* mcap recover|not a readable MCAP)"):
+    with pytest.raises(
+        RobotDataError,
+        match=r"cut.mcap: (no summary section .* mcap " r"recover|not a readable MCAP)",
+    ):
         list(read_episodes(tmp_path / "cut.mcap"))
 
 

@@ -1,9 +1,11 @@
-"""Robot metadata as untrusted input (issue 44, finding 6): `agent-monitor replay` of hostile LeRobot datasets.
+"""Robot metadata as untrusted input (issue 44, finding 6): `agent-monitor replay` of hostile
+LeRobot datasets.
 
 Each dataset is the toy one with one thing made hostile: a path template that would build a gigabyte
 path or evaluate attributes, a path outside the dataset, a FIFO in place of a video, a deeply nested
-info.json, a decompression-bomb PNG frame, a bit-flipped mp4. Each ends `agent-monitor replay` (against
-a real Mosquitto) with exit 2 and a message naming the file, quickly, never a traceback or a hang.
+info.json, a decompression-bomb PNG frame, a bit-flipped mp4. Each ends `agent-monitor replay`
+(against a real Mosquitto) with exit 2 and a message naming the file, quickly, never a traceback or
+a hang.
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ def _info(root: Path, **changes: object) -> Path:
     return path
 
 
-async def _replay(dataset: Path, broker: Mosquitto, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, float]:
+async def _replay(
+    dataset: Path, broker: Mosquitto, capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, float]:
     began = time.monotonic()
-    rc = await asyncio.to_thread(main, ["replay", str(dataset), "--broker", broker.url, "--speed", "0"])
+    rc = await asyncio.to_thread(
+        main, ["replay", str(dataset), "--broker", broker.url, "--speed", "0"]
+    )
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
     return rc, err, time.monotonic() - began
@@ -85,14 +91,20 @@ async def test_a_deeply_nested_info_json_is_exit_2_naming_it(
 
 
 def _png(width: int, height: int) -> bytes:
-    """A PNG whose header says `width` x `height` gray pixels (the data is a stub: the size alone is the bomb)."""
+    """A PNG whose header says `width` x `height` gray pixels (the data is a stub: the size alone
+    is the bomb)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
     )
 
 
@@ -105,12 +117,18 @@ async def test_a_decompression_bomb_frame_is_exit_2_naming_the_file(
     dataset = make_lerobot(tmp_path / "toy")
     info = json.loads((dataset / "meta" / "info.json").read_text())
     features = {k: v for k, v in info["features"].items() if v.get("dtype") != "video"}
-    features["observation.images.top"] = {"dtype": "image", "shape": [30000, 30000, 1], "names": None}
+    features["observation.images.top"] = {
+        "dtype": "image",
+        "shape": [30000, 30000, 1],
+        "names": None,
+    }
     _info(dataset, features=features)
     data = dataset / "data" / "chunk-000" / "file-000.parquet"
     table = pq.read_table(data)
     bomb = {"bytes": _png(30_000, 30_000), "path": None}
-    column = pa.array([bomb] * table.num_rows, type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    column = pa.array(
+        [bomb] * table.num_rows, type=pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    )
     pq.write_table(table.append_column("observation.images.top", column), data)
     rc, err, _ = await _replay(dataset, broker, capsys)
     assert rc == 2 and "file-000.parquet: image column 'observation.images.top'" in err, err

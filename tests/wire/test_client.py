@@ -1,4 +1,5 @@
-"""The sync harness client against a private Mosquitto, with the test playing the monitor's part over plain paho."""
+"""The sync harness client against a private Mosquitto, with the test playing the monitor's part
+over plain paho."""
 
 from __future__ import annotations
 
@@ -67,7 +68,12 @@ class Peer:
     """A plain paho client playing the monitor: records what it receives, publishes outputs."""
 
     def __init__(
-        self, port: int, filters: tuple[str, ...] = ("agents/#",), *, client_id: str | None = None, clean: bool = True
+        self,
+        port: int,
+        filters: tuple[str, ...] = ("agents/#",),
+        *,
+        client_id: str | None = None,
+        clean: bool = True,
     ) -> None:
         self.messages: list[Msg] = []
         self.cond = threading.Condition()
@@ -87,7 +93,9 @@ class Peer:
         self.c.loop_start()
         assert self.subscribed.wait(WAIT), "peer did not subscribe"
 
-    def _on_connect(self, c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, rc: Any, _p: Any) -> None:
+    def _on_connect(
+        self, c: mqtt.Client, _u: Any, flags: mqtt.ConnectFlags, rc: Any, _p: Any
+    ) -> None:
         if not flags.session_present:
             c.subscribe([(f, 1) for f in self.filters])
 
@@ -98,7 +106,9 @@ class Peer:
 
     def wait(self, pred: Callable[[list[Msg]], bool], timeout: float = WAIT) -> list[Msg]:
         with self.cond:
-            assert self.cond.wait_for(lambda: pred(self.messages), timeout), f"peer saw only {self.messages}"
+            assert self.cond.wait_for(lambda: pred(self.messages), timeout), (
+                f"peer saw only {self.messages}"
+            )
             return list(self.messages)
 
     def on(self, topic: str) -> list[Msg]:
@@ -127,8 +137,12 @@ def mon(broker: Mosquitto) -> Iterator[MonitorClient]:
         yield m
 
 
-def signal(run_id: str, sig: str = "abort", *, step: int = 3, best_step: int | None = 2) -> dict[str, Any]:
-    return SignalOut(run_id=run_id, signal=sig, reason="test", step=step, score=0.1, best_step=best_step).model_dump()  # type: ignore[arg-type]
+def signal(
+    run_id: str, sig: str = "abort", *, step: int = 3, best_step: int | None = 2
+) -> dict[str, Any]:
+    return SignalOut(
+        run_id=run_id, signal=sig, reason="test", step=step, score=0.1, best_step=best_step
+    ).model_dump()  # type: ignore[arg-type]
 
 
 def progress(run_id: str, step: int, score: float = 0.5) -> dict[str, Any]:
@@ -141,15 +155,24 @@ def progress(run_id: str, step: int, score: float = 0.5) -> dict[str, Any]:
 def test_publishes_start_steps_and_end_as_the_protocol_says(mon: MonitorClient, peer: Peer) -> None:
     image = png()
     run = mon.start_run(
-        "run-1", task="Fix the failing test", criteria="coding", policy={"abort_below": 0.2}, labels={"env": "ci"}
+        "run-1",
+        task="Fix the failing test",
+        criteria="coding",
+        policy={"abort_below": 0.2},
+        labels={"env": "ci"},
     )
-    assert [run.step(f"action {i}\nobservation {i}", images=[image] if i == 2 else ()) for i in (1, 2, 3)] == [1, 2, 3]
+    assert [
+        run.step(f"action {i}\nobservation {i}", images=[image] if i == 2 else ())
+        for i in (1, 2, 3)
+    ] == [1, 2, 3]
     assert run.step("with meta", meta={"tests_passed": 3}) == 4
     run.end("success")
     msgs = peer.wait(lambda ms: any(m.topic == "agents/run-1/end" for m in ms))
 
     inputs = [m for m in msgs if m.topic.rsplit("/", 1)[1] in ("start", "step", "end")]
-    assert [m.topic for m in inputs] == ["agents/run-1/start"] + ["agents/run-1/step"] * 4 + ["agents/run-1/end"]
+    assert [m.topic for m in inputs] == ["agents/run-1/start"] + ["agents/run-1/step"] * 4 + [
+        "agents/run-1/end"
+    ]
     assert all(m.qos == 1 and not m.retain for m in inputs)
     start = RunStart.model_validate(inputs[0].json())
     assert (start.task, start.criteria, start.policy, start.labels) == (
@@ -161,7 +184,9 @@ def test_publishes_start_steps_and_end_as_the_protocol_says(mon: MonitorClient, 
     steps = [StepIn.model_validate(m.json()) for m in inputs[1:5]]
     assert [s.index for s in steps] == [1, 2, 3, 4]
     assert steps[0].text == "action 1\nobservation 1" and steps[0].images == []
-    assert inputs[2].json()["images"] == [{"data": base64.b64encode(image).decode(), "mime": "image/png"}]
+    assert inputs[2].json()["images"] == [
+        {"data": base64.b64encode(image).decode(), "mime": "image/png"}
+    ]
     assert steps[1].images[0].decoded() == image
     assert steps[3].meta == {"tests_passed": 3}
     assert all(s.ts is not None and abs(s.ts - time.time()) < 60 for s in steps)
@@ -169,7 +194,9 @@ def test_publishes_start_steps_and_end_as_the_protocol_says(mon: MonitorClient, 
     assert inputs[5].json() == {"outcome": "success"}
 
 
-def test_explicit_index_restarts_numbering_and_images_may_be_imagein_or_base64(mon: MonitorClient, peer: Peer) -> None:
+def test_explicit_index_restarts_numbering_and_images_may_be_imagein_or_base64(
+    mon: MonitorClient, peer: Peer
+) -> None:
     run = mon.start_run("run-2", task="t")
     image = png()
     assert run.step("a", images=[ImageIn.from_bytes(image)]) == 1
@@ -178,18 +205,26 @@ def test_explicit_index_restarts_numbering_and_images_may_be_imagein_or_base64(m
     assert run.step("d") == 3
     run.end(0.75)
     msgs = peer.wait(lambda ms: any(m.topic == "agents/run-2/end" for m in ms))
-    assert [json.loads(m.payload)["index"] for m in msgs if m.topic == "agents/run-2/step"] == [1, 2, 2, 3]
+    assert [json.loads(m.payload)["index"] for m in msgs if m.topic == "agents/run-2/step"] == [
+        1,
+        2,
+        2,
+        3,
+    ]
     assert json.loads(peer.on("agents/run-2/end")[0].payload) == {"outcome": 0.75}
 
 
-def test_end_without_outcome_is_empty_object_and_is_idempotent(mon: MonitorClient, peer: Peer) -> None:
+def test_end_without_outcome_is_empty_object_and_is_idempotent(
+    mon: MonitorClient, peer: Peer
+) -> None:
     run = mon.start_run("run-3", task="t")
     run.end()
     run.end("failure")  # no-op
     assert run.ended
     with pytest.raises(RuntimeError, match="has ended"):
         run.step("late")
-    mon.start_run("marker", task="t")  # same connection, so anything sent before it arrives before it
+    # same connection, so anything sent before it arrives before it
+    mon.start_run("marker", task="t")
     peer.wait(lambda ms: any(m.topic == "agents/marker/start" for m in ms))
     assert [m.payload for m in peer.on("agents/run-3/end")] == [b"{}"]
     assert peer.on("agents/run-3/step") == []
@@ -250,7 +285,12 @@ def test_signal_abort_then_cleared(mon: MonitorClient, peer: Peer) -> None:
     run.step("s1")
     peer.publish("agents/sig/signal", signal("sig", "abort", best_step=1), retain=True)
     got = run.wait_signal("abort", timeout=WAIT)
-    assert got.signal == "abort" and run.should_abort and not run.should_resample and run.best_step == 1
+    assert (
+        got.signal == "abort"
+        and run.should_abort
+        and not run.should_resample
+        and run.best_step == 1
+    )
     eventually(lambda: len(seen) == 1, what="on_signal called")
     assert seen[0] == got
 
@@ -268,13 +308,15 @@ def test_signal_abort_then_cleared(mon: MonitorClient, peer: Peer) -> None:
 def test_retained_signal_published_before_start_is_seen(mon: MonitorClient, peer: Peer) -> None:
     peer.publish("agents/early/signal", signal("early", "abort"), retain=True)
     run = mon.start_run("early", task="t")
-    # Mosquitto sends the retained signal right after the SUBACK, so it may arrive just after start_run returns.
+    # Mosquitto sends the retained signal right after the SUBACK, so it may arrive just after
+    # start_run returns.
     assert run.wait_signal("abort", timeout=WAIT).best_step == 2
     assert run.should_abort
 
 
 def test_subscribed_before_start_is_published(broker: Mosquitto, mon: MonitorClient) -> None:
-    # A monitor that answers `start` at once, not retained: only a subscription made before start sees it.
+    # A monitor that answers `start` at once, not retained: only a subscription made before start
+    # sees it.
     responder = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv311)
     ready = threading.Event()
     responder.on_subscribe = lambda *a: ready.set()
@@ -321,7 +363,9 @@ def test_progress_and_wait_progress(mon: MonitorClient, peer: Peer) -> None:
 
 def test_errors_are_collected(mon: MonitorClient, peer: Peer) -> None:
     run = mon.start_run("errs", task="t")
-    err = ErrorOut(run_id="errs", topic="agents/errs/step", reason="invalid", error="step: index is required")
+    err = ErrorOut(
+        run_id="errs", topic="agents/errs/step", reason="invalid", error="step: index is required"
+    )
     peer.publish("agents/errs/error", err.model_dump())
     eventually(lambda: run.errors == [err], what="error collected")
     run.end()
@@ -336,13 +380,16 @@ def test_malformed_and_foreign_messages_are_ignored(mon: MonitorClient, peer: Pe
 
     run = mon.start_run("robust", task="t", on_signal=boom)
     peer.publish("agents/robust/signal", b"{not json")
-    peer.publish("agents/robust/signal", {"run_id": "robust", "signal": "explode", "reason": "", "step": 1})
+    peer.publish(
+        "agents/robust/signal", {"run_id": "robust", "signal": "explode", "reason": "", "step": 1}
+    )
     peer.publish("agents/robust/signal", signal("someone-else", "abort"))
     peer.publish("agents/robust/progress", b"\xff\xfe")
     peer.publish("agents/robust/error", {"topic": "x", "reason": "Not A Code", "error": "e"})
     peer.publish("agents/robust/whatever", b"{}")
     peer.publish("agents/robust/signal", signal("robust", "abort"))
-    peer.publish("agents/robust/signal", signal("robust", "resample"))  # after the callback raised once
+    # after the callback raised once
+    peer.publish("agents/robust/signal", signal("robust", "resample"))
     assert run.wait_signal("resample", timeout=WAIT).signal == "resample"
     assert run.progress is None and run.errors == []
     eventually(lambda: [c.signal for c in calls] == ["abort", "resample"], what="callbacks")
@@ -380,13 +427,17 @@ def test_broker_down_raises_connection_error_naming_the_url() -> None:
 
 def test_stopped_broker_raises_connection_error(broker: Mosquitto) -> None:
     broker.stop()
-    with pytest.raises(ConnectionError, match=re.escape(f"cannot connect to the MQTT broker at {broker.url}")):
+    with pytest.raises(
+        ConnectionError, match=re.escape(f"cannot connect to the MQTT broker at {broker.url}")
+    ):
         MonitorClient(broker.url, connect_timeout=2)
 
 
 def test_refused_connection_says_why(tmp_path: Path) -> None:
     auth = Mosquitto(tmp_path / "auth")
-    auth.conf.write_text(auth.conf.read_text().replace("allow_anonymous true", "allow_anonymous false"))
+    auth.conf.write_text(
+        auth.conf.read_text().replace("allow_anonymous true", "allow_anonymous false")
+    )
     auth.start()
     try:
         t0 = time.monotonic()
@@ -403,7 +454,10 @@ def test_server_that_never_answers_times_out() -> None:
         silent.listen()
         port = silent.getsockname()[1]
         t0 = time.monotonic()
-        with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port} did not answer \(no CONNACK\) within 0\.5s"):
+        with pytest.raises(
+            ConnectionError,
+            match=rf"127\.0\.0\.1:{port} did not answer \(no " r"CONNACK\) within 0\.5s",
+        ):
             MonitorClient(f"mqtt://127.0.0.1:{port}", connect_timeout=0.5)
         assert time.monotonic() - t0 < 2
 
@@ -436,7 +490,12 @@ def test_custom_prefix(broker: Mosquitto) -> None:
 
 def test_broker_restart_mid_run_delivers_every_step(broker: Mosquitto) -> None:
     # A persistent subscriber (fixed id, clean_session=False, QoS 1), like the monitor daemon.
-    sub = Peer(broker.port, ("agents/+/step", "agents/+/end"), client_id="test-persistent-monitor", clean=False)
+    sub = Peer(
+        broker.port,
+        ("agents/+/step", "agents/+/end"),
+        client_id="test-persistent-monitor",
+        clean=False,
+    )
     signaller = None
     try:
         with MonitorClient(broker.url, connect_timeout=5, ack_timeout=15) as mon:
@@ -446,7 +505,9 @@ def test_broker_restart_mid_run_delivers_every_step(broker: Mosquitto) -> None:
             sub.wait(lambda ms: len(ms) >= 3)
 
             broker.stop()
-            assert (broker.workdir / "mosquitto.db").is_file(), "the broker did not save its sessions"
+            assert (broker.workdir / "mosquitto.db").is_file(), (
+                "the broker did not save its sessions"
+            )
             eventually(lambda: not mon.connected, what="client noticed the broker is down")
             for i in range(4, 7):
                 assert run.step(f"while down {i}") == i  # queued by paho, no exception
@@ -457,13 +518,16 @@ def test_broker_restart_mid_run_delivers_every_step(broker: Mosquitto) -> None:
 
             # The run's subscriptions were renewed on the new connection.
             signaller = Peer(broker.port, ("unused/none",))
-            signaller.publish("agents/restart/signal", signal("restart", "abort", step=9), retain=True)
+            signaller.publish(
+                "agents/restart/signal", signal("restart", "abort", step=9), retain=True
+            )
             assert run.wait_signal("abort", timeout=WAIT).step == 9
             run.end("failure")
 
         msgs = sub.wait(lambda ms: any(m.topic.endswith("/end") for m in ms), timeout=20)
         indices = [json.loads(m.payload)["index"] for m in msgs if m.topic == "agents/restart/step"]
-        # QoS 1 is at-least-once: a step in flight at the restart may arrive twice (the index makes it idempotent).
+        # QoS 1 is at-least-once: a step in flight at the restart may arrive twice (the index makes
+        # it idempotent).
         assert sorted(set(indices)) == list(range(1, 10))
         assert all(m.qos == 1 for m in msgs)
     finally:
@@ -479,7 +543,9 @@ def test_close_waits_for_unacknowledged_steps(mon: MonitorClient, peer: Peer) ->
     mon.close()
     mon.close()  # idempotent
     msgs = peer.wait(lambda ms: len([m for m in ms if m.topic == "agents/flush/step"]) == 200)
-    assert [json.loads(m.payload)["index"] for m in msgs if m.topic == "agents/flush/step"] == list(range(1, 201))
+    assert [json.loads(m.payload)["index"] for m in msgs if m.topic == "agents/flush/step"] == list(
+        range(1, 201)
+    )
     with pytest.raises(RuntimeError, match="closed"):
         mon.start_run("after-close", task="t")
     with pytest.raises(RuntimeError, match="closed"):

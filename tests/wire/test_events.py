@@ -1,4 +1,5 @@
-"""Wire protocol: payload models, topics, hostile input refused with clear errors, schemas in sync."""
+"""Wire protocol: payload models, topics, hostile input refused with clear errors, schemas in
+sync."""
 
 import base64
 import builtins
@@ -66,7 +67,14 @@ def refused(kind: str, payload: Any, **kw: Any) -> EventError:
     with pytest.raises(EventError) as info:
         decode(kind, payload, **kw)
     e = info.value
-    assert e.reason in ("payload_too_large", "bad_json", "bad_topic", "unknown_topic", "invalid", "bad_image")
+    assert e.reason in (
+        "payload_too_large",
+        "bad_json",
+        "bad_topic",
+        "unknown_topic",
+        "invalid",
+        "bad_image",
+    )
     assert "\n" not in e.message and len(e.message) <= 700
     return e
 
@@ -102,7 +110,10 @@ def test_start_round_trips_and_loads_its_rubric() -> None:
         "progress",
         "robot",
         ["did it compile", {"name": "tests", "description": "do tests pass", "weight": 2}],
-        {"title": "pipe", "criteria": [{"type": "answer_match"}, {"name": "j", "description": "judge it"}]},
+        {
+            "title": "pipe",
+            "criteria": [{"type": "answer_match"}, {"name": "j", "description": "judge it"}],
+        },
     ],
 )
 def test_start_accepts_every_inline_criteria_shape(criteria: Any) -> None:
@@ -157,7 +168,9 @@ def test_step_timestamps_normalise_to_unix_seconds(ts: Any, want: float) -> None
     assert decode("step", {"text": "x", "ts": ts}).ts == want
 
 
-@pytest.mark.parametrize(("outcome", "want"), [("success", "success"), ("failure", "failure"), (0.75, 0.75), (1, 1.0)])
+@pytest.mark.parametrize(
+    ("outcome", "want"), [("success", "success"), ("failure", "failure"), (0.75, 0.75), (1, 1.0)]
+)
 def test_end_outcomes(outcome: Any, want: Any) -> None:
     assert decode("end", {"outcome": outcome}).outcome == want
 
@@ -169,7 +182,10 @@ def test_empty_end_payload_ends_the_run(payload: bytes) -> None:
 
 
 def test_unknown_fields_are_ignored_everywhere() -> None:
-    step = decode("step", {"text": "x", "harness_version": 7, "images": [{"data": b64(img()), "camera": "left"}]})
+    step = decode(
+        "step",
+        {"text": "x", "harness_version": 7, "images": [{"data": b64(img()), "camera": "left"}]},
+    )
     assert step.text == "x" and not hasattr(step, "harness_version")
     assert decode("start", {"task": "t", "x": {"deep": [1]}}).task == "t"
     assert decode("end", {"outcome": "success", "why": "tests pass"}).outcome == "success"
@@ -205,7 +221,8 @@ def test_malformed_json_is_bad_json(payload: bytes, needle: str) -> None:
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
-        # The decoder's own message ends in "at" here: the position follows it, without a second "at".
+        # The decoder's own message ends in "at" here: the position follows it, without a second
+        # "at".
         (
             b'{"index": 1, "text": "line 1\nline 2"}',
             "payload is not valid JSON: Invalid control character at line 1 column 29; "
@@ -218,7 +235,8 @@ def test_malformed_json_is_bad_json(payload: bytes, needle: str) -> None:
         ),
         (
             b"step 1: clicked",
-            "payload is not valid JSON: Expecting value at line 1 column 1; send one JSON object (e.g. from json.dumps)",
+            "payload is not valid JSON: Expecting value at line 1 column 1; send one JSON "
+            "object (e.g. from json.dumps)",
         ),
     ],
 )
@@ -234,7 +252,11 @@ def test_a_json_error_reads_as_one_sentence(payload: bytes, message: str) -> Non
         ("step", {}, "text is required"),
         ("step", {"text": 5}, "text: Input should be a valid string (got integer)"),
         ("step", {"text": ["a"]}, "text: Input should be a valid string (got array)"),
-        ("step", {"text": "x", "index": "3"}, "index: Input should be a valid integer (got string)"),
+        (
+            "step",
+            {"text": "x", "index": "3"},
+            "index: Input should be a valid integer (got string)",
+        ),
         ("step", {"text": "x", "index": True}, "index"),
         ("step", {"text": "x", "index": 1.5}, "index"),
         ("step", {"text": "x", "index": 0}, "index: Input should be greater than or equal to 1"),
@@ -243,7 +265,11 @@ def test_a_json_error_reads_as_one_sentence(payload: bytes, message: str) -> Non
         ("step", {"text": "x", "images": [5]}, "images[0]"),
         ("step", {"text": "x", "ts": True}, "ts"),
         ("step", {"text": "x", "ts": "yesterday"}, "ts 'yesterday' is not an ISO 8601 date-time"),
-        ("step", {"text": "x", "meta": [1]}, "meta: Input should be a valid dictionary (got array)"),
+        (
+            "step",
+            {"text": "x", "meta": [1]},
+            "meta: Input should be a valid dictionary (got array)",
+        ),
         ("step", {"text": ""}, "no text and no images"),
         ("start", {}, "task is required"),
         ("start", {"task": "   "}, "task is empty"),
@@ -254,7 +280,9 @@ def test_a_json_error_reads_as_one_sentence(payload: bytes, message: str) -> Non
         ("end", {"outcome": "0.5"}, "outcome '0.5' is not allowed"),
     ],
 )
-def test_wrong_types_and_missing_fields_name_the_field(kind: str, payload: Any, needle: str) -> None:
+def test_wrong_types_and_missing_fields_name_the_field(
+    kind: str, payload: Any, needle: str
+) -> None:
     e = refused(kind, payload)
     assert e.reason == "invalid" and needle in e.message, e.message
     assert e.message.startswith(f"{kind}")
@@ -278,7 +306,10 @@ def test_huge_text_and_too_many_things_are_refused() -> None:
         in refused("step", {"text": "x", "images": [b64(img())] * 17}).message
     )
     labels = {f"k{i}": "v" for i in range(17)}
-    assert "17 labels, over the limit of 16" in refused("start", {"task": "t", "labels": labels}).message
+    assert (
+        "17 labels, over the limit of 16"
+        in refused("start", {"task": "t", "labels": labels}).message
+    )
 
 
 @pytest.mark.parametrize(
@@ -311,7 +342,8 @@ def test_bad_mime_and_non_string_data() -> None:
     ("data", "needle"),
     [
         ("/etc/passwd", "looks like a file path"),
-        ("/etc/shadow1", "looks like a file path"),  # valid base64 by accident: decoded, not an image, still a path
+        # valid base64 by accident: decoded, not an image, still a path
+        ("/etc/shadow1", "looks like a file path"),
         ("../../secrets/frame.png", "looks like a file path"),
         ("~/frame.jpg", "looks like a file path"),
         ("frame_0001.png", "looks like a file path"),
@@ -346,7 +378,9 @@ def test_oversize_payload_is_refused_before_parsing() -> None:
     assert decode("step", {"text": "x"}, max_payload=1000).text == "x"
 
 
-def test_image_size_limit_from_argument_context_and_module_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_image_size_limit_from_argument_context_and_module_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     big = img(w=200, h=200)
     payload = {"text": "x", "images": [b64(big)]}
     e = refused("step", payload, max_image_bytes=len(big) - 1)
@@ -354,7 +388,8 @@ def test_image_size_limit_from_argument_context_and_module_default(monkeypatch: 
     assert decode("step", payload, max_image_bytes=len(big)).images[0].decoded() == big
     with pytest.raises(ValueError, match="over the limit of 10"):
         ImageIn.model_validate(b64(big), context={"max_image_bytes": 10})
-    # The module default applies when no context names a limit (read at validation time by the input models).
+    # The module default applies when no context names a limit (read at validation time by the input
+    # models).
     monkeypatch.setattr(_inputs, "MAX_IMAGE_BYTES", 10)
     with pytest.raises(ValueError, match="over the limit of 10"):
         ImageIn.model_validate(b64(big))
@@ -370,7 +405,9 @@ def test_image_size_limit_from_argument_context_and_module_default(monkeypatch: 
 def test_unknown_policy_keys_name_the_known_ones(policy: dict[str, Any]) -> None:
     e = refused("start", {"task": "t", "policy": policy})
     assert e.reason == "invalid" and "unknown policy key" in e.message
-    assert "known keys: abort_below, resample_below, min_steps, patience, regression, max_uncertainty" in e.message
+    assert (
+        "known keys: abort_below, resample_below, min_steps, patience, regression, max_uncertainty"
+    ) in e.message
 
 
 @pytest.mark.parametrize(
@@ -411,11 +448,17 @@ def test_policy_null_turns_a_signal_off_and_integral_floats_are_fine() -> None:
         "~x",
     ],
 )
-def test_criteria_paths_are_refused(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_criteria_paths_are_refused(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     read: list[object] = []
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: read.append(self) or "")
     e = refused("start", {"task": "t", "criteria": name})
-    assert e.reason == "invalid" and "looks like a file path" in e.message and "bundled name" in e.message
+    assert (
+        e.reason == "invalid"
+        and "looks like a file path" in e.message
+        and "bundled name" in e.message
+    )
     assert read == []
 
 
@@ -436,13 +479,18 @@ def test_criteria_file_that_exists_is_still_not_read(tmp_path: Path) -> None:
         ([], "criteria"),
         ([{"name": "a"}], "lacks 'description'"),
         ([{"type": "mystery"}], "has type 'mystery'"),
-        ([{"type": "composite", "members": [{"type": "answer_match"}], "min_confidence": None}], "cannot be loaded"),
+        (
+            [{"type": "composite", "members": [{"type": "answer_match"}], "min_confidence": None}],
+            "cannot be loaded",
+        ),
         ([{"name": "a", "description": "x", "weight": -1}], "weights must be finite"),
     ],
 )
 def test_criteria_that_do_not_load_say_why(criteria: Any, needle: str) -> None:
     e = refused("start", {"task": "t", "criteria": criteria})
-    assert e.reason == "invalid" and e.message.startswith("start: criteria") and needle in e.message, e.message
+    assert (
+        e.reason == "invalid" and e.message.startswith("start: criteria") and needle in e.message
+    ), e.message
 
 
 @pytest.mark.parametrize(
@@ -468,8 +516,12 @@ def test_meta_is_bounded_in_size_and_depth() -> None:
     deep: Any = 1
     for _ in range(20):
         deep = [deep]
-    assert "nested more than 16 levels" in refused("step", {"text": "x", "meta": {"d": deep}}).message
-    assert "numbers must be finite" in refused("step", b'{"text": "x", "meta": {"v": 1e999}}').message
+    assert (
+        "nested more than 16 levels" in refused("step", {"text": "x", "meta": {"d": deep}}).message
+    )
+    assert (
+        "numbers must be finite" in refused("step", b'{"text": "x", "meta": {"v": 1e999}}').message
+    )
 
 
 @pytest.mark.parametrize(
@@ -514,12 +566,16 @@ def test_bad_topics_and_run_ids_are_bad_topic(bad: str) -> None:
         ("agents/run-3/", "publish to agents/run-3/<start|step|end>"),
     ],
 )
-def test_a_misspelt_kind_is_unknown_topic_naming_the_topic_and_the_kinds(bad: str, hint: str) -> None:
+def test_a_misspelt_kind_is_unknown_topic_naming_the_topic_and_the_kinds(
+    bad: str, hint: str
+) -> None:
     with pytest.raises(EventError) as info:
         decode_event(bad, b'{"text": "x"}')
     e = info.value
     assert e.reason == "unknown_topic" and e.run_id is None  # reported on agents/_errors
-    assert e.message.startswith(f"unknown topic {bad!r}: the monitor reads only agents/<run_id>/start, step and end")
+    assert e.message.startswith(
+        f"unknown topic {bad!r}: the monitor reads only agents/<run_id>/start, step and end"
+    )
     assert e.message.endswith(hint)
     with pytest.raises(TopicError) as topic_error:
         parse_topic(bad)
@@ -529,10 +585,20 @@ def test_a_misspelt_kind_is_unknown_topic_naming_the_topic_and_the_kinds(bad: st
 def test_the_monitors_own_topics_are_outputs_and_inputs_are_not() -> None:
     t = ev.Topics("lab/agents")
     assert t.subscription == "lab/agents/+/+"
-    outputs = ["lab/agents/r1/progress", "lab/agents/r1/signal", "lab/agents/r1/error", "lab/agents/_errors"]
+    outputs = [
+        "lab/agents/r1/progress",
+        "lab/agents/r1/signal",
+        "lab/agents/r1/error",
+        "lab/agents/_errors",
+    ]
     outputs += ["lab/agents/_groups/g1/ranking", "lab/agents/_groups/g1"]
     assert [o for o in outputs if not t.is_output(o)] == []
-    others = ["lab/agents/r1/step", "lab/agents/r1/steps", "lab/agents/_sneaky/step", "agents/r1/progress"]
+    others = [
+        "lab/agents/r1/step",
+        "lab/agents/r1/steps",
+        "lab/agents/_sneaky/step",
+        "agents/r1/progress",
+    ]
     others += ["lab/agents/r1/progress/x", "lab/agentsx/r1/progress", "lab/agents/progress"]
     assert [o for o in others if t.is_output(o)] == []
 
@@ -572,7 +638,11 @@ def test_error_event_carries_run_id_for_per_run_error_topic() -> None:
     payload=st.one_of(
         st.binary(max_size=300),
         st.recursive(
-            st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+            st.none()
+            | st.booleans()
+            | st.integers()
+            | st.floats(allow_nan=False)
+            | st.text(max_size=20),
             lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
             max_leaves=20,
         ).map(lambda v: json.dumps(v).encode()),
@@ -582,9 +652,15 @@ def test_error_event_carries_run_id_for_per_run_error_topic() -> None:
                 "task": st.one_of(st.text(max_size=10), st.integers()),
                 "text": st.one_of(st.text(max_size=10), st.none()),
                 "index": st.one_of(st.integers(), st.text(max_size=3)),
-                "images": st.lists(st.one_of(st.text(max_size=12), st.binary(max_size=12).map(b64)), max_size=2),
-                "criteria": st.one_of(st.text(max_size=12), st.lists(st.text(max_size=5), max_size=2)),
-                "policy": st.dictionaries(st.sampled_from(["abort_below", "patience", "zzz"]), st.floats(), max_size=2),
+                "images": st.lists(
+                    st.one_of(st.text(max_size=12), st.binary(max_size=12).map(b64)), max_size=2
+                ),
+                "criteria": st.one_of(
+                    st.text(max_size=12), st.lists(st.text(max_size=5), max_size=2)
+                ),
+                "policy": st.dictionaries(
+                    st.sampled_from(["abort_below", "patience", "zzz"]), st.floats(), max_size=2
+                ),
                 "outcome": st.one_of(st.text(max_size=8), st.floats(allow_nan=False)),
             },
         ).map(lambda d: json.dumps(d).encode()),
@@ -610,8 +686,15 @@ async def test_progress_out_from_a_real_progress() -> None:
     p = await score_prefix("task", steps, judge=judge, rubric=rubric, coalesced=2)
     out = ProgressOut.from_progress(p, run_id="r1")
     assert out.run_id == "r1" and out.step == 2 and out.ok and out.score == pytest.approx(2 / 19)
-    assert set(out.criteria) == {"done", "tidy"} and out.criteria["done"].weight == pytest.approx(0.5)
-    assert out.coalesced == 2 and out.rubric == rubric.hash and out.model == "fake-1" and not out.degraded
+    assert set(out.criteria) == {"done", "tidy"} and out.criteria["done"].weight == pytest.approx(
+        0.5
+    )
+    assert (
+        out.coalesced == 2
+        and out.rubric == rubric.hash
+        and out.model == "fake-1"
+        and not out.degraded
+    )
     assert out.tokens.input == p.usage.input_tokens > 0 and out.tokens.output == 2
     wire = json.loads(out.to_payload())
     # The wire shape is Progress.to_json, with the run id the caller gave.
@@ -630,16 +713,30 @@ async def test_progress_out_from_a_real_progress() -> None:
     ):
         assert wire[key] == form[key], key
     assert wire["criteria"]["done"] == form["criteria"]["done"]
-    # A result that is not a run's final one, sent again with its verdict when the run ends (those two fields).
+    # A result that is not a run's final one, sent again with its verdict when the run ends (those
+    # two fields).
     assert wire == {**form, "run_id": "r1", "final": False, "verdict": None}
     assert ProgressOut.model_validate_json(out.to_payload()) == out
 
 
 def test_progress_out_for_a_failed_judge_call_is_null_scored_and_degraded() -> None:
-    p = Progress(step=4, score=None, uncertainty=None, criteria={}, ok=False, error="timed out", reason="timeout")
+    p = Progress(
+        step=4,
+        score=None,
+        uncertainty=None,
+        criteria={},
+        ok=False,
+        error="timed out",
+        reason="timeout",
+    )
     out = ProgressOut.from_progress(dataclasses.replace(p, degraded=True), run_id="r1")
     wire = json.loads(out.to_payload())
-    assert wire["score"] is None and wire["ok"] is False and wire["reason"] == "timeout" and wire["degraded"] is True
+    assert (
+        wire["score"] is None
+        and wire["ok"] is False
+        and wire["reason"] == "timeout"
+        and wire["degraded"] is True
+    )
 
 
 def test_progress_out_never_sends_invalid_json() -> None:
@@ -665,7 +762,12 @@ def test_output_models_validate_run_id_and_reason() -> None:
     with pytest.raises(ValueError):
         ErrorOut(topic="t", reason="Bad Reason", error="x")
     # Clients tolerate fields a newer monitor adds.
-    assert SignalOut.model_validate({"run_id": "r", "signal": "continue", "reason": "", "step": 0, "new": 1}).step == 0
+    assert (
+        SignalOut.model_validate(
+            {"run_id": "r", "signal": "continue", "reason": "", "step": 0, "new": 1}
+        ).step
+        == 0
+    )
 
 
 # -- schemas --
@@ -684,9 +786,13 @@ def test_write_and_check_schemas(tmp_path: Path) -> None:
     assert ev.stale_schemas(tmp_path) == ["old.schema.json"]
     for p in written:
         schema = json.loads(p.read_text())
-        assert schema["$schema"].startswith("https://json-schema.org/") and schema["type"] == "object"
+        assert (
+            schema["$schema"].startswith("https://json-schema.org/") and schema["type"] == "object"
+        )
     step = json.loads((tmp_path / "step.schema.json").read_text())
     assert step["required"] == ["text"]
-    assert {"type": "string", "contentEncoding": "base64"}.items() <= step["$defs"]["ImageIn"]["anyOf"][0].items()
+    assert {"type": "string", "contentEncoding": "base64"}.items() <= step["$defs"]["ImageIn"][
+        "anyOf"
+    ][0].items()
     start = json.loads((tmp_path / "start.schema.json").read_text())
     assert start["properties"]["policy"]["propertyNames"]["enum"] == list(ev.POLICY_KEYS)

@@ -1,4 +1,5 @@
-"""Cluster mode: replicas share runs through Redis and an MQTT 5 shared subscription, one owner per run."""
+"""Cluster mode: replicas share runs through Redis and an MQTT 5 shared subscription, one owner
+per run."""
 
 from ._cluster import Cluster
 from ._store import ClusterJournal, ClusterUnavailable

@@ -1,4 +1,5 @@
-"""Cluster mode's inboxes: any replica journals what it receives into the runs' inboxes; each owner feeds its runs.
+"""Cluster mode's inboxes: any replica journals what it receives into the runs' inboxes; each owner
+feeds its runs.
 
 Receiving is separate from owning: the receiver appends each input to its run's inbox (a Redis
 stream) before it is acknowledged, without decoding it; the run's owner reads the inbox from its
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("agent_monitor.cluster")
 
 _MAX_RUN_ID = 256
-"""Longest run id a receiver journals (topic-safe ids are far shorter; a key per run is built from it)."""
+"""Longest run id a receiver journals (topic-safe ids are far shorter; a key per run is built
+from it)."""
 _FEED_PAGE = 256
 """Inbox entries read per run at once."""
 
@@ -38,7 +40,8 @@ Message = tuple[str, bytes, Delivery | None]
 
 
 class Inboxes:
-    """The runs' shared inboxes as one replica uses them: journal what it receives, feed the runs it owns."""
+    """The runs' shared inboxes as one replica uses them: journal what it receives, feed the runs
+    it owns."""
 
     def __init__(
         self,
@@ -80,7 +83,8 @@ class Inboxes:
     # -- receiving: any replica, before the MQTT acknowledgement --
 
     async def receive(self, batch: Sequence[Message]) -> list[BaseException | None]:
-        """Journal received messages into their runs' inboxes (one script, one round trip); per message None or the error."""
+        """Journal received messages into their runs' inboxes (one script, one round trip); per
+        message None or the error."""
         errors: list[BaseException | None] = [None] * len(batch)
         calls: list[tuple[int, str]] = []
         leases = self.leases
@@ -105,7 +109,9 @@ class Inboxes:
             (results,) = await piped(self.redis, [(self.scripts["receive"], args)])
         except Exception as e:
             self.metrics.cluster_errors.labels("receive").inc()
-            log.warning("cluster_receive_failed", messages=len(calls), error=f"{type(e).__name__}: {e}")
+            log.warning(
+                "cluster_receive_failed", messages=len(calls), error=f"{type(e).__name__}: {e}"
+            )
             for i, _ in calls:
                 errors[i] = e
             return errors
@@ -121,7 +127,8 @@ class Inboxes:
     # -- feeding: the owner --
 
     async def feeder(self) -> None:
-        """Hand owned runs' new inbox events to the host, in inbox order per run, many runs per batch."""
+        """Hand owned runs' new inbox events to the host, in inbox order per run, many runs per
+        batch."""
         while True:
             await self.wake.wait()
             self.wake.clear()
@@ -155,17 +162,22 @@ class Inboxes:
                 self.mark(run_id)  # more after this page
             if page:
                 last[run_id] = _text(page[-1][0])
-        # In rounds: every run's first new event, then every run's second, ... (each run's in inbox order). The
-        # host commits a batch holding one record per run, so a run's events one after the other would each cost
-        # a journal write (a Redis round trip) of their own: a backlog of 300 runs x 6 steps, 1,800 writes in a
-        # row instead of 6, and the owner falls behind what it receives.
+        # In rounds: every run's first new event, then every run's second, ... (each run's in inbox
+        # order). The host commits a batch holding one record per run, so a run's events one after
+        # the other would each cost a journal write (a Redis round trip) of their own: a backlog of
+        # 300 runs x 6 steps, 1,800 writes in a row instead of 6, and the owner falls behind what it
+        # receives.
         for k in range(max((len(p) for p in pages), default=0)):
             for run_id, page in zip(runs, pages, strict=True):
                 if k < len(page):
                     entry_id, fields = page[k]
                     eid = _text(entry_id)
                     messages.append(
-                        (self.topics.of(run_id, _text(fields[b"t"])), fields[b"p"], Delivery(0, eid, cursor=eid))
+                        (
+                            self.topics.of(run_id, _text(fields[b"t"])),
+                            fields[b"p"],
+                            Delivery(0, eid, cursor=eid),
+                        )
                     )
         if not messages:
             return
@@ -175,15 +187,21 @@ class Inboxes:
         errors = await self.host.handle_batch(messages)
         failed = {messages[i][0].rsplit("/", 2)[-2] for i, e in enumerate(errors) if e is not None}
         for run_id in failed:
-            # A record that did not commit: forget the run rather than guess which of its events the state holds.
-            # Fenced, it is another replica's now; otherwise (Redis failed) the next heartbeat takes it again from
-            # its journal, under the lease this replica still holds.
+            # A record that did not commit: forget the run rather than guess which of its events the
+            # state holds. Fenced, it is another replica's now; otherwise (Redis failed) the next
+            # heartbeat takes it again from its journal, under the lease this replica still holds.
             await self.drop(run_id)
-        # Events that left no record (refused, duplicates) are consumed too: the cursor moves past them.
-        behind = [(r, w) for r in last if r not in failed and (w := leases.get(r)) and w.fed != w.cursor]
+        # Events that left no record (refused, duplicates) are consumed too: the cursor moves past
+        # them.
+        behind = [
+            (r, w) for r in last if r not in failed and (w := leases.get(r)) and w.fed != w.cursor
+        ]
         if behind:
             cursor = self.scripts["cursor"]
-            done = await piped(self.redis, [(cursor, [self.prefix, run_id, o.token, o.fed]) for run_id, o in behind])
+            done = await piped(
+                self.redis,
+                [(cursor, [self.prefix, run_id, o.token, o.fed]) for run_id, o in behind],
+            )
             for (_run, o), ok in zip(behind, done, strict=True):
                 if int(ok):
                     o.cursor = _later(o.cursor, o.fed)
@@ -192,7 +210,8 @@ class Inboxes:
                 await self.retire_if_over(run_id)
 
     async def retire_if_over(self, run_id: str) -> None:
-        """A run that is over here (finished, or only late events for an ended run) leaves the directory."""
+        """A run that is over here (finished, or only late events for an ended run) leaves the
+        directory."""
         o = self.leases.get(run_id)
         if o is None or self.host is None or self.host.is_live(run_id):
             return
@@ -202,9 +221,11 @@ class Inboxes:
 
 
 class Notes:
-    """Follow the cluster's note stream: runs placed here are taken at once, owned runs with new events are fed.
+    """Follow the cluster's note stream: runs placed here are taken at once, owned runs with new
+    events are fed.
 
-    A note names a run and the replica it is placed on, or carries a calibration sample another replica learnt.
+    A note names a run and the replica it is placed on, or carries a calibration sample another
+    replica learnt.
     """
 
     def __init__(
@@ -271,7 +292,8 @@ class Notes:
                 self.inboxes.wake.set()
 
     def _learn(self, raw: bytes) -> None:
-        """A calibration sample another replica learnt: every replica's "auto" thresholds use the same evidence."""
+        """A calibration sample another replica learnt: every replica's "auto" thresholds use the
+        same evidence."""
         try:
             self.on_sample(Sample.from_json(json.loads(raw)))
         except Exception:
@@ -279,7 +301,8 @@ class Notes:
 
 
 def _group_of(payload: bytes) -> str:
-    """A start's group, read just enough to place the run with its siblings ('' when none or unreadable)."""
+    """A start's group, read just enough to place the run with its siblings ('' when none or
+    unreadable)."""
     if b'"group"' not in payload:
         return ""
     try:

@@ -45,7 +45,8 @@ class Lease:
 
 
 class Leases:
-    """The runs this replica owns, and those it just gave up whose queued messages may still be published."""
+    """The runs this replica owns, and those it just gave up whose queued messages may still be
+    published."""
 
     def __init__(
         self,
@@ -61,8 +62,9 @@ class Leases:
         """Told the number of runs owned whenever it changes (the owned-runs gauge)."""
         self.owned: dict[str, Lease] = {}
         self._closing: dict[str, tuple[float, int]] = {}
-        """Runs no longer owned here (finished, or being handed over) whose queued messages may still be published,
-        with the lease deadline until which they may, and the token they were held with."""
+        """Runs no longer owned here (finished, or being handed over) whose queued messages may
+        still be published, with the lease deadline until which they may, and the token they were
+        held with."""
 
     def __contains__(self, run_id: object) -> bool:
         return run_id in self.owned
@@ -96,7 +98,8 @@ class Leases:
         return lease
 
     def closed(self, run_id: str) -> None:
-        """A given-up run's queued messages are out (or its time is up): nothing more is published about it."""
+        """A given-up run's queued messages are out (or its time is up): nothing more is
+        published about it."""
         self._closing.pop(run_id, None)
 
     def expire(self, now: float) -> None:
@@ -105,11 +108,13 @@ class Leases:
             del self._closing[run_id]
 
     def may_publish(self, run_id: str) -> bool:
-        """Whether this replica owns the run now (holds its lease, with time to spare): only the owner publishes."""
+        """Whether this replica owns the run now (holds its lease, with time to spare): only the
+        owner publishes."""
         o = self.owned.get(run_id)
         if o is not None:
             return time.monotonic() < o.deadline
-        # A run that just finished or is being handed over: what it queued (a retained signal) still goes out.
+        # A run that just finished or is being handed over: what it queued (a retained signal) still
+        # goes out.
         return time.monotonic() < self._closing.get(run_id, (0.0, 0))[0]
 
     def token(self, run_id: str) -> int:

@@ -1,7 +1,9 @@
-"""Cluster mode's Lua scripts: each runs atomically in Redis, on Redis' own clock (replicas' clocks need not agree).
+"""Cluster mode's Lua scripts: each runs atomically in Redis, on Redis' own clock (replicas' clocks
+need not agree).
 
-Keys are built inside the scripts from the cluster's prefix (`am:{name}:`), so the cluster needs one Redis (not
-Redis Cluster, where a script may touch only the keys it is given; docs/cluster.md has the plan past one Redis).
+Keys are built inside the scripts from the cluster's prefix (`am:{name}:`), so the cluster needs one
+Redis (not Redis Cluster, where a script may touch only the keys it is given; docs/cluster.md has
+the plan past one Redis).
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+_NOW = (
+    "local t = redis.call('TIME'); local now = tonumber(t[1]) * 1000 + "
+    "math.floor(tonumber(t[2]) / 1000)\n"
+)
 
 _LEAST_LOADED = """
 local function least_loaded(P, now, skip)
@@ -315,16 +320,20 @@ SCRIPTS = {
     "mark": _MARK,
     "retire": _RETIRE,
 }
-"""The scripts by name: each replica registers them at start (EVALSHA, loaded again after a Redis restart)."""
+"""The scripts by name: each replica registers them at start (EVALSHA, loaded again after a Redis
+restart)."""
 
 
-async def piped(redis: Any, calls: Sequence[tuple[Any, Sequence[Any]]], *, raise_on_error: bool = True) -> list[Any]:
-    """Run script calls (a registered script and its ARGV) in one pipeline, one round trip; their results in order.
+async def piped(
+    redis: Any, calls: Sequence[tuple[Any, Sequence[Any]]], *, raise_on_error: bool = True
+) -> list[Any]:
+    """Run script calls (a registered script and its ARGV) in one pipeline, one round trip; their
+    results in order.
 
-    redis-py's own way (`script(args, client=pipe)`) sends SCRIPT EXISTS before every such pipeline: a second
-    round trip for each batch received, fed or written. Here the calls go as EVALSHA; a script Redis does not
-    have (it restarted) is loaded and only the calls it refused run again (a refused call did nothing). With
-    `raise_on_error` False a failed call's result is its exception.
+    redis-py's own way (`script(args, client=pipe)`) sends SCRIPT EXISTS before every such pipeline:
+    a second round trip for each batch received, fed or written. Here the calls go as EVALSHA; a
+    script Redis does not have (it restarted) is loaded and only the calls it refused run again (a
+    refused call did nothing). With `raise_on_error` False a failed call's result is its exception.
     """
     from redis.exceptions import NoScriptError
 

@@ -1,7 +1,9 @@
-"""Cluster mode's run store and its readers: each run's records and scores in Redis, written by its owner only.
+"""Cluster mode's run store and its readers: each run's records and scores in Redis, written by its
+owner only.
 
-`ClusterStore` is the `RunStore` of a replica (fenced writes through `_cluster_lua`); `ClusterJournal` reads a
-cluster's shared journal without joining it (`agent-monitor runs|export|calibration --cluster`).
+`ClusterStore` is the `RunStore` of a replica (fenced writes through `_cluster_lua`);
+`ClusterJournal` reads a cluster's shared journal without joining it (`agent-monitor
+runs|export|calibration --cluster`).
 """
 
 from __future__ import annotations
@@ -44,15 +46,18 @@ log = structlog.get_logger("agent_monitor.cluster")
 T = TypeVar("T")
 
 NOTES_MAXLEN = 100_000
-"""Notes kept (approximately): a replica reads them as they come; a missed one is caught by the heartbeat's check."""
+"""Notes kept (approximately): a replica reads them as they come; a missed one is caught by the
+heartbeat's check."""
 
 
 class ClusterUnavailable(ConnectionError):
-    """Redis cannot be reached or refused the cluster's commands; the message says which and what to check."""
+    """Redis cannot be reached or refused the cluster's commands; the message says which and what
+    to check."""
 
 
 def _text(v: object) -> str:
-    """A Redis reply as text (replies are bytes: the connection does not decode, payloads are bytes)."""
+    """A Redis reply as text (replies are bytes: the connection does not decode, payloads are
+    bytes)."""
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
@@ -74,9 +79,14 @@ def _record_body(record: Record) -> tuple[str, str, dict[str, Any]]:
     if isinstance(record, GapFilled):
         return "gap", json.dumps({"k": "gap", "at": at, "upto": record.upto}), {"updated_at": at}
     kind, event = event_of(record)
-    data = json.loads(event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None))
+    data = json.loads(
+        event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
+    )
     if not isinstance(event, RunEnd):
-        data["images"] = [{"data": base64.b64encode(i.decoded()).decode("ascii"), "mime": i.mime} for i in event.images]
+        data["images"] = [
+            {"data": base64.b64encode(i.decoded()).decode("ascii"), "mime": i.mime}
+            for i in event.images
+        ]
     meta: dict[str, Any] = {"updated_at": at}
     if isinstance(event, RunStart):
         meta.update(task=event.task, started_at=at, labels=json.dumps(event.labels))
@@ -100,10 +110,12 @@ def _record_of(run_id: str, body: str) -> Record:
 
 
 class ClusterStore:
-    """The run store of cluster mode: each run's accepted records and scores in Redis, written by its owner only.
+    """The run store of cluster mode: each run's accepted records and scores in Redis, written by
+    its owner only.
 
-    Implements `RunStore`. Every write names the run's fencing token; Redis refuses it (and the batch with it)
-    when another replica took the run over. Scores are written in the background, in order.
+    Implements `RunStore`. Every write names the run's fencing token; Redis refuses it (and the
+    batch with it) when another replica took the run over. Scores are written in the background, in
+    order.
     """
 
     def __init__(
@@ -124,7 +136,8 @@ class ClusterStore:
         self.metrics = metrics
         self.retention_ms = retention_ms
         self._pending: list[tuple[Any, list[Any]] | Callable[[], Awaitable[None]]] = []
-        """Writes in order: a script and its arguments, or a coroutine function of its own (samples, rankings)."""
+        """Writes in order: a script and its arguments, or a coroutine function of its own
+        (samples, rankings)."""
         self._ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -138,7 +151,8 @@ class ClusterStore:
         await self.journal_batch([record])
 
     async def journal_batch(self, records: Sequence[Record]) -> None:
-        """Journal records and their runs' inbox cursors in one script: all or none; Fenced for a run not owned."""
+        """Journal records and their runs' inbox cursors in one script: all or none; Fenced for a
+        run not owned."""
         if not records:
             return
         leases = self.leases
@@ -171,26 +185,32 @@ class ClusterStore:
             raise
         if not int(ok):
             self.metrics.cluster_fenced.labels("write").inc()
-            raise Fenced(f"run {_text(who)!r} was taken over by another replica; its records were not journaled")
+            raise Fenced(
+                f"run {_text(who)!r} was taken over by another replica; its records "
+                "were not journaled"
+            )
         for run_id, cursor in cursors.items():
             leases.advance(run_id, cursor)
         for run_id in finished:
             self.finished(run_id)
 
     def finished(self, run_id: str) -> None:
-        """The run finished here (its end record journaled): it left the directory, so the lease goes too."""
+        """The run finished here (its end record journaled): it left the directory, so the lease
+        goes too."""
         o = self.leases.close(run_id)
         if o is not None:
             self.release(run_id, o.token)
 
     def mark_signal(self, run_id: str, step: int) -> None:
-        """The broker acknowledged a run's signal: note it, so that a new owner publishes it again only if it was not."""
+        """The broker acknowledged a run's signal: note it, so that a new owner publishes it
+        again only if it was not."""
         token = self.leases.last_token(run_id)
         if token:
             self.later(self.scripts["mark"], [self.prefix, run_id, token, step, "signal_sent"])
 
     def mark_progress(self, run_id: str, step: int) -> None:
-        """The broker acknowledged a run's progress message: note its step (a new owner republishes only a later one)."""
+        """The broker acknowledged a run's progress message: note its step (a new owner
+        republishes only a later one)."""
         token = self.leases.last_token(run_id)
         if token:
             self.later(self.scripts["mark"], [self.prefix, run_id, token, step, "progress_sent"])
@@ -211,7 +231,10 @@ class ClusterStore:
             "signal": data.get("signal") or "",
             "updated_at": time.time(),
         }
-        self.later(self.scripts["progress"], [self.prefix, run_id, o.token, step, json.dumps(data), json.dumps(meta)])
+        self.later(
+            self.scripts["progress"],
+            [self.prefix, run_id, o.token, step, json.dumps(data), json.dumps(meta)],
+        )
 
     def later(self, script: Any, args: list[Any]) -> None:
         """Queue a script call for the writer (in order, without waiting)."""
@@ -228,7 +251,8 @@ class ClusterStore:
             await self._ready.wait()
             self._ready.clear()
             while self._pending:
-                # Consecutive script calls share one pipeline; a write of its own runs alone, in its place.
+                # Consecutive script calls share one pipeline; a write of its own runs alone, in its
+                # place.
                 n = 0
                 while n < min(512, len(self._pending)) and isinstance(self._pending[n], tuple):
                     n += 1
@@ -244,9 +268,14 @@ class ClusterStore:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    # Scores are kept in memory by the owner; a lost write costs a rescoring after a failover.
+                    # Scores are kept in memory by the owner; a lost write costs a rescoring after a
+                    # failover.
                     self.metrics.cluster_errors.labels("progress").inc()
-                    log.warning("cluster_progress_not_written", writes=len(batch), error=f"{type(e).__name__}: {e}")
+                    log.warning(
+                        "cluster_progress_not_written",
+                        writes=len(batch),
+                        error=f"{type(e).__name__}: {e}",
+                    )
             self._idle.set()
 
     async def flush(self) -> None:
@@ -257,8 +286,11 @@ class ClusterStore:
             async with asyncio.timeout(5):
                 await self._idle.wait()
 
-    async def read_runs(self, runs: Sequence[str]) -> dict[str, tuple[Replay, str, int | None, int | None]]:
-        """Runs' records, scores, inbox cursors and last signal and progress out, as a new owner takes them over."""
+    async def read_runs(
+        self, runs: Sequence[str]
+    ) -> dict[str, tuple[Replay, str, int | None, int | None]]:
+        """Runs' records, scores, inbox cursors and last signal and progress out, as a new owner
+        takes them over."""
         c = self
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id in runs:
@@ -272,7 +304,9 @@ class ClusterStore:
             recs, prog, cur, (sent, shown) = got[4 * k : 4 * k + 4]
             replay = Replay(records=[_record_of(run_id, _text(b)) for b in recs])
             if prog:
-                replay.progress[run_id] = [json.loads(prog[i]) for i in sorted(prog, key=lambda i: int(i))]
+                replay.progress[run_id] = [
+                    json.loads(prog[i]) for i in sorted(prog, key=lambda i: int(i))
+                ]
             out[run_id] = (
                 replay,
                 _text(cur) if cur else "",
@@ -286,7 +320,8 @@ class ClusterStore:
         return Replay()
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
-        """Keep a calibration sample for every replica (and tell the others now, through the notes)."""
+        """Keep a calibration sample for every replica (and tell the others now, through the
+        notes)."""
         c = self
         body = json.dumps(sample.to_json())
 
@@ -331,13 +366,15 @@ class ClusterStore:
 
 
 class ClusterJournal:
-    """A cluster's shared journal, read without joining it: what `runs`, `export` and `calibration --cluster` show.
+    """A cluster's shared journal, read without joining it: what `runs`, `export` and `calibration
+    --cluster` show.
 
     ```python
     async with ClusterJournal(ClusterSettings(url="redis://127.0.0.1:6379/0")) as journal:
         rows = await journal.list_runs()
     ```
-    The same rows and forms as `SqliteStore`'s readers. Entering raises ClusterUnavailable with a one-line reason.
+    The same rows and forms as `SqliteStore`'s readers. Entering raises ClusterUnavailable with a
+    one-line reason.
     """
 
     def __init__(self, settings: ClusterSettings) -> None:
@@ -360,12 +397,14 @@ class ClusterJournal:
             return await aw
         except (OSError, RedisError) as e:
             raise ClusterUnavailable(
-                f"cannot read the {self.where}: {type(e).__name__}: {e}; check the URL (--cluster) and that Redis "
+                f"cannot read the {self.where}: {type(e).__name__}: {e}; check the URL "
+                "(--cluster) and that Redis "
                 "runs there"
             ) from None
 
     async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Live and recent runs, most recently updated first (the rows SqliteStore.list_runs gives)."""
+        """Live and recent runs, most recently updated first (the rows SqliteStore.list_runs
+        gives)."""
         return await self._call(list_runs(self.redis, self.prefix, limit))
 
     async def export(self, run_id: str) -> dict[str, Any] | None:
@@ -377,7 +416,8 @@ class ClusterJournal:
         return await self._call(_samples(self.redis, self.prefix))
 
     async def reset_family(self, name: str) -> int:
-        """Delete the calibration samples of every family called `name` (any model or rubric); how many."""
+        """Delete the calibration samples of every family called `name` (any model or rubric);
+        how many."""
         return await self._call(_reset_family(self.redis, self.prefix, name))
 
 
@@ -402,24 +442,29 @@ async def _reset_family(redis: aioredis.Redis, prefix: str, name: str) -> int:
 
 
 def cluster_redis(settings: ClusterSettings) -> tuple[aioredis.Redis, str]:
-    """A Redis client for a cluster's URL and the cluster's key prefix (ImportError names the extra)."""
+    """A Redis client for a cluster's URL and the cluster's key prefix (ImportError names the
+    extra)."""
     try:
         import redis.asyncio as aioredis
     except ImportError as e:
         raise ImportError(
-            f"cluster mode needs the redis client ({e}); pip install -e '.[cluster]' (in the agent-monitor checkout)"
+            f"cluster mode needs the redis client ({e}); pip install -e '.[cluster]' (in the "
+            "agent-monitor checkout)"
         ) from None
     if settings.url is None:
         raise ValueError("no cluster URL; pass --cluster redis://HOST:PORT/DB")
-    # A reply slower than the lease is as good as none (the lease is gone by then): time out, say so, try again.
-    # At least 2 s: the notes are read with a blocking XREAD of one second.
+    # A reply slower than the lease is as good as none (the lease is gone by then): time out, say
+    # so, try again. At least 2 s: the notes are read with a blocking XREAD of one second.
     timeout = max(2.0, settings.lease_s)
-    client = aioredis.Redis.from_url(settings.url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    client = aioredis.Redis.from_url(
+        settings.url, socket_timeout=timeout, socket_connect_timeout=timeout
+    )
     return client, f"am:{settings.name}:"
 
 
 async def list_runs(redis: aioredis.Redis, prefix: str, limit: int = 100) -> list[dict[str, Any]]:
-    """Live and recent runs of a cluster, most recently updated first (the rows SqliteStore.list_runs gives)."""
+    """Live and recent runs of a cluster, most recently updated first (the rows
+    SqliteStore.list_runs gives)."""
     live = [_text(r) for r in await redis.hkeys(prefix + "assign")]
     ended = [_text(r) for r in await redis.zrevrange(prefix + "ended", 0, limit - 1)]
     ids = list(dict.fromkeys([*live, *ended]))
@@ -453,7 +498,8 @@ async def list_runs(redis: aioredis.Redis, prefix: str, limit: int = 100) -> lis
 
 
 async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[str, Any] | None:
-    """A run as the cluster journaled it: task, steps in index order (placeholders marked), curve, totals; or None."""
+    """A run as the cluster journaled it: task, steps in index order (placeholders marked),
+    curve, totals; or None."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.hgetall(f"{prefix}meta:{run_id}")
         pipe.lrange(f"{prefix}rec:{run_id}", 0, -1)
@@ -463,7 +509,8 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
     if not meta.get("started_at"):
         return None
     steps: dict[int, dict[str, Any]] = {}
-    early: list[dict[str, Any]] = []  # steps that came before the start: placed by it, unless dropped before
+    # steps that came before the start: placed by it, unless dropped before
+    early: list[dict[str, Any]] = []
     for b in recs:
         d = json.loads(b)
         if d["k"] == "orphan":
@@ -477,7 +524,9 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
             early = []
         elif d["k"] == "gap":
             for i in range(1, int(d["upto"])):
-                steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
+                steps.setdefault(
+                    i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []}
+                )
         elif d["k"] == "step":
             index = int(d["e"]["index"])
             steps[index] = _exported_step(index, d["e"])
@@ -493,14 +542,17 @@ async def export_run(redis: aioredis.Redis, prefix: str, run_id: str) -> dict[st
         "labels": json.loads(meta.get("labels") or "{}"),
         "steps": [steps[i] for i in sorted(steps)],
         "curve": curve,
-        # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that ended scored).
+        # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that
+        # ended scored).
         "verdict": curve[-1].get("verdict") if curve else None,
         "totals": stored_totals([totals_row(p) for p in curve]),
     }
 
 
 def _exported_step(index: int, e: Mapping[str, Any]) -> dict[str, Any]:
-    digests = [hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()]
+    digests = [
+        hashlib.sha256(base64.b64decode(im["data"])).hexdigest() for im in e.get("images") or ()
+    ]
     return {"index": index, "text": e.get("text", ""), "ts": e.get("ts"), "images": digests}
 
 

@@ -1,4 +1,5 @@
-"""Connection admission for the monitor's HTTP doors: one cap counted at accept, a per-peer cap, shedding.
+"""Connection admission for the monitor's HTTP doors: one cap counted at accept, a per-peer cap,
+shedding.
 
 A `Gate` admits each accepted connection before the next one is looked at (so the cap holds: the
 count never runs ahead of it), at most `max_per_peer` from one address. A connection is *waiting*
@@ -45,7 +46,8 @@ class GateStatistics:
 
 
 class Gate:
-    """Admits connections up to `max_connections` (and `max_per_peer` per address), shedding the longest-waiting."""
+    """Admits connections up to `max_connections` (and `max_per_peer` per address), shedding the
+    longest-waiting."""
 
     def __init__(self, max_connections: int, max_per_peer: int | None = None) -> None:
         if max_connections < 1:
@@ -77,7 +79,8 @@ class Gate:
         return len(self._slow) + len(self._idle)
 
     def admit(self, peer: str, close: Callable[[], None]) -> Slot | None:
-        """Admit a new connection (its first head to come: slow), shedding when full; None: refused (counted)."""
+        """Admit a new connection (its first head to come: slow), shedding when full; None:
+        refused (counted)."""
         if self._peers.get(peer, 0) >= self.max_per_peer:
             victim = next((s for s in self._slow if s.peer == peer), None) or next(
                 (s for s in self._idle if s.peer == peer), None
@@ -106,7 +109,8 @@ class Gate:
             self._slow[slot] = None
 
     def idle(self, slot: Slot) -> None:
-        """The connection waits between requests: sheddable when no head is being sent, as the newest idle one."""
+        """The connection waits between requests: sheddable when no head is being sent, as the
+        newest idle one."""
         if not slot.released:
             self._slow.pop(slot, None)
             self._idle.pop(slot, None)

@@ -1,4 +1,5 @@
-"""The daemon's one HTTP/1.1 server: asyncio streams and h11, for every door (`HttpServer` is built on it).
+"""The daemon's one HTTP/1.1 server: asyncio streams and h11, for every door (`HttpServer` is built
+on it).
 
 `H11Server` binds, accepts and admits the connections through a `Gate` (the cap counted at accept,
 a per-peer cap; when full the longest-waiting connection, idle or slow to send its head, is shed
@@ -12,7 +13,8 @@ protocol ends it quietly: the client gone, a deadline passed, bad HTTP (told to 
 
 `H11Conn` is one connection as a handler sees it: the next event read within its deadlines, the body
 read up to a bound, a whole response or a streamed one, and a lingering close. The protocols (paths,
-bodies, answers, counters) stay in the doors; the bounds are the `HttpSettings` each door is built with.
+bodies, answers, counters) stay in the doors; the bounds are the `HttpSettings` each door is built
+with.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def _head_bytes(request: h11.Request) -> int:
 
 
 class ClientGone(ConnectionError):
-    """The request's body ended other than with its end (the client closed, or paused, mid-message)."""
+    """The request's body ended other than with its end (the client closed, or paused,
+    mid-message)."""
 
 
 class H11Conn:
@@ -67,7 +70,9 @@ class H11Conn:
 
     __slots__ = ("h11", "read_timeout_s", "reader", "write_timeout_s", "writer")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, settings: HttpSettings) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, settings: HttpSettings
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=settings.max_head_bytes)
@@ -77,18 +82,24 @@ class H11Conn:
         """The deadline of each drain (None: none)."""
 
     async def next_event(self, timeout_s: float | None = None) -> Any:
-        """The connection's next h11 event, reading as h11 needs: each read within `read_timeout_s`, all in `timeout_s`."""
+        """The connection's next h11 event, reading as h11 needs: each read within
+        `read_timeout_s`, all in `timeout_s`."""
         async with asyncio.timeout(timeout_s):
             while True:
                 event = self.h11.next_event()
                 if event is not h11.NEED_DATA:
                     return event
                 read = self.reader.read(_READ)
-                data = await (read if self.read_timeout_s is None else asyncio.wait_for(read, self.read_timeout_s))
+                data = await (
+                    read
+                    if self.read_timeout_s is None
+                    else asyncio.wait_for(read, self.read_timeout_s)
+                )
                 self.h11.receive_data(data)
 
     async def body(self, limit: int, *, timeout_s: float | None = None) -> bytes | None:
-        """The request's body, or None once it grows past `limit` bytes (the rest unread); ClientGone if it stops short.
+        """The request's body, or None once it grows past `limit` bytes (the rest unread);
+        ClientGone if it stops short.
 
         `timeout_s` bounds the wait for each part of it (a body that never ends).
         """
@@ -105,7 +116,8 @@ class H11Conn:
                 raise ClientGone
 
     def send(self, event: h11.Event) -> None:
-        """Write one h11 event of a response (its head, a chunk of its body, its end); `drain` sends them."""
+        """Write one h11 event of a response (its head, a chunk of its body, its end); `drain`
+        sends them."""
         self.writer.write(self.h11.send(event) or b"")
 
     async def drain(self) -> None:
@@ -118,14 +130,18 @@ class H11Conn:
     async def respond(
         self, status: int, body: bytes, headers: Headers, *, close: bool = False, head: bool = False
     ) -> None:
-        """Send a whole response, its `content-length` added after `headers` (and `connection: close` with `close`).
+        """Send a whole response, its `content-length` added after `headers` (and `connection:
+        close` with `close`).
 
         With `head` (the answer to a HEAD request) the body is not sent; its length is.
         """
         fields = [*headers, (b"content-length", str(len(body)).encode())]
         if close:
             fields.append((b"connection", b"close"))
-        data = self.h11.send(h11.Response(status_code=status, headers=fields, reason=_phrase(status))) or b""
+        data = (
+            self.h11.send(h11.Response(status_code=status, headers=fields, reason=_phrase(status)))
+            or b""
+        )
         if body and not head:
             data += self.h11.send(h11.Data(data=body)) or b""
         data += self.h11.send(h11.EndOfMessage()) or b""
@@ -133,12 +149,14 @@ class H11Conn:
         await self.drain()
 
     async def stream(self, status: int, headers: Headers, chunks: AsyncIterator[bytes]) -> None:
-        """Send a response whose body is `chunks` as they come, ended by closing the connection; stops at the client's EOF.
+        """Send a response whose body is `chunks` as they come, ended by closing the connection;
+        stops at the client's EOF.
 
-        The body is close-delimited, not chunked (h11 would frame it so for an HTTP/1.1 client): a stream of
-        server-sent events is read as it comes, and the connection is the stream's. So the head is written
-        here, not by h11, and the connection is not reused. What the client sends meanwhile is read and
-        dropped; its EOF (the browser closed the page) ends the stream at once.
+        The body is close-delimited, not chunked (h11 would frame it so for an HTTP/1.1 client): a
+        stream of server-sent events is read as it comes, and the connection is the stream's. So the
+        head is written here, not by h11, and the connection is not reused. What the client sends
+        meanwhile is read and dropped; its EOF (the browser closed the page) ends the stream at
+        once.
         """
         line = f"HTTP/1.1 {status} {_phrase(status).decode()}\r\n".encode()
         self.writer.write(line + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n")
@@ -169,9 +187,11 @@ class H11Conn:
                 pass
 
     async def linger(self, max_bytes: int, timeout_s: float) -> None:
-        """A lingering close: what the client still sends is read and dropped (at most `max_bytes`, in `timeout_s`).
+        """A lingering close: what the client still sends is read and dropped (at most `max_bytes`,
+        in `timeout_s`).
 
-        So closing with unread bytes does not reset the connection before the client has read the answer.
+        So closing with unread bytes does not reset the connection before the client has read the
+        answer.
         """
         with contextlib.suppress(OSError, RuntimeError):
             self.writer.write_eof()
@@ -192,14 +212,14 @@ class H11Conn:
 class H11Server:
     """A source's HTTP/1.1 server: `open` binds, `serving()` runs the connections, `close` unbinds.
 
-    `handle(conn, request)` answers one request (reading its body as it needs). The bounds are `settings`:
-    a new connection's first request must begin within `head_timeout_s`, a later one within `keepalive_s`
-    (None: `read_timeout_s`) of the connection going idle, and a request's head must be whole within
-    `head_timeout_s` of its first byte (else `timed_out(conn)` may answer it); `read_timeout_s` bounds each
-    read, `write_timeout_s` each drain. At most `max_connections` are open (`max_connections_per_peer`
-    from one address); when full, the longest-waiting one is shed (`on_shed`). When every one is working,
-    `busy(conn)` answers the new one (at most `_MAX_BUSY` at once) or, without one, it is closed at once
-    (`on_refused`).
+    `handle(conn, request)` answers one request (reading its body as it needs). The bounds are
+    `settings`: a new connection's first request must begin within `head_timeout_s`, a later one
+    within `keepalive_s` (None: `read_timeout_s`) of the connection going idle, and a request's head
+    must be whole within `head_timeout_s` of its first byte (else `timed_out(conn)` may answer it);
+    `read_timeout_s` bounds each read, `write_timeout_s` each drain. At most `max_connections` are
+    open (`max_connections_per_peer` from one address); when full, the longest-waiting one is shed
+    (`on_shed`). When every one is working, `busy(conn)` answers the new one (at most `_MAX_BUSY` at
+    once) or, without one, it is closed at once (`on_refused`).
     """
 
     def __init__(
@@ -220,7 +240,9 @@ class H11Server:
         self.settings = settings
         self.gate = Gate(settings.max_connections, settings.max_connections_per_peer)
         self.head_timeout_s = settings.head_timeout_s
-        self.keepalive_s = settings.keepalive_s if settings.keepalive_s is not None else settings.read_timeout_s
+        self.keepalive_s = (
+            settings.keepalive_s if settings.keepalive_s is not None else settings.read_timeout_s
+        )
         self.busy = busy
         self.on_refused = on_refused
         self.on_shed = on_shed
@@ -256,7 +278,8 @@ class H11Server:
         return host, port
 
     async def open(self, host: str, port: int, *, start_serving: bool) -> None:
-        """Bind the address (once); with `start_serving`, connections are taken before `serving()` too."""
+        """Bind the address (once); with `start_serving`, connections are taken before
+        `serving()` too."""
         if self._server is None:
             self._stopped = False
             self._server = await asyncio.start_server(
@@ -277,7 +300,8 @@ class H11Server:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
-        """Take connections while inside; on the way out none outlives it (each cancelled and awaited)."""
+        """Take connections while inside; on the way out none outlives it (each cancelled and
+        awaited)."""
         assert self._server is not None
         self._stopped = False
         await self._server.start_serving()
@@ -313,11 +337,15 @@ class H11Server:
                 return
             self._busy_now += 1
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self._connection(reader, writer, slot), name=f"{self.name}-connection")
+        task = loop.create_task(
+            self._connection(reader, writer, slot), name=f"{self.name}-connection"
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot | None) -> None:
+    async def _connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slot: Slot | None
+    ) -> None:
         conn = H11Conn(reader, writer, self.settings)
         try:
             if slot is None:
@@ -332,7 +360,8 @@ class H11Server:
             if self.bad_request is not None:
                 await self.bad_request(conn, e)
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, h11.ProtocolError):
-            pass  # the client went away mid-message, a deadline passed, or h11 refused what was sent
+            # the client went away mid-message, a deadline passed, or h11 refused what was sent
+            pass
         except Exception as e:
             if self.failed is not None:
                 self.failed(e)
@@ -346,11 +375,13 @@ class H11Server:
                 await writer.wait_closed()
 
     async def _serve(self, conn: H11Conn, slot: Slot) -> None:
-        # A new connection owes its first request (it waits like a slow head); between requests it is idle.
+        # A new connection owes its first request (it waits like a slow head); between requests it
+        # is idle.
         wait_s, first = self.head_timeout_s, True
         while True:
             if not conn.h11.trailing_data[0]:
-                # The first byte of the next request within its wait (or the client opens another when it needs one).
+                # The first byte of the next request within its wait (or the client opens another
+                # when it needs one).
                 try:
                     read = conn.reader.read(_READ)
                     data = await (read if wait_s is None else asyncio.wait_for(read, wait_s))
@@ -371,7 +402,8 @@ class H11Server:
             if not isinstance(request, h11.Request):
                 return
             if _head_bytes(request) > self.settings.max_head_bytes:
-                # h11 bounds a head only while it is incomplete: one that came whole in a read is measured here.
+                # h11 bounds a head only while it is incomplete: one that came whole in a read is
+                # measured here.
                 raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
             self.gate.working(slot)
             await self.handle(conn, request)

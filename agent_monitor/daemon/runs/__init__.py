@@ -1,6 +1,17 @@
-"""The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and its sinks."""
+"""The run parts: ingest, scoring, groups, restore; what happens to a run between its doors and
+its sinks."""
 
-from ._book import AcceptedStep, Appended, Closed, Closing, Effect, Opened, Revised, RunBook, RunState
+from ._book import (
+    AcceptedStep,
+    Appended,
+    Closed,
+    Closing,
+    Effect,
+    Opened,
+    Revised,
+    RunBook,
+    RunState,
+)
 from ._groups import GroupBook, Groups, GroupSeries
 from ._ingest import RunWriter, RunWriterStatistics
 from ._replay import Replays

@@ -2,15 +2,15 @@
 
 Pure: no I/O, no event loop, no clock.
 
-The state changes only by applying a *record*: what a run accepted (a start, a step at its
-resolved index, an end), or a decision the monitor took (a gap filled with placeholders,
-orphan steps dropped, a run finished). `decide` turns an input event into a record, or into the
-event a sink gets for a refusal or a duplicate (`Refused`, `Duplicated`), which change nothing;
-`due` gives the decisions that time has made due. The daemon journals each record
-before it applies it, so the journal is exactly what each run accepted, and replaying it through `apply` rebuilds exactly the state the daemon had:
-the same steps under the same indexes (placeholders included), the same activity times and
-eviction order, the same held steps and orphans. Everything `apply` derives (index order,
-evictions, orphan adoption) is a function of the state and the record alone.
+The state changes only by applying a *record*: what a run accepted (a start, a step at its resolved
+index, an end), or a decision the monitor took (a gap filled with placeholders, orphan steps
+dropped, a run finished). `decide` turns an input event into a record, or into the event a sink gets
+for a refusal or a duplicate (`Refused`, `Duplicated`), which change nothing; `due` gives the
+decisions that time has made due. The daemon journals each record before it applies it, so the
+journal is exactly what each run accepted, and replaying it through `apply` rebuilds exactly the
+state the daemon had: the same steps under the same indexes (placeholders included), the same
+activity times and eviction order, the same held steps and orphans. Everything `apply` derives
+(index order, evictions, orphan adoption) is a function of the state and the record alone.
 
 A redelivered MQTT message is recognised by its packet id and payload digest among the
 recent deliveries, when the broker marks it a redelivery (DUP): that is how a step without an
@@ -27,7 +27,18 @@ from typing import Any, TypeAlias
 from ...wire import RunEnd, RunStart, StepIn, Topics
 from .._config import RunLimits
 from .._events import Duplicated, Refused
-from ..stores import Amended, Delivery, Ended, Finished, GapFilled, Orphaned, OrphansDropped, Record, Started, Stepped
+from ..stores import (
+    Amended,
+    Delivery,
+    Ended,
+    Finished,
+    GapFilled,
+    Orphaned,
+    OrphansDropped,
+    Record,
+    Started,
+    Stepped,
+)
 
 # -- effects: what applying a record asks the daemon to do --
 
@@ -77,7 +88,8 @@ class Revised:
 
 
 Effect: TypeAlias = Opened | Appended | Closing | Closed | Refused | Revised
-"""`Refused`: something to report about a run's events (a gap, an eviction, orphan steps that never got a start)."""
+"""`Refused`: something to report about a run's events (a gap, an eviction, orphan steps that
+never got a start)."""
 
 
 # -- the state --
@@ -85,7 +97,8 @@ Effect: TypeAlias = Opened | Appended | Closing | Closed | Refused | Revised
 
 @dataclass(frozen=True, slots=True)
 class AcceptedStep:
-    """A step now in a run's order, on its way to scoring: the harness's step, or a placeholder for a missing one."""
+    """A step now in a run's order, on its way to scoring: the harness's step, or a placeholder
+    for a missing one."""
 
     index: int
     step: StepIn
@@ -95,7 +108,8 @@ class AcceptedStep:
 
 @dataclass(eq=False, slots=True)
 class RunState:
-    """One live run: its start, its steps in order, the steps waiting for earlier ones, its activity."""
+    """One live run: its start, its steps in order, the steps waiting for earlier ones, its
+    activity."""
 
     run_id: str
     start: RunStart
@@ -110,9 +124,11 @@ class RunState:
     gap_since: float | None = None
     ended: RunEnd | None = None
     contents: bytearray = field(default_factory=bytearray)
-    """A short digest of each step in order (`_CONTENT` bytes apiece): a re-send is told from a conflict by it."""
+    """A short digest of each step in order (`_CONTENT` bytes apiece): a re-send is told from a
+    conflict by it."""
     revised: dict[int, bytes] = field(default_factory=dict)
-    """The digest of each amended step's current text, by index (`contents` keeps the step as first sent)."""
+    """The digest of each amended step's current text, by index (`contents` keeps the step as
+    first sent)."""
 
     @property
     def next_index(self) -> int:
@@ -142,14 +158,16 @@ def placeholder(index: int) -> StepIn:
 
 
 def same_start(a: RunStart, b: RunStart) -> bool:
-    """Whether two starts are the same start (a redelivery), images compared by their base64 text."""
-    return a.model_dump(exclude={"images"}) == b.model_dump(exclude={"images"}) and [i.data for i in a.images] == [
-        i.data for i in b.images
-    ]
+    """Whether two starts are the same start (a redelivery), images compared by their base64
+    text."""
+    return a.model_dump(exclude={"images"}) == b.model_dump(exclude={"images"}) and [
+        i.data for i in a.images
+    ] == [i.data for i in b.images]
 
 
 class RunBook:
-    """Every run one daemon follows: live runs in least-recently-active order, orphans, recently ended ids."""
+    """Every run one daemon follows: live runs in least-recently-active order, orphans, recently
+    ended ids."""
 
     def __init__(self, limits: RunLimits | None = None, topics: Topics | None = None) -> None:
         self.limits = limits or RunLimits()
@@ -165,20 +183,33 @@ class RunBook:
     # -- deciding: an event becomes a record, or a refusal or duplicate that changes nothing --
 
     def _refused(
-        self, run_id: str, reason: str, message: str, kind: str = "step", *, count: int = 1, invalid: bool = True
+        self,
+        run_id: str,
+        reason: str,
+        message: str,
+        kind: str = "step",
+        *,
+        count: int = 1,
+        invalid: bool = True,
     ) -> Refused:
-        """The event a refusal (or a notice, `invalid=False` for the monitor's own) is, on the run's topic of `kind`."""
+        """The event a refusal (or a notice, `invalid=False` for the monitor's own) is, on the
+        run's topic of `kind`."""
         return Refused(run_id, reason, message, self.topics.of(run_id, kind), count, invalid)
 
     def _conflict(self, run_id: str, index: int) -> Refused:
         return self._refused(
             run_id,
             "conflict",
-            f"step {index} was sent again with different content; the first one stays (a new step needs a new index)",
+            f"step {index} was sent again with different content; the first one stays (a new "
+            "step needs a new index)",
         )
 
     def decide(
-        self, run_id: str, event: RunStart | StepIn | RunEnd, now: float, delivery: Delivery | None = None
+        self,
+        run_id: str,
+        event: RunStart | StepIn | RunEnd,
+        now: float,
+        delivery: Delivery | None = None,
     ) -> Record | Refused | Duplicated:
         """What the event means for its run now; nothing changes until the record is applied."""
         if delivery is not None and delivery.dup and delivery.key in self._recent:
@@ -200,7 +231,10 @@ class RunBook:
         if same_start(run.start, start):
             return Duplicated(run_id, "start", counted=False)
         return self._refused(
-            run_id, "duplicate_start", "the run has already started with another start; use a new run id", "start"
+            run_id,
+            "duplicate_start",
+            "the run has already started with another start; use a new run id",
+            "start",
         )
 
     def _decide_step(
@@ -209,28 +243,39 @@ class RunBook:
         run = self.live.get(run_id)
         if run is None:
             if run_id in self.ended:
-                return self._refused(run_id, "run_ended", "a step came for a run that has ended; it was ignored")
+                return self._refused(
+                    run_id, "run_ended", "a step came for a run that has ended; it was ignored"
+                )
             orphan = self.orphans.get(run_id)
             if orphan is None and len(self.orphans) >= self.limits.max_orphan_runs:
                 return self._refused(
-                    run_id, "too_many_held", "too many runs have steps but no start; publish start first"
+                    run_id,
+                    "too_many_held",
+                    "too many runs have steps but no start; publish start first",
                 )
             if orphan is not None and len(orphan.steps) >= self.limits.max_held_steps:
                 return self._refused(
-                    run_id, "too_many_held", "too many steps before the run's start; publish start first"
+                    run_id,
+                    "too_many_held",
+                    "too many steps before the run's start; publish start first",
                 )
             return Orphaned(run_id, step, now, d)
         verdict = self._place(run, step)
         if isinstance(verdict, int):
             return Stepped(
-                run_id, step if step.index == verdict else step.model_copy(update={"index": verdict}), now, d
+                run_id,
+                step if step.index == verdict else step.model_copy(update={"index": verdict}),
+                now,
+                d,
             )
         return verdict
 
     def _place(self, run: RunState, step: StepIn) -> int | Refused | Duplicated:
         """The index a step takes in a live run, or why it takes none."""
         if run.ended is not None:
-            return self._refused(run.run_id, "run_ended", "a step came after the run's end; it was ignored")
+            return self._refused(
+                run.run_id, "run_ended", "a step came after the run's end; it was ignored"
+            )
         index = step.index
         if index is None:  # no index: the next free position
             index = max(run.next_index, max(run.held, default=0) + 1)
@@ -239,7 +284,8 @@ class RunBook:
                 return self._refused(
                     run.run_id,
                     "conflict",
-                    f"step {index} came after it was given up for missing (--hold {self.limits.hold_s:g}s) and "
+                    f"step {index} came after it was given up for missing (--hold "
+                    f"{self.limits.hold_s:g}s) and "
                     "scored as a placeholder; it was ignored",
                 )
             k = (index - 1) * _CONTENT
@@ -254,26 +300,41 @@ class RunBook:
             return self._refused(
                 run.run_id,
                 "index_too_far",
-                f"step index {index} is {index - run.next_index} ahead of the next expected ({run.next_index}); "
+                f"step index {index} is {index - run.next_index} ahead of the next expected "
+                f"({run.next_index}); "
                 f"at most {self.limits.max_held_steps} out-of-order steps are kept",
             )
         return index
 
-    def _decide_end(self, run_id: str, end: RunEnd, now: float, d: Delivery | None) -> Ended | Refused | Duplicated:
+    def _decide_end(
+        self, run_id: str, end: RunEnd, now: float, d: Delivery | None
+    ) -> Ended | Refused | Duplicated:
         run = self.live.get(run_id)
         if run is not None:
-            return Duplicated(run_id, "end", counted=False) if run.ended is not None else Ended(run_id, end, now, d)
+            return (
+                Duplicated(run_id, "end", counted=False)
+                if run.ended is not None
+                else Ended(run_id, end, now, d)
+            )
         if run_id in self.ended:
             return Duplicated(run_id, "end", counted=False)  # a re-delivered end
         orphan = self.orphans.get(run_id)
         if orphan is not None:
-            return Duplicated(run_id, "end", counted=False) if orphan.end is not None else Ended(run_id, end, now, d)
+            return (
+                Duplicated(run_id, "end", counted=False)
+                if orphan.end is not None
+                else Ended(run_id, end, now, d)
+            )
         return self._refused(
-            run_id, "unknown_run", "end for a run that never started (or has expired); it was ignored", kind="end"
+            run_id,
+            "unknown_run",
+            "end for a run that never started (or has expired); it was ignored",
+            kind="end",
         )
 
     def due(self, now: float) -> list[Record]:
-        """The decisions time has made due: orphans that waited too long, gaps nobody filled, idle runs."""
+        """The decisions time has made due: orphans that waited too long, gaps nobody filled,
+        idle runs."""
         hold = self.limits.hold_s
         out: list[Record] = []
         for run_id, orphan in self.orphans.items():  # oldest first
@@ -291,12 +352,14 @@ class RunBook:
         return out
 
     def resends_due(self, now: float) -> list[tuple[str, int]]:
-        """(run, first missing index) for each gap open half its hold: ask the harness to send again from there.
+        """(run, first missing index) for each gap open half its hold: ask the harness to send again
+        from there.
 
-        Asked once per gap (a new first missing index asks again), half-way through `--hold`, so that steps
-        re-sent in answer fill the gap before it is given up. A step published while no monitor was subscribed
-        (a broker that restored sessions but not `$share` subscriptions) shows as a gap once a later step
-        arrives; MonitorClient keeps a bounded buffer of its unacknowledged steps and answers.
+        Asked once per gap (a new first missing index asks again), half-way through `--hold`, so
+        that steps re-sent in answer fill the gap before it is given up. A step published while no
+        monitor was subscribed (a broker that restored sessions but not `$share` subscriptions)
+        shows as a gap once a later step arrives; MonitorClient keeps a bounded buffer of its
+        unacknowledged steps and answers.
         """
         half = self.limits.hold_s / 2
         out: list[tuple[str, int]] = []
@@ -313,14 +376,16 @@ class RunBook:
         return out
 
     def forget(self, run_id: str) -> None:
-        """Drop everything held about one run, without a record (cluster mode: the run moved to another replica)."""
+        """Drop everything held about one run, without a record (cluster mode: the run moved to
+        another replica)."""
         self.live.pop(run_id, None)
         self.orphans.pop(run_id, None)
         self.ended.pop(run_id, None)
         self._gapped.discard(run_id)
 
     def finish(self, run_id: str, outcome: str, now: float) -> Finished | None:
-        """The record that takes a live run out (ended and scored, rejected); None when it is not live."""
+        """The record that takes a live run out (ended and scored, rejected); None when it is not
+        live."""
         return Finished(run_id, outcome, now) if run_id in self.live else None
 
     # -- applying: the only way the state changes, live and on replay alike --
@@ -342,7 +407,9 @@ class RunBook:
                 self._touch(run, record.at)
                 self._step(run, record.step, record.at, effects)
         elif isinstance(record, Orphaned):
-            self.orphans.setdefault(record.run_id, Orphan(first_seen=record.at)).steps.append((record.step, record.at))
+            self.orphans.setdefault(record.run_id, Orphan(first_seen=record.at)).steps.append(
+                (record.step, record.at)
+            )
         elif isinstance(record, Ended):
             self._end(record, effects)
         elif isinstance(record, GapFilled):
@@ -359,7 +426,8 @@ class RunBook:
                     self._refused(
                         record.run_id,
                         "no_start",
-                        f"{n} step(s) came but no start within {self.limits.hold_s:g}s; publish the run's start "
+                        f"{n} step(s) came but no start within {self.limits.hold_s:g}s; "
+                        "publish the run's start "
                         "before its steps",
                         count=max(1, n),
                     )
@@ -388,7 +456,8 @@ class RunBook:
                 self._refused(
                     victim,
                     "evicted",
-                    f"the monitor follows at most {self.limits.max_runs} runs; this one was idle longest and was "
+                    f"the monitor follows at most {self.limits.max_runs} runs; this one was "
+                    "idle longest and was "
                     "dropped",
                     kind="start",
                     invalid=False,
@@ -404,7 +473,11 @@ class RunBook:
             for step, at in orphan.steps:
                 verdict = self._place(run, step)
                 if isinstance(verdict, int):
-                    placed = step if step.index == verdict else step.model_copy(update={"index": verdict})
+                    placed = (
+                        step
+                        if step.index == verdict
+                        else step.model_copy(update={"index": verdict})
+                    )
                     self._step(run, placed, at, effects)
                 elif isinstance(verdict, Refused):
                     effects.append(verdict)
@@ -446,7 +519,8 @@ class RunBook:
                 self._refused(
                     run.run_id,
                     "step_gap",
-                    f"step(s) {span} never arrived within {self.limits.hold_s:g}s; later steps are scored without them",
+                    f"step(s) {span} never arrived within {self.limits.hold_s:g}s; later "
+                    "steps are scored without them",
                 )
             )
         for i in missing:
@@ -484,14 +558,17 @@ class RunBook:
             self.ended.popitem(last=False)
 
     def remember_deliveries(self, deliveries: list[tuple[int, str, str]]) -> None:
-        """Take the recent deliveries (packet id, digest, run id; oldest first) from before a restart."""
+        """Take the recent deliveries (packet id, digest, run id; oldest first) from before a
+        restart."""
         for mid, digest, run_id in deliveries[-self.limits.redelivery_window :]:
             self._remember(Delivery(mid, digest), run_id)
 
     def remember_ended(self, log: list[tuple[str, float | None]]) -> None:
-        """Rebuild the memory of ended runs from before a restart, folding their log as it was folded live.
+        """Rebuild the memory of ended runs from before a restart, folding their log as it was
+        folded live.
 
-        `log` is, oldest first, each run id that ended (with when) or was used again for a new run (None).
+        `log` is, oldest first, each run id that ended (with when) or was used again for a new run
+        (None).
         """
         for run_id, at in log:
             if at is None:
@@ -513,7 +590,9 @@ class RunBook:
                     "steps": r.steps,
                     "placeholders": sorted(r.placeholders),
                     "revised": sorted((i, d.hex()) for i, d in r.revised.items()),
-                    "held": sorted((i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()),
+                    "held": sorted(
+                        (i, s.text, _digests(s), at, p) for i, (s, at, p) in r.held.items()
+                    ),
                     "gap_since": r.gap_since,
                     "contents": r.contents.hex(),
                     "ended": None if r.ended is None else r.ended.model_dump(),
@@ -533,10 +612,11 @@ _CONTENT = 8
 
 
 def content_digest(step: StepIn) -> bytes:
-    """What tells a re-sent step from a different one under the same index: its text and its number of images.
+    """What tells a re-sent step from a different one under the same index: its text and its number
+    of images.
 
-    Not the image bytes: frames the run store pruned come back from it as placeholders, and a redelivery
-    after a restart must still read as the same step.
+    Not the image bytes: frames the run store pruned come back from it as placeholders, and a
+    redelivery after a restart must still read as the same step.
     """
     h = hashlib.blake2b(step.text.encode("utf-8", "surrogatepass"), digest_size=_CONTENT)
     h.update(len(step.images).to_bytes(4, "little"))
@@ -549,10 +629,13 @@ def _digests(step: StepIn) -> list[str]:
 
 def kind_of(event: RunStart | StepIn | RunEnd) -> str:
     """The topic kind of an input event: start, step or end."""
-    return "start" if isinstance(event, RunStart) else "step" if isinstance(event, StepIn) else "end"
+    return (
+        "start" if isinstance(event, RunStart) else "step" if isinstance(event, StepIn) else "end"
+    )
 
 
-# -- amendments: a step's text replaced by index (the proxy's final answer, once the conversation went on) --
+# -- amendments: a step's text replaced by index (the proxy's final answer, once the conversation
+# went on) --
 
 _DELIVERED = (Started, Stepped, Orphaned, Ended, Amended)
 """The records of an input event (a delivery to remember)."""
@@ -561,23 +644,36 @@ _DELIVERED = (Started, Stepped, Orphaned, Ended, Amended)
 def decide_amend(
     book: RunBook, run_id: str, step: StepIn, now: float, d: Delivery | None
 ) -> Amended | Refused | Duplicated:
-    """An amendment of an accepted step: the record, a duplicate (the step has that text already) or a refusal."""
+    """An amendment of an accepted step: the record, a duplicate (the step has that text already)
+    or a refusal."""
     index = step.index
     assert index is not None  # StepIn checks that an amendment names its step
     run = book.live.get(run_id)
     if run is None:
-        why = "the run has ended" if run_id in book.ended else "the run has not started (or has expired)"
+        why = (
+            "the run has ended"
+            if run_id in book.ended
+            else ("the run has not started (or has expired)")
+        )
         return book._refused(
-            run_id, "unknown_step", f"an amendment of step {index} came but {why}; only a step of a live run "
+            run_id,
+            "unknown_step",
+            f"an amendment of step {index} came but {why}; only a "
+            "step of a live run "
             "can be amended",
-        )  # fmt: skip
+        )
     if run.ended is not None:
-        return book._refused(run_id, "run_ended", f"an amendment of step {index} came after the run's end")
+        return book._refused(
+            run_id, "run_ended", f"an amendment of step {index} came after the run's end"
+        )
     if index in run.placeholders:
         return book._refused(
-            run_id, "conflict", f"step {index} was given up for missing and scored as a placeholder; send it as "
+            run_id,
+            "conflict",
+            f"step {index} was given up for missing and scored as a "
+            "placeholder; send it as "
             "a step of its own only before --hold runs out, it cannot be amended",
-        )  # fmt: skip
+        )
     if index < run.next_index:
         k = (index - 1) * _CONTENT
         current = run.revised.get(index, bytes(run.contents[k : k + _CONTENT]))
@@ -585,16 +681,20 @@ def decide_amend(
         current = content_digest(run.held[index][0].model_copy(update={"images": []}))
     else:
         return book._refused(
-            run_id, "unknown_step", f"an amendment of step {index} came but no step {index} was accepted; send "
+            run_id,
+            "unknown_step",
+            f"an amendment of step {index} came but no step {index} "
+            "was accepted; send "
             "the step first (an amendment replaces the text of a step already sent)",
-        )  # fmt: skip
+        )
     if content_digest(step) == current:
         return Duplicated(run_id, "step")
     return Amended(run_id, step, now, d)
 
 
 def apply_amend(book: RunBook, record: Amended, effects: list[Effect]) -> None:
-    """Replace an accepted step's text: a step waiting for earlier ones is replaced where it waits."""
+    """Replace an accepted step's text: a step waiting for earlier ones is replaced where it
+    waits."""
     run = book.live.get(record.run_id)
     index = record.step.index
     if run is None or index is None:

@@ -1,4 +1,5 @@
-"""The daemon's groups: sibling runs (`start.group`) ranked together, bounded, cleared a grace period after they end.
+"""The daemon's groups: sibling runs (`start.group`) ranked together, bounded, cleared a grace
+period after they end.
 
 Pure bookkeeping around `agent_monitor.groups.GroupState` (no I/O, no clock of its own): the
 monitor asks it what a start, a score or an end does to a group, and publishes what it says.
@@ -44,23 +45,27 @@ class GroupSeries:
 
 
 class GroupLimitError(ValueError):
-    """A start that would take the monitor past its group limits; the message says which and what to do."""
+    """A start that would take the monitor past its group limits; the message says which and what
+    to do."""
 
 
 class GroupRefused(GroupLimitError):
-    """A start that may not join its group: no valid group auth, or other group settings than the monitor's."""
+    """A start that may not join its group: no valid group auth, or other group settings than the
+    monitor's."""
 
 
 SPLIT = "~"
 """Between a group's name and a membership key in the name of a group split off (`{group}~{key}`).
 
-Not in a group name's grammar (a run id's), so no harness can name a group that looks like a split one.
+Not in a group name's grammar (a run id's), so no harness can name a group that looks like a split
+one.
 """
 
 
 @dataclass(frozen=True, slots=True)
 class Joiner:
-    """What a start brings to its group: what it is graded on, its group settings, and its group auth."""
+    """What a start brings to its group: what it is graded on, its group settings, and its group
+    auth."""
 
     family: str
     """The run's calibration family name (start.family, else its task text)."""
@@ -71,20 +76,26 @@ class Joiner:
     auth: str | None = None
 
     def key(self, *, settings: bool = True) -> str:
-        """The membership key: runs rank together only with the same family, rubric (and group settings)."""
+        """The membership key: runs rank together only with the same family, rubric (and group
+        settings)."""
         what = [self.family, self.rubric, group_settings(self.policy) if settings else None]
-        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[
+            :12
+        ]
 
 
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """Where a start went: a group (the one it named, or one split off it), or none (scored as a run of its own)."""
+    """Where a start went: a group (the one it named, or one split off it), or none (scored as a
+    run of its own)."""
 
     group: str | None
-    """The group the run ranks in (`start.group`, or `{group}~{key}`); None: in none, scored on its own."""
+    """The group the run ranks in (`start.group`, or `{group}~{key}`); None: in none, scored on
+    its own."""
     update: GroupUpdate | None = None
     reason: Literal["group_refused", "group_split"] | None = None
-    """Why the run is not in the group it named: refused (auth, settings, limits) or split (another key)."""
+    """Why the run is not in the group it named: refused (auth, settings, limits) or split
+    (another key)."""
     message: str = ""
     """What the run's error topic says (with `reason`)."""
 
@@ -103,17 +114,22 @@ class GroupBook:
     """When each group's last run ended (cleared `grace_s` later unless a run joins again)."""
     last_at: dict[str, float] = field(default_factory=dict)
     refused: int = 0
-    """Starts that named a group they may not join (auth, settings, limits): scored as runs of their own."""
+    """Starts that named a group they may not join (auth, settings, limits): scored as runs of
+    their own."""
     split: int = 0
-    """Starts ranked in a group split off the one they named (its name taken by runs of another key)."""
+    """Starts ranked in a group split off the one they named (its name taken by runs of another
+    key)."""
     secret: str | None = field(default=None, repr=False)
     """With it, a start joins a group only with `start.auth` = `groups.group_mac(secret, ...)`."""
     policy: Policy | None = None
-    """The group settings every group uses (the monitor's policy flags); None: each group's first run's."""
+    """The group settings every group uses (the monitor's policy flags); None: each group's first
+    run's."""
     keys: dict[str, str] = field(default_factory=dict)
-    """Each group's membership key (`Joiner.key`): only runs of that family, rubric and settings join it."""
+    """Each group's membership key (`Joiner.key`): only runs of that family, rubric and settings
+    join it."""
     replays: Replays | None = None
-    """With the secret: the signed (run id, started_at) that joined already; a replayed or stale one is refused."""
+    """With the secret: the signed (run id, started_at) that joined already; a replayed or stale
+    one is refused."""
 
     def check(self, run_id: str, group: str) -> None:
         """Raise GroupLimitError if `run_id` cannot join `group` for the group limits."""
@@ -121,12 +137,14 @@ class GroupBook:
         if g is None:
             if len(self.groups) >= self.max_groups:
                 raise GroupLimitError(
-                    f"the monitor follows at most {self.max_groups} groups (--max-groups) and has that many; "
+                    f"the monitor follows at most {self.max_groups} groups (--max-groups) and "
+                    "has that many; "
                     f"group {group!r} is refused: end the groups' runs or raise --max-groups"
                 )
         elif run_id not in g.members and len(g.members) >= self.max_group_runs:
             raise GroupLimitError(
-                f"group {group!r} already has {len(g.members)} runs, the most allowed (--max-group-runs); "
+                f"group {group!r} already has {len(g.members)} runs, the most allowed "
+                "(--max-group-runs); "
                 "start this run in another group or raise the limit"
             )
 
@@ -135,36 +153,55 @@ class GroupBook:
             want = group_mac(self.secret, run_id, joiner.started_at, group)
             if not joiner.auth or not hmac.compare_digest(joiner.auth.lower(), want):
                 raise GroupRefused(
-                    f"group {group!r} needs start.auth, the HMAC of run id, started_at and group with the monitor's "
-                    "group secret (MonitorClient(group_secret=...) adds it); this start has none or a wrong one"
+                    f"group {group!r} needs start.auth, the HMAC of run id, started_at and "
+                    "group with the monitor's "
+                    "group secret (MonitorClient(group_secret=...) adds it); this start has "
+                    "none or a wrong one"
                 )
-            # The MAC binds what the publisher chose: a signed start joins once (a member's redelivery aside).
-            why = self.replays.check(run_id, joiner.started_at) if self.replays is not None else None
+            # The MAC binds what the publisher chose: a signed start joins once (a member's
+            # redelivery aside).
+            why = (
+                self.replays.check(run_id, joiner.started_at) if self.replays is not None else None
+            )
             if why is not None and self.of_run.get(run_id, "").split(SPLIT)[0] != group:
                 raise GroupRefused(
-                    f"group {group!r}: this start's signature is {why.replace('_', ' ')} (a signed start joins once, "
-                    "with a started_at within --signature-max-age); start a new run with a new started_at"
+                    f"group {group!r}: this start's signature is {why.replace('_', ' ')} (a "
+                    "signed start joins once, "
+                    "with a started_at within --signature-max-age); start a new run with a "
+                    "new started_at"
                 )
         mine = group_settings(joiner.policy)
         if self.policy is not None and mine != (fixed := group_settings(self.policy)):
-            diff = ", ".join(f"{k}={mine[k]!r} (the monitor's: {fixed[k]!r})" for k in mine if mine[k] != fixed[k])
-            raise GroupRefused(f"group {group!r} uses the monitor's group settings; this start asks for {diff}")
+            diff = ", ".join(
+                f"{k}={mine[k]!r} (the monitor's: {fixed[k]!r})"
+                for k in mine
+                if mine[k] != fixed[k]
+            )
+            raise GroupRefused(
+                f"group {group!r} uses the monitor's group settings; this start asks for {diff}"
+            )
 
     def _name(self, group: str, key: str) -> str | None:
-        """The group a run of membership `key` ranks in: the name asked for, unless runs of another key hold it."""
+        """The group a run of membership `key` ranks in: the name asked for, unless runs of
+        another key hold it."""
         for name in (group, f"{group}{SPLIT}{key}"):
-            if self.keys.get(name, key) == key:  # free, made without a key (a restored ranking), or this key's
+            # free, made without a key (a restored ranking), or this key's
+            if self.keys.get(name, key) == key:
                 return name
         return None  # 48 bits collide: no group rather than another key's
 
-    def join(self, run_id: str, group: str, policy: Policy, at: float, joiner: Joiner | None = None) -> Placed:
-        """A run joins a group: the one it names, one split off it for its key, or none (limits, auth, settings).
+    def join(
+        self, run_id: str, group: str, policy: Policy, at: float, joiner: Joiner | None = None
+    ) -> Placed:
+        """A run joins a group: the one it names, one split off it for its key, or none (limits,
+        auth, settings).
 
-        With `joiner`, a run ranks only with runs of the same family, rubric and group settings (its key):
-        the first key to use a group's name keeps it while the group lives, a run of another key ranks in
-        `{group}~{key}` with the runs like it, so whoever starts first decides nothing for the others. A
-        start lacking the group auth the group secret requires, or asking for other settings than the
-        monitor's fixed ones, is in no group. Never raises: every run is scored.
+        With `joiner`, a run ranks only with runs of the same family, rubric and group settings (its
+        key): the first key to use a group's name keeps it while the group lives, a run of another
+        key ranks in `{group}~{key}` with the runs like it, so whoever starts first decides nothing
+        for the others. A start lacking the group auth the group secret requires, or asking for
+        other settings than the monitor's fixed ones, is in no group. Never raises: every run is
+        scored.
         """
         name, key = group, None
         try:
@@ -173,17 +210,26 @@ class GroupBook:
                 key = joiner.key(settings=self.policy is None)
                 found = self._name(group, key)
                 if found is None:
-                    raise GroupRefused(f"group {group!r}: the names for this run's task and rubric are taken")
+                    raise GroupRefused(
+                        f"group {group!r}: the names for this run's task and rubric are taken"
+                    )
                 name = found
             self.check(run_id, name)
             g = self.groups.get(name)
             if g is None:
-                # The group's policy is its first run's (or the monitor's, when fixed): its key keeps it one.
-                g = self.groups[name] = GroupState(name, self.policy or policy, max_runs=self.max_group_runs)
+                # The group's policy is its first run's (or the monitor's, when fixed): its key
+                # keeps it one.
+                g = self.groups[name] = GroupState(
+                    name, self.policy or policy, max_runs=self.max_group_runs
+                )
             update = g.join(run_id)
         except (GroupLimitError, GroupFull) as e:
             self.refused += 1
-            return Placed(None, reason="group_refused", message=f"{e}; the run is scored on its own, in no group")
+            return Placed(
+                None,
+                reason="group_refused",
+                message=f"{e}; the run is scored on its own, in no group",
+            )
         if key is not None:
             self.keys.setdefault(name, key)
         self.of_run[run_id] = name
@@ -198,14 +244,18 @@ class GroupBook:
             name,
             update,
             "group_split",
-            f"group {group!r} is in use by runs of another task, rubric or group settings; this run ranks with the "
-            f"runs like it in group {name!r} (its ranking: _groups/{name}/ranking); use a group name of its own",
+            f"group {group!r} is in use by runs of another task, rubric or group settings; "
+            "this run ranks with the "
+            f"runs like it in group {name!r} (its ranking: _groups/{name}/ranking); use a "
+            "group name of its own",
         )
 
     def uniform(self, group: str) -> UniformJSON | None:
-        """A group's early dynamic-sampling call (all_fail / all_pass, its confidence), or None: no call, no group.
+        """A group's early dynamic-sampling call (all_fail / all_pass, its confidence), or None: no
+        call, no group.
 
-        Pure: what the retained ranking's `uniform` says now. For the reward endpoints, per run: `uniform_of`.
+        Pure: what the retained ranking's `uniform` says now. For the reward endpoints, per run:
+        `uniform_of`.
         """
         g = self.groups.get(group)
         return None if g is None else g.called
@@ -229,7 +279,8 @@ class GroupBook:
         return g.observe_progress(run_id, p)
 
     def end(self, run_id: str, outcome: str | None, at: float) -> GroupUpdate | None:
-        """The run left the live set (ended, expired, evicted); a group all ended is cleared after `grace_s`."""
+        """The run left the live set (ended, expired, evicted); a group all ended is cleared
+        after `grace_s`."""
         name = self.of_run.pop(run_id, None)
         g = self.groups.get(name) if name is not None else None
         if g is None:
@@ -241,7 +292,8 @@ class GroupBook:
         return update
 
     def forget(self, run_id: str) -> str | None:
-        """Drop a run that moved to another replica (cluster mode); its group goes with its last run here. Its name."""
+        """Drop a run that moved to another replica (cluster mode); its group goes with its last
+        run here. Its name."""
         name = self.of_run.pop(run_id, None)
         if name is not None and not any(g == name for g in self.of_run.values()):
             self.groups.pop(name, None)
@@ -251,7 +303,8 @@ class GroupBook:
         return name
 
     def due(self, now: float) -> list[str]:
-        """The groups whose last run ended `grace_s` ago or more: forgotten now (their ranking is to be cleared)."""
+        """The groups whose last run ended `grace_s` ago or more: forgotten now (their ranking is
+        to be cleared)."""
         out = [name for name, at in self.done_at.items() if now - at >= self.grace_s]
         for name in out:
             self.done_at.pop(name, None)
@@ -270,17 +323,25 @@ class GroupBook:
             return None
         live = sum(m.state == "live" for m in g.members.values())
         leader = next((m for m in g.ranked() if m.state != "pruned" and m.score is not None), None)
-        return GroupSeries(name, live, leader.score if leader else None, self.last_at.get(name, 0.0))
+        return GroupSeries(
+            name, live, leader.score if leader else None, self.last_at.get(name, 0.0)
+        )
 
     def series(self, allow: Iterable[str] = ()) -> list[GroupSeries]:
-        """Each group's gauges, most recently active first (groups not on `allow`, when it is given, left out)."""
+        """Each group's gauges, most recently active first (groups not on `allow`, when it is
+        given, left out)."""
         allowed = frozenset(allow)
-        out = [s for name in list(self.groups) if (not allowed or name in allowed) and (s := self.series_of(name))]
+        out = [
+            s
+            for name in list(self.groups)
+            if (not allowed or name in allowed) and (s := self.series_of(name))
+        ]
         return sorted(out, key=lambda s: s.last_at, reverse=True)
 
 
 class Groups:
-    """The monitor's groups part: the book, the retained rankings it publishes, the gauges' copy, the tournaments.
+    """The monitor's groups part: the book, the retained rankings it publishes, the gauges' copy,
+    the tournaments.
 
     Given what it needs, never the monitor: the sink to `emit` rankings to, the live runs' trackers
     (`trackers`, read only), the judge for tournaments, the clock, and once the monitor runs the
@@ -311,25 +372,31 @@ class Groups:
         self.on_compared = on_compared
         """Told (ok, judge calls) after each pairwise comparison (the compare-calls counter)."""
         self.on_majority = on_majority
-        """Told the judge calls a tournament could have made when the majority shortcut skipped it (a counter)."""
+        """Told the judge calls a tournament could have made when the majority shortcut skipped
+        it (a counter)."""
         self.caller = caller
-        """Each member's calibrated pass / fail call (None: groups are never flagged all_fail / all_pass)."""
+        """Each member's calibrated pass / fail call (None: groups are never flagged all_fail /
+        all_pass)."""
         self.on_uniform = on_uniform
-        """Told (call, "flagged" | "withdrawn" | "contradicted") when a group's early call changes (the counters)."""
+        """Told (call, "flagged" | "withdrawn" | "contradicted") when a group's early call
+        changes (the counters)."""
         self.on_placed = on_placed
-        """Told "group_refused" or "group_split" when a live start is not placed in the group it named (the counters)."""
+        """Told "group_refused" or "group_split" when a live start is not placed in the group it
+        named (the counters)."""
         self._flagged: dict[str, str] = {}
         self.series: dict[str, GroupSeries] = {}
         """Kept current one group at a time on the event loop; the scrape thread reads a copy."""
         self.tasks: asyncio.TaskGroup | None = None
         """The monitor's TaskGroup while it runs (None: no tournaments, e.g. once it is leaving)."""
-        # policy.compare: one pivot tournament in flight per group; what it last compared; groups to compare again.
+        # policy.compare: one pivot tournament in flight per group; what it last compared; groups to
+        # compare again.
         self.comparing: dict[str, asyncio.Task[None]] = {}
         self._compared: dict[str, tuple[tuple[str, int], ...]] = {}
         self._compare_again: set[str] = set()
 
     def gauges(self) -> list[GroupSeries]:
-        """The groups' gauges, most recently active first (called from the scrape thread: a copy)."""
+        """The groups' gauges, most recently active first (called from the scrape thread: a
+        copy)."""
         return sorted(dict(self.series).values(), key=lambda s: s.last_at, reverse=True)
 
     def join(
@@ -342,12 +409,19 @@ class Groups:
         *,
         publish: bool,
     ) -> Placed:
-        """A run opened naming a group: place it (its group, one split off it, or none), route its results there."""
+        """A run opened naming a group: place it (its group, one split off it, or none), route
+        its results there."""
         placed = self.book.join(run_id, group, policy, self.clock(), joiner)
         if placed.reason is not None:
             if publish:  # counted live, once (a replay places the run again the same way)
                 self.on_placed(placed.reason)
-            log.warning(placed.reason, run_id=run_id, group=group, placed=placed.group, replaying=not publish)
+            log.warning(
+                placed.reason,
+                run_id=run_id,
+                group=group,
+                placed=placed.group,
+                replaying=not publish,
+            )
         if placed.group is None or placed.update is None:
             return placed
         tracker.on_group = partial(self.verdict, run_id)
@@ -355,7 +429,8 @@ class Groups:
         return placed
 
     def verdict(self, run_id: str, p: Progress) -> Decision | None:
-        """A grouped run's result through its group: the prune decision, if the group policy prunes it now."""
+        """A grouped run's result through its group: the prune decision, if the group policy
+        prunes it now."""
         called = self._call(run_id, p)
         update = self.book.observe(run_id, p, self.clock())
         if update is None:
@@ -368,18 +443,26 @@ class Groups:
         return update.prunes[0].decision(p)
 
     def _call(self, run_id: str, p: Progress) -> bool:
-        """Update a member's calls from its curve and this result; whether the ranking changed by it."""
+        """Update a member's calls from its curve and this result; whether the ranking changed by
+        it."""
         g, tracker = self.book.group_of(run_id), self.trackers(run_id)
-        if self.caller is None or g is None or tracker is None or g.policy.uniform_confidence is None:
+        if (
+            self.caller is None
+            or g is None
+            or tracker is None
+            or g.policy.uniform_confidence is None
+        ):
             return False
         curve = tracker.points
-        if not curve or p.step > curve[-1].step:  # the tracker keeps this result only after the group saw it
+        # the tracker keeps this result only after the group saw it
+        if not curve or p.step > curve[-1].step:
             curve = (*curve, *points([p]))
         calls = self.caller.calls(tracker.family, g.policy, curve)
         return g.call(run_id, fail_p=calls.fail_p, pass_p=calls.pass_p).changed
 
     def prune_line(self, run_id: str) -> float | None:
-        """The pruning line a grouped run's next score could cross (None: ungrouped, or no line yet)."""
+        """The pruning line a grouped run's next score could cross (None: ungrouped, or no line
+        yet)."""
         g = self.book.group_of(run_id)
         return None if g is None else g.prune_line(run_id)
 
@@ -398,7 +481,8 @@ class Groups:
             self._flagged.pop(group, None)
 
     def due(self, now: float) -> None:
-        """Clear the groups whose grace period passed (an empty retained payload clears a ranking)."""
+        """Clear the groups whose grace period passed (an empty retained payload clears a
+        ranking)."""
         for group in self.book.due(now):
             self.series.pop(group, None)
             self._flagged.pop(group, None)
@@ -432,11 +516,13 @@ class Groups:
             self.on_uniform(before, "withdrawn")
 
     def maybe_compare(self, group: str) -> None:
-        """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot tournament.
+        """With `policy.compare`: order the leaders pointwise scores cannot separate by a pivot
+        tournament.
 
         Asked again only when the tied leaders or their steps changed since the last tournament, one
-        tournament per group at a time (a change meanwhile asks once more after it). A failed tournament
-        leaves the pointwise order (fail-open); pairwise verdicts order the ranking, they never prune.
+        tournament per group at a time (a change meanwhile asks once more after it). A failed
+        tournament leaves the pointwise order (fail-open); pairwise verdicts order the ranking, they
+        never prune.
         """
         g = self.book.groups.get(group)
         if g is None or not g.policy.compare or self.tasks is None:
@@ -452,7 +538,9 @@ class Groups:
             self._compare_again.add(group)
             return
         self._compared[group] = key
-        self.comparing[group] = self.tasks.create_task(self._compare(group, list(steps)), name=f"compare:{group}")
+        self.comparing[group] = self.tasks.create_task(
+            self._compare(group, list(steps)), name=f"compare:{group}"
+        )
 
     async def _compare(self, group: str, tied: list[str]) -> None:
         try:
@@ -474,7 +562,8 @@ class Groups:
 
             members = majority_of({r: t.steps for r, t in trackers.items()})
             if members is not None:
-                # TurboAgent's shortcut: most leaders give the same answer, so it leads with no comparison.
+                # TurboAgent's shortcut: most leaders give the same answer, so it leads with no
+                # comparison.
                 self.on_majority(tournament_calls(len(trackers), len(first.rubric.judged) or 1))
                 ranking = members + [r for r in trackers if r not in members]
                 log.info("group_majority", group=group, leaders=tied, majority=members)
@@ -482,9 +571,13 @@ class Groups:
                 result = await tournament(list(trackers), pair)
                 ranking = result.ranking if result.ok else []
                 log.info(
-                    "group_compared", group=group, leaders=tied, winner=result.winner,
-                    comparisons=result.comparisons, failed=result.failed,
-                )  # fmt: skip
+                    "group_compared",
+                    group=group,
+                    leaders=tied,
+                    winner=result.winner,
+                    comparisons=result.comparisons,
+                    failed=result.failed,
+                )
             g = self.book.groups.get(group)
             if g is not None:
                 update = g.set_order(ranking)
@@ -498,13 +591,15 @@ class Groups:
                 self.maybe_compare(group)
 
     def restore(self, stored: Mapping[str, Mapping[str, Any]], policy: Policy) -> None:
-        """Rebuild each group from its runs' restored scores, keep the prunes decided before, publish its ranking.
+        """Rebuild each group from its runs' restored scores, keep the prunes decided before,
+        publish its ranking.
 
-        The journal replay made the groups and their members (in start order); the runs' stored results fold
-        in step by step across siblings (their order in time is not kept), counting streaks but deciding no
-        prune: a prune is a decision taken live once and restored from the run's stored abort. Siblings that
-        ended before the restart come from the group's last stored ranking; a group whose runs had all ended
-        is published again and cleared after the grace period, as it would have been.
+        The journal replay made the groups and their members (in start order); the runs' stored
+        results fold in step by step across siblings (their order in time is not kept), counting
+        streaks but deciding no prune: a prune is a decision taken live once and restored from the
+        run's stored abort. Siblings that ended before the restart come from the group's last stored
+        ranking; a group whose runs had all ended is published again and cleared after the grace
+        period, as it would have been.
         """
         book, now = self.book, self.clock()
         for name, ranking in stored.items():
@@ -528,6 +623,7 @@ class Groups:
                         if p.signal is not None and p.signal.pruned:
                             g.prune(run_id)
             for run_id, curve in curves.items():
-                if curve:  # the calls of the restored curves: a flagged group is flagged again, as it was
+                # the calls of the restored curves: a flagged group is flagged again, as it was
+                if curve:
                     self._call(run_id, curve[-1])
             self.changed(name, True, republished=True)

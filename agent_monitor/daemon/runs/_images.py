@@ -1,7 +1,8 @@
-"""Image sources the operator allowed: files under chosen directories, URLs on chosen hosts (never by default).
+"""Image sources the operator allowed: files under chosen directories, URLs on chosen hosts (never
+by default).
 
-`decode_event` checks a path or URL against the allow-lists; `fetch_images` then reads or fetches the
-bytes in a worker thread, with the same size limit and type sniffing as inline images. A file is
+`decode_event` checks a path or URL against the allow-lists; `fetch_images` then reads or fetches
+the bytes in a worker thread, with the same size limit and type sniffing as inline images. A file is
 opened only after resolving symlinks (it must still be under an allowed directory); a URL is fetched
 without following redirects (a redirect could leave the allowed host) and with a timeout.
 """
@@ -33,20 +34,25 @@ def fetch_images(
     max_bytes: int,
     timeout_s: float = 10.0,
 ) -> None:
-    """Read or fetch every path/URL image of `event` (blocking: run it in a worker thread); raise EventError."""
+    """Read or fetch every path/URL image of `event` (blocking: run it in a worker thread); raise
+    EventError."""
     for i, image in enumerate(getattr(event, "images", [])):
         if not isinstance(image, ImageIn) or not image.remote:
             continue
         where = f"images[{i}]"
         try:
             raw = (
-                _read(image.path, image_dirs, max_bytes) if image.path else _get(image.url or "", max_bytes, timeout_s)
+                _read(image.path, image_dirs, max_bytes)
+                if image.path
+                else _get(image.url or "", max_bytes, timeout_s)
             )
         except (OSError, ValueError) as e:
             raise EventError("bad_image", f"{where}: {e}", run_id=run_id) from None
         mime = sniff_mime(raw)
         if mime is None:
-            raise EventError("bad_image", f"{where}: the bytes are not PNG, JPEG, GIF or WebP", run_id=run_id)
+            raise EventError(
+                "bad_image", f"{where}: the bytes are not PNG, JPEG, GIF or WebP", run_id=run_id
+            )
         image.set_fetched(raw, mime)
 
 
@@ -55,7 +61,8 @@ def _read(path: str, image_dirs: Sequence[str | Path], max_bytes: int) -> bytes:
     roots = [os.path.realpath(d) for d in image_dirs]
     if not any(real.startswith(r.rstrip("/") + "/") for r in roots):
         raise ValueError(f"{path!r} resolves outside the allowed directories")
-    # O_NONBLOCK: a FIFO planted under the directory must not hang the reader; only regular files are read.
+    # O_NONBLOCK: a FIFO planted under the directory must not hang the reader; only regular files
+    # are read.
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -68,7 +75,8 @@ def _read(path: str, image_dirs: Sequence[str | Path], max_bytes: int) -> bytes:
 
 def _get(url: str, max_bytes: int, timeout_s: float) -> bytes:
     opener = urllib.request.build_opener(_NoRedirect)
-    request = urllib.request.Request(url, headers={"User-Agent": "agent-monitor"})  # scheme checked on decode
+    # scheme checked on decode
+    request = urllib.request.Request(url, headers={"User-Agent": "agent-monitor"})
     try:
         with opener.open(request, timeout=timeout_s) as resp:
             raw: bytes = resp.read(max_bytes + 1)
@@ -77,5 +85,7 @@ def _get(url: str, max_bytes: int, timeout_s: float) -> bytes:
     except urllib.error.URLError as e:
         raise ValueError(f"cannot fetch from {urlsplit(url).hostname}: {e.reason}") from None
     if len(raw) > max_bytes:
-        raise ValueError(f"the image at {urlsplit(url).hostname} is over the limit of {max_bytes} bytes")
+        raise ValueError(
+            f"the image at {urlsplit(url).hostname} is over the limit of {max_bytes} bytes"
+        )
     return raw

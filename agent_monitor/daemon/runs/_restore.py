@@ -1,7 +1,9 @@
-"""The monitor's restore part: rebuild the live runs from the store, and (cluster mode) adopt and release runs.
+"""The monitor's restore part: rebuild the live runs from the store, and (cluster mode) adopt and
+release runs.
 
 Handed the parts it drives, never the monitor: the ingest (its lock and `apply`, the same a live
-record goes through), the scoring part (stored scores), the groups part, the calibration and the store.
+record goes through), the scoring part (stored scores), the groups part, the calibration and the
+store.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ log = structlog.get_logger("agent_monitor.daemon")
 
 
 class Restore:
-    """Replay the journal on entering; take over and give up single runs while running (cluster mode)."""
+    """Replay the journal on entering; take over and give up single runs while running (cluster
+    mode)."""
 
     def __init__(
         self,
@@ -43,19 +46,25 @@ class Restore:
         self.calibration = calibration
         self.policy = policy
         self.on_family = on_family
-        """Told each family the calibration holds samples of, with its newest sample's time (its gauges)."""
+        """Told each family the calibration holds samples of, with its newest sample's time (its
+        gauges)."""
 
     def learned(self, sample: Sample) -> None:
         """A calibration sample this monitor learnt: store it, update its family's gauges."""
         self.store.record_sample(sample, self.calibration.max_samples, self.calibration.max_total)
         now = self.on_family(sample.family, sample.at)
         log.info(
-            "calibration_sample", run_id=sample.run_id, family=sample.family.name, success=sample.success,
-            successes=now.successes, threshold=now.threshold,
-        )  # fmt: skip
+            "calibration_sample",
+            run_id=sample.run_id,
+            family=sample.family.name,
+            success=sample.success,
+            successes=now.successes,
+            threshold=now.threshold,
+        )
 
     def shared(self, sample: Sample) -> None:
-        """A sample another replica learnt (cluster mode): every replica's "auto" thresholds use the same evidence."""
+        """A sample another replica learnt (cluster mode): every replica's "auto" thresholds use
+        the same evidence."""
         if self.calibration.add(sample):
             self.on_family(sample.family, sample.at)
         if self.scoring.config.outcome_secret:
@@ -64,17 +73,19 @@ class Restore:
     async def restore(self) -> tuple[str, ...]:
         """Rebuild the live runs by replaying the journal; take their stored scores; the runs live.
 
-        Nothing is published or judged while replaying; afterwards each run's unscored steps (only those)
-        are scheduled, a run that had ended but not finished scoring finishes, and each run's current
-        signal is published again (it may have been decided but not yet published before the crash).
-        With `rescore`, stored scores are ignored and each run's newest prefix is scored afresh.
+        Nothing is published or judged while replaying; afterwards each run's unscored steps (only
+        those) are scheduled, a run that had ended but not finished scoring finishes, and each run's
+        current signal is published again (it may have been decided but not yet published before the
+        crash). With `rescore`, stored scores are ignored and each run's newest prefix is scored
+        afresh.
         """
         # Samples first: the runs replayed below are scored against the calibration they had before.
         samples = await self.store.samples()
         for sample in samples:
             self.calibration.add(sample)
         if self.scoring.config.outcome_secret:
-            # The signed outcomes taught before the restart stay spent (their sample key holds run and started_at).
+            # The signed outcomes taught before the restart stay spent (their sample key holds run
+            # and started_at).
             self.scoring.replays.restore(s.run_id for s in samples)
         for f in self.calibration.families():
             self.on_family(f.family, f.last_at)
@@ -99,12 +110,13 @@ class Restore:
         signal_sent: int | None = None,
         progress_sent: int | None = None,
     ) -> None:
-        """Take over one run from its shared journal: replay its records, take its stored scores, score what is left.
+        """Take over one run from its shared journal: replay its records, take its stored scores,
+        score what is left.
 
-        As on a restart, nothing is judged again that was scored. The run's signal is published again only
-        when the previous owner may not have got it out: `signal_sent` is the step of the last signal the
-        broker acknowledged, and a harness sees each abort once. Likewise the latest score, with
-        `progress_sent` (the step of the last progress message acknowledged).
+        As on a restart, nothing is judged again that was scored. The run's signal is published
+        again only when the previous owner may not have got it out: `signal_sent` is the step of the
+        last signal the broker acknowledged, and a harness sees each abort once. Likewise the latest
+        score, with `progress_sent` (the step of the last progress message acknowledged).
         """
         async with self.intake.lock:
             self._forget(run_id)
@@ -114,8 +126,9 @@ class Restore:
             if scoring is not None:
                 changes = [d["step"] for d in progress if (d.get("decision") or {}).get("changed")]
                 lost = bool(changes) and changes[-1] != signal_sent
-                # The previous owner journals a score before publishing it, and drops what it queued for a run it
-                # lost: the latest score goes out again unless the broker acknowledged it.
+                # The previous owner journals a score before publishing it, and drops what it queued
+                # for a run it lost: the latest score goes out again unless the broker acknowledged
+                # it.
                 last = progress[-1].get("step") if progress else None
                 unseen = last is not None and last != progress_sent
                 self.scoring.restore(run_id, progress, republish=lost, republish_score=unseen)

@@ -1,4 +1,5 @@
-"""What the monitor shows of its live runs: copies for health checks, tests and boards, and the sources' view."""
+"""What the monitor shows of its live runs: copies for health checks, tests and boards, and the
+sources' view."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ._scoring import RunScoring
 
 @dataclass(frozen=True, slots=True)
 class StepView:
-    """One step of a live run as scored: its text after the rubric's extractors, and how many frames it has."""
+    """One step of a live run as scored: its text after the rubric's extractors, and how many
+    frames it has."""
 
     index: int
     text: str
@@ -25,7 +27,8 @@ class StepView:
 
 @dataclass(frozen=True, slots=True)
 class RunView:
-    """A live run as the monitor has it now (for health checks, tests and boards): a copy, safe to keep."""
+    """A live run as the monitor has it now (for health checks, tests and boards): a copy, safe
+    to keep."""
 
     run_id: str
     task: str
@@ -52,7 +55,8 @@ class RunView:
             run_id=run_id,
             task=state.start.task,
             steps=tuple(
-                StepView(t.index, t.text, t.index in state.placeholders, len(t.frames)) for t in s.tracker.steps
+                StepView(t.index, t.text, t.index in state.placeholders, len(t.frames))
+                for t in s.tracker.steps
             ),
             held=tuple(sorted(state.held)),
             scored=s.scored,
@@ -75,7 +79,8 @@ class LiveRuns:
     """The early call of a run's group (the group book's `uniform_of`)."""
 
     def uniform(self, run_id: str) -> UniformJSON | None:
-        """The early all_fail / all_pass call of a live run's group, or None (ungrouped, or no call)."""
+        """The early all_fail / all_pass call of a live run's group, or None (ungrouped, or no
+        call)."""
         return self.uniform_of(run_id)
 
     def is_live(self, run_id: str) -> bool:
@@ -93,17 +98,20 @@ class LiveRuns:
         return s.tracker.latest if s is not None else None
 
     def step_meta(self, run_id: str) -> tuple[Mapping[str, Any], ...] | None:
-        """The `meta` of each step of the run, in order (a source recovering what it sent), or None."""
+        """The `meta` of each step of the run, in order (a source recovering what it sent), or
+        None."""
         s = self.runs.get(run_id)
         return tuple(t.meta for t in s.tracker.steps) if s is not None else None
 
     def step_texts(self, run_id: str) -> tuple[str, ...] | None:
-        """The text of each step of the run, in order (a source moving its steps to another run), or None."""
+        """The text of each step of the run, in order (a source moving its steps to another run),
+        or None."""
         s = self.runs.get(run_id)
         return tuple(t.text for t in s.tracker.steps) if s is not None else None
 
     def points(self, run_id: str) -> tuple[Point, ...] | None:
-        """Every result of the run as (step, score, uncertainty), in step order, or None when not live."""
+        """Every result of the run as (step, score, uncertainty), in step order, or None when not
+        live."""
         s = self.runs.get(run_id)
         return s.tracker.points if s is not None else None
 
@@ -114,9 +122,12 @@ class LiveRuns:
 
 
 def run_series(
-    live: Mapping[str, RunState], runs: Mapping[str, RunScoring], finished: Callable[[], Iterable[RunSeries]]
+    live: Mapping[str, RunState],
+    runs: Mapping[str, RunScoring],
+    finished: Callable[[], Iterable[RunSeries]],
 ) -> list[RunSeries]:
-    """What the per-run gauges show: the live runs, then the runs ended within the grace period (reads copies)."""
+    """What the per-run gauges show: the live runs, then the runs ended within the grace period
+    (reads copies)."""
     now = dict(live)
     out = [
         series_of(rid, s.labels, s.tracker.latest, s.last_ok, s.signal, now[rid].last_event)
@@ -146,9 +157,15 @@ class RunSeries:
 
 
 def series_of(
-    run_id: str, labels: Mapping[str, str], latest: Progress | None, last_ok: Progress | None, signal: str, at: float
+    run_id: str,
+    labels: Mapping[str, str],
+    latest: Progress | None,
+    last_ok: Progress | None,
+    signal: str,
+    at: float,
 ) -> RunSeries:
-    """A run's per-run gauges; the curve keeps the last good score through a failed scoring (no false gap)."""
+    """A run's per-run gauges; the curve keeps the last good score through a failed scoring (no
+    false gap)."""
     return RunSeries(
         run_id=run_id,
         labels=labels,

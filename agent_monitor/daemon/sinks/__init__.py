@@ -1,4 +1,5 @@
-"""The sinks: where the monitor's events go (MQTT out, metrics, OpenTelemetry, Phoenix, the board)."""
+"""The sinks: where the monitor's events go (MQTT out, metrics, OpenTelemetry, Phoenix, the
+board)."""
 
 from ._board import Board, BoardClient, BoardSettings, sse
 from ._log import LogSink

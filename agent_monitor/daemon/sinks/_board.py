@@ -1,16 +1,17 @@
-"""The web board's state: a sink that keeps what the board shows of each run, and tells every connected browser.
+"""The web board's state: a sink that keeps what the board shows of each run, and tells every
+connected browser.
 
 `Board` takes the monitor's `RunOpened`, `Scored`, `SignalChanged` and `RunClosed` events and keeps,
 for the most recently active runs (`BoardSettings.max_runs`), the newest points of each curve, the
-score, uncertainty, spread, step, signal and reason, the task (truncated) and the labels; an ended run
-stays for a grace period, then leaves. Each browser following the board (`subscribe`, the web
+score, uncertainty, spread, step, signal and reason, the task (truncated) and the labels; an ended
+run stays for a grace period, then leaves. Each browser following the board (`subscribe`, the web
 server's `/events`) gets its own bounded queue of encoded server-sent events: a browser that falls
 more than `client_queue` updates behind is dropped (its connection aborted, counted in
 `agent_monitor_board_clients_dropped_total{reason="slow"}`) and reconnects to a fresh snapshot, so a
 slow browser never slows scoring. Everything here runs on the event loop and never blocks.
 
-Text in these events comes from the network (run ids, tasks, labels, reasons): the board page puts it
-in the DOM with `textContent` only, never as markup.
+Text in these events comes from the network (run ids, tasks, labels, reasons): the board page puts
+it in the DOM with `textContent` only, never as markup.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class _Run:
     signal_reason: str = ""
     signal_step: int | None = None
     tokens: tuple[int, int, int] = (0, 0, 0)
-    """The run's judge tokens so far (input, cached input, output): the newest result's running totals."""
+    """The run's judge tokens so far (input, cached input, output): the newest result's running
+    totals."""
     cost: float | None = None
     """What they cost in USD (None: the monitor has no prices)."""
     outcome: str | None = None
@@ -80,9 +82,13 @@ class _Run:
         score, uncertainty = finite(p.score), finite(p.uncertainty)
         self.ok, self.mass = p.ok, finite(p.mass)
         t = p.totals
-        self.tokens, self.cost = (t.input_tokens, t.cached_input_tokens, t.output_tokens), finite(p.cost)
+        self.tokens, self.cost = (
+            (t.input_tokens, t.cached_input_tokens, t.output_tokens),
+            finite(p.cost),
+        )
         if p.ok:
-            # The curve and the big number keep the last good score through a failed scoring (as the gauges do).
+            # The curve and the big number keep the last good score through a failed scoring (as the
+            # gauges do).
             self.score, self.uncertainty, self.spread = score, uncertainty, finite(p.spread)
             self.failure = self.error = None
         else:
@@ -112,7 +118,11 @@ class _Run:
             "uncertainty": self.uncertainty,
             "spread": self.spread,
             "mass": self.mass,
-            "tokens": {"input": self.tokens[0], "cached_input": self.tokens[1], "output": self.tokens[2]},
+            "tokens": {
+                "input": self.tokens[0],
+                "cached_input": self.tokens[1],
+                "output": self.tokens[2],
+            },
             "cost": self.cost,
             "ok": self.ok,
             "failure": self.failure,
@@ -129,7 +139,8 @@ class _Run:
 
 
 class BoardClient:
-    """One browser's queue of encoded events; dropped (never waited for) when it falls too far behind."""
+    """One browser's queue of encoded events; dropped (never waited for) when it falls too far
+    behind."""
 
     def __init__(self, limit: int, on_drop: Callable[[], object]) -> None:
         self.limit = limit
@@ -147,7 +158,8 @@ class BoardClient:
         return True
 
     def drop(self) -> None:
-        """Stop this client: its writer ends and its connection is aborted (it cannot be waited for)."""
+        """Stop this client: its writer ends and its connection is aborted (it cannot be waited
+        for)."""
         if self.dropped:
             return
         self.dropped = True
@@ -156,7 +168,8 @@ class BoardClient:
         self._on_drop()
 
     async def take(self, timeout_s: float) -> list[bytes]:
-        """The events queued so far (waiting up to `timeout_s` for one); empty on a timeout or once dropped."""
+        """The events queued so far (waiting up to `timeout_s` for one); empty on a timeout or
+        once dropped."""
         if not self._queue and not self.dropped:
             try:
                 async with asyncio.timeout(timeout_s):
@@ -172,13 +185,15 @@ class BoardClient:
 
 
 def sse(kind: str, data: Mapping[str, Any]) -> bytes:
-    """One server-sent event: JSON on a single `data:` line (json.dumps escapes the newlines inside strings)."""
+    """One server-sent event: JSON on a single `data:` line (json.dumps escapes the newlines
+    inside strings)."""
     text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return f"event: {kind}\ndata: {text}\n\n".encode()
 
 
 class Board:
-    """The sink behind the web board: the most recently active runs, their curves and signals; pushes to browsers.
+    """The sink behind the web board: the most recently active runs, their curves and signals;
+    pushes to browsers.
 
     ```python
     board = Board(BoardSettings(), registry=registry)
@@ -200,17 +215,21 @@ class Board:
         self.clock = clock
         self.registry = registry if registry is not None else CollectorRegistry()
         self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently active first
-        # Task and labels of every live run (bounded by the monitor's live runs), so a run that was off the
-        # board (more than max_runs active) comes back with its task when it is active again.
+        # Task and labels of every live run (bounded by the monitor's live runs), so a run that was
+        # off the board (more than max_runs active) comes back with its task when it is active
+        # again.
         self._known: dict[str, tuple[str, dict[str, str], float]] = {}
         self._live = 0
         self._clients: set[BoardClient] = set()
         self._clients_gauge = Gauge(
-            "agent_monitor_board_clients", "Browsers following the web board (/events) now.", registry=self.registry
+            "agent_monitor_board_clients",
+            "Browsers following the web board (/events) now.",
+            registry=self.registry,
         )
         self._dropped = Counter(
             "agent_monitor_board_clients_dropped",
-            "Browsers the web board let go, by reason: slow (fell --board-client-queue updates behind; it "
+            "Browsers the web board let go, by reason: slow (fell --board-client-queue "
+            "updates behind; it "
             "reconnects) or full (turned away: --board-clients already connected).",
             ["reason"],
             registry=self.registry,
@@ -234,7 +253,11 @@ class Board:
         elif isinstance(event, RunOpened):
             now = self.clock()
             self._live = event.live
-            self._known[event.run_id] = (_cut(event.start.task, TASK_CHARS) or "", dict(event.start.labels), now)
+            self._known[event.run_id] = (
+                _cut(event.start.task, TASK_CHARS) or "",
+                dict(event.start.labels),
+                now,
+            )
             self._runs.pop(event.run_id, None)  # a run id used again is a new run
             run = self._touch(event.run_id, now)
             self._publish("run", {"run": run.json(curve=True)})
@@ -243,7 +266,8 @@ class Board:
             self._known.pop(event.run_id, None)
             shown = self._runs.get(event.run_id)
             if shown is None:
-                self._publish("counts", {})  # a run off the board ended: only the count of the others changed
+                # a run off the board ended: only the count of the others changed
+                self._publish("counts", {})
                 return
             if self.settings.grace_s <= 0:
                 self._forget(event.run_id)
@@ -256,14 +280,17 @@ class Board:
             self._publish("run", {"run": shown.json(curve=False)})
 
     def _touch(self, run_id: str, at: float) -> _Run:
-        """The run's board entry, made most recently active (made, evicting the least recent, if needed)."""
+        """The run's board entry, made most recently active (made, evicting the least recent, if
+        needed)."""
         run = self._runs.get(run_id)
         if run is not None:
             run.updated = at
             self._runs.move_to_end(run_id)
             return run
         task, labels, started = self._known.get(run_id, ("", {}, at))
-        run = self._runs[run_id] = _Run(run_id, task, labels, started, at, deque(maxlen=self.settings.points))
+        run = self._runs[run_id] = _Run(
+            run_id, task, labels, started, at, deque(maxlen=self.settings.points)
+        )
         while len(self._runs) > self.settings.max_runs:
             old, _ = self._runs.popitem(last=False)
             self._publish("gone", {"run_id": old})
@@ -284,7 +311,8 @@ class Board:
                 self._forget(run_id)
 
     def restore(self, views: Iterable[RunView | None], *, live: int) -> None:
-        """Put runs restored from the store on the board (`Monitor.run()` views, least recently active first)."""
+        """Put runs restored from the store on the board (`Monitor.run()` views, least recently
+        active first)."""
         for v in views:
             if v is None:
                 continue
@@ -304,7 +332,8 @@ class Board:
         return max(0, self._live - sum(1 for r in self._runs.values() if r.outcome is None))
 
     def snapshot(self) -> dict[str, Any]:
-        """Every run on the board with its curve, most recently active first (`/api/runs`, and /events on connect)."""
+        """Every run on the board with its curve, most recently active first (`/api/runs`, and
+        /events on connect)."""
         self.prune()
         return {
             "runs": [r.json(curve=True) for r in reversed(self._runs.values())],
@@ -324,10 +353,12 @@ class Board:
         return {"live": self._live, "hidden": self.hidden}
 
     def subscribe(self, on_drop: Callable[[], object]) -> tuple[BoardClient, dict[str, Any]] | None:
-        """A new browser's queue and the snapshot to send it first, or None when --board-clients are connected.
+        """A new browser's queue and the snapshot to send it first, or None when --board-clients are
+        connected.
 
-        The snapshot is taken when the queue starts, so the browser misses nothing between the two. It is
-        a copy (encode it anywhere, e.g. in a worker thread: a full board is a megabyte of JSON).
+        The snapshot is taken when the queue starts, so the browser misses nothing between the two.
+        It is a copy (encode it anywhere, e.g. in a worker thread: a full board is a megabyte of
+        JSON).
         """
         if len(self._clients) >= self.settings.max_clients:
             self._dropped.labels("full").inc()

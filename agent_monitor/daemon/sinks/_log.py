@@ -28,18 +28,31 @@ class LogSink:
         if isinstance(event, SignalChanged):
             d = event.decision
             log.info(
-                "signal", run_id=event.run_id, signal=d.signal, reason=d.reason, step=d.step, score=d.score,
+                "signal",
+                run_id=event.run_id,
+                signal=d.signal,
+                reason=d.reason,
+                step=d.step,
+                score=d.score,
                 best_step=d.best_step,
-            )  # fmt: skip
+            )
         elif isinstance(event, Refused):
             log.warning(
-                "event_refused", run_id=event.run_id, reason=event.reason, error=event.message, topic=event.topic
+                "event_refused",
+                run_id=event.run_id,
+                reason=event.reason,
+                error=event.message,
+                topic=event.topic,
             )
         elif isinstance(event, RunOpened):
             s = event.start
             log.info("run_started", run_id=event.run_id, task=s.task[:200], labels=s.labels)
         elif isinstance(event, RunClosed):
             log.info(
-                "run_finished", run_id=event.run_id, outcome=event.outcome, steps=event.steps,
-                score=event.latest.score if event.latest else None, signal=event.signal,
-            )  # fmt: skip
+                "run_finished",
+                run_id=event.run_id,
+                outcome=event.outcome,
+                steps=event.steps,
+                score=event.latest.score if event.latest else None,
+                signal=event.signal,
+            )

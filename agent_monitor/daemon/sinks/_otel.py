@@ -1,4 +1,5 @@
-"""The OpenTelemetry sink: every score as `gen_ai.evaluation.result` events to an OTLP/HTTP collector.
+"""The OpenTelemetry sink: every score as `gen_ai.evaluation.result` events to an OTLP/HTTP
+collector.
 
 The sink has a LoggerProvider of its own (never the global one) with a BatchLogRecordProcessor:
 emitting appends to a bounded queue that the SDK's worker thread exports, so scoring never waits
@@ -17,35 +18,49 @@ from importlib.metadata import PackageNotFoundError, version
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ...otel import INSTALL_HINT, EvaluationEmitter, detached_context, evaluation_attributes, span_context
+from ...otel import (
+    INSTALL_HINT,
+    EvaluationEmitter,
+    detached_context,
+    evaluation_attributes,
+    span_context,
+)
 from .._events import MonitorEvent, Scored
 
 # Imported only when the monitor is given an OTLP endpoint (the Monitor imports this module then).
 try:
     from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
     from opentelemetry.sdk._logs import LoggerProvider, ReadableLogRecord
-    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult
+    from opentelemetry.sdk._logs.export import (
+        BatchLogRecordProcessor,
+        LogRecordExporter,
+        LogRecordExportResult,
+    )
     from opentelemetry.sdk.resources import Resource
 except ImportError as e:
     raise ImportError(
-        f"--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter ({e.name} is missing): {INSTALL_HINT}"
+        f"--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter ({e.name} is "
+        f"missing): {INSTALL_HINT}"
     ) from None
 
 log = structlog.get_logger("agent_monitor.daemon.otel")
 
 DROP_REASONS = ("queue_full", "export_failed", "shutdown")
-# The exporter logs every failed batch (and each retry) through stdlib logging; the sink says it once per outage.
+# The exporter logs every failed batch (and each retry) through stdlib logging; the sink says it
+# once per outage.
 _NOISY_LOGGERS = ("opentelemetry.exporter.otlp.proto.http._log_exporter",)
 
 
 def logs_url(endpoint: str) -> str:
-    """The OTLP/HTTP logs URL of a collector: `/v1/logs` appended, as the SDK does for OTEL_EXPORTER_OTLP_ENDPOINT."""
+    """The OTLP/HTTP logs URL of a collector: `/v1/logs` appended, as the SDK does for
+    OTEL_EXPORTER_OTLP_ENDPOINT."""
     base = endpoint.rstrip("/")
     return base if base.endswith("/v1/logs") else f"{base}/v1/logs"
 
 
 class OtelSink:
-    """Send every score's evaluation events to an OTLP/HTTP collector, batched in the SDK's worker thread.
+    """Send every score's evaluation events to an OTLP/HTTP collector, batched in the SDK's worker
+    thread.
 
     `criteria(run_id)` names the run's criteria (a failed score gives one event per criterion);
     `max_queue` bounds the events waiting for export. Made with the Monitor (its metrics exist from
@@ -78,23 +93,28 @@ class OtelSink:
         )
         self.failures = Counter(
             "agent_monitor_otlp_export_failures",
-            "OTLP export requests that failed after the exporter's retries (collector down or refusing).",
+            "OTLP export requests that failed after the exporter's retries (collector down "
+            "or refusing).",
             registry=registry,
         )
         self.dropped = Counter(
             "agent_monitor_otlp_dropped_events",
             "Evaluation events never delivered, by reason: queue_full (the export queue was full), "
-            "export_failed (their request failed), shutdown (still queued when the monitor stopped).",
+            "export_failed (their request failed), shutdown (still queued when the monitor "
+            "stopped).",
             ["reason"],
             registry=registry,
         )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         Gauge(
-            "agent_monitor_otlp_queue_depth", "Evaluation events waiting for export.", registry=registry
+            "agent_monitor_otlp_queue_depth",
+            "Evaluation events waiting for export.",
+            registry=registry,
         ).set_function(lambda: self._queued)
-        # Events handed to the SDK and not yet taken by its exporter: never fewer than its queue holds (counted up
-        # before the SDK appends, down after it pops), so the SDK's own drop-oldest never happens unseen.
+        # Events handed to the SDK and not yet taken by its exporter: never fewer than its queue
+        # holds (counted up before the SDK appends, down after it pops), so the SDK's own
+        # drop-oldest never happens unseen.
         self._queued = 0
         self._lock = threading.Lock()
         self._failing = False
@@ -104,8 +124,9 @@ class OtelSink:
         # The monitor's runs come over MQTT: their events belong to no span of this process.
         self._context = detached_context()
         self.spans = spans
-        """Which span a run's step is (trace id, span id in hex), for runs fed by traces: the OTLP receiver's
-        `span_of`. A score's events then carry the trace and the judged span's id; None, or no span: no trace."""
+        """Which span a run's step is (trace id, span id in hex), for runs fed by traces: the OTLP
+        receiver's `span_of`. A score's events then carry the trace and the judged span's id; None,
+        or no span: no trace."""
 
     def open(self) -> None:
         """Start the provider, its batch processor (a worker thread) and the OTLP exporter."""
@@ -121,7 +142,8 @@ class OtelSink:
             v = "unknown"
         self._failing = False
         self._exporter = _CountingExporter(OTLPLogExporter(endpoint=self.url), self)
-        # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, if set, refine this (Resource.create merges them).
+        # OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, if set, refine this (Resource.create merges
+        # them).
         resource = Resource.create({"service.name": "agent-monitor", "service.version": v})
         provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
         provider.add_log_record_processor(
@@ -137,7 +159,8 @@ class OtelSink:
         log.info("otlp_exporting", endpoint=self.url)
 
     def __call__(self, event: MonitorEvent) -> None:
-        """Queue the evaluation events of one score (never blocks: the SDK's worker thread exports them)."""
+        """Queue the evaluation events of one score (never blocks: the SDK's worker thread
+        exports them)."""
         emitter = self._emitter
         if not isinstance(event, Scored) or event.republished or emitter is None:
             return
@@ -150,7 +173,8 @@ class OtelSink:
                 full = False
                 self._queued += len(events)
         if full:
-            # A score's events go together or not at all: half a verdict is worse than a counted gap.
+            # A score's events go together or not at all: half a verdict is worse than a counted
+            # gap.
             self.dropped.labels("queue_full").inc(len(events))
             return
         context = self._context
@@ -183,14 +207,16 @@ class OtelSink:
                 endpoint=self.url,
                 events=n,
                 error=error,
-                hint="is the collector running and listening for OTLP/HTTP there? scoring goes on; events are "
+                hint="is the collector running and listening for OTLP/HTTP there? scoring "
+                "goes on; events are "
                 "dropped and counted in agent_monitor_otlp_dropped_events_total until it answers",
             )
 
     # -- lifecycle --
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Export what is queued, for at most about `timeout_s`, then stop (blocks: call it in a worker thread)."""
+        """Export what is queued, for at most about `timeout_s`, then stop (blocks: call it in a
+        worker thread)."""
         provider, exporter = self.provider, self._exporter
         if provider is None or exporter is None:
             return
@@ -200,7 +226,8 @@ class OtelSink:
         done.start()
         done.join(timeout_s)
         if done.is_alive():
-            # The collector is not answering: cut the exporter's retries short instead of waiting them out.
+            # The collector is not answering: cut the exporter's retries short instead of waiting
+            # them out.
             exporter.shutdown()
             done.join(1.0)
         with self._lock:
@@ -236,7 +263,8 @@ class _CountingExporter(LogRecordExporter):
         return bool(self.inner.force_flush(timeout_millis))
 
     def shutdown(self) -> None:
-        """Shut the inner exporter down once (the SDK at shutdown, and close() when the collector hangs)."""
+        """Shut the inner exporter down once (the SDK at shutdown, and close() when the collector
+        hangs)."""
         with self._shut:
             if self._down:
                 return

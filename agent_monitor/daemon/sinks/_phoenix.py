@@ -1,19 +1,20 @@
-"""The Arize Phoenix sink: live progress annotations on the agent's own spans, outside the scoring path.
+"""The Arize Phoenix sink: live progress annotations on the agent's own spans, outside the scoring
+path.
 
 A score of a trace-fed run (`serve --otlp-receiver`) names the span it judged (the OTLP receiver's
-`span_of`); the sink turns it into a Phoenix span annotation on that span (`POST /v1/span_annotations`)
-and, when the run closes, a trace annotation with the final score and decision
-(`POST /v1/trace_annotations`). Taking an event appends to a bounded queue and returns: the sink's
-own task (`phoenix` in the monitor's TaskGroup) sends batches, retries a failed request with backoff
-and drops (counted) what Phoenix does not take in time. Each annotation's `identifier` is fixed by the
-run and step, so Phoenix upserts: sent again after a restart or a retry, it replaces itself.
-Phoenix accepts annotations for spans it has not ingested yet and applies them once the span arrives,
-so the agent's exporter and the monitor need not agree on who reaches Phoenix first.
+`span_of`); the sink turns it into a Phoenix span annotation on that span (`POST
+/v1/span_annotations`) and, when the run closes, a trace annotation with the final score and
+decision (`POST /v1/trace_annotations`). Taking an event appends to a bounded queue and returns: the
+sink's own task (`phoenix` in the monitor's TaskGroup) sends batches, retries a failed request with
+backoff and drops (counted) what Phoenix does not take in time. Each annotation's `identifier` is
+fixed by the run and step, so Phoenix upserts: sent again after a restart or a retry, it replaces
+itself. Phoenix accepts annotations for spans it has not ingested yet and applies them once the span
+arrives, so the agent's exporter and the monitor need not agree on who reaches Phoenix first.
 
 A run that came by another door (MQTT, the proxy, the reward API) has no span of its own: the sink
 exports one for it over OTLP (`POST /v1/traces`, protobuf, in the project `--phoenix-project`), a
-trace per run with a root span and a span per scored step, their ids derived from the run id and step
-(a restart exports the same ids again), and annotates those.
+trace per run with a root span and a span per scored step, their ids derived from the run id and
+step (a restart exports the same ids again), and annotates those.
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ log = structlog.get_logger("agent_monitor.daemon.phoenix")
 
 DROP_REASONS = ("queue_full", "gave_up", "refused", "shutdown")
 KINDS = ("span", "trace", "run_span")
-"""What the sink sends: span annotations, trace annotations, and the spans it exports for runs without a trace."""
+"""What the sink sends: span annotations, trace annotations, and the spans it exports for runs
+without a trace."""
 _BACKOFF_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _LINGER_S = 0.2
 """How long the sender waits after the first queued annotation for others to join its batch."""
 _TRACE_MEMORY = 100_000
-"""Runs whose trace id the sink remembers until they close (more live runs than this is past any limit)."""
+"""Runs whose trace id the sink remembers until they close (more live runs than this is past any
+limit)."""
 _MAX_TEXT = 4_000
 """Characters of an explanation at most (a judge's error can be long)."""
 
@@ -71,7 +74,8 @@ class PhoenixStatistics:
     sent: int
     """Annotations (and spans exported for runs without a trace) Phoenix accepted."""
     failed: int
-    """Of those, sent in requests that failed (each attempt counts; a retried one may be sent later)."""
+    """Of those, sent in requests that failed (each attempt counts; a retried one may be sent
+    later)."""
     dropped: int
     """Never delivered: the queue was full, Phoenix refused them, or retries ran out."""
     exported: int
@@ -84,7 +88,8 @@ class PhoenixStatistics:
 class _Item:
     kind: Kind
     key: tuple[str, str]
-    """(span or trace id, identifier): what Phoenix upserts on; a later item with the same key replaces it."""
+    """(span or trace id, identifier): what Phoenix upserts on; a later item with the same key
+    replaces it."""
     data: Any
     """An annotation's JSON, or (kind run_span) the `_RunSpan` to export."""
 
@@ -106,9 +111,9 @@ class PhoenixSink:
     """Annotate runs in Arize Phoenix: a monitor sink (`__call__`) plus the task that sends (`run`).
 
     `spans(run_id, step)` names the (trace id, span id) a run's result judged (the OTLP receiver's
-    `span_of`); without it, or for a run it does not know, the sink exports a span of its own for the
-    step and annotates that. `registry` takes the `agent_monitor_phoenix_*` metrics. `sleep` waits
-    between retries (tests shorten it).
+    `span_of`); without it, or for a run it does not know, the sink exports a span of its own for
+    the step and annotates that. `registry` takes the `agent_monitor_phoenix_*` metrics. `sleep`
+    waits between retries (tests shorten it).
     """
 
     events = (Scored, RunClosed)
@@ -133,26 +138,31 @@ class PhoenixSink:
         self._inflight = 0
         self._wake = asyncio.Event()
         self._traces: OrderedDict[str, tuple[str, float, bool]] = OrderedDict()
-        """Per live run: its trace id, when its first score came, whether the trace is the sink's own."""
+        """Per live run: its trace id, when its first score came, whether the trace is the sink's
+        own."""
         self._failing = False
         self._pools: dict[str, WirePool] = {}
         self._stats = {"sent": 0, "failed": 0, "dropped": 0, "exported": 0, "requests": 0}
         self.sent = Counter(
             "agent_monitor_phoenix_annotations_sent",
-            "Annotations Phoenix accepted, by kind: span, trace, and run_span (a span agent-monitor exported for a "
+            "Annotations Phoenix accepted, by kind: span, trace, and run_span (a span "
+            "agent-monitor exported for a "
             "run that came by another door than OTLP traces).",
             ["kind"],
             registry=registry,
         )
         self.failed = Counter(
             "agent_monitor_phoenix_annotations_failed",
-            "Annotations in requests to Phoenix that failed (each attempt; a retry may still deliver them).",
+            "Annotations in requests to Phoenix that failed (each attempt; a retry may still "
+            "deliver them).",
             registry=registry,
         )
         self.dropped = Counter(
             "agent_monitor_phoenix_annotations_dropped",
-            "Annotations never delivered to Phoenix, by reason: queue_full (the sink's queue was full), gave_up "
-            "(every retry failed), refused (Phoenix answered 4xx), shutdown (still queued when the monitor stopped).",
+            "Annotations never delivered to Phoenix, by reason: queue_full (the sink's queue "
+            "was full), gave_up "
+            "(every retry failed), refused (Phoenix answered 4xx), shutdown (still queued "
+            "when the monitor stopped).",
             ["reason"],
             registry=registry,
         )
@@ -163,7 +173,9 @@ class PhoenixSink:
             registry=registry,
         )
         Gauge(
-            "agent_monitor_phoenix_queue_depth", "Annotations waiting to be sent to Phoenix.", registry=registry
+            "agent_monitor_phoenix_queue_depth",
+            "Annotations waiting to be sent to Phoenix.",
+            registry=registry,
         ).set_function(lambda: len(self._queue) + self._inflight)
         for kind in KINDS:
             self.sent.labels(kind)
@@ -206,11 +218,14 @@ class PhoenixSink:
         self._put(_Item("span", (span_id, identifier), data))
 
     def _own_span(self, event: Scored, label: str) -> tuple[str, str]:
-        """Export a span for a scored step of a run without spans of its own (its trace made on its first)."""
+        """Export a span for a scored step of a run without spans of its own (its trace made on
+        its first)."""
         run_id, p = event.run_id, event.progress
         trace_id, root_id = _ids(run_id, "run")
         known = self._traces.get(run_id)
-        self._remember(run_id, (trace_id, known[1] if known else min(event.arrived, default=event.at), True))
+        self._remember(
+            run_id, (trace_id, known[1] if known else min(event.arrived, default=event.at), True)
+        )
         span_id = _ids(run_id, str(p.step))[1]
         attributes: dict[str, str | int | float] = {
             "openinference.span.kind": "EVALUATOR",
@@ -221,7 +236,15 @@ class PhoenixSink:
         if p.score is not None:
             attributes["agent_monitor.score"] = p.score
         started = min(event.arrived, default=event.at)
-        span = _RunSpan(trace_id, span_id, root_id, f"agent-monitor step {p.step}", started, event.at, attributes)
+        span = _RunSpan(
+            trace_id,
+            span_id,
+            root_id,
+            f"agent-monitor step {p.step}",
+            started,
+            event.at,
+            attributes,
+        )
         self._put(_Item("run_span", (span_id, ""), span))
         return trace_id, span_id
 
@@ -239,27 +262,37 @@ class PhoenixSink:
                 "agent_monitor.steps": event.steps,
             }
             name = f"agent-monitor run {event.run_id}"
-            root = _RunSpan(trace_id, _ids(event.run_id, "run")[1], None, name, started, event.at, attributes)
+            root = _RunSpan(
+                trace_id, _ids(event.run_id, "run")[1], None, name, started, event.at, attributes
+            )
             self._put(_Item("run_span", (root.span_id, ""), root))
         final = event.final or {}
         last = event.latest if event.latest is not None and event.latest.ok else event.last_ok
         score = final.get("score", last.score if last is not None else None)
         decision = last.signal if last is not None else None
         verdict = final.get("verdict")
-        label = str(verdict) if verdict else (event.signal if event.signal != "continue" else "done")
+        label = (
+            str(verdict) if verdict else (event.signal if event.signal != "continue" else "done")
+        )
         evidence = [f"run {event.outcome} after {event.steps} steps", f"decision {event.signal}"]
         if decision is not None:
             evidence.append(f"{decision.reason} at step {decision.step}")
             if decision.best_step is not None and decision.best_score is not None:
                 evidence.append(f"best {decision.best_score:.3f} at step {decision.best_step}")
         if last is not None:
-            evidence.append(f"last score {_num(last.score)} ± {_num(last.uncertainty)} at step {last.step}")
+            evidence.append(
+                f"last score {_num(last.score)} ± {_num(last.uncertainty)} at step {last.step}"
+            )
             evidence.append(f"judge {last.model or last.judge}")
         data = {
             "trace_id": trace_id,
             "name": self.settings.annotation,
             "annotator_kind": "LLM",
-            "result": {"label": label, "score": score, "explanation": "; ".join(evidence)[:_MAX_TEXT]},
+            "result": {
+                "label": label,
+                "score": score,
+                "explanation": "; ".join(evidence)[:_MAX_TEXT],
+            },
             "metadata": {
                 "run_id": event.run_id,
                 "steps": event.steps,
@@ -292,11 +325,14 @@ class PhoenixSink:
     # -- the sender: the monitor's task `phoenix` --
 
     async def run(self) -> None:
-        """Send queued annotations in batches until cancelled (what is still queued then is `close`'s)."""
+        """Send queued annotations in batches until cancelled (what is still queued then is
+        `close`'s)."""
         s = self.settings
         auth = {"Authorization": f"Bearer {s.api_key}"} if s.api_key is not None else {}
         for ctype in (_JSON, _PROTOBUF):
-            self._pools[ctype] = WirePool(self.url, headers={"Content-Type": ctype, **auth}, max_connections=2)
+            self._pools[ctype] = WirePool(
+                self.url, headers={"Content-Type": ctype, **auth}, max_connections=2
+            )
         log.info("phoenix_annotating", url=self.url, annotation=s.annotation)
         while True:
             await self._wake.wait()
@@ -307,11 +343,13 @@ class PhoenixSink:
                 try:
                     await self._send(batch, self.settings.retries)
                 except asyncio.CancelledError:
-                    # The monitor is stopping: `close` sends the batch once more (Phoenix upserts what arrived).
+                    # The monitor is stopping: `close` sends the batch once more (Phoenix upserts
+                    # what arrived).
                     self._queue.extendleft(reversed(batch))
                     raise
                 except Exception:
-                    # A batch that cannot even be encoded must not end the monitor's TaskGroup: dropped, counted.
+                    # A batch that cannot even be encoded must not end the monitor's TaskGroup:
+                    # dropped, counted.
                     log.exception("phoenix_batch_failed", annotations=len(batch))
                     self._drop("gave_up", len(batch))
                 finally:
@@ -325,9 +363,11 @@ class PhoenixSink:
         return batch
 
     async def _send(self, batch: list[_Item], retries: int) -> None:
-        """Send one batch (a request per kind), retrying with backoff; drop and count what never goes."""
+        """Send one batch (a request per kind), retrying with backoff; drop and count what never
+        goes."""
         for kind in _PATHS:
-            # The last annotation per key wins (a step re-scored, a signal after its score): one row each.
+            # The last annotation per key wins (a step re-scored, a signal after its score): one row
+            # each.
             latest = {item.key: item.data for item in batch if item.kind == kind}
             if latest:
                 await self._deliver(kind, list(latest.values()), retries)
@@ -336,7 +376,10 @@ class PhoenixSink:
         if kind == "run_span":
             ctype, body = _PROTOBUF, _export_request(self.settings.project, data)
         else:
-            ctype, body = _JSON, json.dumps({"data": data}, separators=(",", ":"), allow_nan=False).encode()
+            ctype, body = (
+                _JSON,
+                json.dumps({"data": data}, separators=(",", ":"), allow_nan=False).encode(),
+            )
         n = len(data)
         for attempt in range(retries + 1):
             if attempt:
@@ -363,16 +406,21 @@ class PhoenixSink:
                 self._failing = True
                 # Once per outage: the next line about Phoenix is the recovery.
                 hint = (
-                    "is Phoenix running there? scoring goes on; annotations are retried, then dropped and counted "
+                    "is Phoenix running there? scoring goes on; annotations are retried, "
+                    "then dropped and counted "
                     "in agent_monitor_phoenix_annotations_dropped_total"
                 )
                 log.warning("phoenix_failing", url=self.url, annotations=n, error=error, hint=hint)
         self._drop("gave_up", n)
 
-    async def _post(self, ctype: str, path: str, body: bytes) -> tuple[Literal["ok", "retry", "refused"], str | None]:
+    async def _post(
+        self, ctype: str, path: str, body: bytes
+    ) -> tuple[Literal["ok", "retry", "refused"], str | None]:
         started = self.clock()
         try:
-            reply = await self._pools[ctype].request("POST", path, body, timeout_s=self.settings.timeout_s)
+            reply = await self._pools[ctype].request(
+                "POST", path, body, timeout_s=self.settings.timeout_s
+            )
         except (WireTimeout, WireConnectionError) as e:
             return "retry", str(e)
         finally:
@@ -386,7 +434,8 @@ class PhoenixSink:
         return ("retry" if reply.status in (408, 429) or reply.status >= 500 else "refused"), why
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Send what is still queued for at most about `timeout_s` (one attempt per batch), then drop the rest."""
+        """Send what is still queued for at most about `timeout_s` (one attempt per batch), then
+        drop the rest."""
         if not self._pools:
             self._drop("shutdown", len(self._queue))
             self._queue.clear()
@@ -399,7 +448,9 @@ class PhoenixSink:
             pass
         finally:
             if self._queue:
-                log.warning("phoenix_annotations_unsent", url=self.url, annotations=len(self._queue))
+                log.warning(
+                    "phoenix_annotations_unsent", url=self.url, annotations=len(self._queue)
+                )
                 self._drop("shutdown", len(self._queue))
                 self._queue.clear()
             for pool in self._pools.values():
@@ -415,7 +466,8 @@ def _num(x: float | None) -> str:
 
 
 def _step_label(p: Progress) -> tuple[str, str]:
-    """A score's label (the decision when it changed to a stop, else the most likely letter) and explanation."""
+    """A score's label (the decision when it changed to a stop, else the most likely letter) and
+    explanation."""
     d = p.signal
     parts: list[str] = []
     if not p.ok:
@@ -439,7 +491,8 @@ def _step_label(p: Progress) -> tuple[str, str]:
 
 
 def _likely_letter(p: Progress) -> str | None:
-    """The letter with the most probability over the criteria, weighted by each criterion's weight."""
+    """The letter with the most probability over the criteria, weighted by each criterion's
+    weight."""
     mass: dict[str, float] = {}
     for c in p.criteria.values():
         for letter, prob in c.letters.items():
@@ -448,17 +501,20 @@ def _likely_letter(p: Progress) -> str | None:
 
 
 def _ids(run_id: str, part: str) -> tuple[str, str]:
-    """A run's own trace id and the span id of one of its parts ("run", or a step): the same after a restart."""
+    """A run's own trace id and the span id of one of its parts ("run", or a step): the same
+    after a restart."""
     trace = hashlib.sha256(f"agent-monitor:{run_id}".encode()).hexdigest()[:32]
     span = hashlib.sha256(f"agent-monitor:{run_id}:{part}".encode()).hexdigest()[:16]
     return trace, span
 
 
-# -- OTLP/HTTP protobuf, written by hand: the few fields of ExportTraceServiceRequest a run's spans need --
+# -- OTLP/HTTP protobuf, written by hand: the few fields of ExportTraceServiceRequest a run's spans
+# need --
 
 
 def _export_request(project: str, spans: list[_RunSpan]) -> bytes:
-    """An ExportTraceServiceRequest: one resource (service agent-monitor, the Phoenix project), one scope."""
+    """An ExportTraceServiceRequest: one resource (service agent-monitor, the Phoenix project),
+    one scope."""
     resource = b"".join(
         _len(1, _attribute(k, v))
         for k, v in (("service.name", "agent-monitor"), ("openinference.project.name", project))
@@ -473,7 +529,12 @@ def _span(s: _RunSpan) -> bytes:
     if s.parent_id is not None:
         out += _len(4, bytes.fromhex(s.parent_id))
     out += _str(5, s.name) + _tag(6, 0) + _varint(1)  # kind INTERNAL
-    out += _tag(7, 1) + struct.pack("<Q", int(s.start * 1e9)) + _tag(8, 1) + struct.pack("<Q", int(s.end * 1e9))
+    out += (
+        _tag(7, 1)
+        + struct.pack("<Q", int(s.start * 1e9))
+        + _tag(8, 1)
+        + struct.pack("<Q", int(s.end * 1e9))
+    )
     return out + b"".join(_len(9, _attribute(k, v)) for k, v in s.attributes.items())
 
 

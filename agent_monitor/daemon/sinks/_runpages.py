@@ -1,13 +1,14 @@
-"""A page per run and the history of ended runs: what the web server answers at /runs, /runs/<id> and their JSON.
+"""A page per run and the history of ended runs: what the web server answers at /runs, /runs/<id>
+and their JSON.
 
-`RunPages` reads the run store (`SqliteStore.export` and `.history`: the journal of each run's steps,
-its scores with their decisions, its outcome), so a run can be looked into while it runs, after it
-ended and after a restart, until `--retention` drops it. Without a store that keeps runs (serve
---no-store, a cluster replica) a run's page falls back to what the board holds of it.
+`RunPages` reads the run store (`SqliteStore.export` and `.history`: the journal of each run's
+steps, its scores with their decisions, its outcome), so a run can be looked into while it runs,
+after it ended and after a restart, until `--retention` drops it. Without a store that keeps runs
+(serve --no-store, a cluster replica) a run's page falls back to what the board holds of it.
 
 Everything here is bounded: a run's JSON carries its newest `max_steps` steps with texts cut to
-`step_chars`, a history page at most `max_page` runs. Run ids, tasks, step texts and labels come from
-the network: the pages put them in the DOM with `textContent` only, never as markup.
+`step_chars`, a history page at most `max_page` runs. Run ids, tasks, step texts and labels come
+from the network: the pages put them in the DOM with `textContent` only, never as markup.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ MAX_PAGE = 200
 """The most runs one page of history lists."""
 DEFAULT_PAGE = 50
 RUN_ID_CHARS = 1024
-"""A longer run id in a path is answered 404 without a look-up (no front door accepts one that long)."""
+"""A longer run id in a path is answered 404 without a look-up (no front door accepts one that
+long)."""
 DETAIL_CHARS = 2_000
 """A criterion's detail (a rule's output, the judge's words) is cut to this many characters."""
 _IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
-"""What a frame is served as (what ingest accepts, by magic number): never anything a browser would run."""
+"""What a frame is served as (what ingest accepts, by magic number): never anything a browser
+would run."""
 FRAMES_SHOWN = 4
 """A step's newest frames the run page shows as thumbnails."""
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -50,7 +53,8 @@ HISTORY_KEYS = ("outcome", "signal", "family", "label", "since", "until", "limit
 
 
 class QueryError(ValueError):
-    """A history query the server cannot answer (an unknown key, a bad value): answered 400 with this message."""
+    """A history query the server cannot answer (an unknown key, a bad value): answered 400 with
+    this message."""
 
 
 def _cut(text: str | None, n: int) -> str | None:
@@ -73,7 +77,9 @@ def _decode_cursor(text: str) -> tuple[float, str]:
         ended, run_id = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
         return float(ended), str(run_id)
     except (ValueError, TypeError, binascii.Error):
-        raise QueryError("cursor: not a cursor this server gave; use the `next` of the previous page") from None
+        raise QueryError(
+            "cursor: not a cursor this server gave; use the `next` of the previous page"
+        ) from None
 
 
 def _time(key: str, text: str) -> float:
@@ -85,16 +91,21 @@ def _time(key: str, text: str) -> float:
     try:
         at = datetime.datetime.fromisoformat(text)
     except ValueError:
-        raise QueryError(f"{key}={text[:40]!r}: give Unix seconds or an ISO 8601 time (2026-01-31T12:00)") from None
+        raise QueryError(
+            f"{key}={text[:40]!r}: give Unix seconds or an ISO 8601 time (2026-01-31T12:00)"
+        ) from None
     if at.tzinfo is None:
         at = at.replace(tzinfo=datetime.UTC)
     return at.timestamp()
 
 
 def parse_history(query: str, *, max_page: int = MAX_PAGE) -> HistoryQuery:
-    """The history query a URL's query string asks for; QueryError names what is wrong and what to give."""
+    """The history query a URL's query string asks for; QueryError names what is wrong and what
+    to give."""
     try:
-        params = urllib.parse.parse_qs(query, keep_blank_values=False, strict_parsing=False, max_num_fields=40)
+        params = urllib.parse.parse_qs(
+            query, keep_blank_values=False, strict_parsing=False, max_num_fields=40
+        )
     except ValueError:
         raise QueryError("too many query fields (at most 40)") from None
     for key in params:
@@ -121,7 +132,9 @@ def parse_history(query: str, *, max_page: int = MAX_PAGE) -> HistoryQuery:
     try:
         limit = DEFAULT_PAGE if limit_text is None else int(limit_text)
     except ValueError:
-        raise QueryError(f"limit={(limit_text or '')[:20]!r}: give a whole number from 1 to {max_page}") from None
+        raise QueryError(
+            f"limit={(limit_text or '')[:20]!r}: give a whole number from 1 to {max_page}"
+        ) from None
     if not 1 <= limit <= max_page:
         raise QueryError(f"limit={limit}: give a whole number from 1 to {max_page}")
     since, until, cursor = one("since"), one("until"), one("cursor")
@@ -159,7 +172,8 @@ def run_json(
     max_steps: int = MAX_STEPS,
     step_chars: int = STEP_CHARS,
 ) -> dict[str, Any]:
-    """A run's page as JSON from its export (`SqliteStore.export`): steps, curve, decisions with their evidence."""
+    """A run's page as JSON from its export (`SqliteStore.export`): steps, curve, decisions with
+    their evidence."""
     steps_all = list(data.get("steps") or [])
     steps = []
     for s in steps_all[-max_steps:]:
@@ -171,8 +185,11 @@ def run_json(
                 "chars": len(text) if isinstance(text, str) else 0,
                 "ts": s.get("ts"),
                 "frames": len(s.get("images") or []),
-                # Each frame's digest, for its thumbnail at /api/frames/<digest> (the newest few of a step).
-                "frame_digests": [d for d in (s.get("images") or [])[-FRAMES_SHOWN:] if _DIGEST.fullmatch(str(d))],
+                # Each frame's digest, for its thumbnail at /api/frames/<digest> (the newest few of
+                # a step).
+                "frame_digests": [
+                    d for d in (s.get("images") or [])[-FRAMES_SHOWN:] if _DIGEST.fullmatch(str(d))
+                ],
                 "placeholder": bool(s.get("placeholder", False)),
             }
         )
@@ -236,7 +253,9 @@ def run_json(
         "score": last["score"] if last else None,
         "uncertainty": last["uncertainty"] if last else None,
         "signal": next((c["signal"] for c in reversed(curve) if c["signal"]), None),
-        "abort_below": next((c["abort_below"] for c in reversed(curve) if c["abort_below"] is not None), None),
+        "abort_below": next(
+            (c["abort_below"] for c in reversed(curve) if c["abort_below"] is not None), None
+        ),
         "steps": steps,
         "steps_total": len(steps_all),
         "steps_omitted": max(0, len(steps_all) - len(steps)),
@@ -253,13 +272,22 @@ def run_json(
 
 
 def board_json(run: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's page from what the board holds of it (no store keeps its steps): its curve and signal only."""
-    curve = [{"step": s, "score": sc, "uncertainty": u, "ok": sc is not None} for s, sc, u in run.get("curve", [])]
+    """A run's page from what the board holds of it (no store keeps its steps): its curve and
+    signal only."""
+    curve = [
+        {"step": s, "score": sc, "uncertainty": u, "ok": sc is not None}
+        for s, sc, u in run.get("curve", [])
+    ]
     signal = run.get("signal")
     decisions = []
     if signal not in (None, "continue"):
         decisions.append(
-            {"signal": signal, "step": run.get("signal_step"), "rule": signal, "reason": run.get("signal_reason")}
+            {
+                "signal": signal,
+                "step": run.get("signal_step"),
+                "rule": signal,
+                "reason": run.get("signal_reason"),
+            }
         )
     return {
         "run_id": run["run_id"],
@@ -293,7 +321,8 @@ def board_json(run: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class RunPages:
-    """Answers a run's page (`run`) and the history of ended runs (`history`) from the run store and the board."""
+    """Answers a run's page (`run`) and the history of ended runs (`history`) from the run store
+    and the board."""
 
     def __init__(
         self,
@@ -310,11 +339,13 @@ class RunPages:
 
     @property
     def keeps_history(self) -> bool:
-        """Whether the store lists ended runs (a SQLite run store does; none, memory and a cluster do not)."""
+        """Whether the store lists ended runs (a SQLite run store does; none, memory and a
+        cluster do not)."""
         return callable(getattr(self.store, "history", None))
 
     async def run(self, run_id: str) -> dict[str, Any] | None:
-        """A run's page as JSON, from the store (its steps and decisions) or else the board; None: not known."""
+        """A run's page as JSON, from the store (its steps and decisions) or else the board;
+        None: not known."""
         if len(run_id) > RUN_ID_CHARS:
             return None
         export = getattr(self.store, "export", None)
@@ -325,12 +356,15 @@ class RunPages:
             read = getattr(self.store, "ranking", None)
             if group and callable(read):
                 ranking = await read(group)
-            return run_json(data, ranking=ranking, max_steps=self.max_steps, step_chars=self.step_chars)
+            return run_json(
+                data, ranking=ranking, max_steps=self.max_steps, step_chars=self.step_chars
+            )
         shown = self.board.entry(run_id) if self.board is not None else None
         return board_json(shown) if shown is not None else None
 
     async def frame(self, digest: str) -> tuple[str, bytes] | None:
-        """A stored frame (type and bytes) by its SHA-256 digest; None: not a digest, not stored, or pruned."""
+        """A stored frame (type and bytes) by its SHA-256 digest; None: not a digest, not stored,
+        or pruned."""
         read = getattr(self.store, "frame", None)
         if not _DIGEST.fullmatch(digest) or not callable(read):
             return None
@@ -338,18 +372,24 @@ class RunPages:
         return found if found is not None and found[0] in _IMAGE_TYPES else None
 
     async def history(self, query: str) -> dict[str, Any]:
-        """One page of ended runs matching a query string (QueryError for a bad one; LookupError without a store)."""
+        """One page of ended runs matching a query string (QueryError for a bad one; LookupError
+        without a store)."""
         q = parse_history(query, max_page=self.max_page)
         history = getattr(self.store, "history", None)
         if not callable(history):
             raise LookupError(
-                "no history here: this monitor keeps no run store (serve --no-store, or a --cluster replica); "
+                "no history here: this monitor keeps no run store (serve --no-store, or a "
+                "--cluster replica); "
                 "the board at / shows the live runs"
             )
         runs, cursor = await history(q)
         for r in runs:
             r["task"] = _cut(r.get("task"), 300)
-        return {"runs": runs, "next": None if cursor is None else encode_cursor(cursor), "limit": q.limit}
+        return {
+            "runs": runs,
+            "next": None if cursor is None else encode_cursor(cursor),
+            "limit": q.limit,
+        }
 
 
 __all__ = ["QueryError", "RunPages", "parse_history", "run_json"]

@@ -1,18 +1,21 @@
-"""The board's and the run pages' routes: what the metrics port serves besides /metrics, handed to its server.
+"""The board's and the run pages' routes: what the metrics port serves besides /metrics, handed to
+its server.
 
 `BoardSite(board, pages)` is the `Site` an `HttpServer` is built with (`HttpServer(registry,
 site=BoardSite(board, pages))`):
 
-- `/`: the board, one static HTML file with its CSS and script inline (no external resources: it works
-  air-gapped), sent with a Content-Security-Policy that allows exactly that script and style;
+- `/`: the board, one static HTML file with its CSS and script inline (no external resources: it
+  works air-gapped), sent with a Content-Security-Policy that allows exactly that script and style;
 - `/events`: server-sent events, a snapshot of the board on connect, then one event per change (each
   browser's queue bounded: a slow one is dropped, never waited for; see `Board`);
-- `/api/runs`: the board's snapshot as JSON; with a query (`?outcome=failure&limit=20`...), a page of the
-  history of ended runs from the run store (`RunPages`);
-- `/runs/<run_id>` and `/api/runs/<run_id>`: a run's page (its task, steps, curve and decisions) and its JSON;
-  `/runs`: the history, browsable; `/api/frames/<sha256>`: a stored camera frame (the page's thumbnails).
+- `/api/runs`: the board's snapshot as JSON; with a query (`?outcome=failure&limit=20`...), a page
+  of the history of ended runs from the run store (`RunPages`);
+- `/runs/<run_id>` and `/api/runs/<run_id>`: a run's page (its task, steps, curve and decisions) and
+  its JSON; `/runs`: the history, browsable; `/api/frames/<sha256>`: a stored camera frame (the
+  page's thumbnails).
 
-Its task (`run`, while the server serves) prunes the board every second and drops its browsers at the end.
+Its task (`run`, while the server serves) prunes the board every second and drops its browsers at
+the end.
 """
 
 from __future__ import annotations
@@ -41,23 +44,29 @@ _PAGE_HEADERS = {"X-Frame-Options": "DENY"}
 
 
 def _page(name: str = "board.html", *, img: str = "data:") -> tuple[bytes, str]:
-    """A page (the board, the run pages) and its Content-Security-Policy: only its own inline script and style run."""
+    """A page (the board, the run pages) and its Content-Security-Policy: only its own inline
+    script and style run."""
     html = importlib.resources.files("agent_monitor.daemon.sinks").joinpath(name).read_bytes()
     page = html.decode()
 
     def hashes(tag: str) -> str:
         found = re.findall(rf"<{tag}>(.*?)</{tag}>", page, flags=re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in found)
+        return " ".join(
+            f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+            for b in found
+        )
 
     csp = (
         f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
-        f"connect-src 'self'; img-src {img}; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+        f"connect-src 'self'; img-src {img}; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
     )
     return html, csp
 
 
 class BoardSite:
-    """The board's pages and the run pages (`pages`, None: /runs is 404), as routes of an `HttpServer`."""
+    """The board's pages and the run pages (`pages`, None: /runs is 404), as routes of an
+    `HttpServer`."""
 
     def __init__(self, board: Board, pages: RunPages | None = None) -> None:
         self.board = board
@@ -125,7 +134,9 @@ class BoardSite:
         run_id = unquote(req.path[len("/api/runs/") :])
         found = await self.pages.run(run_id) if run_id else None
         if found is None:
-            return text(404, f"no run {run_id[:100]!r} here (never seen, or dropped by --retention)")
+            return text(
+                404, f"no run {run_id[:100]!r} here (never seen, or dropped by --retention)"
+            )
         return HttpResponse(200, await asyncio.to_thread(_json, found))
 
     async def _frame(self, req: HttpRequest) -> HttpResponse:
@@ -138,7 +149,8 @@ class BoardSite:
         return HttpResponse(200, frame[1], frame[0], {"Cache-Control": "private, max-age=86400"})
 
     async def _events(self, req: HttpRequest) -> HttpResponse:
-        """Server-sent events: the snapshot, then the board's updates, keep-alive comments while idle."""
+        """Server-sent events: the snapshot, then the board's updates, keep-alive comments while
+        idle."""
         content_type = "text/event-stream; charset=utf-8"
         if req.method == "HEAD":
             return HttpResponse(200, b"", content_type)
@@ -146,17 +158,21 @@ class BoardSite:
         if joined is None:
             return text(
                 503,
-                f"{self.board.settings.max_clients} browsers already follow the board (--board-clients); retry later",
+                f"{self.board.settings.max_clients} browsers already follow the board "
+                "(--board-clients); retry later",
                 {"Retry-After": "10"},
             )
         client, snap = joined
-        return HttpResponse(200, b"", content_type, {"X-Accel-Buffering": "no"}, stream=self._follow(client, snap))
+        return HttpResponse(
+            200, b"", content_type, {"X-Accel-Buffering": "no"}, stream=self._follow(client, snap)
+        )
 
     async def _follow(self, client: BoardClient, snap: dict[str, Any]) -> AsyncIterator[bytes]:
         try:
             # A full board is a megabyte of JSON (tens of milliseconds): encoded off the loop.
             snapshot = await asyncio.to_thread(sse, "snapshot", snap)
-            # retry: how long a browser's EventSource waits before reconnecting (to a fresh snapshot).
+            # retry: how long a browser's EventSource waits before reconnecting (to a fresh
+            # snapshot).
             yield b"retry: 2000\n\n" + snapshot
             keepalive = self.board.settings.keepalive_s
             while not client.dropped:

@@ -9,7 +9,8 @@ __all__ = ["StoreSink"]
 
 
 class StoreSink:
-    """Keep every published score and group ranking in the run store (a restart takes them up again)."""
+    """Keep every published score and group ranking in the run store (a restart takes them up
+    again)."""
 
     events = (Scored, GroupRanked, RunClosed)
 

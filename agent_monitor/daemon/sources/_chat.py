@@ -1,8 +1,10 @@
-"""Chat conversations as the doors read them: the three LLM APIs' request bodies as role-tagged items.
+"""Chat conversations as the doors read them: the three LLM APIs' request bodies as role-tagged
+items.
 
-OpenAI chat completions, OpenAI responses and Anthropic messages: a request's history becomes a list of
-`Item`s (user, assistant, tool; the system prompt aside), with consecutive assistant items merged into
-one turn. The LLM proxy reads every request so; the reward door reads a trainer's chat messages so.
+OpenAI chat completions, OpenAI responses and Anthropic messages: a request's history becomes a list
+of `Item`s (user, assistant, tool; the system prompt aside), with consecutive assistant items merged
+into one turn. The LLM proxy reads every request so; the reward door reads a trainer's chat messages
+so.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ Role = Literal["user", "assistant", "tool"]
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One message of a conversation as text: who said it and what (tool calls and results rendered)."""
+    """One message of a conversation as text: who said it and what (tool calls and results
+    rendered)."""
 
     role: Role
     text: str
@@ -48,7 +51,8 @@ class Turn:
 
     @property
     def final(self) -> bool:
-        """A turn without tool calls: the agent waits for no tool result, so it is a step at once."""
+        """A turn without tool calls: the agent waits for no tool result, so it is a step at
+        once."""
         return not self.calls
 
     def render(self) -> str:
@@ -171,7 +175,9 @@ def _messages_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
         if m.get("role") == "assistant":
             items.append(Item("assistant", anthropic_turn(blocks).render()))
             continue
-        said = [b for b in blocks if not (isinstance(b, Mapping) and b.get("type") == "tool_result")]
+        said = [
+            b for b in blocks if not (isinstance(b, Mapping) and b.get("type") == "tool_result")
+        ]
         for b in blocks:
             if isinstance(b, Mapping) and b.get("type") == "tool_result":
                 items.append(Item("tool", f"[tool result] {text_of(b.get('content'))}"))
@@ -213,7 +219,12 @@ def _responses_items(body: Mapping[str, Any]) -> tuple[str, list[Item]]:
             items.append(Item("assistant", text_of(it.get("content"))))
         elif kind == "function_call":
             items.append(
-                Item("assistant", Turn("", ((str(it.get("name", "")), args_text(it.get("arguments", ""))),)).render())
+                Item(
+                    "assistant",
+                    Turn(
+                        "", ((str(it.get("name", "")), args_text(it.get("arguments", ""))),)
+                    ).render(),
+                )
             )
         elif kind == "function_call_output":
             items.append(Item("tool", f"[tool result] {text_of(it.get('output'))}"))

@@ -1,7 +1,8 @@
-"""The journal's records: what a run accepted and what the monitor decided, and how each message arrived.
+"""The journal's records: what a run accepted and what the monitor decided, and how each message
+arrived.
 
-Applying a record is the only way a run's state changes (`runs.RunBook.apply`); a store journals each one
-before it is applied, so replaying the journal rebuilds the state.
+Applying a record is the only way a run's state changes (`runs.RunBook.apply`); a store journals
+each one before it is applied, so replaying the journal rebuilds the state.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """How a message arrived: the broker's packet id, a digest of topic and payload, and the broker's DUP flag."""
+    """How a message arrived: the broker's packet id, a digest of topic and payload, and the
+    broker's DUP flag."""
 
     mid: int
     digest: str
     dup: bool = False
     cursor: str = ""
-    """Cluster mode: where the message sits in its run's shared inbox (a Redis stream id), journaled with it."""
+    """Cluster mode: where the message sits in its run's shared inbox (a Redis stream id),
+    journaled with it."""
 
     @classmethod
     def of(cls, mid: int, topic: str, payload: bytes, *, dup: bool = False) -> Delivery:
@@ -48,7 +51,8 @@ class Delivery:
 
     @property
     def key(self) -> tuple[int, str]:
-        """What identifies the message among recent deliveries (a new message may reuse the packet id)."""
+        """What identifies the message among recent deliveries (a new message may reuse the
+        packet id)."""
         return (self.mid, self.digest)
 
 
@@ -67,7 +71,8 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Stepped:
-    """A step was accepted at `step.index` (resolved for a step sent without one); it may wait for earlier ones."""
+    """A step was accepted at `step.index` (resolved for a step sent without one); it may wait
+    for earlier ones."""
 
     run_id: str
     step: StepIn
@@ -97,7 +102,8 @@ class Ended:
 
 @dataclass(frozen=True, slots=True)
 class GapFilled:
-    """The steps missing before `upto` were given up on: placeholders keep the harness's step numbers."""
+    """The steps missing before `upto` were given up on: placeholders keep the harness's step
+    numbers."""
 
     run_id: str
     upto: int
@@ -123,7 +129,8 @@ class Finished:
 
 @dataclass(frozen=True, slots=True)
 class Amended:
-    """The text of a step already accepted at `step.index` was replaced (`step.amend`): it is scored again from there."""
+    """The text of a step already accepted at `step.index` was replaced (`step.amend`): it is
+    scored again from there."""
 
     run_id: str
     step: StepIn
@@ -131,15 +138,20 @@ class Amended:
     delivery: Delivery | None = None
 
 
-Record: TypeAlias = Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished | Amended
+Record: TypeAlias = (
+    Started | Stepped | Orphaned | Ended | GapFilled | OrphansDropped | Finished | Amended
+)
 
 
 class StoreFormatError(RuntimeError):
     """A run store written by another version of agent-monitor, in a format this one cannot read."""
 
 
-def event_of(record: Started | Stepped | Orphaned | Ended | Amended) -> tuple[str, RunStart | StepIn | RunEnd]:
-    """An event record's kind in a journal, and its event (the SQLite store and the cluster's journal alike)."""
+def event_of(
+    record: Started | Stepped | Orphaned | Ended | Amended,
+) -> tuple[str, RunStart | StepIn | RunEnd]:
+    """An event record's kind in a journal, and its event (the SQLite store and the cluster's
+    journal alike)."""
     if isinstance(record, Amended):
         return "amend", record.step  # a kind of its own: `steps_once` keeps one *step* per index
     if isinstance(record, Started):
@@ -151,8 +163,11 @@ def event_of(record: Started | Stepped | Orphaned | Ended | Amended) -> tuple[st
     return "end", record.end
 
 
-def event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: Delivery | None, *, where: str) -> Record:
-    """The record a journaled event makes again (`event_of` backwards); StoreFormatError for a kind not known."""
+def event_record(
+    kind: str, run_id: str, data: dict[str, Any], at: float, d: Delivery | None, *, where: str
+) -> Record:
+    """The record a journaled event makes again (`event_of` backwards); StoreFormatError for a
+    kind not known."""
     # Validated again on the way in: a store must make sense to the models it is read with.
     ctx = {"max_image_bytes": 1 << 40}
     if kind == "start":
@@ -165,4 +180,6 @@ def event_record(kind: str, run_id: str, data: dict[str, Any], at: float, d: Del
         return Ended(run_id, RunEnd.model_validate(data, context=ctx), at, d)
     if kind == "amend":
         return Amended(run_id, StepIn.model_validate(data, context=ctx), at, d)
-    raise StoreFormatError(f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?")
+    raise StoreFormatError(
+        f"unknown record kind {kind!r} in {where}; was it written by a newer agent-monitor?"
+    )

@@ -1,4 +1,5 @@
-"""Run stores: the journal of what each run accepted, and its scores, so a restarted daemon resumes every live run.
+"""Run stores: the journal of what each run accepted, and its scores, so a restarted daemon resumes
+every live run.
 
 `SqliteStore` (the default, one WAL file under `--state-dir`) journals each record of the run
 state (`stores._records`: a start, a step at its resolved index, an end, a gap
@@ -66,16 +67,20 @@ PLACEHOLDER_PNG = base64.b64decode(
 )
 _SCHEMA_VERSION = 2
 _GROUP_MAX = 256
-"""Writes the writer thread commits in one transaction at most (it takes what is waiting, up to this)."""
+"""Writes the writer thread commits in one transaction at most (it takes what is waiting, up to
+this)."""
 _QUEUE_MAX = 100_000
-"""Writes the writer thread's queue holds (each a record, a batch or a score write); beyond, writers wait."""
+"""Writes the writer thread's queue holds (each a record, a batch or a score write); beyond,
+writers wait."""
 _DELIVERIES_KEPT = 65_536
-"""Deliveries kept for redelivery detection after a restart (far more than any broker keeps in flight)."""
+"""Deliveries kept for redelivery detection after a restart (far more than any broker keeps in
+flight)."""
 
 
 @dataclass(frozen=True, slots=True)
 class HistoryQuery:
-    """Which ended runs `SqliteStore.history` lists: each filter given must match; `limit` runs a page."""
+    """Which ended runs `SqliteStore.history` lists: each filter given must match; `limit` runs a
+    page."""
 
     outcome: str | None = None
     signal: str | None = None
@@ -93,27 +98,31 @@ class HistoryQuery:
 
 @dataclass(slots=True)
 class Replay:
-    """What a store holds of the runs still live: their records in journal order, their scores, and ended ids."""
+    """What a store holds of the runs still live: their records in journal order, their scores,
+    and ended ids."""
 
     records: list[Record] = field(default_factory=list)
     progress: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per run, its stored scores in step order (`Progress.to_json` forms)."""
     ended: list[tuple[str, float | None]] = field(default_factory=list)
-    """The log of run ids ending (with when) and used again for a new run (None), oldest first: folded by the
-    run state into its bounded memory of ended runs, exactly as it folded them live."""
+    """The log of run ids ending (with when) and used again for a new run (None), oldest first:
+    folded by the run state into its bounded memory of ended runs, exactly as it folded them live.
+    """
     deliveries: list[tuple[int, str, str]] = field(default_factory=list)
-    """The most recent MQTT deliveries journaled (packet id, digest, run id), oldest first, finished runs' too."""
+    """The most recent MQTT deliveries journaled (packet id, digest, run id), oldest first,
+    finished runs' too."""
 
 
 class RunStore(Protocol):
     """Where runs are journaled: the narrow seam between the daemon and durable state.
 
-    A store may also offer `async journal_batch(records)`: several records in order, all or none (one
-    transaction), the daemon's group commit of the messages it handles together (SqliteStore, MemoryStore
-    and NoStore do). Without it the daemon journals a batch's records one by one."""
+    A store may also offer `async journal_batch(records)`: several records in order, all or none
+    (one transaction), the daemon's group commit of the messages it handles together (SqliteStore,
+    MemoryStore and NoStore do). Without it the daemon journals a batch's records one by one."""
 
     async def journal(self, record: Record) -> None:
-        """Record durably, before the daemon applies it (and so before the message is acknowledged)."""
+        """Record durably, before the daemon applies it (and so before the message is
+        acknowledged)."""
         ...
 
     def record_progress(self, run_id: str, step: int, data: dict[str, Any]) -> None:
@@ -125,7 +134,8 @@ class RunStore(Protocol):
         ...
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
-        """Keep a calibration sample (in order, without waiting): its family's `keep` most recent, `total` in all."""
+        """Keep a calibration sample (in order, without waiting): its family's `keep` most
+        recent, `total` in all."""
         ...
 
     async def samples(self) -> list[Sample]:
@@ -133,15 +143,18 @@ class RunStore(Protocol):
         ...
 
     async def reset_family(self, name: str) -> int:
-        """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
+        """Delete the calibration samples of every family called `name` (any judge model or
+        rubric); how many."""
         ...
 
     def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
-        """Keep a group's published ranking (in order, without waiting); None: the group was cleared."""
+        """Keep a group's published ranking (in order, without waiting); None: the group was
+        cleared."""
         ...
 
     async def rankings(self) -> dict[str, dict[str, Any]]:
-        """Every group's last published ranking not cleared (a restart rebuilds its ended and pruned runs from it)."""
+        """Every group's last published ranking not cleared (a restart rebuilds its ended and
+        pruned runs from it)."""
         ...
 
     async def aclose(self) -> None:
@@ -150,7 +163,8 @@ class RunStore(Protocol):
 
 
 def default_state_dir() -> Path:
-    """A per-user data directory ($XDG_DATA_HOME/agent-monitor, else ~/.local/share/agent-monitor)."""
+    """A per-user data directory ($XDG_DATA_HOME/agent-monitor, else
+    ~/.local/share/agent-monitor)."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "agent-monitor"
 
@@ -185,8 +199,9 @@ CREATE INDEX IF NOT EXISTS calibration_by_family ON calibration (family, model, 
 CREATE TABLE IF NOT EXISTS group_rankings (group_name TEXT PRIMARY KEY, body TEXT NOT NULL, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS runs_by_end ON runs (ended_at, run_id);
 """
-# Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them, and an older
-# agent-monitor still reads a newer store of the same format. A change to an existing table needs a new format.
+# Tables are only ever added here (CREATE ... IF NOT EXISTS): an older store opens and gains them,
+# and an older agent-monitor still reads a newer store of the same format. A change to an existing
+# table needs a new format.
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +215,8 @@ class SqliteStoreStatistics:
 
 
 class SqliteStore:
-    """The embedded run store: one SQLite file in WAL mode, written by one thread in submission order.
+    """The embedded run store: one SQLite file in WAL mode, written by one thread in submission
+    order.
 
     `synchronous=NORMAL` in WAL mode survives a crash of the process (the case here: SIGKILL, OOM)
     without an fsync per record; pass `fsync=True` to survive power loss too, at a cost per record.
@@ -229,15 +245,21 @@ class SqliteStore:
         self._frames_total: dict[str, int] = {}
         self._progress_lock = threading.Lock()
         self._progress_rows: list[tuple[Any, ...]] | None = None
-        """Scores waiting for the write already queued for them (see record_progress); None: none queued."""
-        self._writer = _Writer(self._db, commit=self._commit, on_failed=self._frames_total.clear, maxsize=max_queue)
+        """Scores waiting for the write already queued for them (see record_progress); None: none
+        queued."""
+        self._writer = _Writer(
+            self._db, commit=self._commit, on_failed=self._frames_total.clear, maxsize=max_queue
+        )
         self._closed = False
 
     def _commit(self, db: sqlite3.Connection) -> None:
-        """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O error would)."""
+        """End the writer's transaction (a seam: tests make it fail, as a full disk or an I/O
+        error would)."""
         db.execute("COMMIT")
 
-    def _submit(self, fn: Callable[[sqlite3.Connection], T], *, seal: bool = True) -> concurrent.futures.Future[T]:
+    def _submit(
+        self, fn: Callable[[sqlite3.Connection], T], *, seal: bool = True
+    ) -> concurrent.futures.Future[T]:
         if self._closed:
             raise RuntimeError("the run store is closed")
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -247,7 +269,9 @@ class SqliteStore:
         self._writer.put(fn, fut)
         return fut
 
-    def _background(self, fn: Callable[[sqlite3.Connection], Any], what: str, *, seal: bool = True) -> None:
+    def _background(
+        self, fn: Callable[[sqlite3.Connection], Any], what: str, *, seal: bool = True
+    ) -> None:
         def done(f: concurrent.futures.Future[Any]) -> None:
             if f.exception() is not None:
                 log.error("store_write_failed", what=what, error=str(f.exception()))
@@ -264,7 +288,8 @@ class SqliteStore:
         await self._run(self._writer_for(record))
 
     async def journal_batch(self, records: Sequence[Record]) -> None:
-        """Write records in order in one transaction and wait until it is committed; on a failure none is kept."""
+        """Write records in order in one transaction and wait until it is committed; on a failure
+        none is kept."""
         if not records:
             return
         writers = [self._writer_for(r) for r in records]
@@ -290,7 +315,10 @@ class SqliteStore:
             return gap
         kind, event = event_of(record)
         body = event.model_dump_json(exclude={"images"} if not isinstance(event, RunEnd) else None)
-        images = [(hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded()) for i in getattr(event, "images", [])]
+        images = [
+            (hashlib.sha256(i.decoded()).hexdigest(), i.mime, i.decoded())
+            for i in getattr(event, "images", [])
+        ]
         index = event.index if kind in ("step", "amend") and isinstance(event, StepIn) else None
         delivery = record.delivery
         budget = self.budget
@@ -298,7 +326,9 @@ class SqliteStore:
         def write(db: sqlite3.Connection) -> None:
             if (
                 kind not in ("step", "amend")
-                and db.execute("SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NOT NULL", (run_id,)).fetchone()
+                and db.execute(
+                    "SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NOT NULL", (run_id,)
+                ).fetchone()
             ):
                 _delete_run(db, run_id)  # a run id used again after its run ended: a new run
                 db.execute("INSERT INTO ended_log (run_id, at) VALUES (?, NULL)", (run_id,))
@@ -306,27 +336,35 @@ class SqliteStore:
             if kind == "start":
                 assert isinstance(event, RunStart)
                 db.execute(
-                    "INSERT INTO runs (run_id, task, started_at, updated_at, labels) VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT (run_id) DO UPDATE SET task = excluded.task, started_at = excluded.started_at, "
-                    "updated_at = excluded.updated_at, ended_at = NULL, outcome = NULL, labels = excluded.labels",
+                    "INSERT INTO runs (run_id, task, started_at, updated_at, labels) VALUES "
+                    "(?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id) DO UPDATE SET task = excluded.task, started_at = "
+                    "excluded.started_at, "
+                    "updated_at = excluded.updated_at, ended_at = NULL, outcome = NULL, "
+                    "labels = excluded.labels",
                     (run_id, event.task, at, at, json.dumps(event.labels)),
                 )
             seq = _insert(db, run_id, kind, index, body, at, delivery)
             total = self._frame_count(db, run_id) if kind == "step" else None
             for pos, (digest, mime, data) in enumerate(images):
-                db.execute("INSERT OR IGNORE INTO frames (digest, data) VALUES (?, ?)", (digest, data))
+                db.execute(
+                    "INSERT OR IGNORE INTO frames (digest, data) VALUES (?, ?)", (digest, data)
+                )
                 ordinal = None if total is None else total + pos
                 db.execute(
-                    "INSERT INTO event_frames (seq, position, run_id, ordinal, digest, mime) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO event_frames (seq, position, run_id, ordinal, digest, mime) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
                     (seq, pos, run_id, ordinal, digest, mime),
                 )
             if total is not None and images:
                 before, total = total, total + len(images)
                 self._frames_total[run_id] = total
-                # Frames the budget will never show again: not anchors, and just out of the newest `recent`.
+                # Frames the budget will never show again: not anchors, and just out of the newest
+                # `recent`.
                 gone = range(max(0, before - budget.recent), max(0, total - budget.recent))
                 db.executemany(
-                    "UPDATE event_frames SET pruned = 1 WHERE run_id = ? AND ordinal = ? AND pruned = 0",
+                    "UPDATE event_frames SET pruned = 1 WHERE run_id = ? AND ordinal = ? AND "
+                    "pruned = 0",
                     [(run_id, o) for o in gone if not budget.is_anchor(o)],
                 )
 
@@ -335,7 +373,8 @@ class SqliteStore:
     def _frame_count(self, db: sqlite3.Connection, run_id: str) -> int:
         if run_id not in self._frames_total:
             row = db.execute(
-                "SELECT COALESCE(MAX(ordinal) + 1, 0) FROM event_frames WHERE run_id = ? AND ordinal IS NOT NULL",
+                "SELECT COALESCE(MAX(ordinal) + 1, 0) FROM event_frames WHERE run_id = ? AND "
+                "ordinal IS NOT NULL",
                 (run_id,),
             ).fetchone()
             self._frames_total[run_id] = int(row[0])
@@ -345,9 +384,9 @@ class SqliteStore:
         """Record a score and the run's summary (in the background, in order).
 
         Scores recorded one after another share one write (one queue hop, one executemany): a scored
-        step each costs a thread wake-up and a future otherwise, which a burst of scorings pays thousands
-        of times a second. A write of another kind submitted meanwhile closes the group, so every write
-        still runs in submission order.
+        step each costs a thread wake-up and a future otherwise, which a burst of scorings pays
+        thousands of times a second. A write of another kind submitted meanwhile closes the group,
+        so every write still runs in submission order.
         """
         row = (run_id, step, json.dumps(data), self.clock(), data.get("score"), data.get("signal"))
         with self._progress_lock:
@@ -374,46 +413,58 @@ class SqliteStore:
         )
 
     def record_sample(self, sample: Sample, keep: int, total: int) -> None:
-        """Keep a calibration sample (in the background, in order): its family's `keep` most recent, `total` in all."""
+        """Keep a calibration sample (in the background, in order): its family's `keep` most
+        recent, `total` in all."""
         f = sample.family
         key = (f.name, f.model, f.rubric)
         body = json.dumps(sample.to_json())
 
         def write(db: sqlite3.Connection) -> None:
             c = db.execute(
-                "INSERT OR IGNORE INTO calibration (family, model, rubric, run_id, body, at) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT OR IGNORE INTO calibration (family, model, rubric, run_id, body, at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
                 (*key, sample.run_id, body, sample.at),
             )
             if c.rowcount:
                 # The same window Calibration keeps in memory: the family's most recent `keep` runs.
                 db.execute(
-                    "DELETE FROM calibration WHERE family = ? AND model = ? AND rubric = ? AND seq <= ("
+                    "DELETE FROM calibration WHERE family = ? AND model = ? AND rubric = ? "
+                    "AND seq <= ("
                     "SELECT seq FROM calibration WHERE family = ? AND model = ? AND rubric = ? "
                     "ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                     (*key, *key, keep),
                 )
                 # And a bound over all families (they come from the network): the oldest samples go.
                 db.execute(
-                    "DELETE FROM calibration WHERE seq <= (SELECT seq FROM calibration ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                    "DELETE FROM calibration WHERE seq <= (SELECT seq FROM calibration ORDER "
+                    "BY seq DESC LIMIT 1 OFFSET ?)",
                     (total,),
                 )
 
         self._background(write, "calibration")
 
     async def samples(self) -> list[Sample]:
-        """Every calibration sample kept, oldest first (the order Calibration keeps its window in)."""
+        """Every calibration sample kept, oldest first (the order Calibration keeps its window
+        in)."""
 
         def read(db: sqlite3.Connection) -> list[Sample]:
-            return [Sample.from_json(json.loads(b)) for (b,) in db.execute("SELECT body FROM calibration ORDER BY seq")]
+            return [
+                Sample.from_json(json.loads(b))
+                for (b,) in db.execute("SELECT body FROM calibration ORDER BY seq")
+            ]
 
         return await self._run(read)
 
     async def reset_family(self, name: str) -> int:
-        """Delete the calibration samples of every family called `name` (any judge model or rubric); how many."""
-        return await self._run(lambda db: db.execute("DELETE FROM calibration WHERE family = ?", (name,)).rowcount)
+        """Delete the calibration samples of every family called `name` (any judge model or
+        rubric); how many."""
+        return await self._run(
+            lambda db: db.execute("DELETE FROM calibration WHERE family = ?", (name,)).rowcount
+        )
 
     def record_ranking(self, group: str, ranking: Mapping[str, Any] | None) -> None:
-        """Keep a group's published ranking (in the background, in order); None deletes it (the group was cleared)."""
+        """Keep a group's published ranking (in the background, in order); None deletes it (the
+        group was cleared)."""
         body, now = (None if ranking is None else json.dumps(ranking)), self.clock()
 
         def write(db: sqlite3.Connection) -> None:
@@ -421,7 +472,8 @@ class SqliteStore:
                 db.execute("DELETE FROM group_rankings WHERE group_name = ?", (group,))
             else:
                 db.execute(
-                    "INSERT OR REPLACE INTO group_rankings (group_name, body, at) VALUES (?, ?, ?)", (group, body, now)
+                    "INSERT OR REPLACE INTO group_rankings (group_name, body, at) VALUES (?, ?, ?)",
+                    (group, body, now),
                 )
 
         self._background(write, "ranking")
@@ -436,7 +488,8 @@ class SqliteStore:
         return await self._run(read)
 
     async def frame(self, digest: str) -> tuple[str, bytes] | None:
-        """A stored frame's type and bytes by its digest (None: never stored, or pruned by the frame budget)."""
+        """A stored frame's type and bytes by its digest (None: never stored, or pruned by the
+        frame budget)."""
 
         def read(db: sqlite3.Connection) -> tuple[str, bytes] | None:
             row = db.execute(
@@ -452,26 +505,35 @@ class SqliteStore:
         """One group's last published ranking (None: none kept)."""
 
         def read(db: sqlite3.Connection) -> dict[str, Any] | None:
-            row = db.execute("SELECT body FROM group_rankings WHERE group_name = ?", (group,)).fetchone()
+            row = db.execute(
+                "SELECT body FROM group_rankings WHERE group_name = ?", (group,)
+            ).fetchone()
             return None if row is None else dict(json.loads(row[0]))
 
         return await self._run(read)
 
     async def prune(self, older_than_s: float) -> int:
-        """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to; return runs deleted.
+        """Delete runs that ended more than `older_than_s` ago, and frames nothing live refers to;
+        return runs deleted.
 
-        Calibration samples stay: they are the evidence "auto" thresholds rest on, bounded per family instead.
+        Calibration samples stay: they are the evidence "auto" thresholds rest on, bounded per
+        family instead.
         """
         cutoff = self.clock() - older_than_s
 
         def write(db: sqlite3.Connection) -> int:
             ids = [
                 r[0]
-                for r in db.execute("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?", (cutoff,))
+                for r in db.execute(
+                    "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?", (cutoff,)
+                )
             ]
             for rid in ids:
                 _delete_run(db, rid)
-            db.execute("DELETE FROM frames WHERE digest NOT IN (SELECT digest FROM event_frames WHERE pruned = 0)")
+            db.execute(
+                "DELETE FROM frames WHERE digest NOT IN (SELECT digest FROM "
+                "event_frames WHERE pruned = 0)"
+            )
             return len(ids)
 
         return await self._run(write)
@@ -479,25 +541,35 @@ class SqliteStore:
     # -- reads --
 
     async def replay(self) -> Replay:
-        """The records of every run not finished (and of steps still waiting for a start), in journal order."""
+        """The records of every run not finished (and of steps still waiting for a start), in
+        journal order."""
 
         def read(db: sqlite3.Connection) -> Replay:
             ended = {r[0] for r in db.execute("SELECT run_id FROM runs WHERE ended_at IS NOT NULL")}
-            log_rows = db.execute("SELECT run_id, at FROM ended_log ORDER BY seq DESC LIMIT ?", (_DELIVERIES_KEPT,))
+            log_rows = db.execute(
+                "SELECT run_id, at FROM ended_log ORDER BY seq DESC LIMIT ?", (_DELIVERIES_KEPT,)
+            )
             deliveries = db.execute(
-                "SELECT mid, digest, run_id FROM deliveries ORDER BY seq DESC LIMIT ?", (_DELIVERIES_KEPT,)
+                "SELECT mid, digest, run_id FROM deliveries ORDER BY seq DESC LIMIT ?",
+                (_DELIVERIES_KEPT,),
             )
             out = Replay(
                 ended=[(r[0], r[1]) for r in reversed(list(log_rows))],
                 deliveries=[tuple(r) for r in reversed(list(deliveries))],
             )
             frames = _frames_by_seq(db, set(ended))
-            rows = db.execute("SELECT seq, run_id, kind, body, received_at, mid, digest FROM events ORDER BY seq")
+            rows = db.execute(
+                "SELECT seq, run_id, kind, body, received_at, mid, digest FROM events ORDER BY seq"
+            )
             for seq, run_id, kind, body, at, mid, digest in rows:
                 if run_id not in ended:
                     delivery = Delivery(mid, digest) if mid is not None and digest else None
-                    out.records.append(_record(run_id, kind, body, at, delivery, frames.get(seq, [])))
-            for run_id, body in db.execute("SELECT run_id, body FROM progress ORDER BY run_id, step"):
+                    out.records.append(
+                        _record(run_id, kind, body, at, delivery, frames.get(seq, []))
+                    )
+            for run_id, body in db.execute(
+                "SELECT run_id, body FROM progress ORDER BY run_id, step"
+            ):
                 if run_id not in ended:
                     out.progress.setdefault(run_id, []).append(json.loads(body))
             return out
@@ -508,13 +580,16 @@ class SqliteStore:
         """How many runs the store holds: (live, ended), ended ones until --retention drops them."""
 
         def read(db: sqlite3.Connection) -> tuple[int, int]:
-            live, ended = db.execute("SELECT COUNT(*) - COUNT(ended_at), COUNT(ended_at) FROM runs").fetchone()
+            live, ended = db.execute(
+                "SELECT COUNT(*) - COUNT(ended_at), COUNT(ended_at) FROM runs"
+            ).fetchone()
             return int(live), int(ended)
 
         return await self._run(read)
 
     async def list_runs(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Live and recent runs, newest first: id, task, times, outcome, last step, score and signal."""
+        """Live and recent runs, newest first: id, task, times, outcome, last step, score and
+        signal."""
 
         def read(db: sqlite3.Connection) -> list[dict[str, Any]]:
             cols = [
@@ -528,7 +603,9 @@ class SqliteStore:
                 "last_score",
                 "signal",
             ]
-            rows = db.execute(f"SELECT {', '.join(cols)} FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,))
+            rows = db.execute(
+                f"SELECT {', '.join(cols)} FROM runs ORDER BY updated_at DESC LIMIT ?", (limit,)
+            )
             out = [dict(zip(cols, r, strict=True)) for r in rows]
             by_run: dict[str, list[tuple[Any, ...]]] = {r["run_id"]: [] for r in out}
             for run_id, *values in db.execute(
@@ -544,16 +621,20 @@ class SqliteStore:
 
         return await self._run(read)
 
-    async def history(self, query: HistoryQuery) -> tuple[list[dict[str, Any]], tuple[float, str] | None]:
-        """Ended runs matching `query`, most recently ended first, and the cursor of the next page (None: the last).
+    async def history(
+        self, query: HistoryQuery
+    ) -> tuple[list[dict[str, Any]], tuple[float, str] | None]:
+        """Ended runs matching `query`, most recently ended first, and the cursor of the next page
+        (None: the last).
 
-        A page is `query.limit` runs; the cursor is the last run's (ended_at, run_id), so paging is stable
-        while runs keep ending (the newer ones are before the first page, not in the next).
+        A page is `query.limit` runs; the cursor is the last run's (ended_at, run_id), so paging is
+        stable while runs keep ending (the newer ones are before the first page, not in the next).
         """
 
         def read(db: sqlite3.Connection) -> tuple[list[dict[str, Any]], tuple[float, str] | None]:
             family = (
-                "COALESCE((SELECT json_extract(e.body, '$.family') FROM events e WHERE e.run_id = runs.run_id "
+                "COALESCE((SELECT json_extract(e.body, '$.family') FROM events e WHERE "
+                "e.run_id = runs.run_id "
                 "AND e.kind = 'start' ORDER BY e.seq LIMIT 1), runs.task)"
             )
             where, args = ["ended_at IS NOT NULL"], list[Any]()
@@ -565,7 +646,9 @@ class SqliteStore:
                 where.append(f"{family} = ?")
                 args.append(query.family)
             for key, value in query.labels:
-                where.append("EXISTS (SELECT 1 FROM json_each(runs.labels) WHERE key = ? AND value = ?)")
+                where.append(
+                    "EXISTS (SELECT 1 FROM json_each(runs.labels) WHERE key = ? AND value = ?)"
+                )
                 args += [key, value]
             if query.since is not None:
                 where.append("ended_at >= ?")
@@ -576,7 +659,16 @@ class SqliteStore:
             if query.cursor is not None:
                 where.append("(ended_at < ? OR (ended_at = ? AND run_id < ?))")
                 args += [query.cursor[0], query.cursor[0], query.cursor[1]]
-            cols = ["run_id", "task", "started_at", "ended_at", "outcome", "last_step", "last_score", "signal"]
+            cols = [
+                "run_id",
+                "task",
+                "started_at",
+                "ended_at",
+                "outcome",
+                "last_step",
+                "last_score",
+                "signal",
+            ]
             rows = db.execute(
                 f"SELECT {', '.join(cols)}, labels, {family} FROM runs WHERE {' AND '.join(where)} "
                 "ORDER BY ended_at DESC, run_id DESC LIMIT ?",
@@ -594,56 +686,84 @@ class SqliteStore:
         return await self._run(read)
 
     async def export(self, run_id: str) -> dict[str, Any] | None:
-        """A run's task, steps (in index order, placeholders marked, images as digests) and score curve, or None."""
+        """A run's task, steps (in index order, placeholders marked, images as digests) and score
+        curve, or None."""
 
         def read(db: sqlite3.Connection) -> dict[str, Any] | None:
             row = db.execute(
-                "SELECT task, started_at, ended_at, outcome, labels FROM runs WHERE run_id = ?", (run_id,)
+                "SELECT task, started_at, ended_at, outcome, labels FROM runs WHERE run_id = ?",
+                (run_id,),
             ).fetchone()
             if row is None:
                 return None
             steps: dict[int, dict[str, Any]] = {}
             for seq, kind, index, body in db.execute(
-                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN ('step', 'gap', 'orphan', "
+                "SELECT seq, kind, step_index, body FROM events WHERE run_id = ? AND kind IN "
+                "('step', 'gap', 'orphan', "
                 "'amend') "
                 "ORDER BY seq",
                 (run_id,),
             ):
                 data = json.loads(body)
-                if kind == "amend":  # the step's text replaced (journaled only for a step accepted before it)
+                # the step's text replaced (journaled only for a step accepted before it)
+                if kind == "amend":
                     if index in steps:
                         steps[index]["text"] = data.get("text", "")
                     continue
                 if kind == "orphan":
-                    # A step that came before the start, which placed it (dropped ones were deleted): its index,
-                    # or the next position; a second one with the same index was refused there.
+                    # A step that came before the start, which placed it (dropped ones were
+                    # deleted): its index, or the next position; a second one with the same index
+                    # was refused there.
                     index = data.get("index") or max(steps, default=0) + 1
                     if index in steps:
                         continue
                 elif kind == "gap":
-                    # The steps given up on: below `upto` and not received by the time of the decision.
+                    # The steps given up on: below `upto` and not received by the time of the
+                    # decision.
                     for i in range(1, int(data["upto"])):
-                        steps.setdefault(i, {"index": i, "placeholder": True, "text": None, "ts": None, "images": []})
+                        steps.setdefault(
+                            i,
+                            {
+                                "index": i,
+                                "placeholder": True,
+                                "text": None,
+                                "ts": None,
+                                "images": [],
+                            },
+                        )
                     continue
                 digests = [
-                    d for (d,) in db.execute("SELECT digest FROM event_frames WHERE seq = ? ORDER BY position", (seq,))
+                    d
+                    for (d,) in db.execute(
+                        "SELECT digest FROM event_frames WHERE seq = ? ORDER BY position", (seq,)
+                    )
                 ]
-                if index is None:  # a step journaled by agent-monitor 0.1 without an index: the next position
+                # a step journaled by agent-monitor 0.1 without an index: the next position
+                if index is None:
                     index = max(steps, default=0) + 1
-                steps[index] = {"index": index, "text": data.get("text", ""), "ts": data.get("ts"), "images": digests}
+                steps[index] = {
+                    "index": index,
+                    "text": data.get("text", ""),
+                    "ts": data.get("ts"),
+                    "images": digests,
+                }
             curve = [
                 json.loads(b)
-                for (b,) in db.execute("SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,))
+                for (b,) in db.execute(
+                    "SELECT body FROM progress WHERE run_id = ? ORDER BY step", (run_id,)
+                )
             ]
             totals = stored_totals([totals_row(p) for p in curve])
             first = db.execute(
-                "SELECT body FROM events WHERE run_id = ? AND kind = 'start' ORDER BY seq LIMIT 1", (run_id,)
+                "SELECT body FROM events WHERE run_id = ? AND kind = 'start' ORDER BY seq LIMIT 1",
+                (run_id,),
             ).fetchone()
             start = json.loads(first[0]) if first else {}
             return {
                 "run_id": run_id,
                 "task": row[0],
-                # What the start asked for besides its task (never its `auth`: the run page shows this).
+                # What the start asked for besides its task (never its `auth`: the run page shows
+                # this).
                 "group": start.get("group"),
                 "family": start.get("family"),
                 "policy": start.get("policy"),
@@ -653,7 +773,8 @@ class SqliteStore:
                 "labels": json.loads(row[4] or "{}"),
                 "steps": [steps[i] for i in sorted(steps)],
                 "curve": curve,
-                # The rubric's pass / review / fail on the final score (a rubric with thresholds, a run that ended scored).
+                # The rubric's pass / review / fail on the final score (a rubric with thresholds, a
+                # run that ended scored).
                 "verdict": curve[-1].get("verdict") if curve else None,
                 "totals": totals,
             }
@@ -678,7 +799,8 @@ _TOTALS_COLUMNS = ", ".join(
     [f"json_extract(body, '$.totals.{k}')" for k in (*_KINDS, "cost")]
     + [f"json_extract(body, '$.tokens.{k}')" for k in _KINDS]
 )
-"""A stored score's totals (input, cached_input, output, cost), then its own tokens (input, cached_input, output)."""
+"""A stored score's totals (input, cached_input, output, cost), then its own tokens (input,
+cached_input, output)."""
 
 
 def totals_row(progress: dict[str, Any]) -> tuple[Any, ...]:
@@ -688,9 +810,11 @@ def totals_row(progress: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def stored_totals(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """A run's totals from its stored scores (rows as `_TOTALS_COLUMNS`): the `run_totals` rule, and the last cost.
+    """A run's totals from its stored scores (rows as `_TOTALS_COLUMNS`): the `run_totals` rule, and
+    the last cost.
 
-    Totals only grow, so the largest are the newest; scores stored before totals existed count their own tokens.
+    Totals only grow, so the largest are the newest; scores stored before totals existed count their
+    own tokens.
     """
     carried, summed = Usage(), Usage()
     cost: float | None = None
@@ -700,27 +824,47 @@ def stored_totals(rows: list[tuple[Any, ...]]) -> dict[str, Any]:
         if c is not None and (cost is None or c > cost):
             cost = float(c)
     t = carried.most(summed)
-    return {"input": t.input_tokens, "cached_input": t.cached_input_tokens, "output": t.output_tokens, "cost": cost}
+    return {
+        "input": t.input_tokens,
+        "cached_input": t.cached_input_tokens,
+        "output": t.output_tokens,
+        "cost": cost,
+    }
 
 
 def _insert(
-    db: sqlite3.Connection, run_id: str, kind: str, index: int | None, body: str, at: float, d: Delivery | None
+    db: sqlite3.Connection,
+    run_id: str,
+    kind: str,
+    index: int | None,
+    body: str,
+    at: float,
+    d: Delivery | None,
 ) -> int:
     cur = db.execute(
-        "INSERT INTO events (run_id, kind, step_index, body, received_at, mid, digest) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        "INSERT INTO events (run_id, kind, step_index, body, received_at, mid, digest) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
         (run_id, kind, index, body, at, d.mid if d else None, d.digest if d else None),
     )
     assert cur.lastrowid is not None
     if d is not None:
-        c = db.execute("INSERT INTO deliveries (mid, digest, run_id) VALUES (?, ?, ?)", (d.mid, d.digest, run_id))
+        c = db.execute(
+            "INSERT INTO deliveries (mid, digest, run_id) VALUES (?, ?, ?)",
+            (d.mid, d.digest, run_id),
+        )
         if c.lastrowid is not None and c.lastrowid % 1024 == 0:
             db.execute("DELETE FROM deliveries WHERE seq <= ?", (c.lastrowid - _DELIVERIES_KEPT,))
     return cur.lastrowid
 
 
-def _finish(db: sqlite3.Connection, run_id: str, outcome: str, at: float, totals: dict[str, int]) -> None:
+def _finish(
+    db: sqlite3.Connection, run_id: str, outcome: str, at: float, totals: dict[str, int]
+) -> None:
     totals.pop(run_id, None)
-    db.execute("UPDATE runs SET ended_at = ?, outcome = ?, updated_at = ? WHERE run_id = ?", (at, outcome, at, run_id))
+    db.execute(
+        "UPDATE runs SET ended_at = ?, outcome = ?, updated_at = ? WHERE run_id = ?",
+        (at, outcome, at, run_id),
+    )
     c = db.execute("INSERT INTO ended_log (run_id, at) VALUES (?, ?)", (run_id, at))
     if c.lastrowid is not None and c.lastrowid % 1024 == 0:
         db.execute("DELETE FROM ended_log WHERE seq <= ?", (c.lastrowid - _DELIVERIES_KEPT,))
@@ -731,7 +875,10 @@ def _drop_orphans(db: sqlite3.Connection, run_id: str) -> None:
     if db.execute("SELECT 1 FROM runs WHERE run_id = ? AND ended_at IS NULL", (run_id,)).fetchone():
         return  # started meanwhile: its held steps belong to it now
     seqs = [
-        s for (s,) in db.execute("SELECT seq FROM events WHERE run_id = ? AND kind IN ('orphan', 'end')", (run_id,))
+        s
+        for (s,) in db.execute(
+            "SELECT seq FROM events WHERE run_id = ? AND kind IN ('orphan', 'end')", (run_id,)
+        )
     ]
     db.executemany("DELETE FROM event_frames WHERE seq = ?", [(s,) for s in seqs])
     db.executemany("DELETE FROM events WHERE seq = ?", [(s,) for s in seqs])
@@ -742,7 +889,9 @@ def _delete_run(db: sqlite3.Connection, run_id: str) -> None:
         db.execute(f"DELETE FROM {table} WHERE run_id = ?", (run_id,))
 
 
-def _frames_by_seq(db: sqlite3.Connection, ended: set[str]) -> dict[int, list[tuple[str | None, bytes | None]]]:
+def _frames_by_seq(
+    db: sqlite3.Connection, ended: set[str]
+) -> dict[int, list[tuple[str | None, bytes | None]]]:
     out: dict[int, list[tuple[str | None, bytes | None]]] = {}
     rows = db.execute(
         "SELECT ef.seq, ef.run_id, ef.mime, ef.pruned, f.data FROM event_frames ef "
@@ -755,7 +904,12 @@ def _frames_by_seq(db: sqlite3.Connection, ended: set[str]) -> dict[int, list[tu
 
 
 def _record(
-    run_id: str, kind: str, body: str, at: float, d: Delivery | None, frames: list[tuple[str | None, bytes | None]]
+    run_id: str,
+    kind: str,
+    body: str,
+    at: float,
+    d: Delivery | None,
+    frames: list[tuple[str | None, bytes | None]],
 ) -> Record:
     data = json.loads(body)
     if kind == "gap":
@@ -763,7 +917,9 @@ def _record(
     if kind in ("start", "step", "orphan"):
         data["images"] = [
             {
-                "data": base64.b64encode(raw if raw is not None else PLACEHOLDER_PNG).decode("ascii"),
+                "data": base64.b64encode(raw if raw is not None else PLACEHOLDER_PNG).decode(
+                    "ascii"
+                ),
                 "mime": mime if raw else None,
             }
             for mime, raw in frames
@@ -774,21 +930,26 @@ def _record(
 def _check_format(db: sqlite3.Connection, path: Path) -> None:
     """Refuse a newer format; migrate format 1 (its live runs closed as "migrated")."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
-    has_events = db.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchone() is not None
+    has_events = (
+        db.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchone() is not None
+    )
     if version > _SCHEMA_VERSION:
         raise StoreFormatError(
             f"the run store {path} was written by a newer agent-monitor (format {version}); "
             "upgrade, or pass another --state-dir"
         )
     if has_events and version < _SCHEMA_VERSION:
-        # Format 1 journaled raw events (including refused ones) and no gap decisions: replaying it could
-        # not rebuild the state exactly. Its ended runs stay readable (runs / export); its live runs are
-        # closed with outcome "migrated" rather than resumed wrongly.
+        # Format 1 journaled raw events (including refused ones) and no gap decisions: replaying it
+        # could not rebuild the state exactly. Its ended runs stay readable (runs / export); its
+        # live runs are closed with outcome "migrated" rather than resumed wrongly.
         db.execute("ALTER TABLE events ADD COLUMN mid INTEGER")
         db.execute("ALTER TABLE events ADD COLUMN digest TEXT")
         now = time.time()
-        n = db.execute("UPDATE runs SET ended_at = ?, outcome = 'migrated' WHERE ended_at IS NULL", (now,)).rowcount
-        db.execute("DELETE FROM events WHERE run_id NOT IN (SELECT run_id FROM runs)")  # steps of runs never started
+        n = db.execute(
+            "UPDATE runs SET ended_at = ?, outcome = 'migrated' WHERE ended_at IS NULL", (now,)
+        ).rowcount
+        # steps of runs never started
+        db.execute("DELETE FROM events WHERE run_id NOT IN (SELECT run_id FROM runs)")
         log.warning("store_migrated", path=str(path), closed_live_runs=n)
 
 
@@ -798,8 +959,9 @@ Job = tuple[Callable[[sqlite3.Connection], Any], concurrent.futures.Future[Any]]
 class _Writer:
     """The store's writer thread: every statement runs there, in submission order, in group commits.
 
-    Its queue is bounded (`maxsize` writes): when it is full, submitting waits until the thread took a
-    group (back-pressure on whoever writes, the event loop included, rather than memory without bound).
+    Its queue is bounded (`maxsize` writes): when it is full, submitting waits until the thread took
+    a group (back-pressure on whoever writes, the event loop included, rather than memory without
+    bound).
     """
 
     def __init__(
@@ -811,7 +973,9 @@ class _Writer:
         maxsize: int,
     ) -> None:
         if maxsize < 1:
-            raise ValueError(f"the run store's queue needs room for at least one write, got max_queue={maxsize}")
+            raise ValueError(
+                f"the run store's queue needs room for at least one write, got max_queue={maxsize}"
+            )
         self.db = db
         self.commit = commit
         self.on_failed = on_failed
@@ -825,7 +989,9 @@ class _Writer:
         """Writes waiting for the thread."""
         return self._jobs.qsize()
 
-    def put(self, fn: Callable[[sqlite3.Connection], Any], fut: concurrent.futures.Future[Any]) -> None:
+    def put(
+        self, fn: Callable[[sqlite3.Connection], Any], fut: concurrent.futures.Future[Any]
+    ) -> None:
         """Queue one write (waits while the queue is full: the overflow policy is back-pressure)."""
         self._jobs.put((fn, fut))
 
@@ -835,8 +1001,9 @@ class _Writer:
         self._thread.join()
 
     def _loop(self) -> None:
-        # Group commit: every write waiting when the thread gets to it shares one transaction (one WAL commit),
-        # each inside its own savepoint so one failing write fails alone. Futures resolve only after COMMIT.
+        # Group commit: every write waiting when the thread gets to it shares one transaction (one
+        # WAL commit), each inside its own savepoint so one failing write fails alone. Futures
+        # resolve only after COMMIT.
         stop = False
         while not stop:
             job = self._jobs.get()
@@ -876,7 +1043,9 @@ class _Writer:
                 if db.in_transaction:
                     db.execute("ROLLBACK TO job")
                     db.execute("RELEASE job")
-                else:  # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it are gone too
+                # SQLite rolled the whole transaction back (e.g. a full disk): the writes before it
+                # are gone too
+                else:
                     failed.extend((f, e) for f, _ in done)
                     done.clear()
                     db.execute("BEGIN IMMEDIATE")
@@ -891,7 +1060,8 @@ class _Writer:
             failed.extend((f, e) for f, _ in done)
             done.clear()
         if failed:
-            self.on_failed()  # the store's caches of what is committed: a rolled-back write may have moved them
+            # the store's caches of what is committed: a rolled-back write may have moved them
+            self.on_failed()
         for fut, result in done:
             fut.set_result(result)
         for fut, error in failed:
@@ -899,14 +1069,19 @@ class _Writer:
 
 
 class MemoryStore:
-    """The run store in memory: the same records and semantics as SqliteStore, for tests and embedding."""
+    """The run store in memory: the same records and semantics as SqliteStore, for tests and
+    embedding."""
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.progress: dict[str, dict[int, dict[str, Any]]] = {}
         self.ended: dict[str, float] = {}
-        self.ended_log: collections.deque[tuple[str, float | None]] = collections.deque(maxlen=_DELIVERIES_KEPT)
-        self.deliveries: collections.deque[tuple[int, str, str]] = collections.deque(maxlen=_DELIVERIES_KEPT)
+        self.ended_log: collections.deque[tuple[str, float | None]] = collections.deque(
+            maxlen=_DELIVERIES_KEPT
+        )
+        self.deliveries: collections.deque[tuple[int, str, str]] = collections.deque(
+            maxlen=_DELIVERIES_KEPT
+        )
         self.calibration: dict[tuple[Family, str], Sample] = {}
         """Calibration samples by (family, run id), oldest first."""
         self.group_rankings: dict[str, dict[str, Any]] = {}
@@ -947,7 +1122,9 @@ class MemoryStore:
         live = {r.run_id for r in self.records}
         return Replay(
             records=list(self.records),
-            progress={rid: [p[s] for s in sorted(p)] for rid, p in self.progress.items() if rid in live},
+            progress={
+                rid: [p[s] for s in sorted(p)] for rid, p in self.progress.items() if rid in live
+            },
             ended=list(self.ended_log),
             deliveries=list(self.deliveries),
         )
@@ -978,7 +1155,8 @@ class MemoryStore:
         """Keep a group's published ranking; None forgets it."""
         self.group_rankings.pop(group, None)
         if ranking is not None:
-            self.group_rankings[group] = json.loads(json.dumps(ranking))  # a copy, as a database would keep
+            # a copy, as a database would keep
+            self.group_rankings[group] = json.loads(json.dumps(ranking))
 
     async def rankings(self) -> dict[str, dict[str, Any]]:
         """Every group's last published ranking not cleared."""
@@ -989,7 +1167,8 @@ class MemoryStore:
 
 
 class NoStore:
-    """No run store: nothing is journaled and a restart forgets every run (a Monitor given no store)."""
+    """No run store: nothing is journaled and a restart forgets every run (a Monitor given no
+    store)."""
 
     async def journal(self, record: Record) -> None:
         """Keep nothing."""

@@ -46,7 +46,8 @@ def slow_steps_judge(latency_s: float) -> Any:
 
 
 class Watcher:
-    """Every progress message, in arrival order, per run (a plain paho subscriber, as a dashboard would be)."""
+    """Every progress message, in arrival order, per run (a plain paho subscriber, as a dashboard
+    would be)."""
 
     def __init__(self, port: int) -> None:
         self.progress: dict[str, list[int]] = {}
@@ -72,21 +73,49 @@ class Watcher:
 
 
 @contextmanager
-def cluster(broker: Mosquitto, redis: RedisServer, tmp: Path, names: list[str], latency_s: float) -> Iterator[Any]:
+def cluster(
+    broker: Mosquitto, redis: RedisServer, tmp: Path, names: list[str], latency_s: float
+) -> Iterator[Any]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with scripted_server() as judge:
         judge.default = slow_steps_judge(latency_s)
 
         def start(name: str) -> subprocess.Popen[bytes]:
             log = tmp / f"{name}.log"
-            cmd = [sys.executable, "-m", "agent_monitor", "serve", "--broker", broker.url, "--cluster", redis.url,
-                   "--cluster-name", "f", "--replica-id", name, "--cluster-lease", str(LEASE),
-                   "--cluster-heartbeat", "0.5", "--judge", "openai", "--judge-url", judge.url, "--judge-model", "m",
-                   "--metrics-port", "0", "--client-id", "cl"]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "agent_monitor",
+                "serve",
+                "--broker",
+                broker.url,
+                "--cluster",
+                redis.url,
+                "--cluster-name",
+                "f",
+                "--replica-id",
+                name,
+                "--cluster-lease",
+                str(LEASE),
+                "--cluster-heartbeat",
+                "0.5",
+                "--judge",
+                "openai",
+                "--judge-url",
+                judge.url,
+                "--judge-model",
+                "m",
+                "--metrics-port",
+                "0",
+                "--client-id",
+                "cl",
+            ]
             p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
             deadline = time.monotonic() + 60
             while "agent-monitor: serving" not in log.read_text(errors="replace"):
-                assert p.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text(
+                    errors="replace"
+                )
                 time.sleep(0.05)
             procs[name] = p
             return p
@@ -113,7 +142,9 @@ def with_signal(p: subprocess.Popen[bytes], sig: int) -> None:
 
 def assignments(redis: RedisServer) -> dict[str, str]:
     out = subprocess.run(
-        ["redis-cli", "-p", str(redis.port), "--no-raw", "hgetall", "am:f:assign"], capture_output=True, text=True
+        ["redis-cli", "-p", str(redis.port), "--no-raw", "hgetall", "am:f:assign"],
+        capture_output=True,
+        text=True,
     ).stdout.split()
     words = [w.strip('"') for w in out if not w.endswith(")")]
     return dict(zip(words[::2], words[1::2], strict=True))
@@ -121,7 +152,17 @@ def assignments(redis: RedisServer) -> dict[str, str]:
 
 def export(redis: RedisServer, run: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "agent_monitor", "export", run, "--cluster", redis.url, "--cluster-name", "f"],
+        [
+            sys.executable,
+            "-m",
+            "agent_monitor",
+            "export",
+            run,
+            "--cluster",
+            redis.url,
+            "--cluster-name",
+            "f",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -141,7 +182,9 @@ def test_a_paused_owner_publishes_nothing_stale_when_it_wakes(
             cluster(broker, redis, tmp_path, ["za", "zb"], latency_s=0.4) as (procs, _),
             MonitorClient(broker.url) as mon,
         ):
-            handles = [mon.start_run(r, task="Count from one to twelve, one step at a time.") for r in runs]
+            handles = [
+                mon.start_run(r, task="Count from one to twelve, one step at a time.") for r in runs
+            ]
             for i in range(1, 5):
                 for h in handles:
                     h.step(f"said {i}")
@@ -152,7 +195,8 @@ def test_a_paused_owner_publishes_nothing_stale_when_it_wakes(
             theirs = [r for r in runs if placed[r] == zombie]
             os.kill(procs[zombie].pid, signal.SIGSTOP)
             stopped = time.monotonic()
-            # The harness goes on; the survivor takes the zombie's runs after the lease and scores them.
+            # The harness goes on; the survivor takes the zombie's runs after the lease and scores
+            # them.
             for i in range(5, 11):
                 for h in handles:
                     h.step(f"said {i}")
@@ -164,7 +208,8 @@ def test_a_paused_owner_publishes_nothing_stale_when_it_wakes(
             assert time.monotonic() - stopped > LEASE
             survivor = next(n for n in procs if n != zombie)
             assert {assignments(redis)[r] for r in theirs} == {survivor}
-            os.kill(procs[zombie].pid, signal.SIGCONT)  # it wakes up with its old scorings finishing
+            # it wakes up with its old scorings finishing
+            os.kill(procs[zombie].pid, signal.SIGCONT)
             time.sleep(2 * LEASE)
             for i in range(11, steps + 1):
                 for h in handles:
@@ -174,7 +219,8 @@ def test_a_paused_owner_publishes_nothing_stale_when_it_wakes(
             while any(watcher.last(r) < steps for r in runs) and time.monotonic() < deadline:
                 time.sleep(0.1)
         log = (tmp_path / f"{zombie}.log").read_text(errors="replace")
-        assert "cluster_rejoined" in log  # it learnt it had been counted dead, and dropped what it held
+        # it learnt it had been counted dead, and dropped what it held
+        assert "cluster_rejoined" in log
     finally:
         watcher.close()
     for r in runs:
@@ -186,11 +232,19 @@ def test_a_paused_owner_publishes_nothing_stale_when_it_wakes(
         assert [p["step"] for p in run["curve"]] == sorted({p["step"] for p in run["curve"]})
 
 
-def test_a_broker_restart_loses_nothing(broker: Mosquitto, redis: RedisServer, tmp_path: Path) -> None:
-    """Mosquitto with persistence restarts mid-run: the replicas' sessions (and shared subscriptions) come back."""
+def test_a_broker_restart_loses_nothing(
+    broker: Mosquitto, redis: RedisServer, tmp_path: Path
+) -> None:
+    """Mosquitto with persistence restarts mid-run: the replicas' sessions (and shared
+    subscriptions) come back."""
     runs = [f"b-{i}" for i in range(4)]
-    with cluster(broker, redis, tmp_path, ["ba", "bb"], latency_s=0.02), MonitorClient(broker.url) as mon:
-        handles = [mon.start_run(r, task="Count from one to twelve, one step at a time.") for r in runs]
+    with (
+        cluster(broker, redis, tmp_path, ["ba", "bb"], latency_s=0.02),
+        MonitorClient(broker.url) as mon,
+    ):
+        handles = [
+            mon.start_run(r, task="Count from one to twelve, one step at a time.") for r in runs
+        ]
         for i in range(1, 4):
             for h in handles:
                 h.step(f"said {i}")

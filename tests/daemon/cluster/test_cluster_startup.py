@@ -25,18 +25,47 @@ from tests.redis_server import RedisServer
 pytestmark = pytest.mark.timeout(180)
 
 LEASE = 12.0
-"""Longer than a replica takes to start here: its dead incarnation's heartbeat is still current when it is back."""
+"""Longer than a replica takes to start here: its dead incarnation's heartbeat is still current
+when it is back."""
 
 
-def serve(broker: Mosquitto, redis: RedisServer, judge_url: str, rid: str, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "agent_monitor", "serve", "--broker", broker.url, "--cluster", redis.url,
-           "--cluster-name", "s", "--replica-id", rid, "--cluster-lease", str(LEASE), "--cluster-heartbeat", "0.5",
-           "--judge", "openai", "--judge-url", judge_url, "--judge-model", "m", "--metrics-port", "0",
-           "--client-id", "cl"]  # fmt: skip
+def serve(
+    broker: Mosquitto, redis: RedisServer, judge_url: str, rid: str, log: Path
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent_monitor",
+        "serve",
+        "--broker",
+        broker.url,
+        "--cluster",
+        redis.url,
+        "--cluster-name",
+        "s",
+        "--replica-id",
+        rid,
+        "--cluster-lease",
+        str(LEASE),
+        "--cluster-heartbeat",
+        "0.5",
+        "--judge",
+        "openai",
+        "--judge-url",
+        judge_url,
+        "--judge-model",
+        "m",
+        "--metrics-port",
+        "0",
+        "--client-id",
+        "cl",
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"))
 
 
-def wait_serving(procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], lives: dict[str, int]) -> None:
+def wait_serving(
+    procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], lives: dict[str, int]
+) -> None:
     """Wait until each replica's current life logged that it serves; fail at once if one exits."""
     deadline = time.monotonic() + 90
     for rid, p in procs.items():
@@ -59,8 +88,8 @@ def test_replicas_and_broker_restarted_together_all_serve(
             for rid in ("a", "b"):
                 procs[rid] = serve(broker, redis, judge.url, rid, logs[rid])
             wait_serving(procs, logs, lives)
-            # A host restart: both replicas die at once (no leaving: their heartbeats stay current in Redis for
-            # a lease), and the broker goes down with them.
+            # A host restart: both replicas die at once (no leaving: their heartbeats stay current
+            # in Redis for a lease), and the broker goes down with them.
             for p in procs.values():
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
@@ -74,7 +103,9 @@ def test_replicas_and_broker_restarted_together_all_serve(
             while not all("broker_waiting" in logs[r].read_text(errors="replace") for r in procs):
                 for rid, p in procs.items():
                     text = logs[rid].read_text(errors="replace")
-                    assert p.poll() is None, f"replica {rid} exited with {p.returncode}:\n{text[-3000:]}"
+                    assert p.poll() is None, (
+                        f"replica {rid} exited with {p.returncode}:\n{text[-3000:]}"
+                    )
                 assert time.monotonic() < deadline, "the replicas never waited for the broker"
                 time.sleep(0.05)
             time.sleep(1.0)
@@ -99,8 +130,11 @@ def test_replicas_and_broker_restarted_together_all_serve(
                     p.kill()
 
 
-async def test_a_live_replicas_id_is_still_refused_after_a_lease(broker: Mosquitto, redis: RedisServer) -> None:
-    """The wait is for a dead incarnation only: a live replica renews its heartbeat, so its id stays refused."""
+async def test_a_live_replicas_id_is_still_refused_after_a_lease(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
+    """The wait is for a dead incarnation only: a live replica renews its heartbeat, so its id
+    stays refused."""
     from tests.daemon.cluster.test_cluster import LEASE as SHORT
     from tests.daemon.cluster.test_cluster import replica
 

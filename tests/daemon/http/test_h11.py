@@ -1,4 +1,5 @@
-"""The sources' shared HTTP/1.1 door (`daemon._h11`): keep-alive, bounded bodies, the connection bound, a clean stop."""
+"""The sources' shared HTTP/1.1 door (`daemon._h11`): keep-alive, bounded bodies, the connection
+bound, a clean stop."""
 
 from __future__ import annotations
 
@@ -44,7 +45,9 @@ async def _until(check: Callable[[], bool]) -> None:
 
 def _bounds(**kw: Any) -> HttpSettings:
     """A test server's bounds: no deadline but those the test sets."""
-    return HttpSettings(**{"max_head_bytes": 4096, "head_timeout_s": None, "read_timeout_s": None, **kw})
+    return HttpSettings(
+        **{"max_head_bytes": 4096, "head_timeout_s": None, "read_timeout_s": None, **kw}
+    )
 
 
 def _post(path: str, body: bytes) -> bytes:
@@ -66,7 +69,8 @@ async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop()
         got = await _exchange(bound[1], _post("/c", b"123456789"))
         assert got.startswith(b"HTTP/1.1 413") and b"connection: close" in got
         await _until(lambda: server.connections == 0)
-        # One idle connection open (the bound): a new one sheds it and is answered; the idle one is closed.
+        # One idle connection open (the bound): a new one sheds it and is answered; the idle one is
+        # closed.
         idle_r, idle_w = await asyncio.open_connection("127.0.0.1", bound[1])
         await _until(lambda: server.connections == 1)
         got = await asyncio.wait_for(_exchange(bound[1], _post("/d", b"")), 5)
@@ -79,7 +83,9 @@ async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop()
         writer.write(b"POST /e HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n12")
         await writer.drain()
         await _until(lambda: server.connections == 1 and server.gate.waiting_count == 0)
-        assert await asyncio.wait_for(_exchange(bound[1], _post("/f", b"")), 5) == b"" and refused == [1]
+        assert await asyncio.wait_for(
+            _exchange(bound[1], _post("/f", b"")), 5
+        ) == b"" and refused == [1]
     # Leaving `serving()` ended the open connection.
     assert server.connections == 0 and await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
@@ -88,14 +94,17 @@ async def test_keep_alive_bounded_bodies_the_connection_bound_and_a_clean_stop()
 
 
 async def test_the_cap_holds_under_a_burst_and_a_trickling_head_is_cut_at_its_deadline() -> None:
-    """Connections are counted at accept (a burst never overruns the cap); a head that trickles is closed."""
+    """Connections are counted at accept (a burst never overruns the cap); a head that trickles
+    is closed."""
     peak = 0
     server = H11Server("t", _echo, _bounds(max_connections=8, head_timeout_s=0.5, keepalive_s=30))
     await server.open("127.0.0.1", 0, start_serving=False)
     bound = server.sockname
     assert bound is not None
     async with server.serving():
-        opened = await asyncio.gather(*(asyncio.open_connection("127.0.0.1", bound[1]) for _ in range(40)))
+        opened = await asyncio.gather(
+            *(asyncio.open_connection("127.0.0.1", bound[1]) for _ in range(40))
+        )
         for _ in range(50):
             peak = max(peak, server.connections)
             await asyncio.sleep(0.01)
@@ -120,7 +129,9 @@ async def test_the_cap_holds_under_a_burst_and_a_trickling_head_is_cut_at_its_de
 
 
 async def test_one_peer_over_its_bound_sheds_its_own_oldest_connection() -> None:
-    server = H11Server("t", _echo, _bounds(max_connections=100, max_connections_per_peer=3, keepalive_s=30))
+    server = H11Server(
+        "t", _echo, _bounds(max_connections=100, max_connections_per_peer=3, keepalive_s=30)
+    )
     await server.open("127.0.0.1", 0, start_serving=False)
     bound = server.sockname
     assert bound is not None

@@ -1,4 +1,5 @@
-"""The metrics port's door (the reward API's too) under hostile clients: deep JSON, trickling heads, one greedy peer.
+"""The metrics port's door (the reward API's too) under hostile clients: deep JSON, trickling heads,
+one greedy peer.
 
 The real server (`HttpServer` with the reward endpoints mounted, as `serve --reward-api` builds it)
 and real clients: aiohttp for requests, raw sockets for clients that trickle.
@@ -22,21 +23,38 @@ pytestmark = pytest.mark.timeout(120)
 
 
 async def test_a_deeply_nested_body_on_v1_score_is_400_not_500() -> None:
-    async with daemon(FakeJudge(lambda p: "K"), RewardApiSettings(reward_api=True)) as (_, _, url, registry):
+    async with daemon(FakeJudge(lambda p: "K"), RewardApiSettings(reward_api=True)) as (
+        _,
+        _,
+        url,
+        registry,
+    ):
         deep = b'{"task": ' + b"[" * 200_000 + b"]" * 200_000 + b', "steps": ["a"]}'
         async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/score", data=deep, headers={"content-type": "application/json"}) as r:
+            async with s.post(
+                url + "/v1/score", data=deep, headers={"content-type": "application/json"}
+            ) as r:
                 assert r.status == 400, await r.text()
                 assert "nests too deeply" in (await r.json())["error"]
             # The server goes on answering.
             async with s.post(url + "/v1/score", json={"task": "t", "steps": ["did it"]}) as r:
                 assert r.status == 200
-        assert sample(registry, "agent_monitor_reward_refused_total", endpoint="/v1/score", reason="bad_json") == 1
+        assert (
+            sample(
+                registry,
+                "agent_monitor_reward_refused_total",
+                endpoint="/v1/score",
+                reason="bad_json",
+            )
+            == 1
+        )
 
 
 async def test_trickling_heads_cannot_keep_metrics_from_being_served() -> None:
     registry = CollectorRegistry()
-    async with HttpServer(registry, port=0, settings=HttpSettings(max_connections=8, head_timeout_s=30)) as server:
+    async with HttpServer(
+        registry, port=0, settings=HttpSettings(max_connections=8, head_timeout_s=30)
+    ) as server:
         held = []
         for _ in range(20):  # more than the bound, each sending a head that never ends
             r, w = await asyncio.open_connection("127.0.0.1", server.port)
@@ -57,7 +75,9 @@ async def test_trickling_heads_cannot_keep_metrics_from_being_served() -> None:
 
 async def test_one_peer_past_its_bound_sheds_its_own_slowest_head() -> None:
     async with HttpServer(
-        CollectorRegistry(), port=0, settings=HttpSettings(max_connections=100, max_connections_per_peer=4)
+        CollectorRegistry(),
+        port=0,
+        settings=HttpSettings(max_connections=100, max_connections_per_peer=4),
     ) as server:
         held = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(6)]
         await asyncio.sleep(0.2)

@@ -1,9 +1,10 @@
 """`agent-monitor judge-server` on the real packaged Gemma 3 270M (and SmolLM2 for a chat template).
 
-Everything here runs the command as a user does (a subprocess on a free port, `tests/llama_models.judge_server`)
-and talks to it over HTTP: OpenAI's logprobs shapes, prefix reuse per slot (`cached_tokens`), the same
-letter logprobs as the in-process judge, the bad-request and busy answers, the crash report of its
-supervisor, and `serve --judge openai` scoring steps published over a real Mosquitto against it.
+Everything here runs the command as a user does (a subprocess on a free port,
+`tests/llama_models.judge_server`) and talks to it over HTTP: OpenAI's logprobs shapes, prefix reuse
+per slot (`cached_tokens`), the same letter logprobs as the in-process judge, the bad-request and
+busy answers, the crash report of its supervisor, and `serve --judge openai` scoring steps published
+over a real Mosquitto against it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::agent_monitor.judges.llamacpp.TinyJudgeWarning"),
 ]
 
-TASK = "Make the failing unit test tests/test_parse.py::test_dates pass without breaking the other tests."
+TASK = (
+    "Make the failing unit test tests/test_parse.py::test_dates pass without breaking the "
+    "other tests."
+)
 ACTIONS = [
-    "$ pytest tests/test_parse.py -q\n1 failed: test_dates AssertionError: expected 2024-01-02, got 2024-02-01",
+    "$ pytest tests/test_parse.py -q\n1 failed: test_dates AssertionError: expected "
+    "2024-01-02, got 2024-02-01",
     "$ sed -n 1,40p parse.py\nparse_date() calls datetime.strptime(s, '%Y-%d-%m')",
     "$ apply patch: parse.py uses '%Y-%m-%d'\npatched 1 file",
     "$ pytest tests/test_parse.py -q\n5 passed in 0.12s",
@@ -51,10 +56,14 @@ ACTIONS = [
 
 def prompt_at(n: int) -> Prompt:
     rubric = load_criteria(None)
-    return build_prompt(TASK, rubric, [Step(i + 1, ACTIONS[i]) for i in range(n)], rubric.criteria[0])
+    return build_prompt(
+        TASK, rubric, [Step(i + 1, ACTIONS[i]) for i in range(n)], rubric.criteria[0]
+    )
 
 
-def call(server: Server, path: str, body: object | None = None, *, raw: bytes | None = None) -> tuple[int, Any]:
+def call(
+    server: Server, path: str, body: object | None = None, *, raw: bytes | None = None
+) -> tuple[int, Any]:
     """One request; (status, JSON answer), error statuses included."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(server.url + path, data, {"Content-Type": "application/json"})
@@ -84,7 +93,11 @@ def test_models_and_props_name_the_model_and_its_context(gemma: Server) -> None:
 def test_completions_logprobs_shape_and_prefix_reuse(gemma: Server) -> None:
     first, second = prompt_at(2).text(), prompt_at(3).text()
     assert second.startswith(prompt_at(2).prefix_text())
-    status, a = call(gemma, "/v1/completions", {"prompt": first, "max_tokens": 1, "logprobs": 5, "temperature": 0})
+    status, a = call(
+        gemma,
+        "/v1/completions",
+        {"prompt": first, "max_tokens": 1, "logprobs": 5, "temperature": 0},
+    )
     assert status == 200, a
     (choice,) = a["choices"]
     lp = choice["logprobs"]
@@ -98,21 +111,32 @@ def test_completions_logprobs_shape_and_prefix_reuse(gemma: Server) -> None:
     assert choice["text"] == lp["tokens"][0] and choice["finish_reason"] == "length"
     usage = a["usage"]
     assert usage["completion_tokens"] == 1 and usage["total_tokens"] == usage["prompt_tokens"] + 1
-    # The next step's prompt extends this one's head: the slot keeps that prefix and evaluates the rest.
-    status, b = call(gemma, "/v1/completions", {"prompt": second, "max_tokens": 1, "logprobs": 5, "temperature": 0})
+    # The next step's prompt extends this one's head: the slot keeps that prefix and evaluates the
+    # rest.
+    status, b = call(
+        gemma,
+        "/v1/completions",
+        {"prompt": second, "max_tokens": 1, "logprobs": 5, "temperature": 0},
+    )
     assert status == 200, b
     kept = b["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert 0.5 * usage["prompt_tokens"] < kept < b["usage"]["prompt_tokens"]
     # The same prompt again: nothing evaluated, the same answer.
-    status, c = call(gemma, "/v1/completions", {"prompt": second, "max_tokens": 1, "logprobs": 5, "temperature": 0})
+    status, c = call(
+        gemma,
+        "/v1/completions",
+        {"prompt": second, "max_tokens": 1, "logprobs": 5, "temperature": 0},
+    )
     assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == c["usage"]["prompt_tokens"]
     assert c["choices"][0]["logprobs"] == b["choices"][0]["logprobs"]
-    print(f"\njudge-server prefix reuse: {kept} of {b['usage']['prompt_tokens']} prompt tokens kept")
+    print(
+        f"\njudge-server prefix reuse: {kept} of {b['usage']['prompt_tokens']} prompt tokens kept"
+    )
 
 
 async def test_letter_logprobs_match_the_in_process_judge(gemma: Server) -> None:
-    # Built the same way (repacking off, full-size sliding-window cache), the server's top logprobs at the
-    # answer position are the in-process judge's exact letter logprobs for the same prompt.
+    # Built the same way (repacking off, full-size sliding-window cache), the server's top logprobs
+    # at the answer position are the in-process judge's exact letter logprobs for the same prompt.
     prompt = prompt_at(4)
     async with OpenAIJudge(base_url=gemma.url + "/v1", api="completions", timeout_s=240) as remote:
         served = await remote.grade(JudgeRequest(prompt))
@@ -126,7 +150,11 @@ async def test_letter_logprobs_match_the_in_process_judge(gemma: Server) -> None
     shared = [t for t in got if t in exact]
     assert shared, f"no letter in the server's top 20: {sorted(got, key=got.__getitem__)[-5:]}"
     for token in shared:
-        assert math.isclose(got[token], exact[token], abs_tol=1e-3), (token, got[token], exact[token])
+        assert math.isclose(got[token], exact[token], abs_tol=1e-3), (
+            token,
+            got[token],
+            exact[token],
+        )
     print(f"\nserver vs in-process letter logprobs agree on {len(shared)} letter tokens")
 
 
@@ -138,7 +166,9 @@ def test_bad_requests_are_400s_that_say_what_is_wrong(gemma: Server) -> None:
     status, err = call(gemma, "/v1/completions", {"prompt": "x", "logprobs": 50})
     assert status == 400 and "`logprobs`" in err["error"]["message"]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    status, err = call(gemma, "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]})
+    status, err = call(
+        gemma, "/v1/chat/completions", {"messages": [{"role": "user", "content": [image]}]}
+    )
     assert status == 400 and "image input is not supported" in err["error"]["message"]
     status, err = call(gemma, "/v1/completions", {"prompt": "word " * 3000, "max_tokens": 1})
     assert status == 400 and "maximum context length is 2048 tokens" in err["error"]["message"]
@@ -148,11 +178,14 @@ def test_bad_requests_are_400s_that_say_what_is_wrong(gemma: Server) -> None:
 
 
 def test_a_request_past_the_queue_is_a_503_while_the_slot_works(gemma: Server) -> None:
-    # One slot, --queue 0: while a cold ~1,700-token prompt is evaluated, a second request is refused at once.
+    # One slot, --queue 0: while a cold ~1,700-token prompt is evaluated, a second request is
+    # refused at once.
     filler = " ".join(f"line {i}: collected item ok." for i in range(180))
     slow: dict[str, Any] = {}
     worker = threading.Thread(
-        target=lambda: slow.update(r=call(gemma, "/v1/completions", {"prompt": filler, "max_tokens": 1}))
+        target=lambda: slow.update(
+            r=call(gemma, "/v1/completions", {"prompt": filler, "max_tokens": 1})
+        )
     )
     worker.start()
     time.sleep(1.0)
@@ -187,11 +220,16 @@ def test_chat_logprobs_shape_with_a_chat_template() -> None:
             assert len(entry["top_logprobs"]) == 3
             assert all(set(t) == {"token", "logprob", "bytes"} for t in entry["top_logprobs"])
         assert content[0]["token"] == content[0]["top_logprobs"][0]["token"]  # greedy
-        # A control token's spelling in a message is text, not a turn: the prompt is longer than the marker.
+        # A control token's spelling in a message is text, not a turn: the prompt is longer than the
+        # marker.
         status, b = call(
-            server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "<|im_end|>"}]}
+            server,
+            "/v1/chat/completions",
+            {**body, "messages": [{"role": "user", "content": "<|im_end|>"}]},
         )
-        status_plain, c = call(server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": ""}]})
+        status_plain, c = call(
+            server, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": ""}]}
+        )
         assert status == status_plain == 200
         assert b["usage"]["prompt_tokens"] > c["usage"]["prompt_tokens"] + 1
 
@@ -207,8 +245,9 @@ def _child_pid(pid: int) -> int:
 
 
 def test_a_model_process_killed_by_a_signal_is_reported_with_its_cause() -> None:
-    # judge-server runs its model in a child; a crash in llama.cpp's native code kills that child with a
-    # signal. Stand in for the crash with a real SIGSEGV: the command names it, the cause and the way around.
+    # judge-server runs its model in a child; a crash in llama.cpp's native code kills that child
+    # with a signal. Stand in for the crash with a real SIGSEGV: the command names it, the cause and
+    # the way around.
     with pytest.raises(RuntimeError) as caught, judge_server(n_ctx=256) as server:
         # The test helper turns the client's dropped connection into the same report.
         child = _child_pid(server.process.pid)
@@ -217,13 +256,21 @@ def test_a_model_process_killed_by_a_signal_is_reported_with_its_cause() -> None
         call(server, "/v1/models")
     message = str(caught.value)
     assert server.process.returncode == 128 + signal.SIGSEGV
-    assert "died from SIGSEGV" in message and "weight repacking" in message and "judge-server" in message
+    assert (
+        "died from SIGSEGV" in message
+        and "weight repacking" in message
+        and "judge-server" in message
+    )
     # The supervisor's own line (it names the child it ran), in the server's log the error quotes.
-    assert f"agent-monitor: agent-monitor judge-server (pid {child}) died from SIGSEGV (signal 11)" in message
+    assert (
+        f"agent-monitor: agent-monitor judge-server (pid {child}) died from SIGSEGV (signal 11)"
+    ) in message
 
 
 @pytest.mark.timeout(600)  # two steps, each given up to 240 s on a loaded machine
-def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(broker: Mosquitto) -> None:
+def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(
+    broker: Mosquitto,
+) -> None:
     from tests.cli.test_serve_cli import Watch, pub, serve, wait_serving
 
     with (
@@ -248,7 +295,10 @@ def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(brok
             pub(broker.port, "agents/real-1/start", json.dumps({"task": TASK}))
             for i, text in enumerate(ACTIONS[:2], start=1):
                 pub(broker.port, "agents/real-1/step", json.dumps({"index": i, "text": text}))
-                out.until(lambda m, i=i: m[0] == "agents/real-1/progress" and m[1]["step"] == i, timeout=240)
+                out.until(
+                    lambda m, i=i: m[0] == "agents/real-1/progress" and m[1]["step"] == i,
+                    timeout=240,
+                )
         progress = [p for t, p in out.seen if t.endswith("/progress")]
     assert [p["step"] for p in progress] == [1, 2]
     for p in progress:
@@ -258,7 +308,8 @@ def test_serve_scores_published_steps_with_a_real_model_behind_judge_server(brok
     # The second step's prompt shares the first's head: the server kept it.
     assert progress[1]["tokens"]["cached_input"] > 0
     print(
-        f"\nserve + judge-server: scores {[round(p['score'], 3) for p in progress]}, mass {[p['mass'] for p in progress]}"
+        f"\nserve + judge-server: scores {[round(p['score'], 3) for p in progress]}, mass "
+        f"{[p['mass'] for p in progress]}"
     )
 
 

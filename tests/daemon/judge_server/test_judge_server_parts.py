@@ -1,4 +1,5 @@
-"""judge-server's parts that need no model: the slot queue, the answer shapes as OpenAIJudge reads them, crash reports.
+"""judge-server's parts that need no model: the slot queue, the answer shapes as OpenAIJudge reads
+them, crash reports.
 
 The server with a real model is tested in test_judge_server (slow); these pin the logic around it.
 """
@@ -42,7 +43,9 @@ async def test_a_request_takes_the_free_slot_with_the_longest_shared_prefix() ->
     assert await slots.take([7]) is b
 
 
-async def test_requests_wait_up_to_the_queue_then_get_503_and_a_leaving_waiter_passes_its_turn_on() -> None:
+async def test_requests_wait_up_to_the_queue_then_get_503_and_a_leaving_waiter_passes_its_turn_on() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     only = FakeSlot([])
     slots = _Slots([only], queue=2)  # type: ignore[list-item]
     taken = await slots.take([1])
@@ -51,7 +54,9 @@ async def test_requests_wait_up_to_the_queue_then_get_503_and_a_leaving_waiter_p
     await asyncio.sleep(0)
     with pytest.raises(BadRequest) as busy:
         await slots.take([1])
-    assert busy.value.status == 503 and "every slot is busy and 2 requests are waiting" in str(busy.value)
+    assert busy.value.status == 503 and "every slot is busy and 2 requests are waiting" in str(
+        busy.value
+    )
     slots.give(taken)  # wakes the first waiter ...
     first.cancel()  # ... which leaves before it runs: the slot must go to the second
     assert await asyncio.wait_for(second, 1.0) is only
@@ -62,18 +67,26 @@ def test_the_answer_shapes_read_back_as_the_openai_judge_reads_them() -> None:
     chosen = [TopToken(" K", b" K", -0.5)]
     top = [[TopToken(" K", b" K", -0.5), TopToken(" L", b" L", -1.5), TopToken(" K", b" K", -9.0)]]
     sample = _completion_sample({"logprobs": _completion_logprobs(chosen, top)})
-    # Two ids spelled alike keep the likelier logprob (listed first), as a {token: logprob} map must.
+    # Two ids spelled alike keep the likelier logprob (listed first), as a {token: logprob} map
+    # must.
     assert sample == {" K": -0.5, " L": -1.5}
     chat = _chat_sample({"logprobs": {"content": _chat_logprobs(chosen, top)}})
     assert chat is not None and math.isclose(chat[" L"], -1.5) and chat[" K"] == -0.5
 
 
 def test_chat_content_parts_are_text_or_a_clear_refusal() -> None:
-    assert _messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]) == [
-        ("user", "ab")
-    ]
+    assert _messages(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    ) == [("user", "ab")]
     with pytest.raises(BadRequest, match="image input is not supported"):
-        _messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+        _messages(
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+        )
     with pytest.raises(BadRequest, match="non-empty list"):
         _messages([])
     with pytest.raises(BadRequest, match=r"messages\[0\] must be an object"):

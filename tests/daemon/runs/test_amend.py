@@ -1,10 +1,11 @@
-"""Amending a step by index (`step.amend`): the wire, the run state, the journal, a restart, the prompts, the proxy.
+"""Amending a step by index (`step.amend`): the wire, the run state, the journal, a restart, the
+prompts, the proxy.
 
-A step already accepted can have its text replaced (the LLM API proxy's final answer once the conversation
-went on: issue 44, finding 4). Only an accepted index can be amended; an amendment of another one is refused
-(`unknown_step`) and counted; one that changes nothing is a duplicate. The amendment is journaled as a record
-of its own, replayed after a restart; the run is scored again at its newest step, and the prompts of the steps
-before the amended one keep their prefix.
+A step already accepted can have its text replaced (the LLM API proxy's final answer once the
+conversation went on: issue 44, finding 4). Only an accepted index can be amended; an amendment of
+another one is refused (`unknown_step`) and counted; one that changes nothing is a duplicate. The
+amendment is journaled as a record of its own, replayed after a restart; the run is scored again at
+its newest step, and the prompts of the steps before the amended one keep their prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from typing import Any
 import pytest
 
 from agent_monitor.criteria import load_criteria
-from agent_monitor.daemon import Duplicated, MemoryStore, Monitor, MonitorConfig, MonitorEvent, Refused, SqliteStore
+from agent_monitor.daemon import (
+    Duplicated,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+    MonitorEvent,
+    Refused,
+    SqliteStore,
+)
 from agent_monitor.daemon.runs import Appended, Revised, RunBook
 from agent_monitor.daemon.sources._chat import parse_request
 from agent_monitor.daemon.sources.proxy._turns import Conversations
@@ -66,7 +75,8 @@ def test_an_accepted_step_is_amended_and_the_scoring_is_told() -> None:
     assert isinstance(verdict, Amended)
     assert book.apply(verdict) == [Revised("r", 1, verdict.step, 3)]
     assert book.snapshot()["live"][0]["revised"] and book.live["r"].last_event == 3
-    # The same amendment again (a re-delivery) changes nothing: a duplicate; so does the original step re-sent.
+    # The same amendment again (a re-delivery) changes nothing: a duplicate; so does the original
+    # step re-sent.
     assert book.decide("r", amend("one, then what it saw", 1), 4) == Duplicated("r", "step")
     assert book.decide("r", step("one", 1), 4) == Duplicated("r", "step")
     # A second, different amendment is one more.
@@ -132,7 +142,9 @@ RECORDS: list[Record] = [
     Started("r", RunStart.model_validate({"task": "t"}), 1.0),
     Stepped("r", StepIn.model_validate({"text": "one", "index": 1}), 2.0),
     Amended("r", StepIn.model_validate({"text": "one, amended", "index": 1, "amend": True}), 3.0),
-    Amended("r", StepIn.model_validate({"text": "one, amended twice", "index": 1, "amend": True}), 4.0),
+    Amended(
+        "r", StepIn.model_validate({"text": "one, amended twice", "index": 1, "amend": True}), 4.0
+    ),
 ]
 
 
@@ -140,12 +152,15 @@ RECORDS: list[Record] = [
 async def test_amendments_round_trip_through_the_store(tmp_path: Path, kind: str) -> None:
     store: Any = SqliteStore(tmp_path / "runs.sqlite3") if kind == "sqlite" else MemoryStore()
     await store.journal_batch(RECORDS[:3])
-    await store.journal(RECORDS[3])  # a second amendment of the same index: its own record (not `steps_once`)
+    # a second amendment of the same index: its own record (not `steps_once`)
+    await store.journal(RECORDS[3])
     if kind == "sqlite":
         await store.aclose()
         store = SqliteStore(tmp_path / "runs.sqlite3")
         exported = await store.export("r")
-        assert exported is not None and [s["text"] for s in exported["steps"]] == ["one, amended twice"]
+        assert exported is not None and [s["text"] for s in exported["steps"]] == [
+            "one, amended twice"
+        ]
     replay = await store.replay()
     assert [type(r) for r in replay.records] == [Started, Stepped, Amended, Amended]
     assert [r.step.text for r in replay.records[2:]] == ["one, amended", "one, amended twice"]
@@ -161,7 +176,9 @@ async def _handle(mon: Monitor, kind: str, body: dict[str, Any]) -> None:
     await asyncio.wait_for(mon.drain(), 10)
 
 
-async def test_the_monitor_scores_the_amended_run_again_and_a_restart_rebuilds_it(tmp_path: Path) -> None:
+async def test_the_monitor_scores_the_amended_run_again_and_a_restart_rebuilds_it(
+    tmp_path: Path,
+) -> None:
     judge = FakeJudge(lambda p: "K")
     seen: list[MonitorEvent] = []
     path = tmp_path / "runs.sqlite3"
@@ -172,13 +189,18 @@ async def test_the_monitor_scores_the_amended_run_again_and_a_restart_rebuilds_i
         await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it"})
         await _handle(mon, "step", {"index": 2, "text": "THOUGHT: done"})
         before = len(judge.prompts)
-        await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True})
+        await _handle(
+            mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True}
+        )
         # Scored again at its newest step, the amended text in step 1.
         assert len(judge.prompts) > before
         again = judge.prompts[-1]
         assert again.step == 2 and "1 passed" in again.text().split("### Step 2")[0]
-        await _handle(mon, "step", {"index": 5, "text": "x", "amend": True})  # never accepted: refused, counted
-        await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True})
+        # never accepted: refused, counted
+        await _handle(mon, "step", {"index": 5, "text": "x", "amend": True})
+        await _handle(
+            mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True}
+        )
         refused = [e for e in seen if isinstance(e, Refused)]
         assert [e.reason for e in refused] == ["unknown_step"]
         assert sum(isinstance(e, Duplicated) for e in seen) == 1
@@ -198,9 +220,12 @@ async def test_the_monitor_scores_the_amended_run_again_and_a_restart_rebuilds_i
         assert mon.book.snapshot() == snapshot
         view = mon.run("r")
         assert view is not None and [s.text for s in view.steps] == texts
-        # The re-delivered amendment after the restart is still a duplicate; a new step is scored on the amended run.
+        # The re-delivered amendment after the restart is still a duplicate; a new step is scored on
+        # the amended run.
         n = len(judge.prompts)
-        await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True})
+        await _handle(
+            mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True}
+        )
         assert len(judge.prompts) == n
         await _handle(mon, "step", {"index": 3, "text": "THOUGHT: submit"})
         assert "1 passed" in judge.prompts[-1].text().split("### Step 2")[0]
@@ -215,7 +240,9 @@ def _steps(texts: list[str]) -> list[Step]:
 
 
 @pytest.mark.parametrize("budget", [None, 900])
-def test_an_amended_step_is_laid_out_again_from_it_and_earlier_prompts_keep_their_prefix(budget: int | None) -> None:
+def test_an_amended_step_is_laid_out_again_from_it_and_earlier_prompts_keep_their_prefix(
+    budget: int | None,
+) -> None:
     rubric = load_criteria(None)
     criterion = rubric.judged[0]
     texts = [f"step {i}: " + "words " * 40 for i in range(1, 13)]
@@ -225,22 +252,28 @@ def test_an_amended_step_is_laid_out_again_from_it_and_earlier_prompts_keep_thei
     steps[7] = Step(index=8, text=texts[7] + "\nwhat it saw " * 20)
     window.amended(8)
     after = [window.build(steps, criterion, n=n, budget=budget).prefix_text() for n in range(1, 13)]
-    assert budget is None or window.compactions > 1  # under a budget, folds before and after the amended step
+    # under a budget, folds before and after the amended step
+    assert budget is None or window.compactions > 1
     assert after[:7] == early[:7]  # the prefixes before the amended step: the same prompts
     assert after[7:] != early[7:]
     assert "what it saw" in after[-1] or budget is not None
-    # The same as a new window (a restarted monitor, a new cluster owner) builds from the amended steps.
+    # The same as a new window (a restarted monitor, a new cluster owner) builds from the amended
+    # steps.
     fresh = PromptWindow("the task", rubric)
-    assert [fresh.build(steps, criterion, n=n, budget=budget).prefix_text() for n in range(1, 13)] == after
+    assert [
+        fresh.build(steps, criterion, n=n, budget=budget).prefix_text() for n in range(1, 13)
+    ] == after
 
 
 # -- the proxy: a held answer sent after its grace is amended when the conversation goes on --
 
 
 def _chat(*messages: tuple[str, str]) -> Any:
-    body = {"model": "m", "messages": [{"role": "system", "content": "sys"}] + [
-        {"role": r, "content": c} for r, c in messages
-    ]}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "sys"}]
+        + [{"role": r, "content": c} for r, c in messages],
+    }
     return parse_request("chat", body)
 
 
@@ -264,7 +297,13 @@ def test_the_proxy_amends_an_answer_sent_before_its_observation() -> None:
     assert [dict(e.data) for e in out] == [{"index": 1, "text": "ls\n[user] a.py", "amend": True}]
     assert out[0].key != "px:1"
     # Once amended, the next request does not amend it again.
-    req = _chat(("user", "task"), ("assistant", "ls"), ("user", "a.py"), ("assistant", "cat a.py"), ("user", "x"))
+    req = _chat(
+        ("user", "task"),
+        ("assistant", "ls"),
+        ("user", "a.py"),
+        ("assistant", "cat a.py"),
+        ("user", "x"),
+    )
     conv = convs.match(req, None, 3.5)
     assert conv is not None
     out = convs.events(conv, req, now=3.5, grace_s=1.0)
@@ -280,14 +319,21 @@ def test_an_amendment_round_trips_through_the_cluster_journals_form() -> None:
     assert _record_of("r", body) == RECORDS[2]
 
 
-async def test_an_amendment_while_its_prefix_is_being_scored_is_scored_again(tmp_path: Path) -> None:
-    """The scoring in flight read the step as it was: once it ends, the run is scored again with the new text."""
+async def test_an_amendment_while_its_prefix_is_being_scored_is_scored_again(
+    tmp_path: Path,
+) -> None:
+    """The scoring in flight read the step as it was: once it ends, the run is scored again with
+    the new text."""
     judge = FakeJudge(lambda p: "K", latency_s=0.3)
     async with Monitor(MonitorConfig(sweep_interval_s=3600), judge=judge) as mon:
         await _handle(mon, "start", {"task": "fix the test"})
-        await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "THOUGHT: run it"}).encode())
+        await mon.handle(
+            "agents/r/step", json.dumps({"index": 1, "text": "THOUGHT: run it"}).encode()
+        )
         await asyncio.sleep(0.1)  # the judge is reading step 1
-        await _handle(mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True})
+        await _handle(
+            mon, "step", {"index": 1, "text": "THOUGHT: run it\n[user] 1 passed", "amend": True}
+        )
         assert [("1 passed" in p.text()) for p in judge.prompts if p.step == 1][-1]
         view = mon.run("r")
         assert view is not None and view.scored == 1

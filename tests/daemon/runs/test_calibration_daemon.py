@@ -1,4 +1,5 @@
-"""Calibrated aborts in the daemon: outcomes teach it over a real Mosquitto, the store keeps it, the CLI shows it.
+"""Calibrated aborts in the daemon: outcomes teach it over a real Mosquitto, the store keeps it, the
+CLI shows it.
 
 The scripted judge separates the family well: a run whose task says "good" scores P (15/19) at every
 step, one that says "bad" scores C (2/19). Runs use alpha 0.2, which needs only ceil(1/0.2) - 1 = 4
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.timeout(120)
 ALPHA = 0.2
 NEEDED = min_successes(ALPHA)  # 4
 GOOD, BAD = 15 / 19, 2 / 19
-# holdout 0: every auto run here may be aborted (the default holds out ~10% of runs, picked by run id).
+# holdout 0: every auto run here may be aborted (the default holds out ~10% of runs, picked by run
+# id).
 AUTO = {"abort_below": "auto", "alpha": ALPHA, "min_steps": 1, "patience": 2, "holdout": 0.0}
 STEPS = 3
 RUBRIC = load_criteria(None).hash  # the default rubric's
@@ -43,25 +45,36 @@ def judge(model: str = "fake-1") -> FakeJudge:
     return FakeJudge(lambda p: "P" if "good" in p.prefix_text() else "C", model=model)
 
 
-def monitor(broker: Mosquitto, store: SqliteStore | MemoryStore, *, model: str = "fake-1", **kw: Any) -> Monitor:
-    config = MonitorConfig(broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", **kw)
+def monitor(
+    broker: Mosquitto, store: SqliteStore | MemoryStore, *, model: str = "fake-1", **kw: Any
+) -> Monitor:
+    config = MonitorConfig(
+        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}", **kw
+    )
     return Monitor(config, judge=judge(model), store=store, registry=CollectorRegistry())
 
 
 async def finished_run(h: Harness, run_id: str, kind: str, outcome: Any, **start: Any) -> None:
-    """A run of the family from start to end; returns once the monitor closed it (its signal cleared)."""
-    await h.publish(run_id, "start", {"task": f"a {kind} attempt ({run_id})", "family": "fix-tests", **start})
+    """A run of the family from start to end; returns once the monitor closed it (its signal
+    cleared)."""
+    await h.publish(
+        run_id, "start", {"task": f"a {kind} attempt ({run_id})", "family": "fix-tests", **start}
+    )
     for i in range(1, STEPS + 1):
         await h.publish(run_id, "step", {"index": i, "text": f"{run_id} step {i}"})
     await h.until(lambda: h.last_step(run_id) == STEPS)
     await h.publish(run_id, "end", {"outcome": outcome})
-    await h.until(lambda: None in h.seen[(run_id, "signal")])  # cleared when the run closes, after it taught
+    # cleared when the run closes, after it taught
+    await h.until(lambda: None in h.seen[(run_id, "signal")])
 
 
 async def failing_auto_run(h: Harness, run_id: str, **start: Any) -> None:
-    """A failing run under abort_below auto, until it is told to abort or has all its steps scored."""
+    """A failing run under abort_below auto, until it is told to abort or has all its steps
+    scored."""
     await h.publish(
-        run_id, "start", {"task": f"a bad attempt ({run_id})", "family": "fix-tests", "policy": AUTO, **start}
+        run_id,
+        "start",
+        {"task": f"a bad attempt ({run_id})", "family": "fix-tests", "policy": AUTO, **start},
     )
     for i in range(1, STEPS + 1):
         await h.publish(run_id, "step", {"index": i, "text": f"{run_id} step {i}"})
@@ -78,17 +91,21 @@ async def test_a_well_separated_family_starts_aborting_failures_once_enough_succ
     store = SqliteStore(tmp_path / "runs.sqlite3")
     try:
         async with monitor(broker, store) as mon, harness(broker.port) as h:
-            # Runs without "auto" teach too (numbers at or above 0.5 are successes): the family is ready when
-            # a user switches to auto. The last good run ends only after the first failing auto run is judged.
+            # Runs without "auto" teach too (numbers at or above 0.5 are successes): the family is
+            # ready when a user switches to auto. The last good run ends only after the first
+            # failing auto run is judged.
             for i in range(NEEDED - 1):
                 await finished_run(h, f"good-{i}", "good", "success" if i % 2 else 0.9)
             await finished_run(h, "bad-0", "bad", "failure")
             await failing_auto_run(h, "early")
             assert h.seen[("early", "signal")] == [], "aborted before the family was calibrated"
             early = decisions(h, "early")
-            assert len(early) == STEPS and all(d["signal"] == "continue" and d["abort_below"] is None for d in early)
+            assert len(early) == STEPS and all(
+                d["signal"] == "continue" and d["abort_below"] is None for d in early
+            )
             assert early[-1]["calibration"] == (
-                f"not calibrated yet: {NEEDED - 1} of {NEEDED} successful runs needed at alpha 0.2; never aborts"
+                f"not calibrated yet: {NEEDED - 1} of {NEEDED} successful runs needed at "
+                "alpha 0.2; never aborts"
             )
             await h.publish("early", "end", {"outcome": "failure"})
 
@@ -121,10 +138,11 @@ async def test_a_well_separated_family_starts_aborting_failures_once_enough_succ
 async def test_only_runs_no_rule_could_stop_teach_and_held_out_runs_keep_it_learning(
     broker: Mosquitto, tmp_path: Path
 ) -> None:
-    """Once armed, an auto run's outcome is censored (an aborted success never reports one): it teaches nothing.
+    """Once armed, an auto run's outcome is censored (an aborted success never reports one): it
+    teaches nothing.
 
-    A held-out run is judged but never aborted by the rule; its decisions say it would have been, and its
-    outcome teaches, so the calibration keeps learning without bias.
+    A held-out run is judged but never aborted by the rule; its decisions say it would have been,
+    and its outcome teaches, so the calibration keeps learning without bias.
     """
     store = MemoryStore()
     async with monitor(broker, store) as mon, harness(broker.port) as h:
@@ -136,24 +154,33 @@ async def test_only_runs_no_rule_could_stop_teach_and_held_out_runs_keep_it_lear
         # Armed and not held out: a success that could have been aborted teaches nothing.
         await finished_run(h, "exposed", "good", "success", policy=AUTO)
         assert mon.calibration.threshold(fam, policy).successes == NEEDED
-        # Held out (a share just under 1 holds out every run id): never aborted, says so, and teaches.
+        # Held out (a share just under 1 holds out every run id): never aborted, says so, and
+        # teaches.
         await failing_auto_run(h, "held", policy={**AUTO, "holdout": 0.999})
         assert h.seen[("held", "signal")] == []
         last = decisions(h, "held")[-1]
-        assert last["signal"] == "continue" and last["reason"].startswith("held out: would abort (score below")
+        assert last["signal"] == "continue" and last["reason"].startswith(
+            "held out: would abort (score below"
+        )
         assert last["abort_below"] == pytest.approx(GOOD)
         await h.publish("held", "end", {"outcome": "success"})
         await h.until(lambda: mon.calibration.threshold(fam, policy).successes == NEEDED + 1)
-        assert mon.calibration.threshold(fam, policy).value == pytest.approx(BAD)  # its low margin now counts
+        # its low margin now counts
+        assert mon.calibration.threshold(fam, policy).value == pytest.approx(BAD)
 
 
-async def teach(broker: Mosquitto, store: SqliteStore | MemoryStore, *, successes: int = NEEDED) -> float:
-    """A monitor learns `successes` good runs and one failure of the family; the threshold it then gives."""
+async def teach(
+    broker: Mosquitto, store: SqliteStore | MemoryStore, *, successes: int = NEEDED
+) -> float:
+    """A monitor learns `successes` good runs and one failure of the family; the threshold it
+    then gives."""
     async with monitor(broker, store) as mon, harness(broker.port, "teacher") as h:
         for i in range(successes):
             await finished_run(h, f"good-{i}", "good", "success")
         await finished_run(h, "bad-0", "bad", "failure")
-        th = mon.calibration.threshold(Family("fix-tests", "fake-1", RUBRIC), Policy().with_overrides(AUTO))
+        th = mon.calibration.threshold(
+            Family("fix-tests", "fake-1", RUBRIC), Policy().with_overrides(AUTO)
+        )
     assert th.value is not None
     return th.value
 
@@ -168,7 +195,8 @@ async def test_the_calibration_survives_a_restart(broker: Mosquitto, tmp_path: P
     store = SqliteStore(path)  # a new process would open the file afresh
     try:
         async with monitor(broker, store) as mon, harness(broker.port) as h:
-            assert len(mon.calibration) == NEEDED + 1  # each sample once: loaded, never learnt again
+            # each sample once: loaded, never learnt again
+            assert len(mon.calibration) == NEEDED + 1
             await failing_auto_run(h, "after")
             (abort,) = h.seen[("after", "signal")]
             assert abort["signal"] == "abort" and abort["abort_below"] == pytest.approx(learnt)
@@ -196,13 +224,18 @@ async def test_a_new_judge_model_or_rubric_does_not_inherit_a_threshold(broker: 
 
 
 def samples(family: str, successes: int, failures: int, *, model: str = "fake-1") -> list[Sample]:
-    """Finished runs of one family: successes dip to 0.5 at step 2 and end at 0.6 or 0.8; failures score 0.1."""
+    """Finished runs of one family: successes dip to 0.5 at step 2 and end at 0.6 or 0.8;
+    failures score 0.1."""
     out = []
     for i in range(successes + failures):
         low = 0.6 + 0.2 * (i % 2)
         scores = [0.1] * 6 if i >= successes else [0.9, 0.5, 0.9, low, low, low]
         curve = tuple(Point(step, score, 0.0) for step, score in enumerate(scores, 1))
-        out.append(Sample(f"{family}-{i}", Family(family, model, RUBRIC), i < successes, curve, at=float(i)))
+        out.append(
+            Sample(
+                f"{family}-{i}", Family(family, model, RUBRIC), i < successes, curve, at=float(i)
+            )
+        )
     return out
 
 
@@ -222,7 +255,11 @@ async def stored(path: Path, kept: list[Sample]) -> None:
 def test_the_calibration_command_lists_families_and_resets_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kept = [*samples("fix-tests", 5, 2), *samples("fix-tests", 1, 0, model="other-judge"), *samples("docs", 1, 1)]
+    kept = [
+        *samples("fix-tests", 5, 2),
+        *samples("fix-tests", 1, 0, model="other-judge"),
+        *samples("docs", 1, 1),
+    ]
     asyncio.run(stored(tmp_path / "runs.sqlite3", kept))
     d = str(tmp_path)
 
@@ -239,14 +276,26 @@ def test_the_calibration_command_lists_families_and_resets_one(
     assert set(got) == {("fix-tests", "fake-1"), ("fix-tests", "other-judge"), ("docs", "fake-1")}
     fix = got[("fix-tests", "fake-1")]
     assert (fix["successes"], fix["failures"], fix["needed"], fix["rubric"]) == (5, 2, 4, RUBRIC)
-    assert fix["threshold"] == pytest.approx(0.6) and fix["reason"] == "calibrated on 5 successful runs, alpha 0.2"
+    assert fix["threshold"] == pytest.approx(0.6) and fix["reason"] == (
+        "calibrated on 5 successful runs, alpha 0.2"
+    )
     assert got[("docs", "fake-1")]["threshold"] is None
-    # The step budget (every success is 6 steps long) and done (2 failures: 4 needed) from the same samples.
+    # The step budget (every success is 6 steps long) and done (2 failures: 4 needed) from the same
+    # samples.
     assert fix["step_budget"] == 6 and fix["done_above"] is None
-    assert fix["done_reason"] == "not calibrated yet: 2 of 4 failing runs needed at alpha 0.2; never done"
-    # The thresholds are the policy's: from step 2 on with patience 1, the dip at step 2 alone would abort.
-    code, out, _ = cli(capsys, "--state-dir", d, "--alpha", "0.2", "--patience", "1", "--min-steps", "2", "--json")
-    assert {r["family"]: r["threshold"] for r in map(json.loads, out.splitlines()) if r["model"] == "fake-1"} == {
+    assert fix["done_reason"] == (
+        "not calibrated yet: 2 of 4 failing runs needed at alpha 0.2; never done"
+    )
+    # The thresholds are the policy's: from step 2 on with patience 1, the dip at step 2 alone would
+    # abort.
+    code, out, _ = cli(
+        capsys, "--state-dir", d, "--alpha", "0.2", "--patience", "1", "--min-steps", "2", "--json"
+    )
+    assert {
+        r["family"]: r["threshold"]
+        for r in map(json.loads, out.splitlines())
+        if r["model"] == "fake-1"
+    } == {
         "fix-tests": pytest.approx(0.5),
         "docs": None,
     }
@@ -257,29 +306,42 @@ def test_the_calibration_command_lists_families_and_resets_one(
     code, out, _ = cli(capsys, "--state-dir", d, "--json")
     assert [json.loads(line)["family"] for line in out.splitlines()] == ["docs"]
     code, _, err = cli(capsys, "--state-dir", d, "--reset", "fix-tests")
-    assert code == 2 and "no family 'fix-tests' in " in err and "`agent-monitor calibration` lists them" in err
+    assert (
+        code == 2
+        and "no family 'fix-tests' in " in err
+        and ("`agent-monitor calibration` lists them") in err
+    )
 
 
 def test_the_calibration_command_on_an_empty_store_says_what_teaches_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, _ = cli(capsys, "--state-dir", str(tmp_path))
-    assert code == 0 and "no calibration samples in " in out and "outcome success or failure adds one" in out
+    assert (
+        code == 0
+        and "no calibration samples in " in out
+        and ("outcome success or failure adds one") in out
+    )
     assert "if no abort rule could have stopped it" in out and "not a numeric abort_below" in out
 
 
 def test_readme_docs_and_the_command_agree_on_which_runs_teach_auto() -> None:
-    """Runs under a numeric abort_below are censored: the manual's evaluation and calibration pages and the message agree."""
+    """Runs under a numeric abort_below are censored: the manual's evaluation and calibration
+    pages and the message agree."""
     root = REPO
     readme = " ".join((root / "docs" / "evaluation.md").read_text(encoding="utf-8").split())
     docs = " ".join((root / "docs" / "calibration.md").read_text(encoding="utf-8").split())
     assert "whatever its policy" not in readme
-    assert "no abort rule could have stopped" in readme and "runs under a numeric `abort_below`" in readme
+    assert (
+        "no abort rule could have stopped" in readme
+        and ("runs under a numeric `abort_below`") in readme
+    )
     assert "Runs under a numeric `abort_below` are exposed too, and teach nothing" in docs
 
 
 class FullDisk(MemoryStore):
-    """A store that cannot write a run's end while `full`: as if the daemon died between learning and journaling."""
+    """A store that cannot write a run's end while `full`: as if the daemon died between learning
+    and journaling."""
 
     full = True
 
@@ -289,15 +351,20 @@ class FullDisk(MemoryStore):
         await super().journal(record)
 
 
-async def test_a_run_is_learnt_once_when_the_daemon_dies_between_learning_and_journaling_its_end() -> None:
+async def test_a_run_is_learnt_once_when_the_daemon_dies_between_learning_and_journaling_its_end() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     store = FullDisk()
     config = MonitorConfig(policy=Policy(min_steps=1, patience=1))
     async with Monitor(config, judge=judge(), store=store) as mon:
-        await mon.handle("agents/r/start", json.dumps({"task": "a good attempt", "family": "fix-tests"}).encode())
+        await mon.handle(
+            "agents/r/start", json.dumps({"task": "a good attempt", "family": "fix-tests"}).encode()
+        )
         await mon.handle("agents/r/step", json.dumps({"index": 1, "text": "one"}).encode())
         await mon.handle("agents/r/end", json.dumps({"outcome": "success"}).encode())
         await asyncio.wait_for(mon.drain(), 10)
-        assert "r" in mon.book.live and len(mon.calibration) == 1  # learnt, but its end never journaled
+        # learnt, but its end never journaled
+        assert "r" in mon.book.live and len(mon.calibration) == 1
     store.full = False  # a restarted daemon replays the run, which ends (and teaches) again
     async with Monitor(config, judge=judge(), store=store) as mon:
         await asyncio.wait_for(mon.drain(), 10)
@@ -306,16 +373,29 @@ async def test_a_run_is_learnt_once_when_the_daemon_dies_between_learning_and_jo
         assert [s.run_id.split("@")[0] for s in await store.samples()] == ["r"]
 
 
-async def test_the_daemon_applies_a_learnt_step_budget_and_publishes_done(broker: Mosquitto) -> None:
-    """max_steps and done_above "auto" over MQTT: outcomes teach both; a long good run gets done, then the budget."""
+async def test_the_daemon_applies_a_learnt_step_budget_and_publishes_done(
+    broker: Mosquitto,
+) -> None:
+    """max_steps and done_above "auto" over MQTT: outcomes teach both; a long good run gets done,
+    then the budget."""
     store = MemoryStore()
-    policy = {"max_steps": "auto", "done_above": "auto", "alpha": ALPHA, "min_steps": 1, "patience": 2, "holdout": 0.0}
+    policy = {
+        "max_steps": "auto",
+        "done_above": "auto",
+        "alpha": ALPHA,
+        "min_steps": 1,
+        "patience": 2,
+        "holdout": 0.0,
+    }
     async with monitor(broker, store), harness(broker.port) as h:
-        for i in range(NEEDED):  # runs with no rule in force teach: successes 3 steps long, failures scoring C
+        # runs with no rule in force teach: successes 3 steps long, failures scoring C
+        for i in range(NEEDED):
             await finished_run(h, f"good-{i}", "good", "success")
             await finished_run(h, f"bad-{i}", "bad", "failure")
         run = "long"
-        await h.publish(run, "start", {"task": "a good attempt (long)", "family": "fix-tests", "policy": policy})
+        await h.publish(
+            run, "start", {"task": "a good attempt (long)", "family": "fix-tests", "policy": policy}
+        )
         for i in range(1, STEPS + 3):
             await h.publish(run, "step", {"index": i, "text": f"{run} step {i}"})
         await h.until(lambda: any(s and s["signal"] == "abort" for s in h.seen[(run, "signal")]))
@@ -324,7 +404,8 @@ async def test_the_daemon_applies_a_learnt_step_budget_and_publishes_done(broker
         done, stop = signals
         assert done["step"] == 2 and done["reason"].startswith("done: score above")
         assert f"calibrated on {NEEDED} failing runs, alpha 0.2" in done["reason"]
-        # The budget is the longest of 4 successes (3 steps) at alpha 0.2: step 4 is the first past it.
+        # The budget is the longest of 4 successes (3 steps) at alpha 0.2: step 4 is the first past
+        # it.
         assert stop["step"] == STEPS + 1 and stop["reason"].startswith(
             f"step_budget: step 4 past the step budget of {STEPS}"
         )

@@ -1,4 +1,5 @@
-"""Groups belong to their harness: runs rank only with runs of their task (or family), rubric and group policy.
+"""Groups belong to their harness: runs rank only with runs of their task (or family), rubric and
+group policy.
 
 Issue 27 (3) refused a start unlike the group's first run; issue 48 scores it, ranked apart.
 """
@@ -48,25 +49,39 @@ async def _steps(mon: Monitor, runs: list[str], n: int) -> None:
         await mon.drain()
 
 
-async def test_a_run_with_another_task_or_rubric_ranks_apart_and_cannot_prune_the_siblings() -> None:
-    # Issue 27 refused such a start (run_rejected: no monitoring at all); issue 48: it is scored, in a group of
-    # its own key, and told so on its error topic.
+async def test_a_run_with_another_task_or_rubric_ranks_apart_and_cannot_prune_the_siblings() -> (
+    None
+):
+    # Issue 27 refused such a start (run_rejected: no monitoring at all); issue 48: it is scored, in
+    # a group of its own key, and told so on its error topic.
     reg = CollectorRegistry()
-    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), registry=reg, store=MemoryStore()) as mon:
+    async with Monitor(
+        MonitorConfig(policy=POLICY), judge=FakeJudge(answer), registry=reg, store=MemoryStore()
+    ) as mon:
         honest = ["h1", "h2", "h3"]
         for r in honest:
             await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
-        # Another task and a trivial rubric that scores 1.0: before issue 27, it joined and pruned all three.
-        await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
+        # Another task and a trivial rubric that scores 1.0: before issue 27, it joined and pruned
+        # all three.
+        await mon.handle(
+            "agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g")
+        )
         # The same task with another rubric: its scores do not rank against theirs either.
-        await mon.handle("agents/evil2/start", j(task="fix the bug", criteria={"done": "trivially done"}, group="g"))
+        await mon.handle(
+            "agents/evil2/start",
+            j(task="fix the bug", criteria={"done": "trivially done"}, group="g"),
+        )
         out = outputs(mon)
         (e1,) = errors_of(out, "evil")
         (e2,) = errors_of(out, "evil2")
         for e in (e1, e2):
-            assert e["reason"] == "group_split" and "in use by runs of another task, rubric" in e["error"], e
+            assert (
+                e["reason"] == "group_split"
+                and "in use by runs of another task, rubric" in e["error"]
+            ), e
         g1, g2 = mon.groups.of_run["evil"], mon.groups.of_run["evil2"]
-        assert g1.startswith("g~") and g2.startswith("g~") and g1 != g2  # one group per task and rubric
+        # one group per task and rubric
+        assert g1.startswith("g~") and g2.startswith("g~") and g1 != g2
         assert not any(errors_of(out, r) for r in honest)
         await _steps(mon, [*honest, "evil", "evil2"], 4)
         for r in honest:
@@ -80,21 +95,35 @@ async def test_a_run_with_another_task_or_rubric_ranks_apart_and_cannot_prune_th
         assert reg.get_sample_value("agent_monitor_groups_refused_total") == 0
 
 
-async def test_another_group_policy_ranks_apart_and_a_fixed_one_is_not_the_first_runs_choice() -> None:
-    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=MemoryStore()) as mon:
-        await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+async def test_another_group_policy_ranks_apart_and_a_fixed_one_is_not_the_first_runs_choice() -> (
+    None
+):
+    async with Monitor(
+        MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=MemoryStore()
+    ) as mon:
+        await mon.handle(
+            "agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1})
+        )
         await mon.handle("agents/b/start", j(task="t", group="g"))
-        await mon.handle("agents/c/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+        await mon.handle(
+            "agents/c/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1})
+        )
         out = outputs(mon)
         (e,) = errors_of(out, "b")
         assert e["reason"] == "group_split"
-        assert mon.groups.of_run["a"] == mon.groups.of_run["c"] == "g" and mon.groups.of_run["b"].startswith("g~")
-        assert mon.groups.groups[mon.groups.of_run["b"]].policy.prune_margin == 0.2  # b's own settings
+        assert mon.groups.of_run["a"] == mon.groups.of_run["c"] == "g" and mon.groups.of_run[
+            "b"
+        ].startswith("g~")
+        # b's own settings
+        assert mon.groups.groups[mon.groups.of_run["b"]].policy.prune_margin == 0.2
         assert all(mon.run(r) is not None for r in "abc")
-    # Fixed by the monitor: the first run cannot choose; a start asking for other settings is scored in no group.
+    # Fixed by the monitor: the first run cannot choose; a start asking for other settings is scored
+    # in no group.
     config = MonitorConfig(policy=POLICY, group_policy_fixed=True)
     async with Monitor(config, judge=FakeJudge(answer), store=MemoryStore()) as mon:
-        await mon.handle("agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1}))
+        await mon.handle(
+            "agents/a/start", j(task="t", group="g", policy={"prune_margin": 0.0, "patience": 1})
+        )
         await mon.handle("agents/b/start", j(task="t", group="g"))
         out = outputs(mon)
         (e,) = errors_of(out, "a")
@@ -112,7 +141,8 @@ async def test_with_a_group_secret_only_signed_starts_join() -> None:
         mac = group_mac(SECRET, "a", started, "g")
         await mon.handle("agents/a/start", j(task="t", group="g", started_at=started, auth=mac))
         await mon.handle("agents/b/start", j(task="t", group="g"))
-        await mon.handle("agents/c/start", j(task="t", group="g", started_at=started, auth=mac))  # a's MAC, replayed
+        # a's MAC, replayed
+        await mon.handle("agents/c/start", j(task="t", group="g", started_at=started, auth=mac))
         await mon.handle("agents/d/start", j(task="t"))  # ungrouped runs need nothing
         out = outputs(mon)
         for r in ("b", "c"):
@@ -125,17 +155,21 @@ async def test_with_a_group_secret_only_signed_starts_join() -> None:
 
 async def test_the_retained_ranking_carries_the_scores_when_only_scores_change() -> None:
     judge = FakeJudge(lambda p: "P" if "a step" in p.text() else "K")
-    async with Monitor(MonitorConfig(policy=Policy(min_steps=1)), judge=judge, store=MemoryStore()) as mon:
+    async with Monitor(
+        MonitorConfig(policy=Policy(min_steps=1)), judge=judge, store=MemoryStore()
+    ) as mon:
         for r in ("a", "b"):
             await mon.handle(f"agents/{r}/start", j(task="t", group="g"))
-        for i in (1, 2):  # one run at a time: the order a, b (join order, then a ahead) never changes
+        # one run at a time: the order a, b (join order, then a ahead) never changes
+        for i in (1, 2):
             for r in ("a", "b"):
                 await mon.handle(f"agents/{r}/step", j(index=i, text=f"{r} step {i}"))
                 await mon.drain()
         rankings = [b for t, b in outputs(mon) if t == "agents/_groups/g/ranking"]
         last = rankings[-1]
         assert [r["run_id"] for r in last["runs"]] == ["a", "b"]
-        assert all(r["score"] is not None for r in last["runs"]), last  # before: null, published at the join
+        # before: null, published at the join
+        assert all(r["score"] is not None for r in last["runs"]), last
 
 
 def test_labels_group_is_validated_like_start_group() -> None:
@@ -154,15 +188,20 @@ def test_labels_group_is_validated_like_start_group() -> None:
 async def test_a_restart_places_each_run_where_it_was_and_tells_nobody_again() -> None:
     store = MemoryStore()
     async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store) as mon:
-        await mon.handle("agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g"))
+        await mon.handle(
+            "agents/evil/start", j(task="say hi", criteria={"done": "trivially done"}, group="g")
+        )
         for r in ("h1", "h2"):
             await mon.handle(f"agents/{r}/start", j(task="fix the bug", group="g"))
         placed = dict(mon.groups.of_run)
         assert placed["evil"] == "g" and placed["h1"] == placed["h2"] != "g"
     reg = CollectorRegistry()
-    async with Monitor(MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store, registry=reg) as again:
+    async with Monitor(
+        MonitorConfig(policy=POLICY), judge=FakeJudge(answer), store=store, registry=reg
+    ) as again:
         assert again.groups.of_run == placed
         assert not [t for t, _ in outputs(again) if t.endswith("/error")]
         assert reg.get_sample_value("agent_monitor_groups_split_total") == 0
-        await again.handle("agents/h3/start", j(task="fix the bug", group="g"))  # joins its siblings, not evil
+        # joins its siblings, not evil
+        await again.handle("agents/h3/start", j(task="fix the bug", group="g"))
         assert again.groups.of_run["h3"] == placed["h1"]

@@ -1,4 +1,5 @@
-"""Per-run state and the scheduler, driven through Monitor.handle (no broker): order, idempotency, coalescing."""
+"""Per-run state and the scheduler, driven through Monitor.handle (no broker): order,
+idempotency, coalescing."""
 
 from __future__ import annotations
 
@@ -58,7 +59,12 @@ async def test_steps_in_order_duplicates_ignored_and_out_of_order_reordered() ->
         assert mon.metrics.duplicate_steps._value.get() == 2
         # The newest prefix the judge saw holds all four steps, in order.
         last = judge.prompts[-1].prefix_text()
-        assert last.index("said 1") < last.index("said 2") < last.index("said 3") < last.index("said 4")
+        assert (
+            last.index("said 1")
+            < last.index("said 2")
+            < last.index("said 3")
+            < last.index("said 4")
+        )
         progress = of(drained(mon.outbox), "progress", "r1")
         assert progress[-1]["step"] == 4 and progress[-1]["ok"] is True
         assert [p["step"] for p in progress] == sorted(p["step"] for p in progress)
@@ -87,7 +93,11 @@ async def test_steps_without_start_are_reported_after_hold() -> None:
         clock.t += 6
         await mon.sweep()
         errors = of(drained(mon.outbox), "error", "ghost")
-        assert len(errors) == 1 and errors[0]["reason"] == "no_start" and "2 step(s)" in errors[0]["error"]
+        assert (
+            len(errors) == 1
+            and errors[0]["reason"] == "no_start"
+            and "2 step(s)" in errors[0]["error"]
+        )
         assert errors[0]["topic"] == "agents/ghost/step"
         assert mon.metrics.invalid_events.labels("no_start")._value.get() == 2
         assert "ghost" not in mon.book.orphans
@@ -149,7 +159,9 @@ async def test_fairness_a_chatty_run_does_not_starve_others() -> None:
 
 async def test_abort_end_to_end_and_abort_is_final() -> None:
     judge = FakeJudge(lambda p: "B")  # always ~5% done
-    async with Monitor(MonitorConfig(policy=Policy(abort_below=0.3, min_steps=2, patience=2)), judge=judge) as mon:
+    async with Monitor(
+        MonitorConfig(policy=Policy(abort_below=0.3, min_steps=2, patience=2)), judge=judge
+    ) as mon:
         await mon.handle("agents/bad/start", j(task="t"))
         for i in range(1, 4):
             await mon.handle("agents/bad/step", j(index=i, text=f"s{i}"))
@@ -190,14 +202,18 @@ async def test_judge_failure_is_reported_and_never_aborts() -> None:
     from agent_monitor.judges.base import JudgeError
 
     judge = FakeJudge(lambda p: JudgeError("server_error", "HTTP 500"), max_retries=0)
-    async with Monitor(MonitorConfig(policy=Policy(abort_below=0.9, min_steps=0, patience=1)), judge=judge) as mon:
+    async with Monitor(
+        MonitorConfig(policy=Policy(abort_below=0.9, min_steps=0, patience=1)), judge=judge
+    ) as mon:
         await mon.handle("agents/r/start", j(task="t"))
         for i in range(1, 4):
             await mon.handle("agents/r/step", j(index=i, text=f"s{i}"))
             await mon.drain()
         msgs = drained(mon.outbox)
     progress = of(msgs, "progress", "r")
-    assert progress and all(p["score"] is None and p["ok"] is False and p["reason"] == "server_error" for p in progress)
+    assert progress and all(
+        p["score"] is None and p["ok"] is False and p["reason"] == "server_error" for p in progress
+    )
     assert not [m for m in msgs if m.topic.endswith("/signal")]
 
 
@@ -214,7 +230,13 @@ async def test_bad_events_are_reported_counted_and_other_runs_go_on() -> None:
         await mon.drain()
         msgs = drained(mon.outbox)
     errors = of(msgs, "error")
-    assert [e["reason"] for e in errors] == ["bad_json", "invalid", "bad_topic", "duplicate_start", "unknown_run"]
+    assert [e["reason"] for e in errors] == [
+        "bad_json",
+        "invalid",
+        "bad_topic",
+        "duplicate_start",
+        "unknown_run",
+    ]
     assert [m.topic for m in msgs if "error" in m.topic][2] == "agents/_errors"
     assert of(msgs, "progress", "good")[-1]["step"] == 1
     assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_json"}) == 1
@@ -253,7 +275,9 @@ async def test_end_waits_for_the_last_scoring() -> None:
 
 async def test_run_cap_evicts_the_idlest_run() -> None:
     clock = Clock()
-    async with Monitor(MonitorConfig(limits=RunLimits(max_runs=2)), judge=FakeJudge(), clock=clock) as mon:
+    async with Monitor(
+        MonitorConfig(limits=RunLimits(max_runs=2)), judge=FakeJudge(), clock=clock
+    ) as mon:
         for name in ("a", "b"):
             await mon.handle(f"agents/{name}/start", j(task="t"))
             clock.t += 1

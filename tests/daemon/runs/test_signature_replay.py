@@ -1,9 +1,10 @@
-"""Signed outcomes and group joins cannot be replayed (issue 44, finding 5): each (run id, started_at) is used once.
+"""Signed outcomes and group joins cannot be replayed (issue 44, finding 5): each (run id,
+started_at) is used once.
 
-An eavesdropper on a real Mosquitto captures a harness's signed start and end (MonitorClient with the
-outcome secret) and publishes them again, several times, after the run ended: one calibration sample,
-the replays counted, and still one after the monitor restarts on the same journal. A signed start
-whose started_at is outside the freshness window teaches nothing either.
+An eavesdropper on a real Mosquitto captures a harness's signed start and end (MonitorClient with
+the outcome secret) and publishes them again, several times, after the run ended: one calibration
+sample, the replays counted, and still one after the monitor restarts on the same journal. A signed
+start whose started_at is outside the freshness window teaches nothing either.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ async def test_a_captured_signed_end_replayed_with_its_start_teaches_one_sample(
                 end = next(p for t, p in captured if t == "agents/signed-1/end")
             assert "auth" in json.loads(end)
             step = json.dumps({"index": 1, "text": "did it again"}).encode()
-            replay = [("agents/signed-1/start", start), ("agents/signed-1/step", step), ("agents/signed-1/end", end)]
+            replay = [
+                ("agents/signed-1/start", start),
+                ("agents/signed-1/step", step),
+                ("agents/signed-1/end", end),
+            ]
             for _ in range(3):
                 await asyncio.to_thread(_publish, broker.port, replay)
             await _until(lambda: _refused(reg, "replayed") == 3)
@@ -122,16 +127,25 @@ async def test_a_captured_signed_end_replayed_with_its_start_teaches_one_sample(
 async def test_a_signed_outcome_outside_the_freshness_window_teaches_nothing() -> None:
     reg = CollectorRegistry()
     config = MonitorConfig(
-        outcome_secret=SECRET, calibration_rate=10_000, signature_max_age_s=3600, policy=Policy(min_steps=1, patience=1)
+        outcome_secret=SECRET,
+        calibration_rate=10_000,
+        signature_max_age_s=3600,
+        policy=Policy(min_steps=1, patience=1),
     )
     async with Monitor(config, judge=FakeJudge(["P"]), registry=reg) as mon:
         now = time.time()
         for run_id, started in (("old", now - 7200), ("ahead", now + 3600), ("fresh", now - 60)):
-            await mon.handle(f"agents/{run_id}/start", json.dumps({"task": "t", "started_at": started}).encode())
-            await mon.handle(f"agents/{run_id}/step", json.dumps({"index": 1, "text": "x"}).encode())
+            await mon.handle(
+                f"agents/{run_id}/start", json.dumps({"task": "t", "started_at": started}).encode()
+            )
+            await mon.handle(
+                f"agents/{run_id}/step", json.dumps({"index": 1, "text": "x"}).encode()
+            )
             await mon.drain()
             auth = outcome_mac(SECRET, run_id, started, "success")
-            await mon.handle(f"agents/{run_id}/end", json.dumps({"outcome": "success", "auth": auth}).encode())
+            await mon.handle(
+                f"agents/{run_id}/end", json.dumps({"outcome": "success", "auth": auth}).encode()
+            )
             await mon.drain()
         assert [s.run_id.split("@")[0] for s in mon.calibration.samples()] == ["fresh"]
         assert _refused(reg, "stale") == 2
@@ -151,20 +165,33 @@ def test_the_replay_record_is_bounded_and_never_reopens_a_replay() -> None:
 
 def test_a_replayed_or_stale_group_join_is_refused() -> None:
     book = GroupBook(
-        max_groups=10, max_group_runs=10, grace_s=60, secret=SECRET, replays=Replays(3600, 100, clock=time.time)
+        max_groups=10,
+        max_group_runs=10,
+        grace_s=60,
+        secret=SECRET,
+        replays=Replays(3600, 100, clock=time.time),
     )
     started = time.time()
 
     def joiner(run_id: str, at: float) -> Joiner:
-        return Joiner(family="f", rubric="r", policy=Policy(), started_at=at, auth=group_mac(SECRET, run_id, at, "g"))
+        return Joiner(
+            family="f",
+            rubric="r",
+            policy=Policy(),
+            started_at=at,
+            auth=group_mac(SECRET, run_id, at, "g"),
+        )
 
     book._check_joiner("run-1", "g", joiner("run-1", started))
     book.join("run-1", "g", Policy(), started, joiner("run-1", started))
-    book._check_joiner("run-1", "g", joiner("run-1", started))  # the member's own start again (a redelivery): fine
+    # the member's own start again (a redelivery): fine
+    book._check_joiner("run-1", "g", joiner("run-1", started))
     book.end("run-1", "success", started)
     book.forget("run-1")
     with pytest.raises(GroupRefused, match="replayed"):
-        book._check_joiner("run-1", "g", joiner("run-1", started))  # its captured start, once the run left the group
+        # its captured start, once the run left the group
+        book._check_joiner("run-1", "g", joiner("run-1", started))
     with pytest.raises(GroupRefused, match="stale"):
         book._check_joiner("run-2", "g", joiner("run-2", started - 7200))
-    book._check_joiner("run-1", "g", joiner("run-1", started + 1))  # a new run under the same id: a new started_at
+    # a new run under the same id: a new started_at
+    book._check_joiner("run-1", "g", joiner("run-1", started + 1))

@@ -1,4 +1,5 @@
-"""No ambient authority: image paths and URLs in events are refused unless the operator allows them, then bounded."""
+"""No ambient authority: image paths and URLs in events are refused unless the operator allows
+them, then bounded."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def http_server(routes: dict[str, tuple[int, bytes, dict[str, str]]]) -> Iterato
         server.server_close()
 
 
-@pytest.mark.parametrize("image", [{"path": "/etc/shadow"}, {"url": "http://169.254.169.254/latest"}])
+@pytest.mark.parametrize(
+    "image", [{"path": "/etc/shadow"}, {"url": "http://169.254.169.254/latest"}]
+)
 def test_paths_and_urls_are_refused_by_default(image: dict[str, Any]) -> None:
     with pytest.raises(EventError) as e:
         decode_event("agents/r/step", step(image))
@@ -76,7 +79,9 @@ def test_allowed_directory_reads_files_under_it_only(tmp_path: Path) -> None:
     os.mkfifo(allowed / "fifo.png")
     dirs = (str(allowed),)
 
-    run_id, ev = decode_event("agents/r/step", step({"path": str(allowed / "f1.png")}), image_dirs=dirs)
+    run_id, ev = decode_event(
+        "agents/r/step", step({"path": str(allowed / "f1.png")}), image_dirs=dirs
+    )
     fetch_images(run_id, ev, image_dirs=dirs, max_bytes=1 << 20)
     assert ev.images[0].decoded() == png() and ev.images[0].mime == "image/png"  # type: ignore[union-attr]
 
@@ -91,7 +96,9 @@ def test_allowed_directory_reads_files_under_it_only(tmp_path: Path) -> None:
         ("fifo.png", "not a regular file"),
         ("missing.png", "No such file"),
     ]:
-        run_id, ev = decode_event("agents/r/step", step({"path": str(allowed / name)}), image_dirs=dirs)
+        run_id, ev = decode_event(
+            "agents/r/step", step({"path": str(allowed / name)}), image_dirs=dirs
+        )
         with pytest.raises(EventError) as e:
             fetch_images(run_id, ev, image_dirs=dirs, max_bytes=len(png()) + 100)
         assert e.value.reason == "bad_image" and needle in e.value.message, (name, e.value.message)
@@ -106,20 +113,34 @@ def test_allowed_host_is_fetched_without_following_redirects() -> None:
     }
     with http_server(routes) as base:
         hosts = ("127.0.0.1",)
-        run_id, ev = decode_event("agents/r/step", step({"url": f"{base}/cam/1.png"}), image_hosts=hosts)
+        run_id, ev = decode_event(
+            "agents/r/step", step({"url": f"{base}/cam/1.png"}), image_hosts=hosts
+        )
         fetch_images(run_id, ev, image_dirs=(), max_bytes=1 << 20)
         assert ev.images[0].decoded() == image  # type: ignore[union-attr]
-        for path, needle in [("/moved", "HTTP 302"), ("/nope", "HTTP 404"), ("/big", "over the limit")]:
-            run_id, ev = decode_event("agents/r/step", step({"url": base + path}), image_hosts=hosts)
+        for path, needle in [
+            ("/moved", "HTTP 302"),
+            ("/nope", "HTTP 404"),
+            ("/big", "over the limit"),
+        ]:
+            run_id, ev = decode_event(
+                "agents/r/step", step({"url": base + path}), image_hosts=hosts
+            )
             with pytest.raises(EventError) as e:
                 fetch_images(run_id, ev, image_dirs=(), max_bytes=len(image) + 100)
             assert needle in e.value.message
-        for url in ["http://localhost/x.png", "ftp://127.0.0.1/x.png", "http://u:p@127.0.0.1/x.png"]:
+        for url in [
+            "http://localhost/x.png",
+            "ftp://127.0.0.1/x.png",
+            "http://u:p@127.0.0.1/x.png",
+        ]:
             with pytest.raises(EventError):
                 decode_event("agents/r/step", step({"url": url}), image_hosts=hosts)
 
 
-async def test_monitor_reads_allowed_frames_off_the_loop_and_journals_their_bytes(tmp_path: Path) -> None:
+async def test_monitor_reads_allowed_frames_off_the_loop_and_journals_their_bytes(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "f.png").write_bytes(png())
     store = MemoryStore()
     reg = CollectorRegistry()
@@ -128,13 +149,16 @@ async def test_monitor_reads_allowed_frames_off_the_loop_and_journals_their_byte
         await mon.handle("agents/r/start", b'{"task": "t"}')
         await mon.handle("agents/r/step", step({"path": str(tmp_path / "f.png")}).encode())
         await mon.handle(
-            "agents/r/step", json.dumps({"index": 2, "text": "x", "images": [{"path": "/etc/passwd"}]}).encode()
+            "agents/r/step",
+            json.dumps({"index": 2, "text": "x", "images": [{"path": "/etc/passwd"}]}).encode(),
         )
         await mon.drain()
         tracker = mon.tracker("r")
         assert tracker is not None
         steps = tracker.steps
         assert len(steps) == 1 and len(steps[0].frames) == 1
-        assert reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_image"}) == 1
+        assert (
+            reg.get_sample_value("agent_monitor_invalid_events_total", {"reason": "bad_image"}) == 1
+        )
     (stepped,) = [r for r in (await store.replay()).records if isinstance(r, Stepped)]
     assert stepped.step.images[0].decoded() == png()

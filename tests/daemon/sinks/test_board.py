@@ -1,4 +1,5 @@
-"""The web board over HTTP: /metrics, the page, /events (server-sent events) and /api/runs, and their limits.
+"""The web board over HTTP: /metrics, the page, /events (server-sent events) and /api/runs, and
+their limits.
 
 A real Monitor (scripted judge, fed with `handle()`) with the board sink, served by the real
 HttpServer on a free port; the tests speak HTTP over plain sockets, so every byte on the wire is
@@ -25,7 +26,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_monitor.daemon import Board, BoardSettings, HttpServer, MemoryStore, Monitor, MonitorConfig
+from agent_monitor.daemon import (
+    Board,
+    BoardSettings,
+    HttpServer,
+    MemoryStore,
+    Monitor,
+    MonitorConfig,
+)
 from agent_monitor.daemon.http import BOARD_PORT, HttpSettings
 from agent_monitor.daemon.sinks import BoardSite
 from agent_monitor.daemon.sinks._board import TASK_CHARS
@@ -60,11 +68,18 @@ class Served:
         await self.monitor.handle(f"agents/{run_id}/start", j(task=task, **extra))
 
     async def step(self, run_id: str, index: int) -> None:
-        await self.monitor.handle(f"agents/{run_id}/step", j(index=index, text=f"{run_id} step {index}"))
+        await self.monitor.handle(
+            f"agents/{run_id}/step", j(index=index, text=f"{run_id} step {index}")
+        )
         await asyncio.wait_for(self.monitor.drain(), 10)
 
     def dropped(self, reason: str) -> float:
-        return self.registry.get_sample_value("agent_monitor_board_clients_dropped_total", {"reason": reason}) or 0.0
+        return (
+            self.registry.get_sample_value(
+                "agent_monitor_board_clients_dropped_total", {"reason": reason}
+            )
+            or 0.0
+        )
 
 
 @asynccontextmanager
@@ -80,8 +95,13 @@ async def served(
     registry = CollectorRegistry()
     board = Board(settings, registry=registry, clock=clock)
     config = config or MonitorConfig(policy=policy or Policy())
-    monitor = Monitor(config, judge=judge or FakeJudge(), registry=registry, sinks=[board], clock=clock)
-    async with HttpServer(registry, port=0, settings=HttpSettings(**kw), site=BoardSite(board)) as web, monitor:
+    monitor = Monitor(
+        config, judge=judge or FakeJudge(), registry=registry, sinks=[board], clock=clock
+    )
+    async with (
+        HttpServer(registry, port=0, settings=HttpSettings(**kw), site=BoardSite(board)) as web,
+        monitor,
+    ):
         yield Served(monitor, board, web, registry, clock)
 
 
@@ -93,7 +113,8 @@ class Reply:
 
 
 async def exchange(port: int, raw: bytes) -> Reply:
-    """Send raw bytes, read the whole reply (the server closes every connection after its response)."""
+    """Send raw bytes, read the whole reply (the server closes every connection after its
+    response)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(raw)
@@ -113,7 +134,8 @@ async def get(port: int, path: str, method: str = "GET", **headers: str) -> Repl
 
 
 class EventStream:
-    """A browser's /events connection, read by hand: each event's type and JSON data, comments kept."""
+    """A browser's /events connection, read by hand: each event's type and JSON data, comments
+    kept."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
@@ -129,7 +151,9 @@ class EventStream:
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         lines = head.decode("latin-1").split("\r\n")
         assert lines[0] == "HTTP/1.1 200 OK", lines[0]
-        stream.headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+        stream.headers = {
+            k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)
+        }
         return stream
 
     async def next(self, *, comments: bool = False) -> tuple[str, dict[str, Any]]:
@@ -183,7 +207,10 @@ async def test_metrics_is_the_registry_exposition_as_the_scraper_asks() -> None:
         assert families["agent_monitor_runs_active"].samples[0].value == 1
         progress = families["agent_monitor_run_progress"].samples[0]
         assert progress.labels["run_id"] == "r1" and progress.value == pytest.approx(1 / 19)
-        assert "agent_monitor_board_clients" in families and "agent_monitor_board_clients_dropped" in families
+        assert (
+            "agent_monitor_board_clients" in families
+            and "agent_monitor_board_clients_dropped" in families
+        )
 
         om = await get(s.web.port, "/metrics", accept="application/openmetrics-text; version=1.0.0")
         assert om.headers["content-type"].startswith("application/openmetrics-text")
@@ -194,7 +221,9 @@ async def test_metrics_is_the_registry_exposition_as_the_scraper_asks() -> None:
         assert b"agent_monitor_runs_active 1.0" in gzip.decompress(zipped.body)
 
         head = await get(s.web.port, "/metrics", method="HEAD")
-        assert head.status == 200 and head.body == b"" and int(head.headers["content-length"]) > 1000
+        assert (
+            head.status == 200 and head.body == b"" and int(head.headers["content-length"]) > 1000
+        )
 
 
 async def test_without_the_board_only_metrics_are_served() -> None:
@@ -227,14 +256,24 @@ async def test_the_page_is_one_self_contained_file_under_a_strict_content_securi
     assert f"script-src {digest(scripts[0])};" in csp and f"style-src {digest(styles[0])};" in csp
     assert "default-src 'none'" in csp and "unsafe-inline" not in csp and "unsafe-eval" not in csp
     assert "connect-src 'self'" in csp and "frame-ancestors 'none'" in csp
-    assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
-    # No external resources (air-gapped machines): every src/href is a data: URL, and no @import or url().
+    assert (
+        r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    )
+    # No external resources (air-gapped machines): every src/href is a data: URL, and no @import or
+    # url().
     assert re.findall(r"""(?:src|<link[^>]*href)=["']([^"']*)""", html) == ["data:,"]
     # Its one static link goes to the history of ended runs, on the same server.
     assert re.findall(r"""<a[^>]*href=["']([^"']*)""", html) == ["runs"]
     assert "@import" not in html and "url(" not in html
     # Text from events goes in as text: the script never parses markup.
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "new Function",
+    ):
         assert sink not in scripts[0], sink
     assert "textContent" in scripts[0]
 
@@ -244,7 +283,8 @@ async def test_the_page_is_one_self_contained_file_under_a_strict_content_securi
 
 async def test_snapshot_keeps_the_newest_points_task_cut_labels_signal_and_reason() -> None:
     policy = Policy(abort_below=0.2, min_steps=1, patience=1)
-    judge = FakeJudge(lambda p: "B" if "doomed" in p.prefix_text() else "K")  # B = 1/19: abort; K = 10/19
+    # B = 1/19: abort; K = 10/19
+    judge = FakeJudge(lambda p: "B" if "doomed" in p.prefix_text() else "K")
     async with served(BoardSettings(points=3), policy=policy, judge=judge) as s:
         await s.start("fine", task="x" * 1000, labels={"group": "alpha", "model": "m1"})
         await s.start("doomed-1", task="a doomed task")
@@ -254,11 +294,14 @@ async def test_snapshot_keeps_the_newest_points_task_cut_labels_signal_and_reaso
         r = await get(s.web.port, "/api/runs")
         assert r.status == 200 and r.headers["content-type"] == "application/json"
         snap = json.loads(r.body)
-    assert [run["run_id"] for run in snap["runs"]] == ["doomed-1", "fine"]  # most recently active first
+    # most recently active first
+    assert [run["run_id"] for run in snap["runs"]] == ["doomed-1", "fine"]
     assert snap["live"] == 2 and snap["hidden"] == 0 and snap["points"] == 3
     fine, doomed = snap["runs"][1], snap["runs"][0]
     assert [p[0] for p in fine["curve"]] == [3, 4, 5]  # the newest 3 points
-    assert fine["curve"][-1][1] == pytest.approx(10 / 19) and fine["score"] == pytest.approx(10 / 19)
+    assert fine["curve"][-1][1] == pytest.approx(10 / 19) and fine["score"] == pytest.approx(
+        10 / 19
+    )
     assert len(fine["task"]) == TASK_CHARS and fine["task"].endswith("…")
     assert fine["labels"] == {"group": "alpha", "model": "m1"} and fine["group"] == "alpha"
     assert fine["step"] == 5 and fine["signal"] == "continue" and fine["outcome"] is None
@@ -302,8 +345,13 @@ async def test_only_the_most_recently_active_runs_are_kept_and_the_rest_counted(
         for run in ("a", "b", "c"):
             await s.start(run, task=f"task {run}")
         snap = s.board.snapshot()
-        assert [r["run_id"] for r in snap["runs"]] == ["c", "b"] and snap["hidden"] == 1 and snap["live"] == 3
-        await s.step("a", 1)  # back on the board (with its task), pushing out the least recently active
+        assert (
+            [r["run_id"] for r in snap["runs"]] == ["c", "b"]
+            and snap["hidden"] == 1
+            and snap["live"] == 3
+        )
+        # back on the board (with its task), pushing out the least recently active
+        await s.step("a", 1)
         snap = s.board.snapshot()
         assert [r["run_id"] for r in snap["runs"]] == ["a", "c"] and snap["hidden"] == 1
         assert snap["runs"][0]["task"] == "task a" and len(snap["runs"][0]["curve"]) == 1
@@ -335,12 +383,18 @@ async def test_runs_restored_after_a_restart_are_back_on_the_board() -> None:
             await asyncio.wait_for(first.drain(), 10)
     registry = CollectorRegistry()
     board = Board(registry=registry)
-    second = Monitor(MonitorConfig(), judge=FakeJudge(), store=store, registry=registry, sinks=[board])
+    second = Monitor(
+        MonitorConfig(), judge=FakeJudge(), store=store, registry=registry, sinks=[board]
+    )
     async with second:
         board.restore((second.run(r) for r in second.restored), live=len(second.restored))
         (run,) = board.snapshot()["runs"]
     assert run["run_id"] == "r" and run["task"] == "survives" and run["group"] == "g"
-    assert [p[0] for p in run["curve"]] == [1, 2, 3] and run["step"] == 3 and run["score"] == pytest.approx(3 / 19)
+    assert (
+        [p[0] for p in run["curve"]] == [1, 2, 3]
+        and run["step"] == 3
+        and run["score"] == pytest.approx(3 / 19)
+    )
 
 
 # -- /events --
@@ -356,7 +410,9 @@ async def test_events_send_a_snapshot_then_one_event_per_change_and_keep_alive_c
             assert stream.headers["cache-control"] == "no-store"
             kind, snap = await stream.next()
             assert kind == "snapshot" and stream.retry == 2000
-            assert [r["run_id"] for r in snap["runs"]] == ["r1"] and snap["runs"][0]["curve"][0][0] == 1
+            assert [r["run_id"] for r in snap["runs"]] == ["r1"] and snap["runs"][0]["curve"][0][
+                0
+            ] == 1
 
             await s.step("r1", 2)
             update = await stream.until("run", "r1")
@@ -365,7 +421,11 @@ async def test_events_send_a_snapshot_then_one_event_per_change_and_keep_alive_c
 
             await s.start("r2", task="second")
             opened = await stream.until("run", "r2")
-            assert opened["run"]["curve"] == [] and opened["run"]["task"] == "second" and opened["live"] == 2
+            assert (
+                opened["run"]["curve"] == []
+                and opened["run"]["task"] == "second"
+                and opened["live"] == 2
+            )
 
             await s.monitor.handle("agents/r2/end", j(outcome="failure"))
             closed = await stream.until("run", "r2")
@@ -384,7 +444,8 @@ async def test_events_send_a_snapshot_then_one_event_per_change_and_keep_alive_c
 
 
 async def test_event_text_cannot_break_out_of_its_event() -> None:
-    """A task with newlines and SSE field names stays data of one event (JSON escapes the newlines)."""
+    """A task with newlines and SSE field names stays data of one event (JSON escapes the
+    newlines)."""
     hostile = 'line 1\n\nevent: gone\ndata: {"run_id": "r"}\n\r\n<script>alert(1)</script>'
     async with served() as s:
         stream = await EventStream.open(s.web.port)
@@ -401,15 +462,19 @@ async def test_event_text_cannot_break_out_of_its_event() -> None:
 
 
 async def test_a_slow_browser_is_dropped_and_counted_while_scoring_and_the_others_go_on() -> None:
-    """A browser that reads nothing: its queue fills, it is dropped; a reading browser gets every update."""
+    """A browser that reads nothing: its queue fills, it is dropped; a reading browser gets every
+    update."""
     runs = 400
-    labels = {f"k{i}": "v" * 250 for i in range(15)} | {"group": "g"}  # big updates fill the buffers sooner
+    # big updates fill the buffers sooner
+    labels = {f"k{i}": "v" * 250 for i in range(15)} | {"group": "g"}
     async with served(BoardSettings(client_queue=20, max_runs=runs + 1)) as s:
         slow = socket.socket()
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         slow.setblocking(False)
         await asyncio.get_running_loop().sock_connect(slow, ("127.0.0.1", s.web.port))
-        await asyncio.get_running_loop().sock_sendall(slow, b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.get_running_loop().sock_sendall(
+            slow, b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
         fast = await EventStream.open(s.web.port)
         seen: set[str] = set()
 
@@ -429,10 +494,14 @@ async def test_a_slow_browser_is_dropped_and_counted_while_scoring_and_the_other
                 await asyncio.wait_for(reader, 30)
             assert s.dropped("slow") == 1, "the browser that reads nothing was not dropped"
             assert s.board.clients == 1
-            assert s.monitor.scorings == runs and len(seen) == runs  # scoring and the reading browser went on
-            # The slow browser's connection was closed: after what the buffers held, it reads the end.
+            # scoring and the reading browser went on
+            assert s.monitor.scorings == runs and len(seen) == runs
+            # The slow browser's connection was closed: after what the buffers held, it reads the
+            # end.
             with contextlib.suppress(ConnectionResetError):
-                while await asyncio.wait_for(asyncio.get_running_loop().sock_recv(slow, 1 << 20), 10):
+                while await asyncio.wait_for(
+                    asyncio.get_running_loop().sock_recv(slow, 1 << 20), 10
+                ):
                     pass
         finally:
             fast.close()
@@ -444,10 +513,15 @@ async def test_more_browsers_than_allowed_are_answered_503_and_counted() -> None
         streams = [await EventStream.open(s.web.port) for _ in range(2)]
         try:
             r = await get(s.web.port, "/events")
-            assert r.status == 503 and r.headers["retry-after"] == "10" and b"--board-clients" in r.body
+            assert (
+                r.status == 503
+                and r.headers["retry-after"] == "10"
+                and b"--board-clients" in r.body
+            )
             assert s.dropped("full") == 1 and s.board.clients == 2
             streams.pop().close()
-            await asyncio.wait_for(_until(lambda: s.board.clients == 1), 10)  # noticed at once, not at a keep-alive
+            # noticed at once, not at a keep-alive
+            await asyncio.wait_for(_until(lambda: s.board.clients == 1), 10)
             streams.append(await EventStream.open(s.web.port))
             assert s.board.clients == 2
         finally:
@@ -477,7 +551,9 @@ async def _until(check: Any) -> None:
 # -- what is refused --
 
 
-async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests_are_refused() -> None:
+async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests_are_refused() -> (
+    None
+):
     async with served(head_timeout_s=0.2) as s:
         port = s.web.port
         r = await get(port, "/nope")
@@ -488,7 +564,10 @@ async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests
         r = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
         assert r.status == 413
         r = await exchange(
-            port, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * BOARD_PORT.max_head_bytes + b"\r\n\r\n"
+            port,
+            b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: "
+            + b"a" * BOARD_PORT.max_head_bytes
+            + b"\r\n\r\n",
         )
         assert r.status == 431
         r = await exchange(port, b"HELLO\r\n\r\n")
@@ -502,12 +581,15 @@ async def test_unknown_paths_other_methods_bodies_and_oversized_or_slow_requests
         assert (await get(port, "/api/runs")).status == 200
 
 
-async def test_connections_beyond_the_cap_shed_the_slowest_head_and_are_refused_when_all_work() -> None:
+async def test_connections_beyond_the_cap_shed_the_slowest_head_and_are_refused_when_all_work() -> (
+    None
+):
     async with served(max_connections=2) as s:
         gate = s.web.gate
         held = [await asyncio.open_connection("127.0.0.1", s.web.port) for _ in range(2)]
         await asyncio.wait_for(_until(lambda: gate.connections == 2), 10)
-        # Two connections that never send their head: a third, with a request, sheds the older and is answered.
+        # Two connections that never send their head: a third, with a request, sheds the older and
+        # is answered.
         reader, writer = await asyncio.open_connection("127.0.0.1", s.web.port)
         writer.write(b"GET /api/runs HTTP/1.1\r\nhost: x\r\n\r\n")
         assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.1 200")
@@ -517,13 +599,16 @@ async def test_connections_beyond_the_cap_shed_the_slowest_head_and_are_refused_
         for _, w in held:
             w.close()
         await asyncio.wait_for(_until(lambda: gate.connections == 0), 15)
-        # Two board clients streaming /events (both working): a third connection is closed unanswered.
+        # Two board clients streaming /events (both working): a third connection is closed
+        # unanswered.
         streams = []
         for _ in range(2):
             r, w = await asyncio.open_connection("127.0.0.1", s.web.port)
             w.write(b"GET /events HTTP/1.1\r\nhost: x\r\n\r\n")
             streams.append((r, w))
-        await asyncio.wait_for(_until(lambda: gate.connections == 2 and gate.waiting_count == 0), 10)
+        await asyncio.wait_for(
+            _until(lambda: gate.connections == 2 and gate.waiting_count == 0), 10
+        )
         reader, writer = await asyncio.open_connection("127.0.0.1", s.web.port)
         with contextlib.suppress(ConnectionResetError):
             assert await asyncio.wait_for(reader.read(), 10) == b""
@@ -536,7 +621,8 @@ async def test_connections_beyond_the_cap_shed_the_slowest_head_and_are_refused_
 
 
 async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
-    """A response bigger than the socket buffers, never read: the connection is closed after write_timeout_s."""
+    """A response bigger than the socket buffers, never read: the connection is closed after
+    write_timeout_s."""
     from prometheus_client.core import GaugeMetricFamily
 
     class Big:
@@ -557,19 +643,34 @@ async def test_a_client_that_does_not_read_its_response_is_let_go() -> None:
             await loop.sock_connect(sock, ("127.0.0.1", web.port))
             await loop.sock_sendall(sock, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
             await asyncio.wait_for(_until(lambda: web.gate.connections == 1), 10)
-            await asyncio.wait_for(_until(lambda: web.gate.connections == 0), 30)  # let go, though nothing was read
+            # let go, though nothing was read
+            await asyncio.wait_for(_until(lambda: web.gate.connections == 0), 30)
         finally:
             sock.close()
 
 
 def test_numbers_json_cannot_carry_become_null() -> None:
-    """A score's NaN or infinite figure must not make the board's event unencodable (the sink would fail)."""
+    """A score's NaN or infinite figure must not make the board's event unencodable (the sink
+    would fail)."""
     from agent_monitor.daemon import Scored
     from agent_monitor.progress import Progress
 
     board = Board()
-    p = Progress(step=1, score=0.5, uncertainty=math.nan, criteria={}, ok=True, mass=math.inf, spread=math.nan)
+    p = Progress(
+        step=1,
+        score=0.5,
+        uncertainty=math.nan,
+        criteria={},
+        ok=True,
+        mass=math.inf,
+        spread=math.nan,
+    )
     board(Scored("r", p, p.to_json(), (), 0.0))
     (run,) = json.loads(json.dumps(board.snapshot(), allow_nan=False))["runs"]
-    assert run["score"] == 0.5 and run["uncertainty"] is None and run["mass"] is None and run["spread"] is None
+    assert (
+        run["score"] == 0.5
+        and run["uncertainty"] is None
+        and run["mass"] is None
+        and run["spread"] is None
+    )
     assert run["curve"] == [[1, 0.5, None]]

@@ -1,5 +1,5 @@
-"""Cost per run: running totals of judge tokens on every result, priced exactly, over MQTT, across restarts, in
-`runs` / `export` and in the per-run gauges."""
+"""Cost per run: running totals of judge tokens on every result, priced exactly, over MQTT, across
+restarts, in `runs` / `export` and in the per-run gauges."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_monitor import AsyncProgressTracker, Prices, Progress, ProgressTracker, Usage, atrack, track
+from agent_monitor import (
+    AsyncProgressTracker,
+    Prices,
+    Progress,
+    ProgressTracker,
+    Usage,
+    atrack,
+    track,
+)
 from agent_monitor.cli import main
 from agent_monitor.daemon import MemoryStore, MetricsSettings, Monitor, MonitorConfig, SqliteStore
 from agent_monitor.daemon.runs._views import RunSeries
@@ -32,8 +40,13 @@ PRICES = Prices(input=2.5, output=10.0, cached_input=1.25)
 
 
 def per_step(prompt: Prompt) -> Usage:
-    """A judge with a prefix cache: step n's prompt is 1000 n tokens, all but the newest 1000 read from the cache."""
-    return Usage(input_tokens=1000 * prompt.step, cached_input_tokens=1000 * (prompt.step - 1), output_tokens=1)
+    """A judge with a prefix cache: step n's prompt is 1000 n tokens, all but the newest 1000
+    read from the cache."""
+    return Usage(
+        input_tokens=1000 * prompt.step,
+        cached_input_tokens=1000 * (prompt.step - 1),
+        output_tokens=1,
+    )
 
 
 def usage_of(steps: range) -> Usage:
@@ -50,7 +63,8 @@ def test_cost_is_exact_from_integer_totals() -> None:
     # 1234 tokens at 0.15 per million is 0.0001851 exactly; summing float per-token costs is not.
     assert Prices(input=0.15, output=0.6).cost(Usage(1234, 0, 0)) == 0.0001851
     assert sum([0.15 / 1e6] * 1234) != 0.0001851
-    # Cached tokens are part of input and billed at their own price: 1e6 fresh, 1e6 cached, 1000 out.
+    # Cached tokens are part of input and billed at their own price: 1e6 fresh, 1e6 cached, 1000
+    # out.
     assert PRICES.cost(Usage(2_000_000, 1_000_000, 1000)) == 2.5 + 1.25 + 0.01
     # 4 fresh at 0.1, 3 cached at 0.025, 2 out at 0.4: 1.275 per million.
     assert Prices(input=0.1, output=0.4, cached_input=0.025).cost(Usage(7, 3, 2)) == 1.275e-6
@@ -58,7 +72,10 @@ def test_cost_is_exact_from_integer_totals() -> None:
 
 def test_cached_input_without_its_own_price_is_billed_as_input() -> None:
     assert Prices(input=3.0, output=15.0).cost(Usage(1_000_000, 800_000, 0)) == 3.0
-    assert Prices(input=3.0, output=15.0, cached_input=0.3).cost(Usage(1_000_000, 800_000, 0)) == 0.6 + 0.24
+    assert (
+        Prices(input=3.0, output=15.0, cached_input=0.3).cost(Usage(1_000_000, 800_000, 0))
+        == 0.6 + 0.24
+    )
 
 
 @pytest.mark.parametrize(
@@ -72,7 +89,9 @@ def test_cached_input_without_its_own_price_is_billed_as_input() -> None:
     ],
 )
 def test_unusable_prices_are_refused_with_what_to_do(kw: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="use a finite number of USD per million tokens, 0 or more"):
+    with pytest.raises(
+        ValueError, match="use a finite number of USD per million tokens, 0 or more"
+    ):
         Prices(**kw)
 
 
@@ -80,7 +99,10 @@ def test_unusable_prices_are_refused_with_what_to_do(kw: dict[str, Any]) -> None
     ("kw", "message"),
     [
         ({"price_input": -1.0, "price_output": 1.0}, r"price_input=-1.0 \(--price-input\)"),
-        ({"price_input": 1.0, "price_output": 1.0, "price_cached_input": math.inf}, r"--price-cached-input"),
+        (
+            {"price_input": 1.0, "price_output": 1.0, "price_cached_input": math.inf},
+            r"--price-cached-input",
+        ),
         ({"price_input": 1.0}, "price_output not given"),
         ({"price_cached_input": 1.0}, "price_input and price_output not given"),
     ],
@@ -92,7 +114,16 @@ def test_monitor_config_refuses_prices_it_cannot_use(kw: dict[str, Any], message
 
 def test_serve_flags_and_environment_give_the_prices(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
-        ["serve", "--judge", "openai", "--judge-url", "http://127.0.0.1:9/v1", "--no-store", "--price-input", "-2"],
+        [
+            "serve",
+            "--judge",
+            "openai",
+            "--judge-url",
+            "http://127.0.0.1:9/v1",
+            "--no-store",
+            "--price-input",
+            "-2",
+        ],
         environ={"AGENT_MONITOR_PRICE_OUTPUT": "1"},
     )
     assert code == 2 and "price_input=-2.0 (--price-input)" in capsys.readouterr().err
@@ -104,7 +135,8 @@ def test_serve_flags_and_environment_give_the_prices(capsys: pytest.CaptureFixtu
 
 
 def test_totals_are_the_sum_of_every_scorings_usage_failures_included() -> None:
-    # Step 2: the letters hold 10% of the mass (low_mass; its tokens were spent). Step 3: the call failed (none were).
+    # Step 2: the letters hold 10% of the mass (low_mass; its tokens were spent). Step 3: the call
+    # failed (none were).
     answers = ["C", {"The": 0.9, "C": 0.1}, FakeJudge.failure("bad_request"), "E"]
     judge = FakeJudge(answers, usage=per_step)
     with ProgressTracker("count", judge=judge, prices=PRICES) as tracker:
@@ -117,15 +149,25 @@ def test_totals_are_the_sum_of_every_scorings_usage_failures_included() -> None:
             assert p.totals == running
             assert p.cost == PRICES.cost(running)
         # Steps 1, 2 and 4: 7000 input, 4000 of it cached, 3 output; every token the judge reported.
-        assert tracker.usage == usage_of(range(1, 3)) + usage_of(range(4, 5)) == Usage(7000, 4000, 3) == judge.usage
-        assert tracker.cost == curve[-1].cost == (3000 * 2.5 + 4000 * 1.25 + 3 * 10.0) / 1e6 == 0.01253
+        assert (
+            tracker.usage
+            == usage_of(range(1, 3)) + usage_of(range(4, 5))
+            == Usage(7000, 4000, 3)
+            == judge.usage
+        )
+        assert (
+            tracker.cost == curve[-1].cost == (3000 * 2.5 + 4000 * 1.25 + 3 * 10.0) / 1e6 == 0.01253
+        )
 
 
 def test_a_scorings_usage_sums_its_criteria_calls_and_the_judge_counts_its_own() -> None:
     from agent_monitor.criteria import Criterion
 
     judge = FakeJudge(["C"], usage=Usage(100, 40, 1))
-    rubric = [Criterion("progress", "How far along is the task?"), Criterion("safety", "Is it safe?", weight=0.5)]
+    rubric = [
+        Criterion("progress", "How far along is the task?"),
+        Criterion("safety", "Is it safe?", weight=0.5),
+    ]
     with ProgressTracker("count", judge=judge, criteria=rubric) as tracker:
         p = tracker.update("step 1")
         assert p.calls == 2 and p.usage == Usage(200, 80, 2) == p.totals == judge.usage
@@ -143,8 +185,15 @@ async def test_coalesced_steps_count_once_per_scoring_and_every_token_spent() ->
             tracker.submit(f"step {i}")
         latest = await tracker.drain()
     assert latest is not None and latest.step == 7 and latest.coalesced == 6
-    assert tracker.usage == latest.totals == judge.usage == usage_of(range(1, 2)) + usage_of(range(7, 8))
-    assert tracker.cost is None and latest.cost is None and latest.to_json()["totals"]["cost"] is None
+    assert (
+        tracker.usage
+        == latest.totals
+        == judge.usage
+        == usage_of(range(1, 2)) + usage_of(range(7, 8))
+    )
+    assert (
+        tracker.cost is None and latest.cost is None and latest.to_json()["totals"]["cost"] is None
+    )
 
 
 async def test_track_and_atrack_price_the_run() -> None:
@@ -158,9 +207,17 @@ async def test_track_and_atrack_price_the_run() -> None:
 
 
 def test_restored_totals_continue_and_old_results_count_their_own_tokens() -> None:
-    old = [Progress(step=i, score=0.5, uncertainty=0.1, criteria={}, ok=True, usage=Usage(10, 0, 1)) for i in (1, 2)]
+    old = [
+        Progress(step=i, score=0.5, uncertainty=0.1, criteria={}, ok=True, usage=Usage(10, 0, 1))
+        for i in (1, 2)
+    ]
     assert run_totals(old) == Usage(20, 0, 2)  # stored before totals existed
-    new = [*old, Progress(step=3, score=0.5, uncertainty=0.1, criteria={}, ok=True, totals=Usage(100, 40, 5))]
+    new = [
+        *old,
+        Progress(
+            step=3, score=0.5, uncertainty=0.1, criteria={}, ok=True, totals=Usage(100, 40, 5)
+        ),
+    ]
     assert run_totals(new) == Usage(100, 40, 5)
     tracker = AsyncProgressTracker("count", judge=FakeJudge(usage=per_step), prices=PRICES)
     tracker.restore(new)
@@ -222,7 +279,10 @@ async def test_progress_messages_carry_totals_that_survive_a_restart(
 
     # A new life on the same store: step 4's totals go on from step 3's, not from 0.
     store = SqliteStore(state / "runs.sqlite3")
-    async with Monitor(config(broker), judge=FakeJudge(usage=per_step), store=store) as mon, harness(broker.port) as h:
+    async with (
+        Monitor(config(broker), judge=FakeJudge(usage=per_step), store=store) as mon,
+        harness(broker.port) as h,
+    ):
         assert mon.restored == ("r",)
         tracker = mon.tracker("r")
         assert tracker is not None and tracker.usage == usage_of(range(1, 4))
@@ -230,7 +290,12 @@ async def test_progress_messages_carry_totals_that_survive_a_restart(
         await h.until(lambda: h.last_step("r") == 4)
         last = h.progress("r")[-1]
         assert last["tokens"] == {"input": 4000, "cached_input": 3000, "output": 1}
-        assert last["totals"] == {"input": 10000, "cached_input": 6000, "output": 4, "cost": 0.01754}
+        assert last["totals"] == {
+            "input": 10000,
+            "cached_input": 6000,
+            "output": 4,
+            "cost": 0.01754,
+        }
         await h.publish("r", "end", {"outcome": "success"})
         await asyncio.wait_for(mon.drain(), 10)
     await store.aclose()
@@ -251,46 +316,70 @@ async def test_progress_messages_carry_totals_that_survive_a_restart(
 
 async def test_rescored_runs_keep_their_totals() -> None:
     store = MemoryStore()
-    async with Monitor(MonitorConfig(max_concurrency=1), judge=FakeJudge(usage=per_step), store=store) as mon:
+    async with Monitor(
+        MonitorConfig(max_concurrency=1), judge=FakeJudge(usage=per_step), store=store
+    ) as mon:
         await mon.handle("agents/r/start", b'{"task": "count"}')
         for i in (1, 2):
-            await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"step {i}"}).encode())
+            await mon.handle(
+                "agents/r/step", json.dumps({"index": i, "text": f"step {i}"}).encode()
+            )
             await asyncio.wait_for(mon.drain(), 10)
-    # Rescoring judges the newest prefix again (a new judge), and those tokens add to what was spent before.
-    async with Monitor(MonitorConfig(rescore=True), judge=FakeJudge(usage=per_step), store=store) as mon:
+    # Rescoring judges the newest prefix again (a new judge), and those tokens add to what was spent
+    # before.
+    async with Monitor(
+        MonitorConfig(rescore=True), judge=FakeJudge(usage=per_step), store=store
+    ) as mon:
         await asyncio.wait_for(mon.drain(), 10)
         tracker = mon.tracker("r")
         assert tracker is not None and tracker.latest is not None
-        assert tracker.usage == tracker.latest.totals == usage_of(range(1, 3)) + usage_of(range(2, 3))
+        assert (
+            tracker.usage == tracker.latest.totals == usage_of(range(1, 3)) + usage_of(range(2, 3))
+        )
 
 
 async def test_a_monitors_run_gauges_respect_its_series_cap() -> None:
     clock = iter(range(1000, 10_000)).__next__
     settings = MetricsSettings(max_series=1)
-    cfg = MonitorConfig(metrics=settings, price_input=2.5, price_output=10.0, price_cached_input=1.25)
+    cfg = MonitorConfig(
+        metrics=settings, price_input=2.5, price_output=10.0, price_cached_input=1.25
+    )
     async with Monitor(cfg, judge=FakeJudge(usage=per_step), clock=lambda: float(clock())) as mon:
         for run in ("old", "new"):
             await mon.handle(f"agents/{run}/start", b'{"task": "count"}')
             await mon.handle(f"agents/{run}/step", b'{"index": 1, "text": "step 1"}')
             await asyncio.wait_for(mon.drain(), 10)
-        families = {f.name: f for f in text_string_to_metric_families(generate_latest(mon.registry).decode())}
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(generate_latest(mon.registry).decode())
+        }
     assert {s.labels["run_id"] for s in families["agent_monitor_run_tokens"].samples} == {"new"}
-    assert [(s.labels["run_id"], s.value) for s in families["agent_monitor_run_cost_usd"].samples] == [("new", 0.00251)]
+    assert [
+        (s.labels["run_id"], s.value) for s in families["agent_monitor_run_cost_usd"].samples
+    ] == [("new", 0.00251)]
     assert families["agent_monitor_run_series_capped"].samples[0].value == 1
-    # Both runs are in the global counter, priced once from its totals: 2 x 1000 input at 2.5, 2 outputs at 10.
+    # Both runs are in the global counter, priced once from its totals: 2 x 1000 input at 2.5, 2
+    # outputs at 10.
     assert families["agent_monitor_judge_cost_usd"].samples[0].value == 0.00502
 
 
 def test_run_gauges_respect_the_series_cap() -> None:
-    runs = [RunSeries(f"r{i}", step=1, last_event=float(i), tokens=Usage(i, 0, 1), cost=i / 1e6) for i in range(5)]
+    runs = [
+        RunSeries(f"r{i}", step=1, last_event=float(i), tokens=Usage(i, 0, 1), cost=i / 1e6)
+        for i in range(5)
+    ]
     registry = CollectorRegistry()
     registry.register(RunCollector(lambda: runs, max_series=2))
-    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    families = {
+        f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
     tokens = families["agent_monitor_run_tokens"].samples
     assert {(s.labels["run_id"], s.labels["kind"]) for s in tokens} == {
         (r, k) for r in ("r4", "r3") for k in ("input", "cached_input", "output")
     }
-    assert {s.labels["run_id"]: s.value for s in families["agent_monitor_run_cost_usd"].samples} == {
+    assert {
+        s.labels["run_id"]: s.value for s in families["agent_monitor_run_cost_usd"].samples
+    } == {
         "r4": 4e-6,
         "r3": 3e-6,
     }

@@ -1,4 +1,5 @@
-"""The Grafana dashboard and the Prometheus rules in dashboards/, checked without a Prometheus server.
+"""The Grafana dashboard and the Prometheus rules in dashboards/, checked without a Prometheus
+server.
 
 Structure (ids, datasource variable, grid), that every metric, label and label value a query uses is
 really exported by a live Monitor, promtool's checks, and promtool unit tests of every alert rule.
@@ -37,10 +38,12 @@ ALERTS = DASHBOARDS / "alerts.yml"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is not installed (Debian: `apt-get install prometheus`, which ships it)"
+    PROMTOOL is None,
+    reason="promtool is not installed (Debian: `apt-get install prometheus`, which ships it)",
 )
 
-# Values for Grafana's variables when a query runs outside Grafana: every daemon and run, typical intervals.
+# Values for Grafana's variables when a query runs outside Grafana: every daemon and run, typical
+# intervals.
 GRAFANA_VARIABLES = {
     "$__rate_interval": "1m",
     "$__interval": "15s",
@@ -76,9 +79,12 @@ def all_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def to_promql(expr: str) -> str:
-    """A dashboard query with Grafana's variables replaced (longest names first: $__range before $__rate...)."""
+    """A dashboard query with Grafana's variables replaced (longest names first: $__range before
+    $__rate...)."""
     for name in sorted(GRAFANA_VARIABLES, key=len, reverse=True):
-        expr = expr.replace(name, GRAFANA_VARIABLES[name]).replace("${" + name[1:] + "}", GRAFANA_VARIABLES[name])
+        expr = expr.replace(name, GRAFANA_VARIABLES[name]).replace(
+            "${" + name[1:] + "}", GRAFANA_VARIABLES[name]
+        )
     assert "$" not in expr, f"unknown Grafana variable in {expr!r}"
     return expr
 
@@ -114,17 +120,31 @@ def alert_queries() -> list[tuple[str, str]]:
 
 
 _STRING = r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`'
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool", "offset"}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+}
 _KEYWORDS |= {"atan2", "inf", "nan", "start", "end"}
 _IDENT = r"(?<![\w.:])[a-zA-Z_:][a-zA-Z0-9_:]*"
 
 
 def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads (function names, keywords, label names left out)."""
+    """The metric names a PromQL expression reads (function names, keywords, label names left
+    out)."""
     s = re.sub(_STRING, '""', expr)
     s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
     s = re.sub(r"\[[^\]]*\]", " ", s)  # range and subquery durations
-    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)  # label lists
+    # label lists
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
     names = set()
     for m in re.finditer(_IDENT, s):
         if m.group().lower() in _KEYWORDS or s[m.end() :].lstrip().startswith("("):
@@ -146,14 +166,16 @@ def selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
 def grouping_labels(expr: str) -> set[str]:
     """Labels named in by(...), without(...), on(...), ignoring(...), group_left/right(...)."""
     labels: set[str] = set()
-    for m in re.finditer(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
+    for m in re.finditer(
+        r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr
+    ):
         labels |= {x.strip() for x in m.group(1).split(",") if x.strip()}
     return labels
 
 
 def exposed_names(text: str) -> set[str]:
-    """Every series name an exposition offers: from `# TYPE` lines (a counter's `_total`, a histogram's
-    `_bucket`/`_sum`/`_count`) and from its sample lines."""
+    """Every series name an exposition offers: from `# TYPE` lines (a counter's `_total`, a
+    histogram's `_bucket`/`_sum`/`_count`) and from its sample lines."""
     names = set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
@@ -193,14 +215,16 @@ def letters(prompt: Any) -> str | Exception:
 
 
 async def exercised_monitor() -> str:
-    """The exposition of a Monitor that has seen a bit of everything: labels, abort, resample, a judge error, bad input."""
+    """The exposition of a Monitor that has seen a bit of everything: labels, abort, resample, a
+    judge error, bad input."""
     registry = CollectorRegistry()
     mon = Monitor(
         MonitorConfig(
             policy=Policy(abort_below=0.2, min_steps=1, patience=1),
             price_input=2.5,
             price_output=10.0,
-            # Nothing listens there: the OTLP sink's series exist (and count the failures) all the same.
+            # Nothing listens there: the OTLP sink's series exist (and count the failures) all the
+            # same.
             otlp_endpoint=f"http://127.0.0.1:{free_port()}",
         ),
         judge=FakeJudge(letters, max_retries=0),
@@ -212,14 +236,17 @@ async def exercised_monitor() -> str:
     async with mon:
         await mon.handle(
             "agents/good/start",
-            b'{"task": "a good task", "family": "two", "group": "best-of-2", "labels": {"group": "g1", "model": "m1"}}',
+            b'{"task": "a good task", "family": "two", "group": "best-of-2", "labels": '
+            b'{"group": "g1", "model": "m1"}}',
         )
         await mon.handle(
             "agents/doomed/start",
-            b'{"task": "a doomed task", "family": "two", "group": "best-of-2", "labels": {"group": "g2"}}',
+            b'{"task": "a doomed task", "family": "two", "group": "best-of-2", "labels": '
+            b'{"group": "g2"}}',
         )
         await mon.handle(
-            "agents/dip/start", b'{"task": "wobbly", "policy": {"resample_below": 0.5, "abort_below": null}}'
+            "agents/dip/start",
+            b'{"task": "wobbly", "policy": {"resample_below": 0.5, "abort_below": null}}',
         )
         await mon.handle("agents/flaky/start", b'{"task": "flaky"}')
         for run in ("good", "doomed", "dip", "flaky"):
@@ -243,7 +270,10 @@ def exposition() -> str:
 
 def test_committed_json_is_what_generate_py_makes() -> None:
     out = subprocess.run(
-        [sys.executable, str(DASHBOARDS / "generate.py"), "--check"], capture_output=True, text=True, check=False
+        [sys.executable, str(DASHBOARDS / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert out.returncode == 0, out.stderr
 
@@ -292,16 +322,24 @@ def test_panels_tile_the_grid_without_overlap() -> None:
 
 
 def test_the_issue_s_panels_are_there() -> None:
-    exprs = {p["title"]: " ".join(t["expr"] for t in p.get("targets", [])) for p in all_panels(load_dashboard())}
+    exprs = {
+        p["title"]: " ".join(t["expr"] for t in p.get("targets", []))
+        for p in all_panels(load_dashboard())
+    }
     everything = " ".join(exprs.values())
 
     def panel(*needles: str) -> None:
-        assert any(all(n in e for n in needles) for e in exprs.values()), f"no panel queries {needles}"
+        assert any(all(n in e for n in needles) for e in exprs.values()), (
+            f"no panel queries {needles}"
+        )
 
     assert 'agent_monitor_run_progress{instance=~"$instance", run_id=~"$run_id"}' in everything
     panel("agent_monitor_run_progress", "agent_monitor_run_step", "agent_monitor_run_signal")
     panel("agent_monitor_signals_total", "abort|resample")
-    for histogram in ("agent_monitor_judge_latency_seconds_bucket", "agent_monitor_step_to_score_seconds_bucket"):
+    for histogram in (
+        "agent_monitor_judge_latency_seconds_bucket",
+        "agent_monitor_step_to_score_seconds_bucket",
+    ):
         panel("histogram_quantile(0.5, sum by (", histogram, "histogram_quantile(0.95")
     panel("agent_monitor_judge_tokens_total", "sum by (kind)")
     panel('kind="cached_input"', 'kind="input"')
@@ -316,7 +354,8 @@ def test_the_issue_s_panels_are_there() -> None:
     panel("agent_monitor_group_leader_score")
     panel("agent_monitor_group_live_runs")
     panel("agent_monitor_pruned_total", "agent_monitor_compare_calls_total")
-    # Cluster mode (issue 15): membership, ownership by replica, takeovers, adopted sessions, fencing.
+    # Cluster mode (issue 15): membership, ownership by replica, takeovers, adopted sessions,
+    # fencing.
     panel("agent_monitor_cluster_replicas", "instance")
     panel("agent_monitor_runs_owned", "by (instance)")
     panel("rate(agent_monitor_run_takeovers_total")
@@ -329,7 +368,8 @@ def test_runs_table_merges_instant_queries_with_the_same_labels() -> None:
     assert table["transformations"][0]["id"] == "merge"
     for t in table["targets"]:
         assert t["instant"] and not t["range"] and t["format"] == "table", t["refId"]
-        # The metric name (and the signal label) are aggregated away so every frame has the same labels.
+        # The metric name (and the signal label) are aggregated away so every frame has the same
+        # labels.
         assert t["expr"].startswith(("max without () (", "max without (signal) (")), t["expr"]
 
 
@@ -338,11 +378,15 @@ def test_runs_table_merges_instant_queries_with_the_same_labels() -> None:
 
 def test_metric_names_are_extracted_from_promql() -> None:
     expr = (
-        'histogram_quantile(0.95, sum by (le, judge) (rate(a_bucket{x="y", le=~"1e3"}[5m]))) * 1e3 / on (job) '
-        'group_left (kind) b_total offset 5m > bool 2 unless c and label_replace(d, "dst", "$1", "src", "(.*)")'
+        'histogram_quantile(0.95, sum by (le, judge) (rate(a_bucket{x="y", le=~"1e3"}[5m]))) '
+        "* 1e3 / on (job) "
+        'group_left (kind) b_total offset 5m > bool 2 unless c and label_replace(d, "dst", '
+        '"$1", "src", "(.*)")'
     )
     assert metric_names(expr) == {"a_bucket", "b_total", "c", "d"}
-    assert selectors('rate(a{x="1", y=~"b|c"}[1m])') == [("a", [("x", "=", "1"), ("y", "=~", "b|c")])]
+    assert selectors('rate(a{x="1", y=~"b|c"}[1m])') == [
+        ("a", [("x", "=", "1"), ("y", "=~", "b|c")])
+    ]
     assert grouping_labels("sum by (job, instance) (x) unless on (job) y") == {"job", "instance"}
 
 
@@ -351,7 +395,9 @@ def test_every_query_reads_exported_metrics_labels_and_values(exposition: str) -
     labels = exposed_labels(exposition)
     assert "agent_monitor_run_progress" in names, "the live monitor exported no per-run series"
     queries = [*dashboard_queries(load_dashboard()), *alert_queries()]
-    queries += [(f"variable {name}", selector) for name, selector, _ in variable_queries(load_dashboard())]
+    queries += [
+        (f"variable {name}", selector) for name, selector, _ in variable_queries(load_dashboard())
+    ]
     used: set[str] = set()
     for where, expr in queries:
         metrics = metric_names(expr)
@@ -368,11 +414,20 @@ def test_every_query_reads_exported_metrics_labels_and_values(exposition: str) -
                 assert label in labels[metric], f"{where}: {metric} has no label {label!r}"
                 if op == "=" or (op == "=~" and re.fullmatch(r"[\w|]+", value)):
                     for v in value.split("|"):
-                        assert v in labels[metric][label], f"{where}: {metric}{{{label}={v!r}}} is never exported"
-        known_labels = set().union(*(labels[m] for m in metrics if m in labels)) | TARGET_LABELS | {"le"}
+                        assert v in labels[metric][label], (
+                            f"{where}: {metric}{{{label}={v!r}}} is never exported"
+                        )
+        known_labels = (
+            set().union(*(labels[m] for m in metrics if m in labels)) | TARGET_LABELS | {"le"}
+        )
         assert grouping_labels(expr) <= known_labels, f"{where}: groups by unknown labels"
-    # Every family the monitor exports is on the board or in an alert (rows of the contract don't go unwatched).
-    families = {f.name for f in text_string_to_metric_families(exposition) if not f.name.endswith("_created")}
+    # Every family the monitor exports is on the board or in an alert (rows of the contract don't go
+    # unwatched).
+    families = {
+        f.name
+        for f in text_string_to_metric_families(exposition)
+        if not f.name.endswith("_created")
+    }
     shown = {f for f in families if any(u == f or u.startswith(f + "_") for u in used)}
     unwatched = families - shown
     assert not unwatched, f"exported but on no panel and in no alert: {sorted(unwatched)}"
@@ -384,12 +439,17 @@ def test_every_query_reads_exported_metrics_labels_and_values(exposition: str) -
 @needs_promtool
 def test_promtool_checks_rules_and_config() -> None:
     assert PROMTOOL is not None
-    rules = subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False)
+    rules = subprocess.run(
+        [PROMTOOL, "check", "rules", str(ALERTS)], capture_output=True, text=True, check=False
+    )
     assert rules.returncode == 0, rules.stdout + rules.stderr
     assert f"SUCCESS: {len(load_alerts())} rules found" in rules.stdout
     # `check config` also loads the rule_files it names (alerts.yml, relative to the config).
     config = subprocess.run(
-        [PROMTOOL, "check", "config", str(DASHBOARDS / "prometheus.yml")], capture_output=True, text=True, check=False
+        [PROMTOOL, "check", "config", str(DASHBOARDS / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert config.returncode == 0, config.stdout + config.stderr
     assert "SUCCESS: 1 rule files found" in config.stdout + config.stderr
@@ -399,25 +459,34 @@ def test_promtool_checks_rules_and_config() -> None:
 def test_promtool_lints_the_live_exposition(exposition: str) -> None:
     assert PROMTOOL is not None
     out = subprocess.run(
-        [PROMTOOL, "check", "metrics"], input=exposition, capture_output=True, text=True, check=False, timeout=30
+        [PROMTOOL, "check", "metrics"],
+        input=exposition,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert not out.stdout.strip() and not out.stderr.strip(), out.stdout + out.stderr
 
 
 def _series(name: str, instance: str, values: str, **labels: str) -> dict[str, str]:
-    sel = ", ".join(f'{k}="{v}"' for k, v in {"job": "agent-monitor", "instance": instance, **labels}.items())
+    sel = ", ".join(
+        f'{k}="{v}"' for k, v in {"job": "agent-monitor", "instance": instance, **labels}.items()
+    )
     return {"series": f"{name}{{{sel}}}", "values": values}
 
 
 def _alerts(name: str, *instances: str, **labels: str) -> list[dict[str, Any]]:
     rule = next(r for r in load_alerts() if r.get("alert") == name)
     return [
-        {"exp_labels": {**rule["labels"], "job": "agent-monitor", "instance": i, **labels}} for i in sorted(instances)
+        {"exp_labels": {**rule["labels"], "job": "agent-monitor", "instance": i, **labels}}
+        for i in sorted(instances)
     ]
 
 
-# Minute-by-minute series ("0+10x20": 0, 10, 20, ... for 20 minutes) and which alerts they must raise, when.
+# Minute-by-minute series ("0+10x20": 0, 10, 20, ... for 20 minutes) and which alerts they must
+# raise, when.
 RULE_TESTS: list[dict[str, Any]] = [
     {
         "input_series": [
@@ -431,7 +500,8 @@ RULE_TESTS: list[dict[str, Any]] = [
                 "alertname": "AgentMonitorClusterRedisEmptied",
                 "exp_alerts": _alerts("AgentMonitorClusterRedisEmptied", "a:9464"),
             },
-            {"eval_time": "15m", "alertname": "AgentMonitorClusterRedisEmptied", "exp_alerts": []},  # said, then quiet
+            # said, then quiet
+            {"eval_time": "15m", "alertname": "AgentMonitorClusterRedisEmptied", "exp_alerts": []},
         ],
     },
     {
@@ -450,13 +520,38 @@ RULE_TESTS: list[dict[str, Any]] = [
     },
     {
         "input_series": [
-            _series("agent_monitor_judge_calls_total", "bad:9464", "0+10x20", judge="openai", outcome="error"),
-            _series("agent_monitor_judge_calls_total", "bad:9464", "0+2x20", judge="openai", outcome="ok"),
-            _series("agent_monitor_judge_calls_total", "fine:9464", "0+1x20", judge="openai", outcome="error"),
-            _series("agent_monitor_judge_calls_total", "fine:9464", "0+10x20", judge="openai", outcome="ok"),
+            _series(
+                "agent_monitor_judge_calls_total",
+                "bad:9464",
+                "0+10x20",
+                judge="openai",
+                outcome="error",
+            ),
+            _series(
+                "agent_monitor_judge_calls_total",
+                "bad:9464",
+                "0+2x20",
+                judge="openai",
+                outcome="ok",
+            ),
+            _series(
+                "agent_monitor_judge_calls_total",
+                "fine:9464",
+                "0+1x20",
+                judge="openai",
+                outcome="error",
+            ),
+            _series(
+                "agent_monitor_judge_calls_total",
+                "fine:9464",
+                "0+10x20",
+                judge="openai",
+                outcome="ok",
+            ),
         ],
         "alert_rule_test": [
-            {"eval_time": "3m", "alertname": "AgentMonitorJudgeErrors", "exp_alerts": []},  # pending: for 5m
+            # pending: for 5m
+            {"eval_time": "3m", "alertname": "AgentMonitorJudgeErrors", "exp_alerts": []},
             {
                 "eval_time": "12m",
                 "alertname": "AgentMonitorJudgeErrors",
@@ -534,7 +629,8 @@ RULE_TESTS: list[dict[str, Any]] = [
             _series("agent_monitor_otlp_exported_events_total", "flaky:9464", "0+100x20"),
         ],
         "alert_rule_test": [
-            {"eval_time": "3m", "alertname": "AgentMonitorOtlpExportFailing", "exp_alerts": []},  # pending: for 5m
+            # pending: for 5m
+            {"eval_time": "3m", "alertname": "AgentMonitorOtlpExportFailing", "exp_alerts": []},
             {
                 "eval_time": "8m",
                 "alertname": "AgentMonitorOtlpExportFailing",
@@ -544,7 +640,11 @@ RULE_TESTS: list[dict[str, Any]] = [
     },
     {
         "input_series": [
-            _series("agent_monitor_broker_dropped_messages", "lossy:9464", "0 0 0 12 12 12 12 12 12 12 12 12"),
+            _series(
+                "agent_monitor_broker_dropped_messages",
+                "lossy:9464",
+                "0 0 0 12 12 12 12 12 12 12 12 12",
+            ),
             _series("agent_monitor_broker_dropped_messages", "fine:9464", "40x12"),
         ],
         "alert_rule_test": [
@@ -597,5 +697,7 @@ def test_alert_rules_fire_when_they_should_and_only_then(tmp_path: Path) -> None
         )
     )
     assert PROMTOOL is not None
-    out = subprocess.run([PROMTOOL, "test", "rules", str(tests)], capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        [PROMTOOL, "test", "rules", str(tests)], capture_output=True, text=True, check=False
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,5 @@
-"""The daemon's Prometheus metrics on a registry passed in: per-run gauges, caps, judge accounting, zero-initialised."""
+"""The daemon's Prometheus metrics on a registry passed in: per-run gauges, caps, judge
+accounting, zero-initialised."""
 
 from __future__ import annotations
 
@@ -41,21 +42,31 @@ async def test_per_run_gauges_follow_live_runs_and_vanish_after_grace() -> None:
     judge = FakeJudge(lambda p: "K")  # K = 10/19
     config = MonitorConfig(metrics=MetricsSettings(labels=("group",), grace_s=30))
     async with Monitor(config, judge=judge, registry=reg, clock=clock) as mon:
-        await mon.handle("agents/r1/start", j(task="t", labels={"group": "g1", "secret": "not exported"}))
+        await mon.handle(
+            "agents/r1/start", j(task="t", labels={"group": "g1", "secret": "not exported"})
+        )
         await mon.handle("agents/r1/step", j(index=1, text="a"))
         await mon.handle("agents/r1/step", j(index=2, text="b"))
         await mon.drain()
-        assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(10 / 19)
+        assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(
+            10 / 19
+        )
         assert value(reg, "agent_monitor_run_step", run_id="r1", group="g1") == 2
-        assert value(reg, "agent_monitor_run_uncertainty", run_id="r1", group="g1") == pytest.approx(0.0)
-        assert value(reg, "agent_monitor_run_signal", run_id="r1", group="g1", signal="continue") == 1
+        assert value(
+            reg, "agent_monitor_run_uncertainty", run_id="r1", group="g1"
+        ) == pytest.approx(0.0)
+        assert (
+            value(reg, "agent_monitor_run_signal", run_id="r1", group="g1", signal="continue") == 1
+        )
         assert "secret" not in generate_latest(reg).decode()
         assert value(reg, "agent_monitor_runs_active") == 1
 
         await mon.handle("agents/r1/end", j(outcome="success"))
         await mon.drain()
         # Still visible during the grace period, so the board shows how the run finished ...
-        assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(10 / 19)
+        assert value(reg, "agent_monitor_run_progress", run_id="r1", group="g1") == pytest.approx(
+            10 / 19
+        )
         assert value(reg, "agent_monitor_runs_active") == 0
         assert value(reg, "agent_monitor_runs_total", outcome="success") == 1
         clock.t += 31
@@ -75,7 +86,9 @@ async def test_series_cap_keeps_the_most_recent_runs_and_counts_the_rest() -> No
             clock.t += 1
         text = generate_latest(reg).decode()
         shown = {
-            line.split('run_id="')[1].split('"')[0] for line in text.splitlines() if "agent_monitor_run_step{" in line
+            line.split('run_id="')[1].split('"')[0]
+            for line in text.splitlines()
+            if "agent_monitor_run_step{" in line
         }
         assert shown == {"b", "c"}
         assert value(reg, "agent_monitor_run_series_capped") == 1
@@ -90,7 +103,9 @@ async def test_judge_calls_latency_tokens_and_scoring_counted() -> None:
 
     judge = FakeJudge(answer, max_retries=0)
     async with Monitor(
-        MonitorConfig(policy=Policy(abort_below=0.5, min_steps=1, patience=1)), judge=judge, registry=reg
+        MonitorConfig(policy=Policy(abort_below=0.5, min_steps=1, patience=1)),
+        judge=judge,
+        registry=reg,
     ) as mon:
         await mon.handle("agents/r/start", j(task="t"))
         await mon.handle("agents/r/step", j(index=1, text="a"))
@@ -102,7 +117,9 @@ async def test_judge_calls_latency_tokens_and_scoring_counted() -> None:
     assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="ok") == 1
     assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 1
     assert value(reg, "agent_monitor_judge_latency_seconds_count", judge="fake") == 2
-    assert value(reg, "agent_monitor_judge_tokens_total", kind="input") == judge.usage.input_tokens > 0
+    assert (
+        value(reg, "agent_monitor_judge_tokens_total", kind="input") == judge.usage.input_tokens > 0
+    )
     assert value(reg, "agent_monitor_judge_tokens_total", kind="output") == 1
     assert value(reg, "agent_monitor_scorings_total", outcome="ok") == 1
     assert value(reg, "agent_monitor_scorings_total", outcome="failed") == 1
@@ -125,7 +142,8 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
     assert value(reg, "agent_monitor_invalid_events_total", reason="bad_json") == 0
     assert value(reg, "agent_monitor_judge_calls_total", judge="fake", outcome="error") == 0
     assert value(reg, "agent_monitor_run_series_capped") == 0
-    # Cluster mode's counters too (a Monitor without a cluster exports them at 0, as a replica does at start).
+    # Cluster mode's counters too (a Monitor without a cluster exports them at 0, as a replica does
+    # at start).
     for what in ("write", "publish"):
         assert value(reg, "agent_monitor_cluster_fenced_total", what=what) == 0
     for op in ("heartbeat", "receive", "notes", "take", "feed", "journal", "progress"):
@@ -133,20 +151,26 @@ async def test_labelled_counters_exist_at_zero_before_any_event() -> None:
 
 
 def test_every_cluster_operation_counted_is_there_from_start_up() -> None:
-    """The op names cluster mode counts failures under are all pre-initialised (a new one must join CLUSTER_OPS)."""
+    """The op names cluster mode counts failures under are all pre-initialised (a new one must
+    join CLUSTER_OPS)."""
     from agent_monitor.daemon.cluster import _cluster, _inbox, _session, _store
     from agent_monitor.daemon.sinks._metrics import CLUSTER_OPS
 
     modules = (_cluster, _inbox, _session, _store)
     source = "".join(Path(m.__file__).read_text() for m in modules)  # type: ignore[arg-type]
-    ops = set(re.findall(r'cluster_errors\.labels\("(\w+)"\)', source)) | set(re.findall(r'_run\(\s*"(\w+)"', source))
+    ops = set(re.findall(r'cluster_errors\.labels\("(\w+)"\)', source)) | set(
+        re.findall(r'_run\(\s*"(\w+)"', source)
+    )
     assert {"receive", "journal", "heartbeat", "feed"} <= ops, ops
-    assert ops <= set(CLUSTER_OPS), f"counted but not at 0 from start-up: {sorted(ops - set(CLUSTER_OPS))}"
+    assert ops <= set(CLUSTER_OPS), (
+        f"counted but not at 0 from start-up: {sorted(ops - set(CLUSTER_OPS))}"
+    )
 
 
 def test_two_monitors_have_separate_registries() -> None:
     a, b = Monitor(judge=FakeJudge()), Monitor(judge=FakeJudge())
-    assert a.registry is not b.registry  # no global registry: two monitors in one process do not collide
+    # no global registry: two monitors in one process do not collide
+    assert a.registry is not b.registry
 
 
 def test_bad_metric_label_names_are_refused() -> None:
@@ -159,7 +183,8 @@ def test_bad_metric_label_names_are_refused() -> None:
 async def test_calibration_gauges_per_family_threshold_only_once_calibrated() -> None:
     clock = Clock()
     reg = CollectorRegistry()
-    # alpha 0.5 gives a threshold from ceil(1/0.5) - 1 = 1 successful run: one run is enough to see it appear.
+    # alpha 0.5 gives a threshold from ceil(1/0.5) - 1 = 1 successful run: one run is enough to see
+    # it appear.
     config = MonitorConfig(
         policy=Policy(alpha=0.5, min_steps=1, patience=1),
         metrics=MetricsSettings(families=("kept", "late", "never"), max_families=2),
@@ -176,12 +201,14 @@ async def test_calibration_gauges_per_family_threshold_only_once_calibrated() ->
         await run("f1", "kept", "failure")
         labels = {"family": "kept", "model": "fake-1", "rubric": load_criteria(None).hash}
         assert value(reg, "agent_monitor_calibration_successes", **labels) == 0
-        assert value(reg, "agent_monitor_calibrated_threshold", **labels) is None  # not calibrated: no series
+        # not calibrated: no series
+        assert value(reg, "agent_monitor_calibrated_threshold", **labels) is None
         await run("s1", "kept", "success")
         assert value(reg, "agent_monitor_calibration_successes", **labels) == 1
         assert value(reg, "agent_monitor_calibrated_threshold", **labels) == pytest.approx(10 / 19)
         assert value(reg, "agent_monitor_calibration_series_capped") == 0
-        # A family not on the allow-list, and one past the cap (the least recently ended goes), are counted.
+        # A family not on the allow-list, and one past the cap (the least recently ended goes), are
+        # counted.
         await run("x1", "unlisted", "success")
         await run("l1", "late", "success")
         await run("n1", "never", "success")
@@ -196,7 +223,8 @@ async def test_calibration_gauges_per_family_threshold_only_once_calibrated() ->
 
 
 def test_calibration_gauges_forget_families_the_calibration_forgot() -> None:
-    """Family names come from the network: the gauge table stays as bounded as the calibration it shows."""
+    """Family names come from the network: the gauge table stays as bounded as the calibration it
+    shows."""
     from agent_monitor.calibration import Calibration, Family, Point
     from agent_monitor.daemon.sinks._metrics import CalibrationCollector
 
@@ -209,11 +237,17 @@ def test_calibration_gauges_forget_families_the_calibration_forgot() -> None:
     reg = CollectorRegistry()
     reg.register(gauges)
     text = generate_latest(reg).decode()
-    shown = {line.split('family="')[1].split('"')[0] for line in text.splitlines() if "calibration_successes{" in line}
+    shown = {
+        line.split('family="')[1].split('"')[0]
+        for line in text.splitlines()
+        if "calibration_successes{" in line
+    }
     assert shown == {"f2", "f3"}
 
 
-async def test_a_step_s_path_reaches_the_metrics_only_through_the_collectors_at_scrape_time() -> None:
+async def test_a_step_s_path_reaches_the_metrics_only_through_the_collectors_at_scrape_time() -> (
+    None
+):
     reg = CollectorRegistry()
     async with Monitor(MonitorConfig(), judge=FakeJudge(latency_s=0.03), registry=reg) as mon:
         # No sink on a scored step's way counts it: the metrics sink takes only the rarer events.
@@ -245,12 +279,18 @@ async def test_a_run_without_labels_has_an_empty_model_label_and_the_help_says_w
     registry = CollectorRegistry()
     async with Monitor(MonitorConfig(), judge=FakeJudge(), registry=registry) as monitor:
         await monitor.handle("agents/bare/start", _json.dumps({"task": "t"}).encode())
-        await monitor.handle("agents/named/start", _json.dumps({"task": "t", "labels": {"model": "m1"}}).encode())
+        await monitor.handle(
+            "agents/named/start", _json.dumps({"task": "t", "labels": {"model": "m1"}}).encode()
+        )
         for rid in ("bare", "named"):
-            await monitor.handle(f"agents/{rid}/step", _json.dumps({"index": 1, "text": "x"}).encode())
+            await monitor.handle(
+                f"agents/{rid}/step", _json.dumps({"index": 1, "text": "x"}).encode()
+            )
         await monitor.drain()
         text = generate_latest(registry).decode()
     assert 'agent_monitor_run_progress{group="",model="",run_id="bare"}' in text
     assert 'agent_monitor_run_progress{group="",model="m1",run_id="named"}' in text
-    (help_line,) = [line for line in text.splitlines() if line.startswith("# HELP agent_monitor_run_progress ")]
+    (help_line,) = [
+        line for line in text.splitlines() if line.startswith("# HELP agent_monitor_run_progress ")
+    ]
     assert "start.labels" in help_line and "empty when the start names none" in help_line

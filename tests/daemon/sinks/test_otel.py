@@ -1,4 +1,5 @@
-"""OpenTelemetry gen_ai.evaluation.result events: a real OTLP/HTTP receiver, an unreachable collector, span linkage."""
+"""OpenTelemetry gen_ai.evaluation.result events: a real OTLP/HTTP receiver, an unreachable
+collector, span linkage."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ TWO = {"progress": "How far the task is done.", "tests": "How many of the tests 
 
 
 class Receiver:
-    """An OTLP/HTTP collector's logs endpoint on a free port: decodes each POST with opentelemetry-proto."""
+    """An OTLP/HTTP collector's logs endpoint on a free port: decodes each POST with
+    opentelemetry-proto."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, ExportLogsServiceRequest]] = []
@@ -78,7 +80,8 @@ class Receiver:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def records(self) -> list[dict[str, Any]]:
-        """Every log record received so far, flattened: event name, attributes, trace ids, resource."""
+        """Every log record received so far, flattened: event name, attributes, trace ids,
+        resource."""
         out = []
         with self._lock:
             requests = list(self.requests)
@@ -137,13 +140,16 @@ def by_step(records: list[dict[str, Any]], run_id: str) -> dict[int, list[dict[s
 
 
 def two_criteria(prompt: Any) -> Any:
-    """Per step and criterion: step 1 scored, step 2 not a score (letters hold too little mass), step 3 scored."""
+    """Per step and criterion: step 1 scored, step 2 not a score (letters hold too little mass),
+    step 3 scored."""
     if prompt.step == 2:
         return {"The": 0.9, "K": 0.1}
     return {"progress": {"E": 0.6, "F": 0.3, "G": 0.1}, "tests": "M"}[prompt.criterion]
 
 
-async def test_every_scored_step_reaches_the_collector_as_evaluation_events(broker: Mosquitto) -> None:
+async def test_every_scored_step_reaches_the_collector_as_evaluation_events(
+    broker: Mosquitto,
+) -> None:
     reg = CollectorRegistry()
     with receiver() as collector:
         config = MonitorConfig(
@@ -152,13 +158,17 @@ async def test_every_scored_step_reaches_the_collector_as_evaluation_events(brok
             otlp_endpoint=collector.url,
             policy=Policy(resample_below=0.5, min_steps=1, patience=1),
         )
-        async with Monitor(config, judge=FakeJudge(two_criteria), registry=reg), harness(broker.port) as h:
+        async with (
+            Monitor(config, judge=FakeJudge(two_criteria), registry=reg),
+            harness(broker.port) as h,
+        ):
             await h.publish("run-1", "start", {"task": "make the tests pass", "criteria": TWO})
             for i in (1, 2, 3):
                 await h.publish("run-1", "step", {"index": i, "text": f"step {i}"})
                 await h.until(lambda i=i: h.last_step("run-1") == i)
             published = {p["step"]: p for p in h.progress("run-1")}
-            # Sent by the batch processor's thread within its schedule delay (1 s), not waited for by scoring.
+            # Sent by the batch processor's thread within its schedule delay (1 s), not waited for
+            # by scoring.
             await until(lambda: len(collector.records()) == 6)
         records = collector.records()
 
@@ -186,14 +196,20 @@ async def test_every_scored_step_reaches_the_collector_as_evaluation_events(brok
             assert a["gen_ai.evaluation.score.label"] == max(c["letters"], key=c["letters"].get)
             assert a["agent_monitor.score"] == p["score"]
             assert a["agent_monitor.signal"] == p["signal"] == "resample"
-            assert a["agent_monitor.judge.model"] == p["model"] and a["agent_monitor.rubric"] == p["rubric"]
+            assert (
+                a["agent_monitor.judge.model"] == p["model"]
+                and a["agent_monitor.rubric"] == p["rubric"]
+            )
             assert "error.type" not in a
         assert events["progress"]["gen_ai.evaluation.score.label"] == "E"
-        assert events["progress"]["gen_ai.evaluation.explanation"].startswith("E 60%, F 30%, G 10% (letter mass 1.00)")
+        assert events["progress"]["gen_ai.evaluation.explanation"].startswith(
+            "E 60%, F 30%, G 10% (letter mass 1.00)"
+        )
         assert "; resample: " in events["progress"]["gen_ai.evaluation.explanation"]
         assert events["tests"]["gen_ai.evaluation.score.label"] == "M"
 
-    # A failed score: one event per criterion of the run's rubric, the reason as error.type, no score.
+    # A failed score: one event per criterion of the run's rubric, the reason as error.type, no
+    # score.
     p = published[2]
     assert p["ok"] is False and p["reason"] == "low_mass"
     assert sorted(a["gen_ai.evaluation.name"] for a in steps[2]) == ["progress", "tests"]
@@ -206,7 +222,9 @@ async def test_every_scored_step_reaches_the_collector_as_evaluation_events(brok
     assert reg.get_sample_value("agent_monitor_otlp_exported_events_total") == 6
     assert reg.get_sample_value("agent_monitor_otlp_export_failures_total") == 0
     for reason in ("queue_full", "export_failed", "shutdown"):
-        assert reg.get_sample_value("agent_monitor_otlp_dropped_events_total", {"reason": reason}) == 0
+        assert (
+            reg.get_sample_value("agent_monitor_otlp_dropped_events_total", {"reason": reason}) == 0
+        )
 
 
 async def test_an_unreachable_collector_is_counted_and_logged_once_and_scoring_goes_on(
@@ -223,12 +241,19 @@ async def test_an_unreachable_collector_is_counted_and_logged_once_and_scoring_g
             for i in (1, 2):
                 await mon.handle("agents/r/step", json.dumps({"index": i, "text": f"{i}"}).encode())
                 await mon.drain()
-                await until(lambda i=i: reg.get_sample_value("agent_monitor_otlp_export_failures_total") == i)
+                await until(
+                    lambda i=i: (
+                        reg.get_sample_value("agent_monitor_otlp_export_failures_total") == i
+                    )
+                )
             view = mon.run("r")
             assert view is not None and [p.step for p in view.curve if p.ok] == [1, 2]
         failing = [e for e in logs if e["event"] == "otlp_export_failing"]
     assert len(failing) == 1 and failing[0]["endpoint"] == f"{closed}/v1/logs"
-    assert reg.get_sample_value("agent_monitor_otlp_dropped_events_total", {"reason": "export_failed"}) == 2
+    assert (
+        reg.get_sample_value("agent_monitor_otlp_dropped_events_total", {"reason": "export_failed"})
+        == 2
+    )
     assert reg.get_sample_value("agent_monitor_otlp_exported_events_total") == 0
 
 
@@ -239,15 +264,23 @@ def scored(run_id: str, p: Progress) -> Scored:
 def test_a_full_export_queue_drops_whole_results_and_counts_them() -> None:
     reg = CollectorRegistry()
     with receiver() as collector:
-        # The worker exports when the queue holds a batch (3) or after the delay (long): nothing leaves early.
+        # The worker exports when the queue holds a batch (3) or after the delay (long): nothing
+        # leaves early.
         sink = OtelSink(collector.url, registry=reg, max_queue=3, max_batch=3, schedule_delay_s=600)
         sink.open()
-        two = {n: CriterionScore(n, 0.5, 0.5, 0.1, 0.0, 0.1, 0.9, 1, {"K": 1.0}) for n in ("a", "b")}
+        two = {
+            n: CriterionScore(n, 0.5, 0.5, 0.1, 0.0, 0.1, 0.9, 1, {"K": 1.0}) for n in ("a", "b")
+        }
         p = Progress(step=1, score=0.5, uncertainty=0.1, criteria=two, ok=True, run_id="r")
         sink(scored("r", p))  # 2 events queued
         sink(scored("r", p))  # 2 more do not fit in 3: dropped together
         assert reg.get_sample_value("agent_monitor_otlp_queue_depth") == 2
-        assert reg.get_sample_value("agent_monitor_otlp_dropped_events_total", {"reason": "queue_full"}) == 2
+        assert (
+            reg.get_sample_value(
+                "agent_monitor_otlp_dropped_events_total", {"reason": "queue_full"}
+            )
+            == 2
+        )
         sink.close()
         assert len(collector.records()) == 2  # flushed on close
     assert reg.get_sample_value("agent_monitor_otlp_exported_events_total") == 2
@@ -266,10 +299,16 @@ def test_the_endpoint_is_a_serve_flag_with_its_environment_twin() -> None:
     from tests.cli.test_flags import parse
 
     assert build(MonitorConfig, parse([])).otlp_endpoint is None
-    assert build(MonitorConfig, parse(["--otlp-endpoint", "http://c:4318"])).otlp_endpoint == "http://c:4318"
+    assert (
+        build(MonitorConfig, parse(["--otlp-endpoint", "http://c:4318"])).otlp_endpoint
+        == "http://c:4318"
+    )
     env = {"AGENT_MONITOR_OTLP_ENDPOINT": "https://otel.example:4318"}
     assert build(MonitorConfig, parse([], env)).otlp_endpoint == "https://otel.example:4318"
-    with pytest.raises(ValueError, match=r"otlp_endpoint='c:4318' is not an OTLP/HTTP collector URL; use http://"):
+    with pytest.raises(
+        ValueError,
+        match=r"otlp_endpoint='c:4318' is not an OTLP/HTTP " r"collector URL; use http://",
+    ):
         MonitorConfig(otlp_endpoint="c:4318")
 
 
@@ -362,11 +401,17 @@ async def test_the_async_tracker_and_atrack_link_the_same_way() -> None:
     assert linked(o.events()) == {1: {ids(span)}, 2: {ids(span)}}
 
 
-def test_track_emits_through_the_provider_it_is_given_and_a_broken_one_never_stops_scoring() -> None:
+def test_track_emits_through_the_provider_it_is_given_and_a_broken_one_never_stops_scoring() -> (
+    None
+):
     o = Spans()
     with o.tracer.start_as_current_span("replay") as span:
-        curve = track("t", ["a", "b"], judge=FakeJudge(), otel=o.logs)  # scored on the judge's loop thread
-    assert [p.step for p in curve] == [1, 2] and linked(o.events()) == {1: {ids(span)}, 2: {ids(span)}}
+        # scored on the judge's loop thread
+        curve = track("t", ["a", "b"], judge=FakeJudge(), otel=o.logs)
+    assert [p.step for p in curve] == [1, 2] and linked(o.events()) == {
+        1: {ids(span)},
+        2: {ids(span)},
+    }
 
     class Broken(LoggerProvider):
         def get_logger(self, *args: Any, **kwargs: Any) -> Any:
@@ -376,34 +421,59 @@ def test_track_emits_through_the_provider_it_is_given_and_a_broken_one_never_sto
 
             return Logger()
 
-    with pytest.raises(TypeError, match=r"^otel='yes'; use True \(the global LoggerProvider\) or a LoggerProvider$"):
+    with pytest.raises(
+        TypeError,
+        match=r"^otel='yes'; use True \(the global LoggerProvider\) " r"or a LoggerProvider$",
+    ):
         ProgressTracker("t", judge=FakeJudge(), otel="yes")  # type: ignore[arg-type]
     with capture_logs() as logs:
         curve = track("t", ["a", "b"], judge=FakeJudge(), otel=Broken())
     assert [p.ok for p in curve] == [True, True]
-    assert [e["event"] for e in logs if e["event"] == "otel_emit_failed"] == ["otel_emit_failed"] * 2
+    assert [e["event"] for e in logs if e["event"] == "otel_emit_failed"] == [
+        "otel_emit_failed"
+    ] * 2
 
 
 # -- the attributes, built in one place --
 
 
 def test_attributes_of_a_rule_a_judge_criterion_and_a_signal() -> None:
-    judge = CriterionScore("judge", 0.5, 0.6, 0.1, 0.0, 0.1, 0.8, 2, {"K": 0.45, "L": 0.45, "A": 0.1})
+    judge = CriterionScore(
+        "judge", 0.5, 0.6, 0.1, 0.0, 0.1, 0.8, 2, {"K": 0.45, "L": 0.45, "A": 0.1}
+    )
     rule = rule_score("tests", 0.5, 1.0, 0.9, "7 of 7 tests pass")
     decision = Decision("abort", "score 0.10 < abort_below 0.15 for 3 steps", 4, 0.1, 1, 0.4, True)
-    p = Progress(step=4, score=0.8, uncertainty=0.1, criteria={"judge": judge, "tests": rule}, ok=True, signal=decision)
+    p = Progress(
+        step=4,
+        score=0.8,
+        uncertainty=0.1,
+        criteria={"judge": judge, "tests": rule},
+        ok=True,
+        signal=decision,
+    )
     a, b = evaluation_attributes(p)
     # A tie goes to the lower letter: the label never claims more than the judge gave.
     assert a["gen_ai.evaluation.score.label"] == "K"
     assert a["gen_ai.evaluation.explanation"] == (
-        "K 45%, L 45%, A 10% (letter mass 0.80, 2 repeats); abort: score 0.10 < abort_below 0.15 for 3 steps"
+        "K 45%, L 45%, A 10% (letter mass 0.80, 2 repeats); abort: score 0.10 < abort_below "
+        "0.15 for 3 steps"
     )
     assert "agent_monitor.run_id" not in a and a["agent_monitor.signal"] == "abort"
     assert b["gen_ai.evaluation.name"] == "tests" and "gen_ai.evaluation.score.label" not in b
-    assert b["gen_ai.evaluation.explanation"].startswith("rule (confidence 0.90): 7 of 7 tests pass; abort:")
+    assert b["gen_ai.evaluation.explanation"].startswith(
+        "rule (confidence 0.90): 7 of 7 tests pass; abort:"
+    )
     assert b["agent_monitor.source"] == "rule" and b["gen_ai.evaluation.score.value"] == 1.0
     # A failure with no rubric known is one event under the overall name.
-    failed = Progress(step=1, score=None, uncertainty=None, criteria={}, ok=False, reason="timeout", error="x" * 400)
+    failed = Progress(
+        step=1,
+        score=None,
+        uncertainty=None,
+        criteria={},
+        ok=False,
+        reason="timeout",
+        error="x" * 400,
+    )
     [f] = evaluation_attributes(failed)
     assert f["gen_ai.evaluation.name"] == OVERALL and f["error.type"] == "timeout"
     assert len(str(f["gen_ai.evaluation.explanation"])) == 300
@@ -417,20 +487,26 @@ def test_importing_agent_monitor_loads_no_opentelemetry_and_a_missing_extra_is_n
         "from agent_monitor.testing import FakeJudge\n"
         "Monitor(MonitorConfig(), judge=FakeJudge())\n"
         "agent_monitor.ProgressTracker('t', judge=FakeJudge()).close()\n"
-        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'opentelemetry imported'\n"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], "
+        "'opentelemetry imported'\n"
         # As if the extra were not installed:
         "sys.modules['opentelemetry'] = None\n"
         "for make in (lambda: agent_monitor.ProgressTracker('t', judge=FakeJudge(), otel=True),\n"
-        "             lambda: Monitor(MonitorConfig(otlp_endpoint='http://c:4318'), judge=FakeJudge())):\n"
+        "             lambda: Monitor(MonitorConfig(otlp_endpoint='http://c:4318'), "
+        "judge=FakeJudge())):\n"
         "    try:\n"
         "        make()\n"
         "    except ImportError as e:\n"
         "        print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     lines = out.splitlines()
     assert len(lines) == 2, out
-    assert all("pip install -e '.[otel]' (in the agent-monitor checkout)" in line for line in lines), out
+    assert all(
+        "pip install -e '.[otel]' (in the agent-monitor checkout)" in line for line in lines
+    ), out
     assert lines[1].startswith("--otlp-endpoint needs the OpenTelemetry SDK and OTLP exporter")
 
 
@@ -439,7 +515,8 @@ def test_otel_true_uses_the_global_provider_even_one_set_after_the_tracker_was_m
     code = (
         "from opentelemetry._logs import set_logger_provider\n"
         "from opentelemetry.sdk._logs import LoggerProvider\n"
-        "from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor\n"
+        "from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, "
+        "SimpleLogRecordProcessor\n"
         "from agent_monitor import ProgressTracker\n"
         "from agent_monitor.testing import FakeJudge\n"
         "tracker = ProgressTracker('t', judge=FakeJudge(), run_id='r', otel=True)\n"
@@ -451,9 +528,12 @@ def test_otel_true_uses_the_global_provider_even_one_set_after_the_tracker_was_m
         "tracker.close()\n"
         "for r in memory.get_finished_logs():\n"
         "    a = r.log_record.attributes\n"
-        "    print(r.log_record.event_name, a['gen_ai.evaluation.name'], a['agent_monitor.run_id'])\n"
+        "    print(r.log_record.event_name, a['gen_ai.evaluation.name'], "
+        "a['agent_monitor.run_id'])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.splitlines() == [f"{EVENT_NAME} task_progress r"]
 
 
@@ -463,7 +543,16 @@ def test_serve_otlp_endpoint_as_a_user_runs_it(broker: Mosquitto) -> None:
 
     with scripted_server() as judge, receiver() as collector:
         judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
-        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0"]
+        args = [
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            "0",
+        ]
         with serve(*args, env={"AGENT_MONITOR_OTLP_ENDPOINT": collector.url}) as proc:
             wait_serving(proc)
             pub(broker.port, "agents/cli-1/start", '{"task": "Make the failing test pass"}')
@@ -474,6 +563,8 @@ def test_serve_otlp_endpoint_as_a_user_runs_it(broker: Mosquitto) -> None:
         [r] = collector.records()
     a = r["attributes"]
     assert r["event_name"] == EVENT_NAME and r["path"] == "/v1/logs"
-    assert a["gen_ai.evaluation.name"] == "task_progress" and a["gen_ai.evaluation.score.label"] == "K"
+    assert (
+        a["gen_ai.evaluation.name"] == "task_progress" and a["gen_ai.evaluation.score.label"] == "K"
+    )
     assert a["gen_ai.evaluation.score.value"] == pytest.approx((0.8 * 10 + 0.2 * 11) / 19)
     assert (a["agent_monitor.run_id"], a["agent_monitor.step"]) == ("cli-1", 1)

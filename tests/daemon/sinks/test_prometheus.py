@@ -5,7 +5,8 @@ tmp_path, scrape and rule evaluation every second, dashboards/alerts.yml loaded)
 third target where nothing listens. The scenario gives every query real data:
 
 - daemon A: labelled runs that progress, one that resamples, one whose judge fails once, a burst
-  that coalesces, bad input, and 14 runs told to abort (an abort storm); its judge reports cached tokens;
+  that coalesces, bad input, and 14 runs told to abort (an abort storm); its judge reports cached
+  tokens;
 - daemon B: a judge that always fails, a 3-message outbox that overflows, a series cap of 0;
 - neither has a broker (both are "disconnected"); the third target is down.
 
@@ -67,12 +68,16 @@ PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian: `apt-get install prometheus`)"),
+    pytest.mark.skipif(
+        PROMETHEUS is None,
+        reason="prometheus is not installed (Debian: `apt-get install prometheus`)",
+    ),
 ]
 
 GRACE_S = 1.0
 DOOMED = 14  # aborted runs on daemon A: > 10 in 5 minutes is the AbortStorm threshold (2 a minute)
-CALIBRATING = 4  # daemon A's runs that end with a success: at its alpha 0.2 they calibrate their family
+# daemon A's runs that end with a success: at its alpha 0.2 they calibrate their family
+CALIBRATING = 4
 
 
 class CachingJudge(FakeJudge):
@@ -81,7 +86,9 @@ class CachingJudge(FakeJudge):
     async def _call(self, request: JudgeRequest) -> JudgeResponse:
         r = await super()._call(request)
         u = r.usage
-        return dataclasses.replace(r, usage=Usage(u.input_tokens, u.input_tokens // 2, u.output_tokens))
+        return dataclasses.replace(
+            r, usage=Usage(u.input_tokens, u.input_tokens // 2, u.output_tokens)
+        )
 
 
 class Prometheus:
@@ -95,10 +102,17 @@ class Prometheus:
         self.config.write_text(
             yaml.safe_dump(
                 {
-                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
+                    "global": {
+                        "scrape_interval": "1s",
+                        "evaluation_interval": "1s",
+                        "scrape_timeout": "1s",
+                    },
                     "rule_files": [str(ALERTS)],
-                    # The job name alerts.yml's AgentMonitorDown expects (as in dashboards/prometheus.yml).
-                    "scrape_configs": [{"job_name": "agent-monitor", "static_configs": [{"targets": targets}]}],
+                    # The job name alerts.yml's AgentMonitorDown expects (as in
+                    # dashboards/prometheus.yml).
+                    "scrape_configs": [
+                        {"job_name": "agent-monitor", "static_configs": [{"targets": targets}]}
+                    ],
                 }
             )
         )
@@ -126,7 +140,8 @@ class Prometheus:
             raise RuntimeError(f"prometheus did not start: {self.logs()}") from None
 
     def _wait_ready(self, timeout: float) -> None:
-        """Wait for /-/ready: the port opens before the TSDB is up, and queries answer 503 until it is."""
+        """Wait for /-/ready: the port opens before the TSDB is up, and queries answer 503 until
+        it is."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -167,7 +182,9 @@ class Prometheus:
     async def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant query; fails the test on any error."""
         body = await self.get("/api/v1/query", query=expr)
-        assert body["status"] == "success", f"{expr!r}: {body.get('errorType')}: {body.get('error')}"
+        assert body["status"] == "success", (
+            f"{expr!r}: {body.get('errorType')}: {body.get('error')}"
+        )
         assert body["data"]["resultType"] == "vector", (expr, body["data"]["resultType"])
         return list(body["data"]["result"])
 
@@ -190,7 +207,8 @@ def prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
 
 @asynccontextmanager
 async def served(monitor: Monitor) -> AsyncIterator[str]:
-    """Run the monitor and serve its registry on a free port, as `serve` does; yields the scrape target."""
+    """Run the monitor and serve its registry on a free port, as `serve` does; yields the scrape
+    target."""
     async with HttpServer(monitor.registry, port=0) as web, monitor:
         yield f"127.0.0.1:{web.port}"
 
@@ -206,7 +224,9 @@ async def until(what: str, check: Callable[[], Awaitable[bool]], wait_s: float =
 
 def registry_sum(monitor: Monitor, name: str) -> float:
     """The sum of every sample of one series name in the monitor's registry."""
-    return sum(s.value for family in monitor.registry.collect() for s in family.samples if s.name == name)
+    return sum(
+        s.value for family in monitor.registry.collect() for s in family.samples if s.name == name
+    )
 
 
 CAUGHT_UP = (
@@ -235,7 +255,10 @@ async def caught_up(prom: Prometheus, monitors: dict[str, Monitor]) -> None:
 
 
 async def send(mon: Monitor, run: str, kind: str, payload: dict[str, Any] | bytes) -> None:
-    await mon.handle(f"agents/{run}/{kind}", payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+    await mon.handle(
+        f"agents/{run}/{kind}",
+        payload if isinstance(payload, bytes) else json.dumps(payload).encode(),
+    )
 
 
 async def steps(mon: Monitor, run: str, indexes: range) -> None:
@@ -250,11 +273,14 @@ async def drain(*monitors: Monitor) -> None:
 
 LIVE: dict[
     str, dict[str, Any]
-] = {  # daemon A's runs that stay live, with their labels (group and model are the default metric labels)
+    # daemon A's runs that stay live, with their labels (group and model are the default metric
+    # labels)
+] = {
     "run-a1": {
         "task": "Make the failing test pass",
         "group": "best-of-2",  # siblings: the group panels' series
-        "family": "siblings",  # siblings share a family (or task) and rubric: a group refuses others
+        # siblings share a family (or task) and rubric: a group refuses others
+        "family": "siblings",
         "labels": {"group": "alpha", "model": "m-large", "user": "x"},
     },
     "run-a2": {
@@ -279,16 +305,24 @@ async def wave(a: Monitor, b: Monitor, n: int) -> None:
     if n == 1:
         for run, start in LIVE.items():
             await send(a, run, "start", start)
-        await send(b, "run-b1", "start", {"task": "judged by a dead judge", "labels": {"group": "gamma"}})
+        await send(
+            b, "run-b1", "start", {"task": "judged by a dead judge", "labels": {"group": "gamma"}}
+        )
         for i in range(CALIBRATING):
-            # No abort rule on these: a run one could have stopped has a censored outcome and teaches nothing.
-            start = {"task": "a finished task", "family": "release", "policy": {"abort_below": None}}
+            # No abort rule on these: a run one could have stopped has a censored outcome and
+            # teaches nothing.
+            start = {
+                "task": "a finished task",
+                "family": "release",
+                "policy": {"abort_below": None},
+            }
             await send(a, f"done-{i}", "start", start)
             await steps(a, f"done-{i}", range(1, 2))
             await send(a, f"done-{i}", "end", {"outcome": "success"})
     for run in ("run-a1", "run-a2", "run-wobbly"):
         await steps(a, run, range(first, last + 1))
-    # The flaky run's judge fails on its step 2 (and only there): one at a time, so step 2 is scored alone.
+    # The flaky run's judge fails on its step 2 (and only there): one at a time, so step 2 is scored
+    # alone.
     for i in range(first, last + 1):
         await steps(a, "run-flaky", range(i, i + 1))
         await drain(a)
@@ -296,13 +330,16 @@ async def wave(a: Monitor, b: Monitor, n: int) -> None:
     await steps(a, "run-burst", range(10 * n - 9, 10 * n + 1))
     doomed = range(0, DOOMED // 2) if n == 1 else range(DOOMED // 2, DOOMED)
     for i in doomed:
-        await send(a, f"doomed-{i:02}", "start", {"task": "a doomed task", "labels": {"group": "omega"}})
+        await send(
+            a, f"doomed-{i:02}", "start", {"task": "a doomed task", "labels": {"group": "omega"}}
+        )
         await steps(a, f"doomed-{i:02}", range(1, 2))
     # Bad input: not JSON, an end for a run that never started, a step with the wrong type.
     await send(a, f"broken-{n}", "start", b"\xff not json")
     await send(a, f"ghost-{n}", "end", {})
     await send(a, "run-a1", "step", b'{"index": 99, "text": 5}')
-    # B: each step scored alone, each scoring a judge failure, each failure a progress message for a full outbox.
+    # B: each step scored alone, each scoring a judge failure, each failure a progress message for a
+    # full outbox.
     for i in range(first * 2 - 1, last * 2 + 1):
         await steps(b, "run-b1", range(i, i + 1))
         await drain(b)
@@ -321,16 +358,17 @@ def instances(result: list[dict[str, Any]]) -> set[str]:
 async def test_dashboard_and_alert_queries_on_a_real_prometheus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The OTLP exporter retries a refused connection until its timeout (10 s): 1 s makes the dead collector's
-    # failures (and so AgentMonitorOtlpExportFailing) show within the test.
+    # The OTLP exporter retries a refused connection until its timeout (10 s): 1 s makes the dead
+    # collector's failures (and so AgentMonitorOtlpExportFailing) show within the test.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "1")
     registry = CollectorRegistry()
     a = Monitor(
         MonitorConfig(
-            # alpha 0.2: a family is calibrated after ceil(1/0.2) - 1 = CALIBRATING successful runs, so the
-            # threshold panel has data.
+            # alpha 0.2: a family is calibrated after ceil(1/0.2) - 1 = CALIBRATING successful runs,
+            # so the threshold panel has data.
             policy=Policy(abort_below=0.2, min_steps=1, patience=1, alpha=0.2),
-            # Prices: the Cost row's panels query the cost series, which a monitor without prices has not.
+            # Prices: the Cost row's panels query the cost series, which a monitor without prices
+            # has not.
             price_input=2.5,
             price_output=10.0,
             max_concurrency=4,
@@ -361,17 +399,22 @@ async def test_dashboard_and_alert_queries_on_a_real_prometheus(
             print(f"scenario and queries: {time.monotonic() - started:.1f}s")
 
 
-async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: str, dead: str) -> None:
+async def run_scenario(
+    prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: str, dead: str
+) -> None:
     monitors = {ta: a, tb: b}
 
     async def all_scraped() -> bool:
-        up = {r["metric"]["instance"]: r["value"][1] for r in await prom.query('up{job="agent-monitor"}')}
+        up = {
+            r["metric"]["instance"]: r["value"][1]
+            for r in await prom.query('up{job="agent-monitor"}')
+        }
         return up == {ta: "1", tb: "1", dead: "0"}
 
     # A first scrape before any activity: the pre-initialised counters have a 0 to rise from.
     await until("the first scrape of every target", all_scraped)
-    # Neither monitor has a broker here: b's gauge moves as Mosquitto's $SYS drop count would move it
-    # (tests/daemon/sources/test_ingest.py moves it with a real Mosquitto dropping messages).
+    # Neither monitor has a broker here: b's gauge moves as Mosquitto's $SYS drop count would move
+    # it (tests/daemon/sources/test_ingest.py moves it with a real Mosquitto dropping messages).
     b.metrics.broker_dropped.set(12)
     await wave(a, b, 1)
     await caught_up(prom, monitors)
@@ -381,9 +424,12 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     assert set(a.book.live) == live_runs
 
     async def only_live_runs() -> bool:  # the aborted runs ended last leave after the grace period
-        return {r["metric"]["run_id"] for r in await prom.query("agent_monitor_run_progress")} == live_runs
+        return {
+            r["metric"]["run_id"] for r in await prom.query("agent_monitor_run_progress")
+        } == live_runs
 
-    # One trace through a's OTLP receiver, to its end: the row's final-score latency has an observation.
+    # One trace through a's OTLP receiver, to its end: the row's final-score latency has an
+    # observation.
     receiver = next(s for s in a.sources if isinstance(s, OtlpReceiver))
     now = time.time_ns()
     # No outcome: the trace's run teaches calibration nothing (the counts below are the waves' own).
@@ -426,7 +472,10 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         seen = await prom.value(f'agent_monitor_run_progress{{run_id="{run}"}}')
         assert seen == pytest.approx(latest.score), run
     a1 = await prom.query('agent_monitor_run_progress{run_id="run-a1"}')
-    assert {k: a1[0]["metric"][k] for k in ("group", "model")} == {"group": "alpha", "model": "m-large"}
+    assert {k: a1[0]["metric"][k] for k in ("group", "model")} == {
+        "group": "alpha",
+        "model": "m-large",
+    }
     assert "user" not in a1[0]["metric"], "a start label outside --metric-labels became a label"
     table = next(p for p in dashboard["panels"] if p["type"] == "table")
     signal_code = next(
@@ -441,7 +490,11 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         ' / sum(rate(agent_monitor_judge_tokens_total{kind="input"}[1m]))'
     )
     assert share == pytest.approx(0.5, abs=0.01)
-    assert await prom.value("sum(agent_monitor_runs_active)") == len(a.book.live) + len(b.book.live) == len(LIVE) + 2
+    assert (
+        await prom.value("sum(agent_monitor_runs_active)")
+        == len(a.book.live) + len(b.book.live)
+        == len(LIVE) + 2
+    )
     assert await prom.value(f'agent_monitor_run_series_capped{{instance="{tb}"}}') == 1
 
     # Every alert expression holds, for exactly the daemons it is about.
@@ -463,7 +516,8 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         result = await prom.query(expr)
         assert instances(result) == expected[alert], (alert, result)
 
-    # The rules load healthy, and each goes pending (or firing, once its `for` has passed) for those daemons.
+    # The rules load healthy, and each goes pending (or firing, once its `for` has passed) for those
+    # daemons.
     async def rules_active() -> bool:
         body = await prom.get("/api/v1/rules")
         rules = [r for g in body["data"]["groups"] for r in g["rules"]]
@@ -471,7 +525,11 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
         for r in rules:
             assert r["health"] == "ok", (r["name"], r.get("lastError"))
         return all(
-            (r["state"] in ("pending", "firing") if expected[r["name"]] else r["state"] == "inactive")
+            (
+                r["state"] in ("pending", "firing")
+                if expected[r["name"]]
+                else r["state"] == "inactive"
+            )
             and {x["labels"]["instance"] for x in r["alerts"]} == expected[r["name"]]
             for r in rules
         )
@@ -495,28 +553,45 @@ async def run_scenario(prom: Prometheus, a: Monitor, b: Monitor, ta: str, tb: st
     assert time.monotonic() - ended >= GRACE_S
     assert await prom.query('agent_monitor_run_step{run_id="run-a1"}') == []
     assert await prom.value('agent_monitor_run_progress{run_id="run-a2"}') is not None
-    assert await prom.value(f'agent_monitor_runs_total{{instance="{ta}", outcome="success"}}') == CALIBRATING + 1
+    assert (
+        await prom.value(f'agent_monitor_runs_total{{instance="{ta}", outcome="success"}}')
+        == CALIBRATING + 1
+    )
 
 
 # -- the Cluster row, against real `serve --cluster` replicas --
 
 CLUSTER_RUNS = 6
-LEASE_S = 2.0  # short: a dead replica's runs move within lease + heartbeat, and the test waits for that
+# short: a dead replica's runs move within lease + heartbeat, and the test waits for that
+LEASE_S = 2.0
 
 
 @contextmanager
 def replica(name: str, *args: str, workdir: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`agent-monitor serve --cluster ... --replica-id NAME` with /metrics on a free port; yields (process, target)."""
+    """`agent-monitor serve --cluster ... --replica-id NAME` with /metrics on a free port; yields
+    (process, target)."""
     port = free_port()
     log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "agent_monitor", "serve", "--replica-id", name, "--metrics-port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "agent_monitor",
+        "serve",
+        "--replica-id",
+        name,
+        "--metrics-port",
+        str(port),
+        *args,
+    ]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while "agent-monitor: serving" not in log.read_text(errors="replace"):
             assert proc.poll() is None, f"replica {name} exited: {log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"replica {name} did not come up: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, (
+                f"replica {name} did not come up: {log.read_text()[-3000:]}"
+            )
             time.sleep(0.1)
         yield proc, f"127.0.0.1:{port}"
     finally:
@@ -563,12 +638,15 @@ def cluster_queries() -> list[tuple[str, str]]:
     ]
 
 
-async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitto, redis: RedisServer) -> None:
-    """Two replicas share the runs (3 and 3); one is killed; the survivor takes its runs and its MQTT session.
+async def test_cluster_row_on_a_real_prometheus(
+    tmp_path: Path, broker: Mosquitto, redis: RedisServer
+) -> None:
+    """Two replicas share the runs (3 and 3); one is killed; the survivor takes its runs and its
+    MQTT session.
 
-    The Cluster row's queries, run by a real Prometheus scraping both replicas, show it: two live replicas, then
-    one; runs owned per replica; takeovers and the adopted session on the survivor; fencing and Redis errors
-    (zero here) answer with data.
+    The Cluster row's queries, run by a real Prometheus scraping both replicas, show it: two live
+    replicas, then one; runs owned per replica; takeovers and the adopted session on the survivor;
+    fencing and Redis errors (zero here) answer with data.
     """
     from tests.openai_server import chat_choice, chat_reply, scripted_server
 
@@ -583,20 +661,41 @@ async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitt
     with contextlib.ExitStack() as stack:
         judge = stack.enter_context(scripted_server())
         judge.default = chat_reply(chat_choice([("K", {"K": 1.0})]))
-        common = ["--cluster", redis.url, "--broker", broker.url, "--judge", "openai", "--judge-url", judge.url]
-        common += ["--cluster-lease", str(LEASE_S), "--cluster-heartbeat", str(LEASE_S / 4), "--no-board"]
+        common = [
+            "--cluster",
+            redis.url,
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+        ]
+        common += [
+            "--cluster-lease",
+            str(LEASE_S),
+            "--cluster-heartbeat",
+            str(LEASE_S / 4),
+            "--no-board",
+        ]
         r1, t1 = stack.enter_context(replica("r1", *common, workdir=tmp_path))
         r2, t2 = stack.enter_context(replica("r2", *common, workdir=tmp_path))
         prom = stack.enter_context(prometheus(tmp_path, [t1, t2]))
         try:
 
             async def value_of(expr: str) -> dict[str, float]:
-                return {r["metric"].get("instance", ""): float(r["value"][1]) for r in await prom.query(expr)}
+                return {
+                    r["metric"].get("instance", ""): float(r["value"][1])
+                    for r in await prom.query(expr)
+                }
 
             async def holds(expr: str, want: dict[str, float]) -> bool:
                 return await value_of(expr) == want
 
-            await until("both replicas to see two", lambda: holds("agent_monitor_cluster_replicas", {t1: 2, t2: 2}))
+            await until(
+                "both replicas to see two",
+                lambda: holds("agent_monitor_cluster_replicas", {t1: 2, t2: 2}),
+            )
             runs = [f"c{i}" for i in range(CLUSTER_RUNS)]
             await asyncio.to_thread(
                 publish,
@@ -606,19 +705,27 @@ async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitt
             )
             # Exact balance: 3 and 3.
             half = CLUSTER_RUNS / 2
-            await until("the runs placed 3 and 3", lambda: holds("agent_monitor_runs_owned", {t1: half, t2: half}))
+            await until(
+                "the runs placed 3 and 3",
+                lambda: holds("agent_monitor_runs_owned", {t1: half, t2: half}),
+            )
 
             r2.kill()  # no goodbye: its runs and its broker session wait for the survivor
             r2.wait()
             await asyncio.to_thread(
-                publish, broker.port, [(f"agents/{r}/step", {"index": 2, "text": "pytest: 1 failed"}) for r in runs]
+                publish,
+                broker.port,
+                [(f"agents/{r}/step", {"index": 2, "text": "pytest: 1 failed"}) for r in runs],
             )
             await until(
                 "the survivor to own every run",
                 lambda: holds("agent_monitor_runs_owned", {t1: CLUSTER_RUNS}),
                 wait_s=60,
             )
-            await until("the survivor to see one replica", lambda: holds("agent_monitor_cluster_replicas", {t1: 1}))
+            await until(
+                "the survivor to see one replica",
+                lambda: holds("agent_monitor_cluster_replicas", {t1: 1}),
+            )
             await until(
                 "the dead replica's session to be adopted",
                 lambda: holds("agent_monitor_cluster_sessions_adopted_total", {t1: 1}),
@@ -627,8 +734,8 @@ async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitt
             took = (await value_of("agent_monitor_run_takeovers_total"))[t1]
             assert took == half, "the survivor took exactly the dead replica's runs"
 
-            # Every query of the row answers with data about the survivor (rates and increases over the last minute
-            # still see the dead replica's samples from before it died).
+            # Every query of the row answers with data about the survivor (rates and increases over
+            # the last minute still see the dead replica's samples from before it died).
             for title, expr in queries:
                 result = await prom.query(expr)
                 assert result, f"{title}: no data for {expr}"
@@ -644,5 +751,8 @@ async def test_cluster_row_on_a_real_prometheus(tmp_path: Path, broker: Mosquitt
         except BaseException:
             # What the replicas said (their logs are in tmp_path) is what explains a failure here.
             for name in ("r1", "r2"):
-                print(f"--- {name}.log ---", (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:])
+                print(
+                    f"--- {name}.log ---",
+                    (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:],
+                )
             raise

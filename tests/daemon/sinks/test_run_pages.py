@@ -1,4 +1,5 @@
-"""A page per run and the history of ended runs: /runs/<id>, /api/runs/<id>, /runs and /api/runs?... over HTTP.
+"""A page per run and the history of ended runs: /runs/<id>, /api/runs/<id>, /runs and /api/runs?...
+over HTTP.
 
 A real Monitor (scripted judge, fed with `handle()`) with a SQLite run store, the board and the real
 HttpServer; the run pages read the store, so a run is there while it runs, after it ended and after
@@ -38,11 +39,15 @@ def judge() -> FakeJudge:
 
 
 @asynccontextmanager
-async def daemon(path: Path, *, pages: bool = True) -> AsyncIterator[tuple[Monitor, HttpServer, SqliteStore]]:
+async def daemon(
+    path: Path, *, pages: bool = True
+) -> AsyncIterator[tuple[Monitor, HttpServer, SqliteStore]]:
     registry = CollectorRegistry()
     board = Board(registry=registry)
     store = SqliteStore(path)
-    monitor = Monitor(MonitorConfig(policy=POLICY), judge=judge(), store=store, registry=registry, sinks=[board])
+    monitor = Monitor(
+        MonitorConfig(policy=POLICY), judge=judge(), store=store, registry=registry, sinks=[board]
+    )
     try:
         site = BoardSite(board, RunPages(monitor.store, board) if pages else None)
         async with HttpServer(registry, port=0, site=site) as web, monitor:
@@ -51,10 +56,16 @@ async def daemon(path: Path, *, pages: bool = True) -> AsyncIterator[tuple[Monit
         await store.aclose()
 
 
-async def feed(monitor: Monitor, run_id: str, steps: list[str], *, end: str | None = None, **start: Any) -> None:
-    await monitor.handle(f"agents/{run_id}/start", json.dumps({"task": "a doomed task", **start}).encode())
+async def feed(
+    monitor: Monitor, run_id: str, steps: list[str], *, end: str | None = None, **start: Any
+) -> None:
+    await monitor.handle(
+        f"agents/{run_id}/start", json.dumps({"task": "a doomed task", **start}).encode()
+    )
     for i, text in enumerate(steps, 1):
-        await monitor.handle(f"agents/{run_id}/step", json.dumps({"index": i, "text": text}).encode())
+        await monitor.handle(
+            f"agents/{run_id}/step", json.dumps({"index": i, "text": text}).encode()
+        )
         await asyncio.wait_for(monitor.drain(), 10)
     if end is not None:
         await monitor.handle(f"agents/{run_id}/end", json.dumps({"outcome": end}).encode())
@@ -63,11 +74,16 @@ async def feed(monitor: Monitor, run_id: str, steps: list[str], *, end: str | No
 
 async def api(port: int, path: str) -> tuple[int, Any]:
     r = await get(port, path)
-    return r.status, (json.loads(r.body) if r.headers.get("content-type") == "application/json" else r.body.decode())
+    return r.status, (
+        json.loads(r.body)
+        if r.headers.get("content-type") == "application/json"
+        else r.body.decode()
+    )
 
 
 async def settled(port: int, run_id: str, check: Any) -> dict[str, Any]:
-    """The run's JSON once `check(run)` holds (scores are written to the store in the background)."""
+    """The run's JSON once `check(run)` holds (scores are written to the store in the
+    background)."""
     run: dict[str, Any] = {}
     for _ in range(100):
         status, run = await api(port, f"/api/runs/{quote(run_id, safe='')}")
@@ -83,9 +99,16 @@ async def test_a_runs_page_gives_every_step_its_score_and_the_abort_live_ended_a
     path = tmp_path / "runs.sqlite3"
     long = "a long step\n" + "x" * 30_000
     async with daemon(path) as (monitor, web, _):
-        await feed(monitor, "doomed-1", ["ran pytest: 3 failed", long], labels={"team": "search"}, group="g1")
+        await feed(
+            monitor,
+            "doomed-1",
+            ["ran pytest: 3 failed", long],
+            labels={"team": "search"},
+            group="g1",
+        )
         live = await settled(web.port, "doomed-1", lambda r: len(r["curve"]) == 1)
-        assert live["live"] is True and live["outcome"] is None  # nobody knows the outcome while it runs
+        # nobody knows the outcome while it runs
+        assert live["live"] is True and live["outcome"] is None
         assert live["signal"] == "abort" and live["steps_total"] == 2
         await monitor.handle("agents/doomed-1/end", json.dumps({"outcome": "failure"}).encode())
         await asyncio.wait_for(monitor.drain(), 10)
@@ -94,11 +117,19 @@ async def test_a_runs_page_gives_every_step_its_score_and_the_abort_live_ended_a
     async with daemon(path) as (monitor, web, _):  # a restart on the same store
         run = await settled(web.port, "doomed-1", lambda r: True)
     assert run["live"] is False and run["outcome"] == "failure" and run["ended_at"] is not None
-    assert run["task"] == "a doomed task" and run["labels"] == {"team": "search"} and run["group"] == "g1"
+    assert (
+        run["task"] == "a doomed task"
+        and run["labels"] == {"team": "search"}
+        and run["group"] == "g1"
+    )
     steps = run["steps"]
     assert [s["index"] for s in steps] == [1, 2]
     assert steps[0]["text"] == "ran pytest: 3 failed"
-    assert steps[1]["chars"] == len(long) and len(steps[1]["text"]) == 20_000 and steps[1]["text"].endswith("…")
+    assert (
+        steps[1]["chars"] == len(long)
+        and len(steps[1]["text"]) == 20_000
+        and steps[1]["text"].endswith("…")
+    )
     # The abort is final: step 1 was scored, step 2 was not (nothing is judged after an abort).
     scored = {c["step"]: c["score"] for c in run["curve"]}
     assert scored[1] == pytest.approx(1 / 19)
@@ -109,18 +140,21 @@ async def test_a_runs_page_gives_every_step_its_score_and_the_abort_live_ended_a
     assert abort["score"] == pytest.approx(1 / 19) and abort["abort_below"] == pytest.approx(0.2)
     assert abort["criteria"]["task_progress"]["score"] == pytest.approx(1 / 19)
     assert abort["criteria"]["task_progress"]["source"] == "llm"
-    assert [m["run_id"] for m in run["ranking"]["runs"]] == ["doomed-1"]  # its group's ranking, kept by the store
+    # its group's ranking, kept by the store
+    assert [m["run_id"] for m in run["ranking"]["runs"]] == ["doomed-1"]
     assert run["totals"]["input"] > 0 and run["source"] == "store"
 
 
 async def test_the_page_itself_is_static_and_escapes_nothing_into_markup(tmp_path: Path) -> None:
     async with daemon(tmp_path / "runs.sqlite3") as (monitor, web, _):
         await feed(monitor, "h1", [HOSTILE], end="failure", labels={"note": HOSTILE})
-        # Front doors refuse such run ids, but a URL is anyone's: the page is the same static file for any path.
+        # Front doors refuse such run ids, but a URL is anyone's: the page is the same static file
+        # for any path.
         for run_id in ("h1", HOSTILE):
             r = await get(web.port, "/runs/" + quote(run_id, safe=""))
             assert r.status == 200 and r.headers["content-type"] == "text/html; charset=utf-8"
-            # Nothing from the run or the URL reaches the HTML: the script fetches the JSON and sets textContent.
+            # Nothing from the run or the URL reaches the HTML: the script fetches the JSON and sets
+            # textContent.
             assert b"pwned" not in r.body and b"onerror" not in r.body
             assert "script-src 'sha256-" in r.headers["content-security-policy"]
             assert "'unsafe-inline'" not in r.headers["content-security-policy"]
@@ -148,7 +182,9 @@ async def test_history_filters_by_outcome_signal_family_label_and_time_and_pages
     async with daemon(tmp_path / "runs.sqlite3") as (monitor, web, store):
         await feed(monitor, "d1", ["x"], end="failure", family="swe", labels={"team": "a"})
         await feed(monitor, "d2", ["x"], end="failure", family="swe", labels={"team": "b"})
-        await monitor.handle("agents/ok1/start", json.dumps({"task": "fine", "family": "robot"}).encode())
+        await monitor.handle(
+            "agents/ok1/start", json.dumps({"task": "fine", "family": "robot"}).encode()
+        )
         await monitor.handle("agents/ok1/step", json.dumps({"index": 1, "text": "fine"}).encode())
         await asyncio.wait_for(monitor.drain(), 10)
         await monitor.handle("agents/ok1/end", json.dumps({"outcome": "success"}).encode())
@@ -172,7 +208,9 @@ async def test_history_filters_by_outcome_signal_family_label_and_time_and_pages
         seen: list[str] = []
         cursor = ""
         for _ in range(5):
-            status, page = await api(web.port, "/api/runs?limit=1" + (f"&cursor={cursor}" if cursor else ""))
+            status, page = await api(
+                web.port, "/api/runs?limit=1" + (f"&cursor={cursor}" if cursor else "")
+            )
             seen += [r["run_id"] for r in page["runs"]]
             if page["next"] is None:
                 break
@@ -222,7 +260,10 @@ async def test_without_a_store_the_page_falls_back_to_the_board_and_history_says
     registry = CollectorRegistry()
     board = Board(registry=registry)
     monitor = Monitor(MonitorConfig(policy=POLICY), judge=judge(), registry=registry, sinks=[board])
-    async with HttpServer(registry, port=0, site=BoardSite(board, RunPages(monitor.store, board))) as web, monitor:
+    async with (
+        HttpServer(registry, port=0, site=BoardSite(board, RunPages(monitor.store, board))) as web,
+        monitor,
+    ):
         await feed(monitor, "doomed-1", ["x"])
         status, run = await api(web.port, "/api/runs/doomed-1")
         assert status == 200 and run["source"] == "board" and run["signal"] == "abort"
@@ -247,7 +288,11 @@ async def test_a_steps_frames_are_served_as_thumbnails_by_digest(tmp_path: Path)
         digest = hashlib.sha256(PLACEHOLDER_PNG).hexdigest()
         assert run["steps"][0]["frames"] == 1 and run["steps"][0]["frame_digests"] == [digest]
         r = await get(web.port, f"/api/frames/{digest}")
-        assert r.status == 200 and r.headers["content-type"] == "image/png" and r.body == PLACEHOLDER_PNG
+        assert (
+            r.status == 200
+            and r.headers["content-type"] == "image/png"
+            and r.body == PLACEHOLDER_PNG
+        )
         assert r.headers["x-content-type-options"] == "nosniff"
         for bad in ("0" * 64, "../../etc/passwd", digest.upper(), digest + "0"):
             assert (await get(web.port, f"/api/frames/{bad}")).status == 404, bad

@@ -1,4 +1,5 @@
-"""The source protocol: a front door besides MQTT hands events to ingest and reads back signals and results."""
+"""The source protocol: a front door besides MQTT hands events to ingest and reads back signals
+and results."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class ScriptedStatistics:
 
 
 class ScriptedSource:
-    """A source that hands a scripted list of events to ingest, then waits; it collects every monitor event."""
+    """A source that hands a scripted list of events to ingest, then waits; it collects every
+    monitor event."""
 
     name = "scripted"
 
@@ -57,14 +59,20 @@ class ScriptedSource:
 
 
 async def test_a_source_feeds_runs_that_are_scored_and_signalled_like_mqtt_ones() -> None:
-    steps = [Inbound("otlp-1", "step", {"index": i, "text": f"step {i}"}, key=f"span-{i}") for i in (1, 2, 3)]
+    steps = [
+        Inbound("otlp-1", "step", {"index": i, "text": f"step {i}"}, key=f"span-{i}")
+        for i in (1, 2, 3)
+    ]
     source = ScriptedSource(
         [
             [
                 Inbound(
                     "otlp-1",
                     "start",
-                    {"task": "Do the thing", "policy": {"abort_below": 0.5, "min_steps": 1, "patience": 1}},
+                    {
+                        "task": "Do the thing",
+                        "policy": {"abort_below": 0.5, "min_steps": 1, "patience": 1},
+                    },
                 )
             ],
             steps,
@@ -75,7 +83,9 @@ async def test_a_source_feeds_runs_that_are_scored_and_signalled_like_mqtt_ones(
     )
     assert isinstance(source, Source)
     judge = FakeJudge(lambda prompt: "B")  # a low score: the run aborts
-    async with Monitor(MonitorConfig(policy=Policy()), judge=judge, store=MemoryStore(), sources=[source]) as monitor:
+    async with Monitor(
+        MonitorConfig(policy=Policy()), judge=judge, store=MemoryStore(), sources=[source]
+    ) as monitor:
         await asyncio.wait_for(source.done.wait(), 10)
         await asyncio.wait_for(monitor.drain(), 10)
         assert "source-scripted" in {t.get_name() for t in monitor._tasks}
@@ -96,4 +106,6 @@ async def test_a_source_feeds_runs_that_are_scored_and_signalled_like_mqtt_ones(
 
 async def test_sources_need_distinct_names() -> None:
     with pytest.raises(ValueError, match="distinct names"):
-        Monitor(MonitorConfig(), judge=FakeJudge(), sources=[ScriptedSource([]), ScriptedSource([])])
+        Monitor(
+            MonitorConfig(), judge=FakeJudge(), sources=[ScriptedSource([]), ScriptedSource([])]
+        )

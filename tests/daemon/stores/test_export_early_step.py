@@ -1,9 +1,10 @@
-"""A step that arrives before its run's start is held, then kept when the start comes: `export` must show it.
+"""A step that arrives before its run's start is held, then kept when the start comes: `export` must
+show it.
 
-In cluster mode this is the common case, not a corner: the start and the first step go to different replicas
-(a shared subscription hands out messages in turn) and the second may reach the run's inbox first. Both run
-stores' exports left such a step out (it is journaled as an orphan, and the start places it without a record of
-its own), although the run had it and scored it.
+In cluster mode this is the common case, not a corner: the start and the first step go to different
+replicas (a shared subscription hands out messages in turn) and the second may reach the run's inbox
+first. Both run stores' exports left such a step out (it is journaled as an orphan, and the start
+places it without a record of its own), although the run had it and scored it.
 """
 
 from __future__ import annotations
@@ -44,14 +45,20 @@ async def test_sqlite_export_places_an_unindexed_early_step(tmp_path: Path) -> N
     store = SqliteStore(tmp_path / "s.db")
     try:
         # An un-indexed early step goes to the next position when the start comes.
-        await journal_events(store, [("agents/u/step", {"text": "first"}), ("agents/u/start", {"task": "t"})])
+        await journal_events(
+            store, [("agents/u/step", {"text": "first"}), ("agents/u/start", {"task": "t"})]
+        )
         exported = await store.export("u")
     finally:
         await store.aclose()
-    assert exported is not None and [(s["index"], s["text"]) for s in exported["steps"]] == [(1, "first")]
+    assert exported is not None and [(s["index"], s["text"]) for s in exported["steps"]] == [
+        (1, "first")
+    ]
 
 
-async def test_cluster_export_keeps_a_step_that_came_before_the_start(broker: Mosquitto, redis: RedisServer) -> None:
+async def test_cluster_export_keeps_a_step_that_came_before_the_start(
+    broker: Mosquitto, redis: RedisServer
+) -> None:
     async with harness(broker.port) as h, replica(broker, redis, "a"):
         for topic, payload in EARLY_FIRST:
             await h.publish(topic.split("/")[1], topic.rsplit("/", 1)[1], payload)

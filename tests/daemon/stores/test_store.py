@@ -1,4 +1,5 @@
-"""The run store: journal, de-duplication, frames by digest and budget, retention; a monitor rebuilt from it."""
+"""The run store: journal, de-duplication, frames by digest and budget, retention; a monitor
+rebuilt from it."""
 
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def j(**kw: Any) -> bytes:
     return json.dumps(kw).encode()
 
 
-async def journal_events(store: SqliteStore, events: list[tuple[str, dict[str, Any]]], now: float = 1000.0) -> None:
-    """What the daemon journals for these events: the run state decides, refusals and duplicates are not journaled."""
+async def journal_events(
+    store: SqliteStore, events: list[tuple[str, dict[str, Any]]], now: float = 1000.0
+) -> None:
+    """What the daemon journals for these events: the run state decides, refusals and duplicates
+    are not journaled."""
     book = RunBook()
     for topic, payload in events:
         run_id, event = ev(topic, **payload)
@@ -87,19 +91,39 @@ async def test_journal_dedupes_steps_and_rebuilds_events_in_order(tmp_path: Path
 
 
 async def test_frames_stored_once_per_digest_and_pruned_by_budget(tmp_path: Path) -> None:
-    store = SqliteStore(tmp_path / "s.db", frame_budget=FrameBudget(every=2, recent=1, per_stride=2))
+    store = SqliteStore(
+        tmp_path / "s.db", frame_budget=FrameBudget(every=2, recent=1, per_stride=2)
+    )
     red, blue = png((255, 0, 0)), png((0, 0, 255))
     try:
         _, start = ev("agents/r/start", task="t", images=[{"data": base64.b64encode(red).decode()}])
         await store.journal(Started("r", start, 1000.0))
         frames = [red, blue, blue, red, blue]  # 5 step frames; ordinals 0..4
         for i, f in enumerate(frames, 1):
-            await store.journal(Stepped("r", StepIn.model_validate({"index": i, "text": f"s{i}", "images": [
-                {"data": base64.b64encode(f).decode()}]}), 1000.0 + i))  # fmt: skip
+            await store.journal(
+                Stepped(
+                    "r",
+                    StepIn.model_validate(
+                        {
+                            "index": i,
+                            "text": f"s{i}",
+                            "images": [{"data": base64.b64encode(f).decode()}],
+                        }
+                    ),
+                    1000.0 + i,
+                )
+            )
         db = sqlite3.connect(tmp_path / "s.db")
-        assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 2  # red and blue, once each
-        pruned = [o for (o,) in db.execute("SELECT ordinal FROM event_frames WHERE pruned = 1 ORDER BY ordinal")]
-        assert pruned == [1, 3]  # not anchors (0, 2 at stride 2; 4 at stride 4 from frame 4) and not the newest (4)
+        # red and blue, once each
+        assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 2
+        pruned = [
+            o
+            for (o,) in db.execute(
+                "SELECT ordinal FROM event_frames WHERE pruned = 1 ORDER BY ordinal"
+            )
+        ]
+        # not anchors (0, 2 at stride 2; 4 at stride 4 from frame 4) and not the newest (4)
+        assert pruned == [1, 3]
         first, *steps = (await store.replay()).records
         assert isinstance(first, Started) and all(isinstance(r, Stepped) for r in steps)
         step_images = [r.step.images[0].decoded() for r in steps if isinstance(r, Stepped)]
@@ -114,7 +138,9 @@ async def test_retention_deletes_ended_runs_and_unreferenced_frames(tmp_path: Pa
     store = SqliteStore(tmp_path / "s.db", clock=lambda: clock["t"])
     try:
         for rid in ("old", "new"):
-            _, start = ev(f"agents/{rid}/start", task=rid, images=[base64.b64encode(png((1, 2, 3))).decode()])
+            _, start = ev(
+                f"agents/{rid}/start", task=rid, images=[base64.b64encode(png((1, 2, 3))).decode()]
+            )
             await store.journal(Started(rid, start, clock["t"]))
         store.record_progress("old", 1, {"step": 1, "score": 0.5, "ok": True})
         await store.journal(Finished("old", "success", clock["t"]))
@@ -128,15 +154,25 @@ async def test_retention_deletes_ended_runs_and_unreferenced_frames(tmp_path: Pa
         assert await store.prune(older_than_s=0) == 1
         db = sqlite3.connect(tmp_path / "s.db")
         assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 0
-        # Calibration samples are the evidence thresholds rest on, not run records: retention leaves them.
+        # Calibration samples are the evidence thresholds rest on, not run records: retention leaves
+        # them.
         assert [s.run_id for s in await store.samples()] == ["old"]
     finally:
         await store.aclose()
 
 
-def sample(run_id: str, family: str, *, model: str = "m", success: bool = True, at: float = 0.0) -> Sample:
+def sample(
+    run_id: str, family: str, *, model: str = "m", success: bool = True, at: float = 0.0
+) -> Sample:
     curve = (Point(1, 0.5, 0.1), Point(2, None, None), Point(3, 0.75, 0.0))
-    return Sample(run_id, Family(family, model, "r"), success, curve, outcome="success" if success else 0.1, at=at)
+    return Sample(
+        run_id,
+        Family(family, model, "r"),
+        success,
+        curve,
+        outcome="success" if success else 0.1,
+        at=at,
+    )
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "memory"])
@@ -162,12 +198,14 @@ async def test_calibration_samples_are_kept_once_bounded_per_family_and_reset_by
             ("fam", "other", "b0"),
             ("docs", "m", "c0"),
         ]
-        assert got[2] == sample("a4", "fam", at=4.0)  # the whole sample comes back: curve, outcome, time
+        # the whole sample comes back: curve, outcome, time
+        assert got[2] == sample("a4", "fam", at=4.0)
         assert got[4].outcome == 0.1 and got[4].success is False
         assert await store.reset_family("fam") == 4
         assert [s.run_id for s in await store.samples()] == ["c0"]
         assert await store.reset_family("fam") == 0
-        # Families come from the network: over the total, the oldest samples go, whatever their family.
+        # Families come from the network: over the total, the oldest samples go, whatever their
+        # family.
         for i in range(4):
             store.record_sample(sample(f"x{i}", f"f{i}"), keep=3, total=3)
         assert [s.run_id for s in await store.samples()] == ["x1", "x2", "x3"]
@@ -182,7 +220,9 @@ async def test_no_store_keeps_no_samples() -> None:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "memory"])
-async def test_monitor_rebuilds_runs_from_the_store_without_rescoring(tmp_path: Path, kind: str) -> None:
+async def test_monitor_rebuilds_runs_from_the_store_without_rescoring(
+    tmp_path: Path, kind: str
+) -> None:
     def make() -> Any:
         return SqliteStore(tmp_path / "s.db") if kind == "sqlite" else memory
 
@@ -212,8 +252,8 @@ async def test_monitor_rebuilds_runs_from_the_store_without_rescoring(tmp_path: 
         assert [p.step for p in good.curve] == [1, 2, 3] and good.last_ok is not None
         assert bad.signal == "abort" and bad_tracker.policy_state is not None
         assert bad_tracker.policy_state.signal == "abort"
-        # Replaying publishes no duplicate progress and no errors; only the run's current signal is published
-        # again (retained, the same decision: it may have been lost with the crash).
+        # Replaying publishes no duplicate progress and no errors; only the run's current signal is
+        # published again (retained, the same decision: it may have been lost with the crash).
         replayed = drained(mon)
         assert [m.topic for m in replayed] == ["agents/bad/signal"]
         assert replayed[0].retain and json.loads(replayed[0].payload)["signal"] == "abort"

@@ -1,4 +1,5 @@
-"""A run store written by agent-monitor 0.1 (raw events, no gap records): opened, its ended runs kept, its live ones closed."""
+"""A run store written by agent-monitor 0.1 (raw events, no gap records): opened, its ended runs
+kept, its live ones closed."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def v1_store(path: Path) -> None:
     db.executescript(V1)
     for rid, ended in (("done", 50.0), ("live", None)):
         db.execute(
-            "INSERT INTO runs (run_id, task, started_at, updated_at, ended_at, outcome, labels) VALUES (?, ?, 1, 1, ?, ?, '{}')",
+            "INSERT INTO runs (run_id, task, started_at, updated_at, ended_at, outcome, "
+            "labels) VALUES (?, ?, 1, 1, ?, ?, '{}')",
             (rid, f"task {rid}", ended, "success" if ended else None),
         )
         db.execute(
@@ -41,11 +43,15 @@ def v1_store(path: Path) -> None:
         )
         for i, text in ((1, "one"), (None, "two, without an index")):
             db.execute(
-                "INSERT INTO events (run_id, kind, step_index, body, received_at) VALUES (?, 'step', ?, ?, 2)",
+                "INSERT INTO events (run_id, kind, step_index, body, received_at) VALUES (?, "
+                "'step', ?, ?, 2)",
                 (rid, i, json.dumps({"index": i, "text": text})),
             )
     # A step refused no_start, journaled all the same by 0.1.
-    db.execute("INSERT INTO events (run_id, kind, body, received_at) VALUES ('ghost', 'step', '{\"text\": \"x\"}', 3)")
+    db.execute(
+        "INSERT INTO events (run_id, kind, body, received_at) VALUES ('ghost', "
+        "'step', '{\"text\": \"x\"}', 3)"
+    )
     db.commit()
     db.close()
 
@@ -63,7 +69,8 @@ async def test_a_v1_store_opens_keeps_ended_runs_and_closes_live_ones(tmp_path: 
             (2, "two, without an index"),
         ]
         replay = await store.replay()
-        assert replay.records == []  # nothing is resumed from a format that cannot be replayed exactly
+        # nothing is resumed from a format that cannot be replayed exactly
+        assert replay.records == []
         async with Monitor(judge=FakeJudge(), store=store) as mon:
             assert not mon.book.live and not mon.book.orphans
     finally:
@@ -72,9 +79,12 @@ async def test_a_v1_store_opens_keeps_ended_runs_and_closes_live_ones(tmp_path: 
     SqliteStore(path)  # opening again is a no-op: already format 2
 
 
-async def test_a_format_2_store_from_before_calibration_opens_and_gains_its_table(tmp_path: Path) -> None:
+async def test_a_format_2_store_from_before_calibration_opens_and_gains_its_table(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "runs.sqlite3"
-    SqliteStore(path)  # today's schema, then made what agent-monitor wrote before calibration existed
+    # today's schema, then made what agent-monitor wrote before calibration existed
+    SqliteStore(path)
     db = sqlite3.connect(path)
     db.execute("DROP TABLE calibration")
     db.commit()
@@ -95,5 +105,7 @@ def test_a_store_from_a_newer_version_is_refused_with_what_to_do(tmp_path: Path)
     db = sqlite3.connect(path)
     db.execute("PRAGMA user_version=99")
     db.close()
-    with pytest.raises(StoreFormatError, match=r"written by a newer agent-monitor .* pass another --state-dir"):
+    with pytest.raises(
+        StoreFormatError, match=r"written by a newer agent-monitor .* pass " r"another --state-dir"
+    ):
         SqliteStore(path)

@@ -1,4 +1,5 @@
-"""The OTLP traces receiver: a source whose runs are traces an agent exports over OTLP/HTTP (`POST /v1/traces`).
+"""The OTLP traces receiver: a source whose runs are traces an agent exports over OTLP/HTTP (`POST
+/v1/traces`).
 
 One task (the source's `run`) serves HTTP/1.1 through the sources' h11 server (`_h11`): the head and
 the body are bounded before they are read, connections are counted, every read has a deadline. A
@@ -75,11 +76,12 @@ class OtlpReceiverStatistics:
 
 
 class OtlpReceiver:
-    """A monitor source serving OTLP/HTTP traces: `Monitor(config, judge=..., sources=[OtlpReceiver(settings)])`.
+    """A monitor source serving OTLP/HTTP traces: `Monitor(config, judge=...,
+    sources=[OtlpReceiver(settings)])`.
 
-    `registry` takes its metrics; `clock` is monotonic seconds (idle closes, latencies). `port` is the
-    bound port once `ready` is set (an address with port 0 binds a free one). `http` is its door,
-    `traces` its runs.
+    `registry` takes its metrics; `clock` is monotonic seconds (idle closes, latencies). `port` is
+    the bound port once `ready` is set (an address with port 0 binds a free one). `http` is its
+    door, `traces` its runs.
     """
 
     name = "otlp"
@@ -107,14 +109,20 @@ class OtlpReceiver:
         )
         self.traces = Traces(settings, self.metrics, clock=clock)
         self.sink: Sink | None = self.traces.on_event
-        self._stats: dict[str, int] = {"requests": 0, "received": 0, "accepted": 0, "decoded_off_loop": 0}
+        self._stats: dict[str, int] = {
+            "requests": 0,
+            "received": 0,
+            "accepted": 0,
+            "decoded_off_loop": 0,
+        }
         self._decoding = asyncio.Semaphore(1)
         self._decoder: ThreadPoolExecutor | None = None
 
     # -- the source protocol --
 
     async def open(self) -> None:
-        """Bind the address (before the monitor starts, to report a taken port at once); OSError when it cannot."""
+        """Bind the address (before the monitor starts, to report a taken port at once); OSError
+        when it cannot."""
         if not self.http.bound:
             host, port = self.settings.host_port
             await self.http.open(host, port, start_serving=True)
@@ -127,7 +135,8 @@ class OtlpReceiver:
             import opentelemetry.proto.collector.trace.v1.trace_service_pb2  # noqa: F401
         except ImportError as e:
             raise ImportError(
-                f"--otlp-receiver needs the OpenTelemetry protobuf classes ({e.name} is missing): {INSTALL_HINT}"
+                f"--otlp-receiver needs the OpenTelemetry protobuf classes ({e.name} is "
+                f"missing): {INSTALL_HINT}"
             ) from None
 
     @property
@@ -137,7 +146,8 @@ class OtlpReceiver:
         return f"http://{f'[{host}]' if ':' in host else host}:{self.port}{_PATH}"
 
     async def run(self, ingest: SourceInput, runs: RunsView) -> None:
-        """Serve OTLP/HTTP until cancelled, closing idle runs; raises OSError when the address cannot be bound."""
+        """Serve OTLP/HTTP until cancelled, closing idle runs; raises OSError when the address
+        cannot be bound."""
         self.traces.ingest, self.traces.view = ingest, runs
         await self.open()
         log.info("otlp_receiving", url=self.url)
@@ -155,7 +165,8 @@ class OtlpReceiver:
                 decoder.shutdown(wait=False)
 
     def statistics(self) -> OtlpReceiverStatistics:
-        """Requests, spans received, accepted, steps sent, late steps, live runs and open connections."""
+        """Requests, spans received, accepted, steps sent, late steps, live runs and open
+        connections."""
         t, n = self.traces, self._stats
         return OtlpReceiverStatistics(
             requests=n["requests"],
@@ -169,11 +180,13 @@ class OtlpReceiver:
         )
 
     def span_of(self, run_id: str, step: int) -> tuple[str, str] | None:
-        """The (trace id, span id) a trace-fed run's result judged, for its evaluation events; None for other runs."""
+        """The (trace id, span id) a trace-fed run's result judged, for its evaluation events;
+        None for other runs."""
         return self.traces.span_of(run_id, step)
 
     async def take(self, decoded: Decoded) -> tuple[int, str, bool]:
-        """Hand a request's spans to ingest; return (spans rejected, why, whether to answer 503 Retry-After)."""
+        """Hand a request's spans to ingest; return (spans rejected, why, whether to answer 503
+        Retry-After)."""
         return await self.traces.take(decoded)
 
     async def sweep(self) -> None:
@@ -183,14 +196,18 @@ class OtlpReceiver:
     # -- HTTP --
 
     async def _busy(self, conn: H11Conn) -> None:
-        """One connection too many: its request (an answer needs one) is answered 503 with Retry-After."""
+        """One connection too many: its request (an answer needs one) is answered 503 with
+        Retry-After."""
         self.metrics.refused.labels("unavailable").inc()
         if isinstance(await conn.next_event(), h11.Request):
-            busy = self._error(503, "too many connections", _JSON, retry_after=self.settings.retry_after_s)
+            busy = self._error(
+                503, "too many connections", _JSON, retry_after=self.settings.retry_after_s
+            )
             await self._write(conn, busy, close=True)
 
     async def _request(self, conn: H11Conn, request: h11.Request) -> None:
-        """Answer one request: its head checked (token, path, method, types, length) before its body is read."""
+        """Answer one request: its head checked (token, path, method, types, length) before its
+        body is read."""
         limit = self.http.settings.max_body_bytes
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in request.headers}
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -202,19 +219,27 @@ class OtlpReceiver:
             headers.get("authorization", "").encode(), f"Bearer {token}".encode()
         ):
             self.metrics.refused.labels("unauthorized").inc()
-            answer = self._error(401, "missing or wrong 'Authorization: Bearer' token (--otlp-token)", reply_type)
+            answer = self._error(
+                401, "missing or wrong 'Authorization: Bearer' token (--otlp-token)", reply_type
+            )
         elif target != _PATH:
-            answer = self._error(404, f"no such path {target[:100]}; POST spans to {_PATH}", reply_type)
+            answer = self._error(
+                404, f"no such path {target[:100]}; POST spans to {_PATH}", reply_type
+            )
         elif request.method != b"POST":
             answer = self._error(405, f"use POST {_PATH}", reply_type)
         elif ctype not in (_JSON, _PROTOBUF):
-            answer = self._error(415, f"content type {ctype!r}: use {_PROTOBUF} or {_JSON}", reply_type)
+            answer = self._error(
+                415, f"content type {ctype!r}: use {_PROTOBUF} or {_JSON}", reply_type
+            )
         elif headers.get("content-encoding", "identity").lower() not in ("gzip", "identity"):
             answer = self._error(415, "content encoding: use gzip or none", reply_type)
         length = headers.get("content-length")
         if answer is None and length is not None and length.isdigit() and int(length) > limit:
             self.metrics.refused.labels("body_too_large").inc()
-            answer = self._error(413, f"the body is {length} bytes, over the limit of {limit}", reply_type)
+            answer = self._error(
+                413, f"the body is {length} bytes, over the limit of {limit}", reply_type
+            )
         if answer is not None:
             # The body is not read: close once answered (the client may be sending it still).
             await self._write(conn, answer, close=True)
@@ -223,21 +248,26 @@ class OtlpReceiver:
         if body is None:
             self.metrics.refused.labels("body_too_large").inc()
             await self._write(
-                conn, self._error(413, f"the body is over the limit of {limit} bytes", reply_type), close=True
+                conn,
+                self._error(413, f"the body is over the limit of {limit} bytes", reply_type),
+                close=True,
             )
             return
         self._stats["requests"] += 1
-        answer = await self._export(body, ctype, headers.get("content-encoding", "").lower() == "gzip")
+        answer = await self._export(
+            body, ctype, headers.get("content-encoding", "").lower() == "gzip"
+        )
         await self._write(conn, answer)
 
     async def _export(self, body: bytes, ctype: str, gzipped: bool) -> _Answer:
         if len(body) < _OFF_LOOP_BYTES:
             got = self._decode(body, ctype, gzipped)
         else:
-            # A large body can take long to unzip and decode (millions of tiny events fit under the cap): in the
-            # receiver's one decoding thread, one at a time (each holds a decoded copy, ~25x its bytes), so the
-            # loop answers /metrics meanwhile. One thread, not the default pool: the memory a decode frees is
-            # reused by the next instead of held in each pool thread's own malloc arena.
+            # A large body can take long to unzip and decode (millions of tiny events fit under the
+            # cap): in the receiver's one decoding thread, one at a time (each holds a decoded copy,
+            # ~25x its bytes), so the loop answers /metrics meanwhile. One thread, not the default
+            # pool: the memory a decode frees is reused by the next instead of held in each pool
+            # thread's own malloc arena.
             async with self._decoding:
                 self._stats["decoded_off_loop"] += 1
                 if self._decoder is None:
@@ -259,12 +289,16 @@ class OtlpReceiver:
         self._stats["accepted"] += n - rejected
         if retry:
             return self._error(
-                503, "the monitor cannot take these spans now; retry", ctype, retry_after=s.retry_after_s
+                503,
+                "the monitor cannot take these spans now; retry",
+                ctype,
+                retry_after=s.retry_after_s,
             )
         return _Answer(200, _success(rejected, reason, ctype), ctype)
 
     def _decode(self, body: bytes, ctype: str, gzipped: bool) -> Decoded | _Answer:
-        """The request's spans (unzipped, decoded, every repeated field capped), or the error answer; thread-safe."""
+        """The request's spans (unzipped, decoded, every repeated field capped), or the error
+        answer; thread-safe."""
         s = self.settings
         if gzipped:
             d = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -275,21 +309,34 @@ class OtlpReceiver:
                 return self._error(400, f"the body is not gzip ({e})", ctype)
             if len(raw) > s.max_body_bytes or d.unconsumed_tail:
                 self.metrics.refused.labels("body_too_large").inc()
-                return self._error(413, f"the body is over {s.max_body_bytes} bytes once decompressed", ctype)
+                return self._error(
+                    413, f"the body is over {s.max_body_bytes} bytes once decompressed", ctype
+                )
             body = raw
         decode = decode_json if ctype == _JSON else decode_protobuf
         try:
-            return decode(body, max_spans=s.max_spans_per_batch, max_attribute_bytes=s.max_attribute_bytes)
+            return decode(
+                body, max_spans=s.max_spans_per_batch, max_attribute_bytes=s.max_attribute_bytes
+            )
         except TooManySpans as e:
             self.metrics.refused.labels("batch_too_large").inc(e.n)
-            return self._error(413, f"{e.n} spans in one request, over the limit of {s.max_spans_per_batch}", ctype)
+            return self._error(
+                413, f"{e.n} spans in one request, over the limit of {s.max_spans_per_batch}", ctype
+            )
         except SpanError as e:
             self.metrics.refused.labels("bad_body").inc()
             return self._error(400, str(e), ctype)
 
-    def _error(self, status: int, message: str, ctype: str, *, retry_after: int | None = None) -> _Answer:
-        code = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)  # google.rpc.Code
-        body = json.dumps({"code": code, "message": message}).encode() if ctype == _JSON else _status_pb(code, message)
+    def _error(
+        self, status: int, message: str, ctype: str, *, retry_after: int | None = None
+    ) -> _Answer:
+        # google.rpc.Code
+        code = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 415: 3, 503: 14}.get(status, 2)
+        body = (
+            json.dumps({"code": code, "message": message}).encode()
+            if ctype == _JSON
+            else _status_pb(code, message)
+        )
         return _Answer(status, body, ctype, retry_after)
 
     async def _write(self, conn: H11Conn, answer: _Answer, *, close: bool = False) -> None:
@@ -305,7 +352,8 @@ class OtlpReceiver:
         if close:
             bounds = self.http.settings
             await conn.linger(
-                bounds.max_body_bytes + bounds.max_head_bytes, min(self.settings.read_timeout_s, _LINGER_S)
+                bounds.max_body_bytes + bounds.max_head_bytes,
+                min(self.settings.read_timeout_s, _LINGER_S),
             )
 
 
@@ -314,7 +362,9 @@ def _success(rejected: int, message: str, ctype: str) -> bytes:
     if ctype == _JSON:
         if not rejected:
             return b"{}"
-        return json.dumps({"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": message}}).encode()
+        return json.dumps(
+            {"partialSuccess": {"rejectedSpans": str(rejected), "errorMessage": message}}
+        ).encode()
     if not rejected:
         return b""
     inner = _varint_field(1, rejected) + _bytes_field(2, message.encode())

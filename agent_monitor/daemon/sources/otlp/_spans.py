@@ -1,13 +1,15 @@
-"""OTLP spans as agent steps: decode an export request (protobuf or JSON), read the semantic conventions. Pure.
+"""OTLP spans as agent steps: decode an export request (protobuf or JSON), read the semantic
+conventions. Pure.
 
-`decode_protobuf` and `decode_json` turn an `ExportTraceServiceRequest` into `Span`s (ids as lowercase
-hex, attribute values as plain Python, every string bounded), the spans they could not read counted,
-never raised for. `classify` says what agent action a span is, reading both the OpenTelemetry GenAI
-conventions (`gen_ai.operation.name`; the current `gen_ai.input.messages`/`gen_ai.output.messages`
-and the deprecated `gen_ai.prompt`/`gen_ai.completion` attributes and events) and OpenInference's
+`decode_protobuf` and `decode_json` turn an `ExportTraceServiceRequest` into `Span`s (ids as
+lowercase hex, attribute values as plain Python, every string bounded), the spans they could not
+read counted, never raised for. `classify` says what agent action a span is, reading both the
+OpenTelemetry GenAI conventions (`gen_ai.operation.name`; the current
+`gen_ai.input.messages`/`gen_ai.output.messages` and the deprecated
+`gen_ai.prompt`/`gen_ai.completion` attributes and events) and OpenInference's
 (`openinference.span.kind`, `input.value`, `output.value`, `llm.input_messages.*`,
-`llm.output_messages.*`, `tool.*`); `step_text` writes a step's text from them, `task_of` a run's task,
-`span_outcome` a root span's outcome.
+`llm.output_messages.*`, `tool.*`); `step_text` writes a step's text from them, `task_of` a run's
+task, `span_outcome` a root span's outcome.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ RUN_ID_ATTR = "agent_monitor.run_id"
 TASK_ATTR = "agent_monitor.task"
 OUTCOME_ATTR = "agent_monitor.outcome"
 CONVERSATION_ATTR = "gen_ai.conversation.id"
-# Attributes kept per span at most (the SDK's own default limit is 128): the rest are dropped, not read.
+# Attributes kept per span at most (the SDK's own default limit is 128): the rest are dropped, not
+# read.
 MAX_ATTRIBUTES = 256
-# Events and links of one span read at most (the SDK's defaults are 128 each); the rest are dropped, counted.
+# Events and links of one span read at most (the SDK's defaults are 128 each); the rest are dropped,
+# counted.
 MAX_EVENTS = 128
 MAX_LINKS = 128
 _MAX_DEPTH = 8
@@ -78,7 +82,8 @@ class Span:
 
 @dataclass(slots=True)
 class Decoded:
-    """The spans of one request, how many could not be read and why (the first reason), and truncations."""
+    """The spans of one request, how many could not be read and why (the first reason), and
+    truncations."""
 
     spans: list[Span] = field(default_factory=list)
     rejected: int = 0
@@ -116,13 +121,15 @@ class _Bound:
 
 
 def decode_protobuf(body: bytes, *, max_spans: int, max_attribute_bytes: int) -> Decoded:
-    """The spans of a protobuf `ExportTraceServiceRequest`; SpanError when it is not one or has over `max_spans`."""
+    """The spans of a protobuf `ExportTraceServiceRequest`; SpanError when it is not one or has
+    over `max_spans`."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(body)
-    except Exception as e:  # protobuf's DecodeError (its module is untyped), RecursionError on deep nesting
+    # protobuf's DecodeError (its module is untyped), RecursionError on deep nesting
+    except Exception as e:
         raise SpanError(f"the body is not a protobuf ExportTraceServiceRequest ({e})") from None
     n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
     if n > max_spans:
@@ -137,7 +144,12 @@ def decode_protobuf(body: bytes, *, max_spans: int, max_attribute_bytes: int) ->
                 out.drop("links", len(s.links) - MAX_LINKS)
                 out.drop("attributes", len(s.attributes) - MAX_ATTRIBUTES)
                 trace_id, span_id = s.trace_id.hex(), s.span_id.hex()
-                if len(trace_id) != 32 or trace_id == "0" * 32 or len(span_id) != 16 or span_id == "0" * 16:
+                if (
+                    len(trace_id) != 32
+                    or trace_id == "0" * 32
+                    or len(span_id) != 16
+                    or span_id == "0" * 16
+                ):
                     out.reject("a span has no valid trace_id (16 bytes) or span_id (8 bytes)")
                     continue
                 if not s.end_time_unix_nano:
@@ -155,7 +167,8 @@ def decode_protobuf(body: bytes, *, max_spans: int, max_attribute_bytes: int) ->
                         status_message=bound.text(s.status.message),
                         attributes=_pb_attributes(s.attributes, bound),
                         events=tuple(
-                            (bound.text(e.name), _pb_attributes(e.attributes, bound)) for e in s.events[:MAX_EVENTS]
+                            (bound.text(e.name), _pb_attributes(e.attributes, bound))
+                            for e in s.events[:MAX_EVENTS]
                         ),
                         resource=resource,
                     )
@@ -193,22 +206,27 @@ def _pb_value(v: Any, bound: _Bound, depth: int) -> Any:
         return [_pb_value(x, bound, depth + 1) for x in v.array_value.values[:MAX_ATTRIBUTES]]
     if which == "kvlist_value":
         return {
-            bound.text(kv.key): _pb_value(kv.value, bound, depth + 1) for kv in v.kvlist_value.values[:MAX_ATTRIBUTES]
+            bound.text(kv.key): _pb_value(kv.value, bound, depth + 1)
+            for kv in v.kvlist_value.values[:MAX_ATTRIBUTES]
         }
     return None
 
 
-# -- JSON (the OTLP/JSON mapping: lowerCamelCase names, hex ids, 64-bit integers as strings or numbers) --
+# -- JSON (the OTLP/JSON mapping: lowerCamelCase names, hex ids, 64-bit integers as strings or
+# numbers) --
 
 
 def decode_json(body: bytes, *, max_spans: int, max_attribute_bytes: int) -> Decoded:
-    """The spans of an OTLP/JSON `ExportTraceServiceRequest`; SpanError when it is not one or has over `max_spans`."""
+    """The spans of an OTLP/JSON `ExportTraceServiceRequest`; SpanError when it is not one or has
+    over `max_spans`."""
     try:
         request = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise SpanError(f"the body is not JSON ({e})") from None
     if not isinstance(request, dict):
-        raise SpanError("the body is not an OTLP/JSON ExportTraceServiceRequest (an object with resourceSpans)")
+        raise SpanError(
+            "the body is not an OTLP/JSON ExportTraceServiceRequest (an object with resourceSpans)"
+        )
     resource_spans = _list(request.get("resourceSpans"), "resourceSpans")
     scopes = [
         (rs, ss)
@@ -232,7 +250,11 @@ def decode_json(body: bytes, *, max_spans: int, max_attribute_bytes: int) -> Dec
             )
         for s in _list(ss.get("spans"), "spans"):
             if isinstance(s, dict):
-                for kind, cap in (("events", MAX_EVENTS), ("links", MAX_LINKS), ("attributes", MAX_ATTRIBUTES)):
+                for kind, cap in (
+                    ("events", MAX_EVENTS),
+                    ("links", MAX_LINKS),
+                    ("attributes", MAX_ATTRIBUTES),
+                ):
                     items = s.get(kind)
                     out.drop(kind, len(items) - cap if isinstance(items, list) else 0)
             try:
@@ -257,8 +279,15 @@ def _list(value: object, name: str) -> list[Any]:
 def _hex_id(value: object, size: int, name: str, *, required: bool = True) -> str:
     if value in (None, "") and not required:
         return ""
-    if not isinstance(value, str) or len(value) != size * 2 or not _HEX.fullmatch(value) or not value.strip("0"):
-        raise ValueError(f"a span's {name} is not {size} bytes of hex (the OTLP/JSON mapping writes ids in hex)")
+    if (
+        not isinstance(value, str)
+        or len(value) != size * 2
+        or not _HEX.fullmatch(value)
+        or not value.strip("0")
+    ):
+        raise ValueError(
+            f"a span's {name} is not {size} bytes of hex (the OTLP/JSON mapping writes ids in hex)"
+        )
     return value.lower()
 
 
@@ -286,7 +315,9 @@ def _json_span(s: object, resource: dict[str, Any], bound: _Bound) -> Span:
     events = []
     for e in _list(s.get("events"), "events")[:MAX_EVENTS]:
         if isinstance(e, dict):
-            events.append((bound.text(str(e.get("name", ""))), _json_attributes(e.get("attributes"), bound)))
+            events.append(
+                (bound.text(str(e.get("name", ""))), _json_attributes(e.get("attributes"), bound))
+            )
     return Span(
         trace_id=_hex_id(s.get("traceId"), 16, "traceId"),
         span_id=span_id,
@@ -335,7 +366,11 @@ def _json_value(v: object, bound: _Bound, depth: int) -> Any:
         return None
     if isinstance(v.get("arrayValue"), dict):
         values = v["arrayValue"].get("values")
-        return [_json_value(x, bound, depth + 1) for x in values[:MAX_ATTRIBUTES]] if isinstance(values, list) else []
+        return (
+            [_json_value(x, bound, depth + 1) for x in values[:MAX_ATTRIBUTES]]
+            if isinstance(values, list)
+            else []
+        )
     if isinstance(v.get("kvlistValue"), dict):
         values = v["kvlistValue"].get("values")
         return (
@@ -364,7 +399,8 @@ _OPENINFERENCE_ACTIONS: dict[str, Action] = {"AGENT": "agent", "TOOL": "tool", "
 
 
 def classify(span: Span) -> Action | None:
-    """What agent action the span is (agent, tool, model, handoff), or None for a span that is no action."""
+    """What agent action the span is (agent, tool, model, handoff), or None for a span that is no
+    action."""
     a = span.attributes
     op = a.get("gen_ai.operation.name")
     if isinstance(op, str) and op in _GENAI_ACTIONS:
@@ -381,7 +417,8 @@ def classify(span: Span) -> Action | None:
 
 
 def span_run_key(span: Span) -> tuple[str, str] | None:
-    """The run a span names besides its trace: ("run_id" | "conversation", id), from the span or its resource."""
+    """The run a span names besides its trace: ("run_id" | "conversation", id), from the span or
+    its resource."""
     for attrs in (span.attributes, span.resource):
         v = attrs.get(RUN_ID_ATTR)
         if isinstance(v, str) and v:
@@ -394,7 +431,8 @@ def span_run_key(span: Span) -> tuple[str, str] | None:
 
 
 def span_outcome(span: Span) -> Literal["success", "failure"] | None:
-    """A root span's outcome: `agent_monitor.outcome` when it says success or failure, else failure on ERROR."""
+    """A root span's outcome: `agent_monitor.outcome` when it says success or failure, else
+    failure on ERROR."""
     v = span.attributes.get(OUTCOME_ATTR)
     if isinstance(v, str) and v.lower() in ("success", "failure"):
         return "success" if v.lower() == "success" else "failure"
@@ -402,7 +440,8 @@ def span_outcome(span: Span) -> Literal["success", "failure"] | None:
 
 
 def task_of(span: Span, action: Action | None) -> str | None:
-    """The user input a span records (`agent_monitor.task` first), for an agent or model span; else None."""
+    """The user input a span records (`agent_monitor.task` first), for an agent or model span;
+    else None."""
     explicit = span.attributes.get(TASK_ATTR)
     if isinstance(explicit, str) and explicit.strip():
         return explicit.strip()
@@ -418,7 +457,9 @@ def task_of(span: Span, action: Action | None) -> str | None:
         if isinstance(value, str) and value.strip():
             parsed = _maybe_json(value)
             text = _first_user_text(parsed) if isinstance(parsed, list) else None
-            return text or (value.strip() if not isinstance(parsed, (dict, list)) else _as_text(parsed))
+            return text or (
+                value.strip() if not isinstance(parsed, (dict, list)) else _as_text(parsed)
+            )
     return None
 
 
@@ -432,7 +473,11 @@ def step_text(span: Span, action: Action, max_chars: int) -> str | None:
     elif action == "handoff":
         a = span.attributes
         src, dst = a.get("input.value"), a.get("output.value")
-        text = f"Hand-off{f' from {src}' if src else ''}{f' to {dst}' if dst else ''}" if src or dst else span.name
+        text = (
+            f"Hand-off{f' from {src}' if src else ''}{f' to {dst}' if dst else ''}"
+            if src or dst
+            else span.name
+        )
     else:
         return None
     if text is None:
@@ -444,7 +489,9 @@ def step_text(span: Span, action: Action, max_chars: int) -> str | None:
 
 def _tool_text(span: Span) -> str:
     a = span.attributes
-    name = a.get("gen_ai.tool.name") or a.get("tool.name") or span.name.removeprefix("execute_tool ")
+    name = (
+        a.get("gen_ai.tool.name") or a.get("tool.name") or span.name.removeprefix("execute_tool ")
+    )
     args = a.get("gen_ai.tool.call.arguments")
     if args is None:
         args = a.get("input.value")
@@ -475,16 +522,22 @@ def _model_text(span: Span) -> str | None:
 
 
 def _input_messages(span: Span) -> Iterator[Any]:
-    """The input messages a span records, in each form the conventions have used, most current first."""
+    """The input messages a span records, in each form the conventions have used, most current
+    first."""
 
     def user(name: str, attrs: Mapping[str, Any]) -> Any:
-        return [{"role": "user", "content": attrs.get("content")}] if name == "gen_ai.user.message" else None
+        return (
+            [{"role": "user", "content": attrs.get("content")}]
+            if name == "gen_ai.user.message"
+            else None
+        )
 
     return _messages(span, "gen_ai.input.messages", "prompt", "llm.input_messages", user)
 
 
 def _output_messages(span: Span) -> Iterator[Any]:
-    """The output messages a span records, in each form the conventions have used, most current first."""
+    """The output messages a span records, in each form the conventions have used, most current
+    first."""
 
     def choice(name: str, attrs: Mapping[str, Any]) -> Any:
         return [attrs.get("message", attrs)] if name == "gen_ai.choice" else None
@@ -493,10 +546,15 @@ def _output_messages(span: Span) -> Iterator[Any]:
 
 
 def _messages(
-    span: Span, current: str, legacy: str, openinference: str, event: Callable[[str, Mapping[str, Any]], Any]
+    span: Span,
+    current: str,
+    legacy: str,
+    openinference: str,
+    event: Callable[[str, Mapping[str, Any]], Any],
 ) -> Iterator[Any]:
-    """One side's messages: the current attribute, the legacy `gen_ai.{legacy}` (whole, indexed, or in a
-    `gen_ai.content.{legacy}` event), OpenInference's flattened list, and the side's own event (`event`)."""
+    """One side's messages: the current attribute, the legacy `gen_ai.{legacy}` (whole, indexed, or
+    in a `gen_ai.content.{legacy}` event), OpenInference's flattened list, and the side's own event
+    (`event`)."""
     a, old = span.attributes, f"gen_ai.{legacy}"
     for key in (current, old):
         v = a.get(key)
@@ -523,7 +581,8 @@ def _maybe_json(value: str) -> Any:
 
 
 def _indexed(a: Mapping[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """Messages flattened as `{prefix}.{i}.role`, `.content`, `.tool_calls.{j}.name|arguments` (the older form)."""
+    """Messages flattened as `{prefix}.{i}.role`, `.content`, `.tool_calls.{j}.name|arguments`
+    (the older form)."""
     out: dict[int, dict[str, Any]] = {}
     p = prefix + "."
     for key, value in a.items():
@@ -547,7 +606,8 @@ def _indexed(a: Mapping[str, Any], prefix: str) -> list[dict[str, Any]]:
 
 
 def _openinference_messages(a: Mapping[str, Any], prefix: str) -> list[dict[str, Any]]:
-    """OpenInference's `{prefix}.{i}.message.role|content|contents.{k}.message_content.text|tool_calls.{j}...`."""
+    """OpenInference's
+    `{prefix}.{i}.message.role|content|contents.{k}.message_content.text|tool_calls.{j}...`."""
     out: dict[int, dict[str, Any]] = {}
     p = prefix + "."
     for key, value in a.items():
@@ -639,14 +699,17 @@ def _message_lines(messages: Any) -> list[str]:
 
 
 def _response_lines(response: Mapping[str, Any]) -> list[str]:
-    """The assistant text and function calls of a Responses API object or a chat completion (output.value)."""
+    """The assistant text and function calls of a Responses API object or a chat completion
+    (output.value)."""
     lines: list[str] = []
     for item in response.get("output") or ():
         if not isinstance(item, dict):
             continue
         if item.get("type") == "message":
             text = "\n".join(
-                str(c.get("text")) for c in item.get("content") or () if isinstance(c, dict) and c.get("text")
+                str(c.get("text"))
+                for c in item.get("content") or ()
+                if isinstance(c, dict) and c.get("text")
             )
             if text:
                 lines.append(f"Assistant: {text}")

@@ -1,18 +1,19 @@
-"""The OTLP receiver's trace assembly: spans to runs and steps, handed to ingest as the wire-form events.
+"""The OTLP receiver's trace assembly: spans to runs and steps, handed to ingest as the wire-form
+events.
 
 A request's decoded spans (`_spans`) are grouped by trace into runs:
 
 - a run per trace, or per `agent_monitor.run_id` / `gen_ai.conversation.id` when a span carries one;
-- `start` once a task is known (`agent_monitor.task`, the root agent span's user input, else the first
-  user message of a model span); action spans wait for it, bounded;
-- a `step` per finished action span (tool execution, model turn, hand-off) in end-time order, its key
-  the span id, its meta the trace and span ids (so a restarted receiver knows what was sent, and
+- `start` once a task is known (`agent_monitor.task`, the root agent span's user input, else the
+  first user message of a model span); action spans wait for it, bounded;
+- a `step` per finished action span (tool execution, model turn, hand-off) in end-time order, its
+  key the span id, its meta the trace and span ids (so a restarted receiver knows what was sent, and
   evaluation events can name the judged span);
 - `end` when the root span ends (a trace's run), or after `idle_s` without spans.
 
 A span that ends before steps already sent ("late") is sent as the next step, its meta carrying its
-end time; the tracker judges every prefix in end-time order (`tracker.placed`), so the late span takes
-its place. `OtlpMetrics` are the receiver's metrics, its HTTP door's included.
+end time; the tracker judges every prefix in end-time order (`tracker.placed`), so the late span
+takes its place. `OtlpMetrics` are the receiver's metrics, its HTTP door's included.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ _ENDED_MEMORY = 10_000
 
 @dataclass(eq=False, slots=True)
 class _Run:
-    """What the receiver knows of one trace-fed run: the spans it took, the steps it sent, what waits for a start."""
+    """What the receiver knows of one trace-fed run: the spans it took, the steps it sent, what
+    waits for a start."""
 
     run_id: str
     by_trace: bool
@@ -74,14 +76,20 @@ class _Run:
     ended: bool = False
     traces: set[str] = field(default_factory=set)
     service: str | None = None
-    """The resource's `service.name` (the agent's name): the run's `service` label, so the board names it."""
+    """The resource's `service.name` (the agent's name): the run's `service` label, so the board
+    names it."""
 
 
 class OtlpMetrics:
-    """The receiver's metrics (`agent_monitor_otlp_*`): requests by status, spans by fate, late spans, latencies."""
+    """The receiver's metrics (`agent_monitor_otlp_*`): requests by status, spans by fate, late
+    spans, latencies."""
 
     def __init__(
-        self, registry: CollectorRegistry | None, *, live: Callable[[], int], connections: Callable[[], int]
+        self,
+        registry: CollectorRegistry | None,
+        *,
+        live: Callable[[], int],
+        connections: Callable[[], int],
     ) -> None:
         r = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
@@ -91,7 +99,9 @@ class OtlpMetrics:
             registry=r,
         )
         self.received = Counter(
-            "agent_monitor_otlp_spans_received", "Spans in the trace export requests read.", registry=r
+            "agent_monitor_otlp_spans_received",
+            "Spans in the trace export requests read.",
+            registry=r,
         )
         self.accepted = Counter(
             "agent_monitor_otlp_spans_accepted",
@@ -100,29 +110,37 @@ class OtlpMetrics:
         )
         self.ignored = Counter(
             "agent_monitor_otlp_spans_ignored",
-            "Spans taken but not used, by reason: not_an_action (no GenAI or OpenInference action), no_content "
-            "(a model turn whose content was not recorded), duplicate (the same span again), run_ended.",
+            "Spans taken but not used, by reason: not_an_action (no GenAI or OpenInference "
+            "action), no_content "
+            "(a model turn whose content was not recorded), duplicate (the same span again), "
+            "run_ended.",
             ["reason"],
             registry=r,
         )
         self.refused = Counter(
             "agent_monitor_otlp_spans_refused",
-            "Spans refused, by reason (the exporter was told: partial success, 400, 401, 413 or 503); a request "
-            "refused before its spans are read (unauthorized, body_too_large, bad_body, unavailable) counts one.",
+            "Spans refused, by reason (the exporter was told: partial success, 400, 401, 413 "
+            "or 503); a request "
+            "refused before its spans are read (unauthorized, body_too_large, bad_body, "
+            "unavailable) counts one.",
             ["reason"],
             registry=r,
         )
         self.late = Counter(
             "agent_monitor_otlp_late_spans",
-            "Action spans that ended before steps already sent: judged in their place by end time, re-scored.",
+            "Action spans that ended before steps already sent: judged in their place by end "
+            "time, re-scored.",
             registry=r,
         )
         self.truncated = Counter(
-            "agent_monitor_otlp_attributes_truncated", "Attribute values cut to --otlp-max-attribute-bytes.", registry=r
+            "agent_monitor_otlp_attributes_truncated",
+            "Attribute values cut to --otlp-max-attribute-bytes.",
+            registry=r,
         )
         self.dropped = Counter(
             "agent_monitor_otlp_span_items_dropped",
-            "A span's events, links or attributes over their per-span cap (128, 128, 256), dropped unread, by kind.",
+            "A span's events, links or attributes over their per-span cap (128, 128, 256), "
+            "dropped unread, by kind.",
             ["kind"],
             registry=r,
         )
@@ -132,8 +150,12 @@ class OtlpMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=r,
         )
-        Gauge("agent_monitor_otlp_traces_live", "Trace-fed runs the receiver follows.", registry=r).set_function(live)
-        Gauge("agent_monitor_otlp_connections", "Open OTLP/HTTP connections.", registry=r).set_function(connections)
+        Gauge(
+            "agent_monitor_otlp_traces_live", "Trace-fed runs the receiver follows.", registry=r
+        ).set_function(live)
+        Gauge(
+            "agent_monitor_otlp_connections", "Open OTLP/HTTP connections.", registry=r
+        ).set_function(connections)
         for code in ("200", "400", "401", "404", "405", "413", "415", "503"):
             self.requests.labels(code)
         for reason in IGNORE_REASONS:
@@ -145,13 +167,19 @@ class OtlpMetrics:
 
 
 class Traces:
-    """Spans to runs: each request's spans folded into their runs, the runs' events handed to ingest.
+    """Spans to runs: each request's spans folded into their runs, the runs' events handed to
+    ingest.
 
-    `ingest` and `view` are the monitor's, set when the receiver runs; until then `take` asks for a retry.
+    `ingest` and `view` are the monitor's, set when the receiver runs; until then `take` asks for a
+    retry.
     """
 
     def __init__(
-        self, settings: OtlpReceiverSettings, metrics: OtlpMetrics, *, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: OtlpReceiverSettings,
+        metrics: OtlpMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -179,10 +207,11 @@ class Traces:
                     self.metrics.final_latency.observe(max(0.0, self.clock() - run.last_span))
 
     def span_of(self, run_id: str, step: int) -> tuple[str, str] | None:
-        """The (trace id, span id) a trace-fed run's result judged, for its evaluation events; None for other runs.
+        """The (trace id, span id) a trace-fed run's result judged, for its evaluation events; None
+        for other runs.
 
-        That is the span ending last among the prefix's steps (the judge reads them in end-time order): a late
-        span's own result names the span it was placed before, not itself.
+        That is the span ending last among the prefix's steps (the judge reads them in end-time
+        order): a late span's own result names the span it was placed before, not itself.
         """
         view = self.view
         metas = view.step_meta(run_id) if view is not None else None
@@ -193,8 +222,14 @@ class Traces:
             otel = m.get("otel")
             if not isinstance(otel, Mapping):
                 continue
-            trace_id, span_id, end = otel.get("trace_id"), otel.get("span_id"), otel.get("end_ns", 0)
-            if not (isinstance(trace_id, str) and isinstance(span_id, str) and isinstance(end, int)):
+            trace_id, span_id, end = (
+                otel.get("trace_id"),
+                otel.get("span_id"),
+                otel.get("end_ns", 0),
+            )
+            if not (
+                isinstance(trace_id, str) and isinstance(span_id, str) and isinstance(end, int)
+            ):
                 continue
             if best is None or end >= best[0]:
                 best = (end, trace_id, span_id)
@@ -203,7 +238,8 @@ class Traces:
     # -- spans to events --
 
     async def take(self, decoded: Decoded) -> tuple[int, str, bool]:
-        """Hand a request's spans to ingest; return (spans rejected, why, whether to answer 503 Retry-After)."""
+        """Hand a request's spans to ingest; return (spans rejected, why, whether to answer 503
+        Retry-After)."""
         async with self._lock:
             return await self._take(decoded)
 
@@ -257,7 +293,9 @@ class Traces:
             self._traces[trace_id] = run_id
             run.traces.add(trace_id)
             if run.service is None:
-                run.service = next((str(v) for sp in spans if (v := sp.resource.get("service.name"))), None)
+                run.service = next(
+                    (str(v) for sp in spans if (v := sp.resource.get("service.name"))), None
+                )
             n, why = self._spans(run, spans, now, events)
             if n:
                 rejected += n
@@ -268,11 +306,13 @@ class Traces:
         return rejected, reason, retry
 
     def _renamed(self, run_id: str, spans: list[Span], events: list[Inbound]) -> str:
-        """The run a trace's root names (`agent_monitor.run_id` on the root alone), its trace's run moved there.
+        """The run a trace's root names (`agent_monitor.run_id` on the root alone), its trace's run
+        moved there.
 
-        The root ends last, so the trace's earlier spans made a run of the trace id: its steps sent so far
-        are sent again under the named run (same texts, same order), and the trace id's run is ended with
-        no outcome. A name that is not a valid run id, or belongs to another run here, keeps the trace id.
+        The root ends last, so the trace's earlier spans made a run of the trace id: its steps sent
+        so far are sent again under the named run (same texts, same order), and the trace id's run
+        is ended with no outcome. A name that is not a valid run id, or belongs to another run here,
+        keeps the trace id.
         """
         run = self.runs.get(run_id)
         if run is None or not run.by_trace or run.ended:
@@ -287,7 +327,11 @@ class Traces:
             log.warning("otlp_root_run_id_refused", trace_run=run_id, error=str(e))
             return run_id
         view = self.view
-        if new_id in self.runs or new_id in self._ended or (view is not None and view.is_live(new_id)):
+        if (
+            new_id in self.runs
+            or new_id in self._ended
+            or (view is not None and view.is_live(new_id))
+        ):
             log.warning("otlp_root_run_id_taken", trace_run=run_id, run_id=new_id)
             return run_id
         del self.runs[run_id]
@@ -302,7 +346,12 @@ class Traces:
             for i, (text, meta) in enumerate(zip(texts or (), metas or (), strict=False), 1):
                 otel = meta.get("otel") if isinstance(meta, Mapping) else None
                 end = otel.get("end_ns", 0) if isinstance(otel, Mapping) else 0
-                data = {"index": i, "text": text, "ts": end / 1e9 if isinstance(end, int) else 0.0, "meta": dict(meta)}
+                data = {
+                    "index": i,
+                    "text": text,
+                    "ts": end / 1e9 if isinstance(end, int) else 0.0,
+                    "meta": dict(meta),
+                }
                 span_id = otel.get("span_id") if isinstance(otel, Mapping) else None
                 events.append(Inbound(new_id, "step", data, key=str(span_id or f"{run_id}:{i}")))
             events.append(Inbound(run_id, "end", {"outcome": None}, key=f"renamed:{run_id}"))
@@ -311,7 +360,8 @@ class Traces:
         return new_id
 
     def _recover(self, run_id: str, by_trace: bool, now: float) -> _Run | None:
-        """A run the monitor has live but this receiver does not know (it restarted): what it sent, from the steps."""
+        """A run the monitor has live but this receiver does not know (it restarted): what it
+        sent, from the steps."""
         view = self.view
         metas = view.step_meta(run_id) if view is not None else None
         if metas is None:
@@ -328,8 +378,11 @@ class Traces:
         log.info("otlp_run_recovered", run_id=run_id, steps=len(run.steps))
         return run
 
-    def _spans(self, run: _Run, spans: list[Span], now: float, events: list[Inbound]) -> tuple[int, str]:
-        """Fold one trace's spans of a request into its run, appending the events to send; return (rejected, why)."""
+    def _spans(
+        self, run: _Run, spans: list[Span], now: float, events: list[Inbound]
+    ) -> tuple[int, str]:
+        """Fold one trace's spans of a request into its run, appending the events to send; return
+        (rejected, why)."""
         rejected, why = 0, ""
         fresh: list[Span] = []
         for s in spans:
@@ -339,7 +392,9 @@ class Traces:
                 continue
             if len(run.seen) >= self.settings.max_spans_per_trace:
                 rejected += 1
-                why = why or f"run {run.run_id} holds {self.settings.max_spans_per_trace} spans, the limit"
+                why = why or (
+                    f"run {run.run_id} holds {self.settings.max_spans_per_trace} spans, the limit"
+                )
                 self.metrics.refused.labels("too_many_spans").inc()
                 continue
             run.seen.add(s.span_id)
@@ -382,7 +437,11 @@ class Traces:
             self._step(run, s, text, events)
         if ends and root is not None:
             run.ended = True
-            events.append(Inbound(run.run_id, "end", {"outcome": span_outcome(root)}, key=f"end:{root.span_id}"))
+            events.append(
+                Inbound(
+                    run.run_id, "end", {"outcome": span_outcome(root)}, key=f"end:{root.span_id}"
+                )
+            )
         return rejected, why
 
     def _start(self, run: _Run, events: list[Inbound]) -> None:
@@ -395,7 +454,8 @@ class Traces:
 
     def _step(self, run: _Run, s: Span, text: str, events: list[Inbound]) -> None:
         if s.end_ns < run.last_end:
-            # Placed by its end time when judged (the meta below): the next score judges the trajectory with it there.
+            # Placed by its end time when judged (the meta below): the next score judges the
+            # trajectory with it there.
             self.metrics.late.inc()
             self.late += 1
         run.steps.append((s.end_ns, s.span_id))
@@ -406,7 +466,8 @@ class Traces:
         self.steps += 1
 
     async def _send(self, events: list[Inbound], touched: list[_Run]) -> bool:
-        """Hand the events to ingest; on a store error forget the touched runs (rebuilt from the monitor's steps)."""
+        """Hand the events to ingest; on a store error forget the touched runs (rebuilt from the
+        monitor's steps)."""
         assert self.ingest is not None
         try:
             errors = await self.ingest.events(events)
@@ -415,7 +476,11 @@ class Traces:
         failed = [e for e in errors if e is not None]
         if not failed:
             return True
-        log.warning("otlp_spans_not_journaled", events=len(failed), error=f"{type(failed[0]).__name__}: {failed[0]}")
+        log.warning(
+            "otlp_spans_not_journaled",
+            events=len(failed),
+            error=f"{type(failed[0]).__name__}: {failed[0]}",
+        )
         for run in touched:
             self.runs.pop(run.run_id, None)
             for t in run.traces:
@@ -426,20 +491,27 @@ class Traces:
         """End the runs whose spans stopped coming `idle_s` ago (their roots never ended here)."""
         now = self.clock()
         async with self._lock:
-            # An ended run the monitor never opened or no longer has (its start refused, the run evicted before
-            # the close reached us) would stay here for ever: forgotten one more idle time after its end.
+            # An ended run the monitor never opened or no longer has (its start refused, the run
+            # evicted before the close reached us) would stay here for ever: forgotten one more idle
+            # time after its end.
             view = self.view
             gone = [
                 r
                 for r in self.runs.values()
-                if r.ended and now - r.last_span >= 2 * self.settings.idle_s and not (view and view.is_live(r.run_id))
+                if r.ended
+                and now - r.last_span >= 2 * self.settings.idle_s
+                and not (view and view.is_live(r.run_id))
             ]
             for run in gone:
                 self.runs.pop(run.run_id, None)
                 for t in run.traces:
                     self._traces.pop(t, None)
                 self._remember_ended(run.run_id)
-            idle = [r for r in self.runs.values() if not r.ended and now - r.last_span >= self.settings.idle_s]
+            idle = [
+                r
+                for r in self.runs.values()
+                if not r.ended and now - r.last_span >= self.settings.idle_s
+            ]
             events: list[Inbound] = []
             for run in idle:
                 if not run.started:
@@ -449,7 +521,9 @@ class Traces:
                         self._step(run, s, text, events)
                     run.waiting = []
                 run.ended = True
-                events.append(Inbound(run.run_id, "end", {"outcome": None}, key=f"idle:{run.run_id}"))
+                events.append(
+                    Inbound(run.run_id, "end", {"outcome": None}, key=f"idle:{run.run_id}")
+                )
                 log.info("otlp_run_idle", run_id=run.run_id, idle_s=self.settings.idle_s)
             if events:
                 await self._send(events, idle)

@@ -1,4 +1,5 @@
-"""The LLM API proxy: a source of the monitor that forwards an agent's API calls and watches every turn.
+"""The LLM API proxy: a source of the monitor that forwards an agent's API calls and watches every
+turn.
 
 An agent points its base URL at the proxy (`OPENAI_BASE_URL=http://127.0.0.1:8888/v1`,
 `ANTHROPIC_BASE_URL=http://127.0.0.1:8888`); every request is forwarded to the upstream with
@@ -10,10 +11,10 @@ like any other source's events. With `enforce`, a run whose signal is abort gets
 API's own error format at its next request; with `best_of` N, the judge's pivot tournament picks
 the returned turn from N candidates.
 
-One task (`source-proxy`) owns everything: the HTTP/1.1 server (the sources' `_h11` door: keep-alive,
-chunked responses, its connections its own tasks), the feeder that hands events to ingest (a bounded
-queue: a request never waits for the journal) and the sweeper that ends idle conversations. Best of N
-is `_BestOf`'s.
+One task (`source-proxy`) owns everything: the HTTP/1.1 server (the sources' `_h11` door:
+keep-alive, chunked responses, its connections its own tasks), the feeder that hands events to
+ingest (a bounded queue: a request never waits for the journal) and the sweeper that ends idle
+conversations. Best of N is `_BestOf`'s.
 """
 
 from __future__ import annotations
@@ -72,15 +73,25 @@ QUEUE_SIZE = 10_000
 """Events waiting for ingest; past it new ones are dropped (counted in events_dropped)."""
 _HOP = frozenset(
     {
-        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-        b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
     }
-)  # fmt: skip
-# The client's accept-encoding is not forwarded: httpx asks for what it can decode, and the proxy reads the stream.
+)
+# The client's accept-encoding is not forwarded: httpx asks for what it can decode, and the proxy
+# reads the stream.
 _REQUEST_DROP = _HOP | {b"accept-encoding"}
 _RESPONSE_DROP = _HOP | {b"content-encoding"}
 _RUN_HEADER = b"x-agent-monitor-run"
-# A refused body still on its way is read and dropped this long, so the client reads its 413 (not a reset).
+# A refused body still on its way is read and dropped this long, so the client reads its 413 (not a
+# reset).
 _LINGER_BYTES = 1024 * 1024
 _LINGER_S = 2.0
 
@@ -100,8 +111,8 @@ class ProxySourceStatistics:
     """The proxy's counters and gauges (`agent_monitor_proxy_*`; counters end in _total)."""
 
     counts: Mapping[str, int]
-    """Counters by name, only the ones that happened: `requests`, `forwarded`, `watched`, `unwatched_{reason}`,
-    `upstream_status_{code}`, `{kind}s_sent`, `best_of_*`, ..."""
+    """Counters by name, only the ones that happened: `requests`, `forwarded`, `watched`,
+    `unwatched_{reason}`, `upstream_status_{code}`, `{kind}s_sent`, `best_of_*`, ..."""
     splits: int
     """Conversations split into a run of their own when their history diverged (a counter)."""
     live_conversations: int
@@ -115,10 +126,11 @@ class ProxySourceStatistics:
 
 
 class ProxySource:
-    """The LLM API proxy as a source: `Monitor(config, judge=judge, sources=[ProxySource(settings)])`.
+    """The LLM API proxy as a source: `Monitor(config, judge=judge,
+    sources=[ProxySource(settings)])`.
 
-    Enter it (`async with`) to bind the port before the monitor starts (the CLI does, so a taken port
-    is one line); otherwise `run` binds it. `url` is where agents point their base URL.
+    Enter it (`async with`) to bind the port before the monitor starts (the CLI does, so a taken
+    port is one line); otherwise `run` binds it. `url` is where agents point their base URL.
     """
 
     name = "proxy"
@@ -136,9 +148,14 @@ class ProxySource:
         clock: Callable[[], float] = time.time,
     ) -> None:
         if settings.upstream is None:
-            raise ValueError("the proxy needs an upstream; pass ProxySettings(upstream='https://api.openai.com/v1')")
+            raise ValueError(
+                "the proxy needs an upstream; pass "
+                "ProxySettings(upstream='https://api.openai.com/v1')"
+            )
         if settings.best_of > 1 and judge is None:
-            raise ValueError(f"best_of={settings.best_of} needs a judge to pick the candidates: pass judge=")
+            raise ValueError(
+                f"best_of={settings.best_of} needs a judge to pick the candidates: pass judge="
+            )
         self.settings = settings
         self.judge = judge
         self.criteria = criteria
@@ -159,7 +176,11 @@ class ProxySource:
             failed=self._failed,
         )
         self._client: httpx2.AsyncClient | None = None
-        self._best = _BestOf(settings.best_of, judge, criteria, self.counts) if settings.best_of > 1 else None
+        self._best = (
+            _BestOf(settings.best_of, judge, criteria, self.counts)
+            if settings.best_of > 1
+            else None
+        )
         self._runs: RunsView | None = None
         self._owned = False
         if registry is not None:
@@ -196,7 +217,8 @@ class ProxySource:
         return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
     async def run(self, ingest: SourceInput, runs: RunsView) -> None:
-        """Serve until cancelled: connections, the feeder to ingest, the sweeper of idle conversations."""
+        """Serve until cancelled: connections, the feeder to ingest, the sweeper of idle
+        conversations."""
         self._runs = runs
         if not self.http.bound:
             await self.__aenter__()
@@ -214,7 +236,8 @@ class ProxySource:
                 await self.__aexit__()
 
     def statistics(self) -> ProxySourceStatistics:
-        """Counters (requests, watched, unwatched by reason, refused, steps, best-of calls) and gauges."""
+        """Counters (requests, watched, unwatched by reason, refused, steps, best-of calls) and
+        gauges."""
         return ProxySourceStatistics(
             counts=dict(self.counts),
             splits=self.conversations.splits,
@@ -274,16 +297,23 @@ class ProxySource:
     # HTTP.
 
     async def _handle(self, conn: H11Conn, request: h11.Request) -> None:
-        """One request: its path checked, its body read (bounded, each part within the deadlines), then forwarded."""
+        """One request: its path checked, its body read (bounded, each part within the
+        deadlines), then forwarded."""
         if (why := _bad_target(request.target)) is not None:
-            # Dot segments would be resolved once joined to the upstream's base: refused, never sent.
+            # Dot segments would be resolved once joined to the upstream's base: refused, never
+            # sent.
             self.counts["bad_path"] += 1
-            await _respond(conn, 400, json.dumps({"error": {"message": f"agent-monitor proxy: {why}"}}).encode())
+            await _respond(
+                conn,
+                400,
+                json.dumps({"error": {"message": f"agent-monitor proxy: {why}"}}).encode(),
+            )
             return
         bounds = self.http.settings
         length = declared_length(request)
         if length is not None and length > bounds.max_body_bytes:
-            # Answered at once, the body unread: the connection closes (the client may be sending it still).
+            # Answered at once, the body unread: the connection closes (the client may be sending it
+            # still).
             self.counts["too_large"] += 1
             await _respond(conn, 413, b'{"error":{"message":"request body too large"}}', close=True)
             await conn.linger(_LINGER_BYTES, _LINGER_S)
@@ -299,7 +329,9 @@ class ProxySource:
         self.counts["bad_http"] += 1
         with contextlib.suppress(Exception):
             if conn.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
-                await _respond(conn, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}')
+                await _respond(
+                    conn, e.error_status_hint, b'{"error":{"message":"bad HTTP request"}}'
+                )
 
     def _failed(self, e: Exception) -> None:
         self.counts["proxy_errors"] += 1
@@ -310,7 +342,9 @@ class ProxySource:
         method, target = req.method.decode(), req.target.decode("latin-1")
         path = target.split("?", 1)[0].rstrip("/")
         api = API_OF_PATH.get(path) if method == "POST" else None
-        header = next((v.decode("latin-1") for k, v in req.headers if k.lower() == _RUN_HEADER), None)
+        header = next(
+            (v.decode("latin-1") for k, v in req.headers if k.lower() == _RUN_HEADER), None
+        )
         watch, parsed = (await self._watch(api, body, header)) if api is not None else (None, None)
         if watch is None:
             await self._forward(conn, method, target, req.headers, body, api, None)
@@ -320,7 +354,9 @@ class ProxySource:
         if refusal is not None:
             self.counts["refused"] += 1
             log.info("proxy_refused", run_id=watch.conv.run_id, api=api)
-            await _respond(conn, 409, error_body(api, refusal), extra=[(b"x-should-retry", b"false")])
+            await _respond(
+                conn, 409, error_body(api, refusal), extra=[(b"x-should-retry", b"false")]
+            )
             return
         self.inflight += 1
         try:
@@ -335,20 +371,29 @@ class ProxySource:
         finally:
             self.inflight -= 1
 
-    async def _watch(self, api: Api, body: bytes, header: str | None) -> tuple[_Watch | None, dict[str, Any] | None]:
-        """The request's conversation (its history's new steps handed to ingest), or None: forwarded, not watched."""
+    async def _watch(
+        self, api: Api, body: bytes, header: str | None
+    ) -> tuple[_Watch | None, dict[str, Any] | None]:
+        """The request's conversation (its history's new steps handed to ingest), or None:
+        forwarded, not watched."""
         if len(body) > self.settings.max_conversation_bytes:
             return self._unwatched("too_large")
         if self.inflight >= self.settings.max_upstream_requests:
             return self._unwatched("busy")
         try:
-            # A long history is megabytes of JSON: parsed off the loop, so other streams keep flowing.
-            data = json.loads(body) if len(body) < 262_144 else await asyncio.to_thread(json.loads, body)
+            # A long history is megabytes of JSON: parsed off the loop, so other streams keep
+            # flowing.
+            data = (
+                json.loads(body)
+                if len(body) < 262_144
+                else await asyncio.to_thread(json.loads, body)
+            )
             req = parse_request(api, data)
         except ValueError:
             return self._unwatched("unreadable")
         if isinstance(data, dict) and data.get("previous_response_id"):
-            # The history is kept by the provider: this request holds only the new items, no conversation to read.
+            # The history is kept by the provider: this request holds only the new items, no
+            # conversation to read.
             return self._unwatched("server_history")
         if header is not None:
             from ....wire import TopicError, check_run_id
@@ -370,7 +415,11 @@ class ProxySource:
 
     def _refusal(self, conv: Conversation) -> str | None:
         """Why the run's requests are refused (its signal is abort, now or before), or None."""
-        if conv.stopped is None and self._runs is not None and self._runs.signal(conv.run_id) == "abort":
+        if (
+            conv.stopped is None
+            and self._runs is not None
+            and self._runs.signal(conv.run_id) == "abort"
+        ):
             p = self._runs.latest(conv.run_id)
             decision = p.signal if p is not None else None
             score = decision.score if decision is not None else (p.score if p is not None else None)
@@ -378,14 +427,17 @@ class ProxySource:
             why = decision.reason if decision is not None else "abort"
             step = p.step if p is not None else 0
             conv.stopped = (
-                f"agent-monitor stopped run {conv.run_id}: its progress score is {shown} at step {step} "
+                f"agent-monitor stopped run {conv.run_id}: its progress score is {shown} at "
+                f"step {step} "
                 f"({why}); the monitor's policy aborted it, so the proxy refuses its requests"
             )
         return conv.stopped
 
     def _url(self, target: str) -> str:
         # `--proxy-upstream https://api.openai.com/v1` and the client's /v1/... share one /v1.
-        if self.upstream.endswith("/v1") and (target == "/v1" or target.startswith(("/v1/", "/v1?"))):
+        if self.upstream.endswith("/v1") and (
+            target == "/v1" or target.startswith(("/v1/", "/v1?"))
+        ):
             return self.upstream + target[3:]
         return self.upstream + target
 
@@ -408,12 +460,16 @@ class ProxySource:
     ) -> None:
         assert self._client is not None
         self.counts["forwarded"] += 1
-        request = self._client.build_request(method, self._url(target), headers=self._headers(headers), content=body)
+        request = self._client.build_request(
+            method, self._url(target), headers=self._headers(headers), content=body
+        )
         try:
             resp = await self._client.send(request, stream=True)
         except httpx2.HTTPError as e:
             self.counts["upstream_unreachable"] += 1
-            log.warning("proxy_upstream_failed", path=target.split("?", 1)[0], error=type(e).__name__)
+            log.warning(
+                "proxy_upstream_failed", path=target.split("?", 1)[0], error=type(e).__name__
+            )
             message = f"agent-monitor proxy: the upstream API did not answer ({type(e).__name__})"
             await _respond(conn, 502, error_body(api or "chat", message, "upstream"))
             return
@@ -429,7 +485,11 @@ class ProxySource:
                 else None
             )
             kept: bytearray | None = bytearray() if reading and not streamed else None
-            conn.send(h11.Response(status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()))
+            conn.send(
+                h11.Response(
+                    status_code=resp.status_code, headers=out, reason=resp.reason_phrase.encode()
+                )
+            )
             try:
                 async for chunk in resp.aiter_bytes():
                     # The client first; reading the turn comes after, off the chunk's path.
@@ -442,9 +502,12 @@ class ProxySource:
                         if len(kept) > self.settings.max_conversation_bytes:
                             kept = None
             except httpx2.HTTPError as e:
-                # The upstream broke off mid-response: the client sees its connection close, as it would upstream.
+                # The upstream broke off mid-response: the client sees its connection close, as it
+                # would upstream.
                 self.counts["upstream_broken"] += 1
-                log.warning("proxy_upstream_broke_off", path=target.split("?", 1)[0], error=type(e).__name__)
+                log.warning(
+                    "proxy_upstream_broke_off", path=target.split("?", 1)[0], error=type(e).__name__
+                )
                 raise ConnectionAbortedError from None
             conn.send(h11.EndOfMessage())
             await conn.drain()
@@ -464,15 +527,23 @@ class ProxySource:
             self.counts["unreadable_responses"] += 1
             return
         if turn.final:
-            # Held back a moment: a text-only agent's next request may bring what its words did (a ReAct loop).
+            # Held back a moment: a text-only agent's next request may bring what its words did (a
+            # ReAct loop).
             grace = self.settings.final_grace_s
-            self._emit(self.conversations.events(watch.conv, watch.req, turn, now=self.clock(), grace_s=grace))
+            self._emit(
+                self.conversations.events(
+                    watch.conv, watch.req, turn, now=self.clock(), grace_s=grace
+                )
+            )
 
 
 class _BestOf:
-    """Best of N: N candidate turns from the upstream, the judge's pick returned; `counts` are the proxy's."""
+    """Best of N: N candidate turns from the upstream, the judge's pick returned; `counts` are
+    the proxy's."""
 
-    def __init__(self, n: int, judge: Judge | None, criteria: CriteriaSpec, counts: Counter[str]) -> None:
+    def __init__(
+        self, n: int, judge: Judge | None, criteria: CriteriaSpec, counts: Counter[str]
+    ) -> None:
         self.n = n
         self.judge = judge
         self.criteria = criteria
@@ -487,7 +558,8 @@ class _BestOf:
         data: dict[str, Any],
         req: Request,
     ) -> tuple[Turn | None] | None:
-        """Answer the request with the picked candidate: (its turn, None if unreadable); None when every one failed."""
+        """Answer the request with the picked candidate: (its turn, None if unreadable); None
+        when every one failed."""
         api, n = req.api, self.n
         self.counts["best_of_requests"] += 1
         body = {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
@@ -498,7 +570,8 @@ class _BestOf:
             except httpx2.HTTPError as e:
                 return e
 
-        # One request with n where the API has it (chat); the rest in parallel when the upstream gave fewer.
+        # One request with n where the API has it (chat); the rest in parallel when the upstream
+        # gave fewer.
         first = await post({**body, "n": n}) if api == "chat" else None
         answers: list[httpx2.Response | httpx2.HTTPError] = [first] if first is not None else []
         cands: list[tuple[dict[str, Any], int]] = []  # (response body, choice)
@@ -547,7 +620,8 @@ class _BestOf:
         return (turns[winner],)
 
     async def _pick(self, req: Request, turns: Sequence[Turn | None]) -> int:
-        """The winning candidate: a strict majority's, else the pivot tournament's; 0 when the judge fails."""
+        """The winning candidate: a strict majority's, else the pivot tournament's; 0 when the
+        judge fails."""
         readable = [i for i, t in enumerate(turns) if t is not None]
         if len(readable) <= 1:
             return readable[0] if readable else 0
@@ -563,7 +637,11 @@ class _BestOf:
             ti, tj = turns[i], turns[j]
             assert ti is not None and tj is not None
             return await compare(
-                task, [*history, ti.render()], [*history, tj.render()], judge=judge, criteria=self.criteria
+                task,
+                [*history, ti.render()],
+                [*history, tj.render()],
+                judge=judge,
+                criteria=self.criteria,
             )
 
         try:
@@ -602,11 +680,13 @@ async def _respond(
 
 
 def _bad_target(target: bytes) -> str | None:
-    """Why a request target may not be joined to the upstream's base (a dot segment, plain or encoded), or None."""
+    """Why a request target may not be joined to the upstream's base (a dot segment, plain or
+    encoded), or None."""
     path = target.split(b"?", 1)[0].decode("latin-1")
     if not path.startswith("/"):
         return "the request target must be a path starting with /"
-    # Decoded twice: an upstream (or a server behind it) that decodes %2e or %252e must not see a dot segment.
+    # Decoded twice: an upstream (or a server behind it) that decodes %2e or %252e must not see a
+    # dot segment.
     decoded = unquote(unquote(path))
     if any(seg in (".", "..") for seg in decoded.replace("\\", "/").split("/")):
         return "the request path has a . or .. segment; send a normalised path"
@@ -628,9 +708,13 @@ class _ProxyCollector:
         for key, value in sorted(statistics_json(self.proxy.statistics()).items()):
             name = f"agent_monitor_proxy_{key}"
             if key in self._GAUGES:
-                yield GaugeMetricFamily(name, f"LLM API proxy: {key.replace('_', ' ')}", value=value)
+                yield GaugeMetricFamily(
+                    name, f"LLM API proxy: {key.replace('_', ' ')}", value=value
+                )
             else:
-                yield CounterMetricFamily(name, f"LLM API proxy: {key.replace('_', ' ')}", value=value)
+                yield CounterMetricFamily(
+                    name, f"LLM API proxy: {key.replace('_', ' ')}", value=value
+                )
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: the families depend on what happened."""

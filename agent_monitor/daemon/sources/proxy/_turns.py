@@ -1,4 +1,5 @@
-"""The LLM API proxy's pure half: API requests and responses to conversations, turns, steps and run keys.
+"""The LLM API proxy's pure half: API requests and responses to conversations, turns, steps and run
+keys.
 
 Three wire formats are read: OpenAI chat completions (`/v1/chat/completions`), OpenAI responses
 (`/v1/responses`) and Anthropic messages (`/v1/messages`). A request's history becomes a list of
@@ -50,7 +51,8 @@ __all__ = [
 ]
 
 MAX_BRANCHES = 64
-"""Runs one key may split into (agents sharing a system prompt and first message); more are not watched."""
+"""Runs one key may split into (agents sharing a system prompt and first message); more are not
+watched."""
 
 API_OF_PATH: dict[str, Api] = {
     "/v1/chat/completions": "chat",
@@ -71,7 +73,8 @@ def _digest(item: Item) -> bytes:
 
 
 def _parts_of(items: Sequence[Item]) -> list[list[str]]:
-    """Each assistant turn's text, then what followed it (tool results; a user's follow-up marked `[user]`)."""
+    """Each assistant turn's text, then what followed it (tool results; a user's follow-up marked
+    `[user]`)."""
     steps: list[list[str]] = []
     for it in items:
         if it.role == "assistant":
@@ -82,13 +85,17 @@ def _parts_of(items: Sequence[Item]) -> list[list[str]]:
 
 
 def steps_of(items: Sequence[Item]) -> list[tuple[str, bool]]:
-    """Each assistant turn with what follows it: (the step's text, complete: something followed it)."""
-    return [(clip_middle("\n".join(s), MAX_STEP_CHARS, room=20), len(s) > 1) for s in _parts_of(items)]
+    """Each assistant turn with what follows it: (the step's text, complete: something followed
+    it)."""
+    return [
+        (clip_middle("\n".join(s), MAX_STEP_CHARS, room=20), len(s) > 1) for s in _parts_of(items)
+    ]
 
 
 @dataclass(slots=True)
 class Conversation:
-    """One watched conversation: its run, the digests of the history seen, what was sent to the monitor."""
+    """One watched conversation: its run, the digests of the history seen, what was sent to the
+    monitor."""
 
     run_id: str
     digests: list[bytes]
@@ -106,13 +113,14 @@ class Conversation:
     provisional: tuple[int, str, float] | None = None
     """A final-looking answer held back: (its step index, its text, when it is sent as it is)."""
     short: int = 0
-    """The index of a step sent without what followed it (sent when its grace ran out, or at once with no
-    grace): once the conversation goes on, it is amended to hold what followed it."""
+    """The index of a step sent without what followed it (sent when its grace ran out, or at once
+    with no grace): once the conversation goes on, it is amended to hold what followed it."""
 
 
 @dataclass(slots=True)
 class Conversations:
-    """The live conversations: requests to runs (by header or key), splits on divergence, bounded and idle-expired."""
+    """The live conversations: requests to runs (by header or key), splits on divergence, bounded
+    and idle-expired."""
 
     max_conversations: int = 10_000
     idle_s: float = 3600.0
@@ -163,7 +171,9 @@ class Conversations:
             n += 1
         return n
 
-    def _new(self, base: str, rid: str, digests: list[bytes], *, explicit: bool, now: float) -> Conversation | None:
+    def _new(
+        self, base: str, rid: str, digests: list[bytes], *, explicit: bool, now: float
+    ) -> Conversation | None:
         if len(self.live) >= self.max_conversations:
             self.full += 1
             return None
@@ -189,25 +199,32 @@ class Conversations:
         return gone
 
     def events(
-        self, conv: Conversation, req: Request, final: Turn | None = None, *, now: float = 0.0, grace_s: float = 0.0
+        self,
+        conv: Conversation,
+        req: Request,
+        final: Turn | None = None,
+        *,
+        now: float = 0.0,
+        grace_s: float = 0.0,
     ) -> list[Inbound]:
         """The start (once, with the first step) and the steps of `req`'s history not yet sent.
 
-        A step is an assistant turn with what followed it, sent once it is complete (something followed
-        it). `final`, the response's turn when it has no tool call, looks like a final answer, but a
-        text-only agent (ReAct) gets its observation in the next request: it is held back (provisional)
-        for `grace_s` seconds from `now`, and sent then as it is (`due`) unless the next request has
-        made it a complete step first. Its index is the history's turns + 1, so a retried request's
-        answer is the same step. A step sent as it is stays provisional: when a request shows what
-        followed it, an amendment replaces its text with the complete step (by index, before any later
-        step), so each step holds what the agent saw and none is sent twice.
+        A step is an assistant turn with what followed it, sent once it is complete (something
+        followed it). `final`, the response's turn when it has no tool call, looks like a final
+        answer, but a text-only agent (ReAct) gets its observation in the next request: it is held
+        back (provisional) for `grace_s` seconds from `now`, and sent then as it is (`due`) unless
+        the next request has made it a complete step first. Its index is the history's turns + 1, so
+        a retried request's answer is the same step. A step sent as it is stays provisional: when a
+        request shows what followed it, an amendment replaces its text with the complete step (by
+        index, before any later step), so each step holds what the agent saw and none is sent twice.
         """
         out: list[Inbound] = []
         parts = _parts_of(req.items)
         steps = [clip_middle("\n".join(p), MAX_STEP_CHARS, room=20) for p in parts if len(p) > 1]
         if conv.provisional is not None and conv.provisional[0] <= len(steps):
             conv.provisional = None  # the conversation went on: the turn is a complete step below
-        # A step went out without what followed it: once a request shows that, the step is amended to hold it.
+        # A step went out without what followed it: once a request shows that, the step is amended
+        # to hold it.
         if conv.short and len(parts) >= conv.short and len(parts[conv.short - 1]) > 1:
             self._amend(conv, conv.short, steps[conv.short - 1], out)
         for index in range(conv.sent + 1, len(steps) + 1):
@@ -219,12 +236,17 @@ class Conversations:
                 conv.short = req.turns + 1
             else:
                 conv.provisional = (req.turns + 1, text, now + grace_s)
-                conv.task = conv.task or clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)"
+                conv.task = (
+                    conv.task
+                    or clip_middle(req.task, MAX_TASK_CHARS, room=20)
+                    or "(no user message)"
+                )
                 conv.labels = conv.labels or _labels(req)
         return out
 
     def due(self, now: float) -> list[Inbound]:
-        """The provisional answers whose grace ran out, sent as they are (the conversation did not go on)."""
+        """The provisional answers whose grace ran out, sent as they are (the conversation did
+        not go on)."""
         out: list[Inbound] = []
         for conv in self.live.values():
             held = conv.provisional
@@ -247,18 +269,30 @@ class Conversations:
             self._step(conv, index, text, out)
             conv.short = index
 
-    def _send(self, conv: Conversation, req: Request, index: int, text: str, out: list[Inbound]) -> None:
-        self._open(conv, clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)", _labels(req), out)
+    def _send(
+        self, conv: Conversation, req: Request, index: int, text: str, out: list[Inbound]
+    ) -> None:
+        self._open(
+            conv,
+            clip_middle(req.task, MAX_TASK_CHARS, room=20) or "(no user message)",
+            _labels(req),
+            out,
+        )
         self._step(conv, index, text, out)
 
     @staticmethod
     def _step(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
-        out.append(Inbound(conv.run_id, "step", {"index": index, "text": text}, key=f"{conv.run_id}:{index}"))
+        out.append(
+            Inbound(
+                conv.run_id, "step", {"index": index, "text": text}, key=f"{conv.run_id}:{index}"
+            )
+        )
         conv.sent = index
 
     @staticmethod
     def _amend(conv: Conversation, index: int, text: str, out: list[Inbound]) -> None:
-        """Step `index`, sent without what followed it, replaced by the complete step (its text by index)."""
+        """Step `index`, sent without what followed it, replaced by the complete step (its text
+        by index)."""
         data = {"index": index, "text": text, "amend": True}
         digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
         out.append(Inbound(conv.run_id, "step", data, key=f"{conv.run_id}:{index}:amend:{digest}"))
@@ -268,7 +302,12 @@ class Conversations:
     def _open(conv: Conversation, task: str, labels: Mapping[str, str], out: list[Inbound]) -> None:
         if not conv.started:
             out.append(
-                Inbound(conv.run_id, "start", {"task": task, "labels": dict(labels)}, key=f"{conv.run_id}:start")
+                Inbound(
+                    conv.run_id,
+                    "start",
+                    {"task": task, "labels": dict(labels)},
+                    key=f"{conv.run_id}:start",
+                )
             )
             conv.started = True
 
@@ -284,16 +323,24 @@ def _labels(req: Request) -> dict[str, str]:
 
 
 def turn_of_response(api: Api, body: Any, choice: int = 0) -> Turn | None:
-    """The assistant turn of a non-streamed response (its `choice`-th for chat); None when it has none."""
+    """The assistant turn of a non-streamed response (its `choice`-th for chat); None when it has
+    none."""
     if not isinstance(body, Mapping):
         return None
     if api == "chat":
         choices = body.get("choices")
-        if not isinstance(choices, list) or len(choices) <= choice or not isinstance(choices[choice], Mapping):
+        if (
+            not isinstance(choices, list)
+            or len(choices) <= choice
+            or not isinstance(choices[choice], Mapping)
+        ):
             return None
         m = choices[choice].get("message") or {}
         chat_calls = tuple(
-            (str((c.get("function") or {}).get("name", "")), args_text((c.get("function") or {}).get("arguments", "")))
+            (
+                str((c.get("function") or {}).get("name", "")),
+                args_text((c.get("function") or {}).get("arguments", "")),
+            )
             for c in m.get("tool_calls") or []
             if isinstance(c, Mapping)
         )
@@ -339,7 +386,8 @@ class SseParser:
             if data:
                 out.append((name, "\n".join(data)))
         if len(self._buf) > self.max_event_bytes:
-            self._buf, self.overflow = b"", True  # one event past the bound: the turn is not read, the stream flows
+            # one event past the bound: the turn is not read, the stream flows
+            self._buf, self.overflow = b"", True
         return out
 
 
@@ -358,7 +406,8 @@ class StreamTurn:
         self.bad = False
 
     def feed(self, chunk: bytes) -> None:
-        """Read the events `chunk` completes (past `max_bytes` of stream, nothing more: the turn is not read)."""
+        """Read the events `chunk` completes (past `max_bytes` of stream, nothing more: the turn
+        is not read)."""
         self.size += len(chunk)
         if self.bad or self.size > self.max_bytes:
             self.bad = True
@@ -404,7 +453,9 @@ class StreamTurn:
                 if d.get("type") == "text_delta":
                     self._text.append(str(d.get("text", "")))
                 elif d.get("type") == "input_json_delta":
-                    self._calls.setdefault(int(e.get("index", 0)), []).append(str(d.get("partial_json", "")))
+                    self._calls.setdefault(int(e.get("index", 0)), []).append(
+                        str(d.get("partial_json", ""))
+                    )
         elif e.get("type", name) in ("response.completed", "response.incomplete"):
             self._done = turn_of_response("responses", e.get("response"))
 
@@ -418,7 +469,8 @@ class StreamTurn:
         for i in sorted(self._calls):
             args = "".join(self._calls[i])
             if self.api == "messages":
-                # Anthropic streams the input as JSON pieces; the history sends it back as an object.
+                # Anthropic streams the input as JSON pieces; the history sends it back as an
+                # object.
                 with contextlib.suppress(ValueError):
                     args = args_text(json.loads(args or "{}"))
             calls.append((self._names.get(i, ""), args))
@@ -429,16 +481,28 @@ class StreamTurn:
 
 
 def error_body(api: Api, message: str, kind: str = "conflict") -> bytes:
-    """An error body in the API's own format (OpenAI's `{"error": ...}`, Anthropic's `{"type": "error", ...}`)."""
+    """An error body in the API's own format (OpenAI's `{"error": ...}`, Anthropic's `{"type":
+    "error", ...}`)."""
     if api == "messages":
-        body: dict[str, Any] = {"type": "error", "error": {"type": f"{kind}_error", "message": message}}
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": f"{kind}_error", "message": message},
+        }
     else:
-        body = {"error": {"message": message, "type": f"{kind}_error", "param": None, "code": f"agent_monitor_{kind}"}}
+        body = {
+            "error": {
+                "message": message,
+                "type": f"{kind}_error",
+                "param": None,
+                "code": f"agent_monitor_{kind}",
+            }
+        }
     return json.dumps(body).encode()
 
 
 def majority(turns: Sequence[Turn | None]) -> int | None:
-    """The first candidate of a strict majority of identical turns (whitespace aside); None when there is none."""
+    """The first candidate of a strict majority of identical turns (whitespace aside); None when
+    there is none."""
     keys = [None if t is None else (" ".join(t.text.split()), t.calls) for t in turns]
     for i, k in enumerate(keys):
         if k is not None and sum(k == o for o in keys) * 2 > len(keys):
@@ -447,7 +511,8 @@ def majority(turns: Sequence[Turn | None]) -> int | None:
 
 
 def with_turn(api: Api, candidates: Sequence[Mapping[str, Any]], winner: int) -> dict[str, Any]:
-    """The response the client gets: the winning candidate in the API's normal shape (chat: as choice 0)."""
+    """The response the client gets: the winning candidate in the API's normal shape (chat: as
+    choice 0)."""
     if api == "chat" and len(candidates) == 1:
         body = dict(candidates[0])
         chosen = dict(body["choices"][winner])
@@ -463,9 +528,12 @@ def _sse(data: Any, event: str | None = None) -> bytes:
 
 
 def sse_of(api: Api, body: Mapping[str, Any]) -> Iterator[bytes]:
-    """A complete response replayed as its API's stream of server-sent events (best-of, streamed after the choice)."""
+    """A complete response replayed as its API's stream of server-sent events (best-of, streamed
+    after the choice)."""
     if api == "chat":
-        base = {k: body.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in body}
+        base = {
+            k: body.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in body
+        }
         base["object"] = "chat.completion.chunk"
         choice = body["choices"][0]
         m = choice.get("message") or {}
@@ -473,14 +541,26 @@ def sse_of(api: Api, body: Mapping[str, Any]) -> Iterator[bytes]:
         if m.get("tool_calls"):
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(m["tool_calls"])]
         yield _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-        yield _sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}]})
+        yield _sse(
+            {
+                **base,
+                "choices": [
+                    {"index": 0, "delta": {}, "finish_reason": choice.get("finish_reason")}
+                ],
+            }
+        )
         if body.get("usage") is not None:
             yield _sse({**base, "choices": [], "usage": body["usage"]})
         yield b"data: [DONE]\n\n"
     elif api == "messages":
-        start = {k: v for k, v in body.items() if k not in ("content", "stop_reason", "stop_sequence")}
+        start = {
+            k: v for k, v in body.items() if k not in ("content", "stop_reason", "stop_sequence")
+        }
         yield _sse(
-            {"type": "message_start", "message": {**start, "content": [], "stop_reason": None, "stop_sequence": None}},
+            {
+                "type": "message_start",
+                "message": {**start, "content": [], "stop_reason": None, "stop_sequence": None},
+            },
             "message_start",
         )
         for i, b in enumerate(body.get("content") or []):
@@ -492,14 +572,23 @@ def sse_of(api: Api, body: Mapping[str, Any]) -> Iterator[bytes]:
                 delta = {"type": "text_delta", "text": b.get("text", "")}
             else:
                 head, delta = dict(b), {}
-            yield _sse({"type": "content_block_start", "index": i, "content_block": head}, "content_block_start")
+            yield _sse(
+                {"type": "content_block_start", "index": i, "content_block": head},
+                "content_block_start",
+            )
             if delta:
-                yield _sse({"type": "content_block_delta", "index": i, "delta": delta}, "content_block_delta")
+                yield _sse(
+                    {"type": "content_block_delta", "index": i, "delta": delta},
+                    "content_block_delta",
+                )
             yield _sse({"type": "content_block_stop", "index": i}, "content_block_stop")
         yield _sse(
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": body.get("stop_reason"), "stop_sequence": body.get("stop_sequence")},
+                "delta": {
+                    "stop_reason": body.get("stop_reason"),
+                    "stop_sequence": body.get("stop_sequence"),
+                },
                 "usage": {"output_tokens": (body.get("usage") or {}).get("output_tokens", 0)},
             },
             "message_delta",
@@ -508,10 +597,18 @@ def sse_of(api: Api, body: Mapping[str, Any]) -> Iterator[bytes]:
     else:
         seq = iter(range(1 << 30))
         pending = {**body, "status": "in_progress", "output": []}
-        yield _sse({"type": "response.created", "sequence_number": next(seq), "response": pending}, "response.created")
+        yield _sse(
+            {"type": "response.created", "sequence_number": next(seq), "response": pending},
+            "response.created",
+        )
         for i, item in enumerate(body.get("output") or []):
             yield _sse(
-                {"type": "response.output_item.added", "sequence_number": next(seq), "output_index": i, "item": item},
+                {
+                    "type": "response.output_item.added",
+                    "sequence_number": next(seq),
+                    "output_index": i,
+                    "item": item,
+                },
                 "response.output_item.added",
             )
             if item.get("type") == "message":
@@ -530,7 +627,15 @@ def sse_of(api: Api, body: Mapping[str, Any]) -> Iterator[bytes]:
                             "response.output_text.delta",
                         )
             yield _sse(
-                {"type": "response.output_item.done", "sequence_number": next(seq), "output_index": i, "item": item},
+                {
+                    "type": "response.output_item.done",
+                    "sequence_number": next(seq),
+                    "output_index": i,
+                    "item": item,
+                },
                 "response.output_item.done",
             )
-        yield _sse({"type": "response.completed", "sequence_number": next(seq), "response": body}, "response.completed")
+        yield _sse(
+            {"type": "response.completed", "sequence_number": next(seq), "response": body},
+            "response.completed",
+        )

@@ -1,10 +1,12 @@
-"""The reward endpoints' pure half: a trainer's finished rollout (template text or chat messages) to a task and steps.
+"""The reward endpoints' pure half: a trainer's finished rollout (template text or chat messages) to
+a task and steps.
 
 The rules, one per shape a trainer sends (docs/rl.md, "Steps"):
 
 - **Chat messages** (slime's `prompt` as a list, the native endpoint's `messages`): read as the LLM
-  proxy reads a chat completions request (`sources._chat.parse_request`); the first user message is the task,
-  each assistant turn with the tool results and user messages after it is a step (as the proxy's `steps_of` makes them).
+  proxy reads a chat completions request (`sources._chat.parse_request`); the first user message is
+  the task, each assistant turn with the tool results and user messages after it is a step (as the
+  proxy's `steps_of` makes them).
 - **Template text** (OpenRLHF's `query`: the prompt and the response decoded with their special
   tokens; slime's `prompt` as a string and its `response`): the text is cut into chat-template turns
   at ChatML (`<|im_start|>role ... <|im_end|>`), Llama 3 (`<|start_header_id|>role<|end_header_id|>
@@ -12,8 +14,8 @@ The rules, one per shape a trainer sends (docs/rl.md, "Steps"):
   is the task; each assistant turn with what follows it is a step, as for chat messages.
 - **Tool-call blocks**: an assistant turn (or a response with no markers at all) holding several
   `<tool_call>...</tool_call>` blocks (Hermes / Qwen style) is cut after each block, the
-  `<tool_response>` / `<tool_result>` / `<observation>` block after it joining its step: one step per
-  tool call, and the text after the last one a step of its own.
+  `<tool_response>` / `<tool_result>` / `<observation>` block after it joining its step: one step
+  per tool call, and the text after the last one a step of its own.
 - Anything else is one step: the whole response.
 
 More than `max_steps` steps: the ones past it are joined into the last (the judge still reads all of
@@ -38,19 +40,31 @@ _TURN = re.compile(
     r"|<\|start_header_id\|>(?P<b>[a-z_]+)<\|end_header_id\|>\n*"  # Llama 3
     r"|<start_of_turn>(?P<c>[a-z_]+)\n?"  # Gemma
 )
-_END = re.compile(r"<\|im_end\|>|<\|eot_id\|>|<end_of_turn>|<\|endoftext\|>|<\|end_of_text\|>|<eos>|</s>")
+_END = re.compile(
+    r"<\|im_end\|>|<\|eot_id\|>|<end_of_turn>|<\|endoftext\|>|<\|end_of_text\|>|<eos>|</s>"
+)
 _BOS = re.compile(r"<\|begin_of_text\|>|<bos>|<s>")
 _CALL = re.compile(r"<tool_call>.*?</tool_call>", re.S)
 _RESULT = re.compile(r"\s*<(tool_response|tool_result|observation)>.*?</\1>", re.S)
-# A template's role names as the proxy's roles; None: the system prompt, which is not the trajectory.
+# A template's role names as the proxy's roles; None: the system prompt, which is not the
+# trajectory.
 _ROLES: dict[str, Role | None] = {
-    "system": None, "developer": None, "user": "user", "human": "user", "assistant": "assistant", "model": "assistant",
-    "gpt": "assistant", "tool": "tool", "ipython": "tool", "function": "tool",
-}  # fmt: skip
+    "system": None,
+    "developer": None,
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "model": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+    "ipython": "tool",
+    "function": "tool",
+}
 
 
 class RolloutError(ValueError):
-    """A rollout that cannot be read as a task and steps: what was wrong (the endpoint answers 400/422 with it)."""
+    """A rollout that cannot be read as a task and steps: what was wrong (the endpoint answers
+    400/422 with it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +74,8 @@ class Rollout:
     task: str
     steps: tuple[str, ...]
     rule: str
-    """Which rule split it ("messages", "template", "tool_calls", "whole"): said in the answer's extra logs."""
+    """Which rule split it ("messages", "template", "tool_calls", "whole"): said in the answer's
+    extra logs."""
 
 
 def _bounded(steps: Sequence[str], max_steps: int) -> tuple[str, ...]:
@@ -88,7 +103,8 @@ def _turns(text: str) -> list[Item] | None:
 
 
 def split_response(text: str) -> tuple[list[str], str]:
-    """One assistant response's steps: one per tool-call block (its result with it), else the whole text."""
+    """One assistant response's steps: one per tool-call block (its result with it), else the
+    whole text."""
     text = _END.sub("", text).strip()
     calls = list(_CALL.finditer(text))
     if not calls:
@@ -106,7 +122,8 @@ def split_response(text: str) -> tuple[list[str], str]:
 
 
 def _steps_of_items(items: Sequence[Item]) -> tuple[list[str], str]:
-    """Steps of turns: each assistant turn (cut at its tool calls) with what follows it, as the proxy's."""
+    """Steps of turns: each assistant turn (cut at its tool calls) with what follows it, as the
+    proxy's."""
     steps: list[list[str]] = []
     rule = "template"
     for it in items:
@@ -114,13 +131,15 @@ def _steps_of_items(items: Sequence[Item]) -> tuple[list[str], str]:
             parts, how = split_response(it.text)
             rule = "tool_calls" if how == "tool_calls" else rule
             steps += [[p] for p in parts] or [["(an empty turn)"]]
-        elif steps:  # what comes back after a turn (tool results, the user's follow-up) is part of its step
+        # what comes back after a turn (tool results, the user's follow-up) is part of its step
+        elif steps:
             steps[-1].append(it.text if it.role == "tool" else f"[user] {it.text}")
     return ["\n".join(s) for s in steps], rule
 
 
 def from_text(text: str, *, prompt: str | None = None, max_steps: int) -> Rollout:
-    """A rollout given as template text: `text` the whole query (prompt and response) or, with `prompt`, the response."""
+    """A rollout given as template text: `text` the whole query (prompt and response) or, with
+    `prompt`, the response."""
     if not isinstance(text, str):
         raise RolloutError(f"expected the rollout as a string, got {type(text).__name__}")
     text = _BOS.sub("", text)
@@ -135,14 +154,20 @@ def from_text(text: str, *, prompt: str | None = None, max_steps: int) -> Rollou
     if items is not None and any(i.role == "assistant" for i in items):
         task = next((i.text for i in items if i.role == "user"), "")
         steps, rule = _steps_of_items(items)
-        # A response after the last marker without its own (a template whose generation prompt was cut) is a step.
+        # A response after the last marker without its own (a template whose generation prompt was
+        # cut) is a step.
         if not steps and (tail := text.strip()):
             steps, rule = split_response(tail)
     else:
-        # No assistant turn marked: the prompt (its user turn when marked) is the task, the rest the response.
+        # No assistant turn marked: the prompt (its user turn when marked) is the task, the rest the
+        # response.
         ptext = prompt if prompt is not None else ""
         pitems = _turns(ptext) if ptext else None
-        task = next((i.text for i in pitems if i.role == "user"), "") if pitems else _END.sub("", ptext).strip()
+        task = (
+            next((i.text for i in pitems if i.role == "user"), "")
+            if pitems
+            else _END.sub("", ptext).strip()
+        )
         steps, rule = split_response(text)
     if not task.strip():
         task = "(the prompt gave no user message)"
@@ -152,7 +177,8 @@ def from_text(text: str, *, prompt: str | None = None, max_steps: int) -> Rollou
 
 
 def from_messages(messages: Any, *, response: str | None = None, max_steps: int) -> Rollout:
-    """A rollout given as chat messages (OpenAI chat form), with an optional last response as text."""
+    """A rollout given as chat messages (OpenAI chat form), with an optional last response as
+    text."""
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
         raise RolloutError("expected messages as a list of {role, content} objects")
     body: dict[str, Any] = {"messages": list(messages)}

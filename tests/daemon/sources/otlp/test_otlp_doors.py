@@ -1,4 +1,5 @@
-"""The OTLP receiver's door under hostile bodies: an event bomb decoded off the loop with every repeated field capped.
+"""The OTLP receiver's door under hostile bodies: an event bomb decoded off the loop with every
+repeated field capped.
 
 The real SDK exporter sends a span with thousands of events (its own limit raised); a hand-built
 protobuf body carries 1.5 million empty events under the 4 MiB cap, as the issue's attacker did.
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _bomb(events: int, links: int = 0) -> bytes:
-    """An ExportTraceServiceRequest of one finished tool span with `events` empty events and `links` links."""
+    """An ExportTraceServiceRequest of one finished tool span with `events` empty events and
+    `links` links."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     req = ExportTraceServiceRequest()
@@ -45,7 +47,9 @@ def _bomb(events: int, links: int = 0) -> bytes:
 
 
 def _dropped(reg: CollectorRegistry, kind: str) -> float:
-    return reg.get_sample_value("agent_monitor_otlp_span_items_dropped_total", {"kind": kind}) or 0.0
+    return (
+        reg.get_sample_value("agent_monitor_otlp_span_items_dropped_total", {"kind": kind}) or 0.0
+    )
 
 
 async def test_an_event_bomb_is_decoded_in_a_worker_thread_with_its_events_and_links_capped(
@@ -70,7 +74,8 @@ async def test_an_event_bomb_is_decoded_in_a_worker_thread_with_its_events_and_l
     reg = CollectorRegistry()
     async with receiving(registry=reg) as (_, receiver, _), HttpServer(reg, port=0) as web:
         data = _bomb(1_500_000, links=1_000)
-        assert 2_000_000 < len(data) < receiver.settings.max_body_bytes  # under the body cap, as the attacker's
+        # under the body cap, as the attacker's
+        assert 2_000_000 < len(data) < receiver.settings.max_body_bytes
         bomb = asyncio.create_task(apost(receiver.url, data, ctype="application/x-protobuf"))
         await until(lambda: bool(threads))  # the decode began (and holds)
 
@@ -82,10 +87,14 @@ async def test_an_event_bomb_is_decoded_in_a_worker_thread_with_its_events_and_l
         answered.set()
         assert b"agent_monitor_otlp_span_items_dropped_total" in text
         status, _, _ = await bomb
-        assert status == 200 and released == [True]  # /metrics answered while the bomb was being decoded
+        # /metrics answered while the bomb was being decoded
+        assert status == 200 and released == [True]
         assert threads[0] != threading.main_thread().name  # decoded off the event loop's thread
         assert receiver.statistics().decoded_off_loop == 1
-        assert _dropped(reg, "events") == 1_500_000 - MAX_EVENTS and _dropped(reg, "links") == 1_000 - 128
+        assert (
+            _dropped(reg, "events") == 1_500_000 - MAX_EVENTS
+            and _dropped(reg, "links") == 1_000 - 128
+        )
         # A small body is decoded on the loop (a thread hop costs more than it saves).
         status, _, _ = await apost(receiver.url, _bomb(10), ctype="application/x-protobuf")
         assert status == 200 and receiver.statistics().decoded_off_loop == 1
@@ -97,18 +106,24 @@ def test_decoding_reads_no_more_than_the_cap_of_events() -> None:
     assert len(span.events) == MAX_EVENTS and decoded.dropped == {"events": 1_000 - MAX_EVENTS}
 
 
-async def test_the_sdk_exporters_span_with_thousands_of_events_keeps_its_step_and_counts_the_rest() -> None:
+async def test_the_sdk_exporters_span_with_thousands_of_events_keeps_its_step_and_counts_the_rest() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     reg = CollectorRegistry()
     async with receiving(registry=reg) as (_, receiver, _):
         provider = TracerProvider(
             resource=Resource.create({"service.name": "chatty-agent"}),
             span_limits=SpanLimits(max_events=5_000),
         )
-        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.url, timeout=10)))
+        provider.add_span_processor(
+            SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.url, timeout=10))
+        )
         tracer = provider.get_tracer("chatty")
 
         def run() -> str:
-            root = tracer.start_span("invoke_agent a", attributes={"gen_ai.operation.name": "invoke_agent"})
+            root = tracer.start_span(
+                "invoke_agent a", attributes={"gen_ai.operation.name": "invoke_agent"}
+            )
             from opentelemetry import trace
 
             ctx = trace.set_span_in_context(root)
@@ -140,7 +155,8 @@ async def test_the_sdk_exporters_span_with_thousands_of_events_keeps_its_step_an
 
 
 async def test_a_run_id_set_only_on_the_root_span_names_the_run() -> None:
-    """The root ends (and is exported) last: the trace's steps sent so far move to the run the root names."""
+    """The root ends (and is exported) last: the trace's steps sent so far move to the run the
+    root names."""
     from opentelemetry import trace
 
     from tests.daemon.sources.otlp.test_otlp_receiver import closed, sdk, texts
@@ -149,7 +165,10 @@ async def test_a_run_id_set_only_on_the_root_span_names_the_run() -> None:
         with sdk(receiver.url) as tracer:
             root = tracer.start_span(
                 "invoke_agent a",
-                attributes={"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": user("fix it")},
+                attributes={
+                    "gen_ai.operation.name": "invoke_agent",
+                    "gen_ai.input.messages": user("fix it"),
+                },
             )
             trace_id = f"{root.get_span_context().trace_id:032x}"
 
@@ -172,9 +191,12 @@ async def test_a_run_id_set_only_on_the_root_span_names_the_run() -> None:
             # The children arrived first: a run of the trace id holds their steps.
             await until(lambda: len(texts(monitor, trace_id)) == 2)
             before = texts(monitor, trace_id)
-            root.set_attribute("agent_monitor.run_id", "job-7")  # only on the root, as the docs allow
+            # only on the root, as the docs allow
+            root.set_attribute("agent_monitor.run_id", "job-7")
             await asyncio.to_thread(root.end)
         # The named run holds the trace's steps, in order; the trace id's run ended with no outcome.
-        await until(lambda: texts(monitor, "job-7") == before and closed(events, trace_id) is not None)
+        await until(
+            lambda: texts(monitor, "job-7") == before and closed(events, trace_id) is not None
+        )
         assert monitor.run(trace_id) is None and len(before) == 2 and "3 matches" in before[1]
         assert receiver.traces.span_of("job-7", 2) is not None  # the steps keep their spans

@@ -1,8 +1,9 @@
-"""Real instrumentations into the OTLP receiver: OpenInference on the OpenAI Agents SDK and on plain chat calls.
+"""Real instrumentations into the OTLP receiver: OpenInference on the OpenAI Agents SDK and on plain
+chat calls.
 
-Both talk to a scripted OpenAI-compatible server (tests/openai_server.py); their spans go through the SDK's
-OTLP/HTTP exporter to the receiver, which makes a run of each trace: every tool call a step, the end
-with the root span.
+Both talk to a scripted OpenAI-compatible server (tests/openai_server.py); their spans go through
+the SDK's OTLP/HTTP exporter to the receiver, which makes a run of each trace: every tool call a
+step, the end with the root span.
 """
 
 from __future__ import annotations
@@ -41,14 +42,20 @@ def completion(message: dict[str, Any], finish: str) -> Reply:
             "object": "chat.completion",
             "created": 0,
             "model": "scripted-model",
-            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            ],
             "usage": usage,
         }
     )
 
 
 def calls(name: str, arguments: dict[str, Any], call_id: str) -> Reply:
-    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)},
+    }
     return completion({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls")
 
 
@@ -95,21 +102,29 @@ async def test_openinference_on_an_agents_sdk_agent_with_two_function_tools() ->
             provider = TracerProvider()
             # The batch processor exports from its own thread: the receiver shares this event loop.
             provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.url), schedule_delay_millis=100)
+                BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=receiver.url), schedule_delay_millis=100
+                )
             )
             instrumentor = OpenAIAgentsInstrumentor()
             instrumentor.instrument(tracer_provider=provider)
             try:
                 model = OpenAIChatCompletionsModel(
-                    model="scripted-model", openai_client=AsyncOpenAI(base_url=server.url, api_key="test")
+                    model="scripted-model",
+                    openai_client=AsyncOpenAI(base_url=server.url, api_key="test"),
                 )
                 agent = Agent(
-                    name="weather", instructions="Answer in Celsius.", tools=[get_weather, to_celsius], model=model
+                    name="weather",
+                    instructions="Answer in Celsius.",
+                    tools=[get_weather, to_celsius],
+                    model=model,
                 )
                 result = await Runner.run(agent, TASK)
                 assert result.final_output == "It is 20 C and sunny in Paris."
                 await asyncio.to_thread(provider.force_flush)
-                await until(lambda: any(e for e in events if getattr(e, "outcome", None) is not None))
+                await until(
+                    lambda: any(e for e in events if getattr(e, "outcome", None) is not None)
+                )
             finally:
                 instrumentor.uninstrument()
                 await asyncio.to_thread(provider.shutdown)
@@ -117,7 +132,8 @@ async def test_openinference_on_an_agents_sdk_agent_with_two_function_tools() ->
     [opened] = [e for e in events if isinstance(e, RunOpened)]
     assert opened.start.task == TASK
     end = closed(events, opened.run_id)
-    assert end is not None and end.outcome == "unknown" and end.steps == 5  # 3 model turns, 2 tool calls
+    # 3 model turns, 2 tool calls
+    assert end is not None and end.outcome == "unknown" and end.steps == 5
     prompt = judge.prompts[-1].prefix_text()
     steps = prompt[prompt.index("### Step 1") :]
     assert steps == (
@@ -139,17 +155,25 @@ async def test_openinference_on_plain_chat_calls_inside_an_agent_span() -> None:
         judge = FakeJudge()
         async with receiving(judge) as (_, receiver, events):
             provider = TracerProvider()
-            provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.url)))
+            provider.add_span_processor(
+                SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.url))
+            )
             instrumentor = OpenAIInstrumentor()
             instrumentor.instrument(tracer_provider=provider)
             tracer = provider.get_tracer("my-agent")
 
             def agent() -> str:
                 client = OpenAI(base_url=server.url, api_key="test")
-                root = {"openinference.span.kind": "AGENT", "input.value": TASK, "agent_monitor.outcome": "success"}
+                root = {
+                    "openinference.span.kind": "AGENT",
+                    "input.value": TASK,
+                    "agent_monitor.outcome": "success",
+                }
                 with tracer.start_as_current_span("my agent", attributes=root) as span:
                     messages: list[Any] = [{"role": "user", "content": TASK}]
-                    first = client.chat.completions.create(model="scripted-model", messages=messages)
+                    first = client.chat.completions.create(
+                        model="scripted-model", messages=messages
+                    )
                     call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
                     with tracer.start_as_current_span(
                         "get_weather",
@@ -161,7 +185,10 @@ async def test_openinference_on_plain_chat_calls_inside_an_agent_span() -> None:
                         },  # type: ignore[union-attr]
                     ):
                         pass
-                    messages += [first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "68 F"}]
+                    messages += [
+                        first.choices[0].message,
+                        {"role": "tool", "tool_call_id": call.id, "content": "68 F"},
+                    ]
                     client.chat.completions.create(model="scripted-model", messages=messages)
                     return f"{span.get_span_context().trace_id:032x}"
 

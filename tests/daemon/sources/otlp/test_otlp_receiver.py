@@ -1,4 +1,5 @@
-"""The OTLP traces receiver: the real OpenTelemetry SDK exporter (and hand-written bodies) over a real socket.
+"""The OTLP traces receiver: the real OpenTelemetry SDK exporter (and hand-written bodies) over a
+real socket.
 
 A trace is a run: its spans become the run's start, steps and end, scored like MQTT input. The
 agents here are synthetic traces following the GenAI semantic conventions, sent by the SDK's own
@@ -58,7 +59,8 @@ async def receiving(
     config: MonitorConfig | None = None,
     **settings: Any,
 ) -> AsyncIterator[tuple[Monitor, OtlpReceiver, list[MonitorEvent]]]:
-    """A Monitor with an OTLP receiver on a free port, no broker; every monitor event is collected."""
+    """A Monitor with an OTLP receiver on a free port, no broker; every monitor event is
+    collected."""
     reg = registry if registry is not None else CollectorRegistry()
     receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0", **settings), registry=reg)
     config = config or MonitorConfig(policy=Policy())
@@ -77,7 +79,8 @@ async def receiving(
 
 @contextmanager
 def sdk(url: str) -> Iterator[trace.Tracer]:
-    """The real SDK: a TracerProvider exporting each span as it ends with the OTLP/HTTP (protobuf) exporter."""
+    """The real SDK: a TracerProvider exporting each span as it ends with the OTLP/HTTP
+    (protobuf) exporter."""
     provider = TracerProvider(resource=Resource.create({"service.name": "weather-agent"}))
     provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=10)))
     try:
@@ -91,7 +94,8 @@ def user(text: str) -> str:
 
 
 class Agent:
-    """A synthetic agent whose trace follows the GenAI conventions: invoke_agent, then chat and execute_tool children."""
+    """A synthetic agent whose trace follows the GenAI conventions: invoke_agent, then chat and
+    execute_tool children."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self.tracer = tracer
@@ -110,7 +114,9 @@ class Agent:
 
     def child(self, name: str, attributes: dict[str, Any], *, end: bool = True) -> trace.Span:
         assert self.root is not None
-        span = self.tracer.start_span(name, context=trace.set_span_in_context(self.root), attributes=attributes)
+        span = self.tracer.start_span(
+            name, context=trace.set_span_in_context(self.root), attributes=attributes
+        )
         self.spans[name] = span
         if end:
             span.end()
@@ -120,7 +126,9 @@ class Agent:
         out = [
             {
                 "role": "assistant",
-                "parts": [{"type": "tool_call", "name": "get_weather", "arguments": {"city": "Paris"}}],
+                "parts": [
+                    {"type": "tool_call", "name": "get_weather", "arguments": {"city": "Paris"}}
+                ],
             }
         ]
         self.child(
@@ -146,7 +154,9 @@ class Agent:
     def chat_answers(self) -> None:
         # The deprecated form (gen_ai.completion): still read.
         completion = json.dumps([{"role": "assistant", "content": "It is 20 °C in Paris."}])
-        self.child("chat gpt-x final", {"gen_ai.operation.name": "chat", "gen_ai.completion": completion})
+        self.child(
+            "chat gpt-x final", {"gen_ai.operation.name": "chat", "gen_ai.completion": completion}
+        )
 
     def end(self, *, error: bool = False, outcome: str | None = None) -> None:
         assert self.root is not None
@@ -193,14 +203,17 @@ async def test_a_genai_trace_from_the_sdk_exporter_is_a_run_scored_step_by_step(
             run_id = agent.trace_id
             for i, act in enumerate((agent.chat_calls_tool, agent.tool, agent.chat_answers), 1):
                 await asyncio.to_thread(act)
-                await until(lambda i=i: (p := receiver_latest(receiver, run_id)) is not None and p.step == i)
+                await until(
+                    lambda i=i: (p := receiver_latest(receiver, run_id)) is not None and p.step == i
+                )
             assert texts(monitor, run_id) == [
                 'Tool call: get_weather({"city":"Paris"})',
                 'Tool call: get_weather({"city": "Paris"})\nResult: {"temp_f": 68}',
                 "Assistant: It is 20 °C in Paris.",
             ]
             assert monitor.run(run_id).task == TASK  # type: ignore[union-attr]
-            # The run is its trace id; the resource's service.name names the agent on the board and in metrics.
+            # The run is its trace id; the resource's service.name names the agent on the board and
+            # in metrics.
             assert monitor.run(run_id).labels == {"service": "weather-agent"}  # type: ignore[union-attr]
             await asyncio.to_thread(agent.end, outcome="success")
             await until(lambda: closed(events, run_id) is not None)
@@ -221,9 +234,16 @@ TRACE = "5b8efff798038103d269b633813fc60c"
 
 
 def jspan(
-    span_id: str, end: int, attrs: dict[str, Any], *, parent: str = "eee19b7ec3c1b174", trace_id: str = TRACE, **kw: Any
+    span_id: str,
+    end: int,
+    attrs: dict[str, Any],
+    *,
+    parent: str = "eee19b7ec3c1b174",
+    trace_id: str = TRACE,
+    **kw: Any,
 ) -> dict[str, Any]:
-    """One span in the OTLP/JSON mapping: hex ids, nanoseconds as strings, typed attribute values."""
+    """One span in the OTLP/JSON mapping: hex ids, nanoseconds as strings, typed attribute
+    values."""
 
     def value(v: Any) -> dict[str, Any]:
         if isinstance(v, bool):
@@ -248,17 +268,30 @@ def jspan(
 def body(*spans: dict[str, Any]) -> bytes:
     resource = {"attributes": [{"key": "service.name", "value": {"stringValue": "agent"}}]}
     return json.dumps(
-        {"resourceSpans": [{"resource": resource, "scopeSpans": [{"scope": {}, "spans": list(spans)}]}]}
+        {
+            "resourceSpans": [
+                {"resource": resource, "scopeSpans": [{"scope": {}, "spans": list(spans)}]}
+            ]
+        }
     ).encode()
 
 
 def tool(span_id: str, end: int, name: str, result: str, **kw: Any) -> dict[str, Any]:
-    attrs = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.result": result}
+    attrs = {
+        "gen_ai.operation.name": "execute_tool",
+        "gen_ai.tool.name": name,
+        "gen_ai.tool.call.result": result,
+    }
     return jspan(span_id, end, attrs, **kw)
 
 
-def root(end: int, *, outcome: str | None = None, error: bool = False, trace_id: str = TRACE) -> dict[str, Any]:
-    attrs: dict[str, Any] = {"gen_ai.operation.name": "invoke_agent", "gen_ai.input.messages": user(TASK)}
+def root(
+    end: int, *, outcome: str | None = None, error: bool = False, trace_id: str = TRACE
+) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": "invoke_agent",
+        "gen_ai.input.messages": user(TASK),
+    }
     if outcome:
         attrs["agent_monitor.outcome"] = outcome
     status = {"code": 2, "message": "boom"} if error else {}
@@ -274,7 +307,9 @@ def post(
     host, _, port = hostport.rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
-        conn.request("POST", "/" + path, body=data, headers={"Content-Type": ctype, **(headers or {})})
+        conn.request(
+            "POST", "/" + path, body=data, headers={"Content-Type": ctype, **(headers or {})}
+        )
         r = conn.getresponse()
         return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     finally:
@@ -285,31 +320,47 @@ async def apost(url: str, data: bytes, **kw: Any) -> tuple[int, dict[str, str], 
     return await asyncio.to_thread(post, url, data, **kw)
 
 
-async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_ending_with_an_error() -> None:
+async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_ending_with_an_error() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     judge = FakeJudge(by_step)
     reg = CollectorRegistry()
     async with receiving(judge, registry=reg) as (monitor, receiver, events):
-        # Children before the root, in one batch and out of end-time order; the model span records the task.
+        # Children before the root, in one batch and out of end-time order; the model span records
+        # the task.
         chat = jspan(
             "00000000000000a1",
             1_000,
-            {"gen_ai.operation.name": "chat", "gen_ai.input.messages": user(TASK), "gen_ai.completion": "Let me look."},
+            {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.input.messages": user(TASK),
+                "gen_ai.completion": "Let me look.",
+            },
         )
         status, headers, reply = await apost(
             receiver.url, body(tool("00000000000000a3", 3_000, "search", "sunny"), chat)
         )
         assert (status, headers["content-type"], json.loads(reply)) == (200, "application/json", {})
         await until(lambda: len(texts(monitor, TRACE)) == 2)
-        assert texts(monitor, TRACE) == ["Assistant: Let me look.", "Tool call: search()\nResult: sunny"]
-        # A span that ended between the two, reported after both were scored: judged in its place, re-scored.
+        assert texts(monitor, TRACE) == [
+            "Assistant: Let me look.",
+            "Tool call: search()\nResult: sunny",
+        ]
+        # A span that ended between the two, reported after both were scored: judged in its place,
+        # re-scored.
         late = tool("00000000000000a2", 2_000, "weather", "20 C")
         assert (await apost(receiver.url, body(late)))[0] == 200
         await until(lambda: len(texts(monitor, TRACE)) == 3)
         assert texts(monitor, TRACE)[2] == "Tool call: weather()\nResult: 20 C"
         await monitor.drain()
         assert monitor.run(TRACE).latest.step == 3  # type: ignore[union-attr]  # re-scored with it
-        assert judged_order(judge) == ["Assistant: Let me look.", "Tool call: weather()", "Tool call: search()"]
-        # The same span again is a duplicate (200, nothing new); a span that is no action is ignored.
+        assert judged_order(judge) == [
+            "Assistant: Let me look.",
+            "Tool call: weather()",
+            "Tool call: search()",
+        ]
+        # The same span again is a duplicate (200, nothing new); a span that is no action is
+        # ignored.
         other = jspan("00000000000000a4", 4_000, {"http.method": "GET"})
         assert (await apost(receiver.url, body(late, other)))[0] == 200
         assert (await apost(receiver.url, body(root(5_000, error=True))))[0] == 200
@@ -318,8 +369,13 @@ async def test_json_bodies_out_of_order_children_first_a_late_span_and_the_root_
     assert end is not None and end.outcome == "failure" and end.steps == 3
     assert monitor.run(TRACE) is None
     assert reg.get_sample_value("agent_monitor_otlp_late_spans_total") == 1
-    assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "duplicate"}) == 1
-    assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "not_an_action"}) == 1
+    assert (
+        reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "duplicate"}) == 1
+    )
+    assert (
+        reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "not_an_action"})
+        == 1
+    )
     assert reg.get_sample_value("agent_monitor_otlp_spans_received_total") == 6
     assert reg.get_sample_value("agent_monitor_otlp_final_score_seconds_count") == 1
 
@@ -330,8 +386,11 @@ def judged_order(judge: FakeJudge) -> list[str]:
     return [s.splitlines()[1] for s in prompt.split("\n### Step ")[1:]]
 
 
-async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_place_over_protobuf() -> None:
-    """The SDK's protobuf exporter: a tool span ending between two scored steps, exported after them."""
+async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_place_over_protobuf() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
+    """The SDK's protobuf exporter: a tool span ending between two scored steps, exported after
+    them."""
     judge = FakeJudge(by_step)
     reg = CollectorRegistry()
     async with receiving(judge, registry=reg) as (monitor, receiver, events):
@@ -340,7 +399,8 @@ async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_pla
             await asyncio.to_thread(agent.begin)
             run_id = agent.trace_id
             t0 = time.time_ns()
-            # The tool span starts first but its exporter is slow: it ends (and is exported) after the answer.
+            # The tool span starts first but its exporter is slow: it ends (and is exported) after
+            # the answer.
             slow = await asyncio.to_thread(
                 agent.child,
                 "execute_tool get_weather",
@@ -352,27 +412,43 @@ async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_pla
                 end=False,
             )
             await asyncio.to_thread(agent.chat_calls_tool)
-            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 1)
+            await until(
+                lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 1
+            )
             final = agent.child(
                 "chat gpt-x final",
                 {"gen_ai.operation.name": "chat", "gen_ai.completion": "It is 20 C in Paris."},
                 end=False,
             )
             await asyncio.to_thread(final.end, t0 + 3_000_000_000)
-            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 2)
-            answer_first = ['Tool call: get_weather({"city":"Paris"})', "Assistant: It is 20 C in Paris."]
+            await until(
+                lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 2
+            )
+            answer_first = [
+                'Tool call: get_weather({"city":"Paris"})',
+                "Assistant: It is 20 C in Paris.",
+            ]
             assert judged_order(judge) == answer_first
-            # Ends before the answer did, arrives after it was scored: placed by its end time, and re-scored.
+            # Ends before the answer did, arrives after it was scored: placed by its end time, and
+            # re-scored.
             await asyncio.to_thread(slow.end, t0 + 2_000_000_000)
-            await until(lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 3)
-            assert judged_order(judge) == [answer_first[0], "Tool call: get_weather()", answer_first[1]]
-            # The steps as received keep their index (the journal's order); nothing is marked late in the text.
+            await until(
+                lambda: (p := receiver_latest(receiver, run_id)) is not None and p.step == 3
+            )
+            assert judged_order(judge) == [
+                answer_first[0],
+                "Tool call: get_weather()",
+                answer_first[1],
+            ]
+            # The steps as received keep their index (the journal's order); nothing is marked late
+            # in the text.
             assert [t.splitlines()[0] for t in texts(monitor, run_id)] == [
                 'Tool call: get_weather({"city":"Paris"})',
                 "Assistant: It is 20 C in Paris.",
                 "Tool call: get_weather()",
             ]
-            # The third result judged a trajectory whose last span is the answer: its evaluation events name that.
+            # The third result judged a trajectory whose last span is the answer: its evaluation
+            # events name that.
             answer = f"{final.get_span_context().span_id:016x}"
             assert receiver.span_of(run_id, 3) == (run_id, answer)
             assert receiver.span_of(run_id, 2) == (run_id, answer)
@@ -383,7 +459,9 @@ async def test_a_span_reported_after_later_ones_were_scored_is_judged_in_its_pla
     assert reg.get_sample_value("agent_monitor_otlp_late_spans_total") == 1
 
 
-async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_invalid_one_is_rejected() -> None:
+async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_invalid_one_is_rejected() -> (  # noqa: E501 (the test's name is its sentence)
+    None
+):
     async with receiving() as (monitor, receiver, _):
         conv = jspan(
             "00000000000000b1",
@@ -402,22 +480,40 @@ async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_inva
         conv2 = jspan(
             "00000000000000b2",
             2_000,
-            {"gen_ai.conversation.id": "conv-7", "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "x"},
+            {
+                "gen_ai.conversation.id": "conv-7",
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": "x",
+            },
             trace_id=t2,
         )
-        named = tool("00000000000000c1", 1_000, "y", "ok", trace_id="7b8efff798038103d269b633813fc60c")
-        named["attributes"].append({"key": "agent_monitor.run_id", "value": {"stringValue": "job-42"}})
-        named["attributes"].append({"key": "agent_monitor.task", "value": {"stringValue": "Run job 42"}})
-        bad = tool("00000000000000d1", 1_000, "z", "ok", trace_id="8b8efff798038103d269b633813fc60c")
-        bad["attributes"].append({"key": "gen_ai.conversation.id", "value": {"stringValue": "no/slashes"}})
+        named = tool(
+            "00000000000000c1", 1_000, "y", "ok", trace_id="7b8efff798038103d269b633813fc60c"
+        )
+        named["attributes"].append(
+            {"key": "agent_monitor.run_id", "value": {"stringValue": "job-42"}}
+        )
+        named["attributes"].append(
+            {"key": "agent_monitor.task", "value": {"stringValue": "Run job 42"}}
+        )
+        bad = tool(
+            "00000000000000d1", 1_000, "z", "ok", trace_id="8b8efff798038103d269b633813fc60c"
+        )
+        bad["attributes"].append(
+            {"key": "gen_ai.conversation.id", "value": {"stringValue": "no/slashes"}}
+        )
         status, _, reply = await apost(receiver.url, body(conv, conv2, named, bad))
         assert status == 200
         partial = json.loads(reply)["partialSuccess"]
         assert partial["rejectedSpans"] == "1" and "no/slashes" in partial["errorMessage"]
-        await until(lambda: len(texts(monitor, "conv-7")) == 2 and len(texts(monitor, "job-42")) == 1)
+        await until(
+            lambda: len(texts(monitor, "conv-7")) == 2 and len(texts(monitor, "job-42")) == 1
+        )
         assert monitor.run("job-42").task == "Run job 42"  # type: ignore[union-attr]
         # A conversation's root span ends one of its traces, not the run: the run goes on.
-        assert (await apost(receiver.url, body(root(3_000, trace_id=t2) | {"parentSpanId": ""})))[0] == 200
+        assert (await apost(receiver.url, body(root(3_000, trace_id=t2) | {"parentSpanId": ""})))[
+            0
+        ] == 200
         await monitor.drain()
         assert monitor.run("conv-7") is not None
 
@@ -425,14 +521,24 @@ async def test_a_conversation_id_and_an_explicit_run_id_name_the_run_and_an_inva
 async def test_a_trace_that_never_ends_is_closed_after_the_idle_time() -> None:
     now = [0.0]
     reg = CollectorRegistry()
-    receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0", idle_s=60), registry=reg, clock=lambda: now[0])
+    receiver = OtlpReceiver(
+        OtlpReceiverSettings(address="127.0.0.1:0", idle_s=60), registry=reg, clock=lambda: now[0]
+    )
     events: list[MonitorEvent] = []
     async with Monitor(
-        MonitorConfig(), judge=FakeJudge(), store=MemoryStore(), registry=reg, sources=[receiver], sinks=[events.append]
+        MonitorConfig(),
+        judge=FakeJudge(),
+        store=MemoryStore(),
+        registry=reg,
+        sources=[receiver],
+        sinks=[events.append],
     ) as monitor:
         await receiver.ready.wait()
-        # No span records a task: the steps wait for one, then the idle close starts the run with a stand-in.
-        assert (await apost(receiver.url, body(tool("00000000000000e1", 1_000, "ls", "a b"))))[0] == 200
+        # No span records a task: the steps wait for one, then the idle close starts the run with a
+        # stand-in.
+        assert (await apost(receiver.url, body(tool("00000000000000e1", 1_000, "ls", "a b"))))[
+            0
+        ] == 200
         now[0] = 59.0
         await receiver.sweep()
         assert monitor.run(TRACE) is None and closed(events, TRACE) is None
@@ -451,7 +557,11 @@ async def test_a_restart_mid_trace_picks_up_where_the_journal_left(tmp_path: Pat
     chat = jspan(
         "00000000000000f1",
         1_000,
-        {"gen_ai.operation.name": "chat", "gen_ai.input.messages": user(TASK), "gen_ai.completion": "Looking."},
+        {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.input.messages": user(TASK),
+            "gen_ai.completion": "Looking.",
+        },
     )
     first = tool("00000000000000f2", 2_000, "search", "sunny")
     store = SqliteStore(db)
@@ -466,7 +576,9 @@ async def test_a_restart_mid_trace_picks_up_where_the_journal_left(tmp_path: Pat
             assert monitor.run(TRACE) is not None and len(texts(monitor, TRACE)) == 2
             # The exporter retries the batch it had sent (a duplicate), then the trace goes on.
             second = tool("00000000000000f3", 3_000, "answer", "20 C")
-            assert (await apost(receiver.url, body(first, second, root(4_000, outcome="success"))))[0] == 200
+            assert (await apost(receiver.url, body(first, second, root(4_000, outcome="success"))))[
+                0
+            ] == 200
             await until(lambda: closed(events, TRACE) is not None)
             end = closed(events, TRACE)
             assert end is not None and end.outcome == "success" and end.steps == 3
@@ -504,10 +616,14 @@ async def test_each_limit_is_answered_as_the_spec_says_and_counted() -> None:
         "max_step_chars": 300,
         "retry_after_s": 7,
     }
-    refused = lambda reason: reg.get_sample_value("agent_monitor_otlp_spans_refused_total", {"reason": reason})  # noqa: E731
+
+    def refused(reason: str) -> float | None:
+        return reg.get_sample_value("agent_monitor_otlp_spans_refused_total", {"reason": reason})
+
     async with receiving(registry=reg, **settings) as (monitor, receiver, _):
         url = receiver.url
-        # Over the body size, told by Content-Length: 413 before the body is read (a protobuf Status).
+        # Over the body size, told by Content-Length: 413 before the body is read (a protobuf
+        # Status).
         status, headers, reply = await apost(url, b"x" * 5_000, ctype="application/x-protobuf")
         assert (status, headers["content-type"]) == (413, "application/x-protobuf")
         assert status_of(reply)[1] == "the body is 5000 bytes, over the limit of 4000"
@@ -520,19 +636,27 @@ async def test_each_limit_is_answered_as_the_spec_says_and_counted() -> None:
         # More spans in one request than allowed: 413.
         many = body(*(tool(f"{i + 1:016x}", 1_000 + i, "t", "r") for i in range(6)))
         status, _, reply = await apost(url, many)
-        assert status == 413 and json.loads(reply)["message"] == "6 spans in one request, over the limit of 5"
+        assert status == 413 and json.loads(reply)["message"] == (
+            "6 spans in one request, over the limit of 5"
+        )
         assert refused("batch_too_large") == 6
-        # Not a body: 400; not a protobuf request: 400; an unknown type: 415; other paths and methods: 404, 405.
+        # Not a body: 400; not a protobuf request: 400; an unknown type: 415; other paths and
+        # methods: 404, 405.
         assert (await apost(url, b"{not json"))[0] == 400
         assert (await apost(url, b"\xff\xff\xff", ctype="application/x-protobuf"))[0] == 400
         assert (await apost(url, b"{}", ctype="text/plain"))[0] == 415
         assert (await apost(url.replace("/v1/traces", "/v1/logs"), b"{}"))[0] == 404
         assert refused("bad_body") == 2
-        # Spans held per trace: beyond 3 the rest are rejected (partial success), the first ones kept.
+        # Spans held per trace: beyond 3 the rest are rejected (partial success), the first ones
+        # kept.
         task = jspan(
             "00000000000000a1",
             10_000,
-            {"agent_monitor.task": "t", "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "x" * 1000},
+            {
+                "agent_monitor.task": "t",
+                "gen_ai.operation.name": "execute_tool",
+                "gen_ai.tool.name": "x" * 1000,
+            },
         )
         spans = [task, *(tool(f"{i + 2:016x}", 20_000 + i, "t", "r") for i in range(3))]
         status, _, reply = await apost(url, body(*spans))
@@ -542,8 +666,11 @@ async def test_each_limit_is_answered_as_the_spec_says_and_counted() -> None:
         # An attribute value over its bytes is cut (and counted); so is a step's text.
         assert len(texts(monitor, TRACE)[0]) <= 300
         assert reg.get_sample_value("agent_monitor_otlp_attributes_truncated_total") == 1
-        # A second live trace over max_live_traces: 503 with Retry-After (the exporter retries it later).
-        other = tool("00000000000000b1", 1_000, "t", "r", trace_id="9b8efff798038103d269b633813fc60c")
+        # A second live trace over max_live_traces: 503 with Retry-After (the exporter retries it
+        # later).
+        other = tool(
+            "00000000000000b1", 1_000, "t", "r", trace_id="9b8efff798038103d269b633813fc60c"
+        )
         status, headers, _ = await apost(url, body(other))
         assert (status, headers["retry-after"]) == (503, "7")
         assert refused("too_many_traces") == 1
@@ -564,14 +691,18 @@ async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
         finally:
             idle_writer.close()
         await until(lambda: receiver.statistics().connections == 0)
-        # A connection whose request is being read (its body still coming) is working: one too many gets 503.
+        # A connection whose request is being read (its body still coming) is working: one too many
+        # gets 503.
         slow_reader, slow_writer = await asyncio.open_connection("127.0.0.1", receiver.port)
         try:
             slow_writer.write(
-                b"POST /v1/traces HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 9\r\n\r\n{"
+                b"POST /v1/traces HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                b"application/json\r\ncontent-length: 9\r\n\r\n{"
             )
             await slow_writer.drain()
-            await until(lambda: receiver.http.connections == 1 and receiver.http.gate.waiting_count == 0)
+            await until(
+                lambda: receiver.http.connections == 1 and receiver.http.gate.waiting_count == 0
+            )
             status, headers, _ = await apost(receiver.url, body())
             assert (status, headers["retry-after"]) == (503, "5")
             # The silent one is closed after the read timeout.
@@ -582,7 +713,8 @@ async def test_connections_are_bounded_and_a_silent_client_is_cut_off() -> None:
         assert (status, json.loads(reply)) == (200, {})
 
 
-# -- serve --otlp-receiver as a user runs it: the SDK exporter in, progress on MQTT, evaluation events out --
+# -- serve --otlp-receiver as a user runs it: the SDK exporter in, progress on MQTT, evaluation
+# events out --
 
 
 async def test_serve_otlp_receiver_scores_an_sdk_trace_on_mqtt_and_its_events_carry_the_trace(
@@ -596,8 +728,20 @@ async def test_serve_otlp_receiver_scores_an_sdk_trace_on_mqtt_and_its_events_ca
     port = free_port()
     with scripted_server() as judge, logs_receiver() as collector:
         judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
-        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", "0",
-                "--otlp-receiver", f"127.0.0.1:{port}", "--otlp-endpoint", collector.url]  # fmt: skip
+        args = [
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            "0",
+            "--otlp-receiver",
+            f"127.0.0.1:{port}",
+            "--otlp-endpoint",
+            collector.url,
+        ]
         with serve(*args) as proc:
             lines = await asyncio.to_thread(wait_serving, proc)
             assert f"OTLP traces on http://127.0.0.1:{port}/v1/traces" in lines[-1]
@@ -606,15 +750,23 @@ async def test_serve_otlp_receiver_scores_an_sdk_trace_on_mqtt_and_its_events_ca
                     agent = Agent(tracer)
                     await asyncio.to_thread(agent.begin)
                     run_id = agent.trace_id
-                    for i, act in enumerate((agent.chat_calls_tool, agent.tool, agent.chat_answers), 1):
+                    for i, act in enumerate(
+                        (agent.chat_calls_tool, agent.tool, agent.chat_answers), 1
+                    ):
                         await asyncio.to_thread(act)
                         await h.until(lambda i=i: h.last_step(run_id) == i)  # scored step by step
                     await asyncio.to_thread(agent.end, outcome="success")
                     # The run closed: its retained signal is cleared (an empty payload).
                     await h.until(lambda: None in h.seen[(run_id, "signal")])
                 progress = h.progress(run_id)
-                spans = {name: f"{s.get_span_context().span_id:016x}" for name, s in agent.spans.items()}
-            await until(lambda: len({r["attributes"]["agent_monitor.step"] for r in collector.records()}) == 3)
+                spans = {
+                    name: f"{s.get_span_context().span_id:016x}" for name, s in agent.spans.items()
+                }
+            await until(
+                lambda: (
+                    len({r["attributes"]["agent_monitor.step"] for r in collector.records()}) == 3
+                )
+            )
     assert [p["step"] for p in progress] == [1, 2, 3] and all(p["ok"] for p in progress)
     records = collector.records()
     assert {r["trace_id"].hex() for r in records} == {run_id}
@@ -630,25 +782,44 @@ async def test_a_token_is_required_when_set_and_never_shown() -> None:
     reg = CollectorRegistry()
     async with receiving(registry=reg, token="s3cret") as (monitor, receiver, _):
         assert "s3cret" not in repr(receiver.settings)
-        status, _, reply = await apost(receiver.url, body(tool("00000000000000a1", 1_000, "t", "r")))
+        status, _, reply = await apost(
+            receiver.url, body(tool("00000000000000a1", 1_000, "t", "r"))
+        )
         assert status == 401 and "--otlp-token" in json.loads(reply)["message"]
         wrong = {"Authorization": "Bearer guess"}
         assert (await apost(receiver.url, body(), headers=wrong))[0] == 401
-        assert reg.get_sample_value("agent_monitor_otlp_spans_refused_total", {"reason": "unauthorized"}) == 2
+        assert (
+            reg.get_sample_value(
+                "agent_monitor_otlp_spans_refused_total", {"reason": "unauthorized"}
+            )
+            == 2
+        )
         right = {"Authorization": "Bearer s3cret"}
-        task = jspan("00000000000000a2", 2_000, {"agent_monitor.task": "t", "gen_ai.operation.name": "execute_tool"})
+        task = jspan(
+            "00000000000000a2",
+            2_000,
+            {"agent_monitor.task": "t", "gen_ai.operation.name": "execute_tool"},
+        )
         assert (await apost(receiver.url, body(task), headers=right))[0] == 200
         await until(lambda: len(texts(monitor, TRACE)) == 1)
 
 
-async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another_idle_time() -> None:
+async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another_idle_time() -> (
+    None
+):
     now = [0.0]
-    receiver = OtlpReceiver(OtlpReceiverSettings(address="127.0.0.1:0", idle_s=10), clock=lambda: now[0])
+    receiver = OtlpReceiver(
+        OtlpReceiverSettings(address="127.0.0.1:0", idle_s=10), clock=lambda: now[0]
+    )
     # The monitor's closes never reach the receiver (as for a start the monitor refused).
     receiver.sink = None
-    async with Monitor(MonitorConfig(), judge=FakeJudge(), store=MemoryStore(), sources=[receiver]) as monitor:
+    async with Monitor(
+        MonitorConfig(), judge=FakeJudge(), store=MemoryStore(), sources=[receiver]
+    ) as monitor:
         await receiver.ready.wait()
-        assert (await apost(receiver.url, body(tool("00000000000000e1", 1_000, "ls", "a"))))[0] == 200
+        assert (await apost(receiver.url, body(tool("00000000000000e1", 1_000, "ls", "a"))))[
+            0
+        ] == 200
         now[0] = 11.0
         await receiver.sweep()  # idle: started with a stand-in task and ended
         await until(lambda: monitor.run(TRACE) is None)
@@ -657,7 +828,9 @@ async def test_an_ended_run_the_monitor_does_not_have_is_forgotten_after_another
         await receiver.sweep()
         assert receiver.statistics().live == 0
         # A span of it now is ignored (the run ended), not a new run.
-        assert (await apost(receiver.url, body(tool("00000000000000e2", 2_000, "ls", "b"))))[0] == 200
+        assert (await apost(receiver.url, body(tool("00000000000000e2", 2_000, "ls", "b"))))[
+            0
+        ] == 200
         assert receiver.statistics().live == 0
 
 
@@ -667,11 +840,15 @@ async def test_a_span_after_the_root_ended_is_ignored_not_refused() -> None:
         first = tool("00000000000000a1", 1_000, "t", "r")
         first["attributes"].append({"key": "agent_monitor.task", "value": {"stringValue": "t"}})
         assert (await apost(receiver.url, body(first, root(3_000))))[0] == 200
-        assert (await apost(receiver.url, body(tool("00000000000000a2", 2_000, "t", "late"))))[0] == 200
+        assert (await apost(receiver.url, body(tool("00000000000000a2", 2_000, "t", "late"))))[
+            0
+        ] == 200
         await until(lambda: closed(events, TRACE) is not None)
     end = closed(events, TRACE)
     assert end is not None and end.steps == 1
-    assert reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "run_ended"}) == 1
+    assert (
+        reg.get_sample_value("agent_monitor_otlp_spans_ignored_total", {"reason": "run_ended"}) == 1
+    )
     assert not [e for e in events if type(e).__name__ == "Refused"]
 
 
@@ -680,7 +857,9 @@ def test_the_judge_reads_steps_by_end_time_and_steps_without_one_keep_their_plac
     from agent_monitor.tracker import placed
 
     def at(i: int, end: int | None) -> Step:
-        return Step(index=i, text=f"s{i}", meta={"otel": {"end_ns": end}} if end is not None else {})
+        return Step(
+            index=i, text=f"s{i}", meta={"otel": {"end_ns": end}} if end is not None else {}
+        )
 
     plain = [at(1, None), at(2, None)]
     assert placed(plain) is plain  # MQTT steps: as they are, no copy

@@ -1,4 +1,5 @@
-"""The span-to-step mapping (pure): both generations of the GenAI conventions, OpenInference, and bounded decoding."""
+"""The span-to-step mapping (pure): both generations of the GenAI conventions, OpenInference, and
+bounded decoding."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from agent_monitor.daemon.sources.otlp._spans import (
 )
 
 
-def span(attrs: dict[str, Any], *, name: str = "s", parent: str = "1" * 16, status: int = 0, events: Any = ()) -> Span:
+def span(
+    attrs: dict[str, Any],
+    *,
+    name: str = "s",
+    parent: str = "1" * 16,
+    status: int = 0,
+    events: Any = (),
+) -> Span:
     return Span("a" * 32, "b" * 16, parent, name, 1, 2, status, "it broke", attrs, tuple(events))
 
 
@@ -50,12 +58,20 @@ def test_the_deprecated_genai_forms_are_read() -> None:
         }
     )
     assert task_of(flat, "model") == "Fix the bug"
-    assert text(flat) == 'Assistant: Looking at parser.py\nTool call: read_file({"path": "parser.py"})'
+    assert text(flat) == (
+        'Assistant: Looking at parser.py\nTool call: read_file({"path": "parser.py"})'
+    )
     evented = span(
         {"gen_ai.operation.name": "text_completion"},
         events=[
-            ("gen_ai.content.prompt", {"gen_ai.prompt": json.dumps([{"role": "user", "content": "Sum 2 and 2"}])}),
-            ("gen_ai.content.completion", {"gen_ai.completion": json.dumps([{"role": "assistant", "content": "4"}])}),
+            (
+                "gen_ai.content.prompt",
+                {"gen_ai.prompt": json.dumps([{"role": "user", "content": "Sum 2 and 2"}])},
+            ),
+            (
+                "gen_ai.content.completion",
+                {"gen_ai.completion": json.dumps([{"role": "assistant", "content": "4"}])},
+            ),
         ],
     )
     assert task_of(evented, "model") == "Sum 2 and 2" and text(evented) == "Assistant: 4"
@@ -71,7 +87,8 @@ def test_current_genai_messages_and_a_model_turn_without_content() -> None:
             ],
         }
     ]
-    s = span({"gen_ai.operation.name": "chat", "gen_ai.output.messages": out})  # a structured value, not JSON text
+    # a structured value, not JSON text
+    s = span({"gen_ai.operation.name": "chat", "gen_ai.output.messages": out})
     assert text(s) == 'Assistant: Done.\nTool call: commit({"m":"fix"})'
     assert text(span({"gen_ai.operation.name": "chat", "gen_ai.request.model": "m"})) is None
 
@@ -88,7 +105,10 @@ def test_openinference_messages_tools_handoffs_and_errors() -> None:
         }
     )
     assert task_of(llm, "model") == "Book a table" and text(llm) == 'Tool call: book({"n": 2})'
-    tool = span({"openinference.span.kind": "TOOL", "tool.name": "book", "input.value": '{"n": 2}'}, status=2)
+    tool = span(
+        {"openinference.span.kind": "TOOL", "tool.name": "book", "input.value": '{"n": 2}'},
+        status=2,
+    )
     assert text(tool) == 'Tool call: book({"n": 2})\nError: it broke'
     handoff = span(
         {"openinference.span.kind": "TOOL", "input.value": "triage", "output.value": "billing"},
@@ -102,13 +122,20 @@ def test_openinference_messages_tools_handoffs_and_errors() -> None:
 
 
 def test_run_keys_outcomes_and_bounded_text() -> None:
-    assert span_run_key(span({"gen_ai.conversation.id": "c1", "agent_monitor.run_id": "r1"})) == ("run_id", "r1")
+    assert span_run_key(span({"gen_ai.conversation.id": "c1", "agent_monitor.run_id": "r1"})) == (
+        "run_id",
+        "r1",
+    )
     assert span_run_key(span({"gen_ai.conversation.id": "c1"})) == ("conversation", "c1")
     assert span_run_key(span({})) is None
     assert span_outcome(span({"agent_monitor.outcome": "SUCCESS"}, status=2)) == "success"
     assert span_outcome(span({}, status=2)) == "failure" and span_outcome(span({})) is None
     long = span(
-        {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "t", "gen_ai.tool.call.result": "x" * 500}
+        {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": "t",
+            "gen_ai.tool.call.result": "x" * 500,
+        }
     )
     cut = step_text(long, "tool", 100)
     assert cut is not None and len(cut) == 100 and cut.endswith("…")
@@ -122,12 +149,17 @@ def pb_request(n: int, value: str = "v") -> bytes:
             name="execute_tool t",
             start_time_unix_nano=1,
             end_time_unix_nano=2 + i,
-            attributes=[KeyValue(key="gen_ai.tool.call.result", value=AnyValue(string_value=value))],
+            attributes=[
+                KeyValue(key="gen_ai.tool.call.result", value=AnyValue(string_value=value))
+            ],
         )
         for i in range(n)
     ]
-    spans.append(PbSpan(trace_id=b"\0" * 16, span_id=b"\1" * 8, end_time_unix_nano=5))  # an invalid trace id
-    req = ExportTraceServiceRequest(resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])])
+    # an invalid trace id
+    spans.append(PbSpan(trace_id=b"\0" * 16, span_id=b"\1" * 8, end_time_unix_nano=5))
+    req = ExportTraceServiceRequest(
+        resource_spans=[ResourceSpans(scope_spans=[ScopeSpans(spans=spans)])]
+    )
     return req.SerializeToString()
 
 

@@ -1,4 +1,5 @@
-"""The LLM API proxy: real openai and anthropic SDK clients through it, a scripted upstream, a real broker and store.
+"""The LLM API proxy: real openai and anthropic SDK clients through it, a scripted upstream, a real
+broker and store.
 
 A multi-turn tool-using conversation is one run with one step per turn, scored and published on
 MQTT; streams pass through; upstream errors come back unchanged; the API key reaches the upstream
@@ -57,9 +58,17 @@ async def _nothing(turn: int) -> None:
     return None
 
 
-async def chat_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Between = _nothing, **kw: Any) -> str:
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in TOOL]
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+async def chat_agent(
+    client: openai.AsyncOpenAI, *, stream: bool, between: Between = _nothing, **kw: Any
+) -> str:
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+        for n in TOOL
+    ]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": TASK},
+    ]
     for turn in range(1, 6):
         if stream:
             text, calls = "", {}  # type: ignore[var-annotated]
@@ -79,11 +88,17 @@ async def chat_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Betwe
                     c["name"] += (tc.function.name or "") if tc.function else ""
                     c["arguments"] += (tc.function.arguments or "") if tc.function else ""
             tool_calls = [
-                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
                 for c in calls.values()
             ]
         else:
-            r = await client.chat.completions.create(model="m", messages=messages, tools=tools, **kw)  # type: ignore[arg-type]
+            r = await client.chat.completions.create(
+                model="m", messages=messages, tools=tools, **kw
+            )  # type: ignore[arg-type]
             m = r.choices[0].message
             text = m.content or ""
             tool_calls = [
@@ -96,17 +111,25 @@ async def chat_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Betwe
                 if c.type == "function"
             ]
         messages.append(
-            {"role": "assistant", "content": text or None, **({"tool_calls": tool_calls} if tool_calls else {})}
+            {
+                "role": "assistant",
+                "content": text or None,
+                **({"tool_calls": tool_calls} if tool_calls else {}),
+            }
         )
         if not tool_calls:
             return text
         for c in tool_calls:
-            messages.append({"role": "tool", "tool_call_id": c["id"], "content": TOOL[c["function"]["name"]]})
+            messages.append(
+                {"role": "tool", "tool_call_id": c["id"], "content": TOOL[c["function"]["name"]]}
+            )
         await between(turn)
     raise AssertionError("the agent did not finish")
 
 
-async def messages_agent(client: anthropic.AsyncAnthropic, *, stream: bool, between: Between = _nothing) -> str:
+async def messages_agent(
+    client: anthropic.AsyncAnthropic, *, stream: bool, between: Between = _nothing
+) -> str:
     tools = [{"name": n, "input_schema": {"type": "object"}} for n in TOOL]
     messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
     for turn in range(1, 6):
@@ -135,14 +158,19 @@ async def messages_agent(client: anthropic.AsyncAnthropic, *, stream: bool, betw
         messages.append(
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": u.id, "content": TOOL[u.name]} for u in uses],
+                "content": [
+                    {"type": "tool_result", "tool_use_id": u.id, "content": TOOL[u.name]}
+                    for u in uses
+                ],
             }
         )
         await between(turn)
     raise AssertionError("the agent did not finish")
 
 
-async def responses_agent(client: openai.AsyncOpenAI, *, stream: bool, between: Between = _nothing) -> str:
+async def responses_agent(
+    client: openai.AsyncOpenAI, *, stream: bool, between: Between = _nothing
+) -> str:
     tools = [{"type": "function", "name": n, "parameters": {"type": "object"}} for n in TOOL]
     items: list[Any] = [{"role": "user", "content": TASK}]
     for turn in range(1, 6):
@@ -159,12 +187,17 @@ async def responses_agent(client: openai.AsyncOpenAI, *, stream: bool, between: 
                     final = event.response
             assert final is not None
         else:
-            final = await client.responses.create(model="m", instructions=SYSTEM, input=items, tools=tools)  # type: ignore[arg-type]
+            final = await client.responses.create(
+                model="m", instructions=SYSTEM, input=items, tools=tools
+            )  # type: ignore[arg-type]
         calls = [o for o in final.output if o.type == "function_call"]
         items += [o.model_dump(exclude_none=True) for o in final.output]
         if not calls:
             return final.output_text
-        items += [{"type": "function_call_output", "call_id": c.call_id, "output": TOOL[c.name]} for c in calls]
+        items += [
+            {"type": "function_call_output", "call_id": c.call_id, "output": TOOL[c.name]}
+            for c in calls
+        ]
         await between(turn)
     raise AssertionError("the agent did not finish")
 
@@ -221,14 +254,19 @@ async def rig(
     )
     judge = judge or FakeJudge(lambda p: "P")
     config = MonitorConfig(
-        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{tmp_path.name}"[:60], policy=policy or Policy()
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{tmp_path.name}"[:60],
+        policy=policy or Policy(),
     )
     store_path = tmp_path / "runs.sqlite3"
     store = SqliteStore(store_path)
     try:
         with upstream() as up:
-            settings.setdefault("final_grace_s", 0.3)  # an answer without tool calls is held this long
-            proxy = ProxySource(ProxySettings(upstream=up.url, listen="127.0.0.1:0", **settings), judge=judge)
+            # an answer without tool calls is held this long
+            settings.setdefault("final_grace_s", 0.3)
+            proxy = ProxySource(
+                ProxySettings(upstream=up.url, listen="127.0.0.1:0", **settings), judge=judge
+            )
             async with (
                 proxy,
                 Monitor(config, judge=judge, store=store, sources=[proxy]) as monitor,
@@ -270,8 +308,8 @@ async def test_a_tool_using_conversation_is_one_run_with_a_step_per_turn_on_mqtt
         r.up.add(*SCRIPT)
 
         async def between(turn: int) -> None:
-            # Before request turn+1: the previous request brought turn-1's tool results back (its step), scored
-            # before the next one comes, so each step gets its own progress message.
+            # Before request turn+1: the previous request brought turn-1's tool results back (its
+            # step), scored before the next one comes, so each step gets its own progress message.
             if turn > 1:
                 await r.settle(r.run_id(), turn - 1)
 
@@ -284,7 +322,11 @@ async def test_a_tool_using_conversation_is_one_run_with_a_step_per_turn_on_mqtt
         assert view is not None and view.task == TASK
         texts = [s.text for s in view.steps]
         assert len(texts) == 3, texts
-        assert "Let me look at the file." in texts[0] and "read_file" in texts[0] and TOOL["read_file"] in texts[0]
+        assert (
+            "Let me look at the file." in texts[0]
+            and "read_file" in texts[0]
+            and TOOL["read_file"] in texts[0]
+        )
         assert "run_tests" in texts[1] and TOOL["run_tests"] in texts[1]
         assert texts[2] == "All tests pass now."
         await r.mqtt.until(lambda: r.mqtt.last_step(rid) == 3)
@@ -314,10 +356,15 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
         }
         r.up.add(Error(404, body, {"x-request-id": "req-42"}))
         with pytest.raises(openai.NotFoundError) as e:
-            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+            await client.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "hi"}]
+            )
         assert e.value.status_code == 404 and e.value.body == body["error"]
         assert e.value.response.headers["x-request-id"] == "req-42"
-        overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
+        overloaded = {
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": "Overloaded"},
+        }
         r.up.add(Error(529, overloaded))
         with pytest.raises(anthropic.APIStatusError) as ea:
             await r.anthropic(max_retries=0).messages.create(
@@ -332,37 +379,55 @@ async def test_models_and_other_paths_are_forwarded_and_upstream_errors_come_bac
         await r.settle(rid, 3)
         view = r.monitor.run(rid)
         assert view is not None and [s.index for s in view.steps] == [1, 2, 3]
-        assert len(r.up.posts()) == 2 + 4  # the two errors, then the retried first request and two more
+        # the two errors, then the retried first request and two more
+        assert len(r.up.posts()) == 2 + 4
         assert r.proxy.statistics().counts["upstream_status_500"] == 1
         secret_nowhere(r, caplog)
 
 
 @pytest.mark.parametrize("api", sorted(AGENTS))
-async def test_a_stream_is_passed_on_chunk_by_chunk_not_buffered(broker: Mosquitto, tmp_path: Path, api: str) -> None:
+async def test_a_stream_is_passed_on_chunk_by_chunk_not_buffered(
+    broker: Mosquitto, tmp_path: Path, api: str
+) -> None:
     import httpx2
 
     async with rig(broker, tmp_path) as r:
         r.up.chunk_delay_s = 0.1
         r.up.add(Answer("a long answer streamed in pieces", [("read_file", {"path": "a.py"})]))
-        path = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}[api]
+        path = {
+            "chat": "/v1/chat/completions",
+            "responses": "/v1/responses",
+            "messages": "/v1/messages",
+        }[api]
         body: dict[str, Any] = {"model": "m", "stream": True, "max_tokens": 10}
-        body |= {"input": TASK} if api == "responses" else {"messages": [{"role": "user", "content": TASK}]}
+        body |= (
+            {"input": TASK}
+            if api == "responses"
+            else {"messages": [{"role": "user", "content": TASK}]}
+        )
         seen_at: list[int] = []
-        async with httpx2.AsyncClient(base_url=r.proxy.url) as raw, raw.stream("POST", path, json=body) as s:
+        async with (
+            httpx2.AsyncClient(base_url=r.proxy.url) as raw,
+            raw.stream("POST", path, json=body) as s,
+        ):
             assert s.headers["content-type"].startswith("text/event-stream")
             async for chunk in s.aiter_raw():
                 if chunk.strip():
                     seen_at.append(r.up.written)
         total = r.up.written
         # The first event reached the client while the upstream still had events to write.
-        assert total >= 6 and seen_at[0] < total, (seen_at, total)  # a buffering proxy: seen_at[0] == total
+        # a buffering proxy: seen_at[0] == total
+        assert total >= 6 and seen_at[0] < total, (seen_at, total)
         assert len(seen_at) >= 3
 
 
-async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(broker: Mosquitto, tmp_path: Path) -> None:
+async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
     async with rig(broker, tmp_path) as r:
         a, b = r.openai(), r.openai()
-        # Turn 1 of both is the same request; their answers differ, so their second requests diverge.
+        # Turn 1 of both is the same request; their answers differ, so their second requests
+        # diverge.
         r.up.add(Answer("A looks.", [("read_file", {"path": "a.py"})]))
         r.up.add(Answer("B looks.", [("read_file", {"path": "b.py"})]))
         r.up.add(Answer("A done."), Answer("B done."))
@@ -370,7 +435,11 @@ async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(brok
         for client in (a, b):
             results.append(
                 await client.chat.completions.create(
-                    model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+                    model="m",
+                    messages=[
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": TASK},
+                    ],
                 )
             )
         for client, res in zip((a, b), results, strict=True):
@@ -389,7 +458,10 @@ async def test_two_agents_on_one_key_are_split_when_their_histories_diverge(brok
                             {
                                 "id": c.id,
                                 "type": "function",
-                                "function": {"name": c.function.name, "arguments": c.function.arguments},
+                                "function": {
+                                    "name": c.function.name,
+                                    "arguments": c.function.arguments,
+                                },
                             }
                         ],
                     },  # type: ignore[union-attr]
@@ -425,7 +497,9 @@ async def test_enforce_refuses_a_low_scoring_run_at_its_next_request_in_the_apis
     broker: Mosquitto, tmp_path: Path, api: str
 ) -> None:
     policy = Policy(abort_below=0.5, min_steps=1, patience=1)
-    async with rig(broker, tmp_path, judge=FakeJudge(lambda p: "B"), policy=policy, enforce=True) as r:
+    async with rig(
+        broker, tmp_path, judge=FakeJudge(lambda p: "B"), policy=policy, enforce=True
+    ) as r:
         r.up.add(*SCRIPT)
 
         async def between(turn: int) -> None:
@@ -433,7 +507,9 @@ async def test_enforce_refuses_a_low_scoring_run_at_its_next_request_in_the_apis
                 return
             await r.settle(r.run_id(), turn - 1)
             await r.mqtt.until(
-                lambda: any(s and s.get("signal") == "abort" for s in r.mqtt.seen[(r.run_id(), "signal")])
+                lambda: any(
+                    s and s.get("signal") == "abort" for s in r.mqtt.seen[(r.run_id(), "signal")]
+                )
             )
 
         error = openai.ConflictError if api != "messages" else anthropic.ConflictError
@@ -443,22 +519,31 @@ async def test_enforce_refuses_a_low_scoring_run_at_its_next_request_in_the_apis
         assert e.value.status_code == 409
         body = e.value.body
         if api == "messages":
-            assert isinstance(body, dict) and body["type"] == "error" and body["error"]["type"] == "conflict_error"
+            assert (
+                isinstance(body, dict)
+                and body["type"] == "error"
+                and body["error"]["type"] == "conflict_error"
+            )
             message = body["error"]["message"]
         else:
             assert isinstance(body, dict) and body["type"] == "conflict_error"
             message = body["message"]
         assert f"agent-monitor stopped run {rid}" in message and "score is 0." in message
         assert e.value.response.headers["x-should-retry"] == "false"
-        # Step 1 (turn 1 and its tool result, brought by request 2) scored low: request 3 was refused, once.
+        # Step 1 (turn 1 and its tool result, brought by request 2) scored low: request 3 was
+        # refused, once.
         assert len(r.up.posts()) == 2
         assert r.proxy.statistics().counts["refused"] == 1
 
 
 @pytest.mark.parametrize("api", sorted(AGENTS))
-async def test_enforce_never_refuses_a_run_that_scores_well(broker: Mosquitto, tmp_path: Path, api: str) -> None:
+async def test_enforce_never_refuses_a_run_that_scores_well(
+    broker: Mosquitto, tmp_path: Path, api: str
+) -> None:
     policy = Policy(abort_below=0.5, min_steps=1, patience=1)
-    async with rig(broker, tmp_path, judge=FakeJudge(lambda p: "S"), policy=policy, enforce=True) as r:
+    async with rig(
+        broker, tmp_path, judge=FakeJudge(lambda p: "S"), policy=policy, enforce=True
+    ) as r:
         r.up.add(*SCRIPT)
 
         async def between(turn: int) -> None:
@@ -474,7 +559,8 @@ async def test_enforce_never_refuses_a_run_that_scores_well(broker: Mosquitto, t
 
 
 def best_judge(calls: list[Prompt]) -> FakeJudge:
-    """A judge that prefers the trajectory whose last step says BEST (both slot orders agree); `calls`: comparisons."""
+    """A judge that prefers the trajectory whose last step says BEST (both slot orders agree);
+    `calls`: comparisons."""
 
     def answer(p: Prompt) -> str:
         if p.instructions != PAIRWISE_INSTRUCTIONS:
@@ -492,7 +578,9 @@ def best_judge(calls: list[Prompt]) -> FakeJudge:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-async def test_best_of_3_returns_the_judged_best_with_chats_n(broker: Mosquitto, tmp_path: Path, stream: bool) -> None:
+async def test_best_of_3_returns_the_judged_best_with_chats_n(
+    broker: Mosquitto, tmp_path: Path, stream: bool
+) -> None:
     calls: list[Prompt] = []
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
         r.up.add([Answer("a plain answer"), Answer("the BEST answer"), Answer("another answer")])
@@ -500,7 +588,9 @@ async def test_best_of_3_returns_the_judged_best_with_chats_n(broker: Mosquitto,
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
         if stream:
             text = ""
-            async for chunk in await client.chat.completions.create(model="m", messages=msgs, stream=True):  # type: ignore[arg-type]
+            async for chunk in await client.chat.completions.create(
+                model="m", messages=msgs, stream=True
+            ):  # type: ignore[arg-type]
                 text += chunk.choices[0].delta.content or "" if chunk.choices else ""
         else:
             res = await client.chat.completions.create(model="m", messages=msgs)  # type: ignore[arg-type]
@@ -522,10 +612,16 @@ async def test_best_of_3_returns_the_judged_best_with_chats_n(broker: Mosquitto,
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-async def test_best_of_3_in_parallel_requests_for_anthropic(broker: Mosquitto, tmp_path: Path, stream: bool) -> None:
+async def test_best_of_3_in_parallel_requests_for_anthropic(
+    broker: Mosquitto, tmp_path: Path, stream: bool
+) -> None:
     calls: list[Prompt] = []
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
-        r.up.add(Answer("first try"), Answer("", [("read_file", {"path": "BEST.py"})]), Answer("third try"))
+        r.up.add(
+            Answer("first try"),
+            Answer("", [("read_file", {"path": "BEST.py"})]),
+            Answer("third try"),
+        )
         client = r.anthropic()
         kw: dict[str, Any] = {
             "model": "claude-x",
@@ -549,18 +645,23 @@ async def test_best_of_majority_skips_the_judge(broker: Mosquitto, tmp_path: Pat
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
         r.up.add(Answer("the BEST answer"), Answer("same  answer"), Answer("same answer"))
         res = await r.openai().responses.create(model="m", instructions=SYSTEM, input=TASK)
-        assert " ".join(res.output_text.split()) == "same answer"  # one of the two that agree (arrival order)
+        # one of the two that agree (arrival order)
+        assert " ".join(res.output_text.split()) == "same answer"
         assert calls == [] and r.proxy.statistics().counts["best_of_majority"] == 1
         assert len(r.up.posts()) == 3
 
 
-async def test_best_of_with_the_judge_down_returns_the_first_candidate(broker: Mosquitto, tmp_path: Path) -> None:
+async def test_best_of_with_the_judge_down_returns_the_first_candidate(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
     def down(p: Prompt) -> JudgeError:
         return FakeJudge.failure("unavailable", "judge is down")
 
     async with rig(broker, tmp_path, judge=FakeJudge(down), best_of=3) as r:
         r.up.add([Answer("one"), Answer("two"), Answer("three")])
-        res = await r.openai().chat.completions.create(model="m", messages=[{"role": "user", "content": TASK}])
+        res = await r.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": TASK}]
+        )
         assert res.choices[0].message.content == "one"
         assert r.proxy.statistics().counts["best_of_judge_failed"] == 1
 
@@ -579,7 +680,13 @@ def test_requests_of_the_three_apis_read_as_the_same_conversation() -> None:
                 {
                     "role": "assistant",
                     "content": None,
-                    "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}],
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"a":1}'},
+                        }
+                    ],
                 },
                 {"role": "tool", "tool_call_id": "1", "content": "R"},
             ],
@@ -601,7 +708,11 @@ def test_requests_of_the_three_apis_read_as_the_same_conversation() -> None:
                 {
                     "role": "user",
                     "content": [
-                        {"type": "tool_result", "tool_use_id": "1", "content": [{"type": "text", "text": "R"}]}
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "1",
+                            "content": [{"type": "text", "text": "R"}],
+                        }
                     ],
                 },
             ],
@@ -632,23 +743,38 @@ def test_a_retried_request_is_no_new_step_and_a_prefix_of_another_conversation_s
     def req(*items: Item) -> Any:
         return parse_request(
             "chat",
-            {"messages": [{"role": "system", "content": "S"}, *({"role": i.role, "content": i.text} for i in items)]},
+            {
+                "messages": [
+                    {"role": "system", "content": "S"},
+                    *({"role": i.role, "content": i.text} for i in items),
+                ]
+            },
         )
 
     r1 = req(Item("user", "T"))
     c = convs.match(r1, None, 0.0)
-    assert c is not None and convs.events(c, r1) == []  # no step yet: no run started for a side request
+    # no step yet: no run started for a side request
+    assert c is not None and convs.events(c, r1) == []
     done = convs.events(c, r1, Turn("hello"))
-    assert [e.kind for e in done] == ["start", "step"] and done[1].data == {"index": 1, "text": "hello"}
-    assert convs.events(c, r1, Turn("hello again")) == []  # the retried request's answer is the same step
+    assert [e.kind for e in done] == ["start", "step"] and done[1].data == {
+        "index": 1,
+        "text": "hello",
+    }
+    # the retried request's answer is the same step
+    assert convs.events(c, r1, Turn("hello again")) == []
     r2 = req(Item("user", "T"), Item("assistant", "hello"), Item("user", "more"))
     c2 = convs.match(r2, None, 1.0)
     assert c2 is c
     # Step 1 went out as it was (no grace): amended once to hold what followed it, not sent again.
     (amended,) = convs.events(c, r2)
-    assert amended.kind == "step" and amended.data == {"index": 1, "text": "hello\n[user] more", "amend": True}
+    assert amended.kind == "step" and amended.data == {
+        "index": 1,
+        "text": "hello\n[user] more",
+        "amend": True,
+    }
     assert convs.events(c, r2) == []
-    c3 = convs.match(r1, None, 2.0)  # a second agent starting the same task: a prefix, not an extension
+    # a second agent starting the same task: a prefix, not an extension
+    c3 = convs.match(r1, None, 2.0)
     assert c3 is not None and c3.run_id == f"{c.run_id}-2" and convs.splits == 1
     assert convs.match(req(Item("user", "other")), None, 3.0) is None and convs.full == 1
     assert [x.run_id for x in convs.expire(3600.0 + 1.5)] == [c.run_id]
@@ -661,27 +787,37 @@ def test_majority_needs_more_than_half() -> None:
     assert majority([None, None, Turn("a")]) is None
 
 
-# Bounds and bad input: over a limit a request is forwarded, not watched, and counted; nothing stops the proxy.
+# Bounds and bad input: over a limit a request is forwarded, not watched, and counted; nothing stops
+# the proxy.
 
 
-async def test_over_a_bound_requests_are_forwarded_unwatched_and_counted(broker: Mosquitto, tmp_path: Path) -> None:
-    async with rig(broker, tmp_path, max_conversations=1, max_conversation_bytes=4000, max_upstream_requests=1) as r:
+async def test_over_a_bound_requests_are_forwarded_unwatched_and_counted(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
+    async with rig(
+        broker, tmp_path, max_conversations=1, max_conversation_bytes=4000, max_upstream_requests=1
+    ) as r:
         client = r.openai(max_retries=0)
         r.up.default = Answer("fine")
 
         async def ask(task: str, **kw: Any) -> str:
-            res = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task}], **kw)
+            res = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": task}], **kw
+            )
             return res.choices[0].message.content or ""
 
         assert await ask("first task") == "fine"
-        assert await ask("second task") == "fine"  # the table holds one conversation: forwarded, not watched
+        # the table holds one conversation: forwarded, not watched
+        assert await ask("second task") == "fine"
         assert await ask("first task" + " padding" * 1000) == "fine"  # over 4,000 bytes: not read
         # One watched request in flight at most: a second one meanwhile is forwarded, not watched.
         r.up.chunk_delay_s = 0.2  # ~1.4 s of stream: the second request comes while it flows
 
         async def streamed() -> None:
             messages = [{"role": "user", "content": "first task"}]
-            async for _ in await client.chat.completions.create(model="m", messages=messages, stream=True):  # type: ignore[arg-type]
+            async for _ in await client.chat.completions.create(
+                model="m", messages=messages, stream=True
+            ):  # type: ignore[arg-type]
                 pass
 
         slow = asyncio.create_task(streamed())
@@ -696,16 +832,21 @@ async def test_over_a_bound_requests_are_forwarded_unwatched_and_counted(broker:
         assert list(r.proxy.conversations.live) == [run_key("", "first task")]
 
 
-async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(broker: Mosquitto, tmp_path: Path) -> None:
+async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
     import httpx2
 
     async with rig(broker, tmp_path) as r:
         r.up.default = Answer("fine")
         async with httpx2.AsyncClient(base_url=r.proxy.url) as raw:
             res = await raw.post(
-                "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+                "/v1/chat/completions",
+                content=b"{not json",
+                headers={"content-type": "application/json"},
             )
-            assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error"  # the upstream's
+            # the upstream's
+            assert res.status_code == 400 and res.json()["error"]["type"] == "invalid_request_error"
             assert r.proxy.statistics().counts["unwatched_unreadable"] == 1
             r.up.chunk_delay_s = 0.05
             async with raw.stream(
@@ -716,12 +857,15 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
                 async for _ in s.aiter_raw():
                     break  # hang up after the first chunk
             r.up.chunk_delay_s = 0.0
-        reader, writer = await asyncio.open_connection(*r.proxy.url.removeprefix("http://").split(":"))
+        reader, writer = await asyncio.open_connection(
+            *r.proxy.url.removeprefix("http://").split(":")
+        )
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")
         await writer.drain()
         assert (await reader.read(100)).startswith(b"HTTP/1.1 400")
         writer.close()
-        # An upstream that breaks off mid-stream: the client's stream breaks as well, the proxy goes on.
+        # An upstream that breaks off mid-stream: the client's stream breaks as well, the proxy goes
+        # on.
         r.up.add(Answer("this answer is cut short", cut_after=2))
         with pytest.raises((openai.APIError, httpx2.HTTPError)):
             async for _ in await r.openai(max_retries=0).chat.completions.create(
@@ -729,14 +873,23 @@ async def test_bad_input_and_a_client_that_hangs_up_leave_the_proxy_serving(brok
             ):
                 pass
         assert r.proxy.statistics().counts["upstream_broken"] == 1
-        # A responses conversation kept by the provider (previous_response_id) has no history to read: not watched.
-        follow = await r.openai().responses.create(model="m", previous_response_id="resp_0", input="more")
-        assert follow.output_text == "fine" and r.proxy.statistics().counts["unwatched_server_history"] == 1
+        # A responses conversation kept by the provider (previous_response_id) has no history to
+        # read: not watched.
+        follow = await r.openai().responses.create(
+            model="m", previous_response_id="resp_0", input="more"
+        )
+        assert (
+            follow.output_text == "fine"
+            and r.proxy.statistics().counts["unwatched_server_history"] == 1
+        )
         res2 = await r.openai().chat.completions.create(
             model="m", messages=[{"role": "user", "content": "still there?"}]
         )
         assert res2.choices[0].message.content == "fine"
-        assert r.proxy.statistics().counts["bad_http"] == 1 and r.proxy.statistics().counts.get("proxy_errors", 0) == 0
+        assert (
+            r.proxy.statistics().counts["bad_http"] == 1
+            and r.proxy.statistics().counts.get("proxy_errors", 0) == 0
+        )
 
 
 async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Path) -> None:
@@ -745,7 +898,9 @@ async def test_an_idle_conversation_ends_its_run(broker: Mosquitto, tmp_path: Pa
         await chat_agent(r.openai(), stream=False)
         rid = run_key(SYSTEM, TASK)
         await r.mqtt.until(lambda: r.mqtt.last_step(rid) == 3)
-        await r.mqtt.until(lambda: rid not in r.proxy.conversations.live and r.monitor.run(rid) is None)
+        await r.mqtt.until(
+            lambda: rid not in r.proxy.conversations.live and r.monitor.run(rid) is None
+        )
         assert r.proxy.statistics().counts["ends_sent"] == 1
 
 
@@ -764,9 +919,12 @@ def test_a_stream_past_the_byte_bound_is_not_read() -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("api", sorted(AGENTS))
-async def test_a_whole_tool_loop_through_best_of_3(broker: Mosquitto, tmp_path: Path, api: str, stream: bool) -> None:
-    # Every turn's three candidates agree (the majority shortcut): the winner's tool calls, replayed as the API's
-    # stream when asked, must drive the SDK's agent loop to its end exactly as the upstream's own answer would.
+async def test_a_whole_tool_loop_through_best_of_3(
+    broker: Mosquitto, tmp_path: Path, api: str, stream: bool
+) -> None:
+    # Every turn's three candidates agree (the majority shortcut): the winner's tool calls, replayed
+    # as the API's stream when asked, must drive the SDK's agent loop to its end exactly as the
+    # upstream's own answer would.
     calls: list[Prompt] = []
     async with rig(broker, tmp_path, judge=best_judge(calls), best_of=3) as r:
         for answer in SCRIPT:

@@ -1,4 +1,5 @@
-"""The LLM API proxy's door under hostile clients: trickling connections, dot-segment paths, a huge Content-Length.
+"""The LLM API proxy's door under hostile clients: trickling connections, dot-segment paths, a huge
+Content-Length.
 
 A real proxy (real monitor, real broker, the scripted upstream recording every path that reaches it)
 and real clients: the openai SDK for the legitimate agent, raw sockets for the hostile ones (an HTTP
@@ -42,7 +43,11 @@ async def _raw(url: str, request: bytes) -> bytes:
                 if b"\r\n\r\n" in got:
                     head, _, rest = got.partition(b"\r\n\r\n")
                     length = next(
-                        (int(x.split(b":")[1]) for x in head.lower().split(b"\r\n") if x.startswith(b"content-length")),
+                        (
+                            int(x.split(b":")[1])
+                            for x in head.lower().split(b"\r\n")
+                            if x.startswith(b"content-length")
+                        ),
                         None,
                     )
                     if length is not None and len(rest) >= length:
@@ -54,11 +59,15 @@ async def _raw(url: str, request: bytes) -> bytes:
 async def test_under_trickling_connections_a_legitimate_request_gets_its_answer(
     broker: Mosquitto, tmp_path: Path
 ) -> None:
-    """Twice the connection bound, each trickling a header line: the cap holds and a real agent is answered.
+    """Twice the connection bound, each trickling a header line: the cap holds and a real agent is
+    answered.
 
-    Scaled down from the issue's 4,200 against 4,096 (bench/proxy_doors.py runs that) to 120 against 48.
+    Scaled down from the issue's 4,200 against 4,096 (bench/proxy_doors.py runs that) to 120 against
+    48.
     """
-    async with rig(broker, tmp_path, max_connections=48, max_connections_per_peer=48, head_timeout_s=3.0) as r:
+    async with rig(
+        broker, tmp_path, max_connections=48, max_connections_per_peer=48, head_timeout_s=3.0
+    ) as r:
         r.up.default = Answer("fine")
         host, port = _hostport(r.proxy.url)
         held: list[asyncio.StreamWriter] = []
@@ -66,7 +75,8 @@ async def test_under_trickling_connections_a_legitimate_request_gets_its_answer(
         peak = 0
 
         async def trickle() -> None:
-            # Reconnects whenever the proxy closes it: a client that keeps the door as full as it can.
+            # Reconnects whenever the proxy closes it: a client that keeps the door as full as it
+            # can.
             while not stop.is_set():
                 try:
                     reader, writer = await asyncio.open_connection(host, port)
@@ -93,7 +103,9 @@ async def test_under_trickling_connections_a_legitimate_request_gets_its_answer(
             client = r.openai(max_retries=0, timeout=20)
             answers = []
             for _ in range(3):
-                res = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+                res = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}]
+                )
                 answers.append(res.choices[0].message.content)
                 await asyncio.sleep(0.3)
             assert answers == ["fine"] * 3
@@ -107,7 +119,9 @@ async def test_under_trickling_connections_a_legitimate_request_gets_its_answer(
         assert stats["connections_shed"] > 0 and stats.get("connections_refused", 0) == 0
 
 
-async def test_a_head_that_trickles_past_its_deadline_is_closed(broker: Mosquitto, tmp_path: Path) -> None:
+async def test_a_head_that_trickles_past_its_deadline_is_closed(
+    broker: Mosquitto, tmp_path: Path
+) -> None:
     async with rig(broker, tmp_path, head_timeout_s=0.5) as r:
         reader, writer = await asyncio.open_connection(*_hostport(r.proxy.url))
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
@@ -123,13 +137,16 @@ async def test_a_head_that_trickles_past_its_deadline_is_closed(broker: Mosquitt
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.01):
                         await reader.read(1)
-        assert reader.at_eof() and time.monotonic() - began < 5  # cut near 0.5 s, never left open for 10 s
+        # cut near 0.5 s, never left open for 10 s
+        assert reader.at_eof() and time.monotonic() - began < 5
         writer.close()
 
 
 async def test_a_huge_content_length_is_413_at_once(broker: Mosquitto, tmp_path: Path) -> None:
     async with rig(broker, tmp_path) as r:
-        head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        )
         began = time.monotonic()
         got = await _raw(r.proxy.url, head + b"content-length: 1000000000000\r\n\r\n{")
         assert got.startswith(b"HTTP/1.1 413"), got[:200]
@@ -150,10 +167,18 @@ async def test_a_huge_content_length_is_413_at_once(broker: Mosquitto, tmp_path:
         b"GET http://evil.example/admin HTTP/1.1",
     ],
 )
-async def test_a_path_never_leaves_the_upstreams_base(broker: Mosquitto, tmp_path: Path, request_line: bytes) -> None:
+async def test_a_path_never_leaves_the_upstreams_base(
+    broker: Mosquitto, tmp_path: Path, request_line: bytes
+) -> None:
     async with rig(broker, tmp_path) as r:
         body = b"{}" if request_line.startswith(b"POST") else b""
-        request = request_line + b"\r\nhost: x\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        request = (
+            request_line
+            + b"\r\nhost: x\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         got = await _raw(r.proxy.url, request)
         assert got.startswith(b"HTTP/1.1 400"), got[:200]
         assert r.up.seen == []  # nothing reached the upstream, under its base or outside it
@@ -175,9 +200,13 @@ OBSERVATIONS = ["<output>def f(): return 1</output>", "<output>1 passed in 0.01s
 
 
 async def _react_agent(client: Any, *, pause_s: float = 0.0) -> None:
-    """mini-swe-agent's loop: no tools; each command's output comes back as the next user message."""
+    """mini-swe-agent's loop: no tools; each command's output comes back as the next user
+    message."""
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a helpful assistant that can interact with a computer."},
+        {
+            "role": "system",
+            "content": "You are a helpful assistant that can interact with a computer.",
+        },
         {"role": "user", "content": "Fix the failing test in a.py"},
     ]
     for i in range(3):
@@ -192,12 +221,13 @@ async def _react_agent(client: Any, *, pause_s: float = 0.0) -> None:
 async def test_a_text_only_agents_observations_reach_the_judge(
     broker: Mosquitto, tmp_path: Path, pause_s: float
 ) -> None:
-    """Each answer looks final (no tool call); the observation comes in the next request, in time or late.
+    """Each answer looks final (no tool call); the observation comes in the next request, in time or
+    late.
 
-    In time (within --final-grace): the step is the answer with its observation, sent once. Late: the
-    answer went out as it was and is amended (its text replaced by index) once the observation comes.
-    Either way each step holds its own observation, the judge reads every one, and the run has one
-    step per turn, none sent twice.
+    In time (within --final-grace): the step is the answer with its observation, sent once. Late:
+    the answer went out as it was and is amended (its text replaced by index) once the observation
+    comes. Either way each step holds its own observation, the judge reads every one, and the run
+    has one step per turn, none sent twice.
     """
     judge = FakeJudge(lambda p: "P")
     async with rig(broker, tmp_path, judge=judge, final_grace_s=0.5) as r:
@@ -219,7 +249,8 @@ async def test_a_text_only_agents_observations_reach_the_judge(
 async def test_a_late_observation_amends_its_step_and_the_judge_reads_it_there(
     broker: Mosquitto, tmp_path: Path
 ) -> None:
-    """Past --final-grace, each answer is scored as it was, then amended: the observation is in its own step.
+    """Past --final-grace, each answer is scored as it was, then amended: the observation is in its
+    own step.
 
     The judge's later prompt shows step 1 as the answer with its output and step 2 without it (no
     `[after step 1]` head); the run has three steps, each sent once, and two amendments, journaled.
@@ -232,9 +263,12 @@ async def test_a_late_observation_amends_its_step_and_the_judge_reads_it_there(
         await r.settle(rid, 3)
         view = r.monitor.run(rid)
         assert view is not None and len(view.steps) == 3
-        # Step 1 was scored before its observation came (the provisional answer), then again once amended.
+        # Step 1 was scored before its observation came (the provisional answer), then again once
+        # amended.
         early = [p.text() for p in judge.prompts if p.step == 1]
-        assert any(OBSERVATIONS[0] not in t for t in early) and any(OBSERVATIONS[0] in t for t in early)
+        assert any(OBSERVATIONS[0] not in t for t in early) and any(
+            OBSERVATIONS[0] in t for t in early
+        )
         last = judge.prompts[-1].text()
         blocks = last.split("\n### Step ")[1:]
         assert len(blocks) == 3, last

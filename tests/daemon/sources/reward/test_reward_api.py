@@ -1,15 +1,18 @@
-"""The reward endpoints: a real daemon answering requests built exactly as OpenRLHF's and slime's clients build them.
+"""The reward endpoints: a real daemon answering requests built exactly as OpenRLHF's and slime's
+clients build them.
 
-Neither framework installs without a GPU stack (torch, vLLM / SGLang, Megatron), so their client calls are
-reproduced here with the same library (aiohttp), the same payload and the same handling of the answer:
+Neither framework installs without a GPU stack (torch, vLLM / SGLang, Megatron), so their client
+calls are reproduced here with the same library (aiohttp), the same payload and the same handling of
+the answer:
 
 - OpenRLHF/OpenRLHF@3c3be6234e0cb353e76bb8019947db9dfe99fca7, openrlhf/utils/agent.py,
   `SingleTurnAgentExecutor._fetch_rewards_via_http` and its `_post_request` (one ClientSession per
   try, `ClientTimeout(total=180)`, `raise_for_status`, 5 tries 1 s apart), then `execute` reading
   `rewards` / `scores` / `extra_logs` (each extra log becomes `torch.tensor([value])`:
   openrlhf/trainer/ppo_utils/samples_generator.py);
-- THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515, slime/rollout/rm_hub/__init__.py, `remote_rm`
-  (a shared session, `ClientTimeout(total=120)`, `raise_for_status`, the JSON answer is the reward).
+- THUDM/slime@624b824a898ab0ec1fcb4d373004c7f3852bf515, slime/rollout/rm_hub/__init__.py,
+  `remote_rm` (a shared session, `ClientTimeout(total=120)`, `raise_for_status`, the JSON answer is
+  the reward).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ CHATML = (
     "<|im_start|>assistant\n"
 )
 RESPONSE = (
-    'I will read the file.<tool_call>{"name": "cat", "arguments": {"path": "calc.py"}}</tool_call><|im_end|>\n'
+    'I will read the file.<tool_call>{"name": "cat", "arguments": {"path": '
+    '"calc.py"}}</tool_call><|im_end|>\n'
     "<|im_start|>user\n<tool_response>def add(a, b): return a - b</tool_response><|im_end|>\n"
     "<|im_start|>assistant\nFixed: add returns a + b; the test passes.<|im_end|>"
 )
@@ -69,21 +73,34 @@ def by_steps(prompt: Prompt) -> str:
 async def daemon(
     judge: FakeJudge, settings: RewardApiSettings | None = None, **config: Any
 ) -> AsyncIterator[tuple[Monitor, RewardSource, str, CollectorRegistry]]:
-    """A monitor with the reward endpoints on its metrics port's server (as `serve --reward-api` builds it)."""
+    """A monitor with the reward endpoints on its metrics port's server (as `serve --reward-api`
+    builds it)."""
     registry = CollectorRegistry()
     http = HttpServer(registry, port=0)
-    source = RewardSource(http, settings or RewardApiSettings(reward_api=True, timeout_s=20), registry=registry)
+    source = RewardSource(
+        http, settings or RewardApiSettings(reward_api=True, timeout_s=20), registry=registry
+    )
     await http.bind()
-    mon = Monitor(MonitorConfig(**config), judge=judge, store=MemoryStore(), registry=registry, sources=[source],
-                  http=http)  # fmt: skip
+    mon = Monitor(
+        MonitorConfig(**config),
+        judge=judge,
+        store=MemoryStore(),
+        registry=registry,
+        sources=[source],
+        http=http,
+    )
     source.calibration = mon.calibration
     async with mon:
-        await asyncio.wait_for(source.ready.wait(), 10)  # the source mounts its routes when its task starts
+        # the source mounts its routes when its task starts
+        await asyncio.wait_for(source.ready.wait(), 10)
         yield mon, source, http.url.rstrip("/"), registry
 
 
-async def openrlhf_fetch(url: str, queries: list[str], prompts: list[str], labels: list[Any]) -> list[Any]:
-    """OpenRLHF's `_fetch_rewards_via_http` with one server, as written (openrlhf/utils/agent.py@3c3be62)."""
+async def openrlhf_fetch(
+    url: str, queries: list[str], prompts: list[str], labels: list[Any]
+) -> list[Any]:
+    """OpenRLHF's `_fetch_rewards_via_http` with one server, as written
+    (openrlhf/utils/agent.py@3c3be62)."""
     timeout = aiohttp.ClientTimeout(total=180)
     payload = {"query": queries, "prompts": prompts, "labels": labels}
 
@@ -97,7 +114,9 @@ async def openrlhf_fetch(url: str, queries: list[str], prompts: list[str], label
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(1)
-        raise RuntimeError(f"Request error for {try_max_times} times, returning None. Please check the API server.")
+        raise RuntimeError(
+            f"Request error for {try_max_times} times, returning None. Please check the API server."
+        )
 
     return list(await asyncio.gather(asyncio.create_task(_post_request(url, payload))))
 
@@ -106,13 +125,17 @@ async def slime_remote_rm(rm_url: str, prompt: Any, response: str, label: Any) -
     """slime's `remote_rm`, one try (slime/rollout/rm_hub/__init__.py@624b824)."""
     payload = {"prompt": prompt, "response": response, "label": label}
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64), timeout=timeout) as session:  # noqa: SIM117
+    async with aiohttp.ClientSession(  # noqa: SIM117
+        connector=aiohttp.TCPConnector(limit=64), timeout=timeout
+    ) as session:
         async with session.post(rm_url, json=payload) as resp:
             resp.raise_for_status()
             return await resp.json()
 
 
-async def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+async def post(
+    url: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, Any, dict[str, str]]:
     kind = headers or {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=kind) as r:
         text = await r.text()
@@ -134,9 +157,11 @@ def test_a_chatml_query_splits_into_the_task_and_one_step_per_turn_and_tool_call
     r = from_text(CHATML + RESPONSE, prompt=CHATML, max_steps=64)
     assert r.task == "Make the failing test in calc.py pass."
     assert len(r.steps) == 2 and r.rule == "tool_calls"
-    assert r.steps[0].startswith("I will read the file.<tool_call>") and "a - b" in r.steps[0]  # the result joins it
+    # the result joins it
+    assert r.steps[0].startswith("I will read the file.<tool_call>") and "a - b" in r.steps[0]
     assert r.steps[1] == "Fixed: add returns a + b; the test passes."
-    assert "<|im_end|>" not in "".join(r.steps) and "coding agent" not in "".join(r.steps)  # system prompt aside
+    # system prompt aside
+    assert "<|im_end|>" not in "".join(r.steps) and "coding agent" not in "".join(r.steps)
 
 
 def test_plain_text_is_one_step_and_too_many_steps_are_joined_into_the_last() -> None:
@@ -151,7 +176,11 @@ def test_chat_messages_split_like_the_proxy_splits_a_conversation() -> None:
     messages = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "List the files."},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "ls", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "ls", "arguments": "{}"}}],
+        },
         {"role": "tool", "content": "a.txt b.txt"},
     ]
     r = from_messages(messages, response="There are two files.", max_steps=64)
@@ -165,7 +194,9 @@ def test_chat_messages_split_like_the_proxy_splits_a_conversation() -> None:
 async def test_openrlhf_gets_rewards_scores_and_numeric_extra_logs() -> None:
     judge = FakeJudge(by_steps)
     async with daemon(judge) as (_, source, url, registry):
-        (answer,) = await openrlhf_fetch(f"{url}/get_reward", [CHATML + RESPONSE], [CHATML], ["a + b"])
+        (answer,) = await openrlhf_fetch(
+            f"{url}/get_reward", [CHATML + RESPONSE], [CHATML], ["a + b"]
+        )
     assert set(answer) == {"rewards", "scores", "extra_logs"}
     assert answer["rewards"] == answer["scores"] == [pytest.approx(2 / 19)]  # two steps: C
     # Every extra log is a list of numbers (OpenRLHF makes torch.tensor([value]) of each).
@@ -176,7 +207,12 @@ async def test_openrlhf_gets_rewards_scores_and_numeric_extra_logs() -> None:
     (prompt,) = judge.prompts
     text = "".join(p.text for p in prompt.parts if hasattr(p, "text")) + prompt.instructions
     assert "Make the failing test in calc.py pass." in text and "Fixed: add returns a + b" in text
-    assert sample(registry, "agent_monitor_reward_requests_total", endpoint="/get_reward", status="200") == 1
+    assert (
+        sample(
+            registry, "agent_monitor_reward_requests_total", endpoint="/get_reward", status="200"
+        )
+        == 1
+    )
     assert source.statistics().inflight == 0
 
 
@@ -185,9 +221,15 @@ async def test_slime_gets_a_bare_number_or_a_dict_and_chat_message_prompts_work(
         reward = await slime_remote_rm(f"{url}/slime/reward", CHATML, RESPONSE, "a + b")
         assert reward == pytest.approx(2 / 19)
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
-        assert await slime_remote_rm(f"{url}/slime/reward", messages, "4", "4") == pytest.approx(1 / 19)
+        assert await slime_remote_rm(f"{url}/slime/reward", messages, "4", "4") == pytest.approx(
+            1 / 19
+        )
         d = await slime_remote_rm(f"{url}/slime/reward?form=dict", messages, "4", "4")
-    assert d["reward"] == pytest.approx(1 / 19) and d["stop_kind"] is None and d["verdict"] == "continue"
+    assert (
+        d["reward"] == pytest.approx(1 / 19)
+        and d["stop_kind"] is None
+        and d["verdict"] == "continue"
+    )
 
 
 async def test_native_dense_scores_every_prefix_and_gives_each_steps_delta() -> None:
@@ -196,21 +238,31 @@ async def test_native_dense_scores_every_prefix_and_gives_each_steps_delta() -> 
         status, a, _ = await post(
             f"{url}/v1/score",
             json.dumps(
-                {"task": "Sort the list", "steps": ["read it", {"text": "sorted it"}, "checked"], "shape": "dense"}
+                {
+                    "task": "Sort the list",
+                    "steps": ["read it", {"text": "sorted it"}, "checked"],
+                    "shape": "dense",
+                }
             ).encode(),
         )
     assert status == 200, a
     assert [s["step"] for s in a["steps"]] == [1, 2, 3] and judge.calls_made == 3
     assert a["steps"][0]["delta"] is None
     assert [s["delta"] for s in a["steps"][1:]] == [pytest.approx(1 / 19)] * 2
-    assert a["reward"] == pytest.approx(1 / 19) and a["score"] == pytest.approx(3 / 19) and a["shape"] == "dense"
+    assert (
+        a["reward"] == pytest.approx(1 / 19)
+        and a["score"] == pytest.approx(3 / 19)
+        and a["shape"] == "dense"
+    )
     assert a["progress"]["ok"] is True and a["uncertainty"] is not None
 
 
 async def test_a_judged_abort_says_judged_in_the_answer() -> None:
     policy = Policy(abort_below=0.5, min_steps=1, patience=1)
     async with daemon(FakeJudge(lambda p: "B"), policy=policy) as (_, _, url, _):
-        status, a, _ = await post(f"{url}/v1/score", json.dumps({"task": "t", "steps": ["a", "b"]}).encode())
+        status, a, _ = await post(
+            f"{url}/v1/score", json.dumps({"task": "t", "steps": ["a", "b"]}).encode()
+        )
     assert status == 200 and a["verdict"] == "abort" and a["stop_kind"] == "judged"
     assert a["progress"]["decision"]["stop_kind"] == "judged"  # the progress message says it too
 
@@ -218,7 +270,9 @@ async def test_a_judged_abort_says_judged_in_the_answer() -> None:
 # -- failures --
 
 
-async def test_a_failed_judge_is_a_retryable_503_never_a_score_and_the_retry_rescores_only_it() -> None:
+async def test_a_failed_judge_is_a_retryable_503_never_a_score_and_the_retry_rescores_only_it() -> (
+    None
+):
     calls: list[str] = []
 
     def judge_fn(prompt: Prompt) -> Any:
@@ -229,13 +283,18 @@ async def test_a_failed_judge_is_a_retryable_503_never_a_score_and_the_retry_res
         return "K"
 
     async with daemon(FakeJudge(judge_fn)) as (_, _, url, registry):
-        body = {"query": ["first answer", "flaky answer", "third answer"], "prompts": ["q1", "q2", "q3"]}
+        body = {
+            "query": ["first answer", "flaky answer", "third answer"],
+            "prompts": ["q1", "q2", "q3"],
+        }
         status, a, headers = await post(f"{url}/get_reward", json.dumps(body).encode())
         assert status == 503 and headers.get("Retry-After") == "1"
         assert a["stop_kind"] == "infra" and a["failed"] == [1] and "rewards" not in a
         # OpenRLHF retries the whole batch: only the failed rollout is scored again.
         before = len(calls)
-        (answer,) = await openrlhf_fetch(f"{url}/get_reward", body["query"], body["prompts"], [None] * 3)
+        (answer,) = await openrlhf_fetch(
+            f"{url}/get_reward", body["query"], body["prompts"], [None] * 3
+        )
         assert len(calls) == before + 1
         assert answer["rewards"] == [pytest.approx(10 / 19)] * 3
         assert sample(registry, "agent_monitor_reward_rollouts_total", outcome="infra") == 1
@@ -243,7 +302,8 @@ async def test_a_failed_judge_is_a_retryable_503_never_a_score_and_the_retry_res
         # slime: a failed judge is an error status (slime retries it), not a reward.
         calls.clear()
         status, a, _ = await post(
-            f"{url}/slime/reward", json.dumps({"prompt": "p", "response": "flaky", "label": None}).encode()
+            f"{url}/slime/reward",
+            json.dumps({"prompt": "p", "response": "flaky", "label": None}).encode(),
         )
         assert status == 503 and a["stop_kind"] == "infra"
 
@@ -256,13 +316,23 @@ async def test_one_infra_failure_in_a_group_stops_only_that_rollout() -> None:
     policy = {"keep_top": 1, "prune_margin": 0.05, "min_steps": 1, "patience": 1}
     async with daemon(FakeJudge(judge_fn)) as (_, _, url, _):
         bodies = [
-            {"task": "Sort", "group": "g1", "policy": policy, "steps": [f"{kind} attempt"], "shape": "dense"}
+            {
+                "task": "Sort",
+                "group": "g1",
+                "policy": policy,
+                "steps": [f"{kind} attempt"],
+                "shape": "dense",
+            }
             for kind in ("good", "flaky", "fine")
         ]
-        answers = await asyncio.gather(*(post(f"{url}/v1/score", json.dumps(b).encode()) for b in bodies))
+        answers = await asyncio.gather(
+            *(post(f"{url}/v1/score", json.dumps(b).encode()) for b in bodies)
+        )
     (s1, good, _), (s2, flaky, _), (s3, fine, _) = answers
     assert s2 == 503 and flaky["stop_kind"] == "infra"
-    assert s1 == s3 == 200 and good["stop_kind"] is None and good["reward"] == pytest.approx(17 / 19)
+    assert (
+        s1 == s3 == 200 and good["stop_kind"] is None and good["reward"] == pytest.approx(17 / 19)
+    )
     assert fine["score"] == pytest.approx(12 / 19) and fine["stop_kind"] in (None, "judged")
     assert good["verdict"] != "abort"  # the failed sibling counted nothing against the leader
 
@@ -286,11 +356,19 @@ async def test_bad_bodies_are_4xx_with_a_reason_and_counted() -> None:
             got, answer, _ = await post(url + path, body)
             assert got == status, (path, body, answer)
             assert isinstance(answer, dict) and answer["error"]
-            assert sample(registry, "agent_monitor_reward_refused_total", endpoint=path, reason=reason) >= 1
+            assert (
+                sample(registry, "agent_monitor_reward_refused_total", endpoint=path, reason=reason)
+                >= 1
+            )
         # Over the body bound: refused before it is read, counted.
         got, answer, _ = await post(url + "/get_reward", b'{"query": ["' + b"x" * 8000 + b'"]}')
         assert got == 413 and "4096" in answer
-        assert sample(registry, "agent_monitor_reward_refused_total", endpoint="/get_reward", reason="body_too_large")
+        assert sample(
+            registry,
+            "agent_monitor_reward_refused_total",
+            endpoint="/get_reward",
+            reason="body_too_large",
+        )
         async with aiohttp.ClientSession() as s:
             async with s.get(url + "/get_reward") as r:
                 assert r.status == 405 and r.headers["Allow"] == "POST"
@@ -308,10 +386,18 @@ async def test_with_a_token_a_request_without_it_is_401_and_the_url_can_carry_it
         assert status == 401 and "--reward-token" in a["error"]
         assert (await post(f"{url}/slime/reward?token=wrong", body))[0] == 401
         assert (
-            sample(registry, "agent_monitor_reward_refused_total", endpoint="/slime/reward", reason="unauthorized") == 2
+            sample(
+                registry,
+                "agent_monitor_reward_refused_total",
+                endpoint="/slime/reward",
+                reason="unauthorized",
+            )
+            == 2
         )
         # As the trainers send it: the token in --rm-url's query; or a bearer header.
-        assert await slime_remote_rm(f"{url}/slime/reward?token=s3cret", "p", "r", None) == pytest.approx(1 / 19)
+        assert await slime_remote_rm(
+            f"{url}/slime/reward?token=s3cret", "p", "r", None
+        ) == pytest.approx(1 / 19)
         status, _, _ = await post(f"{url}/slime/reward", body, {"Authorization": "Bearer s3cret"})
         assert status == 200
 
@@ -323,7 +409,9 @@ async def _chunks() -> AsyncIterator[bytes]:
 
 async def test_refused_input_in_native_steps_is_422_naming_what_was_wrong() -> None:
     async with daemon(FakeJudge(by_steps)) as (_, _, url, _):
-        status, a, _ = await post(f"{url}/v1/score", json.dumps({"task": "t", "steps": [{"txt": "typo"}]}).encode())
+        status, a, _ = await post(
+            f"{url}/v1/score", json.dumps({"task": "t", "steps": [{"txt": "typo"}]}).encode()
+        )
     assert status == 422 and "refused" in a["error"]
 
 
@@ -347,7 +435,8 @@ async def test_the_route_seam_mounts_unmounts_and_survives_a_failing_handler() -
         assert (await post(url, b"boom"))[0] == 500  # logged; the server goes on
         assert (await post(url, b"x" * 17))[0] == 413 and refused == ["body_too_large"]
         http.unmount("/echo")
-        assert (await post(url, b"hello"))[0] == 404  # a path nobody serves now: a wrong path, not a wrong method
+        # a path nobody serves now: a wrong path, not a wrong method
+        assert (await post(url, b"hello"))[0] == 404
         assert http.statistics().refused == {"body_too_large": 1, "path": 1}
 
 
@@ -363,11 +452,17 @@ def test_the_pass_probability_comes_from_the_familys_ended_runs() -> None:
         cal.add(Sample(f"r{i}", family, final >= 0.5, (Point(1, final, 0.01),)))
     high, why = pass_probability(cal, family, 0.95)
     low, _ = pass_probability(cal, family, 0.05)
-    assert high is not None and low is not None and high > 0.8 > 0.2 > low and "40 ended runs" in why
+    assert (
+        high is not None and low is not None and high > 0.8 > 0.2 > low and "40 ended runs" in why
+    )
 
 
-async def test_calibrated_rewards_fall_back_to_the_final_score_until_the_family_is_calibrated() -> None:
-    body = json.dumps({"task": "t", "family": "sorting", "steps": ["a"], "shape": "calibrated"}).encode()
+async def test_calibrated_rewards_fall_back_to_the_final_score_until_the_family_is_calibrated() -> (
+    None
+):
+    body = json.dumps(
+        {"task": "t", "family": "sorting", "steps": ["a"], "shape": "calibrated"}
+    ).encode()
     async with daemon(FakeJudge(lambda p: "S")) as (mon, _, url, registry):
         status, a, _ = await post(f"{url}/v1/score", body)
         assert status == 200 and a["shape"] == "final" and "not calibrated" in a["note"]
@@ -378,7 +473,8 @@ async def test_calibrated_rewards_fall_back_to_the_final_score_until_the_family_
         for i in range(30):
             final = i / 30
             mon.calibration.add(Sample(f"old-{i}", family, final > 0.6, (Point(1, final, 0.01),)))
-        status, a, _ = await post(f"{url}/v1/score", body.replace(b'["a"]', b'["b"]'))  # not the cached answer
+        # not the cached answer
+        status, a, _ = await post(f"{url}/v1/score", body.replace(b'["a"]', b'["b"]'))
     assert status == 200 and a["shape"] == "calibrated" and "30 ended runs" in a["note"]
     assert a["reward"] > 0.8 and a["score"] == pytest.approx(18 / 19)
 
@@ -386,16 +482,21 @@ async def test_calibrated_rewards_fall_back_to_the_final_score_until_the_family_
 # -- a live run over MQTT --
 
 
-async def test_a_live_mqtt_run_is_scored_by_id_and_its_signal_says_judged(broker: Mosquitto) -> None:
+async def test_a_live_mqtt_run_is_scored_by_id_and_its_signal_says_judged(
+    broker: Mosquitto,
+) -> None:
     registry = CollectorRegistry()
     http = HttpServer(registry, port=0)
     source = RewardSource(http, RewardApiSettings(reward_api=True), registry=registry)
     config = MonitorConfig(
-        broker=BrokerSettings.from_url(broker.url), client_id=f"mon-{broker.port}",
+        broker=BrokerSettings.from_url(broker.url),
+        client_id=f"mon-{broker.port}",
         policy=Policy(abort_below=0.3, min_steps=1, patience=1),
-    )  # fmt: skip
+    )
     async with (
-        Monitor(config, judge=FakeJudge(lambda p: "B"), registry=registry, sources=[source], http=http),
+        Monitor(
+            config, judge=FakeJudge(lambda p: "B"), registry=registry, sources=[source], http=http
+        ),
         harness(broker.port) as h,
     ):
         await asyncio.wait_for(source.ready.wait(), 10)
@@ -406,7 +507,11 @@ async def test_a_live_mqtt_run_is_scored_by_id_and_its_signal_says_judged(broker
     signal = h.seen[("live-1", "signal")][-1]
     assert signal["signal"] == "abort" and signal["stop_kind"] == "judged"
     assert status == 200 and a["live"] is True and a["score"] == pytest.approx(1 / 19)
-    assert a["verdict"] == "abort" and a["stop_kind"] == "judged" and [s["step"] for s in a["steps"]] == [1]
+    assert (
+        a["verdict"] == "abort"
+        and a["stop_kind"] == "judged"
+        and [s["step"] for s in a["steps"]] == [1]
+    )
 
 
 # -- as a user runs it --
@@ -417,20 +522,55 @@ def test_serve_reward_api_answers_openrlhf_with_the_real_http_judge(broker: Mosq
     from tests.cli.test_serve_cli import serve, serve_once, wait_serving
     from tests.openai_server import chat_choice, chat_reply, scripted_server
 
-    done = serve_once("--judge", "openai", "--judge-url", "http://127.0.0.1:1/v1", "--broker", broker.url,
-                      "--reward-api")  # fmt: skip
-    assert done.returncode == 2 and "--reward-api serves the reward endpoints on the metrics port" in done.stderr
-    done = serve_once("--judge", "openai", "--judge-url", "http://127.0.0.1:1/v1", "--broker", broker.url,
-                      "--metrics-port", "9", "--cluster", "redis://127.0.0.1:1", "--reward-api")  # fmt: skip
-    assert done.returncode == 2 and "--reward-api runs on one monitor, not in --cluster mode" in done.stderr
+    done = serve_once(
+        "--judge",
+        "openai",
+        "--judge-url",
+        "http://127.0.0.1:1/v1",
+        "--broker",
+        broker.url,
+        "--reward-api",
+    )
+    assert (
+        done.returncode == 2
+        and ("--reward-api serves the reward endpoints on the metrics port") in done.stderr
+    )
+    done = serve_once(
+        "--judge",
+        "openai",
+        "--judge-url",
+        "http://127.0.0.1:1/v1",
+        "--broker",
+        broker.url,
+        "--metrics-port",
+        "9",
+        "--cluster",
+        "redis://127.0.0.1:1",
+        "--reward-api",
+    )
+    assert (
+        done.returncode == 2
+        and "--reward-api runs on one monitor, not in --cluster mode" in done.stderr
+    )
     port = free_port()
     with scripted_server() as judge:
         judge.default = chat_reply(chat_choice([("K", {"K": 0.8, "L": 0.2})]))
-        args = ["--broker", broker.url, "--judge", "openai", "--judge-url", judge.url, "--metrics-port", str(port)]
+        args = [
+            "--broker",
+            broker.url,
+            "--judge",
+            "openai",
+            "--judge-url",
+            judge.url,
+            "--metrics-port",
+            str(port),
+        ]
         with serve(*args, "--reward-api") as proc:
             lines = wait_serving(proc)
             assert f"reward endpoints http://127.0.0.1:{port}/get_reward" in lines[-1]
             (answer,) = asyncio.run(
-                openrlhf_fetch(f"http://127.0.0.1:{port}/get_reward", [CHATML + RESPONSE], [CHATML], [None])
+                openrlhf_fetch(
+                    f"http://127.0.0.1:{port}/get_reward", [CHATML + RESPONSE], [CHATML], [None]
+                )
             )
     assert answer["rewards"] == answer["scores"] == [pytest.approx((0.8 * 10 + 0.2 * 11) / 19)]
