@@ -396,6 +396,8 @@ class PolicyState:
         done: Callable[[], AbortThreshold] | None = None,
     ) -> None:
         self.policy = policy
+        self.every_step = policy.every_step
+        """The schedule scores every step (read on each step's path: an attribute, not a call)."""
         self.threshold = threshold
         self.budget = budget
         """With `max_steps="auto"`: the calibrated step budget in force (None: an "auto" budget

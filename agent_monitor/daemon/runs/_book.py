@@ -437,8 +437,9 @@ class RunBook:
         return effects
 
     def _remember(self, d: Delivery, run_id: str) -> None:
-        self._recent[d.key] = run_id
-        self._recent.move_to_end(d.key)
+        key = d.key
+        self._recent[key] = run_id
+        self._recent.move_to_end(key)
         while len(self._recent) > self.limits.redelivery_window:
             self._recent.popitem(last=False)
 

@@ -598,7 +598,7 @@ class Scoring:
         (counted, once per step)."""
         tracker = scoring.tracker
         state = tracker.policy_state
-        if state is None or state.policy.every_step:
+        if state is None or state.every_step:
             # what `policy.plan` says of it: no schedule to ask, nor a group's pruning line to read
             return EVERY
         n = len(tracker.steps)
