@@ -7,14 +7,15 @@ daemon's event-loop thread until its progress message arrives back. A call count
 callee are both in `agent_monitor` and in different modules (the scripted judge's own module
 excepted: it stands in for a model). Measured the same way on the first shape (commit 9fa90ce, with
 the suite's scripted judge in place of FakeJudge): 15 modules, 34 cross-module calls, 33 distinct;
-on this one 13 modules, 25 calls. Prints the modules touched, the distinct cross-module call edges,
+on issue 26's shape 13 modules, 25 calls; on issue 43's packages 17 modules, 34 calls (why:
+docs/architecture.md). Prints the modules touched, the distinct cross-module call edges,
 and the total cross-module calls; last line `key=value`.
 
     python bench/callpath.py [--edges] [--store]
 
 Without `--store` the monitor keeps no journal (the path measured on every shape); with it, a SQLite
-run store journals each record and keeps each score: two calls more (the journal's commit and the
-store sink).
+run store journals each record and keeps each score: four calls more (the journal's commit and
+its record's journal form, the store sink and its write of the score).
 """
 
 from __future__ import annotations
