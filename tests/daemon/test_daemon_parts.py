@@ -199,7 +199,7 @@ async def test_an_event_no_sink_takes_is_not_built_and_no_store_means_no_store_c
         await mon.handle("agents/r1/step", step)
         await mon.drain()
         # counted all the same
-        assert mon._intake.statistics().accepted == {"start": 1, "step": 1, "end": 0}
+        assert mon._intake.statistics().accepted == {"start": 1, "step": 1, "end": 0, "amend": 0}
         assert mon._scoring.tracker("r1") is not None and mon._scoring.runs["r1"].scored == 1
     store, seen = MemoryStore(), []
     async with Monitor(MonitorConfig(), judge=FakeJudge(), store=store, sinks=[seen.append]) as mon:
