@@ -584,7 +584,13 @@ async def run_demo(
     board = Board(registry=registry) if metrics_port else None  # 0 turns /metrics off, as for serve
     served = contextlib.AsyncExitStack()
     web = None
-    site = BoardSite(board) if board is not None else None
+    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it:
+    # never the default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore
+    # them.
+    state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
+    store = SqliteStore(Path(state.name) / "runs.sqlite3")
+    # each card links to its run's page, as with serve
+    site = BoardSite(board, RunPages(store, board)) if board is not None else None
     if site is not None:
         try:
             web = await served.enter_async_context(
@@ -608,11 +614,6 @@ async def run_demo(
     if abort_floor is None and not judge_only:
         floor = demo_criteria().get("thresholds", {}).get("abort_below")
         abort_floor = float(floor) if isinstance(floor, (int, float)) else None
-    # The demo's runs are journaled as serve's are, but in a store of its own that goes with it:
-    # never the default store ($XDG_DATA_HOME/agent-monitor), where a later `serve` would restore
-    # them.
-    state = tempfile.TemporaryDirectory(prefix="agent-monitor-demo-")
-    store = SqliteStore(Path(state.name) / "runs.sqlite3")
 
     def screen() -> Any:
         return RichGroup(
@@ -635,11 +636,8 @@ async def run_demo(
                 registry=registry,
                 store=store,
                 sinks=[board] if board else [],
-            ) as monitor,
+            ),
         ):
-            if site is not None and board is not None:
-                # each card links to its run's page, as with serve
-                site.pages = RunPages(monitor.store, board)
             console.print(f"broker {broker.url}   {len(runs)} runs replayed live over MQTT")
             # Its own line: a console of 130 columns would wrap the URLs.
             console.print(
